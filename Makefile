@@ -1,0 +1,33 @@
+# The two commands a newcomer needs: `make run` and `make test`. Both set up .venv first when needed.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+# The stamp is newer than pyproject.toml once the install for it is done, so a second `make` is instant.
+STAMP := $(VENV)/.installed
+
+.PHONY: install run test lint format clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test,lint]'
+	touch $(STAMP)
+
+run: install
+	$(PY) recipes/demo_tp_replicas.py
+
+test: install
+	$(PY) -m pytest -q
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: install
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,398 @@
+"""Keep the parameters that tensor parallelism does not shard identical on every TP rank.
+
+Under TP, norms, routers, q/k norms and small projections are full copies on every rank of a TP group.
+Two things make the copies drift apart, and this module fixes both:
+
+1. Start-up. Ranks may initialise or load differently. Call :func:`broadcast_tp_replicas` once the model
+   is built (after the TP plan and weight loading, before the optimizer is created).
+2. Training. Each rank computes its own gradient for its copy. Call
+   :func:`synchronize_tp_replica_gradients` exactly once per optimizer update, after gradient
+   accumulation and DTensor gradient finalisation, before loss-scale unscaling, grad norm, clipping and
+   ``optimizer.step()``. Unmarked modules are *mean*-reduced (every rank computed the same thing); modules
+   marked ``"sum"`` with :func:`mark_tp_replica_gradient_reduction` produced disjoint partial
+   contributions and are sum-reduced, so calling it twice per update is wrong, not idempotent.
+
+What is *not* a replica is left alone: DTensors sharded (or, for gradients, partial) on the TP axis,
+parameters carrying ``_MODEL_OWNED_GRAD_DIVISOR_ATTR``, and whole subtrees passed to
+:func:`exclude_from_tp_replica_sync` (expert modules whose local tensors are different experts).
+
+Choices where the specification is silent:
+- Markers live on modules, not tensors, so they survive parameter replacement.
+- A shared parameter whose owning modules disagree (``"mean"``, ``"sum"`` or ``"skip"``) is a
+  ``ValueError`` naming it, raised before any collective.
+- The pre-check all-reduce also carries a per-parameter "sparse" flag, so a sparse gradient on any one
+  rank makes every rank raise together instead of leaving its peers waiting in a collective.
+- A DTensor whose mesh does not contain the current rank has no storage here: it is not a replica.
+- Every rank of a TP group must hold the same module structure (the same candidates in the same name
+  order); that is what makes one fixed-size pre-check all-reduce possible.
+
+Every collective is called through ``dist.<name>`` at call time so tests can intercept them.
+"""
+
+from collections.abc import Iterator
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+
+_TP_REPLICA_GRAD_REDUCTION_ATTR = "_nemo_tp_replica_grad_reduction"
+_MODEL_OWNED_GRAD_DIVISOR_ATTR = "_nemo_model_owned_grad_divisor"
+_MAX_FLAT_BUFFER_BYTES = 256 * 1024 * 1024
+
+_REDUCTIONS = ("mean", "sum")
+_SKIP = "skip"
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+# (index of the model part, fully qualified name): the rank-stable sort key of a tensor.
+_NameKey = tuple[int, str]
+
+
+def mark_tp_replica_gradient_reduction(module: torch.nn.Module, reduction: Literal["mean", "sum"]) -> None:
+    """Mark direct parameters of a module with their TP-replica reduction semantic.
+
+    Use ``"sum"`` where each TP rank saw a disjoint part of the work (a norm on head-sharded q/k, a
+    router on sequence-sharded tokens); unmarked modules default to ``"mean"``. The marker is stored on
+    the module and applies to its direct parameters only (``recurse=False``).
+
+    Args:
+        module: Module whose direct parameters are replicated across TP ranks.
+        reduction: ``"mean"`` for redundant full computation or ``"sum"`` for disjoint partial
+            contributions.
+
+    Raises:
+        ValueError: If ``reduction`` is neither ``"mean"`` nor ``"sum"``.
+    """
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"TP replica gradient reduction must be 'mean' or 'sum', got {reduction!r}")
+    setattr(module, _TP_REPLICA_GRAD_REDUCTION_ATTR, reduction)
+
+
+def exclude_from_tp_replica_sync(module: torch.nn.Module) -> None:
+    """Exclude an owner-sharded module subtree from TP replica synchronization.
+
+    Some parameter owners use a mesh that folds physical TP ranks into another logical axis (expert
+    parallelism folded onto the TP ranks). Their local tensors are different shards, even though they
+    are not DTensors carrying an explicit ``tp`` placement. Marking the complete subtree keeps both
+    parameter and buffer synchronization from treating those owner-local tensors as TP replicas. Call it
+    after the subtree is built: modules added below it later are not marked.
+
+    Args:
+        module: Owner-sharded module whose current subtree must remain local.
+    """
+    for submodule in module.modules():
+        setattr(submodule, _TP_REPLICA_GRAD_REDUCTION_ATTR, _SKIP)
+
+
+def _get_tp_mesh(device_mesh: DeviceMesh | None, tp_axis_name: str) -> DeviceMesh | None:
+    """Return a non-trivial TP submesh when one is present."""
+    if device_mesh is None or tp_axis_name not in (device_mesh.mesh_dim_names or ()):
+        return None
+    tp_mesh = device_mesh[tp_axis_name]
+    return tp_mesh if tp_mesh.size() > 1 else None
+
+
+def _gradient_reduce_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Return an FP32 communication dtype for low-precision gradients."""
+    return torch.float32 if dtype in _LOW_PRECISION else dtype
+
+
+def _gradient_chunks(gradients: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
+    """Split gradients into bounded communication buffers.
+
+    Args:
+        gradients: Dense rank-local gradients of arbitrary shape on one device with one dtype.
+            Low-precision elements are budgeted at their FP32 communication size.
+
+    Yields:
+        Consecutive lists, in input order, whose flat communication buffer holds at most
+        ``_MAX_FLAT_BUFFER_BYTES``; a single larger gradient is a chunk of its own.
+    """
+    chunk: list[torch.Tensor] = []
+    chunk_bytes = 0
+    for gradient in gradients:
+        size = gradient.numel() * torch.empty((), dtype=_gradient_reduce_dtype(gradient.dtype)).element_size()
+        if chunk and chunk_bytes + size > _MAX_FLAT_BUFFER_BYTES:
+            yield chunk
+            chunk, chunk_bytes = [], 0
+        chunk.append(gradient)
+        chunk_bytes += size
+    if chunk:
+        yield chunk
+
+
+def _is_tp_replicated(
+    tensor: torch.Tensor, tp_group_ranks: tuple[int, ...], current_rank: int, tp_axis_name: str
+) -> bool:
+    """Return whether rank-local tensor storage is replicated across TP peers.
+
+    A DTensor may live on a DP-only submesh even though physical copies exist for every TP coordinate.
+    Conversely, an MoE mesh may fold the TP ranks into axes named ``ep`` or ``ep_shard``. Comparing mesh
+    coordinates and placements keeps both cases explicit instead of assuming every unnamed TP dimension
+    is a copy.
+
+    Args:
+        tensor: Tensor or DTensor of arbitrary global and rank-local shape.
+        tp_group_ranks: Ordered global ranks in the current TP group.
+        current_rank: Current global rank.
+        tp_axis_name: Name of the tensor-parallel mesh dimension.
+
+    Returns:
+        Whether every TP peer represented in the tensor mesh differs only along dimensions carrying
+        ``Replicate`` placements. A plain tensor is a full copy on every rank, hence ``True``.
+    """
+    if not isinstance(tensor, DTensor):
+        return True
+    mesh = tensor.device_mesh
+    names = mesh.mesh_dim_names or ()
+    if tp_axis_name in names:
+        return isinstance(tensor.placements[names.index(tp_axis_name)], Replicate)
+
+    def coordinate(rank: int) -> list[int] | None:
+        found = (mesh.mesh == rank).nonzero()
+        return found[0].tolist() if len(found) else None
+
+    own = coordinate(current_rank)
+    if own is None:
+        return False
+    for peer in tp_group_ranks:
+        peer_coordinate = coordinate(peer)
+        if peer_coordinate is None:
+            continue  # the peer is outside this mesh and holds its own physical copy
+        for dim, (mine, theirs) in enumerate(zip(own, peer_coordinate, strict=True)):
+            if mine != theirs and not isinstance(tensor.placements[dim], Replicate):
+                return False
+    return True
+
+
+def _local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """Return rank-local storage for a Tensor or DTensor."""
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def _parameter_owners(model_parts: list[torch.nn.Module]) -> dict[int, tuple[_NameKey, torch.nn.Parameter, str]]:
+    """Map each unique parameter to (smallest name key, parameter, owner marker), in registration order.
+
+    The marker is ``"mean"``, ``"sum"`` or ``"skip"``. Owners that disagree about a shared parameter
+    raise ``ValueError`` naming it.
+    """
+    owners: dict[int, tuple[_NameKey, torch.nn.Parameter, str]] = {}
+    for part_index, part in enumerate(model_parts):
+        for module_name, module in part.named_modules(remove_duplicate=False):
+            marker = getattr(module, _TP_REPLICA_GRAD_REDUCTION_ATTR, "mean")
+            if marker not in (*_REDUCTIONS, _SKIP):
+                raise ValueError(f"Module {module_name!r} has an unknown TP replica marker {marker!r}")
+            for local_name, parameter in module.named_parameters(recurse=False):
+                key = (part_index, f"{module_name}.{local_name}" if module_name else local_name)
+                seen = owners.get(id(parameter))
+                if seen is None:
+                    owners[id(parameter)] = (key, parameter, marker)
+                    continue
+                if seen[2] != marker:
+                    first, second = sorted([(seen[0], seen[2]), (key, marker)])
+                    raise ValueError(
+                        f"Shared parameter {first[0][1]!r} (also {second[0][1]!r}) has conflicting TP replica "
+                        f"markers {first[1]!r} and {second[1]!r}; mark every owner of a tied parameter alike"
+                    )
+                owners[id(parameter)] = (min(seen[0], key), parameter, marker)
+    return owners
+
+
+def _unmarked_entries(model_parts: list[torch.nn.Module]) -> list[tuple[_NameKey, torch.nn.Parameter, str]]:
+    """Owner entries, in registration order, outside excluded subtrees and without the model-owned marker."""
+    return [
+        entry
+        for entry in _parameter_owners(model_parts).values()
+        if entry[2] != _SKIP and not hasattr(entry[1], _MODEL_OWNED_GRAD_DIVISOR_ATTR)
+    ]
+
+
+def _iter_unique_parameters(
+    model_parts: list[torch.nn.Module],
+) -> Iterator[tuple[torch.nn.Parameter, Literal["mean", "sum"]]]:
+    """Yield unmarked parameters once with their module reduction semantic.
+
+    "Unmarked" means neither in an excluded subtree nor carrying the model-owned attribute. The order
+    is registration order, which may differ across ranks: use the ``_by_name`` variant for collectives.
+    """
+    for _, parameter, reduction in _unmarked_entries(model_parts):
+        yield parameter, reduction
+
+
+def _iter_unique_parameters_by_name(
+    model_parts: list[torch.nn.Module],
+) -> Iterator[tuple[torch.nn.Parameter, Literal["mean", "sum"]]]:
+    """Yield parameters once in rank-stable fully qualified name order.
+
+    The same parameters as :func:`_iter_unique_parameters`, sorted by (model part index, smallest fully
+    qualified name), so every rank issues its collectives in the same order.
+    """
+    for _, parameter, reduction in sorted(_unmarked_entries(model_parts), key=lambda entry: entry[0]):
+        yield parameter, reduction
+
+
+def _iter_unique_buffers(model_parts: list[torch.nn.Module]) -> Iterator[torch.Tensor]:
+    """Yield model buffers once in rank-stable fully qualified name order.
+
+    Buffers of excluded subtrees are left out; a shared buffer is keyed by its smallest name.
+    """
+    keys: dict[int, tuple[_NameKey, torch.Tensor]] = {}
+    excluded: set[int] = set()
+    for part_index, part in enumerate(model_parts):
+        for module_name, module in part.named_modules(remove_duplicate=False):
+            skipped = getattr(module, _TP_REPLICA_GRAD_REDUCTION_ATTR, "mean") == _SKIP
+            for local_name, buffer in module.named_buffers(recurse=False):
+                if skipped:
+                    excluded.add(id(buffer))
+                key = (part_index, f"{module_name}.{local_name}" if module_name else local_name)
+                seen = keys.get(id(buffer))
+                keys[id(buffer)] = (key if seen is None else min(seen[0], key), buffer)
+    for _, buffer in sorted((entry for bid, entry in keys.items() if bid not in excluded), key=lambda e: e[0]):
+        yield buffer
+
+
+def _tp_group(tp_mesh: DeviceMesh) -> tuple[dist.ProcessGroup, tuple[int, ...]]:
+    group = tp_mesh.get_group()
+    return group, tuple(dist.get_process_group_ranks(group))
+
+
+@torch.no_grad()
+def broadcast_tp_replicas(
+    model_parts: list[torch.nn.Module], device_mesh: DeviceMesh | None, tp_axis_name: str = "tp"
+) -> int:
+    """Broadcast replicated parameters and buffers from the first TP rank.
+
+    Call it once the model is built, parallelised and loaded, before creating the optimizer, so every
+    TP rank starts from rank 0's copy (ranks may have initialised, loaded or been modified differently).
+    Intended TP shards are excluded by their DTensor placement, and model-owned shards are excluded by
+    their explicit parameter or module marker. The collective operates on each tensor's rank-local
+    storage, whose shape is identical within a TP group even when another mesh axis shards the global
+    tensor. Frozen and unused parameters are included; meta and empty tensors are skipped.
+
+    Args:
+        model_parts: Local pipeline-stage modules containing tensors of arbitrary shape. Shared tensors
+            are visited once.
+        device_mesh: Root mesh containing the tensor-parallel axis.
+        tp_axis_name: Name of the tensor-parallel mesh dimension.
+
+    Returns:
+        Number of rank-local tensors broadcast on this rank (0, with no collective, when there is no TP
+        axis or it has size 1).
+    """
+    tp_mesh = _get_tp_mesh(device_mesh, tp_axis_name)
+    if tp_mesh is None:
+        return 0
+    group, tp_ranks = _tp_group(tp_mesh)
+    source = dist.get_global_rank(group, 0)
+    rank = dist.get_rank()
+    parameters = [parameter for parameter, _ in _iter_unique_parameters_by_name(model_parts)]
+    count = 0
+    for tensor in [*parameters, *_iter_unique_buffers(model_parts)]:
+        if not _is_tp_replicated(tensor, tp_ranks, rank, tp_axis_name):
+            continue
+        local = _local_tensor(tensor)
+        if local.is_meta or local.numel() == 0:
+            continue
+        wire = local if local.device.type == tp_mesh.device_type else local.to(tp_mesh.device_type)
+        dist.broadcast(wire, src=source, group=group)
+        if wire is not local:
+            local.copy_(wire)
+        count += 1
+    return count
+
+
+@torch.no_grad()
+def synchronize_tp_replica_gradients(
+    model_parts: list[torch.nn.Module], device_mesh: DeviceMesh | None, tp_axis_name: str = "tp"
+) -> int:
+    """Reduce TP-replicated gradients once at the optimizer boundary.
+
+    Call this exactly once per optimizer update, after gradient accumulation and before gradient
+    scaling, norm calculation, clipping, or ``optimizer.step()``. Full-computation replicas are
+    mean-reduced so each logical parameter has one optimizer update. Modules explicitly marked as
+    producing disjoint partial contributions are sum-reduced, which makes repeated synchronization
+    within one update non-idempotent. Gradients are flattened into bounded buffers by reduction, device,
+    and dtype before communication. DTensor gradients are reduced through rank-local storage while
+    retaining their global shape and placements. Model-owned shards and parameters or gradients sharded
+    or partial on the TP axis are untouched. Low-precision gradients are reduced in FP32 and cast back to
+    their storage dtype after synchronization.
+
+    Args:
+        model_parts: Local pipeline-stage modules whose gradients have arbitrary shapes and have
+            completed accumulation for this optimizer update.
+        device_mesh: Root mesh containing the tensor-parallel axis.
+        tp_axis_name: Name of the tensor-parallel mesh dimension.
+
+    Returns:
+        Number of rank-local gradients synchronized on this rank (0, with no collective, when there is
+        no TP axis or it has size 1).
+
+    Raises:
+        RuntimeError: If gradient presence differs across TP replicas, or if a replicated parameter has
+            a sparse gradient that cannot be flattened without changing its representation. Every rank
+            of the TP group raises together, before any gradient is changed.
+    """
+    tp_mesh = _get_tp_mesh(device_mesh, tp_axis_name)
+    if tp_mesh is None:
+        return 0
+    group, tp_ranks = _tp_group(tp_mesh)
+    rank = dist.get_rank()
+    tp_size = len(tp_ranks)
+
+    candidates = [
+        (key[1], parameter, reduction)
+        for key, parameter, reduction in sorted(_unmarked_entries(model_parts), key=lambda entry: entry[0])
+        if parameter.requires_grad and _is_tp_replicated(parameter, tp_ranks, rank, tp_axis_name)
+    ]
+    if not candidates:
+        return 0
+
+    # One all-reduce of per-candidate flags [present, eligible, sparse] tells every rank the same story.
+    flags = torch.zeros(3, len(candidates), dtype=torch.int32)
+    for index, (_, parameter, _) in enumerate(candidates):
+        grad = parameter.grad
+        if grad is not None:
+            flags[0, index] = 1
+            flags[1, index] = int(_is_tp_replicated(grad, tp_ranks, rank, tp_axis_name))
+            flags[2, index] = int(_local_tensor(grad).layout != torch.strided)
+    flags = flags.to(tp_mesh.device_type)
+    dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=group)
+    present, eligible, sparse = flags.cpu().tolist()
+
+    def names(bad: list[bool]) -> str:
+        return ", ".join(name for (name, _, _), is_bad in zip(candidates, bad, strict=True) if is_bad)
+
+    if any(0 < count < tp_size for count in present):
+        raise RuntimeError(f"Gradient presence differs across TP replicas: {names([0 < c < tp_size for c in present])}")
+    if any(0 < count < tp_size for count in eligible):
+        raise RuntimeError(
+            f"Gradient placements differ across TP replicas: {names([0 < c < tp_size for c in eligible])}"
+        )
+    if any(sparse):
+        raise RuntimeError(
+            "Sparse gradients cannot be flattened for TP replica synchronization: "
+            f"{names([count > 0 for count in sparse])}"
+        )
+
+    groups: dict[tuple[str, torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for (_, parameter, reduction), count in zip(candidates, eligible, strict=True):
+        if count == 0:
+            continue  # no gradient anywhere, or Partial/Shard on TP: left exactly as it is
+        local = _local_tensor(parameter.grad)
+        groups.setdefault((reduction, local.device, local.dtype), []).append(local)
+
+    synchronized = 0
+    for (reduction, device, dtype), gradients in groups.items():
+        for chunk in _gradient_chunks(gradients):
+            flat = torch.cat([g.reshape(-1) for g in chunk]).to(tp_mesh.device_type, _gradient_reduce_dtype(dtype))
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+            if reduction == "mean":
+                flat.div_(tp_size)
+            flat = flat.to(device)
+            offset = 0
+            for gradient in chunk:
+                gradient.copy_(flat[offset : offset + gradient.numel()].view_as(gradient))
+                offset += gradient.numel()
+            synchronized += len(chunk)
+    return synchronized
