@@ -4,8 +4,6 @@ Each ``check_*`` runs on every rank of a shared pool (see tests/harness.py) and 
 asserts on. Values are small integers or dyadic fractions, so equality is exact.
 """
 
-from contextlib import contextmanager
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -21,15 +19,8 @@ from components.distributed.tp_replicas import (
     mark_tp_replica_gradient_reduction,
     synchronize_tp_replica_gradients,
 )
+from tests.distributed.common import Holder, recorded_collectives
 from tests.harness import mesh
-
-
-class Holder(nn.Module):
-    """A module with one direct parameter, like a norm: the unit the markers apply to."""
-
-    def __init__(self, weight: torch.Tensor, requires_grad: bool = True):
-        super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=requires_grad)
 
 
 def holder_with_grad(grad_value: float, size: int = 4, reduction: str | None = None) -> Holder:
@@ -38,28 +29,6 @@ def holder_with_grad(grad_value: float, size: int = 4, reduction: str | None = N
     if reduction is not None:
         mark_tp_replica_gradient_reduction(holder, reduction)
     return holder
-
-
-@contextmanager
-def recorded_collectives():
-    """Record (name, dtype, numel) of every all_reduce/broadcast the module issues through ``dist``."""
-    calls: list[tuple[str, torch.dtype, int]] = []
-    original = {"all_reduce": dist.all_reduce, "broadcast": dist.broadcast}
-
-    def recording(name):
-        def call(tensor, *args, **kwargs):
-            calls.append((name, tensor.dtype, tensor.numel()))
-            return original[name](tensor, *args, **kwargs)
-
-        return call
-
-    for name in original:
-        setattr(dist, name, recording(name))
-    try:
-        yield calls
-    finally:
-        for name, fn in original.items():
-            setattr(dist, name, fn)
 
 
 def tp_ranks(device_mesh) -> tuple[int, ...]:

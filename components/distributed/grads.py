@@ -1,0 +1,147 @@
+"""Gradient finalisation for DTensor models, a global grad norm that counts every replica once, clipping.
+
+The order at each optimizer step is: :func:`finalize_dtensor_gradients` (Partial -> Replicate, so each
+gradient has its parameter's placement) -> ``synchronize_tp_replica_gradients`` -> :func:`clip_grad_norm_`
+(or :func:`grad_norm`) -> ``optimizer.step()``.
+
+``torch.nn.utils.clip_grad_norm_`` cannot mix plain tensors with DTensors on different meshes, and a
+naive sum over every rank counts a TP replica ``tp`` times. Here each gradient's squared norm is reduced
+only over the mesh dimensions on which it is *sharded*; replicated dimensions and plain tensors (full
+copies on every rank) contribute once.
+"""
+
+import math
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from components.distributed.tp_replicas import _gradient_chunks, _gradient_reduce_dtype
+
+
+def _named_gradients(model_parts: list[nn.Module]) -> Iterator[tuple[str, nn.Parameter]]:
+    """Parameters with a gradient, each once, in rank-stable (part, name) order."""
+    seen: set[int] = set()
+    for part_index, part in enumerate(model_parts):
+        for name, parameter in sorted(part.named_parameters(), key=lambda item: item[0]):
+            if parameter.grad is not None and id(parameter) not in seen:
+                seen.add(id(parameter))
+                yield f"{part_index}:{name}", parameter
+
+
+def _partial_to_replicate_dims(grad: DTensor, target: tuple) -> tuple[int, ...] | None:
+    """Mesh dims where a sum-Partial gradient must become Replicate; None if any other change is needed."""
+    dims = []
+    for dim, (have, want) in enumerate(zip(grad.placements, target, strict=True)):
+        if have == want:
+            continue
+        if isinstance(have, Partial) and have.reduce_op == "sum" and isinstance(want, Replicate):
+            dims.append(dim)
+        else:
+            return None
+    return tuple(dims)
+
+
+@torch.no_grad()
+def finalize_dtensor_gradients(model_parts: list[nn.Module]) -> int:
+    """Give every DTensor gradient its parameter's placements; return how many gradients changed.
+
+    Sequence-parallel norms (and any Replicate parameter used on sharded activations) get ``Partial``
+    gradients: each rank holds a part of the sum. These are summed in flat buffers, one all-reduce per
+    (mesh, dims, dtype) group and bounded chunk, instead of one collective per tensor. Any other
+    placement mismatch falls back to ``DTensor.redistribute``. Call once per optimizer step, after
+    gradient accumulation.
+    """
+    groups: dict[tuple, list[nn.Parameter]] = {}
+    changed = 0
+    for _, parameter in _named_gradients(model_parts):
+        grad = parameter.grad
+        if not isinstance(grad, DTensor) or grad.placements == parameter.placements:
+            continue
+        dims = _partial_to_replicate_dims(grad, parameter.placements)
+        if dims is None:
+            parameter.grad = grad.redistribute(grad.device_mesh, parameter.placements)
+            changed += 1
+            continue
+        key = (grad.device_mesh, dims, grad.dtype, grad._local_tensor.device)
+        groups.setdefault(key, []).append(parameter)
+
+    for (mesh, dims, dtype, _), parameters in groups.items():
+        locals_ = [parameter.grad._local_tensor for parameter in parameters]
+        for chunk in _gradient_chunks(locals_):
+            flat = torch.cat([g.reshape(-1) for g in chunk]).to(_gradient_reduce_dtype(dtype))
+            for dim in dims:
+                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=mesh.get_group(dim))
+            offset = 0
+            for gradient in chunk:
+                gradient.copy_(flat[offset : offset + gradient.numel()].view_as(gradient))
+                offset += gradient.numel()
+        for parameter in parameters:
+            grad = parameter.grad
+            parameter.grad = DTensor.from_local(
+                grad._local_tensor, mesh, parameter.placements, run_check=False, shape=grad.shape, stride=grad.stride()
+            )
+        changed += len(parameters)
+    return changed
+
+
+def _norm_group_key(grad: torch.Tensor) -> tuple:
+    """Gradients that share a mesh layout and sharded dims reduce together; plain tensors never reduce."""
+    if not isinstance(grad, DTensor):
+        return ("plain",)
+    if any(isinstance(p, Partial) for p in grad.placements):
+        raise ValueError("grad_norm needs finalised gradients: call finalize_dtensor_gradients first")
+    mesh = grad.device_mesh
+    sharded = tuple(dim for dim, p in enumerate(grad.placements) if isinstance(p, Shard))
+    return (mesh.mesh_dim_names, tuple(mesh.mesh.shape), sharded)
+
+
+@torch.no_grad()
+def grad_norm(model_parts: list[nn.Module], norm_type: float = 2.0) -> torch.Tensor:
+    """The global gradient norm, equal on every rank, as if the whole model were on one device.
+
+    ``norm_type`` is any p > 0 or ``inf``; accumulation is in float64. Call after finalisation and the
+    replica sync; the result is a CPU float64 scalar.
+    """
+    norm_type = float(norm_type)
+    is_inf = norm_type == math.inf
+    values: dict[tuple, list[torch.Tensor]] = {}
+    meshes: dict[tuple, DeviceMesh | None] = {}
+    for _, parameter in _named_gradients(model_parts):
+        grad = parameter.grad
+        local = (grad._local_tensor if isinstance(grad, DTensor) else grad).detach()
+        key = _norm_group_key(grad)
+        meshes.setdefault(key, grad.device_mesh if isinstance(grad, DTensor) else None)
+        if local.numel():
+            local = local.abs().to(torch.float64)
+            values.setdefault(key, []).append((local.max() if is_inf else local.pow(norm_type).sum()).cpu())
+
+    op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
+    totals = [torch.zeros((), dtype=torch.float64)]
+    for key in sorted(meshes, key=repr):  # every rank reduces the same groups in the same order
+        stacked = torch.stack(values.get(key, [torch.zeros((), dtype=torch.float64)]))
+        value = stacked.max() if is_inf else stacked.sum()
+        mesh = meshes[key]
+        if mesh is not None and key[2]:
+            wire = value.reshape(1).to(mesh.device_type)
+            for dim in key[2]:
+                dist.all_reduce(wire, op=op, group=mesh.get_group(dim))
+            value = wire.cpu().reshape(())
+        totals.append(value)
+    stacked = torch.stack(totals)
+    return stacked.max() if is_inf else stacked.sum().pow(1.0 / norm_type)
+
+
+@torch.no_grad()
+def clip_grad_norm_(model_parts: list[nn.Module], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Scale all gradients so their global norm is at most ``max_norm``; return the norm before clipping."""
+    total = grad_norm(model_parts, norm_type)
+    coefficient = min(1.0, max_norm / (total.item() + 1e-6))
+    if coefficient < 1.0:
+        for _, parameter in _named_gradients(model_parts):
+            grad = parameter.grad
+            (grad._local_tensor if isinstance(grad, DTensor) else grad).mul_(coefficient)
+    return total

@@ -1,0 +1,62 @@
+"""The device mesh: ``("dp", "tp")`` with tp innermost, and the MoE view ``("ep_shard", "ep")``.
+
+Tensor parallelism talks the most, so its ranks are adjacent (innermost: on one node, on NVLink). The
+data-parallel view is ``mesh["dp"]``. Expert parallelism is folded onto the same ranks: the MoE mesh
+reshapes all ``dp × tp`` ranks into ``(world // ep, ep)``, so a rank's expert group is ``ep`` adjacent
+ranks and ``ep_shard`` runs across the groups that hold the same experts.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """How ``world_size`` ranks are split: ``dp × tp == world_size``; ``ep`` divides ``world_size``."""
+
+    world_size: int
+    dp: int
+    tp: int
+    ep: int = 1
+
+    @property
+    def ep_shard(self) -> int:
+        return self.world_size // self.ep
+
+
+def resolve_parallel_dims(world_size: int, tp: int = 1, dp: int | None = None, ep: int = 1) -> ParallelDims:
+    """Check the sizes and infer ``dp`` when it is None; every problem is reported at once.
+
+    Raises:
+        ValueError: naming each size that does not fit, e.g. "world size 6 is not divisible by tp=4".
+    """
+    errors = []
+    for name, value in (("world size", world_size), ("tp", tp), ("dp", dp), ("ep", ep)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            errors.append(f"{name} must be a positive integer, got {value!r}")
+    if errors:
+        raise ValueError("; ".join(errors))
+    if world_size % tp:
+        errors.append(f"world size {world_size} is not divisible by tp={tp}")
+    elif dp is None:
+        dp = world_size // tp
+    elif dp * tp != world_size:
+        errors.append(f"dp={dp} × tp={tp} = {dp * tp} does not match the world size {world_size}")
+    if world_size % ep:
+        errors.append(f"world size {world_size} is not divisible by ep={ep}")
+    if errors:
+        raise ValueError("; ".join(errors))
+    return ParallelDims(world_size=world_size, dp=dp, tp=tp, ep=ep)
+
+
+def build_device_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
+    """The ``("dp", "tp")`` mesh over all ranks, tp innermost (TP groups are adjacent ranks)."""
+    return init_device_mesh(device_type, (dims.dp, dims.tp), mesh_dim_names=("dp", "tp"))
+
+
+def build_moe_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
+    """The ``("ep_shard", "ep")`` view of the same ranks: ``ep`` adjacent ranks split the experts."""
+    ranks = torch.arange(dims.world_size).reshape(dims.ep_shard, dims.ep)
+    return DeviceMesh(device_type, ranks, mesh_dim_names=("ep_shard", "ep"))

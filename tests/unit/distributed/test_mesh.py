@@ -1,0 +1,31 @@
+"""Mesh sizes: dp inferred, every misfit named with its numbers."""
+
+import pytest
+
+from components.distributed.mesh import ParallelDims, resolve_parallel_dims
+
+
+def test_dp_is_inferred_from_world_size_and_tp():
+    assert resolve_parallel_dims(8, tp=2) == ParallelDims(world_size=8, dp=4, tp=2, ep=1)
+    assert resolve_parallel_dims(4, tp=4, dp=1, ep=4).ep_shard == 1
+    assert resolve_parallel_dims(4, tp=2, ep=2).ep_shard == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"world_size": 6, "tp": 4}, "world size 6 is not divisible by tp=4"),
+        ({"world_size": 4, "tp": 2, "dp": 3}, "dp=3 × tp=2 = 6 does not match the world size 4"),
+        ({"world_size": 4, "tp": 2, "ep": 3}, "world size 4 is not divisible by ep=3"),
+        ({"world_size": 4, "tp": 0}, "tp must be a positive integer, got 0"),
+        ({"world_size": 4, "tp": 2, "dp": -1}, "dp must be a positive integer, got -1"),
+    ],
+)
+def test_sizes_that_do_not_fit_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_parallel_dims(**kwargs)
+
+
+def test_all_problems_are_reported_at_once():
+    with pytest.raises(ValueError, match="not divisible by tp=4; world size 6 is not divisible by ep=4"):
+        resolve_parallel_dims(6, tp=4, ep=4)
