@@ -1,0 +1,213 @@
+"""Tensor-parallel plans as data, and the one function that checks and applies any of them.
+
+A plan maps module-name patterns (``fnmatch``, ``*`` for a layer index) to style names in Hugging Face's
+``base_model_tp_plan`` vocabulary, so a model's own plan can be used as is:
+
+- ``colwise`` / ``rowwise``: Megatron-style pairs (output features sharded, then input features sharded
+  with an all-reduce, or a reduce-scatter onto sequence shards under sequence parallelism).
+- ``embedding_rowwise``: vocab-parallel embedding (rows of the table sharded).
+- ``vocab_parallel`` (ours): ``lm_head`` whose logits stay sharded over the vocabulary, for
+  :func:`vocab_parallel_cross_entropy`; no rank ever materialises the full logits.
+- ``colwise_gather_output``: ``lm_head`` whose logits are gathered (HF's choice; costs vocab × tokens).
+- ``sequence_parallel``: norms run on sequence shards (their weights become Replicate DTensors whose
+  gradients arrive Partial; ``grads.finalize_dtensor_gradients`` sums them).
+- ``replicated_with_grad_allreduce``: not sharded; each rank sees a disjoint part of the work (q/k norms
+  after head-sharded projections), so the gradient is marked ``sum`` for ``tp_replicas``.
+- ``replicate``: not sharded, computed redundantly: ``mean`` (the default for anything not in the plan).
+
+Everything is checked before any parameter is sharded, and all problems are reported together.
+"""
+
+import fnmatch
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+from components.distributed.tp_replicas import _TP_REPLICA_GRAD_REDUCTION_ATTR, mark_tp_replica_gradient_reduction
+
+_DENSE_DECODER = {
+    "model.embed_tokens": "embedding_rowwise",
+    "model.layers.*.self_attn.q_proj": "colwise",
+    "model.layers.*.self_attn.k_proj": "colwise",
+    "model.layers.*.self_attn.v_proj": "colwise",
+    "model.layers.*.self_attn.o_proj": "rowwise",
+    "model.layers.*.mlp.gate_proj": "colwise",
+    "model.layers.*.mlp.up_proj": "colwise",
+    "model.layers.*.mlp.down_proj": "rowwise",
+    "lm_head": "vocab_parallel",
+}
+_QK_NORMS = {
+    "model.layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+    "model.layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
+}
+_SEQUENCE_PARALLEL_NORMS = {
+    "model.layers.*.input_layernorm": "sequence_parallel",
+    "model.layers.*.post_attention_layernorm": "sequence_parallel",
+    "model.norm": "sequence_parallel",
+}
+
+# One small dict per model family (``config.model_type``).
+PLANS: dict[str, dict[str, str]] = {
+    "llama": _DENSE_DECODER,
+    "mistral": _DENSE_DECODER,
+    "qwen2": _DENSE_DECODER,
+    "qwen3": _DENSE_DECODER | _QK_NORMS,
+}
+
+_VOCAB_STYLES = ("embedding_rowwise", "vocab_parallel", "colwise_gather_output")
+
+
+def plan_for(config, sequence_parallel: bool = False) -> dict[str, str]:
+    """The plan for a Hugging Face config: ours for known families, else the model's own TP plan."""
+    if config.model_type in PLANS:
+        plan = dict(PLANS[config.model_type])
+    elif getattr(config, "base_model_tp_plan", None):
+        plan = {f"model.{pattern}": style for pattern, style in config.base_model_tp_plan.items()}
+        plan["lm_head"] = "vocab_parallel"
+    else:
+        raise ValueError(
+            f"no tensor-parallel plan for model type {config.model_type!r}: known {sorted(PLANS)}, "
+            "and its config has no base_model_tp_plan"
+        )
+    if sequence_parallel:
+        plan |= _SEQUENCE_PARALLEL_NORMS
+    return plan
+
+
+def _style(name: str, sequence_parallel: bool) -> ParallelStyle | None:
+    """The torch style for a style name; None for styles that only mark a replicated module."""
+    tokens = Shard(1) if sequence_parallel else Replicate()
+    styles = {
+        "colwise": lambda: ColwiseParallel(input_layouts=tokens),
+        "rowwise": lambda: RowwiseParallel(output_layouts=tokens),
+        "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=tokens),
+        "vocab_parallel": lambda: ColwiseParallel(
+            input_layouts=tokens, output_layouts=Shard(-1), use_local_output=False
+        ),
+        "colwise_gather_output": lambda: ColwiseParallel(input_layouts=tokens, output_layouts=Replicate()),
+        "sequence_parallel": lambda: SequenceParallel(),
+        "replicated_with_grad_allreduce": lambda: None,
+        "replicate": lambda: None,
+    }
+    if name not in styles:
+        raise ValueError(f"unknown tensor-parallel style {name!r}; known: {sorted(styles)}")
+    return styles[name]()
+
+
+@dataclass
+class PlanReport:
+    """Which parameters the plan sharded, and which stay replicated with which gradient reduction."""
+
+    sharded: dict[str, str] = field(default_factory=dict)
+    replicated: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def format(self) -> str:
+        lines = [f"tensor-parallel plan: {len(self.sharded)} parameters sharded, {len(self.replicated)} replicated"]
+        lines += [f"  replicated ({reduction}): {name}" for name, reduction in sorted(self.replicated.items())]
+        lines += [f"  note: {note}" for note in self.notes]
+        return "\n".join(lines)
+
+
+def _resolve(model: nn.Module, plan: dict[str, str]) -> tuple[dict[str, str], list[str]]:
+    """Expand patterns to module names; a pattern matching nothing is an error."""
+    names = [name for name, _ in model.named_modules() if name]
+    resolved: dict[str, str] = {}
+    errors = []
+    for pattern, style in plan.items():
+        matches = fnmatch.filter(names, pattern)
+        if not matches:
+            errors.append(f"plan pattern {pattern!r} ({style}) matches no module of {type(model).__name__}")
+        for name in matches:
+            resolved[name] = style
+    return resolved, errors
+
+
+def check_plan(model: nn.Module, config, plan: dict[str, str], tp: int) -> tuple[dict[str, str], list[str]]:
+    """Resolve the plan and list every reason it cannot run at this ``tp`` (empty when it can).
+
+    Vocabulary not divisible by tp is not an error: the embedding and ``lm_head`` then stay replicated
+    (a documented fallback, noted in the report) because uneven vocab shards would break the loss.
+    """
+    resolved, errors = _resolve(model, plan)
+    for name, style in resolved.items():
+        try:
+            _style(style, False)
+        except ValueError as error:
+            errors.append(f"{name}: {error}")
+    sizes = {
+        "num_attention_heads": getattr(config, "num_attention_heads", None),
+        "num_key_value_heads": getattr(config, "num_key_value_heads", None),
+        "intermediate_size": getattr(config, "intermediate_size", None),
+    }
+    for key, value in sizes.items():
+        if value is not None and value % tp:
+            errors.append(f"tp ({tp}) must divide {key} ({value})")
+    return resolved, errors
+
+
+def apply_tp_plan(
+    model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, str], config, sequence_parallel: bool = False
+) -> PlanReport:
+    """Check the plan against the model and ``tp``, then shard the model in place; return the coverage.
+
+    Raises:
+        ValueError: listing every problem (``"tp (4) must divide num_key_value_heads (2)"``, patterns that
+            match nothing, unknown styles) before any parameter is touched.
+    """
+    tp = tp_mesh.size()
+    resolved, errors = check_plan(model, config, plan, tp)
+    if errors:
+        raise ValueError("; ".join(errors))
+    report = PlanReport()
+    vocab = config.vocab_size
+    tied = getattr(config, "tie_word_embeddings", False)
+    if vocab % tp:
+        report.notes.append(f"vocab_size ({vocab}) is not divisible by tp ({tp}): embedding and lm_head replicated")
+        resolved = {name: "replicate" if style in _VOCAB_STYLES else style for name, style in resolved.items()}
+
+    for name, style in sorted(resolved.items()):
+        module = model.get_submodule(name)
+        if style == "replicated_with_grad_allreduce":
+            mark_tp_replica_gradient_reduction(module, "sum")
+        torch_style = _style(style, sequence_parallel)
+        if torch_style is not None:
+            parallelize_module(module, tp_mesh, torch_style)
+    if tied and hasattr(model, "lm_head"):
+        model.lm_head.weight = model.get_input_embeddings().weight
+
+    for name, parameter in model.named_parameters():
+        if isinstance(parameter, DTensor) and any(isinstance(p, Shard) for p in parameter.placements):
+            report.sharded[name] = str(parameter.placements)
+        else:
+            module = model.get_submodule(name.rpartition(".")[0])
+            report.replicated[name] = getattr(module, _TP_REPLICA_GRAD_REDUCTION_ATTR, "mean")
+    return report
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of next-token cross entropy over positions with a label (``-100`` is ignored).
+
+    ``logits`` [batch, seq, vocab] may be a DTensor sharded over the vocabulary (``vocab_parallel``) or a
+    plain/replicated tensor; ``labels`` [batch, seq] are the input ids (shifted here). Returns the *sum*,
+    so the caller divides by the token count of the whole global batch.
+    """
+    shift_logits = logits[:, :-1, :].flatten(0, 1).float()
+    shift_labels = labels[:, 1:].flatten()
+    if isinstance(logits, DTensor):
+        with loss_parallel():
+            loss = F.cross_entropy(shift_logits, shift_labels, ignore_index=-100, reduction="sum")
+        return loss.full_tensor() if isinstance(loss, DTensor) else loss
+    return F.cross_entropy(shift_logits, shift_labels, ignore_index=-100, reduction="sum")

@@ -1,0 +1,164 @@
+"""Load a local Hugging Face model folder: its config, and its weights into an (optionally sharded) model.
+
+``materialize_from_pretrained`` is the last step of meta-device initialisation: the model was built on
+the meta device and a TP (or FSDP-style) plan has already turned parameters into DTensors, so each rank
+allocates and reads only its own shard. It runs no collective: every rank computes its slices from the
+same checkpoint and model structure, so an error (a missing key, a wrong shape) is raised on every rank.
+"""
+
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from transformers import AutoConfig, PretrainedConfig
+
+from components.models.checkpoint import Checkpoint, TensorSource, find_source
+
+
+def load_config(pretrained_path: str | Path) -> PretrainedConfig:
+    """The config of the local Hugging Face folder ``pretrained_path`` (never the Hub).
+
+    Raises:
+        FileNotFoundError: If the folder or its config.json is missing; the message names the path.
+    """
+    folder = Path(pretrained_path)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"model folder {folder} does not exist")
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"model folder {folder} has no config.json")
+    return AutoConfig.from_pretrained(folder, local_files_only=True)
+
+
+def materialize_from_pretrained(model: nn.Module, pretrained_path: str | Path, device: str = "cpu") -> None:
+    """Give ``model`` storage on ``device`` and fill every parameter's rank-local part from the checkpoint.
+
+    The model may be on the meta device and its parameters may be DTensors sharded with ``Shard`` or
+    ``Replicate`` placements on any mesh; each rank reads only its slice of each tensor. Persistent
+    buffers load like parameters; non-persistent ones (rotary ``inv_freq``) are recomputed with the
+    model's own ``_init_weights``, as transformers 5 does in ``from_pretrained``.
+
+    Tied weights: parameters that were one object before stay one object (``to_empty`` would untie
+    them). A tie already broken by parallelisation (embedding and lm_head sharded differently) stays
+    broken: each copy is filled from the one stored tensor; keeping the copies in step while training
+    is then the caller's concern.
+
+    Raises:
+        FileNotFoundError: If the folder holds neither model.safetensors nor its index.
+        KeyError: If a parameter or persistent buffer is not in the checkpoint; the message names it.
+        ValueError: If a stored shape differs from the model's (naming the tensor and both shapes), a
+            DTensor has a placement other than Shard or Replicate, or ``_init_weights`` leaves a
+            non-persistent floating buffer unset.
+    """
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    tied = _tied_partners(model)
+    with Checkpoint(pretrained_path) as checkpoint:
+        # Resolve every tensor, and so raise every checkpoint or placement error, before the model is touched.
+        sources = {}
+        for name, tensor in _loadable_tensors(model):
+            source = find_source(checkpoint, name, tuple(tensor.shape), model_type, tied)
+            stored_shape, model_shape = source.shape(checkpoint), tuple(tensor.shape)
+            if stored_shape != model_shape:
+                raise ValueError(
+                    f"{name}: checkpoint shape {stored_shape} ({source.describe()}) != model shape {model_shape}"
+                )
+            _check_placements(name, tensor)
+            sources[name] = source
+
+        shared = _shared_parameter_names(model)
+        model.to_empty(device=device)
+        _retie(model, shared)
+        _recompute_non_persistent_buffers(model)
+        tensors = dict(_loadable_tensors(model))
+        with torch.no_grad():
+            for name, source in sources.items():
+                _fill_local_part(name, tensors[name], source, checkpoint)
+
+
+def _loadable_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Parameters (each shared one once, under its first name) and persistent buffers, by name."""
+    tensors = list(model.named_parameters())
+    for module_name, module in model.named_modules():
+        for buffer_name, buffer in module.named_buffers(recurse=False):
+            if buffer is not None and buffer_name not in module._non_persistent_buffers_set:
+                tensors.append((f"{module_name}.{buffer_name}" if module_name else buffer_name, buffer))
+    return tensors
+
+
+def _tied_partners(model: nn.Module) -> dict[str, str]:
+    """The model's declared weight ties (transformers' ``all_tied_weights_keys``), in both directions."""
+    ties = getattr(model, "all_tied_weights_keys", None) or {}
+    return {**ties, **{source: target for target, source in ties.items()}}
+
+
+def _check_placements(name: str, tensor: torch.Tensor) -> None:
+    if isinstance(tensor, DTensor):
+        for placement in tensor.placements:
+            if not (isinstance(placement, Replicate) or type(placement) is Shard):
+                raise ValueError(f"{name}: cannot load into placement {placement!r} (only Shard and Replicate)")
+
+
+def _shared_parameter_names(model: nn.Module) -> list[list[str]]:
+    """Groups of names that refer to one parameter object (tied weights)."""
+    names_of: dict[int, list[str]] = defaultdict(list)
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        names_of[id(parameter)].append(name)
+    return [names for names in names_of.values() if len(names) > 1]
+
+
+def _retie(model: nn.Module, shared: list[list[str]]) -> None:
+    """Make each group of names one parameter object again (``to_empty`` gives every name its own)."""
+    for first, *others in shared:
+        parameter = model.get_parameter(first)
+        for name in others:
+            owner, _, attribute = name.rpartition(".")
+            setattr(model.get_submodule(owner), attribute, parameter)
+
+
+def _recompute_non_persistent_buffers(model: nn.Module) -> None:
+    """Refill buffers that are not in the checkpoint (garbage after ``to_empty``) with ``_init_weights``.
+
+    That is where transformers 5 computes them (rotary ``inv_freq`` and ``original_inv_freq`` from the
+    config). This runs before the parameters are loaded, so an owner module's parameters that
+    ``_init_weights`` also re-initialises are overwritten by the checkpoint afterwards. Floating buffers are
+    first set to NaN, so one that ``_init_weights`` leaves alone is an error instead of silent garbage.
+    """
+    owners = [
+        (module_name, module)
+        for module_name, module in model.named_modules()
+        if any(module._buffers.get(name) is not None for name in module._non_persistent_buffers_set)
+    ]
+    if not owners:
+        return
+    init_weights = getattr(model, "_init_weights", None)
+    if init_weights is None:
+        raise ValueError(f"cannot recompute the non-persistent buffers of {owners[0][0]}: no _init_weights")
+    with torch.no_grad():
+        for _, module in owners:
+            for name in module._non_persistent_buffers_set:
+                if (buffer := module._buffers.get(name)) is not None and buffer.is_floating_point():
+                    buffer.fill_(float("nan"))
+            init_weights(module)
+    for module_name, module in owners:
+        for name in sorted(module._non_persistent_buffers_set):
+            buffer = module._buffers.get(name)
+            if buffer is not None and buffer.is_floating_point() and buffer.isnan().any():
+                raise ValueError(f"{module_name}.{name} is not in the checkpoint and _init_weights did not set it")
+
+
+def _fill_local_part(name: str, tensor: torch.Tensor, source: TensorSource, checkpoint: Checkpoint) -> None:
+    """Copy this rank's box of the stored tensor into ``tensor``'s local storage."""
+    if isinstance(tensor, DTensor):
+        if tensor.device_mesh.get_coordinate() is None:
+            return  # this rank is outside the tensor's mesh and holds nothing
+        local = tensor.to_local()
+        size, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+        if tuple(local.shape) != tuple(size):
+            raise ValueError(f"{name}: local shard shape {tuple(local.shape)} != computed {tuple(size)}")
+    else:
+        local, size, offset = tensor, tuple(tensor.shape), (0,) * tensor.dim()
+    if local.numel() > 0:
+        local.copy_(source.read(checkpoint, tuple(offset), tuple(size)))
