@@ -23,6 +23,7 @@ def shard_data_parallel(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
     return model
 
 

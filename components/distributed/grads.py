@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from components.distributed.tp_replicas import _gradient_chunks, _gradient_reduce_dtype
 
@@ -95,7 +95,7 @@ def _norm_group_key(grad: torch.Tensor) -> tuple:
     if any(isinstance(p, Partial) for p in grad.placements):
         raise ValueError("grad_norm needs finalised gradients: call finalize_dtensor_gradients first")
     mesh = grad.device_mesh
-    sharded = tuple(dim for dim, p in enumerate(grad.placements) if isinstance(p, Shard))
+    sharded = tuple(dim for dim, p in enumerate(grad.placements) if not isinstance(p, Replicate))  # strided too
     return (mesh.mesh_dim_names, tuple(mesh.mesh.shape), sharded)
 
 

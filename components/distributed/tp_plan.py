@@ -31,7 +31,6 @@ from torch.distributed.tensor.parallel import (
     ParallelStyle,
     RowwiseParallel,
     SequenceParallel,
-    loss_parallel,
     parallelize_module,
 )
 
@@ -75,7 +74,7 @@ def plan_for(config, sequence_parallel: bool = False) -> dict[str, str]:
         plan = dict(PLANS[config.model_type])
     elif getattr(config, "base_model_tp_plan", None):
         plan = {f"model.{pattern}": style for pattern, style in config.base_model_tp_plan.items()}
-        plan["lm_head"] = "vocab_parallel"
+        plan |= {"model.embed_tokens": "embedding_rowwise", "lm_head": "vocab_parallel"}
     else:
         raise ValueError(
             f"no tensor-parallel plan for model type {config.model_type!r}: known {sorted(PLANS)}, "
@@ -197,17 +196,15 @@ def apply_tp_plan(
     return report
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Sum of next-token cross entropy over positions with a label (``-100`` is ignored).
 
-    ``logits`` [batch, seq, vocab] may be a DTensor sharded over the vocabulary (``vocab_parallel``) or a
-    plain/replicated tensor; ``labels`` [batch, seq] are the input ids (shifted here). Returns the *sum*,
-    so the caller divides by the token count of the whole global batch.
+    ``logits`` [batch, seq, vocab] may be a DTensor sharded over the vocabulary (``vocab_parallel``): then
+    call this *and the backward* inside ``torch.distributed.tensor.parallel.loss_parallel()``, which
+    computes the softmax across vocab shards; the result is then a Replicate DTensor scalar. ``labels``
+    [batch, seq] are aligned with the inputs and shifted here. The *sum* lets the caller divide by the
+    token count of the whole global batch, so gradient accumulation and dp splits change nothing.
     """
     shift_logits = logits[:, :-1, :].flatten(0, 1).float()
     shift_labels = labels[:, 1:].flatten()
-    if isinstance(logits, DTensor):
-        with loss_parallel():
-            loss = F.cross_entropy(shift_logits, shift_labels, ignore_index=-100, reduction="sum")
-        return loss.full_tensor() if isinstance(loss, DTensor) else loss
     return F.cross_entropy(shift_logits, shift_labels, ignore_index=-100, reduction="sum")

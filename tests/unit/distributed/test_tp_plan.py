@@ -1,0 +1,53 @@
+"""Plan checks that need no process group: everything wrong is reported at once, before sharding."""
+
+import pytest
+from transformers import Phi3Config
+
+from components.distributed.tp_plan import PLANS, check_plan, plan_for
+from components.models import meta_causal_lm, tiny_config
+
+
+def test_every_problem_is_listed_together():
+    config = tiny_config("llama", hidden_size=48, num_attention_heads=6, num_key_value_heads=3, intermediate_size=130)
+    plan = plan_for(config) | {"model.layers.*.mlp.typo_proj": "colwise", "model.norm": "diagonal"}
+    _, errors = check_plan(meta_causal_lm(config), config, plan, tp=4)
+    assert errors == [
+        "plan pattern 'model.layers.*.mlp.typo_proj' (colwise) matches no module of LlamaForCausalLM",
+        "model.norm: unknown tensor-parallel style 'diagonal'; known: ['colwise', 'colwise_gather_output', "
+        "'embedding_rowwise', 'replicate', 'replicated_with_grad_allreduce', 'rowwise', 'sequence_parallel', "
+        "'vocab_parallel']",
+        "tp (4) must divide num_attention_heads (6)",
+        "tp (4) must divide num_key_value_heads (3)",
+        "tp (4) must divide intermediate_size (130)",
+    ]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_our_plans_fit_the_tiny_models(family, tp):
+    config = tiny_config(family)
+    resolved, errors = check_plan(meta_causal_lm(config), config, plan_for(config, sequence_parallel=True), tp)
+    assert errors == []
+    assert resolved["model.layers.1.self_attn.o_proj"] == "rowwise"
+    assert resolved["model.layers.0.input_layernorm"] == "sequence_parallel"
+
+
+def test_qwen3_marks_qk_norms_sum_and_llama_has_none():
+    assert PLANS["qwen3"]["model.layers.*.self_attn.q_norm"] == "replicated_with_grad_allreduce"
+    assert not any("q_norm" in pattern for pattern in PLANS["llama"])
+
+
+def test_a_hf_plan_with_styles_we_do_not_have_is_refused_by_name():
+    config = Phi3Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
+                        intermediate_size=64, vocab_size=64, pad_token_id=0)  # fmt: skip
+    _, errors = check_plan(meta_causal_lm(config), config, plan_for(config), tp=2)
+    assert any("unknown tensor-parallel style 'rowwise_split_input'" in error for error in errors)
+
+
+def test_unknown_model_type_without_a_hf_plan_is_an_error():
+    class Bare:
+        model_type = "bare"
+        base_model_tp_plan = None
+
+    with pytest.raises(ValueError, match="no tensor-parallel plan for model type 'bare'"):
+        plan_for(Bare())
