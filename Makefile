@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: install
-	$(PY) recipes/demo_tp_replicas.py
+	$(PY) recipes/finetune.py
 
 test: install
 	$(PY) -m pytest -q

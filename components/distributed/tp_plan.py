@@ -86,12 +86,20 @@ def plan_for(config, sequence_parallel: bool = False) -> dict[str, str]:
 
 
 def _style(name: str, sequence_parallel: bool) -> ParallelStyle | None:
-    """The torch style for a style name; None for styles that only mark a replicated module."""
+    """The torch style for a style name; None for styles that only mark a replicated module.
+
+    Under sequence parallelism activations between blocks are DTensors sharded on the sequence
+    (``use_local_output=False``), so Hugging Face code that reads ``hidden_states.shape`` (positions, the
+    causal mask, the attention reshape) sees the global length, with any attention implementation.
+    """
     tokens = Shard(1) if sequence_parallel else Replicate()
+    local_output = not sequence_parallel  # under SP the outputs stay DTensors (see above)
     styles = {
         "colwise": lambda: ColwiseParallel(input_layouts=tokens),
-        "rowwise": lambda: RowwiseParallel(output_layouts=tokens),
-        "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=tokens),
+        "rowwise": lambda: RowwiseParallel(output_layouts=tokens, use_local_output=local_output),
+        "embedding_rowwise": lambda: RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=tokens, use_local_output=local_output
+        ),
         "vocab_parallel": lambda: ColwiseParallel(
             input_layouts=tokens, output_layouts=Shard(-1), use_local_output=False
         ),

@@ -118,3 +118,9 @@ def test_checkpoint_loaded_slice_by_slice_on_meta_trains_the_same(ranks4, tmp_pa
     config = tiny_config("qwen3")
     build_causal_lm(config, seed=5).save_pretrained(tmp_path)
     assert_parity(ranks4.run(check_parity_with_config, config, 4, True, str(tmp_path)))
+
+
+def test_sequence_parallel_also_works_with_eager_attention(ranks2):
+    # Eager attention builds an explicit causal mask from hidden_states.shape: it must see the global length.
+    config = tiny_config("llama", attn_implementation="eager")
+    assert_parity(ranks2.run(check_parity_with_config, config, 2, True))

@@ -1,0 +1,99 @@
+"""Turn records into (input_ids, labels) with only the answer labelled, and pad them into batches.
+
+Labels are aligned with ``input_ids`` (not shifted): ``cross_entropy_sum`` shifts them itself. Everything
+the chat template writes before the final assistant message's content is the prompt and gets ``-100``;
+the content and what the template closes it with (eos) are labelled, so the model learns to answer and
+to stop. Padding is on the right, which causal attention without a mask allows.
+"""
+
+import torch
+
+from components.data.jsonl import DataError
+
+IGNORE_INDEX = -100
+
+
+def _messages(record: dict) -> list[dict]:
+    if "messages" in record:
+        return record["messages"]
+    return [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["response"]}]
+
+
+def tokenize_example(record: dict, tokenizer, seq_len: int) -> tuple[list[int], list[int]]:
+    """(input_ids, labels) of one ``{"prompt", "response"}`` or ``{"messages"}`` record, cut to ``seq_len``.
+
+    The text is rendered by the tokenizer's chat template (a prompt/response record is one user turn and one
+    assistant turn); for ``train_tokenizer``'s template that is bos, ``<|user|>``, the prompt, ``<|assistant|>``
+    (all labelled -100), then the response and eos (labelled with their ids). eos is appended when the
+    template does not end the answer with it.
+
+    Raises:
+        ValueError: If the tokenizer has no chat template, or its rendering of the conversation does not
+            start with its rendering of the prompt (the answer cannot be told apart).
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"tokenizer {type(tokenizer).__name__} has no chat_template: use one that has (a chat/instruct "
+            "model's, or components.data.tokenizer.train_tokenizer's)"
+        )
+    messages = _messages(record)
+    if len(messages) < 2 or messages[-1]["role"] != "assistant":
+        raise ValueError("a messages record needs at least one message before a final assistant message")
+    prompt = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
+    full = tokenizer.apply_chat_template(messages, tokenize=False)
+    if not full.startswith(prompt):
+        raise ValueError(
+            "the tokenizer's chat template renders the conversation without its prompt as a prefix, so the "
+            f"answer cannot be separated: prompt {prompt[-60:]!r} vs full {full[: len(prompt)][-60:]!r}"
+        )
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    answer_ids = tokenizer.encode(full[len(prompt) :], add_special_tokens=False)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in answer_ids:
+        answer_ids.append(tokenizer.eos_token_id)
+    input_ids = (prompt_ids + answer_ids)[:seq_len]
+    labels = ([IGNORE_INDEX] * len(prompt_ids) + answer_ids)[:seq_len]
+    return input_ids, labels
+
+
+def labelled_tokens(labels: list[int]) -> int:
+    """How many positions the loss counts: labels after the shift (``labels[1:]``) that are not -100."""
+    return sum(label != IGNORE_INDEX for label in labels[1:])
+
+
+def tokenize_records(records: list[dict], tokenizer, seq_len: int) -> list[tuple[list[int], list[int]]]:
+    """``tokenize_example`` for every record, checking each keeps at least one labelled token.
+
+    Raises:
+        DataError: If a record's prompt fills ``seq_len`` so nothing of its answer would be trained on.
+    """
+    examples = []
+    for index, record in enumerate(records):
+        input_ids, labels = tokenize_example(record, tokenizer, seq_len)
+        if not labelled_tokens(labels):
+            raise DataError(
+                f"record {index} has no answer tokens within train.seq_len ({seq_len}): raise train.seq_len "
+                "or shorten its prompt"
+            )
+        examples.append((input_ids, labels))
+    return examples
+
+
+def pad_batch(
+    examples: list[tuple[list[int], list[int]]], seq_len: int, pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad (input_ids, labels) pairs to [len(examples), seq_len] tensors: ids with ``pad_id``, labels -100.
+
+    Raises:
+        ValueError: If an example is longer than ``seq_len`` or its ids and labels differ in length.
+    """
+    input_ids = torch.full((len(examples), seq_len), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), seq_len), IGNORE_INDEX, dtype=torch.long)
+    for row, (ids, row_labels) in enumerate(examples):
+        if len(ids) != len(row_labels) or len(ids) > seq_len:
+            raise ValueError(
+                f"example {row} has {len(ids)} input ids and {len(row_labels)} labels; both must be equal and "
+                f"at most seq_len ({seq_len}): build examples with tokenize_example(..., seq_len={seq_len})"
+            )
+        input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        labels[row, : len(ids)] = torch.tensor(row_labels, dtype=torch.long)
+    return input_ids, labels

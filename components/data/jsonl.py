@@ -1,0 +1,71 @@
+"""Read a user's JSONL training data, checking every line up front with errors that point at the line.
+
+The recipe reads the data before it starts any process, so a typo on line 9000 stops the run at once with
+``data.jsonl line 9000: ...`` instead of in every rank's traceback partway through training.
+"""
+
+import json
+from pathlib import Path
+
+ROLES = ("system", "user", "assistant")
+
+
+class DataError(ValueError):
+    """Training data that cannot be used; the message is one line naming the file and line."""
+
+
+def _problem(record) -> str | None:
+    """What is wrong with one parsed line, or None when it is a usable record."""
+    if not isinstance(record, dict):
+        return f"expected a JSON object, got {type(record).__name__}"
+    if "messages" in record:
+        messages = record["messages"]
+        if not isinstance(messages, list) or not messages:
+            return '"messages" must be a non-empty list of {"role", "content"} objects'
+        for index, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+                return f'messages[{index}] needs a "content" string'
+            if message.get("role") not in ROLES:
+                return f"messages[{index}] has role {message.get('role')!r}; use one of {', '.join(ROLES)}"
+        if messages[-1]["role"] != "assistant":
+            return f"the last message must be from the assistant (it is from the {messages[-1]['role']})"
+        if len(messages) < 2:
+            return '"messages" needs a user (or system) message before the assistant\'s answer'
+        return None
+    if isinstance(record.get("prompt"), str) and isinstance(record.get("response"), str):
+        return None
+    return 'needs "prompt" and "response" strings, or "messages"'
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """Every record of a JSONL file: ``{"prompt", "response"}`` or ``{"messages": [...]}`` objects.
+
+    Blank lines are skipped. A messages record's last message must be the assistant's (what is trained on).
+
+    Raises:
+        DataError: At the first bad line (``data.jsonl line 3: not valid JSON (...)``), if the file does not
+            exist, or if it holds no records.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"data file not found: {path}")
+    records = []
+    with path.open("rb") as lines:  # bytes, so an encoding error can name its line too
+        for number, raw in enumerate(lines, start=1):
+            try:
+                line = raw.decode("utf-8-sig")  # -sig: a BOM some editors write is not an error
+            except UnicodeDecodeError as error:
+                raise DataError(f"{path} line {number}: not valid UTF-8 ({error.reason})") from None
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise DataError(f"{path} line {number}: not valid JSON ({error.msg})") from None
+            problem = _problem(record)
+            if problem:
+                raise DataError(f"{path} line {number}: {problem}")
+            records.append(record)
+    if not records:
+        raise DataError(f"{path} has no records: expected one JSON object per line")
+    return records

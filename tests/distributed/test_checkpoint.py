@@ -1,0 +1,219 @@
+"""Checkpoints on real gloo ranks: exact resume, resharding to another tp (and to dp or one process), FSDP2, export.
+
+Every run seeds all ranks alike and draws each global batch from the global torch RNG, so a resume that
+did not restore the RNG states would train on other data and fail the exact comparisons. fp32 throughout.
+"""
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.optim.lr_scheduler import LambdaLR
+from transformers import AutoModelForCausalLM
+
+from components.distributed.fsdp import shard_data_parallel
+from components.distributed.grads import finalize_dtensor_gradients
+from components.distributed.mesh import resolve_parallel_dims
+from components.distributed.tp_plan import apply_tp_plan, plan_for
+from components.distributed.tp_replicas import broadcast_tp_replicas, synchronize_tp_replica_gradients
+from components.models import build_causal_lm, tiny_config
+from components.training.checkpoint import MARKER, checkpoint_path, latest_checkpoint, load_checkpoint, save_checkpoint
+from components.training.export import export_hf
+from components.training.step import forward_backward
+from tests.harness import mesh
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # the 1-process load
+
+BATCH, SEQ, PROMPT = 4, 16, 3
+
+
+def warmup(step: int) -> float:
+    return min(1.0, (step + 1) / 4)
+
+
+class Run:
+    """A tiny Llama parallelised at (dp, tp) with AdamW and a warmup schedule; plain on one process."""
+
+    def __init__(self, world_size: int, tp: int, seed: int, **overrides):
+        self.config = tiny_config("llama", **overrides)
+        self.model = build_causal_lm(self.config, seed=seed)
+        self.mesh = None
+        if dist.is_initialized():
+            dims = resolve_parallel_dims(world_size, tp=tp)
+            self.mesh = mesh((dims.dp, dims.tp), ("dp", "tp"))
+            if dims.tp > 1:
+                apply_tp_plan(self.model, self.mesh["tp"], plan_for(self.config), self.config)
+                broadcast_tp_replicas([self.model], self.mesh)
+            if dims.dp > 1:
+                shard_data_parallel(self.model, self.mesh["dp"])
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2, weight_decay=0.1)
+        self.scheduler = LambdaLR(self.optimizer, warmup)
+
+    @property
+    def state(self) -> tuple[nn.Module, torch.optim.Optimizer, LambdaLR]:
+        return self.model, self.optimizer, self.scheduler
+
+    def step(self) -> float:
+        """One optimizer step on a global batch drawn from the global RNG; the global mean token loss."""
+        tokens = torch.randint(0, self.config.vocab_size, (BATCH, SEQ))
+        labels = tokens.clone()
+        labels[:, :PROMPT] = -100
+        global_tokens = int((labels[:, 1:] != -100).sum())
+        dp_size = 1 if self.mesh is None else self.mesh["dp"].size()
+        dp_rank = 0 if self.mesh is None else self.mesh["dp"].get_local_rank()
+        self.optimizer.zero_grad()
+        local = forward_backward(
+            self.model, tokens.chunk(dp_size)[dp_rank], labels.chunk(dp_size)[dp_rank], global_tokens
+        )
+        loss = torch.tensor(local, dtype=torch.float64)
+        if self.mesh is not None:
+            dist.all_reduce(loss, group=self.mesh["dp"].get_group())
+            finalize_dtensor_gradients([self.model])
+            if self.mesh["tp"].size() > 1:
+                synchronize_tp_replica_gradients([self.model], self.mesh)
+        self.optimizer.step()
+        self.scheduler.step()
+        return loss.item() / global_tokens
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """Full parameters by name (a collective for DTensors)."""
+        return {name: full(parameter.detach()) for name, parameter in self.model.named_parameters()}
+
+    def moments(self) -> dict[str, torch.Tensor]:
+        """Full AdamW state tensors, keyed ``<parameter>.<key>`` (a collective for DTensors)."""
+        moments = {}
+        for name, parameter in self.model.named_parameters():
+            for key, value in self.optimizer.state[parameter].items():
+                moments[f"{name}.{key}"] = full(value)
+        return moments
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """A full copy: a plain tensor is cloned too, or training on would change what was recorded."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.clone()
+
+
+def check_resume(rank, world_size, root, tp):
+    """3 steps, save, 3 more; then a fresh model with other weights and RNG state loads and trains 3 steps."""
+    torch.manual_seed(0)
+    run = Run(world_size, tp, seed=0)
+    for _ in range(3):
+        run.step()
+    saved = save_checkpoint(Path(root), 3, *run.state, extra={"samples_seen": 3 * BATCH})
+    continued = [run.step() for _ in range(3)]
+    if rank == 0:  # a later save that crashed before its rename, and a folder that lost its marker
+        shutil.copytree(saved, Path(root) / "step_00000006.tmp")
+        shutil.copytree(saved, Path(root) / "step_00000009")
+        (Path(root) / "step_00000009" / MARKER).unlink()
+    dist.barrier()
+
+    torch.manual_seed(1234)
+    fresh = Run(world_size, tp, seed=1)
+    state = load_checkpoint(latest_checkpoint(Path(root)), *fresh.state)
+    resumed = [fresh.step() for _ in range(3)]
+    left = sorted(path.name for path in Path(root).iterdir())
+    return {"saved": saved.name, "continued": continued, "resumed": resumed, "state": state, "left": left}
+
+
+@pytest.mark.parametrize("pool, tp", [("ranks2", 2), ("ranks4", 2)], ids=["tp2", "dp2_tp2_fsdp"])
+def test_resume_reproduces_an_uninterrupted_run_exactly(request, tmp_path, pool, tp):
+    for index, result in enumerate(request.getfixturevalue(pool).run(check_resume, str(tmp_path), tp)):
+        assert result["resumed"] == result["continued"], f"rank {index}"
+        assert result["state"] == {"step": 3, "samples_seen": 3 * BATCH}
+        assert result["saved"] == "step_00000003"
+        assert result["left"] == ["step_00000003", "step_00000006.tmp", "step_00000009"]
+
+
+def check_save_reference(rank, world_size, root, tp=2):
+    """Train 3 steps at ``tp``, save, and record the weights, AdamW moments and 2 continued losses."""
+    torch.manual_seed(0)
+    run = Run(world_size, tp, seed=0)
+    for _ in range(3):
+        run.step()
+    save_checkpoint(Path(root) / "checkpoints", 3, *run.state)
+    reference = {"weights": run.weights(), "moments": run.moments()}
+    reference["continued"] = [run.step() for _ in range(2)]
+    if rank == 0:
+        torch.save(reference, Path(root) / "reference.pt")
+
+
+def check_load_resharded(rank, world_size, root, tp):
+    """Load the tp=2 checkpoint at another layout: weights and moments must be exact, losses close."""
+    torch.manual_seed(1234)
+    run = Run(world_size, tp, seed=1)
+    state = load_checkpoint(checkpoint_path(Path(root) / "checkpoints", 3), *run.state)
+    reference = torch.load(Path(root) / "reference.pt")
+    weights, moments = run.weights(), run.moments()
+    return {
+        "state": state,
+        "lr": run.scheduler.get_last_lr(),
+        "weights_differ": [
+            name for name, value in reference["weights"].items() if not torch.equal(weights[name], value)
+        ],
+        "moments_differ": [
+            name for name, value in reference["moments"].items() if not torch.equal(moments[name], value)
+        ],
+        "moments_missing": sorted(set(reference["moments"]) - set(moments)),
+        "continued": [run.step() for _ in range(2)],
+        "reference_continued": reference["continued"],
+    }
+
+
+def test_load_at_other_tensor_parallel_sizes(ranks2, ranks4, tmp_path):
+    ranks2.run(check_save_reference, str(tmp_path))
+    with torch.random.fork_rng(devices=[]):
+        one_process = check_load_resharded(0, 1, str(tmp_path), 1)  # no process group: a plain model
+    results = {
+        "tp4": ranks4.run(check_load_resharded, str(tmp_path), 4),
+        "dp2_fsdp": ranks2.run(check_load_resharded, str(tmp_path), 1),
+        "one_process": [one_process],
+    }
+    for layout, ranks in results.items():
+        for result in ranks:
+            assert result["state"] == {"step": 3}, layout
+            assert result["lr"] == [1e-2], layout  # warmup finished at step 3: lambda(3) == 1
+            assert result["weights_differ"] == [] and result["moments_differ"] == [], layout
+            assert result["moments_missing"] == [], layout
+            assert result["continued"] == pytest.approx(result["reference_continued"], rel=1e-5), layout
+
+
+def check_export(rank, world_size, root, tp, tied):
+    """Train 2 steps, export, and compare the exported model's logits with the parallel model's."""
+    torch.manual_seed(0)
+    run = Run(world_size, tp, seed=0, tie_word_embeddings=tied)
+    for _ in range(2):
+        run.step()
+    out = export_hf(run.model, run.config, Path(root) / "exported")
+    tokens = torch.randint(0, run.config.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        logits = full(run.model(input_ids=tokens).logits)
+    if rank != 0:
+        return None
+    exported = AutoModelForCausalLM.from_pretrained(out)
+    with torch.no_grad():
+        error = (exported(input_ids=tokens).logits - logits).abs().max().item()
+    with safe_open(out / "model.safetensors", framework="pt") as stored:
+        keys = set(stored.keys())
+    return {
+        "error": error,
+        "files": sorted(path.name for path in Path(root).iterdir()),
+        "tied_in_model": run.model.lm_head.weight is run.model.get_input_embeddings().weight,
+        "lm_head_stored": "lm_head.weight" in keys,
+    }
+
+
+@pytest.mark.parametrize(
+    "pool, tp, tied",
+    [("ranks2", 2, False), ("ranks2", 2, True), ("ranks4", 2, False)],
+    ids=["tp2", "tp2_tied", "dp2_tp2"],
+)
+def test_export_loads_with_from_pretrained(request, tmp_path, pool, tp, tied):
+    result = request.getfixturevalue(pool).run(check_export, str(tmp_path), tp, tied)[0]
+    assert result["error"] < 1e-5
+    assert result["files"] == ["exported"]
+    assert result["tied_in_model"] is tied and result["lm_head_stored"] is not tied

@@ -1,0 +1,88 @@
+"""tokenize_example masks the prompt and keeps the answer; pad_batch right-pads to seq_len."""
+
+import pytest
+import torch
+
+from components.data.collate import IGNORE_INDEX, pad_batch, tokenize_example, tokenize_records
+from components.data.generated import generate_examples
+from components.data.jsonl import DataError
+from components.data.tokenizer import DEFAULT_VOCAB_SIZE, train_tokenizer, training_texts
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    texts = training_texts(generate_examples(500, seed=0))
+    return train_tokenizer(texts, DEFAULT_VOCAB_SIZE, tmp_path_factory.mktemp("tokenizer"))
+
+
+def _kept(input_ids, labels):
+    return [token for token, label in zip(input_ids, labels, strict=True) if label != IGNORE_INDEX]
+
+
+def test_prompt_response_masks_the_prompt_and_keeps_response_and_eos(tokenizer):
+    input_ids, labels = tokenize_example({"prompt": "Reverse: abc", "response": "cba"}, tokenizer, seq_len=64)
+    assert len(input_ids) == len(labels)
+    assert tokenizer.decode(input_ids) == "<|bos|><|user|>Reverse: abc<|assistant|>cba<|eos|>"
+    kept = _kept(input_ids, labels)
+    assert tokenizer.decode(kept) == "cba<|eos|>" and kept[-1] == tokenizer.eos_token_id
+    assert labels[: len(input_ids) - len(kept)] == [IGNORE_INDEX] * (len(input_ids) - len(kept))
+    assert labels[-len(kept) :] == input_ids[-len(kept) :]  # aligned with the inputs, not shifted
+
+
+def test_messages_train_only_the_final_assistant_message(tokenizer):
+    record = {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Add 1 and 1"},
+            {"role": "assistant", "content": "2"},
+            {"role": "user", "content": "Uppercase: ab"},
+            {"role": "assistant", "content": "AB"},
+        ]
+    }
+    input_ids, labels = tokenize_example(record, tokenizer, seq_len=64)
+    assert tokenizer.decode(input_ids) == tokenizer.apply_chat_template(record["messages"], tokenize=False)
+    assert tokenizer.decode(_kept(input_ids, labels)) == "AB<|eos|>"
+
+
+def test_the_prompt_part_ends_with_the_generation_prompt(tokenizer):
+    record = {"prompt": "Next letter after c", "response": "d"}
+    input_ids, labels = tokenize_example(record, tokenizer, seq_len=64)
+    masked = input_ids[: labels.count(IGNORE_INDEX)]
+    messages = [{"role": "user", "content": record["prompt"]}]
+    assert tokenizer.decode(masked) == tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+
+
+def test_truncates_to_seq_len(tokenizer):
+    full_ids, full_labels = tokenize_example({"prompt": "Repeat twice: abcd", "response": "abcd abcd"}, tokenizer, 64)
+    input_ids, labels = tokenize_example({"prompt": "Repeat twice: abcd", "response": "abcd abcd"}, tokenizer, 8)
+    assert (input_ids, labels) == (full_ids[:8], full_labels[:8])
+
+
+def test_records_whose_answer_is_cut_off_are_reported(tokenizer):
+    records = [{"prompt": "Add 2 and 3", "response": "5"}, {"prompt": "Reverse: " + "abc" * 30, "response": "x"}]
+    with pytest.raises(DataError, match=r"record 1 has no answer tokens within train.seq_len \(16\)"):
+        tokenize_records(records, tokenizer, seq_len=16)
+    assert len(tokenize_records(records[:1], tokenizer, seq_len=16)) == 1
+
+
+def test_a_tokenizer_without_chat_template_is_an_error(tokenizer):
+    class NoTemplate:
+        chat_template = None
+
+    with pytest.raises(ValueError, match="tokenizer NoTemplate has no chat_template"):
+        tokenize_example({"prompt": "p", "response": "r"}, NoTemplate(), seq_len=8)
+
+
+def test_pad_batch_right_pads_ids_and_labels_to_seq_len():
+    examples = [([1, 5, 6, 7], [-100, -100, 6, 7]), ([1, 8], [-100, 8])]
+    input_ids, labels = pad_batch(examples, seq_len=6, pad_id=0)
+    assert input_ids.shape == labels.shape == (2, 6) and input_ids.dtype == labels.dtype == torch.long
+    assert input_ids.tolist() == [[1, 5, 6, 7, 0, 0], [1, 8, 0, 0, 0, 0]]
+    assert labels.tolist() == [[-100, -100, 6, 7, -100, -100], [-100, 8, -100, -100, -100, -100]]
+
+
+def test_pad_batch_rejects_examples_longer_than_seq_len():
+    with pytest.raises(ValueError, match=r"example 0 has 3 input ids and 3 labels.*at most seq_len \(2\)"):
+        pad_batch([([1, 2, 3], [1, 2, 3])], seq_len=2, pad_id=0)

@@ -1,0 +1,159 @@
+"""StepBatches: dp parts partition the global batch, epochs cover every record, resuming from a step reproduces."""
+
+import pytest
+import torch
+
+from components.data.collate import pad_batch, tokenize_records
+from components.data.generated import generate_examples
+from components.data.loader import StepBatches, pad_id_of, split_train_val
+from components.data.tokenizer import DEFAULT_VOCAB_SIZE, train_tokenizer, training_texts
+
+SEQ_LEN = 32
+RECORDS = generate_examples(40, seed=5)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return train_tokenizer(training_texts(RECORDS), DEFAULT_VOCAB_SIZE, tmp_path_factory.mktemp("tokenizer"))
+
+
+@pytest.fixture
+def loader(tokenizer):
+    def make(n=23, global_batch_size=8, micro_batch_size=2, dp_size=2, dp_rank=0, seed=0):
+        return StepBatches(
+            RECORDS[:n],
+            global_batch_size,
+            micro_batch_size,
+            tokenizer=tokenizer,
+            seq_len=SEQ_LEN,
+            dp_size=dp_size,
+            dp_rank=dp_rank,
+            seed=seed,
+        )
+
+    return make
+
+
+def _cat(batches) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.cat([ids for ids, _ in batches]), torch.cat([labels for _, labels in batches])
+
+
+def test_micro_batches_have_the_configured_shape(loader):
+    batches = loader(global_batch_size=8, micro_batch_size=2, dp_size=2, dp_rank=1).batches_for_step(0)
+    assert len(batches) == 2
+    for input_ids, labels in batches:
+        assert input_ids.shape == labels.shape == (2, SEQ_LEN) and input_ids.dtype == torch.long
+
+
+def test_dp_parts_are_disjoint_and_together_are_the_global_batch(loader, tokenizer):
+    ranks = [loader(n=40, global_batch_size=12, micro_batch_size=2, dp_size=3, dp_rank=r) for r in range(3)]
+    examples = tokenize_records(RECORDS, tokenizer, SEQ_LEN)
+    for step in range(3):  # steps 0-2 lie inside the first epoch (40 records, 12 per step)
+        indices = ranks[0].indices_for_step(step)
+        assert len(set(indices)) == 12  # disjoint parts: no record twice in the step
+        expected = pad_batch([examples[i] for i in indices], SEQ_LEN, tokenizer.pad_token_id)
+        together = _cat(sum((rank.batches_for_step(step) for rank in ranks), []))
+        assert torch.equal(together[0], expected[0]) and torch.equal(together[1], expected[1])
+
+
+def test_every_record_appears_once_per_epoch_and_epochs_reshuffle(loader):
+    steps = loader(n=24, global_batch_size=8)
+    epochs = [sum((steps.indices_for_step(step) for step in range(3 * e, 3 * e + 3)), []) for e in range(3)]
+    assert all(sorted(epoch) == list(range(24)) for epoch in epochs)
+    assert epochs[0] != epochs[1] != epochs[2]
+
+
+def test_epochs_roll_over_inside_a_step(loader):
+    steps = loader(n=23, global_batch_size=8)
+    stream = sum((steps.indices_for_step(step) for step in range(6)), [])  # 48 positions: two epochs and 2
+    assert sorted(stream[:23]) == sorted(stream[23:46]) == list(range(23))
+    assert stream[:23] != stream[23:46]
+
+
+def test_resuming_at_a_step_gives_the_same_batches_as_running_through(loader):
+    running = loader(seed=7, dp_rank=1)
+    through = {step: running.batches_for_step(step) for step in range(8)}
+    resumed = loader(seed=7, dp_rank=1)
+    for step in range(5, 8):
+        for (ids_a, labels_a), (ids_b, labels_b) in zip(through[step], resumed.batches_for_step(step), strict=True):
+            assert torch.equal(ids_a, ids_b) and torch.equal(labels_a, labels_b)
+
+
+def test_the_seed_changes_the_order_and_tp_ranks_of_one_dp_rank_agree(loader):
+    assert loader(seed=0).indices_for_step(0) != loader(seed=1).indices_for_step(0)
+    tp0, tp1 = loader(dp_rank=1), loader(dp_rank=1)  # two TP ranks of dp rank 1 build their own loaders
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(tp0.batches_for_step(3), tp1.batches_for_step(3), strict=True))
+
+
+def test_tokens_in_step_counts_shifted_labels_over_every_part(loader):
+    ranks = [loader(global_batch_size=12, micro_batch_size=3, dp_size=2, dp_rank=r) for r in range(2)]
+    for step in range(4):
+        counted = sum(
+            (labels[:, 1:] != -100).sum().item() for rank in ranks for _, labels in rank.batches_for_step(step)
+        )
+        assert ranks[0].tokens_in_step(step) == ranks[1].tokens_in_step(step) == counted > 0
+
+
+def test_all_batches_share_every_record_once_equally_over_dp_ranks(loader, tokenizer):
+    ranks = [loader(n=11, global_batch_size=4, micro_batch_size=2, dp_size=2, dp_rank=r) for r in range(2)]
+    shares = [rank.all_batches() for rank in ranks]
+    assert [[ids.shape[0] for ids, _ in share] for share in shares] == [[2, 2, 1]] * 2  # 11 % 2: the last is left out
+    expected = pad_batch(tokenize_records(RECORDS[:10], tokenizer, SEQ_LEN), SEQ_LEN, tokenizer.pad_token_id)
+    assert torch.equal(_cat(shares[0] + shares[1])[0], expected[0])
+
+
+def test_global_batch_must_divide_by_micro_batch_times_dp(loader):
+    with pytest.raises(
+        ValueError,
+        match=r"^train.global_batch_size \(10\) must be divisible by train.micro_batch_size \(4\) × dp \(2\)$",
+    ):
+        loader(global_batch_size=10, micro_batch_size=4, dp_size=2)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"micro_batch_size": 0}, r"train.micro_batch_size must be at least 1, got 0"),
+        ({"n": 0}, r"no records to batch: the dataset \(or its validation split\) is empty"),
+        ({"dp_rank": 2}, r"dp_rank \(2\) must be in 0..1 for dp \(2\)"),
+    ],
+)
+def test_other_bad_arguments(loader, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        loader(**kwargs)
+
+
+def test_bad_step_and_too_few_records_for_dp(loader):
+    with pytest.raises(ValueError, match="step must be >= 0, got -1"):
+        loader().batches_for_step(-1)
+    with pytest.raises(ValueError, match=r"1 records cannot be shared by dp \(2\) ranks"):
+        loader(n=1).all_batches()
+
+
+def test_pad_id_falls_back_to_eos():
+    class EosOnly:
+        pad_token_id, eos_token_id = None, 7
+
+    class Neither:
+        pad_token_id = eos_token_id = None
+
+    assert pad_id_of(EosOnly()) == 7
+    with pytest.raises(ValueError, match="tokenizer Neither has no pad or eos token"):
+        pad_id_of(Neither())
+
+
+def test_split_train_val_is_seeded_disjoint_and_complete():
+    records = list(range(100))
+    train, val = split_train_val(records, 0.1, seed=0)
+    assert len(val) == 10 and sorted(train + val) == records and train == sorted(train)
+    assert split_train_val(records, 0.1, seed=0) == (train, val)
+    assert split_train_val(records, 0.1, seed=1)[1] != val
+    assert split_train_val(records, 0.0, seed=0) == (records, [])
+    assert len(split_train_val(records[:5], 0.01, seed=0)[1]) == 1  # a positive fraction holds out at least one
+
+
+def test_split_train_val_errors():
+    with pytest.raises(ValueError, match=r"data.val_fraction must be in \[0, 1\), got 1.5"):
+        split_train_val([1, 2], 1.5, seed=0)
+    with pytest.raises(ValueError, match=r"data.val_fraction \(0.9\) of 2 records leaves none for training"):
+        split_train_val([1, 2], 0.9, seed=0)
