@@ -26,10 +26,11 @@ from components.data import StepBatches, split_train_val
 from components.distributed.fsdp import set_gradient_sync, shard_data_parallel
 from components.distributed.grads import clip_grad_norm_, finalize_dtensor_gradients, grad_norm
 from components.distributed.launch import init_process_group, launch_local, started_by_launcher
-from components.distributed.mesh import build_device_mesh
+from components.distributed.mesh import build_device_mesh, build_moe_mesh
 from components.distributed.tp_plan import apply_tp_plan, plan_for
 from components.distributed.tp_replicas import broadcast_tp_replicas, synchronize_tp_replica_gradients
 from components.models import build_causal_lm, materialize_from_pretrained, meta_causal_lm
+from components.moe import apply_expert_parallel
 from components.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from components.training.export import export_hf
 from components.training.metrics import MetricsLog, plot_loss_curve
@@ -66,7 +67,9 @@ def build_model(cfg: DictConfig, prepared: Prepared, run: Run, vocab_size: int):
         model = meta_causal_lm(config)  # nothing allocated until each rank loads its own shards
     report = None
     if prepared.dims.tp > 1:
-        report = apply_tp_plan(model, run.mesh["tp"], plan_for(config, cfg.sp), config, cfg.sp)
+        moe_modules = (*cfg.model.experts, *cfg.model.routers)
+        report = apply_tp_plan(model, run.mesh["tp"], plan_for(config, cfg.sp), config, cfg.sp, moe_modules)
+    apply_expert_parallel(model, build_moe_mesh(prepared.dims, prepared.device_type), list(cfg.model.experts))
     if prepared.model_path is not None:
         materialize_from_pretrained(model, prepared.model_path, device=str(run.device))
     if prepared.dims.dp > 1:

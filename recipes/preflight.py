@@ -30,6 +30,7 @@ from components.distributed.launch import started_by_launcher
 from components.distributed.mesh import ParallelDims, resolve_parallel_dims
 from components.distributed.tp_plan import check_plan, plan_for
 from components.models import load_config, meta_causal_lm, tiny_config
+from components.moe import check_expert_parallel
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
@@ -149,9 +150,17 @@ def prepare(cfg: DictConfig) -> Prepared:
         errors = check_numbers(cfg, dims)
         model_path = resolve_model_path(cfg)
         config = model_config(cfg, model_path, DEFAULT_VOCAB_SIZE)
+        moe_modules = (*cfg.model.experts, *cfg.model.routers)
         if dims.tp > 1:
-            _, plan_errors = check_plan(meta_causal_lm(config), config, plan_for(config, cfg.sp), dims.tp)
-            errors += plan_errors
+            meta = meta_causal_lm(config)
+            errors += check_plan(meta, config, plan_for(config, cfg.sp), dims.tp, moe_modules)[1]
+        if dims.ep > 1:
+            num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0)
+            errors += check_expert_parallel(
+                meta_causal_lm(config), list(cfg.model.experts), num_experts, dims.ep, dims.tp
+            )
+            if dims.dp > 1:
+                errors.append(f"ep={dims.ep} with dp={dims.dp} is not supported yet: use dp=1 (ep folds onto tp)")
         records = records_for(cfg.data, cfg.seed)
     except (ValueError, FileNotFoundError, DataError) as error:
         raise ConfigError(str(error)) from error

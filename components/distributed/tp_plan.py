@@ -30,6 +30,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -58,14 +60,23 @@ _SEQUENCE_PARALLEL_NORMS = {
     "model.norm": "sequence_parallel",
 }
 
+# MoE blocks are left to expert parallelism (components.moe); only attention and the vocabulary are TP.
+_MOE_DECODER = {pattern: style for pattern, style in _DENSE_DECODER.items() if ".mlp." not in pattern}
+
+# Under sequence parallelism an MoE block gathers the sequence once and hands back sequence shards.
+_SEQUENCE_PARALLEL_MOE = {"model.layers.*.mlp": "gather_sequence"}
+
 # One small dict per model family (``config.model_type``).
 PLANS: dict[str, dict[str, str]] = {
     "llama": _DENSE_DECODER,
     "mistral": _DENSE_DECODER,
     "qwen2": _DENSE_DECODER,
     "qwen3": _DENSE_DECODER | _QK_NORMS,
+    "qwen3_moe": _MOE_DECODER | _QK_NORMS,
+    "mixtral": _MOE_DECODER,
 }
 
+_MOE_FAMILIES = ("qwen3_moe", "mixtral")
 _VOCAB_STYLES = ("embedding_rowwise", "vocab_parallel", "colwise_gather_output")
 
 
@@ -83,7 +94,23 @@ def plan_for(config, sequence_parallel: bool = False) -> dict[str, str]:
         )
     if sequence_parallel:
         plan |= _SEQUENCE_PARALLEL_NORMS
+        if config.model_type in _MOE_FAMILIES:
+            plan |= _SEQUENCE_PARALLEL_MOE
     return plan
+
+
+class _GatherSequence(ParallelStyle):
+    """A block that needs whole tokens (an MoE block) inside a sequence-parallel model: all-gather its
+    input sequence, run it on plain replicated tensors, hand back sequence shards."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+        )._apply(module, device_mesh)
+        PrepareModuleOutput(
+            output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=False
+        )._apply(module, device_mesh)
+        return module
 
 
 def _style(name: str, sequence_parallel: bool) -> ParallelStyle | None:
@@ -106,6 +133,7 @@ def _style(name: str, sequence_parallel: bool) -> ParallelStyle | None:
         ),
         "colwise_gather_output": lambda: ColwiseParallel(input_layouts=tokens, output_layouts=Replicate()),
         "sequence_parallel": lambda: SequenceParallel(),
+        "gather_sequence": lambda: _GatherSequence(),
         "replicated_with_grad_allreduce": lambda: None,
         "replicate": lambda: None,
     }
@@ -148,13 +176,26 @@ def _resolve(model: nn.Module, plan: dict[str, str]) -> tuple[dict[str, str], li
     return resolved, errors
 
 
-def check_plan(model: nn.Module, config, plan: dict[str, str], tp: int) -> tuple[dict[str, str], list[str]]:
+def _ancestors(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+
+
+def check_plan(
+    model: nn.Module, config, plan: dict[str, str], tp: int, moe_modules: tuple[str, ...] = ()
+) -> tuple[dict[str, str], list[str]]:
     """Resolve the plan and list every reason it cannot run at this ``tp`` (empty when it can).
 
+    ``moe_modules`` are patterns of expert and router modules: a dense style on them (or inside them) is
+    refused, because experts are split by expert parallelism and routers must see whole tokens.
     Vocabulary not divisible by tp is not an error: the embedding and ``lm_head`` then stay replicated
     (a documented fallback, noted in the report) because uneven vocab shards would break the loss.
     """
     resolved, errors = _resolve(model, plan)
+    for name, style in resolved.items():
+        owner = next((p for p in moe_modules if any(fnmatch.fnmatch(a, p) for a in _ancestors(name))), None)
+        if owner is not None:
+            errors.append(f"plan shards {name} with {style!r}, but it is an MoE expert or router ({owner}); remove it")
     for name, style in resolved.items():
         try:
             _style(style, False)
@@ -172,7 +213,12 @@ def check_plan(model: nn.Module, config, plan: dict[str, str], tp: int) -> tuple
 
 
 def apply_tp_plan(
-    model: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, str], config, sequence_parallel: bool = False
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    plan: dict[str, str],
+    config,
+    sequence_parallel: bool = False,
+    moe_modules: tuple[str, ...] = (),
 ) -> PlanReport:
     """Check the plan against the model and ``tp``, then shard the model in place; return the coverage.
 
@@ -181,7 +227,7 @@ def apply_tp_plan(
             match nothing, unknown styles) before any parameter is touched.
     """
     tp = tp_mesh.size()
-    resolved, errors = check_plan(model, config, plan, tp)
+    resolved, errors = check_plan(model, config, plan, tp, moe_modules)
     if errors:
         raise ValueError("; ".join(errors))
     report = PlanReport()

@@ -16,8 +16,14 @@ from components.distributed.fsdp import shard_data_parallel
 from components.distributed.grads import finalize_dtensor_gradients, grad_norm
 from components.distributed.mesh import resolve_parallel_dims
 from components.distributed.tp_plan import apply_tp_plan, plan_for
-from components.distributed.tp_replicas import broadcast_tp_replicas, synchronize_tp_replica_gradients
+from components.distributed.tp_replicas import (
+    _is_tp_replicated,
+    _iter_unique_parameters_by_name,
+    broadcast_tp_replicas,
+    synchronize_tp_replica_gradients,
+)
 from components.models import build_causal_lm, materialize_from_pretrained, meta_causal_lm, tiny_config
+from components.moe import apply_expert_parallel
 from components.training.step import forward_backward
 from tests.harness import mesh
 
@@ -45,10 +51,22 @@ def check_parity(rank, world_size, family, tp, sequence_parallel):
     return parity(world_size, tiny_config(family), tp, sequence_parallel)
 
 
-def parity(world_size, config, tp, sequence_parallel, pretrained_path=None) -> dict:
+def replicated_names(model, device_mesh) -> list[str]:
+    """Parameters that are TP replicas after every transformation (plan, expert parallelism)."""
+    peers = tuple(dist.get_process_group_ranks(device_mesh["tp"].get_group()))
+    unmarked = {id(p) for p, _ in _iter_unique_parameters_by_name([model])}
+    return [
+        name
+        for name, parameter in model.named_parameters()
+        if id(parameter) in unmarked and _is_tp_replicated(parameter, peers, dist.get_rank(), "tp")
+    ]
+
+
+def parity(world_size, config, tp, sequence_parallel, pretrained_path=None, ep=1, experts=()) -> dict:
     """Train one step (then five) both ways; with ``pretrained_path`` the parallel model is built on the
-    meta device, sharded, and loaded slice by slice, the reference with ``from_pretrained``."""
-    dims = resolve_parallel_dims(world_size, tp=tp)
+    meta device, sharded, and loaded slice by slice, the reference with ``from_pretrained``. With
+    ``ep > 1`` the modules matching ``experts`` are split by expert over the folded MoE mesh."""
+    dims = resolve_parallel_dims(world_size, tp=tp, ep=ep)
     device_mesh = mesh((dims.dp, dims.tp), ("dp", "tp"))
     tokens, labels, global_tokens = global_batch(config.vocab_size)
 
@@ -59,7 +77,8 @@ def parity(world_size, config, tp, sequence_parallel, pretrained_path=None) -> d
     reference_loss = forward_backward(reference, tokens, labels, global_tokens) / global_tokens
     reference_norm = grad_norm([reference]).item()
 
-    report = apply_tp_plan(model, device_mesh["tp"], plan_for(config, sequence_parallel), config, sequence_parallel)
+    apply_tp_plan(model, device_mesh["tp"], plan_for(config, sequence_parallel), config, sequence_parallel)
+    apply_expert_parallel(model, mesh((dims.ep_shard, dims.ep), ("ep_shard", "ep")), list(experts))
     if pretrained_path is not None:
         materialize_from_pretrained(model, pretrained_path)
     if dims.dp > 1:
@@ -90,7 +109,8 @@ def parity(world_size, config, tp, sequence_parallel, pretrained_path=None) -> d
     parameters = dict(model.named_parameters())
     drifted = []
     tp_group = device_mesh["tp"].get_group()
-    for name in sorted(report.replicated):
+    replicated = replicated_names(model, device_mesh)
+    for name in replicated:
         local = full(parameters[name].detach()).contiguous()
         copies = [torch.empty_like(local) for _ in range(tp)]
         dist.all_gather(copies, local, group=tp_group)
@@ -103,7 +123,7 @@ def parity(world_size, config, tp, sequence_parallel, pretrained_path=None) -> d
         "reference_norm": reference_norm,
         "grad_error": grad_error,
         "weight_error": weight_error,
-        "replicated": len(report.replicated),
+        "replicated": len(replicated),
         "drifted": drifted,
     }
 

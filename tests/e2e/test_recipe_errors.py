@@ -36,6 +36,8 @@ CASES = {
         ["model.pretrained_path=/nonexistent/model"],
         "model.pretrained_path '/nonexistent/model' is not a Hugging Face model folder (no config.json)",
     ),
+    "ep not dividing tp": (["model=qwen3_moe", "tp=2", "ep=4", "nproc=4"], "ep (4) must divide tp (2)"),
+    "dense model with ep": (["ep=2", "tp=2"], "ep=2 needs an MoE model"),
     "batch not dividing": (["train.global_batch_size=10", "train.micro_batch_size=4"], "must be divisible by"),
 }
 
