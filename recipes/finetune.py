@@ -8,6 +8,8 @@ backward -> finalise DTensor grads -> sync TP-replica grads -> grad norm and cli
 metrics, validation, checkpoint -> export a Hugging Face folder and a loss-curve PNG.
 """
 
+import json
+import math
 import os
 import sys
 import time
@@ -27,12 +29,14 @@ from components.distributed.fsdp import set_gradient_sync, shard_data_parallel
 from components.distributed.grads import clip_grad_norm_, finalize_dtensor_gradients, grad_norm
 from components.distributed.launch import init_process_group, launch_local, started_by_launcher
 from components.distributed.mesh import build_device_mesh, build_moe_mesh
+from components.distributed.replica_drift import replica_drift
 from components.distributed.tp_plan import apply_tp_plan, plan_for
 from components.distributed.tp_replicas import broadcast_tp_replicas, synchronize_tp_replica_gradients
 from components.models import build_causal_lm, materialize_from_pretrained, meta_causal_lm
 from components.moe import apply_expert_parallel
 from components.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from components.training.export import export_hf
+from components.training.faults import break_replica_sync, inject_after_backward, inject_after_update, parse_fault
 from components.training.metrics import MetricsLog, plot_loss_curve
 from components.training.schedule import warmup_cosine
 from components.training.step import evaluate_loss_sum, forward_backward
@@ -77,6 +81,14 @@ def build_model(cfg: DictConfig, prepared: Prepared, run: Run, vocab_size: int):
     return model, config, report
 
 
+def check_replicas(model, mesh: DeviceMesh, step: int, every: int) -> None:
+    """Every ``every`` steps, stop (on every rank) if any TP-replicated parameter differs across ranks."""
+    if every and step % every == 0:
+        drifted = sorted(name for name, spread in replica_drift([model], mesh).items() if spread > 0)
+        if drifted:
+            raise RuntimeError(f"step {step}: TP replicas differ across ranks: {', '.join(drifted)}")
+
+
 def validation_loss(model, batches: StepBatches, run: Run) -> float:
     totals = torch.zeros(2, dtype=torch.float64)
     model.eval()
@@ -100,6 +112,9 @@ def train(cfg: DictConfig, prepared: Prepared) -> None:
     model, config, report = build_model(cfg, prepared, run, len(tokenizer))
     if report is not None and run.rank == 0:
         print(report.format())
+    fault = parse_fault(cfg.debug.fault)
+    if fault is not None and fault.kind == "replica_sync_sum":
+        break_replica_sync(model)
     broadcast_tp_replicas([model], run.mesh)
     optimizer = instantiate({k: v for k, v in cfg.optim.items() if k != "name"}, params=model.parameters())
     scheduler = warmup_cosine(optimizer, cfg.train.warmup_steps, cfg.train.max_steps, cfg.train.min_lr_ratio)
@@ -120,32 +135,45 @@ def train(cfg: DictConfig, prepared: Prepared) -> None:
         for index, (input_ids, labels) in enumerate(micro_batches):
             set_gradient_sync(model, index == len(micro_batches) - 1)  # dp reduce once per step
             loss_sum += forward_backward(model, input_ids.to(run.device), labels.to(run.device), global_tokens)
+        inject_after_backward(fault, model, step + 1, run.rank)
         finalize_dtensor_gradients([model])
         synchronize_tp_replica_gradients([model], run.mesh)
         clip = cfg.train.clip_grad_norm
         norm = (clip_grad_norm_([model], clip) if clip else grad_norm([model])).item()
-        if not torch.isfinite(torch.tensor(norm)):  # the same number on every rank: all stop together
-            raise FloatingPointError(f"step {step + 1}: grad norm is {norm}; stopping before the update")
+        finite = math.isfinite(norm)  # the same number on every rank, so all ranks decide alike
+        if not finite and cfg.train.on_nonfinite == "stop":
+            raise FloatingPointError(
+                f"step {step + 1}: grad norm is {norm}; stopped before the update (train.on_nonfinite=skip skips it)"
+            )
         lr = scheduler.get_last_lr()[0]
-        optimizer.step()
+        if finite:
+            optimizer.step()
         scheduler.step()
+        inject_after_update(fault, model, step + 1, run.rank, dist.get_world_size())
 
         dist.all_reduce(loss_sum, group=run.mesh["dp"].get_group())
         elapsed = time.perf_counter() - started
         record = {
             "step": step + 1,
             "loss": (loss_sum / global_tokens).item(),
-            "grad_norm": norm,
+            "grad_norm": norm if finite else None,
             "lr": lr,
             "tokens_per_s": cfg.train.global_batch_size * cfg.train.seq_len / elapsed,
+            **({} if finite else {"skipped": True}),
         }
         if cfg.train.val_every and ((step + 1) % cfg.train.val_every == 0 or step + 1 == cfg.train.max_steps):
             record["val_loss"] = validation_loss(model, val_data, run)
         log.log(record)
+        check_replicas(model, run.mesh, step + 1, cfg.debug.check_replicas_every)
         if cfg.checkpoint.every_steps and (step + 1) % cfg.checkpoint.every_steps == 0:
             save_checkpoint(checkpoints, step + 1, model, optimizer, scheduler, keep=cfg.checkpoint.keep)
     log.close()
 
+    drift = replica_drift([model], run.mesh)
+    if run.rank == 0 and drift:
+        worst = max(drift.values())
+        (output_dir / "replica_drift.json").write_text(json.dumps({"max": worst, "tensors": drift}, indent=1))
+        print(f"replica drift: largest difference between TP copies {worst} over {len(drift)} tensors")
     if cfg.checkpoint.export and last_step == cfg.train.max_steps:
         export_hf(model, config, output_dir / "hf", tokenizer=tokenizer)
     if run.rank == 0 and (output_dir / "metrics.jsonl").exists():
