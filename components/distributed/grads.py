@@ -22,14 +22,14 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from components.distributed.tp_replicas import _gradient_chunks, _gradient_reduce_dtype
 
 
-def _named_gradients(model_parts: list[nn.Module]) -> Iterator[tuple[str, nn.Parameter]]:
-    """Parameters with a gradient, each once, in rank-stable (part, name) order."""
+def _trainable_parameters(model_parts: list[nn.Module]) -> Iterator[nn.Parameter]:
+    """Parameters that require grad, each once, in rank-stable (part, name) order."""
     seen: set[int] = set()
-    for part_index, part in enumerate(model_parts):
-        for name, parameter in sorted(part.named_parameters(), key=lambda item: item[0]):
-            if parameter.grad is not None and id(parameter) not in seen:
+    for part in model_parts:
+        for _, parameter in sorted(part.named_parameters(), key=lambda item: item[0]):
+            if parameter.requires_grad and id(parameter) not in seen:
                 seen.add(id(parameter))
-                yield f"{part_index}:{name}", parameter
+                yield parameter
 
 
 def _partial_to_replicate_dims(grad: DTensor, target: tuple) -> tuple[int, ...] | None:
@@ -57,7 +57,7 @@ def finalize_dtensor_gradients(model_parts: list[nn.Module]) -> int:
     """
     groups: dict[tuple, list[nn.Parameter]] = {}
     changed = 0
-    for _, parameter in _named_gradients(model_parts):
+    for parameter in _trainable_parameters(model_parts):
         grad = parameter.grad
         if not isinstance(grad, DTensor) or grad.placements == parameter.placements:
             continue
@@ -110,11 +110,15 @@ def grad_norm(model_parts: list[nn.Module], norm_type: float = 2.0) -> torch.Ten
     is_inf = norm_type == math.inf
     values: dict[tuple, list[torch.Tensor]] = {}
     meshes: dict[tuple, DeviceMesh | None] = {}
-    for _, parameter in _named_gradients(model_parts):
-        grad = parameter.grad
-        local = (grad._local_tensor if isinstance(grad, DTensor) else grad).detach()
+    for parameter in _trainable_parameters(model_parts):
+        # A missing gradient counts as zero but still names its group, so every rank reduces the same
+        # groups even when one rank's copy of a parameter (an unused expert) got no gradient.
+        grad = parameter.grad if parameter.grad is not None else parameter
         key = _norm_group_key(grad)
         meshes.setdefault(key, grad.device_mesh if isinstance(grad, DTensor) else None)
+        if parameter.grad is None:
+            continue
+        local = (grad._local_tensor if isinstance(grad, DTensor) else grad).detach()
         if local.numel():
             local = local.abs().to(torch.float64)
             values.setdefault(key, []).append((local.max() if is_inf else local.pow(norm_type).sum()).cpu())
@@ -141,7 +145,9 @@ def clip_grad_norm_(model_parts: list[nn.Module], max_norm: float, norm_type: fl
     total = grad_norm(model_parts, norm_type)
     coefficient = min(1.0, max_norm / (total.item() + 1e-6))
     if coefficient < 1.0:
-        for _, parameter in _named_gradients(model_parts):
+        for parameter in _trainable_parameters(model_parts):
             grad = parameter.grad
+            if grad is None:
+                continue
             (grad._local_tensor if isinstance(grad, DTensor) else grad).mul_(coefficient)
     return total

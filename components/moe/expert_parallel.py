@@ -69,9 +69,11 @@ def _local_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch
     gate_up, down = self.gate_up_proj.to_local(), self.down_proj.to_local()
     hidden_states, top_k_weights = _EnterExpertGroup.apply(hidden_states, top_k_weights, self._ep_group)
     first = self._ep_first_expert
-    # Tie both inputs into the output even when no token reaches this rank's experts, so every rank runs
-    # the backward collective (a rank that skipped it would leave its peers waiting).
-    output = torch.zeros_like(hidden_states) + 0.0 * (hidden_states.sum() + top_k_weights.sum())
+    # Tie the inputs and this rank's expert weights into the output even when no token reaches its
+    # experts: every rank then runs the backward collective (a rank that skipped it would leave its peers
+    # waiting) and every expert gets a gradient, zero when unused, as in the single-process model.
+    tie = hidden_states.sum() + top_k_weights.sum() + gate_up.sum() + down.sum()
+    output = torch.zeros_like(hidden_states) + 0.0 * tie
     for local in range(gate_up.shape[0]):
         token_index, slot = torch.where(top_k_index == first + local)
         if token_index.numel() == 0:

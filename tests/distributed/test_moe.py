@@ -10,13 +10,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from components.distributed.grads import grad_norm
 from components.distributed.mesh import resolve_parallel_dims
 from components.distributed.tp_plan import apply_tp_plan, check_plan, plan_for
 from components.distributed.tp_replicas import synchronize_tp_replica_gradients
 from components.models import build_causal_lm, meta_causal_lm, tiny_config
 from components.moe import apply_expert_parallel, check_expert_parallel
 from components.training.step import forward_backward
-from tests.distributed.test_tp_parity import assert_parity, global_batch, parity
+from tests.distributed.test_tp_parity import assert_parity, finish, global_batch, parity
 from tests.harness import mesh
 
 EXPERTS = ("model.layers.*.mlp.experts",)
@@ -136,3 +137,27 @@ def test_expert_parallel_sizes_are_checked():
     assert check_expert_parallel(model, ["model.layers.*.moe"], 8, 2, 2) == [
         "model.experts pattern 'model.layers.*.moe' matches no module of Qwen3MoeForCausalLM"
     ]
+
+
+def check_idle_experts(rank, world_size):
+    # Zero routers give every token the same top-2 (experts 0 and 1), so ranks 1.. own only idle experts:
+    # they must still join every collective, and their experts get zero (not missing) gradients.
+    config = tiny_config("qwen3_moe")
+    tokens, labels, global_tokens = global_batch(config.vocab_size)
+    reference = build_causal_lm(config, seed=0)
+    model, device_mesh = build_parallel_moe(world_size, tp=world_size, ep=world_size)
+    for built in (reference, model):
+        for layer in built.model.layers:
+            torch.nn.init.zeros_(layer.mlp.gate.weight)
+    reference_loss = forward_backward(reference, tokens, labels, global_tokens)
+    loss = forward_backward(model, tokens, labels, global_tokens)
+    norm = finish(model, device_mesh)
+    experts = model.model.layers[0].mlp.experts.gate_up_proj
+    return loss, reference_loss, norm, grad_norm([reference]).item(), experts.grad is not None
+
+
+def test_ranks_whose_experts_get_no_tokens_still_train_in_step(ranks4):
+    for loss, reference_loss, norm, reference_norm, has_grad in ranks4.run(check_idle_experts):
+        assert loss == pytest.approx(reference_loss, rel=1e-5)
+        assert norm == pytest.approx(reference_norm, rel=1e-6)
+        assert has_grad
