@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # The stamp is newer than pyproject.toml once the install for it is done, so a second `make` is instant.
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test lint format clean
+.PHONY: install run test bench regression lint format clean
 
 install: $(STAMP)
 
@@ -20,6 +20,14 @@ run: install
 
 test: install
 	$(PY) -m pytest -q
+
+bench: install
+	$(PY) bench/run_all.py
+
+# Every regression recipe (conf/experiment/) against its golden curve and its tp=1 twin; plots in
+# outputs/regression/. Refresh the golden files with: $(PY) tests/regression/regress.py --update-golden
+regression: install
+	$(PY) tests/regression/regress.py
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -79,6 +79,7 @@ def finalize_dtensor_gradients(model_parts: list[nn.Module]) -> int:
             for gradient in chunk:
                 gradient.copy_(flat[offset : offset + gradient.numel()].view_as(gradient))
                 offset += gradient.numel()
+            del flat  # one chunk's buffer alive at a time
         for parameter in parameters:
             grad = parameter.grad
             parameter.grad = DTensor.from_local(

@@ -395,4 +395,5 @@ def synchronize_tp_replica_gradients(
                 gradient.copy_(flat[offset : offset + gradient.numel()].view_as(gradient))
                 offset += gradient.numel()
             synchronized += len(chunk)
+            del flat  # free this chunk's buffer before the next one is built: peak stays one chunk
     return synchronized
