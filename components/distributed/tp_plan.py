@@ -41,6 +41,8 @@ from components.distributed.tp_replicas import _TP_REPLICA_GRAD_REDUCTION_ATTR, 
 
 _DENSE_DECODER = {
     "model.embed_tokens": "embedding_rowwise",
+    "model.layers.*.self_attn": "attention_input",
+    "model.layers.*.mlp": "mlp_input",
     "model.layers.*.self_attn.q_proj": "colwise",
     "model.layers.*.self_attn.k_proj": "colwise",
     "model.layers.*.self_attn.v_proj": "colwise",
@@ -61,7 +63,7 @@ _SEQUENCE_PARALLEL_NORMS = {
 }
 
 # MoE blocks are left to expert parallelism (components.moe); only attention and the vocabulary are TP.
-_MOE_DECODER = {pattern: style for pattern, style in _DENSE_DECODER.items() if ".mlp." not in pattern}
+_MOE_DECODER = {pattern: style for pattern, style in _DENSE_DECODER.items() if ".mlp" not in pattern}
 
 # Under sequence parallelism an MoE block gathers the sequence once and hands back sequence shards.
 _SEQUENCE_PARALLEL_MOE = {"model.layers.*.mlp": "gather_sequence"}
@@ -123,7 +125,19 @@ def _style(name: str, sequence_parallel: bool) -> ParallelStyle | None:
     tokens = Shard(1) if sequence_parallel else Replicate()
     local_output = not sequence_parallel  # under SP the outputs stay DTensors (see above)
     styles = {
-        "colwise": lambda: ColwiseParallel(input_layouts=tokens),
+        # Under SP the input arrives as a DTensor (gathered by the block's *_input style, or sharded by a
+        # norm), and a DTensor input is redistributed to Replicate whatever ``input_layouts`` says.
+        "colwise": lambda: ColwiseParallel(),
+        # One gather (SP) or one backward all-reduce (plain) per block instead of one per projection:
+        # the block's input becomes a Replicate DTensor that q/k/v (or gate/up) share.
+        "attention_input": lambda: PrepareModuleInput(
+            input_kwarg_layouts={"hidden_states": tokens},
+            desired_input_kwarg_layouts={"hidden_states": Replicate()},
+            use_local_output=False,
+        ),
+        "mlp_input": lambda: PrepareModuleInput(
+            input_layouts=(tokens,), desired_input_layouts=(Replicate(),), use_local_output=False
+        ),
         "rowwise": lambda: RowwiseParallel(output_layouts=tokens, use_local_output=local_output),
         "embedding_rowwise": lambda: RowwiseParallel(
             input_layouts=Replicate(), output_layouts=tokens, use_local_output=local_output

@@ -13,9 +13,9 @@ def test_every_problem_is_listed_together():
     _, errors = check_plan(meta_causal_lm(config), config, plan, tp=4)
     assert errors == [
         "plan pattern 'model.layers.*.mlp.typo_proj' (colwise) matches no module of LlamaForCausalLM",
-        "model.norm: unknown tensor-parallel style 'diagonal'; known: ['colwise', 'colwise_gather_output', "
-        "'embedding_rowwise', 'gather_sequence', 'replicate', 'replicated_with_grad_allreduce', 'rowwise', "
-        "'sequence_parallel', 'vocab_parallel']",
+        "model.norm: unknown tensor-parallel style 'diagonal'; known: ['attention_input', 'colwise', "
+        "'colwise_gather_output', 'embedding_rowwise', 'gather_sequence', 'mlp_input', 'replicate', "
+        "'replicated_with_grad_allreduce', 'rowwise', 'sequence_parallel', 'vocab_parallel']",
         "tp (4) must divide num_attention_heads (6)",
         "tp (4) must divide num_key_value_heads (3)",
         "tp (4) must divide intermediate_size (130)",
