@@ -1,17 +1,48 @@
-"""Process start-up: join a world started by torchrun, or start local ranks with PyTorch's launcher API."""
+"""Process start-up: join a world started by torchrun, or start local ranks with PyTorch's launcher API.
 
+Rank failures under :func:`launch_local`: torch elastic's fail-fast stops the other ranks at once (it polls
+every 0.1 s, then SIGTERMs the rest), and instead of its long ``ChildFailedError`` report the launcher
+prints the failed rank's traceback, then one line, ``error: rank 1 failed: ValueError: ...`` (or ``rank 1
+failed: killed by SIGKILL (pid 123)``), and exits with status 1. Torch elastic names only the first dead
+process it happens to find, which after a SIGKILL is often a peer that lost its connection; so a watcher
+thread records how and when every rank ends (``waitid`` without reaping) and each rank records its own
+exception, and the report names the cause: a rank that raised or was killed, before ranks whose error is
+a lost peer. Ranks started by another launcher (torchrun, several nodes) rely on the collective timeout.
+"""
+
+import contextlib
+import json
+import logging
 import os
+import re
+import shutil
+import signal
 import socket
+import sys
+import tempfile
+import threading
+import time
+import traceback
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 # Every collective gives up after this long instead of hanging forever when a peer has died.
 COLLECTIVE_TIMEOUT = timedelta(minutes=5)
+# Loggers that print torch elastic's own multi-line report of a failed worker (replaced by ours).
+_NOISY_LOGGERS = ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn")
+# Errors a rank raises because a peer died: an effect, so a rank that failed otherwise is named first.
+_PEER_SYMPTOMS = ("connection closed", "connection reset", "broken pipe", "timed out", "timeout", "peer")
+_WATCH_INTERVAL_S = 0.01
+_SOURCE_LOCATION = re.compile(r"\[[^\]\s]+\.(?:cc|cpp|h|hpp):\d+\] ")
 
 
 def free_port() -> int:
@@ -26,11 +57,189 @@ def started_by_launcher() -> bool:
     return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
-def launch_local(entrypoint: Callable[..., Any], nproc: int, *args: Any, start_method: str = "fork") -> dict[int, Any]:
+@dataclass(frozen=True)
+class RankExit:
+    """How one rank ended: its error (one line), when (``time.time()``), and its traceback if it raised."""
+
+    rank: int
+    error: str
+    time: float
+    traceback: str | None = None
+
+    @property
+    def stopped(self) -> bool:
+        """True when the launcher stopped this rank (SIGTERM, which torch elastic's handler turns into a
+        SignalException in the rank) after another had failed."""
+        return self.error.startswith(("killed by SIGTERM", "SignalException:"))
+
+    @property
+    def consequence(self) -> bool:
+        """True when this failure is most likely caused by another: a lost peer, or the launcher's SIGTERM."""
+        return self.stopped or any(word in self.error.lower() for word in _PEER_SYMPTOMS)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    private = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    private.write_text(text)
+    os.replace(private, path)
+
+
+def _run_rank(folder: str, entrypoint: Callable[..., Any], *args: Any) -> Any:
+    """Each rank's entry: note this rank's pid, run ``entrypoint``, and note the exception it raises."""
+    rank = int(os.environ["RANK"])
+    _write_atomically(Path(folder, f"{rank}.pid"), str(os.getpid()))
+    try:
+        return entrypoint(*args)
+    except BaseException as error:
+        if not (isinstance(error, SystemExit) and error.code in (0, None)):
+            text = " ".join(f"{type(error).__name__}: {error}".split())
+            record = {"error": text, "time": time.time(), "traceback": traceback.format_exc()}
+            _write_atomically(Path(folder, f"{rank}.error.json"), json.dumps(record))
+        raise
+
+
+def _exit_of(rank: int, pid: int, info: os.waitid_result) -> RankExit | None:
+    """A rank's failure from its ``waitid`` result; None when it exited with status 0."""
+    if info.si_code == os.CLD_EXITED:
+        if info.si_status == 0:
+            return None
+        return RankExit(rank, f"exited with status {info.si_status} (pid {pid})", time.time())
+    try:
+        name = signal.Signals(info.si_status).name
+    except ValueError:
+        name = f"signal {info.si_status}"
+    return RankExit(rank, f"killed by {name} (pid {pid})", time.time())
+
+
+class RankWatch:
+    """Records when and how each local rank's process ends, without reaping it (``os.waitid`` with
+    ``WNOWAIT``, so torch's own join still works), and collects the exceptions ranks noted."""
+
+    def __init__(self, nproc: int) -> None:
+        self.folder = Path(tempfile.mkdtemp(prefix="shardtune-ranks-"))
+        self._nproc = nproc
+        self._pids: dict[int, int] = {}  # rank -> pid, as each rank notes it
+        self._seen: dict[int, RankExit | None] = {}  # rank -> its exit (None: exited 0, or reaped unseen)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="rank-watch", daemon=True)
+
+    def __enter__(self) -> "RankWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    def stop(self) -> None:
+        """Stop watching (idempotent)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(_WATCH_INTERVAL_S):
+            self.poll()
+
+    def poll(self) -> None:
+        """Look once at every rank that has started and not been seen to end."""
+        if len(self._pids) < self._nproc:
+            for path in self.folder.glob("*.pid"):
+                self._pids[int(path.name.split(".")[0])] = int(path.read_text())
+        for rank, pid in self._pids.items():
+            if rank in self._seen:
+                continue
+            try:
+                info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:  # already reaped by torch's join: its report covers it
+                self._seen[rank] = None
+                continue
+            if info is not None:
+                self._seen[rank] = _exit_of(rank, pid, info)
+
+    def failures(self) -> list["RankExit"]:
+        """Every rank seen to fail or noted an exception; a rank's own note wins over its exit status."""
+        self.stop()
+        self.poll()
+        found = {rank: exit_ for rank, exit_ in self._seen.items() if exit_ is not None}
+        for path in self.folder.glob("*.error.json"):
+            record = json.loads(path.read_text())
+            rank = int(path.name.split(".")[0])
+            found[rank] = RankExit(rank, record["error"], record["time"], record["traceback"])
+        return list(found.values())
+
+
+def _from_elastic(error: ChildFailedError) -> list[RankExit]:
+    """Torch elastic's record of the failures (usually one rank), for ranks the watch missed."""
+    exits = []
+    for rank, failure in error.failures.items():
+        message = failure.message
+        if isinstance(message, dict):  # from the rank's error file: {"message": ..., "extraInfo": ...}
+            text = " ".join(str(message.get("message", "")).split())
+            callstack = message.get("extraInfo", {}).get("py_callstack")
+            exits.append(RankExit(rank, text, failure.timestamp, callstack))
+        elif failure.exitcode < 0:
+            exits.append(RankExit(rank, f"killed by {failure.signal_name()} (pid {failure.pid})", failure.timestamp))
+        else:
+            exits.append(
+                RankExit(rank, f"exited with status {failure.exitcode} (pid {failure.pid})", failure.timestamp)
+            )
+    return exits
+
+
+def _short(text: str, limit: int) -> str:
+    """``text`` without C++ source locations (``[/path/pair.cc:553] ``), cut to ``limit`` characters."""
+    text = _SOURCE_LOCATION.sub("", text)
+    return text if len(text) <= limit else text[: limit - 4] + " ..."
+
+
+def describe_rank_failure(failures: list[RankExit]) -> tuple[str, str | None]:
+    """(the ``error:`` line, the traceback of the rank it names, or None) for the failed ranks.
+
+    The line names the cause: the earliest failure that is not a consequence of another (a lost peer, the
+    launcher's SIGTERM), else the earliest; then, briefly, other ranks that failed on their own (not those
+    that only lost a peer or were stopped by the launcher).
+    """
+    ordered = sorted(failures, key=lambda exit_: (exit_.consequence, exit_.time, exit_.rank))
+    cause, others = ordered[0], [f for f in ordered[1:] if not f.consequence]
+    line = f"error: rank {cause.rank} failed: {_short(cause.error, 400)}"
+    same = [str(f.rank) for f in others if f.error == cause.error]
+    different = [f for f in others if f.error != cause.error]
+    if same:
+        line += f" (so did rank{'s' if len(same) > 1 else ''} {', '.join(same)})"
+    if different:
+        line += " (then " + "; ".join(f"rank {f.rank}: {_short(f.error, 100)}" for f in different[:3]) + ")"
+    return line, cause.traceback
+
+
+@contextlib.contextmanager
+def _quiet_elastic_logs() -> Iterator[None]:
+    """Silence torch elastic's failure logging while it runs (the report is ours); restore it afterwards."""
+    loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
+def launch_local(
+    entrypoint: Callable[..., Any],
+    nproc: int,
+    *args: Any,
+    start_method: str = "fork",
+    exit_on_failure: bool = True,
+) -> dict[int, Any]:
     """Run ``entrypoint(*args)`` on ``nproc`` local ranks and return each rank's result.
 
     ``fork`` starts a rank in well under a second once torch is imported (a fresh interpreter costs ~5 s);
-    use ``spawn`` when CUDA is already initialised in this process. A rank failure fails the whole launch.
+    use ``spawn`` when CUDA is already initialised in this process. A rank failure fails the whole launch:
+    the other ranks are stopped within about a second, and (with ``exit_on_failure``) the failed rank's
+    traceback is printed to stderr, then one ``error: rank N failed: ...`` line, and the process exits with
+    status 1. Without ``exit_on_failure`` the ``ChildFailedError`` propagates.
     """
     config = LaunchConfig(
         min_nodes=1,
@@ -43,7 +252,25 @@ def launch_local(entrypoint: Callable[..., Any], nproc: int, *args: Any, start_m
         monitor_interval=0.1,
         start_method=start_method,
     )
-    return elastic_launch(config, entrypoint)(*args)
+    with RankWatch(nproc) as watch:
+        try:
+            with _quiet_elastic_logs():
+                return elastic_launch(config, _run_rank)(str(watch.folder), entrypoint, *args)
+        except ChildFailedError as error:
+            if not exit_on_failure:
+                raise
+            seen = watch.failures()
+            known = {exit_.rank for exit_ in seen}
+            line, callstack = describe_rank_failure(seen + [f for f in _from_elastic(error) if f.rank not in known])
+        except SignalException as error:  # this launcher was asked to stop: torch elastic stopped every rank
+            if not exit_on_failure:
+                raise
+            print(f"error: stopped by {error.sigval.name}: every rank was terminated", file=sys.stderr, flush=True)
+            raise SystemExit(128 + int(error.sigval)) from None
+    if callstack:
+        print(f"traceback of the failed rank:\n{callstack.rstrip()}", file=sys.stderr)
+    print(line, file=sys.stderr, flush=True)
+    raise SystemExit(1)
 
 
 def init_process_group(backend: str) -> None:

@@ -13,6 +13,10 @@ Atomicity: every rank writes into ``step_00000042.tmp``; after all ranks are don
 and renames the folder (one ``os.replace``, atomic on one filesystem). A crash leaves a ``.tmp`` folder,
 which :func:`latest_checkpoint` never returns and the next save of that step replaces. All ranks must see
 the same filesystem (a shared one across nodes).
+
+Test hook: with the environment variable ``SHARDTUNE_TEST_SAVE_DELAY_S`` set to a number of seconds, every
+save sleeps that long after all ranks have written their files and before the marker and rename, so a test
+can kill a run in the middle of a save (tests/e2e/test_failures.py). It is for tests only; never set it.
 """
 
 import json
@@ -20,6 +24,7 @@ import os
 import random
 import re
 import shutil
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -47,6 +52,8 @@ _NAME = re.compile(r"^step_(\d{8,})$")
 # "optim.param_groups.<fqn>.lr"), so a load does not depend on param-group order. The unflattened layout
 # reshards across tp/dp just as well (measured); this one is what torchtitan uses.
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+# Test-only: seconds each save waits between writing its files and committing them (see the module doc).
+TEST_SAVE_DELAY_ENV = "SHARDTUNE_TEST_SAVE_DELAY_S"
 
 
 def checkpoint_path(root: Path, step: int) -> Path:
@@ -202,6 +209,8 @@ def save_checkpoint(
         torch.save(trainer_state, tmp / TRAINER_STATE)
     if world_size > 1:
         dist.barrier()  # every rank's files are written
+    if delay := float(os.environ.get(TEST_SAVE_DELAY_ENV) or 0):
+        time.sleep(delay)  # test-only: a window to kill the run between writing and committing
     run_on_rank0(lambda: _commit(tmp, final, step, world_size, keep))
     _set_rng_state(rng)
     return final

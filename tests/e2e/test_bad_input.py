@@ -1,0 +1,121 @@
+"""Bad input exits non-zero in seconds with one ``error:`` line on stderr, before any rank starts.
+
+Each case is its own ``python recipes/finetune.py ...`` process; a module fixture runs them two at a time
+(each is mostly the ~5 s of imports) and each case then gets its own assertion.
+"""
+
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+WITHIN_S = 30
+
+# name -> (overrides, text the error line must contain). {root} is a folder of prepared files (see inputs).
+CASES: dict[str, tuple[list[str], str]] = {
+    "unknown model": (["model=gpt5"], "Could not find 'model/gpt5'"),
+    "misspelt key": (["train.max_stpes=5"], "Could not override 'train.max_stpes'"),
+    "tp not dividing heads": (["tp=3", "nproc=3"], "tp (3) must divide num_attention_heads (8)"),
+    "world size not factoring": (["tp=4", "nproc=6"], "world size 6 is not divisible by tp=4"),
+    "dp times tp not the world size": (["tp=2", "dp=3", "nproc=4"], "dp=3 × tp=2 = 6 does not match the world size 4"),
+    "missing pretrained_path": (
+        ["model.pretrained_path=/nonexistent/model"],
+        "model.pretrained_path '/nonexistent/model' is not a Hugging Face model folder (no config.json)",
+    ),
+    "ep not dividing tp": (["model=qwen3_moe", "tp=2", "ep=4", "nproc=4"], "ep (4) must divide tp (2)"),
+    "dense model with ep": (["ep=2", "tp=2"], "ep=2 needs an MoE model"),
+    "batch not dividing": (
+        ["train.global_batch_size=10", "train.micro_batch_size=4"],
+        "train.global_batch_size (10) must be divisible by train.micro_batch_size (4) × dp (1): use a multiple of 4",
+    ),
+    "tp not an integer": (["tp=two"], "tp='two' is not valid: use a positive integer, e.g. tp=2"),
+    "seq_len not an integer": (["train.seq_len=abc"], "train.seq_len='abc' is not valid: use an integer of at least 2"),
+    "seq_len too short for any answer": (["train.seq_len=4"], "has no answer tokens within train.seq_len (4)"),
+    "negative lr": (["optim.lr=-1"], "optim.lr=-1 is not valid: use a positive number"),
+    "unknown optimizer": (["optim.name=adam"], "optim.name='adam' is not valid: use one of adamw, sgd"),
+    "option the optimizer lacks": (["+optim.momentum=0.9"], "optim.momentum is not an option of torch.optim.AdamW"),
+    "negative clip": (["train.clip_grad_norm=-1"], "train.clip_grad_norm=-1 is not valid: use null (no clipping)"),
+    "negative val_every": (["train.val_every=-1"], "train.val_every=-1 is not valid: use 0 (never)"),
+    "sp not a boolean": (["sp=maybe"], "sp='maybe' is not valid: use true or false"),
+    "resume from nowhere": (["checkpoint.resume=/nonexistent/ckpt"], "checkpoint.resume='/nonexistent/ckpt' does not"),
+    "resume from an unfinished save": (
+        ["checkpoint.resume={root}/checkpoints/step_00000002.tmp"],
+        "step_00000002.tmp' is an unfinished save",
+    ),
+    "resume from the checkpoints folder": (
+        ["checkpoint.resume={root}/checkpoints"],
+        "holds checkpoints but is not one: use checkpoint.resume={root}/checkpoints/step_00000004",
+    ),
+    "output_dir is a file": (["output_dir={root}/a_file"], "output_dir='{root}/a_file' is a file, not a folder"),
+    "jsonl without a path": (["data=jsonl"], "data.path is not set: data=jsonl needs data.path="),
+    "missing data file": (["data=jsonl", "data.path={root}/nope.jsonl"], "nope.jsonl' does not exist"),
+    "empty data file": (["data=jsonl", "data.path={root}/empty.jsonl"], "empty.jsonl has no records"),
+    "malformed data line": (["data=jsonl", "data.path={root}/bad.jsonl"], "bad.jsonl line 2: not valid JSON"),
+    "val_fraction out of range": (
+        ["data.val_fraction=1.5"],
+        "data.val_fraction=1.5 is not valid: use a number in [0, 1)",
+    ),
+    "validation without records": (["data.val_fraction=0"], "train.val_every=20 needs validation records"),
+    "unresolvable interpolation": (["train.seq_len=${oops}"], "train.seq_len='${oops}' cannot be resolved"),
+    "several problems at once": (
+        ["tp=two", "optim.lr=0", "train.micro_batch_size=0"],
+        "tp='two' is not valid: use a positive integer, e.g. tp=2; train.micro_batch_size=0 is not valid",
+    ),
+}
+
+
+@dataclass
+class Outcome:
+    returncode: int
+    stderr: str
+    seconds: float
+    root: Path
+
+
+def inputs(root: Path) -> None:
+    """The files the cases point at."""
+    (root / "a_file").write_text("not a folder\n")
+    (root / "empty.jsonl").write_text("\n")
+    (root / "bad.jsonl").write_text('{"prompt": "a", "response": "b"}\n{"prompt": "c", "response": "d"\n')
+    (root / "checkpoints" / "step_00000002.tmp").mkdir(parents=True)
+    (root / "checkpoints" / "step_00000004").mkdir()
+    (root / "checkpoints" / "step_00000004" / "COMPLETE").write_text("{}")
+
+
+def run_case(name: str, root: Path) -> Outcome:
+    overrides = [override.replace("{root}", str(root)) for override in CASES[name][0]]
+    if not any(override.startswith("output_dir=") for override in overrides):
+        overrides.append(f"output_dir={root / 'outputs' / str(list(CASES).index(name))}")
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "recipes/finetune.py", *overrides],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    return Outcome(result.returncode, result.stderr, time.monotonic() - started, root)
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory) -> dict[str, Outcome]:
+    root = tmp_path_factory.mktemp("bad_input")
+    inputs(root)
+    with ThreadPoolExecutor(2) as pool:
+        return dict(zip(CASES, pool.map(lambda name: run_case(name, root), CASES), strict=True))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_gives_one_error_line(case, outcomes):
+    outcome = outcomes[case]
+    expected = CASES[case][1].replace("{root}", str(outcome.root))
+    assert outcome.returncode != 0
+    lines = outcome.stderr.strip().splitlines()
+    assert len(lines) == 1, outcome.stderr
+    assert lines[0].startswith("error: ") and expected in lines[0], lines[0]
+    assert outcome.seconds < WITHIN_S

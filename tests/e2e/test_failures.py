@@ -1,0 +1,205 @@
+"""Failures mid-run: a rank that dies stops the whole run quickly with one clear ``error:`` line, and a run
+killed in the middle of a checkpoint save resumes from the previous checkpoint, reproducing the losses.
+
+The recipe runs as a user starts it (``python recipes/finetune.py ...``) in its own session, so a test can
+SIGKILL one rank (a child of the recipe process) or the whole process group.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from components.distributed.launch import RankExit, describe_rank_failure
+from components.training.checkpoint import MARKER, TEST_SAVE_DELAY_ENV
+
+REPO = Path(__file__).resolve().parents[2]
+# Small and quick: tp=2, 4 sequences per step in 2 micro-batches, no validation or export.
+COMMON = [
+    "tp=2",
+    "train.global_batch_size=4",
+    "train.micro_batch_size=2",
+    "train.val_every=0",
+    "checkpoint.export=false",
+    "data.num_examples=400",
+]
+# How long the survivors and the launcher may take to stop after a rank dies.
+STOP_WITHIN_S = 60
+
+
+def start_recipe(output_dir: Path, *overrides: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start the recipe in its own session (process group), its output in files beside ``output_dir``."""
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    # TMPDIR: what a killed launcher leaves in temporary folders (torch elastic's logs, the rank watch's
+    # notes) stays under the test's own folder.
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(output_dir.parent), **(env or {})}
+    command = [sys.executable, "recipes/finetune.py", *COMMON, f"output_dir={output_dir}", *overrides]
+    # Files, not pipes: nothing blocks on a full pipe. The child keeps its own copies of the descriptors.
+    with open(output_dir.with_suffix(".out"), "w") as out, open(output_dir.with_suffix(".err"), "w") as err:
+        return subprocess.Popen(command, cwd=REPO, env=environment, stdout=out, stderr=err, start_new_session=True)
+
+
+def stderr_of(output_dir: Path) -> str:
+    return output_dir.with_suffix(".err").read_text()
+
+
+def run_recipe(output_dir: Path, *overrides: str) -> None:
+    process = start_recipe(output_dir, *overrides)
+    assert process.wait(timeout=300) == 0, stderr_of(output_dir)[-3000:]
+
+
+def metrics(output_dir: Path) -> list[dict]:
+    path = output_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def kill_group(process: subprocess.Popen) -> None:
+    """SIGKILL the process and all it started (its session), unless it has ended."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def wait_for(condition, timeout: float, process: subprocess.Popen, what: str) -> None:
+    """Poll ``condition`` every 20 ms; fail if the process ends first or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if process.poll() is not None:
+            pytest.fail(f"the recipe exited ({process.returncode}) before {what}")
+        if time.monotonic() > deadline:
+            kill_group(process)
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def children(pid: int) -> list[int]:
+    """The child processes of ``pid`` (from every thread's /proc children list)."""
+    found = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            found.update(int(child) for child in (task / "children").read_text().split())
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return sorted(found)
+
+
+def alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_killed_rank_stops_the_run_and_is_named(tmp_path):
+    output_dir = tmp_path / "run"
+    process = start_recipe(output_dir, "train.max_steps=1000")
+    try:
+        # The launcher forks one process per rank; both are training once two steps are logged.
+        wait_for(lambda: len(metrics(output_dir)) >= 2 and len(children(process.pid)) == 2, 120, process, "step 2")
+        ranks = children(process.pid)
+        victim = ranks[-1]
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.monotonic()
+        returncode = process.wait(timeout=STOP_WITHIN_S)
+        stopped_after = time.monotonic() - killed_at
+    finally:
+        kill_group(process)
+    print(f"recipe exited {stopped_after:.1f} s after the kill")
+    assert returncode != 0
+    assert stopped_after < STOP_WITHIN_S
+    assert not any(alive(pid) for pid in ranks), "a rank outlived the launcher"
+    last = stderr_of(output_dir).strip().splitlines()[-1]
+    assert re.match(rf"error: rank [01] failed: killed by SIGKILL \(pid {victim}\)", last), last
+    assert len(metrics(output_dir)) < 1000
+
+
+# The launcher's report of a rank that raises, without the recipe (it has no fault-injection hook): the same
+# launch_local on 2 ranks, rank 1 raising at its fourth step while rank 0 keeps stepping.
+RAISING_RANKS = textwrap.dedent(
+    """
+    import time
+    import torch
+    import torch.distributed as dist
+    from components.distributed.launch import init_process_group, launch_local
+
+    def work():
+        init_process_group("gloo")
+        for step in range(10_000):
+            dist.all_reduce(torch.ones(1))
+            if step == 3 and dist.get_rank() == 1:
+                raise ValueError("injected failure at step 4")
+            time.sleep(0.01)
+
+    launch_local(work, 2)
+    """
+)
+
+
+def test_a_rank_that_raises_is_named_with_its_error_and_traceback():
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-c", RAISING_RANKS], cwd=REPO, capture_output=True, text=True, timeout=STOP_WITHIN_S
+    )
+    print(f"launch with a raising rank ended in {time.monotonic() - started:.1f} s")
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1] == "error: rank 1 failed: ValueError: injected failure at step 4", result.stderr
+    assert 'File "<string>", line 12, in work' in result.stderr  # the rank's traceback, above the line
+    assert "ChildFailedError" not in result.stderr and "=====" not in result.stderr  # not torch's report
+
+
+def test_the_rank_that_died_is_named_before_peers_that_lost_it():
+    failures = [
+        RankExit(0, "RuntimeError: [gloo] Read error [127.0.0.1]:1234: Connection reset by peer", 10.01, "tb 0"),
+        RankExit(1, "killed by SIGKILL (pid 101)", 10.02),  # seen by the watch's poll after rank 0's error
+        RankExit(2, "SignalException: Process 102 got signal: 15", 10.2, "tb 2"),  # stopped by the launcher
+    ]
+    assert describe_rank_failure(failures) == ("error: rank 1 failed: killed by SIGKILL (pid 101)", None)
+    failures.append(RankExit(3, "ValueError: [/src/x.cc:12] bad", 10.5, "tb 3"))  # failed on its own, later
+    line = "error: rank 1 failed: killed by SIGKILL (pid 101) (then rank 3: ValueError: bad)"
+    assert describe_rank_failure(failures) == (line, None)
+    assert describe_rank_failure([failures[0], failures[3]]) == ("error: rank 3 failed: ValueError: bad", "tb 3")
+    both = [RankExit(1, "RuntimeError: same", 3.0, "tb 1"), RankExit(0, "RuntimeError: same", 3.1, "tb 0")]
+    assert describe_rank_failure(both) == ("error: rank 1 failed: RuntimeError: same (so did rank 0)", "tb 1")
+
+
+def test_a_kill_during_a_checkpoint_save_resumes_from_the_previous_one(tmp_path):
+    steps = ["train.max_steps=6", "checkpoint.every_steps=2"]
+    reference = start_recipe(tmp_path / "uninterrupted", *steps)  # alongside: the CPU results are exact anyway
+    interrupted = tmp_path / "interrupted"
+    checkpoints = interrupted / "checkpoints"
+    saving = checkpoints / "step_00000004.tmp"
+    process = start_recipe(interrupted, *steps, env={TEST_SAVE_DELAY_ENV: "3"})
+    try:
+        # Every rank is writing (or has written) step 4's files; the save waits 3 s before its marker and rename.
+        wait_for(lambda: (saving / "trainer_state.pt").is_file(), 240, process, "step 4's checkpoint files")
+        kill_group(process)
+        assert (checkpoints / "step_00000002" / MARKER).is_file()
+        assert saving.is_dir() and not (saving / MARKER).exists()
+        assert not (checkpoints / "step_00000004").exists()
+        assert [r["step"] for r in metrics(interrupted)] == [1, 2, 3, 4]
+
+        run_recipe(interrupted, *steps, "checkpoint.resume=auto")
+        assert reference.wait(timeout=300) == 0, stderr_of(tmp_path / "uninterrupted")[-3000:]
+    finally:
+        kill_group(process)
+        kill_group(reference)
+    # The resumed run started at step 2: its progress bar starts at 2 of 6 (a fresh start would show 0/6).
+    assert re.search(r"\b2/6\b", stderr_of(interrupted)) and not re.search(r"\b0/6\b", stderr_of(interrupted))
+    records = metrics(interrupted)
+    # Steps 3 and 4 of the killed run may remain before the resumed run's lines (the recipe appends on resume).
+    assert [r["step"] for r in records] in ([1, 2, 3, 4, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6])
+    expected = metrics(tmp_path / "uninterrupted")
+    assert [r["loss"] for r in records[-4:]] == [r["loss"] for r in expected[2:]]  # exact on the CPU
+    assert [r["grad_norm"] for r in records[-4:]] == [r["grad_norm"] for r in expected[2:]]
+    assert (checkpoints / "step_00000004" / MARKER).is_file() and not saving.exists()
