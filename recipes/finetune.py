@@ -36,7 +36,13 @@ from components.models import build_causal_lm, materialize_from_pretrained, meta
 from components.moe import apply_expert_parallel
 from components.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from components.training.export import export_hf
-from components.training.faults import break_replica_sync, inject_after_backward, inject_after_update, parse_fault
+from components.training.faults import (
+    break_replica_sync,
+    inject_after_backward,
+    inject_after_update,
+    inject_at_step_start,
+    parse_fault,
+)
 from components.training.metrics import MetricsLog, plot_loss_curve
 from components.training.schedule import warmup_cosine
 from components.training.step import evaluate_loss_sum, forward_backward
@@ -107,7 +113,9 @@ def train(cfg: DictConfig, prepared: Prepared) -> None:
     dp, dp_rank = prepared.dims.dp, run.mesh["dp"].get_local_rank()
     common = dict(tokenizer=tokenizer, seq_len=cfg.train.seq_len, dp_size=dp, dp_rank=dp_rank, seed=cfg.seed)
     data = StepBatches(train_records, cfg.train.global_batch_size, cfg.train.micro_batch_size, **common)
-    val_data = StepBatches(val_records, cfg.train.micro_batch_size * dp, cfg.train.micro_batch_size, **common)
+    val_data = None  # data.val_fraction=0 leaves no validation set (preflight requires val_every=0 then)
+    if val_records:
+        val_data = StepBatches(val_records, cfg.train.micro_batch_size * dp, cfg.train.micro_batch_size, **common)
 
     model, config, report = build_model(cfg, prepared, run, len(tokenizer))
     if report is not None and run.rank == 0:
@@ -123,10 +131,13 @@ def train(cfg: DictConfig, prepared: Prepared) -> None:
     checkpoints = output_dir / "checkpoints"
     resume = latest_checkpoint(checkpoints) if cfg.checkpoint.resume == "auto" else cfg.checkpoint.resume
     first_step = load_checkpoint(Path(resume), model, optimizer, scheduler)["step"] if resume else 0
+    if run.rank == 0 and resume:
+        print(f"resumed from {resume} at step {first_step}")
     log = MetricsLog(output_dir / "metrics.jsonl", run.rank == 0, first_step, cfg.train.max_steps)
 
     last_step = min(cfg.train.max_steps, cfg.train.stop_after or cfg.train.max_steps)
     for step in range(first_step, last_step):
+        inject_at_step_start(fault, step + 1, run.rank, dist.get_world_size())
         started = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         micro_batches = data.batches_for_step(step)
@@ -161,7 +172,11 @@ def train(cfg: DictConfig, prepared: Prepared) -> None:
             "tokens_per_s": cfg.train.global_batch_size * cfg.train.seq_len / elapsed,
             **({} if finite else {"skipped": True}),
         }
-        if cfg.train.val_every and ((step + 1) % cfg.train.val_every == 0 or step + 1 == cfg.train.max_steps):
+        if (
+            val_data is not None
+            and cfg.train.val_every
+            and ((step + 1) % cfg.train.val_every == 0 or step + 1 == cfg.train.max_steps)
+        ):
             record["val_loss"] = validation_loss(model, val_data, run)
         log.log(record)
         check_replicas(model, run.mesh, step + 1, cfg.debug.check_replicas_every)

@@ -49,6 +49,7 @@ from components.models import load_config, meta_causal_lm, tiny_config
 from components.models.configs import _FAMILIES
 from components.moe import check_expert_parallel
 from components.training.checkpoint import MARKER, latest_checkpoint
+from components.training.faults import parse_fault
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
@@ -135,6 +136,13 @@ def _strings(value: Any) -> bool:
 
 # key -> (accepts the value, what would work). Keys absent from the config (an optimizer's own options)
 # are skipped; a key set to ??? must be given.
+def _is_fault(value: Any) -> bool:
+    try:
+        return parse_fault(value) is not None
+    except ValueError:
+        return False
+
+
 RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "seed": (_integer, "an integer, e.g. seed=0"),
     "tp": (_int_at_least(1), "a positive integer, e.g. tp=2"),
@@ -155,6 +163,9 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "train.val_every": (_int_at_least(0), "0 (never) or a positive number of steps, e.g. train.val_every=20"),
     "train.warmup_steps": (_int_at_least(0), "0 or a positive number of steps, e.g. train.warmup_steps=5"),
     "train.min_lr_ratio": (lambda value: _number(value) and 0 <= value <= 1, "a number in [0, 1], e.g. 0.1"),
+    "train.on_nonfinite": (_one_of("stop", "skip"), "stop or skip"),
+    "debug.check_replicas_every": (_int_at_least(0), "0 (off) or a positive number of steps, e.g. 10"),
+    "debug.fault": (_or_null(_is_fault), "null, nan_grad@STEP, perturb_replica@STEP, raise@STEP or replica_sync_sum"),
     "checkpoint.every_steps": (_int_at_least(0), "0 (off) or a positive number of steps, e.g. 20"),
     "checkpoint.resume": (_or_null(_text), "auto, null or the path of a checkpoint folder"),
     "checkpoint.keep": (_or_null(_int_at_least(1)), "null (keep all) or a positive integer, e.g. 2"),

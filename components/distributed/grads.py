@@ -45,6 +45,28 @@ def _partial_to_replicate_dims(grad: DTensor, target: tuple) -> tuple[int, ...] 
     return tuple(dims)
 
 
+def _check_partial_candidates_present(model_parts: list[nn.Module]) -> None:
+    """Raise on every rank, naming them, if DTensor parameters that may hold Partial gradients have a
+    gradient on some ranks of their mesh and not on others (a parameter unused by one rank's forward):
+    the flat all-reduce below would otherwise mismatch (a hang or an abort) or silently mix gradients."""
+    by_mesh: dict[DeviceMesh, list[tuple[str, bool]]] = {}
+    for part_index, part in enumerate(model_parts):
+        for name, parameter in sorted(part.named_parameters(), key=lambda item: item[0]):
+            if isinstance(parameter, DTensor) and any(isinstance(p, Replicate) for p in parameter.placements):
+                by_mesh.setdefault(parameter.device_mesh, []).append(
+                    (f"{part_index}:{name}" if part_index else name, parameter.grad is not None)
+                )
+    for mesh, entries in by_mesh.items():  # first-appearance order in name order: the same on every rank
+        present = torch.tensor([has for _, has in entries], dtype=torch.int32, device=mesh.device_type)
+        for dim in range(mesh.ndim):
+            dist.all_reduce(present, op=dist.ReduceOp.SUM, group=mesh.get_group(dim))
+        differing = [
+            name for (name, _), count in zip(entries, present.tolist(), strict=True) if 0 < count < mesh.size()
+        ]
+        if differing:
+            raise RuntimeError(f"Gradient presence differs across ranks: {', '.join(differing)}")
+
+
 @torch.no_grad()
 def finalize_dtensor_gradients(model_parts: list[nn.Module]) -> int:
     """Give every DTensor gradient its parameter's placements; return how many gradients changed.
@@ -55,6 +77,7 @@ def finalize_dtensor_gradients(model_parts: list[nn.Module]) -> int:
     placement mismatch falls back to ``DTensor.redistribute``. Call once per optimizer step, after
     gradient accumulation.
     """
+    _check_partial_candidates_present(model_parts)
     groups: dict[tuple, list[nn.Parameter]] = {}
     changed = 0
     for parameter in _trainable_parameters(model_parts):

@@ -3,6 +3,7 @@
 - ``nan_grad@N``: after the backward of step N, rank 0 writes NaN into one gradient (a numerical blow-up).
 - ``perturb_replica@N``: after the update of step N, the last rank nudges its copy of one TP-replicated
   parameter (replica drift, as a non-deterministic kernel or a missed sync would cause).
+- ``raise@N``: the last rank raises at the start of step N (a crash on one rank mid-run).
 - ``replica_sync_sum``: every replicated parameter is sum-reduced instead of mean-reduced (the classic
   mean-vs-sum bug: redundant gradients counted tp times).
 """
@@ -19,7 +20,7 @@ from components.distributed.tp_replicas import (
     mark_tp_replica_gradient_reduction,
 )
 
-KINDS = ("nan_grad", "perturb_replica", "replica_sync_sum")
+KINDS = ("nan_grad", "perturb_replica", "raise", "replica_sync_sum")
 
 
 @dataclass(frozen=True)
@@ -33,10 +34,11 @@ def parse_fault(text: str | None) -> Fault | None:
     if text is None:
         return None
     kind, _, step = str(text).partition("@")
-    needs_step = kind in ("nan_grad", "perturb_replica")
+    needs_step = kind in ("nan_grad", "perturb_replica", "raise")
     if kind not in KINDS or needs_step != step.isdigit() or (step.isdigit() and int(step) < 1):
         raise ValueError(
-            f"debug.fault {text!r} is not a known fault: use nan_grad@STEP, perturb_replica@STEP or replica_sync_sum"
+            f"debug.fault {text!r} is not a known fault: use nan_grad@STEP, perturb_replica@STEP, raise@STEP "
+            "or replica_sync_sum"
         )
     return Fault(kind, int(step) if step else None)
 
@@ -53,6 +55,11 @@ def _first_plain(model: nn.Module, with_grad: bool) -> torch.Tensor:
         if not isinstance(parameter, DTensor) and (parameter.grad is not None or not with_grad):
             return parameter
     raise RuntimeError("no plain replicated parameter to inject a fault into")
+
+
+def inject_at_step_start(fault: Fault | None, step: int, rank: int, world_size: int) -> None:
+    if fault is not None and fault.kind == "raise" and fault.step == step and rank == world_size - 1:
+        raise RuntimeError(f"injected fault (debug.fault=raise@{step})")
 
 
 @torch.no_grad()

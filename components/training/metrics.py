@@ -16,7 +16,11 @@ class MetricsLog:
         self._bar = None
         if writer:
             path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = path.open("a" if first_step > 0 else "w")
+            # On resume keep the lines up to the checkpoint's step: a killed run may have logged past it.
+            kept = _lines_up_to(path, first_step) if first_step > 0 and path.exists() else []
+            self._file = path.open("w")
+            self._file.writelines(line + "\n" for line in kept)
+            self._file.flush()
             self._bar = tqdm(total=max_steps, initial=first_step, unit="step", dynamic_ncols=True)
 
     def log(self, record: dict) -> None:
@@ -36,6 +40,18 @@ class MetricsLog:
         if self.writer:
             self._bar.close()
             self._file.close()
+
+
+def _lines_up_to(path: Path, step: int) -> list[str]:
+    """Complete lines with ``step`` at most ``step`` (a killed run may also have died mid-line)."""
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue
+    return kept
 
 
 def plot_loss_curve(metrics_path: Path, png_path: Path) -> None:

@@ -60,7 +60,8 @@ def check_finalize(rank, world_size):
 def test_partial_gradients_become_replicate_in_one_flat_all_reduce(ranks2):
     for rank, (changed, calls, replicas, sharded, wrong_placements, wrong) in enumerate(ranks2.run(check_finalize)):
         assert changed == 3
-        assert calls == ["all_reduce"]  # a and b together; the Shard mismatch is a local slice
+        # one presence check of the Replicate parameters, then a and b in one buffer; Shard is a local slice
+        assert calls == ["all_reduce", "all_reduce"]
         assert replicas == {n: ((Replicate(),), [3.0] * 3) for n in "ab"}
         assert sharded == [float(rank)] * 2
         assert (wrong_placements, wrong) == ((Shard(0),), [2.0 * rank, 2.0 * rank + 1])
@@ -127,3 +128,22 @@ def check_partial_norm_is_refused(rank, world_size):
 
 def test_grad_norm_refuses_unfinalised_partial_gradients(ranks2):
     ranks2.run(check_partial_norm_is_refused)
+
+
+def check_partial_gradient_missing_on_one_rank(rank, world_size):
+    tp = mesh((world_size,), ("tp",))
+    model = nn.Module()
+    for name in ("norm", "q_norm"):
+        holder = Holder(distribute_tensor(torch.zeros(3), tp, [Replicate()]))
+        holder.weight.grad = DTensor.from_local(torch.ones(3), tp, [Partial()])
+        setattr(model, name, holder)
+    if rank == 1:
+        model.q_norm.weight.grad = None  # unused by this rank's forward
+    with pytest.raises(RuntimeError) as error:
+        finalize_dtensor_gradients([model])
+    return str(error.value), model.norm.weight.grad.placements
+
+
+def test_partial_gradient_missing_on_one_rank_raises_on_every_rank_with_its_name(ranks2):
+    expected = ("Gradient presence differs across ranks: q_norm.weight", (Partial(),))
+    assert ranks2.run(check_partial_gradient_missing_on_one_rank, timeout_s=20) == [expected] * 2
