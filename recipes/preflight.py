@@ -46,7 +46,7 @@ from components.distributed.launch import started_by_launcher
 from components.distributed.mesh import ParallelDims, resolve_parallel_dims
 from components.distributed.tp_plan import check_plan, plan_for
 from components.models import load_config, meta_causal_lm, tiny_config
-from components.models.configs import _FAMILIES
+from components.models.configs import FAMILIES
 from components.moe import check_expert_parallel
 from components.training.checkpoint import MARKER, latest_checkpoint
 from components.training.faults import parse_fault
@@ -175,7 +175,7 @@ RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "data.num_examples": (_or_null(_int_at_least(1)), "null (all) or a positive integer, e.g. 400"),
     "data.val_fraction": (lambda value: _number(value) and 0 <= value < 1, "a number in [0, 1), e.g. 0.05"),
     "model.name": (_text, "a name, e.g. model.name=llama"),
-    "model.family": (_or_null(_one_of(*_FAMILIES)), f"null or one of {', '.join(sorted(_FAMILIES))}"),
+    "model.family": (_or_null(_one_of(*FAMILIES)), f"null or one of {', '.join(sorted(FAMILIES))}"),
     "model.pretrained_path": (_or_null(_text), "null or a local Hugging Face model folder"),
     "model.source": (_one_of(None, "smollm2"), "null or smollm2"),
     "model.experts": (_strings, "a list of module patterns, e.g. [model.layers.*.mlp.experts]"),

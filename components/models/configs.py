@@ -23,7 +23,7 @@ _COMMON = {
     "attn_implementation": "sdpa",
 }
 
-_FAMILIES: dict[str, tuple[type[PretrainedConfig], dict]] = {
+FAMILIES: dict[str, tuple[type[PretrainedConfig], dict]] = {
     "llama": (LlamaConfig, {}),
     "qwen3": (Qwen3Config, {}),  # dense, with q/k norms
     "qwen3_moe": (Qwen3MoeConfig, {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64}),
@@ -37,7 +37,7 @@ def tiny_config(family: str, **overrides) -> PretrainedConfig:
     Raises:
         ValueError: If ``family`` is not one of the known families.
     """
-    if family not in _FAMILIES:
-        raise ValueError(f"unknown model family {family!r}; known families: {', '.join(sorted(_FAMILIES))}")
-    config_class, family_sizes = _FAMILIES[family]
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; known families: {', '.join(sorted(FAMILIES))}")
+    config_class, family_sizes = FAMILIES[family]
     return config_class(**{**_COMMON, **family_sizes, **overrides})
