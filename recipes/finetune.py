@@ -58,7 +58,8 @@ class Run:
 
 def start(prepared: Prepared, seed: int) -> Run:
     """Join the process group and build the ("dp", "tp") mesh."""
-    init_process_group("nccl" if prepared.device_type == "cuda" else "gloo")
+    # On CUDA, gloo serves the few CPU tensors (metrics sums) and NCCL everything on the GPU.
+    init_process_group("cpu:gloo,cuda:nccl" if prepared.device_type == "cuda" else "gloo")
     if prepared.device_type == "cuda":
         torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
     torch.manual_seed(seed)

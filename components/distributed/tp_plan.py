@@ -223,6 +223,10 @@ def check_plan(
     for key, value in sizes.items():
         if value is not None and value % tp:
             errors.append(f"tp ({tp}) must divide {key} ({value})")
+    vocab = getattr(config, "vocab_size", None)
+    if vocab is not None and vocab % tp and "sequence_parallel" in resolved.values():
+        # The replicated-vocabulary fallback hands plain tensors to sequence-parallel norms: refuse it.
+        errors.append(f"sequence parallelism needs tp ({tp}) to divide vocab_size ({vocab}); use sp=false")
     return resolved, errors
 
 

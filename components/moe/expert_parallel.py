@@ -58,10 +58,15 @@ class _EnterExpertGroup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, hidden_grad: torch.Tensor, weights_grad: torch.Tensor):
-        flat = torch.cat([hidden_grad.reshape(-1), weights_grad.reshape(-1).to(hidden_grad.dtype)])
+        # Summed in FP32 whatever the activations' dtype (bf16 models keep fp32 routing weights).
+        flat = torch.cat([hidden_grad.reshape(-1).float(), weights_grad.reshape(-1).float()])
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=ctx.group)
         hidden, weights = flat.split([hidden_grad.numel(), weights_grad.numel()])
-        return hidden.view_as(hidden_grad), weights.view_as(weights_grad).to(weights_grad.dtype), None
+        return (
+            hidden.view_as(hidden_grad).to(hidden_grad.dtype),
+            weights.view_as(weights_grad).to(weights_grad.dtype),
+            None,
+        )
 
 
 def _local_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):

@@ -124,3 +124,8 @@ def test_sequence_parallel_also_works_with_eager_attention(ranks2):
     # Eager attention builds an explicit causal mask from hidden_states.shape: it must see the global length.
     config = tiny_config("llama", attn_implementation="eager")
     assert_parity(ranks2.run(check_parity_with_config, config, 2, True))
+
+
+def test_a_vocabulary_tp_does_not_divide_stays_replicated_and_trains_the_same(ranks2):
+    # The documented fallback: embedding and lm_head replicated (mean), everything else sharded.
+    assert_parity(ranks2.run(check_parity_with_config, tiny_config("llama", vocab_size=257), 2, False))

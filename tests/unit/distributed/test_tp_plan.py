@@ -51,3 +51,10 @@ def test_unknown_model_type_without_a_hf_plan_is_an_error():
 
     with pytest.raises(ValueError, match="no tensor-parallel plan for model type 'bare'"):
         plan_for(Bare())
+
+
+def test_sequence_parallel_needs_the_vocabulary_sharded():
+    config = tiny_config("llama", vocab_size=257)
+    _, errors = check_plan(meta_causal_lm(config), config, plan_for(config, sequence_parallel=True), tp=2)
+    assert errors == ["sequence parallelism needs tp (2) to divide vocab_size (257); use sp=false"]
+    assert check_plan(meta_causal_lm(config), config, plan_for(config), tp=2)[1] == []  # replicated fallback
