@@ -18,10 +18,11 @@ Time: every rank waits at a barrier, runs the variant, and records its own elaps
 is the slowest rank's. The median over the repetitions (after warm-up) is reported.
 
 Extra memory: computed analytically from the buffers each variant allocates and their lifetimes as the code
-is written (``ours`` from the source of ``tp_replicas.py``: the previous group's flat buffer is still bound
-while the next group's ``cat`` and fp32 copy are made). A measured cross-check (rank 0's peak resident set
-above its resident set before the call, Linux ``VmHWM`` reset through ``/proc/self/clear_refs``) is shown
-next to it; it undercounts whenever the allocator reuses pages that are already resident.
+is written (``ours`` from the source of ``tp_replicas.py``: one chunk's buffer at a time, allocated at its
+wire dtype and filled slice by slice, so the peak is the largest chunk). A measured cross-check (rank 0's
+peak resident set above its resident set before the call, Linux ``VmHWM`` reset through
+``/proc/self/clear_refs``) is shown next to it; it undercounts whenever the allocator reuses pages that are
+already resident.
 """
 
 import statistics
@@ -198,11 +199,12 @@ def analytic_peak_bytes(model: nn.Module, variant: str) -> int:
         chunks = [grads] if variant == "flatten" else _chunks(grads)
         for chunk in chunks:
             numel = sum(g.numel() for g in chunk)
+            if variant == "ours":  # one wire-dtype buffer per chunk, freed before the next
+                peak = max(peak, _bytes(numel, _wire_dtype(dtype)))
+                continue
             cat = _bytes(numel, dtype)
-            # ours casts a low-precision cat to an fp32 copy; both live while the previous flat is still bound.
-            cast = _bytes(numel, _wire_dtype(dtype)) if variant == "ours" and _wire_dtype(dtype) != dtype else 0
-            peak = max(peak, previous + cat + cast)
-            previous = cast or cat
+            peak = max(peak, previous + cat)
+            previous = cat
     return peak
 
 

@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from components.distributed.tp_replicas import _gradient_chunks, _gradient_reduce_dtype
+from components.distributed.tp_replicas import _gradient_chunks, _gradient_reduce_dtype, _pack, _unpack
 
 
 def _trainable_parameters(model_parts: list[nn.Module]) -> Iterator[nn.Parameter]:
@@ -95,13 +95,10 @@ def finalize_dtensor_gradients(model_parts: list[nn.Module]) -> int:
     for (mesh, dims, dtype, _), parameters in groups.items():
         locals_ = [parameter.grad._local_tensor for parameter in parameters]
         for chunk in _gradient_chunks(locals_):
-            flat = torch.cat([g.reshape(-1) for g in chunk]).to(_gradient_reduce_dtype(dtype))
+            flat = _pack(chunk, _gradient_reduce_dtype(dtype), chunk[0].device)
             for dim in dims:
                 dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=mesh.get_group(dim))
-            offset = 0
-            for gradient in chunk:
-                gradient.copy_(flat[offset : offset + gradient.numel()].view_as(gradient))
-                offset += gradient.numel()
+            _unpack(flat, chunk)
             del flat  # one chunk's buffer alive at a time
         for parameter in parameters:
             grad = parameter.grad

@@ -122,6 +122,25 @@ def _gradient_chunks(gradients: list[torch.Tensor]) -> Iterator[list[torch.Tenso
         yield chunk
 
 
+def _pack(chunk: list[torch.Tensor], dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
+    """One flat communication buffer holding ``chunk`` in ``dtype``: each gradient is copied (and cast)
+    straight into its slice, so the only extra memory is the buffer itself."""
+    flat = torch.empty(sum(g.numel() for g in chunk), dtype=dtype, device=device)
+    offset = 0
+    for gradient in chunk:
+        flat[offset : offset + gradient.numel()].copy_(gradient.reshape(-1))
+        offset += gradient.numel()
+    return flat
+
+
+def _unpack(flat: torch.Tensor, chunk: list[torch.Tensor]) -> None:
+    """Copy each slice of ``flat`` back into its gradient, in place and in the gradient's own dtype."""
+    offset = 0
+    for gradient in chunk:
+        gradient.copy_(flat[offset : offset + gradient.numel()].view_as(gradient))
+        offset += gradient.numel()
+
+
 def _is_tp_replicated(
     tensor: torch.Tensor, tp_group_ranks: tuple[int, ...], current_rank: int, tp_axis_name: str
 ) -> bool:
@@ -383,17 +402,13 @@ def synchronize_tp_replica_gradients(
         groups.setdefault((reduction, local.device, local.dtype), []).append(local)
 
     synchronized = 0
-    for (reduction, device, dtype), gradients in groups.items():
+    for (reduction, _, dtype), gradients in groups.items():
         for chunk in _gradient_chunks(gradients):
-            flat = torch.cat([g.reshape(-1) for g in chunk]).to(tp_mesh.device_type, _gradient_reduce_dtype(dtype))
+            flat = _pack(chunk, _gradient_reduce_dtype(dtype), tp_mesh.device_type)
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
             if reduction == "mean":
                 flat.div_(tp_size)
-            flat = flat.to(device)
-            offset = 0
-            for gradient in chunk:
-                gradient.copy_(flat[offset : offset + gradient.numel()].view_as(gradient))
-                offset += gradient.numel()
+            _unpack(flat, chunk)
             synchronized += len(chunk)
             del flat  # free this chunk's buffer before the next one is built: peak stays one chunk
     return synchronized
