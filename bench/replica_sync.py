@@ -62,35 +62,33 @@ class Holder(nn.Module):
         self.weight = nn.Parameter(torch.randn(shape, dtype=dtype))
 
 
-def llama3_8b_norms() -> nn.Module:
-    """(a) Llama-3-8B: 32 layers × 2 RMSNorms + the final norm = 65 vectors of 4096 fp32."""
+def _decoder_norms(layers: int, qk_norms: bool) -> nn.Module:
+    """Per layer 2 RMSNorms of 4096 (plus q_norm, k_norm of 128 marked "sum"), and a final norm: fp32."""
     model = nn.Module()
     model.layers = nn.ModuleList()
-    for _ in range(32):
+    for _ in range(layers):
         layer = nn.Module()
         layer.input_layernorm = Holder((4096,), torch.float32)
         layer.post_attention_layernorm = Holder((4096,), torch.float32)
+        if qk_norms:
+            layer.self_attn = nn.Module()
+            layer.self_attn.q_norm = Holder((128,), torch.float32)
+            layer.self_attn.k_norm = Holder((128,), torch.float32)
+            mark_tp_replica_gradient_reduction(layer.self_attn.q_norm, "sum")
+            mark_tp_replica_gradient_reduction(layer.self_attn.k_norm, "sum")
         model.layers.append(layer)
     model.norm = Holder((4096,), torch.float32)
     return model
+
+
+def llama3_8b_norms() -> nn.Module:
+    """(a) Llama-3-8B: 32 layers × 2 RMSNorms + the final norm = 65 vectors of 4096 fp32."""
+    return _decoder_norms(32, qk_norms=False)
 
 
 def qwen3_norms() -> nn.Module:
     """(b) Qwen3-8B-like: 36 layers × (2 norms of 4096 + q_norm, k_norm of 128, marked "sum") + final norm."""
-    model = nn.Module()
-    model.layers = nn.ModuleList()
-    for _ in range(36):
-        layer = nn.Module()
-        layer.input_layernorm = Holder((4096,), torch.float32)
-        layer.post_attention_layernorm = Holder((4096,), torch.float32)
-        layer.self_attn = nn.Module()
-        layer.self_attn.q_norm = Holder((128,), torch.float32)
-        layer.self_attn.k_norm = Holder((128,), torch.float32)
-        mark_tp_replica_gradient_reduction(layer.self_attn.q_norm, "sum")
-        mark_tp_replica_gradient_reduction(layer.self_attn.k_norm, "sum")
-        model.layers.append(layer)
-    model.norm = Holder((4096,), torch.float32)
-    return model
+    return _decoder_norms(36, qk_norms=True)
 
 
 def moe_routers() -> nn.Module:

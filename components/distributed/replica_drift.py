@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from components.distributed.tp_replicas import _get_tp_mesh, _is_tp_replicated, _local_tensor, _unmarked_entries
+from components.distributed.tp_replicas import _get_tp_mesh, _is_tp_replicated, _local_tensor, _unmarked_entries_by_name
 
 
 def _replicated_tensors(model_parts: list[nn.Module], tp_mesh: DeviceMesh) -> list[tuple[str, torch.Tensor]]:
@@ -19,7 +19,7 @@ def _replicated_tensors(model_parts: list[nn.Module], tp_mesh: DeviceMesh) -> li
     rank = dist.get_rank()
     return [
         (name, _local_tensor(tensor).detach())
-        for (_, name), tensor, _ in sorted(_unmarked_entries(model_parts), key=lambda entry: entry[0])
+        for (_, name), tensor, _ in _unmarked_entries_by_name(model_parts)
         if _is_tp_replicated(tensor, ranks, rank, "tp")
         and not _local_tensor(tensor).is_meta
         and tensor.is_floating_point()

@@ -227,6 +227,13 @@ def _unmarked_entries(model_parts: list[torch.nn.Module]) -> list[tuple[_NameKey
     ]
 
 
+def _unmarked_entries_by_name(
+    model_parts: list[torch.nn.Module],
+) -> list[tuple[_NameKey, torch.nn.Parameter, str]]:
+    """:func:`_unmarked_entries` in rank-stable (model part index, smallest name) order."""
+    return sorted(_unmarked_entries(model_parts), key=lambda entry: entry[0])
+
+
 def _iter_unique_parameters(
     model_parts: list[torch.nn.Module],
 ) -> Iterator[tuple[torch.nn.Parameter, Literal["mean", "sum"]]]:
@@ -247,7 +254,7 @@ def _iter_unique_parameters_by_name(
     The same parameters as :func:`_iter_unique_parameters`, sorted by (model part index, smallest fully
     qualified name), so every rank issues its collectives in the same order.
     """
-    for _, parameter, reduction in sorted(_unmarked_entries(model_parts), key=lambda entry: entry[0]):
+    for _, parameter, reduction in _unmarked_entries_by_name(model_parts):
         yield parameter, reduction
 
 
@@ -361,7 +368,7 @@ def synchronize_tp_replica_gradients(
 
     candidates = [
         (key[1], parameter, reduction)
-        for key, parameter, reduction in sorted(_unmarked_entries(model_parts), key=lambda entry: entry[0])
+        for key, parameter, reduction in _unmarked_entries_by_name(model_parts)
         if parameter.requires_grad and _is_tp_replicated(parameter, tp_ranks, rank, tp_axis_name)
     ]
     if not candidates:

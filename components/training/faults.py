@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from components.distributed.tp_replicas import (
     _TP_REPLICA_GRAD_REDUCTION_ATTR,
-    _unmarked_entries,
+    _unmarked_entries_by_name,
     mark_tp_replica_gradient_reduction,
 )
 
@@ -51,7 +51,7 @@ def break_replica_sync(model: nn.Module) -> None:
 
 
 def _first_plain(model: nn.Module, with_grad: bool) -> torch.Tensor:
-    for _, parameter, _ in sorted(_unmarked_entries([model]), key=lambda entry: entry[0]):
+    for _, parameter, _ in _unmarked_entries_by_name([model]):
         if not isinstance(parameter, DTensor) and (parameter.grad is not None or not with_grad):
             return parameter
     raise RuntimeError("no plain replicated parameter to inject a fault into")
