@@ -9,12 +9,12 @@ hold nothing), then rank 0 writes into ``<out_dir>.tmp``:
 - every metadata file of the source model folder, byte-identical (``generation_config.json``, chat templates,
   tokenizer files, licences: every top-level file that is neither weights, ``config.json`` nor ``README.md``);
   a source file wins over a tokenizer file of the same name;
-- ``README.md``, a short model card naming the recipe, the base model and the config the run was made with;
-- ``.shardtune-export.json``, the list of files this export wrote.
+- ``README.md``, a short model card naming the recipe, the base model and the config the run was made with.
 
-It then renames the folder to ``out_dir`` (the old one is moved aside first), so a half-written export is
-never mistaken for a model. An existing ``out_dir`` is only replaced when every file in it is one an earlier
-export listed: a folder holding anything else (a user's own files) is refused with a ValueError, untouched.
+``publish_folder`` then adds the manifest of the files written (``components.training.output_dir``) and
+renames the folder to ``out_dir`` (the old one is moved aside first), so a half-written export is never
+mistaken for a model. An existing ``out_dir`` is only replaced when every file in it is one an earlier export
+wrote: a folder holding anything else (a user's own files) is refused with a ValueError, untouched.
 """
 
 import copy
@@ -30,9 +30,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from transformers import PretrainedConfig, PreTrainedModel
 
 from components.training.checkpoint import publish_folder, run_on_rank0
+from components.training.output_dir import foreign_files
 
 INDEX_FILE = "model.safetensors.index.json"
-MANIFEST = ".shardtune-export.json"
 CARD = "README.md"
 # Files of a source model folder that the export writes itself or that hold weights: never copied.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx")
@@ -86,13 +86,9 @@ def metadata_files(source_dir: Path) -> list[Path]:
 def check_export_target(out_dir: Path) -> str | None:
     """Why ``out_dir`` may not receive an export (it holds files no earlier export wrote), or None."""
     out_dir = Path(out_dir)
-    if not out_dir.exists():
-        return None
-    if not out_dir.is_dir():
+    if out_dir.exists() and not out_dir.is_dir():
         return f"export folder {out_dir} exists and is not a folder; move it away or choose another output_dir"
-    manifest = out_dir / MANIFEST
-    written = set(json.loads(manifest.read_text())["files"]) if manifest.is_file() else set()
-    foreign = sorted(path.name for path in out_dir.iterdir() if path.name not in written | {MANIFEST})
+    foreign = foreign_files(out_dir)
     if not foreign:
         return None
     shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
@@ -143,7 +139,7 @@ def _write_weights(state: dict[str, torch.Tensor], folder: Path, max_shard_size:
 
 
 def _write_folder(folder: Path, state, config, tokenizer, max_shard_size: str, source_dir, card: str) -> None:
-    """Everything of one export into the empty ``folder``, the manifest last."""
+    """Everything of one export into the empty ``folder``."""
     _write_weights(state, folder, max_shard_size)
     config.save_pretrained(folder)
     if tokenizer is not None:
@@ -151,8 +147,6 @@ def _write_folder(folder: Path, state, config, tokenizer, max_shard_size: str, s
     for path in metadata_files(source_dir) if source_dir is not None else []:
         shutil.copyfile(path, folder / path.name)  # follows links: a Hub cache snapshot holds links to blobs
     (folder / CARD).write_text(card)
-    files = sorted(path.name for path in folder.iterdir())
-    (folder / MANIFEST).write_text(json.dumps({"files": files}, indent=1) + "\n")
 
 
 def export_hf(
@@ -179,8 +173,9 @@ def export_hf(
     in from the model when missing (vLLM needs it).
 
     Raises:
-        ValueError: On every rank, before any gathering, when ``out_dir`` holds files no export wrote
-            (:func:`check_export_target`); nothing is changed then.
+        ValueError: Before any gathering, when ``out_dir`` holds files no export wrote
+            (:func:`check_export_target`); nothing is changed then. Rank 0 raises the ValueError, the other
+            ranks a RuntimeError quoting it (``run_on_rank0``).
     """
     out_dir = Path(out_dir)
     dtype = dtype if dtype is not None else source_dtype(source_dir)

@@ -17,12 +17,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 from components.models import build_causal_lm, tiny_config
 from components.training.export import (
     INDEX_FILE,
-    MANIFEST,
     check_export_target,
     export_hf,
     metadata_files,
     source_dtype,
 )
+from components.training.output_dir import MANIFEST
 
 TOKENS = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
 
