@@ -7,6 +7,7 @@ clearly, which is the point of a demonstration run.
 """
 
 import random
+from collections.abc import Iterator
 
 LETTERS = "abcdefghij"
 
@@ -48,8 +49,8 @@ def _sort(rng: random.Random) -> tuple[str, str]:
 TASKS = (_reverse, _uppercase, _repeat_twice, _next_letter, _add, _sort)
 
 
-def generate_examples(n: int, seed: int) -> list[dict]:
-    """``n`` ``{"prompt", "response"}`` records drawn from the templated tasks; same (n, seed), same list.
+def iter_examples(n: int, seed: int) -> Iterator[dict]:
+    """``n`` ``{"prompt", "response"}`` records drawn from the templated tasks, one at a time (no list held).
 
     Raises:
         ValueError: If ``n`` is negative.
@@ -57,8 +58,15 @@ def generate_examples(n: int, seed: int) -> list[dict]:
     if n < 0:
         raise ValueError(f"number of generated examples must be >= 0, got {n}")
     rng = random.Random(seed)
-    records = []
     for _ in range(n):
         prompt, response = rng.choice(TASKS)(rng)
-        records.append({"prompt": prompt, "response": response})
-    return records
+        yield {"prompt": prompt, "response": response}
+
+
+def generate_examples(n: int, seed: int) -> list[dict]:
+    """``n`` ``{"prompt", "response"}`` records drawn from the templated tasks; same (n, seed), same list.
+
+    Raises:
+        ValueError: If ``n`` is negative.
+    """
+    return list(iter_examples(n, seed))

@@ -5,6 +5,7 @@ The recipe reads the data before it starts any process, so a typo on line 9000 s
 """
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 ROLES = ("system", "user", "assistant")
@@ -14,8 +15,8 @@ class DataError(ValueError):
     """Training data that cannot be used; the message is one line naming the file and line."""
 
 
-def _problem(record) -> str | None:
-    """What is wrong with one parsed line, or None when it is a usable record."""
+def record_problem(record) -> str | None:
+    """What is wrong with one parsed record, or None when it is a usable one."""
     if not isinstance(record, dict):
         return f"expected a JSON object, got {type(record).__name__}"
     if "messages" in record:
@@ -37,19 +38,16 @@ def _problem(record) -> str | None:
     return 'needs "prompt" and "response" strings, or "messages"'
 
 
-def read_jsonl(path: str | Path) -> list[dict]:
-    """Every record of a JSONL file: ``{"prompt", "response"}`` or ``{"messages": [...]}`` objects.
-
-    Blank lines are skipped. A messages record's last message must be the assistant's (what is trained on).
+def iter_jsonl(path: str | Path) -> Iterator[dict]:
+    """Every record of a JSONL file in order, each checked as it is read (see :func:`read_jsonl`).
 
     Raises:
-        DataError: At the first bad line (``data.jsonl line 3: not valid JSON (...)``), if the file does not
-            exist, or if it holds no records.
+        DataError: At the first bad line (``data.jsonl line 3: not valid JSON (...)``), or if the file does
+            not exist.
     """
     path = Path(path)
     if not path.is_file():
         raise DataError(f"data file not found: {path}")
-    records = []
     with path.open("rb") as lines:  # bytes, so an encoding error can name its line too
         for number, raw in enumerate(lines, start=1):
             try:
@@ -62,10 +60,22 @@ def read_jsonl(path: str | Path) -> list[dict]:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
                 raise DataError(f"{path} line {number}: not valid JSON ({error.msg})") from None
-            problem = _problem(record)
+            problem = record_problem(record)
             if problem:
                 raise DataError(f"{path} line {number}: {problem}")
-            records.append(record)
+            yield record
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """Every record of a JSONL file: ``{"prompt", "response"}`` or ``{"messages": [...]}`` objects.
+
+    Blank lines are skipped. A messages record's last message must be the assistant's (what is trained on).
+
+    Raises:
+        DataError: At the first bad line (``data.jsonl line 3: not valid JSON (...)``), if the file does not
+            exist, or if it holds no records.
+    """
+    records = list(iter_jsonl(path))
     if not records:
         raise DataError(f"{path} has no records: expected one JSON object per line")
     return records

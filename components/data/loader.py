@@ -1,20 +1,60 @@
-"""Deterministic, resumable batches: the sequences of any optimizer step follow from the step number alone.
+"""Deterministic, resumable batches: the rows of any optimizer step follow from the step number alone.
 
-Step ``s`` takes positions ``s * global_batch_size ...`` of an endless stream made of one seeded permutation
-of the dataset per epoch (epoch ``e`` shuffled with ``seed + e``), so resuming at step ``k`` needs no loader
-state and every record appears once per epoch. The global batch is cut into ``dp_size`` contiguous parts
-(dp rank ``r`` takes part ``r``; every tensor-parallel rank of that dp rank builds the same loader and gets
-the same part), and each part into micro-batches for gradient accumulation.
+A row is one example, or several packed ones (:mod:`components.data.packing`). Step ``s`` takes positions
+``s * global_batch_size ...`` of an endless stream made of one seeded permutation of the rows per epoch
+(epoch ``e`` shuffled with ``seed + e``), so resuming at step ``k`` needs no loader state and every row
+appears once per epoch. The global batch is cut into ``dp_size`` contiguous parts (dp rank ``r`` takes part
+``r``; every tensor-parallel rank of that dp rank builds the same loader and gets the same part), and each
+part into micro-batches for gradient accumulation.
+
+The tokenized examples are an Arrow dataset, memory-mapped when opened from the folder the launcher
+prepared (:func:`components.data.prepare.prepare_data`): a rank reads only the rows of its steps, and
+holds per row just a few integers.
 """
 
 import random
+from dataclasses import dataclass
 from functools import lru_cache
 
+import datasets
+import numpy as np
 import torch
 
-from components.data.collate import labelled_tokens, pad_batch, tokenize_records
+from components.data.collate import IGNORE_INDEX, record_error, tokenize_batch
+from components.data.packing import row_offsets
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+
+@dataclass(frozen=True)
+class TokenizedSplit:
+    """What a rank needs to open one prepared split (:func:`components.data.prepare.prepare_data` makes it):
+    the Arrow folder of tokenized examples, the row file, and which part of it (train or val) to read."""
+
+    tokens_dir: str
+    rows_file: str
+    part: str  # "train" or "val"
+    seq_len: int
+    pad_id: int
+    num_examples: int
+    num_rows: int
+
+
+@dataclass
+class Batch:
+    """One micro-batch, every tensor [rows, seq_len]. ``labels`` are aligned with the inputs (the loss
+    shifts them); ``position_ids`` restart at each packed example, which is how the model keeps attention
+    inside examples (no attention mask is passed: Hugging Face builds the block-diagonal causal mask from
+    the restarts, and would not look for them if a mask were given)."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor
+
+    def to(self, device: torch.device | str) -> "Batch":
+        return Batch(self.input_ids.to(device), self.labels.to(device), self.position_ids.to(device))
+
+    def labelled_tokens(self) -> int:
+        """Positions the loss counts: shifted labels that are not -100."""
+        return int((self.labels[:, 1:] != IGNORE_INDEX).sum())
 
 
 def pad_id_of(tokenizer) -> int:
@@ -29,20 +69,110 @@ def pad_id_of(tokenizer) -> int:
     raise ValueError(f"tokenizer {type(tokenizer).__name__} has no pad or eos token to pad batches with")
 
 
-class StepBatches:
-    """One dp rank's micro-batches of any optimizer step, and the labelled-token count of a whole step.
+def collate_rows(rows: list[list[tuple[list[int], list[int]]]], seq_len: int, pad_id: int) -> Batch:
+    """A Batch of rows, each a list of (input_ids, labels) examples laid end to end and right-padded.
 
-    ``records`` are ``{"prompt", "response"}`` or ``{"messages"}`` dicts; they are tokenized once here with
-    ``tokenize_records`` (prompt masked, answer labelled, cut to ``seq_len``).
+    Positions restart at 0 at each example and run on through the padding after the last one, so a row of
+    one example has positions ``0 .. seq_len - 1``, as an unpacked row always had.
 
     Raises:
-        ValueError: If there are no records, a size is below 1, ``dp_rank`` is not in ``range(dp_size)``, or
+        ValueError: If a row's examples hold more than ``seq_len`` tokens, or an example's ids and labels
+            differ in length.
+    """
+    input_ids = torch.full((len(rows), seq_len), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), seq_len), IGNORE_INDEX, dtype=torch.long)
+    position_ids = torch.arange(seq_len, dtype=torch.long).repeat(len(rows), 1)
+    for row, examples in enumerate(rows):
+        start = 0
+        for ids, row_labels in examples:
+            end = start + len(ids)
+            if len(ids) != len(row_labels) or end > seq_len:
+                raise ValueError(
+                    f"row {row} does not fit: an example of {len(ids)} ids and {len(row_labels)} labels at "
+                    f"position {start}; ids and labels must be equal in length and end within seq_len ({seq_len})"
+                )
+            input_ids[row, start:end] = torch.tensor(ids, dtype=torch.long)
+            labels[row, start:end] = torch.tensor(row_labels, dtype=torch.long)
+            position_ids[row, start:] = torch.arange(seq_len - start)
+            start = end
+    return Batch(input_ids, labels, position_ids)
+
+
+def _check_sizes(global_batch_size: int, micro_batch_size: int, dp_size: int, dp_rank: int) -> None:
+    sizes = {"train.global_batch_size": global_batch_size, "train.micro_batch_size": micro_batch_size}
+    for name, value in (sizes | {"dp": dp_size}).items():
+        if value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
+    if global_batch_size % (micro_batch_size * dp_size):
+        raise ValueError(
+            f"train.global_batch_size ({global_batch_size}) must be divisible by train.micro_batch_size "
+            f"({micro_batch_size}) × dp ({dp_size})"
+        )
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank ({dp_rank}) must be in 0..{dp_size - 1} for dp ({dp_size})")
+
+
+class StepBatches:
+    """One dp rank's micro-batches of any optimizer step, and the token counts of a whole step.
+
+    ``tokens`` is a tokenized dataset (columns ``input_ids``, ``labels``, ``length``, ``labelled``, as
+    :func:`components.data.collate.tokenize_batch` writes them); ``order`` lists the examples of this split
+    and ``offsets`` cuts it into rows (row ``r`` is ``order[offsets[r]:offsets[r + 1]]``). Build it with
+    :meth:`open` on a prepared split, or :meth:`from_records` for a few records in memory.
+
+    Raises:
+        ValueError: If there are no rows, a size is below 1, ``dp_rank`` is not in ``range(dp_size)``, or
             ``global_batch_size`` is not divisible by ``micro_batch_size × dp_size``.
-        DataError: If a record's answer lies entirely beyond ``seq_len``.
     """
 
     def __init__(
         self,
+        tokens: datasets.Dataset,
+        order: np.ndarray,
+        offsets: np.ndarray,
+        global_batch_size: int,
+        micro_batch_size: int,
+        *,
+        seq_len: int,
+        pad_id: int,
+        dp_size: int,
+        dp_rank: int,
+        seed: int,
+    ):
+        if len(offsets) < 2:
+            raise ValueError("no records to batch: the dataset (or its validation split) is empty")
+        _check_sizes(global_batch_size, micro_batch_size, dp_size, dp_rank)
+        self.tokens = tokens.select_columns(["input_ids", "labels"])
+        self.order, self.offsets = np.asarray(order, dtype=np.int64), np.asarray(offsets, dtype=np.int64)
+        self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
+        self.seq_len, self.pad_id = seq_len, pad_id
+        self.dp_size, self.dp_rank, self.seed = dp_size, dp_rank, seed
+        starts = self.offsets[:-1]
+        self._row_tokens = np.add.reduceat(tokens.data.column("length").to_numpy()[self.order], starts)
+        self._row_labelled = np.add.reduceat(tokens.data.column("labelled").to_numpy()[self.order], starts)
+        self._permutation = lru_cache(maxsize=2)(self._shuffle)
+
+    @classmethod
+    def open(
+        cls,
+        split: TokenizedSplit,
+        global_batch_size: int,
+        micro_batch_size: int,
+        *,
+        dp_size: int,
+        dp_rank: int,
+        seed: int,
+    ) -> "StepBatches":
+        """The loader of a prepared split, its tokens memory-mapped from the launcher's cache folder."""
+        tokens = datasets.load_from_disk(split.tokens_dir)
+        with np.load(split.rows_file) as rows:
+            order, offsets = rows[f"{split.part}_order"], rows[f"{split.part}_offsets"]
+        sizes = dict(seq_len=split.seq_len, pad_id=split.pad_id, dp_size=dp_size, dp_rank=dp_rank, seed=seed)
+        return cls(tokens, order, offsets, global_batch_size, micro_batch_size, **sizes)
+
+    @classmethod
+    def from_records(
+        cls,
         records: list[dict],
         global_batch_size: int,
         micro_batch_size: int,
@@ -52,81 +182,95 @@ class StepBatches:
         dp_size: int,
         dp_rank: int,
         seed: int,
-    ):
+        packing: bool = False,
+    ) -> "StepBatches":
+        """The loader of a few records tokenized in memory, all of them in order (tests, benchmarks).
+
+        Raises:
+            DataError: If a record cannot be trained on (named by its index).
+            ValueError: As the constructor, e.g. for no records.
+        """
         if not records:
             raise ValueError("no records to batch: the dataset (or its validation split) is empty")
-        sizes = {"train.global_batch_size": global_batch_size, "train.micro_batch_size": micro_batch_size}
-        for name, value in (sizes | {"dp": dp_size}).items():
-            if value < 1:
-                raise ValueError(f"{name} must be at least 1, got {value}")
-        if global_batch_size % (micro_batch_size * dp_size):
-            raise ValueError(
-                f"train.global_batch_size ({global_batch_size}) must be divisible by train.micro_batch_size "
-                f"({micro_batch_size}) × dp ({dp_size})"
-            )
-        if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp_rank ({dp_rank}) must be in 0..{dp_size - 1} for dp ({dp_size})")
-        self.examples = tokenize_records(records, tokenizer, seq_len)
-        self.global_batch_size = global_batch_size
-        self.micro_batch_size = micro_batch_size
-        self.seq_len = seq_len
-        self.pad_id = pad_id_of(tokenizer)
-        self.dp_size = dp_size
-        self.dp_rank = dp_rank
-        self.seed = seed
-        self._labelled = [labelled_tokens(labels) for _, labels in self.examples]
-        self._permutation = lru_cache(maxsize=4)(self._shuffle)
+        raw = datasets.Dataset.from_list(records)
+        tokens = raw.map(
+            tokenize_batch,
+            batched=True,
+            fn_kwargs={"tokenizer": tokenizer, "seq_len": seq_len},
+            remove_columns=raw.column_names,
+            keep_in_memory=True,
+        )
+        labelled = tokens.data.column("labelled").to_numpy()
+        if len(labelled) and labelled.min() <= 0:
+            index = int(np.flatnonzero(labelled <= 0)[0])
+            raise record_error(index, records[index], tokenizer, seq_len)
+        order = np.arange(len(records))
+        offsets = row_offsets(tokens.data.column("length").to_numpy(), seq_len, packing)
+        sizes = dict(seq_len=seq_len, pad_id=pad_id_of(tokenizer), dp_size=dp_size, dp_rank=dp_rank, seed=seed)
+        return cls(tokens, order, offsets, global_batch_size, micro_batch_size, **sizes)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.offsets) - 1
 
     @property
     def micro_batches_per_step(self) -> int:
         """Gradient-accumulation steps: micro-batches per dp rank per optimizer step."""
         return self.global_batch_size // (self.micro_batch_size * self.dp_size)
 
-    def _shuffle(self, epoch: int) -> list[int]:
-        order = list(range(len(self.examples)))
+    def _shuffle(self, epoch: int) -> np.ndarray:
+        order = list(range(self.num_rows))
         random.Random(self.seed + epoch).shuffle(order)
-        return order
+        return np.asarray(order, dtype=np.int64)
 
-    def _batches(self, indices: list[int]) -> list[Batch]:
-        micro = self.micro_batch_size
-        return [
-            pad_batch([self.examples[i] for i in indices[start : start + micro]], self.seq_len, self.pad_id)
-            for start in range(0, len(indices), micro)
-        ]
+    def _batches(self, rows: list[int]) -> list[Batch]:
+        batches = []
+        for start in range(0, len(rows), self.micro_batch_size):
+            chosen = rows[start : start + self.micro_batch_size]
+            spans = [(int(self.offsets[r]), int(self.offsets[r + 1])) for r in chosen]
+            examples = self.tokens[[int(i) for a, b in spans for i in self.order[a:b]]]
+            pairs = iter(zip(examples["input_ids"], examples["labels"], strict=True))
+            batches.append(
+                collate_rows([[next(pairs) for _ in range(b - a)] for a, b in spans], self.seq_len, self.pad_id)
+            )
+        return batches
 
     def indices_for_step(self, step: int) -> list[int]:
-        """Record indices of the whole global batch of ``step`` (0-based), in order; dp parts are slices."""
+        """Row indices of the whole global batch of ``step`` (0-based), in order; dp parts are slices."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        size = len(self.examples)
+        size = self.num_rows
         start = step * self.global_batch_size
-        return [self._permutation(p // size)[p % size] for p in range(start, start + self.global_batch_size)]
+        return [int(self._permutation(p // size)[p % size]) for p in range(start, start + self.global_batch_size)]
 
     def batches_for_step(self, step: int) -> list[Batch]:
-        """This dp rank's ``micro_batches_per_step`` (input_ids, labels) pairs of ``step``, each
-        [micro_batch_size, seq_len]; labels are aligned with the inputs (``cross_entropy_sum`` shifts)."""
+        """This dp rank's ``micro_batches_per_step`` Batches of ``step``, each [micro_batch_size, seq_len]."""
         part_size = self.global_batch_size // self.dp_size
         part = self.indices_for_step(step)[self.dp_rank * part_size : (self.dp_rank + 1) * part_size]
         return self._batches(part)
 
-    def tokens_in_step(self, step: int) -> int:
+    def labels_in_step(self, step: int) -> int:
         """Labelled tokens (``labels[:, 1:] != -100``) in the whole global batch of ``step``: every dp rank and
         micro-batch. Dividing each micro-batch's loss sum by it makes the summed gradients the global mean's."""
-        return sum(self._labelled[i] for i in self.indices_for_step(step))
+        return int(self._row_labelled[self.indices_for_step(step)].sum())
+
+    def tokens_in_step(self, step: int) -> int:
+        """Non-padding input tokens in the whole global batch of ``step`` (what ``tokens_per_s`` counts)."""
+        return int(self._row_tokens[self.indices_for_step(step)].sum())
 
     def all_batches(self) -> list[Batch]:
-        """This dp rank's share of every record once, in record order, in micro-batches (the last may be
-        smaller), for a validation loss. Every dp rank gets the same number and sizes of micro-batches (as
-        sharded data parallelism needs), so the ``len(records) % dp_size`` last records are left out;
-        ``global_batch_size`` plays no part.
+        """This dp rank's share of every row once, in row order, in micro-batches (the last may be smaller),
+        for a validation loss. Every dp rank gets the same number and sizes of micro-batches (as sharded data
+        parallelism needs), so the ``num_rows % dp_size`` last rows are left out; ``global_batch_size`` plays
+        no part.
 
         Raises:
-            ValueError: If there are fewer records than dp ranks.
+            ValueError: If there are fewer rows than dp ranks.
         """
-        part_size = len(self.examples) // self.dp_size
+        part_size = self.num_rows // self.dp_size
         if part_size == 0:
             raise ValueError(
-                f"{len(self.examples)} records cannot be shared by dp ({self.dp_size}) ranks: "
+                f"{self.num_rows} records cannot be shared by dp ({self.dp_size}) ranks: "
                 "raise data.val_fraction or use more data"
             )
         return self._batches(list(range(self.dp_rank * part_size, (self.dp_rank + 1) * part_size)))

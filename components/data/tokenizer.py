@@ -3,8 +3,13 @@
 The tiny demo model needs a vocabulary sized to it (a few hundred tokens, divisible by the tensor-parallel
 degree so the embedding and ``lm_head`` can be vocab-sharded), not a pretrained 32k-150k one. Byte-level
 means any text encodes, including characters the training text never had.
+
+BPE training costs grow faster than linearly in the length of a text (one 10 MB line ran for minutes), and
+a few hundred merges need little text: the trainer sees at most :data:`MAX_TRAINING_CHARS` characters in
+all, each text cut to :data:`MAX_CHARS_PER_TEXT`, so training time is bounded whatever the data.
 """
 
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -32,20 +37,41 @@ CHAT_TEMPLATE = (
 
 _MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # every byte, plus the special tokens
 
+# A few hundred merges are learnt from far less; the default 4000-record set has about 100k characters.
+MAX_TRAINING_CHARS = 2_000_000
+MAX_CHARS_PER_TEXT = 4_000
 
-def training_texts(records: list[dict]) -> list[str]:
+
+def training_texts(records: Iterable[dict]) -> list[str]:
     """The strings of ``{"prompt", "response"}`` or ``{"messages"}`` records, to train a tokenizer on."""
     texts = []
     for record in records:
-        if "messages" in record:
+        if record.get("messages") is not None:
             texts += [message["content"] for message in record["messages"]]
         else:
             texts += [record["prompt"], record["response"]]
     return texts
 
 
-def train_tokenizer(texts: list[str], vocab_size: int, out_dir: str | Path) -> PreTrainedTokenizerFast:
-    """Train a byte-level BPE on ``texts``, save it to ``out_dir`` and return it loaded back from there.
+def capped_texts(
+    texts: Iterable[str], max_chars: int = MAX_TRAINING_CHARS, per_text: int = MAX_CHARS_PER_TEXT
+) -> Iterator[str]:
+    """The first texts of ``texts``, each cut to ``per_text`` characters, until ``max_chars`` are handed out.
+
+    Lazy: a generator over a large dataset is read only as far as the cap.
+    """
+    left = max_chars
+    for text in texts:
+        if left <= 0:
+            return
+        piece = text[: min(per_text, left)]
+        left -= len(piece)
+        yield piece
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str | Path) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE on ``texts`` (capped by :func:`capped_texts`), save it to ``out_dir`` and return
+    it loaded back from there.
 
     Same texts and ``vocab_size`` give the same vocabulary. The tokenizer's length (special tokens
     included) is at most ``vocab_size``, so a model can use exactly ``vocab_size``; it is less when the
@@ -69,7 +95,7 @@ def train_tokenizer(texts: list[str], vocab_size: int, out_dir: str | Path) -> P
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(texts, trainer)
+    tokenizer.train_from_iterator(list(capped_texts(texts)), trainer)
     wrapped = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         pad_token=PAD,

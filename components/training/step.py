@@ -1,4 +1,9 @@
-"""One micro-batch: forward, a loss that works on vocab-sharded logits, backward; and evaluation."""
+"""One micro-batch: forward, a loss that works on vocab-sharded logits, backward; and evaluation.
+
+Callers pass a :class:`components.data.loader.Batch`'s tensors: ``input_ids``, ``labels`` and, for packed
+rows, ``position_ids`` that restart at each example (Hugging Face models keep attention inside each
+example when positions restart and no attention mask is given).
+"""
 
 import torch
 from torch import nn
@@ -8,12 +13,15 @@ from torch.distributed.tensor.parallel import loss_parallel
 from components.distributed.tp_plan import cross_entropy_sum
 
 
-def _loss_sum(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    # Position ids are explicit: under sequence parallelism the model sees a shard of the sequence and
-    # would derive them from the shard's length. No attention mask: padding is on the right and masked out
-    # of the labels, which causal attention allows.
-    batch, seq = input_ids.shape
-    position_ids = torch.arange(seq, device=input_ids.device).expand(batch, seq)
+def _loss_sum(
+    model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None
+) -> torch.Tensor:
+    # Position ids are always explicit: under sequence parallelism the model sees a shard of the sequence
+    # and would derive them from the shard's length. No attention mask: padding is on the right and masked
+    # out of the labels, which causal attention allows, and a mask would hide packed examples' boundaries.
+    if position_ids is None:
+        batch, seq = input_ids.shape
+        position_ids = torch.arange(seq, device=input_ids.device).expand(batch, seq)
     logits = model(input_ids=input_ids, position_ids=position_ids).logits
     return cross_entropy_sum(logits, labels)
 
@@ -22,21 +30,29 @@ def _value(loss: torch.Tensor) -> float:
     return (loss.full_tensor() if isinstance(loss, DTensor) else loss).item()
 
 
-def forward_backward(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, global_tokens: int) -> float:
+def forward_backward(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    global_tokens: int,
+    position_ids: torch.Tensor | None = None,
+) -> float:
     """Run one micro-batch and accumulate gradients; return its summed token loss (not normalised).
 
     The loss is divided by ``global_tokens`` (labelled tokens in the whole global batch, over every
-    micro-batch and dp rank) before backward, so accumulated and dp-summed gradients equal the gradient
-    of the global mean loss.
+    micro-batch and dp rank: ``StepBatches.labels_in_step``) before backward, so accumulated and dp-summed
+    gradients equal the gradient of the global mean loss. ``position_ids`` None means ``0 .. seq - 1``.
     """
     with loss_parallel():  # the backward of a vocab-parallel loss must run inside it too
-        loss_sum = _loss_sum(model, input_ids, labels)
+        loss_sum = _loss_sum(model, input_ids, labels, position_ids)
         (loss_sum / global_tokens).backward()
     return _value(loss_sum)
 
 
 @torch.no_grad()
-def evaluate_loss_sum(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> float:
+def evaluate_loss_sum(
+    model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None
+) -> float:
     """Summed token loss of one batch, without gradients."""
     with loss_parallel():
-        return _value(_loss_sum(model, input_ids, labels))
+        return _value(_loss_sum(model, input_ids, labels, position_ids))

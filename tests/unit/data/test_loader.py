@@ -1,4 +1,4 @@
-"""StepBatches: dp parts partition the global batch, epochs cover every record, resuming from a step reproduces."""
+"""StepBatches: dp parts partition the global batch, epochs cover every row, resuming from a step reproduces."""
 
 import pytest
 import torch
@@ -20,7 +20,7 @@ def tokenizer(tmp_path_factory):
 @pytest.fixture
 def loader(tokenizer):
     def make(n=23, global_batch_size=8, micro_batch_size=2, dp_size=2, dp_rank=0, seed=0):
-        return StepBatches(
+        return StepBatches.from_records(
             RECORDS[:n],
             global_batch_size,
             micro_batch_size,
@@ -35,14 +35,16 @@ def loader(tokenizer):
 
 
 def _cat(batches) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.cat([ids for ids, _ in batches]), torch.cat([labels for _, labels in batches])
+    return torch.cat([b.input_ids for b in batches]), torch.cat([b.labels for b in batches])
 
 
 def test_micro_batches_have_the_configured_shape(loader):
     batches = loader(global_batch_size=8, micro_batch_size=2, dp_size=2, dp_rank=1).batches_for_step(0)
     assert len(batches) == 2
-    for input_ids, labels in batches:
-        assert input_ids.shape == labels.shape == (2, SEQ_LEN) and input_ids.dtype == torch.long
+    for batch in batches:
+        assert batch.input_ids.shape == batch.labels.shape == batch.position_ids.shape == (2, SEQ_LEN)
+        assert batch.input_ids.dtype == torch.long
+        assert torch.equal(batch.position_ids, torch.arange(SEQ_LEN).expand(2, SEQ_LEN))  # unpacked rows
 
 
 def test_dp_parts_are_disjoint_and_together_are_the_global_batch(loader, tokenizer):
@@ -75,29 +77,32 @@ def test_resuming_at_a_step_gives_the_same_batches_as_running_through(loader):
     through = {step: running.batches_for_step(step) for step in range(8)}
     resumed = loader(seed=7, dp_rank=1)
     for step in range(5, 8):
-        for (ids_a, labels_a), (ids_b, labels_b) in zip(through[step], resumed.batches_for_step(step), strict=True):
-            assert torch.equal(ids_a, ids_b) and torch.equal(labels_a, labels_b)
+        for a, b in zip(through[step], resumed.batches_for_step(step), strict=True):
+            assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.labels, b.labels)
 
 
 def test_the_seed_changes_the_order_and_tp_ranks_of_one_dp_rank_agree(loader):
     assert loader(seed=0).indices_for_step(0) != loader(seed=1).indices_for_step(0)
     tp0, tp1 = loader(dp_rank=1), loader(dp_rank=1)  # two TP ranks of dp rank 1 build their own loaders
-    assert all(torch.equal(a[0], b[0]) for a, b in zip(tp0.batches_for_step(3), tp1.batches_for_step(3), strict=True))
+    pairs = zip(tp0.batches_for_step(3), tp1.batches_for_step(3), strict=True)
+    assert all(torch.equal(a.input_ids, b.input_ids) for a, b in pairs)
 
 
-def test_tokens_in_step_counts_shifted_labels_over_every_part(loader):
+def test_step_counts_cover_every_part_labels_shifted_and_tokens_without_padding(loader, tokenizer):
     ranks = [loader(global_batch_size=12, micro_batch_size=3, dp_size=2, dp_rank=r) for r in range(2)]
     for step in range(4):
-        counted = sum(
-            (labels[:, 1:] != -100).sum().item() for rank in ranks for _, labels in rank.batches_for_step(step)
-        )
-        assert ranks[0].tokens_in_step(step) == ranks[1].tokens_in_step(step) == counted > 0
+        batches = [batch for rank in ranks for batch in rank.batches_for_step(step)]
+        labelled = sum(batch.labelled_tokens() for batch in batches)
+        real = sum(int((batch.input_ids != tokenizer.pad_token_id).sum()) for batch in batches)
+        assert ranks[0].labels_in_step(step) == ranks[1].labels_in_step(step) == labelled > 0
+        assert ranks[0].tokens_in_step(step) == ranks[1].tokens_in_step(step) == real > labelled
 
 
 def test_all_batches_share_every_record_once_equally_over_dp_ranks(loader, tokenizer):
     ranks = [loader(n=11, global_batch_size=4, micro_batch_size=2, dp_size=2, dp_rank=r) for r in range(2)]
     shares = [rank.all_batches() for rank in ranks]
-    assert [[ids.shape[0] for ids, _ in share] for share in shares] == [[2, 2, 1]] * 2  # 11 % 2: the last is left out
+    # 11 % 2: the last is left out
+    assert [[batch.input_ids.shape[0] for batch in share] for share in shares] == [[2, 2, 1]] * 2
     expected = pad_batch(tokenize_records(RECORDS[:10], tokenizer, SEQ_LEN), SEQ_LEN, tokenizer.pad_token_id)
     assert torch.equal(_cat(shares[0] + shares[1])[0], expected[0])
 

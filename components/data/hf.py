@@ -1,0 +1,115 @@
+"""Load a dataset split with the ``datasets`` library and map its columns onto prompt/response or messages.
+
+``data.path`` may be a local file (json, jsonl, parquet, csv, arrow), a folder of such files, a folder
+written by ``save_to_disk``, or a Hub dataset id. Every failure becomes a :class:`DataError` with one line
+naming the path and what would work, never a traceback from inside ``datasets``.
+"""
+
+from pathlib import Path
+
+import datasets
+
+from components.data.jsonl import DataError
+
+# File suffix -> the ``datasets`` builder that reads it.
+BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
+# What a source's columns may be mapped onto: one of these sets, exactly.
+TARGETS = ({"prompt", "response"}, {"messages"})
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _saved_folder(path: Path) -> bool:
+    return (path / "state.json").is_file() or (path / "dataset_dict.json").is_file()
+
+
+def _from_disk(path: Path, split: str) -> datasets.Dataset:
+    saved = datasets.load_from_disk(str(path))
+    if isinstance(saved, datasets.DatasetDict):
+        if split not in saved:
+            raise DataError(f"data.split={split!r} is not a split of {path}: it has {', '.join(sorted(saved))}")
+        return saved[split]
+    if split not in ("train", str(saved.split)):
+        raise DataError(f"data.split={split!r} is not a split of {path}: it holds one split, use data.split=train")
+    return saved
+
+
+def _load_local(path: Path, split: str, cache_dir: Path) -> datasets.Dataset:
+    if path.is_dir():
+        if _saved_folder(path):
+            return _from_disk(path, split)
+        return datasets.load_dataset(str(path), split=split, cache_dir=str(cache_dir))
+    builder = BUILDERS.get(path.suffix.lower())
+    if builder is None:
+        raise DataError(
+            f"data.path={str(path)!r} has suffix {path.suffix!r}: use a {', '.join(sorted(BUILDERS))} file, "
+            "a folder of them, or a save_to_disk folder"
+        )
+    # A single file is the "train" split of its builder; any other split name does not exist in it.
+    return datasets.load_dataset(builder, data_files={"train": str(path)}, split=split, cache_dir=str(cache_dir))
+
+
+def _looks_like_hub_id(path: str) -> bool:
+    parts = path.split("/")
+    return 1 <= len(parts) <= 2 and all(parts) and not path.startswith((".", "~"))
+
+
+def load_split(path: str, split: str, name: str | None, cache_dir: Path) -> datasets.Dataset:
+    """The ``split`` of the dataset at ``path`` (local file or folder, or a Hub id with config ``name``).
+
+    Local files are converted to Arrow under ``cache_dir``; Hub datasets use the Hugging Face cache.
+
+    Raises:
+        DataError: One line, if the path does not exist, the split does not, the Hub cannot be reached and
+            nothing is cached, or ``datasets`` cannot read the files.
+    """
+    local = Path(path).expanduser()
+    try:
+        if local.exists():
+            return _load_local(local, split, cache_dir)
+        if not _looks_like_hub_id(path):
+            raise DataError(f"data.path={path!r} does not exist: give a data file or folder, or a Hub dataset id")
+        return datasets.load_dataset(path, name, split=split)
+    except DataError:
+        raise
+    except ConnectionError as error:
+        raise DataError(
+            f"data.path={path!r} is not a local file or folder and the Hub cannot be reached "
+            f"({_first_line(error)}); download it once with a network, or give a local path"
+        ) from None
+    except ValueError as error:
+        if "split" in str(error).lower():
+            raise DataError(f"data.split={split!r} is not a split of {path}: {_first_line(error)}") from None
+        raise DataError(f"data.path={path!r} cannot be read: {_first_line(error)}") from None
+    except Exception as error:  # datasets raises many kinds (FileNotFoundError, DatasetGenerationError, ...)
+        raise DataError(f"data.path={path!r} cannot be read: {_first_line(error)}") from None
+
+
+def map_columns(dataset: datasets.Dataset, columns: dict[str, str] | None, path: str) -> datasets.Dataset:
+    """Rename the source's columns onto ``prompt``/``response`` or ``messages`` and drop every other column.
+
+    ``columns`` maps our name to the source's (``{"prompt": "instruction", "response": "output"}``); None or
+    empty takes the source's own ``prompt``/``response`` or ``messages`` columns.
+
+    Raises:
+        DataError: If the mapping targets anything else, or names a column the source does not have.
+    """
+    have = list(dataset.column_names)
+    if not columns:
+        columns = {"messages": "messages"} if "messages" in have else {"prompt": "prompt", "response": "response"}
+    if set(columns) not in TARGETS:
+        raise DataError(
+            f"data.columns maps {', '.join(sorted(columns))}: map exactly prompt and response, or messages, "
+            f"onto columns of {path} ({', '.join(have)})"
+        )
+    missing = [f"{ours}={theirs!r}" for ours, theirs in sorted(columns.items()) if theirs not in have]
+    if missing:
+        raise DataError(
+            f"data.columns {', '.join(missing)}: no such column in {path}; its columns are {', '.join(have)}"
+        )
+    dataset = dataset.select_columns(list(columns.values()))
+    renames = {theirs: ours for ours, theirs in columns.items() if theirs != ours}
+    return dataset.rename_columns(renames) if renames else dataset

@@ -1,0 +1,37 @@
+"""Packing: several examples per row up to ``seq_len``, greedy, in the order given, so it is deterministic.
+
+A row is a run of consecutive examples (next-fit: an example that does not fit in what is left of the
+row starts the next one), so a packed split is described by its row boundaries alone and the tokenized
+examples stay as they are. Unpacked, every example is its own row. Within a row, position ids restart at
+each example; Hugging Face models then keep attention inside each example (``transformers.masking_utils``
+finds the restarts and builds a block-diagonal causal mask, or the kernel's variable-length path).
+"""
+
+import numpy as np
+
+
+def row_offsets(lengths: np.ndarray, seq_len: int, packing: bool) -> np.ndarray:
+    """Row boundaries over examples of these token ``lengths``: row ``r`` holds examples
+    ``offsets[r]`` .. ``offsets[r + 1] - 1``. Unpacked, ``offsets`` is ``0, 1, ..., len(lengths)``.
+
+    Raises:
+        ValueError: If an example is longer than ``seq_len`` (tokenize with truncation to it).
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if len(lengths) and int(lengths.max()) > seq_len:
+        raise ValueError(f"an example has {int(lengths.max())} tokens, more than seq_len ({seq_len})")
+    if not packing:
+        return np.arange(len(lengths) + 1, dtype=np.int64)
+    starts, used = [], seq_len
+    for index, length in enumerate(lengths.tolist()):
+        if used + length > seq_len:
+            starts.append(index)
+            used = 0
+        used += length
+    return np.asarray([*starts, len(lengths)], dtype=np.int64)
+
+
+def packing_efficiency(lengths: np.ndarray, offsets: np.ndarray, seq_len: int) -> float:
+    """Share of the rows' positions that hold real tokens (1.0: no padding at all)."""
+    rows = len(offsets) - 1
+    return float(np.asarray(lengths).sum()) / (rows * seq_len) if rows else 0.0

@@ -1,0 +1,190 @@
+"""Prepare the data once, in the launching process, before any rank starts; ranks only open the result.
+
+    source = build_source(data_group)                        # conf/data/*.yaml, chosen by its _target_
+    prepared = prepare_data(source, tokenizer_dir, seq_len=..., packing=..., seed=..., cache_root=..., num_proc=...)
+    # each rank: StepBatches.open(prepared.train, ...), StepBatches.open(prepared.val, ...)
+
+The records are tokenized once per (records, tokenizer with its chat template, ``seq_len``) with
+``Dataset.map`` over ``num_proc`` processes, checked in the same pass (a record that keeps no answer token
+within ``seq_len`` is reported by index), and saved in Arrow form under
+``<cache_root>/data/<key>/tokens``, written to a temporary folder and renamed, so a crash leaves no half
+folder and a second experiment on the same data, in any ``output_dir``, reuses it. The train/validation
+split and the packing are small index files beside it (``rows-*.npz``), so changing ``seed``,
+``val_fraction`` or packing never re-tokenizes.
+
+Fork safety: the ranks are forked from the process that calls this. ``Dataset.map`` worker processes end
+before it returns, and ``TOKENIZERS_PARALLELISM`` is set to false so the Rust tokenizer starts no thread
+pool here that a forked rank could inherit mid-lock.
+"""
+
+import hashlib
+import json
+import os
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import datasets
+import numpy as np
+from transformers import AutoTokenizer
+
+from components.data.collate import record_error, tokenize_batch
+from components.data.loader import TokenizedSplit, pad_id_of
+from components.data.packing import row_offsets
+from components.data.sources import DataSource
+
+FORMAT_VERSION = 1  # bump when the tokenized layout changes, so old cache folders are not read
+TOKENS = datasets.Features(
+    {
+        "input_ids": datasets.Sequence(datasets.Value("int32")),
+        "labels": datasets.Sequence(datasets.Value("int32")),
+        "length": datasets.Value("int32"),
+        "labelled": datasets.Value("int32"),
+    }
+)
+# Below this many records per process, starting map's worker processes costs more than it saves.
+RECORDS_PER_PROCESS = 20_000
+
+
+@dataclass(frozen=True)
+class PreparedData:
+    """The prepared data of a run (picklable, handed to every rank). ``val`` is None when none is held out."""
+
+    train: TokenizedSplit
+    val: TokenizedSplit | None
+    folder: str
+    reused: bool  # the tokenized records came from the cache
+
+
+def data_cache_dir(cache_root: str | Path) -> Path:
+    """Where prepared data lives under the shardtune cache (``$SHARDTUNE_CACHE`` or ``~/.cache/shardtune``)."""
+    return Path(cache_root).expanduser() / "data"
+
+
+def source_cache_dir(cache_root: str | Path) -> Path:
+    """Where ``datasets`` keeps its Arrow conversion of local source files (pass to ``source.texts``)."""
+    return data_cache_dir(cache_root) / "sources"
+
+
+def tokenizer_digest(tokenizer) -> str:
+    """A hash of everything that decides token ids: vocabulary, merges, normalisation, chat template, eos."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    state = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    parts = [state, str(tokenizer.chat_template), str(tokenizer.eos_token_id), str(pad_id_of(tokenizer))]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
+def _tokenize(source: DataSource, tokenizer, seq_len: int, num_proc: int, cache_root: Path, folder: Path) -> None:
+    """Tokenize every record into ``folder/tokens`` (via a temporary folder renamed at the end)."""
+    scratch = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
+    shutil.rmtree(scratch, ignore_errors=True)
+    try:
+        raw = source.load(source_cache_dir(cache_root))
+        processes = max(1, min(num_proc, len(raw) // RECORDS_PER_PROCESS))
+        tokens = raw.map(
+            tokenize_batch,
+            batched=True,
+            batch_size=1000,
+            fn_kwargs={"tokenizer": tokenizer, "seq_len": seq_len},
+            remove_columns=raw.column_names,
+            features=TOKENS,
+            num_proc=processes if processes > 1 else None,
+            cache_file_name=str(scratch / "map" / "tokens.arrow"),
+            new_fingerprint=folder.name,
+        )
+        labelled = tokens.data.column("labelled").to_numpy()
+        bad = np.flatnonzero(labelled <= 0)
+        if len(bad):
+            index = int(bad[0])
+            raise record_error(index, raw[index], tokenizer, seq_len)
+        tokens.save_to_disk(str(scratch / "tokens"))
+        del tokens
+        shutil.rmtree(scratch / "map")
+        (scratch / "meta.json").write_text(json.dumps({"num_examples": len(labelled), "seq_len": seq_len}))
+        try:
+            scratch.rename(folder)
+        except OSError:  # another launcher finished the same folder first: use theirs
+            if not (folder / "meta.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def split_indices(n: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(train, val) record indices, each ascending: :func:`components.data.loader.split_train_val` of
+    ``range(n)``, the same seeded choice, without a Python list of the records.
+
+    Raises:
+        ValueError: If ``val_fraction`` is not in [0, 1) or leaves no training record.
+    """
+    if not 0 <= val_fraction < 1:
+        raise ValueError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
+    n_val = max(1, round(n * val_fraction)) if val_fraction > 0 else 0
+    if n_val >= n:
+        raise ValueError(
+            f"data.val_fraction ({val_fraction}) of {n} records leaves none for training: lower it or add records"
+        )
+    held_out = np.zeros(n, dtype=bool)
+    held_out[random.Random(seed).sample(range(n), n_val)] = True
+    return np.flatnonzero(~held_out), np.flatnonzero(held_out)
+
+
+def _write_rows(folder: Path, val_fraction: float, seed: int, packing: bool, seq_len: int) -> Path:
+    """The split and row boundaries for (val_fraction, seed, packing), written once beside the tokens."""
+    rows_file = folder / f"rows-v{val_fraction!r}-s{seed}-{'packed' if packing else 'rows'}.npz"
+    if rows_file.is_file():
+        return rows_file
+    lengths = datasets.load_from_disk(str(folder / "tokens")).data.column("length").to_numpy()
+    train, val = split_indices(len(lengths), val_fraction, seed)
+    arrays = {
+        "train_order": train,
+        "train_offsets": row_offsets(lengths[train], seq_len, packing),
+        "val_order": val,
+        "val_offsets": row_offsets(lengths[val], seq_len, packing=False),  # validation per example
+    }
+    private = rows_file.with_name(f"{rows_file.stem}.{os.getpid()}.tmp.npz")
+    np.savez(private, **arrays)
+    os.replace(private, rows_file)
+    return rows_file
+
+
+def prepare_data(
+    source: DataSource,
+    tokenizer_dir: str | Path,
+    *,
+    seq_len: int,
+    packing: bool,
+    seed: int,
+    cache_root: str | Path,
+    num_proc: int,
+) -> PreparedData:
+    """Tokenize ``source`` with the tokenizer in ``tokenizer_dir`` (or reuse the cached result), split it by
+    ``seed`` and ``source.val_fraction``, pack it when asked, and return what the ranks open.
+
+    Raises:
+        DataError: One line, for a source that cannot be read or a record that cannot be trained on
+            (``record 12 has no answer tokens within train.seq_len (48): ...``).
+        ValueError: For a ``val_fraction`` that leaves no training record.
+    """
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # see the module docstring: ranks fork from here
+    datasets.disable_progress_bars()
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    key = hashlib.sha256(
+        f"{FORMAT_VERSION}|{source.fingerprint()}|{tokenizer_digest(tokenizer)}|{seq_len}".encode()
+    ).hexdigest()[:20]
+    folder = data_cache_dir(cache_root) / key
+    reused = (folder / "meta.json").is_file()
+    if not reused:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        _tokenize(source, tokenizer, seq_len, num_proc, Path(cache_root), folder)
+    rows_file = _write_rows(folder, source.val_fraction, seed, packing, seq_len)
+    with np.load(rows_file) as rows:
+        counts = {part: (len(rows[f"{part}_order"]), len(rows[f"{part}_offsets"]) - 1) for part in ("train", "val")}
+    pad_id = pad_id_of(tokenizer)
+
+    def split(part: str) -> TokenizedSplit:
+        examples, num_rows = counts[part]
+        return TokenizedSplit(str(folder / "tokens"), str(rows_file), part, seq_len, pad_id, examples, num_rows)
+
+    return PreparedData(split("train"), split("val") if counts["val"][0] else None, str(folder), reused)

@@ -1,0 +1,196 @@
+"""Where the records come from: the generated demo set, a user's JSONL file, or any ``datasets`` source.
+
+Each source is a small frozen dataclass built from its ``conf/data/*.yaml`` group (the group's
+``_target_`` names the class, see :func:`build_source`) and offers the same three things:
+
+- ``fingerprint()``: a short string that changes whenever the records would (cheap: file sizes and
+  modification times, never the contents), so prepared data can be cached under it;
+- ``load(cache_dir)``: a ``datasets.Dataset`` with ``prompt``/``response`` or ``messages`` columns only;
+- ``texts(cache_dir)``: the record strings one by one, lazily, to train a tokenizer on the first of them.
+"""
+
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Protocol
+
+import datasets
+
+from components.data import generated
+from components.data.hf import load_split, map_columns
+from components.data.jsonl import DataError, iter_jsonl
+from components.data.tokenizer import training_texts
+
+MESSAGES = datasets.Features({"messages": [{"role": datasets.Value("string"), "content": datasets.Value("string")}]})
+PROMPT_RESPONSE = datasets.Features({"prompt": datasets.Value("string"), "response": datasets.Value("string")})
+
+
+class DataSource(Protocol):
+    num_examples: int | None
+    val_fraction: float
+
+    def fingerprint(self) -> str: ...
+
+    def load(self, cache_dir: Path) -> datasets.Dataset: ...
+
+    def texts(self, cache_dir: Path) -> Iterator[str]: ...
+
+
+def _digest(*parts) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _file_stats(path: Path) -> list:
+    """(relative name, size, mtime_ns) of a file or of every file under a folder, sorted."""
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    return [(str(p.relative_to(path)) if p != path else p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+
+
+def _first(dataset: datasets.Dataset, num_examples: int | None) -> datasets.Dataset:
+    if num_examples is None or num_examples >= len(dataset):
+        return dataset
+    return dataset.select(range(num_examples))
+
+
+def _dataset_texts(dataset: datasets.Dataset) -> Iterator[str]:
+    for batch in dataset.iter(batch_size=1000):
+        columns = list(batch)
+        for index in range(len(batch[columns[0]])):
+            yield from training_texts([{column: batch[column][index] for column in columns}])
+
+
+@dataclass(frozen=True)
+class GeneratedSource:
+    """The embedded instruction-following set (:mod:`components.data.generated`), ``num_examples`` records."""
+
+    num_examples: int
+    val_fraction: float
+    seed: int
+
+    def fingerprint(self) -> str:
+        code = hashlib.sha256(Path(generated.__file__).read_bytes()).hexdigest()
+        return _digest("generated", self.num_examples, self.seed, code)
+
+    def load(self, cache_dir: Path) -> datasets.Dataset:
+        return datasets.Dataset.from_generator(
+            generated.iter_examples,
+            features=PROMPT_RESPONSE,
+            gen_kwargs={"n": self.num_examples, "seed": self.seed},
+            cache_dir=str(cache_dir),
+            fingerprint=self.fingerprint(),
+        )
+
+    def texts(self, cache_dir: Path) -> Iterator[str]:
+        for record in generated.iter_examples(self.num_examples, self.seed):
+            yield from training_texts([record])
+
+
+def _normalized_jsonl(path: str) -> Iterator[dict]:
+    """Every record of the file as ``{"messages": [{"role", "content"}, ...]}`` (one schema for both shapes)."""
+    for record in iter_jsonl(path):
+        if "messages" in record:
+            yield {"messages": [{"role": m["role"], "content": m["content"]} for m in record["messages"]]}
+        else:
+            yield {
+                "messages": [
+                    {"role": "user", "content": record["prompt"]},
+                    {"role": "assistant", "content": record["response"]},
+                ]
+            }
+
+
+@dataclass(frozen=True)
+class JsonlSource:
+    """A JSONL file of ``{"prompt", "response"}`` or ``{"messages"}`` records, each line checked as read
+    (errors name the line: ``data.jsonl line 3: not valid JSON (...)``); the first ``num_examples`` or all."""
+
+    path: str
+    num_examples: int | None
+    val_fraction: float
+
+    def fingerprint(self) -> str:
+        path = Path(self.path).expanduser().resolve()
+        if not path.is_file():
+            raise DataError(f"data file not found: {self.path}")
+        return _digest("jsonl", str(path), _file_stats(path), self.num_examples)
+
+    def load(self, cache_dir: Path) -> datasets.Dataset:
+        path = str(Path(self.path).expanduser().resolve())
+        try:
+            dataset = datasets.Dataset.from_generator(
+                _normalized_jsonl,
+                features=MESSAGES,
+                gen_kwargs={"path": path},
+                cache_dir=str(cache_dir),
+                fingerprint=self.fingerprint(),
+            )
+        except datasets.exceptions.DatasetGenerationError as error:
+            if isinstance(error.__cause__, DataError):
+                raise error.__cause__ from None
+            raise DataError(f"{self.path} cannot be read: {str(error).splitlines()[0]}") from None
+        if len(dataset) == 0:
+            raise DataError(f"{self.path} has no records: expected one JSON object per line")
+        return _first(dataset, self.num_examples)
+
+    def texts(self, cache_dir: Path) -> Iterator[str]:
+        for record in iter_jsonl(self.path):
+            yield from training_texts([record])
+
+
+@dataclass(frozen=True)
+class HFSource:
+    """Any split ``datasets`` can load (:func:`components.data.hf.load_split`), its ``columns`` mapped onto
+    ``prompt``/``response`` or ``messages`` (``{"prompt": "instruction", "response": "output"}``; empty: the
+    source's own columns of those names)."""
+
+    path: str
+    split: str
+    name: str | None
+    columns: dict[str, str] = field(hash=False)
+    num_examples: int | None
+    val_fraction: float
+
+    def _dataset(self, cache_dir: Path) -> datasets.Dataset:
+        dataset = load_split(self.path, self.split, self.name, cache_dir)
+        return _first(map_columns(dataset, dict(self.columns or {}), self.path), self.num_examples)
+
+    def fingerprint(self) -> str:
+        local = Path(self.path).expanduser()
+        if local.exists():
+            origin = [str(local.resolve()), _file_stats(local.resolve())]
+        else:  # a Hub dataset: the files datasets cached for it name its version
+            files = load_split(self.path, self.split, self.name, Path.cwd()).cache_files
+            origin = [self.path, [(Path(f["filename"]).name, Path(f["filename"]).stat().st_size) for f in files]]
+        return _digest("hf", origin, self.split, self.name, sorted((self.columns or {}).items()), self.num_examples)
+
+    def load(self, cache_dir: Path) -> datasets.Dataset:
+        return self._dataset(cache_dir)
+
+    def texts(self, cache_dir: Path) -> Iterator[str]:
+        yield from _dataset_texts(self._dataset(cache_dir))
+
+
+SOURCES = {f"{cls.__module__}.{cls.__name__}": cls for cls in (GeneratedSource, JsonlSource, HFSource)}
+
+
+def build_source(group: dict) -> DataSource:
+    """The source a ``conf/data/*.yaml`` group describes: its ``_target_`` names one of :data:`SOURCES` and
+    every other key is a field of that class.
+
+    Raises:
+        DataError: One line, if ``_target_`` is not a known source or a field is missing or unknown.
+    """
+    fields_ = dict(group)
+    target = fields_.pop("_target_", None)
+    cls = SOURCES.get(target)
+    if cls is None:
+        raise DataError(f"data._target_={target!r} is not a data source: use one of {', '.join(sorted(SOURCES))}")
+    names = {f.name for f in fields(cls)}
+    unknown, missing = sorted(set(fields_) - names), sorted(names - set(fields_))
+    if unknown or missing:
+        what = [f"data.{key} is not a key of {cls.__name__}" for key in unknown]
+        what += [f"data.{key} is missing (a field of {cls.__name__})" for key in missing]
+        raise DataError("; ".join(what))
+    return cls(**fields_)
