@@ -24,10 +24,9 @@ from torch.distributed.tensor.parallel import loss_parallel
 from components.distributed.grads import clip_grad_norm_, finalize_dtensor_gradients
 from components.distributed.launch import init_process_group, launch_local
 from components.distributed.mesh import ParallelDims, build_device_mesh
-from components.distributed.tp_plan import apply_tp_plan, plan_for
+from components.distributed.tp_plan import apply_tp_plan, cross_entropy_sum, plan_for
 from components.distributed.tp_replicas import broadcast_tp_replicas, synchronize_tp_replica_gradients
 from components.models import build_causal_lm, tiny_config
-from components.training.step import _loss_sum
 
 TP = 2
 LAYERS = 2
@@ -92,6 +91,13 @@ class CommBytesMode(CommDebugMode):
         return out
 
 
+def _loss_sum(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """The recipe's micro-batch loss: explicit positions (for sequence parallelism), summed token loss."""
+    batch, seq = input_ids.shape
+    position_ids = torch.arange(seq).expand(batch, seq)
+    return cross_entropy_sum(model(input_ids=input_ids, position_ids=position_ids).logits, input_ids)
+
+
 def _measure(sequence_parallel: bool) -> dict[str, dict[str, tuple[int, int]]]:
     """(count, bytes) per collective kind per phase, for one recipe step at tp=TP on this rank."""
     mesh = build_device_mesh(ParallelDims(world_size=TP, dp=1, tp=TP), "cpu")
@@ -107,7 +113,7 @@ def _measure(sequence_parallel: bool) -> dict[str, dict[str, tuple[int, int]]]:
     for input_ids in batches:
         with loss_parallel():
             with modes["forward"]:
-                loss = _loss_sum(model, input_ids, input_ids)
+                loss = _loss_sum(model, input_ids)
             with modes["backward"]:
                 (loss / tokens).backward()
     with modes["boundary"]:

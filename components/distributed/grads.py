@@ -11,7 +11,8 @@ copies on every rank) contribute once.
 """
 
 import math
-from collections.abc import Iterator
+import weakref
+from operator import attrgetter
 
 import torch
 import torch.distributed as dist
@@ -19,17 +20,57 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from components.distributed.tp_replicas import _gradient_chunks, _gradient_reduce_dtype, _pack, _unpack
+from components.distributed.flat_buffers import (
+    MAX_FLAT_BUFFER_BYTES,
+    bounded_chunks,
+    local_tensor,
+    pack,
+    unpack,
+    wire_dtype,
+)
+from components.distributed.replica_plan import ModelSnapshot
+
+_grad = attrgetter("grad")
 
 
-def _trainable_parameters(model_parts: list[nn.Module]) -> Iterator[nn.Parameter]:
+class _Trainable:
+    """A model's trainable parameters, each once, in rank-stable (part, name) order; cached per model."""
+
+    def __init__(self, model_parts: list[nn.Module]):
+        self.snapshot = ModelSnapshot(model_parts)
+        self.part_refs = [weakref.ref(part) for part in model_parts]
+        seen: set[int] = set()
+        self.parameters: list[nn.Parameter] = []
+        for part in model_parts:
+            for _, parameter in sorted(part.named_parameters(), key=lambda item: item[0]):
+                if parameter.requires_grad and id(parameter) not in seen:
+                    seen.add(id(parameter))
+                    self.parameters.append(parameter)
+        self.any_dtensor = any(isinstance(parameter, DTensor) for parameter in self.parameters)
+
+    def matches(self, model_parts: list[nn.Module]) -> bool:
+        return (
+            len(model_parts) == len(self.part_refs)
+            and all(ref() is part for ref, part in zip(self.part_refs, model_parts, strict=True))
+            and self.snapshot.still_valid()
+        )
+
+
+_TRAINABLE: "weakref.WeakKeyDictionary[nn.Module, _Trainable]" = weakref.WeakKeyDictionary()
+
+
+def _trainable(model_parts: list[nn.Module]) -> _Trainable:
+    if not model_parts:
+        return _Trainable(model_parts)
+    cached = _TRAINABLE.get(model_parts[0])
+    if cached is None or not cached.matches(model_parts):
+        cached = _TRAINABLE[model_parts[0]] = _Trainable(model_parts)
+    return cached
+
+
+def _trainable_parameters(model_parts: list[nn.Module]) -> list[nn.Parameter]:
     """Parameters that require grad, each once, in rank-stable (part, name) order."""
-    seen: set[int] = set()
-    for part in model_parts:
-        for _, parameter in sorted(part.named_parameters(), key=lambda item: item[0]):
-            if parameter.requires_grad and id(parameter) not in seen:
-                seen.add(id(parameter))
-                yield parameter
+    return _trainable(model_parts).parameters
 
 
 def _partial_to_replicate_dims(grad: DTensor, target: tuple) -> tuple[int, ...] | None:
@@ -77,6 +118,8 @@ def finalize_dtensor_gradients(model_parts: list[nn.Module]) -> int:
     placement mismatch falls back to ``DTensor.redistribute``. Call once per optimizer step, after
     gradient accumulation.
     """
+    if not _trainable(model_parts).any_dtensor:
+        return 0  # plain tensors only (tp=1 without FSDP): nothing to finalise, no collective
     _check_partial_candidates_present(model_parts)
     groups: dict[tuple, list[nn.Parameter]] = {}
     changed = 0
@@ -94,11 +137,11 @@ def finalize_dtensor_gradients(model_parts: list[nn.Module]) -> int:
 
     for (mesh, dims, dtype, _), parameters in groups.items():
         locals_ = [parameter.grad._local_tensor for parameter in parameters]
-        for chunk in _gradient_chunks(locals_):
-            flat = _pack(chunk, _gradient_reduce_dtype(dtype), chunk[0].device)
+        for chunk in bounded_chunks(locals_, MAX_FLAT_BUFFER_BYTES):
+            flat = pack(chunk, wire_dtype(dtype), chunk[0].device)
             for dim in dims:
                 dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=mesh.get_group(dim))
-            _unpack(flat, chunk)
+            unpack(flat, chunk)
             del flat  # one chunk's buffer alive at a time
         for parameter in parameters:
             grad = parameter.grad
@@ -120,35 +163,49 @@ def _norm_group_key(grad: torch.Tensor) -> tuple:
     return (mesh.mesh_dim_names, tuple(mesh.mesh.shape), sharded)
 
 
+def _reduce_norms(norms: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """Combine per-tensor float64 norms into the group's max (inf) or sum of p-th powers, on the CPU."""
+    if not norms:
+        return torch.zeros((), dtype=torch.float64)
+    stacked = torch.stack(norms)
+    return (stacked.max() if norm_type == math.inf else stacked.pow(norm_type).sum()).cpu()
+
+
+def _local_norms(grads: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
+    """Per-tensor norms of rank-local gradients, accumulated in float64 without a float64 copy."""
+    return list(torch._foreach_norm(grads, norm_type, dtype=torch.float64)) if grads else []
+
+
 @torch.no_grad()
 def grad_norm(model_parts: list[nn.Module], norm_type: float = 2.0) -> torch.Tensor:
     """The global gradient norm, equal on every rank, as if the whole model were on one device.
 
-    ``norm_type`` is any p > 0 or ``inf``; accumulation is in float64. Call after finalisation and the
-    replica sync; the result is a CPU float64 scalar.
+    ``norm_type`` is any p > 0 or ``inf``; each tensor's norm is accumulated in float64 (one
+    ``torch._foreach_norm``) and so is the sum. Call after finalisation and the replica sync; the result is
+    a CPU float64 scalar.
     """
     norm_type = float(norm_type)
+    trainable = _trainable(model_parts)
+    grads = list(map(_grad, trainable.parameters))
+    if not trainable.any_dtensor:  # plain tensors: full copies on every rank, nothing to reduce
+        total = _reduce_norms(_local_norms([g for g in grads if g is not None], norm_type), norm_type)
+        return total if norm_type == math.inf else total.pow(1.0 / norm_type)
     is_inf = norm_type == math.inf
-    values: dict[tuple, list[torch.Tensor]] = {}
+    locals_: dict[tuple, list[torch.Tensor]] = {}
     meshes: dict[tuple, DeviceMesh | None] = {}
-    for parameter in _trainable_parameters(model_parts):
+    for parameter, grad in zip(trainable.parameters, grads, strict=True):
         # A missing gradient counts as zero but still names its group, so every rank reduces the same
         # groups even when one rank's copy of a parameter (an unused expert) got no gradient.
-        grad = parameter.grad if parameter.grad is not None else parameter
-        key = _norm_group_key(grad)
-        meshes.setdefault(key, grad.device_mesh if isinstance(grad, DTensor) else None)
-        if parameter.grad is None:
-            continue
-        local = (grad._local_tensor if isinstance(grad, DTensor) else grad).detach()
-        if local.numel():
-            local = local.abs().to(torch.float64)
-            values.setdefault(key, []).append((local.max() if is_inf else local.pow(norm_type).sum()).cpu())
+        key = _norm_group_key(grad if grad is not None else parameter)
+        source = grad if grad is not None else parameter
+        meshes.setdefault(key, source.device_mesh if isinstance(source, DTensor) else None)
+        if grad is not None:
+            locals_.setdefault(key, []).append(local_tensor(grad).detach())
 
     op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
     totals = [torch.zeros((), dtype=torch.float64)]
     for key in sorted(meshes, key=repr):  # every rank reduces the same groups in the same order
-        stacked = torch.stack(values.get(key, [torch.zeros((), dtype=torch.float64)]))
-        value = stacked.max() if is_inf else stacked.sum()
+        value = _reduce_norms(_local_norms(locals_.get(key, []), norm_type), norm_type)
         mesh = meshes[key]
         if mesh is not None and key[2]:
             wire = value.reshape(1).to(mesh.device_type)
@@ -166,9 +223,7 @@ def clip_grad_norm_(model_parts: list[nn.Module], max_norm: float, norm_type: fl
     total = grad_norm(model_parts, norm_type)
     coefficient = min(1.0, max_norm / (total.item() + 1e-6))
     if coefficient < 1.0:
-        for parameter in _trainable_parameters(model_parts):
-            grad = parameter.grad
-            if grad is None:
-                continue
-            (grad._local_tensor if isinstance(grad, DTensor) else grad).mul_(coefficient)
+        grads = [local_tensor(g) for g in map(_grad, _trainable_parameters(model_parts)) if g is not None]
+        if grads:
+            torch._foreach_mul_(grads, coefficient)
     return total

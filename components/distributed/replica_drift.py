@@ -10,30 +10,26 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from components.distributed.tp_replicas import _get_tp_mesh, _is_tp_replicated, _local_tensor, _unmarked_entries_by_name
+from components.distributed.flat_buffers import local_tensor
+from components.distributed.tp_replicas import tp_replicated_parameters, tp_submesh
 
 
-def _replicated_tensors(model_parts: list[nn.Module], tp_mesh: DeviceMesh) -> list[tuple[str, torch.Tensor]]:
-    """(name, rank-local storage) of every TP-replicated parameter, in rank-stable name order."""
-    ranks = tuple(dist.get_process_group_ranks(tp_mesh.get_group()))
-    rank = dist.get_rank()
+def _replicated_tensors(model_parts: list[nn.Module], device_mesh: DeviceMesh) -> list[tuple[str, torch.Tensor]]:
+    """(name, rank-local storage) of every TP-replicated floating-point parameter, in rank-stable name order."""
     return [
-        (name, _local_tensor(tensor).detach())
-        for (_, name), tensor, _ in _unmarked_entries_by_name(model_parts)
-        if _is_tp_replicated(tensor, ranks, rank, "tp")
-        and not _local_tensor(tensor).is_meta
-        and tensor.is_floating_point()
-        and tensor.numel()
+        (name, local_tensor(tensor).detach())
+        for name, tensor, _ in tp_replicated_parameters(model_parts, device_mesh)
+        if not local_tensor(tensor).is_meta and tensor.is_floating_point() and tensor.numel()
     ]
 
 
 @torch.no_grad()
 def replica_drift(model_parts: list[nn.Module], device_mesh: DeviceMesh | None) -> dict[str, float]:
     """Largest absolute difference between the TP copies of each replicated tensor (empty without TP)."""
-    tp_mesh = _get_tp_mesh(device_mesh, "tp")
+    tp_mesh = tp_submesh(device_mesh)
     if tp_mesh is None:
         return {}
-    tensors = _replicated_tensors(model_parts, tp_mesh)
+    tensors = _replicated_tensors(model_parts, device_mesh)
     if not tensors:
         return {}
     flat = torch.cat([t.reshape(-1).to(torch.float64) for _, t in tensors]).to(tp_mesh.device_type)

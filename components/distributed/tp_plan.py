@@ -37,7 +37,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from components.distributed.tp_replicas import _TP_REPLICA_GRAD_REDUCTION_ATTR, mark_tp_replica_gradient_reduction
+from components.distributed.tp_replicas import mark_tp_replica_gradient_reduction, tp_replica_reduction
 
 _DENSE_DECODER = {
     "model.embed_tokens": "embedding_rowwise",
@@ -270,7 +270,7 @@ def apply_tp_plan(
             report.sharded[name] = str(parameter.placements)
         else:
             module = model.get_submodule(name.rpartition(".")[0])
-            report.replicated[name] = getattr(module, _TP_REPLICA_GRAD_REDUCTION_ATTR, "mean")
+            report.replicated[name] = tp_replica_reduction(module)
     return report
 
 

@@ -29,13 +29,20 @@ Choices where the specification is silent:
 Every collective is called through ``dist.<name>`` at call time so tests can intercept them.
 """
 
+import weakref
 from collections.abc import Iterator
-from typing import Literal
+from itertools import repeat
+from operator import attrgetter, is_
+from typing import Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
+
+from components.distributed.flat_buffers import bounded_chunks, local_tensor, wire_dtype
+from components.distributed.replica_plan import BucketLayout, ModelSnapshot
 
 _TP_REPLICA_GRAD_REDUCTION_ATTR = "_nemo_tp_replica_grad_reduction"
 _MODEL_OWNED_GRAD_DIVISOR_ATTR = "_nemo_model_owned_grad_divisor"
@@ -43,7 +50,6 @@ _MAX_FLAT_BUFFER_BYTES = 256 * 1024 * 1024
 
 _REDUCTIONS = ("mean", "sum")
 _SKIP = "skip"
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 # (index of the model part, fully qualified name): the rank-stable sort key of a tensor.
 _NameKey = tuple[int, str]
@@ -95,7 +101,7 @@ def _get_tp_mesh(device_mesh: DeviceMesh | None, tp_axis_name: str) -> DeviceMes
 
 def _gradient_reduce_dtype(dtype: torch.dtype) -> torch.dtype:
     """Return an FP32 communication dtype for low-precision gradients."""
-    return torch.float32 if dtype in _LOW_PRECISION else dtype
+    return wire_dtype(dtype)
 
 
 def _gradient_chunks(gradients: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
@@ -109,36 +115,7 @@ def _gradient_chunks(gradients: list[torch.Tensor]) -> Iterator[list[torch.Tenso
         Consecutive lists, in input order, whose flat communication buffer holds at most
         ``_MAX_FLAT_BUFFER_BYTES``; a single larger gradient is a chunk of its own.
     """
-    chunk: list[torch.Tensor] = []
-    chunk_bytes = 0
-    for gradient in gradients:
-        size = gradient.numel() * torch.empty((), dtype=_gradient_reduce_dtype(gradient.dtype)).element_size()
-        if chunk and chunk_bytes + size > _MAX_FLAT_BUFFER_BYTES:
-            yield chunk
-            chunk, chunk_bytes = [], 0
-        chunk.append(gradient)
-        chunk_bytes += size
-    if chunk:
-        yield chunk
-
-
-def _pack(chunk: list[torch.Tensor], dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
-    """One flat communication buffer holding ``chunk`` in ``dtype``: each gradient is copied (and cast)
-    straight into its slice, so the only extra memory is the buffer itself."""
-    flat = torch.empty(sum(g.numel() for g in chunk), dtype=dtype, device=device)
-    offset = 0
-    for gradient in chunk:
-        flat[offset : offset + gradient.numel()].copy_(gradient.reshape(-1))
-        offset += gradient.numel()
-    return flat
-
-
-def _unpack(flat: torch.Tensor, chunk: list[torch.Tensor]) -> None:
-    """Copy each slice of ``flat`` back into its gradient, in place and in the gradient's own dtype."""
-    offset = 0
-    for gradient in chunk:
-        gradient.copy_(flat[offset : offset + gradient.numel()].view_as(gradient))
-        offset += gradient.numel()
+    return bounded_chunks(gradients, _MAX_FLAT_BUFFER_BYTES)
 
 
 def _is_tp_replicated(
@@ -187,7 +164,7 @@ def _is_tp_replicated(
 
 def _local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """Return rank-local storage for a Tensor or DTensor."""
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+    return local_tensor(tensor)
 
 
 def _parameter_owners(model_parts: list[torch.nn.Module]) -> dict[int, tuple[_NameKey, torch.nn.Parameter, str]]:
@@ -278,6 +255,41 @@ def _iter_unique_buffers(model_parts: list[torch.nn.Module]) -> Iterator[torch.T
         yield buffer
 
 
+def tp_replica_reduction(module: nn.Module) -> str:
+    """The TP replica marker of ``module``: ``"mean"`` (also when unmarked), ``"sum"`` or ``"skip"``."""
+    return getattr(module, _TP_REPLICA_GRAD_REDUCTION_ATTR, "mean")
+
+
+def unmarked_parameters(model_parts: list[nn.Module]) -> list[tuple[str, nn.Parameter, str]]:
+    """(name, parameter, reduction) of every parameter outside excluded subtrees and without the model-owned
+    marker, each once (a shared one under its smallest name), in rank-stable (part, name) order."""
+    return [(key[1], parameter, reduction) for key, parameter, reduction in _unmarked_entries_by_name(model_parts)]
+
+
+def tp_submesh(device_mesh: DeviceMesh | None, tp_axis_name: str = "tp") -> DeviceMesh | None:
+    """The TP submesh of ``device_mesh`` when it has a TP axis of size > 1, else None (sliced once per mesh)."""
+    context = _tp_context(device_mesh, tp_axis_name)
+    return None if context is None else context.mesh
+
+
+def tp_replicated_parameters(
+    model_parts: list[nn.Module], device_mesh: DeviceMesh | None, tp_axis_name: str = "tp"
+) -> list[tuple[str, nn.Parameter, str]]:
+    """(name, parameter, reduction) of every TP-replicated parameter, trainable or not, in rank-stable order.
+
+    The parameters :func:`broadcast_tp_replicas` copies and, among those that require grad,
+    :func:`synchronize_tp_replica_gradients` reduces. Empty without a TP axis of size > 1.
+    """
+    context = _tp_context(device_mesh, tp_axis_name)
+    if context is None:
+        return []
+    return [
+        (name, parameter, reduction)
+        for name, parameter, reduction in unmarked_parameters(model_parts)
+        if _is_tp_replicated(parameter, context.ranks, context.rank, tp_axis_name)
+    ]
+
+
 def _tp_group(tp_mesh: DeviceMesh) -> tuple[dist.ProcessGroup, tuple[int, ...]]:
     group = tp_mesh.get_group()
     return group, tuple(dist.get_process_group_ranks(group))
@@ -359,35 +371,149 @@ def synchronize_tp_replica_gradients(
             a sparse gradient that cannot be flattened without changing its representation. Every rank
             of the TP group raises together, before any gradient is changed.
     """
+    context = _tp_context(device_mesh, tp_axis_name)
+    if context is None:
+        return 0
+    plan = _sync_plan(model_parts, context, tp_axis_name)
+    if not plan.parameters:
+        return 0
+    grads = list(map(_grad, plan.parameters))
+    flags = _precheck_flags(plan, grads, context, tp_axis_name).to(context.mesh.device_type)
+    dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=context.group)
+    if torch.equal(flags, plan.expected_flags):  # every gradient present, eligible and dense on every rank
+        layout, local_grads = plan.full_layout(grads), _local_grads(plan, grads)
+        if layout is None:
+            layout = plan.layout(local_grads, list(range(len(grads))))
+    else:
+        eligible = _check_flags(plan, flags, context.size)
+        local_grads = [local_tensor(g) if g is not None else None for g in grads]
+        layout = plan.layout(local_grads, eligible)
+    return layout.reduce(plan.parameters, local_grads, context.group, context.size)
+
+
+# --- the cached plan -----------------------------------------------------------------------------
+
+_grad = attrgetter("grad")
+_layout = attrgetter("layout")
+
+
+class _TpContext(NamedTuple):
+    mesh: DeviceMesh
+    group: dist.ProcessGroup
+    ranks: tuple[int, ...]
+    rank: int
+    size: int
+
+
+_TP_CONTEXTS: dict[tuple[int, str], tuple[weakref.ref, _TpContext | None]] = {}
+
+
+def _tp_context(device_mesh: DeviceMesh | None, tp_axis_name: str) -> _TpContext | None:
+    """The TP submesh, its group and ranks, sliced once per (mesh, axis) instead of at every step."""
+    if device_mesh is None:
+        return None
+    key = (id(device_mesh), tp_axis_name)
+    cached = _TP_CONTEXTS.get(key)
+    if cached is not None and cached[0]() is device_mesh:
+        return cached[1]
     tp_mesh = _get_tp_mesh(device_mesh, tp_axis_name)
-    if tp_mesh is None:
-        return 0
-    group, tp_ranks = _tp_group(tp_mesh)
-    rank = dist.get_rank()
-    tp_size = len(tp_ranks)
+    context = None
+    if tp_mesh is not None:
+        group, ranks = _tp_group(tp_mesh)
+        context = _TpContext(tp_mesh, group, ranks, dist.get_rank(), len(ranks))
+    _TP_CONTEXTS[key] = (weakref.ref(device_mesh), context)
+    return context
 
-    candidates = [
-        (key[1], parameter, reduction)
-        for key, parameter, reduction in _unmarked_entries_by_name(model_parts)
-        if parameter.requires_grad and _is_tp_replicated(parameter, tp_ranks, rank, tp_axis_name)
-    ]
-    if not candidates:
-        return 0
 
-    # One all-reduce of per-candidate flags [present, eligible, sparse] tells every rank the same story.
-    flags = torch.zeros(3, len(candidates), dtype=torch.int32)
-    for index, (_, parameter, _) in enumerate(candidates):
-        grad = parameter.grad
-        if grad is not None:
-            flags[0, index] = 1
-            flags[1, index] = int(_is_tp_replicated(grad, tp_ranks, rank, tp_axis_name))
-            flags[2, index] = int(_local_tensor(grad).layout != torch.strided)
-    flags = flags.to(tp_mesh.device_type)
-    dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=group)
+class _SyncPlan:
+    """Candidates of one model for one TP group, in rank-stable order, and their bucket layouts."""
+
+    def __init__(self, model_parts: list[nn.Module], context: _TpContext, tp_axis_name: str, max_bytes: int):
+        self.snapshot = ModelSnapshot(model_parts, _TP_REPLICA_GRAD_REDUCTION_ATTR, _MODEL_OWNED_GRAD_DIVISOR_ATTR)
+        self.part_refs = [weakref.ref(part) for part in model_parts]
+        self.context, self.max_bytes = context, max_bytes
+        candidates = [
+            (key[1], parameter, reduction)
+            for key, parameter, reduction in _unmarked_entries_by_name(model_parts)
+            if parameter.requires_grad and _is_tp_replicated(parameter, context.ranks, context.rank, tp_axis_name)
+        ]
+        self.names = [name for name, _, _ in candidates]
+        self.parameters = [parameter for _, parameter, _ in candidates]
+        self.reductions = [reduction for _, _, reduction in candidates]
+        self.plain = [not isinstance(parameter, DTensor) for parameter in self.parameters]
+        self.all_plain = all(self.plain)
+        count = len(candidates)
+        self.dense_flags = torch.tensor([[1] * count, [1] * count, [0] * count], dtype=torch.int32)
+        self.expected_flags = (self.dense_flags * context.size).to(context.mesh.device_type)
+        self._full: BucketLayout | None = None
+        self._full_local_shapes: list[torch.Size] = []
+
+    def matches(self, model_parts: list[nn.Module], context: _TpContext) -> bool:
+        return (
+            context is self.context
+            and self.max_bytes == _MAX_FLAT_BUFFER_BYTES
+            and len(model_parts) == len(self.part_refs)
+            and all(ref() is part for ref, part in zip(self.part_refs, model_parts, strict=True))
+            and self.snapshot.still_valid()
+        )
+
+    def layout(self, local_grads: list[torch.Tensor | None], eligible: list[int]) -> BucketLayout:
+        """A layout without persistent buffers, for an unusual step (gradients missing everywhere)."""
+        device, bound = self.context.mesh.device_type, self.max_bytes
+        return BucketLayout(local_grads, self.reductions, eligible, self.plain, device, bound, persistent=False)
+
+    def full_layout(self, grads: list[torch.Tensor]) -> BucketLayout | None:
+        """The persistent layout for "every candidate has a gradient"; None if DTensor local shapes moved."""
+        shapes = [local_tensor(grads[i]).shape for i, plain in enumerate(self.plain) if not plain]
+        if self._full is None:
+            local_grads = _local_grads(self, grads)
+            everyone = list(range(len(grads)))
+            device = self.context.mesh.device_type
+            self._full = BucketLayout(local_grads, self.reductions, everyone, self.plain, device, self.max_bytes)
+            self._full_local_shapes = shapes
+        return self._full if shapes == self._full_local_shapes else None
+
+
+_PLANS: "weakref.WeakKeyDictionary[nn.Module, dict[tuple, _SyncPlan]]" = weakref.WeakKeyDictionary()
+
+
+def _sync_plan(model_parts: list[nn.Module], context: _TpContext, tp_axis_name: str) -> _SyncPlan:
+    """The cached plan for these model parts, rebuilt when the modules, parameters or markers changed."""
+    plans = _PLANS.setdefault(model_parts[0], {}) if model_parts else {}
+    key = (id(context.group), tp_axis_name)
+    plan = plans.get(key)
+    if plan is None or not plan.matches(model_parts, context):
+        plan = _SyncPlan(model_parts, context, tp_axis_name, _MAX_FLAT_BUFFER_BYTES)
+        plans[key] = plan
+    return plan
+
+
+def _local_grads(plan: _SyncPlan, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    return grads if plan.all_plain else list(map(local_tensor, grads))
+
+
+def _precheck_flags(plan: _SyncPlan, grads: list, context: _TpContext, tp_axis_name: str) -> torch.Tensor:
+    """Per candidate [present, eligible, sparse], as one int32 tensor built at once."""
+    if (
+        plan.all_plain
+        and not any(map(is_, grads, repeat(None)))
+        and all(map(is_, map(_layout, grads), repeat(torch.strided)))
+    ):
+        return plan.dense_flags.clone()
+    present, eligible, sparse = [], [], []
+    for grad in grads:
+        present.append(grad is not None)
+        eligible.append(grad is not None and _is_tp_replicated(grad, context.ranks, context.rank, tp_axis_name))
+        sparse.append(grad is not None and local_tensor(grad).layout != torch.strided)
+    return torch.tensor([present, eligible, sparse], dtype=torch.int32)
+
+
+def _check_flags(plan: _SyncPlan, flags: torch.Tensor, tp_size: int) -> list[int]:
+    """Raise (on every rank alike) if the summed flags disagree; return the indices to reduce."""
     present, eligible, sparse = flags.cpu().tolist()
 
     def names(bad: list[bool]) -> str:
-        return ", ".join(name for (name, _, _), is_bad in zip(candidates, bad, strict=True) if is_bad)
+        return ", ".join(name for name, is_bad in zip(plan.names, bad, strict=True) if is_bad)
 
     if any(0 < count < tp_size for count in present):
         raise RuntimeError(f"Gradient presence differs across TP replicas: {names([0 < c < tp_size for c in present])}")
@@ -400,22 +526,5 @@ def synchronize_tp_replica_gradients(
             "Sparse gradients cannot be flattened for TP replica synchronization: "
             f"{names([count > 0 for count in sparse])}"
         )
-
-    groups: dict[tuple[str, torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for (_, parameter, reduction), count in zip(candidates, eligible, strict=True):
-        if count == 0:
-            continue  # no gradient anywhere, or Partial/Shard on TP: left exactly as it is
-        local = _local_tensor(parameter.grad)
-        groups.setdefault((reduction, local.device, local.dtype), []).append(local)
-
-    synchronized = 0
-    for (reduction, _, dtype), gradients in groups.items():
-        for chunk in _gradient_chunks(gradients):
-            flat = _pack(chunk, _gradient_reduce_dtype(dtype), tp_mesh.device_type)
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-            if reduction == "mean":
-                flat.div_(tp_size)
-            _unpack(flat, chunk)
-            synchronized += len(chunk)
-            del flat  # free this chunk's buffer before the next one is built: peak stays one chunk
-    return synchronized
+    # no gradient anywhere, or Partial/Shard on TP: left exactly as it is
+    return [index for index, count in enumerate(eligible) if count > 0]

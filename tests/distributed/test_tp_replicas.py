@@ -415,3 +415,90 @@ def test_without_a_tp_axis_of_size_above_one_both_return_zero(ranks2):
         assert counts == [(0, 0)] * 3
         assert calls == []
         assert grad == rank + 1
+
+
+# --- the cached plan and its persistent buffers --------------------------------------------------
+
+
+def check_plan_rebuilt_after_changes(rank, world_size):
+    device_mesh = mesh((world_size,), ("tp",))
+    model = nn.Module()
+    model.a = holder_with_grad(rank + 1)
+    results = [synchronize_tp_replica_gradients([model], device_mesh)]
+    model.a.weight = nn.Parameter(torch.zeros(2))  # a parameter replaced (new shape, new object)
+    model.a.weight.grad = torch.full((2,), float(4 * rank + 1))
+    results.append((synchronize_tp_replica_gradients([model], device_mesh), model.a.weight.grad.tolist()))
+    model.a._parameters["weight"] = nn.Parameter(torch.zeros(3))  # behind __setattr__'s back, as FSDP2 does
+    model.a.weight.grad = torch.full((3,), float(2 * rank))
+    results.append((synchronize_tp_replica_gradients([model], device_mesh), model.a.weight.grad.tolist()))
+    model.b = holder_with_grad(2 * rank + 3)  # a module added
+    model.b.inner = holder_with_grad(rank, size=1)  # and one added below it
+    results.append((synchronize_tp_replica_gradients([model], device_mesh), model.b.inner.weight.grad.tolist()))
+    mark_tp_replica_gradient_reduction(model.b, "sum")  # a marker changed
+    model.b.weight.grad = torch.full((4,), float(rank + 1))
+    results.append((synchronize_tp_replica_gradients([model], device_mesh), model.b.weight.grad.tolist()))
+    del model.b  # a module removed: its parameters must no longer be reduced
+    model.a.weight.requires_grad_(False)  # and a parameter frozen
+    model.c = holder_with_grad(rank)
+    with recorded_collectives() as calls:
+        results.append(synchronize_tp_replica_gradients([model], device_mesh))
+    return results, calls
+
+
+def test_cached_plan_is_rebuilt_when_parameters_modules_or_markers_change(ranks2):
+    for results, calls in ranks2.run(check_plan_rebuilt_after_changes):
+        assert results == [1, (1, [3.0] * 2), (1, [1.0] * 3), (3, [0.5]), (3, [3.0] * 4), 1]
+        assert calls == [("all_reduce", torch.int32, 3), ("all_reduce", torch.float32, 4)]
+
+
+def check_gradients_become_bucket_views(rank, world_size):
+    device_mesh = mesh((world_size,), ("tp",))
+    model = nn.Module()
+    model.a = holder_with_grad(rank + 1)
+    model.b = holder_with_grad(rank + 1, size=3, reduction="sum")
+    model.low = Holder(torch.zeros(2, dtype=torch.bfloat16))
+    model.low.weight.grad = torch.full((2,), float(rank + 1), dtype=torch.bfloat16)
+    synchronize_tp_replica_gradients([model], device_mesh)
+    first = [model.a.weight.grad, model.b.weight.grad]
+    # accumulate the next step in place, as autograd does into an existing .grad, then sync again
+    loss = (model.a.weight * (rank + 1)).sum() + (model.b.weight * (rank + 1)).sum() + model.low.weight.sum().float()
+    model.low.weight.grad = None
+    loss.backward()
+    with recorded_collectives() as calls:
+        synchronize_tp_replica_gradients([model], device_mesh)
+    same_objects = [g is p.weight.grad for g, p in zip(first, (model.a, model.b), strict=True)]
+    grads = [model.a.weight.grad.tolist(), model.b.weight.grad.tolist(), model.low.weight.grad.tolist()]
+    model.a.weight.grad = None  # set_to_none, as optimizer.zero_grad does: fresh tensors are packed again
+    model.b.weight.grad = torch.full((3,), float(rank))
+    model.a.weight.grad = torch.full((4,), float(rank))
+    synchronize_tp_replica_gradients([model], device_mesh)
+    return same_objects, grads, calls, model.a.weight.grad.tolist(), model.b.weight.grad.tolist()
+
+
+def test_fp32_gradients_are_reduced_in_place_as_views_of_a_persistent_bucket(ranks2):
+    for same_objects, grads, calls, fresh_mean, fresh_sum in ranks2.run(check_gradients_become_bucket_views):
+        assert same_objects == [True, True]  # autograd accumulated into the bucket views
+        # a: mean(1.5 + 1, 1.5 + 2) = 3.0; b: sum(3 + 1, 3 + 2) = 9.0; low: mean(1, 1) = 1.0
+        assert grads == [[3.0] * 4, [9.0] * 3, [1.0] * 2]
+        assert calls == [("all_reduce", torch.int32, 9), ("all_reduce", torch.float32, 4)] + [
+            ("all_reduce", torch.float32, n) for n in (3, 2)
+        ]
+        assert (fresh_mean, fresh_sum) == ([0.5] * 4, [1.0] * 3)
+
+
+def check_buffers_freed_with_the_model(rank, world_size):
+    import gc
+    import weakref
+
+    model = nn.Module()
+    model.a = holder_with_grad(rank + 1)
+    synchronize_tp_replica_gradients([model], mesh((world_size,), ("tp",)))
+    bucket = weakref.ref(model.a.weight.grad._base)
+    alive_before = bucket() is not None
+    del model
+    gc.collect()
+    return alive_before, bucket() is None
+
+
+def test_persistent_buffers_go_away_with_the_model(ranks2):
+    assert ranks2.run(check_buffers_freed_with_the_model) == [(True, True)] * 2
