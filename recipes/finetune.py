@@ -2,10 +2,11 @@
 
     python recipes/finetune.py model=llama tp=4 train.max_steps=5
 
-The story of one run, each line one call: check the config -> start the ranks -> mesh -> model ->
-TP plan (+ FSDP over dp) -> broadcast TP replicas -> optimizer -> per step: micro-batches forward and
-backward -> finalise DTensor grads -> sync TP-replica grads -> grad norm and clip -> optimizer step ->
-metrics, validation, checkpoint -> export a Hugging Face folder and a loss-curve PNG.
+The story of one run: check everything once and write it down as a run plan (``recipes/checks.py``) -> start
+the ranks -> mesh -> model -> TP plan (+ experts, + FSDP over dp) -> broadcast TP replicas -> optimizer and
+schedule -> resume -> per step: micro-batches forward and backward -> finalise DTensor grads -> sync
+TP-replica grads -> grad norm and clip -> optimizer step -> metrics, validation, checkpoint -> export a
+Hugging Face folder and a loss-curve PNG.
 """
 
 import json
@@ -13,18 +14,20 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import hydra
 import torch
 import torch.distributed as dist
-from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import get_class
+from omegaconf import DictConfig
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoTokenizer
 
-from components.data import StepBatches, split_train_val
+from components.data import StepBatches
 from components.distributed.fsdp import set_gradient_sync, shard_data_parallel
 from components.distributed.grads import clip_grad_norm_, finalize_dtensor_gradients, grad_norm
 from components.distributed.launch import init_process_group, launch_local, started_by_launcher
@@ -34,189 +37,231 @@ from components.distributed.tp_plan import apply_tp_plan, plan_for
 from components.distributed.tp_replicas import broadcast_tp_replicas, synchronize_tp_replica_gradients
 from components.models import build_causal_lm, materialize_from_pretrained, meta_causal_lm
 from components.moe import apply_expert_parallel
-from components.training.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from components.training.checkpoint import load_checkpoint, save_checkpoint
 from components.training.export import export_hf
-from components.training.faults import (
-    break_replica_sync,
-    inject_after_backward,
-    inject_after_update,
-    inject_at_step_start,
-    parse_fault,
-)
+from components.training.faults import install_faults
 from components.training.metrics import MetricsLog, plot_loss_curve
 from components.training.schedule import warmup_cosine
 from components.training.step import evaluate_loss_sum, forward_backward
-from recipes.preflight import ConfigError, Prepared, compose_config, fail, model_config, prepare, records_for
+from recipes.checks import ConfigError, compose, fail, plan_run
+from recipes.plan import RunPlan
 
 
 @dataclass
 class Run:
+    """One rank's handles: where it is, what it trains, and with what."""
+
     rank: int
     device: torch.device
     mesh: DeviceMesh
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    data: StepBatches
+    val_data: StepBatches | None
+    first_step: int  # steps already done (by the checkpoint resumed from)
+    before_commit: Callable[[Path], None] | None = None  # the checkpoint writer's callback (a fault, in tests)
 
 
-def start(prepared: Prepared, seed: int) -> Run:
-    """Join the process group and build the ("dp", "tp") mesh."""
+def start(plan: RunPlan) -> tuple[int, torch.device, DeviceMesh]:
+    """Join the process group, pick this rank's device and threads, and build the ("dp", "tp") mesh."""
     # On CUDA, gloo serves the few CPU tensors (metrics sums) and NCCL everything on the GPU.
-    init_process_group("cpu:gloo,cuda:nccl" if prepared.device_type == "cuda" else "gloo")
-    if prepared.device_type == "cuda":
-        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
-    torch.manual_seed(seed)
-    if prepared.device_type == "cpu":  # ranks share the cores: more threads than cores only thrash
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-    device = torch.device(prepared.device_type, torch.cuda.current_device() if prepared.device_type == "cuda" else 0)
-    return Run(dist.get_rank(), device, build_device_mesh(prepared.dims, prepared.device_type))
+    init_process_group("cpu:gloo,cuda:nccl" if plan.device_type == "cuda" else "gloo")
+    if plan.device_type == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        torch.set_num_threads(plan.cpu_threads)
+        device = torch.device("cpu")
+    torch.manual_seed(plan.settings.seed)
+    return dist.get_rank(), device, build_device_mesh(plan.dims, plan.device_type)
 
 
-def build_model(cfg: DictConfig, prepared: Prepared, run: Run, vocab_size: int):
-    """Build (seeded) or load (slice by slice) the model, then shard it: TP plan, then FSDP over dp."""
-    config = model_config(cfg, prepared.model_path, vocab_size)
-    if prepared.model_path is None:
-        model = build_causal_lm(config, seed=cfg.seed).to(run.device)
+def build_model(plan: RunPlan, device: torch.device, mesh: DeviceMesh) -> torch.nn.Module:
+    """Build (seeded) or load (slice by slice) the model, then shard it: TP plan, experts, FSDP over dp."""
+    settings, config = plan.settings, plan.model_config
+    if plan.model_path is None:
+        model = build_causal_lm(config, seed=settings.seed).to(device)
     else:
         model = meta_causal_lm(config)  # nothing allocated until each rank loads its own shards
-    report = None
-    if prepared.dims.tp > 1:
-        moe_modules = (*cfg.model.experts, *cfg.model.routers)
-        report = apply_tp_plan(model, run.mesh["tp"], plan_for(config, cfg.sp), config, cfg.sp, moe_modules)
-    apply_expert_parallel(model, build_moe_mesh(prepared.dims, prepared.device_type), list(cfg.model.experts))
-    if prepared.model_path is not None:
-        materialize_from_pretrained(model, prepared.model_path, device=str(run.device))
-    if prepared.dims.dp > 1:
-        shard_data_parallel(model, run.mesh["dp"])
-    return model, config, report
+    if plan.dims.tp > 1:
+        moe_modules = (*settings.model.experts, *settings.model.routers)
+        report = apply_tp_plan(model, mesh["tp"], plan_for(config, settings.sp), config, settings.sp, moe_modules)
+        if dist.get_rank() == 0:
+            print(report.format())
+    if plan.dims.ep > 1:
+        apply_expert_parallel(model, build_moe_mesh(plan.dims, plan.device_type), list(settings.model.experts))
+    if plan.model_path is not None:
+        materialize_from_pretrained(model, plan.model_path, device=str(device))
+    if plan.dims.dp > 1:
+        shard_data_parallel(model, mesh["dp"])
+    return model
 
 
-def check_replicas(model, mesh: DeviceMesh, step: int, every: int) -> None:
-    """Every ``every`` steps, stop (on every rank) if any TP-replicated parameter differs across ranks."""
-    if every and step % every == 0:
-        drifted = sorted(name for name, spread in replica_drift([model], mesh).items() if spread > 0)
-        if drifted:
-            raise RuntimeError(f"step {step}: TP replicas differ across ranks: {', '.join(drifted)}")
+def set_up(plan: RunPlan) -> Run:
+    """Everything a rank needs before its first step: mesh, data, model, optimizer, schedule, resume."""
+    rank, device, mesh = start(plan)
+    settings, train = plan.settings, plan.settings.train
+    shards = dict(dp_size=plan.dims.dp, dp_rank=mesh["dp"].get_local_rank(), seed=settings.seed)
+    data = StepBatches.open(plan.data.train, train.global_batch_size, train.micro_batch_size, **shards)
+    val_data = None  # data.val_fraction=0 leaves no validation set (the checks require val_every=0 then)
+    if plan.data.val is not None:
+        val_batch = train.micro_batch_size * plan.dims.dp
+        val_data = StepBatches.open(plan.data.val, val_batch, train.micro_batch_size, **shards)
+
+    model = build_model(plan, device, mesh)
+    broadcast_tp_replicas([model], mesh)
+    optimizer = get_class(settings.optim.target)(model.parameters(), **settings.optim.options())
+    scheduler = warmup_cosine(optimizer, train.warmup_steps, train.max_steps, train.min_lr_ratio)
+    first_step = 0
+    if plan.resume_from is not None:
+        first_step = load_checkpoint(plan.resume_from, model, optimizer, scheduler)["step"]
+        if rank == 0:
+            print(f"resumed from {plan.resume_from} at step {first_step}")
+    run = Run(rank, device, mesh, model, optimizer, scheduler, data, val_data, first_step)
+    run.before_commit = install_faults(
+        plan.fault,
+        model,
+        optimizer,
+        rank=rank,
+        world_size=dist.get_world_size(),
+        first_step=first_step,
+        micro_batches_per_step=data.micro_batches_per_step,
+    )
+    return run
 
 
-def validation_loss(model, batches: StepBatches, run: Run) -> float:
+def train_step(run: Run, plan: RunPlan, step: int) -> dict:
+    """One optimizer step (0-based ``step``): micro-batches, gradient reductions, clip, update; its metrics."""
+    settings, started = plan.settings, time.perf_counter()
+    run.optimizer.zero_grad(set_to_none=True)
+    micro_batches, labelled = run.data.batches_for_step(step), run.data.labels_in_step(step)
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    for index, batch in enumerate(micro_batches):
+        set_gradient_sync(run.model, index == len(micro_batches) - 1)  # dp reduce once per step
+        batch = batch.to(run.device)
+        loss_sum += forward_backward(run.model, batch.input_ids, batch.labels, labelled, batch.position_ids)
+    finalize_dtensor_gradients([run.model])
+    synchronize_tp_replica_gradients([run.model], run.mesh)
+    clip = settings.train.clip_grad_norm
+    norm = (clip_grad_norm_([run.model], clip) if clip else grad_norm([run.model])).item()
+    finite = math.isfinite(norm)  # the same number on every rank, so all ranks decide alike
+    if not finite and settings.train.on_nonfinite == "stop":
+        raise FloatingPointError(
+            f"step {step + 1}: grad norm is {norm}; stopped before the update (train.on_nonfinite=skip skips it)"
+        )
+    lr = run.scheduler.get_last_lr()[0]
+    if finite:
+        run.optimizer.step()
+    run.scheduler.step()
+    dist.all_reduce(loss_sum, group=run.mesh["dp"].get_group())
+    elapsed, tokens = time.perf_counter() - started, run.data.tokens_in_step(step)
+    return {
+        "step": step + 1,
+        "loss": (loss_sum / labelled).item(),
+        "grad_norm": norm if finite else None,
+        "lr": lr,
+        "tokens": tokens,
+        "tokens_per_s": tokens / elapsed,
+        **({} if finite else {"skipped": True}),
+    }
+
+
+def validation_loss(run: Run) -> float:
     totals = torch.zeros(2, dtype=torch.float64)
-    model.eval()
-    for input_ids, labels in batches.all_batches():
-        totals[0] += evaluate_loss_sum(model, input_ids.to(run.device), labels.to(run.device))
-        totals[1] += int((labels[:, 1:] != -100).sum())
-    model.train()
+    run.model.eval()
+    for batch in run.val_data.all_batches():
+        batch = batch.to(run.device)
+        totals[0] += evaluate_loss_sum(run.model, batch.input_ids, batch.labels, batch.position_ids)
+        totals[1] += batch.labelled_tokens()
+    run.model.train()
     dist.all_reduce(totals, group=run.mesh["dp"].get_group())
     return (totals[0] / totals[1]).item()
 
 
-def train(cfg: DictConfig, prepared: Prepared) -> None:
-    run = start(prepared, cfg.seed)
-    tokenizer = AutoTokenizer.from_pretrained(prepared.tokenizer_dir)
-    train_records, val_records = split_train_val(records_for(cfg.data, cfg.seed), cfg.data.val_fraction, cfg.seed)
-    dp, dp_rank = prepared.dims.dp, run.mesh["dp"].get_local_rank()
-    common = dict(tokenizer=tokenizer, seq_len=cfg.train.seq_len, dp_size=dp, dp_rank=dp_rank, seed=cfg.seed)
-    data = StepBatches(train_records, cfg.train.global_batch_size, cfg.train.micro_batch_size, **common)
-    val_data = None  # data.val_fraction=0 leaves no validation set (preflight requires val_every=0 then)
-    if val_records:
-        val_data = StepBatches(val_records, cfg.train.micro_batch_size * dp, cfg.train.micro_batch_size, **common)
+def check_replicas(run: Run, step: int, every: int) -> None:
+    """Every ``every`` steps, stop (on every rank) if any TP-replicated parameter differs across ranks."""
+    if every and step % every == 0:
+        drifted = sorted(name for name, spread in replica_drift([run.model], run.mesh).items() if spread > 0)
+        if drifted:
+            raise RuntimeError(f"step {step}: TP replicas differ across ranks: {', '.join(drifted)}")
 
-    model, config, report = build_model(cfg, prepared, run, len(tokenizer))
-    if report is not None and run.rank == 0:
-        print(report.format())
-    fault = parse_fault(cfg.debug.fault)
-    if fault is not None and fault.kind == "replica_sync_sum":
-        break_replica_sync(model)
-    broadcast_tp_replicas([model], run.mesh)
-    optimizer = instantiate({k: v for k, v in cfg.optim.items() if k != "name"}, params=model.parameters())
-    scheduler = warmup_cosine(optimizer, cfg.train.warmup_steps, cfg.train.max_steps, cfg.train.min_lr_ratio)
 
-    output_dir = Path(cfg.output_dir)
-    checkpoints = output_dir / "checkpoints"
-    resume = latest_checkpoint(checkpoints) if cfg.checkpoint.resume == "auto" else cfg.checkpoint.resume
-    first_step = load_checkpoint(Path(resume), model, optimizer, scheduler)["step"] if resume else 0
-    if run.rank == 0 and resume:
-        print(f"resumed from {resume} at step {first_step}")
-    log = MetricsLog(output_dir / "metrics.jsonl", run.rank == 0, first_step, cfg.train.max_steps)
-
-    last_step = min(cfg.train.max_steps, cfg.train.stop_after or cfg.train.max_steps)
-    for step in range(first_step, last_step):
-        inject_at_step_start(fault, step + 1, run.rank, dist.get_world_size())
-        started = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        micro_batches = data.batches_for_step(step)
-        global_tokens = data.tokens_in_step(step)
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        for index, (input_ids, labels) in enumerate(micro_batches):
-            set_gradient_sync(model, index == len(micro_batches) - 1)  # dp reduce once per step
-            loss_sum += forward_backward(model, input_ids.to(run.device), labels.to(run.device), global_tokens)
-        inject_after_backward(fault, model, step + 1, run.rank)
-        finalize_dtensor_gradients([model])
-        synchronize_tp_replica_gradients([model], run.mesh)
-        clip = cfg.train.clip_grad_norm
-        norm = (clip_grad_norm_([model], clip) if clip else grad_norm([model])).item()
-        finite = math.isfinite(norm)  # the same number on every rank, so all ranks decide alike
-        if not finite and cfg.train.on_nonfinite == "stop":
-            raise FloatingPointError(
-                f"step {step + 1}: grad norm is {norm}; stopped before the update (train.on_nonfinite=skip skips it)"
-            )
-        lr = scheduler.get_last_lr()[0]
-        if finite:
-            optimizer.step()
-        scheduler.step()
-        inject_after_update(fault, model, step + 1, run.rank, dist.get_world_size())
-
-        dist.all_reduce(loss_sum, group=run.mesh["dp"].get_group())
-        elapsed = time.perf_counter() - started
-        record = {
-            "step": step + 1,
-            "loss": (loss_sum / global_tokens).item(),
-            "grad_norm": norm if finite else None,
-            "lr": lr,
-            "tokens_per_s": cfg.train.global_batch_size * cfg.train.seq_len / elapsed,
-            **({} if finite else {"skipped": True}),
-        }
+def train(run: Run, plan: RunPlan) -> None:
+    """The steps after ``run.first_step`` up to ``max_steps`` (or ``stop_after``): metrics, validation, saves."""
+    settings, train_cfg = plan.settings, plan.settings.train
+    log = MetricsLog(plan.output_dir / "metrics.jsonl", run.rank == 0, run.first_step, train_cfg.max_steps)
+    for step in range(run.first_step, min(train_cfg.max_steps, train_cfg.stop_after or train_cfg.max_steps)):
+        record = train_step(run, plan, step)
+        done = step + 1
         if (
-            val_data is not None
-            and cfg.train.val_every
-            and ((step + 1) % cfg.train.val_every == 0 or step + 1 == cfg.train.max_steps)
+            run.val_data is not None
+            and train_cfg.val_every
+            and (done % train_cfg.val_every == 0 or done == train_cfg.max_steps)
         ):
-            record["val_loss"] = validation_loss(model, val_data, run)
+            record["val_loss"] = validation_loss(run)
         log.log(record)
-        check_replicas(model, run.mesh, step + 1, cfg.debug.check_replicas_every)
-        if cfg.checkpoint.every_steps and (step + 1) % cfg.checkpoint.every_steps == 0:
-            save_checkpoint(checkpoints, step + 1, model, optimizer, scheduler, keep=cfg.checkpoint.keep)
+        check_replicas(run, done, settings.debug.check_replicas_every)
+        every = settings.checkpoint.every_steps
+        if every and done % every == 0:
+            save_checkpoint(
+                plan.checkpoints, done, run.model, run.optimizer, run.scheduler, keep=settings.checkpoint.keep
+            )
     log.close()
 
-    drift = replica_drift([model], run.mesh)
+
+def finish(run: Run, plan: RunPlan) -> None:
+    """The replica drift report, the Hugging Face export and the loss curve."""
+    output_dir = plan.output_dir
+    drift = replica_drift([run.model], run.mesh)
     if run.rank == 0 and drift:
         worst = max(drift.values())
         (output_dir / "replica_drift.json").write_text(json.dumps({"max": worst, "tensors": drift}, indent=1))
         print(f"replica drift: largest difference between TP copies {worst} over {len(drift)} tensors")
-    if cfg.checkpoint.export and last_step == cfg.train.max_steps:
-        export_hf(model, config, output_dir / "hf", tokenizer=tokenizer)
+    train_cfg = plan.settings.train
+    finished = (train_cfg.stop_after or train_cfg.max_steps) >= train_cfg.max_steps
+    if plan.settings.checkpoint.export and finished:
+        export_hf(
+            run.model, plan.model_config, output_dir / "hf", tokenizer=AutoTokenizer.from_pretrained(plan.tokenizer_dir)
+        )
     if run.rank == 0 and (output_dir / "metrics.jsonl").exists():
         plot_loss_curve(output_dir / "metrics.jsonl", output_dir / "loss.png")
-        print(f"done: metrics, loss.png{' and hf/' if cfg.checkpoint.export else ''} in {output_dir}")
+        print(f"done: metrics, loss.png{' and hf/' if plan.settings.checkpoint.export else ''} in {output_dir}")
     dist.destroy_process_group()
 
 
-def run_ranks(container: dict, prepared: Prepared) -> None:
-    """Entry point of each rank started here: rebuild the config from a plain dict (cheap to hand over)."""
-    train(OmegaConf.create(container), prepared)
+def rank_main(plan: RunPlan) -> None:
+    """What every rank runs: set up, train, finish."""
+    run = set_up(plan)
+    train(run, plan)
+    finish(run, plan)
+
+
+def launch(cfg: DictConfig, output_dir: str) -> None:
+    """Check and plan once, then run the ranks: here (torchrun started us) or as local processes."""
+    try:
+        plan = plan_run(cfg, output_dir)
+    except ConfigError as error:
+        fail(str(error))
+    plan.output_dir.mkdir(parents=True, exist_ok=True)
+    if os.environ.get("RANK", "0") == "0":
+        (plan.output_dir / "config.yaml").write_text(plan.config_yaml)
+    if started_by_launcher():
+        rank_main(plan)
+    else:
+        launch_local(rank_main, plan.dims.world_size, plan)
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    try:
-        prepared = prepare(cfg)
-    except ConfigError as error:
-        fail(str(error))
-    if started_by_launcher():
-        train(cfg, prepared)
-    else:
-        launch_local(run_ranks, prepared.dims.world_size, OmegaConf.to_container(cfg, resolve=True), prepared)
+def hydra_main(cfg: DictConfig) -> None:
+    """Hydra's own entry (``--multirun``, ``--cfg``, ``--help``): each job writes to its own folder."""
+    launch(cfg, HydraConfig.get().runtime.output_dir)
 
 
 if __name__ == "__main__":
     arguments = sys.argv[1:]
-    if not any(a.startswith("-") for a in arguments):  # plain overrides: compose first for one-line errors
-        compose_config(arguments)
-    main()
+    if any(argument.startswith("-") for argument in arguments):
+        hydra_main()
+    else:  # plain overrides: compose here, so that a composition error is one line
+        composed = compose(arguments)
+        launch(composed, Path(composed.hydra.run.dir))

@@ -1,43 +1,64 @@
-"""Tiny embedded configurations of the four supported families, for tests, demos and the default recipe run.
+"""Hugging Face configs of models built from a config (no checkpoint): a family's class plus explicit sizes.
 
-Every size is small enough for a 2-core CPU, and the head, kv-head and expert counts (8, 4, 8) divide by
-1, 2 and 4, so each config runs at tp = 1, 2 or 4 with whole heads (and whole experts) on every rank.
+The sizes are data, not code: the recipe takes them from ``model.config`` (``conf/model/<family>.yaml``,
+overridable on the command line), and :func:`tiny_config` reads the same files for tests and benchmarks, so
+the tiny models tests use are the ones the recipe runs. Every tiny size keeps heads, kv heads and experts
+(8, 4, 8) divisible by 1, 2 and 4.
 """
 
-import torch
+import functools
+import inspect
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
 from transformers import LlamaConfig, MixtralConfig, PretrainedConfig, Qwen3Config, Qwen3MoeConfig
 
-# Shared by every family: 8 query heads of size 8 (hidden 64) sharing 4 kv heads.
-_COMMON = {
-    "hidden_size": 64,
-    "num_hidden_layers": 2,
-    "intermediate_size": 128,
-    "vocab_size": 256,
-    "max_position_embeddings": 256,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "head_dim": 8,
-    "tie_word_embeddings": False,
-    "dtype": torch.float32,
-    # HF 5 attention reshapes q/k/v with -1 heads, so a rank holding only its local heads works with sdpa.
-    "attn_implementation": "sdpa",
+FAMILIES: dict[str, type[PretrainedConfig]] = {
+    "llama": LlamaConfig,
+    "qwen3": Qwen3Config,  # dense, with q/k norms
+    "qwen3_moe": Qwen3MoeConfig,
+    "mixtral": MixtralConfig,
 }
-
-FAMILIES: dict[str, tuple[type[PretrainedConfig], dict]] = {
-    "llama": (LlamaConfig, {}),
-    "qwen3": (Qwen3Config, {}),  # dense, with q/k norms
-    "qwen3_moe": (Qwen3MoeConfig, {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64}),
-    "mixtral": (MixtralConfig, {"num_local_experts": 8, "num_experts_per_tok": 2}),
-}
+# Read by every family's attention (``getattr(config, "head_dim", ...)``) though not every config declares it.
+READ_BY_MODELS = frozenset({"head_dim"})
+MODEL_CONF_DIR = Path(__file__).resolve().parents[2] / "conf" / "model"
 
 
-def tiny_config(family: str, **overrides) -> PretrainedConfig:
-    """A tiny fp32 config of ``family`` ("llama", "qwen3", "qwen3_moe" or "mixtral"); ``overrides`` win.
+@functools.cache
+def known_keys(family: str) -> frozenset[str]:
+    """Every key a ``family`` config accepts: its attributes, its constructor's parameters and settable
+    properties (``attn_implementation``)."""
+    config_class = FAMILIES[family]
+    members = inspect.getmembers(config_class)
+    settable = {name.lstrip("_") for name, value in members if isinstance(value, property) and value.fset}
+    parameters = set(inspect.signature(config_class.__init__).parameters) - {"self"}
+    return frozenset(config_class().to_dict()) | parameters | settable | READ_BY_MODELS
+
+
+def config_errors(family: str | None, sizes: dict[str, Any]) -> list[str]:
+    """Why ``family`` with ``sizes`` cannot be built (an unknown family, keys the config does not have)."""
+    if family not in FAMILIES:
+        return [f"model.family={family!r} is not a known family: use one of {', '.join(sorted(FAMILIES))}"]
+    unknown = sorted(set(sizes) - known_keys(family))
+    return [f"model.config.{name} is not a key of {FAMILIES[family].__name__}: remove it" for name in unknown]
+
+
+def build_config(family: str, sizes: dict[str, Any]) -> PretrainedConfig:
+    """The ``family`` config with exactly ``sizes`` set (the rest are the class defaults).
 
     Raises:
-        ValueError: If ``family`` is not one of the known families.
+        ValueError: If the family is unknown or a key is not one of its config's (see :func:`config_errors`).
     """
+    errors = config_errors(family, sizes)
+    if errors:
+        raise ValueError("; ".join(errors))
+    return FAMILIES[family](**sizes)
+
+
+def tiny_config(family: str, **overrides: Any) -> PretrainedConfig:
+    """The tiny config of ``conf/model/<family>.yaml`` (the recipe's default sizes); ``overrides`` win."""
     if family not in FAMILIES:
         raise ValueError(f"unknown model family {family!r}; known families: {', '.join(sorted(FAMILIES))}")
-    config_class, family_sizes = FAMILIES[family]
-    return config_class(**{**_COMMON, **family_sizes, **overrides})
+    sizes = OmegaConf.to_container(OmegaConf.load(MODEL_CONF_DIR / f"{family}.yaml").config)
+    return build_config(family, {**sizes, **overrides})

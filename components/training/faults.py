@@ -6,27 +6,37 @@
 - ``raise@N``: the last rank raises at the start of step N (a crash on one rank mid-run).
 - ``replica_sync_sum``: every replicated parameter is sum-reduced instead of mean-reduced (the classic
   mean-vs-sum bug: redundant gradients counted tp times).
+- ``slow_save@S``: every checkpoint save waits S seconds after all ranks wrote their files and before it is
+  committed, so a test can kill a run in the middle of a save.
+
+:func:`install_faults` installs a fault once, through hooks (a forward pre-hook, a gradient hook, an optimizer
+step hook, a callback for the checkpoint writer): the training loop holds no test machinery. Steps are counted
+from the model's training forward passes, so a skipped update does not shift them.
 """
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from components.distributed.tp_replicas import (
-    _TP_REPLICA_GRAD_REDUCTION_ATTR,
-    _unmarked_entries_by_name,
     mark_tp_replica_gradient_reduction,
+    tp_replica_reduction,
+    unmarked_parameters,
 )
 
-KINDS = ("nan_grad", "perturb_replica", "raise", "replica_sync_sum")
+KINDS = ("nan_grad", "perturb_replica", "raise", "replica_sync_sum", "slow_save")
+_WITH_STEP = ("nan_grad", "perturb_replica", "raise", "slow_save")
 
 
 @dataclass(frozen=True)
 class Fault:
     kind: str
-    step: int | None = None
+    step: int | None = None  # the step it strikes at (seconds for slow_save)
 
 
 def parse_fault(text: str | None) -> Fault | None:
@@ -34,41 +44,86 @@ def parse_fault(text: str | None) -> Fault | None:
     if text is None:
         return None
     kind, _, step = str(text).partition("@")
-    needs_step = kind in ("nan_grad", "perturb_replica", "raise")
+    needs_step = kind in _WITH_STEP
     if kind not in KINDS or needs_step != step.isdigit() or (step.isdigit() and int(step) < 1):
         raise ValueError(
-            f"debug.fault {text!r} is not a known fault: use nan_grad@STEP, perturb_replica@STEP, raise@STEP "
-            "or replica_sync_sum"
+            f"debug.fault={text!r} is not a known fault: use nan_grad@STEP, perturb_replica@STEP, raise@STEP, "
+            "slow_save@SECONDS or replica_sync_sum"
         )
     return Fault(kind, int(step) if step else None)
 
 
-def break_replica_sync(model: nn.Module) -> None:
-    """``replica_sync_sum``: mark every module whose parameters are synchronised as ``sum``."""
-    for module in model.modules():
-        if getattr(module, _TP_REPLICA_GRAD_REDUCTION_ATTR, "mean") != "skip":
-            mark_tp_replica_gradient_reduction(module, "sum")
-
-
-def _first_plain(model: nn.Module, with_grad: bool) -> torch.Tensor:
-    for _, parameter, _ in _unmarked_entries_by_name([model]):
-        if not isinstance(parameter, DTensor) and (parameter.grad is not None or not with_grad):
+def _first_plain(model: nn.Module) -> torch.Tensor:
+    for _, parameter, _ in unmarked_parameters([model]):
+        if not isinstance(parameter, DTensor):
             return parameter
     raise RuntimeError("no plain replicated parameter to inject a fault into")
 
 
-def inject_at_step_start(fault: Fault | None, step: int, rank: int, world_size: int) -> None:
-    if fault is not None and fault.kind == "raise" and fault.step == step and rank == world_size - 1:
-        raise RuntimeError(f"injected fault (debug.fault=raise@{step})")
+class _StepCounter:
+    """The 1-based step a training forward belongs to, from the count of training forwards so far."""
+
+    def __init__(self, model: nn.Module, first_step: int, micro_batches_per_step: int) -> None:
+        self.forwards, self.first_step, self.per_step = 0, first_step, micro_batches_per_step
+        model.register_forward_pre_hook(self._count)
+
+    def _count(self, module: nn.Module, args) -> None:
+        if module.training:
+            self.forwards += 1
+
+    @property
+    def step(self) -> int:
+        """The step of the latest training forward."""
+        return self.first_step + (self.forwards - 1) // self.per_step + 1
+
+    @property
+    def last_micro_batch(self) -> bool:
+        return self.forwards % self.per_step == 0
 
 
-@torch.no_grad()
-def inject_after_backward(fault: Fault | None, model: nn.Module, step: int, rank: int) -> None:
-    if fault is not None and fault.kind == "nan_grad" and fault.step == step and rank == 0:
-        _first_plain(model, with_grad=True).grad.view(-1)[0] = float("nan")
+def install_faults(
+    fault: Fault | None,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    *,
+    rank: int,
+    world_size: int,
+    first_step: int,
+    micro_batches_per_step: int,
+) -> Callable[[Path], None] | None:
+    """Install ``fault`` on ``model``/``optimizer``; returns the checkpoint writer's ``before_commit`` callback
+    (``slow_save``) or None. Call once, after the model is sharded and before its replicas are broadcast."""
+    if fault is None:
+        return None
+    if fault.kind == "slow_save":
+        return lambda folder: time.sleep(fault.step)
+    if fault.kind == "replica_sync_sum":
+        for module in model.modules():
+            if tp_replica_reduction(module) != "skip":
+                mark_tp_replica_gradient_reduction(module, "sum")
+        return None
+    counter = _StepCounter(model, first_step, micro_batches_per_step)
+    last = rank == world_size - 1
+    if fault.kind == "raise" and last:
 
+        def crash(module: nn.Module, args) -> None:
+            if module.training and counter.step == fault.step:
+                raise RuntimeError(f"injected fault (debug.fault=raise@{fault.step})")
 
-@torch.no_grad()
-def inject_after_update(fault: Fault | None, model: nn.Module, step: int, rank: int, world_size: int) -> None:
-    if fault is not None and fault.kind == "perturb_replica" and fault.step == step and rank == world_size - 1:
-        _first_plain(model, with_grad=False).view(-1)[0] += 1e-3
+        model.register_forward_pre_hook(crash)
+    elif fault.kind == "nan_grad" and rank == 0:
+
+        def poison(parameter: torch.Tensor) -> None:
+            if counter.step == fault.step and counter.last_micro_batch:
+                parameter.grad.view(-1)[0] = float("nan")
+
+        _first_plain(model).register_post_accumulate_grad_hook(poison)
+    elif fault.kind == "perturb_replica" and last:
+
+        @torch.no_grad()
+        def nudge(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+            if counter.step == fault.step:
+                _first_plain(model).view(-1)[0] += 1e-3
+
+        optimizer.register_step_post_hook(nudge)
+    return None

@@ -1,0 +1,354 @@
+"""Every check, once per launch, before any rank starts; the result is the run plan (``recipes/plan.py``).
+
+Each problem becomes part of one ``error:`` line on stderr (problems joined by "; ", each naming the key, its
+value and what would work) and exit status 2, in seconds: no traceback wall, no rank left waiting. Under
+torchrun every rank runs the checks but only rank 0 prints.
+
+In order: Hydra composition (:func:`compose`); interpolations, every key's type, range and the set of known
+keys (``recipes/schema.py``); the optimizer's class and options; sizes that do not factor the world; batch
+sizes and (with ``sp``) the sequence length that do not divide; ``checkpoint.resume``; ``output_dir``; the model
+(folder or config, plan divisibility, experts, ``seq_len`` within its positions); the data and the validation
+split; and, once the tokenizer exists, that every record keeps answer tokens within ``train.seq_len``.
+"""
+
+import inspect
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.errors import HydraException
+from hydra.utils import get_class
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from pydantic import ValidationError
+from transformers import AutoTokenizer
+
+from components.data import (
+    DEFAULT_VOCAB_SIZE,
+    DataError,
+    PreparedData,
+    build_source,
+    data_cache_dir,
+    prepare_data,
+    source_cache_dir,
+    train_tokenizer,
+)
+from components.data.sources import DataSource
+from components.distributed.launch import started_by_launcher
+from components.distributed.mesh import ParallelDims, resolve_parallel_dims
+from components.distributed.tp_plan import check_plan, plan_for
+from components.models import load_config, meta_causal_lm
+from components.models.configs import build_config, config_errors
+from components.moe import check_expert_parallel
+from components.training.checkpoint import MARKER, latest_checkpoint
+from components.training.faults import parse_fault
+from recipes.plan import RunPlan
+from recipes.schema import Config, describe, show
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+
+
+class ConfigError(ValueError):
+    """A setting that cannot work; the message says which and what to change."""
+
+
+def fail(message: str) -> NoReturn:
+    """Print one ``error:`` line (the first paragraph of the message) and exit 2; under torchrun only rank 0
+    prints, the other ranks exit quietly."""
+    if os.environ.get("RANK", "0") == "0":
+        first = message.strip().split("\n\n")[0].replace("\n", " ")
+        print(f"error: {first}", file=sys.stderr)
+    sys.exit(2)
+
+
+def compose(overrides: list[str]) -> DictConfig:
+    """Compose like ``hydra.main`` would (with the ``hydra`` node), so that composition errors print as one
+    ``error:`` line instead of Hydra's own multi-line report."""
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            return hydra_compose(config_name="config", overrides=overrides, return_hydra_config=True)
+    except (HydraException, OmegaConfBaseException) as error:
+        fail(str(error) or str(error.__cause__))
+
+
+def _unresolvable(cfg: DictConfig) -> str:
+    """Which key's ``${...}`` interpolation fails (OmegaConf.resolve does not say), with the reason."""
+    pending = list(OmegaConf.to_container(cfg, resolve=False).items())
+    while pending:
+        key, value = pending.pop(0)
+        if isinstance(value, dict):
+            pending += [(f"{key}.{child}", item) for child, item in value.items()]
+            continue
+        try:
+            OmegaConf.select(cfg, key, throw_on_resolution_failure=True)
+        except OmegaConfBaseException as failure:
+            return (
+                f"{key}={show(value)} cannot be resolved ({str(failure).splitlines()[0]}): fix the ${{...}} reference"
+            )
+    return "the config cannot be resolved: fix its ${...} references"
+
+
+def _unset(container: Any, prefix: str = "") -> list[str]:
+    """Keys left at ``???``."""
+    if isinstance(container, dict):
+        return [key for name, value in container.items() for key in _unset(value, f"{prefix}{name}.")]
+    return [prefix[:-1]] if container == "???" else []
+
+
+def validate(cfg: DictConfig) -> Config:
+    """The composed config (without its ``hydra`` node) checked against the schema, every problem at once."""
+    body = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
+    try:
+        container = OmegaConf.to_container(body, resolve=True, throw_on_missing=False)
+    except OmegaConfBaseException as error:
+        raise ConfigError(_unresolvable(body)) from error
+    unset = _unset(container)
+    if unset:
+        hints = {"data.path": "data.path is not set: data=jsonl needs data.path=/path/to/file.jsonl"}
+        raise ConfigError("; ".join(hints.get(key, f"{key} is not set (???): give it a value") for key in unset))
+    try:
+        return Config.model_validate(container)
+    except ValidationError as error:
+        raise ConfigError("; ".join(describe(error))) from None
+
+
+def check_optimizer(target: str, options: dict[str, Any]) -> list[str]:
+    """``optim._target_`` names a ``torch.optim.Optimizer`` and every other key is one of its options."""
+    try:
+        optimizer = get_class(target)
+    except Exception:  # noqa: BLE001 - any import failure means the name is wrong
+        optimizer = None
+    if not (isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)):
+        return [f"optim._target_={show(target)} is not an optimizer class: use e.g. torch.optim.AdamW or optim=sgd"]
+    accepted = set(inspect.signature(optimizer).parameters) - {"params"}
+    unknown = sorted(set(options) - accepted)
+    return [f"optim.{key} is not an option of {target}; its options: {', '.join(sorted(accepted))}" for key in unknown]
+
+
+def check_sizes(settings: Config, device_type: str) -> tuple[ParallelDims | None, list[str]]:
+    """Parallel sizes that factor the world; batch sizes and (with sp) seq_len that divide."""
+    if started_by_launcher():
+        world_size = int(os.environ["WORLD_SIZE"])
+    elif settings.nproc is not None:
+        world_size = settings.nproc
+    else:
+        world_size = torch.cuda.device_count() if device_type == "cuda" else (settings.dp or 1) * settings.tp
+    try:
+        dims = resolve_parallel_dims(world_size, tp=settings.tp, dp=settings.dp, ep=settings.ep)
+    except ValueError as error:
+        return None, [str(error)]
+    train, errors = settings.train, []
+    if train.global_batch_size % (train.micro_batch_size * dims.dp):
+        fits = train.micro_batch_size * dims.dp
+        errors.append(
+            f"train.global_batch_size ({train.global_batch_size}) must be divisible by train.micro_batch_size "
+            f"({train.micro_batch_size}) × dp ({dims.dp}): use a multiple of {fits}, e.g. "
+            f"train.global_batch_size={max(fits, train.global_batch_size // fits * fits)}"
+        )
+    if settings.sp and train.seq_len % dims.tp:
+        fits = max(dims.tp, train.seq_len // dims.tp * dims.tp)
+        errors.append(
+            f"train.seq_len ({train.seq_len}) must be divisible by tp ({dims.tp}) with sp=true (each rank holds "
+            f"an equal slice of the sequence): use e.g. train.seq_len={fits}"
+        )
+    return dims, errors
+
+
+def choose_resume(resume: str | None, checkpoints: Path) -> tuple[Path | None, list[str]]:
+    """The checkpoint to resume from: ``auto`` (the latest complete one, or none), null, or a complete one."""
+    if resume is None:
+        return None, []
+    if resume == "auto":
+        return latest_checkpoint(checkpoints), []
+    path = Path(resume).expanduser().absolute()
+    if (path / MARKER).is_file():
+        return path, []
+    if not path.is_dir():
+        why = "is a file, not a checkpoint folder" if path.exists() else "does not exist"
+    elif (latest := latest_checkpoint(path)) is not None:
+        return None, [
+            f"checkpoint.resume={show(resume)} holds checkpoints but is not one: use checkpoint.resume={latest}"
+        ]
+    elif path.name.endswith(".tmp"):
+        why = "is an unfinished save (no COMPLETE marker)"
+    else:
+        why = f"is not a complete checkpoint (no {MARKER} marker)"
+    return None, [f"checkpoint.resume={show(resume)} {why}: use auto, null or a step_NNNNNNNN checkpoint folder"]
+
+
+def check_output_dir(path: Path) -> list[str]:
+    """``output_dir`` is a folder, or can be created as one, and can be written."""
+    if path.exists() and not path.is_dir():
+        return [f"output_dir={show(str(path))} is a file, not a folder: choose another output_dir"]
+    existing = next(parent for parent in (path, *path.parents) if parent.exists())
+    if not existing.is_dir():
+        return [f"output_dir={show(str(path))} cannot be created: {existing} is a file; choose another output_dir"]
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return [f"output_dir={show(str(path))} is not writable ({existing}): choose a folder you can write to"]
+    return []
+
+
+def resolve_model(settings: Config, dims: ParallelDims | None) -> tuple[Path | None, Any, list[str]]:
+    """(weights folder or None, the model's HF config, errors): the folder or the config, then the TP plan
+    and expert parallelism at these sizes."""
+    model = settings.model
+    try:
+        if model.pretrained_path is not None or model.source is not None:
+            if model.config:
+                return None, None, ["model.config overrides apply to a model built from its config: use {}"]
+            path = _model_folder(model.pretrained_path)
+            config = load_config(path)
+        else:
+            errors = config_errors(model.family, model.config)
+            if errors:
+                return None, None, errors
+            path, config = None, build_config(model.family, model.config)
+    except (ValueError, OSError, RuntimeError) as error:
+        return None, None, [str(error)]
+    errors = []
+    if settings.train.seq_len > config.max_position_embeddings:
+        errors.append(
+            f"train.seq_len ({settings.train.seq_len}) exceeds the model's max_position_embeddings "
+            f"({config.max_position_embeddings}): use train.seq_len={config.max_position_embeddings} or less"
+        )
+    if dims is not None:
+        errors += _plan_errors(settings, dims, config)
+    return path, config, errors
+
+
+def _model_folder(pretrained_path: str | None) -> Path:
+    if pretrained_path is None:  # model.source=smollm2
+        from components.models.smollm2 import smollm2_folder
+
+        return smollm2_folder()
+    path = Path(pretrained_path).expanduser().absolute()
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model.pretrained_path {str(path)!r} is not a Hugging Face model folder (no config.json)")
+    return path
+
+
+def _plan_errors(settings: Config, dims: ParallelDims, config) -> list[str]:
+    model, errors = settings.model, []
+    if dims.tp > 1:
+        meta = meta_causal_lm(config)
+        plan = plan_for(config, settings.sp)
+        errors += check_plan(meta, config, plan, dims.tp, (*model.experts, *model.routers))[1]
+        if any(error.startswith("tp (") for error in errors):
+            sizes = [getattr(config, k, 0) for k in ("num_attention_heads", "num_key_value_heads", "intermediate_size")]
+            fits = [tp for tp in range(1, min(s for s in sizes if s) + 1) if all(s % tp == 0 for s in sizes if s)]
+            errors.append(f"tp values that fit this model: {', '.join(map(str, fits))}")
+    if dims.ep > 1:
+        num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0)
+        errors += check_expert_parallel(meta_causal_lm(config), list(model.experts), num_experts, dims.ep, dims.tp)
+        if dims.dp > 1:
+            errors.append(f"ep={dims.ep} with dp={dims.dp} is not supported yet: use dp=1 (ep folds onto tp)")
+    return errors
+
+
+def data_source(settings: Config) -> tuple[DataSource | None, list[str]]:
+    """The ``data`` group as a source (its ``_target_`` picks the kind), a local ``path`` made absolute."""
+    group = settings.data.model_dump(by_alias=True)
+    path = Path(str(group.get("path"))).expanduser()
+    if "path" in group and path.exists():
+        group["path"] = str(path.absolute())
+    elif "path" in group and group["path"].startswith(("~", ".", "/")):
+        return None, [f"data.path={show(group['path'])} does not exist: give a data file or folder"]
+    try:
+        return build_source(group), []
+    except DataError as error:
+        return None, [str(error)]
+
+
+def prepare_tokenizer(source: DataSource, cache: Path) -> Path:
+    """The byte-level BPE trained on ``source`` (cached by the source's fingerprint). Training is
+    deterministic, so when several torchrun ranks race, each writes a private folder and the first wins."""
+    folder = data_cache_dir(cache) / "tokenizers" / f"{source.fingerprint()}-{DEFAULT_VOCAB_SIZE}"
+    if not folder.is_dir():
+        private = folder.with_name(f"{folder.name}.{os.getpid()}.tmp")
+        train_tokenizer(source.texts(source_cache_dir(cache)), DEFAULT_VOCAB_SIZE, private)
+        try:
+            private.rename(folder)
+        except OSError:
+            shutil.rmtree(private, ignore_errors=True)
+    return folder
+
+
+def prepare_run_data(settings: Config, source: DataSource, tokenizer_dir: Path, dims: ParallelDims) -> PreparedData:
+    """Tokenize once (or reuse the cache) and check the splits; raise ConfigError."""
+    train, cache = settings.train, Path(settings.cache_dir).expanduser().absolute()
+    try:
+        prepared = prepare_data(
+            source,
+            tokenizer_dir,
+            seq_len=train.seq_len,
+            packing=train.packing,
+            seed=settings.seed,
+            cache_root=cache,
+            num_proc=max(1, min(8, os.cpu_count() or 1)),
+        )
+    except (DataError, ValueError) as error:
+        raise ConfigError(f"data: {error}") from error
+    val_rows = prepared.val.num_rows if prepared.val is not None else 0
+    if train.val_every and val_rows < dims.dp:
+        why = f"data.val_fraction={show(source.val_fraction)} holds out {val_rows} validation rows"
+        raise ConfigError(
+            f"train.val_every={train.val_every} needs validation rows for each of dp ({dims.dp}) ranks but {why}: "
+            "raise data.val_fraction or set train.val_every=0"
+        )
+    return prepared
+
+
+def cpu_threads(setting: int | None, dims: ParallelDims) -> int:
+    """Intra-op threads per rank: the setting, else OMP_NUM_THREADS as the launch saw it, else the cores shared
+    by the local ranks (more threads than cores only thrash)."""
+    if setting is not None:
+        return setting
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        return max(1, int(os.environ["OMP_NUM_THREADS"]))
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dims.world_size))
+    return max(1, (os.cpu_count() or 1) // local_ranks)
+
+
+def plan_run(cfg: DictConfig, output_dir: str | None = None) -> RunPlan:
+    """Check everything and decide everything a rank needs; raise ConfigError naming every problem."""
+    settings = validate(cfg)
+    errors = check_optimizer(settings.optim.target, settings.optim.options())
+    try:
+        fault = parse_fault(settings.debug.fault)
+    except ValueError as error:
+        fault, errors = None, [*errors, str(error)]
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    dims, size_errors = check_sizes(settings, device_type)
+    output = Path(output_dir or settings.output_dir).expanduser().absolute()
+    resume_from, resume_errors = choose_resume(settings.checkpoint.resume, output / "checkpoints")
+    model_path, config, model_errors = resolve_model(settings, dims)
+    source, data_errors = data_source(settings)
+    errors += size_errors + resume_errors + check_output_dir(output) + model_errors + data_errors
+    if errors:
+        raise ConfigError("; ".join(errors))
+
+    cache = Path(settings.cache_dir).expanduser().absolute()
+    tokenizer_dir = model_path or prepare_tokenizer(source, cache)
+    if model_path is None:
+        config.vocab_size = len(AutoTokenizer.from_pretrained(tokenizer_dir))
+    data = prepare_run_data(settings, source, tokenizer_dir, dims)
+    body = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
+    return RunPlan(
+        settings=settings,
+        dims=dims,
+        device_type=device_type,
+        cpu_threads=cpu_threads(settings.cpu_threads, dims),
+        output_dir=output,
+        model_config=config,
+        model_path=model_path,
+        tokenizer_dir=Path(tokenizer_dir),
+        data=data,
+        resume_from=resume_from,
+        fault=fault,
+        config_yaml=OmegaConf.to_yaml(body, resolve=True),
+    )

@@ -1,0 +1,36 @@
+"""The run plan: every decision of a run, made once in the launching process and read by every rank.
+
+Ranks never re-derive what is here (paths, sizes, the checkpoint to resume, the data, the model's config):
+they get this frozen object, handed over in memory by the local launcher or rebuilt by each torchrun rank
+from the same checks.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import PretrainedConfig
+
+from components.data import PreparedData
+from components.distributed.mesh import ParallelDims
+from components.training.faults import Fault
+from recipes.schema import Config
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    settings: Config  # every key of the composed config, validated (types, ranges, known keys)
+    dims: ParallelDims
+    device_type: str  # "cpu" or "cuda"
+    cpu_threads: int  # intra-op threads per rank on the CPU
+    output_dir: Path  # absolute; this run owns it while it runs
+    model_config: PretrainedConfig  # the Hugging Face config the ranks build, vocabulary size included
+    model_path: Path | None  # a Hugging Face folder to load weights from; None: seeded weights
+    tokenizer_dir: Path
+    data: PreparedData  # the tokenized splits, prepared once, memory-mapped by the ranks
+    resume_from: Path | None  # the checkpoint chosen before any rank started, or None for a fresh run
+    fault: Fault | None  # debug.fault, parsed (tests only)
+    config_yaml: str  # the resolved config the run was started with, saved as output_dir/config.yaml
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.output_dir / "checkpoints"

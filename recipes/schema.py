@@ -1,0 +1,159 @@
+"""The config's declared schema: every key, its type, range or choices, and what to write instead.
+
+Pydantic v2 models over the composed, resolved config (not Hydra structured configs) because the checks need
+to collect *every* problem at once with its location, and pydantic reports all errors of a validation in one
+exception, each with its dotted path and the offending input; a Hydra structured config stops at the first.
+Models are strict (no "2" -> 2, no true -> 1), frozen, and forbid extra keys, so a key added with ``+`` that
+nothing reads is an error. No field has a default: defaults live in ``conf/`` only, so a key deleted from the
+composition is an error too. Each field's ``description`` is the hint printed after "use ...".
+
+Groups chosen by ``_target_`` (``optim``, ``data``, ``logger``) declare only their shared keys here; their
+other keys are checked against the signature of the class the target names (see ``recipes/checks.py``).
+"""
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+PRECISIONS = ("fp32", "bf16-mixed", "bf16")
+ACTIVATION_CHECKPOINTING = ("none", "full")
+
+
+def key(hint: str, **constraints: Any) -> Any:
+    """A required field whose ``hint`` says what would work, e.g. "a positive integer, e.g. tp=2"."""
+    return Field(description=hint, **constraints)
+
+
+PositiveInt = Annotated[int, Field(ge=1)]
+Count = Annotated[int, Field(ge=0)]
+Text = Annotated[str, Field(min_length=1, pattern=r"\S")]
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class Train(Section):
+    max_steps: PositiveInt = key("a positive integer, e.g. train.max_steps=60")
+    stop_after: PositiveInt | None = key("null or a positive step number, e.g. train.stop_after=20")
+    global_batch_size: PositiveInt = key("a positive integer, e.g. train.global_batch_size=16")
+    micro_batch_size: PositiveInt = key("a positive integer, e.g. train.micro_batch_size=8")
+    seq_len: Annotated[int, Field(ge=2)] = key("an integer of at least 2, e.g. train.seq_len=48")
+    clip_grad_norm: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = key(
+        "null (no clipping) or a positive number, e.g. train.clip_grad_norm=1.0"
+    )
+    val_every: Count = key("0 (never) or a positive number of steps, e.g. train.val_every=20")
+    warmup_steps: Count = key("0 or a positive number of steps, e.g. train.warmup_steps=5")
+    min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = key("a number in [0, 1], e.g. 0.1")
+    on_nonfinite: Literal["stop", "skip"] = key("stop or skip")
+    precision: Literal[PRECISIONS] = key(f"one of {', '.join(PRECISIONS)}")
+    activation_checkpointing: Literal[ACTIVATION_CHECKPOINTING] = key(f"one of {', '.join(ACTIVATION_CHECKPOINTING)}")
+    compile: bool = key("true or false")
+    packing: bool = key("true or false")
+
+
+class Checkpoint(Section):
+    every_steps: Count = key("0 (off) or a positive number of steps, e.g. 20")
+    resume: Text | None = key("auto, null or the path of a checkpoint folder")
+    keep: PositiveInt | None = key("null (keep all) or a positive integer, e.g. 2")
+    export: bool = key("true or false")
+
+
+class Debug(Section):
+    check_replicas_every: Count = key("0 (off) or a positive number of steps, e.g. 10")
+    fault: Text | None = key(
+        "null, nan_grad@STEP, perturb_replica@STEP, raise@STEP, slow_save@SECONDS or replica_sync_sum"
+    )
+
+
+class Model(Section):
+    name: Text = key("a name, e.g. model.name=llama")
+    family: Text | None = key("null or a model family, e.g. llama")
+    pretrained_path: Text | None = key("null or a local Hugging Face model folder")
+    source: Literal["smollm2"] | None = key("null or smollm2")
+    experts: list[Text] = key("a list of module patterns, e.g. [model.layers.*.mlp.experts]")
+    routers: list[Text] = key("a list of module patterns, e.g. [model.layers.*.mlp.gate]")
+    config: dict[str, Any] = key("a mapping of Hugging Face config keys, e.g. model.config.hidden_size=512")
+
+
+class Targeted(BaseModel):
+    """A group built by ``_target_``: its other keys belong to the target's signature."""
+
+    model_config = ConfigDict(extra="allow", strict=True, frozen=True, populate_by_name=True)
+    target: Text = Field(alias="_target_", description="a dotted class path")
+
+    def options(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+class Optim(Targeted):
+    lr: Annotated[float, Field(gt=0, allow_inf_nan=False)] = key("a positive number, e.g. optim.lr=3e-3")
+
+    def options(self) -> dict[str, Any]:
+        return {"lr": self.lr, **super().options()}
+
+
+class Config(Section):
+    seed: Annotated[int, Field(ge=0, lt=2**63)] = key("an integer in [0, 2**63), e.g. seed=0")
+    tp: PositiveInt = key("a positive integer, e.g. tp=2")
+    dp: PositiveInt | None = key("null (world size / tp) or a positive integer, e.g. dp=2")
+    sp: bool = key("true or false")
+    ep: PositiveInt = key("a positive integer, e.g. ep=2")
+    nproc: PositiveInt | None = key("null (dp × tp) or a positive integer, e.g. nproc=4")
+    cpu_threads: PositiveInt | None = key("null (OMP_NUM_THREADS, else cores / local ranks) or a positive integer")
+    collective_timeout_minutes: Annotated[float, Field(gt=0, allow_inf_nan=False)] = key(
+        "a positive number of minutes, e.g. collective_timeout_minutes=30"
+    )
+    output_dir: Text = key("a folder path, e.g. output_dir=outputs/run1")
+    overwrite_output_dir: bool = key("true or false")
+    cache_dir: Text = key("a folder for tokenized data and converted models, e.g. cache_dir=~/.cache/shardtune")
+    train: Train
+    checkpoint: Checkpoint
+    debug: Debug
+    model: Model
+    optim: Optim
+    data: Targeted
+
+
+def show(value: Any) -> str:
+    """A value as a Hydra override would spell it (null, true, 'text', [1, 2])."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return repr(value)
+
+
+def _field_hint(loc: tuple) -> str:
+    """The ``description`` of the field at ``loc`` (what would work), or "" when there is none."""
+    model: Any = Config
+    info = None
+    for part in loc:
+        fields = getattr(model, "model_fields", None)
+        if not fields:
+            break
+        info = next((f for name, f in fields.items() if part in (name, f.alias)), None)
+        if info is None:
+            return ""
+        model = info.annotation
+    return (info.description or "") if info is not None else ""
+
+
+def describe(error: ValidationError) -> list[str]:
+    """One line per wrong key (the first error of each location): the key, its value and what would work."""
+    lines, seen = [], set()
+    for item in error.errors():
+        loc = tuple(part for part in item["loc"] if isinstance(part, str))
+        loc = loc[: next((i for i, p in enumerate(loc) if p in ("int", "float", "str", "none", "bool")), len(loc))]
+        dotted = ".".join(loc)
+        if dotted in seen:
+            continue
+        seen.add(dotted)
+        hint = _field_hint(loc)
+        if item["type"] == "extra_forbidden":
+            lines.append(f"{dotted} is not a known key: remove it (see `python recipes/finetune.py --cfg job`)")
+        elif item["type"] == "missing":
+            lines.append(f"{dotted} is missing from the config: add it back with +{dotted}=..., {hint}")
+        else:
+            lines.append(f"{dotted}={show(item['input'])} is not valid: use {hint or item['msg']}")
+    return lines
