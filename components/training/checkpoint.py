@@ -1,30 +1,26 @@
 """Sharded, atomic training checkpoints with ``torch.distributed.checkpoint`` (DCP): save, find the latest, resume.
 
-One checkpoint is the folder ``root/step_00000042/``:
+One checkpoint is the folder ``root/step_00000042/`` (layout and checks: :mod:`checkpoint_check`): DCP's
+``.metadata`` and ``__<rank>_0.distcp`` (model and optimizer state, stored by global shape, so a load at another
+tp or dp size reshards them), ``trainer_state.json``, one ``rng/rank_NNNNN.json`` per rank (torch CPU, CUDA,
+Python and NumPy RNG states, so a resume at the same world size continues bitwise) and the ``COMPLETE`` marker.
 
-- DCP files (``.metadata``, ``__<rank>_0.distcp``): model and optimizer state from ``get_state_dict``. Each
-  rank writes its own shards, stored by global shape, so a load at another tp or dp size reshards them.
-- ``trainer_state.pt`` (rank 0): the step, the LR scheduler's state, the caller's ``extra``, the world size.
-- ``rng/rank_00000.pt`` (one per rank): that rank's torch CPU, CUDA (current device), Python and NumPy RNG
-  states, so a resume at the same world size continues bitwise like an uninterrupted run.
-- ``COMPLETE``: the marker, written last.
+Nothing in a checkpoint runs code on load: the project's own files are JSON, DCP's ``.metadata`` is read with a
+restricted unpickler and its non-tensor values with ``weights_only=True`` (:mod:`safe_dcp`). A checkpoint is
+still trusted for what it holds: the weights, the optimizer state, the step and the data position.
 
-Atomicity: every rank writes into ``step_00000042.tmp``; after all ranks are done rank 0 writes the marker
-and renames the folder (one ``os.replace``, atomic on one filesystem). A crash leaves a ``.tmp`` folder,
-which :func:`latest_checkpoint` never returns and the next save of that step replaces. All ranks must see
-the same filesystem (a shared one across nodes).
-
-Test hook: with the environment variable ``SHARDTUNE_TEST_SAVE_DELAY_S`` set to a number of seconds, every
-save sleeps that long after all ranks have written their files and before the marker and rename, so a test
-can kill a run in the middle of a save (tests/e2e/test_failures.py). It is for tests only; never set it.
+Atomicity: every rank writes into ``step_00000042.tmp``; after all ranks are done (and the caller's
+``before_commit`` hook has run) rank 0 writes the marker and renames the folder (one ``os.replace``, atomic on
+one filesystem). A crash leaves a ``.tmp`` folder, which :func:`latest_checkpoint` never returns and the next
+save of that step replaces. All ranks must see the same filesystem (a shared one across nodes). Pruning
+(``keep``) removes only older checkpoints that carry the same run id as the one being saved.
 """
 
+import base64
 import json
 import os
 import random
-import re
 import shutil
-import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -44,21 +41,33 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim.lr_scheduler import LRScheduler
 
-MARKER = "COMPLETE"
-TRAINER_STATE = "trainer_state.pt"
-RNG_DIR = "rng"
-_NAME = re.compile(r"^step_(\d{8,})$")
+from components.training.checkpoint_check import (
+    MARKER,
+    RNG_DIR,
+    STATE_FORMAT,
+    TRAINER_STATE,
+    check_checkpoint,
+    checkpoint_path,
+    complete_checkpoints,
+    read_trainer_state,
+    rng_file,
+)
+from components.training.output_dir import foreign_files, write_manifest
+from components.training.safe_dcp import (
+    CheckpointError,
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    checkpoint_error_in,
+    dumps_state,
+    loads_state,
+)
+
+__all__ = ["MARKER", "CheckpointError", "checkpoint_path", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
+
 # Optimizer state and hyperparameters keyed by parameter name ("optim.state.<fqn>.exp_avg",
 # "optim.param_groups.<fqn>.lr"), so a load does not depend on param-group order. The unflattened layout
 # reshards across tp/dp just as well (measured); this one is what torchtitan uses.
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-# Test-only: seconds each save waits between writing its files and committing them (see the module doc).
-TEST_SAVE_DELAY_ENV = "SHARDTUNE_TEST_SAVE_DELAY_S"
-
-
-def checkpoint_path(root: Path, step: int) -> Path:
-    """Where the checkpoint of ``step`` lives under ``root``."""
-    return Path(root) / f"step_{step:08d}"
 
 
 def _rank_and_world() -> tuple[int, int]:
@@ -105,8 +114,37 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state(state["numpy"])
 
 
-def _rng_file(folder: Path, rank: int) -> Path:
-    return folder / RNG_DIR / f"rank_{rank:05d}.pt"
+def _bytes_of(tensor: torch.Tensor) -> str:
+    return base64.b64encode(tensor.numpy().tobytes()).decode()
+
+
+def _tensor_of(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
+def _rng_to_json(state: dict[str, Any]) -> str:
+    name, keys, position, has_gauss, cached = state["numpy"]
+    plain = {
+        "torch": _bytes_of(state["torch"]),
+        "python": state["python"],
+        "numpy": [name, keys.tolist(), int(position), int(has_gauss), float(cached)],
+    }
+    if "cuda" in state:
+        plain["cuda"] = _bytes_of(state["cuda"])
+    return dumps_state(plain)
+
+
+def _rng_from_json(text: str) -> dict[str, Any]:
+    plain = loads_state(text)
+    name, keys, position, has_gauss, cached = plain["numpy"]
+    state = {
+        "torch": _tensor_of(plain["torch"]),
+        "python": plain["python"],
+        "numpy": (name, np.array(keys, dtype=np.uint32), position, has_gauss, cached),
+    }
+    if "cuda" in plain:
+        state["cuda"] = _tensor_of(plain["cuda"])
+    return state
 
 
 def _fresh_folder(folder: Path) -> None:
@@ -123,16 +161,29 @@ def _fsync_folder(folder: Path) -> None:
         os.close(descriptor)
 
 
-def _write_marker(folder: Path, step: int, world_size: int) -> None:
-    with open(folder / MARKER, "w") as marker:
-        json.dump({"step": step, "world_size": world_size}, marker)
-        marker.flush()
-        os.fsync(marker.fileno())
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as file:
+        file.write(text)
+        file.flush()
+        os.fsync(file.fileno())
 
 
 def publish_folder(tmp: Path, final: Path) -> None:
     """Atomically put the finished folder ``tmp`` at ``final``; an existing ``final`` is moved aside first,
-    then removed, so a crash at any point leaves one complete folder (old or new) under a known name."""
+    then removed, so a crash at any point leaves one complete folder (old or new) under a known name.
+
+    ``tmp`` gets a manifest of its files (see :func:`components.training.output_dir.write_manifest`).
+
+    Raises:
+        FileExistsError: If ``final`` holds files that no earlier publish wrote (a user's own files), before
+            anything is moved; the message names them.
+    """
+    if final.exists() and (foreign := foreign_files(final)):
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise FileExistsError(
+            f"{final} holds files shardtune did not write ({shown}); move them or choose another folder"
+        )
+    write_manifest(tmp)
     old = final.with_name(final.name + ".old")
     if final.exists():
         if old.exists():
@@ -144,13 +195,21 @@ def publish_folder(tmp: Path, final: Path) -> None:
         shutil.rmtree(old)
 
 
-def _commit(tmp: Path, final: Path, step: int, world_size: int, keep: int | None) -> None:
-    """Mark ``tmp`` complete and rename it to ``final`` (replacing an older save of the same step)."""
-    _write_marker(tmp, step, world_size)
+def _run_id_of(folder: Path) -> str | None:
+    try:
+        return read_trainer_state(folder)["run_id"]
+    except CheckpointError:
+        return None
+
+
+def _commit(tmp: Path, final: Path, step: int, world_size: int, keep: int | None, run_id: str | None) -> None:
+    """Mark ``tmp`` complete, rename it to ``final`` (replacing an older save of the same step), and prune
+    this run's older checkpoints down to ``keep``."""
+    _write_synced(tmp / MARKER, json.dumps({"step": step, "world_size": world_size}))
     publish_folder(tmp, final)
     if keep is not None:
-        older = [path for path in _complete_checkpoints(final.parent) if path != final]
-        for path in older[: max(0, len(older) - (keep - 1))]:
+        ours = [path for path in complete_checkpoints(final.parent) if path != final and _run_id_of(path) == run_id]
+        for path in ours[: max(0, len(ours) - (keep - 1))]:
             shutil.rmtree(path)
 
 
@@ -159,12 +218,29 @@ def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, model_only: 
 
     ``model_only`` is for an optimizer without per-parameter state (never stepped, or stateless like plain
     SGD): ``get_state_dict`` would create state by running a step with zero grads and lr 0, which for
-    AdamW counts as step 1 and so changes the run. Its hyperparameters travel in ``trainer_state.pt``.
+    AdamW counts as step 1 and so changes the run. Its hyperparameters travel in ``trainer_state.json``.
     """
     if model_only:
         return {"model": get_model_state_dict(model, options=_OPTIONS)}
     model_state, optimizer_state = get_state_dict(model, optimizer, options=_OPTIONS)
     return {"model": model_state, "optim": optimizer_state}
+
+
+def _trainer_state_text(step, optimizer, scheduler, extra, world_size, run_id, run_info) -> str:
+    stateless = not optimizer.state
+    return dumps_state(
+        {
+            "format": STATE_FORMAT,
+            "step": step,
+            "world_size": world_size,
+            "run_id": run_id,
+            "run_info": dict(run_info or {}),
+            "scheduler": None if scheduler is None else scheduler.state_dict(),
+            "extra": dict(extra or {}),
+            # Without per-parameter state, the plain state dict is only hyperparameters (lr, ...): tiny.
+            "optimizer": optimizer.state_dict() if stateless else None,
+        }
+    )
 
 
 def save_checkpoint(
@@ -175,64 +251,55 @@ def save_checkpoint(
     scheduler: LRScheduler | None,
     extra: dict[str, Any] | None = None,
     keep: int | None = None,
+    *,
+    run_id: str | None = None,
+    run_info: dict[str, Any] | None = None,
+    before_commit: Callable[[Path], None] | None = None,
 ) -> Path:
     """Save model, optimizer, scheduler, ``step``, ``extra`` and every rank's RNG states; return the folder.
 
-    Collective: every rank calls it with the same arguments. ``extra`` (picklable, e.g. the data position)
-    comes back from :func:`load_checkpoint`. With ``keep``, only the newest ``keep`` complete checkpoints
-    under ``root`` survive (this one always does). The RNG states are those at the call, and the call
-    leaves them as it found them, so saving does not perturb the run.
+    Collective: every rank calls it with the same arguments. ``extra`` (JSON-able: dicts, lists, tuples,
+    numbers, strings, e.g. the data position) comes back from :func:`load_checkpoint`. ``run_id`` and
+    ``run_info`` (JSON-able; what a resume must match: model fingerprint, optimizer, batch geometry, ...) are
+    recorded for :func:`components.training.checkpoint_check.checkpoint_summary`. With ``keep``, only the
+    newest ``keep`` complete checkpoints of this ``run_id`` under ``root`` survive (this one always does);
+    checkpoints of other runs are never touched. ``before_commit(tmp_folder)`` runs on every rank after all
+    ranks wrote their files and before the marker and rename (a test's fault hook). The RNG states are those
+    at the call, and the call leaves them as it found them, so saving does not perturb the run.
 
     Raises:
-        ValueError: If ``keep`` is less than 1 (before anything is written).
+        ValueError: If ``keep`` is less than 1 or given without ``run_id`` (before anything is written).
+        TypeError: If the scheduler state, ``extra`` or ``run_info`` hold values JSON cannot store.
     """
-    if keep is not None and keep < 1:
-        raise ValueError(f"keep must be at least 1, got {keep}")
+    if keep is not None and (keep < 1 or run_id is None):
+        raise ValueError(f"keep must be at least 1 and needs a run_id (pruning touches only this run's), got {keep}")
     rank, world_size = _rank_and_world()
+    state_text = _trainer_state_text(step, optimizer, scheduler, extra, world_size, run_id, run_info)
     rng = _rng_state()
     final = checkpoint_path(root, step)
     tmp = final.with_name(final.name + ".tmp")
     run_on_rank0(lambda: _fresh_folder(tmp))
 
-    stateless = not optimizer.state
-    dcp.save(_state_dict(model, optimizer, model_only=stateless), checkpoint_id=tmp)
-    torch.save(rng, _rng_file(tmp, rank))
+    dcp.save(_state_dict(model, optimizer, model_only=not optimizer.state), checkpoint_id=tmp)
+    _write_synced(rng_file(tmp, rank), _rng_to_json(rng))
     if rank == 0:
-        trainer_state = {
-            "step": step,
-            "scheduler": None if scheduler is None else scheduler.state_dict(),
-            "extra": dict(extra or {}),
-            "world_size": world_size,
-            # Without per-parameter state, the plain state dict is only hyperparameters (lr, ...): tiny.
-            "optimizer": optimizer.state_dict() if stateless else None,
-        }
-        torch.save(trainer_state, tmp / TRAINER_STATE)
+        _write_synced(tmp / TRAINER_STATE, state_text)
     if world_size > 1:
         dist.barrier()  # every rank's files are written
-    if delay := float(os.environ.get(TEST_SAVE_DELAY_ENV) or 0):
-        time.sleep(delay)  # test-only: a window to kill the run between writing and committing
-    run_on_rank0(lambda: _commit(tmp, final, step, world_size, keep))
+    if before_commit is not None:
+        before_commit(tmp)
+    run_on_rank0(lambda: _commit(tmp, final, step, world_size, keep, run_id))
     _set_rng_state(rng)
     return final
-
-
-def _complete_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoint folders under ``root``, oldest step first."""
-    if not root.is_dir():
-        return []
-    found = []
-    for child in root.iterdir():
-        if (match := _NAME.match(child.name)) and (child / MARKER).is_file():
-            found.append((int(match[1]), child))
-    return [path for _, path in sorted(found)]
 
 
 def latest_checkpoint(root: Path) -> Path | None:
     """The complete checkpoint with the highest step under ``root``; None if there is none (or no ``root``).
 
-    ``.tmp`` folders (a save in progress or crashed) and folders without the marker are ignored.
+    ``.tmp`` folders (a save in progress or crashed) and folders without the marker are ignored. It does not
+    validate the files: :func:`components.training.checkpoint_check.find_resumable` does.
     """
-    complete = _complete_checkpoints(Path(root))
+    complete = complete_checkpoints(Path(root))
     return complete[-1] if complete else None
 
 
@@ -244,11 +311,11 @@ def _restore_rng(path: Path, rank: int, world_size: int, saved_world_size: int) 
     A warning says when the saved ranks' torch states differed, i.e. some per-rank randomness is lost.
     """
     if world_size == saved_world_size:
-        _set_rng_state(torch.load(_rng_file(path, rank), weights_only=False))
+        _set_rng_state(_rng_from_json(rng_file(path, rank).read_text()))
         return
-    first = torch.load(_rng_file(path, 0), weights_only=False)
+    first = _rng_from_json(rng_file(path, 0).read_text())
     if rank == 0:
-        others = (torch.load(_rng_file(path, r), weights_only=False) for r in range(1, saved_world_size))
+        others = (_rng_from_json(rng_file(path, r).read_text()) for r in range(1, saved_world_size))
         if any(not torch.equal(other["torch"], first["torch"]) for other in others):
             warnings.warn(
                 f"{path} was saved by {saved_world_size} ranks with different RNG states and is loaded by "
@@ -265,20 +332,24 @@ def load_checkpoint(
 
     Collective. The model may be parallelised differently from the one saved (another tp, dp or world
     size): DCP reads each rank's shards of every parameter and optimizer tensor by global offsets. RNG
-    states: see :func:`_restore_rng`. Returns ``{"step": step, **extra}``.
-
-    The small files are pickles (``extra`` may hold any object): load only checkpoints you trust.
+    states: see :func:`_restore_rng`. Returns ``{"step": step, **extra}``. Runs no code from the checkpoint.
 
     Raises:
-        FileNotFoundError: If ``path`` is not a complete checkpoint (missing, ``.tmp``, or no marker).
+        CheckpointError: ``checkpoint <path> is unusable: <cause>`` if the folder fails
+            :func:`~components.training.checkpoint_check.check_checkpoint` (missing, ``.tmp``, no marker,
+            damaged or hostile files), or DCP finds a value that is not plain data.
     """
     path = Path(path)
-    if not (path / MARKER).is_file():
-        raise FileNotFoundError(f"{path} is not a complete checkpoint (no {MARKER} marker)")
+    check_checkpoint(path)
     rank, world_size = _rank_and_world()
-    trainer_state = torch.load(path / TRAINER_STATE, weights_only=False)
+    trainer_state = read_trainer_state(path)
     state = _state_dict(model, optimizer, model_only=trainer_state["optimizer"] is not None)
-    dcp.load(state, checkpoint_id=path)
+    try:
+        dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
+    except (CheckpointError, CheckpointException) as error:  # DCP's CheckpointException is a BaseException
+        if (cause := checkpoint_error_in(error)) is None:
+            raise
+        raise CheckpointError(f"checkpoint {path} is unusable: {cause}") from None
     if "optim" in state:
         set_state_dict(
             model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_OPTIONS

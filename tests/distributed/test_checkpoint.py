@@ -23,6 +23,7 @@ from components.distributed.tp_plan import apply_tp_plan, plan_for
 from components.distributed.tp_replicas import broadcast_tp_replicas, synchronize_tp_replica_gradients
 from components.models import build_causal_lm, tiny_config
 from components.training.checkpoint import MARKER, checkpoint_path, latest_checkpoint, load_checkpoint, save_checkpoint
+from components.training.checkpoint_check import checkpoint_summary, find_resumable
 from components.training.export import export_hf
 from components.training.step import forward_backward
 from tests.harness import mesh
@@ -217,3 +218,48 @@ def test_export_loads_with_from_pretrained(request, tmp_path, pool, tp, tied):
     assert result["error"] < 1e-5
     assert result["files"] == ["exported"]
     assert result["tied_in_model"] is tied and result["lm_head_stored"] is not tied
+
+
+def check_damaged_shard_falls_back(rank, world_size, root):
+    """Two checkpoints at tp=2 (pruned by run id), rank 1's shard of the newer one truncated: the choice is the
+    older one, every rank loads it, and the summary records the global shapes of the sharded model."""
+    torch.manual_seed(0)
+    run = Run(world_size, 2, seed=0)
+    info = {"optimizer": "AdamW"}
+    for number in (1, 2, 3):
+        run.step()
+        save_checkpoint(Path(root), number, *run.state, keep=2, run_id="ours", run_info=info, extra={"n": number})
+    shard = checkpoint_path(Path(root), 3) / "__1_0.distcp"
+    size = [shard.stat().st_size]
+    dist.barrier()
+    if rank == 0:
+        shard.write_bytes(shard.read_bytes()[:100])
+    dist.barrier()
+    choice = find_resumable(Path(root))
+    fresh = Run(world_size, 2, seed=1)
+    return {
+        "left": sorted(path.name for path in Path(root).iterdir()),
+        "size": size[0],
+        "choice": choice.path.name,
+        "skipped": [(path.name, cause) for path, cause in choice.skipped],
+        "state": load_checkpoint(choice.path, *fresh.state),
+        "summary": checkpoint_summary(choice.path),
+        "shapes": {name: tuple(tensor.shape) for name, tensor in Run(1, 1, seed=0).model.state_dict().items()},
+    }
+
+
+def test_a_damaged_shard_falls_back_to_the_previous_checkpoint(ranks2, tmp_path):
+    for result in ranks2.run(check_damaged_shard_falls_back, str(tmp_path)):
+        assert result["left"] == ["step_00000002", "step_00000003"]
+        assert result["choice"] == "step_00000002"
+        cause = f"__1_0.distcp is truncated (100 bytes, its metadata needs {result['size']})"
+        assert result["skipped"] == [("step_00000003", cause)]
+        assert result["state"] == {"step": 2, "n": 2}
+        summary = result["summary"]
+        assert (summary.step, summary.world_size, summary.run_id, summary.run_info) == (
+            2,
+            2,
+            "ours",
+            {"optimizer": "AdamW"},
+        )
+        assert summary.parameter_shapes == result["shapes"]

@@ -1,11 +1,16 @@
-"""save_checkpoint / latest_checkpoint / load_checkpoint on one process (no process group, plain tensors).
+"""save_checkpoint / latest_checkpoint / load_checkpoint on one process (no process group, plain tensors), and
+the checks that run before a resume: damaged and hostile checkpoints, run ids, the recorded run description.
 
 Sharded saves, resharding and FSDP2 on real ranks are in tests/distributed/test_checkpoint.py.
 """
 
+import json
+import os
+import pickle
 import random
 import shutil
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,10 +21,20 @@ from components.models import build_causal_lm, tiny_config
 from components.training import checkpoint
 from components.training.checkpoint import (
     MARKER,
+    CheckpointError,
     checkpoint_path,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
+)
+from components.training.checkpoint_check import (
+    TRAINER_STATE,
+    check_checkpoint,
+    checkpoint_summary,
+    find_resumable,
+    model_fingerprint,
+    resume_problems,
+    state_dict_shapes,
 )
 from components.training.step import forward_backward
 
@@ -86,42 +101,52 @@ def test_latest_ignores_tmp_and_unmarked_folders(tmp_path):
     (tmp_path / "step_00000003" / MARKER).unlink()
     (tmp_path / "notes").mkdir()
     assert latest_checkpoint(tmp_path) == checkpoint_path(tmp_path, 1)
-    for path in (tmp_path / "step_00000002.tmp", tmp_path / "step_00000003", tmp_path / "nothing"):
-        with pytest.raises(FileNotFoundError, match=str(path)):
+    causes = {
+        tmp_path / "step_00000002.tmp": "a .tmp folder is a save that did not finish",
+        tmp_path / "step_00000003": "no COMPLETE marker",
+        tmp_path / "nothing": "no such folder",
+    }
+    for path, cause in causes.items():
+        with pytest.raises(CheckpointError, match=f"^checkpoint {path} is unusable: {cause}"):
             load_checkpoint(path, *trainer())
 
 
-def test_a_crash_mid_save_leaves_only_an_ignored_tmp_folder(tmp_path, monkeypatch):
+def test_a_crash_before_the_commit_leaves_only_an_ignored_tmp_folder(tmp_path):
     state = trainer()
     step(*state)
     save_checkpoint(tmp_path, 1, *state)
     step(*state)
+    seen = []
 
-    def crash(*args):
+    def crash(folder: Path) -> None:  # what a kill between writing and committing leaves
+        seen.append(sorted(path.name for path in folder.iterdir()))
         raise OSError("killed before the marker")
 
-    monkeypatch.setattr(checkpoint, "_write_marker", crash)
     with pytest.raises(OSError, match="killed"):
-        save_checkpoint(tmp_path, 2, *state)
-    assert (tmp_path / "step_00000002.tmp" / ".metadata").is_file()  # the shards were written
+        save_checkpoint(tmp_path, 2, *state, before_commit=crash)
+    assert seen == [[".metadata", "__0_0.distcp", "rng", TRAINER_STATE]]  # every file, no marker yet
     assert latest_checkpoint(tmp_path) == checkpoint_path(tmp_path, 1)
-
-    monkeypatch.undo()
     assert save_checkpoint(tmp_path, 2, *state) == checkpoint_path(tmp_path, 2)  # replaces the stale folder
     assert sorted(path.name for path in tmp_path.iterdir()) == ["step_00000001", "step_00000002"]
 
 
-def test_keep_prunes_older_checkpoints_and_a_resave_replaces(tmp_path):
+def test_keep_prunes_only_this_runs_older_checkpoints(tmp_path):
     state = trainer()
-    for number in range(1, 5):
-        save_checkpoint(tmp_path, number, *state, extra={"n": number}, keep=2)
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["step_00000003", "step_00000004"]
-    save_checkpoint(tmp_path, 4, *state, extra={"n": 40}, keep=2)
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["step_00000003", "step_00000004"]
-    assert load_checkpoint(checkpoint_path(tmp_path, 4), *trainer()) == {"step": 4, "n": 40}
-    with pytest.raises(ValueError, match="keep"):
-        save_checkpoint(tmp_path, 5, *state, keep=0)
-    assert not (tmp_path / "step_00000005.tmp").exists()
+    save_checkpoint(tmp_path, 1, *state, run_id="other")  # another run's, older
+    save_checkpoint(tmp_path, 9, *state, run_id="other")  # and newer
+    for number in range(2, 6):
+        save_checkpoint(tmp_path, number, *state, extra={"n": number}, keep=2, run_id="ours")
+    names = ["step_00000001", "step_00000004", "step_00000005", "step_00000009"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == names
+    save_checkpoint(tmp_path, 5, *state, extra={"n": 50}, keep=2, run_id="ours")  # a re-save replaces
+    assert sorted(path.name for path in tmp_path.iterdir()) == names
+    assert load_checkpoint(checkpoint_path(tmp_path, 5), *trainer()) == {"step": 5, "n": 50}
+    for bad in ({"keep": 0, "run_id": "ours"}, {"keep": 2}):
+        with pytest.raises(ValueError, match="keep"):
+            save_checkpoint(tmp_path, 6, *state, **bad)
+    with pytest.raises(TypeError, match="Tensor cannot be stored as JSON"):
+        save_checkpoint(tmp_path, 6, *state, extra={"position": torch.ones(1)})
+    assert not (tmp_path / "step_00000006.tmp").exists()  # refused before anything was written
 
 
 def test_other_world_size_restores_rank0_rng_everywhere(tmp_path):
@@ -130,9 +155,9 @@ def test_other_world_size_restores_rank0_rng_everywhere(tmp_path):
     torch.manual_seed(0)
     path = save_checkpoint(tmp_path, 0, *trainer())
     expected = draws()
-    trainer_state = torch.load(path / checkpoint.TRAINER_STATE, weights_only=False)
-    torch.save(trainer_state | {"world_size": 2}, path / checkpoint.TRAINER_STATE)
-    shutil.copy(path / "rng" / "rank_00000.pt", path / "rng" / "rank_00001.pt")
+    trainer_state = json.loads((path / TRAINER_STATE).read_text())
+    (path / TRAINER_STATE).write_text(json.dumps(trainer_state | {"world_size": 2}))
+    shutil.copy(path / "rng" / "rank_00000.json", path / "rng" / "rank_00001.json")
 
     torch.manual_seed(5)
     with warnings.catch_warnings(record=True) as caught:
@@ -141,8 +166,136 @@ def test_other_world_size_restores_rank0_rng_everywhere(tmp_path):
     assert not [warning for warning in caught if "rank 0's states" in str(warning.message)]
     assert draws() == expected
 
-    other = torch.load(path / "rng" / "rank_00000.pt", weights_only=False) | {"torch": torch.get_rng_state()}
-    torch.save(other, path / "rng" / "rank_00001.pt")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(123)  # rank 1 drew other numbers than rank 0
+        (path / "rng" / "rank_00001.json").write_text(checkpoint._rng_to_json(checkpoint._rng_state()))
     with pytest.warns(UserWarning, match="rank 0's states"):
         load_checkpoint(path, *trainer())
     assert draws() == expected
+
+
+# --- checkpoints that would run code -------------------------------------------------------------------
+
+
+class Payload:
+    """Unpickling this runs ``touch <marker>``: what a hostile checkpoint would do."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_metadata_file_that_would_run_code_is_refused(tmp_path):
+    path = save_checkpoint(tmp_path / "checkpoints", 1, *trainer())
+    marker = tmp_path / "payload_ran"
+    (path / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    with pytest.raises(
+        CheckpointError,
+        match=rf"^checkpoint {path} is unusable: {path}/\.metadata: refused to "
+        r"unpickle posix\.system",
+    ):
+        load_checkpoint(path, *trainer())
+    choice = find_resumable(tmp_path / "checkpoints")
+    assert choice.path is None and "refused to unpickle posix.system" in choice.skipped[0][1]
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("name", [TRAINER_STATE, "rng/rank_00000.json"])
+def test_a_state_file_holding_a_pickle_is_refused(tmp_path, name):
+    path = save_checkpoint(tmp_path, 1, *trainer())
+    marker = tmp_path / "payload_ran"
+    (path / name).write_bytes(pickle.dumps(Payload(marker)))
+    with pytest.raises(CheckpointError, match=rf"^checkpoint {path} is unusable: {name} is .*not JSON"):
+        load_checkpoint(path, *trainer())
+    assert not marker.exists()
+
+
+def test_a_value_blob_that_would_run_code_is_refused(tmp_path):
+    """DCP stores non-tensor values (the optimizer's lr, betas) as torch.save blobs; one holding a payload."""
+    model, optimizer, scheduler = trainer()
+    step(model, optimizer, scheduler)
+    path = save_checkpoint(tmp_path, 1, model, optimizer, scheduler)
+    marker = tmp_path / "payload_ran"
+    state = checkpoint._state_dict(model, optimizer, model_only=False)
+    lr_key = next(key for key in state["optim"] if key.endswith(".lr"))
+    state["optim"][lr_key] = Payload(marker)
+    for stale in (path / ".metadata", path / "__0_0.distcp"):
+        stale.unlink()
+    torch.distributed.checkpoint.save(state, checkpoint_id=path)  # a checkpoint rewritten by someone else
+    with pytest.raises(CheckpointError, match=rf"^checkpoint {path} is unusable: value optim\..* refused"):
+        load_checkpoint(path, *trainer())
+    assert not marker.exists()
+
+
+# --- damaged checkpoints --------------------------------------------------------------------------------
+
+
+def truncate(path: Path, keep: float) -> None:
+    path.write_bytes(path.read_bytes()[: int(path.stat().st_size * keep)])
+
+
+DAMAGE = {
+    "truncated_distcp": (lambda p: truncate(p / "__0_0.distcp", 0.5), r"__0_0\.distcp is truncated \(\d+ bytes"),
+    "empty_distcp": (lambda p: truncate(p / "__0_0.distcp", 0), r"__0_0\.distcp is truncated \(0 bytes"),
+    "missing_distcp": (lambda p: (p / "__0_0.distcp").unlink(), r"__0_0\.distcp is missing"),
+    "missing_metadata": (lambda p: (p / ".metadata").unlink(), r"\.metadata is missing"),
+    "truncated_metadata": (lambda p: truncate(p / ".metadata", 0.5), r"\.metadata is truncated or not DCP metadata"),
+    "missing_trainer_state": (lambda p: (p / TRAINER_STATE).unlink(), "trainer_state.json is missing"),
+    "truncated_trainer_state": (lambda p: truncate(p / TRAINER_STATE, 0.5), "trainer_state.json is truncated"),
+    "missing_rng": (lambda p: (p / "rng" / "rank_00000.json").unlink(), r"rng/rank_00000\.json is missing"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE.values(), ids=DAMAGE.keys())
+def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, damage):
+    state = trainer()
+    for number in (2, 4):
+        save_checkpoint(tmp_path, number, *state)
+    damaged = checkpoint_path(tmp_path, 4)
+    damage_fn, cause = damage
+    damage_fn(damaged)
+    with pytest.raises(CheckpointError, match=f"^checkpoint {damaged} is unusable: .*{cause}") as info:
+        check_checkpoint(damaged)
+    assert "\n" not in str(info.value)
+    choice = find_resumable(tmp_path)
+    assert choice.path == checkpoint_path(tmp_path, 2)
+    assert [path for path, _ in choice.skipped] == [damaged]
+    assert load_checkpoint(choice.path, *trainer()) == {"step": 2}
+
+
+def test_no_usable_checkpoint_and_an_empty_root(tmp_path):
+    assert find_resumable(tmp_path / "missing").path is None
+    save_checkpoint(tmp_path, 3, *trainer())
+    (checkpoint_path(tmp_path, 3) / MARKER).unlink()
+    (tmp_path / "step_00000005.tmp").mkdir()  # a save in progress: not a candidate, not reported
+    choice = find_resumable(tmp_path)
+    assert choice.path is None
+    assert choice.skipped == [(checkpoint_path(tmp_path, 3), "no COMPLETE marker (a save that did not finish)")]
+
+
+# --- what a checkpoint records about its run ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_the_summary_holds_the_run_description_and_the_model_shapes(tmp_path, tied):
+    config = tiny_config("llama", num_hidden_layers=1, tie_word_embeddings=tied)
+    model = build_causal_lm(config, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    shapes = state_dict_shapes(model)
+    run_info = {"model": model_fingerprint(shapes), "optimizer": "AdamW", "global_batch_size": 16, "seq_len": 48}
+    path = save_checkpoint(tmp_path, 7, model, optimizer, None, run_id="run-a", run_info=run_info | {"tp": 2})
+    summary = checkpoint_summary(path)
+    assert (summary.path, summary.step, summary.world_size, summary.run_id) == (path, 7, 1, "run-a")
+    assert summary.run_info == run_info | {"tp": 2}
+    assert summary.parameter_shapes == shapes
+    assert model_fingerprint(summary.parameter_shapes) == run_info["model"]
+
+    assert resume_problems(summary, run_info, max_steps=8) == []
+    other = run_info | {"optimizer": "SGD", "global_batch_size": 32}
+    assert resume_problems(summary, other, max_steps=7) == [
+        "optimizer is 'SGD' but the checkpoint was written with 'AdamW'",
+        "global_batch_size is 32 but the checkpoint was written with 16",
+        "max_steps 7 is not beyond the checkpoint's step 7: nothing to train",
+    ]

@@ -1,0 +1,223 @@
+"""What a checkpoint folder holds, whether it is usable, and which one to resume from: no rank, no torch.distributed.
+
+The layout (written by :func:`components.training.checkpoint.save_checkpoint`) of ``root/step_00000042/``:
+
+- ``.metadata`` and ``__<rank>_0.distcp``: DCP's model and optimizer state (read with :mod:`safe_dcp`).
+- ``trainer_state.json`` (rank 0): step, world size, run id, the run description (``run_info``), the LR
+  scheduler's state, the caller's ``extra`` and, for an optimizer without per-parameter state, its hyperparameters.
+- ``rng/rank_00000.json`` (one per rank): that rank's RNG states.
+- ``COMPLETE``: the marker, written last (JSON: step and world size).
+
+:func:`check_checkpoint` validates one folder without loading tensors: marker and state files parse, ``.metadata``
+unpickles safely, every ``.distcp`` it names exists and is at least as long as the byte ranges it lists, every
+rank's RNG file is there. :func:`find_resumable` picks the newest usable checkpoint under a root and says why it
+passed over newer ones; :func:`resume_problems` compares a checkpoint's recorded run with the run about to resume.
+"""
+
+import hashlib
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from components.training.safe_dcp import METADATA_FILE, CheckpointError, loads_state, read_metadata
+
+MARKER = "COMPLETE"
+TRAINER_STATE = "trainer_state.json"
+RNG_DIR = "rng"
+STATE_FORMAT = 1
+STEP_FOLDER = re.compile(r"^step_(\d{8,})$")
+_DCP_FILE = re.compile(r"^__\d+_\d+\.distcp$")
+_STATE_KEYS = ("format", "step", "world_size", "run_id", "run_info", "scheduler", "extra", "optimizer")
+
+
+@dataclass(frozen=True)
+class CheckpointSummary:
+    """What a run recorded in a checkpoint: its step, world size, run id and description, and the global
+    shape of every model tensor (by state-dict name, from DCP's metadata)."""
+
+    path: Path
+    step: int
+    world_size: int
+    run_id: str | None
+    run_info: dict[str, Any]
+    parameter_shapes: dict[str, tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class ResumeChoice:
+    """The checkpoint to resume from (None: none usable) and the newer ones passed over, each with its cause."""
+
+    path: Path | None
+    skipped: list[tuple[Path, str]] = field(default_factory=list)
+
+
+def checkpoint_path(root: Path, step: int) -> Path:
+    """Where the checkpoint of ``step`` lives under ``root``."""
+    return Path(root) / f"step_{step:08d}"
+
+
+def rng_file(folder: Path, rank: int) -> Path:
+    """The file holding ``rank``'s RNG states in the checkpoint ``folder``."""
+    return Path(folder) / RNG_DIR / f"rank_{rank:05d}.json"
+
+
+def step_folders(root: Path) -> list[tuple[int, Path]]:
+    """``(step, folder)`` for every ``step_NNNNNNNN`` folder under ``root`` (complete or not), oldest first."""
+    if not Path(root).is_dir():
+        return []
+    found = [(int(match[1]), child) for child in Path(root).iterdir() if (match := STEP_FOLDER.match(child.name))]
+    return sorted(found)
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Folders under ``root`` that carry the marker, oldest step first (not validated further)."""
+    return [path for _, path in step_folders(root) if (path / MARKER).is_file()]
+
+
+def read_trainer_state(folder: Path) -> dict[str, Any]:
+    """The parsed ``trainer_state.json`` of ``folder``.
+
+    Raises:
+        CheckpointError: If it is missing, not JSON, or lacks a key (one line naming the file).
+    """
+    path = Path(folder) / TRAINER_STATE
+    try:
+        state = loads_state(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{TRAINER_STATE} is missing") from None
+    except (ValueError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{TRAINER_STATE} is truncated or not JSON ({error})") from None
+    if not isinstance(state, dict) or (missing := [key for key in _STATE_KEYS if key not in state]):
+        raise CheckpointError(f"{TRAINER_STATE} lacks {', '.join(missing) if isinstance(state, dict) else 'a dict'}")
+    if state["format"] != STATE_FORMAT:
+        raise CheckpointError(f"{TRAINER_STATE} has format {state['format']}, this version reads {STATE_FORMAT}")
+    if not (isinstance(state["step"], int) and isinstance(state["world_size"], int) and state["world_size"] >= 1):
+        raise CheckpointError(f"{TRAINER_STATE} has no valid step and world size")
+    return state
+
+
+def _read_marker(folder: Path) -> dict[str, Any]:
+    try:
+        marker = json.loads((folder / MARKER).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"no {MARKER} marker (a save that did not finish)") from None
+    except (ValueError, UnicodeDecodeError):
+        marker = None
+    if not isinstance(marker, dict) or not isinstance(marker.get("step"), int):
+        raise CheckpointError(f"{MARKER} is not the JSON a finished save writes")
+    return marker
+
+
+def _check_dcp_files(folder: Path) -> dict[str, tuple[int, ...]]:
+    """Validate ``.metadata`` and the byte ranges of the ``.distcp`` files; return the model tensors' shapes."""
+    metadata = read_metadata(folder / METADATA_FILE)
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        name = getattr(info, "relative_path", None)
+        if not isinstance(name, str) or not _DCP_FILE.match(name):
+            raise CheckpointError(f"{METADATA_FILE} names a data file {name!r} outside the checkpoint's own")
+        needed[name] = max(needed.get(name, 0), int(info.offset) + int(info.length))
+    for name, size in sorted(needed.items()):
+        data = folder / name
+        if not data.is_file():
+            raise CheckpointError(f"{name} is missing")
+        if (actual := data.stat().st_size) < size:
+            raise CheckpointError(f"{name} is truncated ({actual} bytes, its metadata needs {size})")
+    return {
+        key.removeprefix("model."): tuple(int(n) for n in value.size)
+        for key, value in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(value, TensorStorageMetadata)
+    }
+
+
+def _check_rng_files(folder: Path, world_size: int) -> None:
+    for rank in range(world_size):
+        path = rng_file(folder, rank)
+        if not path.is_file() or path.stat().st_size == 0:
+            raise CheckpointError(f"{path.relative_to(folder)} is missing or empty")
+    try:
+        loads_state(rng_file(folder, 0).read_text())
+    except ValueError:
+        raise CheckpointError(f"{rng_file(folder, 0).relative_to(folder)} is not JSON") from None
+
+
+def check_checkpoint(path: Path) -> CheckpointSummary:
+    """Validate the checkpoint folder ``path`` without loading tensors and return what it recorded.
+
+    Raises:
+        CheckpointError: ``checkpoint <path> is unusable: <cause>`` (one line) for a missing folder, a missing
+            or malformed marker or state file, ``.metadata`` that is truncated or holds anything but DCP's
+            metadata, a missing or truncated ``.distcp`` file, or a missing RNG file.
+    """
+    path = Path(path)
+    try:
+        if not path.is_dir():
+            raise CheckpointError("no such folder")
+        if path.name.endswith((".tmp", ".old")):
+            raise CheckpointError(f"a {path.suffix} folder is a save that did not finish")
+        marker = _read_marker(path)
+        state = read_trainer_state(path)
+        if marker["step"] != state["step"]:
+            raise CheckpointError(f"{MARKER} names step {marker['step']}, {TRAINER_STATE} step {state['step']}")
+        shapes = _check_dcp_files(path)
+        _check_rng_files(path, state["world_size"])
+    except CheckpointError as error:
+        raise CheckpointError(f"checkpoint {path} is unusable: {error}") from None
+    except OSError as error:
+        raise CheckpointError(f"checkpoint {path} is unusable: {error.strerror or error}") from None
+    run_info = state["run_info"] if isinstance(state["run_info"], dict) else {}
+    return CheckpointSummary(path, state["step"], state["world_size"], state["run_id"], run_info, shapes)
+
+
+def checkpoint_summary(path: Path) -> CheckpointSummary:
+    """What the run recorded in the checkpoint ``path`` (same checks as :func:`check_checkpoint`)."""
+    return check_checkpoint(path)
+
+
+def find_resumable(root: Path) -> ResumeChoice:
+    """The newest usable checkpoint under ``root``, checked newest first with :func:`check_checkpoint`.
+
+    Folders named ``step_N`` that fail the check (no marker, damaged files) are passed over and listed in
+    ``skipped`` with their cause; ``.tmp`` folders (saves in progress or killed) are ignored silently.
+    """
+    skipped: list[tuple[Path, str]] = []
+    for _, folder in reversed(step_folders(root)):
+        try:
+            check_checkpoint(folder)
+        except CheckpointError as error:
+            skipped.append((folder, str(error).split(" is unusable: ", 1)[-1]))
+            continue
+        return ResumeChoice(folder, skipped)
+    return ResumeChoice(None, skipped)
+
+
+def state_dict_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Global shape of every tensor in ``model``'s state dict (a meta-device model works; DTensors report
+    their global shape), keyed as :attr:`CheckpointSummary.parameter_shapes` is."""
+    return {name: tuple(int(n) for n in tensor.shape) for name, tensor in model.state_dict().items()}
+
+
+def model_fingerprint(shapes: Mapping[str, Sequence[int]]) -> str:
+    """A short stable hash of tensor names and global shapes (for ``run_info``)."""
+    canonical = json.dumps({name: list(shape) for name, shape in sorted(shapes.items())})
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def resume_problems(summary: CheckpointSummary, expected: Mapping[str, Any], max_steps: int) -> list[str]:
+    """Why the run described by ``expected`` (the ``run_info`` it would save) and ``max_steps`` cannot resume
+    from ``summary``: one phrase per key whose recorded value differs, and one if ``max_steps`` is not beyond
+    the checkpoint's step. Empty when it can."""
+    problems = []
+    for key, value in expected.items():
+        recorded = summary.run_info.get(key, "<not recorded>")
+        if recorded != value:
+            problems.append(f"{key} is {value!r} but the checkpoint was written with {recorded!r}")
+    if max_steps <= summary.step:
+        problems.append(f"max_steps {max_steps} is not beyond the checkpoint's step {summary.step}: nothing to train")
+    return problems

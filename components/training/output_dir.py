@@ -1,0 +1,235 @@
+"""A run owns its ``output_dir``: an exclusive lock while it runs, and a record of which run its files belong to.
+
+- :class:`OutputDirLock` (``output_dir/.lock``, ``fcntl.flock``): taken by the launching process before any rank
+  starts and held until it exits (forked ranks inherit it, so a rank that outlives its launcher still holds
+  it). The holder's pid, host and start time are written into the file; a second run gets
+  :class:`OutputDirError` naming them. ``flock`` is per host on most network filesystems: two hosts writing
+  one shared folder are not caught.
+- :func:`claim_output_dir`: ``output_dir/run.json`` records the run id and config hash of the run the
+  folder's files (:data:`RUN_FILES`) belong to. A fresh run (nothing to resume) into a folder holding another
+  run's files is refused, like Hugging Face's Trainer refuses a non-empty output folder, with the choices:
+  ``checkpoint.resume=auto``, another ``output_dir``, or ``overwrite_output_dir=true``, which removes those
+  files (and only those; never a file of the user's).
+- :func:`write_manifest` / :func:`foreign_files`: a folder shardtune publishes whole (``hf/``, a checkpoint)
+  carries a manifest of its files, so a later publish or overwrite can tell the user's own files from ours
+  and refuse instead of deleting them.
+"""
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import socket
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+LOCK_FILE = ".lock"
+RUN_FILE = "run.json"
+MANIFEST = ".shardtune-files.json"
+# What a run writes into its output_dir; only these are ever removed (overwrite_output_dir=true).
+RUN_FILES = ("metrics.jsonl", "loss.png", "replica_drift.json", "checkpoints", "hf", "tokenizer", RUN_FILE)
+# Files an export or tokenizer folder written before manifests existed holds; anything else in it is the user's.
+_EXPORT_NAMES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+
+
+class OutputDirError(Exception):
+    """The output folder cannot be used as asked; the message is one line saying why and what to do."""
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """The run an output folder belongs to (the content of ``run.json``)."""
+
+    run_id: str
+    config_hash: str
+    started: str
+
+
+def config_hash(config: Mapping[str, Any]) -> str:
+    """A short stable hash of a resolved config (a plain, JSON-able mapping)."""
+    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+class OutputDirLock:
+    """An exclusive ``flock`` on ``output_dir/.lock``; use as a context manager or call :meth:`release`."""
+
+    def __init__(self, output_dir: Path) -> None:
+        self.path = Path(output_dir) / LOCK_FILE
+        self._fd: int | None = None
+
+    def acquire(self) -> "OutputDirLock":
+        """Take the lock (creating ``output_dir``) and write this process's pid, host and start time into it.
+
+        Raises:
+            OutputDirError: If another process holds it (naming that process), or the folder cannot be made.
+        """
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as error:
+            raise OutputDirError(f"output_dir {self.path.parent} cannot be used: {error.strerror or error}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace")
+            os.close(fd)
+            raise OutputDirError(
+                f"output_dir {self.path.parent} is in use by another run ({_describe_holder(holder)}); "
+                "wait for it to end or choose another output_dir"
+            ) from None
+        os.ftruncate(fd, 0)
+        holder = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+        os.pwrite(fd, json.dumps(holder).encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        """Give the lock up (idempotent); process exit does the same."""
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> "OutputDirLock":
+        return self.acquire()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+
+def _describe_holder(text: str) -> str:
+    try:
+        holder = json.loads(text)
+        return f"pid {holder['pid']} on {holder['host']}, started {holder['started']}"
+    except (ValueError, KeyError, TypeError):
+        return "holder unknown"
+
+
+def lock_output_dir(output_dir: Path) -> OutputDirLock:
+    """Take ``output_dir``'s lock for the rest of this process's life (see :class:`OutputDirLock`)."""
+    return OutputDirLock(output_dir).acquire()
+
+
+def write_manifest(folder: Path) -> None:
+    """Record every file now under ``folder`` (relative paths) in ``folder/.shardtune-files.json``."""
+    files = sorted(str(path.relative_to(folder)) for path in Path(folder).rglob("*") if path.is_file())
+    (Path(folder) / MANIFEST).write_text(json.dumps(files))
+
+
+def foreign_files(folder: Path) -> list[str]:
+    """Files under ``folder`` that shardtune did not write: not in its manifest (or, for a folder without a
+    manifest, not one of a Hugging Face export's usual names). Sorted relative paths; [] if no folder."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    try:
+        ours = set(json.loads((folder / MANIFEST).read_text())) | {MANIFEST}
+    except (OSError, ValueError, TypeError):
+        ours = None
+    found = sorted(str(path.relative_to(folder)) for path in folder.rglob("*") if not path.is_dir())
+    if ours is None:
+        return [name for name in found if name not in _EXPORT_NAMES]
+    return [name for name in found if name not in ours]
+
+
+def _foreign_in_checkpoints(folder: Path) -> list[str]:
+    """Entries of ``checkpoints/`` that are not checkpoint folders (``step_N``, ``.tmp``, ``.old``)."""
+    if not folder.is_dir():
+        return []
+    return sorted(child.name for child in folder.iterdir() if not child.name.startswith("step_"))
+
+
+def run_files(output_dir: Path) -> list[str]:
+    """The :data:`RUN_FILES` present in ``output_dir``."""
+    return [name for name in RUN_FILES if (Path(output_dir) / name).exists()]
+
+
+def _user_files_in_ours(output_dir: Path) -> list[str]:
+    output_dir = Path(output_dir)
+    found = [f"hf/{name}" for name in foreign_files(output_dir / "hf")]
+    found += [f"tokenizer/{name}" for name in foreign_files(output_dir / "tokenizer")]
+    found += [f"checkpoints/{name}" for name in _foreign_in_checkpoints(output_dir / "checkpoints")]
+    return found
+
+
+def remove_run_files(output_dir: Path) -> list[str]:
+    """Remove the :data:`RUN_FILES` in ``output_dir``; return their names. Nothing else is touched.
+
+    Raises:
+        OutputDirError: If ``hf/``, ``tokenizer/`` or ``checkpoints/`` hold files of the user's (before
+            anything is removed), naming them.
+    """
+    if user := _user_files_in_ours(output_dir):
+        raise OutputDirError(
+            f"output_dir {output_dir} holds files shardtune did not write inside its own folders "
+            f"({', '.join(user[:5])}{' ...' if len(user) > 5 else ''}); move them, or choose another output_dir"
+        )
+    removed = run_files(output_dir)
+    for name in removed:
+        path = Path(output_dir) / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    return removed
+
+
+def read_run_record(output_dir: Path) -> RunRecord | None:
+    """The run ``output_dir`` belongs to (``run.json``), or None when there is no readable record."""
+    try:
+        return RunRecord(**json.loads((Path(output_dir) / RUN_FILE).read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def _write_record(output_dir: Path, record: RunRecord) -> RunRecord:
+    private = Path(output_dir) / f".{RUN_FILE}.{os.getpid()}.tmp"
+    private.write_text(json.dumps(asdict(record), indent=1))
+    os.replace(private, Path(output_dir) / RUN_FILE)
+    return record
+
+
+def claim_output_dir(output_dir: Path, config_hash: str, *, continuing: bool, overwrite: bool) -> RunRecord:
+    """Make ``output_dir`` this run's and return its record; call it holding the lock, before any rank starts.
+
+    ``continuing``: this run resumes from a checkpoint (the folder's run goes on: its run id is kept, so
+    ``keep`` pruning continues over its checkpoints). Otherwise a folder holding another run's files is
+    refused unless ``overwrite``, which removes exactly those files first. Either way a new ``run.json``
+    records the run id and ``config_hash``.
+
+    Raises:
+        OutputDirError: One line: the folder holds another run's files (naming them and the three choices),
+            or the user's own files sit inside ours (naming them).
+    """
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    if user := _user_files_in_ours(output_dir):
+        raise OutputDirError(
+            f"output_dir {output_dir} holds files shardtune did not write inside its own folders "
+            f"({', '.join(user[:5])}{' ...' if len(user) > 5 else ''}); move them, or choose another output_dir"
+        )
+    previous = read_run_record(output_dir)
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
+    if continuing:
+        run_id = previous.run_id if previous is not None else uuid.uuid4().hex
+        return _write_record(output_dir, RunRecord(run_id, config_hash, started))
+    if present := run_files(output_dir):
+        if not overwrite:
+            raise OutputDirError(
+                f"output_dir {output_dir} holds another run's files ({', '.join(present)}); "
+                "to continue that run set checkpoint.resume=auto, to keep it choose another output_dir=..., "
+                "to replace it set overwrite_output_dir=true"
+            )
+        remove_run_files(output_dir)
+    return _write_record(output_dir, RunRecord(uuid.uuid4().hex, config_hash, started))
