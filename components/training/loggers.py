@@ -1,0 +1,236 @@
+"""Experiment trackers for the metrics line: none, TensorBoard, Weights & Biases (offline by default), MLflow
+(a local store by default). Chosen with ``logger=<name>`` (``conf/logger/*.yaml``, each a ``_target_`` here).
+
+Every logger takes the run's ``output_dir`` and ``first_step`` (the step a resumed run starts after) plus its
+own yaml options, and offers :class:`MetricsLogger`: ``log_hparams`` (the composed config, once),
+``log_metrics`` (one metrics record per optimizer step) and ``close``. Build one on the rank that writes
+``metrics.jsonl`` only; the other ranks need none (or :class:`NoLogger`).
+
+A tracker's package is imported when its logger is built; a missing one raises
+:class:`LoggerUnavailableError` whose message is the one ``error:`` line to show. The pre-launch checks ask
+:func:`check_logger_available` first, which imports nothing.
+"""
+
+import importlib.util
+import json
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+# Fields of a metrics record sent to a tracker, when present and not None.
+METRIC_KEYS = ("loss", "grad_norm", "lr", "tokens_per_s", "tokens", "peak_memory_gib", "val_loss")
+_EXTRA = "pip install 'shardtune[loggers]'"
+# Logger class name -> (config group option, module it needs, what to install).
+_NEEDS = {
+    "TensorBoardLogger": ("tensorboard", "tensorboard", "pip install tensorboard"),
+    "WandbLogger": ("wandb", "wandb", _EXTRA),
+    "MlflowLogger": ("mlflow", "mlflow", _EXTRA),
+}
+
+
+class LoggerUnavailableError(ImportError):
+    """A tracker's package is not installed; the message is one line naming what to install."""
+
+
+class MetricsLogger(Protocol):
+    """What the training loop calls on a tracker."""
+
+    def log_hparams(self, config: dict) -> None:
+        """Record the run's composed config (nested mapping) as its hyper-parameters."""
+
+    def log_metrics(self, record: dict, step: int) -> None:
+        """Record one metrics line (see :data:`METRIC_KEYS`) at optimizer step ``step``."""
+
+    def close(self) -> None:
+        """Flush and finish the run."""
+
+
+def check_logger_available(target: str) -> str | None:
+    """The error line for a logger ``_target_`` whose package is missing, or None; imports nothing heavy."""
+    name = target.rsplit(".", 1)[-1]
+    if name in _NEEDS:
+        option, module, install = _NEEDS[name]
+        return None if _installed(module) else f"logger={option} needs the {module} package: {install}"
+    module = target.rsplit(".", 1)[0]
+    return None if _installed(module) else f"logger._target_={target!r}: module {module!r} is not installed"
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ModuleNotFoundError, ValueError):  # a missing parent package; a module blocked in sys.modules
+        return False
+
+
+def metric_values(record: Mapping[str, Any]) -> dict[str, float]:
+    """The :data:`METRIC_KEYS` of ``record`` that hold a number (None, booleans and text are left out)."""
+    return {
+        key: float(record[key])
+        for key in METRIC_KEYS
+        if isinstance(record.get(key), int | float) and not isinstance(record.get(key), bool)
+    }
+
+
+def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"optim": {"lr": 1e-3}}`` -> ``{"optim.lr": 1e-3}``; lists become their JSON text."""
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(flatten_config(value, name + "."))
+        else:
+            flat[name] = json.dumps(value) if isinstance(value, list | tuple) else value
+    return flat
+
+
+def _unavailable(class_name: str) -> LoggerUnavailableError:
+    option, module, install = _NEEDS[class_name]
+    return LoggerUnavailableError(f"logger={option} needs the {module} package: {install}")
+
+
+class NoLogger:
+    """Logs nothing (``logger=none``)."""
+
+    def __init__(self, output_dir: str | Path, first_step: int = 0) -> None:
+        self.output_dir = Path(output_dir)
+
+    def log_hparams(self, config: dict) -> None:
+        """Nothing to record."""
+
+    def log_metrics(self, record: dict, step: int) -> None:
+        """Nothing to record."""
+
+    def close(self) -> None:
+        """Nothing to close."""
+
+
+class TensorBoardLogger:
+    """Event files in ``<output_dir>/tensorboard`` (or ``log_dir``): one scalar per metric per step, the
+    config as text and as hyper-parameters. A resumed run drops the events a killed run wrote past
+    ``first_step``. View with ``tensorboard --logdir <output_dir>/tensorboard``."""
+
+    def __init__(
+        self, output_dir: str | Path, first_step: int = 0, log_dir: str | None = None, flush_secs: int = 30
+    ) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise _unavailable("TensorBoardLogger") from None
+        self.log_dir = Path(log_dir) if log_dir else Path(output_dir) / "tensorboard"
+        purge = first_step + 1 if first_step > 0 else None
+        self.writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=purge, flush_secs=flush_secs)
+
+    def log_hparams(self, config: dict) -> None:
+        """The config as a text summary (readable) and as HParams (comparable across runs)."""
+        self.writer.add_text("config", "```\n" + json.dumps(config, indent=2, default=str) + "\n```")
+        scalars = {
+            key: value if isinstance(value, int | float | str | bool) else str(value)
+            for key, value in flatten_config(config).items()
+        }
+        self.writer.add_hparams(scalars, {}, run_name=".")  # ".": into this run's folder, not a new one
+
+    def log_metrics(self, record: dict, step: int) -> None:
+        """One scalar per metric, named as in metrics.jsonl."""
+        for key, value in metric_values(record).items():
+            self.writer.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        """Flush the event file and close it."""
+        self.writer.close()
+
+
+class WandbLogger:
+    """A Weights & Biases run under ``<output_dir>/wandb``: ``mode: offline`` (the default) writes it there,
+    to upload later with ``wandb sync``; ``mode: online`` sends it to the server the user configured
+    (``wandb login``, ``WANDB_BASE_URL``). ``settings``: extra ``wandb.Settings`` fields."""
+
+    def __init__(
+        self,
+        output_dir: str | Path,
+        first_step: int = 0,
+        project: str = "shardtune",
+        name: str | None = None,
+        entity: str | None = None,
+        mode: str = "offline",
+        tags: list[str] | None = None,
+        settings: Mapping[str, Any] | None = None,
+    ) -> None:
+        try:
+            import wandb
+        except ImportError:
+            raise _unavailable("WandbLogger") from None
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(
+            project=project,
+            name=name or Path(output_dir).resolve().name,
+            entity=entity,
+            dir=str(output_dir),
+            tags=list(tags or []),
+            settings=wandb.Settings(mode=mode, **dict(settings or {})),
+        )
+
+    def log_hparams(self, config: dict) -> None:
+        """The config as the run's config (nested, as W&B shows it)."""
+        self.run.config.update(config, allow_val_change=True)
+
+    def log_metrics(self, record: dict, step: int) -> None:
+        """One history row at ``step``."""
+        self.run.log(metric_values(record), step=step)
+
+    def close(self) -> None:
+        """Finish the run and wait for W&B's service process to write it out (offline: the run file is
+        complete in ``<output_dir>/wandb`` when this returns; ``finish`` alone may return before)."""
+        import wandb
+
+        self.run.finish()
+        wandb.teardown()
+
+
+class MlflowLogger:
+    """An MLflow run in ``tracking_uri`` (default ``file:<output_dir>/mlruns``, a local store that needs no
+    server; MLflow 3 keeps file stores behind ``MLFLOW_ALLOW_FILE_STORE``, set here for that case only).
+    Any other MLflow URI works too: ``http://host:5000``, ``sqlite:///mlflow.db`` (with sqlalchemy)."""
+
+    def __init__(
+        self,
+        output_dir: str | Path,
+        first_step: int = 0,
+        tracking_uri: str | None = None,
+        experiment: str = "shardtune",
+        run_name: str | None = None,
+    ) -> None:
+        try:
+            from mlflow.tracking import MlflowClient
+        except ImportError:
+            raise _unavailable("MlflowLogger") from None
+        self.tracking_uri = tracking_uri or (Path(output_dir).resolve() / "mlruns").as_uri()
+        if self.tracking_uri.startswith("file:"):
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        self.client = MlflowClient(tracking_uri=self.tracking_uri)
+        found = self.client.get_experiment_by_name(experiment)
+        experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
+        name = run_name or Path(output_dir).resolve().name
+        self.run_id = self.client.create_run(experiment_id, run_name=name).info.run_id
+
+    def log_hparams(self, config: dict) -> None:
+        """The flattened config as run parameters (MLflow keeps parameters as text, at most 6000 characters)."""
+        from mlflow.entities import Param
+
+        params = [Param(key, str(value)[:6000]) for key, value in flatten_config(config).items()]
+        for start in range(0, len(params), 100):  # MLflow takes at most 100 parameters per batch
+            self.client.log_batch(self.run_id, params=params[start : start + 100])
+
+    def log_metrics(self, record: dict, step: int) -> None:
+        """One MLflow metric per value, at ``step``."""
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(key, value, now, step) for key, value in metric_values(record).items()]
+        if metrics:
+            self.client.log_batch(self.run_id, metrics=metrics)
+
+    def close(self) -> None:
+        """Mark the run finished."""
+        self.client.set_terminated(self.run_id)
