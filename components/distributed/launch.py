@@ -7,10 +7,17 @@ failed: killed by SIGKILL (pid 123)``), and exits with status 1. Torch elastic n
 process it happens to find, which after a SIGKILL is often a peer that lost its connection; so a watcher
 thread records how and when every rank ends (``waitid`` without reaping) and each rank records its own
 exception, and the report names the cause: a rank that raised or was killed, before ranks whose error is
-a lost peer. Ranks started by another launcher (torchrun, several nodes) rely on the collective timeout.
+a lost peer. A rank stopped by a signal (SIGSTOP, SIGTSTP) is named as the stuck one once a peer has given up
+on it (the collective timeout), and is then killed so the launch ends. Ranks started by another launcher
+(torchrun, several nodes) rely on the collective timeout.
+
+Every rank dies with its launcher: :func:`die_with_parent` (``prctl(PR_SET_PDEATHSIG, SIGKILL)``) runs first
+in each rank started here and in :func:`init_process_group`, so a SIGKILLed launcher leaves no orphans.
+Torch elastic's log folder lives inside the launch's own temporary folder, removed at the end.
 """
 
 import contextlib
+import ctypes
 import json
 import logging
 import os
@@ -28,15 +35,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch.distributed as dist
-from torch.distributed.elastic.multiprocessing import SignalException
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-# Every collective gives up after this long instead of hanging forever when a peer has died.
-COLLECTIVE_TIMEOUT = timedelta(minutes=5)
+_PR_SET_PDEATHSIG = 1  # from <sys/prctl.h>
 # Loggers that print torch elastic's own multi-line report of a failed worker (replaced by ours).
 _NOISY_LOGGERS = ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn")
 # Errors a rank raises because a peer died: an effect, so a rank that failed otherwise is named first.
@@ -57,6 +63,52 @@ def started_by_launcher() -> bool:
     return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
+def die_with_parent(parent_pid: int | None = None) -> None:
+    """Have the kernel SIGKILL this process when its parent dies (Linux ``PR_SET_PDEATHSIG``; a no-op
+    elsewhere). ``parent_pid``: the parent expected; if it has already died (so this process was re-parented
+    before the call), exit at once. Without it, a parent of pid 1 counts as dead."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            return
+    except (OSError, AttributeError):
+        return
+    parent_gone = os.getppid() == 1 if parent_pid is None else os.getppid() != parent_pid
+    if parent_gone:
+        os._exit(1)
+
+
+class ReportedExit(SystemExit):
+    """A rank's exit whose ``error:`` line has been printed already (by rank 0): the launcher adds nothing."""
+
+
+def fail_once(message: str) -> NoReturn:
+    """Stop every rank for bad input with one ``error: <message>`` line: rank 0 (``RANK``, 0 when unset)
+    prints it on a fresh line of stderr, every rank exits with status 1 (:class:`ReportedExit`)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        start_fresh_line(sys.stderr)
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    raise ReportedExit(1)
+
+
+def start_fresh_line(stream: Any) -> None:
+    """Make the next write to ``stream`` start a line: when it is a regular file, write a newline only if its
+    last byte is not one; otherwise (a terminal or pipe, where a progress bar may have left the cursor
+    mid-line) write a newline when ``stream`` is a tty. Errors reading back are ignored."""
+    try:
+        stream.flush()
+        descriptor = stream.fileno()
+        if os.path.isfile(f"/proc/self/fd/{descriptor}"):
+            with open(f"/proc/self/fd/{descriptor}", "rb") as readable:
+                size = os.fstat(readable.fileno()).st_size
+                if size and os.pread(readable.fileno(), 1, size - 1) != b"\n":
+                    stream.write("\n")
+        elif stream.isatty():
+            stream.write("\n")
+    except (OSError, ValueError, AttributeError):
+        return
+
+
 @dataclass(frozen=True)
 class RankExit:
     """How one rank ended: its error (one line), when (``time.time()``), and its traceback if it raised."""
@@ -65,6 +117,7 @@ class RankExit:
     error: str
     time: float
     traceback: str | None = None
+    reported: bool = False  # the rank printed its own ``error:`` line (:func:`fail_once`)
 
     @property
     def stopped(self) -> bool:
@@ -84,8 +137,11 @@ def _write_atomically(path: Path, text: str) -> None:
     os.replace(private, path)
 
 
-def _run_rank(folder: str, entrypoint: Callable[..., Any], *args: Any) -> Any:
-    """Each rank's entry: note this rank's pid, run ``entrypoint``, and note the exception it raises."""
+def _run_rank(folder: str, launcher_pid: int, entrypoint: Callable[..., Any], *args: Any) -> Any:
+    """Each rank's entry: die with the launcher, note this rank's pid, run ``entrypoint``, and note the
+    exception it raises."""
+    die_with_parent(launcher_pid)
+    tempfile.tempdir = None  # the launcher points it at its own folder (see _temporary_files_in)
     rank = int(os.environ["RANK"])
     _write_atomically(Path(folder, f"{rank}.pid"), str(os.getpid()))
     try:
@@ -94,6 +150,7 @@ def _run_rank(folder: str, entrypoint: Callable[..., Any], *args: Any) -> Any:
         if not (isinstance(error, SystemExit) and error.code in (0, None)):
             text = " ".join(f"{type(error).__name__}: {error}".split())
             record = {"error": text, "time": time.time(), "traceback": traceback.format_exc()}
+            record["reported"] = isinstance(error, ReportedExit)
             _write_atomically(Path(folder, f"{rank}.error.json"), json.dumps(record))
         raise
 
@@ -120,6 +177,7 @@ class RankWatch:
         self._nproc = nproc
         self._pids: dict[int, int] = {}  # rank -> pid, as each rank notes it
         self._seen: dict[int, RankExit | None] = {}  # rank -> its exit (None: exited 0, or reaped unseen)
+        self._stopped: dict[int, RankExit] = {}  # rank -> when a signal stopped it (while not continued)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="rank-watch", daemon=True)
 
@@ -142,31 +200,55 @@ class RankWatch:
             self.poll()
 
     def poll(self) -> None:
-        """Look once at every rank that has started and not been seen to end."""
+        """Look once at every rank that has started and not been seen to end; note ranks stopped by a signal,
+        and once any rank has failed, kill the stopped ones (they would hold the launch up forever)."""
         if len(self._pids) < self._nproc:
             for path in self.folder.glob("*.pid"):
                 self._pids[int(path.name.split(".")[0])] = int(path.read_text())
         for rank, pid in self._pids.items():
             if rank in self._seen:
                 continue
+            flags = os.WEXITED | os.WSTOPPED | os.WCONTINUED | os.WNOHANG | os.WNOWAIT
             try:
-                info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+                info = os.waitid(os.P_PID, pid, flags)
             except ChildProcessError:  # already reaped by torch's join: its report covers it
                 self._seen[rank] = None
                 continue
-            if info is not None:
+            if info is None:
+                continue
+            if info.si_code == os.CLD_STOPPED:
+                self._stopped.setdefault(rank, RankExit(rank, _stop_text(pid, info.si_status), time.time()))
+            elif info.si_code == os.CLD_CONTINUED:
+                self._stopped.pop(rank, None)
+            else:
                 self._seen[rank] = _exit_of(rank, pid, info)
+        if self._stopped and any(exit_ is not None for exit_ in self._seen.values()):
+            for rank in set(self._stopped) - set(self._seen):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self._pids[rank], signal.SIGKILL)
 
     def failures(self) -> list["RankExit"]:
-        """Every rank seen to fail or noted an exception; a rank's own note wins over its exit status."""
+        """Every rank seen to fail or noted an exception; a rank's own note wins over its exit status, and a
+        rank seen stopped is reported as stopped (not as the SIGKILL that ended it)."""
         self.stop()
         self.poll()
         found = {rank: exit_ for rank, exit_ in self._seen.items() if exit_ is not None}
+        found.update(self._stopped)
         for path in self.folder.glob("*.error.json"):
             record = json.loads(path.read_text())
             rank = int(path.name.split(".")[0])
-            found[rank] = RankExit(rank, record["error"], record["time"], record["traceback"])
+            found[rank] = RankExit(
+                rank, record["error"], record["time"], record["traceback"], record.get("reported", False)
+            )
         return list(found.values())
+
+
+def _stop_text(pid: int, signal_number: int) -> str:
+    try:
+        name = signal.Signals(signal_number).name
+    except ValueError:
+        name = f"signal {signal_number}"
+    return f"stopped by {name} (pid {pid}), so its peers waited on it"
 
 
 def _from_elastic(error: ChildFailedError) -> list[RankExit]:
@@ -226,6 +308,18 @@ def _quiet_elastic_logs() -> Iterator[None]:
             logger.setLevel(level)
 
 
+@contextlib.contextmanager
+def _temporary_files_in(folder: Path) -> Iterator[None]:
+    """Put this process's temporary files (torch's per-rank error files, which a killed rank leaves behind)
+    into ``folder`` while the launch runs; each rank goes back to the usual temporary directory."""
+    previous = tempfile.tempdir
+    tempfile.tempdir = str(folder)
+    try:
+        yield
+    finally:
+        tempfile.tempdir = previous
+
+
 def launch_local(
     entrypoint: Callable[..., Any],
     nproc: int,
@@ -236,43 +330,59 @@ def launch_local(
     """Run ``entrypoint(*args)`` on ``nproc`` local ranks and return each rank's result.
 
     ``fork`` starts a rank in well under a second once torch is imported (a fresh interpreter costs ~5 s);
-    use ``spawn`` when CUDA is already initialised in this process. A rank failure fails the whole launch:
-    the other ranks are stopped within about a second, and (with ``exit_on_failure``) the failed rank's
-    traceback is printed to stderr, then one ``error: rank N failed: ...`` line, and the process exits with
-    status 1. Without ``exit_on_failure`` the ``ChildFailedError`` propagates.
+    use ``spawn`` when CUDA is already initialised in this process. Fork only from a process that has not
+    started OpenMP (or other) worker threads: a forked child can block for good in a lock a thread held.
+    A rank failure fails the whole launch: the other ranks are stopped within about a second, and (with
+    ``exit_on_failure``) the failed rank's traceback is printed to stderr, then one ``error: rank N failed:
+    ...`` line starting a fresh line, and the process exits with status 1 (quietly when rank 0 already
+    printed the line, :func:`fail_once`). Without ``exit_on_failure`` the ``ChildFailedError`` propagates.
+    Every rank dies with this process (:func:`die_with_parent`).
     """
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nproc,
-        run_id=uuid.uuid4().hex,
-        rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{free_port()}",
-        max_restarts=0,
-        monitor_interval=0.1,
-        start_method=start_method,
-    )
     with RankWatch(nproc) as watch:
+        config = LaunchConfig(
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=nproc,
+            run_id=uuid.uuid4().hex,
+            rdzv_backend="c10d",
+            rdzv_endpoint=f"127.0.0.1:{free_port()}",
+            max_restarts=0,
+            monitor_interval=0.1,
+            start_method=start_method,
+            logs_specs=DefaultLogsSpecs(log_dir=str(watch.folder / "elastic")),  # removed with the watch
+        )
         try:
-            with _quiet_elastic_logs():
-                return elastic_launch(config, _run_rank)(str(watch.folder), entrypoint, *args)
+            with _quiet_elastic_logs(), _temporary_files_in(watch.folder):
+                return elastic_launch(config, _run_rank)(str(watch.folder), os.getpid(), entrypoint, *args)
         except ChildFailedError as error:
             if not exit_on_failure:
                 raise
             seen = watch.failures()
             known = {exit_.rank for exit_ in seen}
-            line, callstack = describe_rank_failure(seen + [f for f in _from_elastic(error) if f.rank not in known])
+            failures = seen + [f for f in _from_elastic(error) if f.rank not in known]
         except SignalException as error:  # this launcher was asked to stop: torch elastic stopped every rank
             if not exit_on_failure:
                 raise
+            start_fresh_line(sys.stderr)
             print(f"error: stopped by {error.sigval.name}: every rank was terminated", file=sys.stderr, flush=True)
             raise SystemExit(128 + int(error.sigval)) from None
-    if callstack:
-        print(f"traceback of the failed rank:\n{callstack.rstrip()}", file=sys.stderr)
-    print(line, file=sys.stderr, flush=True)
+    _report_failure(failures)
+
+
+def _report_failure(failures: list[RankExit]) -> NoReturn:
+    """Print the failed rank's traceback and the ``error:`` line on a fresh line of stderr; exit with 1."""
+    if not any(exit_.reported and exit_.rank == 0 for exit_ in failures):
+        line, callstack = describe_rank_failure(failures)
+        start_fresh_line(sys.stderr)
+        if callstack:
+            print(f"traceback of the failed rank:\n{callstack.rstrip()}", file=sys.stderr)
+        print(line, file=sys.stderr, flush=True)
     raise SystemExit(1)
 
 
-def init_process_group(backend: str) -> None:
-    """Join the world described by the launcher's environment, with a collective timeout."""
-    dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
+def init_process_group(backend: str, timeout: timedelta) -> None:
+    """Join the world described by the launcher's environment; every collective gives up after ``timeout``
+    instead of hanging forever when a peer has died or stopped. The process dies with its parent (the
+    launcher, :func:`die_with_parent`)."""
+    die_with_parent()
+    dist.init_process_group(backend, timeout=timeout)
