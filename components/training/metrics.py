@@ -24,22 +24,54 @@ class MetricsLog:
             self._bar = tqdm(total=max_steps, initial=first_step, unit="step", dynamic_ncols=True)
 
     def log(self, record: dict) -> None:
+        """Write ``record`` (needs ``step``; every other value may be missing or None) and show it: the bar's
+        postfix every step, a printed line on step 1, every tenth step, validation and skipped steps."""
         if not self.writer:
             return
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        self._bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+        self._bar.set_postfix(loss=_shown(record.get("loss"), ".4f"), tok_s=_shown(record.get("tokens_per_s"), ".0f"))
         self._bar.update(1)
-        if "val_loss" in record or record["step"] == 1 or record["step"] % 10 == 0:
-            line = f"step {record['step']:>5}  loss {record['loss']:.4f}  grad_norm {record['grad_norm']:.3f}"
-            if "val_loss" in record:
-                line += f"  val_loss {record['val_loss']:.4f}"
-            self._bar.write(line)
+        step = record["step"]
+        if "val_loss" in record or record.get("skipped") or step == 1 or step % 10 == 0:
+            self._bar.write(format_record(record))
 
     def close(self) -> None:
         if self.writer:
             self._bar.close()
             self._file.close()
+
+
+# (key, label, format) of the values a printed line shows, in order, when the record has them.
+_LINE_FIELDS = (
+    ("loss", "loss", ".4f"),
+    ("grad_norm", "grad_norm", ".3f"),
+    ("val_loss", "val_loss", ".4f"),
+    ("tokens", "tokens", ",d"),
+    ("peak_memory_gib", "peak_mem", ".2f"),
+)
+
+
+def _shown(value: object, spec: str) -> str:
+    """``value`` formatted with ``spec``; ``-`` for None, plain ``str`` for what the spec does not fit."""
+    if value is None:
+        return "-"
+    try:
+        return format(value, spec)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def format_record(record: dict) -> str:
+    """The printed line of one step: ``step``, then loss, grad_norm, val_loss, tokens and peak memory
+    (GiB) for those present (None shows as ``-``), and ``skipped`` for a skipped update."""
+    line = f"step {record.get('step', '?'):>5}"
+    for key, label, spec in _LINE_FIELDS:
+        if key in record:
+            line += f"  {label} {_shown(record[key], spec)}" + (" GiB" if key == "peak_memory_gib" else "")
+    if record.get("skipped"):
+        line += "  skipped (non-finite grad norm)"
+    return line
 
 
 def _lines_up_to(path: Path, step: int) -> list[str]:
