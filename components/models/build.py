@@ -6,25 +6,52 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 
-def build_causal_lm(config: PretrainedConfig, seed: int) -> PreTrainedModel:
-    """The full model on the CPU in fp32 with random weights drawn from ``seed``.
+def build_causal_lm(config: PretrainedConfig, seed: int, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """The full model on the CPU with random weights drawn from ``seed``, parameters in ``dtype``.
 
     The same seed gives bitwise identical weights in any process, so ranks that build independently agree
-    without a broadcast. The caller's global RNG state is left as it was.
+    without a broadcast. The caller's global RNG state is left as it was. ``dtype`` is the precision
+    policy's ``param_dtype`` (fp32 for ``fp32`` and ``bf16-mixed``, bf16 for ``bf16``); the weights are
+    drawn in fp32 and rounded, so a bf16 build is the fp32 build rounded to bf16.
     """
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model if dtype == torch.float32 else model.to(dtype)
 
 
-def meta_causal_lm(config: PretrainedConfig) -> PreTrainedModel:
-    """The same architecture on the meta device: shapes only, no memory for weights.
+def meta_causal_lm(config: PretrainedConfig, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """The same architecture on the meta device, parameters in ``dtype``: shapes only, no memory for weights.
 
     A TP plan can then shard it before anything is allocated; ``materialize_from_pretrained`` (or
-    ``to_empty`` plus an initialisation) gives it storage afterwards.
+    :func:`materialize_random`) gives it storage afterwards, each parameter in its own dtype, whatever the
+    checkpoint's (a bf16 checkpoint loads into fp32 master weights slice by slice).
     """
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model if dtype == torch.float32 else model.to(dtype)
+
+
+@torch.no_grad()
+def materialize_random(model: nn.Module, seed: int, device: str = "cpu", std: float = 0.02) -> None:
+    """Give a meta-device (possibly TP-sharded) model storage on ``device`` with random weights, per shard.
+
+    For benchmarks and shapes without a checkpoint: each rank draws only its local shard (normal, ``std``;
+    vectors such as norm weights are set to 1, biases to 0), so no rank ever holds the full model. The
+    values are not those of :func:`build_causal_lm`; use that where ranks must agree with a reference.
+    Non-persistent buffers (rotary frequencies) are recomputed with the model's ``_init_weights``.
+    """
+    model.to_empty(device=device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for name, parameter in sorted(model.named_parameters(), key=lambda item: item[0]):
+        local = parameter.to_local() if isinstance(parameter, DTensor) else parameter
+        if local.dim() >= 2:
+            local.copy_(torch.randn(local.shape, generator=generator, device=device) * std)
+        else:
+            local.fill_(0.0 if name.endswith("bias") else 1.0)
+    for module in model.modules():
+        if any(module._buffers.get(name) is not None for name in module._non_persistent_buffers_set):
+            model._init_weights(module)
 
 
 def local_parameter_bytes(model: nn.Module) -> int:
@@ -34,3 +61,15 @@ def local_parameter_bytes(model: nn.Module) -> int:
         local = parameter.to_local() if isinstance(parameter, DTensor) else parameter
         total += local.numel() * local.element_size()
     return total
+
+
+def decoder_blocks(model: nn.Module) -> list[nn.Module]:
+    """The decoder blocks of a Hugging Face causal LM (``model.model.layers``), in order.
+
+    Raises:
+        ValueError: If the model has no ``model.layers`` list.
+    """
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(f"{type(model).__name__} has no model.layers: cannot find its decoder blocks")
+    return list(layers)

@@ -1,0 +1,120 @@
+"""Training precision from one name (``train.precision``): the dtype parameters are built in, the autocast
+context of the forward pass, FSDP2's mixed-precision policy, and bf16 casts ahead of TP activation gathers.
+
+- ``fp32``: everything in fp32 (parameters, gradients, optimizer state, compute, collectives).
+- ``bf16-mixed``: fp32 master weights, fp32 gradients and optimizer state; bf16 compute. With FSDP over dp
+  (dp > 1), FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` all-gathers bf16 copies of
+  the parameters for compute and reduce-scatters gradients in fp32 into the fp32 shards. With TP only
+  (dp = 1), ``torch.autocast(device_type, bfloat16)`` runs matmuls in bf16 on the fp32 weights (torchtitan
+  makes the same split). Either way the activations TP moves (row-wise all-reduces or reduce-scatters, and
+  with :meth:`PrecisionPolicy.cast_tp_inputs` the sequence-parallel all-gathers too) are bf16, and the loss
+  is computed in fp32 (``cross_entropy_sum`` upcasts the logits).
+- ``bf16``: parameters built (or loaded) in bf16, so gradients are bf16 and compute is bf16 without
+  autocast. ``torch.optim.AdamW`` creates its state with ``zeros_like(param)``, so ``exp_avg`` and
+  ``exp_avg_sq`` are bf16 too: 8 bytes per parameter (weights 2 + gradient 2 + moments 4) instead of 16
+  in fp32, which is why this mode exists (the largest models). The price: an update smaller than bf16's
+  resolution of the weight (2**-8 relative) is rounded away, and the moments carry 3 significant digits;
+  no master copy, no stochastic rounding. ``bf16-mixed`` is the choice when memory allows. The TP replica
+  gradient sync and gradient finalisation still sum bf16 gradients in fp32 (their FP32 reduction path)
+  and round once.
+"""
+
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from components.models.build import decoder_blocks
+
+PRECISIONS = ("fp32", "bf16-mixed", "bf16")
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """What one ``train.precision`` value means for building, running and sharding the model."""
+
+    name: str
+    param_dtype: torch.dtype  # parameters as built or loaded: the master weights, their grads and AdamW state
+    compute_dtype: torch.dtype  # matmuls and the activations TP moves
+
+    @property
+    def mixed(self) -> bool:
+        """True when the compute dtype differs from the parameters' (bf16-mixed)."""
+        return self.compute_dtype != self.param_dtype
+
+    def autocast(self, device_type: str, data_parallel: bool) -> AbstractContextManager:
+        """The context to run the forward pass in (the backward needs none).
+
+        bf16 autocast for ``bf16-mixed`` without FSDP (``data_parallel`` False: dp = 1); otherwise a null
+        context: under FSDP the mixed-precision policy casts the parameters, and fp32 or bf16 need no cast.
+        """
+        if self.mixed and not data_parallel:
+            return torch.autocast(device_type=device_type, dtype=self.compute_dtype)
+        return nullcontext()
+
+    def fsdp_policy(self) -> MixedPrecisionPolicy:
+        """FSDP2's policy: bf16 parameters for compute under ``bf16-mixed``; gradients reduced in fp32 in
+        every mode (for ``bf16`` the fp32 reduce-scatter result is rounded to bf16 once, into the shard)."""
+        param_dtype = self.compute_dtype if self.mixed else None
+        return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+
+    def cast_tp_inputs(self, model: nn.Module, data_parallel: bool) -> int:
+        """Under autocast, cast each decoder block's attention and MLP input to bf16 *before* TP gathers it.
+
+        Autocast casts a matmul's input where the matmul runs, which is after the block's input was
+        all-gathered (sequence parallelism) in fp32, the RMSNorm's output dtype. Casting first moves half
+        the bytes and gives the same values (the gather is exact, the matmul casts anyway). Call after
+        ``apply_tp_plan`` (the hook runs before the plan's, whatever the order); a no-op unless autocast
+        is used. Returns how many modules got the cast.
+        """
+        if not self.mixed or data_parallel:
+            return 0
+        count = 0
+        for block in decoder_blocks(model):
+            for name in ("self_attn", "mlp"):
+                if (module := getattr(block, name, None)) is not None:
+                    cast = _CastHiddenStates(self.compute_dtype)
+                    module.register_forward_pre_hook(cast, prepend=True, with_kwargs=True)
+                    count += 1
+        return count
+
+
+class _CastHiddenStates:
+    """Forward pre-hook: cast a floating ``hidden_states`` (first positional or keyword) while autocast is on."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if not torch.is_autocast_enabled(_device_type(args, kwargs)):
+            return None
+        if args and torch.is_floating_point(args[0]):
+            return (args[0].to(self.dtype), *args[1:]), kwargs
+        if isinstance(kwargs.get("hidden_states"), torch.Tensor) and kwargs["hidden_states"].is_floating_point():
+            return args, {**kwargs, "hidden_states": kwargs["hidden_states"].to(self.dtype)}
+        return None
+
+
+def _device_type(args: tuple, kwargs: dict) -> str:
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value.device.type
+    return "cpu"
+
+
+def precision_policy(name: str) -> PrecisionPolicy:
+    """The policy for a ``train.precision`` value: ``fp32``, ``bf16-mixed`` or ``bf16``.
+
+    Raises:
+        ValueError: If ``name`` is not one of them.
+    """
+    dtypes = {
+        "fp32": (torch.float32, torch.float32),
+        "bf16-mixed": (torch.float32, torch.bfloat16),
+        "bf16": (torch.bfloat16, torch.bfloat16),
+    }
+    if name not in dtypes:
+        raise ValueError(f"train.precision={name!r} is not one of {', '.join(PRECISIONS)}")
+    return PrecisionPolicy(name, *dtypes[name])
