@@ -19,10 +19,11 @@ def _loss_sum(
     # Position ids are always explicit: under sequence parallelism the model sees a shard of the sequence
     # and would derive them from the shard's length. No attention mask: padding is on the right and masked
     # out of the labels, which causal attention allows, and a mask would hide packed examples' boundaries.
+    # No cache: Hugging Face looks for restarting positions (packed examples) only when there is none.
     if position_ids is None:
         batch, seq = input_ids.shape
         position_ids = torch.arange(seq, device=input_ids.device).expand(batch, seq)
-    logits = model(input_ids=input_ids, position_ids=position_ids).logits
+    logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
     return cross_entropy_sum(logits, labels)
 
 
