@@ -4,8 +4,9 @@
     .venv/bin/python tests/regression/regress.py llama_tp1 llama_tp2_sp    # a subset
     .venv/bin/python tests/regression/regress.py --update-golden  # rewrite golden/*.jsonl (review the diff!)
 
-Each recipe is one file in conf/experiment/ and runs as a user would run it
-(``python recipes/finetune.py experiment=NAME``). Three checks per run, each printed as a table row:
+Each recipe is one file in conf/experiment/regression/ (their shared settings: conf/regression_base.yaml)
+and runs as a user would run it (``python recipes/finetune.py experiment=regression/NAME``). Three checks
+per run, each printed as a table row:
 1. golden: per-step ``loss`` and ``grad_norm`` against tests/regression/golden/NAME.jsonl;
 2. parity: a tp>1 run against its tp=1 twin (same model, same data, same schedule);
 3. drift: the largest difference between TP copies of any replicated parameter at the end (exactly 0).
@@ -22,7 +23,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).resolve().parent / "golden"
-EXPERIMENTS = sorted(p.stem for p in (REPO / "conf" / "experiment").glob("*.yaml") if p.stem != "regression_base")
+EXPERIMENTS = sorted(p.stem for p in (REPO / "conf" / "experiment" / "regression").glob("*.yaml"))
 FIELDS = ("loss", "grad_norm")
 
 # Tolerances (|ours - theirs| <= abs + rel * |theirs|), per field.
@@ -45,7 +46,8 @@ def twin(name: str) -> str | None:
 
 def run_recipe(name: str, output_root: Path, extra: list[str]) -> Path:
     output_dir = output_root / name
-    command = [sys.executable, "recipes/finetune.py", f"experiment={name}", f"output_dir={output_dir}", *extra]
+    recipe = f"experiment=regression/{name}"
+    command = [sys.executable, "recipes/finetune.py", recipe, f"output_dir={output_dir}", *extra]
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=environment)
     if result.returncode != 0:

@@ -1,8 +1,9 @@
 """The CI subset of the regression recipes, and proof that a broken replica sync is caught.
 
-The full set runs with `make regression` (tests/regression/regress.py); here one sequence-parallel run
-is checked against its golden curve and its tp=1 twin, and the same run with the fault-injection switch
-``debug.fault=replica_sync_sum`` (mean replaced by sum) must leave its golden band.
+The full set (conf/experiment/regression/) runs with `make regression` (tests/regression/regress.py); here
+one sequence-parallel run (``experiment=regression/llama_tp2_sp``) is checked against its golden curve and
+its tp=1 twin, and the same run with the fault-injection switch ``debug.fault=replica_sync_sum`` (mean
+replaced by sum) must leave its golden band.
 """
 
 from tests.regression import regress
