@@ -37,6 +37,7 @@ CARD = "README.md"
 # Files of a source model folder that the export writes itself or that hold weights: never copied.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx")
 _NOT_COPIED = ("config.json", CARD)
+EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _tied_duplicates(model: nn.Module) -> set[str]:
@@ -69,6 +70,20 @@ def source_dtype(source_dir: Path | None) -> torch.dtype:
     name = config.get("dtype") or config.get("torch_dtype")
     dtype = getattr(torch, name, None) if isinstance(name, str) else None
     return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
+
+
+def export_dtype(name: str | None, source_dir: Path | None) -> torch.dtype:
+    """The dtype an export writes: ``name`` (``float32``, ``bfloat16`` or ``float16``), or for None the
+    source folder's (:func:`source_dtype`).
+
+    Raises:
+        ValueError: One line naming the accepted values, for any other name.
+    """
+    if name is None:
+        return source_dtype(source_dir)
+    if name not in EXPORT_DTYPES:
+        raise ValueError(f"export dtype {name!r} is not one of null (the source's), {', '.join(EXPORT_DTYPES)}")
+    return EXPORT_DTYPES[name]
 
 
 def metadata_files(source_dir: Path) -> list[Path]:

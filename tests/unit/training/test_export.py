@@ -18,6 +18,7 @@ from components.models import build_causal_lm, tiny_config
 from components.training.export import (
     INDEX_FILE,
     check_export_target,
+    export_dtype,
     export_hf,
     metadata_files,
     source_dtype,
@@ -119,6 +120,9 @@ def test_export_dtype_defaults_to_the_sources(tmp_path, dtype):
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     fp32 = export_hf(model, config, tmp_path / "fp32")  # built from config: fp32
     assert json.loads((fp32 / "config.json").read_text())["dtype"] == "float32"
+    assert export_dtype(None, source) == torch.bfloat16 and export_dtype("float16", source) == torch.float16
+    with pytest.raises(ValueError, match=r"^export dtype 'fp8' is not one of null \(the source's\), float32, bfloat16"):
+        export_dtype("fp8", None)
 
 
 def test_export_refuses_a_folder_with_user_files_and_leaves_it_alone(tmp_path):
