@@ -112,4 +112,9 @@ def map_columns(dataset: datasets.Dataset, columns: dict[str, str] | None, path:
         )
     dataset = dataset.select_columns(list(columns.values()))
     renames = {theirs: ours for ours, theirs in columns.items() if theirs != ours}
-    return dataset.rename_columns(renames) if renames else dataset
+    dataset = dataset.rename_columns(renames) if renames else dataset
+    for column in ("prompt", "response"):  # a csv answer column of numbers is read as integers
+        feature = dataset.features.get(column)
+        if isinstance(feature, datasets.Value) and feature.dtype not in ("string", "large_string"):
+            dataset = dataset.cast_column(column, datasets.Value("string"))
+    return dataset

@@ -118,6 +118,8 @@ class JsonlSource:
 
     def load(self, cache_dir: Path) -> datasets.Dataset:
         path = str(Path(self.path).expanduser().resolve())
+        if next(iter_jsonl(path), None) is None:  # datasets cannot build an empty split
+            raise DataError(f"{self.path} has no records: expected one JSON object per line")
         try:
             dataset = datasets.Dataset.from_generator(
                 _normalized_jsonl,
@@ -130,8 +132,6 @@ class JsonlSource:
             if isinstance(error.__cause__, DataError):
                 raise error.__cause__ from None
             raise DataError(f"{self.path} cannot be read: {str(error).splitlines()[0]}") from None
-        if len(dataset) == 0:
-            raise DataError(f"{self.path} has no records: expected one JSON object per line")
         return _first(dataset, self.num_examples)
 
     def texts(self, cache_dir: Path) -> Iterator[str]:

@@ -62,11 +62,11 @@ def capped_texts(
     """
     left = max_chars
     for text in texts:
-        if left <= 0:
-            return
         piece = text[: min(per_text, left)]
         left -= len(piece)
         yield piece
+        if left <= 0:
+            return
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str | Path) -> PreTrainedTokenizerFast:

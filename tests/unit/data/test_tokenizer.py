@@ -4,7 +4,15 @@ import pytest
 from transformers import AutoTokenizer
 
 from components.data.generated import generate_examples
-from components.data.tokenizer import DEFAULT_VOCAB_SIZE, SPECIAL_TOKENS, train_tokenizer, training_texts
+from components.data.tokenizer import (
+    DEFAULT_VOCAB_SIZE,
+    MAX_CHARS_PER_TEXT,
+    MAX_TRAINING_CHARS,
+    SPECIAL_TOKENS,
+    capped_texts,
+    train_tokenizer,
+    training_texts,
+)
 
 TEXTS = training_texts(generate_examples(1000, seed=0))
 
@@ -76,3 +84,23 @@ def test_too_small_vocab_size_says_the_minimum(tmp_path):
 
 def test_small_texts_give_fewer_tokens_than_vocab_size(tmp_path):
     assert 261 <= len(train_tokenizer(["ab ab"], DEFAULT_VOCAB_SIZE, tmp_path)) < DEFAULT_VOCAB_SIZE
+
+
+def test_training_text_is_capped_lazily_in_total_and_per_text():
+    consumed = []
+
+    def texts():
+        for index in range(10_000):
+            consumed.append(index)
+            yield "ab " * 5_000  # 15,000 characters each
+
+    capped = list(capped_texts(texts(), max_chars=100_000, per_text=4_000))
+    assert [len(text) for text in capped] == [4_000] * 25
+    assert len(consumed) == 25  # the rest of the source was never read
+
+
+def test_one_ten_megabyte_line_trains_on_a_bounded_text(tmp_path):
+    line = ("thequickbrownfoxjumpsoverlazydg" * 400_000)[:10_000_000]  # one 10 MB "word": no space to split at
+    assert sum(len(text) for text in capped_texts([line])) == MAX_CHARS_PER_TEXT <= MAX_TRAINING_CHARS
+    tokenizer = train_tokenizer([line], DEFAULT_VOCAB_SIZE, tmp_path)
+    assert tokenizer.decode(tokenizer.encode(line[:500])) == line[:500]

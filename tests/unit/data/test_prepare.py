@@ -1,0 +1,110 @@
+"""prepare_data: tokenized once into a keyed Arrow cache, reused by the next experiment, checked in the same pass."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from components.data.generated import generate_examples
+from components.data.jsonl import DataError
+from components.data.loader import StepBatches, split_train_val
+from components.data.prepare import data_cache_dir, prepare_data, source_cache_dir, split_indices
+from components.data.sources import GeneratedSource, HFSource, JsonlSource
+from components.data.tokenizer import DEFAULT_VOCAB_SIZE, train_tokenizer
+
+SOURCE = GeneratedSource(num_examples=120, val_fraction=0.1, seed=2)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tokenizer")
+    train_tokenizer(SOURCE.texts(source_cache_dir(folder)), DEFAULT_VOCAB_SIZE, folder)
+    return folder
+
+
+def prepare(source, tokenizer_dir, root, seq_len=48, packing=False, seed=0):
+    return prepare_data(source, tokenizer_dir, seq_len=seq_len, packing=packing, seed=seed, cache_root=root, num_proc=1)
+
+
+def test_a_second_experiment_reuses_the_tokens_whatever_its_seed_or_packing(tokenizer_dir, tmp_path):
+    first = prepare(SOURCE, tokenizer_dir, tmp_path)
+    assert not first.reused and first.train.num_examples == 108 and first.val.num_examples == 12
+    for seed, packing in ((0, False), (1, False), (0, True)):
+        again = prepare(SOURCE, tokenizer_dir, tmp_path, packing=packing, seed=seed)
+        assert again.reused and again.folder == first.folder
+    assert prepare(SOURCE, tokenizer_dir, tmp_path, seq_len=40).folder != first.folder  # seq_len is in the key
+    leftovers = [p.name for p in data_cache_dir(tmp_path).iterdir() if ".tmp" in p.name]
+    assert leftovers == [] and len(list((data_cache_dir(tmp_path) / first.folder).glob("rows-*.npz"))) == 3
+
+
+def test_split_and_batches_are_those_of_the_records_in_memory(tokenizer_dir, tmp_path):
+    prepared = prepare(SOURCE, tokenizer_dir, tmp_path, seed=3)
+    train, val = split_train_val(generate_examples(120, 2), 0.1, 3)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    common = dict(dp_size=2, dp_rank=1, seed=3)
+    opened = StepBatches.open(prepared.train, 8, 2, **common)
+    in_memory = StepBatches.from_records(train, 8, 2, tokenizer=tokenizer, seq_len=48, **common)
+    for step in (0, 5, 20):  # 20 lies in the second epoch
+        for a, b in zip(opened.batches_for_step(step), in_memory.batches_for_step(step), strict=True):
+            assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.labels, b.labels)
+        assert opened.labels_in_step(step) == in_memory.labels_in_step(step)
+    val_opened = StepBatches.open(prepared.val, 2, 2, dp_size=1, dp_rank=0, seed=3).all_batches()
+    val_memory = StepBatches.from_records(val, 2, 2, tokenizer=tokenizer, seq_len=48, dp_size=1, dp_rank=0, seed=3)
+    assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(val_opened, val_memory.all_batches(), strict=True))
+
+
+def test_split_indices_match_split_train_val():
+    train, val = split_indices(50, 0.2, seed=9)
+    expected = split_train_val(list(range(50)), 0.2, 9)
+    assert (train.tolist(), val.tolist()) == expected and train.dtype == val.dtype == np.int64
+    with pytest.raises(ValueError, match=r"data.val_fraction \(0.99\) of 50 records leaves none for training"):
+        split_indices(50, 0.99, seed=0)
+
+
+def test_packed_rows_hold_every_training_example_once(tokenizer_dir, tmp_path):
+    prepared = prepare(SOURCE, tokenizer_dir, tmp_path, packing=True)
+    with np.load(prepared.train.rows_file) as rows:
+        order, offsets = rows["train_order"], rows["train_offsets"]
+    assert sorted(order.tolist()) == order.tolist() and len(order) == 108
+    assert offsets[0] == 0 and offsets[-1] == 108 and prepared.train.num_rows == len(offsets) - 1 < 108 / 3
+
+
+def _jsonl(path, records):
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return path
+
+
+def test_a_record_without_answer_tokens_is_named_and_nothing_is_cached(tokenizer_dir, tmp_path):
+    records = generate_examples(6, 0)
+    records[3] = {"prompt": "a very long prompt " * 20, "response": "x"}
+    source = JsonlSource(str(_jsonl(tmp_path / "data.jsonl", records)), None, 0.0)
+    with pytest.raises(DataError) as caught:
+        prepare(source, tokenizer_dir, tmp_path / "cache", seq_len=16)
+    assert str(caught.value) == (
+        "record 3 has no answer tokens within train.seq_len (16): raise train.seq_len or shorten its prompt"
+    )
+    assert [p.name for p in data_cache_dir(tmp_path / "cache").iterdir() if p.name != "sources"] == []
+
+
+def test_a_malformed_record_of_a_dataset_is_named_by_index(tokenizer_dir, tmp_path):
+    rows = [{"q": "Add 1 and 2", "a": "3"}, {"q": "Add 2 and 2", "a": None}]
+    source = HFSource(
+        str(_jsonl(tmp_path / "d.jsonl", rows)), "train", None, {"prompt": "q", "response": "a"}, None, 0.0
+    )
+    with pytest.raises(DataError) as caught:
+        prepare(source, tokenizer_dir, tmp_path / "cache")
+    assert str(caught.value) == 'record 1: needs "prompt" and "response" strings, or "messages"'
+
+
+def test_a_bad_jsonl_line_keeps_its_message_and_an_edited_file_is_tokenized_again(tokenizer_dir, tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "c", "response": "d"\n')
+    with pytest.raises(DataError, match=r"data.jsonl line 2: not valid JSON \(Expecting ',' delimiter\)$"):
+        prepare(JsonlSource(str(path), None, 0.0), tokenizer_dir, tmp_path / "cache")
+    _jsonl(path, generate_examples(10, 0))
+    first = prepare(JsonlSource(str(path), None, 0.0), tokenizer_dir, tmp_path / "cache")
+    _jsonl(path, generate_examples(11, 0))
+    second = prepare(JsonlSource(str(path), None, 0.0), tokenizer_dir, tmp_path / "cache")
+    assert not second.reused and second.folder != first.folder and second.train.num_examples == 11
