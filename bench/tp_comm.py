@@ -15,6 +15,7 @@ The model is the tiny Llama (2 layers, vocab 384) at tp=2 on a ("dp", "tp") = (1
 
 import warnings
 from collections import defaultdict
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -125,7 +126,7 @@ def _measure(sequence_parallel: bool) -> dict[str, dict[str, tuple[int, int]]]:
 
 
 def _rank() -> dict[str, dict[str, dict[str, tuple[int, int]]]]:
-    init_process_group("gloo")
+    init_process_group("gloo", timedelta(minutes=5))
     torch.set_num_threads(1)
     try:
         with warnings.catch_warnings():  # CommDebugMode's module hooks warn about HF's non-tensor outputs

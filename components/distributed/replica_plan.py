@@ -38,12 +38,16 @@ class ModelSnapshot:
 
     def __init__(self, model_parts: list[nn.Module], marker_attr: str = "", owned_attr: str = ""):
         self._marker_attr, self._owned_attr = marker_attr, owned_attr
-        self._module_dicts: list[dict] = []  # per module: _modules, _parameters, __dict__
+        self._modules: list[dict] = []  # per module: its _modules, _parameters and __dict__
+        self._parameter_dicts: list[dict] = []
+        self._attributes: list[dict] = []
         self._child_dicts, self._child_names, self._children = [], [], []
         self._param_dicts, self._param_names, self._params = [], [], []
         for part in model_parts:
             for module in part.modules():
-                self._module_dicts.append((module._modules, module._parameters, module.__dict__))
+                self._modules.append(module._modules)
+                self._parameter_dicts.append(module._parameters)
+                self._attributes.append(module.__dict__)
                 for name, child in module._modules.items():
                     self._child_dicts.append(module._modules)
                     self._child_names.append(name)
@@ -56,11 +60,10 @@ class ModelSnapshot:
         self._state = self._current_state()
 
     def _current_state(self) -> tuple:
-        modules, parameters, attributes = zip(*self._module_dicts, strict=True) if self._module_dicts else ((),) * 3
         return (
-            list(map(len, modules)),
-            list(map(len, parameters)),
-            list(map(dict.get, attributes, repeat(self._marker_attr))),
+            list(map(len, self._modules)),
+            list(map(len, self._parameter_dicts)),
+            list(map(dict.get, self._attributes, repeat(self._marker_attr))),
             list(map(_requires_grad, self._tensors)),
             list(map(hasattr, self._tensors, repeat(self._owned_attr))),
         )
