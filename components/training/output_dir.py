@@ -32,7 +32,16 @@ LOCK_FILE = ".lock"
 RUN_FILE = "run.json"
 MANIFEST = ".shardtune-files.json"
 # What a run writes into its output_dir; only these are ever removed (overwrite_output_dir=true).
-RUN_FILES = ("metrics.jsonl", "loss.png", "replica_drift.json", "checkpoints", "hf", "tokenizer", RUN_FILE)
+RUN_FILES = (
+    "metrics.jsonl",
+    "loss.png",
+    "replica_drift.json",
+    "config.yaml",
+    "checkpoints",
+    "hf",
+    "tokenizer",
+    RUN_FILE,
+)
 # Files an export or tokenizer folder written before manifests existed holds; anything else in it is the user's.
 _EXPORT_NAMES = (
     "config.json",
