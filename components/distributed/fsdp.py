@@ -6,20 +6,32 @@ Replicated parameters (norms) become DTensors on the ``dp`` submesh; ``tp_replic
 TP replicas from their mesh coordinates.
 
 Gradients are *summed* over dp ranks (divide factor 1): the recipe normalises the loss by the token
-count of the whole global batch, so the sum is the true gradient whatever the split.
+count of the whole global batch, so the sum is the true gradient whatever the split. The sum is forced
+(``set_force_sum_reduction_for_comms``) in every precision: gloo has no PREMUL_SUM.
+
+Mixed precision is FSDP2's ``MixedPrecisionPolicy`` (``PrecisionPolicy.fsdp_policy()`` in
+``components.models.precision``): under ``bf16-mixed`` each all-gather yields bf16 copies of the fp32
+shards for compute and gradients are reduce-scattered in fp32 into the fp32 shards.
 """
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 
-def shard_data_parallel(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
-    """Wrap each decoder layer, then the whole model, with ``fully_shard`` on ``dp_mesh``."""
+def shard_data_parallel(
+    model: nn.Module, dp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None
+) -> nn.Module:
+    """Wrap each decoder layer, then the whole model, with ``fully_shard`` on ``dp_mesh``.
+
+    ``mp_policy`` (None: FSDP2's default, compute and reduction in the parameters' dtype) is applied to
+    every wrapped module. Call after the TP plan, activation checkpointing and compile.
+    """
+    policy = mp_policy or MixedPrecisionPolicy()
     layers = getattr(getattr(model, "model", None), "layers", None)
     for layer in layers if layers is not None else []:
-        fully_shard(layer, mesh=dp_mesh)
-    fully_shard(model, mesh=dp_mesh)
+        fully_shard(layer, mesh=dp_mesh, mp_policy=policy)
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

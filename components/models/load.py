@@ -40,6 +40,11 @@ def materialize_from_pretrained(model: nn.Module, pretrained_path: str | Path, d
     buffers load like parameters; non-persistent ones (rotary ``inv_freq``) are recomputed with the
     model's own ``_init_weights``, as transformers 5 does in ``from_pretrained``.
 
+    Dtypes: each parameter keeps the dtype it was built with (``meta_causal_lm(config, dtype)``), whatever
+    the checkpoint's; each slice is read in the stored dtype and converted as it is copied into the local
+    shard. A bf16 checkpoint thus gives fp32 master weights under ``bf16-mixed`` with no fp32 copy beyond
+    the rank's own shard (and no bf16 copy beyond one slice).
+
     Tied weights: parameters that were one object before stay one object (``to_empty`` would untie
     them). A tie already broken by parallelisation (embedding and lm_head sharded differently) stays
     broken: each copy is filled from the one stored tensor; keeping the copies in step while training

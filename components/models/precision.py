@@ -61,23 +61,25 @@ class PrecisionPolicy:
         return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
 
     def cast_tp_inputs(self, model: nn.Module, data_parallel: bool) -> int:
-        """Under autocast, cast each decoder block's attention and MLP input to bf16 *before* TP gathers it.
+        """Under autocast, cast the input of each block's attention and MLP, and of ``lm_head``, to bf16
+        *before* the TP plan gathers (sequence parallelism) or all-reduces its gradient (plain TP).
 
-        Autocast casts a matmul's input where the matmul runs, which is after the block's input was
-        all-gathered (sequence parallelism) in fp32, the RMSNorm's output dtype. Casting first moves half
-        the bytes and gives the same values (the gather is exact, the matmul casts anyway). Call after
-        ``apply_tp_plan`` (the hook runs before the plan's, whatever the order); a no-op unless autocast
-        is used. Returns how many modules got the cast.
+        Autocast casts a matmul's input where the matmul runs, after the TP hooks moved it in fp32 (the
+        RMSNorm's output dtype). Casting first halves those bytes and gives bitwise the same loss (the
+        gather is exact; the matmul would cast the same values). Left in fp32 by design: the residual
+        stream (the embedding's output collective and its gradient), and the loss, computed from fp32
+        logits. Call after ``apply_tp_plan`` (the hook is prepended, so it runs before the plan's); a no-op
+        (returns 0) unless this policy uses autocast. Returns how many modules got the cast.
         """
         if not self.mixed or data_parallel:
             return 0
+        modules = [getattr(block, name, None) for block in decoder_blocks(model) for name in ("self_attn", "mlp")]
+        modules.append(model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None)
         count = 0
-        for block in decoder_blocks(model):
-            for name in ("self_attn", "mlp"):
-                if (module := getattr(block, name, None)) is not None:
-                    cast = _CastHiddenStates(self.compute_dtype)
-                    module.register_forward_pre_hook(cast, prepend=True, with_kwargs=True)
-                    count += 1
+        for module in modules:
+            if module is not None:
+                module.register_forward_pre_hook(_CastHiddenStates(self.compute_dtype), prepend=True, with_kwargs=True)
+                count += 1
         return count
 
 

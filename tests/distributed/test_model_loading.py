@@ -23,6 +23,7 @@ from components.models import (
     meta_causal_lm,
     tiny_config,
 )
+from components.models.checkpoint import Checkpoint
 from tests.harness import mesh
 
 TOKENS = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -49,11 +50,13 @@ def checkpoints(tmp_path_factory) -> dict[str, tuple[str, torch.Tensor, int]]:
         "llama": tiny_config("llama"),
         "tied": tiny_config("llama", tie_word_embeddings=True),
         "qwen3_moe": tiny_config("qwen3_moe"),
+        "llama_bf16": tiny_config("llama"),
     }
     saved = {}
     for name, config in configs.items():
         folder = tmp_path_factory.mktemp(name)
-        build_causal_lm(config, seed=21).save_pretrained(folder)
+        dtype = torch.bfloat16 if name.endswith("bf16") else torch.float32
+        build_causal_lm(config, seed=21, dtype=dtype).save_pretrained(folder)
         reference = AutoModelForCausalLM.from_pretrained(folder)
         with torch.no_grad():
             saved[name] = (str(folder), reference(TOKENS).logits, local_parameter_bytes(reference))
@@ -199,3 +202,46 @@ def check_partial_is_rejected(rank, world_size, folder):
 def test_a_partial_placement_is_rejected_on_every_rank(ranks2, checkpoints):
     expected = "model.norm.weight: cannot load into placement Partial(sum) (only Shard and Replicate)"
     assert ranks2.run(check_partial_is_rejected, checkpoints["llama"][0]) == [expected] * 2
+
+
+# --- a bf16 checkpoint into fp32 master weights (bf16-mixed) ----------------------------------------
+
+
+def check_bf16_checkpoint_into_fp32_shards(rank, world_size, folder):
+    """Build fp32 on meta, shard, load a bf16 checkpoint: every read is this rank's slice in bf16 (no full
+    tensor, no fp32 copy of it), converted into the fp32 shard on copy; values are the bf16 ones exactly."""
+    model = meta_causal_lm(load_config(folder), dtype=torch.float32)
+    parallelize_module(model, mesh((world_size,), ("tp",)), TP_PLAN)
+    local_numels = {local_of(p).numel() for p in model.parameters()}
+    reads = []
+    original_read = Checkpoint.read
+
+    def recording_read(self, key, offset, size):
+        tensor = original_read(self, key, offset, size)
+        reads.append((key, tensor.dtype, tensor.numel()))
+        return tensor
+
+    Checkpoint.read = recording_read
+    try:
+        materialize_from_pretrained(model, folder)
+    finally:
+        Checkpoint.read = original_read
+    stored = load_file(Path(folder) / "model.safetensors")
+    expected = {name: tensor.float() for name, tensor in stored.items()}
+    sharded_keys = {n for n, p in model.named_parameters() if isinstance(p, DTensor) and p.placements[0].is_shard()}
+    return {
+        "param_dtypes": {str(p.dtype) for p in model.parameters()},
+        "stored_dtypes": {str(t.dtype) for t in stored.values()},
+        "read_dtypes": {str(dtype) for _, dtype, _ in reads},
+        "oversized_reads": [k for k, _, numel in reads if numel not in local_numels],
+        "sharded_reads_smaller": all(numel < stored[k].numel() for k, _, numel in reads if k in sharded_keys),
+        "mismatched": mismatched_slices(model, expected),
+    }
+
+
+def test_bf16_checkpoint_loads_into_fp32_shards_slice_by_slice(ranks2, checkpoints):
+    for result in ranks2.run(check_bf16_checkpoint_into_fp32_shards, checkpoints["llama_bf16"][0]):
+        assert result["stored_dtypes"] == {"torch.bfloat16"} and result["param_dtypes"] == {"torch.float32"}
+        assert result["read_dtypes"] == {"torch.bfloat16"}
+        assert result["oversized_reads"] == [] and result["sharded_reads_smaller"]
+        assert result["mismatched"] == []

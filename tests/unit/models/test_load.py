@@ -171,3 +171,25 @@ def test_llama_checkpoint_names_are_the_state_dict_names(tmp_path):
     folder = save_tiny(tmp_path, max_shard_size="50KB")
     weight_map = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
     assert set(weight_map) == set(build_causal_lm(tiny_config("llama"), seed=0).state_dict())
+
+
+# --- dtypes ------------------------------------------------------------------------------------------
+
+
+def test_a_bf16_checkpoint_gives_fp32_master_weights_equal_to_its_values(tmp_path):
+    build_causal_lm(tiny_config("llama"), seed=11, dtype=torch.bfloat16).save_pretrained(tmp_path)
+    model = meta_causal_lm(load_config(tmp_path), dtype=torch.float32)
+    materialize_from_pretrained(model, tmp_path)
+    stored = load_file(tmp_path / "model.safetensors")
+    assert {t.dtype for t in stored.values()} == {torch.bfloat16}
+    for name, parameter in model.named_parameters():
+        assert parameter.dtype == torch.float32 and torch.equal(parameter, stored[name].float()), name
+
+
+def test_a_bf16_model_loads_an_fp32_checkpoint_rounded(tmp_path):
+    save_tiny(tmp_path)
+    model = meta_causal_lm(load_config(tmp_path), dtype=torch.bfloat16)
+    materialize_from_pretrained(model, tmp_path)
+    stored = load_file(tmp_path / "model.safetensors")
+    for name, parameter in model.named_parameters():
+        assert parameter.dtype == torch.bfloat16 and torch.equal(parameter, stored[name].bfloat16()), name
