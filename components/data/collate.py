@@ -25,7 +25,8 @@ def _messages(record: dict) -> list[dict]:
     return [{"role": "user", "content": record["prompt"]}, {"role": "assistant", "content": record["response"]}]
 
 
-def _check_template(tokenizer) -> None:
+def check_template(tokenizer) -> None:
+    """Raise ValueError (one line) if the tokenizer has no chat template to render records with."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             f"tokenizer {type(tokenizer).__name__} has no chat_template: use one that has (a chat/instruct "
@@ -74,7 +75,7 @@ def tokenize_example(record: dict, tokenizer, seq_len: int) -> tuple[list[int], 
         ValueError: If the tokenizer has no chat template, or its rendering of the conversation does not
             start with its rendering of the prompt (the answer cannot be told apart).
     """
-    _check_template(tokenizer)
+    check_template(tokenizer)
     prompt, answer = render(record, tokenizer)
     prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
     answer_ids = tokenizer.encode(answer, add_special_tokens=False)
@@ -97,7 +98,7 @@ def tokenize_batch(batch: dict[str, list], tokenizer, seq_len: int) -> dict[str,
     Raises:
         ValueError: If the tokenizer has no chat template.
     """
-    _check_template(tokenizer)
+    check_template(tokenizer)
     size = len(next(iter(batch.values())))
     prompts, answers, usable = [], [], []
     for index in range(size):

@@ -12,6 +12,7 @@ prepared (:func:`components.data.prepare.prepare_data`): a rank reads only the r
 holds per row just a few integers.
 """
 
+import array
 import random
 from dataclasses import dataclass
 from functools import lru_cache
@@ -219,9 +220,11 @@ class StepBatches:
         return self.global_batch_size // (self.micro_batch_size * self.dp_size)
 
     def _shuffle(self, epoch: int) -> np.ndarray:
-        order = list(range(self.num_rows))
+        # random.shuffle of 0..n-1, as a list was shuffled before (same order), but in an 8-byte-per-row
+        # array: a million-row list of ints would cost ~40 MB per rank for a moment.
+        order = array.array("q", range(self.num_rows))
         random.Random(self.seed + epoch).shuffle(order)
-        return np.asarray(order, dtype=np.int64)
+        return np.frombuffer(order, dtype=np.int64)
 
     def _batches(self, rows: list[int]) -> list[Batch]:
         batches = []

@@ -29,7 +29,8 @@ import datasets
 import numpy as np
 from transformers import AutoTokenizer
 
-from components.data.collate import record_error, tokenize_batch
+from components.data.collate import check_template, record_error, tokenize_batch
+from components.data.jsonl import DataError
 from components.data.loader import TokenizedSplit, pad_id_of
 from components.data.packing import row_offsets
 from components.data.sources import DataSource
@@ -163,13 +164,17 @@ def prepare_data(
     ``seed`` and ``source.val_fraction``, pack it when asked, and return what the ranks open.
 
     Raises:
-        DataError: One line, for a source that cannot be read or a record that cannot be trained on
-            (``record 12 has no answer tokens within train.seq_len (48): ...``).
+        DataError: One line, for a source that cannot be read, a tokenizer without a chat template, or a
+            record that cannot be trained on (``record 12 has no answer tokens within train.seq_len (48): ...``).
         ValueError: For a ``val_fraction`` that leaves no training record.
     """
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # see the module docstring: ranks fork from here
     datasets.disable_progress_bars()
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    try:
+        check_template(tokenizer)
+    except ValueError as error:
+        raise DataError(str(error)) from None
     key = hashlib.sha256(
         f"{FORMAT_VERSION}|{source.fingerprint()}|{tokenizer_digest(tokenizer)}|{seq_len}".encode()
     ).hexdigest()[:20]

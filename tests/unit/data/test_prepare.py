@@ -108,3 +108,13 @@ def test_a_bad_jsonl_line_keeps_its_message_and_an_edited_file_is_tokenized_agai
     _jsonl(path, generate_examples(11, 0))
     second = prepare(JsonlSource(str(path), None, 0.0), tokenizer_dir, tmp_path / "cache")
     assert not second.reused and second.folder != first.folder and second.train.num_examples == 11
+
+
+def test_a_tokenizer_without_a_chat_template_is_one_line(tokenizer_dir, tmp_path):
+    plain = AutoTokenizer.from_pretrained(tokenizer_dir)
+    plain.chat_template = None
+    plain.save_pretrained(tmp_path / "plain")
+    for leftover in (tmp_path / "plain").glob("chat_template*"):
+        leftover.unlink()
+    with pytest.raises(DataError, match=r"^tokenizer \w+ has no chat_template: use one that has"):
+        prepare(SOURCE, tmp_path / "plain", tmp_path / "cache")
