@@ -1,175 +1,207 @@
-"""Recipe overhead: tokens/s of ``recipes/finetune.py`` at tp=1 against a minimal hand-written PyTorch loop.
+"""Step overhead at tp=1: the recipe's step components against a bare PyTorch loop and Hugging Face ``Trainer``.
 
-Why: the recipe adds a launcher, a process group, a mesh, ``loss_parallel``, DTensor gradient finalisation,
-replica sync, a global grad norm and a metrics log around every step. At tp=1 all of that should cost
-(almost) nothing: the goal is ≥ 0.95× the tokens/s of the plain loop on the same model and batches. The time
-from launching the command to its first metrics line (start-up: interpreter, imports, tokenizer, model,
-first step) is reported too.
+Why: at tp=1 the recipe's bookkeeping around a step (``loss_parallel``, DTensor gradient finalisation,
+replica sync, a global grad norm and clipping) should cost almost nothing: the goals are ≥ 0.97× the
+bare loop's tokens/s and at least HF ``Trainer``'s. And the threads per rank: ``cores // local ranks`` or
+one thread, which default pays?
 
-Both sides train the tiny Llama (``tiny_config("llama", vocab_size=384)``, seed 0) on the recipe's default
-data: 4,000 generated examples, the same 2 % validation split, the byte-level BPE trained on the same texts,
-``StepBatches`` with global batch 16, micro-batch 8, seq_len 48, AdamW (lr 3e-3, betas 0.9/0.95), grad
-clipping at 1.0 and the same warmup-cosine schedule. Tokens/s is the recipe's own formula
-(``global_batch_size × seq_len / step time``), median over the steps after the first ``WARMUP_STEPS``.
-Both run as fresh subprocesses with the same thread count (the recipe gives its single rank all cores, and
-so does the loop): the recipe with ``train.val_every=0 checkpoint.export=false``, the loop as
-``bench/recipe_overhead.py --hand-loop``, which writes one JSON line per step like ``metrics.jsonl``. They
-alternate ``ROUNDS`` times, so a neighbour's load hits both alike. Start-up is measured the same way for both:
-launch to the first line in the per-step file.
+Three runners train the same tiny Llama (``tiny_config("llama", vocab_size=384)``, seed 0) on the same
+token batches (global batch 16 = 2 micro-batches of 8, seq_len 48, seeded random tokens: no data pipeline,
+so only the step is compared), AdamW (lr 3e-3, betas 0.9/0.95, no weight decay), clipping at 1.0 and the
+recipe's warmup-cosine schedule:
 
-The Hugging Face ``Trainer`` is not compared: it needs ``accelerate``, which the project does not install.
+- ``loop``: forward, summed cross entropy / tokens, backward, ``torch.nn.utils.clip_grad_norm_``, step.
+- ``recipe``: the recipe's step components on a one-rank gloo group and a ("dp", "tp") mesh of 1 × 1
+  (created for the run: with a process group alive, ``Trainer`` would wrap its model in DDP):
+  ``forward_backward`` (``loss_parallel``), ``finalize_dtensor_gradients``,
+  ``synchronize_tp_replica_gradients``, ``clip_grad_norm_`` of ``components.distributed.grads``, step.
+- ``hf_trainer``: ``transformers.Trainer`` (``max_grad_norm=1.0``, ``gradient_accumulation_steps=2``,
+  ``per_device_train_batch_size=8``, the same optimizer and scheduler objects, no logging or saving);
+  its per-step times are the intervals between a ``TrainerCallback``'s ``on_step_end`` calls.
+
+They alternate in one process (``ROUNDS`` rounds, each a fresh model per runner, the order rotated), for
+1 and 2 threads; tokens/s is ``16 × 48 / step time``, median over the steps after ``WARMUP_STEPS``.
 """
 
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
 
-from components.data import StepBatches, generate_examples, split_train_val, train_tokenizer, training_texts
-from components.data.tokenizer import DEFAULT_VOCAB_SIZE
+from components.distributed.grads import clip_grad_norm_, finalize_dtensor_gradients
+from components.distributed.launch import free_port
+from components.distributed.tp_replicas import synchronize_tp_replica_gradients
 from components.models import build_causal_lm, tiny_config
 from components.training.schedule import warmup_cosine
+from components.training.step import forward_backward
 
-REPO = Path(__file__).resolve().parents[1]
-STEPS = 30
-WARMUP_STEPS = 5
-ROUNDS = 3
-RATIO_GOAL = 0.95
-GLOBAL_BATCH, MICRO_BATCH, SEQ_LEN, SEED = 16, 8, 48, 0
+STEPS, WARMUP_STEPS, ROUNDS = 25, 5, 3
+GLOBAL_BATCH, MICRO_BATCH, SEQ_LEN, VOCAB, SEED = 16, 8, 48, 384, 0
+RECIPE_GOAL, RUNNERS = 0.97, ("loop", "recipe", "hf_trainer")
 
 
-def timed_command(command: list[str], metrics: Path) -> tuple[list[float], float, float]:
-    """Run a command that writes one JSON line per step to ``metrics``; return per-step tokens/s, seconds from
-    launch to the first line, and seconds for the whole command."""
-    started = time.perf_counter()
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    first_line = None
-    while process.poll() is None:
-        if first_line is None and metrics.exists() and metrics.stat().st_size > 0:
-            first_line = time.perf_counter() - started
-        time.sleep(0.02)
-    total = time.perf_counter() - started
-    if process.returncode != 0:
-        raise RuntimeError(f"{command[1]} failed ({process.returncode}): {process.stderr.read()[-2000:]}")
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    return [r["tokens_per_s"] for r in records], first_line or total, total
-
-
-def recipe_command(output_dir: Path) -> list[str]:
-    return [
-        sys.executable,
-        str(REPO / "recipes" / "finetune.py"),
-        f"output_dir={output_dir}",
-        f"train.max_steps={STEPS}",
-        "train.val_every=0",
-        "checkpoint.export=false",
-    ]
-
-
-def hand_loop_command(tokenizer_dir: Path, metrics: Path) -> list[str]:
-    return [sys.executable, str(Path(__file__).resolve()), "--hand-loop", str(tokenizer_dir), str(metrics)]
-
-
-def hand_loop_main(tokenizer_dir: Path, metrics: Path) -> None:
-    """The loop's own process: build the data like the recipe does, train, write one JSON line per step."""
-    from transformers import AutoTokenizer
-
-    records = generate_examples(4000, SEED)
-    train, _ = split_train_val(records, 0.02, SEED)
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    batches = StepBatches(
-        train, GLOBAL_BATCH, MICRO_BATCH, tokenizer=tokenizer, seq_len=SEQ_LEN, dp_size=1, dp_rank=0, seed=SEED
-    )
-    with metrics.open("w") as log:
-        for speed in hand_loop(batches):
-            log.write(json.dumps({"tokens_per_s": speed}) + "\n")
-            log.flush()
-
-
-def hand_loop(batches: StepBatches) -> Iterator[float]:
-    """The plain PyTorch loop: forward, summed cross entropy / tokens, backward, clip, AdamW; tokens/s per step.
-
-    Threads: all cores, as the recipe gives its single rank (``cores // local ranks``)."""
-    torch.set_num_threads(os.cpu_count() or 1)
-    model = build_causal_lm(tiny_config("llama", vocab_size=DEFAULT_VOCAB_SIZE), seed=SEED)
+def _setup():
+    model = build_causal_lm(tiny_config("llama", vocab_size=VOCAB), seed=SEED)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0)
-    scheduler = warmup_cosine(optimizer, 5, STEPS, 0.1)
-    for step in range(STEPS):
+    return model, optimizer, warmup_cosine(optimizer, 5, STEPS, 0.1)
+
+
+def _batches() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(SEED)
+    return [torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ_LEN), generator=generator) for _ in range(STEPS)]
+
+
+def _micro(batch: torch.Tensor) -> list[torch.Tensor]:
+    return list(batch.split(MICRO_BATCH))
+
+
+def loop(batches: list[torch.Tensor]) -> list[float]:
+    model, optimizer, scheduler = _setup()
+    times = []
+    for batch in batches:
         started = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        tokens = batches.tokens_in_step(step)
-        loss_sum = 0.0
-        for input_ids, labels in batches.batches_for_step(step):
+        tokens = batch[:, 1:].numel()
+        for input_ids in _micro(batch):
             logits = model(input_ids=input_ids).logits
-            loss = F.cross_entropy(
-                logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100, reduction="sum"
-            )
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), input_ids[:, 1:].flatten(), reduction="sum")
             (loss / tokens).backward()
-            loss_sum += loss.item()
+            loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         scheduler.step()
-        yield GLOBAL_BATCH * SEQ_LEN / (time.perf_counter() - started)
+        times.append(time.perf_counter() - started)
+    return times
 
 
-def _each(values: list[float], digits: int = 1) -> str:
-    return " / ".join(f"{v:.{digits}f}" for v in values)
+def recipe(batches: list[torch.Tensor]) -> list[float]:
+    """The recipe's components on a one-rank gloo group, created for this run only (so that ``Trainer``,
+    run without a process group, does not wrap its model in DistributedDataParallel)."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        return _recipe_steps(batches, init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp")))
+    finally:
+        dist.destroy_process_group()
 
 
-def run() -> list[str]:
-    """Alternate the recipe and the loop; print the table and the goal line; return the goal lines."""
-    records = generate_examples(4000, SEED)
-    train, _ = split_train_val(records, 0.02, SEED)
-    with tempfile.TemporaryDirectory() as tmp:
-        tokenizer_dir = Path(tmp) / "tokenizer"
-        train_tokenizer(training_texts(records), DEFAULT_VOCAB_SIZE, tokenizer_dir)
-        speeds: dict[str, list[float]] = {"loop": [], "recipe": []}
-        startups: dict[str, list[float]] = {"loop": [], "recipe": []}
-        totals: dict[str, list[float]] = {"loop": [], "recipe": []}
-        per_round: dict[str, list[float]] = {"loop": [], "recipe": []}
+def _recipe_steps(batches: list[torch.Tensor], mesh) -> list[float]:
+    model, optimizer, scheduler = _setup()
+    times = []
+    for batch in batches:
+        started = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        tokens = batch[:, 1:].numel()
+        for input_ids in _micro(batch):
+            forward_backward(model, input_ids, input_ids, tokens)
+        finalize_dtensor_gradients([model])
+        synchronize_tp_replica_gradients([model], mesh)
+        clip_grad_norm_([model], 1.0).item()
+        optimizer.step()
+        scheduler.step()
+        times.append(time.perf_counter() - started)
+    return times
+
+
+def hf_trainer(batches: list[torch.Tensor]) -> list[float]:
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    model, optimizer, scheduler = _setup()
+    rows = [{"input_ids": row, "labels": row} for batch in batches for row in batch]
+    times: list[float] = []
+
+    class StepTimer(TrainerCallback):
+        """Step time = from one optimizer step's end to the next's (``on_step_begin`` fires per micro-batch)."""
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.last = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            now = time.perf_counter()
+            times.append(now - self.last)
+            self.last = now
+
+    def collate(items: list[dict]) -> dict:
+        return {key: torch.stack([item[key] for item in items]) for key in ("input_ids", "labels")}
+
+    with tempfile.TemporaryDirectory() as output_dir:
+        arguments = TrainingArguments(
+            output_dir=output_dir,
+            per_device_train_batch_size=MICRO_BATCH,
+            gradient_accumulation_steps=GLOBAL_BATCH // MICRO_BATCH,
+            max_steps=len(batches),
+            max_grad_norm=1.0,
+            logging_strategy="no",
+            save_strategy="no",
+            report_to=[],
+            use_cpu=True,
+            disable_tqdm=True,
+            dataloader_num_workers=0,
+            seed=SEED,
+        )
+        trainer = Trainer(
+            model=model,
+            args=arguments,
+            train_dataset=rows,
+            data_collator=collate,
+            optimizers=(optimizer, scheduler),
+            callbacks=[StepTimer()],
+        )
+        trainer.train()
+    return times
+
+
+def _measure(threads_options: tuple[int, ...]) -> dict:
+    batches = _batches()
+    results: dict = {}
+    for threads in threads_options:
+        torch.set_num_threads(threads)
+        speeds: dict[str, list[float]] = {name: [] for name in RUNNERS}
         for round_index in range(ROUNDS):
-            run_dir = Path(tmp) / f"run{round_index}"
-            run_dir.mkdir()
-            commands = {
-                "loop": (hand_loop_command(tokenizer_dir, run_dir / "loop.jsonl"), run_dir / "loop.jsonl"),
-                "recipe": (recipe_command(run_dir), run_dir / "metrics.jsonl"),
-            }
-            for name in sorted(commands, reverse=bool(round_index % 2)):
-                step_speeds, startup, total = timed_command(*commands[name])
-                speeds[name] += step_speeds[WARMUP_STEPS:]
-                per_round[name].append(statistics.median(step_speeds[WARMUP_STEPS:]))
-                startups[name].append(startup)
-                totals[name].append(total)
-    recipe, loop = statistics.median(speeds["recipe"]), statistics.median(speeds["loop"])
-    ratio = recipe / loop
+            order = RUNNERS[round_index % 3 :] + RUNNERS[: round_index % 3]
+            for name in order:
+                times = globals()[name](batches)
+                speeds[name] += [GLOBAL_BATCH * SEQ_LEN / t for t in times[WARMUP_STEPS:]]
+        results[threads] = {name: statistics.median(values) for name, values in speeds.items()}
+    return results
+
+
+def run(threads_options: tuple[int, ...] = (1, 2)) -> list[str]:
+    """Alternate the three runners at each thread count; print the table and goal lines; return the goals."""
+    load = [os.getloadavg()[0]]
+    results = _measure(threads_options)
+    load.append(os.getloadavg()[0])
     lines = [
-        "### Recipe overhead at tp=1 (tiny Llama, CPU)",
+        "### Step overhead at tp=1 (tiny Llama, CPU)",
         "",
-        f"{ROUNDS} alternated rounds of {STEPS} steps each; median tokens/s over steps {WARMUP_STEPS + 1}..{STEPS}.",
+        f"{ROUNDS} alternated rounds of {STEPS} steps per runner; median tokens/s over steps {WARMUP_STEPS + 1}.."
+        f"{STEPS}. Load average (1 min) {load[0]:.2f} at start, {load[1]:.2f} at end.",
         "",
-        "| runner | median tokens/s | × hand loop | per round tokens/s | start-up to first step line s "
-        "| whole command s |",
-        "|---|---|---|---|---|---|",
-        f"| hand-written loop (`bench/recipe_overhead.py --hand-loop`) | {loop:.0f} | 1.00 | "
-        f"{_each(per_round['loop'], 0)} | {_each(startups['loop'])} | {_each(totals['loop'])} |",
-        f"| `recipes/finetune.py` tp=1 | {recipe:.0f} | {ratio:.2f} | {_each(per_round['recipe'], 0)} | "
-        f"{_each(startups['recipe'])} | {_each(totals['recipe'])} |",
+        "| threads | runner | median tokens/s | × loop |",
+        "|---|---|---|---|",
     ]
-    goals = [f"{'PASS' if ratio >= RATIO_GOAL else 'MISS'} recipe_overhead: {ratio:.2f}× (goal ≥ {RATIO_GOAL}×)"]
+    goals = []
+    for threads, speeds in results.items():
+        for name in RUNNERS:
+            lines.append(f"| {threads} | {name} | {speeds[name]:.0f} | {speeds[name] / speeds['loop']:.2f} |")
+        ratio = speeds["recipe"] / speeds["loop"]
+        goals.append(
+            f"{'PASS' if ratio >= RECIPE_GOAL else 'MISS'} recipe_overhead ({threads} thread(s)): recipe "
+            f"{ratio:.2f}× the loop (goal ≥ {RECIPE_GOAL}×)"
+        )
+        versus = speeds["recipe"] / speeds["hf_trainer"]
+        goals.append(
+            f"{'PASS' if versus >= 1 else 'MISS'} recipe_overhead ({threads} thread(s)): recipe {versus:.2f}× "
+            "HF Trainer (goal ≥ 1×)"
+        )
     print("\n".join(lines + [""] + goals), flush=True)
     return goals
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--hand-loop"]:
-        hand_loop_main(Path(sys.argv[2]), Path(sys.argv[3]))
-    else:
-        run()
+    run(tuple(int(a) for a in sys.argv[1:]) or (1, 2))
