@@ -201,7 +201,7 @@ class RankWatch:
 
     def poll(self) -> None:
         """Look once at every rank that has started and not been seen to end; note ranks stopped by a signal,
-        and once any rank has failed, kill the stopped ones (they would hold the launch up forever)."""
+        and once any other rank has ended, kill the stopped ones (they would hold the launch up forever)."""
         if len(self._pids) < self._nproc:
             for path in self.folder.glob("*.pid"):
                 self._pids[int(path.name.split(".")[0])] = int(path.read_text())
@@ -222,7 +222,7 @@ class RankWatch:
                 self._stopped.pop(rank, None)
             else:
                 self._seen[rank] = _exit_of(rank, pid, info)
-        if self._stopped and any(exit_ is not None for exit_ in self._seen.values()):
+        if self._stopped and self._seen:  # a peer has ended (failed, or already reaped by torch elastic)
             for rank in set(self._stopped) - set(self._seen):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(self._pids[rank], signal.SIGKILL)
