@@ -209,12 +209,15 @@ def _write_record(output_dir: Path, record: RunRecord) -> RunRecord:
     return record
 
 
-def claim_output_dir(output_dir: Path, config_hash: str, *, continuing: bool, overwrite: bool) -> RunRecord:
+def claim_output_dir(
+    output_dir: Path, config_hash: str, *, continuing: bool, overwrite: bool, resume_requested: bool
+) -> RunRecord:
     """Make ``output_dir`` this run's and return its record; call it holding the lock, before any rank starts.
 
     ``continuing``: this run resumes from a checkpoint (the folder's run goes on: its run id is kept, so
     ``keep`` pruning continues over its checkpoints). Otherwise a folder holding another run's files is
-    refused unless ``overwrite``, which removes exactly those files first. Either way a new ``run.json``
+    refused unless ``overwrite``, which removes exactly those files first; ``resume_requested`` (resume was
+    asked for but found no checkpoint) only changes the refusal's wording. Either way a new ``run.json``
     records the run id and ``config_hash``.
 
     Raises:
@@ -235,10 +238,11 @@ def claim_output_dir(output_dir: Path, config_hash: str, *, continuing: bool, ov
         return _write_record(output_dir, RunRecord(run_id, config_hash, started))
     if present := run_files(output_dir):
         if not overwrite:
-            raise OutputDirError(
-                f"output_dir {output_dir} holds another run's files ({', '.join(present)}); "
-                "to continue that run set checkpoint.resume=auto, to keep it choose another output_dir=..., "
-                "to replace it set overwrite_output_dir=true"
-            )
+            choices = "to keep it choose another output_dir=..., to replace it set overwrite_output_dir=true"
+            if resume_requested:
+                choices = f" and no complete checkpoint to resume from; {choices}"
+            else:
+                choices = f"; to continue that run set checkpoint.resume=auto, {choices}"
+            raise OutputDirError(f"output_dir {output_dir} holds another run's files ({', '.join(present)}){choices}")
         remove_run_files(output_dir)
     return _write_record(output_dir, RunRecord(uuid.uuid4().hex, config_hash, started))
