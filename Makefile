@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: install
-	$(PY) recipes/finetune.py
+	$(PY) recipes/finetune.py overwrite_output_dir=true  # twice in a row: the second run replaces the first
 
 test: install
 	$(PY) -m pytest -q

@@ -45,8 +45,9 @@ from components.distributed.tp_plan import check_plan, plan_for
 from components.models import load_config, meta_causal_lm
 from components.models.configs import build_config, config_errors
 from components.moe import check_expert_parallel
-from components.training.checkpoint import MARKER, latest_checkpoint
 from components.training.faults import parse_fault
+from components.training.output_dir import OutputDirLock
+from recipes.outputs import OwnershipError, choose_checkpoint, explicit_checkpoint_errors, own_output_dir, run_info
 from recipes.plan import RunPlan
 from recipes.schema import Config, describe, show
 
@@ -157,28 +158,6 @@ def check_sizes(settings: Config, device_type: str) -> tuple[ParallelDims | None
             f"an equal slice of the sequence): use e.g. train.seq_len={fits}"
         )
     return dims, errors
-
-
-def choose_resume(resume: str | None, checkpoints: Path) -> tuple[Path | None, list[str]]:
-    """The checkpoint to resume from: ``auto`` (the latest complete one, or none), null, or a complete one."""
-    if resume is None:
-        return None, []
-    if resume == "auto":
-        return latest_checkpoint(checkpoints), []
-    path = Path(resume).expanduser().absolute()
-    if (path / MARKER).is_file():
-        return path, []
-    if not path.is_dir():
-        why = "is a file, not a checkpoint folder" if path.exists() else "does not exist"
-    elif (latest := latest_checkpoint(path)) is not None:
-        return None, [
-            f"checkpoint.resume={show(resume)} holds checkpoints but is not one: use checkpoint.resume={latest}"
-        ]
-    elif path.name.endswith(".tmp"):
-        why = "is an unfinished save (no COMPLETE marker)"
-    else:
-        why = f"is not a complete checkpoint (no {MARKER} marker)"
-    return None, [f"checkpoint.resume={show(resume)} {why}: use auto, null or a step_NNNNNNNN checkpoint folder"]
 
 
 def check_output_dir(path: Path) -> list[str]:
@@ -314,8 +293,9 @@ def cpu_threads(setting: int | None, dims: ParallelDims) -> int:
     return max(1, (os.cpu_count() or 1) // local_ranks)
 
 
-def plan_run(cfg: DictConfig, output_dir: str | None = None) -> RunPlan:
-    """Check everything and decide everything a rank needs; raise ConfigError naming every problem."""
+def plan_run(cfg: DictConfig, output_dir: str | None = None) -> tuple[RunPlan, OutputDirLock | None]:
+    """Check everything and decide everything a rank needs; raise ConfigError naming every problem. Also
+    returns the lock on ``output_dir`` (held by this process, None on torchrun ranks other than 0)."""
     settings = validate(cfg)
     errors = check_optimizer(settings.optim.target, settings.optim.options())
     try:
@@ -325,7 +305,7 @@ def plan_run(cfg: DictConfig, output_dir: str | None = None) -> RunPlan:
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     dims, size_errors = check_sizes(settings, device_type)
     output = Path(output_dir or settings.output_dir).expanduser().absolute()
-    resume_from, resume_errors = choose_resume(settings.checkpoint.resume, output / "checkpoints")
+    resume_errors = explicit_checkpoint_errors(settings.checkpoint.resume)
     model_path, config, model_errors = resolve_model(settings, dims)
     source, data_errors = data_source(settings)
     errors += size_errors + resume_errors + check_output_dir(output) + model_errors + data_errors
@@ -336,9 +316,17 @@ def plan_run(cfg: DictConfig, output_dir: str | None = None) -> RunPlan:
     tokenizer_dir = model_path or prepare_tokenizer(source, cache)
     if model_path is None:
         config.vocab_size = len(AutoTokenizer.from_pretrained(tokenizer_dir))
+    info = run_info(settings, config)
+    try:
+        if os.environ.get("RANK", "0") == "0":  # under torchrun rank 0 owns the folder; the others only read
+            lock, resume_from, record = own_output_dir(settings, output, info)
+        else:
+            lock, resume_from, record = None, choose_checkpoint(settings, output / "checkpoints", info), None
+    except OwnershipError as error:
+        raise ConfigError(str(error)) from None
     data = prepare_run_data(settings, source, tokenizer_dir, dims)
     body = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
-    return RunPlan(
+    plan = RunPlan(
         settings=settings,
         dims=dims,
         device_type=device_type,
@@ -349,6 +337,9 @@ def plan_run(cfg: DictConfig, output_dir: str | None = None) -> RunPlan:
         tokenizer_dir=Path(tokenizer_dir),
         data=data,
         resume_from=resume_from,
+        run_id=record.run_id if record is not None else None,
+        run_info=info,
         fault=fault,
         config_yaml=OmegaConf.to_yaml(body, resolve=True),
     )
+    return plan, lock

@@ -15,7 +15,8 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from datetime import timedelta
 from pathlib import Path
 
 import hydra
@@ -28,21 +29,20 @@ from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoTokenizer
 
 from components.data import StepBatches
-from components.distributed.fsdp import set_gradient_sync, shard_data_parallel
+from components.distributed.fsdp import set_gradient_sync
 from components.distributed.grads import clip_grad_norm_, finalize_dtensor_gradients, grad_norm
 from components.distributed.launch import init_process_group, launch_local, started_by_launcher
-from components.distributed.mesh import build_device_mesh, build_moe_mesh
+from components.distributed.mesh import build_device_mesh
 from components.distributed.replica_drift import replica_drift
-from components.distributed.tp_plan import apply_tp_plan, plan_for
 from components.distributed.tp_replicas import broadcast_tp_replicas, synchronize_tp_replica_gradients
-from components.models import build_causal_lm, materialize_from_pretrained, meta_causal_lm
-from components.moe import apply_expert_parallel
+from components.models.parallelize import ModelSpec, build_parallel_model
 from components.training.checkpoint import load_checkpoint, save_checkpoint
 from components.training.export import export_hf
 from components.training.faults import install_faults
 from components.training.metrics import MetricsLog, plot_loss_curve
 from components.training.schedule import warmup_cosine
-from components.training.step import evaluate_loss_sum, forward_backward
+from components.training.step import forward_backward
+from components.training.validation import validation_loss
 from recipes.checks import ConfigError, compose, fail, plan_run
 from recipes.plan import RunPlan
 
@@ -66,7 +66,8 @@ class Run:
 def start(plan: RunPlan) -> tuple[int, torch.device, DeviceMesh]:
     """Join the process group, pick this rank's device and threads, and build the ("dp", "tp") mesh."""
     # On CUDA, gloo serves the few CPU tensors (metrics sums) and NCCL everything on the GPU.
-    init_process_group("cpu:gloo,cuda:nccl" if plan.device_type == "cuda" else "gloo")
+    timeout = timedelta(minutes=plan.settings.collective_timeout_minutes)
+    init_process_group("cpu:gloo,cuda:nccl" if plan.device_type == "cuda" else "gloo", timeout)
     if plan.device_type == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         device = torch.device("cuda", torch.cuda.current_device())
@@ -75,27 +76,6 @@ def start(plan: RunPlan) -> tuple[int, torch.device, DeviceMesh]:
         device = torch.device("cpu")
     torch.manual_seed(plan.settings.seed)
     return dist.get_rank(), device, build_device_mesh(plan.dims, plan.device_type)
-
-
-def build_model(plan: RunPlan, device: torch.device, mesh: DeviceMesh) -> torch.nn.Module:
-    """Build (seeded) or load (slice by slice) the model, then shard it: TP plan, experts, FSDP over dp."""
-    settings, config = plan.settings, plan.model_config
-    if plan.model_path is None:
-        model = build_causal_lm(config, seed=settings.seed).to(device)
-    else:
-        model = meta_causal_lm(config)  # nothing allocated until each rank loads its own shards
-    if plan.dims.tp > 1:
-        moe_modules = (*settings.model.experts, *settings.model.routers)
-        report = apply_tp_plan(model, mesh["tp"], plan_for(config, settings.sp), config, settings.sp, moe_modules)
-        if dist.get_rank() == 0:
-            print(report.format())
-    if plan.dims.ep > 1:
-        apply_expert_parallel(model, build_moe_mesh(plan.dims, plan.device_type), list(settings.model.experts))
-    if plan.model_path is not None:
-        materialize_from_pretrained(model, plan.model_path, device=str(device))
-    if plan.dims.dp > 1:
-        shard_data_parallel(model, mesh["dp"])
-    return model
 
 
 def set_up(plan: RunPlan) -> Run:
@@ -109,7 +89,18 @@ def set_up(plan: RunPlan) -> Run:
         val_batch = train.micro_batch_size * plan.dims.dp
         val_data = StepBatches.open(plan.data.val, val_batch, train.micro_batch_size, **shards)
 
-    model = build_model(plan, device, mesh)
+    model_settings = settings.model
+    spec = ModelSpec(
+        plan.model_config,
+        plan.model_path,
+        settings.seed,
+        settings.sp,
+        tuple(model_settings.experts),
+        tuple(model_settings.routers),
+    )
+    model, report = build_parallel_model(spec, plan.dims, mesh, device)
+    if report is not None and rank == 0:
+        print(report.format())
     broadcast_tp_replicas([model], mesh)
     optimizer = get_class(settings.optim.target)(model.parameters(), **settings.optim.options())
     scheduler = warmup_cosine(optimizer, train.warmup_steps, train.max_steps, train.min_lr_ratio)
@@ -167,18 +158,6 @@ def train_step(run: Run, plan: RunPlan, step: int) -> dict:
     }
 
 
-def validation_loss(run: Run) -> float:
-    totals = torch.zeros(2, dtype=torch.float64)
-    run.model.eval()
-    for batch in run.val_data.all_batches():
-        batch = batch.to(run.device)
-        totals[0] += evaluate_loss_sum(run.model, batch.input_ids, batch.labels, batch.position_ids)
-        totals[1] += batch.labelled_tokens()
-    run.model.train()
-    dist.all_reduce(totals, group=run.mesh["dp"].get_group())
-    return (totals[0] / totals[1]).item()
-
-
 def check_replicas(run: Run, step: int, every: int) -> None:
     """Every ``every`` steps, stop (on every rank) if any TP-replicated parameter differs across ranks."""
     if every and step % every == 0:
@@ -199,14 +178,14 @@ def train(run: Run, plan: RunPlan) -> None:
             and train_cfg.val_every
             and (done % train_cfg.val_every == 0 or done == train_cfg.max_steps)
         ):
-            record["val_loss"] = validation_loss(run)
+            record["val_loss"] = validation_loss(run.model, run.val_data, run.device, run.mesh["dp"].get_group())
         log.log(record)
         check_replicas(run, done, settings.debug.check_replicas_every)
         every = settings.checkpoint.every_steps
         if every and done % every == 0:
-            save_checkpoint(
-                plan.checkpoints, done, run.model, run.optimizer, run.scheduler, keep=settings.checkpoint.keep
-            )
+            state = (run.model, run.optimizer, run.scheduler)
+            ids = dict(keep=settings.checkpoint.keep, run_id=plan.run_id, run_info=plan.run_info)
+            save_checkpoint(plan.checkpoints, done, *state, **ids, before_commit=run.before_commit)
     log.close()
 
 
@@ -233,6 +212,10 @@ def finish(run: Run, plan: RunPlan) -> None:
 def rank_main(plan: RunPlan) -> None:
     """What every rank runs: set up, train, finish."""
     run = set_up(plan)
+    if started_by_launcher():  # torchrun: rank 0 claimed the folder; every rank takes its run id
+        ids = [plan.run_id]
+        dist.broadcast_object_list(ids, src=0)
+        plan = replace(plan, run_id=ids[0])
     train(run, plan)
     finish(run, plan)
 
@@ -240,16 +223,19 @@ def rank_main(plan: RunPlan) -> None:
 def launch(cfg: DictConfig, output_dir: str) -> None:
     """Check and plan once, then run the ranks: here (torchrun started us) or as local processes."""
     try:
-        plan = plan_run(cfg, output_dir)
+        plan, lock = plan_run(cfg, output_dir)  # this run owns output_dir until the lock is released
     except ConfigError as error:
         fail(str(error))
-    plan.output_dir.mkdir(parents=True, exist_ok=True)
-    if os.environ.get("RANK", "0") == "0":
+    if lock is not None:  # rank 0 of torchrun, or the local launcher
         (plan.output_dir / "config.yaml").write_text(plan.config_yaml)
-    if started_by_launcher():
-        rank_main(plan)
-    else:
-        launch_local(rank_main, plan.dims.world_size, plan)
+    try:
+        if started_by_launcher():
+            rank_main(plan)
+        else:
+            launch_local(rank_main, plan.dims.world_size, plan)
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")

@@ -28,6 +28,8 @@ class RunPlan:
     tokenizer_dir: Path
     data: PreparedData  # the tokenized splits, prepared once, memory-mapped by the ranks
     resume_from: Path | None  # the checkpoint chosen before any rank started, or None for a fresh run
+    run_id: str | None  # this run's id (checkpoints record it; pruning touches only its own); None: ask rank 0
+    run_info: dict  # what checkpoints record and a resume must match (model shapes, optimizer, batch geometry)
     fault: Fault | None  # debug.fault, parsed (tests only)
     config_yaml: str  # the resolved config the run was started with, saved as output_dir/config.yaml
 

@@ -93,6 +93,13 @@ class Optim(Targeted):
         return {"lr": self.lr, **super().options()}
 
 
+class Data(Targeted):
+    """Keys every data source has; the rest (path, split, columns, ...) are the source class's fields."""
+
+    num_examples: PositiveInt | None = key("null (all) or a positive integer, e.g. data.num_examples=400")
+    val_fraction: Annotated[float, Field(ge=0, lt=1)] = key("a number in [0, 1), e.g. 0.05")
+
+
 class Config(Section):
     seed: Annotated[int, Field(ge=0, lt=2**63)] = key("an integer in [0, 2**63), e.g. seed=0")
     tp: PositiveInt = key("a positive integer, e.g. tp=2")
@@ -112,7 +119,7 @@ class Config(Section):
     debug: Debug
     model: Model
     optim: Optim
-    data: Targeted
+    data: Data
 
 
 def show(value: Any) -> str:

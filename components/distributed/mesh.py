@@ -8,7 +8,6 @@ ranks and ``ep_shard`` runs across the groups that hold the same experts.
 
 from dataclasses import dataclass
 
-import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 
@@ -56,7 +55,8 @@ def build_device_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
     return init_device_mesh(device_type, (dims.dp, dims.tp), mesh_dim_names=("dp", "tp"))
 
 
-def build_moe_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
-    """The ``("ep_shard", "ep")`` view of the same ranks: ``ep`` adjacent ranks split the experts."""
-    ranks = torch.arange(dims.world_size).reshape(dims.ep_shard, dims.ep)
-    return DeviceMesh(device_type, ranks, mesh_dim_names=("ep_shard", "ep"))
+def build_moe_mesh(device_mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
+    """The ``("ep_shard", "ep")`` view of the same ranks, derived from ``device_mesh``'s root so the meshes share
+    one world: ``ep`` adjacent ranks split the experts. Build it only when ``ep > 1``."""
+    world = device_mesh._flatten("world")
+    return world._unflatten(0, (dims.ep_shard, dims.ep), ("ep_shard", "ep"))

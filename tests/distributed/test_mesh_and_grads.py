@@ -15,7 +15,8 @@ from tests.harness import mesh
 
 def check_mesh_layout(rank, world_size, tp, ep):
     dims = resolve_parallel_dims(world_size, tp=tp, ep=ep)
-    device_mesh, moe = build_device_mesh(dims, "cpu"), build_moe_mesh(dims, "cpu")
+    device_mesh = build_device_mesh(dims, "cpu")
+    moe = build_moe_mesh(device_mesh, dims)
     return (
         device_mesh.mesh.tolist(),
         device_mesh["dp"].mesh.tolist(),

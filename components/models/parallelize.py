@@ -1,0 +1,57 @@
+"""Build the model a rank trains, in the one fixed order every parallelism needs.
+
+    weights (seeded, or on the meta device) -> TP plan -> expert parallelism -> load this rank's slices
+    -> FSDP over dp
+
+Each step is its own component (``tp_plan``, ``moe``, ``load``, ``fsdp``); this module only fixes their order,
+so the recipe makes one call.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from transformers import PretrainedConfig
+
+from components.distributed.fsdp import shard_data_parallel
+from components.distributed.mesh import ParallelDims, build_moe_mesh
+from components.distributed.tp_plan import PlanReport, apply_tp_plan, plan_for
+from components.models.build import build_causal_lm, meta_causal_lm
+from components.models.load import materialize_from_pretrained
+from components.moe import apply_expert_parallel
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What to build: the config, where its weights come from, and how it is split."""
+
+    config: PretrainedConfig
+    weights: Path | None  # a Hugging Face folder, or None for seeded random weights
+    seed: int
+    sequence_parallel: bool
+    experts: tuple[str, ...]  # module patterns of MoE experts and routers (left out of the TP plan)
+    routers: tuple[str, ...]
+
+
+def build_parallel_model(
+    spec: ModelSpec, dims: ParallelDims, mesh: DeviceMesh, device: torch.device
+) -> tuple[nn.Module, PlanReport | None]:
+    """The model of this rank, sharded over ``mesh`` ("dp", "tp"), and the TP plan's report (None at tp=1)."""
+    if spec.weights is None:
+        model = build_causal_lm(spec.config, seed=spec.seed).to(device)
+    else:
+        model = meta_causal_lm(spec.config)  # nothing allocated until each rank loads its own shards
+    report = None
+    if dims.tp > 1:
+        plan = plan_for(spec.config, spec.sequence_parallel)
+        moe_modules = (*spec.experts, *spec.routers)
+        report = apply_tp_plan(model, mesh["tp"], plan, spec.config, spec.sequence_parallel, moe_modules)
+    if dims.ep > 1:  # the MoE mesh and its process groups exist only when experts are split
+        apply_expert_parallel(model, build_moe_mesh(mesh, dims), list(spec.experts))
+    if spec.weights is not None:
+        materialize_from_pretrained(model, spec.weights, device=str(device))
+    if dims.dp > 1:
+        shard_data_parallel(model, mesh["dp"])
+    return model, report

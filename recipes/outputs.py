@@ -1,0 +1,108 @@
+"""Whose folder, and which checkpoint: decided once in the launching process, under the folder's lock.
+
+- The lock (``output_dir/.lock``) is taken before anything is written there and held until the launcher exits.
+- The checkpoint to resume from: ``auto`` takes the newest usable one, passing over damaged ones out loud; an
+  explicit path must be a complete, undamaged checkpoint. Either must match this run (model shapes, optimizer,
+  batch geometry) and leave steps to train.
+- The folder's files then belong to this run: a fresh run never adopts, prunes or overwrites another run's
+  files (``overwrite_output_dir=true`` replaces them, and only them).
+"""
+
+from pathlib import Path
+from typing import Any
+
+from components.models import meta_causal_lm
+from components.training.checkpoint_check import (
+    MARKER,
+    CheckpointError,
+    check_checkpoint,
+    find_resumable,
+    model_fingerprint,
+    resume_problems,
+    state_dict_shapes,
+)
+from components.training.output_dir import (
+    OutputDirError,
+    OutputDirLock,
+    RunRecord,
+    claim_output_dir,
+    config_hash,
+    lock_output_dir,
+)
+from recipes.schema import Config, show
+
+
+class OwnershipError(ValueError):
+    """The folder or the checkpoint cannot be used; the message is one line saying why and what to do."""
+
+
+def explicit_checkpoint_errors(resume: str | None) -> list[str]:
+    """An explicit ``checkpoint.resume`` path that is not even a checkpoint folder (checked with the config)."""
+    if resume in (None, "auto"):
+        return []
+    path = Path(resume).expanduser().absolute()
+    if (path / MARKER).is_file() or path.is_dir() and path.name.startswith("step_") and path.suffix != ".tmp":
+        return []  # a checkpoint folder: whether it is usable is checked under the lock
+    if not path.is_dir():
+        why = "is a file, not a checkpoint folder" if path.exists() else "does not exist"
+    elif (latest := find_resumable(path).path) is not None:
+        return [f"checkpoint.resume={show(resume)} holds checkpoints but is not one: use checkpoint.resume={latest}"]
+    elif path.name.endswith(".tmp"):
+        why = "is an unfinished save (no COMPLETE marker)"
+    else:
+        why = f"is not a complete checkpoint (no {MARKER} marker)"
+    return [f"checkpoint.resume={show(resume)} {why}: use auto, null or a step_NNNNNNNN checkpoint folder"]
+
+
+def run_info(settings: Config, model_config) -> dict[str, Any]:
+    """What a checkpoint of this run records, and what a resume must match (tp, dp and ep may change)."""
+    shapes = state_dict_shapes(meta_causal_lm(model_config))
+    return {
+        "model": model_fingerprint(shapes),
+        "optimizer": settings.optim.target,
+        "global_batch_size": settings.train.global_batch_size,
+        "seq_len": settings.train.seq_len,
+        "packing": settings.train.packing,
+    }
+
+
+def choose_checkpoint(settings: Config, checkpoints: Path, info: dict[str, Any]) -> Path | None:
+    """The checkpoint to resume from, or None; raise OwnershipError when the asked-for one cannot be used."""
+    resume = settings.checkpoint.resume
+    if resume is None:
+        return None
+    try:
+        if resume == "auto":
+            choice = find_resumable(checkpoints)
+            for folder, cause in choice.skipped:
+                print(f"warning: skipping checkpoint {folder}: {cause}")
+            if choice.path is None:
+                return None
+            summary = check_checkpoint(choice.path)
+        else:
+            summary = check_checkpoint(Path(resume).expanduser().absolute())
+    except CheckpointError as error:
+        raise OwnershipError(f"checkpoint.resume={show(resume)}: {error}") from None
+    problems = resume_problems(summary, info, settings.train.max_steps)
+    if problems:
+        raise OwnershipError(f"cannot resume from {summary.path}: {'; '.join(problems)}")
+    return summary.path
+
+
+def own_output_dir(
+    settings: Config, output_dir: Path, info: dict[str, Any]
+) -> tuple[OutputDirLock, Path | None, RunRecord]:
+    """Lock ``output_dir``, choose the checkpoint to resume from and claim the folder for this run."""
+    try:
+        lock = lock_output_dir(output_dir)
+        resume_from = choose_checkpoint(settings, output_dir / "checkpoints", info)
+        record = claim_output_dir(
+            output_dir,
+            config_hash(settings.model_dump(by_alias=True)),
+            continuing=resume_from is not None,
+            overwrite=settings.overwrite_output_dir,
+            resume_requested=settings.checkpoint.resume is not None,
+        )
+    except OutputDirError as error:
+        raise OwnershipError(str(error)) from None
+    return lock, resume_from, record

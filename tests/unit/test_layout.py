@@ -1,0 +1,49 @@
+"""The code stays readable: short functions, a short recipe, public seams between modules."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SOURCES = sorted([*REPO.glob("recipes/*.py"), *REPO.glob("components/**/*.py")])
+MAX_FUNCTION_LINES = 60
+
+
+def _functions(tree: ast.AST):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            yield node
+
+
+def _body_lines(function: ast.FunctionDef) -> int:
+    """Lines from the first statement after the docstring to the end of the function."""
+    body = function.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant):
+        body = body[1:] or body
+    return function.end_lineno - body[0].lineno + 1
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda path: str(path.relative_to(REPO)))
+def test_no_function_is_longer_than_60_lines(path):
+    tree = ast.parse(path.read_text())
+    long = [f"{f.name} ({_body_lines(f)} lines)" for f in _functions(tree) if _body_lines(f) > MAX_FUNCTION_LINES]
+    assert not long, f"{path.name}: {', '.join(long)}"
+
+
+def test_the_recipe_and_its_checks_stay_short():
+    assert len((REPO / "recipes/finetune.py").read_text().splitlines()) <= 230
+    assert len((REPO / "recipes/checks.py").read_text().splitlines()) <= 310
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda path: str(path.relative_to(REPO)))
+def test_no_module_imports_another_modules_private_names(path):
+    tree = ast.parse(path.read_text())
+    private = [
+        f"{node.module}.{alias.name}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(("components", "recipes"))
+        for alias in node.names
+        if alias.name.startswith("_")
+    ]
+    assert not private, f"{path.name} imports private names: {', '.join(private)}"
