@@ -5,10 +5,24 @@ training state by ``tp`` except for the small replicated parameters (norms). Thi
 rank holds from the local shard shapes after ``apply_tp_plan`` on the meta device (nothing is allocated, so
 an 8B model costs nothing), for the tiny Llama and a Llama-3-8B-shaped config.
 
-Counted per rank, fp32 throughout (the project trains in fp32): parameters (local shards; a replicated
-parameter in full), gradients (same shapes), AdamW ``exp_avg`` and ``exp_avg_sq`` (same shapes; the step
-counters are ignored). Activations, communication buffers and the allocator's slack are not counted.
+Counted per rank, fp32 (``bf16`` halves every term): parameters (local shards; a replicated parameter in
+full), gradients (same shapes), AdamW ``exp_avg`` and ``exp_avg_sq`` (same shapes; the step counters are
+ignored). Activations, communication buffers and the allocator's slack are not counted.
+
+The second part (``--measured``, minutes per configuration on 2 cores) runs one real AdamW step of a ~0.47B
+Llama shape (``real_size.llama_half_b``: hidden 1024, 24 layers, MLP 4096, vocab 32000) at seq_len 1024 on
+fresh ranks for tp 1/2/4 x fp32/bf16-mixed/bf16 x activation checkpointing none/full, and puts the measured
+peak RSS per rank beside the expectation: state (analytic, from the local shard bytes) + activations saved
+for backward (counted by a saved-tensor hook) + under full checkpointing the block inputs (L x s x h).
+Each result is also appended as a JSON line to ``--out`` so a long run can be read while it goes.
 """
+
+import argparse
+import json
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -19,6 +33,9 @@ from transformers import LlamaConfig
 from components.distributed.launch import init_process_group, launch_local
 from components.distributed.tp_plan import apply_tp_plan, plan_for
 from components.models import local_parameter_bytes, meta_causal_lm, tiny_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import real_size  # noqa: E402
 
 GIB = 1024**3
 MIB = 1024**2
@@ -71,7 +88,7 @@ def _local_state(tp: int) -> dict[str, tuple[int, int, int]]:
 
 
 def _rank(tp: int) -> dict[str, tuple[int, int, int]]:
-    init_process_group("gloo")
+    init_process_group("gloo", timedelta(minutes=10))
     try:
         return _local_state(tp)
     finally:
@@ -108,5 +125,116 @@ def run() -> list[str]:
     return []
 
 
+# (tp, precision, checkpointing) in the order they are measured: the goal pairs first.
+MEASURED = [
+    (1, "fp32", "none"),
+    (1, "fp32", "full"),
+    (4, "fp32", "none"),
+    (4, "fp32", "full"),
+    (1, "bf16-mixed", "none"),
+    (1, "bf16-mixed", "full"),
+    (1, "bf16", "none"),
+    (1, "bf16", "full"),
+    (2, "fp32", "none"),
+    (2, "fp32", "full"),
+    (2, "bf16-mixed", "none"),
+    (2, "bf16-mixed", "full"),
+    (2, "bf16", "none"),
+    (2, "bf16", "full"),
+    (4, "bf16-mixed", "none"),
+    (4, "bf16-mixed", "full"),
+    (4, "bf16", "none"),
+    (4, "bf16", "full"),
+]
+SEQ_LEN = 1024
+
+
+def expected_gib(result: dict, tp: int, precision: str, checkpointing: str) -> tuple[float, float]:
+    """(state, total) expected on one rank, GiB, above the process's memory before the model was built.
+
+    State: parameters + gradients + two AdamW moments, each the local parameter bytes; bf16-mixed adds
+    autocast's bf16 copy of every weight (half the fp32 bytes), held from forward to the end of backward.
+    Total: state + the activations saved for backward (counted) + the block inputs a full checkpoint keeps
+    (layers x seq_len x hidden in the residual stream's dtype).
+    """
+    params = result["param_bytes"]
+    state = 4 * params + (params / 2 if precision == "bf16-mixed" else 0)
+    config = real_size.llama_half_b()
+    residual_bytes = 2 if precision == "bf16" else 4
+    block_inputs = config.num_hidden_layers * SEQ_LEN * config.hidden_size * residual_bytes
+    total = state + result["saved_gib"] * GIB + (block_inputs if checkpointing == "full" else 0)
+    return state / GIB, total / GIB
+
+
+def _row(tp: int, precision: str, checkpointing: str, ranks: dict) -> str:
+    result = max(ranks.values(), key=lambda r: r["peak_gib"][-1])  # the rank with the highest peak
+    state, total = expected_gib(result, tp, precision, checkpointing)
+    peak = result["peak_gib"][-1] - result["before_build_gib"]
+    grads = result["param_bytes"] / GIB
+    activations = result["peak_gib"][-1] - result["before_step_gib"] - grads
+    return (
+        f"| {tp} | {precision} | {checkpointing} | {state:.2f} | {result['saved_gib']:.2f} | {total:.2f} "
+        f"| {peak:.2f} | {activations:.2f} | {result['peak_gib'][-1]:.2f} | {result['step_s'][-1]:.0f} |"
+    )
+
+
+def run_measured(configs: list[tuple[int, str, str]], out: Path | None) -> list[str]:
+    """Measure each (tp, precision, checkpointing); print the table row by row; return the goal lines."""
+    print(
+        "### Peak memory per rank, one AdamW step of a 0.44B Llama shape (seq_len 1024, batch 1), GiB\n\n"
+        "| tp | precision | checkpointing | state expected | activations saved (counted) | expected Δ "
+        "| peak Δ measured | activations measured | peak RSS | step s |\n|---|---|---|---|---|---|---|---|---|---|",
+        flush=True,
+    )
+    rows = {}
+    for tp, precision, checkpointing in configs:
+        ranks = real_size.measure(tp, precision, checkpointing, False, SEQ_LEN, 1)
+        rows[(tp, precision, checkpointing)] = ranks[0]
+        print(_row(tp, precision, checkpointing, ranks), flush=True)
+        if out is not None:
+            with out.open("a") as file:
+                file.write(json.dumps({"tp": tp, "precision": precision, "checkpointing": checkpointing, **ranks[0]}))
+                file.write("\n")
+    return _measured_goals(rows)
+
+
+def _measured_goals(rows: dict) -> list[str]:
+    goals = []
+    none, full = rows.get((1, "fp32", "none")), rows.get((1, "fp32", "full"))
+    if none and full:
+        grads = none["param_bytes"] / GIB
+        measured = [(r["peak_gib"][-1] - r["before_step_gib"] - grads) for r in (none, full)]
+        ratio = measured[0] / measured[1]
+        goals.append(
+            f"{'PASS' if ratio >= 3 else 'MISS'} full checkpointing cuts activation memory {ratio:.1f}x "
+            f"(goal >= 3x; saved-for-backward counted: {none['saved_gib'] / full['saved_gib']:.1f}x)"
+        )
+    one, four = rows.get((1, "fp32", "none")), rows.get((4, "fp32", "none"))
+    if one and four:
+        ratio = four["param_bytes"] / one["param_bytes"]
+        goals.append(
+            f"{'PASS' if ratio <= 0.3 else 'MISS'} tp=4 holds {ratio:.3f}x the per-rank parameter + "
+            "gradient + AdamW bytes of tp=1 (goal <= 0.3x)"
+        )
+    return goals
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--measured", action="store_true", help="also run the measured real-size table")
+    parser.add_argument("--only", default="", help="comma list of tp:precision:checkpointing to measure")
+    parser.add_argument("--out", type=Path, default=None, help="append each measured result as a JSON line")
+    arguments = parser.parse_args()
+    goals = run()
+    if arguments.measured or arguments.only:
+        configs = MEASURED
+        if arguments.only:
+            configs = [(int(t), p, c) for t, p, c in (item.split(":") for item in arguments.only.split(","))]
+        started = time.perf_counter()
+        goals += run_measured(configs, arguments.out)
+        print(f"\nmeasured in {time.perf_counter() - started:.0f} s")
+    print("\n".join(goals))
+
+
 if __name__ == "__main__":
-    run()
+    main()

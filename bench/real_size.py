@@ -1,0 +1,129 @@
+"""One training step of a real-size Llama shape on fresh ranks, measured: shared by memory.py and throughput.py.
+
+Each measured configuration runs in fresh processes (``launch_local``, one per TP rank), so a peak RSS is
+that configuration's and nothing is left from the previous one. A rank builds the model on the meta device,
+shards it (TP plan), wraps the blocks (bf16 input casts, activation checkpointing, compile), gives each
+rank random weights for its own shard only, then runs ``steps`` AdamW steps of one micro-batch: forward
+(under the precision's autocast) and backward with the recipe's ``forward_backward``, gradient finalisation,
+replica sync, ``optimizer.step()``. Nothing but the step is timed.
+"""
+
+import os
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from transformers import LlamaConfig
+
+from components.distributed.grads import finalize_dtensor_gradients
+from components.distributed.launch import init_process_group, launch_local
+from components.distributed.tp_plan import apply_tp_plan, plan_for
+from components.distributed.tp_replicas import broadcast_tp_replicas, synchronize_tp_replica_gradients
+from components.models.build import local_parameter_bytes, materialize_random, meta_causal_lm
+from components.models.compile import apply_block_wrappers
+from components.models.precision import precision_policy
+from components.training.memory import current_memory_gib, peak_memory_gib, reset_peak_memory
+from components.training.step import forward_backward
+
+GIB = 1024**3
+
+
+def llama_half_b(num_hidden_layers: int = 24) -> LlamaConfig:
+    """A ~0.47B-parameter Llama shape: hidden 1024, 24 layers, MLP 4096, 16 heads (8 kv), vocab 32000."""
+    return LlamaConfig(
+        hidden_size=1024,
+        num_hidden_layers=num_hidden_layers,
+        intermediate_size=4096,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=64,
+        vocab_size=32000,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+
+
+class SavedActivations:
+    """Bytes autograd saves for backward, counted once per storage (pack hook; the tensors are untouched).
+
+    Under activation checkpointing the checkpoint keeps what its regions save to itself (the block inputs,
+    and during backward one block's recomputed activations), so those are not seen here.
+    """
+
+    def __init__(self):
+        self.storages: dict[int, int] = {}
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        storage = local.untyped_storage()
+        self.storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    @property
+    def gib(self) -> float:
+        return sum(self.storages.values()) / GIB
+
+
+def _create_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """One AdamW step on zero gradients: allocates ``exp_avg``/``exp_avg_sq`` without a forward pass."""
+    for parameter in model.parameters():
+        parameter.grad = torch.zeros_like(parameter)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _rank_step(tp: int, precision: str, checkpointing: str, compile_blocks: bool, seq_len: int, steps: int) -> dict:
+    init_process_group("gloo", timedelta(minutes=10))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
+    try:
+        before_build = current_memory_gib("cpu")  # the process with torch and transformers loaded
+        config, policy = llama_half_b(), precision_policy(precision)
+        model = meta_causal_lm(config, policy.param_dtype)
+        mesh = init_device_mesh("cpu", (1, tp), mesh_dim_names=("dp", "tp"))
+        if tp > 1:
+            apply_tp_plan(model, mesh["tp"], plan_for(config, compile_blocks), config, compile_blocks)
+        policy.cast_tp_inputs(model, data_parallel=False)
+        apply_block_wrappers(model, checkpointing, compile_blocks)
+        materialize_random(model, seed=0)
+        broadcast_tp_replicas([model], mesh)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        _create_optimizer_state(model, optimizer)  # so the first measured step is a steady-state one
+        tokens = torch.randint(0, config.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(0))
+        times, peaks, saved = [], [], SavedActivations()
+        before_step = current_memory_gib("cpu")
+        for step in range(steps):
+            reset_peak_memory("cpu")
+            dist.barrier()
+            started = time.perf_counter()
+            hooks = torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t)
+            with hooks if step == 0 else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+                with policy.autocast("cpu", data_parallel=False):
+                    loss = forward_backward(model, tokens, tokens, seq_len - 1)
+            finalize_dtensor_gradients([model])
+            synchronize_tp_replica_gradients([model], mesh)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            dist.barrier()
+            times.append(time.perf_counter() - started)
+            peaks.append(peak_memory_gib("cpu"))
+        return {
+            "before_build_gib": before_build,
+            "param_bytes": local_parameter_bytes(model),
+            "params": sum(p.numel() for p in model.parameters()),
+            "saved_gib": saved.gib,
+            "before_step_gib": before_step,
+            "peak_gib": peaks,
+            "step_s": times,
+            "loss": loss / (seq_len - 1),
+        }
+    finally:
+        dist.destroy_process_group()
+
+
+def measure(tp: int, precision: str, checkpointing: str, compile_blocks: bool, seq_len: int, steps: int) -> dict:
+    """Run one configuration on ``tp`` fresh ranks; every rank's result, by rank."""
+    return launch_local(_rank_step, tp, tp, precision, checkpointing, compile_blocks, seq_len, steps)
