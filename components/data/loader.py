@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from components.data.collate import IGNORE_INDEX, record_error, tokenize_batch
-from components.data.packing import row_offsets
+from components.data.packing import Rows, build_rows
 
 
 @dataclass(frozen=True)
@@ -116,10 +116,10 @@ def _check_sizes(global_batch_size: int, micro_batch_size: int, dp_size: int, dp
 class StepBatches:
     """One dp rank's micro-batches of any optimizer step, and the token counts of a whole step.
 
-    ``tokens`` is a tokenized dataset (columns ``input_ids``, ``labels``, ``length``, ``labelled``, as
-    :func:`components.data.collate.tokenize_batch` writes them); ``order`` lists the examples of this split
-    and ``offsets`` cuts it into rows (row ``r`` is ``order[offsets[r]:offsets[r + 1]]``). Build it with
-    :meth:`open` on a prepared split, or :meth:`from_records` for a few records in memory.
+    ``tokens`` is a tokenized dataset (columns ``input_ids`` and ``labels``, as
+    :func:`components.data.collate.tokenize_batch` writes them); ``rows`` says which examples make each row
+    of this split and how many tokens each row has. Build it with :meth:`open` on a prepared split, or
+    :meth:`from_records` for a few records in memory.
 
     Raises:
         ValueError: If there are no rows, a size is below 1, ``dp_rank`` is not in ``range(dp_size)``, or
@@ -129,8 +129,7 @@ class StepBatches:
     def __init__(
         self,
         tokens: datasets.Dataset,
-        order: np.ndarray,
-        offsets: np.ndarray,
+        rows: Rows,
         global_batch_size: int,
         micro_batch_size: int,
         *,
@@ -140,17 +139,14 @@ class StepBatches:
         dp_rank: int,
         seed: int,
     ):
-        if len(offsets) < 2:
+        if len(rows.offsets) < 2:
             raise ValueError("no records to batch: the dataset (or its validation split) is empty")
         _check_sizes(global_batch_size, micro_batch_size, dp_size, dp_rank)
         self.tokens = tokens.select_columns(["input_ids", "labels"])
-        self.order, self.offsets = np.asarray(order, dtype=np.int64), np.asarray(offsets, dtype=np.int64)
+        self.rows = rows
         self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
         self.seq_len, self.pad_id = seq_len, pad_id
         self.dp_size, self.dp_rank, self.seed = dp_size, dp_rank, seed
-        starts = self.offsets[:-1]
-        self._row_tokens = np.add.reduceat(tokens.data.column("length").to_numpy()[self.order], starts)
-        self._row_labelled = np.add.reduceat(tokens.data.column("labelled").to_numpy()[self.order], starts)
         self._permutation = lru_cache(maxsize=2)(self._shuffle)
 
     @classmethod
@@ -166,10 +162,10 @@ class StepBatches:
     ) -> "StepBatches":
         """The loader of a prepared split, its tokens memory-mapped from the launcher's cache folder."""
         tokens = datasets.load_from_disk(split.tokens_dir)
-        with np.load(split.rows_file) as rows:
-            order, offsets = rows[f"{split.part}_order"], rows[f"{split.part}_offsets"]
+        with np.load(split.rows_file) as arrays:
+            rows = Rows.load_from(arrays, split.part)
         sizes = dict(seq_len=split.seq_len, pad_id=split.pad_id, dp_size=dp_size, dp_rank=dp_rank, seed=seed)
-        return cls(tokens, order, offsets, global_batch_size, micro_batch_size, **sizes)
+        return cls(tokens, rows, global_batch_size, micro_batch_size, **sizes)
 
     @classmethod
     def from_records(
@@ -205,14 +201,14 @@ class StepBatches:
         if len(labelled) and labelled.min() <= 0:
             index = int(np.flatnonzero(labelled <= 0)[0])
             raise record_error(index, records[index], tokenizer, seq_len)
-        order = np.arange(len(records))
-        offsets = row_offsets(tokens.data.column("length").to_numpy(), seq_len, packing)
+        lengths = tokens.data.column("length").to_numpy()
+        rows = build_rows(lengths, labelled, np.arange(len(records)), seq_len, packing)
         sizes = dict(seq_len=seq_len, pad_id=pad_id_of(tokenizer), dp_size=dp_size, dp_rank=dp_rank, seed=seed)
-        return cls(tokens, order, offsets, global_batch_size, micro_batch_size, **sizes)
+        return cls(tokens, rows, global_batch_size, micro_batch_size, **sizes)
 
     @property
     def num_rows(self) -> int:
-        return len(self.offsets) - 1
+        return len(self.rows.offsets) - 1
 
     @property
     def micro_batches_per_step(self) -> int:
@@ -230,8 +226,8 @@ class StepBatches:
         batches = []
         for start in range(0, len(rows), self.micro_batch_size):
             chosen = rows[start : start + self.micro_batch_size]
-            spans = [(int(self.offsets[r]), int(self.offsets[r + 1])) for r in chosen]
-            examples = self.tokens[[int(i) for a, b in spans for i in self.order[a:b]]]
+            spans = [(int(self.rows.offsets[r]), int(self.rows.offsets[r + 1])) for r in chosen]
+            examples = self.tokens[[int(i) for a, b in spans for i in self.rows.order[a:b]]]
             pairs = iter(zip(examples["input_ids"], examples["labels"], strict=True))
             batches.append(
                 collate_rows([[next(pairs) for _ in range(b - a)] for a, b in spans], self.seq_len, self.pad_id)
@@ -255,11 +251,11 @@ class StepBatches:
     def labels_in_step(self, step: int) -> int:
         """Labelled tokens (``labels[:, 1:] != -100``) in the whole global batch of ``step``: every dp rank and
         micro-batch. Dividing each micro-batch's loss sum by it makes the summed gradients the global mean's."""
-        return int(self._row_labelled[self.indices_for_step(step)].sum())
+        return int(self.rows.labelled[self.indices_for_step(step)].sum())
 
     def tokens_in_step(self, step: int) -> int:
         """Non-padding input tokens in the whole global batch of ``step`` (what ``tokens_per_s`` counts)."""
-        return int(self._row_tokens[self.indices_for_step(step)].sum())
+        return int(self.rows.tokens[self.indices_for_step(step)].sum())
 
     def all_batches(self) -> list[Batch]:
         """This dp rank's share of every row once, in row order, in micro-batches (the last may be smaller),

@@ -7,7 +7,44 @@ each example; Hugging Face models then keep attention inside each example (``tra
 finds the restarts and builds a block-diagonal causal mask, or the kernel's variable-length path).
 """
 
+from dataclasses import dataclass, fields
+
 import numpy as np
+
+
+@dataclass(frozen=True)
+class Rows:
+    """The rows of one split: row ``r`` holds examples ``order[offsets[r]:offsets[r + 1]]`` of the tokenized
+    set, with ``tokens[r]`` real (non-padding) tokens of which ``labelled[r]`` count in the loss. Small:
+    a rank reads these, never a whole column of the tokenized set."""
+
+    order: np.ndarray
+    offsets: np.ndarray
+    tokens: np.ndarray
+    labelled: np.ndarray
+
+    def save_into(self, arrays: dict[str, np.ndarray], part: str) -> None:
+        """Put the fields into ``arrays`` under ``<part>_<field>`` (for one ``np.savez`` of every part)."""
+        arrays.update({f"{part}_{field.name}": getattr(self, field.name) for field in fields(self)})
+
+    @classmethod
+    def load_from(cls, arrays, part: str) -> "Rows":
+        """The ``part`` fields of an ``np.load``-ed file written with :meth:`save_into`."""
+        return cls(**{field.name: arrays[f"{part}_{field.name}"] for field in fields(cls)})
+
+
+def build_rows(lengths: np.ndarray, labelled: np.ndarray, order: np.ndarray, seq_len: int, packing: bool) -> Rows:
+    """The rows of the examples ``order`` (indices into per-example ``lengths`` and ``labelled``), packed or
+    one per row."""
+    order = np.asarray(order, dtype=np.int64)
+    offsets = row_offsets(np.asarray(lengths)[order], seq_len, packing)
+    starts = offsets[:-1]
+    if not len(order):
+        empty = np.zeros(0, dtype=np.int32)
+        return Rows(order, offsets, empty, empty)
+    tokens = np.add.reduceat(np.asarray(lengths, dtype=np.int32)[order], starts).astype(np.int32)
+    labels = np.add.reduceat(np.asarray(labelled, dtype=np.int32)[order], starts).astype(np.int32)
+    return Rows(order, offsets, tokens, labels)
 
 
 def row_offsets(lengths: np.ndarray, seq_len: int, packing: bool) -> np.ndarray:

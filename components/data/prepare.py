@@ -32,10 +32,10 @@ from transformers import AutoTokenizer
 from components.data.collate import check_template, record_error, tokenize_batch
 from components.data.jsonl import DataError
 from components.data.loader import TokenizedSplit, pad_id_of
-from components.data.packing import row_offsets
+from components.data.packing import build_rows
 from components.data.sources import DataSource
 
-FORMAT_VERSION = 1  # bump when the tokenized layout changes, so old cache folders are not read
+FORMAT_VERSION = 2  # bump when the tokenized layout changes, so old cache folders are not read
 TOKENS = datasets.Features(
     {
         "input_ids": datasets.Sequence(datasets.Value("int32")),
@@ -136,14 +136,13 @@ def _write_rows(folder: Path, val_fraction: float, seed: int, packing: bool, seq
     rows_file = folder / f"rows-v{val_fraction!r}-s{seed}-{'packed' if packing else 'rows'}.npz"
     if rows_file.is_file():
         return rows_file
-    lengths = datasets.load_from_disk(str(folder / "tokens")).data.column("length").to_numpy()
+    table = datasets.load_from_disk(str(folder / "tokens")).data
+    lengths, labelled = table.column("length").to_numpy(), table.column("labelled").to_numpy()
+    del table
     train, val = split_indices(len(lengths), val_fraction, seed)
-    arrays = {
-        "train_order": train,
-        "train_offsets": row_offsets(lengths[train], seq_len, packing),
-        "val_order": val,
-        "val_offsets": row_offsets(lengths[val], seq_len, packing=False),  # validation per example
-    }
+    arrays: dict[str, np.ndarray] = {}
+    build_rows(lengths, labelled, train, seq_len, packing).save_into(arrays, "train")
+    build_rows(lengths, labelled, val, seq_len, packing=False).save_into(arrays, "val")  # validation per example
     private = rows_file.with_name(f"{rows_file.stem}.{os.getpid()}.tmp.npz")
     np.savez(private, **arrays)
     os.replace(private, rows_file)

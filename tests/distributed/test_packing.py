@@ -75,7 +75,11 @@ def check_packed_tp(rank, world_size, packed, unpacked, vocab_size, sequence_par
     reference = build_causal_lm(config, seed=0)
     # The same examples unpacked, one per row, in the same order as they lie in the packed rows.
     plain = StepBatches.open(unpacked.train, 1, 1, dp_size=1, dp_rank=0, seed=0)
-    order = [int(i) for r in data.indices_for_step(0) for i in data.order[data.offsets[r] : data.offsets[r + 1]]]
+    order = [
+        int(i)
+        for r in data.indices_for_step(0)
+        for i in data.rows.order[data.rows.offsets[r] : data.rows.offsets[r + 1]]
+    ]
     one_each = plain._batches(order)  # rows of the unpacked split are the examples themselves
     expected = [loss for single in one_each for loss in _per_example(reference, single)]
     for single in one_each:

@@ -8,7 +8,7 @@ import torch
 
 from components.data.generated import generate_examples
 from components.data.loader import StepBatches, collate_rows
-from components.data.packing import packing_efficiency, row_offsets
+from components.data.packing import build_rows, packing_efficiency, row_offsets
 from components.data.tokenizer import DEFAULT_VOCAB_SIZE, train_tokenizer, training_texts
 
 
@@ -61,10 +61,19 @@ def test_packing_short_chats_at_512_trains_many_times_more_real_tokens_per_step(
     steps = range(min(unpacked.num_rows, packed.num_rows) // 8)
     ratio = sum(packed.tokens_in_step(s) for s in steps) / sum(unpacked.tokens_in_step(s) for s in steps)
     lengths = [len(ids) for ids in packed.tokens["input_ids"]]
-    full = packing_efficiency(lengths, packed.offsets, 512)
+    full = packing_efficiency(lengths, packed.rows.offsets, 512)
     print(f"packing short chats at seq_len 512: {ratio:.1f}x real tokens per step, rows {full:.0%} full")
     assert ratio >= 3
     first = packed.batches_for_step(0)
     assert sum(int((batch.input_ids != tokenizer.pad_token_id).sum()) for batch in first) == packed.tokens_in_step(0)
     again = StepBatches.from_records(records, 8, 8, **common, packing=True).batches_for_step(0)  # deterministic
     assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(first, again, strict=True))
+
+
+def test_build_rows_counts_real_and_labelled_tokens_per_row():
+    lengths, labelled = np.array([3, 4, 2, 6]), np.array([1, 2, 1, 3])
+    rows = build_rows(lengths, labelled, np.array([0, 2, 3]), 8, packing=True)  # lengths 3, 2, 6
+    assert rows.order.tolist() == [0, 2, 3] and rows.offsets.tolist() == [0, 2, 3]
+    assert rows.tokens.tolist() == [5, 6] and rows.labelled.tolist() == [2, 3]
+    unpacked = build_rows(lengths, labelled, np.array([1, 3]), 8, packing=False)
+    assert unpacked.offsets.tolist() == [0, 1, 2] and unpacked.tokens.tolist() == [4, 6]
