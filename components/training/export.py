@@ -19,6 +19,7 @@ wrote: a folder holding anything else (a user's own files) is refused with a Val
 
 import copy
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -146,8 +147,11 @@ def _cast(state: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
 
 def _write_weights(state: dict[str, torch.Tensor], folder: Path, max_shard_size: str) -> None:
     split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_size)
+    umask = os.umask(0)
+    os.umask(umask)
     for filename, names in split.filename_to_tensors.items():
         save_file({name: state[name].contiguous() for name in names}, folder / filename, metadata={"format": "pt"})
+        os.chmod(folder / filename, 0o666 & ~umask)  # safetensors creates its files private (0600)
     if split.is_sharded:
         index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
         (folder / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))

@@ -5,6 +5,7 @@ Exports of tensor- and data-parallel models on real ranks are in tests/distribut
 """
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -56,6 +57,9 @@ def test_sharded_export_with_tokenizer_replaces_an_earlier_export(tmp_path):
     assert sorted(path.name for path in tmp_path.iterdir()) == ["model"]
     assert len(json.loads((out / INDEX_FILE).read_text())["weight_map"]) == len(model.state_dict())
     assert len(list(out.glob("model-*-of-*.safetensors"))) > 1
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {path.stat().st_mode & 0o777 for path in out.iterdir()} == {0o666 & ~umask}  # as readable as any file
     assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(out)), logits(model))
     assert AutoTokenizer.from_pretrained(out).convert_tokens_to_ids("world") == 2
 
