@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import PretrainedConfig, PreTrainedModel
 
+from components.models.hub import looks_like_hub_id
 from components.training.checkpoint import publish_folder, run_on_rank0
 from components.training.output_dir import foreign_files
 
@@ -117,7 +118,7 @@ def check_export_target(out_dir: Path) -> str | None:
 def model_card(recipe: str | None, config_yaml: str | None, base_model: str | None, dtype: torch.dtype) -> str:
     """A short README.md: Hub metadata, where the model came from, and the config it was trained with."""
     front = ["---", "library_name: transformers", "tags:", "- shardtune"]
-    if base_model:
+    if base_model and looks_like_hub_id(base_model):  # the Hub links a base model by id, not by local path
         front.append(f"base_model: {json.dumps(base_model)}")
     lines = [*front, "---", "", "# Fine-tuned with shardtune", ""]
     lines.append(f"- Recipe: `{recipe}`" if recipe else "- Recipe: not recorded")

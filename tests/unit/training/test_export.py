@@ -22,6 +22,7 @@ from components.training.export import (
     export_dtype,
     export_hf,
     metadata_files,
+    model_card,
     source_dtype,
 )
 from components.training.output_dir import MANIFEST
@@ -103,6 +104,8 @@ def test_export_carries_source_metadata_byte_identical_and_a_model_card(tmp_path
     card = (out / "README.md").read_text()
     assert "recipes/finetune.py" in card and 'base_model: "owner/base"' in card
     assert "```yaml\ntp: 2\noptim:\n  lr: 0.001\n```" in card
+    local = model_card("recipes/finetune.py", None, "/models/mine", torch.bfloat16)
+    assert "base_model:" not in local and "- Base model: `/models/mine`" in local and "bfloat16" in local
     assert metadata_files(source) == [source / name for name in copied]
     loaded = AutoModelForCausalLM.from_pretrained(out)
     assert loaded.generation_config.temperature == 0.25
