@@ -39,14 +39,17 @@ from components.data import (
     train_tokenizer,
 )
 from components.data.sources import DataSource
-from components.distributed.launch import started_by_launcher
+from components.distributed.launch import cpu_threads_per_rank, started_by_launcher
 from components.distributed.mesh import ParallelDims, resolve_parallel_dims
 from components.distributed.tp_plan import check_plan, plan_for
 from components.models import load_config, meta_causal_lm
 from components.models.configs import build_config, config_errors
+from components.models.hub import resolve_model_folder
 from components.moe import check_expert_parallel
 from components.training.faults import parse_fault
+from components.training.loggers import check_logger_available
 from components.training.output_dir import OutputDirLock
+from components.training.schedule import check_schedule
 from recipes.outputs import OwnershipError, choose_checkpoint, explicit_checkpoint_errors, own_output_dir, run_info
 from recipes.plan import RunPlan
 from recipes.schema import Config, describe, show
@@ -118,17 +121,22 @@ def validate(cfg: DictConfig) -> Config:
         raise ConfigError("; ".join(describe(error))) from None
 
 
-def check_optimizer(target: str, options: dict[str, Any]) -> list[str]:
-    """``optim._target_`` names a ``torch.optim.Optimizer`` and every other key is one of its options."""
+def check_target(group: str, target: str, options: dict[str, Any], base: type, fixed: set[str]) -> list[str]:
+    """``<group>._target_`` names a class (a subclass of ``base``) and every other key is one of its options (its
+    constructor's parameters less ``fixed``, which the recipe passes itself)."""
     try:
-        optimizer = get_class(target)
+        built = get_class(target)
     except Exception:  # noqa: BLE001 - any import failure means the name is wrong
-        optimizer = None
-    if not (isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)):
-        return [f"optim._target_={show(target)} is not an optimizer class: use e.g. torch.optim.AdamW or optim=sgd"]
-    accepted = set(inspect.signature(optimizer).parameters) - {"params"}
+        built = None
+    if not (isinstance(built, type) and issubclass(built, base)):
+        return [
+            f"{group}._target_={show(target)} is not a class the {group} group can build: pick one with {group}=NAME"
+        ]
+    accepted = set(inspect.signature(built).parameters) - fixed
     unknown = sorted(set(options) - accepted)
-    return [f"optim.{key} is not an option of {target}; its options: {', '.join(sorted(accepted))}" for key in unknown]
+    return [
+        f"{group}.{key} is not an option of {target}; its options: {', '.join(sorted(accepted))}" for key in unknown
+    ]
 
 
 def check_sizes(settings: Config, device_type: str) -> tuple[ParallelDims | None, list[str]]:
@@ -179,7 +187,8 @@ def resolve_model(settings: Config, dims: ParallelDims | None) -> tuple[Path | N
     try:
         if model.pretrained_path is not None or model.source is not None:
             if model.config:
-                return None, None, ["model.config overrides apply to a model built from its config: use {}"]
+                why = f"model.config overrides apply to a model built from its config, not to model={model.name} with"
+                return None, None, [f"{why} a pretrained folder: use model=pretrained model.pretrained_path=..."]
             path = _model_folder(model.pretrained_path)
             config = load_config(path)
         else:
@@ -205,10 +214,7 @@ def _model_folder(pretrained_path: str | None) -> Path:
         from components.models.smollm2 import smollm2_folder
 
         return smollm2_folder()
-    path = Path(pretrained_path).expanduser().absolute()
-    if not (path / "config.json").is_file():
-        raise ValueError(f"model.pretrained_path {str(path)!r} is not a Hugging Face model folder (no config.json)")
-    return path
+    return resolve_model_folder(pretrained_path)  # a local folder, or a Hub id from the cache (or downloaded)
 
 
 def _plan_errors(settings: Config, dims: ParallelDims, config) -> list[str]:
@@ -282,22 +288,16 @@ def prepare_run_data(settings: Config, source: DataSource, tokenizer_dir: Path, 
     return prepared
 
 
-def cpu_threads(setting: int | None, dims: ParallelDims) -> int:
-    """Intra-op threads per rank: the setting, else OMP_NUM_THREADS as the launch saw it, else the cores shared
-    by the local ranks (more threads than cores only thrash)."""
-    if setting is not None:
-        return setting
-    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
-        return max(1, int(os.environ["OMP_NUM_THREADS"]))
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dims.world_size))
-    return max(1, (os.cpu_count() or 1) // local_ranks)
-
-
 def plan_run(cfg: DictConfig, output_dir: str | None = None) -> tuple[RunPlan, OutputDirLock | None]:
     """Check everything and decide everything a rank needs; raise ConfigError naming every problem. Also
     returns the lock on ``output_dir`` (held by this process, None on torchrun ranks other than 0)."""
     settings = validate(cfg)
-    errors = check_optimizer(settings.optim.target, settings.optim.options())
+    errors = check_target("optim", settings.optim.target, settings.optim.options(), torch.optim.Optimizer, {"params"})
+    logger, train = settings.logger, settings.train
+    missing = check_logger_available(logger.target)
+    fixed = {"output_dir", "first_step"}
+    errors += [missing] if missing else check_target("logger", logger.target, logger.options(), object, fixed)
+    errors += check_schedule(settings.schedule.name, train.warmup_steps, train.max_steps, settings.schedule.options())
     try:
         fault = parse_fault(settings.debug.fault)
     except ValueError as error:
@@ -330,7 +330,9 @@ def plan_run(cfg: DictConfig, output_dir: str | None = None) -> tuple[RunPlan, O
         settings=settings,
         dims=dims,
         device_type=device_type,
-        cpu_threads=cpu_threads(settings.cpu_threads, dims),
+        cpu_threads=cpu_threads_per_rank(
+            settings.cpu_threads, int(os.environ.get("LOCAL_WORLD_SIZE", dims.world_size))
+        ),
         output_dir=output,
         model_config=config,
         model_path=model_path,

@@ -22,6 +22,7 @@ from pathlib import Path
 import hydra
 import torch
 import torch.distributed as dist
+import yaml
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import get_class
 from omegaconf import DictConfig
@@ -37,10 +38,11 @@ from components.distributed.replica_drift import replica_drift
 from components.distributed.tp_replicas import broadcast_tp_replicas, synchronize_tp_replica_gradients
 from components.models.parallelize import ModelSpec, build_parallel_model
 from components.training.checkpoint import load_checkpoint, save_checkpoint
-from components.training.export import export_hf
+from components.training.export import export_dtype, export_hf
 from components.training.faults import install_faults
+from components.training.loggers import MetricsLogger, NoLogger
 from components.training.metrics import MetricsLog, plot_loss_curve
-from components.training.schedule import warmup_cosine
+from components.training.schedule import build_schedule
 from components.training.step import forward_backward
 from components.training.validation import validation_loss
 from recipes.checks import ConfigError, compose, fail, plan_run
@@ -103,7 +105,8 @@ def set_up(plan: RunPlan) -> Run:
         print(report.format())
     broadcast_tp_replicas([model], mesh)
     optimizer = get_class(settings.optim.target)(model.parameters(), **settings.optim.options())
-    scheduler = warmup_cosine(optimizer, train.warmup_steps, train.max_steps, train.min_lr_ratio)
+    schedule = settings.schedule
+    scheduler = build_schedule(optimizer, schedule.name, train.warmup_steps, train.max_steps, schedule.options())
     first_step = 0
     if plan.resume_from is not None:
         first_step = load_checkpoint(plan.resume_from, model, optimizer, scheduler)["step"]
@@ -166,10 +169,21 @@ def check_replicas(run: Run, step: int, every: int) -> None:
             raise RuntimeError(f"step {step}: TP replicas differ across ranks: {', '.join(drifted)}")
 
 
+def open_tracker(run: Run, plan: RunPlan) -> MetricsLogger:
+    """The experiment tracker (``logger=...``) on rank 0, with the config as hyper-parameters; others log nothing."""
+    if run.rank != 0:
+        return NoLogger(plan.output_dir)
+    logger = plan.settings.logger
+    tracker = get_class(logger.target)(output_dir=plan.output_dir, first_step=run.first_step, **logger.options())
+    tracker.log_hparams(yaml.safe_load(plan.config_yaml))
+    return tracker
+
+
 def train(run: Run, plan: RunPlan) -> None:
     """The steps after ``run.first_step`` up to ``max_steps`` (or ``stop_after``): metrics, validation, saves."""
     settings, train_cfg = plan.settings, plan.settings.train
     log = MetricsLog(plan.output_dir / "metrics.jsonl", run.rank == 0, run.first_step, train_cfg.max_steps)
+    tracker = open_tracker(run, plan)
     for step in range(run.first_step, min(train_cfg.max_steps, train_cfg.stop_after or train_cfg.max_steps)):
         record = train_step(run, plan, step)
         done = step + 1
@@ -180,6 +194,7 @@ def train(run: Run, plan: RunPlan) -> None:
         ):
             record["val_loss"] = validation_loss(run.model, run.val_data, run.device, run.mesh["dp"].get_group())
         log.log(record)
+        tracker.log_metrics(record, record["step"])
         check_replicas(run, done, settings.debug.check_replicas_every)
         every = settings.checkpoint.every_steps
         if every and done % every == 0:
@@ -187,25 +202,36 @@ def train(run: Run, plan: RunPlan) -> None:
             ids = dict(keep=settings.checkpoint.keep, run_id=plan.run_id, run_info=plan.run_info)
             save_checkpoint(plan.checkpoints, done, *state, **ids, before_commit=run.before_commit)
     log.close()
+    tracker.close()
 
 
 def finish(run: Run, plan: RunPlan) -> None:
-    """The replica drift report, the Hugging Face export and the loss curve."""
-    output_dir = plan.output_dir
+    """The replica drift report (any drift stops the run before export), the export and the loss curve."""
+    output_dir, settings = plan.output_dir, plan.settings
     drift = replica_drift([run.model], run.mesh)
     if run.rank == 0 and drift:
         worst = max(drift.values())
         (output_dir / "replica_drift.json").write_text(json.dumps({"max": worst, "tensors": drift}, indent=1))
         print(f"replica drift: largest difference between TP copies {worst} over {len(drift)} tensors")
-    train_cfg = plan.settings.train
-    finished = (train_cfg.stop_after or train_cfg.max_steps) >= train_cfg.max_steps
-    if plan.settings.checkpoint.export and finished:
+    if any(spread > 0 for spread in drift.values()):  # the same dict on every rank: all stop together
+        raise RuntimeError(f"TP replicas differ at the end (see {output_dir / 'replica_drift.json'}): not exported")
+    train = settings.train
+    if settings.checkpoint.export and (train.stop_after or train.max_steps) >= train.max_steps:
+        source = plan.model_path
         export_hf(
-            run.model, plan.model_config, output_dir / "hf", tokenizer=AutoTokenizer.from_pretrained(plan.tokenizer_dir)
+            run.model,
+            plan.model_config,
+            output_dir / "hf",
+            tokenizer=AutoTokenizer.from_pretrained(plan.tokenizer_dir),
+            dtype=export_dtype(settings.checkpoint.export_dtype, source),
+            source_dir=source,
+            recipe="recipes/finetune.py",
+            config_yaml=plan.config_yaml,
+            base_model=settings.model.pretrained_path,
         )
     if run.rank == 0 and (output_dir / "metrics.jsonl").exists():
         plot_loss_curve(output_dir / "metrics.jsonl", output_dir / "loss.png")
-        print(f"done: metrics, loss.png{' and hf/' if plan.settings.checkpoint.export else ''} in {output_dir}")
+        print(f"done: metrics, loss.png{' and hf/' if settings.checkpoint.export else ''} in {output_dir}")
     dist.destroy_process_group()
 
 

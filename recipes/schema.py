@@ -44,7 +44,6 @@ class Train(Section):
     )
     val_every: Count = key("0 (never) or a positive number of steps, e.g. train.val_every=20")
     warmup_steps: Count = key("0 or a positive number of steps, e.g. train.warmup_steps=5")
-    min_lr_ratio: Annotated[float, Field(ge=0, le=1)] = key("a number in [0, 1], e.g. 0.1")
     on_nonfinite: Literal["stop", "skip"] = key("stop or skip")
     precision: Literal[PRECISIONS] = key(f"one of {', '.join(PRECISIONS)}")
     activation_checkpointing: Literal[ACTIVATION_CHECKPOINTING] = key(f"one of {', '.join(ACTIVATION_CHECKPOINTING)}")
@@ -57,6 +56,9 @@ class Checkpoint(Section):
     resume: Text | None = key("auto, null or the path of a checkpoint folder")
     keep: PositiveInt | None = key("null (keep all) or a positive integer, e.g. 2")
     export: bool = key("true or false")
+    export_dtype: Literal["float32", "bfloat16", "float16"] | None = key(
+        "null (the source's), float32, bfloat16 or float16"
+    )
 
 
 class Debug(Section):
@@ -69,7 +71,7 @@ class Debug(Section):
 class Model(Section):
     name: Text = key("a name, e.g. model.name=llama")
     family: Text | None = key("null or a model family, e.g. llama")
-    pretrained_path: Text | None = key("null or a local Hugging Face model folder")
+    pretrained_path: Text | None = key("null, a local Hugging Face model folder or a Hub id (owner/name)")
     source: Literal["smollm2"] | None = key("null or smollm2")
     experts: list[Text] = key("a list of module patterns, e.g. [model.layers.*.mlp.experts]")
     routers: list[Text] = key("a list of module patterns, e.g. [model.layers.*.mlp.gate]")
@@ -100,6 +102,16 @@ class Data(Targeted):
     val_fraction: Annotated[float, Field(ge=0, lt=1)] = key("a number in [0, 1), e.g. 0.05")
 
 
+class Schedule(BaseModel):
+    """The LR schedule: a name (today's warmup_cosine or a transformers.get_scheduler name) and its options."""
+
+    model_config = ConfigDict(extra="allow", strict=True, frozen=True)
+    name: Text = key("warmup_cosine, linear, cosine, constant_with_warmup or warmup_stable_decay (schedule=NAME)")
+
+    def options(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
 class Config(Section):
     seed: Annotated[int, Field(ge=0, lt=2**63)] = key("an integer in [0, 2**63), e.g. seed=0")
     tp: PositiveInt = key("a positive integer, e.g. tp=2")
@@ -120,6 +132,8 @@ class Config(Section):
     model: Model
     optim: Optim
     data: Data
+    schedule: Schedule
+    logger: Targeted
 
 
 def show(value: Any) -> str:

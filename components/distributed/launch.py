@@ -386,3 +386,13 @@ def init_process_group(backend: str, timeout: timedelta) -> None:
     launcher, :func:`die_with_parent`)."""
     die_with_parent()
     dist.init_process_group(backend, timeout=timeout)
+
+
+def cpu_threads_per_rank(setting: int | None, local_ranks: int) -> int:
+    """Intra-op threads for each of ``local_ranks`` ranks on the CPU: ``setting``, else ``OMP_NUM_THREADS`` as the
+    launch saw it, else the cores shared by the local ranks (more threads than cores only thrash)."""
+    if setting is not None:
+        return setting
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        return max(1, int(os.environ["OMP_NUM_THREADS"]))
+    return max(1, (os.cpu_count() or 1) // local_ranks)

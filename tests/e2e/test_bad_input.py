@@ -42,7 +42,7 @@ CASES: dict[str, tuple[list[str], str]] = {
     "negative lr": (["optim.lr=-1"], "optim.lr=-1 is not valid: use a positive number"),
     "unknown optimizer": (
         ["optim._target_=torch.optim.Adamm"],
-        "optim._target_='torch.optim.Adamm' is not an optimizer",
+        "optim._target_='torch.optim.Adamm' is not a class the optim group can build",
     ),
     "option the optimizer lacks": (["+optim.momentum=0.9"], "optim.momentum is not an option of torch.optim.AdamW"),
     "negative clip": (["train.clip_grad_norm=-1"], "train.clip_grad_norm=-1 is not valid: use null (no clipping)"),

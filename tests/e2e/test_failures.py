@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from components.distributed.launch import RankExit, describe_rank_failure
-from components.training.checkpoint import MARKER, TEST_SAVE_DELAY_ENV
+from components.training.checkpoint_check import MARKER
 
 REPO = Path(__file__).resolve().parents[2]
 # Small and quick: tp=2, 4 sequences per step in 2 micro-batches, no validation or export.
@@ -141,12 +141,13 @@ def test_a_rank_that_raises_mid_run_stops_the_recipe_and_is_named(tmp_path):
 RAISING_RANKS = textwrap.dedent(
     """
     import time
+    from datetime import timedelta
     import torch
     import torch.distributed as dist
     from components.distributed.launch import init_process_group, launch_local
 
     def work():
-        init_process_group("gloo")
+        init_process_group("gloo", timedelta(minutes=5))
         for step in range(10_000):
             dist.all_reduce(torch.ones(1))
             if step == 3 and dist.get_rank() == 1:
@@ -167,7 +168,7 @@ def test_a_rank_that_raises_is_named_with_its_error_and_traceback():
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()
     assert lines[-1] == "error: rank 1 failed: ValueError: injected failure at step 4", result.stderr
-    assert 'File "<string>", line 12, in work' in result.stderr  # the rank's traceback, above the line
+    assert 'File "<string>", line 13, in work' in result.stderr  # the rank's traceback, above the line
     assert "ChildFailedError" not in result.stderr and "=====" not in result.stderr  # not torch's report
 
 
@@ -192,10 +193,10 @@ def test_a_kill_during_a_checkpoint_save_resumes_from_the_previous_one(tmp_path)
     interrupted = tmp_path / "interrupted"
     checkpoints = interrupted / "checkpoints"
     saving = checkpoints / "step_00000004.tmp"
-    process = start_recipe(interrupted, *steps, env={TEST_SAVE_DELAY_ENV: "3"})
+    process = start_recipe(interrupted, *steps, "debug.fault=slow_save@3")
     try:
         # Every rank is writing (or has written) step 4's files; the save waits 3 s before its marker and rename.
-        wait_for(lambda: (saving / "trainer_state.pt").is_file(), 240, process, "step 4's checkpoint files")
+        wait_for(lambda: (saving / "trainer_state.json").is_file(), 240, process, "step 4's checkpoint files")
         kill_group(process)
         assert (checkpoints / "step_00000002" / MARKER).is_file()
         assert saving.is_dir() and not (saving / MARKER).exists()

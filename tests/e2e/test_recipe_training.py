@@ -15,9 +15,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from components.data import StepBatches, generate_examples, split_train_val
+from components.data import GeneratedSource, StepBatches, prepare_data
 
 REPO = Path(__file__).resolve().parents[2]
+CACHE = Path(os.environ.get("SHARDTUNE_CACHE") or Path.home() / ".cache" / "shardtune")  # the recipe's cache_dir
 STEPS = 6
 # Small and quick: 6 steps of 8 sequences, 2 micro-batches per dp rank (gradient accumulation exercised).
 COMMON = [
@@ -70,7 +71,7 @@ def test_metrics_have_one_line_per_step_with_the_contract_fields(runs):
     records = metrics(runs["tp2"])
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     for record in records:
-        assert {"step", "loss", "grad_norm", "lr", "tokens_per_s"} <= record.keys()
+        assert {"step", "loss", "grad_norm", "lr", "tokens", "tokens_per_s"} <= record.keys()
     assert "val_loss" in records[-1]
     assert (runs["tp2"] / "loss.png").stat().st_size > 0
 
@@ -108,16 +109,18 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(runs, tmp_path):
 def test_exported_folder_reloads_with_the_trained_weights(runs):
     folder = runs["tp2"] / "hf"
     model = AutoModelForCausalLM.from_pretrained(folder)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    # The final validation loss was computed on the trained (sharded) model after the last update.
-    _, val_records = split_train_val(generate_examples(400, 0), 0.02, 0)
-    batches = StepBatches(val_records, 4, 4, tokenizer=tokenizer, seq_len=48, dp_size=1, dp_rank=0, seed=0)
+    AutoTokenizer.from_pretrained(folder)  # the export carries a loadable tokenizer
+    # The final validation loss was computed on the trained (sharded) model after the last update, on the
+    # validation rows the launcher prepared (the same cache entry serves this call).
+    source = GeneratedSource(num_examples=400, val_fraction=0.02, seed=0)
+    prepared = prepare_data(source, folder, seq_len=48, packing=False, seed=0, cache_root=CACHE, num_proc=1)
+    batches = StepBatches.open(prepared.val, 4, 4, dp_size=1, dp_rank=0, seed=0)
     total, tokens = 0.0, 0
     with torch.no_grad():
-        for input_ids, labels in batches.all_batches():
-            logits = model(input_ids=input_ids).logits[:, :-1].flatten(0, 1)
-            total += torch.nn.functional.cross_entropy(logits, labels[:, 1:].flatten(), reduction="sum").item()
-            tokens += int((labels[:, 1:] != -100).sum())
+        for batch in batches.all_batches():
+            logits = model(input_ids=batch.input_ids).logits[:, :-1].flatten(0, 1)
+            total += torch.nn.functional.cross_entropy(logits, batch.labels[:, 1:].flatten(), reduction="sum").item()
+            tokens += batch.labelled_tokens()
     assert total / tokens == pytest.approx(metrics(runs["tp2"])[-1]["val_loss"], rel=1e-5)
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = ["train.global_batch_size=4", "train.micro_batch_size=2", "train.val_every=0", "checkpoint.export=false"]
+SMALL += ["train.warmup_steps=1"]
 RECORDS = [{"prompt": f"say {word}", "response": f"{word} {word}"} for word in ("a", "bb", "ccc", "dd", "e")] * 8
 
 # Imported by every Python process started with this folder on PYTHONPATH: counts each open() of the data file.
@@ -38,11 +39,12 @@ def run(arguments: list[str], home: Path, extra_env: dict | None = None, launche
 
 def test_tilde_paths_for_data_output_and_resume(tmp_path):
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps(record) + "\n" for record in RECORDS))
-    data = ["data=jsonl", "data.path=~/chat.jsonl"]
-    run([*data, "train.max_steps=2", "checkpoint.every_steps=2", "output_dir=~/first"], tmp_path)
+    # Hydra's override grammar needs ~ quoted: data.path='~/chat.jsonl' (in a shell: "data.path='~/chat.jsonl'").
+    data = ["data=jsonl", "data.path='~/chat.jsonl'"]
+    run([*data, "train.max_steps=2", "checkpoint.every_steps=2", "output_dir='~/first'"], tmp_path)
     assert (tmp_path / "first" / "checkpoints" / "step_00000002").is_dir()
-    resume = "checkpoint.resume=~/first/checkpoints/step_00000002"
-    result = run([*data, "train.max_steps=3", resume, "output_dir=~/second"], tmp_path)
+    resume = "checkpoint.resume='~/first/checkpoints/step_00000002'"
+    result = run([*data, "train.max_steps=3", resume, "output_dir='~/second'"], tmp_path)
     assert f"resumed from {tmp_path}/first/checkpoints/step_00000002 at step 2" in result.stdout
     steps = [json.loads(line)["step"] for line in (tmp_path / "second" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [3]
