@@ -130,10 +130,10 @@ MEASURED = [
     (1, "fp32", "none"),
     (1, "fp32", "full"),
     (4, "fp32", "none"),
-    (4, "fp32", "full"),
     (1, "bf16-mixed", "none"),
-    (1, "bf16-mixed", "full"),
     (1, "bf16", "none"),
+    (4, "fp32", "full"),
+    (1, "bf16-mixed", "full"),
     (1, "bf16", "full"),
     (2, "fp32", "none"),
     (2, "fp32", "full"),
@@ -150,31 +150,30 @@ SEQ_LEN = 1024
 
 
 def expected_gib(result: dict, tp: int, precision: str, checkpointing: str) -> tuple[float, float]:
-    """(state, total) expected on one rank, GiB, above the process's memory before the model was built.
+    """(state, peak) expected on one rank, GiB, above the process's memory before the model was built.
 
-    State: parameters + gradients + two AdamW moments, each the local parameter bytes; bf16-mixed adds
-    autocast's bf16 copy of every weight (half the fp32 bytes), held from forward to the end of backward.
-    Total: state + the activations saved for backward (counted) + the block inputs a full checkpoint keeps
-    (layers x seq_len x hidden in the residual stream's dtype).
+    State: parameters + gradients + two AdamW moments, each the local parameter bytes. Peak: parameters +
+    moments + the larger of the activations (saved for backward, counted, plus the block inputs a full
+    checkpoint keeps: layers x seq_len x hidden in the residual stream's dtype) and the gradients, since
+    backward frees activations as it fills gradients. Activations under bf16-mixed include autocast's bf16
+    copy of each weight (saved for backward, so counted).
     """
     params = result["param_bytes"]
-    state = 4 * params + (params / 2 if precision == "bf16-mixed" else 0)
     config = real_size.llama_half_b()
     residual_bytes = 2 if precision == "bf16" else 4
     block_inputs = config.num_hidden_layers * SEQ_LEN * config.hidden_size * residual_bytes
-    total = state + result["saved_gib"] * GIB + (block_inputs if checkpointing == "full" else 0)
-    return state / GIB, total / GIB
+    activations = result["saved_gib"] * GIB + (block_inputs if checkpointing == "full" else 0)
+    return 4 * params / GIB, (3 * params + max(activations, params)) / GIB
 
 
 def _row(tp: int, precision: str, checkpointing: str, ranks: dict) -> str:
     result = max(ranks.values(), key=lambda r: r["peak_gib"][-1])  # the rank with the highest peak
     state, total = expected_gib(result, tp, precision, checkpointing)
     peak = result["peak_gib"][-1] - result["before_build_gib"]
-    grads = result["param_bytes"] / GIB
-    activations = result["peak_gib"][-1] - result["before_step_gib"] - grads
+    step_peak = result["peak_gib"][-1] - result["before_step_gib"]  # what the step adds: activations or grads
     return (
         f"| {tp} | {precision} | {checkpointing} | {state:.2f} | {result['saved_gib']:.2f} | {total:.2f} "
-        f"| {peak:.2f} | {activations:.2f} | {result['peak_gib'][-1]:.2f} | {result['step_s'][-1]:.0f} |"
+        f"| {peak:.2f} | {step_peak:.2f} | {result['peak_gib'][-1]:.2f} | {result['step_s'][-1]:.0f} |"
     )
 
 
@@ -182,13 +181,13 @@ def run_measured(configs: list[tuple[int, str, str]], out: Path | None) -> list[
     """Measure each (tp, precision, checkpointing); print the table row by row; return the goal lines."""
     print(
         "### Peak memory per rank, one AdamW step of a 0.44B Llama shape (seq_len 1024, batch 1), GiB\n\n"
-        "| tp | precision | checkpointing | state expected | activations saved (counted) | expected Δ "
-        "| peak Δ measured | activations measured | peak RSS | step s |\n|---|---|---|---|---|---|---|---|---|---|",
+        "| tp | precision | checkpointing | params+grads+AdamW | activations saved (counted) | peak Δ expected "
+        "| peak Δ measured | step adds (measured) | peak RSS | step s |\n|---|---|---|---|---|---|---|---|---|---|",
         flush=True,
     )
     rows = {}
     for tp, precision, checkpointing in configs:
-        ranks = real_size.measure(tp, precision, checkpointing, False, SEQ_LEN, 1)
+        ranks = real_size.measure(tp, precision, checkpointing, False, SEQ_LEN, 1, exact_rss=True)
         rows[(tp, precision, checkpointing)] = ranks[0]
         print(_row(tp, precision, checkpointing, ranks), flush=True)
         if out is not None:

@@ -8,6 +8,8 @@ rank random weights for its own shard only, then runs ``steps`` AdamW steps of o
 replica sync, ``optimizer.step()``. Nothing but the step is timed.
 """
 
+import ctypes
+import ctypes.util
 import os
 import time
 from datetime import timedelta
@@ -29,6 +31,7 @@ from components.training.memory import current_memory_gib, peak_memory_gib, rese
 from components.training.step import forward_backward
 
 GIB = 1024**3
+_M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
 
 
 def llama_half_b(num_hidden_layers: int = 24) -> LlamaConfig:
@@ -47,20 +50,26 @@ def llama_half_b(num_hidden_layers: int = 24) -> LlamaConfig:
     )
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 class SavedActivations:
-    """Bytes autograd saves for backward, counted once per storage (pack hook; the tensors are untouched).
+    """Bytes autograd saves for backward, counted once per storage (pack hook; the tensors are untouched),
+    the parameters themselves excluded (a linear layer saves its weight: that is not activation memory).
 
     Under activation checkpointing the checkpoint keeps what its regions save to itself (the block inputs,
     and during backward one block's recomputed activations), so those are not seen here.
     """
 
-    def __init__(self):
+    def __init__(self, model: torch.nn.Module):
+        self.parameters = {_local(p).untyped_storage().data_ptr() for p in model.parameters()}
         self.storages: dict[int, int] = {}
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        storage = local.untyped_storage()
-        self.storages[storage.data_ptr()] = storage.nbytes()
+        storage = _local(tensor).untyped_storage()
+        if storage.data_ptr() not in self.parameters:
+            self.storages[storage.data_ptr()] = storage.nbytes()
         return tensor
 
     @property
@@ -76,7 +85,17 @@ def _create_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optim
     optimizer.zero_grad(set_to_none=True)
 
 
-def _rank_step(tp: int, precision: str, checkpointing: str, compile_blocks: bool, seq_len: int, steps: int) -> dict:
+def _return_freed_memory() -> None:
+    """Make glibc mmap every allocation from 64 KiB (and so unmap it when freed): the RSS then follows the
+    live tensors instead of keeping freed heap, at the price of page faults (memory runs only)."""
+    ctypes.CDLL(ctypes.util.find_library("c")).mallopt(_M_MMAP_THRESHOLD, 64 * 1024)
+
+
+def _rank_step(
+    tp: int, precision: str, checkpointing: str, compile_blocks: bool, seq_len: int, steps: int, exact_rss: bool
+) -> dict:
+    if exact_rss:
+        _return_freed_memory()
     init_process_group("gloo", timedelta(minutes=10))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp))
     try:
@@ -93,7 +112,7 @@ def _rank_step(tp: int, precision: str, checkpointing: str, compile_blocks: bool
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
         _create_optimizer_state(model, optimizer)  # so the first measured step is a steady-state one
         tokens = torch.randint(0, config.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(0))
-        times, peaks, saved = [], [], SavedActivations()
+        times, peaks, saved = [], [], SavedActivations(model)
         before_step = current_memory_gib("cpu")
         for step in range(steps):
             reset_peak_memory("cpu")
@@ -124,6 +143,9 @@ def _rank_step(tp: int, precision: str, checkpointing: str, compile_blocks: bool
         dist.destroy_process_group()
 
 
-def measure(tp: int, precision: str, checkpointing: str, compile_blocks: bool, seq_len: int, steps: int) -> dict:
-    """Run one configuration on ``tp`` fresh ranks; every rank's result, by rank."""
-    return launch_local(_rank_step, tp, tp, precision, checkpointing, compile_blocks, seq_len, steps)
+def measure(
+    tp: int, precision: str, checkpointing: str, compile_blocks: bool, seq_len: int, steps: int, exact_rss: bool
+) -> dict:
+    """Run one configuration on ``tp`` fresh ranks; every rank's result, by rank. ``exact_rss``: freed memory
+    goes back to the OS at once (for memory figures; it slows the step)."""
+    return launch_local(_rank_step, tp, tp, precision, checkpointing, compile_blocks, seq_len, steps, exact_rss)

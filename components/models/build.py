@@ -17,7 +17,7 @@ def build_causal_lm(config: PretrainedConfig, seed: int, dtype: torch.dtype = to
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    return model if dtype == torch.float32 else model.to(dtype)
+    return _cast_parameters(model, dtype)
 
 
 def meta_causal_lm(config: PretrainedConfig, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
@@ -29,7 +29,16 @@ def meta_causal_lm(config: PretrainedConfig, dtype: torch.dtype = torch.float32)
     """
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    return model if dtype == torch.float32 else model.to(dtype)
+    return _cast_parameters(model, dtype)
+
+
+def _cast_parameters(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
+    """Parameters to ``dtype``, buffers untouched: ``model.to(bfloat16)`` would also round the rotary
+    ``inv_freq`` (0.1 -> 0.1001), shifting every position's angle. Tied parameters stay one object."""
+    if dtype != torch.float32:
+        for parameter in model.parameters():
+            parameter.data = parameter.data.to(dtype)
+    return model
 
 
 @torch.no_grad()

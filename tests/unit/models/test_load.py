@@ -13,6 +13,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from components.models import build_causal_lm, load_config, materialize_from_pretrained, meta_causal_lm, tiny_config
+from components.models.build import materialize_random
 
 TOKENS = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
 
@@ -193,3 +194,21 @@ def test_a_bf16_model_loads_an_fp32_checkpoint_rounded(tmp_path):
     stored = load_file(tmp_path / "model.safetensors")
     for name, parameter in model.named_parameters():
         assert parameter.dtype == torch.bfloat16 and torch.equal(parameter, stored[name].bfloat16()), name
+
+
+# --- materialize_random (no checkpoint: benchmarks of real-size shapes) --------------------------------
+
+
+def test_materialize_random_gives_every_tensor_storage_and_the_right_buffers():
+    config = tiny_config("llama")
+    model = meta_causal_lm(config, dtype=torch.bfloat16)
+    materialize_random(model, seed=0)
+    reference = build_causal_lm(config, seed=0)
+    assert torch.equal(model.model.rotary_emb.inv_freq, reference.model.rotary_emb.inv_freq)
+    for name, parameter in model.named_parameters():
+        assert parameter.device.type == "cpu" and parameter.dtype == torch.bfloat16, name
+        if parameter.dim() == 1:
+            assert torch.equal(parameter, torch.ones_like(parameter)), name
+        else:
+            assert 0.015 < parameter.float().std().item() < 0.025, name
+    assert torch.isfinite(model(TOKENS).logits).all()
