@@ -45,6 +45,7 @@ from components.distributed.tp_plan import check_plan, plan_for
 from components.models import load_config, meta_causal_lm
 from components.models.configs import build_config, config_errors
 from components.models.hub import resolve_model_folder
+from components.models.parallelize import ModelSpec
 from components.moe import check_expert_parallel
 from components.training.faults import parse_fault
 from components.training.loggers import check_logger_available
@@ -326,6 +327,7 @@ def plan_run(cfg: DictConfig, output_dir: str | None = None) -> tuple[RunPlan, O
         raise ConfigError(str(error)) from None
     data = prepare_run_data(settings, source, tokenizer_dir, dims)
     body = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
+    body.output_dir = str(output)  # a sweep job's own folder: what checkpoint.resume=auto will be run with
     plan = RunPlan(
         settings=settings,
         dims=dims,
@@ -334,8 +336,9 @@ def plan_run(cfg: DictConfig, output_dir: str | None = None) -> tuple[RunPlan, O
             settings.cpu_threads, int(os.environ.get("LOCAL_WORLD_SIZE", dims.world_size))
         ),
         output_dir=output,
-        model_config=config,
-        model_path=model_path,
+        model=ModelSpec(
+            config, model_path, settings.seed, settings.sp, tuple(settings.model.experts), tuple(settings.model.routers)
+        ),
         tokenizer_dir=Path(tokenizer_dir),
         data=data,
         resume_from=resume_from,

@@ -9,9 +9,7 @@ TP-replica grads -> grad norm and clip -> optimizer step -> metrics, validation,
 Hugging Face folder and a loss-curve PNG.
 """
 
-import json
 import math
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -32,11 +30,11 @@ from transformers import AutoTokenizer
 from components.data import StepBatches
 from components.distributed.fsdp import set_gradient_sync
 from components.distributed.grads import clip_grad_norm_, finalize_dtensor_gradients, grad_norm
-from components.distributed.launch import init_process_group, launch_local, started_by_launcher
+from components.distributed.launch import join_world, launch_local, started_by_launcher
 from components.distributed.mesh import build_device_mesh
-from components.distributed.replica_drift import replica_drift
+from components.distributed.replica_drift import check_replicas, write_drift_report
 from components.distributed.tp_replicas import broadcast_tp_replicas, synchronize_tp_replica_gradients
-from components.models.parallelize import ModelSpec, build_parallel_model
+from components.models.parallelize import build_parallel_model
 from components.training.checkpoint import load_checkpoint, save_checkpoint
 from components.training.export import export_dtype, export_hf
 from components.training.faults import install_faults
@@ -65,25 +63,12 @@ class Run:
     before_commit: Callable[[Path], None] | None = None  # the checkpoint writer's callback (a fault, in tests)
 
 
-def start(plan: RunPlan) -> tuple[int, torch.device, DeviceMesh]:
-    """Join the process group, pick this rank's device and threads, and build the ("dp", "tp") mesh."""
-    # On CUDA, gloo serves the few CPU tensors (metrics sums) and NCCL everything on the GPU.
-    timeout = timedelta(minutes=plan.settings.collective_timeout_minutes)
-    init_process_group("cpu:gloo,cuda:nccl" if plan.device_type == "cuda" else "gloo", timeout)
-    if plan.device_type == "cuda":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        torch.set_num_threads(plan.cpu_threads)
-        device = torch.device("cpu")
-    torch.manual_seed(plan.settings.seed)
-    return dist.get_rank(), device, build_device_mesh(plan.dims, plan.device_type)
-
-
 def set_up(plan: RunPlan) -> Run:
     """Everything a rank needs before its first step: mesh, data, model, optimizer, schedule, resume."""
-    rank, device, mesh = start(plan)
     settings, train = plan.settings, plan.settings.train
+    timeout = timedelta(minutes=settings.collective_timeout_minutes)
+    device = join_world(plan.device_type, timeout, plan.cpu_threads, settings.seed)
+    rank, mesh = dist.get_rank(), build_device_mesh(plan.dims, plan.device_type)
     shards = dict(dp_size=plan.dims.dp, dp_rank=mesh["dp"].get_local_rank(), seed=settings.seed)
     data = StepBatches.open(plan.data.train, train.global_batch_size, train.micro_batch_size, **shards)
     val_data = None  # data.val_fraction=0 leaves no validation set (the checks require val_every=0 then)
@@ -91,16 +76,7 @@ def set_up(plan: RunPlan) -> Run:
         val_batch = train.micro_batch_size * plan.dims.dp
         val_data = StepBatches.open(plan.data.val, val_batch, train.micro_batch_size, **shards)
 
-    model_settings = settings.model
-    spec = ModelSpec(
-        plan.model_config,
-        plan.model_path,
-        settings.seed,
-        settings.sp,
-        tuple(model_settings.experts),
-        tuple(model_settings.routers),
-    )
-    model, report = build_parallel_model(spec, plan.dims, mesh, device)
+    model, report = build_parallel_model(plan.model, plan.dims, mesh, device)
     if report is not None and rank == 0:
         print(report.format())
     broadcast_tp_replicas([model], mesh)
@@ -113,14 +89,9 @@ def set_up(plan: RunPlan) -> Run:
         if rank == 0:
             print(f"resumed from {plan.resume_from} at step {first_step}")
     run = Run(rank, device, mesh, model, optimizer, scheduler, data, val_data, first_step)
+    where = dict(rank=rank, world_size=dist.get_world_size(), first_step=first_step)
     run.before_commit = install_faults(
-        plan.fault,
-        model,
-        optimizer,
-        rank=rank,
-        world_size=dist.get_world_size(),
-        first_step=first_step,
-        micro_batches_per_step=data.micro_batches_per_step,
+        plan.fault, model, optimizer, **where, micro_batches_per_step=data.micro_batches_per_step
     )
     return run
 
@@ -161,14 +132,6 @@ def train_step(run: Run, plan: RunPlan, step: int) -> dict:
     }
 
 
-def check_replicas(run: Run, step: int, every: int) -> None:
-    """Every ``every`` steps, stop (on every rank) if any TP-replicated parameter differs across ranks."""
-    if every and step % every == 0:
-        drifted = sorted(name for name, spread in replica_drift([run.model], run.mesh).items() if spread > 0)
-        if drifted:
-            raise RuntimeError(f"step {step}: TP replicas differ across ranks: {', '.join(drifted)}")
-
-
 def open_tracker(run: Run, plan: RunPlan) -> MetricsLogger:
     """The experiment tracker (``logger=...``) on rank 0, with the config as hyper-parameters; others log nothing."""
     if run.rank != 0:
@@ -195,7 +158,8 @@ def train(run: Run, plan: RunPlan) -> None:
             record["val_loss"] = validation_loss(run.model, run.val_data, run.device, run.mesh["dp"].get_group())
         log.log(record)
         tracker.log_metrics(record, record["step"])
-        check_replicas(run, done, settings.debug.check_replicas_every)
+        if settings.debug.check_replicas_every and done % settings.debug.check_replicas_every == 0:
+            check_replicas([run.model], run.mesh, done)
         every = settings.checkpoint.every_steps
         if every and done % every == 0:
             state = (run.model, run.optimizer, run.scheduler)
@@ -208,19 +172,13 @@ def train(run: Run, plan: RunPlan) -> None:
 def finish(run: Run, plan: RunPlan) -> None:
     """The replica drift report (any drift stops the run before export), the export and the loss curve."""
     output_dir, settings = plan.output_dir, plan.settings
-    drift = replica_drift([run.model], run.mesh)
-    if run.rank == 0 and drift:
-        worst = max(drift.values())
-        (output_dir / "replica_drift.json").write_text(json.dumps({"max": worst, "tensors": drift}, indent=1))
-        print(f"replica drift: largest difference between TP copies {worst} over {len(drift)} tensors")
-    if any(spread > 0 for spread in drift.values()):  # the same dict on every rank: all stop together
-        raise RuntimeError(f"TP replicas differ at the end (see {output_dir / 'replica_drift.json'}): not exported")
+    write_drift_report([run.model], run.mesh, output_dir / "replica_drift.json", run.rank)
     train = settings.train
     if settings.checkpoint.export and (train.stop_after or train.max_steps) >= train.max_steps:
-        source = plan.model_path
+        source = plan.model.weights
         export_hf(
             run.model,
-            plan.model_config,
+            plan.model.config,
             output_dir / "hf",
             tokenizer=AutoTokenizer.from_pretrained(plan.tokenizer_dir),
             dtype=export_dtype(settings.checkpoint.export_dtype, source),

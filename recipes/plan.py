@@ -8,10 +8,9 @@ from the same checks.
 from dataclasses import dataclass
 from pathlib import Path
 
-from transformers import PretrainedConfig
-
 from components.data import PreparedData
 from components.distributed.mesh import ParallelDims
+from components.models.parallelize import ModelSpec
 from components.training.faults import Fault
 from recipes.schema import Config
 
@@ -23,8 +22,7 @@ class RunPlan:
     device_type: str  # "cpu" or "cuda"
     cpu_threads: int  # intra-op threads per rank on the CPU
     output_dir: Path  # absolute; this run owns it while it runs
-    model_config: PretrainedConfig  # the Hugging Face config the ranks build, vocabulary size included
-    model_path: Path | None  # a Hugging Face folder to load weights from; None: seeded weights
+    model: ModelSpec  # the Hugging Face config (vocabulary size included), the weights' folder, how to split it
     tokenizer_dir: Path
     data: PreparedData  # the tokenized splits, prepared once, memory-mapped by the ranks
     resume_from: Path | None  # the checkpoint chosen before any rank started, or None for a fresh run

@@ -37,6 +37,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, NoReturn
 
+import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -396,3 +397,16 @@ def cpu_threads_per_rank(setting: int | None, local_ranks: int) -> int:
     if os.environ.get("OMP_NUM_THREADS", "").isdigit():
         return max(1, int(os.environ["OMP_NUM_THREADS"]))
     return max(1, (os.cpu_count() or 1) // local_ranks)
+
+
+def join_world(device_type: str, timeout: timedelta, cpu_threads: int, seed: int) -> torch.device:
+    """Join the process group of the launcher's environment and return this rank's device: the GPU named by
+    ``LOCAL_RANK`` on CUDA (NCCL for its tensors, gloo for the few CPU ones), else the CPU with ``cpu_threads``
+    intra-op threads. Seeds torch's RNG with ``seed``."""
+    init_process_group("cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo", timeout)
+    torch.manual_seed(seed)
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        return torch.device("cuda", torch.cuda.current_device())
+    torch.set_num_threads(cpu_threads)
+    return torch.device("cpu")

@@ -5,6 +5,9 @@ parameter) give, for each tensor, the largest difference between any two of its 
 answer must be exactly 0 after every step; anything else means the copies became different models.
 """
 
+import json
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -43,3 +46,22 @@ def replica_drift(model_parts: list[nn.Module], device_mesh: DeviceMesh | None) 
         drift[name] = spread[offset : offset + tensor.numel()].max().item()
         offset += tensor.numel()
     return drift
+
+
+def check_replicas(model_parts: list[nn.Module], device_mesh: DeviceMesh | None, step: int) -> None:
+    """Stop (on every rank: the drift is the same everywhere) if any TP-replicated parameter differs across ranks."""
+    drifted = sorted(name for name, spread in replica_drift(model_parts, device_mesh).items() if spread > 0)
+    if drifted:
+        raise RuntimeError(f"step {step}: TP replicas differ across ranks: {', '.join(drifted)}")
+
+
+def write_drift_report(model_parts: list[nn.Module], device_mesh: DeviceMesh | None, path: Path, rank: int) -> None:
+    """Write the end-of-run drift (``{"max", "tensors"}``) to ``path`` from ``rank`` 0 and say it; raise on every
+    rank if any copy differs, so a run whose replicas became different models is not exported."""
+    drift = replica_drift(model_parts, device_mesh)
+    if rank == 0 and drift:
+        worst = max(drift.values())
+        path.write_text(json.dumps({"max": worst, "tensors": drift}, indent=1))
+        print(f"replica drift: largest difference between TP copies {worst} over {len(drift)} tensors")
+    if any(spread > 0 for spread in drift.values()):
+        raise RuntimeError(f"TP replicas differ at the end of the run (see {path}): not exported")
