@@ -26,6 +26,17 @@ Choices where the specification is silent:
 - Every rank of a TP group must hold the same module structure (the same candidates in the same name
   order); that is what makes one fixed-size pre-check all-reduce possible.
 
+Speed (the contract unchanged): what to reduce is computed once per model and TP group and cached
+(``replica_plan``); it is rebuilt when a parameter is replaced, a module or parameter is added or removed, a
+marker or ``requires_grad`` changes, or ``_MAX_FLAT_BUFFER_BYTES`` changes. The pre-check flags are one int32
+tensor built at once. Buffers persist between calls, within ``_MAX_FLAT_BUFFER_BYTES`` in all, and go away
+with the model: FP32 (wire-dtype) gradients of plain parameters become views of their bucket after the first
+call, so while the caller keeps them (``zero_grad(set_to_none=False)``) the all-reduce runs in place; a caller
+that sets gradients to None gets them packed (one ``torch._foreach_copy_``) and re-bound each step. Other
+gradients (bf16/fp16, DTensor) go through one shared staging buffer, bucket after bucket. A step where some
+candidates have no gradient anywhere uses transient buffers. Set ``_MODEL_OWNED_GRAD_DIVISOR_ATTR`` before the
+first sync (it is rechecked too, but only on the parameters seen then).
+
 Every collective is called through ``dist.<name>`` at call time so tests can intercept them.
 """
 
