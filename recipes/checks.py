@@ -25,7 +25,6 @@ from hydra.errors import HydraException
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from pydantic import ValidationError
 from transformers import AutoTokenizer
 
 from components.data import (
@@ -44,6 +43,7 @@ from components.distributed.mesh import ParallelDims, resolve_parallel_dims
 from components.distributed.tp_plan import check_plan, plan_for
 from components.models import load_config, meta_causal_lm
 from components.models.configs import build_config, config_errors
+from components.models.folder_check import check_model_folder, check_tokenizer_folder
 from components.models.hub import resolve_model_folder
 from components.models.parallelize import ModelSpec
 from components.moe import check_expert_parallel
@@ -53,7 +53,7 @@ from components.training.output_dir import OutputDirLock
 from components.training.schedule import check_schedule
 from recipes.outputs import OwnershipError, choose_checkpoint, explicit_checkpoint_errors, own_output_dir, run_info
 from recipes.plan import RunPlan
-from recipes.schema import Config, describe, show
+from recipes.schema import Config, SchemaError, show, validate
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
@@ -79,47 +79,6 @@ def compose(overrides: list[str]) -> DictConfig:
             return hydra_compose(config_name="config", overrides=overrides, return_hydra_config=True)
     except (HydraException, OmegaConfBaseException) as error:
         fail(str(error) or str(error.__cause__))
-
-
-def _unresolvable(cfg: DictConfig) -> str:
-    """Which key's ``${...}`` interpolation fails (OmegaConf.resolve does not say), with the reason."""
-    pending = list(OmegaConf.to_container(cfg, resolve=False).items())
-    while pending:
-        key, value = pending.pop(0)
-        if isinstance(value, dict):
-            pending += [(f"{key}.{child}", item) for child, item in value.items()]
-            continue
-        try:
-            OmegaConf.select(cfg, key, throw_on_resolution_failure=True)
-        except OmegaConfBaseException as failure:
-            return (
-                f"{key}={show(value)} cannot be resolved ({str(failure).splitlines()[0]}): fix the ${{...}} reference"
-            )
-    return "the config cannot be resolved: fix its ${...} references"
-
-
-def _unset(container: Any, prefix: str = "") -> list[str]:
-    """Keys left at ``???``."""
-    if isinstance(container, dict):
-        return [key for name, value in container.items() for key in _unset(value, f"{prefix}{name}.")]
-    return [prefix[:-1]] if container == "???" else []
-
-
-def validate(cfg: DictConfig) -> Config:
-    """The composed config (without its ``hydra`` node) checked against the schema, every problem at once."""
-    body = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
-    try:
-        container = OmegaConf.to_container(body, resolve=True, throw_on_missing=False)
-    except OmegaConfBaseException as error:
-        raise ConfigError(_unresolvable(body)) from error
-    unset = _unset(container)
-    if unset:
-        hints = {"data.path": "data.path is not set: data=jsonl needs data.path=/path/to/file.jsonl"}
-        raise ConfigError("; ".join(hints.get(key, f"{key} is not set (???): give it a value") for key in unset))
-    try:
-        return Config.model_validate(container)
-    except ValidationError as error:
-        raise ConfigError("; ".join(describe(error))) from None
 
 
 def check_target(group: str, target: str, options: dict[str, Any], base: type, fixed: set[str]) -> list[str]:
@@ -187,9 +146,8 @@ def resolve_model(settings: Config, dims: ParallelDims | None) -> tuple[Path | N
     model = settings.model
     try:
         if model.pretrained_path is not None or model.source is not None:
-            if model.config:
-                why = f"model.config overrides apply to a model built from its config, not to model={model.name} with"
-                return None, None, [f"{why} a pretrained folder: use model=pretrained model.pretrained_path=..."]
+            if model.config:  # the group's sizes (or a user's overrides) do not apply to a pretrained folder
+                print(f"note: model.config of model={model.name} is not used: the folder's config.json decides")
             path = _model_folder(model.pretrained_path)
             config = load_config(path)
         else:
@@ -205,6 +163,8 @@ def resolve_model(settings: Config, dims: ParallelDims | None) -> tuple[Path | N
             f"train.seq_len ({settings.train.seq_len}) exceeds the model's max_position_embeddings "
             f"({config.max_position_embeddings}): use train.seq_len={config.max_position_embeddings} or less"
         )
+    if path is not None:
+        errors += check_model_folder(path, meta_causal_lm(config)) + check_tokenizer_folder(path)
     if dims is not None:
         errors += _plan_errors(settings, dims, config)
     return path, config, errors
@@ -292,7 +252,10 @@ def prepare_run_data(settings: Config, source: DataSource, tokenizer_dir: Path, 
 def plan_run(cfg: DictConfig, output_dir: str | None = None) -> tuple[RunPlan, OutputDirLock | None]:
     """Check everything and decide everything a rank needs; raise ConfigError naming every problem. Also
     returns the lock on ``output_dir`` (held by this process, None on torchrun ranks other than 0)."""
-    settings = validate(cfg)
+    try:
+        settings = validate(cfg)
+    except SchemaError as error:
+        raise ConfigError(str(error)) from None
     errors = check_target("optim", settings.optim.target, settings.optim.options(), torch.optim.Optimizer, {"params"})
     logger, train = settings.logger, settings.train
     missing = check_logger_available(logger.target)

@@ -13,6 +13,8 @@ other keys are checked against the signature of the class the target names (see 
 
 from typing import Annotated, Any, Literal
 
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 PRECISIONS = ("fp32", "bf16-mixed", "bf16")
@@ -178,3 +180,48 @@ def describe(error: ValidationError) -> list[str]:
         else:
             lines.append(f"{dotted}={show(item['input'])} is not valid: use {hint or item['msg']}")
     return lines
+
+
+class SchemaError(ValueError):
+    """The config does not fit the schema; the message names every wrong key."""
+
+
+def _unresolvable(cfg: DictConfig) -> str:
+    """Which key's ``${...}`` interpolation fails (OmegaConf.resolve does not say), with the reason."""
+    pending = list(OmegaConf.to_container(cfg, resolve=False).items())
+    while pending:
+        key, value = pending.pop(0)
+        if isinstance(value, dict):
+            pending += [(f"{key}.{child}", item) for child, item in value.items()]
+            continue
+        try:
+            OmegaConf.select(cfg, key, throw_on_resolution_failure=True)
+        except OmegaConfBaseException as failure:
+            return (
+                f"{key}={show(value)} cannot be resolved ({str(failure).splitlines()[0]}): fix the ${{...}} reference"
+            )
+    return "the config cannot be resolved: fix its ${...} references"
+
+
+def _unset(container: Any, prefix: str = "") -> list[str]:
+    """Keys left at ``???``."""
+    if isinstance(container, dict):
+        return [key for name, value in container.items() for key in _unset(value, f"{prefix}{name}.")]
+    return [prefix[:-1]] if container == "???" else []
+
+
+def validate(cfg: DictConfig) -> Config:
+    """The composed config (without its ``hydra`` node) checked against the schema, every problem at once."""
+    body = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
+    try:
+        container = OmegaConf.to_container(body, resolve=True, throw_on_missing=False)
+    except OmegaConfBaseException as error:
+        raise SchemaError(_unresolvable(body)) from error
+    unset = _unset(container)
+    if unset:
+        hints = {"data.path": "data.path is not set: data=jsonl needs data.path=/path/to/file.jsonl"}
+        raise SchemaError("; ".join(hints.get(key, f"{key} is not set (???): give it a value") for key in unset))
+    try:
+        return Config.model_validate(container)
+    except ValidationError as error:
+        raise SchemaError("; ".join(describe(error))) from None

@@ -13,6 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from components.data import DEFAULT_VOCAB_SIZE, train_tokenizer
+from components.models import build_causal_lm, tiny_config
+
 # The module fixture runs every case (~40 processes of ~5 s of imports each, two at a time) inside the first
 # test's set-up: give it room on a loaded machine.
 pytestmark = pytest.mark.timeout(1200)
@@ -79,6 +82,23 @@ CASES: dict[str, tuple[list[str], str]] = {
         "train.seq_len (50) must be divisible by tp (4) with sp=true",
     ),
     "seq_len beyond the model's positions": (["train.seq_len=1000"], "exceeds the model's max_position_embeddings"),
+    "a model folder without weights": (
+        ["model=pretrained", "model.pretrained_path={root}/no_weights"],
+        "has no weights",
+    ),
+    "a model folder with truncated weights": (
+        ["model=pretrained", "model.pretrained_path={root}/truncated"],
+        "model.safetensors cannot be read",
+    ),
+    "a model folder with weights of another shape": (
+        ["model=pretrained", "model.pretrained_path={root}/wrong_shapes"],
+        "holds tensors of another shape: model.layers.0.mlp.down_proj.weight [64, 96] (the model wants [64, 128])",
+    ),
+    "a model folder without a tokenizer": (
+        ["model=pretrained", "model.pretrained_path={root}/no_tokenizer"],
+        "has no tokenizer that loads",
+    ),
+    "an output_dir that cannot be created": (["output_dir=/proc/shardtune"], "output_dir /proc/shardtune cannot be used"),
     "seed out of range": (["seed=99999999999999999999999"], "seed=99999999999999999999999 is not valid"),
     "infinite lr": (["optim.lr=inf"], "optim.lr=inf is not valid"),
     "unresolvable interpolation": (["train.seq_len=${oops}"], "train.seq_len='${oops}' cannot be resolved"),
@@ -97,8 +117,26 @@ class Outcome:
     root: Path
 
 
+def model_folders(root: Path) -> None:
+    """Tiny Llama folders, each broken one way."""
+    tokenizer = train_tokenizer(["hello world", "fine tuning"], DEFAULT_VOCAB_SIZE, root / "tokenizer")
+    config = tiny_config("llama", vocab_size=len(tokenizer))
+    for name in ("no_weights", "truncated", "wrong_shapes", "no_tokenizer"):
+        build = (
+            tiny_config("llama", vocab_size=len(tokenizer), intermediate_size=96) if name == "wrong_shapes" else config
+        )
+        build_causal_lm(build, seed=0).save_pretrained(root / name)
+        config.save_pretrained(root / name)  # the folder's config says 128: its weights were built with 96
+        if name != "no_tokenizer":
+            tokenizer.save_pretrained(root / name)
+    (root / "no_weights" / "model.safetensors").unlink()
+    weights = root / "truncated" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+
+
 def inputs(root: Path) -> None:
     """The files the cases point at."""
+    model_folders(root)
     (root / "a_file").write_text("not a folder\n")
     (root / "empty.jsonl").write_text("\n")
     (root / "bad.jsonl").write_text('{"prompt": "a", "response": "b"}\n{"prompt": "c", "response": "d"\n')

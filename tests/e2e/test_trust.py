@@ -1,0 +1,148 @@
+"""Runs you can trust, through the real command line: a run owns its folder, never adopts or overwrites another
+run's files, runs no code from a checkpoint, says what it does with a damaged one, and refuses a resume that
+cannot continue the same training."""
+
+import json
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SMALL = ["train.global_batch_size=4", "train.micro_batch_size=2", "train.val_every=0", "train.warmup_steps=1"]
+SMALL += ["data.num_examples=200"]
+
+
+def command(output_dir: Path, *overrides: str) -> list[str]:
+    return [sys.executable, "recipes/finetune.py", *SMALL, f"output_dir={output_dir}", *overrides]
+
+
+def run(output_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        command(output_dir, *overrides), cwd=REPO, capture_output=True, text=True, timeout=600, env=environment
+    )
+
+
+def error_line(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode != 0, result.stdout[-2000:]
+    return [line for line in result.stderr.splitlines() if line.startswith("error: ")][-1]
+
+
+def steps(output_dir: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A finished run with checkpoints at steps 2 and 4 (never changed by the tests: they copy it)."""
+    folder = tmp_path_factory.mktemp("trained") / "run"
+    result = run(folder, "train.max_steps=4", "checkpoint.every_steps=2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return folder
+
+
+def copy_of(trained: Path, tmp_path: Path) -> Path:
+    folder = tmp_path / "copy"
+    shutil.copytree(trained, folder, ignore=shutil.ignore_patterns(".lock"))
+    return folder
+
+
+def test_a_fresh_run_never_adopts_another_runs_files(trained, tmp_path):
+    folder = copy_of(trained, tmp_path)
+    line = error_line(run(folder, "train.max_steps=6"))
+    assert "holds another run's files" in line and "checkpoint.resume=auto" in line
+    assert "overwrite_output_dir=true" in line and "another output_dir" in line
+    assert steps(folder) == [1, 2, 3, 4] and (folder / "checkpoints" / "step_00000004").is_dir()
+
+    (folder / "notes.txt").write_text("the user's own file\n")
+    result = run(folder, "train.max_steps=2", "overwrite_output_dir=true")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert steps(folder) == [1, 2] and not (folder / "checkpoints").exists()
+    assert (folder / "notes.txt").read_text() == "the user's own file\n"
+
+
+def test_a_second_run_into_a_folder_in_use_is_refused_naming_the_holder(tmp_path):
+    folder = tmp_path / "busy"
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    first = subprocess.Popen(
+        command(folder, "train.max_steps=100000"), cwd=REPO, env=environment, start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while not (folder / "metrics.jsonl").is_file():
+            assert first.poll() is None and time.monotonic() < deadline, "the first run did not start training"
+            time.sleep(0.2)
+        line = error_line(run(folder, "train.max_steps=2", "overwrite_output_dir=true"))
+        assert "is in use by another run" in line and f"pid {first.pid}" in line, line
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+
+
+class _Payload:
+    """Unpickling this runs ``touch <marker>``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_checkpoint_runs_no_code(trained, tmp_path):
+    folder = copy_of(trained, tmp_path)
+    marker = tmp_path / "payload_ran"
+    metadata = folder / "checkpoints" / "step_00000004" / ".metadata"
+    metadata.write_bytes(pickle.dumps(_Payload(marker)))
+    line = error_line(run(folder, "train.max_steps=6", f"checkpoint.resume={metadata.parent}"))
+    assert "step_00000004" in line and ".metadata" in line, line
+    assert not marker.exists()
+
+
+def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one_out_loud(trained, tmp_path):
+    folder = copy_of(trained, tmp_path)
+    shard = next((folder / "checkpoints" / "step_00000004").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    result = run(folder, "train.max_steps=6", "checkpoint.resume=auto")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"warning: skipping checkpoint {folder / 'checkpoints' / 'step_00000004'}" in result.stdout
+    assert "is truncated" in result.stdout
+    assert f"resumed from {folder / 'checkpoints' / 'step_00000002'} at step 2" in result.stdout
+    assert steps(folder) == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (
+            ["train.max_steps=6", "train.global_batch_size=8"],
+            "global_batch_size is 8 but the checkpoint was written with 4",
+        ),
+        (
+            ["train.max_steps=6", "optim=sgd"],
+            "optimizer is 'torch.optim.SGD' but the checkpoint was written with 'torch.optim.AdamW'",
+        ),
+        (["train.max_steps=6", "model.config.intermediate_size=96"], "model is"),
+        (["train.max_steps=3"], "max_steps 3 is not beyond the checkpoint's step 4"),
+    ],
+    ids=["batch geometry", "optimizer", "model", "max_steps"],
+)
+def test_a_resume_that_cannot_continue_the_same_training_is_refused(trained, tmp_path, overrides, expected):
+    folder = copy_of(trained, tmp_path)
+    line = error_line(run(folder, "checkpoint.resume=auto", *overrides))
+    assert f"cannot resume from {folder / 'checkpoints' / 'step_00000004'}" in line and expected in line, line
+
+
+def test_replicas_that_drift_without_checks_stop_the_run_before_export(tmp_path):
+    result = run(tmp_path / "drift", "tp=2", "train.max_steps=3", "debug.fault=perturb_replica@2")
+    line = error_line(result)
+    assert "TP replicas differ at the end of the run" in line and "not exported" in line, line
+    assert not (tmp_path / "drift" / "hf").exists()
