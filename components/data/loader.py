@@ -16,6 +16,7 @@ import array
 import random
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 
 import datasets
 import numpy as np
@@ -56,6 +57,14 @@ class Batch:
     def labelled_tokens(self) -> int:
         """Positions the loss counts: shifted labels that are not -100."""
         return int((self.labels[:, 1:] != IGNORE_INDEX).sum())
+
+
+def open_tokens(tokens_dir: str) -> datasets.Dataset:
+    """The tokenized examples in ``tokens_dir`` (``prepare_data``'s Arrow files, in order), memory-mapped."""
+    files = sorted(Path(tokens_dir).glob("*.arrow"))
+    if not files:
+        raise FileNotFoundError(f"no tokenized data (*.arrow) in {tokens_dir}: run prepare_data first")
+    return datasets.concatenate_datasets([datasets.Dataset.from_file(str(file)) for file in files])
 
 
 def pad_id_of(tokenizer) -> int:
@@ -161,7 +170,7 @@ class StepBatches:
         seed: int,
     ) -> "StepBatches":
         """The loader of a prepared split, its tokens memory-mapped from the launcher's cache folder."""
-        tokens = datasets.load_from_disk(split.tokens_dir)
+        tokens = open_tokens(split.tokens_dir)
         with np.load(split.rows_file) as arrays:
             rows = Rows.load_from(arrays, split.part)
         sizes = dict(seq_len=split.seq_len, pad_id=split.pad_id, dp_size=dp_size, dp_rank=dp_rank, seed=seed)

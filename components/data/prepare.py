@@ -6,7 +6,7 @@
 
 The records are tokenized once per (records, tokenizer with its chat template, ``seq_len``) with
 ``Dataset.map`` over ``num_proc`` processes, checked in the same pass (a record that keeps no answer token
-within ``seq_len`` is reported by index), and saved in Arrow form under
+within ``seq_len`` is reported by index), and kept as map's Arrow files under
 ``<cache_root>/data/<key>/tokens``, written to a temporary folder and renamed, so a crash leaves no half
 folder and a second experiment on the same data, in any ``output_dir``, reuses it. The train/validation
 split and the packing are small index files beside it (``rows-*.npz``), so changing ``seed``,
@@ -31,11 +31,11 @@ from transformers import AutoTokenizer
 
 from components.data.collate import check_template, record_error, tokenize_batch
 from components.data.jsonl import DataError
-from components.data.loader import TokenizedSplit, pad_id_of
+from components.data.loader import TokenizedSplit, open_tokens, pad_id_of
 from components.data.packing import build_rows
 from components.data.sources import DataSource
 
-FORMAT_VERSION = 2  # bump when the tokenized layout changes, so old cache folders are not read
+FORMAT_VERSION = 3  # bump when the tokenized layout changes, so old cache folders are not read
 TOKENS = datasets.Features(
     {
         "input_ids": datasets.Sequence(datasets.Value("int32")),
@@ -44,6 +44,8 @@ TOKENS = datasets.Features(
         "labelled": datasets.Value("int32"),
     }
 )
+# Rows per Arrow record batch of the tokenized files (a few MB each for short records).
+WRITER_BATCH_SIZE = 100_000
 # Below this many records per process, starting map's worker processes costs more than it saves.
 RECORDS_PER_PROCESS = 20_000
 
@@ -77,7 +79,12 @@ def tokenizer_digest(tokenizer) -> str:
 
 
 def _tokenize(source: DataSource, tokenizer, seq_len: int, num_proc: int, cache_root: Path, folder: Path) -> None:
-    """Tokenize every record into ``folder/tokens`` (via a temporary folder renamed at the end)."""
+    """Tokenize every record into ``folder/tokens`` (via a temporary folder renamed at the end).
+
+    The Arrow files are map's own output (one per worker), kept as they are: no second copy, and written
+    in large record batches, so a rank that memory-maps them touches a page or so per batch to find them
+    instead of every 1000 rows (``save_to_disk`` would rewrite them in 1000-row batches).
+    """
     scratch = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
     shutil.rmtree(scratch, ignore_errors=True)
     try:
@@ -91,7 +98,8 @@ def _tokenize(source: DataSource, tokenizer, seq_len: int, num_proc: int, cache_
             remove_columns=raw.column_names,
             features=TOKENS,
             num_proc=processes if processes > 1 else None,
-            cache_file_name=str(scratch / "map" / "tokens.arrow"),
+            cache_file_name=str(scratch / "tokens" / "tokens.arrow"),
+            writer_batch_size=WRITER_BATCH_SIZE,
             new_fingerprint=folder.name,
         )
         labelled = tokens.data.column("labelled").to_numpy()
@@ -99,9 +107,7 @@ def _tokenize(source: DataSource, tokenizer, seq_len: int, num_proc: int, cache_
         if len(bad):
             index = int(bad[0])
             raise record_error(index, raw[index], tokenizer, seq_len)
-        tokens.save_to_disk(str(scratch / "tokens"))
         del tokens
-        shutil.rmtree(scratch / "map")
         (scratch / "meta.json").write_text(json.dumps({"num_examples": len(labelled), "seq_len": seq_len}))
         try:
             scratch.rename(folder)
@@ -136,7 +142,7 @@ def _write_rows(folder: Path, val_fraction: float, seed: int, packing: bool, seq
     rows_file = folder / f"rows-v{val_fraction!r}-s{seed}-{'packed' if packing else 'rows'}.npz"
     if rows_file.is_file():
         return rows_file
-    table = datasets.load_from_disk(str(folder / "tokens")).data
+    table = open_tokens(str(folder / "tokens")).data
     lengths, labelled = table.column("length").to_numpy(), table.column("labelled").to_numpy()
     del table
     train, val = split_indices(len(lengths), val_fraction, seed)
