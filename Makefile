@@ -24,7 +24,7 @@ test: install
 bench: install
 	$(PY) bench/run_all.py
 
-# Every regression recipe (conf/experiment/) against its golden curve and its tp=1 twin; plots in
+# Every regression recipe (conf/experiment/regression/) against its golden curve and its tp=1 twin; plots in
 # outputs/regression/. Refresh the golden files with: $(PY) tests/regression/regress.py --update-golden
 regression: install
 	$(PY) tests/regression/regress.py
