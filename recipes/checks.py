@@ -42,6 +42,7 @@ from components.distributed.launch import cpu_threads_per_rank, started_by_launc
 from components.distributed.mesh import ParallelDims, resolve_parallel_dims
 from components.distributed.tp_plan import check_plan, plan_for
 from components.models import load_config, meta_causal_lm
+from components.models.compile import check_compile
 from components.models.configs import build_config, config_errors
 from components.models.folder_check import check_model_folder, check_tokenizer_folder
 from components.models.hub import resolve_model_folder
@@ -167,6 +168,13 @@ def resolve_model(settings: Config, dims: ParallelDims | None) -> tuple[Path | N
         errors += check_model_folder(path, meta_causal_lm(config)) + check_tokenizer_folder(path)
     if dims is not None:
         errors += _plan_errors(settings, dims, config)
+        try:
+            is_moe = bool(settings.model.experts)
+            check_compile(
+                settings.train.compile, "cuda" if torch.cuda.is_available() else "cpu", is_moe, dims.tp, settings.sp
+            )
+        except ValueError as error:
+            errors.append(str(error))
     return path, config, errors
 
 
@@ -249,6 +257,13 @@ def prepare_run_data(settings: Config, source: DataSource, tokenizer_dir: Path, 
     return prepared
 
 
+def model_spec(settings: Config, config, weights: Path | None) -> ModelSpec:
+    model, train = settings.model, settings.train
+    patterns = (tuple(model.experts), tuple(model.routers))
+    wrappers = (train.precision, train.activation_checkpointing, train.compile)
+    return ModelSpec(config, weights, settings.seed, settings.sp, *patterns, *wrappers)
+
+
 def plan_run(cfg: DictConfig, output_dir: str | None = None) -> tuple[RunPlan, OutputDirLock | None]:
     """Check everything and decide everything a rank needs; raise ConfigError naming every problem. Also
     returns the lock on ``output_dir`` (held by this process, None on torchrun ranks other than 0)."""
@@ -299,9 +314,7 @@ def plan_run(cfg: DictConfig, output_dir: str | None = None) -> tuple[RunPlan, O
             settings.cpu_threads, int(os.environ.get("LOCAL_WORLD_SIZE", dims.world_size))
         ),
         output_dir=output,
-        model=ModelSpec(
-            config, model_path, settings.seed, settings.sp, tuple(settings.model.experts), tuple(settings.model.routers)
-        ),
+        model=model_spec(settings, config, model_path),
         tokenizer_dir=Path(tokenizer_dir),
         data=data,
         resume_from=resume_from,

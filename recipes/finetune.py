@@ -35,10 +35,12 @@ from components.distributed.mesh import build_device_mesh
 from components.distributed.replica_drift import check_replicas, write_drift_report
 from components.distributed.tp_replicas import broadcast_tp_replicas, synchronize_tp_replica_gradients
 from components.models.parallelize import build_parallel_model
+from components.models.precision import precision_policy
 from components.training.checkpoint import load_checkpoint, save_checkpoint
 from components.training.export import export_dtype, export_hf
 from components.training.faults import install_faults
 from components.training.loggers import MetricsLogger, NoLogger
+from components.training.memory import peak_memory_gib, reset_peak_memory
 from components.training.metrics import MetricsLog, plot_loss_curve
 from components.training.schedule import build_schedule
 from components.training.step import forward_backward
@@ -99,13 +101,16 @@ def set_up(plan: RunPlan) -> Run:
 def train_step(run: Run, plan: RunPlan, step: int) -> dict:
     """One optimizer step (0-based ``step``): micro-batches, gradient reductions, clip, update; its metrics."""
     settings, started = plan.settings, time.perf_counter()
+    reset_peak_memory(run.device)
+    precision = precision_policy(settings.train.precision)
     run.optimizer.zero_grad(set_to_none=True)
     micro_batches, labelled = run.data.batches_for_step(step), run.data.labels_in_step(step)
     loss_sum = torch.zeros((), dtype=torch.float64)
     for index, batch in enumerate(micro_batches):
         set_gradient_sync(run.model, index == len(micro_batches) - 1)  # dp reduce once per step
         batch = batch.to(run.device)
-        loss_sum += forward_backward(run.model, batch.input_ids, batch.labels, labelled, batch.position_ids)
+        with precision.autocast(run.device.type, data_parallel=plan.dims.dp > 1):  # bf16-mixed without FSDP
+            loss_sum += forward_backward(run.model, batch.input_ids, batch.labels, labelled, batch.position_ids)
     finalize_dtensor_gradients([run.model])
     synchronize_tp_replica_gradients([run.model], run.mesh)
     clip = settings.train.clip_grad_norm
@@ -120,6 +125,8 @@ def train_step(run: Run, plan: RunPlan, step: int) -> dict:
         run.optimizer.step()
     run.scheduler.step()
     dist.all_reduce(loss_sum, group=run.mesh["dp"].get_group())
+    peak = torch.tensor(peak_memory_gib(run.device), dtype=torch.float64)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # the busiest rank's
     elapsed, tokens = time.perf_counter() - started, run.data.tokens_in_step(step)
     return {
         "step": step + 1,
@@ -128,6 +135,7 @@ def train_step(run: Run, plan: RunPlan, step: int) -> dict:
         "lr": lr,
         "tokens": tokens,
         "tokens_per_s": tokens / elapsed,
+        "peak_memory_gib": peak.item(),
         **({} if finite else {"skipped": True}),
     }
 

@@ -18,7 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 PRECISIONS = ("fp32", "bf16-mixed", "bf16")
-ACTIVATION_CHECKPOINTING = ("none", "full")
+ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 
 
 def key(hint: str, **constraints: Any) -> Any:

@@ -1,7 +1,8 @@
 """Build the model a rank trains, in the one fixed order every parallelism needs.
 
-    weights (seeded, or on the meta device) -> TP plan -> expert parallelism -> load this rank's slices
-    -> FSDP over dp
+    weights in the precision's dtype (seeded, or on the meta device) -> TP plan (+ bf16 casts ahead of its
+    gathers) -> expert parallelism -> load this rank's slices -> compile and activation checkpointing per
+    block -> FSDP over dp with the precision's mixed-precision policy
 
 Each step is its own component (``tp_plan``, ``moe``, ``load``, ``fsdp``); this module only fixes their order,
 so the recipe makes one call.
@@ -19,7 +20,9 @@ from components.distributed.fsdp import shard_data_parallel
 from components.distributed.mesh import ParallelDims, build_moe_mesh
 from components.distributed.tp_plan import PlanReport, apply_tp_plan, plan_for
 from components.models.build import build_causal_lm, meta_causal_lm
+from components.models.compile import apply_block_wrappers
 from components.models.load import materialize_from_pretrained
+from components.models.precision import precision_policy
 from components.moe import apply_expert_parallel
 
 
@@ -33,25 +36,31 @@ class ModelSpec:
     sequence_parallel: bool
     experts: tuple[str, ...]  # module patterns of MoE experts and routers (left out of the TP plan)
     routers: tuple[str, ...]
+    precision: str  # fp32 | bf16-mixed | bf16 (components.models.precision)
+    activation_checkpointing: str  # none | full | selective
+    compile: bool  # torch.compile each decoder block
 
 
 def build_parallel_model(
     spec: ModelSpec, dims: ParallelDims, mesh: DeviceMesh, device: torch.device
 ) -> tuple[nn.Module, PlanReport | None]:
     """The model of this rank, sharded over ``mesh`` ("dp", "tp"), and the TP plan's report (None at tp=1)."""
+    policy = precision_policy(spec.precision)
     if spec.weights is None:
-        model = build_causal_lm(spec.config, seed=spec.seed).to(device)
-    else:
-        model = meta_causal_lm(spec.config)  # nothing allocated until each rank loads its own shards
+        model = build_causal_lm(spec.config, seed=spec.seed, dtype=policy.param_dtype).to(device)
+    else:  # nothing allocated until each rank loads its own shards
+        model = meta_causal_lm(spec.config, dtype=policy.param_dtype)
     report = None
     if dims.tp > 1:
         plan = plan_for(spec.config, spec.sequence_parallel)
         moe_modules = (*spec.experts, *spec.routers)
         report = apply_tp_plan(model, mesh["tp"], plan, spec.config, spec.sequence_parallel, moe_modules)
+        policy.cast_tp_inputs(model, data_parallel=dims.dp > 1)
     if dims.ep > 1:  # the MoE mesh and its process groups exist only when experts are split
         apply_expert_parallel(model, build_moe_mesh(mesh, dims), list(spec.experts))
     if spec.weights is not None:
         materialize_from_pretrained(model, spec.weights, device=str(device))
+    apply_block_wrappers(model, spec.activation_checkpointing, spec.compile)
     if dims.dp > 1:
-        shard_data_parallel(model, mesh["dp"])
+        shard_data_parallel(model, mesh["dp"], mp_policy=policy.fsdp_policy())
     return model, report
