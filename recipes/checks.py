@@ -11,6 +11,7 @@ sizes and (with ``sp``) the sequence length that do not divide; ``checkpoint.res
 split; and, once the tokenizer exists, that every record keeps answer tokens within ``train.seq_len``.
 """
 
+import importlib
 import inspect
 import os
 import shutil
@@ -22,7 +23,6 @@ import torch
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from hydra.errors import HydraException
-from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from transformers import AutoTokenizer
@@ -85,9 +85,10 @@ def compose(overrides: list[str]) -> DictConfig:
 def check_target(group: str, target: str, options: dict[str, Any], base: type, fixed: set[str]) -> list[str]:
     """``<group>._target_`` names a class (a subclass of ``base``) and every other key is one of its options (its
     constructor's parameters less ``fixed``, which the recipe passes itself)."""
+    module, _, name = target.rpartition(".")
     try:
-        built = get_class(target)
-    except Exception:  # noqa: BLE001 - any import failure means the name is wrong
+        built = getattr(importlib.import_module(module), name, None)
+    except (ImportError, ValueError):
         built = None
     if not (isinstance(built, type) and issubclass(built, base)):
         return [
@@ -292,7 +293,10 @@ def plan_run(cfg: DictConfig, output_dir: str | None = None) -> tuple[RunPlan, O
         raise ConfigError("; ".join(errors))
 
     cache = Path(settings.cache_dir).expanduser().absolute()
-    tokenizer_dir = model_path or prepare_tokenizer(source, cache)
+    try:
+        tokenizer_dir = model_path or prepare_tokenizer(source, cache)
+    except DataError as error:
+        raise ConfigError(f"data: {error}") from None
     if model_path is None:
         config.vocab_size = len(AutoTokenizer.from_pretrained(tokenizer_dir))
     info = run_info(settings, config)

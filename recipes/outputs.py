@@ -16,6 +16,7 @@ from components.training.checkpoint_check import (
     MARKER,
     CheckpointError,
     check_checkpoint,
+    complete_checkpoints,
     find_resumable,
     model_fingerprint,
     resume_problems,
@@ -45,8 +46,8 @@ def explicit_checkpoint_errors(resume: str | None) -> list[str]:
         return []  # a checkpoint folder: whether it is usable is checked under the lock
     if not path.is_dir():
         why = "is a file, not a checkpoint folder" if path.exists() else "does not exist"
-    elif (latest := find_resumable(path).path) is not None:
-        return [f"checkpoint.resume={show(resume)} holds checkpoints but is not one: use checkpoint.resume={latest}"]
+    elif found := complete_checkpoints(path):
+        return [f"checkpoint.resume={show(resume)} holds checkpoints but is not one: use checkpoint.resume={found[-1]}"]
     elif path.name.endswith(".tmp"):
         why = "is an unfinished save (no COMPLETE marker)"
     else:

@@ -31,7 +31,7 @@ CASES: dict[str, tuple[list[str], str]] = {
     "dp times tp not the world size": (["tp=2", "dp=3", "nproc=4"], "dp=3 × tp=2 = 6 does not match the world size 4"),
     "missing pretrained_path": (
         ["model.pretrained_path=/nonexistent/model"],
-        "model.pretrained_path '/nonexistent/model' is not a Hugging Face model folder (no config.json)",
+        "model.pretrained_path='/nonexistent/model' is neither a local folder nor a Hugging Face Hub id",
     ),
     "ep not dividing tp": (["model=qwen3_moe", "tp=2", "ep=4", "nproc=4"], "ep (4) must divide tp (2)"),
     "dense model with ep": (["ep=2", "tp=2"], "ep=2 needs an MoE model"),
@@ -98,7 +98,10 @@ CASES: dict[str, tuple[list[str], str]] = {
         ["model=pretrained", "model.pretrained_path={root}/no_tokenizer"],
         "has no tokenizer that loads",
     ),
-    "an output_dir that cannot be created": (["output_dir=/proc/shardtune"], "output_dir /proc/shardtune cannot be used"),
+    "an output_dir that cannot be created": (
+        ["output_dir=/proc/shardtune"],
+        "output_dir /proc/shardtune cannot be used",
+    ),
     "seed out of range": (["seed=99999999999999999999999"], "seed=99999999999999999999999 is not valid"),
     "infinite lr": (["optim.lr=inf"], "optim.lr=inf is not valid"),
     "unresolvable interpolation": (["train.seq_len=${oops}"], "train.seq_len='${oops}' cannot be resolved"),
