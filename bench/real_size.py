@@ -4,7 +4,7 @@ Each measured configuration runs in fresh processes (``launch_local``, one per T
 that configuration's and nothing is left from the previous one. A rank builds the model on the meta device,
 shards it (TP plan), wraps the blocks (bf16 input casts, activation checkpointing, compile), gives each
 rank random weights for its own shard only, then runs ``steps`` AdamW steps of one micro-batch: forward
-(under the precision's autocast) and backward with the recipe's ``forward_backward``, gradient finalisation,
+(under the precision's autocast) and backward as the recipe's ``forward_backward`` does, gradient finalisation,
 replica sync, ``optimizer.step()``. Nothing but the step is timed.
 """
 
@@ -18,17 +18,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 from transformers import LlamaConfig
 
 from components.distributed.grads import finalize_dtensor_gradients
 from components.distributed.launch import init_process_group, launch_local
-from components.distributed.tp_plan import apply_tp_plan, plan_for
+from components.distributed.tp_plan import apply_tp_plan, cross_entropy_sum, plan_for
 from components.distributed.tp_replicas import broadcast_tp_replicas, synchronize_tp_replica_gradients
 from components.models.build import local_parameter_bytes, materialize_random, meta_causal_lm
 from components.models.compile import apply_block_wrappers
 from components.models.precision import precision_policy
 from components.training.memory import current_memory_gib, peak_memory_gib, reset_peak_memory
-from components.training.step import forward_backward
 
 GIB = 1024**3
 _M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
@@ -67,14 +67,30 @@ class SavedActivations:
         self.storages: dict[int, int] = {}
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        storage = _local(tensor).untyped_storage()
-        if storage.data_ptr() not in self.parameters:
-            self.storages[storage.data_ptr()] = storage.nbytes()
+        local = _local(tensor)
+        try:
+            key, size = local.untyped_storage().data_ptr(), local.untyped_storage().nbytes()
+        except RuntimeError:  # a tensor without a plain storage (a view DTensor makes on the fly): its bytes
+            key, size = id(local), local.numel() * local.element_size()
+        if key not in self.parameters:
+            self.storages[key] = size
         return tensor
 
     @property
     def gib(self) -> float:
         return sum(self.storages.values()) / GIB
+
+
+def _forward_backward(model: torch.nn.Module, tokens: torch.Tensor, autocast) -> float:
+    """The recipe's micro-batch with autocast around the forward only (as the recipe does): autocast's
+    cache of bf16 weight copies is freed when the forward ends, unless autograd saved them."""
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    with loss_parallel():
+        with autocast:
+            logits = model(input_ids=tokens, position_ids=positions, use_cache=False).logits
+        loss_sum = cross_entropy_sum(logits, tokens)
+        (loss_sum / (tokens.numel() - 1)).backward()
+    return (loss_sum.full_tensor() if isinstance(loss_sum, DTensor) else loss_sum).item()
 
 
 def _create_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -120,8 +136,7 @@ def _rank_step(
             started = time.perf_counter()
             hooks = torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t)
             with hooks if step == 0 else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
-                with policy.autocast("cpu", data_parallel=False):
-                    loss = forward_backward(model, tokens, tokens, seq_len - 1)
+                loss = _forward_backward(model, tokens, policy.autocast("cpu", data_parallel=False))
             finalize_dtensor_gradients([model])
             synchronize_tp_replica_gradients([model], mesh)
             optimizer.step()
