@@ -14,7 +14,6 @@ split; and, once the tokenizer exists, that every record keeps answer tokens wit
 import importlib
 import inspect
 import os
-import shutil
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
@@ -28,14 +27,11 @@ from omegaconf.errors import OmegaConfBaseException
 from transformers import AutoTokenizer
 
 from components.data import (
-    DEFAULT_VOCAB_SIZE,
     DataError,
     PreparedData,
     build_source,
-    data_cache_dir,
+    cached_tokenizer,
     prepare_data,
-    source_cache_dir,
-    train_tokenizer,
 )
 from components.data.sources import DataSource
 from components.distributed.launch import cpu_threads_per_rank, started_by_launcher
@@ -52,7 +48,14 @@ from components.training.faults import parse_fault
 from components.training.loggers import check_logger_available
 from components.training.output_dir import OutputDirLock
 from components.training.schedule import check_schedule
-from recipes.outputs import OwnershipError, choose_checkpoint, explicit_checkpoint_errors, own_output_dir, run_info
+from recipes.outputs import (
+    OwnershipError,
+    check_output_dir,
+    choose_checkpoint,
+    explicit_checkpoint_errors,
+    own_output_dir,
+    run_info,
+)
 from recipes.plan import RunPlan
 from recipes.schema import Config, SchemaError, show, validate
 
@@ -128,18 +131,6 @@ def check_sizes(settings: Config, device_type: str) -> tuple[ParallelDims | None
             f"an equal slice of the sequence): use e.g. train.seq_len={fits}"
         )
     return dims, errors
-
-
-def check_output_dir(path: Path) -> list[str]:
-    """``output_dir`` is a folder, or can be created as one, and can be written."""
-    if path.exists() and not path.is_dir():
-        return [f"output_dir={show(str(path))} is a file, not a folder: choose another output_dir"]
-    existing = next(parent for parent in (path, *path.parents) if parent.exists())
-    if not existing.is_dir():
-        return [f"output_dir={show(str(path))} cannot be created: {existing} is a file; choose another output_dir"]
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return [f"output_dir={show(str(path))} is not writable ({existing}): choose a folder you can write to"]
-    return []
 
 
 def resolve_model(settings: Config, dims: ParallelDims | None) -> tuple[Path | None, Any, list[str]]:
@@ -219,20 +210,6 @@ def data_source(settings: Config) -> tuple[DataSource | None, list[str]]:
         return None, [str(error)]
 
 
-def prepare_tokenizer(source: DataSource, cache: Path) -> Path:
-    """The byte-level BPE trained on ``source`` (cached by the source's fingerprint). Training is
-    deterministic, so when several torchrun ranks race, each writes a private folder and the first wins."""
-    folder = data_cache_dir(cache) / "tokenizers" / f"{source.fingerprint()}-{DEFAULT_VOCAB_SIZE}"
-    if not folder.is_dir():
-        private = folder.with_name(f"{folder.name}.{os.getpid()}.tmp")
-        train_tokenizer(source.texts(source_cache_dir(cache)), DEFAULT_VOCAB_SIZE, private)
-        try:
-            private.rename(folder)
-        except OSError:
-            shutil.rmtree(private, ignore_errors=True)
-    return folder
-
-
 def prepare_run_data(settings: Config, source: DataSource, tokenizer_dir: Path, dims: ParallelDims) -> PreparedData:
     """Tokenize once (or reuse the cache) and check the splits; raise ConfigError."""
     train, cache = settings.train, Path(settings.cache_dir).expanduser().absolute()
@@ -294,7 +271,7 @@ def plan_run(cfg: DictConfig, output_dir: str | None = None) -> tuple[RunPlan, O
 
     cache = Path(settings.cache_dir).expanduser().absolute()
     try:
-        tokenizer_dir = model_path or prepare_tokenizer(source, cache)
+        tokenizer_dir = model_path or cached_tokenizer(source, cache)
     except DataError as error:
         raise ConfigError(f"data: {error}") from None
     if model_path is None:

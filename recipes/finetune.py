@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoTokenizer
 
 from components.data import StepBatches
+from components.data.loader import open_splits
 from components.distributed.fsdp import set_gradient_sync
 from components.distributed.grads import clip_grad_norm_, finalize_dtensor_gradients, grad_norm
 from components.distributed.launch import join_world, launch_local, started_by_launcher
@@ -39,7 +40,7 @@ from components.models.precision import precision_policy
 from components.training.checkpoint import load_checkpoint, save_checkpoint
 from components.training.export import export_dtype, export_hf
 from components.training.faults import install_faults
-from components.training.loggers import MetricsLogger, NoLogger
+from components.training.loggers import NoLogger, open_logger
 from components.training.memory import peak_memory_gib, reset_peak_memory
 from components.training.metrics import MetricsLog, plot_loss_curve
 from components.training.schedule import build_schedule
@@ -72,11 +73,9 @@ def set_up(plan: RunPlan) -> Run:
     device = join_world(plan.device_type, timeout, plan.cpu_threads, settings.seed)
     rank, mesh = dist.get_rank(), build_device_mesh(plan.dims, plan.device_type)
     shards = dict(dp_size=plan.dims.dp, dp_rank=mesh["dp"].get_local_rank(), seed=settings.seed)
-    data = StepBatches.open(plan.data.train, train.global_batch_size, train.micro_batch_size, **shards)
-    val_data = None  # data.val_fraction=0 leaves no validation set (the checks require val_every=0 then)
-    if plan.data.val is not None:
-        val_batch = train.micro_batch_size * plan.dims.dp
-        val_data = StepBatches.open(plan.data.val, val_batch, train.micro_batch_size, **shards)
+    data, val_data = open_splits(
+        plan.data.train, plan.data.val, train.global_batch_size, train.micro_batch_size, **shards
+    )
 
     model, report = build_parallel_model(plan.model, plan.dims, mesh, device)
     if report is not None and rank == 0:
@@ -140,29 +139,22 @@ def train_step(run: Run, plan: RunPlan, step: int) -> dict:
     }
 
 
-def open_tracker(run: Run, plan: RunPlan) -> MetricsLogger:
-    """The experiment tracker (``logger=...``) on rank 0, with the config as hyper-parameters; others log nothing."""
-    if run.rank != 0:
-        return NoLogger(plan.output_dir)
-    logger = plan.settings.logger
-    tracker = get_class(logger.target)(output_dir=plan.output_dir, first_step=run.first_step, **logger.options())
-    tracker.log_hparams(yaml.safe_load(plan.config_yaml))
-    return tracker
-
-
 def train(run: Run, plan: RunPlan) -> None:
     """The steps after ``run.first_step`` up to ``max_steps`` (or ``stop_after``): metrics, validation, saves."""
     settings, train_cfg = plan.settings, plan.settings.train
     log = MetricsLog(plan.output_dir / "metrics.jsonl", run.rank == 0, run.first_step, train_cfg.max_steps)
-    tracker = open_tracker(run, plan)
+    logger = settings.logger  # the tracker (logger=...) writes from rank 0 only
+    hparams = yaml.safe_load(plan.config_yaml)
+    tracker = (
+        open_logger(logger.target, logger.options(), plan.output_dir, run.first_step, hparams)
+        if run.rank == 0
+        else NoLogger(plan.output_dir)
+    )
     for step in range(run.first_step, min(train_cfg.max_steps, train_cfg.stop_after or train_cfg.max_steps)):
         record = train_step(run, plan, step)
         done = step + 1
-        if (
-            run.val_data is not None
-            and train_cfg.val_every
-            and (done % train_cfg.val_every == 0 or done == train_cfg.max_steps)
-        ):
+        validate = train_cfg.val_every and (done % train_cfg.val_every == 0 or done == train_cfg.max_steps)
+        if validate and run.val_data is not None:
             record["val_loss"] = validation_loss(run.model, run.val_data, run.device, run.mesh["dp"].get_group())
         log.log(record)
         tracker.log_metrics(record, record["step"])

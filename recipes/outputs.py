@@ -8,6 +8,7 @@
   files (``overwrite_output_dir=true`` replaces them, and only them).
 """
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,18 @@ from recipes.schema import Config, show
 
 class OwnershipError(ValueError):
     """The folder or the checkpoint cannot be used; the message is one line saying why and what to do."""
+
+
+def check_output_dir(path: Path) -> list[str]:
+    """``output_dir`` is a folder, or can be created as one, and can be written."""
+    if path.exists() and not path.is_dir():
+        return [f"output_dir={show(str(path))} is a file, not a folder: choose another output_dir"]
+    existing = next(parent for parent in (path, *path.parents) if parent.exists())
+    if not existing.is_dir():
+        return [f"output_dir={show(str(path))} cannot be created: {existing} is a file; choose another output_dir"]
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return [f"output_dir={show(str(path))} is not writable ({existing}): choose a folder you can write to"]
+    return []
 
 
 def explicit_checkpoint_errors(resume: str | None) -> list[str]:

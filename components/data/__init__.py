@@ -5,7 +5,7 @@ from components.data.collate import IGNORE_INDEX, pad_batch, tokenize_example, t
 from components.data.generated import generate_examples
 from components.data.jsonl import DataError, read_jsonl
 from components.data.loader import Batch, StepBatches, TokenizedSplit, pad_id_of, split_train_val
-from components.data.prepare import PreparedData, data_cache_dir, prepare_data, source_cache_dir
+from components.data.prepare import PreparedData, cached_tokenizer, data_cache_dir, prepare_data, source_cache_dir
 from components.data.sources import GeneratedSource, HFSource, JsonlSource, build_source
 from components.data.tokenizer import DEFAULT_VOCAB_SIZE, train_tokenizer, training_texts
 
@@ -21,6 +21,7 @@ __all__ = [
     "StepBatches",
     "TokenizedSplit",
     "build_source",
+    "cached_tokenizer",
     "data_cache_dir",
     "generate_examples",
     "pad_batch",

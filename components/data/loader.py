@@ -304,3 +304,16 @@ def split_train_val(records: list, val_fraction: float, seed: int) -> tuple[list
     train = [record for index, record in enumerate(records) if index not in held_out]
     val = [record for index, record in enumerate(records) if index in held_out]
     return train, val
+
+
+def open_splits(
+    train: "TokenizedSplit", val: "TokenizedSplit | None", global_batch_size: int, micro_batch_size: int,
+    *, dp_size: int, dp_rank: int, seed: int,
+) -> tuple[StepBatches, StepBatches | None]:  # fmt: skip
+    """A rank's loaders of the prepared splits: training batches of ``global_batch_size``, and validation
+    (None when nothing was held out) in global batches of one micro-batch per dp rank."""
+    shards = dict(dp_size=dp_size, dp_rank=dp_rank, seed=seed)
+    train_batches = StepBatches.open(train, global_batch_size, micro_batch_size, **shards)
+    if val is None:
+        return train_batches, None
+    return train_batches, StepBatches.open(val, micro_batch_size * dp_size, micro_batch_size, **shards)

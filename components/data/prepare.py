@@ -34,6 +34,7 @@ from components.data.jsonl import DataError
 from components.data.loader import TokenizedSplit, open_tokens, pad_id_of
 from components.data.packing import build_rows
 from components.data.sources import DataSource
+from components.data.tokenizer import DEFAULT_VOCAB_SIZE, train_tokenizer
 
 FORMAT_VERSION = 4  # bump when the tokenized layout changes, so old cache folders are not read
 TOKENS = datasets.Features(
@@ -199,3 +200,18 @@ def prepare_data(
         return TokenizedSplit(str(folder / "tokens"), str(rows_file), part, seq_len, pad_id, examples, num_rows)
 
     return PreparedData(split("train"), split("val") if counts["val"][0] else None, str(folder), reused)
+
+
+def cached_tokenizer(source: DataSource, cache_root: str | Path) -> Path:
+    """The byte-level BPE trained on ``source``'s texts, cached by the source's fingerprint (for a model built from
+    its config). Training is deterministic, so when torchrun ranks race each writes a private folder and the first
+    rename wins."""
+    folder = data_cache_dir(cache_root) / "tokenizers" / f"{source.fingerprint()}-{DEFAULT_VOCAB_SIZE}"
+    if not folder.is_dir():
+        private = folder.with_name(f"{folder.name}.{os.getpid()}.tmp")
+        train_tokenizer(source.texts(source_cache_dir(cache_root)), DEFAULT_VOCAB_SIZE, private)
+        try:
+            private.rename(folder)
+        except OSError:
+            shutil.rmtree(private, ignore_errors=True)
+    return folder

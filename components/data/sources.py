@@ -117,9 +117,9 @@ class JsonlSource:
         return _digest("jsonl", str(path), _file_stats(path), self.num_examples)
 
     def load(self, cache_dir: Path) -> datasets.Dataset:
+        """The records as a dataset in ``cache_dir`` (the file is read once; later calls reuse the Arrow copy)."""
         path = str(Path(self.path).expanduser().resolve())
-        if next(iter_jsonl(path), None) is None:  # datasets cannot build an empty split
-            raise DataError(f"{self.path} has no records: expected one JSON object per line")
+        empty = DataError(f"{self.path} has no records: expected one JSON object per line")
         try:
             dataset = datasets.Dataset.from_generator(
                 _normalized_jsonl,
@@ -131,12 +131,17 @@ class JsonlSource:
         except datasets.exceptions.DatasetGenerationError as error:
             if isinstance(error.__cause__, DataError):
                 raise error.__cause__ from None
+            if isinstance(error.__cause__, datasets.arrow_writer.SchemaInferenceError):
+                raise empty from None  # datasets cannot build a split of no records
             raise DataError(f"{self.path} cannot be read: {str(error).splitlines()[0]}") from None
+        except ValueError as error:  # an empty file: 'Instruction "train" corresponds to no data!'
+            raise empty from error
+        if len(dataset) == 0:
+            raise empty
         return _first(dataset, self.num_examples)
 
     def texts(self, cache_dir: Path) -> Iterator[str]:
-        for record in iter_jsonl(self.path):
-            yield from training_texts([record])
+        yield from _dataset_texts(self.load(cache_dir))
 
 
 @dataclass(frozen=True)

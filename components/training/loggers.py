@@ -234,3 +234,11 @@ class MlflowLogger:
     def close(self) -> None:
         """Mark the run finished."""
         self.client.set_terminated(self.run_id)
+
+
+def open_logger(target: str, options: dict, output_dir: Path, first_step: int, hparams: dict) -> MetricsLogger:
+    """The logger class ``target`` names, built with its ``options``, with ``hparams`` (the run's config) logged."""
+    module, _, name = target.rpartition(".")
+    logger = getattr(importlib.import_module(module), name)(output_dir=output_dir, first_step=first_step, **options)
+    logger.log_hparams(hparams)
+    return logger
