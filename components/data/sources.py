@@ -153,7 +153,7 @@ class HFSource:
     path: str
     split: str
     name: str | None
-    columns: dict[str, str] = field(hash=False)
+    columns: dict[str, str] | None = field(hash=False)
     num_examples: int | None
     val_fraction: float
 

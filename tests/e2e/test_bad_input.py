@@ -4,6 +4,7 @@ Each case is its own ``python recipes/finetune.py ...`` process; a module fixtur
 (each is mostly the ~5 s of imports) and each case then gets its own assertion.
 """
 
+import os
 import subprocess
 import sys
 import time
@@ -11,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import datasets
 import pytest
 
 from components.data import DEFAULT_VOCAB_SIZE, train_tokenizer
@@ -102,6 +104,15 @@ CASES: dict[str, tuple[list[str], str]] = {
         ["output_dir=/proc/shardtune"],
         "output_dir /proc/shardtune cannot be used",
     ),
+    "a column mapping onto missing columns": (
+        ["data=hf", "data.path={root}/chat.parquet", "data.columns={prompt: instr, response: output}"],
+        "data.columns prompt='instr': no such column",
+    ),
+    "a split that does not exist": (
+        ["data=hf", "data.path={root}/chat.parquet", "data.split=test"],
+        "data.split='test'",
+    ),
+    "a Hub dataset offline": (["data=hf", "data.path=someone/nothing"], "is not a local file or folder and the Hub"),
     "seed out of range": (["seed=99999999999999999999999"], "seed=99999999999999999999999 is not valid"),
     "infinite lr": (["optim.lr=inf"], "optim.lr=inf is not valid"),
     "unresolvable interpolation": (["train.seq_len=${oops}"], "train.seq_len='${oops}' cannot be resolved"),
@@ -140,6 +151,8 @@ def model_folders(root: Path) -> None:
 def inputs(root: Path) -> None:
     """The files the cases point at."""
     model_folders(root)
+    records = [{"instruction": f"say {i}", "output": f"{i} {i}"} for i in range(20)]
+    datasets.Dataset.from_list(records).to_parquet(root / "chat.parquet")
     (root / "a_file").write_text("not a folder\n")
     (root / "empty.jsonl").write_text("\n")
     (root / "bad.jsonl").write_text('{"prompt": "a", "response": "b"}\n{"prompt": "c", "response": "d"\n')
@@ -158,7 +171,8 @@ def run_case(name: str, root: Path) -> Outcome:
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
     )
     return Outcome(result.returncode, result.stderr, time.monotonic() - started, root)
 
