@@ -65,6 +65,6 @@ def test_torchrun_ranks_read_the_data_file_once_each_at_most(tmp_path):
     opens_per_process = {}
     for pid in log.read_text().split():
         opens_per_process[pid] = opens_per_process.get(pid, 0) + 1
-    # Each rank reads it to fingerprint nothing (stat only), once to tokenize (or not at all when another rank's
-    # cache is there) and once to train the tokenizer (or not at all when cached): never more than twice.
-    assert opens_per_process and all(count <= 2 for count in opens_per_process.values()), opens_per_process
+    # Each rank reads it once into its Arrow copy (the tokenizer's texts and the tokenization read that copy),
+    # or not at all when another rank's copy is already there; the fingerprint only stats it.
+    assert opens_per_process and all(count == 1 for count in opens_per_process.values()), opens_per_process
