@@ -108,8 +108,8 @@ def train_step(run: Run, plan: RunPlan, step: int) -> dict:
     for index, batch in enumerate(micro_batches):
         set_gradient_sync(run.model, index == len(micro_batches) - 1)  # dp reduce once per step
         batch = batch.to(run.device)
-        with precision.autocast(run.device.type, data_parallel=plan.dims.dp > 1):  # bf16-mixed without FSDP
-            loss_sum += forward_backward(run.model, batch.input_ids, batch.labels, labelled, batch.position_ids)
+        compute = precision.autocast(run.device.type, data_parallel=plan.dims.dp > 1)  # bf16-mixed without FSDP
+        loss_sum += forward_backward(run.model, batch.input_ids, batch.labels, labelled, batch.position_ids, compute)
     finalize_dtensor_gradients([run.model])
     synchronize_tp_replica_gradients([run.model], run.mesh)
     clip = settings.train.clip_grad_norm
@@ -155,7 +155,10 @@ def train(run: Run, plan: RunPlan) -> None:
         done = step + 1
         validate = train_cfg.val_every and (done % train_cfg.val_every == 0 or done == train_cfg.max_steps)
         if validate and run.val_data is not None:
-            record["val_loss"] = validation_loss(run.model, run.val_data, run.device, run.mesh["dp"].get_group())
+            compute = precision_policy(train_cfg.precision).autocast(run.device.type, data_parallel=plan.dims.dp > 1)
+            record["val_loss"] = validation_loss(
+                run.model, run.val_data, run.device, run.mesh["dp"].get_group(), compute
+            )
         log.log(record)
         tracker.log_metrics(record, record["step"])
         if settings.debug.check_replicas_every and done % settings.debug.check_replicas_every == 0:

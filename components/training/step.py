@@ -5,6 +5,8 @@ rows, ``position_ids`` that restart at each example (Hugging Face models keep at
 example when positions restart and no attention mask is given).
 """
 
+from contextlib import AbstractContextManager, nullcontext
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -37,23 +39,30 @@ def forward_backward(
     labels: torch.Tensor,
     global_tokens: int,
     position_ids: torch.Tensor | None = None,
+    compute: AbstractContextManager | None = None,
 ) -> float:
     """Run one micro-batch and accumulate gradients; return its summed token loss (not normalised).
 
     The loss is divided by ``global_tokens`` (labelled tokens in the whole global batch, over every
     micro-batch and dp rank: ``StepBatches.labels_in_step``) before backward, so accumulated and dp-summed
     gradients equal the gradient of the global mean loss. ``position_ids`` None means ``0 .. seq - 1``.
+    ``compute`` wraps the forward and the loss only (the precision's autocast; backward runs outside it).
     """
     with loss_parallel():  # the backward of a vocab-parallel loss must run inside it too
-        loss_sum = _loss_sum(model, input_ids, labels, position_ids)
+        with compute or nullcontext():
+            loss_sum = _loss_sum(model, input_ids, labels, position_ids)
         (loss_sum / global_tokens).backward()
     return _value(loss_sum)
 
 
 @torch.no_grad()
 def evaluate_loss_sum(
-    model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    compute: AbstractContextManager | None = None,
 ) -> float:
-    """Summed token loss of one batch, without gradients."""
-    with loss_parallel():
+    """Summed token loss of one batch, without gradients (``compute``: as in :func:`forward_backward`)."""
+    with loss_parallel(), compute or nullcontext():
         return _value(_loss_sum(model, input_ids, labels, position_ids))

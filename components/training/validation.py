@@ -1,5 +1,7 @@
 """The validation loss: every validation row once, the token-mean loss over all dp ranks."""
 
+from contextlib import AbstractContextManager
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -8,13 +10,20 @@ from components.data import StepBatches
 from components.training.step import evaluate_loss_sum
 
 
-def validation_loss(model: nn.Module, batches: StepBatches, device: torch.device, dp_group: dist.ProcessGroup) -> float:
-    """Mean token loss over every validation row (each dp rank takes its share), the model left in train mode."""
+def validation_loss(
+    model: nn.Module,
+    batches: StepBatches,
+    device: torch.device,
+    dp_group: dist.ProcessGroup,
+    compute: AbstractContextManager | None = None,
+) -> float:
+    """Mean token loss over every validation row (each dp rank takes its share), the model left in train mode;
+    ``compute`` is the precision's context for the forward (a fresh one per batch is not needed: it is re-entrant)."""
     totals = torch.zeros(2, dtype=torch.float64)
     model.eval()
     for batch in batches.all_batches():
         batch = batch.to(device)
-        totals[0] += evaluate_loss_sum(model, batch.input_ids, batch.labels, batch.position_ids)
+        totals[0] += evaluate_loss_sum(model, batch.input_ids, batch.labels, batch.position_ids, compute)
         totals[1] += batch.labelled_tokens()
     model.train()
     dist.all_reduce(totals, group=dp_group)
