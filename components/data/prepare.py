@@ -206,6 +206,7 @@ def cached_tokenizer(source: DataSource, cache_root: str | Path) -> Path:
     """The byte-level BPE trained on ``source``'s texts, cached by the source's fingerprint (for a model built from
     its config). Training is deterministic, so when torchrun ranks race each writes a private folder and the first
     rename wins."""
+    datasets.disable_progress_bars()  # one error line on bad data, not a progress bar before it
     folder = data_cache_dir(cache_root) / "tokenizers" / f"{source.fingerprint()}-{DEFAULT_VOCAB_SIZE}"
     if not folder.is_dir():
         private = folder.with_name(f"{folder.name}.{os.getpid()}.tmp")
