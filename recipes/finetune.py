@@ -2,17 +2,18 @@
 
     python recipes/finetune.py model=llama tp=4 train.max_steps=5
 
-The story of one run: check everything once and write it down as a run plan (``recipes/checks.py``) -> start
-the ranks -> mesh -> model -> TP plan (+ experts, + FSDP over dp) -> broadcast TP replicas -> optimizer and
-schedule -> resume -> per step: micro-batches forward and backward -> finalise DTensor grads -> sync
-TP-replica grads -> grad norm and clip -> optimizer step -> metrics, validation, checkpoint -> export a
-Hugging Face folder and a loss-curve PNG.
+The story of one run: check everything once into a run plan (``recipes/checks.py``) -> start the ranks -> set
+up (mesh, data, model sharded by ``components.models.parallelize``, TP replicas broadcast, optimizer, schedule,
+resume) -> per step: micro-batches forward and backward, finalise DTensor grads, sync TP-replica grads, grad
+norm and clip, optimizer step, metrics, validation, checkpoint -> finish (drift report, export, loss curve).
 """
 
+import functools
 import math
 import sys
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
@@ -40,7 +41,7 @@ from components.models.precision import precision_policy
 from components.training.checkpoint import load_checkpoint, save_checkpoint
 from components.training.export import export_dtype, export_hf
 from components.training.faults import install_faults
-from components.training.loggers import NoLogger, open_logger
+from components.training.loggers import open_logger
 from components.training.memory import peak_memory_gib, reset_peak_memory
 from components.training.metrics import MetricsLog, plot_loss_curve
 from components.training.schedule import build_schedule
@@ -63,6 +64,7 @@ class Run:
     data: StepBatches
     val_data: StepBatches | None
     first_step: int  # steps already done (by the checkpoint resumed from)
+    compute: Callable[[], AbstractContextManager]  # the precision's context for forward passes (autocast or none)
     before_commit: Callable[[Path], None] | None = None  # the checkpoint writer's callback (a fault, in tests)
 
 
@@ -89,7 +91,9 @@ def set_up(plan: RunPlan) -> Run:
         first_step = load_checkpoint(plan.resume_from, model, optimizer, scheduler)["step"]
         if rank == 0:
             print(f"resumed from {plan.resume_from} at step {first_step}")
-    run = Run(rank, device, mesh, model, optimizer, scheduler, data, val_data, first_step)
+    precision = precision_policy(train.precision)
+    compute = functools.partial(precision.autocast, device.type, data_parallel=plan.dims.dp > 1)
+    run = Run(rank, device, mesh, model, optimizer, scheduler, data, val_data, first_step, compute)
     where = dict(rank=rank, world_size=dist.get_world_size(), first_step=first_step)
     run.before_commit = install_faults(
         plan.fault, model, optimizer, **where, micro_batches_per_step=data.micro_batches_per_step
@@ -101,15 +105,15 @@ def train_step(run: Run, plan: RunPlan, step: int) -> dict:
     """One optimizer step (0-based ``step``): micro-batches, gradient reductions, clip, update; its metrics."""
     settings, started = plan.settings, time.perf_counter()
     reset_peak_memory(run.device)
-    precision = precision_policy(settings.train.precision)
     run.optimizer.zero_grad(set_to_none=True)
     micro_batches, labelled = run.data.batches_for_step(step), run.data.labels_in_step(step)
     loss_sum = torch.zeros((), dtype=torch.float64)
     for index, batch in enumerate(micro_batches):
         set_gradient_sync(run.model, index == len(micro_batches) - 1)  # dp reduce once per step
         batch = batch.to(run.device)
-        compute = precision.autocast(run.device.type, data_parallel=plan.dims.dp > 1)  # bf16-mixed without FSDP
-        loss_sum += forward_backward(run.model, batch.input_ids, batch.labels, labelled, batch.position_ids, compute)
+        loss_sum += forward_backward(
+            run.model, batch.input_ids, batch.labels, labelled, batch.position_ids, run.compute()
+        )
     finalize_dtensor_gradients([run.model])
     synchronize_tp_replica_gradients([run.model], run.mesh)
     clip = settings.train.clip_grad_norm
@@ -143,22 +147,15 @@ def train(run: Run, plan: RunPlan) -> None:
     """The steps after ``run.first_step`` up to ``max_steps`` (or ``stop_after``): metrics, validation, saves."""
     settings, train_cfg = plan.settings, plan.settings.train
     log = MetricsLog(plan.output_dir / "metrics.jsonl", run.rank == 0, run.first_step, train_cfg.max_steps)
-    logger = settings.logger  # the tracker (logger=...) writes from rank 0 only
-    hparams = yaml.safe_load(plan.config_yaml)
-    tracker = (
-        open_logger(logger.target, logger.options(), plan.output_dir, run.first_step, hparams)
-        if run.rank == 0
-        else NoLogger(plan.output_dir)
-    )
+    logger, hparams = settings.logger, yaml.safe_load(plan.config_yaml)  # the tracker (logger=...) on rank 0 only
+    tracker = open_logger(logger.target, logger.options(), plan.output_dir, run.first_step, hparams, run.rank == 0)
     for step in range(run.first_step, min(train_cfg.max_steps, train_cfg.stop_after or train_cfg.max_steps)):
         record = train_step(run, plan, step)
         done = step + 1
         validate = train_cfg.val_every and (done % train_cfg.val_every == 0 or done == train_cfg.max_steps)
         if validate and run.val_data is not None:
-            compute = precision_policy(train_cfg.precision).autocast(run.device.type, data_parallel=plan.dims.dp > 1)
-            record["val_loss"] = validation_loss(
-                run.model, run.val_data, run.device, run.mesh["dp"].get_group(), compute
-            )
+            dp_group = run.mesh["dp"].get_group()
+            record["val_loss"] = validation_loss(run.model, run.val_data, run.device, dp_group, run.compute())
         log.log(record)
         tracker.log_metrics(record, record["step"])
         if settings.debug.check_replicas_every and done % settings.debug.check_replicas_every == 0:
@@ -220,7 +217,7 @@ def launch(cfg: DictConfig, output_dir: str) -> None:
             rank_main(plan)
         else:
             launch_local(rank_main, plan.dims.world_size, plan)
-    finally:
+    finally:  # the folder is free again once the ranks are done
         if lock is not None:
             lock.release()
 

@@ -236,8 +236,13 @@ class MlflowLogger:
         self.client.set_terminated(self.run_id)
 
 
-def open_logger(target: str, options: dict, output_dir: Path, first_step: int, hparams: dict) -> MetricsLogger:
-    """The logger class ``target`` names, built with its ``options``, with ``hparams`` (the run's config) logged."""
+def open_logger(
+    target: str, options: dict, output_dir: Path, first_step: int, hparams: dict, writer: bool = True
+) -> MetricsLogger:
+    """The logger class ``target`` names, built with its ``options``, with ``hparams`` (the run's config) logged;
+    a :class:`NoLogger` where this process is not the ``writer`` (one rank logs)."""
+    if not writer:
+        return NoLogger(output_dir)
     module, _, name = target.rpartition(".")
     logger = getattr(importlib.import_module(module), name)(output_dir=output_dir, first_step=first_step, **options)
     logger.log_hparams(hparams)
