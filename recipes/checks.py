@@ -133,9 +133,9 @@ def check_sizes(settings: Config, device_type: str) -> tuple[ParallelDims | None
     return dims, errors
 
 
-def resolve_model(settings: Config, dims: ParallelDims | None) -> tuple[Path | None, Any, list[str]]:
+def resolve_model(settings: Config, dims: ParallelDims | None, device_type: str) -> tuple[Path | None, Any, list[str]]:
     """(weights folder or None, the model's HF config, errors): the folder or the config, then the TP plan
-    and expert parallelism at these sizes."""
+    and expert parallelism at these sizes, all checked on one weightless (meta-device) build."""
     model = settings.model
     try:
         if model.pretrained_path is not None or model.source is not None:
@@ -156,15 +156,14 @@ def resolve_model(settings: Config, dims: ParallelDims | None) -> tuple[Path | N
             f"train.seq_len ({settings.train.seq_len}) exceeds the model's max_position_embeddings "
             f"({config.max_position_embeddings}): use train.seq_len={config.max_position_embeddings} or less"
         )
+    splits = dims is not None and (dims.tp > 1 or dims.ep > 1)
+    meta = meta_causal_lm(config) if path is not None or splits else None  # shapes only, built once
     if path is not None:
-        errors += check_model_folder(path, meta_causal_lm(config)) + check_tokenizer_folder(path)
+        errors += check_model_folder(path, meta) + check_tokenizer_folder(path)
     if dims is not None:
-        errors += _plan_errors(settings, dims, config)
+        errors += _plan_errors(settings, dims, config, meta)
         try:
-            is_moe = bool(settings.model.experts)
-            check_compile(
-                settings.train.compile, "cuda" if torch.cuda.is_available() else "cpu", is_moe, dims.tp, settings.sp
-            )
+            check_compile(settings.train.compile, device_type, bool(settings.model.experts), dims.tp, settings.sp)
         except ValueError as error:
             errors.append(str(error))
     return path, config, errors
@@ -178,10 +177,9 @@ def _model_folder(pretrained_path: str | None) -> Path:
     return resolve_model_folder(pretrained_path)  # a local folder, or a Hub id from the cache (or downloaded)
 
 
-def _plan_errors(settings: Config, dims: ParallelDims, config) -> list[str]:
+def _plan_errors(settings: Config, dims: ParallelDims, config, meta) -> list[str]:
     model, errors = settings.model, []
     if dims.tp > 1:
-        meta = meta_causal_lm(config)
         plan = plan_for(config, settings.sp)
         errors += check_plan(meta, config, plan, dims.tp, (*model.experts, *model.routers))[1]
         if any(error.startswith("tp (") for error in errors):
@@ -190,7 +188,7 @@ def _plan_errors(settings: Config, dims: ParallelDims, config) -> list[str]:
             errors.append(f"tp values that fit this model: {', '.join(map(str, fits))}")
     if dims.ep > 1:
         num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0)
-        errors += check_expert_parallel(meta_causal_lm(config), list(model.experts), num_experts, dims.ep, dims.tp)
+        errors += check_expert_parallel(meta, list(model.experts), num_experts, dims.ep, dims.tp)
         if dims.dp > 1:
             errors.append(f"ep={dims.ep} with dp={dims.dp} is not supported yet: use dp=1 (ep folds onto tp)")
     return errors
@@ -263,7 +261,7 @@ def plan_run(cfg: DictConfig, output_dir: str | None = None) -> tuple[RunPlan, O
     dims, size_errors = check_sizes(settings, device_type)
     output = Path(output_dir or settings.output_dir).expanduser().absolute()
     resume_errors = explicit_checkpoint_errors(settings.checkpoint.resume)
-    model_path, config, model_errors = resolve_model(settings, dims)
+    model_path, config, model_errors = resolve_model(settings, dims, device_type)
     source, data_errors = data_source(settings)
     errors += size_errors + resume_errors + check_output_dir(output) + model_errors + data_errors
     if errors:

@@ -91,7 +91,7 @@ def set_up(plan: RunPlan) -> Run:
         first_step = load_checkpoint(plan.resume_from, model, optimizer, scheduler)["step"]
         if rank == 0:
             print(f"resumed from {plan.resume_from} at step {first_step}")
-    precision = precision_policy(train.precision)
+    precision = precision_policy(plan.model.precision)  # the same policy the model was built with
     compute = functools.partial(precision.autocast, device.type, data_parallel=plan.dims.dp > 1)
     run = Run(rank, device, mesh, model, optimizer, scheduler, data, val_data, first_step, compute)
     where = dict(rank=rank, world_size=dist.get_world_size(), first_step=first_step)
