@@ -188,9 +188,7 @@ def _plan_errors(settings: Config, dims: ParallelDims, config, meta) -> list[str
             errors.append(f"tp values that fit this model: {', '.join(map(str, fits))}")
     if dims.ep > 1:
         num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0)
-        errors += check_expert_parallel(meta, list(model.experts), num_experts, dims.ep, dims.tp)
-        if dims.dp > 1:
-            errors.append(f"ep={dims.ep} with dp={dims.dp} is not supported yet: use dp=1 (ep folds onto tp)")
+        errors += check_expert_parallel(meta, list(model.experts), num_experts, dims.ep)
     return errors
 
 

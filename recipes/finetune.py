@@ -38,6 +38,7 @@ from components.distributed.replica_drift import check_replicas, write_drift_rep
 from components.distributed.tp_replicas import broadcast_tp_replicas, synchronize_tp_replica_gradients
 from components.models.parallelize import build_parallel_model
 from components.models.precision import precision_policy
+from components.moe import ExpertLoad, router_aux_loss_weight
 from components.training.checkpoint import load_checkpoint, save_checkpoint
 from components.training.export import export_dtype, export_hf
 from components.training.faults import install_faults
@@ -65,6 +66,8 @@ class Run:
     val_data: StepBatches | None
     first_step: int  # steps already done (by the checkpoint resumed from)
     compute: Callable[[], AbstractContextManager]  # the precision's context for forward passes (autocast or none)
+    experts: ExpertLoad | None  # tokens per expert of an MoE model, for the step's imbalance
+    aux_loss_weight: float  # of an MoE model's load-balancing loss (0: its config does not enable it)
     before_commit: Callable[[Path], None] | None = None  # the checkpoint writer's callback (a fault, in tests)
 
 
@@ -78,7 +81,6 @@ def set_up(plan: RunPlan) -> Run:
     data, val_data = open_splits(
         plan.data.train, plan.data.val, train.global_batch_size, train.micro_batch_size, **shards
     )
-
     model, report = build_parallel_model(plan.model, plan.dims, mesh, device)
     if report is not None and rank == 0:
         print(report.format())
@@ -93,11 +95,12 @@ def set_up(plan: RunPlan) -> Run:
             print(f"resumed from {plan.resume_from} at step {first_step}")
     precision = precision_policy(plan.model.precision)  # the same policy the model was built with
     compute = functools.partial(precision.autocast, device.type, data_parallel=plan.dims.dp > 1)
-    run = Run(rank, device, mesh, model, optimizer, scheduler, data, val_data, first_step, compute)
+    micro_batches = data.micro_batches_per_step
+    experts = ExpertLoad.watch(model, plan.model.config, list(plan.model.experts), mesh["dp"].get_group())
+    aux = router_aux_loss_weight(plan.model.config, micro_batches, plan.dims.dp)
+    run = Run(rank, device, mesh, model, optimizer, scheduler, data, val_data, first_step, compute, experts, aux)
     where = dict(rank=rank, world_size=dist.get_world_size(), first_step=first_step)
-    run.before_commit = install_faults(
-        plan.fault, model, optimizer, **where, micro_batches_per_step=data.micro_batches_per_step
-    )
+    run.before_commit = install_faults(plan.fault, model, optimizer, **where, micro_batches_per_step=micro_batches)
     return run
 
 
@@ -111,9 +114,8 @@ def train_step(run: Run, plan: RunPlan, step: int) -> dict:
     for index, batch in enumerate(micro_batches):
         set_gradient_sync(run.model, index == len(micro_batches) - 1)  # dp reduce once per step
         batch = batch.to(run.device)
-        loss_sum += forward_backward(
-            run.model, batch.input_ids, batch.labels, labelled, batch.position_ids, run.compute()
-        )
+        tensors = (batch.input_ids, batch.labels, labelled, batch.position_ids)
+        loss_sum += forward_backward(run.model, *tensors, run.compute(), run.aux_loss_weight)
     finalize_dtensor_gradients([run.model])
     synchronize_tp_replica_gradients([run.model], run.mesh)
     clip = settings.train.clip_grad_norm
@@ -139,6 +141,7 @@ def train_step(run: Run, plan: RunPlan, step: int) -> dict:
         "tokens": tokens,
         "tokens_per_s": tokens / elapsed,
         "peak_memory_gib": peak.item(),
+        **({"expert_imbalance": run.experts.imbalance(run.device.type)} if run.experts else {}),
         **({} if finite else {"skipped": True}),
     }
 

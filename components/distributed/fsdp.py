@@ -9,6 +9,9 @@ Gradients are *summed* over dp ranks (divide factor 1): the recipe normalises th
 count of the whole global batch, so the sum is the true gradient whatever the split. The sum is forced
 (``set_force_sum_reduction_for_comms``) in every precision: gloo has no PREMUL_SUM.
 
+Expert parameters (DTensors on the MoE mesh, ``components.moe``) are left out of FSDP: expert parallelism
+already splits them over ``ep`` and ``finalize_dtensor_gradients`` sums their gradients over ``ep_shard``.
+
 Mixed precision is FSDP2's ``MixedPrecisionPolicy`` (``PrecisionPolicy.fsdp_policy()`` in
 ``components.models.precision``): under ``bf16-mixed`` each all-gather yields bf16 copies of the fp32
 shards for compute and gradients are reduce-scattered in fp32 into the fp32 shards.
@@ -17,6 +20,7 @@ shards for compute and gradients are reduce-scattered in fp32 into the fp32 shar
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 
 def shard_data_parallel(
@@ -28,15 +32,21 @@ def shard_data_parallel(
     every wrapped module. Call after the TP plan, activation checkpointing and compile.
     """
     policy = mp_policy or MixedPrecisionPolicy()
+    experts = set(expert_parameters(model))
     layers = getattr(getattr(model, "model", None), "layers", None)
     for layer in layers if layers is not None else []:
-        fully_shard(layer, mesh=dp_mesh, mp_policy=policy)
-    fully_shard(model, mesh=dp_mesh, mp_policy=policy)
+        fully_shard(layer, mesh=dp_mesh, mp_policy=policy, ignored_params=experts)
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy, ignored_params=experts)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
     return model
+
+
+def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """Parameters split by expert parallelism: DTensors on a mesh with an ``ep`` dimension."""
+    return [p for p in model.parameters() if isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ())]
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:

@@ -57,7 +57,7 @@ def build_parallel_model(
         report = apply_tp_plan(model, mesh["tp"], plan, spec.config, spec.sequence_parallel, moe_modules)
         policy.cast_tp_inputs(model, data_parallel=dims.dp > 1)
     if dims.ep > 1:  # the MoE mesh and its process groups exist only when experts are split
-        apply_expert_parallel(model, build_moe_mesh(mesh, dims), list(spec.experts))
+        apply_expert_parallel(model, build_moe_mesh(mesh, dims), mesh["tp"], list(spec.experts))
     if spec.weights is not None:
         materialize_from_pretrained(model, spec.weights, device=str(device))
     apply_block_wrappers(model, spec.activation_checkpointing, spec.compile)

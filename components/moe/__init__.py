@@ -1,3 +1,11 @@
-from components.moe.expert_parallel import apply_expert_parallel, check_expert_parallel
+from components.moe.expert_parallel import apply_expert_parallel, check_expert_parallel, dispatch_mode, expert_modules
+from components.moe.load_balance import ExpertLoad, router_aux_loss_weight
 
-__all__ = ["apply_expert_parallel", "check_expert_parallel"]
+__all__ = [
+    "ExpertLoad",
+    "apply_expert_parallel",
+    "check_expert_parallel",
+    "dispatch_mode",
+    "expert_modules",
+    "router_aux_loss_weight",
+]

@@ -1,106 +1,168 @@
-"""Expert parallelism for Hugging Face MoE blocks (transformers 5 fused experts), folded onto TP ranks.
+"""Expert parallelism for Hugging Face MoE blocks (transformers 5 fused experts), over any ranks of the world.
 
 A transformers 5 MoE block (Qwen3-MoE, Mixtral, and others with the same layout) holds its experts as two
 fused 3-D parameters, ``experts.gate_up_proj`` [E, 2I, H] and ``experts.down_proj`` [E, H, I], and its
-router as ``gate.weight`` [E, H]. Here each rank of an ``ep`` group keeps E/ep whole experts: the expert
-parameters become DTensors on the MoE mesh ``("ep_shard", "ep")`` with ``Shard(0)`` on ``ep`` (and
-``Replicate`` on ``ep_shard``), so checkpoints reshard, the grad norm counts each expert once, and
-``tp_replicas`` sees they are not copies. The subtree is also marked with
-``exclude_from_tp_replica_sync``, the explicit statement that its local tensors are different experts.
+router as ``gate.weight`` [E, H]. Each rank of an ``ep`` group (``ep`` adjacent ranks of the MoE mesh
+``("ep_shard", "ep")``, see ``components.distributed.mesh``) keeps E/ep whole experts: the expert
+parameters are DTensors with ``Shard(0)`` on ``ep`` and ``Replicate`` on ``ep_shard``, so checkpoints
+reshard, the grad norm counts each expert once, ``tp_replicas`` sees they are not copies (the subtree is also
+marked ``exclude_from_tp_replica_sync``), and FSDP leaves them alone (``components.distributed.fsdp``).
 
-Token routing: the ``ep`` ranks are adjacent and ``ep`` divides ``tp``, so an EP group lies inside one
-TP group, where the MoE block's input tokens are already replicated. Each rank therefore runs its own
-experts on the tokens routed to them and one all-reduce over the EP group sums the partial outputs; no
-all-to-all is needed (an all-to-all would move the same tokens to ranks that already hold them). The
-backward of that sum is the identity: every rank receives the same output gradient. The router sees
-replicated tokens and computes redundantly, so its gradient keeps the default ``mean`` reduction.
+Tokens reach the experts one of two ways, chosen by :func:`dispatch_mode`:
+
+- ``folded`` (``ep`` divides ``tp``: an ep group lies inside one TP group, whose ranks hold the same
+  tokens): each rank runs its experts on the tokens routed to them and one all-reduce over the ep group
+  sums the partial outputs. No token moves; this is the cheaper path where it applies (``bench/moe_dispatch.py``).
+- ``all_to_all`` (otherwise: an ep group spans data-parallel ranks with different tokens): each TP rank
+  takes its block of the replicated tokens (so every token is computed once in the world), sends each
+  (token, choice) row to the rank holding that expert, the rank runs its experts on what it received and
+  sends the results back, where they are weighted by the routing weights (whose gradient stays local) and
+  summed; the TP ranks then gather their blocks. Backward reverses each exchange.
+
+Gradients: the router sees whole, TP-replicated tokens, so its gradient keeps the replica sync's ``mean``
+over TP (and FSDP's sum over dp). An expert's copies along ``ep_shard`` see different tokens (other dp
+ranks), so their gradients are partial sums: the local weights hand back ``Partial`` gradients on
+``ep_shard`` and ``finalize_dtensor_gradients`` sums them once per step. On the folded path ``tp // ep`` of
+those copies saw the same tokens; their gradients are scaled by ``ep / tp`` first, so the sum counts
+each token once.
 """
 
 import fnmatch
 import types
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard, distribute_tensor
 
 from components.distributed.tp_replicas import exclude_from_tp_replica_sync
+from components.moe.collectives import (
+    all_to_all_rows,
+    enter_group,
+    exchange,
+    gather_rows,
+    scale_gradient,
+    scatter_rows,
+    sum_over_group,
+)
 
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
+DISPATCH_MODES = ("folded", "all_to_all")
 
 
-class _SumOverGroup(torch.autograd.Function):
-    """Forward: all-reduce SUM of per-rank partial outputs. Backward: identity (the output gradient is
-    the same on every rank, and each rank's partial output needs exactly that gradient)."""
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Where one experts module's experts live and how its tokens reach them."""
 
-    @staticmethod
-    def forward(ctx, partial: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        total = partial.clone()
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
-        return total
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None
-
-
-class _EnterExpertGroup(torch.autograd.Function):
-    """Forward: identity on the replicated tokens and routing weights. Backward: one all-reduce SUM of
-    both gradients, because each rank's experts contribute only their part (Megatron's "f" to
-    ``_SumOverGroup``'s "g"). One node for both keeps a single collective per block in backward."""
-
-    @staticmethod
-    def forward(ctx, hidden_states: torch.Tensor, weights: torch.Tensor, group: dist.ProcessGroup):
-        ctx.group = group
-        return hidden_states.view_as(hidden_states), weights.view_as(weights)
-
-    @staticmethod
-    def backward(ctx, hidden_grad: torch.Tensor, weights_grad: torch.Tensor):
-        # Summed in FP32 whatever the activations' dtype (bf16 models keep fp32 routing weights).
-        flat = torch.cat([hidden_grad.reshape(-1).float(), weights_grad.reshape(-1).float()])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=ctx.group)
-        hidden, weights = flat.split([hidden_grad.numel(), weights_grad.numel()])
-        return (
-            hidden.view_as(hidden_grad).to(hidden_grad.dtype),
-            weights.view_as(weights_grad).to(weights_grad.dtype),
-            None,
-        )
+    mode: str  # folded | all_to_all
+    group: dist.ProcessGroup  # the ep group
+    size: int  # ep
+    first_expert: int  # this rank's first expert
+    experts_per_rank: int
+    tp_group: dist.ProcessGroup | None  # all_to_all: the TP group whose replicated tokens are split first
+    tp_rank: int
+    tp_size: int
+    gradient_placements: tuple[Placement, ...]  # of the local weights' gradients on ("ep_shard", "ep")
+    gradient_scale: float
 
 
-def _local_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-    """The experts' forward on this rank's experts only, then the sum over the EP group."""
-    gate_up, down = self.gate_up_proj.to_local(), self.down_proj.to_local()
-    hidden_states, top_k_weights = _EnterExpertGroup.apply(hidden_states, top_k_weights, self._ep_group)
-    first = self._ep_first_expert
-    # Tie the inputs and this rank's expert weights into the output even when no token reaches its
-    # experts: every rank then runs the backward collective (a rank that skipped it would leave its peers
-    # waiting) and every expert gets a gradient, zero when unused, as in the single-process model.
-    tie = hidden_states.sum() + top_k_weights.sum() + gate_up.sum() + down.sum()
-    output = torch.zeros_like(hidden_states) + 0.0 * tie
-    for local in range(gate_up.shape[0]):
-        token_index, slot = torch.where(top_k_index == first + local)
-        if token_index.numel() == 0:
-            continue
-        gate, up = F.linear(hidden_states[token_index], gate_up[local]).chunk(2, dim=-1)
-        expert_out = F.linear(self.act_fn(gate) * up, down[local]) * top_k_weights[token_index, slot, None]
-        output = output.index_add(0, token_index, expert_out.to(output.dtype))
-    return _SumOverGroup.apply(output, self._ep_group)
+def dispatch_mode(tp: int, ep: int) -> str:
+    """``folded`` when each ep group lies inside a TP group (``ep`` divides ``tp``), else ``all_to_all``."""
+    return "folded" if tp % ep == 0 else "all_to_all"
 
 
-def _expert_modules(model: nn.Module, patterns: list[str]) -> list[str]:
+def expert_modules(model: nn.Module, patterns: list[str]) -> list[str]:
+    """Names of the modules ``patterns`` match, sorted."""
     names = [name for name, _ in model.named_modules() if name]
     return sorted({name for pattern in patterns for name in fnmatch.filter(names, pattern)})
 
 
-def check_expert_parallel(model: nn.Module, patterns: list[str], num_experts: int, ep: int, tp: int) -> list[str]:
-    """Every reason expert parallelism cannot run (empty when it can)."""
+def _local_weights(experts: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    layout: ExpertLayout = experts._ep_layout
+    weights = []
+    for name in EXPERT_PARAMETERS:
+        local = getattr(experts, name).to_local(grad_placements=layout.gradient_placements)
+        if layout.gradient_scale != 1.0:
+            local = scale_gradient(local, layout.gradient_scale)
+        weights.append(local.to(dtype))  # FSDP leaves experts in their own dtype; compute in the activations'
+    return weights[0], weights[1]
+
+
+def _run_experts(experts: nn.Module, rows, expert_of_row, gate_up, down, weight_of_row=None) -> torch.Tensor:
+    """Each local expert on its rows. The output is tied to the inputs and to every local weight even when no
+    row reaches an expert: every rank then runs each backward collective, and idle experts get zero
+    (not missing) gradients, as in one process."""
+    output = rows * 0.0 + (gate_up.sum() + down.sum()) * 0.0
+    for local in range(gate_up.shape[0]):
+        selected = torch.where(expert_of_row == local)[0]
+        if selected.numel() == 0:
+            continue
+        gate, up = F.linear(rows[selected], gate_up[local]).chunk(2, dim=-1)
+        result = F.linear(experts.act_fn(gate) * up, down[local])
+        if weight_of_row is not None:
+            result = result * weight_of_row[selected, None]
+        output = output.index_add(0, selected, result.to(output.dtype))
+    return output
+
+
+def _folded_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+    """This rank's experts on the (replicated) tokens routed to them, then the sum over the ep group."""
+    layout: ExpertLayout = self._ep_layout
+    gate_up, down = _local_weights(self, hidden_states.dtype)
+    hidden_states, top_k_weights = enter_group(hidden_states, top_k_weights, layout.group)
+    local = top_k_index - layout.first_expert
+    token, slot = torch.where((local >= 0) & (local < len(gate_up)))
+    output = _run_experts(self, hidden_states[token], local[token, slot], gate_up, down, top_k_weights[token, slot])
+    return sum_over_group(torch.zeros_like(hidden_states).index_add(0, token, output), layout.group)
+
+
+def _own_block(layout: ExpertLayout, hidden_states, top_k_index, top_k_weights):
+    """This TP rank's block of the replicated tokens, padded so every rank's block has the same size."""
+    if layout.tp_size == 1:
+        return hidden_states, top_k_index, top_k_weights
+    pad = -hidden_states.shape[0] % layout.tp_size
+    if pad:
+        hidden_states = torch.cat([hidden_states, hidden_states.new_zeros(pad, hidden_states.shape[1])])
+        top_k_weights = torch.cat([top_k_weights, top_k_weights.new_zeros(pad, top_k_weights.shape[1])])
+        top_k_index = torch.cat([top_k_index, top_k_index.new_full((pad, top_k_index.shape[1]), -1)])
+    where = (layout.tp_group, layout.tp_rank, layout.tp_size)
+    block = top_k_index.shape[0] // layout.tp_size
+    index = top_k_index[layout.tp_rank * block : (layout.tp_rank + 1) * block]
+    return scatter_rows(hidden_states, *where), index, scatter_rows(top_k_weights, *where)
+
+
+def _dispatched_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+    """Send each (token, choice) to its expert's rank, compute there, bring the result back, weight and sum."""
+    layout: ExpertLayout = self._ep_layout
+    gate_up, down = _local_weights(self, hidden_states.dtype)
+    hidden, index, weights = _own_block(layout, hidden_states, top_k_index, top_k_weights)
+    choices = index.reshape(-1)
+    order = torch.argsort(choices, stable=True)
+    order = order[choices[order] >= 0]  # padding rows choose no expert
+    token, slot, expert = order // index.shape[1], order % index.shape[1], choices[order]
+    destination = expert // layout.experts_per_rank
+    send = torch.bincount(destination, minlength=layout.size)
+    receive = exchange(send, [1] * layout.size, [1] * layout.size, layout.group).tolist()
+    send = send.tolist()
+    received = all_to_all_rows(hidden[token], send, receive, layout.group)
+    expert_of_row = exchange(expert - destination * layout.experts_per_rank, send, receive, layout.group)
+    results = all_to_all_rows(_run_experts(self, received, expert_of_row, gate_up, down), receive, send, layout.group)
+    output = torch.zeros_like(hidden).index_add(0, token, results * weights[token, slot, None].to(results.dtype))
+    if layout.tp_size == 1:
+        return output
+    return gather_rows(output, layout.tp_group, layout.tp_rank, layout.tp_size)[: hidden_states.shape[0]]
+
+
+def check_expert_parallel(model: nn.Module, patterns: list[str], num_experts: int, ep: int) -> list[str]:
+    """Every reason expert parallelism cannot run (empty when it can); ``ep`` dividing the world is the mesh's check."""
     errors = []
     if ep > 1 and not patterns:
         errors.append(f"ep={ep} needs an MoE model: model.experts names no expert modules")
         return errors
-    modules = _expert_modules(model, patterns)
+    modules = expert_modules(model, patterns)
     for pattern in patterns:
         if not fnmatch.filter(modules, pattern):
             errors.append(f"model.experts pattern {pattern!r} matches no module of {type(model).__name__}")
@@ -110,22 +172,46 @@ def check_expert_parallel(model: nn.Module, patterns: list[str], num_experts: in
             errors.append(f"{name} has no fused expert parameters {missing}: not a transformers 5 experts module")
     if num_experts % ep:
         errors.append(f"ep ({ep}) must divide the number of experts ({num_experts})")
-    if tp % ep:
-        errors.append(f"ep ({ep}) must divide tp ({tp}): experts are split across ranks that share the same tokens")
     return errors
 
 
-def apply_expert_parallel(model: nn.Module, moe_mesh: DeviceMesh, patterns: list[str]) -> list[str]:
-    """Split every experts module matched by ``patterns`` by expert over ``moe_mesh["ep"]``; return names.
+def _layout(moe_mesh: DeviceMesh, tp_mesh: DeviceMesh | None, experts_per_rank: int, mode: str) -> ExpertLayout:
+    ep_mesh, ep_shard = moe_mesh["ep"], moe_mesh["ep_shard"].size()
+    tp = tp_mesh.size() if tp_mesh is not None else 1
+    split_tokens = mode == "all_to_all" and tp > 1
+    return ExpertLayout(
+        mode=mode,
+        group=ep_mesh.get_group(),
+        size=ep_mesh.size(),
+        first_expert=ep_mesh.get_local_rank() * experts_per_rank,
+        experts_per_rank=experts_per_rank,
+        tp_group=tp_mesh.get_group() if split_tokens else None,
+        tp_rank=tp_mesh.get_local_rank() if split_tokens else 0,
+        tp_size=tp if split_tokens else 1,
+        # Copies along ep_shard hold partial sums unless there is only one copy.
+        gradient_placements=(Partial("sum") if ep_shard > 1 else Replicate(), Shard(0)),
+        gradient_scale=ep_mesh.size() / tp if mode == "folded" else 1.0,
+    )
 
-    Works on a model with real weights (each rank keeps its slice) or on the meta device (load afterwards
-    with ``materialize_from_pretrained``). With ``ep == 1`` nothing changes: every rank holds every expert,
+
+def apply_expert_parallel(
+    model: nn.Module, moe_mesh: DeviceMesh, tp_mesh: DeviceMesh | None, patterns: list[str], mode: str | None = None
+) -> list[str]:
+    """Split every experts module matched by ``patterns`` by expert over ``moe_mesh["ep"]``; return their names.
+
+    ``tp_mesh`` is the TP mesh whose ranks share tokens (None: tp = 1). ``mode`` forces ``folded`` or
+    ``all_to_all`` (the benchmark compares them); None picks :func:`dispatch_mode`. Works on a model with
+    real weights (each rank keeps its slice) or on the meta device (load afterwards with
+    ``materialize_from_pretrained``). With ``ep == 1`` nothing changes: every rank holds every expert,
     computes it on the same tokens, and the experts are ordinary TP replicas (mean).
     """
-    ep_mesh = moe_mesh["ep"]
-    if ep_mesh.size() == 1:
+    ep = moe_mesh["ep"].size()
+    if ep == 1:
         return []
-    names = _expert_modules(model, patterns)
+    mode = mode or dispatch_mode(tp_mesh.size() if tp_mesh is not None else 1, ep)
+    if mode not in DISPATCH_MODES or (mode == "folded" and (tp_mesh is None or tp_mesh.size() % ep)):
+        raise ValueError(f"expert dispatch {mode!r} does not fit ep={ep} (folded needs ep to divide tp)")
+    names = expert_modules(model, patterns)
     for name in names:
         experts = model.get_submodule(name)
         exclude_from_tp_replica_sync(experts)
@@ -133,7 +219,7 @@ def apply_expert_parallel(model: nn.Module, moe_mesh: DeviceMesh, patterns: list
             full = getattr(experts, parameter_name)
             sharded = distribute_tensor(full.data, moe_mesh, [Replicate(), Shard(0)])
             experts.register_parameter(parameter_name, nn.Parameter(sharded, requires_grad=full.requires_grad))
-        experts._ep_first_expert = ep_mesh.get_local_rank() * experts.gate_up_proj.to_local().shape[0]
-        experts._ep_group = ep_mesh.get_group()
-        experts.forward = types.MethodType(_local_experts_forward, experts)
+        experts._ep_layout = _layout(moe_mesh, tp_mesh, experts.gate_up_proj.to_local().shape[0], mode)
+        forward = _folded_forward if mode == "folded" else _dispatched_forward
+        experts.forward = types.MethodType(forward, experts)
     return names

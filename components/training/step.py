@@ -15,9 +15,10 @@ from torch.distributed.tensor.parallel import loss_parallel
 from components.distributed.tp_plan import cross_entropy_sum
 
 
-def _loss_sum(
+def _losses(
     model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The summed token loss, and the model's load-balancing loss when its config asks for one (MoE)."""
     # Position ids are always explicit: under sequence parallelism the model sees a shard of the sequence
     # and would derive them from the shard's length. No attention mask: padding is on the right and masked
     # out of the labels, which causal attention allows, and a mask would hide packed examples' boundaries.
@@ -25,8 +26,8 @@ def _loss_sum(
     if position_ids is None:
         batch, seq = input_ids.shape
         position_ids = torch.arange(seq, device=input_ids.device).expand(batch, seq)
-    logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
-    return cross_entropy_sum(logits, labels)
+    outputs = model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+    return cross_entropy_sum(outputs.logits, labels), getattr(outputs, "aux_loss", None)
 
 
 def _value(loss: torch.Tensor) -> float:
@@ -40,6 +41,7 @@ def forward_backward(
     global_tokens: int,
     position_ids: torch.Tensor | None = None,
     compute: AbstractContextManager | None = None,
+    aux_loss_weight: float = 0.0,
 ) -> float:
     """Run one micro-batch and accumulate gradients; return its summed token loss (not normalised).
 
@@ -47,11 +49,16 @@ def forward_backward(
     micro-batch and dp rank: ``StepBatches.labels_in_step``) before backward, so accumulated and dp-summed
     gradients equal the gradient of the global mean loss. ``position_ids`` None means ``0 .. seq - 1``.
     ``compute`` wraps the forward and the loss only (the precision's autocast; backward runs outside it).
+    An MoE model whose config sets ``output_router_logits`` also returns its load-balancing loss; it joins
+    the backward times ``aux_loss_weight`` (``components.moe.router_aux_loss_weight``).
     """
     with loss_parallel():  # the backward of a vocab-parallel loss must run inside it too
         with compute or nullcontext():
-            loss_sum = _loss_sum(model, input_ids, labels, position_ids)
-        (loss_sum / global_tokens).backward()
+            loss_sum, aux_loss = _losses(model, input_ids, labels, position_ids)
+        objectives = [loss_sum / global_tokens]
+        if aux_loss_weight and aux_loss is not None:
+            objectives.append(aux_loss * aux_loss_weight)
+        torch.autograd.backward(objectives)
     return _value(loss_sum)
 
 
@@ -65,4 +72,4 @@ def evaluate_loss_sum(
 ) -> float:
     """Summed token loss of one batch, without gradients (``compute``: as in :func:`forward_backward`)."""
     with loss_parallel(), compute or nullcontext():
-        return _value(_loss_sum(model, input_ids, labels, position_ids))
+        return _value(_losses(model, input_ids, labels, position_ids)[0])

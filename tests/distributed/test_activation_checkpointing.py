@@ -27,7 +27,7 @@ def _parallel_model(config, world_size, tp, sequence_parallel, ep, mode):
     experts = ["model.layers.*.mlp.experts"] if ep > 1 else []
     plan = plan_for(config, sequence_parallel)
     apply_tp_plan(model, device_mesh["tp"], plan, config, sequence_parallel, tuple(experts))
-    apply_expert_parallel(model, mesh((dims.ep_shard, dims.ep), ("ep_shard", "ep")), experts)
+    apply_expert_parallel(model, mesh((dims.ep_shard, dims.ep), ("ep_shard", "ep")), device_mesh["tp"], experts)
     wrapped = apply_activation_checkpointing(model, mode)
     if dims.dp > 1:
         shard_data_parallel(model, device_mesh["dp"])

@@ -5,17 +5,22 @@ weights after one SGD lr=1 step 1e-5, grad norm 1e-6 relative), expert gradients
 by the replica sync, and after AdamW steps the replicas stay bitwise equal while experts differ.
 """
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from components.distributed.fsdp import shard_data_parallel
 from components.distributed.grads import grad_norm
 from components.distributed.mesh import resolve_parallel_dims
+from components.distributed.replica_drift import replica_drift
 from components.distributed.tp_plan import apply_tp_plan, check_plan, plan_for
 from components.distributed.tp_replicas import synchronize_tp_replica_gradients
 from components.models import build_causal_lm, meta_causal_lm, tiny_config
-from components.moe import apply_expert_parallel, check_expert_parallel
+from components.moe import apply_expert_parallel, check_expert_parallel, dispatch_mode
+from components.training.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
 from components.training.step import forward_backward
 from tests.distributed.test_tp_parity import assert_parity, finish, global_batch, parity
 from tests.harness import mesh
@@ -44,13 +49,66 @@ def test_sequence_parallel_moe_matches_one_process(ranks4):
     assert_parity(ranks4.run(check_moe_parity, "qwen3_moe", 4, 2, True))
 
 
+def check_experts_over_dp(rank, world_size, family, tp, ep):
+    result = parity(world_size, tiny_config(family), tp, False, ep=ep, experts=EXPERTS)
+    model_mode = dispatch_mode(tp, ep)
+    return result | {"mode": model_mode, "expert_drift": expert_copy_drift(family, world_size, tp, ep)}
+
+
+def expert_copy_drift(family, world_size, tp, ep) -> tuple[float, int]:
+    """After two AdamW steps on different dp data: the largest difference between an expert's ep_shard copies,
+    and how many expert tensors have copies."""
+    dims = resolve_parallel_dims(world_size, tp=tp, ep=ep)
+    device_mesh = mesh((dims.dp, dims.tp), ("dp", "tp"))
+    config = tiny_config(family)
+    model = build_causal_lm(config, seed=0)
+    if tp > 1:
+        apply_tp_plan(model, device_mesh["tp"], plan_for(config), config, moe_modules=EXPERTS + ROUTERS)
+    apply_expert_parallel(model, mesh((dims.ep_shard, dims.ep), ("ep_shard", "ep")), device_mesh["tp"], list(EXPERTS))
+    shard_data_parallel(model, device_mesh["dp"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tokens, labels, global_tokens = global_batch(config.vocab_size)
+    dp_rank = device_mesh["dp"].get_local_rank()
+    for _ in range(2):
+        optimizer.zero_grad()
+        forward_backward(model, tokens.chunk(dims.dp)[dp_rank], labels.chunk(dims.dp)[dp_rank], global_tokens)
+        finish(model, device_mesh)
+        optimizer.step()
+    experts = {n: d for n, d in replica_drift([model], device_mesh).items() if ".experts." in n}
+    return (max(experts.values(), default=0.0), len(experts))
+
+
+# Experts over data-parallel ranks (the world is dp x tp = 4): dispatched by all-to-all where an ep group
+# spans dp ranks, folded where it lies inside a TP group; FSDP over dp on everything but the experts.
+@pytest.mark.parametrize(
+    ("family", "tp", "ep", "mode"),
+    [
+        ("qwen3_moe", 2, 4, "all_to_all"),
+        ("qwen3_moe", 1, 2, "all_to_all"),
+        ("qwen3_moe", 1, 4, "all_to_all"),
+        ("qwen3_moe", 2, 2, "folded"),
+        ("mixtral", 2, 4, "all_to_all"),
+    ],
+)
+def test_experts_over_data_parallel_ranks_match_one_process(ranks4, family, tp, ep, mode):
+    for result in ranks4.run(check_experts_over_dp, family, tp, ep):
+        assert result["mode"] == mode
+        assert result["loss"] == pytest.approx(result["reference_loss"], rel=1e-5)
+        assert result["norm"] == pytest.approx(result["reference_norm"], rel=1e-6)
+        assert result["grad_error"] < 1e-5 and result["weight_error"] < 1e-5
+        assert result["drifted"] == []
+        drift, compared = result["expert_drift"]
+        assert drift == 0.0  # ep_shard copies of an expert stay bitwise equal
+        assert compared == (4 if 4 // ep > 1 else 0)  # 2 layers x 2 fused tensors, when there are copies
+
+
 def build_parallel_moe(world_size, tp, ep):
     config = tiny_config("qwen3_moe")
     dims = resolve_parallel_dims(world_size, tp=tp, ep=ep)
     device_mesh = mesh((dims.dp, dims.tp), ("dp", "tp"))
     model = build_causal_lm(config, seed=0)
     apply_tp_plan(model, device_mesh["tp"], plan_for(config), config, moe_modules=EXPERTS + ROUTERS)
-    apply_expert_parallel(model, mesh((dims.ep_shard, dims.ep), ("ep_shard", "ep")), list(EXPERTS))
+    apply_expert_parallel(model, mesh((dims.ep_shard, dims.ep), ("ep_shard", "ep")), device_mesh["tp"], list(EXPERTS))
     return model, device_mesh
 
 
@@ -127,14 +185,12 @@ def test_dense_styles_on_experts_or_routers_are_refused():
 
 def test_expert_parallel_sizes_are_checked():
     model = meta_causal_lm(tiny_config("qwen3_moe"))
-    assert check_expert_parallel(model, list(EXPERTS), num_experts=8, ep=2, tp=4) == []
-    assert check_expert_parallel(model, list(EXPERTS), num_experts=8, ep=4, tp=2) == [
-        "ep (4) must divide tp (2): experts are split across ranks that share the same tokens"
-    ]
-    assert check_expert_parallel(model, list(EXPERTS), num_experts=6, ep=4, tp=4) == [
+    assert check_expert_parallel(model, list(EXPERTS), num_experts=8, ep=2) == []
+    assert check_expert_parallel(model, list(EXPERTS), num_experts=8, ep=4) == []  # ep over dp x tp ranks
+    assert check_expert_parallel(model, list(EXPERTS), num_experts=6, ep=4) == [
         "ep (4) must divide the number of experts (6)"
     ]
-    assert check_expert_parallel(model, ["model.layers.*.moe"], 8, 2, 2) == [
+    assert check_expert_parallel(model, ["model.layers.*.moe"], 8, 2) == [
         "model.experts pattern 'model.layers.*.moe' matches no module of Qwen3MoeForCausalLM"
     ]
 
@@ -161,3 +217,71 @@ def test_ranks_whose_experts_get_no_tokens_still_train_in_step(ranks4):
         assert loss == pytest.approx(reference_loss, rel=1e-5)
         assert norm == pytest.approx(reference_norm, rel=1e-6)
         assert has_grad
+
+
+def moe_run(world_size, tp, ep, seed):
+    """Qwen3-MoE at (tp, ep, dp = world / tp) with AdamW: model, optimizer, scheduler, mesh, dims."""
+    dims = resolve_parallel_dims(world_size, tp=tp, ep=ep)
+    device_mesh = mesh((dims.dp, dims.tp), ("dp", "tp"))
+    config = tiny_config("qwen3_moe")
+    model = build_causal_lm(config, seed=seed)
+    if tp > 1:
+        apply_tp_plan(model, device_mesh["tp"], plan_for(config), config, moe_modules=EXPERTS + ROUTERS)
+    apply_expert_parallel(model, mesh((dims.ep_shard, dims.ep), ("ep_shard", "ep")), device_mesh["tp"], list(EXPERTS))
+    if dims.dp > 1:
+        shard_data_parallel(model, device_mesh["dp"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), device_mesh, dims
+
+
+def moe_step(model, optimizer, scheduler, device_mesh, dims, seed) -> float:
+    config = tiny_config("qwen3_moe")
+    tokens, labels, global_tokens = global_batch(config.vocab_size, seed=seed)
+    dp_rank = device_mesh["dp"].get_local_rank()
+    optimizer.zero_grad()
+    local = forward_backward(model, tokens.chunk(dims.dp)[dp_rank], labels.chunk(dims.dp)[dp_rank], global_tokens)
+    loss = torch.tensor(local, dtype=torch.float64)
+    dist.all_reduce(loss, group=device_mesh["dp"].get_group())
+    finish(model, device_mesh)
+    optimizer.step()
+    scheduler.step()
+    return loss.item() / global_tokens
+
+
+def full_state(model, optimizer) -> dict[str, torch.Tensor]:
+    state = {}
+    for name, parameter in model.named_parameters():
+        state[name] = full_tensor(parameter.detach())
+        for key, value in optimizer.state[parameter].items():
+            state[f"{name}.{key}"] = full_tensor(value)
+    return state
+
+
+def full_tensor(tensor):
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor.clone()
+
+
+def check_save_moe(rank, world_size, root):
+    run = moe_run(world_size, tp=2, ep=4, seed=0)
+    for seed in range(2):
+        moe_step(*run, seed=seed)
+    save_checkpoint(Path(root), 2, *run[:3])
+    reference = {"state": full_state(*run[:2]), "continued": [moe_step(*run, seed=seed) for seed in (2, 3)]}
+    if rank == 0:
+        torch.save(reference, Path(root) / "reference.pt")
+
+
+def check_load_moe(rank, world_size, root):
+    run = moe_run(world_size, tp=1, ep=2, seed=1)
+    load_checkpoint(checkpoint_path(Path(root), 2), *run[:3])
+    reference = torch.load(Path(root) / "reference.pt")
+    state = full_state(*run[:2])
+    differ = [name for name, value in reference["state"].items() if not torch.equal(state.get(name), value)]
+    return differ, [moe_step(*run, seed=seed) for seed in (2, 3)], reference["continued"]
+
+
+def test_a_checkpoint_at_tp2_ep4_dp2_loads_exactly_at_tp1_ep2_dp2(ranks2, ranks4, tmp_path):
+    ranks4.run(check_save_moe, str(tmp_path))
+    for differ, continued, reference in ranks2.run(check_load_moe, str(tmp_path)):
+        assert differ == []  # every weight and AdamW moment, experts included, bitwise
+        assert continued == pytest.approx(reference, rel=1e-6)

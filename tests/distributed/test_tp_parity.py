@@ -30,8 +30,8 @@ from tests.harness import mesh
 BATCH, SEQ, PROMPT = 4, 16, 3
 
 
-def global_batch(vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    tokens = torch.randint(0, vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+def global_batch(vocab_size: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, int]:
+    tokens = torch.randint(0, vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
     labels = tokens.clone()
     labels[:, :PROMPT] = -100  # a prompt masked out of the loss
     return tokens, labels, int((labels[:, 1:] != -100).sum())
@@ -78,7 +78,7 @@ def parity(world_size, config, tp, sequence_parallel, pretrained_path=None, ep=1
     reference_norm = grad_norm([reference]).item()
 
     apply_tp_plan(model, device_mesh["tp"], plan_for(config, sequence_parallel), config, sequence_parallel)
-    apply_expert_parallel(model, mesh((dims.ep_shard, dims.ep), ("ep_shard", "ep")), list(experts))
+    apply_expert_parallel(model, mesh((dims.ep_shard, dims.ep), ("ep_shard", "ep")), device_mesh["tp"], list(experts))
     if pretrained_path is not None:
         materialize_from_pretrained(model, pretrained_path)
     if dims.dp > 1:

@@ -35,7 +35,14 @@ CASES: dict[str, tuple[list[str], str]] = {
         ["model.pretrained_path=/nonexistent/model"],
         "model.pretrained_path='/nonexistent/model' is neither a local folder nor a Hugging Face Hub id",
     ),
-    "ep not dividing tp": (["model=qwen3_moe", "tp=2", "ep=4", "nproc=4"], "ep (4) must divide tp (2)"),
+    "ep not dividing the world": (
+        ["model=qwen3_moe", "tp=2", "ep=4", "nproc=6"],
+        "world size 6 is not divisible by ep=4",
+    ),
+    "ep not dividing the experts": (
+        ["model=qwen3_moe", "ep=3", "nproc=3"],
+        "ep (3) must divide the number of experts (8)",
+    ),
     "dense model with ep": (["ep=2", "tp=2"], "ep=2 needs an MoE model"),
     "batch not dividing": (
         ["train.global_batch_size=10", "train.micro_batch_size=4"],

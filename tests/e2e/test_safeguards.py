@@ -42,7 +42,7 @@ def test_a_nan_gradient_can_skip_the_step_instead(tmp_path):
 def test_replica_drift_is_detected_and_named(tmp_path):
     result = run(tmp_path, "debug.fault=perturb_replica@2", "debug.check_replicas_every=1")
     assert result.returncode != 0
-    assert "step 2: TP replicas differ across ranks: model.layers.0.input_layernorm.weight" in result.stderr
+    assert "step 2: replicated tensors differ across ranks: model.layers.0.input_layernorm.weight" in result.stderr
     assert len(metrics(tmp_path)) == 2
 
 

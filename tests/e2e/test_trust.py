@@ -144,5 +144,5 @@ def test_a_resume_that_cannot_continue_the_same_training_is_refused(trained, tmp
 def test_replicas_that_drift_without_checks_stop_the_run_before_export(tmp_path):
     result = run(tmp_path / "drift", "tp=2", "train.max_steps=3", "debug.fault=perturb_replica@2")
     line = error_line(result)
-    assert "TP replicas differ at the end of the run" in line and "not exported" in line, line
+    assert "replicated tensors differ at the end of the run" in line and "not exported" in line, line
     assert not (tmp_path / "drift" / "hf").exists()

@@ -9,7 +9,8 @@ and runs as a user would run it (``python recipes/finetune.py experiment=regress
 per run, each printed as a table row:
 1. golden: per-step ``loss`` and ``grad_norm`` against tests/regression/golden/NAME.jsonl;
 2. parity: a tp>1 run against its tp=1 twin (same model, same data, same schedule);
-3. drift: the largest difference between TP copies of any replicated parameter at the end (exactly 0).
+3. drift: the largest difference between the copies of any replicated parameter (TP replicas, expert
+   copies) at the end (exactly 0).
 It exits non-zero when any run leaves its band, and draws one PNG per model family with every
 parallelism's loss curve overlaid and the largest deviation from tp=1 in the legend.
 """
