@@ -1,9 +1,10 @@
 """The device mesh: ``("dp", "tp")`` with tp innermost, and the MoE view ``("ep_shard", "ep")``.
 
 Tensor parallelism talks the most, so its ranks are adjacent (innermost: on one node, on NVLink). The
-data-parallel view is ``mesh["dp"]``. Expert parallelism is folded onto the same ranks: the MoE mesh
-reshapes all ``dp × tp`` ranks into ``(world // ep, ep)``, so a rank's expert group is ``ep`` adjacent
-ranks and ``ep_shard`` runs across the groups that hold the same experts.
+data-parallel view is ``mesh["dp"]``. Expert parallelism uses the same ranks: the MoE mesh reshapes all
+``dp × tp`` ranks into ``(world // ep, ep)``, so a rank's expert group is ``ep`` adjacent ranks (inside one
+TP group when ``ep`` divides ``tp``, else spanning several dp ranks) and ``ep_shard`` runs across the
+groups that hold the same experts.
 """
 
 from dataclasses import dataclass

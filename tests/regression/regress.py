@@ -48,7 +48,15 @@ def twin(name: str) -> str | None:
 def run_recipe(name: str, output_root: Path, extra: list[str]) -> Path:
     output_dir = output_root / name
     recipe = f"experiment=regression/{name}"
-    command = [sys.executable, "recipes/finetune.py", recipe, f"output_dir={output_dir}", *extra]
+    # A rerun replaces the previous run's files (a fresh run refuses another run's folder otherwise).
+    command = [
+        sys.executable,
+        "recipes/finetune.py",
+        recipe,
+        f"output_dir={output_dir}",
+        "overwrite_output_dir=true",
+        *extra,
+    ]
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=environment)
     if result.returncode != 0:

@@ -1,0 +1,72 @@
+"""An MoE model's load balance: its router's auxiliary loss joins the backward, and each step's imbalance is counted."""
+
+import pytest
+import torch
+
+from components.models import build_causal_lm, tiny_config
+from components.moe import ExpertLoad, router_aux_loss_weight
+from components.training.step import evaluate_loss_sum, forward_backward
+
+EXPERTS = ["model.layers.*.mlp.experts"]
+
+
+def batch(vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    tokens = torch.randint(0, vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    labels = tokens.clone()
+    labels[:, :3] = -100
+    return tokens, labels, int((labels[:, 1:] != -100).sum())
+
+
+def gradients(model) -> dict[str, torch.Tensor]:
+    return {name: parameter.grad.clone() for name, parameter in model.named_parameters()}
+
+
+def test_the_aux_loss_the_config_enables_trains_like_hugging_faces_own_loss():
+    config = tiny_config("qwen3_moe", output_router_logits=True, router_aux_loss_coef=0.5)
+    tokens, labels, labelled = batch(config.vocab_size)
+    weight = router_aux_loss_weight(config, micro_batches=1, dp=1)
+    ours = build_causal_lm(config, seed=0)
+    forward_backward(ours, tokens, labels, labelled, aux_loss_weight=weight)
+    theirs = build_causal_lm(config, seed=0)
+    theirs(input_ids=tokens, labels=labels, use_cache=False).loss.backward()  # CE mean + coef * aux
+    without = build_causal_lm(config, seed=0)
+    forward_backward(without, tokens, labels, labelled)  # weight 0: the aux loss left out
+
+    router = "model.layers.0.mlp.gate.weight"
+    ours, theirs, without = gradients(ours), gradients(theirs), gradients(without)
+    for name, grad in theirs.items():
+        torch.testing.assert_close(ours[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    assert (ours[router] - without[router]).abs().max() > 1e-4  # the aux loss moved the router
+
+
+def test_the_aux_loss_weight_spreads_the_coefficient_over_micro_batches_and_dp_ranks():
+    enabled = tiny_config("qwen3_moe", output_router_logits=True, router_aux_loss_coef=0.25)
+    assert router_aux_loss_weight(enabled, micro_batches=2, dp=4) == 0.25 / 8
+    assert router_aux_loss_weight(tiny_config("qwen3_moe"), micro_batches=1, dp=1) == 0.0  # off by default
+    assert router_aux_loss_weight(tiny_config("llama"), micro_batches=1, dp=1) == 0.0
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_imbalance_is_max_over_mean_tokens_per_expert_of_the_worst_layer(family):
+    config = tiny_config(family)
+    model = build_causal_lm(config, seed=0)
+    load = ExpertLoad.watch(model, config, EXPERTS, dp_group=None)
+    tokens, labels, labelled = batch(config.vocab_size)
+    forward_backward(model, tokens, labels, labelled)
+    counts = load.counts.clone()
+    assert counts.sum(dim=1).tolist() == [tokens.numel() * config.num_experts_per_tok] * config.num_hidden_layers
+    expected = max((row.max() / row.double().mean()).item() for row in counts)
+    assert load.imbalance("cpu") == expected
+    assert load.counts.sum() == 0  # reset for the next step
+
+    for layer in model.model.layers:  # a zero router picks experts 0 and 1 for every token: 8 / 2 = 4x the mean
+        torch.nn.init.zeros_(layer.mlp.gate.weight)
+    forward_backward(model, tokens, labels, labelled)
+    evaluate_loss_sum(model, tokens, labels)  # validation (no gradients) is not counted
+    assert load.imbalance("cpu") == 4.0
+    assert load.counts.sum() == 0
+
+
+def test_a_dense_model_has_no_expert_load():
+    config = tiny_config("llama")
+    assert ExpertLoad.watch(build_causal_lm(config, seed=0), config, [], dp_group=None) is None
