@@ -285,3 +285,26 @@ def test_a_checkpoint_at_tp2_ep4_dp2_loads_exactly_at_tp1_ep2_dp2(ranks2, ranks4
     for differ, continued, reference in ranks2.run(check_load_moe, str(tmp_path)):
         assert differ == []  # every weight and AdamW moment, experts included, bitwise
         assert continued == pytest.approx(reference, rel=1e-6)
+
+
+def check_idle_experts_dispatched(rank, world_size):
+    # Zero routers send every token to experts 0 and 1, both on rank 0: ranks 1-3 receive no rows, yet they
+    # must join every exchange, forward and backward, and their experts get zero (not missing) gradients.
+    config = tiny_config("qwen3_moe")
+    tokens, labels, global_tokens = global_batch(config.vocab_size)
+    reference = build_causal_lm(config, seed=0)
+    model, optimizer, scheduler, device_mesh, dims = moe_run(world_size, tp=2, ep=4, seed=0)
+    for built in (reference, model):
+        for layer in built.model.layers:
+            torch.nn.init.zeros_(layer.mlp.gate.weight)
+    reference_loss = forward_backward(reference, tokens, labels, global_tokens) / global_tokens
+    loss = moe_step(model, optimizer, scheduler, device_mesh, dims, seed=1)  # global_batch's default seed
+    experts = model.model.layers[0].mlp.experts.gate_up_proj
+    return loss, reference_loss, grad_norm([model]).item(), grad_norm([reference]).item(), experts.grad is not None
+
+
+def test_ranks_that_receive_no_tokens_still_join_every_exchange(ranks4):
+    for loss, reference_loss, norm, reference_norm, has_grad in ranks4.run(check_idle_experts_dispatched):
+        assert loss == pytest.approx(reference_loss, rel=1e-5)
+        assert norm == pytest.approx(reference_norm, rel=1e-6)
+        assert has_grad
