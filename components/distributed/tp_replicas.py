@@ -27,15 +27,21 @@ Choices where the specification is silent:
   order); that is what makes one fixed-size pre-check all-reduce possible.
 
 Speed (the contract unchanged): what to reduce is computed once per model and TP group and cached
-(``replica_plan``); it is rebuilt when a parameter is replaced, a module or parameter is added or removed, a
-marker or ``requires_grad`` changes, or ``_MAX_FLAT_BUFFER_BYTES`` changes. The pre-check flags are one int32
-tensor built at once. Buffers persist between calls, within ``_MAX_FLAT_BUFFER_BYTES`` in all, and go away
+(``replica_plan``); it is rebuilt when a parameter is replaced (also through ``module._parameters``, as FSDP2
+does), a module or parameter is added or deleted, a marker is set through the functions above, a replica is
+frozen or thawed, or ``_MAX_FLAT_BUFFER_BYTES`` changes. The per-call check reads no module's attributes (a
+registration counter kept by torch's global hooks, child counts, the replicas' slots and ``requires_grad``);
+a marker attribute set directly, or a module replaced directly in ``module._modules``, is seen once anything
+registers a module or parameter. Set markers through the functions above and ``_MODEL_OWNED_GRAD_DIVISOR_ATTR``
+before the first sync. Buffers persist between calls, within ``_MAX_FLAT_BUFFER_BYTES`` in all, and go away
 with the model: FP32 (wire-dtype) gradients of plain parameters become views of their bucket after the first
-call, so while the caller keeps them (``zero_grad(set_to_none=False)``) the all-reduce runs in place; a caller
-that sets gradients to None gets them packed (one ``torch._foreach_copy_``) and re-bound each step. Other
-gradients (bf16/fp16, DTensor) go through one shared staging buffer, bucket after bucket. A step where some
-candidates have no gradient anywhere uses transient buffers. Set ``_MODEL_OWNED_GRAD_DIVISOR_ATTR`` before the
-first sync (it is rechecked too, but only on the parameters seen then).
+call, so while the caller keeps them (``zero_grad(set_to_none=False)``) the pre-check flags are a constant
+(every gradient is its bucket view: present, dense, eligible) and the all-reduce runs in place; a caller that
+sets gradients to None gets them packed (one ``torch.cat`` for 1-D gradients, else one
+``torch._foreach_copy_``) and re-bound each step, with the flags built in one pass. Other gradients (bf16/fp16,
+DTensor) go through one shared staging buffer, bucket after bucket. A step where some candidates have no
+gradient anywhere uses transient buffers. A mean over a power-of-two TP size multiplies by the exact
+reciprocal (the same rounding as the divide, and cheaper).
 
 Every collective is called through ``dist.<name>`` at call time so tests can intercept them.
 """
@@ -53,7 +59,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from components.distributed.flat_buffers import bounded_chunks, local_tensor, wire_dtype
-from components.distributed.replica_plan import BucketLayout, ModelSnapshot
+from components.distributed.replica_plan import BucketLayout, ModelSnapshot, bump_structure_version
 
 _TP_REPLICA_GRAD_REDUCTION_ATTR = "_nemo_tp_replica_grad_reduction"
 _MODEL_OWNED_GRAD_DIVISOR_ATTR = "_nemo_model_owned_grad_divisor"
@@ -84,6 +90,7 @@ def mark_tp_replica_gradient_reduction(module: torch.nn.Module, reduction: Liter
     if reduction not in _REDUCTIONS:
         raise ValueError(f"TP replica gradient reduction must be 'mean' or 'sum', got {reduction!r}")
     setattr(module, _TP_REPLICA_GRAD_REDUCTION_ATTR, reduction)
+    bump_structure_version()  # cached sync plans are rebuilt
 
 
 def exclude_from_tp_replica_sync(module: torch.nn.Module) -> None:
@@ -100,6 +107,7 @@ def exclude_from_tp_replica_sync(module: torch.nn.Module) -> None:
     """
     for submodule in module.modules():
         setattr(submodule, _TP_REPLICA_GRAD_REDUCTION_ATTR, _SKIP)
+    bump_structure_version()  # cached sync plans are rebuilt
 
 
 def _get_tp_mesh(device_mesh: DeviceMesh | None, tp_axis_name: str) -> DeviceMesh | None:
@@ -388,9 +396,17 @@ def synchronize_tp_replica_gradients(
     plan = _sync_plan(model_parts, context, tp_axis_name)
     if not plan.parameters:
         return 0
-    grads = list(map(_grad, plan.parameters))
-    flags = _precheck_flags(plan, grads, context, tp_axis_name).to(context.mesh.device_type)
-    dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=context.group)
+    full = plan.full
+    if full is not None and full.gradients_are_views(plan.parameters):  # present, dense, plain: flags known
+        flags = plan.dense_device_flags.clone()
+        dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=context.group)
+        if torch.equal(flags, plan.expected_flags):
+            return full.reduce(plan.parameters, full.views_in_order, context.group, context.size, in_place=True)
+        grads = full.views_in_order  # another rank disagrees: raise below, or reduce what is eligible
+    else:
+        grads = list(map(_grad, plan.parameters))
+        flags = _precheck_flags(plan, grads, context, tp_axis_name).to(context.mesh.device_type)
+        dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=context.group)
     if torch.equal(flags, plan.expected_flags):  # every gradient present, eligible and dense on every rank
         layout, local_grads = plan.full_layout(grads), _local_grads(plan, grads)
         if layout is None:
@@ -443,11 +459,14 @@ class _SyncPlan:
         self.snapshot = ModelSnapshot(model_parts, _TP_REPLICA_GRAD_REDUCTION_ATTR, _MODEL_OWNED_GRAD_DIVISOR_ATTR)
         self.part_refs = [weakref.ref(part) for part in model_parts]
         self.context, self.max_bytes = context, max_bytes
-        candidates = [
+        replicas = [
             (key[1], parameter, reduction)
             for key, parameter, reduction in _unmarked_entries_by_name(model_parts)
-            if parameter.requires_grad and _is_tp_replicated(parameter, context.ranks, context.rank, tp_axis_name)
+            if _is_tp_replicated(parameter, context.ranks, context.rank, tp_axis_name)
         ]
+        candidates = [entry for entry in replicas if entry[1].requires_grad]
+        frozen = [parameter for _, parameter, _ in replicas if not parameter.requires_grad]  # they may thaw
+        self.snapshot.watch([parameter for _, parameter, _ in candidates], frozen)
         self.names = [name for name, _, _ in candidates]
         self.parameters = [parameter for _, parameter, _ in candidates]
         self.reductions = [reduction for _, _, reduction in candidates]
@@ -455,8 +474,10 @@ class _SyncPlan:
         self.all_plain = all(self.plain)
         count = len(candidates)
         self.dense_flags = torch.tensor([[1] * count, [1] * count, [0] * count], dtype=torch.int32)
+        self.dense_device_flags = self.dense_flags.to(context.mesh.device_type)
         self.expected_flags = (self.dense_flags * context.size).to(context.mesh.device_type)
-        self._full: BucketLayout | None = None
+        self._dtensor_indices = [index for index, plain in enumerate(self.plain) if not plain]
+        self.full: BucketLayout | None = None  # the persistent layout, built at the first full step
         self._full_local_shapes: list[torch.Size] = []
 
     def matches(self, model_parts: list[nn.Module], context: _TpContext) -> bool:
@@ -465,7 +486,7 @@ class _SyncPlan:
             and self.max_bytes == _MAX_FLAT_BUFFER_BYTES
             and len(model_parts) == len(self.part_refs)
             and all(ref() is part for ref, part in zip(self.part_refs, model_parts, strict=True))
-            and self.snapshot.still_valid()
+            and self.snapshot.quick_valid()
         )
 
     def layout(self, local_grads: list[torch.Tensor | None], eligible: list[int]) -> BucketLayout:
@@ -475,14 +496,14 @@ class _SyncPlan:
 
     def full_layout(self, grads: list[torch.Tensor]) -> BucketLayout | None:
         """The persistent layout for "every candidate has a gradient"; None if DTensor local shapes moved."""
-        shapes = [local_tensor(grads[i]).shape for i, plain in enumerate(self.plain) if not plain]
-        if self._full is None:
+        shapes = [local_tensor(grads[i]).shape for i in self._dtensor_indices]
+        if self.full is None:
             local_grads = _local_grads(self, grads)
             everyone = list(range(len(grads)))
             device = self.context.mesh.device_type
-            self._full = BucketLayout(local_grads, self.reductions, everyone, self.plain, device, self.max_bytes)
+            self.full = BucketLayout(local_grads, self.reductions, everyone, self.plain, device, self.max_bytes)
             self._full_local_shapes = shapes
-        return self._full if shapes == self._full_local_shapes else None
+        return self.full if shapes == self._full_local_shapes else None
 
 
 _PLANS: "weakref.WeakKeyDictionary[nn.Module, dict[tuple, _SyncPlan]]" = weakref.WeakKeyDictionary()
@@ -490,7 +511,9 @@ _PLANS: "weakref.WeakKeyDictionary[nn.Module, dict[tuple, _SyncPlan]]" = weakref
 
 def _sync_plan(model_parts: list[nn.Module], context: _TpContext, tp_axis_name: str) -> _SyncPlan:
     """The cached plan for these model parts, rebuilt when the modules, parameters or markers changed."""
-    plans = _PLANS.setdefault(model_parts[0], {}) if model_parts else {}
+    plans = _PLANS.get(model_parts[0]) if model_parts else {}
+    if plans is None:
+        plans = _PLANS[model_parts[0]] = {}
     key = (id(context.group), tp_axis_name)
     plan = plans.get(key)
     if plan is None or not plan.matches(model_parts, context):

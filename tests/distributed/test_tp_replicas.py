@@ -451,6 +451,46 @@ def test_cached_plan_is_rebuilt_when_parameters_modules_or_markers_change(ranks2
         assert calls == [("all_reduce", torch.int32, 3), ("all_reduce", torch.float32, 4)]
 
 
+def check_each_change_alone_rebuilds_the_plan(rank, world_size):
+    device_mesh = mesh((world_size,), ("tp",))
+    model = nn.Module()
+    model.a = holder_with_grad(rank + 1)
+    model.b = holder_with_grad(rank + 1)
+    model.frozen = holder_with_grad(rank + 1)
+    model.frozen.weight.requires_grad_(False)
+
+    def sync() -> int:
+        return synchronize_tp_replica_gradients([model], device_mesh)
+
+    def plan():
+        return next(iter(tp_replicas._PLANS[model].values()))
+
+    counts = [sync()]
+    first = plan()
+    nn.Linear(2, 2)  # built elsewhere: the registration counter moves, the complete check keeps the plan
+    counts.append(sync())
+    kept = plan() is first
+    model.frozen.weight.requires_grad_(True)  # thawed, nothing else changed: reduced from now on
+    model.frozen.weight.grad = torch.full((4,), float(rank))
+    counts.append(sync())
+    del model.b  # deleted, nothing registered: no longer reduced
+    counts.append(sync())
+    model.a.weight.grad = torch.full((4,), float(rank))  # fresh beside a kept bucket view: packed one by one
+    counts.append(sync())
+    mixed = (model.a.weight.grad.tolist(), model.frozen.weight.grad.tolist())
+    model.a.weight.requires_grad_(False)  # frozen, nothing else changed: left alone
+    model.a.weight.grad = torch.full((4,), float(rank))
+    counts.append(sync())
+    return counts, kept, mixed, model.a.weight.grad.tolist() == [float(rank)] * 4
+
+
+def test_each_change_alone_rebuilds_the_plan_and_an_unrelated_module_does_not(ranks2):
+    for counts, kept, mixed, frozen_untouched in ranks2.run(check_each_change_alone_rebuilds_the_plan):
+        assert counts == [2, 2, 3, 2, 2, 1] and kept
+        assert mixed == ([0.5] * 4, [0.5] * 4)
+        assert frozen_untouched  # each rank's own gradient, not reduced
+
+
 def check_gradients_become_bucket_views(rank, world_size):
     device_mesh = mesh((world_size,), ("tp",))
     model = nn.Module()
