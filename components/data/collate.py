@@ -1,16 +1,15 @@
-"""Turn records into (input_ids, labels) with only the answer labelled, and pad them into batches.
+"""Turn records into (input_ids, labels) with only the answer labelled.
 
 Labels are aligned with ``input_ids`` (not shifted): ``cross_entropy_sum`` shifts them itself. Everything
 the chat template writes before the final assistant message's content is the prompt and gets ``-100``;
 the content and what the template closes it with (eos) are labelled, so the model learns to answer and
-to stop. Padding is on the right, which causal attention without a mask allows.
+to stop. :func:`components.data.loader.collate_rows` lays them into batches, padded on the right, which causal
+attention without a mask allows.
 
 :func:`tokenize_batch` is the same per-record work in the shape ``datasets.Dataset.map(batched=True)``
 wants; it never raises on a bad record (a worker process would lose the message) but marks it, and
 :func:`record_error` says afterwards, for the first marked record, what is wrong with it.
 """
-
-import torch
 
 from components.data.jsonl import DataError, record_problem
 
@@ -141,42 +140,3 @@ def record_error(index: int, record: dict, tokenizer, seq_len: int) -> DataError
                 "or shorten its prompt"
             )
     return DataError(f"record {index}: {problem}")
-
-
-def tokenize_records(records: list[dict], tokenizer, seq_len: int) -> list[tuple[list[int], list[int]]]:
-    """``tokenize_example`` for every record, checking each keeps at least one labelled token.
-
-    Raises:
-        DataError: If a record's prompt fills ``seq_len`` so nothing of its answer would be trained on.
-    """
-    examples = []
-    for index, record in enumerate(records):
-        input_ids, labels = tokenize_example(record, tokenizer, seq_len)
-        if not labelled_tokens(labels):
-            raise DataError(
-                f"record {index} has no answer tokens within train.seq_len ({seq_len}): raise train.seq_len "
-                "or shorten its prompt"
-            )
-        examples.append((input_ids, labels))
-    return examples
-
-
-def pad_batch(
-    examples: list[tuple[list[int], list[int]]], seq_len: int, pad_id: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-pad (input_ids, labels) pairs to [len(examples), seq_len] tensors: ids with ``pad_id``, labels -100.
-
-    Raises:
-        ValueError: If an example is longer than ``seq_len`` or its ids and labels differ in length.
-    """
-    input_ids = torch.full((len(examples), seq_len), pad_id, dtype=torch.long)
-    labels = torch.full((len(examples), seq_len), IGNORE_INDEX, dtype=torch.long)
-    for row, (ids, row_labels) in enumerate(examples):
-        if len(ids) != len(row_labels) or len(ids) > seq_len:
-            raise ValueError(
-                f"example {row} has {len(ids)} input ids and {len(row_labels)} labels; both must be equal and "
-                f"at most seq_len ({seq_len}): build examples with tokenize_example(..., seq_len={seq_len})"
-            )
-        input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        labels[row, : len(ids)] = torch.tensor(row_labels, dtype=torch.long)
-    return input_ids, labels

@@ -39,7 +39,10 @@ def record_problem(record) -> str | None:
 
 
 def iter_jsonl(path: str | Path) -> Iterator[dict]:
-    """Every record of a JSONL file in order, each checked as it is read (see :func:`read_jsonl`).
+    """Every record of a JSONL file in order, each checked as it is read: ``{"prompt", "response"}`` or
+    ``{"messages": [...]}`` objects (a messages record's last message must be the assistant's, what is trained
+    on). Blank lines are skipped; a file of none yields nothing (:class:`components.data.sources.JsonlSource`
+    says it has no records).
 
     Raises:
         DataError: At the first bad line (``data.jsonl line 3: not valid JSON (...)``), or if the file does
@@ -64,18 +67,3 @@ def iter_jsonl(path: str | Path) -> Iterator[dict]:
             if problem:
                 raise DataError(f"{path} line {number}: {problem}")
             yield record
-
-
-def read_jsonl(path: str | Path) -> list[dict]:
-    """Every record of a JSONL file: ``{"prompt", "response"}`` or ``{"messages": [...]}`` objects.
-
-    Blank lines are skipped. A messages record's last message must be the assistant's (what is trained on).
-
-    Raises:
-        DataError: At the first bad line (``data.jsonl line 3: not valid JSON (...)``), if the file does not
-            exist, or if it holds no records.
-    """
-    records = list(iter_jsonl(path))
-    if not records:
-        raise DataError(f"{path} has no records: expected one JSON object per line")
-    return records

@@ -284,28 +284,6 @@ class StepBatches:
         return self._batches(list(range(self.dp_rank * part_size, (self.dp_rank + 1) * part_size)))
 
 
-def split_train_val(records: list, val_fraction: float, seed: int) -> tuple[list, list]:
-    """(train, val): a seeded random ``val_fraction`` of the records held out, each side in original order.
-
-    At least one record goes to validation when ``val_fraction`` > 0, and at least one stays for training.
-
-    Raises:
-        ValueError: If ``val_fraction`` is not in [0, 1) or leaves no training record.
-    """
-    if not 0 <= val_fraction < 1:
-        raise ValueError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
-    n_val = max(1, round(len(records) * val_fraction)) if val_fraction > 0 else 0
-    if n_val >= len(records):
-        raise ValueError(
-            f"data.val_fraction ({val_fraction}) of {len(records)} records leaves none for training: "
-            "lower it or add records"
-        )
-    held_out = set(random.Random(seed).sample(range(len(records)), n_val))
-    train = [record for index, record in enumerate(records) if index not in held_out]
-    val = [record for index, record in enumerate(records) if index in held_out]
-    return train, val
-
-
 def open_splits(
     train: "TokenizedSplit", val: "TokenizedSplit | None", global_batch_size: int, micro_batch_size: int,
     *, dp_size: int, dp_rank: int, seed: int,

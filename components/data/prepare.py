@@ -121,8 +121,8 @@ def _tokenize(source: DataSource, tokenizer, seq_len: int, num_proc: int, cache_
 
 
 def split_indices(n: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """(train, val) record indices, each ascending: :func:`components.data.loader.split_train_val` of
-    ``range(n)``, the same seeded choice, without a Python list of the records.
+    """(train, val) record indices, each ascending: ``random.Random(seed).sample`` holds out a ``val_fraction``
+    of ``range(n)`` (at least one record when ``val_fraction`` > 0, and at least one stays for training).
 
     Raises:
         ValueError: If ``val_fraction`` is not in [0, 1) or leaves no training record.

@@ -1,4 +1,4 @@
-"""Sharded, atomic training checkpoints with ``torch.distributed.checkpoint`` (DCP): save, find the latest, resume.
+"""Sharded, atomic training checkpoints with ``torch.distributed.checkpoint`` (DCP): save and resume.
 
 One checkpoint is the folder ``root/step_00000042/`` (layout and checks: :mod:`checkpoint_check`): DCP's
 ``.metadata`` and ``__<rank>_0.distcp`` (model and optimizer state, stored by global shape, so a load at another
@@ -11,9 +11,9 @@ still trusted for what it holds: the weights, the optimizer state, the step and 
 
 Atomicity: every rank writes into ``step_00000042.tmp``; after all ranks are done (and the caller's
 ``before_commit`` hook has run) rank 0 writes the marker and renames the folder (one ``os.replace``, atomic on
-one filesystem). A crash leaves a ``.tmp`` folder, which :func:`latest_checkpoint` never returns and the next
-save of that step replaces. All ranks must see the same filesystem (a shared one across nodes). Pruning
-(``keep``) removes only older checkpoints that carry the same run id as the one being saved.
+one filesystem). A crash leaves a ``.tmp`` folder, which :func:`checkpoint_check.find_resumable` never returns
+and the next save of that step replaces. All ranks must see the same filesystem (a shared one across nodes).
+Pruning (``keep``) removes only older checkpoints that carry the same run id as the one being saved.
 """
 
 import base64
@@ -62,7 +62,7 @@ from components.training.safe_dcp import (
     loads_state,
 )
 
-__all__ = ["MARKER", "CheckpointError", "checkpoint_path", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
+__all__ = ["MARKER", "CheckpointError", "checkpoint_path", "load_checkpoint", "save_checkpoint"]
 
 # Optimizer state and hyperparameters keyed by parameter name ("optim.state.<fqn>.exp_avg",
 # "optim.param_groups.<fqn>.lr"), so a load does not depend on param-group order. The unflattened layout
@@ -292,16 +292,6 @@ def save_checkpoint(
     run_on_rank0(lambda: _commit(tmp, final, step, world_size, keep, run_id))
     _set_rng_state(rng)
     return final
-
-
-def latest_checkpoint(root: Path) -> Path | None:
-    """The complete checkpoint with the highest step under ``root``; None if there is none (or no ``root``).
-
-    ``.tmp`` folders (a save in progress or crashed) and folders without the marker are ignored. It does not
-    validate the files: :func:`components.training.checkpoint_check.find_resumable` does.
-    """
-    complete = complete_checkpoints(Path(root))
-    return complete[-1] if complete else None
 
 
 def _restore_rng(path: Path, rank: int, world_size: int, saved_world_size: int) -> None:

@@ -22,7 +22,7 @@ from components.distributed.mesh import resolve_parallel_dims
 from components.distributed.tp_plan import apply_tp_plan, plan_for
 from components.distributed.tp_replicas import broadcast_tp_replicas, synchronize_tp_replica_gradients
 from components.models import build_causal_lm, tiny_config
-from components.training.checkpoint import MARKER, checkpoint_path, latest_checkpoint, load_checkpoint, save_checkpoint
+from components.training.checkpoint import MARKER, checkpoint_path, load_checkpoint, save_checkpoint
 from components.training.checkpoint_check import checkpoint_summary, find_resumable
 from components.training.export import export_hf
 from components.training.step import forward_backward
@@ -115,7 +115,7 @@ def check_resume(rank, world_size, root, tp):
 
     torch.manual_seed(1234)
     fresh = Run(world_size, tp, seed=1)
-    state = load_checkpoint(latest_checkpoint(Path(root)), *fresh.state)
+    state = load_checkpoint(find_resumable(Path(root)).path, *fresh.state)
     resumed = [fresh.step() for _ in range(3)]
     left = sorted(path.name for path in Path(root).iterdir())
     return {"saved": saved.name, "continued": continued, "resumed": resumed, "state": state, "left": left}

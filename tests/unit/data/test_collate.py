@@ -1,9 +1,9 @@
-"""tokenize_example masks the prompt and keeps the answer; pad_batch right-pads to seq_len."""
+"""tokenize_example masks the prompt and keeps the answer; tokenize_batch marks a record whose answer is cut off
+and record_error names it."""
 
 import pytest
-import torch
 
-from components.data.collate import IGNORE_INDEX, pad_batch, tokenize_example, tokenize_records
+from components.data.collate import IGNORE_INDEX, record_error, tokenize_batch, tokenize_example
 from components.data.generated import generate_examples
 from components.data.jsonl import DataError
 from components.data.tokenizer import DEFAULT_VOCAB_SIZE, train_tokenizer, training_texts
@@ -62,9 +62,12 @@ def test_truncates_to_seq_len(tokenizer):
 
 def test_records_whose_answer_is_cut_off_are_reported(tokenizer):
     records = [{"prompt": "Add 2 and 3", "response": "5"}, {"prompt": "Reverse: " + "abc" * 30, "response": "x"}]
-    with pytest.raises(DataError, match=r"record 1 has no answer tokens within train.seq_len \(16\)"):
-        tokenize_records(records, tokenizer, seq_len=16)
-    assert len(tokenize_records(records[:1], tokenizer, seq_len=16)) == 1
+    columns = {"prompt": [r["prompt"] for r in records], "response": [r["response"] for r in records]}
+    labelled = tokenize_batch(columns, tokenizer, seq_len=16)["labelled"]
+    assert labelled[0] > 0 and labelled[1] == 0
+    error = record_error(1, records[1], tokenizer, seq_len=16)
+    assert isinstance(error, DataError)
+    assert str(error).startswith("record 1 has no answer tokens within train.seq_len (16)")
 
 
 def test_a_tokenizer_without_chat_template_is_an_error(tokenizer):
@@ -73,16 +76,3 @@ def test_a_tokenizer_without_chat_template_is_an_error(tokenizer):
 
     with pytest.raises(ValueError, match="tokenizer NoTemplate has no chat_template"):
         tokenize_example({"prompt": "p", "response": "r"}, NoTemplate(), seq_len=8)
-
-
-def test_pad_batch_right_pads_ids_and_labels_to_seq_len():
-    examples = [([1, 5, 6, 7], [-100, -100, 6, 7]), ([1, 8], [-100, 8])]
-    input_ids, labels = pad_batch(examples, seq_len=6, pad_id=0)
-    assert input_ids.shape == labels.shape == (2, 6) and input_ids.dtype == labels.dtype == torch.long
-    assert input_ids.tolist() == [[1, 5, 6, 7, 0, 0], [1, 8, 0, 0, 0, 0]]
-    assert labels.tolist() == [[-100, -100, 6, 7, -100, -100], [-100, 8, -100, -100, -100, -100]]
-
-
-def test_pad_batch_rejects_examples_longer_than_seq_len():
-    with pytest.raises(ValueError, match=r"example 0 has 3 input ids and 3 labels.*at most seq_len \(2\)"):
-        pad_batch([([1, 2, 3], [1, 2, 3])], seq_len=2, pad_id=0)

@@ -1,11 +1,13 @@
-"""read_jsonl: both record shapes, blank lines skipped, and one-line errors naming the file and line."""
+"""iter_jsonl: both record shapes, blank lines skipped, and one-line errors naming the file and line; a file
+without records is refused by JsonlSource.load, which reads it."""
 
 import json
 import re
 
 import pytest
 
-from components.data.jsonl import DataError, read_jsonl
+from components.data.jsonl import DataError, iter_jsonl
+from components.data.sources import JsonlSource
 
 GOOD = [
     {"prompt": "Add 2 and 3", "response": "5"},
@@ -28,7 +30,7 @@ def _write(tmp_path, lines: list[str]):
 def _error(tmp_path, lines: list[str]) -> str:
     path = _write(tmp_path, lines)
     with pytest.raises(DataError) as caught:
-        read_jsonl(path)
+        list(iter_jsonl(path))
     message = str(caught.value)
     assert "\n" not in message
     return message.removeprefix(f"{path} ")
@@ -36,8 +38,8 @@ def _error(tmp_path, lines: list[str]) -> str:
 
 def test_reads_both_shapes_and_skips_blank_lines(tmp_path):
     path = _write(tmp_path, [json.dumps(GOOD[0]), "", "   ", json.dumps(GOOD[1])])
-    assert read_jsonl(path) == GOOD
-    assert read_jsonl(str(path)) == GOOD
+    assert list(iter_jsonl(path)) == GOOD
+    assert list(iter_jsonl(str(path))) == GOOD
 
 
 def test_data_error_is_a_value_error():
@@ -93,24 +95,25 @@ def test_invalid_utf8_names_its_line(tmp_path):
     path = tmp_path / "data.jsonl"
     path.write_bytes(json.dumps(GOOD[0]).encode() + b"\n" + b'{"prompt": "\xff"}\n')
     with pytest.raises(DataError, match=r"^.*data\.jsonl line 2: not valid UTF-8 \(invalid start byte\)$"):
-        read_jsonl(path)
+        list(iter_jsonl(path))
 
 
 def test_a_byte_order_mark_is_accepted(tmp_path):
     path = tmp_path / "data.jsonl"
     path.write_bytes(b"\xef\xbb\xbf" + json.dumps(GOOD[0]).encode() + b"\n")
-    assert read_jsonl(path) == [GOOD[0]]
+    assert list(iter_jsonl(path)) == [GOOD[0]]
 
 
 @pytest.mark.parametrize("lines", [[], ["", "  "]])
 def test_a_file_without_records(tmp_path, lines):
     path = tmp_path / "data.jsonl"
     path.write_text("\n".join(lines), encoding="utf-8")
+    assert list(iter_jsonl(path)) == []
     with pytest.raises(DataError, match=f"^{re.escape(str(path))} has no records: expected one JSON object per line$"):
-        read_jsonl(path)
+        JsonlSource(str(path), None, 0.0).load(tmp_path / "cache")
 
 
 def test_missing_file(tmp_path):
     path = tmp_path / "nope.jsonl"
     with pytest.raises(DataError, match=f"^data file not found: {re.escape(str(path))}$"):
-        read_jsonl(path)
+        list(iter_jsonl(path))

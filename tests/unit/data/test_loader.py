@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from components.data.collate import pad_batch, tokenize_records
+from components.data.collate import tokenize_example
 from components.data.generated import generate_examples
-from components.data.loader import StepBatches, pad_id_of, split_train_val
+from components.data.loader import StepBatches, collate_rows, pad_id_of
 from components.data.tokenizer import DEFAULT_VOCAB_SIZE, train_tokenizer, training_texts
 
 SEQ_LEN = 32
@@ -38,6 +38,12 @@ def _cat(batches) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat([b.input_ids for b in batches]), torch.cat([b.labels for b in batches])
 
 
+def _unpacked(records, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
+    """The records one per row, tokenized one by one: what the loader's rows must equal."""
+    batch = collate_rows([[tokenize_example(r, tokenizer, SEQ_LEN)] for r in records], SEQ_LEN, tokenizer.pad_token_id)
+    return batch.input_ids, batch.labels
+
+
 def test_micro_batches_have_the_configured_shape(loader):
     batches = loader(global_batch_size=8, micro_batch_size=2, dp_size=2, dp_rank=1).batches_for_step(0)
     assert len(batches) == 2
@@ -49,11 +55,10 @@ def test_micro_batches_have_the_configured_shape(loader):
 
 def test_dp_parts_are_disjoint_and_together_are_the_global_batch(loader, tokenizer):
     ranks = [loader(n=40, global_batch_size=12, micro_batch_size=2, dp_size=3, dp_rank=r) for r in range(3)]
-    examples = tokenize_records(RECORDS, tokenizer, SEQ_LEN)
     for step in range(3):  # steps 0-2 lie inside the first epoch (40 records, 12 per step)
         indices = ranks[0].indices_for_step(step)
         assert len(set(indices)) == 12  # disjoint parts: no record twice in the step
-        expected = pad_batch([examples[i] for i in indices], SEQ_LEN, tokenizer.pad_token_id)
+        expected = _unpacked([RECORDS[i] for i in indices], tokenizer)
         together = _cat(sum((rank.batches_for_step(step) for rank in ranks), []))
         assert torch.equal(together[0], expected[0]) and torch.equal(together[1], expected[1])
 
@@ -103,7 +108,7 @@ def test_all_batches_share_every_record_once_equally_over_dp_ranks(loader, token
     shares = [rank.all_batches() for rank in ranks]
     # 11 % 2: the last is left out
     assert [[batch.input_ids.shape[0] for batch in share] for share in shares] == [[2, 2, 1]] * 2
-    expected = pad_batch(tokenize_records(RECORDS[:10], tokenizer, SEQ_LEN), SEQ_LEN, tokenizer.pad_token_id)
+    expected = _unpacked(RECORDS[:10], tokenizer)
     assert torch.equal(_cat(shares[0] + shares[1])[0], expected[0])
 
 
@@ -147,18 +152,17 @@ def test_pad_id_falls_back_to_eos():
         pad_id_of(Neither())
 
 
-def test_split_train_val_is_seeded_disjoint_and_complete():
-    records = list(range(100))
-    train, val = split_train_val(records, 0.1, seed=0)
-    assert len(val) == 10 and sorted(train + val) == records and train == sorted(train)
-    assert split_train_val(records, 0.1, seed=0) == (train, val)
-    assert split_train_val(records, 0.1, seed=1)[1] != val
-    assert split_train_val(records, 0.0, seed=0) == (records, [])
-    assert len(split_train_val(records[:5], 0.01, seed=0)[1]) == 1  # a positive fraction holds out at least one
+def test_collate_rows_right_pads_one_example_rows_to_seq_len():
+    rows = [[([1, 5, 6, 7], [-100, -100, 6, 7])], [([1, 8], [-100, 8])]]
+    batch = collate_rows(rows, seq_len=6, pad_id=0)
+    assert batch.input_ids.shape == batch.labels.shape == (2, 6)
+    assert batch.input_ids.dtype == batch.labels.dtype == torch.long
+    assert batch.input_ids.tolist() == [[1, 5, 6, 7, 0, 0], [1, 8, 0, 0, 0, 0]]
+    assert batch.labels.tolist() == [[-100, -100, 6, 7, -100, -100], [-100, 8, -100, -100, -100, -100]]
 
 
-def test_split_train_val_errors():
-    with pytest.raises(ValueError, match=r"data.val_fraction must be in \[0, 1\), got 1.5"):
-        split_train_val([1, 2], 1.5, seed=0)
-    with pytest.raises(ValueError, match=r"data.val_fraction \(0.9\) of 2 records leaves none for training"):
-        split_train_val([1, 2], 0.9, seed=0)
+def test_collate_rows_rejects_examples_longer_than_seq_len_or_with_unequal_labels():
+    with pytest.raises(ValueError, match=r"row 0 does not fit: an example of 3 ids and 3 labels.*seq_len \(2\)"):
+        collate_rows([[([1, 2, 3], [1, 2, 3])]], seq_len=2, pad_id=0)
+    with pytest.raises(ValueError, match=r"row 1 does not fit: an example of 2 ids and 1 labels"):
+        collate_rows([[([1], [1])], [([1, 2], [1])]], seq_len=4, pad_id=0)

@@ -1,6 +1,7 @@
 """prepare_data: tokenized once into a keyed Arrow cache, reused by the next experiment, checked in the same pass."""
 
 import json
+import random
 
 import numpy as np
 import pytest
@@ -9,7 +10,7 @@ from transformers import AutoTokenizer
 
 from components.data.generated import generate_examples
 from components.data.jsonl import DataError
-from components.data.loader import StepBatches, split_train_val
+from components.data.loader import StepBatches
 from components.data.prepare import data_cache_dir, prepare_data, source_cache_dir, split_indices
 from components.data.sources import GeneratedSource, HFSource, JsonlSource
 from components.data.tokenizer import DEFAULT_VOCAB_SIZE, train_tokenizer
@@ -41,7 +42,8 @@ def test_a_second_experiment_reuses_the_tokens_whatever_its_seed_or_packing(toke
 
 def test_split_and_batches_are_those_of_the_records_in_memory(tokenizer_dir, tmp_path):
     prepared = prepare(SOURCE, tokenizer_dir, tmp_path, seed=3)
-    train, val = split_train_val(generate_examples(120, 2), 0.1, 3)
+    records = generate_examples(120, 2)
+    train, val = ([records[i] for i in part] for part in split_indices(120, 0.1, 3))
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     common = dict(dp_size=2, dp_rank=1, seed=3)
     opened = StepBatches.open(prepared.train, 8, 2, **common)
@@ -55,10 +57,23 @@ def test_split_and_batches_are_those_of_the_records_in_memory(tokenizer_dir, tmp
     assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(val_opened, val_memory.all_batches(), strict=True))
 
 
-def test_split_indices_match_split_train_val():
-    train, val = split_indices(50, 0.2, seed=9)
-    expected = split_train_val(list(range(50)), 0.2, 9)
-    assert (train.tolist(), val.tolist()) == expected and train.dtype == val.dtype == np.int64
+def test_split_indices_are_seeded_disjoint_and_complete():
+    train, val = split_indices(100, 0.1, seed=0)
+    assert train.dtype == val.dtype == np.int64
+    assert len(val) == 10 and sorted([*train, *val]) == list(range(100))
+    assert train.tolist() == sorted(train) and val.tolist() == sorted(val)
+    assert val.tolist() == sorted(random.Random(0).sample(range(100), 10))  # the seeded choice, held stable
+    assert [part.tolist() for part in split_indices(100, 0.1, seed=0)] == [train.tolist(), val.tolist()]
+    assert split_indices(100, 0.1, seed=1)[1].tolist() != val.tolist()
+    assert [part.tolist() for part in split_indices(100, 0.0, seed=0)] == [list(range(100)), []]
+    assert len(split_indices(5, 0.01, seed=0)[1]) == 1  # a positive fraction holds out at least one
+
+
+def test_split_indices_errors():
+    with pytest.raises(ValueError, match=r"data.val_fraction must be in \[0, 1\), got 1.5"):
+        split_indices(2, 1.5, seed=0)
+    with pytest.raises(ValueError, match=r"data.val_fraction \(0.9\) of 2 records leaves none for training"):
+        split_indices(2, 0.9, seed=0)
     with pytest.raises(ValueError, match=r"data.val_fraction \(0.99\) of 50 records leaves none for training"):
         split_indices(50, 0.99, seed=0)
 

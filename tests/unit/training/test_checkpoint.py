@@ -1,4 +1,4 @@
-"""save_checkpoint / latest_checkpoint / load_checkpoint on one process (no process group, plain tensors), and
+"""save_checkpoint / find_resumable / load_checkpoint on one process (no process group, plain tensors), and
 the checks that run before a resume: damaged and hostile checkpoints, run ids, the recorded run description.
 
 Sharded saves, resharding and FSDP2 on real ranks are in tests/distributed/test_checkpoint.py.
@@ -23,14 +23,15 @@ from components.training.checkpoint import (
     MARKER,
     CheckpointError,
     checkpoint_path,
-    latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
 )
 from components.training.checkpoint_check import (
     TRAINER_STATE,
+    ResumeChoice,
     check_checkpoint,
     checkpoint_summary,
+    complete_checkpoints,
     find_resumable,
     model_fingerprint,
     resume_problems,
@@ -86,21 +87,24 @@ def test_resume_is_exact(tmp_path, steps_before_save, optimizer_name):
     random.seed(99)
     np.random.seed(99)
     fresh = trainer(seed=1, optimizer_name=optimizer_name)
-    restored = load_checkpoint(latest_checkpoint(tmp_path), *fresh)
+    restored = load_checkpoint(find_resumable(tmp_path).path, *fresh)
     assert restored == {"step": steps_before_save, "epoch": 1, "offset": 7}
     assert ([step(*fresh) for _ in range(2)], draws()) == continued
 
 
 def test_latest_ignores_tmp_and_unmarked_folders(tmp_path):
-    assert latest_checkpoint(tmp_path / "missing") is None
-    assert latest_checkpoint(tmp_path) is None
+    assert find_resumable(tmp_path / "missing").path is None and complete_checkpoints(tmp_path / "missing") == []
+    assert find_resumable(tmp_path).path is None and complete_checkpoints(tmp_path) == []
     save_checkpoint(tmp_path, 1, *trainer())
     (tmp_path / "step_00000002.tmp").mkdir()
     (tmp_path / "step_00000002.tmp" / MARKER).touch()  # a marker inside a .tmp folder does not count
     shutil.copytree(checkpoint_path(tmp_path, 1), tmp_path / "step_00000003")
     (tmp_path / "step_00000003" / MARKER).unlink()
     (tmp_path / "notes").mkdir()
-    assert latest_checkpoint(tmp_path) == checkpoint_path(tmp_path, 1)
+    assert complete_checkpoints(tmp_path) == [checkpoint_path(tmp_path, 1)]
+    choice = find_resumable(tmp_path)
+    assert choice.path == checkpoint_path(tmp_path, 1)
+    assert [path for path, _ in choice.skipped] == [tmp_path / "step_00000003"]  # the .tmp one is not even listed
     causes = {
         tmp_path / "step_00000002.tmp": "a .tmp folder is a save that did not finish",
         tmp_path / "step_00000003": "no COMPLETE marker",
@@ -125,7 +129,7 @@ def test_a_crash_before_the_commit_leaves_only_an_ignored_tmp_folder(tmp_path):
     with pytest.raises(OSError, match="killed"):
         save_checkpoint(tmp_path, 2, *state, before_commit=crash)
     assert seen == [[".metadata", "__0_0.distcp", "rng", TRAINER_STATE]]  # every file, no marker yet
-    assert latest_checkpoint(tmp_path) == checkpoint_path(tmp_path, 1)
+    assert find_resumable(tmp_path) == ResumeChoice(checkpoint_path(tmp_path, 1))
     assert save_checkpoint(tmp_path, 2, *state) == checkpoint_path(tmp_path, 2)  # replaces the stale folder
     assert sorted(path.name for path in tmp_path.iterdir()) == ["step_00000001", "step_00000002"]
 
