@@ -397,7 +397,12 @@ def synchronize_tp_replica_gradients(
     if not plan.parameters:
         return 0
     full = plan.full
-    if full is not None and full.gradients_are_views(plan.parameters):  # present, dense, plain: flags known
+    in_place = full is not None and full.gradients_are_views(plan.parameters)
+    if not plan.snapshot.still_trainable():  # checked here, where the parameters were just read: a replica frozen
+        plan, full, in_place = _sync_plan(model_parts, context, tp_axis_name, rebuild=True), None, False
+        if not plan.parameters:
+            return 0
+    if in_place:  # every gradient is its bucket view: present, dense, eligible; the flags are known
         flags = plan.dense_device_flags.clone()
         dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=context.group)
         if torch.equal(flags, plan.expected_flags):
@@ -486,7 +491,7 @@ class _SyncPlan:
             and self.max_bytes == _MAX_FLAT_BUFFER_BYTES
             and len(model_parts) == len(self.part_refs)
             and all(ref() is part for ref, part in zip(self.part_refs, model_parts, strict=True))
-            and self.snapshot.quick_valid()
+            and self.snapshot.quick_valid(check_trainable=False)
         )
 
     def layout(self, local_grads: list[torch.Tensor | None], eligible: list[int]) -> BucketLayout:
@@ -509,14 +514,17 @@ class _SyncPlan:
 _PLANS: "weakref.WeakKeyDictionary[nn.Module, dict[tuple, _SyncPlan]]" = weakref.WeakKeyDictionary()
 
 
-def _sync_plan(model_parts: list[nn.Module], context: _TpContext, tp_axis_name: str) -> _SyncPlan:
-    """The cached plan for these model parts, rebuilt when the modules, parameters or markers changed."""
+def _sync_plan(
+    model_parts: list[nn.Module], context: _TpContext, tp_axis_name: str, rebuild: bool = False
+) -> _SyncPlan:
+    """The cached plan for these model parts, rebuilt when the modules, parameters or markers changed (the
+    trainable replicas' ``requires_grad`` is left to the caller: :meth:`ModelSnapshot.still_trainable`)."""
     plans = _PLANS.get(model_parts[0]) if model_parts else {}
     if plans is None:
         plans = _PLANS[model_parts[0]] = {}
     key = (id(context.group), tp_axis_name)
     plan = plans.get(key)
-    if plan is None or not plan.matches(model_parts, context):
+    if rebuild or plan is None or not plan.matches(model_parts, context):
         plan = _SyncPlan(model_parts, context, tp_axis_name, _MAX_FLAT_BUFFER_BYTES)
         plans[key] = plan
     return plan
