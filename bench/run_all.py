@@ -16,6 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import memory  # noqa: E402
+import moe_dispatch  # noqa: E402
 import recipe_overhead  # noqa: E402
 import replica_sync  # noqa: E402
 import tp_comm  # noqa: E402
@@ -36,6 +37,7 @@ def main() -> None:
         ("recipe_overhead", recipe_overhead.run),
         ("memory", memory.run),
         ("tp_comm", tp_comm.run),
+        ("moe_dispatch", moe_dispatch.run),
     )
     for name, run in sections:
         section = time.perf_counter()
