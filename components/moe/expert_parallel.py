@@ -10,14 +10,20 @@ marked ``exclude_from_tp_replica_sync``), and FSDP leaves them alone (``componen
 
 Tokens reach the experts one of two ways, chosen by :func:`dispatch_mode`:
 
-- ``folded`` (``ep`` divides ``tp``: an ep group lies inside one TP group, whose ranks hold the same
-  tokens): each rank runs its experts on the tokens routed to them and one all-reduce over the ep group
-  sums the partial outputs. No token moves; this is the cheaper path where it applies (``bench/moe_dispatch.py``).
-- ``all_to_all`` (otherwise: an ep group spans data-parallel ranks with different tokens): each TP rank
-  takes its block of the replicated tokens (so every token is computed once in the world), sends each
+- ``folded`` (``ep == tp``: the ep group is the TP group, whose ranks hold the same tokens): each rank runs
+  its experts on the tokens routed to them and one all-reduce over the ep group sums the partial outputs.
+  No token moves, and it sends the fewest bytes.
+- ``all_to_all`` (otherwise: an ep group spans data-parallel ranks with different tokens, or lies inside a
+  TP group with ``tp / ep`` ranks per expert): each TP rank takes its block of the replicated tokens (so
+  every token is computed once in the world), sends each
   (token, choice) row to the rank holding that expert, the rank runs its experts on what it received and
   sends the results back, where they are weighted by the routing weights (whose gradient stays local) and
   summed; the TP ranks then gather their blocks. Backward reverses each exchange.
+
+``bench/moe_dispatch.py`` measured both where both fit (BENCHMARKS.md): at ``ep == tp`` folded was as fast
+or up to ~1.2x faster and moved fewer bytes; at ``ep < tp`` folded computes every routed row on ``tp / ep``
+ranks and was 0.88-0.97x the all-to-all path, which moves 25% more bytes but computes each row once.
+Folding is also valid at ``ep < tp`` (``mode="folded"``), with ``tp / ep`` identical expert copies per TP group.
 
 Gradients: the router sees whole, TP-replicated tokens, so its gradient keeps the replica sync's ``mean``
 over TP (and FSDP's sum over dp). An expert's copies along ``ep_shard`` see different tokens (other dp
@@ -70,8 +76,9 @@ class ExpertLayout:
 
 
 def dispatch_mode(tp: int, ep: int) -> str:
-    """``folded`` when each ep group lies inside a TP group (``ep`` divides ``tp``), else ``all_to_all``."""
-    return "folded" if tp % ep == 0 else "all_to_all"
+    """``folded`` when the ep group is the TP group (``ep == tp``), else ``all_to_all`` (measured faster at
+    ``ep < tp`` too, see the module docstring)."""
+    return "folded" if tp == ep else "all_to_all"
 
 
 def expert_modules(model: nn.Module, patterns: list[str]) -> list[str]:

@@ -29,8 +29,8 @@ EXPERTS = ("model.layers.*.mlp.experts",)
 ROUTERS = ("model.layers.*.mlp.gate",)
 
 
-def check_moe_parity(rank, world_size, family, tp, ep, sequence_parallel):
-    return parity(world_size, tiny_config(family), tp, sequence_parallel, ep=ep, experts=EXPERTS)
+def check_moe_parity(rank, world_size, family, tp, ep, sequence_parallel, mode=None):
+    return parity(world_size, tiny_config(family), tp, sequence_parallel, ep=ep, experts=EXPERTS, mode=mode)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
@@ -43,6 +43,12 @@ def test_tp2_ep2_matches_one_process(ranks2, family, tp, ep):
 @pytest.mark.parametrize(("tp", "ep"), [(4, 4), (4, 2)])
 def test_tp4_matches_one_process(ranks4, family, tp, ep):
     assert_parity(ranks4.run(check_moe_parity, family, tp, ep, False))
+
+
+def test_folding_at_ep_below_tp_matches_one_process(ranks4):
+    # Not the automatic choice at ep < tp (the all-to-all path measured faster), but valid: tp / ep identical
+    # copies of each expert per TP group, their gradients scaled by ep / tp before the sum over ep_shard.
+    assert_parity(ranks4.run(check_moe_parity, "qwen3_moe", 4, 2, False, "folded"))
 
 
 def test_sequence_parallel_moe_matches_one_process(ranks4):

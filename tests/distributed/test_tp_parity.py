@@ -62,10 +62,11 @@ def replicated_names(model, device_mesh) -> list[str]:
     ]
 
 
-def parity(world_size, config, tp, sequence_parallel, pretrained_path=None, ep=1, experts=()) -> dict:
+def parity(world_size, config, tp, sequence_parallel, pretrained_path=None, ep=1, experts=(), mode=None) -> dict:
     """Train one step (then five) both ways; with ``pretrained_path`` the parallel model is built on the
     meta device, sharded, and loaded slice by slice, the reference with ``from_pretrained``. With
-    ``ep > 1`` the modules matching ``experts`` are split by expert over the folded MoE mesh."""
+    ``ep > 1`` the modules matching ``experts`` are split by expert over the MoE mesh (``mode``: the dispatch
+    path, None for the automatic one)."""
     dims = resolve_parallel_dims(world_size, tp=tp, ep=ep)
     device_mesh = mesh((dims.dp, dims.tp), ("dp", "tp"))
     tokens, labels, global_tokens = global_batch(config.vocab_size)
@@ -78,7 +79,9 @@ def parity(world_size, config, tp, sequence_parallel, pretrained_path=None, ep=1
     reference_norm = grad_norm([reference]).item()
 
     apply_tp_plan(model, device_mesh["tp"], plan_for(config, sequence_parallel), config, sequence_parallel)
-    apply_expert_parallel(model, mesh((dims.ep_shard, dims.ep), ("ep_shard", "ep")), device_mesh["tp"], list(experts))
+    apply_expert_parallel(
+        model, mesh((dims.ep_shard, dims.ep), ("ep_shard", "ep")), device_mesh["tp"], list(experts), mode
+    )
     if pretrained_path is not None:
         materialize_from_pretrained(model, pretrained_path)
     if dims.dp > 1:
