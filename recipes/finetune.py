@@ -32,7 +32,7 @@ from components.data import StepBatches
 from components.data.loader import open_splits
 from components.distributed.fsdp import set_gradient_sync
 from components.distributed.grads import clip_grad_norm_, finalize_dtensor_gradients, grad_norm
-from components.distributed.launch import join_world, launch_local, started_by_launcher
+from components.distributed.launch import end_launched_rank, join_world, launch_local, started_by_launcher
 from components.distributed.mesh import build_device_mesh
 from components.distributed.replica_drift import check_replicas, write_drift_report
 from components.distributed.tp_replicas import broadcast_tp_replicas, synchronize_tp_replica_gradients
@@ -216,13 +216,12 @@ def launch(cfg: DictConfig, output_dir: str) -> None:
     if lock is not None:  # rank 0 of torchrun, or the local launcher
         (plan.output_dir / "config.yaml").write_text(plan.config_yaml)
     try:
-        if started_by_launcher():
-            rank_main(plan)
-        else:
-            launch_local(rank_main, plan.dims.world_size, plan)
+        rank_main(plan) if started_by_launcher() else launch_local(rank_main, plan.dims.world_size, plan)
     finally:  # the folder is free again once the ranks are done
         if lock is not None:
             lock.release()
+    if started_by_launcher():  # torchrun's rank ends like a local one: no interpreter teardown (see launch.py)
+        end_launched_rank()
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")

@@ -79,6 +79,17 @@ def die_with_parent(parent_pid: int | None = None) -> None:
         os._exit(1)
 
 
+def end_launched_rank() -> NoReturn:
+    """End a rank torchrun started, after its work, the way a forked local rank ends (multiprocessing calls
+    ``os._exit`` once the rank's function returns): flush the standard streams and skip the interpreter's
+    finalisation. There, under torchrun, a process group's C++ threads could be destroyed while still
+    joinable: "terminate called without an active exception" and SIGABRT after a finished run (CI saw it).
+    Call it only when every file is closed and every lock released."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 class ReportedExit(SystemExit):
     """A rank's exit whose ``error:`` line has been printed already (by rank 0): the launcher adds nothing."""
 
