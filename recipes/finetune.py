@@ -220,8 +220,6 @@ def launch(cfg: DictConfig, output_dir: str) -> None:
     finally:  # the folder is free again once the ranks are done
         if lock is not None:
             lock.release()
-    if started_by_launcher():  # torchrun's rank ends like a local one: no interpreter teardown (see launch.py)
-        end_launched_rank()
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
@@ -237,3 +235,5 @@ if __name__ == "__main__":
     else:  # plain overrides: compose here, so that a composition error is one line
         composed = compose(arguments)
         launch(composed, Path(composed.hydra.run.dir))
+    if started_by_launcher():  # after every job: a torchrun rank ends like a local one (see end_launched_rank)
+        end_launched_rank()
