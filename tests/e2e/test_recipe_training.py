@@ -122,4 +122,3 @@ def test_exported_folder_reloads_with_the_trained_weights(runs):
             total += torch.nn.functional.cross_entropy(logits, batch.labels[:, 1:].flatten(), reduction="sum").item()
             tokens += batch.labelled_tokens()
     assert total / tokens == pytest.approx(metrics(runs["tp2"])[-1]["val_loss"], rel=1e-5)
-
