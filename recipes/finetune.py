@@ -141,7 +141,7 @@ def train_step(run: Run, plan: RunPlan, step: int) -> dict:
         "tokens": tokens,
         "tokens_per_s": tokens / elapsed,
         "peak_memory_gib": peak.item(),
-        **({"expert_imbalance": run.experts.imbalance(run.device.type)} if run.experts else {}),
+        **({"expert_imbalance": run.experts.imbalance()} if run.experts else {}),
         **({} if finite else {"skipped": True}),
     }
 

@@ -52,7 +52,8 @@ def enter_group(hidden_states: torch.Tensor, weights: torch.Tensor, group: dist.
     return _EnterGroup.apply(hidden_states, weights, group)
 
 
-def _block(rows: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+def block(rows: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """Rank ``rank``'s block of ``rows`` split into ``size`` equal blocks (a view; no autograd of its own)."""
     per_rank = rows.shape[0] // size
     return rows[rank * per_rank : (rank + 1) * per_rank]
 
@@ -67,7 +68,7 @@ class _ScatterRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows: torch.Tensor, group: dist.ProcessGroup, rank: int, size: int) -> torch.Tensor:
         ctx.group, ctx.size = group, size
-        return _block(rows, rank, size).clone()
+        return block(rows, rank, size).clone()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -82,7 +83,7 @@ class _GatherRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _block(grad, ctx.rank, ctx.size).clone(), None, None, None
+        return block(grad, ctx.rank, ctx.size).clone(), None, None, None
 
 
 def scatter_rows(rows: torch.Tensor, group: dist.ProcessGroup, rank: int, size: int) -> torch.Tensor:

@@ -47,6 +47,7 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard, distr
 from components.distributed.tp_replicas import exclude_from_tp_replica_sync
 from components.moe.collectives import (
     all_to_all_rows,
+    block,
     enter_group,
     exchange,
     gather_rows,
@@ -136,8 +137,7 @@ def _own_block(layout: ExpertLayout, hidden_states, top_k_index, top_k_weights):
         top_k_weights = torch.cat([top_k_weights, top_k_weights.new_zeros(pad, top_k_weights.shape[1])])
         top_k_index = torch.cat([top_k_index, top_k_index.new_full((pad, top_k_index.shape[1]), -1)])
     where = (layout.tp_group, layout.tp_rank, layout.tp_size)
-    block = top_k_index.shape[0] // layout.tp_size
-    index = top_k_index[layout.tp_rank * block : (layout.tp_rank + 1) * block]
+    index = block(top_k_index, layout.tp_rank, layout.tp_size)  # integers: no gradient to gather
     return scatter_rows(hidden_states, *where), index, scatter_rows(top_k_weights, *where)
 
 

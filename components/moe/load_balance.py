@@ -49,12 +49,14 @@ class ExpertLoad:
     def _count(self, row: int, module: nn.Module, args: tuple) -> None:
         if torch.is_grad_enabled():
             choices = args[1].reshape(-1)
-            self.counts[row] += torch.bincount(choices, minlength=self.counts.shape[1]).cpu()
+            if self.counts.device != choices.device:  # once: the counts live where the routing runs (no sync)
+                self.counts = self.counts.to(choices.device)
+            self.counts[row] += torch.bincount(choices, minlength=self.counts.shape[1])
 
-    def imbalance(self, device_type: str) -> float:
+    def imbalance(self) -> float:
         """The largest max/mean of tokens per expert over the MoE layers in the global batch; resets the counts.
         A collective over the dp group: every rank calls it."""
-        counts = self.counts.to(device_type, copy=True)
+        counts = self.counts.clone()
         if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
             dist.all_reduce(counts, group=self.dp_group)
         self.counts.zero_()
