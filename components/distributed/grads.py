@@ -41,18 +41,22 @@ class _Trainable:
         self.part_refs = [weakref.ref(part) for part in model_parts]
         seen: set[int] = set()
         self.parameters: list[nn.Parameter] = []
+        frozen: list[nn.Parameter] = []  # watched too: one may be thawed
         for part in model_parts:
             for _, parameter in sorted(part.named_parameters(), key=lambda item: item[0]):
-                if parameter.requires_grad and id(parameter) not in seen:
+                if id(parameter) not in seen:
                     seen.add(id(parameter))
-                    self.parameters.append(parameter)
+                    (self.parameters if parameter.requires_grad else frozen).append(parameter)
+        self.snapshot.watch(self.parameters, frozen)
         self.any_dtensor = any(isinstance(parameter, DTensor) for parameter in self.parameters)
 
     def matches(self, model_parts: list[nn.Module]) -> bool:
+        """Same parts, and nothing registered, replaced, deleted, frozen or thawed since (the replica sync's
+        per-call check: :meth:`ModelSnapshot.quick_valid`, which walks no module)."""
         return (
             len(model_parts) == len(self.part_refs)
             and all(ref() is part for ref, part in zip(self.part_refs, model_parts, strict=True))
-            and self.snapshot.still_valid()
+            and self.snapshot.quick_valid()
         )
 
 
