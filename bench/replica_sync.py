@@ -75,8 +75,8 @@ def _holders(count: int, numel: int, dtype: torch.dtype) -> nn.Module:
 SETS: dict[str, tuple[str, Callable[[], nn.Module], int, bool]] = {
     "norms": ("65 × 4096 fp32 (an 8B model's norms)", lambda: _holders(65, 4096, torch.float32), 61, False),
     "many": ("1,000 × 1,024 fp32", lambda: _holders(1000, 1024, torch.float32), 61, False),
-    "big": ("64 × 1M fp32 (256 MiB)", lambda: _holders(64, 1 << 20, torch.float32), 5, True),
-    "big_bf16": ("64 × 1M bf16 (256 MiB on the wire)", lambda: _holders(64, 1 << 20, torch.bfloat16), 5, True),
+    "big": ("64 × 1M fp32 (256 MiB)", lambda: _holders(64, 1 << 20, torch.float32), 7, True),
+    "big_bf16": ("64 × 1M bf16 (256 MiB on the wire)", lambda: _holders(64, 1 << 20, torch.bfloat16), 7, True),
 }
 
 

@@ -161,7 +161,8 @@ class _Bucket:
 
     def pack(self, flat: torch.Tensor, views: list[torch.Tensor], grads: tuple[torch.Tensor, ...]) -> None:
         """Copy (and upcast) ``grads`` into ``flat``, whose slices are ``views``."""
-        if self.one_dimensional:
+        # cat upcasts bf16/fp16 through an FP32 temporary per gradient (RSS above the bound); copy_ casts in place
+        if self.one_dimensional and self.wire == self.dtype:
             try:
                 torch.cat(grads, out=flat)
                 return
@@ -270,7 +271,7 @@ class BucketLayout:
                 bucket.pack(flat, views, grads)
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
             _scale(bucket, flat, scale, tp_size)
-            if not bucket.as_view:
+            if not bucket.as_view:  # copy_ casts in place; a mul with out= would stage an FP32 copy of each on CPU
                 torch._foreach_copy_(list(grads), views)
             elif not bucket_in_place:  # re-bind: from now on the gradients are the bucket's views
                 _consume(map(setattr, bucket.pick(parameters), repeat("grad"), views))
