@@ -111,9 +111,10 @@ def train_step(run: Run, plan: RunPlan, step: int) -> dict:
     run.optimizer.zero_grad(set_to_none=True)
     micro_batches, labelled = run.data.batches_for_step(step), run.data.labels_in_step(step)
     loss_sum = torch.zeros((), dtype=torch.float64)
-    for index, batch in enumerate(micro_batches):
+    for index, batch in enumerate(batch.to(run.device) for batch in micro_batches):
         set_gradient_sync(run.model, index == len(micro_batches) - 1)  # dp reduce once per step
-        batch = batch.to(run.device)
+        if run.experts:  # the step's imbalance counts real tokens, not the padding
+            run.experts.count_real(batch.real_mask())
         tensors = (batch.input_ids, batch.labels, labelled, batch.position_ids)
         loss_sum += forward_backward(run.model, *tensors, run.compute(), run.aux_loss_weight)
     finalize_dtensor_gradients([run.model])

@@ -50,9 +50,16 @@ class Batch:
     input_ids: torch.Tensor
     labels: torch.Tensor
     position_ids: torch.Tensor
+    real_tokens: torch.Tensor  # [rows]: each row's examples fill its first real_tokens positions; padding follows
 
     def to(self, device: torch.device | str) -> "Batch":
-        return Batch(self.input_ids.to(device), self.labels.to(device), self.position_ids.to(device))
+        tensors = (self.input_ids, self.labels, self.position_ids, self.real_tokens)
+        return Batch(*(tensor.to(device) for tensor in tensors))
+
+    def real_mask(self) -> torch.Tensor:
+        """[rows, seq_len]: True where a position holds an example's token, False on the padding."""
+        positions = torch.arange(self.input_ids.shape[1], device=self.input_ids.device)
+        return positions < self.real_tokens.unsqueeze(1)
 
     def labelled_tokens(self) -> int:
         """Positions the loss counts: shifted labels that are not -100."""
@@ -92,6 +99,7 @@ def collate_rows(rows: list[list[tuple[list[int], list[int]]]], seq_len: int, pa
     input_ids = torch.full((len(rows), seq_len), pad_id, dtype=torch.long)
     labels = torch.full((len(rows), seq_len), IGNORE_INDEX, dtype=torch.long)
     position_ids = torch.arange(seq_len, dtype=torch.long).repeat(len(rows), 1)
+    real_tokens = torch.zeros(len(rows), dtype=torch.long)
     for row, examples in enumerate(rows):
         start = 0
         for ids, row_labels in examples:
@@ -105,7 +113,8 @@ def collate_rows(rows: list[list[tuple[list[int], list[int]]]], seq_len: int, pa
             labels[row, start:end] = torch.tensor(row_labels, dtype=torch.long)
             position_ids[row, start:] = torch.arange(seq_len - start)
             start = end
-    return Batch(input_ids, labels, position_ids)
+        real_tokens[row] = start
+    return Batch(input_ids, labels, position_ids, real_tokens)
 
 
 def _check_sizes(global_batch_size: int, micro_batch_size: int, dp_size: int, dp_rank: int) -> None:

@@ -4,7 +4,12 @@ Imbalance: tokens per expert, max / mean, per MoE layer, the worst layer reporte
 
 A forward pre-hook on each experts module counts the expert choices it is called with (``top_k_index``,
 the second argument of a transformers 5 experts forward) while gradients are enabled, so validation is
-not counted. Those tokens are the same on every rank of a TP group, so the counts are summed over the dp
+not counted. Only real tokens count: before each micro-batch the caller hands :meth:`ExpertLoad.count_real`
+the batch's real-token mask (``Batch.real_mask()``), because the padding after a row's examples is routed too,
+and a padded batch would otherwise report the experts its padding token goes to as overloaded. The experts
+see every token of the micro-batch in row-major order in both dispatch modes and under sequence parallelism
+(the MoE block gathers the sequence), so the mask lines up with the routed rows; a mismatch raises.
+Those tokens are the same on every rank of a TP group, so the counts are summed over the dp
 group only. Activation checkpointing recomputes each forward once more, which scales every count alike and
 leaves max / mean unchanged.
 """
@@ -35,6 +40,7 @@ class ExpertLoad:
         names = expert_modules(model, patterns)
         self.dp_group = dp_group
         self.counts = torch.zeros(len(names), num_experts, dtype=torch.int64)
+        self.real: torch.Tensor | None = None  # flat real-token mask of the micro-batch being run; None: all
         self.handles = [
             model.get_submodule(name).register_forward_pre_hook(partial(self._count, row))
             for row, name in enumerate(names)
@@ -46,9 +52,21 @@ class ExpertLoad:
         num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
         return cls(model, patterns, num_experts, dp_group) if patterns and num_experts else None
 
+    def count_real(self, mask: torch.Tensor) -> None:
+        """Count only the positions where ``mask`` ([rows, seq_len], the next micro-batch's) is True."""
+        self.real = mask.reshape(-1)
+
     def _count(self, row: int, module: nn.Module, args: tuple) -> None:
         if torch.is_grad_enabled():
-            choices = args[1].reshape(-1)
+            choices = args[1]
+            if self.real is not None:
+                if len(choices) != len(self.real):
+                    raise RuntimeError(
+                        f"expert load: {len(choices)} tokens were routed but the real-token mask has "
+                        f"{len(self.real)} positions"
+                    )
+                choices = choices[self.real]
+            choices = choices.reshape(-1)
             if self.counts.device != choices.device:  # once: the counts live where the routing runs (no sync)
                 self.counts = self.counts.to(choices.device)
             self.counts[row] += torch.bincount(choices, minlength=self.counts.shape[1])

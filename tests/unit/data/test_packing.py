@@ -32,6 +32,9 @@ def test_collated_row_restarts_positions_and_masks_nothing_of_the_next_example()
     assert batch.input_ids.tolist() == [[1, 2, 3, 1, 5, 0], [1, 7, 0, 0, 0, 0]]
     assert batch.labels.tolist() == [[-100, 2, 3, -100, 5, -100], [-100, 7, -100, -100, -100, -100]]
     assert batch.position_ids.tolist() == [[0, 1, 2, 0, 1, 2], [0, 1, 2, 3, 4, 5]]
+    assert batch.real_tokens.tolist() == [5, 2]  # padding (here the pad id 0) is told apart by place, not by id
+    assert batch.real_mask().tolist() == [[True] * 5 + [False], [True] * 2 + [False] * 4]
+    assert batch.to("cpu").real_tokens.tolist() == [5, 2]
     with pytest.raises(ValueError, match=r"row 0 does not fit"):
         collate_rows([[([1, 2, 3], [1, 2, 3])]], 2, pad_id=0)
 

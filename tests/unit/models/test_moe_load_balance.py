@@ -17,6 +17,13 @@ def batch(vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     return tokens, labels, int((labels[:, 1:] != -100).sum())
 
 
+def watched(family: str):
+    """A tiny MoE model of ``family``, its config, and an ExpertLoad counting its experts."""
+    config = tiny_config(family)
+    model = build_causal_lm(config, seed=0)
+    return config, model, ExpertLoad.watch(model, config, EXPERTS, dp_group=None)
+
+
 def gradients(model) -> dict[str, torch.Tensor]:
     return {name: parameter.grad.clone() for name, parameter in model.named_parameters()}
 
@@ -48,9 +55,7 @@ def test_the_aux_loss_weight_spreads_the_coefficient_over_micro_batches_and_dp_r
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_imbalance_is_max_over_mean_tokens_per_expert_of_the_worst_layer(family):
-    config = tiny_config(family)
-    model = build_causal_lm(config, seed=0)
-    load = ExpertLoad.watch(model, config, EXPERTS, dp_group=None)
+    config, model, load = watched(family)
     tokens, labels, labelled = batch(config.vocab_size)
     forward_backward(model, tokens, labels, labelled)
     counts = load.counts.clone()
@@ -65,6 +70,26 @@ def test_imbalance_is_max_over_mean_tokens_per_expert_of_the_worst_layer(family)
     evaluate_loss_sum(model, tokens, labels)  # validation (no gradients) is not counted
     assert load.imbalance() == 4.0
     assert load.counts.sum() == 0
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_padding_is_not_counted_and_real_tokens_count_as_without_it(family):
+    config, model, load = watched(family)
+    tokens, labels, _ = batch(config.vocab_size)
+    real = [11, 16]  # row 0: 11 real tokens then 5 of padding (causal: they cannot change the real ones' routing)
+    for row, length in enumerate(real):  # each row alone, unpadded
+        forward_backward(model, tokens[row : row + 1, :length], labels[row : row + 1, :length], 1)
+    unpadded = load.counts.clone()
+    load.counts.zero_()
+    padded = tokens.clone()
+    padded[0, real[0] :] = 0
+    load.count_real(torch.arange(16) < torch.tensor(real).unsqueeze(1))
+    forward_backward(model, padded, labels, 1)
+    assert load.counts.sum(dim=1).tolist() == [sum(real) * config.num_experts_per_tok] * config.num_hidden_layers
+    assert torch.equal(load.counts, unpadded)
+    load.count_real(torch.ones(3, 16, dtype=torch.bool))  # a mask of another batch is a bug, said out loud
+    with pytest.raises(RuntimeError, match="32 tokens were routed but the real-token mask has 48 positions"):
+        forward_backward(model, tokens, labels, 1)
 
 
 def test_a_dense_model_has_no_expert_load():
