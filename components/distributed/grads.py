@@ -28,7 +28,7 @@ from components.distributed.flat_buffers import (
     unpack,
     wire_dtype,
 )
-from components.distributed.replica_plan import ModelSnapshot
+from components.distributed.replica_plan import ModelSnapshot, model_cache
 
 _grad = attrgetter("grad")
 
@@ -60,15 +60,13 @@ class _Trainable:
         )
 
 
-_TRAINABLE: "weakref.WeakKeyDictionary[nn.Module, _Trainable]" = weakref.WeakKeyDictionary()
-
-
 def _trainable(model_parts: list[nn.Module]) -> _Trainable:
     if not model_parts:
         return _Trainable(model_parts)
-    cached = _TRAINABLE.get(model_parts[0])
+    cache = model_cache(model_parts[0])
+    cached = cache.get("trainable")
     if cached is None or not cached.matches(model_parts):
-        cached = _TRAINABLE[model_parts[0]] = _Trainable(model_parts)
+        cached = cache["trainable"] = _Trainable(model_parts)
     return cached
 
 

@@ -23,9 +23,10 @@ on small sets, and it gives the same answer every step. So the answer is kept, p
   gradients upcast to FP32, DTensor gradients). Packing is one ``torch.cat`` for 1-D gradients (norms,
   biases: one kernel), else one ``torch._foreach_copy_``, as is unpacking.
 
-The caller keeps plans in a ``weakref.WeakKeyDictionary`` keyed by the model's first module: a plan holds
-parameters and the modules' attribute dictionaries but never a module, so buffers and plans go away with
-the model.
+The caller keeps plans in :func:`model_cache`, a dictionary stored on the model's first module itself, so
+buffers and plans go away with the model. (A global ``weakref.WeakKeyDictionary`` cannot hold them: a plan
+references the modules' dictionaries, and a module that references its root, as FSDP2's hooks and any hook
+bound to the model do, would keep the key alive through its own value, for ever.)
 """
 
 from collections import deque
@@ -46,6 +47,31 @@ _consume = deque(maxlen=0).extend  # runs an iterator for its side effects
 # (torch's global registration hooks, installed with the first snapshot), and by bump_structure_version().
 _structure_version = [0]
 _hook_handles: list = []
+
+
+class ModelCache(dict):
+    """Per-model caches (plans, trainable lists), kept in the model's ``__dict__``; a copy or a pickle of the
+    model starts with an empty one, so a copy never reuses the original's buffers."""
+
+    def __copy__(self) -> "ModelCache":
+        return ModelCache()
+
+    def __deepcopy__(self, memo: dict) -> "ModelCache":
+        return ModelCache()
+
+    def __reduce__(self):
+        return (ModelCache, ())
+
+
+_MODEL_CACHE_ATTR = "_shardtune_cache"
+
+
+def model_cache(module: nn.Module) -> ModelCache:
+    """The cache of ``module`` (created empty on first use): it lives and dies with the module."""
+    cache = module.__dict__.get(_MODEL_CACHE_ATTR)
+    if cache is None:
+        cache = module.__dict__[_MODEL_CACHE_ATTR] = ModelCache()
+    return cache
 
 
 def bump_structure_version(*_) -> None:

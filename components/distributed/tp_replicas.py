@@ -59,7 +59,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from components.distributed.flat_buffers import bounded_chunks, local_tensor, wire_dtype
-from components.distributed.replica_plan import BucketLayout, ModelSnapshot, bump_structure_version
+from components.distributed.replica_plan import BucketLayout, ModelSnapshot, bump_structure_version, model_cache
 
 _TP_REPLICA_GRAD_REDUCTION_ATTR = "_nemo_tp_replica_grad_reduction"
 _MODEL_OWNED_GRAD_DIVISOR_ATTR = "_nemo_model_owned_grad_divisor"
@@ -511,17 +511,12 @@ class _SyncPlan:
         return self.full if shapes == self._full_local_shapes else None
 
 
-_PLANS: "weakref.WeakKeyDictionary[nn.Module, dict[tuple, _SyncPlan]]" = weakref.WeakKeyDictionary()
-
-
 def _sync_plan(
     model_parts: list[nn.Module], context: _TpContext, tp_axis_name: str, rebuild: bool = False
 ) -> _SyncPlan:
     """The cached plan for these model parts, rebuilt when the modules, parameters or markers changed (the
     trainable replicas' ``requires_grad`` is left to the caller: :meth:`ModelSnapshot.still_trainable`)."""
-    plans = _PLANS.get(model_parts[0]) if model_parts else {}
-    if plans is None:
-        plans = _PLANS[model_parts[0]] = {}
+    plans = model_cache(model_parts[0]).setdefault("replica_sync_plans", {}) if model_parts else {}
     key = (id(context.group), tp_axis_name)
     plan = plans.get(key)
     if rebuild or plan is None or not plan.matches(model_parts, context):

@@ -4,6 +4,9 @@ Each ``check_*`` runs on every rank of a shared pool (see tests/harness.py) and 
 asserts on. Values are small integers or dyadic fractions, so equality is exact.
 """
 
+import gc
+import weakref
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,6 +14,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from components.distributed import tp_replicas
+from components.distributed.replica_plan import model_cache
 from components.distributed.tp_replicas import (
     _MODEL_OWNED_GRAD_DIVISOR_ATTR,
     _is_tp_replicated,
@@ -463,7 +467,7 @@ def check_each_change_alone_rebuilds_the_plan(rank, world_size):
         return synchronize_tp_replica_gradients([model], device_mesh)
 
     def plan():
-        return next(iter(tp_replicas._PLANS[model].values()))
+        return next(iter(model_cache(model)["replica_sync_plans"].values()))
 
     counts = [sync()]
     first = plan()
@@ -542,3 +546,18 @@ def check_buffers_freed_with_the_model(rank, world_size):
 
 def test_persistent_buffers_go_away_with_the_model(ranks2):
     assert ranks2.run(check_buffers_freed_with_the_model) == [(True, True)] * 2
+
+
+def check_model_is_freed_after_a_sync(rank, world_size):
+    model = nn.Module()
+    model.a = holder_with_grad(rank + 1)
+    model.register_forward_pre_hook(lambda module, args, root=model: None)  # references its root, as FSDP2's do
+    synced = synchronize_tp_replica_gradients([model], mesh((world_size,), ("tp",)))
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    return synced, gone() is None
+
+
+def test_the_cached_plan_and_buffers_go_with_the_model(ranks2):
+    assert ranks2.run(check_model_is_freed_after_a_sync) == [(1, True)] * 2

@@ -1,7 +1,10 @@
 """The grad norm's cached list of trainable parameters follows the model: freezing, thawing, replacing a
 parameter (as FSDP2 does, through ``_parameters``), adding and deleting a module each change the norm."""
 
+import copy
+import gc
 import math
+import weakref
 
 import torch
 from torch import nn
@@ -35,3 +38,21 @@ def test_the_cached_trainable_parameters_follow_every_change_to_the_model():
     for change in checks:
         change()
         assert grad_norm([model]).item() == expected(model)
+
+
+def test_the_cached_trainable_list_goes_with_the_model_and_a_copy_starts_without_it():
+    model = nn.Sequential(nn.Linear(3, 3), nn.LayerNorm(3))
+    model.register_forward_pre_hook(lambda module, args, root=model: None)  # references its root, as FSDP2's do
+    for parameter in model.parameters():
+        parameter.grad = torch.ones_like(parameter)
+    assert grad_norm([model]).item() == math.sqrt(18)
+    twin = copy.deepcopy(model)
+    for parameter in twin.parameters():
+        parameter.grad = torch.ones_like(parameter)
+    twin[1].weight.requires_grad_(False)  # the copy's own list, not the original's
+    assert grad_norm([twin]).item() == math.sqrt(15)
+    assert grad_norm([model]).item() == math.sqrt(18)
+    gone = weakref.ref(model)
+    del model, twin
+    gc.collect()
+    assert gone() is None
