@@ -21,7 +21,10 @@ on small sets, and it gives the same answer every step. So the answer is kept, p
   ``gradient_as_bucket_view``: while the gradients stay alive the next reduction runs in place, with no
   copy at all), and one shared staging buffer, reused bucket after bucket, for the rest (bf16/fp16
   gradients upcast to FP32, DTensor gradients). Packing is one ``torch.cat`` for 1-D gradients (norms,
-  biases: one kernel), else one ``torch._foreach_copy_``, as is unpacking.
+  biases: one kernel), else one ``torch._foreach_copy_``, as is unpacking. "In place" is decided by data
+  pointer (a gradient given other storage, by ``grad.data = ...`` or ``model.to(...)``, is packed again);
+  gradients that are not yet the bucket's slices get the result copied into them, as the contract says, and
+  are then re-bound, except slices of another tensor (a caller's own flat buffer), which stay bound there.
 
 The caller keeps plans in :func:`model_cache`, a dictionary stored on the model's first module itself, so
 buffers and plans go away with the model. (A global ``weakref.WeakKeyDictionary`` cannot hold them: a plan
@@ -167,6 +170,18 @@ class ModelSnapshot:
         )
 
 
+_data_ptr = torch.Tensor.data_ptr
+_is_view = torch.Tensor._is_view
+
+
+def _pointers(tensors) -> list[int] | None:
+    """Each tensor's data pointer, in one C-level pass; None when one of them is missing."""
+    try:
+        return list(map(_data_ptr, tensors))
+    except (TypeError, RuntimeError):  # a None, or a tensor without storage of its own
+        return None
+
+
 class _Bucket:
     """One collective: gradients (by candidate index) of one (reduction, device, dtype), at most the bound."""
 
@@ -174,6 +189,7 @@ class _Bucket:
         self.reduction, self.indices = reduction, indices
         # picks this bucket's gradients out of the list of every candidate's, in one C call
         self.pick = itemgetter(*indices) if len(indices) > 1 else lambda grads, i=indices[0]: (grads[i],)
+        self.device = gradients[0].device
         self.dtype = gradients[0].dtype
         self.wire = wire_dtype(self.dtype)
         self.numel = sum(g.numel() for g in gradients)
@@ -183,18 +199,31 @@ class _Bucket:
         self.one_dimensional = all(len(shape) == 1 for shape in self.shapes)
         self.as_view = False
         self.flat: torch.Tensor | None = None
-        self.views: list[torch.Tensor] = []
+        self.views: list[torch.Tensor] = []  # the buffer's slices, never handed out
+        # as_view only: the slices handed out as gradients (other objects: ``grad.data = ...`` on one cannot
+        # move ``views``), the slices' data pointers, and the buffer's address range
+        self.handed: list[torch.Tensor] = []
+        self.view_pointers: list[int] | None = None
+        self.span = (0, 0)
 
     def pack(self, flat: torch.Tensor, views: list[torch.Tensor], grads: tuple[torch.Tensor, ...]) -> None:
-        """Copy (and upcast) ``grads`` into ``flat``, whose slices are ``views``."""
+        """Copy (and upcast) ``grads`` into ``flat``, whose slices are ``views``; no gradient may overlap ``flat``."""
         # cat upcasts bf16/fp16 through an FP32 temporary per gradient (RSS above the bound); copy_ casts in place
         if self.one_dimensional and self.wire == self.dtype:
-            try:
-                torch.cat(grads, out=flat)
-                return
-            except RuntimeError:  # a gradient overlaps the buffer (some are its views already): copy one by one
-                pass
-        torch._foreach_copy_(views, list(grads))
+            torch.cat(grads, out=flat)
+        else:
+            torch._foreach_copy_(views, list(grads))
+
+    def hand_out(self, parameters: tuple[nn.Parameter, ...], keep: list[bool] | None) -> None:
+        """Make the buffer's slices the gradients of ``parameters`` (except where ``keep``)."""
+        if _pointers(self.handed) != self.view_pointers:  # a handed-out slice was given other storage since
+            self.handed = flat_views(self.flat, self.shapes)
+        if keep is None:
+            _consume(map(setattr, parameters, repeat("grad"), self.handed))
+            return
+        for parameter, view, kept in zip(parameters, self.handed, keep, strict=True):
+            if not kept:
+                parameter.grad = view
 
 
 class BucketLayout:
@@ -223,20 +252,30 @@ class BucketLayout:
             for chunk in bounded_chunks([gradients[i] for i in members], max_bytes):  # consecutive runs
                 self.buckets.append(_Bucket(reduction, members[start : start + len(chunk)], chunk))
                 start += len(chunk)
-        self.device = torch.device(device)
-        self.views_in_order: list[torch.Tensor | None] | None = None  # set when every bucket is gradient views
+        self.device = torch.device(device)  # the collectives' kind of device ("cuda" has no index)
+        self.size = len(gradients)
+        # by candidate: the data pointer of its slice in a view bucket (None: staged); set when every bucket is
+        # gradient views, also the slices themselves
+        self.slot_pointers: list[int | None] = [None] * self.size
+        self.views_in_order: list[torch.Tensor | None] | None = None
+        self.pointers_in_order: list[int | None] | None = None
+        self.spans: list[tuple[int, int]] = []  # address ranges of the view buckets' buffers
         if persistent:
-            self._assign_buffers(gradients, plain, self.device, max_bytes)
+            self._assign_buffers(plain, max_bytes)
 
-    def _assign_buffers(self, gradients: list[torch.Tensor], plain: list[bool], device: torch.device, budget: int):
+    def _reduced_on(self, bucket: _Bucket) -> torch.device:
+        """A bucket's buffer device: its gradients' own (index included) when the collectives run on that kind
+        of device, else the collectives' (CPU gradients staged for NCCL)."""
+        return bucket.device if bucket.device.type == self.device.type else self.device
+
+    def _assign_buffers(self, plain: list[bool], budget: int):
         """Make plain FP32-on-the-wire buckets gradient views while views + staging stay within ``budget``.
 
         A bucket above the budget (one oversized gradient) gets a buffer only while it is reduced.
         """
         fits = [b for b in self.buckets if b.nbytes <= budget]
-        viewable = [
-            b for b in fits if b.wire == b.dtype and all(plain[i] and gradients[i].device == device for i in b.indices)
-        ]
+        same_kind = [b for b in fits if b.wire == b.dtype and b.device.type == self.device.type]
+        viewable = [b for b in same_kind if all(plain[i] for i in b.indices)]
         staging = max((b.nbytes for b in fits if b not in viewable), default=0)
         viewable.sort(key=lambda b: -b.nbytes)
         views = 0
@@ -248,23 +287,35 @@ class BucketLayout:
                 views += bucket.nbytes
             else:
                 staging = max(staging, bucket.nbytes)
-        shared = torch.empty(staging, dtype=torch.uint8, device=device) if staging else None
+        shared: dict[torch.device, torch.Tensor] = {}  # one staging buffer per device (one in practice)
         for bucket in fits:
+            device = self._reduced_on(bucket)
             if bucket.as_view:
                 bucket.flat = torch.zeros(bucket.numel, dtype=bucket.wire, device=device)
+                bucket.handed = flat_views(bucket.flat, bucket.shapes)
+                bucket.span = (bucket.flat.data_ptr(), bucket.flat.data_ptr() + bucket.nbytes)
+                self.spans.append(bucket.span)
             else:
-                bucket.flat = shared[: bucket.nbytes].view(bucket.wire)
+                if device not in shared:
+                    shared[device] = torch.empty(staging, dtype=torch.uint8, device=device)
+                bucket.flat = shared[device][: bucket.nbytes].view(bucket.wire)
             bucket.views = flat_views(bucket.flat, bucket.shapes)
+            if bucket.as_view:
+                bucket.view_pointers = _pointers(bucket.views)
+                for index, pointer in zip(bucket.indices, bucket.view_pointers, strict=True):
+                    self.slot_pointers[index] = pointer
         if self.buckets and all(bucket.as_view for bucket in self.buckets):
-            self.views_in_order = [None] * len(gradients)
+            self.views_in_order = [None] * self.size
             for bucket in self.buckets:
                 for index, view in zip(bucket.indices, bucket.views, strict=True):
                     self.views_in_order[index] = view
+            self.pointers_in_order = self.slot_pointers
 
     def gradients_are_views(self, parameters: list[nn.Parameter]) -> bool:
-        """True when the gradients of ``parameters`` (every candidate, in order) are exactly this layout's bucket
-        views: all present, dense and reduced in place (one pass, no list built)."""
-        return self.views_in_order is not None and all(map(is_, map(_grad, parameters), self.views_in_order))
+        """True when the gradients of ``parameters`` (every candidate, in order) occupy exactly this layout's bucket
+        slices: all present, dense and reduced in place. By data pointer, not identity: ``grad.data = ...``,
+        ``grad.set_(...)`` or ``model.to(...)`` give a gradient object other storage (one pass, no list kept)."""
+        return self.pointers_in_order is not None and _pointers(map(_grad, parameters)) == self.pointers_in_order
 
     def reduce(
         self,
@@ -274,34 +325,80 @@ class BucketLayout:
         tp_size: int,
         in_place: bool = False,
     ) -> int:
-        """SUM all-reduce every bucket (divide for mean), leave the result in each parameter's gradient.
+        """SUM all-reduce every bucket (divide for mean), leave the result in each gradient, in place.
 
         ``in_place``: the caller has checked :meth:`gradients_are_views`. A mean over a power-of-two TP size
         multiplies by its exact reciprocal, which rounds exactly like the division (and is ~3x faster on CPU).
         """
         scale = 1.0 / tp_size if tp_size & (tp_size - 1) == 0 else None
+        if in_place:  # nothing to pack or unpack
+            for bucket in self.buckets:
+                dist.all_reduce(bucket.flat, op=dist.ReduceOp.SUM, group=group)
+                _scale(bucket, bucket.flat, scale, tp_size)
+            return sum(len(bucket.indices) for bucket in self.buckets)
+        sources, moved = self._read_apart(local_grads)
         count = 0
         for bucket in self.buckets:
             count += len(bucket.indices)
-            if in_place:  # nothing to pack or unpack
-                dist.all_reduce(bucket.flat, op=dist.ReduceOp.SUM, group=group)
-                _scale(bucket, bucket.flat, scale, tp_size)
+            if bucket.as_view:
+                picked = (bucket.pick(parameters), bucket.pick(local_grads), bucket.pick(sources))
+                self._reduce_into_views(bucket, *picked, bucket.pick(moved), group, scale, tp_size)
                 continue
             grads = bucket.pick(local_grads)
             flat, views = bucket.flat, bucket.views
             if flat is None:
-                flat = torch.empty(bucket.numel, dtype=bucket.wire, device=self.device)
+                flat = torch.empty(bucket.numel, dtype=bucket.wire, device=self._reduced_on(bucket))
                 views = flat_views(flat, bucket.shapes)
-            bucket_in_place = bucket.as_view and all(map(is_, grads, views))
-            if not bucket_in_place:
-                bucket.pack(flat, views, grads)
+            bucket.pack(flat, views, bucket.pick(sources))
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
             _scale(bucket, flat, scale, tp_size)
-            if not bucket.as_view:  # copy_ casts in place; a mul with out= would stage an FP32 copy of each on CPU
-                torch._foreach_copy_(list(grads), views)
-            elif not bucket_in_place:  # re-bind: from now on the gradients are the bucket's views
-                _consume(map(setattr, bucket.pick(parameters), repeat("grad"), views))
+            torch._foreach_copy_(list(grads), views)  # copy_ casts in place (a mul with out= stages FP32 on CPU)
         return count
+
+    def _read_apart(self, grads: list[torch.Tensor | None]) -> tuple[list, list[bool]]:
+        """The gradients to pack, with a copy of each one that is a slice of a view bucket other than its own
+        (swapped, or moved by hand: packing or reducing the buckets would overwrite it), and which those are."""
+        moved = [False] * len(grads)
+        if not self.spans:
+            return grads, moved
+        pointers = _pointers(grads) or [0 if g is None else _data_ptr(g) for g in grads]
+        low, high = min(lo for lo, _ in self.spans), max(hi for _, hi in self.spans)
+        if not any(low <= pointer < high for pointer in pointers):  # the usual fresh gradients: one cheap pass
+            return grads, moved
+        for index, (pointer, own) in enumerate(zip(pointers, self.slot_pointers, strict=True)):
+            moved[index] = pointer != own and any(lo <= pointer < hi for lo, hi in self.spans)
+        return [g.clone() if m else g for g, m in zip(grads, moved, strict=True)], moved
+
+    def _reduce_into_views(self, bucket, parameters, grads, sources, moved, group, scale, tp_size) -> None:
+        """A view bucket: in place when every gradient is its slice; else packed, reduced, the result copied back
+        into the gradients handed in (in place), and the buffer's slices made the gradients from now on.
+
+        Gradients already in their slice are not copied; gradients that are slices of another tensor (someone's
+        own flat buffer) get the result and stay bound where they are.
+        """
+        own = [pointer == slot for pointer, slot in zip(_pointers(grads), bucket.view_pointers, strict=True)]
+        if all(own):
+            dist.all_reduce(bucket.flat, op=dist.ReduceOp.SUM, group=group)
+            _scale(bucket, bucket.flat, scale, tp_size)
+            return
+        if any(own):  # copy only the others: a slice copied onto itself is fine, but cat refuses any overlap
+            pairs = [(view, source) for view, source, mine in zip(bucket.views, sources, own, strict=True) if not mine]
+            torch._foreach_copy_([view for view, _ in pairs], [source for _, source in pairs])
+        else:
+            bucket.pack(bucket.flat, bucket.views, sources)
+        dist.all_reduce(bucket.flat, op=dist.ReduceOp.SUM, group=group)
+        _scale(bucket, bucket.flat, scale, tp_size)
+        if any(own) or any(moved):
+            elsewhere = [not (mine or m) for mine, m in zip(own, moved, strict=True)]  # outside every view bucket
+        else:  # the usual fresh gradients
+            elsewhere = [True] * len(grads)
+        targets = [(g, v) for g, v, out in zip(grads, bucket.views, elsewhere, strict=True) if out]
+        if targets:
+            torch._foreach_copy_([g for g, _ in targets], [v for _, v in targets])
+        keep = None
+        if any(map(_is_view, (g for g, _ in targets))):
+            keep = [out and _is_view(g) for g, out in zip(grads, elsewhere, strict=True)]
+        bucket.hand_out(parameters, keep)
 
 
 def _scale(bucket: _Bucket, flat: torch.Tensor, scale: float | None, tp_size: int) -> None:

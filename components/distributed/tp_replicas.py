@@ -427,6 +427,7 @@ def synchronize_tp_replica_gradients(
 
 _grad = attrgetter("grad")
 _layout = attrgetter("layout")
+_dtype = attrgetter("dtype")
 
 
 class _TpContext(NamedTuple):
@@ -484,6 +485,7 @@ class _SyncPlan:
         self._dtensor_indices = [index for index, plain in enumerate(self.plain) if not plain]
         self.full: BucketLayout | None = None  # the persistent layout, built at the first full step
         self._full_local_shapes: list[torch.Size] = []
+        self._full_dtypes: list[torch.dtype] = []
 
     def matches(self, model_parts: list[nn.Module], context: _TpContext) -> bool:
         return (
@@ -502,12 +504,14 @@ class _SyncPlan:
     def full_layout(self, grads: list[torch.Tensor]) -> BucketLayout | None:
         """The persistent layout for "every candidate has a gradient"; None if DTensor local shapes moved."""
         shapes = [local_tensor(grads[i]).shape for i in self._dtensor_indices]
-        if self.full is None:
+        dtypes = list(map(_dtype, grads))
+        if self.full is None or dtypes != self._full_dtypes:  # first full step, or the model was cast
+            self.full = None  # its buffers go before the new ones are made
             local_grads = _local_grads(self, grads)
             everyone = list(range(len(grads)))
             device = self.context.mesh.device_type
             self.full = BucketLayout(local_grads, self.reductions, everyone, self.plain, device, self.max_bytes)
-            self._full_local_shapes = shapes
+            self._full_local_shapes, self._full_dtypes = shapes, dtypes
         return self.full if shapes == self._full_local_shapes else None
 
 

@@ -561,3 +561,37 @@ def check_model_is_freed_after_a_sync(rank, world_size):
 
 def test_the_cached_plan_and_buffers_go_with_the_model(ranks2):
     assert ranks2.run(check_model_is_freed_after_a_sync) == [(1, True)] * 2
+
+
+def check_gradients_given_other_storage(rank, world_size):
+    # after a first sync the gradients are the bucket's slices; then each is changed a different way
+    device_mesh = mesh((world_size,), ("tp",))
+    model = nn.Module()
+    for name in ("a", "b", "c"):
+        setattr(model, name, holder_with_grad(rank + 1))
+    synchronize_tp_replica_gradients([model], device_mesh)
+    model.a.weight.grad.data = torch.full((4,), float(rank + 10))  # other storage, same object
+    model.b.weight.grad, model.c.weight.grad = model.c.weight.grad, model.b.weight.grad  # slices swapped
+    model.b.weight.grad.fill_(rank + 20)
+    model.c.weight.grad.fill_(rank + 30)
+    synchronize_tp_replica_gradients([model], device_mesh)
+    after_changes = [getattr(model, n).weight.grad.tolist() for n in ("a", "b", "c")]
+    owned = torch.full((8,), float(rank))  # gradients that are slices of the caller's own buffer
+    model.a.weight.grad, model.b.weight.grad = owned[:4], owned[4:]
+    held = model.c.weight.grad = torch.full((4,), float(rank + 40))
+    synchronize_tp_replica_gradients([model], device_mesh)
+    aliases = [model.a.weight.grad.data_ptr() == owned.data_ptr(), model.b.weight.grad._base is owned]
+    model.double()  # a cast gives every gradient float64 storage: the plan's buffers follow
+    for name in ("a", "b", "c"):
+        getattr(model, name).weight.grad.fill_(rank + 0.25)
+    synchronize_tp_replica_gradients([model], device_mesh)
+    cast = [(getattr(model, n).weight.grad.dtype, getattr(model, n).weight.grad.tolist()) for n in ("a", "b", "c")]
+    return after_changes, owned.tolist(), held.tolist(), aliases, cast
+
+
+def test_gradients_given_other_storage_swapped_or_owned_by_the_caller_are_reduced(ranks2):
+    for after_changes, owned, held, aliases, cast in ranks2.run(check_gradients_given_other_storage):
+        assert after_changes == [[10.5] * 4, [20.5] * 4, [30.5] * 4]
+        assert owned == [0.5] * 8 and held == [40.5] * 4  # every gradient handed in holds the result, in place
+        assert aliases == [True, True]  # slices of the caller's buffer stay its slices
+        assert cast == [(torch.float64, [0.75] * 4)] * 3
