@@ -58,18 +58,20 @@ class ExpertLoad:
 
     def _count(self, row: int, module: nn.Module, args: tuple) -> None:
         if torch.is_grad_enabled():
-            choices = args[1]
-            if self.real is not None:
-                if len(choices) != len(self.real):
-                    raise RuntimeError(
-                        f"expert load: {len(choices)} tokens were routed but the real-token mask has "
-                        f"{len(self.real)} positions"
-                    )
-                choices = choices[self.real]
-            choices = choices.reshape(-1)
+            choices = args[1]  # [tokens, top_k]
             if self.counts.device != choices.device:  # once: the counts live where the routing runs (no sync)
                 self.counts = self.counts.to(choices.device)
-            self.counts[row] += torch.bincount(choices, minlength=self.counts.shape[1])
+            if self.real is None:
+                weights = torch.ones_like(choices)
+            elif len(choices) != len(self.real):
+                raise RuntimeError(
+                    f"expert load: {len(choices)} tokens were routed but the real-token mask has "
+                    f"{len(self.real)} positions"
+                )
+            else:  # a 0/1 weight per choice, not a boolean index (which would make a GPU wait for its size)
+                weights = self.real.to(choices.dtype).unsqueeze(1).expand_as(choices)
+            # index_add_, not bincount: bincount sizes its output from the largest id, a GPU-to-host sync
+            self.counts[row].index_add_(0, choices.reshape(-1), weights.reshape(-1))
 
     def imbalance(self) -> float:
         """The largest max/mean of tokens per expert over the MoE layers in the global batch; resets the counts.
