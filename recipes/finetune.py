@@ -76,12 +76,12 @@ def set_up(plan: RunPlan) -> Run:
     settings, train = plan.settings, plan.settings.train
     timeout = timedelta(minutes=settings.collective_timeout_minutes)
     device = join_world(plan.device_type, timeout, plan.cpu_threads, settings.seed)
-    rank, mesh = dist.get_rank(), build_device_mesh(plan.dims, plan.device_type)
+    rank, mesh = dist.get_rank(), build_device_mesh(plan.dims, plan.device_type, timeout)
     shards = dict(dp_size=plan.dims.dp, dp_rank=mesh["dp"].get_local_rank(), seed=settings.seed)
     data, val_data = open_splits(
         plan.data.train, plan.data.val, train.global_batch_size, train.micro_batch_size, **shards
     )
-    model, report = build_parallel_model(plan.model, plan.dims, mesh, device)
+    model, report = build_parallel_model(plan.model, plan.dims, mesh, device, timeout)
     if report is not None and rank == 0:
         print(report.format())
     broadcast_tp_replicas([model], mesh)

@@ -8,8 +8,10 @@ groups that hold the same experts.
 """
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.distributed_c10d import _set_pg_timeout
 
 
 @dataclass(frozen=True)
@@ -51,13 +53,24 @@ def resolve_parallel_dims(world_size: int, tp: int = 1, dp: int | None = None, e
     return ParallelDims(world_size=world_size, dp=dp, tp=tp, ep=ep)
 
 
-def build_device_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
-    """The ``("dp", "tp")`` mesh over all ranks, tp innermost (TP groups are adjacent ranks)."""
-    return init_device_mesh(device_type, (dims.dp, dims.tp), mesh_dim_names=("dp", "tp"))
+def build_device_mesh(dims: ParallelDims, device_type: str, timeout: timedelta | None = None) -> DeviceMesh:
+    """The ``("dp", "tp")`` mesh over all ranks, tp innermost (TP groups are adjacent ranks); its groups time
+    out after ``timeout`` (the run's ``collective_timeout_minutes``)."""
+    return _with_timeout(init_device_mesh(device_type, (dims.dp, dims.tp), mesh_dim_names=("dp", "tp")), timeout)
 
 
-def build_moe_mesh(device_mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
+def build_moe_mesh(device_mesh: DeviceMesh, dims: ParallelDims, timeout: timedelta | None = None) -> DeviceMesh:
     """The ``("ep_shard", "ep")`` view of the same ranks, derived from ``device_mesh``'s root so the meshes share
     one world: ``ep`` adjacent ranks split the experts. Build it only when ``ep > 1``."""
     world = device_mesh._flatten("world")
-    return world._unflatten(0, (dims.ep_shard, dims.ep), ("ep_shard", "ep"))
+    return _with_timeout(world._unflatten(0, (dims.ep_shard, dims.ep), ("ep_shard", "ep")), timeout)
+
+
+def _with_timeout(mesh: DeviceMesh, timeout: timedelta | None) -> DeviceMesh:
+    """Give every group of ``mesh`` the run's timeout: torch makes a mesh's groups with the backend's default
+    (30 minutes on gloo), not the timeout the world was joined with, so a stuck peer would hang a TP or dp
+    collective for half an hour whatever the user set."""
+    if timeout is not None:
+        for dim in range(mesh.ndim):
+            _set_pg_timeout(timeout, mesh.get_group(dim))
+    return mesh

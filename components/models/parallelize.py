@@ -9,6 +9,7 @@ so the recipe makes one call.
 """
 
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -42,9 +43,10 @@ class ModelSpec:
 
 
 def build_parallel_model(
-    spec: ModelSpec, dims: ParallelDims, mesh: DeviceMesh, device: torch.device
+    spec: ModelSpec, dims: ParallelDims, mesh: DeviceMesh, device: torch.device, timeout: timedelta | None = None
 ) -> tuple[nn.Module, PlanReport | None]:
-    """The model of this rank, sharded over ``mesh`` ("dp", "tp"), and the TP plan's report (None at tp=1)."""
+    """The model of this rank, sharded over ``mesh`` ("dp", "tp"), and the TP plan's report (None at tp=1);
+    ``timeout``: of the MoE mesh's groups, as of ``mesh``'s."""
     policy = precision_policy(spec.precision)
     if spec.weights is None:
         model = build_causal_lm(spec.config, seed=spec.seed, dtype=policy.param_dtype).to(device)
@@ -57,7 +59,7 @@ def build_parallel_model(
         report = apply_tp_plan(model, mesh["tp"], plan, spec.config, spec.sequence_parallel, moe_modules)
         policy.cast_tp_inputs(model, data_parallel=dims.dp > 1)
     if dims.ep > 1:  # the MoE mesh and its process groups exist only when experts are split
-        apply_expert_parallel(model, build_moe_mesh(mesh, dims), mesh["tp"], list(spec.experts))
+        apply_expert_parallel(model, build_moe_mesh(mesh, dims, timeout), mesh["tp"], list(spec.experts))
     if spec.weights is not None:
         materialize_from_pretrained(model, spec.weights, device=str(device))
     apply_block_wrappers(model, spec.activation_checkpointing, spec.compile)

@@ -1,6 +1,7 @@
 """The device mesh layout, DTensor gradient finalisation, and a grad norm that counts each replica once."""
 
 import math
+from datetime import timedelta
 
 import pytest
 import torch
@@ -30,6 +31,23 @@ def test_tp_is_innermost_and_ep_folds_adjacent_ranks(ranks4):
     assert (full, dp, tp, moe) == ([[0, 1], [2, 3]], [1, 3], [0, 1], [[0, 1], [2, 3]])
     full, dp, tp, moe = ranks4.run(check_mesh_layout, 4, 2)[2]
     assert (full, dp, tp, moe) == ([[0, 1, 2, 3]], [2], [0, 1, 2, 3], [[0, 1], [2, 3]])
+
+
+def check_mesh_timeouts(rank, world_size):
+    dims = resolve_parallel_dims(world_size, tp=2, ep=2)
+    device_mesh = build_device_mesh(dims, "cpu", timedelta(seconds=123))
+    moe = build_moe_mesh(device_mesh, dims, timedelta(seconds=45))
+    backend = torch.device("cpu")
+    return [
+        mesh.get_group(dim)._get_backend(backend).options._timeout.total_seconds()
+        for mesh in (device_mesh, moe)
+        for dim in range(mesh.ndim)
+    ]
+
+
+def test_every_mesh_group_times_out_when_the_run_says(ranks4):
+    # torch makes a mesh's groups with gloo's 30-minute default, not the world's timeout
+    assert ranks4.run(check_mesh_timeouts) == [[123.0, 123.0, 45.0, 45.0]] * 4
 
 
 def check_finalize(rank, world_size):
