@@ -270,17 +270,19 @@ def plan_run(cfg: DictConfig, output_dir: str | None = None) -> tuple[RunPlan, O
         tokenizer_dir = model_path or cached_tokenizer(source, cache)
     except DataError as error:
         raise ConfigError(f"data: {error}") from None
-    if model_path is None:
+    if model_path is None:  # the vocabulary is the tokenizer trained on the data: check the plan against it
         config.vocab_size = len(AutoTokenizer.from_pretrained(tokenizer_dir))
+        if dims.tp > 1 and (vocab_errors := _plan_errors(settings, dims, config, meta_causal_lm(config))):
+            raise ConfigError("; ".join(vocab_errors))
+    data = prepare_run_data(settings, source, tokenizer_dir, dims)  # bad data is refused before the folder is claimed
     info = run_info(settings, config)
-    try:
+    try:  # the last step that can refuse the run: nothing after it leaves a claimed folder behind
         if os.environ.get("RANK", "0") == "0":  # under torchrun rank 0 owns the folder; the others only read
             lock, resume_from, record = own_output_dir(settings, output, info)
         else:
             lock, resume_from, record = None, choose_checkpoint(settings, output / "checkpoints", info), None
     except OwnershipError as error:
         raise ConfigError(str(error)) from None
-    data = prepare_run_data(settings, source, tokenizer_dir, dims)
     body = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
     body.output_dir = str(output)  # a sweep job's own folder: what checkpoint.resume=auto will be run with
     plan = RunPlan(

@@ -17,6 +17,7 @@ import pytest
 
 from components.data import DEFAULT_VOCAB_SIZE, train_tokenizer
 from components.models import build_causal_lm, tiny_config
+from components.training.output_dir import run_files
 
 # The module fixture runs every case (~40 processes of ~5 s of imports each, two at a time) inside the first
 # test's set-up: give it room on a loaded machine.
@@ -91,6 +92,17 @@ CASES: dict[str, tuple[list[str], str]] = {
         "train.seq_len (50) must be divisible by tp (4) with sp=true",
     ),
     "seq_len beyond the model's positions": (["train.seq_len=1000"], "exceeds the model's max_position_embeddings"),
+    "sp with a trained vocabulary tp does not divide": (  # the tokenizer trained on this file has an odd size
+        [
+            "data=jsonl",
+            "data.path={root}/arithmetic.jsonl",
+            "data.val_fraction=0",
+            "train.val_every=0",
+            "tp=2",
+            "sp=true",
+        ],
+        "sequence parallelism needs tp (2) to divide vocab_size",
+    ),
     "a model folder without weights": (
         ["model=pretrained", "model.pretrained_path={root}/no_weights"],
         "has no weights",
@@ -163,6 +175,8 @@ def inputs(root: Path) -> None:
     (root / "a_file").write_text("not a folder\n")
     (root / "empty.jsonl").write_text("\n")
     (root / "bad.jsonl").write_text('{"prompt": "a", "response": "b"}\n{"prompt": "c", "response": "d"\n')
+    sums = [{"prompt": f"What is {i} plus {i}?", "response": f"It is {2 * i}."} for i in range(40)]
+    (root / "arithmetic.jsonl").write_text("".join(json.dumps(record) + "\n" for record in sums))
     (root / "checkpoints" / "step_00000002.tmp").mkdir(parents=True)
     (root / "checkpoints" / "step_00000004").mkdir()
     (root / "checkpoints" / "step_00000004" / "COMPLETE").write_text("{}")
@@ -264,3 +278,6 @@ def test_bad_input_gives_one_error_line(case, outcomes):
     lines = outcome.stderr.strip().splitlines()
     assert len(lines) == 1, outcome.stderr
     assert lines[0].startswith("error: ") and expected in lines[0], lines[0]
+    # refused before anything was claimed: a corrected rerun into the same folder is not "another run's files"
+    folder = Path(next(o for o in overrides_of(case, outcome.root) if o.startswith("output_dir=")).split("=", 1)[1])
+    assert not (folder.is_dir() and run_files(folder)), f"the refused run left {run_files(folder)} in {folder}"
