@@ -33,6 +33,7 @@ from components.data import (
     cached_tokenizer,
     prepare_data,
 )
+from components.data.prepare import tokenizer_digest
 from components.data.sources import DataSource
 from components.distributed.launch import cpu_threads_per_rank, started_by_launcher
 from components.distributed.mesh import ParallelDims, resolve_parallel_dims
@@ -270,12 +271,13 @@ def plan_run(cfg: DictConfig, output_dir: str | None = None) -> tuple[RunPlan, O
         tokenizer_dir = model_path or cached_tokenizer(source, cache)
     except DataError as error:
         raise ConfigError(f"data: {error}") from None
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     if model_path is None:  # the vocabulary is the tokenizer trained on the data: check the plan against it
-        config.vocab_size = len(AutoTokenizer.from_pretrained(tokenizer_dir))
+        config.vocab_size = len(tokenizer)
         if dims.tp > 1 and (vocab_errors := _plan_errors(settings, dims, config, meta_causal_lm(config))):
             raise ConfigError("; ".join(vocab_errors))
     data = prepare_run_data(settings, source, tokenizer_dir, dims)  # bad data is refused before the folder is claimed
-    info = run_info(settings, config)
+    info = run_info(settings, config, tokenizer_digest(tokenizer))
     try:  # the last step that can refuse the run: nothing after it leaves a claimed folder behind
         if os.environ.get("RANK", "0") == "0":  # under torchrun rank 0 owns the folder; the others only read
             lock, resume_from, record = own_output_dir(settings, output, info)

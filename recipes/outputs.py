@@ -68,11 +68,14 @@ def explicit_checkpoint_errors(resume: str | None) -> list[str]:
     return [f"checkpoint.resume={show(resume)} {why}: use auto, null or a step_NNNNNNNN checkpoint folder"]
 
 
-def run_info(settings: Config, model_config) -> dict[str, Any]:
-    """What a checkpoint of this run records, and what a resume must match (tp, dp and ep may change)."""
+def run_info(settings: Config, model_config, tokenizer_digest: str) -> dict[str, Any]:
+    """What a checkpoint of this run records, and what a resume must match (tp, dp and ep may change). The
+    tokenizer's digest is part of it: a model built from its config gets a tokenizer trained on the data, whose
+    ids change with the data (``data.num_examples``, ``seed``, an edited file) at the same vocabulary size."""
     shapes = state_dict_shapes(meta_causal_lm(model_config))
     return {
         "model": model_fingerprint(shapes),
+        "tokenizer": tokenizer_digest,
         "optimizer": settings.optim.target,
         "global_batch_size": settings.train.global_batch_size,
         "seq_len": settings.train.seq_len,

@@ -132,8 +132,10 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one_out_loud(tra
         ),
         (["train.max_steps=6", "model.config.intermediate_size=96"], "model is"),
         (["train.max_steps=3"], "max_steps 3 is not beyond the checkpoint's step 4"),
+        # more records train another tokenizer of the same size: the same ids would mean other tokens
+        (["train.max_steps=6", "data.num_examples=300"], "tokenizer is"),
     ],
-    ids=["batch geometry", "optimizer", "model", "max_steps"],
+    ids=["batch geometry", "optimizer", "model", "max_steps", "tokenizer"],
 )
 def test_a_resume_that_cannot_continue_the_same_training_is_refused(trained, tmp_path, overrides, expected):
     folder = copy_of(trained, tmp_path)
