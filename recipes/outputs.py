@@ -17,6 +17,7 @@ from components.training.checkpoint_check import (
     MARKER,
     CheckpointError,
     check_checkpoint,
+    checkpoint_summary,
     complete_checkpoints,
     find_resumable,
     model_fingerprint,
@@ -30,6 +31,9 @@ from components.training.output_dir import (
     claim_output_dir,
     config_hash,
     lock_output_dir,
+    read_run_record,
+    remove_run_files,
+    run_files,
 )
 from recipes.schema import Config, show
 
@@ -113,6 +117,8 @@ def own_output_dir(
     try:
         lock = lock_output_dir(output_dir)
         resume_from = choose_checkpoint(settings, output_dir / "checkpoints", info)
+        if resume_from is not None and settings.checkpoint.resume != "auto":
+            _check_foreign_resume(output_dir, resume_from, settings.overwrite_output_dir)
         record = claim_output_dir(
             output_dir,
             config_hash(settings.model_dump(by_alias=True)),
@@ -123,3 +129,21 @@ def own_output_dir(
     except OutputDirError as error:
         raise OwnershipError(str(error)) from None
     return lock, resume_from, record
+
+
+def _check_foreign_resume(output_dir: Path, checkpoint: Path, overwrite: bool) -> None:
+    """An explicit checkpoint of another run than the one ``output_dir`` holds would continue inside that run's
+    folder, cutting its metrics back and replacing its checkpoints: refuse, or with ``overwrite_output_dir`` (and
+    the checkpoint elsewhere) remove that run's files first, so the resumed run starts the folder afresh."""
+    held = read_run_record(output_dir)
+    theirs = checkpoint_summary(checkpoint).run_id
+    if held is None or not run_files(output_dir) or held.run_id == theirs:
+        return
+    if overwrite and not checkpoint.is_relative_to(output_dir):
+        remove_run_files(output_dir)
+        return
+    raise OutputDirError(
+        f"output_dir {output_dir} holds another run's files than the one checkpoint.resume={checkpoint} belongs to; "
+        "resuming there would mix the two runs: choose another output_dir=..."
+        + ("" if overwrite else ", or set overwrite_output_dir=true to replace that folder's run")
+    )

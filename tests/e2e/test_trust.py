@@ -143,6 +143,19 @@ def test_a_resume_that_cannot_continue_the_same_training_is_refused(trained, tmp
     assert f"cannot resume from {folder / 'checkpoints' / 'step_00000004'}" in line and expected in line, line
 
 
+def test_a_checkpoint_of_another_run_never_continues_inside_a_third_runs_folder(trained, tmp_path):
+    other = tmp_path / "other"
+    assert run(other, "train.max_steps=2", "optim.lr=1e-2").returncode == 0
+    before = (other / "metrics.jsonl").read_text()
+    checkpoint = f"checkpoint.resume={trained / 'checkpoints' / 'step_00000002'}"
+    line = error_line(run(other, checkpoint, "train.max_steps=6"))
+    assert "holds another run's files than the one checkpoint.resume" in line, line
+    assert (other / "metrics.jsonl").read_text() == before  # the folder's own run is untouched
+    replaced = run(other, checkpoint, "train.max_steps=3", "overwrite_output_dir=true")
+    assert replaced.returncode == 0, replaced.stderr[-3000:]
+    assert steps(other) == [3]  # the folder now holds the resumed run alone
+
+
 def test_replicas_that_drift_without_checks_stop_the_run_before_export(tmp_path):
     result = run(tmp_path / "drift", "tp=2", "train.max_steps=3", "debug.fault=perturb_replica@2")
     line = error_line(result)
