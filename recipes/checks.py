@@ -26,13 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from transformers import AutoTokenizer
 
-from components.data import (
-    DataError,
-    PreparedData,
-    build_source,
-    cached_tokenizer,
-    prepare_data,
-)
+from components.data import DataError, PreparedData, build_source, cached_tokenizer, prepare_data
 from components.data.prepare import tokenizer_digest
 from components.data.sources import DataSource
 from components.distributed.launch import cpu_threads_per_rank, started_by_launcher
@@ -207,6 +201,20 @@ def data_source(settings: Config) -> tuple[DataSource | None, list[str]]:
         return None, [str(error)]
 
 
+def _tokenizer(settings: Config, source: DataSource, model_path: Path | None, config, dims: ParallelDims):
+    """The model's tokenizer (folder, tokenizer), or one trained on the data, whose vocabulary then sizes the model."""
+    try:
+        tokenizer_dir = model_path or cached_tokenizer(source, Path(settings.cache_dir).expanduser().absolute())
+    except DataError as error:
+        raise ConfigError(f"data: {error}") from None
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    if model_path is None:
+        config.vocab_size = len(tokenizer)
+        if dims.tp > 1 and (errors := _plan_errors(settings, dims, config, meta_causal_lm(config))):
+            raise ConfigError("; ".join(errors))
+    return tokenizer_dir, tokenizer
+
+
 def prepare_run_data(settings: Config, source: DataSource, tokenizer_dir: Path, dims: ParallelDims) -> PreparedData:
     """Tokenize once (or reuse the cache) and check the splits; raise ConfigError."""
     train, cache = settings.train, Path(settings.cache_dir).expanduser().absolute()
@@ -266,16 +274,7 @@ def plan_run(cfg: DictConfig, output_dir: str | None = None) -> tuple[RunPlan, O
     if errors:
         raise ConfigError("; ".join(errors))
 
-    cache = Path(settings.cache_dir).expanduser().absolute()
-    try:
-        tokenizer_dir = model_path or cached_tokenizer(source, cache)
-    except DataError as error:
-        raise ConfigError(f"data: {error}") from None
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    if model_path is None:  # the vocabulary is the tokenizer trained on the data: check the plan against it
-        config.vocab_size = len(tokenizer)
-        if dims.tp > 1 and (vocab_errors := _plan_errors(settings, dims, config, meta_causal_lm(config))):
-            raise ConfigError("; ".join(vocab_errors))
+    tokenizer_dir, tokenizer = _tokenizer(settings, source, model_path, config, dims)
     data = prepare_run_data(settings, source, tokenizer_dir, dims)  # bad data is refused before the folder is claimed
     info = run_info(settings, config, tokenizer_digest(tokenizer))
     try:  # the last step that can refuse the run: nothing after it leaves a claimed folder behind
@@ -287,13 +286,12 @@ def plan_run(cfg: DictConfig, output_dir: str | None = None) -> tuple[RunPlan, O
         raise ConfigError(str(error)) from None
     body = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
     body.output_dir = str(output)  # a sweep job's own folder: what checkpoint.resume=auto will be run with
+    threads = cpu_threads_per_rank(settings.cpu_threads, int(os.environ.get("LOCAL_WORLD_SIZE", dims.world_size)))
     plan = RunPlan(
         settings=settings,
         dims=dims,
         device_type=device_type,
-        cpu_threads=cpu_threads_per_rank(
-            settings.cpu_threads, int(os.environ.get("LOCAL_WORLD_SIZE", dims.world_size))
-        ),
+        cpu_threads=threads,
         output_dir=output,
         model=model_spec(settings, config, model_path),
         tokenizer_dir=Path(tokenizer_dir),
