@@ -73,10 +73,12 @@ def source_cache_dir(cache_root: str | Path) -> Path:
 
 
 def tokenizer_digest(tokenizer) -> str:
-    """A hash of everything that decides token ids: vocabulary, merges, normalisation, chat template, eos."""
+    """A hash of everything that decides token ids: vocabulary, merges, normalisation, chat template, the special
+    tokens' strings (a chat template renders ``bos_token`` and the like by name), eos and pad."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     state = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
-    parts = [state, str(tokenizer.chat_template), str(tokenizer.eos_token_id), str(pad_id_of(tokenizer))]
+    specials = str(sorted((name, str(value)) for name, value in tokenizer.special_tokens_map.items()))
+    parts = [state, str(tokenizer.chat_template), specials, str(tokenizer.eos_token_id), str(pad_id_of(tokenizer))]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 

@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 from components.data.generated import generate_examples
 from components.data.jsonl import DataError
 from components.data.loader import StepBatches
-from components.data.prepare import data_cache_dir, prepare_data, source_cache_dir, split_indices
+from components.data.prepare import data_cache_dir, prepare_data, source_cache_dir, split_indices, tokenizer_digest
 from components.data.sources import GeneratedSource, HFSource, JsonlSource
 from components.data.tokenizer import DEFAULT_VOCAB_SIZE, train_tokenizer
 
@@ -133,3 +133,11 @@ def test_a_tokenizer_without_a_chat_template_is_one_line(tokenizer_dir, tmp_path
         leftover.unlink()
     with pytest.raises(DataError, match=r"^tokenizer \w+ has no chat_template: use one that has"):
         prepare(SOURCE, tmp_path / "plain", tmp_path / "cache")
+
+
+def test_the_tokenizer_digest_follows_the_special_tokens_a_chat_template_renders(tokenizer_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    assert tokenizer_digest(tokenizer) == tokenizer_digest(AutoTokenizer.from_pretrained(tokenizer_dir))
+    renamed = AutoTokenizer.from_pretrained(tokenizer_dir)
+    renamed.bos_token = "<|begin|>"  # same vocabulary, merges and ids: only the string a template would print
+    assert tokenizer_digest(renamed) != tokenizer_digest(tokenizer)
