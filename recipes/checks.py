@@ -27,7 +27,6 @@ from omegaconf.errors import OmegaConfBaseException
 from transformers import AutoTokenizer
 
 from components.data import DataError, PreparedData, build_source, cached_tokenizer, prepare_data
-from components.data.prepare import tokenizer_digest
 from components.data.sources import DataSource
 from components.distributed.launch import cpu_threads_per_rank, started_by_launcher
 from components.distributed.mesh import ParallelDims, resolve_parallel_dims
@@ -201,18 +200,17 @@ def data_source(settings: Config) -> tuple[DataSource | None, list[str]]:
         return None, [str(error)]
 
 
-def _tokenizer(settings: Config, source: DataSource, model_path: Path | None, config, dims: ParallelDims):
-    """The model's tokenizer (folder, tokenizer), or one trained on the data, whose vocabulary then sizes the model."""
+def _tokenizer_dir(settings: Config, source: DataSource, model_path: Path | None, config, dims: ParallelDims) -> Path:
+    """The model's tokenizer folder, or one trained on the data, whose vocabulary then sizes the model."""
     try:
         tokenizer_dir = model_path or cached_tokenizer(source, Path(settings.cache_dir).expanduser().absolute())
     except DataError as error:
         raise ConfigError(f"data: {error}") from None
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     if model_path is None:
-        config.vocab_size = len(tokenizer)
+        config.vocab_size = len(AutoTokenizer.from_pretrained(tokenizer_dir))
         if dims.tp > 1 and (errors := _plan_errors(settings, dims, config, meta_causal_lm(config))):
             raise ConfigError("; ".join(errors))
-    return tokenizer_dir, tokenizer
+    return tokenizer_dir
 
 
 def prepare_run_data(settings: Config, source: DataSource, tokenizer_dir: Path, dims: ParallelDims) -> PreparedData:
@@ -274,9 +272,9 @@ def plan_run(cfg: DictConfig, output_dir: str | None = None) -> tuple[RunPlan, O
     if errors:
         raise ConfigError("; ".join(errors))
 
-    tokenizer_dir, tokenizer = _tokenizer(settings, source, model_path, config, dims)
+    tokenizer_dir = _tokenizer_dir(settings, source, model_path, config, dims)
     data = prepare_run_data(settings, source, tokenizer_dir, dims)  # bad data is refused before the folder is claimed
-    info = run_info(settings, config, tokenizer_digest(tokenizer))
+    info = run_info(settings, config, data.tokenizer_digest)
     try:  # the last step that can refuse the run: nothing after it leaves a claimed folder behind
         if os.environ.get("RANK", "0") == "0":  # under torchrun rank 0 owns the folder; the others only read
             lock, resume_from, record = own_output_dir(settings, output, info)

@@ -60,6 +60,7 @@ class PreparedData:
     val: TokenizedSplit | None
     folder: str
     reused: bool  # the tokenized records came from the cache
+    tokenizer_digest: str  # of the tokenizer that made them (:func:`tokenizer_digest`)
 
 
 def data_cache_dir(cache_root: str | Path) -> Path:
@@ -184,9 +185,8 @@ def prepare_data(
         check_template(tokenizer)
     except ValueError as error:
         raise DataError(str(error)) from None
-    key = hashlib.sha256(
-        f"{FORMAT_VERSION}|{source.fingerprint()}|{tokenizer_digest(tokenizer)}|{seq_len}".encode()
-    ).hexdigest()[:20]
+    digest = tokenizer_digest(tokenizer)
+    key = hashlib.sha256(f"{FORMAT_VERSION}|{source.fingerprint()}|{digest}|{seq_len}".encode()).hexdigest()[:20]
     folder = data_cache_dir(cache_root) / key
     reused = (folder / "meta.json").is_file()
     if not reused:
@@ -201,7 +201,7 @@ def prepare_data(
         examples, num_rows = counts[part]
         return TokenizedSplit(str(folder / "tokens"), str(rows_file), part, seq_len, pad_id, examples, num_rows)
 
-    return PreparedData(split("train"), split("val") if counts["val"][0] else None, str(folder), reused)
+    return PreparedData(split("train"), split("val") if counts["val"][0] else None, str(folder), reused, digest)
 
 
 def cached_tokenizer(source: DataSource, cache_root: str | Path) -> Path:
