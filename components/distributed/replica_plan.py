@@ -254,11 +254,10 @@ class BucketLayout:
                 start += len(chunk)
         self.device = torch.device(device)  # the collectives' kind of device ("cuda" has no index)
         self.size = len(gradients)
-        # by candidate: the data pointer of its slice in a view bucket (None: staged); set when every bucket is
+        # by candidate: the data pointer of its slice in a view bucket (None: staged); when every bucket is
         # gradient views, also the slices themselves
         self.slot_pointers: list[int | None] = [None] * self.size
         self.views_in_order: list[torch.Tensor | None] | None = None
-        self.pointers_in_order: list[int | None] | None = None
         self.spans: list[tuple[int, int]] = []  # address ranges of the view buckets' buffers
         if persistent:
             self._assign_buffers(plain, max_bytes)
@@ -309,13 +308,12 @@ class BucketLayout:
             for bucket in self.buckets:
                 for index, view in zip(bucket.indices, bucket.views, strict=True):
                     self.views_in_order[index] = view
-            self.pointers_in_order = self.slot_pointers
 
     def gradients_are_views(self, parameters: list[nn.Parameter]) -> bool:
         """True when the gradients of ``parameters`` (every candidate, in order) occupy exactly this layout's bucket
         slices: all present, dense and reduced in place. By data pointer, not identity: ``grad.data = ...``,
         ``grad.set_(...)`` or ``model.to(...)`` give a gradient object other storage (one pass, no list kept)."""
-        return self.pointers_in_order is not None and _pointers(map(_grad, parameters)) == self.pointers_in_order
+        return self.views_in_order is not None and _pointers(map(_grad, parameters)) == self.slot_pointers
 
     def reduce(
         self,
@@ -333,8 +331,7 @@ class BucketLayout:
         scale = 1.0 / tp_size if tp_size & (tp_size - 1) == 0 else None
         if in_place:  # nothing to pack or unpack
             for bucket in self.buckets:
-                dist.all_reduce(bucket.flat, op=dist.ReduceOp.SUM, group=group)
-                _scale(bucket, bucket.flat, scale, tp_size)
+                _sum_and_divide(bucket, bucket.flat, group, scale, tp_size)
             return sum(len(bucket.indices) for bucket in self.buckets)
         sources, moved = self._read_apart(local_grads)
         count = 0
@@ -350,8 +347,7 @@ class BucketLayout:
                 flat = torch.empty(bucket.numel, dtype=bucket.wire, device=self._reduced_on(bucket))
                 views = flat_views(flat, bucket.shapes)
             bucket.pack(flat, views, bucket.pick(sources))
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-            _scale(bucket, flat, scale, tp_size)
+            _sum_and_divide(bucket, flat, group, scale, tp_size)
             torch._foreach_copy_(list(grads), views)  # copy_ casts in place (a mul with out= stages FP32 on CPU)
         return count
 
@@ -378,20 +374,15 @@ class BucketLayout:
         """
         own = [pointer == slot for pointer, slot in zip(_pointers(grads), bucket.view_pointers, strict=True)]
         if all(own):
-            dist.all_reduce(bucket.flat, op=dist.ReduceOp.SUM, group=group)
-            _scale(bucket, bucket.flat, scale, tp_size)
+            _sum_and_divide(bucket, bucket.flat, group, scale, tp_size)
             return
         if any(own):  # copy only the others: a slice copied onto itself is fine, but cat refuses any overlap
             pairs = [(view, source) for view, source, mine in zip(bucket.views, sources, own, strict=True) if not mine]
             torch._foreach_copy_([view for view, _ in pairs], [source for _, source in pairs])
         else:
             bucket.pack(bucket.flat, bucket.views, sources)
-        dist.all_reduce(bucket.flat, op=dist.ReduceOp.SUM, group=group)
-        _scale(bucket, bucket.flat, scale, tp_size)
-        if any(own) or any(moved):
-            elsewhere = [not (mine or m) for mine, m in zip(own, moved, strict=True)]  # outside every view bucket
-        else:  # the usual fresh gradients
-            elsewhere = [True] * len(grads)
+        _sum_and_divide(bucket, bucket.flat, group, scale, tp_size)
+        elsewhere = [not (mine or m) for mine, m in zip(own, moved, strict=True)]  # outside every view bucket
         targets = [(g, v) for g, v, out in zip(grads, bucket.views, elsewhere, strict=True) if out]
         if targets:
             torch._foreach_copy_([g for g, _ in targets], [v for _, v in targets])
@@ -401,8 +392,10 @@ class BucketLayout:
         bucket.hand_out(parameters, keep)
 
 
-def _scale(bucket: _Bucket, flat: torch.Tensor, scale: float | None, tp_size: int) -> None:
-    """The mean's divide: by the exact reciprocal when the TP size is a power of two (the same rounding)."""
+def _sum_and_divide(bucket: _Bucket, flat: torch.Tensor, group, scale: float | None, tp_size: int) -> None:
+    """SUM all-reduce ``flat``, then the mean's divide: by the exact reciprocal when the TP size is a power of two
+    (the same rounding)."""
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
     if bucket.reduction == "mean":
         if scale is not None:
             flat.mul_(scale)
