@@ -59,7 +59,7 @@ def child(size: int, cache_root: str, tokenizer_dir: str) -> None:
     )
     ready = time.time()
     launcher_rss = _peak_rss_mib()
-    context = mp.get_context("fork")  # as components.distributed.launch.launch_local starts ranks
+    context = mp.get_context("fork")  # as components.runtime.launch.launch_local starts ranks
     queue = context.Queue()
     ranks = [context.Process(target=_rank, args=(prepared.train, r, queue)) for r in range(DP)]
     for process in ranks:

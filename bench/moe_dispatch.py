@@ -53,12 +53,12 @@ import torch.distributed as dist
 import components.moe.collectives as moe_collectives
 from components.distributed.fsdp import shard_data_parallel
 from components.distributed.grads import finalize_dtensor_gradients
-from components.distributed.launch import init_process_group, launch_local
 from components.distributed.mesh import build_device_mesh, build_moe_mesh, resolve_parallel_dims
 from components.distributed.tp_plan import apply_tp_plan, plan_for
 from components.distributed.tp_replicas import synchronize_tp_replica_gradients
 from components.models import build_causal_lm, tiny_config
 from components.moe import apply_expert_parallel
+from components.runtime.launch import init_process_group, launch_local
 from components.training.step import evaluate_loss_sum, forward_backward
 
 SIZES = {

@@ -22,12 +22,12 @@ from torch.distributed.tensor.parallel import loss_parallel
 from transformers import LlamaConfig
 
 from components.distributed.grads import finalize_dtensor_gradients
-from components.distributed.launch import init_process_group, launch_local
 from components.distributed.tp_plan import apply_tp_plan, cross_entropy_sum, plan_for
 from components.distributed.tp_replicas import broadcast_tp_replicas, synchronize_tp_replica_gradients
 from components.models.build import local_parameter_bytes, materialize_random, meta_causal_lm
 from components.models.compile import apply_block_wrappers
 from components.models.precision import precision_policy
+from components.runtime.launch import init_process_group, launch_local
 from components.training.memory import current_memory_gib, peak_memory_gib, reset_peak_memory
 
 GIB = 1024**3

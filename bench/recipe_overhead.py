@@ -35,9 +35,9 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 from components.distributed.grads import clip_grad_norm_, finalize_dtensor_gradients
-from components.distributed.launch import free_port
 from components.distributed.tp_replicas import synchronize_tp_replica_gradients
 from components.models import build_causal_lm, tiny_config
+from components.runtime.launch import free_port
 from components.training.schedule import warmup_cosine
 from components.training.step import forward_backward
 

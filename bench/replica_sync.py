@@ -42,8 +42,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from components.distributed.launch import init_process_group, launch_local
 from components.distributed.tp_replicas import synchronize_tp_replica_gradients
+from components.runtime.launch import init_process_group, launch_local
 
 MIB = 1024 * 1024
 WARMUP = 1
@@ -301,7 +301,7 @@ def run(world_sizes: tuple[int, ...] = (2, 4), sets: tuple[str, ...] = tuple(SET
 
 
 def _overlap_rank(threads: int, reps: int) -> dict[str, float]:
-    from components.distributed.replica_sync_overlap import ReplicaSyncOverlap
+    from replica_sync_overlap import ReplicaSyncOverlap
 
     init_process_group("gloo", timedelta(minutes=5))
     torch.set_num_threads(threads)

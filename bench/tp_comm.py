@@ -23,11 +23,11 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import loss_parallel
 
 from components.distributed.grads import clip_grad_norm_, finalize_dtensor_gradients
-from components.distributed.launch import init_process_group, launch_local
 from components.distributed.mesh import ParallelDims, build_device_mesh
 from components.distributed.tp_plan import apply_tp_plan, cross_entropy_sum, plan_for
 from components.distributed.tp_replicas import broadcast_tp_replicas, synchronize_tp_replica_gradients
 from components.models import build_causal_lm, tiny_config
+from components.runtime.launch import init_process_group, launch_local
 
 TP = 2
 LAYERS = 2

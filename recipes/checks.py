@@ -28,7 +28,7 @@ from transformers import AutoTokenizer
 
 from components.data import DataError, PreparedData, build_source, cached_tokenizer, prepare_data
 from components.data.sources import DataSource
-from components.distributed.launch import cpu_threads_per_rank, started_by_launcher
+from components.debug.faults import parse_fault
 from components.distributed.mesh import ParallelDims, resolve_parallel_dims
 from components.distributed.tp_plan import check_plan, plan_for
 from components.models import load_config, meta_causal_lm
@@ -38,9 +38,9 @@ from components.models.folder_check import check_model_folder, check_tokenizer_f
 from components.models.hub import resolve_model_folder
 from components.models.parallelize import ModelSpec
 from components.moe import check_expert_parallel
-from components.training.faults import parse_fault
+from components.runtime.launch import cpu_threads_per_rank, started_by_launcher
+from components.runtime.output_dir import OutputDirLock
 from components.training.loggers import check_logger_available
-from components.training.output_dir import OutputDirLock
 from components.training.schedule import check_schedule
 from recipes.outputs import (
     OwnershipError,

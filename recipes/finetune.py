@@ -28,20 +28,20 @@ from omegaconf import DictConfig
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoTokenizer
 
+from components.checkpoint.dcp import load_checkpoint, save_checkpoint
+from components.checkpoint.export import export_dtype, export_hf
 from components.data import StepBatches
 from components.data.loader import open_splits
+from components.debug.faults import install_faults
 from components.distributed.fsdp import set_gradient_sync
 from components.distributed.grads import clip_grad_norm_, finalize_dtensor_gradients, grad_norm
-from components.distributed.launch import end_launched_rank, join_world, launch_local, started_by_launcher
 from components.distributed.mesh import build_device_mesh
-from components.distributed.replica_drift import check_replicas, write_drift_report
+from components.distributed.replicas.drift import check_replicas, write_drift_report
 from components.distributed.tp_replicas import broadcast_tp_replicas, synchronize_tp_replica_gradients
 from components.models.parallelize import build_parallel_model
 from components.models.precision import precision_policy
 from components.moe import ExpertLoad, router_aux_loss_weight
-from components.training.checkpoint import load_checkpoint, save_checkpoint
-from components.training.export import export_dtype, export_hf
-from components.training.faults import install_faults
+from components.runtime.launch import end_launched_rank, join_world, launch_local, started_by_launcher
 from components.training.loggers import open_logger
 from components.training.memory import peak_memory_gib, reset_peak_memory
 from components.training.metrics import MetricsLog, plot_loss_curve

@@ -12,8 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from components.models import meta_causal_lm
-from components.training.checkpoint_check import (
+from components.checkpoint.integrity import (
     MARKER,
     CheckpointError,
     check_checkpoint,
@@ -24,7 +23,8 @@ from components.training.checkpoint_check import (
     resume_problems,
     state_dict_shapes,
 )
-from components.training.output_dir import (
+from components.models import meta_causal_lm
+from components.runtime.output_dir import (
     OutputDirError,
     OutputDirLock,
     RunRecord,

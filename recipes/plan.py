@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from components.data import PreparedData
+from components.debug.faults import Fault
 from components.distributed.mesh import ParallelDims
 from components.models.parallelize import ModelSpec
-from components.training.faults import Fault
 from recipes.schema import Config
 
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from components.distributed.launch import free_port
+from components.runtime.launch import free_port
 
 # A collective waits at most this long in gloo, and a check at most DEFAULT_TIMEOUT_S in the parent.
 COLLECTIVE_TIMEOUT_S = 30

@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from components.distributed.flat_buffers import (
+from components.distributed.replicas.flat_buffers import (
     MAX_FLAT_BUFFER_BYTES,
     bounded_chunks,
     local_tensor,
@@ -28,7 +28,7 @@ from components.distributed.flat_buffers import (
     unpack,
     wire_dtype,
 )
-from components.distributed.replica_plan import ModelSnapshot, model_cache
+from components.distributed.replicas.plan import ModelSnapshot, model_cache
 
 _grad = attrgetter("grad")
 

@@ -58,8 +58,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from components.distributed.flat_buffers import bounded_chunks, local_tensor, wire_dtype
-from components.distributed.replica_plan import BucketLayout, ModelSnapshot, bump_structure_version, model_cache
+from components.distributed.replicas.flat_buffers import bounded_chunks, local_tensor, wire_dtype
+from components.distributed.replicas.plan import BucketLayout, ModelSnapshot, bump_structure_version, model_cache
 
 _TP_REPLICA_GRAD_REDUCTION_ATTR = "_nemo_tp_replica_grad_reduction"
 _MODEL_OWNED_GRAD_DIVISOR_ATTR = "_nemo_model_owned_grad_divisor"

@@ -16,15 +16,15 @@ from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 from transformers import AutoModelForCausalLM
 
+from components.checkpoint.dcp import MARKER, checkpoint_path, load_checkpoint, save_checkpoint
+from components.checkpoint.export import export_hf
+from components.checkpoint.integrity import checkpoint_summary, find_resumable
 from components.distributed.fsdp import shard_data_parallel
 from components.distributed.grads import finalize_dtensor_gradients
 from components.distributed.mesh import resolve_parallel_dims
 from components.distributed.tp_plan import apply_tp_plan, plan_for
 from components.distributed.tp_replicas import broadcast_tp_replicas, synchronize_tp_replica_gradients
 from components.models import build_causal_lm, tiny_config
-from components.training.checkpoint import MARKER, checkpoint_path, load_checkpoint, save_checkpoint
-from components.training.checkpoint_check import checkpoint_summary, find_resumable
-from components.training.export import export_hf
 from components.training.step import forward_backward
 from tests.harness import mesh
 

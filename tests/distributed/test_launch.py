@@ -20,7 +20,7 @@ RANKS = textwrap.dedent(
     from datetime import timedelta
     import torch
     import torch.distributed as dist
-    from components.distributed.launch import fail_once, init_process_group, launch_local
+    from components.runtime.launch import fail_once, init_process_group, launch_local
 
     def work(folder, mode):
         init_process_group("gloo", timedelta(seconds=3))

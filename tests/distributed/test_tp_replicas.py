@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from components.distributed import tp_replicas
-from components.distributed.replica_plan import model_cache
+from components.distributed.replicas.plan import model_cache
 from components.distributed.tp_replicas import (
     _MODEL_OWNED_GRAD_DIVISOR_ATTR,
     _is_tp_replicated,

@@ -17,7 +17,7 @@ import pytest
 
 from components.data import DEFAULT_VOCAB_SIZE, train_tokenizer
 from components.models import build_causal_lm, tiny_config
-from components.training.output_dir import run_files
+from components.runtime.output_dir import run_files
 
 # The module fixture runs every case (~40 processes of ~5 s of imports each, two at a time) inside the first
 # test's set-up: give it room on a loaded machine.

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from components.distributed.launch import RankExit, describe_rank_failure
-from components.training.checkpoint_check import MARKER
+from components.checkpoint.integrity import MARKER
+from components.runtime.launch import RankExit, describe_rank_failure
 
 REPO = Path(__file__).resolve().parents[2]
 # Small and quick: tp=2, 4 sequences per step in 2 micro-batches, no validation or export.
@@ -144,7 +144,7 @@ RAISING_RANKS = textwrap.dedent(
     from datetime import timedelta
     import torch
     import torch.distributed as dist
-    from components.distributed.launch import init_process_group, launch_local
+    from components.runtime.launch import init_process_group, launch_local
 
     def work():
         init_process_group("gloo", timedelta(minutes=5))

@@ -1,6 +1,6 @@
 """Numerical blow-ups and replica drift are caught on every rank, before they corrupt the model.
 
-Faults are injected through the documented switch ``debug.fault`` (components/training/faults.py).
+Faults are injected through the documented switch ``debug.fault`` (components/debug/faults.py).
 """
 
 import json

@@ -4,8 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from components.distributed.flat_buffers import bounded_chunks, flat_views, pack, unpack, wire_dtype
-from components.distributed.replica_plan import BucketLayout, ModelSnapshot
+from components.distributed.replicas.flat_buffers import bounded_chunks, flat_views, pack, unpack, wire_dtype
+from components.distributed.replicas.plan import BucketLayout, ModelSnapshot
 
 
 def two_layers() -> nn.Module:

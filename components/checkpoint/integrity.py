@@ -1,6 +1,6 @@
 """What a checkpoint folder holds, whether it is usable, and which one to resume from: no rank, no torch.distributed.
 
-The layout (written by :func:`components.training.checkpoint.save_checkpoint`) of ``root/step_00000042/``:
+The layout (written by :func:`components.checkpoint.dcp.save_checkpoint`) of ``root/step_00000042/``:
 
 - ``.metadata`` and ``__<rank>_0.distcp``: DCP's model and optimizer state (read with :mod:`safe_dcp`).
 - ``trainer_state.json`` (rank 0): step, world size, run id, the run description (``run_info``), the LR
@@ -25,7 +25,7 @@ from typing import Any
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from components.training.safe_dcp import METADATA_FILE, CheckpointError, loads_state, read_metadata
+from components.checkpoint.safe_dcp import METADATA_FILE, CheckpointError, loads_state, read_metadata
 
 MARKER = "COMPLETE"
 TRAINER_STATE = "trainer_state.json"

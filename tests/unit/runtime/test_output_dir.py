@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from components.training.checkpoint import publish_folder
-from components.training.output_dir import (
+from components.checkpoint.dcp import publish_folder
+from components.runtime.output_dir import (
     RUN_FILE,
     OutputDirError,
     OutputDirLock,
@@ -23,7 +23,7 @@ from components.training.output_dir import (
 REPO = Path(__file__).resolve().parents[3]
 HOLD_LOCK = """
 import sys, time
-from components.training.output_dir import lock_output_dir
+from components.runtime.output_dir import lock_output_dir
 lock_output_dir(sys.argv[1])
 print("locked", flush=True)
 time.sleep(120)

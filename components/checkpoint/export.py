@@ -11,7 +11,7 @@ hold nothing), then rank 0 writes into ``<out_dir>.tmp``:
   a source file wins over a tokenizer file of the same name;
 - ``README.md``, a short model card naming the recipe, the base model and the config the run was made with.
 
-``publish_folder`` then adds the manifest of the files written (``components.training.output_dir``) and
+``publish_folder`` then adds the manifest of the files written (``components.runtime.output_dir``) and
 renames the folder to ``out_dir`` (the old one is moved aside first), so a half-written export is never
 mistaken for a model. An existing ``out_dir`` is only replaced when every file in it is one an earlier export
 wrote: a folder holding anything else (a user's own files) is refused with a ValueError, untouched.
@@ -30,9 +30,9 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import PretrainedConfig, PreTrainedModel
 
+from components.checkpoint.dcp import publish_folder, run_on_rank0
 from components.models.hub import looks_like_hub_id
-from components.training.checkpoint import publish_folder, run_on_rank0
-from components.training.output_dir import foreign_files
+from components.runtime.output_dir import foreign_files
 
 INDEX_FILE = "model.safetensors.index.json"
 CARD = "README.md"

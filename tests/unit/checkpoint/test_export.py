@@ -15,8 +15,7 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from components.models import build_causal_lm, tiny_config
-from components.training.export import (
+from components.checkpoint.export import (
     INDEX_FILE,
     check_export_target,
     export_dtype,
@@ -25,7 +24,8 @@ from components.training.export import (
     model_card,
     source_dtype,
 )
-from components.training.output_dir import MANIFEST
+from components.models import build_causal_lm, tiny_config
+from components.runtime.output_dir import MANIFEST
 
 TOKENS = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
 

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from components.distributed.flat_buffers import local_tensor
+from components.distributed.replicas.flat_buffers import local_tensor
 from components.distributed.tp_replicas import tp_replicated_parameters, tp_submesh
 
 

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from components.distributed.flat_buffers import bounded_chunks, flat_views, wire_dtype
+from components.distributed.replicas.flat_buffers import bounded_chunks, flat_views, wire_dtype
 
 _requires_grad = attrgetter("requires_grad")
 _grad = attrgetter("grad")

@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from components.distributed.flat_buffers import MAX_FLAT_BUFFER_BYTES, bounded_chunks, flat_views, wire_dtype
+from components.distributed.replicas.flat_buffers import MAX_FLAT_BUFFER_BYTES, bounded_chunks, flat_views, wire_dtype
 from components.distributed.tp_replicas import tp_replicated_parameters, tp_submesh
 
 DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024

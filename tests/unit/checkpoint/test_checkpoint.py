@@ -17,16 +17,14 @@ import pytest
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from components.models import build_causal_lm, tiny_config
-from components.training import checkpoint
-from components.training.checkpoint import (
+from components.checkpoint.dcp import (
     MARKER,
     CheckpointError,
     checkpoint_path,
     load_checkpoint,
     save_checkpoint,
 )
-from components.training.checkpoint_check import (
+from components.checkpoint.integrity import (
     TRAINER_STATE,
     ResumeChoice,
     check_checkpoint,
@@ -37,6 +35,8 @@ from components.training.checkpoint_check import (
     resume_problems,
     state_dict_shapes,
 )
+from components.models import build_causal_lm, tiny_config
+from components.checkpoint import dcp as checkpoint
 from components.training.step import forward_backward
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")

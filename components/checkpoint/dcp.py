@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim.lr_scheduler import LRScheduler
 
-from components.training.checkpoint_check import (
+from components.checkpoint.integrity import (
     MARKER,
     RNG_DIR,
     STATE_FORMAT,
@@ -52,8 +52,7 @@ from components.training.checkpoint_check import (
     read_trainer_state,
     rng_file,
 )
-from components.training.output_dir import foreign_files, write_manifest
-from components.training.safe_dcp import (
+from components.checkpoint.safe_dcp import (
     CheckpointError,
     SafeFileSystemReader,
     SafeLoadPlanner,
@@ -61,6 +60,7 @@ from components.training.safe_dcp import (
     dumps_state,
     loads_state,
 )
+from components.runtime.output_dir import foreign_files, write_manifest
 
 __all__ = ["MARKER", "CheckpointError", "checkpoint_path", "load_checkpoint", "save_checkpoint"]
 
@@ -172,7 +172,7 @@ def publish_folder(tmp: Path, final: Path) -> None:
     """Atomically put the finished folder ``tmp`` at ``final``; an existing ``final`` is moved aside first,
     then removed, so a crash at any point leaves one complete folder (old or new) under a known name.
 
-    ``tmp`` gets a manifest of its files (see :func:`components.training.output_dir.write_manifest`).
+    ``tmp`` gets a manifest of its files (see :func:`components.runtime.output_dir.write_manifest`).
 
     Raises:
         FileExistsError: If ``final`` holds files that no earlier publish wrote (a user's own files), before
@@ -261,7 +261,7 @@ def save_checkpoint(
     Collective: every rank calls it with the same arguments. ``extra`` (JSON-able: dicts, lists, tuples,
     numbers, strings, e.g. the data position) comes back from :func:`load_checkpoint`. ``run_id`` and
     ``run_info`` (JSON-able; what a resume must match: model fingerprint, optimizer, batch geometry, ...) are
-    recorded for :func:`components.training.checkpoint_check.checkpoint_summary`. With ``keep``, only the
+    recorded for :func:`components.checkpoint.integrity.checkpoint_summary`. With ``keep``, only the
     newest ``keep`` complete checkpoints of this ``run_id`` under ``root`` survive (this one always does);
     checkpoints of other runs are never touched. ``before_commit(tmp_folder)`` runs on every rank after all
     ranks wrote their files and before the marker and rename (a test's fault hook; one that raises on some
@@ -327,7 +327,7 @@ def load_checkpoint(
 
     Raises:
         CheckpointError: ``checkpoint <path> is unusable: <cause>`` if the folder fails
-            :func:`~components.training.checkpoint_check.check_checkpoint` (missing, ``.tmp``, no marker,
+            :func:`~components.checkpoint.integrity.check_checkpoint` (missing, ``.tmp``, no marker,
             damaged or hostile files), or DCP finds a value that is not plain data.
     """
     path = Path(path)

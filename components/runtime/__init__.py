@@ -1,0 +1,1 @@
+"""Process start-up and supervision: local launch, joining a torchrun world, threads, output folders."""
