@@ -257,7 +257,9 @@ def plan_run(cfg: DictConfig, output_dir: str | None = None) -> tuple[RunPlan, O
     missing = check_logger_available(logger.target)
     fixed = {"output_dir", "first_step"}
     errors += [missing] if missing else check_target("logger", logger.target, logger.options(), object, fixed)
-    errors += check_schedule(settings.schedule.name, train.warmup_steps, train.max_steps, settings.schedule.options())
+    warmup = min(train.warmup_steps, train.max_steps)  # a longer one is cut to the run, with a note
+    schedule = settings.schedule
+    errors += check_schedule(schedule.name, warmup, train.max_steps, schedule.options())
     try:
         fault = parse_fault(settings.debug.fault)
     except ValueError as error:
@@ -272,6 +274,8 @@ def plan_run(cfg: DictConfig, output_dir: str | None = None) -> tuple[RunPlan, O
     if errors:
         raise ConfigError("; ".join(errors))
 
+    if warmup < train.warmup_steps and os.environ.get("RANK", "0") == "0":
+        print(f"note: train.warmup_steps={train.warmup_steps} is cut to the run's {warmup} steps")
     tokenizer_dir = _tokenizer_dir(settings, source, model_path, config, dims)
     data = prepare_run_data(settings, source, tokenizer_dir, dims)  # bad data is refused before the folder is claimed
     info = run_info(settings, config, data.tokenizer_digest)
@@ -294,6 +298,7 @@ def plan_run(cfg: DictConfig, output_dir: str | None = None) -> tuple[RunPlan, O
         model=model_spec(settings, config, model_path),
         tokenizer_dir=Path(tokenizer_dir),
         data=data,
+        warmup_steps=warmup,
         resume_from=resume_from,
         run_id=record.run_id if record is not None else None,
         run_info=info,

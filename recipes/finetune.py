@@ -87,7 +87,7 @@ def set_up(plan: RunPlan) -> Run:
     broadcast_tp_replicas([model], mesh)
     optimizer = get_class(settings.optim.target)(model.parameters(), **settings.optim.options())
     schedule = settings.schedule
-    scheduler = build_schedule(optimizer, schedule.name, train.warmup_steps, train.max_steps, schedule.options())
+    scheduler = build_schedule(optimizer, schedule.name, plan.warmup_steps, train.max_steps, schedule.options())
     first_step = 0
     if plan.resume_from is not None:
         first_step = load_checkpoint(plan.resume_from, model, optimizer, scheduler)["step"]
