@@ -207,7 +207,8 @@ def _tokenizer_dir(settings: Config, source: DataSource, model_path: Path | None
     except DataError as error:
         raise ConfigError(f"data: {error}") from None
     if model_path is None:
-        config.vocab_size = len(AutoTokenizer.from_pretrained(tokenizer_dir))
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=False)
+        config.vocab_size = len(tokenizer)
         if dims.tp > 1 and (errors := _plan_errors(settings, dims, config, meta_causal_lm(config))):
             raise ConfigError("; ".join(errors))
     return tokenizer_dir

@@ -184,7 +184,7 @@ def finish(run: Run, plan: RunPlan) -> None:
             run.model,
             plan.model.config,
             output_dir / "hf",
-            tokenizer=AutoTokenizer.from_pretrained(plan.tokenizer_dir),
+            tokenizer=AutoTokenizer.from_pretrained(plan.tokenizer_dir, trust_remote_code=False),
             dtype=export_dtype(settings.checkpoint.export_dtype, source),
             source_dir=source,
             recipe="recipes/finetune.py",

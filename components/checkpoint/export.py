@@ -124,7 +124,8 @@ def model_card(recipe: str | None, config_yaml: str | None, base_model: str | No
     lines.append(f"- Recipe: `{recipe}`" if recipe else "- Recipe: not recorded")
     lines.append(f"- Base model: `{base_model}`" if base_model else "- Base model: built from its config (random init)")
     lines.append(f"- Weights: {str(dtype).removeprefix('torch.')} safetensors")
-    lines += ["", "Load it with `AutoModelForCausalLM.from_pretrained(<this folder>)`.", ""]
+    load = "AutoModelForCausalLM.from_pretrained(<this folder>, trust_remote_code=False)"
+    lines += ["", f"Load it with `{load}`.", ""]
     if config_yaml:
         lines += [
             "## Config",

@@ -180,7 +180,7 @@ def prepare_data(
     """
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # see the module docstring: ranks fork from here
     datasets.disable_progress_bars()
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=False)
     try:
         check_template(tokenizer)
     except ValueError as error:

@@ -105,7 +105,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out_dir: str | Path) 
         chat_template=CHAT_TEMPLATE,
     )
     wrapped.save_pretrained(str(out_dir))
-    loaded = AutoTokenizer.from_pretrained(str(out_dir))
+    loaded = AutoTokenizer.from_pretrained(str(out_dir), trust_remote_code=False)
     if len(loaded) > vocab_size:  # BPE training never exceeds it; this guards the model-size contract
         raise ValueError(f"trained tokenizer has {len(loaded)} tokens, more than vocab_size ({vocab_size})")
     return loaded

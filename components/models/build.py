@@ -23,7 +23,7 @@ def build_causal_lm(config: PretrainedConfig, seed: int, dtype: torch.dtype = to
 def meta_causal_lm(config: PretrainedConfig, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """The same architecture on the meta device, parameters in ``dtype``: shapes only, no memory for weights.
 
-    A TP plan can then shard it before anything is allocated; ``materialize_from_pretrained`` (or
+    A TP plan can then shard it before anything is allocated; ``materialize_pretrained`` (or
     :func:`materialize_random`) gives it storage afterwards, each parameter in its own dtype, whatever the
     checkpoint's (a bf16 checkpoint loads into fp32 master weights slice by slice).
     """

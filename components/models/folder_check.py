@@ -1,11 +1,69 @@
 """Check a Hugging Face model folder before any rank loads it: weights present, readable and shaped for the model,
-and a tokenizer that loads. Reads only safetensors headers (no tensor data) and never unpickles anything."""
+and a tokenizer that loads. Reads only safetensors headers (no tensor data) and never unpickles
+anything.
 
+Nothing in a folder is ever run: :func:`custom_code_errors` refuses, before transformers reads the
+folder, a config or tokenizer that would need the folder's own ``.py`` files (an ``auto_map``, or a
+``model_type`` transformers does not know); every ``from_pretrained`` passes
+``trust_remote_code=False``."""
+
+import json
 from pathlib import Path
 
 from safetensors import safe_open
 from torch import nn
 from transformers import AutoTokenizer
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+# The files through which transformers would import the folder's code (each may hold an auto_map).
+CODE_BEARING_FILES = (
+    "config.json",
+    "tokenizer_config.json",
+    "processor_config.json",
+    "preprocessor_config.json",
+)
+
+
+def custom_code_errors(folder: Path) -> list[str]:
+    """Why ``folder`` would need code of its own to load (one phrase per file, naming it), or
+    nothing. Reads the JSON files only: nothing is imported from the folder."""
+    errors = []
+    for name in CODE_BEARING_FILES:
+        path = Path(folder) / name
+        if not path.is_file():
+            continue
+        try:
+            content = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+            errors.append(f"{path} is not valid JSON ({str(error).splitlines()[0][:120]})")
+            continue
+        if not isinstance(content, dict):
+            errors.append(f"{path} is not a JSON object")
+            continue
+        if "auto_map" in content:
+            targets = ", ".join(sorted(set(_code_references(content["auto_map"]))))
+            errors.append(
+                f"{path} has an auto_map ({targets[:160]}): it would run the folder's own "
+                "Python code, which shardtune never does; use a model whose model_type "
+                "transformers knows, without auto_map"
+            )
+        model_type = content.get("model_type")
+        if name == "config.json" and model_type not in CONFIG_MAPPING_NAMES:
+            errors.append(
+                f"{path} has model_type={model_type!r}, which transformers does not know: it would "
+                "need the folder's own code, which shardtune never runs; use a model transformers "
+                "supports"
+            )
+    return errors
+
+
+def _code_references(auto_map: object) -> list[str]:
+    """The ``module.Class`` strings of an ``auto_map`` (a value: one, a list of them, or null)."""
+    if isinstance(auto_map, dict):
+        return [name for value in auto_map.values() for name in _code_references(value)]
+    if isinstance(auto_map, list):
+        return [name for value in auto_map for name in _code_references(value)]
+    return [str(auto_map)] if auto_map is not None else []
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -44,7 +102,7 @@ def check_model_folder(folder: Path, model: nn.Module) -> list[str]:
 def check_tokenizer_folder(folder: Path) -> list[str]:
     """Why the tokenizer of ``folder`` cannot be loaded (one phrase), or nothing."""
     try:
-        AutoTokenizer.from_pretrained(str(folder))
+        AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
     except Exception as error:  # noqa: BLE001 - missing files raise OSError, ValueError or TypeError
         return [f"model folder {folder} has no tokenizer that loads ({str(error).splitlines()[0][:160]})"]
     return []

@@ -1,6 +1,6 @@
 """Load a local Hugging Face model folder: its config, and its weights into an (optionally sharded) model.
 
-``materialize_from_pretrained`` is the last step of meta-device initialisation: the model was built on
+``materialize_pretrained`` is the last step of meta-device initialisation: the model was built on
 the meta device and a TP (or FSDP-style) plan has already turned parameters into DTensors, so each rank
 allocates and reads only its own shard. It runs no collective: every rank computes its slices from the
 same checkpoint and model structure, so an error (a missing key, a wrong shape) is raised on every rank.
@@ -16,29 +16,34 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from transformers import AutoConfig, PretrainedConfig
 
 from components.models.checkpoint import Checkpoint, TensorSource, find_source
+from components.models.folder_check import custom_code_errors
 
 
 def load_config(pretrained_path: str | Path) -> PretrainedConfig:
-    """The config of the local Hugging Face folder ``pretrained_path`` (never the Hub).
+    """The config of the local Hugging Face folder ``pretrained_path`` (no Hub, none of its code).
 
     Raises:
         FileNotFoundError: If the folder or its config.json is missing; the message names the path.
+        ValueError: If loading would run code from the folder (an ``auto_map``, an unknown
+            ``model_type``); checked before transformers reads the folder, naming the file.
     """
     folder = Path(pretrained_path)
     if not folder.is_dir():
         raise FileNotFoundError(f"model folder {folder} does not exist")
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"model folder {folder} has no config.json")
-    return AutoConfig.from_pretrained(folder, local_files_only=True)
+    if errors := custom_code_errors(folder):
+        raise ValueError("; ".join(errors))
+    return AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
 
 
-def materialize_from_pretrained(model: nn.Module, pretrained_path: str | Path, device: str = "cpu") -> None:
+def materialize_pretrained(model: nn.Module, folder: str | Path, device: str = "cpu") -> None:
     """Give ``model`` storage on ``device`` and fill every parameter's rank-local part from the checkpoint.
 
     The model may be on the meta device and its parameters may be DTensors sharded with ``Shard`` or
     ``Replicate`` placements on any mesh; each rank reads only its slice of each tensor. Persistent
     buffers load like parameters; non-persistent ones (rotary ``inv_freq``) are recomputed with the
-    model's own ``_init_weights``, as transformers 5 does in ``from_pretrained``.
+    model's own ``_init_weights``, as transformers 5 does when it loads a folder.
 
     Dtypes: each parameter keeps the dtype it was built with (``meta_causal_lm(config, dtype)``), whatever
     the checkpoint's; each slice is read in the stored dtype and converted as it is copied into the local
@@ -60,7 +65,7 @@ def materialize_from_pretrained(model: nn.Module, pretrained_path: str | Path, d
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     tied = _tied_partners(model)
-    with Checkpoint(pretrained_path) as checkpoint:
+    with Checkpoint(folder) as checkpoint:
         # Resolve every tensor, and so raise every checkpoint or placement error, before the model is touched.
         sources = {}
         for name, tensor in _loadable_tensors(model):

@@ -22,7 +22,7 @@ from components.distributed.mesh import ParallelDims, build_moe_mesh
 from components.distributed.tp_plan import PlanReport, apply_tp_plan, plan_for
 from components.models.build import build_causal_lm, meta_causal_lm
 from components.models.compile import apply_block_wrappers
-from components.models.load import materialize_from_pretrained
+from components.models.load import materialize_pretrained
 from components.models.precision import precision_policy
 from components.moe import apply_expert_parallel
 
@@ -61,7 +61,7 @@ def build_parallel_model(
     if dims.ep > 1:  # the MoE mesh and its process groups exist only when experts are split
         apply_expert_parallel(model, build_moe_mesh(mesh, dims, timeout), mesh["tp"], list(spec.experts))
     if spec.weights is not None:
-        materialize_from_pretrained(model, spec.weights, device=str(device))
+        materialize_pretrained(model, spec.weights, device=str(device))
     apply_block_wrappers(model, spec.activation_checkpointing, spec.compile)
     if dims.dp > 1:
         shard_data_parallel(model, mesh["dp"], mp_policy=policy.fsdp_policy())

@@ -13,8 +13,8 @@ Facts checked with transformers 5.23.0 and gguf 0.19.0:
 - The saved keys are the standard Llama names (``model.embed_tokens.weight``,
   ``model.layers.N.self_attn.q_proj.weight``, ``...mlp.gate_proj.weight``, ``model.norm.weight``): 272
   tensors, no ``lm_head.weight`` because the head is tied to the embedding (transformers reties on load).
-- The folder loads with plain ``AutoModelForCausalLM.from_pretrained(folder)`` and
-  ``AutoTokenizer.from_pretrained(folder)`` (a ``TokenizersBackend`` tokenizer with the ChatML chat template,
+- The folder loads with plain ``AutoModelForCausalLM`` and ``AutoTokenizer`` (no custom code; a
+  ``TokenizersBackend`` tokenizer with the ChatML chat template,
   bos ``<|im_start|>``, eos and pad ``<|im_end|>``); logits equal those of the model read from the GGUF.
 - It is a trained model: mean next-token cross-entropy 3.52 on the chat-templated pair "What is the capital
   of France?" / "The capital of France is Paris." (whole sequence incl. the default system prompt; 0.32 on
@@ -30,8 +30,9 @@ caller: dequantising and saving start OpenMP worker threads, and a launcher that
 leave a rank blocked for good inside libgomp. A file lock (``CACHE_DIR/.smollm2.lock``) makes concurrent
 first runs convert once; the others wait and reuse the folder.
 
-Why not ``AutoModelForCausalLM.from_pretrained(folder, gguf_file=...)``: in transformers 5.23 it requires
-``accelerate``, and the model it returns keeps a GGUF quantizer that makes ``save_pretrained`` refuse
+Why not ``AutoModelForCausalLM``'s own ``from_pretrained`` with ``gguf_file=...``: in
+transformers 5.23 it requires ``accelerate``, and the model it returns keeps a GGUF quantizer that
+makes ``save_pretrained`` refuse
 ("not serializable"). So the config comes from the GGUF, the model is built from it, and the dequantised
 tensors from ``load_gguf_checkpoint`` (which also undoes llama.cpp's q/k row permutation) are loaded into it.
 """
@@ -158,7 +159,7 @@ def _convert(gguf_file: Path, destination: Path) -> None:
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     folder, name = gguf_file.parent, gguf_file.name
-    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    config = AutoConfig.from_pretrained(folder, gguf_file=name, trust_remote_code=False)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     tensors = load_gguf_checkpoint(str(gguf_file), return_tensors=True, model_to_load=model)["tensors"]
     tensors = {key: tensor.to(torch.float32) for key, tensor in tensors.items()}
@@ -170,7 +171,7 @@ def _convert(gguf_file: Path, destination: Path) -> None:
             f"{name} does not fit {type(model).__name__}: missing {sorted(set(missing) - allowed_missing)}, "
             f"unexpected {sorted(unexpected)}; check the transformers and gguf versions"
         )
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, trust_remote_code=False)
     tokenizer.model_max_length = config.max_position_embeddings  # the GGUF leaves it unset (a huge number)
     model.save_pretrained(destination)
     tokenizer.save_pretrained(destination)

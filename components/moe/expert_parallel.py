@@ -209,7 +209,7 @@ def apply_expert_parallel(
     ``tp_mesh`` is the TP mesh whose ranks share tokens (None: tp = 1). ``mode`` forces ``folded`` or
     ``all_to_all`` (the benchmark compares them); None picks :func:`dispatch_mode`. Works on a model with
     real weights (each rank keeps its slice) or on the meta device (load afterwards with
-    ``materialize_from_pretrained``). With ``ep == 1`` nothing changes: every rank holds every expert,
+    ``materialize_pretrained``). With ``ep == 1`` nothing changes: every rank holds every expert,
     computes it on the same tokens, and the experts are ordinary TP replicas (mean).
     """
     ep = moe_mesh["ep"].size()

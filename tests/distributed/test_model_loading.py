@@ -1,4 +1,5 @@
-"""materialize_from_pretrained on real gloo ranks: each rank holds exactly its slice of every checkpoint tensor,
+"""materialize_pretrained on real gloo ranks: each rank holds exactly its slice of every checkpoint
+tensor,
 and the tensor-parallel model's logits equal the single-process model's.
 
 The parent saves the checkpoints and computes reference logits with ``from_pretrained``; each ``check_*`` runs
@@ -19,7 +20,7 @@ from components.models import (
     build_causal_lm,
     load_config,
     local_parameter_bytes,
-    materialize_from_pretrained,
+    materialize_pretrained,
     meta_causal_lm,
     tiny_config,
 )
@@ -94,7 +95,7 @@ def mismatched_slices(model: nn.Module, full_tensors: dict[str, torch.Tensor]) -
 def check_tp_loading(rank, world_size, folder, reference_logits):
     model = meta_causal_lm(load_config(folder))
     parallelize_module(model, mesh((world_size,), ("tp",)), TP_PLAN)
-    materialize_from_pretrained(model, folder)
+    materialize_pretrained(model, folder)
 
     stored = load_file(Path(folder) / "model.safetensors")
     stored.setdefault("lm_head.weight", stored["model.embed_tokens.weight"])  # a tied checkpoint stores one
@@ -157,7 +158,7 @@ def check_sharded_experts(rank, world_size, folder):
         for name, placement in (("gate_up_proj", Shard(1)), ("down_proj", Shard(0))):
             meta = torch.empty(getattr(experts, name).shape, device="meta")
             setattr(experts, name, nn.Parameter(distribute_tensor(meta, tp, [placement], src_data_rank=None)))
-    materialize_from_pretrained(model, folder)
+    materialize_pretrained(model, folder)
     reference = AutoModelForCausalLM.from_pretrained(folder)  # the fused tensors, as transformers builds them
     return mismatched_slices(model, dict(reference.named_parameters()))
 
@@ -181,7 +182,7 @@ def check_dp_by_tp_grid(rank, world_size, folder):
             module.register_parameter(
                 name, nn.Parameter(distribute_tensor(meta, device_mesh, placements, src_data_rank=None))
             )
-    materialize_from_pretrained(model, folder)
+    materialize_pretrained(model, folder)
     return mismatched_slices(model, load_file(Path(folder) / "model.safetensors"))
 
 
@@ -195,7 +196,7 @@ def check_partial_is_rejected(rank, world_size, folder):
     partial = DTensor.from_local(meta, mesh((world_size,), ("tp",)), [Partial()], run_check=False)
     model.model.norm.weight = nn.Parameter(partial)
     with pytest.raises(ValueError) as error:
-        materialize_from_pretrained(model, folder)
+        materialize_pretrained(model, folder)
     return str(error.value)
 
 
@@ -223,7 +224,7 @@ def check_bf16_checkpoint_into_fp32_shards(rank, world_size, folder):
 
     Checkpoint.read = recording_read
     try:
-        materialize_from_pretrained(model, folder)
+        materialize_pretrained(model, folder)
     finally:
         Checkpoint.read = original_read
     stored = load_file(Path(folder) / "model.safetensors")

@@ -22,7 +22,7 @@ from components.distributed.tp_replicas import (
     broadcast_tp_replicas,
     synchronize_tp_replica_gradients,
 )
-from components.models import build_causal_lm, materialize_from_pretrained, meta_causal_lm, tiny_config
+from components.models import build_causal_lm, materialize_pretrained, meta_causal_lm, tiny_config
 from components.moe import apply_expert_parallel
 from components.training.step import forward_backward
 from tests.harness import mesh
@@ -83,7 +83,7 @@ def parity(world_size, config, tp, sequence_parallel, pretrained_path=None, ep=1
         model, mesh((dims.ep_shard, dims.ep), ("ep_shard", "ep")), device_mesh["tp"], list(experts), mode
     )
     if pretrained_path is not None:
-        materialize_from_pretrained(model, pretrained_path)
+        materialize_pretrained(model, pretrained_path)
     if dims.dp > 1:
         shard_data_parallel(model, device_mesh["dp"])
     broadcast_tp_replicas([model], device_mesh)

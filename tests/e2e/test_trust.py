@@ -161,3 +161,47 @@ def test_replicas_that_drift_without_checks_stop_the_run_before_export(tmp_path)
     line = error_line(result)
     assert "replicated tensors differ at the end of the run" in line and "not exported" in line, line
     assert not (tmp_path / "drift" / "hf").exists()
+
+
+CUSTOM_CODE = "from pathlib import Path\nPath({marker!r}).write_text('ran')\n"
+
+
+def model_folder_with_code(root: Path, where: str) -> Path:
+    """A tiny Llama folder whose ``where`` file points at a ``custom.py`` beside it that, once
+    imported, writes ``root/marker``."""
+    from components.data import DEFAULT_VOCAB_SIZE, train_tokenizer
+    from components.models import build_causal_lm, tiny_config
+
+    folder = root / "model"
+    tokenizer = train_tokenizer(["hello world", "tune"], DEFAULT_VOCAB_SIZE, root / "tokenizer")
+    build_causal_lm(tiny_config("llama", vocab_size=len(tokenizer)), seed=0).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    (folder / "custom.py").write_text(CUSTOM_CODE.format(marker=str(root / "marker")))
+    path = folder / where
+    content = json.loads(path.read_text())
+    if where == "config.json":  # a model type transformers does not know, built by its own code
+        content.update(model_type="custom_llm", auto_map={"AutoConfig": "custom.Config"})
+        content["auto_map"]["AutoModelForCausalLM"] = "custom.Model"
+    else:
+        content["auto_map"] = {"AutoTokenizer": ["custom.Tokenizer", None]}
+    path.write_text(json.dumps(content))
+    return folder
+
+
+@pytest.mark.parametrize("where", ["tokenizer_config.json", "config.json"])
+def test_code_in_a_model_folder_never_runs_and_nothing_asks(tmp_path, where):
+    folder = model_folder_with_code(tmp_path, where)
+    output = tmp_path / "out"
+    result = subprocess.run(
+        command(output, "train.max_steps=2", "model=pretrained", f"model.pretrained_path={folder}"),
+        cwd=REPO, capture_output=True, text=True, timeout=600, input="y\n",
+        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+    )  # fmt: skip
+    line = error_line(result)
+    assert result.stderr.strip().splitlines() == [line], result.stderr
+    assert f"{folder / where} has an auto_map (custom." in line and "never" in line, line
+    if where == "config.json":
+        assert "model_type='custom_llm', which transformers does not know" in line, line
+    assert "[y/N]" not in result.stdout + result.stderr
+    assert not (tmp_path / "marker").exists()
+    assert not output.exists() or not any(output.iterdir())

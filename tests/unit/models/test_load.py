@@ -1,4 +1,5 @@
-"""load_config and materialize_from_pretrained on one process (plain tensors): same logits as from_pretrained.
+"""load_config and materialize_pretrained on one process (plain tensors): same logits as
+from_pretrained.
 
 Sharded (DTensor) loading on real ranks is in tests/distributed/test_model_loading.py.
 """
@@ -12,7 +13,13 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from components.models import build_causal_lm, load_config, materialize_from_pretrained, meta_causal_lm, tiny_config
+from components.models import (
+    build_causal_lm,
+    load_config,
+    materialize_pretrained,
+    meta_causal_lm,
+    tiny_config,
+)
 from components.models.build import materialize_random
 
 TOKENS = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -27,7 +34,7 @@ def save_tiny(folder: Path, family: str = "llama", **save_kwargs) -> Path:
 
 def loaded(folder: Path) -> nn.Module:
     model = meta_causal_lm(load_config(folder))
-    materialize_from_pretrained(model, folder)
+    materialize_pretrained(model, folder)
     return model
 
 
@@ -106,7 +113,7 @@ def test_a_tie_broken_before_loading_fills_both_copies_from_the_stored_tensor(tm
     folder = save_tiny(tmp_path, overrides={"tie_word_embeddings": True})
     model = meta_causal_lm(load_config(folder))
     model.lm_head.weight = nn.Parameter(torch.empty(256, 64, device="meta"))  # as a TP plan untying them would
-    materialize_from_pretrained(model, folder)
+    materialize_pretrained(model, folder)
     assert model.lm_head.weight is not model.model.embed_tokens.weight
     assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
     assert torch.equal(model.lm_head.weight, load_file(folder / "model.safetensors")["model.embed_tokens.weight"])
@@ -126,7 +133,7 @@ def test_missing_parameter_is_a_key_error_naming_it(tmp_path):
     drop_key(folder, "model.layers.1.post_attention_layernorm.weight")
     model = meta_causal_lm(load_config(folder))
     with pytest.raises(KeyError, match=r"model\.layers\.1\.post_attention_layernorm\.weight is not in the checkpoint"):
-        materialize_from_pretrained(model, folder)
+        materialize_pretrained(model, folder)
     assert all(p.is_meta for p in model.parameters())
 
 
@@ -151,13 +158,13 @@ def test_shape_mismatch_names_the_parameter_and_both_shapes(tmp_path):
         ValueError,
         match=r"model\.layers\.0\.mlp\.gate_proj\.weight: checkpoint shape \(128, 64\) .* model shape \(96, 64\)",
     ):
-        materialize_from_pretrained(model, folder)
+        materialize_pretrained(model, folder)
 
 
 def test_folder_without_safetensors_is_a_file_not_found_error(tmp_path):
     LlamaConfig().save_pretrained(tmp_path)
     with pytest.raises(FileNotFoundError, match=f"no model.safetensors or model.safetensors.index.json in {tmp_path}"):
-        materialize_from_pretrained(meta_causal_lm(tiny_config("llama")), tmp_path)
+        materialize_pretrained(meta_causal_lm(tiny_config("llama")), tmp_path)
 
 
 def test_a_non_persistent_buffer_that_init_weights_does_not_set_is_an_error(tmp_path):
@@ -165,7 +172,7 @@ def test_a_non_persistent_buffer_that_init_weights_does_not_set_is_an_error(tmp_
     model = meta_causal_lm(load_config(folder))
     model.model.layers[0].register_buffer("scratch", torch.empty(3, device="meta"), persistent=False)
     with pytest.raises(ValueError, match=r"model\.layers\.0\.scratch is not in the checkpoint and _init_weights"):
-        materialize_from_pretrained(model, folder)
+        materialize_pretrained(model, folder)
 
 
 def test_llama_checkpoint_names_are_the_state_dict_names(tmp_path):
@@ -180,7 +187,7 @@ def test_llama_checkpoint_names_are_the_state_dict_names(tmp_path):
 def test_a_bf16_checkpoint_gives_fp32_master_weights_equal_to_its_values(tmp_path):
     build_causal_lm(tiny_config("llama"), seed=11, dtype=torch.bfloat16).save_pretrained(tmp_path)
     model = meta_causal_lm(load_config(tmp_path), dtype=torch.float32)
-    materialize_from_pretrained(model, tmp_path)
+    materialize_pretrained(model, tmp_path)
     stored = load_file(tmp_path / "model.safetensors")
     assert {t.dtype for t in stored.values()} == {torch.bfloat16}
     for name, parameter in model.named_parameters():
@@ -190,7 +197,7 @@ def test_a_bf16_checkpoint_gives_fp32_master_weights_equal_to_its_values(tmp_pat
 def test_a_bf16_model_loads_an_fp32_checkpoint_rounded(tmp_path):
     save_tiny(tmp_path)
     model = meta_causal_lm(load_config(tmp_path), dtype=torch.bfloat16)
-    materialize_from_pretrained(model, tmp_path)
+    materialize_pretrained(model, tmp_path)
     stored = load_file(tmp_path / "model.safetensors")
     for name, parameter in model.named_parameters():
         assert parameter.dtype == torch.bfloat16 and torch.equal(parameter, stored[name].bfloat16()), name
