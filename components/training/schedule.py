@@ -100,21 +100,36 @@ def _phase_errors(warmup_steps: int, max_steps: int, options: Mapping[str, Any])
 
 
 def _trial_errors(name: str, warmup_steps: int, max_steps: int, options: Mapping[str, Any]) -> list[str]:
-    """Build the schedule on a throwaway optimizer and walk it to the end: the schedule function's own checks
-    (an option of the wrong type, a warmup-stable-decay longer than the run) become error lines."""
+    """Build the schedule on a throwaway optimizer and read its factor where it can go wrong: the
+    schedule function's own checks (an option of the wrong type, a warmup-stable-decay longer than the
+    run) and a negative or non-finite learning rate become error lines. O(1) in ``max_steps``: the
+    factor is read at :func:`_trial_steps`, not walked step by step (a billion steps check at once)."""
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
     try:
-        scheduler = _build(optimizer, name, warmup_steps, max_steps, options)
-        factors = []
-        for _ in range(max_steps):
-            factors.append(scheduler.get_last_lr()[0])
-            optimizer.step()
-            scheduler.step()
+        scheduler = _build(optimizer, name, warmup_steps, max_steps, options)  # every one a LambdaLR
+        steps = _trial_steps(warmup_steps, max_steps, options)
+        factors = [factor(step) for step in steps for factor in scheduler.lr_lambdas]
     except (TypeError, ValueError, ZeroDivisionError) as error:
         return [f"schedule={name} with {dict(options)}: {error}"]
     if not all(math.isfinite(factor) and factor >= 0 for factor in factors):
         return [f"schedule={name} with {dict(options)} gives a negative or non-finite learning rate"]
     return []
+
+
+_TRIAL_SAMPLES = 256  # evenly spaced steps read besides the phase boundaries
+
+
+def _trial_steps(warmup_steps: int, max_steps: int, options: Mapping[str, Any]) -> list[int]:
+    """The steps 0..max_steps-1 at which a schedule's factor is read: either side of every phase
+    boundary (warmup, and warmup plus each integer option and their sum, as warmup-stable-decay's phases) and
+    evenly spaced ones between."""
+    lengths = [v for v in options.values() if isinstance(v, int) and not isinstance(v, bool)]
+    boundaries = {0, warmup_steps, max_steps, warmup_steps + sum(lengths)}
+    boundaries |= {warmup_steps + length for length in lengths}
+    boundaries |= {max_steps - length for length in lengths}
+    near = {step + delta for step in boundaries for delta in (-1, 0, 1)}
+    spaced = {max_steps * k // _TRIAL_SAMPLES for k in range(_TRIAL_SAMPLES)}
+    return sorted(step for step in near | spaced if 0 <= step < max_steps)
 
 
 def build_schedule(

@@ -281,3 +281,26 @@ def test_bad_input_gives_one_error_line(case, outcomes):
     # refused before anything was claimed: a corrected rerun into the same folder is not "another run's files"
     folder = Path(next(o for o in overrides_of(case, outcome.root) if o.startswith("output_dir=")).split("=", 1)[1])
     assert not (folder.is_dir() and run_files(folder)), f"the refused run left {run_files(folder)} in {folder}"
+
+
+@pytest.mark.timeout(300)  # the schedule check once walked every step: hours for a billion
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["schedule.min_lr_ratio=-0.5"], "gives a negative or non-finite learning rate"),
+        # a sound schedule passes its check: the run is then refused by the data check after it
+        (["data=jsonl", "data.path=/nonexistent/a.jsonl"], "data.path='/nonexistent/a.jsonl'"),
+    ],
+    ids=["bad schedule", "sound schedule"],
+)
+def test_a_billion_steps_are_checked_at_once(tmp_path, overrides, expected):
+    result = subprocess.run(
+        [sys.executable, "recipes/finetune.py", "train.max_steps=1000000000", *overrides,
+         f"output_dir={tmp_path / 'out'}"],
+        cwd=REPO, capture_output=True, text=True, timeout=240, env={**os.environ, **OFFLINE},
+    )  # fmt: skip
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode != 0 and len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: "), result.stderr
+    assert expected in lines[0], lines[0]
+    assert (expected.startswith("gives")) == ("schedule" in lines[0]), lines[0]

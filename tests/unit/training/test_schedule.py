@@ -82,3 +82,24 @@ def test_scheduler_state_round_trips():
     second = build_schedule(optimizer(), "warmup_stable_decay", 2, 10, {"num_decay_steps": 4})
     second.load_state_dict(first.state_dict())
     assert learning_rates(second, 5) == learning_rates(first, 5)
+
+
+BILLION = 1_000_000_000
+NEGATIVE = "gives a negative or non-finite learning rate"
+
+
+@pytest.mark.timeout(60)  # the check once stepped a scheduler max_steps times: hours for a billion
+def test_a_billion_steps_are_checked_without_walking_them():
+    assert check_schedule("warmup_cosine", 10, BILLION, {"min_lr_ratio": 0.1}) == []
+    assert check_schedule("warmup_stable_decay", 10, BILLION, {"num_decay_steps": 10**8}) == []
+    assert check_schedule("warmup_cosine", 10, BILLION, {"min_lr_ratio": -0.5}) == [
+        f"schedule=warmup_cosine with {{'min_lr_ratio': -0.5}} {NEGATIVE}"
+    ]
+    assert "min_lr" in check_schedule("cosine_with_min_lr", 1, BILLION, {})[0]
+
+
+def test_the_sampled_check_finds_a_factor_that_goes_negative_only_at_the_end():
+    # min_lr_ratio=-0.01: positive for all but the last few percent of the run, negative at its end
+    assert check_schedule("warmup_cosine", 1, 1000, {"min_lr_ratio": -0.01}) == [
+        f"schedule=warmup_cosine with {{'min_lr_ratio': -0.01}} {NEGATIVE}"
+    ]
