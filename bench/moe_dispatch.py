@@ -57,6 +57,7 @@ from components.distributed.mesh import build_device_mesh, build_moe_mesh, resol
 from components.distributed.tp_plan import apply_tp_plan, plan_for
 from components.distributed.tp_replicas import synchronize_tp_replica_gradients
 from components.models import build_causal_lm, tiny_config
+from components.models.families import FAMILIES
 from components.moe import apply_expert_parallel
 from components.runtime.launch import init_process_group, launch_local
 from components.training.step import evaluate_loss_sum, forward_backward
@@ -73,8 +74,7 @@ SIZES = {
     "num_experts_per_tok": 2,
     "max_position_embeddings": 256,
 }
-EXPERTS = ("model.layers.*.mlp.experts",)
-ROUTERS = ("model.layers.*.mlp.gate",)
+EXPERTS, ROUTERS = FAMILIES["qwen3_moe"].experts, FAMILIES["qwen3_moe"].routers
 BATCH, SEQ = 4, 256
 STEPS = 30  # timed steps per shape, after 1 warm-up step
 WARMUP = 1

@@ -34,6 +34,7 @@ from components.distributed.tp_plan import check_plan, plan_for
 from components.models import load_config, meta_causal_lm
 from components.models.compile import check_compile
 from components.models.configs import build_config, config_errors
+from components.models.families import moe_patterns
 from components.models.folder_check import check_model_folder, check_tokenizer_folder
 from components.models.hub import resolve_model_folder
 from components.models.parallelize import ModelSpec
@@ -157,7 +158,8 @@ def resolve_model(settings: Config, dims: ParallelDims | None, device_type: str)
     if dims is not None:
         errors += _plan_errors(settings, dims, config, meta)
         try:
-            check_compile(settings.train.compile, device_type, bool(settings.model.experts), dims.tp, settings.sp)
+            experts, _ = moe_patterns(config.model_type, model.experts, model.routers)
+            check_compile(settings.train.compile, device_type, bool(experts), dims.tp, settings.sp)
         except ValueError as error:
             errors.append(str(error))
     return path, config, errors
@@ -173,16 +175,17 @@ def _model_folder(pretrained_path: str | None) -> Path:
 
 def _plan_errors(settings: Config, dims: ParallelDims, config, meta) -> list[str]:
     model, errors = settings.model, []
+    experts, routers = moe_patterns(config.model_type, model.experts, model.routers)
     if dims.tp > 1:
         plan = plan_for(config, settings.sp)
-        errors += check_plan(meta, config, plan, dims.tp, (*model.experts, *model.routers))[1]
+        errors += check_plan(meta, config, plan, dims.tp, (*experts, *routers))[1]
         if any(error.startswith("tp (") for error in errors):
             sizes = [getattr(config, k, 0) for k in ("num_attention_heads", "num_key_value_heads", "intermediate_size")]
             fits = [tp for tp in range(1, min(s for s in sizes if s) + 1) if all(s % tp == 0 for s in sizes if s)]
             errors.append(f"tp values that fit this model: {', '.join(map(str, fits))}")
     if dims.ep > 1:
         num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0)
-        errors += check_expert_parallel(meta, list(model.experts), num_experts, dims.ep)
+        errors += check_expert_parallel(meta, list(experts), num_experts, dims.ep)
     return errors
 
 
@@ -241,7 +244,7 @@ def prepare_run_data(settings: Config, source: DataSource, tokenizer_dir: Path, 
 
 def model_spec(settings: Config, config, weights: Path | None) -> ModelSpec:
     model, train = settings.model, settings.train
-    patterns = (tuple(model.experts), tuple(model.routers))
+    patterns = moe_patterns(config.model_type, model.experts, model.routers)  # null: the family's
     wrappers = (train.precision, train.activation_checkpointing, train.compile)
     return ModelSpec(config, weights, settings.seed, settings.sp, *patterns, *wrappers)
 

@@ -75,8 +75,12 @@ class Model(Section):
     family: Text | None = key("null or a model family, e.g. llama")
     pretrained_path: Text | None = key("null, a local Hugging Face model folder or a Hub id (owner/name)")
     source: Literal["smollm2"] | None = key("null or smollm2")
-    experts: list[Text] = key("a list of module patterns, e.g. [model.layers.*.mlp.experts]")
-    routers: list[Text] = key("a list of module patterns, e.g. [model.layers.*.mlp.gate]")
+    experts: list[Text] | None = key(  # null: the family's (components/models/families.py)
+        "null (the family's) or a list of module patterns, e.g. [model.layers.*.mlp.experts]",
+    )
+    routers: list[Text] | None = key(
+        "null (the family's) or a list of module patterns, e.g. [model.layers.*.mlp.gate]",
+    )
     config: dict[str, Any] = key("a mapping of Hugging Face config keys, e.g. model.config.hidden_size=512")
 
 

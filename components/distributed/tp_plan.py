@@ -1,6 +1,7 @@
-"""Tensor-parallel plans as data, and the one function that checks and applies any of them.
+"""Tensor-parallel styles, and the one function that checks and applies any plan.
 
-A plan maps module-name patterns (``fnmatch``, ``*`` for a layer index) to style names in Hugging Face's
+Plans are data, one per model family in ``components.models.families``. A plan maps module-name
+patterns (``fnmatch``, ``*`` for a layer index) to style names in Hugging Face's
 ``base_model_tp_plan`` vocabulary, so a model's own plan can be used as is:
 
 - ``colwise`` / ``rowwise``: Megatron-style pairs (output features sharded, then input features sharded
@@ -38,66 +39,27 @@ from torch.distributed.tensor.parallel import (
 )
 
 from components.distributed.tp_replicas import mark_tp_replica_gradient_reduction, tp_replica_reduction
+from components.models.families import FAMILIES, SEQUENCE_PARALLEL_NORMS
 
-_DENSE_DECODER = {
-    "model.embed_tokens": "embedding_rowwise",
-    "model.layers.*.self_attn": "attention_input",
-    "model.layers.*.mlp": "mlp_input",
-    "model.layers.*.self_attn.q_proj": "colwise",
-    "model.layers.*.self_attn.k_proj": "colwise",
-    "model.layers.*.self_attn.v_proj": "colwise",
-    "model.layers.*.self_attn.o_proj": "rowwise",
-    "model.layers.*.mlp.gate_proj": "colwise",
-    "model.layers.*.mlp.up_proj": "colwise",
-    "model.layers.*.mlp.down_proj": "rowwise",
-    "lm_head": "vocab_parallel",
-}
-_QK_NORMS = {
-    "model.layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
-    "model.layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
-}
-_SEQUENCE_PARALLEL_NORMS = {
-    "model.layers.*.input_layernorm": "sequence_parallel",
-    "model.layers.*.post_attention_layernorm": "sequence_parallel",
-    "model.norm": "sequence_parallel",
-}
-
-# MoE blocks are left to expert parallelism (components.moe); only attention and the vocabulary are TP.
-_MOE_DECODER = {pattern: style for pattern, style in _DENSE_DECODER.items() if ".mlp" not in pattern}
-
-# Under sequence parallelism an MoE block gathers the sequence once and hands back sequence shards.
-_SEQUENCE_PARALLEL_MOE = {"model.layers.*.mlp": "gather_sequence"}
-
-# One small dict per model family (``config.model_type``).
-PLANS: dict[str, dict[str, str]] = {
-    "llama": _DENSE_DECODER,
-    "mistral": _DENSE_DECODER,
-    "qwen2": _DENSE_DECODER,
-    "qwen3": _DENSE_DECODER | _QK_NORMS,
-    "qwen3_moe": _MOE_DECODER | _QK_NORMS,
-    "mixtral": _MOE_DECODER,
-}
-
-_MOE_FAMILIES = ("qwen3_moe", "mixtral")
 _VOCAB_STYLES = ("embedding_rowwise", "vocab_parallel", "colwise_gather_output")
 
 
 def plan_for(config, sequence_parallel: bool = False) -> dict[str, str]:
-    """The plan for a Hugging Face config: ours for known families, else the model's own TP plan."""
-    if config.model_type in PLANS:
-        plan = dict(PLANS[config.model_type])
+    """The plan for a Hugging Face config: its family's (``components.models.families``), else the
+    model's own TP plan."""
+    family = FAMILIES.get(config.model_type)
+    if family is not None:
+        plan = dict(family.plan)
     elif getattr(config, "base_model_tp_plan", None):
         plan = {f"model.{pattern}": style for pattern, style in config.base_model_tp_plan.items()}
         plan |= {"model.embed_tokens": "embedding_rowwise", "lm_head": "vocab_parallel"}
     else:
         raise ValueError(
-            f"no tensor-parallel plan for model type {config.model_type!r}: known {sorted(PLANS)}, "
-            "and its config has no base_model_tp_plan"
+            f"no tensor-parallel plan for model type {config.model_type!r}: "
+            f"known {sorted(FAMILIES)}, and its config has no base_model_tp_plan"
         )
     if sequence_parallel:
-        plan |= _SEQUENCE_PARALLEL_NORMS
-        if config.model_type in _MOE_FAMILIES:
-            plan |= _SEQUENCE_PARALLEL_MOE
+        plan |= family.sequence_parallel_plan if family is not None else SEQUENCE_PARALLEL_NORMS
     return plan
 
 

@@ -23,14 +23,11 @@ from typing import Protocol
 import torch
 from safetensors import safe_open
 
+from components.models.families import FAMILIES
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
-# model_type -> (the MoE block's name in the checkpoint, the per-expert gate, up and down weight names)
-_PER_EXPERT_LAYOUTS = {
-    "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
-    "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
-}
 _FUSED_EXPERTS = re.compile(r"^(?P<layer>.+)\.mlp\.experts\.(?P<which>gate_up_proj|down_proj)$")
 
 Box = tuple[int, ...]
@@ -149,8 +146,9 @@ def find_source(
     if name in checkpoint:
         return StoredTensor(name)
     tried = [name]
-    if model_type in _PER_EXPERT_LAYOUTS:
-        block, gate, up, down = _PER_EXPERT_LAYOUTS[model_type]
+    family = FAMILIES.get(model_type or "")
+    if family is not None and family.per_expert_checkpoint is not None:
+        block, gate, up, down = family.per_expert_checkpoint
         if match := _FUSED_EXPERTS.match(name):
             prefix = f"{match['layer']}.{block}.experts"
             parts = (gate, up) if match["which"] == "gate_up_proj" else (down,)

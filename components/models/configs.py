@@ -12,14 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
-from transformers import LlamaConfig, MixtralConfig, PretrainedConfig, Qwen3Config, Qwen3MoeConfig
+from transformers import PretrainedConfig
 
-FAMILIES: dict[str, type[PretrainedConfig]] = {
-    "llama": LlamaConfig,
-    "qwen3": Qwen3Config,  # dense, with q/k norms
-    "qwen3_moe": Qwen3MoeConfig,
-    "mixtral": MixtralConfig,
-}
+from components.models.families import FAMILIES
+
 # Read by every family's attention (``getattr(config, "head_dim", ...)``) though not every config declares it.
 READ_BY_MODELS = frozenset({"head_dim"})
 MODEL_CONF_DIR = Path(__file__).resolve().parents[2] / "conf" / "model"
@@ -29,7 +25,7 @@ MODEL_CONF_DIR = Path(__file__).resolve().parents[2] / "conf" / "model"
 def known_keys(family: str) -> frozenset[str]:
     """Every key a ``family`` config accepts: its attributes, its constructor's parameters and settable
     properties (``attn_implementation``)."""
-    config_class = FAMILIES[family]
+    config_class = FAMILIES[family].config_class()
     members = inspect.getmembers(config_class)
     settable = {name.lstrip("_") for name, value in members if isinstance(value, property) and value.fset}
     parameters = set(inspect.signature(config_class.__init__).parameters) - {"self"}
@@ -41,7 +37,8 @@ def config_errors(family: str | None, sizes: dict[str, Any]) -> list[str]:
     if family not in FAMILIES:
         return [f"model.family={family!r} is not a known family: use one of {', '.join(sorted(FAMILIES))}"]
     unknown = sorted(set(sizes) - known_keys(family))
-    return [f"model.config.{name} is not a key of {FAMILIES[family].__name__}: remove it" for name in unknown]
+    config_name = FAMILIES[family].config_name
+    return [f"model.config.{name} is not a key of {config_name}: remove it" for name in unknown]
 
 
 def build_config(family: str, sizes: dict[str, Any]) -> PretrainedConfig:
@@ -53,7 +50,7 @@ def build_config(family: str, sizes: dict[str, Any]) -> PretrainedConfig:
     errors = config_errors(family, sizes)
     if errors:
         raise ValueError("; ".join(errors))
-    return FAMILIES[family](**sizes)
+    return FAMILIES[family].config_class()(**sizes)
 
 
 def tiny_config(family: str, **overrides: Any) -> PretrainedConfig:

@@ -20,13 +20,13 @@ from components.distributed.replicas.drift import replica_drift
 from components.distributed.tp_plan import apply_tp_plan, check_plan, plan_for
 from components.distributed.tp_replicas import synchronize_tp_replica_gradients
 from components.models import build_causal_lm, meta_causal_lm, tiny_config
+from components.models.families import FAMILIES
 from components.moe import apply_expert_parallel, check_expert_parallel, dispatch_mode
 from components.training.step import forward_backward
 from tests.distributed.test_tp_parity import assert_parity, finish, global_batch, parity
 from tests.harness import mesh
 
-EXPERTS = ("model.layers.*.mlp.experts",)
-ROUTERS = ("model.layers.*.mlp.gate",)
+EXPERTS, ROUTERS = FAMILIES["qwen3_moe"].experts, FAMILIES["qwen3_moe"].routers  # = mixtral's
 
 
 def check_moe_parity(rank, world_size, family, tp, ep, sequence_parallel, mode=None):

@@ -3,8 +3,9 @@
 import pytest
 from transformers import Phi3Config
 
-from components.distributed.tp_plan import PLANS, check_plan, plan_for
+from components.distributed.tp_plan import check_plan, plan_for
 from components.models import meta_causal_lm, tiny_config
+from components.models.families import FAMILIES
 
 
 def test_every_problem_is_listed_together():
@@ -33,8 +34,9 @@ def test_our_plans_fit_the_tiny_models(family, tp):
 
 
 def test_qwen3_marks_qk_norms_sum_and_llama_has_none():
-    assert PLANS["qwen3"]["model.layers.*.self_attn.q_norm"] == "replicated_with_grad_allreduce"
-    assert not any("q_norm" in pattern for pattern in PLANS["llama"])
+    q_norm = FAMILIES["qwen3"].plan["model.layers.*.self_attn.q_norm"]
+    assert q_norm == "replicated_with_grad_allreduce"
+    assert not any("q_norm" in pattern for pattern in FAMILIES["llama"].plan)
 
 
 def test_a_hf_plan_with_styles_we_do_not_have_is_refused_by_name():

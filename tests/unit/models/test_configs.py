@@ -39,7 +39,6 @@ def test_overrides_win():
 
 
 def test_unknown_family_lists_the_known_ones():
-    with pytest.raises(
-        ValueError, match="unknown model family 'gpt2'; known families: llama, mixtral, qwen3, qwen3_moe"
-    ):
+    known = "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe"  # components.models.families
+    with pytest.raises(ValueError, match=f"unknown model family 'gpt2'; known families: {known}"):
         tiny_config("gpt2")

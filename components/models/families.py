@@ -1,0 +1,124 @@
+"""The one table of model families: per Hugging Face ``model_type``, all the project knows of it.
+
+A family names its config class (imported only when asked for: reading the table imports nothing
+heavy), its tensor-parallel plan (module patterns to style names, applied by
+``components.distributed.tp_plan``), its MoE expert and router modules (none for a dense model)
+and, for an MoE family, how its checkpoints store each expert (read by ``models.checkpoint``).
+``conf/model/*.yaml`` names a family and leaves ``experts``/``routers`` null to take them from here.
+"""
+
+import importlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+
+def _plan(*parts: Mapping[str, str]) -> Mapping[str, str]:
+    """One read-only plan from ``parts`` (later parts win)."""
+    merged: dict[str, str] = {}
+    for part in parts:
+        merged |= part
+    return MappingProxyType(merged)
+
+
+_DENSE_DECODER = {
+    "model.embed_tokens": "embedding_rowwise",
+    "model.layers.*.self_attn": "attention_input",
+    "model.layers.*.mlp": "mlp_input",
+    "model.layers.*.self_attn.q_proj": "colwise",
+    "model.layers.*.self_attn.k_proj": "colwise",
+    "model.layers.*.self_attn.v_proj": "colwise",
+    "model.layers.*.self_attn.o_proj": "rowwise",
+    "model.layers.*.mlp.gate_proj": "colwise",
+    "model.layers.*.mlp.up_proj": "colwise",
+    "model.layers.*.mlp.down_proj": "rowwise",
+    "lm_head": "vocab_parallel",
+}
+_QK_NORMS = {
+    "model.layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+    "model.layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
+}
+# MoE blocks are left to expert parallelism (components.moe); attention and the vocabulary are TP.
+_MOE_DECODER = {name: style for name, style in _DENSE_DECODER.items() if ".mlp" not in name}
+
+# Added under sequence parallelism: norms run on sequence shards (any plan, a model's own too) ...
+SEQUENCE_PARALLEL_NORMS = _plan(
+    {
+        "model.layers.*.input_layernorm": "sequence_parallel",
+        "model.layers.*.post_attention_layernorm": "sequence_parallel",
+        "model.norm": "sequence_parallel",
+    }
+)
+# ... and an MoE block gathers the sequence once and hands back sequence shards.
+_SEQUENCE_PARALLEL_MOE = _plan(SEQUENCE_PARALLEL_NORMS, {"model.layers.*.mlp": "gather_sequence"})
+
+# transformers 5 MoE blocks: fused 3-D experts split by expert parallelism, a replicated router.
+_FUSED_EXPERTS = ("model.layers.*.mlp.experts",)
+_ROUTERS = ("model.layers.*.mlp.gate",)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Family:
+    """One model family; :data:`FAMILIES` holds one per ``model_type``."""
+
+    config_name: str  # the transformers config class, e.g. "LlamaConfig" (see config_class)
+    plan: Mapping[str, str]  # the TP plan: module pattern (``*``: a layer index) -> style name
+    # Added to the plan under sequence parallelism.
+    sequence_parallel_plan: Mapping[str, str] = field(
+        default_factory=lambda: SEQUENCE_PARALLEL_NORMS,
+    )
+    experts: tuple[str, ...] = ()  # MoE expert modules (patterns), split across ep ranks
+    routers: tuple[str, ...] = ()  # MoE routers (patterns): replicated, never sharded by the plan
+    # On disk, one tensor per expert: (the MoE block's name, the gate, up and down weight names).
+    per_expert_checkpoint: tuple[str, str, str, str] | None = None
+
+    @property
+    def moe(self) -> bool:
+        return bool(self.experts)
+
+    def config_class(self) -> type["PretrainedConfig"]:
+        """The config class, imported from transformers on first use."""
+        return getattr(importlib.import_module("transformers"), self.config_name)
+
+
+FAMILIES: Mapping[str, Family] = MappingProxyType(
+    {
+        "llama": Family(config_name="LlamaConfig", plan=_plan(_DENSE_DECODER)),
+        "mistral": Family(config_name="MistralConfig", plan=_plan(_DENSE_DECODER)),
+        "qwen2": Family(config_name="Qwen2Config", plan=_plan(_DENSE_DECODER)),
+        "qwen3": Family(config_name="Qwen3Config", plan=_plan(_DENSE_DECODER, _QK_NORMS)),
+        "qwen3_moe": Family(
+            config_name="Qwen3MoeConfig",
+            plan=_plan(_MOE_DECODER, _QK_NORMS),
+            sequence_parallel_plan=_SEQUENCE_PARALLEL_MOE,
+            experts=_FUSED_EXPERTS,
+            routers=_ROUTERS,
+            per_expert_checkpoint=("mlp", "gate_proj", "up_proj", "down_proj"),
+        ),
+        "mixtral": Family(
+            config_name="MixtralConfig",
+            plan=_plan(_MOE_DECODER),
+            sequence_parallel_plan=_SEQUENCE_PARALLEL_MOE,
+            experts=_FUSED_EXPERTS,
+            routers=_ROUTERS,
+            per_expert_checkpoint=("block_sparse_moe", "w1", "w3", "w2"),
+        ),
+    }
+)
+
+
+def moe_patterns(
+    model_type: str | None, experts: Sequence[str] | None, routers: Sequence[str] | None
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(expert patterns, router patterns) of a model: each as given, or (None) its family's from
+    the table; none for a model type the table does not hold."""
+    family = FAMILIES.get(model_type or "")
+    default_experts, default_routers = (family.experts, family.routers) if family else ((), ())
+    return (
+        tuple(default_experts if experts is None else experts),
+        tuple(default_routers if routers is None else routers),
+    )

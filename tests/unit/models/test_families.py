@@ -1,0 +1,101 @@
+"""The table of model families: every family conf/ names is in it, and each family's plan, experts
+and routers fit the modules of its tiny model."""
+
+import fnmatch
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from components.distributed.tp_plan import check_plan, plan_for
+from components.models import meta_causal_lm, tiny_config
+from components.models.configs import MODEL_CONF_DIR, build_config
+from components.models.families import FAMILIES, moe_patterns
+
+TINY = OmegaConf.to_container(OmegaConf.load(MODEL_CONF_DIR / "llama.yaml").config)
+
+
+def family_config(model_type: str):
+    """The tiny config of ``conf/model/<model_type>.yaml``, else one of llama's tiny sizes."""
+    if (MODEL_CONF_DIR / f"{model_type}.yaml").exists():
+        return tiny_config(model_type)
+    return build_config(model_type, TINY)
+
+
+def conf_model_groups() -> dict[str, dict]:
+    groups = {}
+    for path in sorted(MODEL_CONF_DIR.glob("*.yaml")):
+        node = OmegaConf.load(path)
+        group = node.get("model", node)  # smollm2.yaml: @package _global_
+        groups[path.stem] = OmegaConf.to_container(group)
+    return groups
+
+
+def test_every_family_conf_names_is_in_the_table_and_takes_its_moe_modules_from_it():
+    groups = conf_model_groups()
+    assert {"llama", "qwen3", "qwen3_moe", "mixtral", "pretrained"} <= set(groups)
+    for name, group in groups.items():
+        assert group["family"] is None or group["family"] in FAMILIES, name
+        assert (group["experts"], group["routers"]) == (None, None), name  # not a second copy
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_the_config_class_is_the_family_of_its_key(model_type):
+    config_class = FAMILIES[model_type].config_class()
+    assert config_class.__name__ == FAMILIES[model_type].config_name
+    assert config_class.model_type == model_type
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_each_plan_fits_the_tiny_model_at_tp_1_2_and_4(model_type, sequence_parallel):
+    config, family = family_config(model_type), FAMILIES[model_type]
+    meta = meta_causal_lm(config)
+    plan = plan_for(config, sequence_parallel)
+    assert set(family.plan.items()) <= set(plan.items())
+    for tp in (1, 2, 4):
+        _, errors = check_plan(meta, config, plan, tp, (*family.experts, *family.routers))
+        assert errors == [], (tp, errors)
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_experts_and_routers_match_modules_and_only_moe_families_have_them(model_type):
+    family = FAMILIES[model_type]
+    names = [name for name, _ in meta_causal_lm(family_config(model_type)).named_modules()]
+    for pattern in (*family.experts, *family.routers):
+        assert fnmatch.filter(names, pattern), pattern
+    is_moe = any(".experts" in name for name in names)
+    assert family.moe == is_moe == (family.per_expert_checkpoint is not None)
+    assert bool(family.routers) == is_moe
+
+
+def test_null_patterns_are_the_familys_and_a_list_overrides_them():
+    experts, routers = FAMILIES["mixtral"].experts, FAMILIES["mixtral"].routers
+    assert moe_patterns("mixtral", None, None) == (experts, routers)
+    assert moe_patterns("mixtral", ["model.layers.*.moe.e"], []) == (("model.layers.*.moe.e",), ())
+    assert moe_patterns("llama", None, None) == ((), ())
+    assert moe_patterns("phi3", None, None) == ((), ())  # not in the table: a dense model
+
+
+def test_the_table_cannot_be_changed_in_place():
+    with pytest.raises(TypeError):
+        FAMILIES["llama"].plan["lm_head"] = "replicate"
+    with pytest.raises(TypeError):
+        FAMILIES["gpt2"] = FAMILIES["llama"]
+
+
+def test_reading_the_table_imports_no_model_code():
+    """Imported on its own (as ``--help`` may), the table module imports neither torch nor
+    transformers: config classes are resolved by name when asked for."""
+    source = Path(__file__).resolve().parents[3] / "components" / "models" / "families.py"
+    code = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('families', {str(source)!r})\n"
+        "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module)\n"
+        "assert module.FAMILIES['qwen3_moe'].moe\n"
+        "print(sorted({'torch', 'transformers'} & set(sys.modules)))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stderr
