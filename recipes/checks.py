@@ -11,8 +11,6 @@ sizes and (with ``sp``) the sequence length that do not divide; ``checkpoint.res
 split; and, once the tokenizer exists, that every record keeps answer tokens within ``train.seq_len``.
 """
 
-import importlib
-import inspect
 import os
 import sys
 from pathlib import Path
@@ -41,6 +39,7 @@ from components.models.parallelize import ModelSpec
 from components.moe import check_expert_parallel
 from components.runtime.launch import cpu_threads_per_rank, started_by_launcher
 from components.runtime.output_dir import OutputDirLock
+from components.targets import check_target
 from components.training.loggers import check_logger_available
 from components.training.schedule import check_schedule
 from recipes.outputs import (
@@ -78,25 +77,6 @@ def compose(overrides: list[str]) -> DictConfig:
             return hydra_compose(config_name="config", overrides=overrides, return_hydra_config=True)
     except (HydraException, OmegaConfBaseException) as error:
         fail(str(error) or str(error.__cause__))
-
-
-def check_target(group: str, target: str, options: dict[str, Any], base: type, fixed: set[str]) -> list[str]:
-    """``<group>._target_`` names a class (a subclass of ``base``) and every other key is one of its options (its
-    constructor's parameters less ``fixed``, which the recipe passes itself)."""
-    module, _, name = target.rpartition(".")
-    try:
-        built = getattr(importlib.import_module(module), name, None)
-    except (ImportError, ValueError):
-        built = None
-    if not (isinstance(built, type) and issubclass(built, base)):
-        return [
-            f"{group}._target_={show(target)} is not a class the {group} group can build: pick one with {group}=NAME"
-        ]
-    accepted = set(inspect.signature(built).parameters) - fixed
-    unknown = sorted(set(options) - accepted)
-    return [
-        f"{group}.{key} is not an option of {target}; its options: {', '.join(sorted(accepted))}" for key in unknown
-    ]
 
 
 def check_sizes(settings: Config, device_type: str) -> tuple[ParallelDims | None, list[str]]:

@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 import yaml
 from hydra.core.hydra_config import HydraConfig
-from hydra.utils import get_class
 from omegaconf import DictConfig
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoTokenizer
@@ -42,6 +41,7 @@ from components.models.parallelize import build_parallel_model
 from components.models.precision import precision_policy
 from components.moe import ExpertLoad, router_aux_loss_weight
 from components.runtime.launch import end_launched_rank, join_world, launch_local, started_by_launcher
+from components.targets import target_class
 from components.training.loggers import open_logger
 from components.training.memory import peak_memory_gib, reset_peak_memory
 from components.training.metrics import MetricsLog, plot_loss_curve
@@ -73,7 +73,7 @@ class Run:
 
 def set_up(plan: RunPlan) -> Run:
     """Everything a rank needs before its first step: mesh, data, model, optimizer, schedule, resume."""
-    settings, train = plan.settings, plan.settings.train
+    settings, train, optim = plan.settings, plan.settings.train, plan.settings.optim
     timeout = timedelta(minutes=settings.collective_timeout_minutes)
     device = join_world(plan.device_type, timeout, plan.cpu_threads, settings.seed)
     rank, mesh = dist.get_rank(), build_device_mesh(plan.dims, plan.device_type, timeout)
@@ -85,7 +85,7 @@ def set_up(plan: RunPlan) -> Run:
     if report is not None and rank == 0:
         print(report.format())
     broadcast_tp_replicas([model], mesh)
-    optimizer = get_class(settings.optim.target)(model.parameters(), **settings.optim.options())
+    optimizer = target_class("optim", optim.target)(model.parameters(), **optim.options())
     schedule = settings.schedule
     scheduler = build_schedule(optimizer, schedule.name, plan.warmup_steps, train.max_steps, schedule.options())
     first_step = 0

@@ -22,6 +22,7 @@ from components.data import generated
 from components.data.hf import load_split, map_columns
 from components.data.jsonl import DataError, iter_jsonl
 from components.data.tokenizer import training_texts
+from components.targets import TargetError, target_class
 
 MESSAGES = datasets.Features({"messages": [{"role": datasets.Value("string"), "content": datasets.Value("string")}]})
 PROMPT_RESPONSE = datasets.Features({"prompt": datasets.Value("string"), "response": datasets.Value("string")})
@@ -189,9 +190,10 @@ def build_source(group: dict) -> DataSource:
     """
     fields_ = dict(group)
     target = fields_.pop("_target_", None)
-    cls = SOURCES.get(target)
-    if cls is None:
-        raise DataError(f"data._target_={target!r} is not a data source: use one of {', '.join(sorted(SOURCES))}")
+    try:  # only a class of SOURCES: nothing else a config names is imported
+        cls = target_class("data", target, registry=SOURCES, kind="a data source")
+    except TargetError as error:
+        raise DataError(str(error)) from None
     names = {f.name for f in fields(cls)}
     unknown, missing = sorted(set(fields_) - names), sorted(names - set(fields_))
     if unknown or missing:

@@ -19,6 +19,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+from components.targets import target_class
+
 # Fields of a metrics record sent to a tracker, when present and not None.
 METRIC_KEYS = ("loss", "grad_norm", "lr", "tokens_per_s", "tokens", "peak_memory_gib", "val_loss")
 _EXTRA = "pip install 'shardtune[loggers]'"
@@ -243,7 +245,6 @@ def open_logger(
     a :class:`NoLogger` where this process is not the ``writer`` (one rank logs)."""
     if not writer:
         return NoLogger(output_dir)
-    module, _, name = target.rpartition(".")
-    logger = getattr(importlib.import_module(module), name)(output_dir=output_dir, first_step=first_step, **options)
+    logger = target_class("logger", target)(output_dir=output_dir, first_step=first_step, **options)
     logger.log_hparams(hparams)
     return logger
