@@ -25,6 +25,13 @@ or up to ~1.2x faster and moved fewer bytes; at ``ep < tp`` folded computes ever
 ranks and was 0.88-0.97x the all-to-all path, which moves 25% more bytes but computes each row once.
 Folding is also valid at ``ep < tp`` (``mode="folded"``), with ``tp / ep`` identical expert copies per TP group.
 
+Compute, on either path: a rank's rows are sorted by local expert once and all its experts run in
+two ``torch._grouped_mm`` calls (gate/up, then down; :func:`_run_experts_grouped`), with no host
+sync per expert, under fp32, bf16 and bf16 autocast. The per-expert loop (:func:`_run_experts_loop`)
+is kept only where :func:`grouped_mm_fits` says grouped GEMM cannot run: a dtype it rejects (fp64),
+H or I not a multiple of 16 bytes, another device, an older GPU, or non-bf16 under compile.
+``bench/moe_grouped.py`` measures both (BENCHMARKS.md).
+
 Gradients: the router sees whole, TP-replicated tokens, so its gradient keeps the replica sync's ``mean``
 over TP (and FSDP's sum over dp). An expert's copies along ``ep_shard`` see different tokens (other dp
 ranks), so their gradients are partial sums: the local weights hand back ``Partial`` gradients on
@@ -33,9 +40,9 @@ those copies saw the same tokens; their gradients are scaled by ``ep / tp`` firs
 each token once.
 """
 
+import dataclasses
 import fnmatch
 import types
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -60,7 +67,7 @@ EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
 DISPATCH_MODES = ("folded", "all_to_all")
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class ExpertLayout:
     """Where one experts module's experts live and how its tokens reach them."""
 
@@ -74,6 +81,7 @@ class ExpertLayout:
     tp_size: int
     gradient_placements: tuple[Placement, ...]  # of the local weights' gradients on ("ep_shard", "ep")
     gradient_scale: float
+    grouped: bool = True  # False: the loop even where grouped GEMM fits (the bench's baseline)
 
 
 def dispatch_mode(tp: int, ep: int) -> str:
@@ -100,10 +108,28 @@ def _local_weights(experts: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor
 
 
 def _run_experts(experts: nn.Module, rows, expert_of_row, gate_up, down, weight_of_row=None) -> torch.Tensor:
-    """Each local expert on its rows. The output is tied to the inputs and to every local weight even when no
-    row reaches an expert: every rank then runs each backward collective, and idle experts get zero
-    (not missing) gradients, as in one process."""
-    output = rows * 0.0 + (gate_up.sum() + down.sum()) * 0.0
+    """Each local expert on its rows (``expert_of_row`` in ``[0, len(gate_up))``), returned in the
+    rows' order and dtype, times ``weight_of_row`` when given.
+
+    Grouped GEMM (:func:`_run_experts_grouped`) wherever :func:`grouped_mm_fits`; the per-expert
+    loop (:func:`_run_experts_loop`) runs only where that predicate is false, or when the layout
+    was built with ``grouped=False`` (the benchmark's baseline). No row at all: tied zeros."""
+    if rows.shape[0] == 0:
+        return _tied_zeros(rows, gate_up, down)
+    if experts._ep_layout.grouped and grouped_mm_fits(rows, gate_up, down):
+        return _run_experts_grouped(experts, rows, expert_of_row, gate_up, down, weight_of_row)
+    return _run_experts_loop(experts, rows, expert_of_row, gate_up, down, weight_of_row)
+
+
+def _tied_zeros(rows, gate_up, down) -> torch.Tensor:
+    """Zeros shaped like ``rows`` and tied to every local weight: every rank then runs each
+    backward collective, and idle experts get zero (not missing) gradients, as in one process."""
+    return rows * 0.0 + (gate_up.sum() + down.sum()) * 0.0
+
+
+def _run_experts_loop(experts, rows, expert_of_row, gate_up, down, weight_of_row=None):
+    """One pair of matmuls per local expert, each behind a ``torch.where`` (a host sync on GPU)."""
+    output = _tied_zeros(rows, gate_up, down)
     for local in range(gate_up.shape[0]):
         selected = torch.where(expert_of_row == local)[0]
         if selected.numel() == 0:
@@ -114,6 +140,82 @@ def _run_experts(experts: nn.Module, rows, expert_of_row, gate_up, down, weight_
             result = result * weight_of_row[selected, None]
         output = output.index_add(0, selected, result.to(output.dtype))
     return output
+
+
+GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _compute_dtype(rows: torch.Tensor) -> torch.dtype:
+    """The dtype ``F.linear`` computes in: autocast's when it is on (``_grouped_mm`` has no
+    autocast rule, so the grouped path casts by itself), else the rows'."""
+    if torch.is_autocast_enabled(rows.device.type):
+        return torch.get_autocast_dtype(rows.device.type)
+    return rows.dtype
+
+
+def grouped_mm_fits(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` can run these experts: the one place the loop is kept.
+
+    ``_grouped_mm`` has kernels on CPU (torch >= 2.9) and CUDA (SM80+), for fp32, bf16 and fp16;
+    each row stride (H and I) must be a multiple of 16 bytes and the weights 16-byte aligned.
+    Under ``torch.compile`` its meta function accepts bf16 only.
+    """
+    dtype, device = _compute_dtype(rows), gate_up.device
+    compiling = torch.compiler.is_compiling()
+    if not hasattr(torch, "_grouped_mm") or dtype not in GROUPED_MM_DTYPES:
+        return False
+    if device.type not in ("cpu", "cuda") or (compiling and dtype != torch.bfloat16):
+        return False
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
+        return False
+    alignment = 16 // dtype.itemsize
+    if gate_up.shape[-1] % alignment or down.shape[-1] % alignment:  # H and I
+        return False
+    return compiling or all(weight.data_ptr() % 16 == 0 for weight in (gate_up, down))
+
+
+class _ContiguousGradient(torch.autograd.Function):
+    """The identity, whose backward hands on a contiguous gradient: the backward of
+    ``_grouped_mm`` rejects the stride-0 gradient that a ``sum`` or ``expand`` downstream gives."""
+
+    @staticmethod
+    def forward(ctx, tensor):
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, gradient):
+        return gradient.contiguous()
+
+
+def _grouped_linear(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor):
+    """``F.linear(rows of group e, weight[e])`` for every expert ``e``, in one ``_grouped_mm``."""
+    product = torch._grouped_mm(rows, weight.transpose(-2, -1), offs=offsets)
+    return _ContiguousGradient.apply(product)
+
+
+def _run_experts_grouped(experts, rows, expert_of_row, gate_up, down, weight_of_row=None):
+    """All local experts in two grouped GEMMs: the rows sorted by expert once, each group's end
+    found by a fixed-size ``searchsorted`` (no host sync), the results put back in row order.
+
+    As the HF experts module: ``gate, up = (x @ gate_up[e].T).chunk(2)``, then
+    ``(act_fn(gate) * up) @ down[e].T``. ``_grouped_mm`` is differentiable in both operands and
+    gives an expert with no rows exact zero gradients; its output depends on the whole 3-D
+    weights, so every rank still runs each backward collective, as with the loop's tie.
+    """
+    dtype = _compute_dtype(rows)
+    order = torch.argsort(expert_of_row, stable=True)
+    sorted_experts = expert_of_row[order]
+    ids = torch.arange(gate_up.shape[0], device=rows.device, dtype=sorted_experts.dtype)
+    offsets = torch.searchsorted(sorted_experts, ids, right=True, out_int32=True)
+    gate_up_rows = _grouped_linear(rows[order].to(dtype), gate_up.to(dtype), offsets)
+    gate, up = gate_up_rows.chunk(2, dim=-1)
+    result = _grouped_linear(experts.act_fn(gate) * up, down.to(dtype), offsets)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.shape[0], device=order.device)
+    result = result[inverse]
+    if weight_of_row is not None:
+        result = result * weight_of_row[:, None]
+    return result.to(rows.dtype)
 
 
 def _folded_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
@@ -202,15 +304,22 @@ def _layout(moe_mesh: DeviceMesh, tp_mesh: DeviceMesh | None, experts_per_rank: 
 
 
 def apply_expert_parallel(
-    model: nn.Module, moe_mesh: DeviceMesh, tp_mesh: DeviceMesh | None, patterns: list[str], mode: str | None = None
+    model: nn.Module,
+    moe_mesh: DeviceMesh,
+    tp_mesh: DeviceMesh | None,
+    patterns: list[str],
+    mode: str | None = None,
+    grouped: bool = True,
 ) -> list[str]:
     """Split every experts module matched by ``patterns`` by expert over ``moe_mesh["ep"]``; return their names.
 
     ``tp_mesh`` is the TP mesh whose ranks share tokens (None: tp = 1). ``mode`` forces ``folded`` or
-    ``all_to_all`` (the benchmark compares them); None picks :func:`dispatch_mode`. Works on a model with
-    real weights (each rank keeps its slice) or on the meta device (load afterwards with
-    ``materialize_pretrained``). With ``ep == 1`` nothing changes: every rank holds every expert,
-    computes it on the same tokens, and the experts are ordinary TP replicas (mean).
+    ``all_to_all`` (the benchmark compares them); None picks :func:`dispatch_mode`.
+    ``grouped=False`` keeps the per-expert loop where grouped GEMM would run (the benchmark's
+    baseline). Works on a model with real weights (each rank keeps its slice) or on the meta
+    device (load afterwards with ``materialize_pretrained``). With ``ep == 1`` nothing changes:
+    every rank holds every expert, computes it on the same tokens, and the experts are ordinary TP
+    replicas (mean); transformers' own experts forward then runs (its default is grouped_mm too).
     """
     ep = moe_mesh["ep"].size()
     if ep == 1:
@@ -226,7 +335,8 @@ def apply_expert_parallel(
             full = getattr(experts, parameter_name)
             sharded = distribute_tensor(full.data, moe_mesh, [Replicate(), Shard(0)])
             experts.register_parameter(parameter_name, nn.Parameter(sharded, requires_grad=full.requires_grad))
-        experts._ep_layout = _layout(moe_mesh, tp_mesh, experts.gate_up_proj.to_local().shape[0], mode)
+        layout = _layout(moe_mesh, tp_mesh, experts.gate_up_proj.to_local().shape[0], mode)
+        experts._ep_layout = dataclasses.replace(layout, grouped=grouped)
         forward = _folded_forward if mode == "folded" else _dispatched_forward
         experts.forward = types.MethodType(forward, experts)
     return names
