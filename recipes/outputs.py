@@ -21,6 +21,7 @@ from components.checkpoint.integrity import (
     find_resumable,
     model_fingerprint,
     resume_problems,
+    retire_checkpoints_after,
     state_dict_shapes,
 )
 from components.models import meta_causal_lm
@@ -128,6 +129,14 @@ def own_output_dir(
         )
     except OutputDirError as error:
         raise OwnershipError(str(error)) from None
+    if resume_from is not None:  # nothing refuses the run after the claim: the old branch moves
+        step = checkpoint_summary(resume_from).step
+        if retired := retire_checkpoints_after(output_dir / "checkpoints", step):
+            names = ", ".join(path.name for path in retired)
+            print(
+                f"note: resuming from step {step}: the later checkpoints of the branch it leaves "
+                f"are moved aside ({names}), so checkpoint.resume=auto never returns to them"
+            )
     return lock, resume_from, record
 
 

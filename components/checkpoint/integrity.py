@@ -12,11 +12,15 @@ The layout (written by :func:`components.checkpoint.dcp.save_checkpoint`) of ``r
 unpickles safely, every ``.distcp`` it names exists and is at least as long as the byte ranges it lists, every
 rank's RNG file is there. :func:`find_resumable` picks the newest usable checkpoint under a root and says why it
 passed over newer ones; :func:`resume_problems` compares a checkpoint's recorded run with the run about to resume.
+:func:`retire_checkpoints_after` moves the checkpoints a resume from an earlier step leaves behind
+out of ``find_resumable``'s sight (``step_N.abandoned``): it never returns to a branch the run left.
 """
 
 import hashlib
 import json
+import os
 import re
+import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +36,7 @@ TRAINER_STATE = "trainer_state.json"
 RNG_DIR = "rng"
 STATE_FORMAT = 1
 STEP_FOLDER = re.compile(r"^step_(\d{8,})$")
+ABANDONED = ".abandoned"  # suffix of a checkpoint of the branch a resume from an earlier step left
 _DCP_FILE = re.compile(r"^__\d+_\d+\.distcp$")
 _STATE_KEYS = ("format", "step", "world_size", "run_id", "run_info", "scheduler", "extra", "optimizer")
 
@@ -195,6 +200,23 @@ def find_resumable(root: Path) -> ResumeChoice:
             continue
         return ResumeChoice(folder, skipped)
     return ResumeChoice(None, skipped)
+
+
+def retire_checkpoints_after(root: Path, step: int) -> list[Path]:
+    """Move every ``step_N`` folder under ``root`` with N > ``step`` aside to ``step_N.abandoned``
+    (replacing an older one of that name); return the new paths. A run resumed from ``step`` is a
+    new branch: the later checkpoints belong to the one it left, and ``checkpoint.resume=auto``
+    must never return to them. They are kept for the user (never pruned) and go with the run's
+    other files under ``overwrite_output_dir=true``."""
+    moved = []
+    for found, folder in step_folders(root):
+        if found > step:
+            target = folder.with_name(folder.name + ABANDONED)
+            if target.exists():
+                shutil.rmtree(target)
+            os.replace(folder, target)
+            moved.append(target)
+    return moved
 
 
 def state_dict_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:

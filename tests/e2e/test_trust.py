@@ -205,3 +205,26 @@ def test_code_in_a_model_folder_never_runs_and_nothing_asks(tmp_path, where):
     assert "[y/N]" not in result.stdout + result.stderr
     assert not (tmp_path / "marker").exists()
     assert not output.exists() or not any(output.iterdir())
+
+
+def test_a_resume_from_an_earlier_step_never_returns_to_the_branch_it_left(tmp_path):
+    folder = tmp_path / "branches"
+    assert run(folder, "train.max_steps=6", "checkpoint.every_steps=2").returncode == 0
+    old_six = json.loads((folder / "metrics.jsonl").read_text().splitlines()[5])
+    earlier = folder / "checkpoints" / "step_00000004"
+    # the new branch from step 4 crashes at the start of step 6, before its own checkpoint of step 6
+    every = "checkpoint.every_steps=2"
+    fault = "debug.fault=raise@6"
+    branch = run(folder, "train.max_steps=10", every, f"checkpoint.resume={earlier}", fault)
+    assert branch.returncode != 0
+    note = "note: resuming from step 4: the later checkpoints of the branch it leaves are moved"
+    assert f"{note} aside (step_00000006.abandoned)" in branch.stdout, branch.stdout[-3000:]
+    kept = sorted(path.name for path in (folder / "checkpoints").iterdir())
+    assert kept == ["step_00000004", "step_00000006.abandoned"]  # keep=2 had pruned step 2
+    again = run(folder, "train.max_steps=10", every, "checkpoint.resume=auto")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from {earlier} at step 4" in again.stdout, again.stdout[-3000:]
+    assert steps(folder) == list(range(1, 11))  # one timeline: steps 5 and 6 of the new branch
+    new_six = json.loads((folder / "metrics.jsonl").read_text().splitlines()[5])
+    assert new_six["step"] == old_six["step"] == 6
+    assert new_six["lr"] != old_six["lr"]  # the step of the 10-step schedule, not of the 6-step one
