@@ -8,6 +8,8 @@ resume) -> per step: micro-batches forward and backward, finalise DTensor grads,
 norm and clip, optimizer step, metrics, validation, checkpoint -> finish (drift report, export, loss curve).
 """
 
+from __future__ import annotations  # the annotations below name classes imported only when needed
+
 import functools
 import math
 import sys
@@ -17,6 +19,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import hydra
 import torch
@@ -25,31 +28,26 @@ import yaml
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from torch.distributed.device_mesh import DeviceMesh
-from transformers import AutoTokenizer
 
 from components.checkpoint.dcp import load_checkpoint, save_checkpoint
-from components.checkpoint.export import export_dtype, export_hf
-from components.data import StepBatches
-from components.data.loader import open_splits
 from components.debug.faults import install_faults
 from components.distributed.fsdp import set_gradient_sync
 from components.distributed.grads import clip_grad_norm_, finalize_dtensor_gradients, grad_norm
 from components.distributed.mesh import build_device_mesh
 from components.distributed.replicas.drift import check_replicas, write_drift_report
 from components.distributed.tp_replicas import broadcast_tp_replicas, synchronize_tp_replica_gradients
-from components.models.parallelize import build_parallel_model
-from components.models.precision import precision_policy
 from components.moe import ExpertLoad, router_aux_loss_weight
 from components.runtime.launch import end_launched_rank, join_world, launch_local, started_by_launcher
 from components.targets import target_class
 from components.training.loggers import open_logger
 from components.training.memory import peak_memory_gib, reset_peak_memory
 from components.training.metrics import MetricsLog, plot_loss_curve
-from components.training.schedule import build_schedule
-from components.training.step import forward_backward
-from components.training.validation import validation_loss
-from recipes.checks import ConfigError, compose, fail, plan_run
-from recipes.plan import RunPlan
+
+# Model, data and tokenizer code (transformers, datasets) is imported by the functions that use it,
+# so that --help and --cfg job take about the time of `import torch` (tests/e2e/test_first_hour.py).
+if TYPE_CHECKING:
+    from components.data import StepBatches
+    from recipes.plan import RunPlan
 
 
 @dataclass
@@ -73,6 +71,11 @@ class Run:
 
 def set_up(plan: RunPlan) -> Run:
     """Everything a rank needs before its first step: mesh, data, model, optimizer, schedule, resume."""
+    from components.data.loader import open_splits
+    from components.models.parallelize import build_parallel_model
+    from components.models.precision import precision_policy
+    from components.training.schedule import build_schedule
+
     settings, train, optim = plan.settings, plan.settings.train, plan.settings.optim
     timeout = timedelta(minutes=settings.collective_timeout_minutes)
     device = join_world(plan.device_type, timeout, plan.cpu_threads, settings.seed)
@@ -106,6 +109,8 @@ def set_up(plan: RunPlan) -> Run:
 
 def train_step(run: Run, plan: RunPlan, step: int) -> dict:
     """One optimizer step (0-based ``step``): micro-batches, gradient reductions, clip, update; its metrics."""
+    from components.training.step import forward_backward  # its loss reads the models' TP plans
+
     settings, started = plan.settings, time.perf_counter()
     reset_peak_memory(run.device)
     run.optimizer.zero_grad(set_to_none=True)
@@ -149,6 +154,8 @@ def train_step(run: Run, plan: RunPlan, step: int) -> dict:
 
 def train(run: Run, plan: RunPlan) -> None:
     """The steps after ``run.first_step`` up to ``max_steps`` (or ``stop_after``): metrics, validation, saves."""
+    from components.training.validation import validation_loss
+
     settings, train_cfg = plan.settings, plan.settings.train
     log = MetricsLog(plan.output_dir / "metrics.jsonl", run.rank == 0, run.first_step, train_cfg.max_steps)
     logger, hparams = settings.logger, yaml.safe_load(plan.config_yaml)  # the tracker (logger=...) on rank 0 only
@@ -175,6 +182,10 @@ def train(run: Run, plan: RunPlan) -> None:
 
 def finish(run: Run, plan: RunPlan) -> None:
     """The replica drift report (any drift stops the run before export), the export and the loss curve."""
+    from transformers import AutoTokenizer
+
+    from components.checkpoint.export import export_dtype, export_hf
+
     output_dir, settings = plan.output_dir, plan.settings
     write_drift_report([run.model], run.mesh, output_dir / "replica_drift.json", run.rank)
     train = settings.train
@@ -210,6 +221,8 @@ def rank_main(plan: RunPlan) -> None:
 
 def launch(cfg: DictConfig, output_dir: str) -> None:
     """Check and plan once, then run the ranks: here (torchrun started us) or as local processes."""
+    from recipes.checks import ConfigError, fail, plan_run
+
     try:
         plan, lock = plan_run(cfg, output_dir)  # this run owns output_dir until the lock is released
     except ConfigError as error:
@@ -234,6 +247,8 @@ if __name__ == "__main__":
     if any(argument.startswith("-") for argument in arguments):
         hydra_main()
     else:  # plain overrides: compose here, so that a composition error is one line
+        from recipes.checks import compose
+
         composed = compose(arguments)
         launch(composed, Path(composed.hydra.run.dir))
     if started_by_launcher():  # after every job: a torchrun rank ends like a local one (see end_launched_rank)

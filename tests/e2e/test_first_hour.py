@@ -39,3 +39,24 @@ def test_a_warmup_longer_than_the_run_is_cut_to_it_with_one_note(tmp_path):
     assert notes == ["note: train.warmup_steps=5 is cut to the run's 3 steps"]
     assert "error" not in result.stderr
     assert steps(tmp_path) == [1, 2, 3]
+
+
+def imported_modules(*arguments: str) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """The command's result and every module it imported (``python -X importtime`` lists them)."""
+    command = [sys.executable, "-X", "importtime", "recipes/finetune.py", *arguments]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    lines = [
+        line.split("|") for line in result.stderr.splitlines() if line.startswith("import time:")
+    ]
+    return result, {parts[-1].strip() for parts in lines if len(parts) == 3}
+
+
+def test_help_and_the_composed_config_import_no_model_data_or_tokenizer_code():
+    heavy = ("transformers", "datasets", "tokenizers", "components.models", "components.data")
+    for arguments in (["--help"], ["--cfg", "job"], ["--cfg", "job", "model=qwen3", "tp=2"]):
+        result, modules = imported_modules(*arguments)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "torch" in modules  # the measurement works: the recipe itself imports torch
+        loaded = sorted(m for m in modules if m.split(".")[0] in heavy or m.startswith(heavy))
+        assert not loaded, f"{' '.join(arguments)} imported {loaded[:10]}"
+    assert "shardtune" in imported_modules("--help")[0].stdout
