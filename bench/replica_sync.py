@@ -1,4 +1,4 @@
-"""Replica gradient sync: ``synchronize_tp_replica_gradients`` against its floor, NeMo AutoModel 0.7.0 and per-tensor.
+"""Replica gradient sync: ``ReplicaSync.synchronize`` against its floor, AutoModel 0.7.0, per-tensor.
 
 Why: the parameters TP does not shard (norms, q/k norms, routers) need one gradient reduction per optimizer
 step. The question is how close ours is to the best any compliant sync can do, and whether it beats the
@@ -6,7 +6,8 @@ module it reimplements (NeMo AutoModel 0.7.0's ``tp_replicas.py``).
 
 Variants, run in one gloo process group per world size, alternated (the order rotates every repetition):
 
-- ``ours``: ``synchronize_tp_replica_gradients([model], mesh)``, gradients kept between calls (as with
+- ``ours``: ``ReplicaSync([model], mesh).synchronize()``, one object built once and called every
+  repetition (as ``recipes/finetune.py`` holds it), gradients kept between calls (as with
   ``zero_grad(set_to_none=False)``): FP32 gradients are views of the persistent bucket, reduced in place.
 - ``ours_fresh``: the same, but every call sees fresh gradient tensors (as after ``zero_grad()``, the
   default ``set_to_none=True``): they are packed and re-bound to the bucket. The fresh tensors are made
@@ -42,7 +43,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from components.distributed.tp_replicas import synchronize_tp_replica_gradients
+from components.distributed.replicas import ReplicaSync
 from components.runtime.launch import init_process_group, launch_local
 
 MIB = 1024 * 1024
@@ -129,9 +130,10 @@ def _variants(model: nn.Module, mesh: DeviceMesh, automodel, world: int) -> dict
         dist.all_reduce(flags)
         dist.all_reduce(floor)
 
+    replicas = ReplicaSync([model], mesh)  # built once, as the recipe builds it
     return {
-        "ours": lambda: synchronize_tp_replica_gradients([model], mesh),
-        "ours_fresh": lambda: synchronize_tp_replica_gradients([model], mesh),
+        "ours": replicas.synchronize,
+        "ours_fresh": replicas.synchronize,
         "automodel": lambda: automodel.synchronize_tp_replica_gradients([model], mesh),
         "per_tensor": lambda: per_tensor(model, world),
         "floor": lambda: dist.all_reduce(floor),
@@ -312,6 +314,7 @@ def _overlap_rank(threads: int, reps: int) -> dict[str, float]:
     inputs = torch.randn(2, 64, 1024, generator=torch.Generator().manual_seed(dist.get_rank()))
     overlap = ReplicaSyncOverlap([model], mesh)
     overlap.remove()
+    replicas = ReplicaSync([model], mesh)
 
     def step(mode: str) -> None:
         model.zero_grad(set_to_none=False)
@@ -320,7 +323,7 @@ def _overlap_rank(threads: int, reps: int) -> dict[str, float]:
                 overlap.last_micro_batch()
             model(inputs[micro]).square().mean().backward()
         if mode == "boundary":
-            synchronize_tp_replica_gradients([model], mesh)
+            replicas.synchronize()
         elif mode == "overlap":
             overlap.finish()
 

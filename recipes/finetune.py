@@ -34,8 +34,7 @@ from components.debug.faults import install_faults
 from components.distributed.fsdp import set_gradient_sync
 from components.distributed.grads import clip_grad_norm_, finalize_dtensor_gradients, grad_norm
 from components.distributed.mesh import build_device_mesh
-from components.distributed.replicas.drift import check_replicas, write_drift_report
-from components.distributed.tp_replicas import broadcast_tp_replicas, synchronize_tp_replica_gradients
+from components.distributed.replicas import ReplicaSync, check_replicas, write_drift_report
 from components.moe import ExpertLoad, router_aux_loss_weight
 from components.runtime.launch import end_launched_rank, join_world, launch_local, started_by_launcher
 from components.targets import target_class
@@ -66,6 +65,7 @@ class Run:
     compute: Callable[[], AbstractContextManager]  # the precision's context for forward passes (autocast or none)
     experts: ExpertLoad | None  # tokens per expert of an MoE model, for the step's imbalance
     aux_loss_weight: float  # of an MoE model's load-balancing loss (0: its config does not enable it)
+    replicas: ReplicaSync  # the TP replica gradient sync, built once: its plan and buffers last
     before_commit: Callable[[Path], None] | None = None  # the checkpoint writer's callback (a fault, in tests)
 
 
@@ -87,7 +87,8 @@ def set_up(plan: RunPlan) -> Run:
     model, report = build_parallel_model(plan.model, plan.dims, mesh, device, timeout)
     if report is not None and rank == 0:
         print(report.format())
-    broadcast_tp_replicas([model], mesh)
+    replicas = ReplicaSync([model], mesh)  # after parallelising and loading, before the optimizer
+    replicas.broadcast()
     optimizer = target_class("optim", optim.target)(model.parameters(), **optim.options())
     schedule = settings.schedule
     scheduler = build_schedule(optimizer, schedule.name, plan.warmup_steps, train.max_steps, schedule.options())
@@ -101,7 +102,8 @@ def set_up(plan: RunPlan) -> Run:
     micro_batches = data.micro_batches_per_step
     experts = ExpertLoad.watch(model, plan.model.config, list(plan.model.experts), mesh["dp"].get_group())
     aux = router_aux_loss_weight(plan.model.config, micro_batches, plan.dims.dp)
-    run = Run(rank, device, mesh, model, optimizer, scheduler, data, val_data, first_step, compute, experts, aux)
+    handles = (rank, device, mesh, model, optimizer, scheduler, data, val_data, first_step, compute)
+    run = Run(*handles, experts, aux, replicas)
     where = dict(rank=rank, world_size=dist.get_world_size(), first_step=first_step)
     run.before_commit = install_faults(plan.fault, model, optimizer, **where, micro_batches_per_step=micro_batches)
     return run
@@ -123,7 +125,7 @@ def train_step(run: Run, plan: RunPlan, step: int) -> dict:
         tensors = (batch.input_ids, batch.labels, labelled, batch.position_ids)
         loss_sum += forward_backward(run.model, *tensors, run.compute(), run.aux_loss_weight)
     finalize_dtensor_gradients([run.model])
-    synchronize_tp_replica_gradients([run.model], run.mesh)
+    run.replicas.synchronize()
     clip = settings.train.clip_grad_norm
     norm = (clip_grad_norm_([run.model], clip) if clip else grad_norm([run.model])).item()
     finite = math.isfinite(norm)  # the same number on every rank, so all ranks decide alike

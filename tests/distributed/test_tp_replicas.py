@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from components.distributed import tp_replicas
-from components.distributed.replicas.plan import model_cache
+from components.distributed.replicas.sync import ReplicaSync
 from components.distributed.tp_replicas import (
     _MODEL_OWNED_GRAD_DIVISOR_ATTR,
     _is_tp_replicated,
@@ -421,36 +421,45 @@ def test_without_a_tp_axis_of_size_above_one_both_return_zero(ranks2):
         assert grad == rank + 1
 
 
-# --- the cached plan and its persistent buffers --------------------------------------------------
+# --- the plan and its persistent buffers: held by a ReplicaSync, or one per free-function call ---
 
 
-def check_plan_rebuilt_after_changes(rank, world_size):
+def syncer(model, device_mesh, held: bool):
+    """One ReplicaSync kept across calls (as the recipe does), or the free function per call."""
+    if held:
+        return ReplicaSync([model], device_mesh).synchronize
+    return lambda: synchronize_tp_replica_gradients([model], device_mesh)
+
+
+def check_plan_rebuilt_after_changes(rank, world_size, held):
     device_mesh = mesh((world_size,), ("tp",))
     model = nn.Module()
     model.a = holder_with_grad(rank + 1)
-    results = [synchronize_tp_replica_gradients([model], device_mesh)]
+    sync = syncer(model, device_mesh, held)
+    results = [sync()]
     model.a.weight = nn.Parameter(torch.zeros(2))  # a parameter replaced (new shape, new object)
     model.a.weight.grad = torch.full((2,), float(4 * rank + 1))
-    results.append((synchronize_tp_replica_gradients([model], device_mesh), model.a.weight.grad.tolist()))
+    results.append((sync(), model.a.weight.grad.tolist()))
     model.a._parameters["weight"] = nn.Parameter(torch.zeros(3))  # behind __setattr__'s back, as FSDP2 does
     model.a.weight.grad = torch.full((3,), float(2 * rank))
-    results.append((synchronize_tp_replica_gradients([model], device_mesh), model.a.weight.grad.tolist()))
+    results.append((sync(), model.a.weight.grad.tolist()))
     model.b = holder_with_grad(2 * rank + 3)  # a module added
     model.b.inner = holder_with_grad(rank, size=1)  # and one added below it
-    results.append((synchronize_tp_replica_gradients([model], device_mesh), model.b.inner.weight.grad.tolist()))
+    results.append((sync(), model.b.inner.weight.grad.tolist()))
     mark_tp_replica_gradient_reduction(model.b, "sum")  # a marker changed
     model.b.weight.grad = torch.full((4,), float(rank + 1))
-    results.append((synchronize_tp_replica_gradients([model], device_mesh), model.b.weight.grad.tolist()))
+    results.append((sync(), model.b.weight.grad.tolist()))
     del model.b  # a module removed: its parameters must no longer be reduced
     model.a.weight.requires_grad_(False)  # and a parameter frozen
     model.c = holder_with_grad(rank)
     with recorded_collectives() as calls:
-        results.append(synchronize_tp_replica_gradients([model], device_mesh))
+        results.append(sync())
     return results, calls
 
 
-def test_cached_plan_is_rebuilt_when_parameters_modules_or_markers_change(ranks2):
-    for results, calls in ranks2.run(check_plan_rebuilt_after_changes):
+@pytest.mark.parametrize("held", [True, False], ids=["held", "free"])
+def test_plan_is_rebuilt_when_parameters_modules_or_markers_change(ranks2, held):
+    for results, calls in ranks2.run(check_plan_rebuilt_after_changes, held):
         assert results == [1, (1, [3.0] * 2), (1, [1.0] * 3), (3, [0.5]), (3, [3.0] * 4), 1]
         assert calls == [("all_reduce", torch.int32, 3), ("all_reduce", torch.float32, 4)]
 
@@ -462,29 +471,22 @@ def check_each_change_alone_rebuilds_the_plan(rank, world_size):
     model.b = holder_with_grad(rank + 1)
     model.frozen = holder_with_grad(rank + 1)
     model.frozen.weight.requires_grad_(False)
-
-    def sync() -> int:
-        return synchronize_tp_replica_gradients([model], device_mesh)
-
-    def plan():
-        return next(iter(model_cache(model)["replica_sync_plans"].values()))
-
-    counts = [sync()]
-    first = plan()
-    nn.Linear(2, 2)  # built elsewhere: the registration counter moves, the complete check keeps the plan
-    counts.append(sync())
-    kept = plan() is first
+    replicas = ReplicaSync([model], device_mesh)
+    counts = [replicas.synchronize()]
+    nn.Linear(2, 2)  # built elsewhere: the plan is kept
+    counts.append(replicas.synchronize())
+    kept = replicas.plans_built == 1
     model.frozen.weight.requires_grad_(True)  # thawed, nothing else changed: reduced from now on
     model.frozen.weight.grad = torch.full((4,), float(rank))
-    counts.append(sync())
+    counts.append(replicas.synchronize())
     del model.b  # deleted, nothing registered: no longer reduced
-    counts.append(sync())
-    model.a.weight.grad = torch.full((4,), float(rank))  # fresh beside a kept bucket view: packed one by one
-    counts.append(sync())
+    counts.append(replicas.synchronize())
+    model.a.weight.grad = torch.full((4,), float(rank))  # fresh beside a kept bucket view
+    counts.append(replicas.synchronize())
     mixed = (model.a.weight.grad.tolist(), model.frozen.weight.grad.tolist())
     model.a.weight.requires_grad_(False)  # frozen, nothing else changed: left alone
     model.a.weight.grad = torch.full((4,), float(rank))
-    counts.append(sync())
+    counts.append(replicas.synchronize())
     return counts, kept, mixed, model.a.weight.grad.tolist() == [float(rank)] * 4
 
 
@@ -502,20 +504,21 @@ def check_gradients_become_bucket_views(rank, world_size):
     model.b = holder_with_grad(rank + 1, size=3, reduction="sum")
     model.low = Holder(torch.zeros(2, dtype=torch.bfloat16))
     model.low.weight.grad = torch.full((2,), float(rank + 1), dtype=torch.bfloat16)
-    synchronize_tp_replica_gradients([model], device_mesh)
+    replicas = ReplicaSync([model], device_mesh)  # held between steps, as the recipe holds it
+    replicas.synchronize()
     first = [model.a.weight.grad, model.b.weight.grad]
     # accumulate the next step in place, as autograd does into an existing .grad, then sync again
     loss = (model.a.weight * (rank + 1)).sum() + (model.b.weight * (rank + 1)).sum() + model.low.weight.sum().float()
     model.low.weight.grad = None
     loss.backward()
     with recorded_collectives() as calls:
-        synchronize_tp_replica_gradients([model], device_mesh)
+        replicas.synchronize()
     same_objects = [g is p.weight.grad for g, p in zip(first, (model.a, model.b), strict=True)]
     grads = [model.a.weight.grad.tolist(), model.b.weight.grad.tolist(), model.low.weight.grad.tolist()]
     model.a.weight.grad = None  # set_to_none, as optimizer.zero_grad does: fresh tensors are packed again
     model.b.weight.grad = torch.full((3,), float(rank))
     model.a.weight.grad = torch.full((4,), float(rank))
-    synchronize_tp_replica_gradients([model], device_mesh)
+    replicas.synchronize()
     return same_objects, grads, calls, model.a.weight.grad.tolist(), model.b.weight.grad.tolist()
 
 
@@ -563,34 +566,39 @@ def test_the_cached_plan_and_buffers_go_with_the_model(ranks2):
     assert ranks2.run(check_model_is_freed_after_a_sync) == [(1, True)] * 2
 
 
-def check_gradients_given_other_storage(rank, world_size):
+def check_gradients_given_other_storage(rank, world_size, held_sync):
     # after a first sync the gradients are the bucket's slices; then each is changed a different way
     device_mesh = mesh((world_size,), ("tp",))
     model = nn.Module()
     for name in ("a", "b", "c"):
         setattr(model, name, holder_with_grad(rank + 1))
-    synchronize_tp_replica_gradients([model], device_mesh)
+    sync = syncer(model, device_mesh, held_sync)
+    sync()
     model.a.weight.grad.data = torch.full((4,), float(rank + 10))  # other storage, same object
     model.b.weight.grad, model.c.weight.grad = model.c.weight.grad, model.b.weight.grad  # slices swapped
     model.b.weight.grad.fill_(rank + 20)
     model.c.weight.grad.fill_(rank + 30)
-    synchronize_tp_replica_gradients([model], device_mesh)
+    sync()
     after_changes = [getattr(model, n).weight.grad.tolist() for n in ("a", "b", "c")]
     owned = torch.full((8,), float(rank))  # gradients that are slices of the caller's own buffer
     model.a.weight.grad, model.b.weight.grad = owned[:4], owned[4:]
     held = model.c.weight.grad = torch.full((4,), float(rank + 40))
-    synchronize_tp_replica_gradients([model], device_mesh)
+    sync()
     aliases = [model.a.weight.grad.data_ptr() == owned.data_ptr(), model.b.weight.grad._base is owned]
     model.double()  # a cast gives every gradient float64 storage: the plan's buffers follow
     for name in ("a", "b", "c"):
         getattr(model, name).weight.grad.fill_(rank + 0.25)
-    synchronize_tp_replica_gradients([model], device_mesh)
+    sync()
     cast = [(getattr(model, n).weight.grad.dtype, getattr(model, n).weight.grad.tolist()) for n in ("a", "b", "c")]
     return after_changes, owned.tolist(), held.tolist(), aliases, cast
 
 
-def test_gradients_given_other_storage_swapped_or_owned_by_the_caller_are_reduced(ranks2):
-    for after_changes, owned, held, aliases, cast in ranks2.run(check_gradients_given_other_storage):
+@pytest.mark.parametrize("held_sync", [True, False], ids=["held", "free"])
+def test_gradients_given_other_storage_swapped_or_owned_by_the_caller_are_reduced(
+    ranks2, held_sync
+):
+    results = ranks2.run(check_gradients_given_other_storage, held_sync)
+    for after_changes, owned, held, aliases, cast in results:
         assert after_changes == [[10.5] * 4, [20.5] * 4, [30.5] * 4]
         assert owned == [0.5] * 8 and held == [40.5] * 4  # every gradient handed in holds the result, in place
         assert aliases == [True, True]  # slices of the caller's buffer stay its slices

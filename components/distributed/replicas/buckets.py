@@ -1,40 +1,20 @@
-"""What a TP replica gradient sync reduces, cached, and the persistent flat buffers it reduces them in.
+"""The flat buffers of a TP replica gradient sync: its buckets, their memory and the reduction.
 
-Walking a model's modules, sorting fully qualified names and sizing chunks costs more than the collectives
-on small sets, and it gives the same answer every step. So the answer is kept, per model, in a plan:
-
-- :class:`ModelSnapshot` remembers, for every module of the tree, the identity of each child and each
-  direct parameter, how many there are, its TP replica marker and each parameter's ``requires_grad`` and
-  model-owned marker. :meth:`ModelSnapshot.still_valid` rechecks all of that (five passes over every module
-  and parameter). That costs 0.5-1 ms per call for 1,000 parameters right after a large collective (cold
-  caches), more than the gap to the floor, so the caller uses :meth:`ModelSnapshot.quick_valid` per call:
-  a process-wide counter that torch's global module and parameter registration hooks (and the marker
-  functions, through :func:`bump_structure_version`) bump, the child counts of modules that have children,
-  the slots of the replicated parameters and their ``requires_grad``. It never reads a module's
-  attributes; when the counter moved (any module anywhere registered something) the complete check decides
-  once. So replacing a parameter (even through ``module._parameters``, as FSDP2 does), adding or deleting
-  a module or a parameter, re-marking a module or freezing or thawing a replica makes the caller rebuild the
-  plan; what only the complete check sees is listed under :meth:`ModelSnapshot.quick_valid`.
-- :class:`BucketLayout` cuts the gradients into buckets by (reduction, device, dtype) and the byte bound,
-  and owns persistent buffers, bounded together by ``max_bytes``: FP32 (wire-dtype) buckets of plain
-  gradients whose gradients *become views* of the bucket after the first reduction (DDP's
-  ``gradient_as_bucket_view``: while the gradients stay alive the next reduction runs in place, with no
-  copy at all), and one shared staging buffer, reused bucket after bucket, for the rest (bf16/fp16
-  gradients upcast to FP32, DTensor gradients). Packing is one ``torch.cat`` for 1-D gradients (norms,
-  biases: one kernel), else one ``torch._foreach_copy_``, as is unpacking. "In place" is decided by data
-  pointer (a gradient given other storage, by ``grad.data = ...`` or ``model.to(...)``, is packed again);
-  gradients that are not yet the bucket's slices get the result copied into them, as the contract says, and
-  are then re-bound, except slices of another tensor (a caller's own flat buffer), which stay bound there.
-
-The caller keeps plans in :func:`model_cache`, a dictionary stored on the model's first module itself, so
-buffers and plans go away with the model. (A global ``weakref.WeakKeyDictionary`` cannot hold them: a plan
-references the modules' dictionaries, and a module that references its root, as FSDP2's hooks and any hook
-bound to the model do, would keep the key alive through its own value, for ever.)
+:class:`BucketLayout` cuts gradients into buckets by (reduction, device, dtype) and the byte bound
+and owns their buffers, bounded together by ``max_bytes``: FP32 (wire-dtype) buckets of plain
+gradients whose gradients *become views* of the bucket after the first reduction (DDP's
+``gradient_as_bucket_view``: while the caller keeps the gradients, the next reduction runs in
+place), and one shared staging buffer, reused bucket after bucket, for the rest (bf16/fp16 upcast to
+FP32, DTensor gradients). "In place" is decided by data pointer, so a gradient given other storage
+(``grad.data = ...``, ``model.to(...)``) is packed again; gradients that are not yet the bucket's
+slices get the result copied into them and are then re-bound, except slices of another tensor (a
+caller's own flat buffer), which stay bound there. The layout knows nothing of modules:
+:class:`components.distributed.replicas.sync.ReplicaSync` decides when to build one.
 """
 
 from collections import deque
 from itertools import repeat
-from operator import attrgetter, is_, itemgetter
+from operator import attrgetter, itemgetter
 
 import torch
 import torch.distributed as dist
@@ -45,130 +25,6 @@ from components.distributed.replicas.flat_buffers import bounded_chunks, flat_vi
 _requires_grad = attrgetter("requires_grad")
 _grad = attrgetter("grad")
 _consume = deque(maxlen=0).extend  # runs an iterator for its side effects
-
-# Bumped on every module or parameter registered through the nn.Module API, anywhere in the process
-# (torch's global registration hooks, installed with the first snapshot), and by bump_structure_version().
-_structure_version = [0]
-_hook_handles: list = []
-
-
-class ModelCache(dict):
-    """Per-model caches (plans, trainable lists), kept in the model's ``__dict__``; a copy or a pickle of the
-    model starts with an empty one, so a copy never reuses the original's buffers."""
-
-    def __copy__(self) -> "ModelCache":
-        return ModelCache()
-
-    def __deepcopy__(self, memo: dict) -> "ModelCache":
-        return ModelCache()
-
-    def __reduce__(self):
-        return (ModelCache, ())
-
-
-_MODEL_CACHE_ATTR = "_shardtune_cache"
-
-
-def model_cache(module: nn.Module) -> ModelCache:
-    """The cache of ``module`` (created empty on first use): it lives and dies with the module."""
-    cache = module.__dict__.get(_MODEL_CACHE_ATTR)
-    if cache is None:
-        cache = module.__dict__[_MODEL_CACHE_ATTR] = ModelCache()
-    return cache
-
-
-def bump_structure_version(*_) -> None:
-    """Invalidate every snapshot's quick check (a marker changed; also the global registration hooks)."""
-    _structure_version[0] += 1  # returns None: a registration hook leaves the registered object as it is
-
-
-def _install_registration_hooks() -> None:
-    if not _hook_handles:
-        _hook_handles.append(nn.modules.module.register_module_module_registration_hook(bump_structure_version))
-        _hook_handles.append(nn.modules.module.register_module_parameter_registration_hook(bump_structure_version))
-
-
-class ModelSnapshot:
-    """Identity snapshot of module trees, cheap to recheck (see the module docstring)."""
-
-    def __init__(self, model_parts: list[nn.Module], marker_attr: str = "", owned_attr: str = ""):
-        self._marker_attr, self._owned_attr = marker_attr, owned_attr
-        modules = [module for part in model_parts for module in part.modules()]
-        # every module's _modules and _parameters dict, each entry as (dict, name, object), in one list each
-        self._dicts = [module._modules for module in modules] + [module._parameters for module in modules]
-        self._length = sum(map(len, self._dicts))
-        self._entry_dicts = [entries for entries in self._dicts for _ in entries]
-        self._entry_names = [name for entries in self._dicts for name in entries]
-        self._entries = [value for entries in self._dicts for value in entries.values()]
-        self._attributes = [module.__dict__ for module in modules]
-        self._markers = list(map(dict.get, self._attributes, repeat(marker_attr)))
-        self._tensors = [p for module in modules for p in module._parameters.values() if p is not None]
-        self._requires_grad = list(map(_requires_grad, self._tensors))
-        self._owned = list(map(hasattr, self._tensors, repeat(owned_attr)))
-        _install_registration_hooks()
-        self._version = _structure_version[0]
-        self.watch([], [])
-
-    def watch(self, trainable: list[nn.Parameter], frozen: list[nn.Parameter]) -> None:
-        """The parameters whose every slot :meth:`quick_valid` rechecks, and that must stay trainable / frozen."""
-        watched = {id(p) for p in [*trainable, *frozen]}
-        slots = [index for index, value in enumerate(self._entries) if id(value) in watched]
-        self._slot_dicts = [self._entry_dicts[i] for i in slots]
-        self._slot_names = [self._entry_names[i] for i in slots]
-        self._slots = [self._entries[i] for i in slots]
-        self._trainable, self._frozen = list(trainable), list(frozen)
-        self._watching = all(map(_requires_grad, trainable)) and not any(map(_requires_grad, frozen))
-        # a module deleted by any means shrinks its parent's _modules (a leaf has nothing to delete)
-        self._parents = [children for children in self._dicts[: len(self._attributes)] if children]
-        self._children = sum(map(len, self._parents))
-
-    def quick_valid(self, check_trainable: bool = True) -> bool:
-        """The per-call check, about 0.05 ms for 1,000 parameters (it reads no module's attributes).
-
-        Nothing registered through the nn.Module API since the last check (a process-wide counter; when it
-        moved, because any module anywhere registered something, the complete :meth:`still_valid` decides
-        once), as many children in every module that had some (a module deleted by any means), every slot of
-        a watched parameter still holding it (replaced or deleted, even through ``module._parameters`` as
-        FSDP2 does) and the same ``requires_grad`` on each (``check_trainable=False`` leaves the trainable
-        ones to :meth:`still_trainable`, for a caller that reads their gradients first). Not seen until the
-        counter moves: a marker attribute set other than through the functions that call
-        :func:`bump_structure_version`, the model-owned attribute set after the build, and entries added or
-        replaced directly in a module's ``_modules`` or ``_parameters`` other than a watched parameter's.
-        """
-        if self._version != _structure_version[0]:
-            if not self.still_valid():
-                return False
-            self._version = _structure_version[0]
-            return True
-        return (
-            sum(map(len, self._parents)) == self._children
-            and all(map(is_, map(dict.get, self._slot_dicts, self._slot_names), self._slots))
-            and self._watching
-            and not any(map(_requires_grad, self._frozen))
-            and (not check_trainable or self.still_trainable())
-        )
-
-    def still_trainable(self) -> bool:
-        """Every watched trainable parameter still requires grad (cheap right after reading their gradients)."""
-        return all(map(_requires_grad, self._trainable))
-
-    def still_valid(self) -> bool:
-        """True while the module trees hold exactly the children, parameters and markers seen at build.
-
-        Five C-level passes over every module and parameter (about 0.2 ms for 1,000 of each on a warm
-        cache, several times that right after a large collective), stopping at the first difference. Every
-        recorded (dict, name) still holding the same object, and as many entries in all as recorded, mean
-        each dictionary holds exactly the recorded entries (none can have gained one without another losing
-        one, which the identity pass sees).
-        """
-        return (
-            all(map(is_, map(dict.get, self._entry_dicts, self._entry_names), self._entries))
-            and sum(map(len, self._dicts)) == self._length
-            and list(map(dict.get, self._attributes, repeat(self._marker_attr))) == self._markers
-            and list(map(hasattr, self._tensors, repeat(self._owned_attr))) == self._owned
-            and list(map(_requires_grad, self._tensors)) == self._requires_grad
-        )
-
 
 _data_ptr = torch.Tensor.data_ptr
 _is_view = torch.Tensor._is_view
@@ -183,12 +39,15 @@ def _pointers(tensors) -> list[int] | None:
 
 
 class _Bucket:
-    """One collective: gradients (by candidate index) of one (reduction, device, dtype), at most the bound."""
+    """One collective: gradients (by candidate index) of one (reduction, device, dtype), at most the
+    bound."""
 
     def __init__(self, reduction: str, indices: list[int], gradients: list[torch.Tensor]):
         self.reduction, self.indices = reduction, indices
         # picks this bucket's gradients out of the list of every candidate's, in one C call
-        self.pick = itemgetter(*indices) if len(indices) > 1 else lambda grads, i=indices[0]: (grads[i],)
+        self.pick = (
+            itemgetter(*indices) if len(indices) > 1 else lambda grads, i=indices[0]: (grads[i],)
+        )
         self.device = gradients[0].device
         self.dtype = gradients[0].dtype
         self.wire = wire_dtype(self.dtype)
@@ -200,15 +59,20 @@ class _Bucket:
         self.as_view = False
         self.flat: torch.Tensor | None = None
         self.views: list[torch.Tensor] = []  # the buffer's slices, never handed out
-        # as_view only: the slices handed out as gradients (other objects: ``grad.data = ...`` on one cannot
+        # as_view only: the slices handed out as gradients (other objects: ``grad.data = ...`` on
+        # one cannot
         # move ``views``), the slices' data pointers, and the buffer's address range
         self.handed: list[torch.Tensor] = []
         self.view_pointers: list[int] | None = None
         self.span = (0, 0)
 
-    def pack(self, flat: torch.Tensor, views: list[torch.Tensor], grads: tuple[torch.Tensor, ...]) -> None:
-        """Copy (and upcast) ``grads`` into ``flat``, whose slices are ``views``; no gradient may overlap ``flat``."""
-        # cat upcasts bf16/fp16 through an FP32 temporary per gradient (RSS above the bound); copy_ casts in place
+    def pack(
+        self, flat: torch.Tensor, views: list[torch.Tensor], grads: tuple[torch.Tensor, ...]
+    ) -> None:
+        """Copy (and upcast) ``grads`` into ``flat``, whose slices are ``views``; no gradient may
+        overlap ``flat``."""
+        # cat upcasts bf16/fp16 through an FP32 temporary per gradient (RSS above the bound); copy_
+        # casts in place
         if self.one_dimensional and self.wire == self.dtype:
             torch.cat(grads, out=flat)
         else:
@@ -216,7 +80,8 @@ class _Bucket:
 
     def hand_out(self, parameters: tuple[nn.Parameter, ...], keep: list[bool] | None) -> None:
         """Make the buffer's slices the gradients of ``parameters`` (except where ``keep``)."""
-        if _pointers(self.handed) != self.view_pointers:  # a handed-out slice was given other storage since
+        # a handed-out slice was given other storage since
+        if _pointers(self.handed) != self.view_pointers:
             self.handed = flat_views(self.flat, self.shapes)
         if keep is None:
             _consume(map(setattr, parameters, repeat("grad"), self.handed))
@@ -227,7 +92,8 @@ class _Bucket:
 
 
 class BucketLayout:
-    """Buckets for one set of eligible candidates, with persistent buffers bounded by ``max_bytes`` in all.
+    """Buckets for one set of eligible candidates, with persistent buffers bounded by ``max_bytes``
+    in all.
 
     ``persistent=False`` allocates each bucket's buffer only while it is reduced (one at a time).
     """
@@ -249,12 +115,14 @@ class BucketLayout:
         self.buckets: list[_Bucket] = []
         for (reduction, _, _), members in groups.items():
             start = 0
-            for chunk in bounded_chunks([gradients[i] for i in members], max_bytes):  # consecutive runs
+            # consecutive runs
+            for chunk in bounded_chunks([gradients[i] for i in members], max_bytes):
                 self.buckets.append(_Bucket(reduction, members[start : start + len(chunk)], chunk))
                 start += len(chunk)
         self.device = torch.device(device)  # the collectives' kind of device ("cuda" has no index)
         self.size = len(gradients)
-        # by candidate: the data pointer of its slice in a view bucket (None: staged); when every bucket is
+        # by candidate: the data pointer of its slice in a view bucket (None: staged); when every
+        # bucket is
         # gradient views, also the slices themselves
         self.slot_pointers: list[int | None] = [None] * self.size
         self.views_in_order: list[torch.Tensor | None] | None = None
@@ -263,12 +131,13 @@ class BucketLayout:
             self._assign_buffers(plain, max_bytes)
 
     def _reduced_on(self, bucket: _Bucket) -> torch.device:
-        """A bucket's buffer device: its gradients' own (index included) when the collectives run on that kind
-        of device, else the collectives' (CPU gradients staged for NCCL)."""
+        """A bucket's buffer device: its gradients' own (index included) when the collectives run on
+        that kind of device, else the collectives' (CPU gradients staged for NCCL)."""
         return bucket.device if bucket.device.type == self.device.type else self.device
 
     def _assign_buffers(self, plain: list[bool], budget: int):
-        """Make plain FP32-on-the-wire buckets gradient views while views + staging stay within ``budget``.
+        """Make plain FP32-on-the-wire buckets gradient views while views + staging stay within
+        ``budget``.
 
         A bucket above the budget (one oversized gradient) gets a buffer only while it is reduced.
         """
@@ -286,7 +155,8 @@ class BucketLayout:
                 views += bucket.nbytes
             else:
                 staging = max(staging, bucket.nbytes)
-        shared: dict[torch.device, torch.Tensor] = {}  # one staging buffer per device (one in practice)
+        # one staging buffer per device (one in practice)
+        shared: dict[torch.device, torch.Tensor] = {}
         for bucket in fits:
             device = self._reduced_on(bucket)
             if bucket.as_view:
@@ -310,10 +180,15 @@ class BucketLayout:
                     self.views_in_order[index] = view
 
     def gradients_are_views(self, parameters: list[nn.Parameter]) -> bool:
-        """True when the gradients of ``parameters`` (every candidate, in order) occupy exactly this layout's bucket
-        slices: all present, dense and reduced in place. By data pointer, not identity: ``grad.data = ...``,
-        ``grad.set_(...)`` or ``model.to(...)`` give a gradient object other storage (one pass, no list kept)."""
-        return self.views_in_order is not None and _pointers(map(_grad, parameters)) == self.slot_pointers
+        """True when the gradients of ``parameters`` (every candidate, in order) occupy exactly this
+        layout's bucket
+        slices: all present, dense and reduced in place. By data pointer, not identity: ``grad.data
+            = ...``, ``grad.set_(...)`` or ``model.to(...)`` give a gradient object other storage
+            (one pass, no list kept)."""
+        return (
+            self.views_in_order is not None
+            and _pointers(map(_grad, parameters)) == self.slot_pointers
+        )
 
     def reduce(
         self,
@@ -323,10 +198,12 @@ class BucketLayout:
         tp_size: int,
         in_place: bool = False,
     ) -> int:
-        """SUM all-reduce every bucket (divide for mean), leave the result in each gradient, in place.
+        """SUM all-reduce every bucket (divide for mean), leave the result in each gradient, in
+        place.
 
-        ``in_place``: the caller has checked :meth:`gradients_are_views`. A mean over a power-of-two TP size
-        multiplies by its exact reciprocal, which rounds exactly like the division (and is ~3x faster on CPU).
+        ``in_place``: the caller has checked :meth:`gradients_are_views`. A mean over a power-of-two
+            TP size multiplies by its exact reciprocal, which rounds exactly like the division (and
+            is ~3x faster on CPU).
         """
         scale = 1.0 / tp_size if tp_size & (tp_size - 1) == 0 else None
         if in_place:  # nothing to pack or unpack
@@ -348,41 +225,56 @@ class BucketLayout:
                 views = flat_views(flat, bucket.shapes)
             bucket.pack(flat, views, bucket.pick(sources))
             _sum_and_divide(bucket, flat, group, scale, tp_size)
-            torch._foreach_copy_(list(grads), views)  # copy_ casts in place (a mul with out= stages FP32 on CPU)
+            # copy_ casts in place (a mul with out= stages FP32 on CPU)
+            torch._foreach_copy_(list(grads), views)
         return count
 
     def _read_apart(self, grads: list[torch.Tensor | None]) -> tuple[list, list[bool]]:
-        """The gradients to pack, with a copy of each one that is a slice of a view bucket other than its own
-        (swapped, or moved by hand: packing or reducing the buckets would overwrite it), and which those are."""
+        """The gradients to pack, with a copy of each one that is a slice of a view bucket other
+        than its own (swapped, or moved by hand: packing or reducing the buckets would overwrite
+        it), and which those are."""
         moved = [False] * len(grads)
         if not self.spans:
             return grads, moved
         pointers = _pointers(grads) or [0 if g is None else _data_ptr(g) for g in grads]
         low, high = min(lo for lo, _ in self.spans), max(hi for _, hi in self.spans)
-        if not any(low <= pointer < high for pointer in pointers):  # the usual fresh gradients: one cheap pass
+        # the usual fresh gradients: one cheap pass
+        if not any(low <= pointer < high for pointer in pointers):
             return grads, moved
         for index, (pointer, own) in enumerate(zip(pointers, self.slot_pointers, strict=True)):
             moved[index] = pointer != own and any(lo <= pointer < hi for lo, hi in self.spans)
         return [g.clone() if m else g for g, m in zip(grads, moved, strict=True)], moved
 
-    def _reduce_into_views(self, bucket, parameters, grads, sources, moved, group, scale, tp_size) -> None:
-        """A view bucket: in place when every gradient is its slice; else packed, reduced, the result copied back
-        into the gradients handed in (in place), and the buffer's slices made the gradients from now on.
+    def _reduce_into_views(
+        self, bucket, parameters, grads, sources, moved, group, scale, tp_size
+    ) -> None:
+        """A view bucket: in place when every gradient is its slice; else packed, reduced, the
+        result copied back into the gradients handed in (in place), and the buffer's slices made the
+        gradients from now on.
 
-        Gradients already in their slice are not copied; gradients that are slices of another tensor (someone's
-        own flat buffer) get the result and stay bound where they are.
+        Gradients already in their slice are not copied; gradients that are slices of another tensor
+        (someone's own flat buffer) get the result and stay bound where they are.
         """
-        own = [pointer == slot for pointer, slot in zip(_pointers(grads), bucket.view_pointers, strict=True)]
+        own = [
+            pointer == slot
+            for pointer, slot in zip(_pointers(grads), bucket.view_pointers, strict=True)
+        ]
         if all(own):
             _sum_and_divide(bucket, bucket.flat, group, scale, tp_size)
             return
-        if any(own):  # copy only the others: a slice copied onto itself is fine, but cat refuses any overlap
-            pairs = [(view, source) for view, source, mine in zip(bucket.views, sources, own, strict=True) if not mine]
+        # copy only the others: a slice copied onto itself is fine, but cat refuses any overlap
+        if any(own):
+            pairs = [
+                (view, source)
+                for view, source, mine in zip(bucket.views, sources, own, strict=True)
+                if not mine
+            ]
             torch._foreach_copy_([view for view, _ in pairs], [source for _, source in pairs])
         else:
             bucket.pack(bucket.flat, bucket.views, sources)
         _sum_and_divide(bucket, bucket.flat, group, scale, tp_size)
-        elsewhere = [not (mine or m) for mine, m in zip(own, moved, strict=True)]  # outside every view bucket
+        # outside every view bucket
+        elsewhere = [not (mine or m) for mine, m in zip(own, moved, strict=True)]
         targets = [(g, v) for g, v, out in zip(grads, bucket.views, elsewhere, strict=True) if out]
         if targets:
             torch._foreach_copy_([g for g, _ in targets], [v for _, v in targets])
@@ -392,9 +284,11 @@ class BucketLayout:
         bucket.hand_out(parameters, keep)
 
 
-def _sum_and_divide(bucket: _Bucket, flat: torch.Tensor, group, scale: float | None, tp_size: int) -> None:
-    """SUM all-reduce ``flat``, then the mean's divide: by the exact reciprocal when the TP size is a power of two
-    (the same rounding)."""
+def _sum_and_divide(
+    bucket: _Bucket, flat: torch.Tensor, group, scale: float | None, tp_size: int
+) -> None:
+    """SUM all-reduce ``flat``, then the mean's divide: by the exact reciprocal when the TP size is
+    a power of two (the same rounding)."""
     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
     if bucket.reduction == "mean":
         if scale is not None:

@@ -17,14 +17,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from components.distributed.replicas.flat_buffers import local_tensor
-from components.distributed.tp_replicas import tp_replicated_parameters, tp_submesh
+from components.distributed.replicas.selection import get_tp_mesh
+from components.distributed.replicas.sync import ReplicaSync
 
 
 def _replicated_tensors(model_parts: list[nn.Module], device_mesh: DeviceMesh) -> list[tuple[str, torch.Tensor]]:
     """(name, rank-local storage) of every TP-replicated floating-point parameter, in rank-stable name order."""
     return [
         (name, local_tensor(tensor).detach())
-        for name, tensor, _ in tp_replicated_parameters(model_parts, device_mesh)
+        for name, tensor, _ in ReplicaSync(model_parts, device_mesh).replicated_parameters()
         if not local_tensor(tensor).is_meta and tensor.is_floating_point() and tensor.numel()
     ]
 
@@ -63,9 +64,10 @@ def replica_drift(model_parts: list[nn.Module], device_mesh: DeviceMesh | None) 
     """Largest absolute difference between the copies of each replicated tensor: TP replicas, then expert
     copies over ``ep_shard`` (empty when nothing is replicated)."""
     drift = {}
-    tp_mesh = tp_submesh(device_mesh)
+    tp_mesh = get_tp_mesh(device_mesh, "tp")
     if tp_mesh is not None:
-        drift |= _spread(_replicated_tensors(model_parts, device_mesh), tp_mesh.get_group(), tp_mesh.device_type)
+        tensors = _replicated_tensors(model_parts, device_mesh)
+        drift |= _spread(tensors, tp_mesh.get_group(), tp_mesh.device_type)
     for mesh, tensors in _expert_copies(model_parts).items():
         drift |= _spread(tensors, mesh.get_group("ep_shard"), mesh.device_type)
     return drift

@@ -1,5 +1,7 @@
-"""The grad norm's cached list of trainable parameters follows the model: freezing, thawing, replacing a
-parameter (as FSDP2 does, through ``_parameters``), adding and deleting a module each change the norm."""
+"""The grad norm's list of trainable parameters (walked at every call, nothing kept) follows the
+model: freezing, thawing, replacing a parameter (as FSDP2 does, through ``_parameters``), adding and
+deleting a module each change the norm; a model is freed after a norm, and a copy has its own
+parameters."""
 
 import copy
 import gc
@@ -22,7 +24,7 @@ def expected(model: nn.Module) -> float:
     return math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in model.parameters() if p.requires_grad))
 
 
-def test_the_cached_trainable_parameters_follow_every_change_to_the_model():
+def test_the_trainable_parameters_follow_every_change_to_the_model():
     torch.manual_seed(0)
     model = with_grads(nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)))
     replacement = nn.Parameter(torch.zeros(2))
@@ -40,7 +42,7 @@ def test_the_cached_trainable_parameters_follow_every_change_to_the_model():
         assert grad_norm([model]).item() == expected(model)
 
 
-def test_the_cached_trainable_list_goes_with_the_model_and_a_copy_starts_without_it():
+def test_a_norm_keeps_nothing_of_the_model_and_a_copy_is_its_own():
     model = nn.Sequential(nn.Linear(3, 3), nn.LayerNorm(3))
     model.register_forward_pre_hook(lambda module, args, root=model: None)  # references its root, as FSDP2's do
     for parameter in model.parameters():
