@@ -19,6 +19,7 @@ import os
 import time
 import traceback
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -137,6 +138,18 @@ class RankPool:
 
 
 _MESHES: dict[tuple, DeviceMesh] = {}
+
+
+def tiny_model_folder(root: Path) -> Path:
+    """``root/model``: a tiny Llama's weights, config and a trained tokenizer (model=pretrained)."""
+    from components.data import DEFAULT_VOCAB_SIZE, train_tokenizer
+    from components.models import build_causal_lm, tiny_config
+
+    folder = root / "model"
+    tokenizer = train_tokenizer(["hello world", "tune"], DEFAULT_VOCAB_SIZE, root / "tokenizer")
+    build_causal_lm(tiny_config("llama", vocab_size=len(tokenizer)), seed=0).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
 
 
 def mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:

@@ -15,12 +15,17 @@ split and the packing are small index files beside it (``rows-*.npz``), so chang
 Fork safety: the ranks are forked from the process that calls this. ``Dataset.map`` worker processes end
 before it returns, and ``TOKENIZERS_PARALLELISM`` is set to false so the Rust tokenizer starts no thread
 pool here that a forked rank could inherit mid-lock.
+
+A killed launcher leaves nothing running or behind: each map worker dies with it (parent-death
+signal), and a scratch folder (``*.tmp-PID``, ``*.PID.tmp``) of a process that no longer exists is
+removed by the next preparation in the same cache.
 """
 
 import hashlib
 import json
 import os
 import random
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +40,7 @@ from components.data.loader import TokenizedSplit, open_tokens, pad_id_of
 from components.data.packing import build_rows
 from components.data.sources import DataSource
 from components.data.tokenizer import DEFAULT_VOCAB_SIZE, train_tokenizer
+from components.runtime.launch import die_with_parent
 
 FORMAT_VERSION = 4  # bump when the tokenized layout changes, so old cache folders are not read
 TOKENS = datasets.Features(
@@ -50,6 +56,8 @@ TOKENS = datasets.Features(
 WRITER_BATCH_SIZE = 20_000
 # Below this many records per process, starting map's worker processes costs more than it saves.
 RECORDS_PER_PROCESS = 20_000
+# The scratch folders of one process: ``<key>.tmp-PID`` (tokens), ``<name>.PID.tmp`` (a tokenizer).
+SCRATCH = re.compile(r"\.tmp-(\d+)$|\.(\d+)\.tmp$")
 
 
 @dataclass(frozen=True)
@@ -83,6 +91,35 @@ def tokenizer_digest(tokenizer) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
+def _tokenize_in_worker(batch: dict[str, list], tokenizer, seq_len: int, launcher: int) -> dict:
+    """``tokenize_batch`` in a map worker that dies with the launcher (a killed launcher left its
+    workers running at full CPU, re-parented to init). Cheap: one ``prctl`` per 20,000 records."""
+    if os.getpid() != launcher:
+        die_with_parent(launcher)
+    return tokenize_batch(batch, tokenizer, seq_len)
+
+
+def remove_stale_scratch(folder: Path) -> None:
+    """Remove the scratch folders under ``folder`` whose process no longer exists (a launcher killed
+    while it tokenized or trained a tokenizer). A live process's, or one of another host sharing the
+    cache whose pid is alive here, is left alone."""
+    if not folder.is_dir():
+        return
+    for child in folder.iterdir():
+        if (match := SCRATCH.search(child.name)) and not _alive(int(match[1] or match[2])):
+            shutil.rmtree(child, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _tokenize(source: DataSource, tokenizer, seq_len: int, num_proc: int, cache_root: Path, folder: Path) -> None:
     """Tokenize every record into ``folder/tokens`` (via a temporary folder renamed at the end).
 
@@ -96,10 +133,10 @@ def _tokenize(source: DataSource, tokenizer, seq_len: int, num_proc: int, cache_
         raw = source.load(source_cache_dir(cache_root))
         processes = max(1, min(num_proc, len(raw) // RECORDS_PER_PROCESS))
         tokens = raw.map(
-            tokenize_batch,
+            _tokenize_in_worker,
             batched=True,
             batch_size=WRITER_BATCH_SIZE,  # map writes one Arrow record batch per call
-            fn_kwargs={"tokenizer": tokenizer, "seq_len": seq_len},
+            fn_kwargs={"tokenizer": tokenizer, "seq_len": seq_len, "launcher": os.getpid()},
             remove_columns=raw.column_names,
             features=TOKENS,
             num_proc=processes if processes > 1 else None,
@@ -191,6 +228,7 @@ def prepare_data(
     reused = (folder / "meta.json").is_file()
     if not reused:
         folder.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_scratch(folder.parent)
         _tokenize(source, tokenizer, seq_len, num_proc, Path(cache_root), folder)
     rows_file = _write_rows(folder, source.val_fraction, seed, packing, seq_len)
     with np.load(rows_file) as rows:
@@ -211,6 +249,7 @@ def cached_tokenizer(source: DataSource, cache_root: str | Path) -> Path:
     datasets.disable_progress_bars()  # one error line on bad data, not a progress bar before it
     folder = data_cache_dir(cache_root) / "tokenizers" / f"{source.fingerprint()}-{DEFAULT_VOCAB_SIZE}"
     if not folder.is_dir():
+        remove_stale_scratch(folder.parent)
         private = folder.with_name(f"{folder.name}.{os.getpid()}.tmp")
         train_tokenizer(source.texts(source_cache_dir(cache_root)), DEFAULT_VOCAB_SIZE, private)
         try:

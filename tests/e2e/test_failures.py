@@ -5,6 +5,7 @@ The recipe runs as a user starts it (``python recipes/finetune.py ...``) in its 
 SIGKILL one rank (a child of the recipe process) or the whole process group.
 """
 
+import contextlib
 import json
 import os
 import re
@@ -19,6 +20,7 @@ import pytest
 
 from components.checkpoint.integrity import MARKER
 from components.runtime.launch import RankExit, describe_rank_failure
+from tests.harness import tiny_model_folder
 
 REPO = Path(__file__).resolve().parents[2]
 # Small and quick: tp=2, 4 sequences per step in 2 micro-batches, no validation or export.
@@ -216,3 +218,50 @@ def test_a_kill_during_a_checkpoint_save_resumes_from_the_previous_one(tmp_path)
     assert [r["loss"] for r in records[-4:]] == [r["loss"] for r in expected[2:]]  # exact on the CPU
     assert [r["grad_norm"] for r in records[-4:]] == [r["grad_norm"] for r in expected[2:]]
     assert (checkpoints / "step_00000004" / MARKER).is_file() and not saving.exists()
+
+
+def test_a_launcher_killed_while_it_tokenizes_leaves_no_process_and_no_scratch(tmp_path):
+    # a model folder's tokenizer (none trained on the data), and records enough for 2 map workers
+    # with 2 batches of 20,000 each
+    model = ["model=pretrained", f"model.pretrained_path={tiny_model_folder(tmp_path)}"]
+    cache, output = tmp_path / "cache", tmp_path / "killed"
+    shared = [*model, f"cache_dir={cache}", "tp=1", "train.max_steps=1", "train.warmup_steps=1"]
+    process = start_recipe(output, *shared, "data.num_examples=80000")
+    workers: list[int] = []
+    try:
+        # every worker has written its first batch, so it is past its first call
+        wait_for(lambda: tokenizing(process, cache, workers), 600, process, "the map workers")
+        scratch = next(cache.glob("data/*.tmp-*"))
+        for pid in workers:  # frozen: now only the kernel's parent-death signal can end them
+            os.kill(pid, signal.SIGSTOP)
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait()
+        deadline = time.monotonic() + STOP_WITHIN_S
+        while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [pid for pid in workers if alive(pid)], "map workers outlived the launcher"
+    finally:
+        kill_group(process)
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert scratch.is_dir()  # a SIGKILL runs no clean-up: the next preparation in the cache does
+    rerun = start_recipe(tmp_path / "next", *shared, "data.num_examples=200")
+    assert rerun.wait(timeout=300) == 0, stderr_of(tmp_path / "next")[-3000:]
+    assert not scratch.exists() and not list(cache.glob("data/*.tmp-*"))
+
+
+def tokenizing(process: subprocess.Popen, cache: Path, workers: list[int]) -> bool:
+    """Whether the launcher's map workers (its forks, listed into ``workers``) have each written."""
+    if process.poll() is not None:
+        return False  # wait_for says it ended
+    launcher = _cmdline(process.pid)
+    workers[:] = [pid for pid in children(process.pid) if _cmdline(pid) == launcher]
+    return len(workers) >= 2 and len(list(cache.glob("data/*.tmp-*/tokens/*"))) >= len(workers)
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (FileNotFoundError, ProcessLookupError):
+        return b""

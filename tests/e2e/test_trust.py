@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.harness import tiny_model_folder
+
 REPO = Path(__file__).resolve().parents[2]
 SMALL = ["train.global_batch_size=4", "train.micro_batch_size=2", "train.val_every=0", "train.warmup_steps=1"]
 SMALL += ["data.num_examples=200"]
@@ -169,13 +171,7 @@ CUSTOM_CODE = "from pathlib import Path\nPath({marker!r}).write_text('ran')\n"
 def model_folder_with_code(root: Path, where: str) -> Path:
     """A tiny Llama folder whose ``where`` file points at a ``custom.py`` beside it that, once
     imported, writes ``root/marker``."""
-    from components.data import DEFAULT_VOCAB_SIZE, train_tokenizer
-    from components.models import build_causal_lm, tiny_config
-
-    folder = root / "model"
-    tokenizer = train_tokenizer(["hello world", "tune"], DEFAULT_VOCAB_SIZE, root / "tokenizer")
-    build_causal_lm(tiny_config("llama", vocab_size=len(tokenizer)), seed=0).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    folder = tiny_model_folder(root)
     (folder / "custom.py").write_text(CUSTOM_CODE.format(marker=str(root / "marker")))
     path = folder / where
     content = json.loads(path.read_text())
