@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+import components.moe.expert_parallel as expert_parallel
 from components.checkpoint.dcp import checkpoint_path, load_checkpoint, save_checkpoint
 from components.distributed.fsdp import shard_data_parallel
 from components.distributed.grads import grad_norm
@@ -314,3 +315,61 @@ def test_ranks_that_receive_no_tokens_still_join_every_exchange(ranks4):
         assert loss == pytest.approx(reference_loss, rel=1e-5)
         assert norm == pytest.approx(reference_norm, rel=1e-6)
         assert has_grad
+
+
+def grouped_against_loop(rank, world_size, tp, ep, precision):
+    """One forward and backward of the same EP model with grouped GEMM experts and with the loop:
+    the relative difference of the loss and the largest of every local expert gradient's."""
+    config = tiny_config("qwen3_moe")
+    dims = resolve_parallel_dims(world_size, tp=tp, ep=ep)
+    device_mesh = mesh((dims.dp, dims.tp), ("dp", "tp"))
+    tokens, labels, global_tokens = global_batch(config.vocab_size)
+    dp_rank = device_mesh["dp"].get_local_rank()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    compute = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed")
+    results, calls = {}, {True: 0, False: 0}
+    grouped_run = expert_parallel._run_experts_grouped
+
+    def counted(*args, **kwargs):
+        calls[grouped] += 1
+        return grouped_run(*args, **kwargs)
+
+    expert_parallel._run_experts_grouped = counted
+    try:
+        for grouped in (True, False):
+            model = build_causal_lm(config, seed=0, dtype=dtype)
+            if tp > 1:
+                plan, moe_modules = plan_for(config), EXPERTS + ROUTERS
+                apply_tp_plan(model, device_mesh["tp"], plan, config, moe_modules=moe_modules)
+            moe_mesh = mesh((dims.ep_shard, dims.ep), ("ep_shard", "ep"))
+            tp_mesh = device_mesh["tp"]
+            apply_expert_parallel(model, moe_mesh, tp_mesh, list(EXPERTS), grouped=grouped)
+            batch = (tokens.chunk(dims.dp)[dp_rank], labels.chunk(dims.dp)[dp_rank], global_tokens)
+            loss = forward_backward(model, *batch, compute=compute)
+            named = model.named_parameters()
+            experts = {n: p.grad.to_local().float() for n, p in named if ".experts." in n}
+            results[grouped] = (loss, experts)
+    finally:
+        expert_parallel._run_experts_grouped = grouped_run
+    (loss, grads), (loop_loss, loop_grads) = results[True], results[False]
+    errors = [((grads[n] - g).abs().max() / g.abs().max()).item() for n, g in loop_grads.items()]
+    return {
+        "mode": model.model.layers[0].mlp.experts._ep_layout.mode,
+        "loss": abs(loss - loop_loss) / abs(loop_loss),
+        "grads": max(errors),
+        "count": len(errors),
+        "calls": calls,
+    }
+
+
+BANDS = [("fp32", 1e-6), ("bf16-mixed", 2e-2), ("bf16", 2e-2)]
+
+
+# Both dispatch paths under each precision: grouped GEMM runs where the loop ran, and agrees.
+@pytest.mark.parametrize(("tp", "ep", "mode"), [(2, 2, "folded"), (1, 2, "all_to_all")])
+@pytest.mark.parametrize(("precision", "band"), BANDS)
+def test_grouped_experts_match_the_loop_on_both_paths(ranks2, tp, ep, mode, precision, band):
+    for result in ranks2.run(grouped_against_loop, tp, ep, precision):
+        assert result["mode"] == mode and result["count"] == 4  # 2 layers x 2 fused tensors
+        assert result["loss"] <= band and result["grads"] <= band
+        assert result["calls"] == {True: 2, False: 0}  # grouped GEMM ran in both layers
