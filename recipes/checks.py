@@ -85,8 +85,9 @@ def check_sizes(settings: Config, device_type: str) -> tuple[ParallelDims | None
         world_size = int(os.environ["WORLD_SIZE"])
     elif settings.nproc is not None:
         world_size = settings.nproc
-    else:
-        world_size = torch.cuda.device_count() if device_type == "cuda" else (settings.dp or 1) * settings.tp
+    else:  # a dry run plans the layout asked for, whatever devices this machine has
+        cuda = device_type == "cuda" and not settings.dry_run
+        world_size = torch.cuda.device_count() if cuda else (settings.dp or 1) * settings.tp
     try:
         dims = resolve_parallel_dims(world_size, tp=settings.tp, dp=settings.dp, ep=settings.ep)
     except ValueError as error:
@@ -191,7 +192,8 @@ def _tokenizer_dir(settings: Config, source: DataSource, model_path: Path | None
         raise ConfigError(f"data: {error}") from None
     if model_path is None:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=False)
-        config.vocab_size = len(tokenizer)
+        if not (settings.dry_run and config.vocab_size > len(tokenizer)):  # a dry run: a real one's
+            config.vocab_size = len(tokenizer)
         if dims.tp > 1 and (errors := _plan_errors(settings, dims, config, meta_causal_lm(config))):
             raise ConfigError("; ".join(errors))
     return tokenizer_dir
@@ -264,7 +266,7 @@ def plan_run(cfg: DictConfig, output_dir: str | None = None) -> tuple[RunPlan, O
     data = prepare_run_data(settings, source, tokenizer_dir, dims)  # bad data is refused before the folder is claimed
     info = run_info(settings, config, data.tokenizer_digest)
     try:  # the last step that can refuse the run: nothing after it leaves a claimed folder behind
-        if os.environ.get("RANK", "0") == "0":  # under torchrun rank 0 owns the folder; the others only read
+        if os.environ.get("RANK", "0") == "0" and not settings.dry_run:  # rank 0 owns it
             lock, resume_from, record = own_output_dir(settings, output, info)
         else:
             lock, resume_from, record = None, choose_checkpoint(settings, output / "checkpoints", info), None

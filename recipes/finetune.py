@@ -40,7 +40,7 @@ from components.runtime.launch import end_launched_rank, join_world, launch_loca
 from components.targets import target_class
 from components.training.loggers import open_logger
 from components.training.memory import peak_memory_gib, reset_peak_memory
-from components.training.metrics import MetricsLog, plot_loss_curve
+from components.training.metrics import MetricsLog, plot_loss_curve, throughput
 
 # Model, data and tokenizer code (transformers, datasets) is imported by the functions that use it,
 # so that --help and --cfg job take about the time of `import torch` (tests/e2e/test_first_hour.py).
@@ -147,7 +147,7 @@ def train_step(run: Run, plan: RunPlan, step: int) -> dict:
         "grad_norm": norm if finite else None,
         "lr": lr,
         "tokens": tokens,
-        "tokens_per_s": tokens / elapsed,
+        **throughput(tokens, elapsed, plan.flops_per_token, dist.get_world_size(), run.device),
         "peak_memory_gib": peak.item(),
         **({"expert_imbalance": run.experts.imbalance()} if run.experts else {}),
         **({} if finite else {"skipped": True}),
@@ -223,12 +223,15 @@ def rank_main(plan: RunPlan) -> None:
 
 def launch(cfg: DictConfig, output_dir: str) -> None:
     """Check and plan once, then run the ranks: here (torchrun started us) or as local processes."""
+    from components.planning.dry_run import dry_run
     from recipes.checks import ConfigError, fail, plan_run
 
     try:
         plan, lock = plan_run(cfg, output_dir)  # this run owns output_dir until the lock is released
     except ConfigError as error:
         fail(str(error))
+    if plan.settings.dry_run:  # checked: the layout is built on fake ranks and priced; nothing runs
+        return dry_run(plan, fail)
     if lock is not None:  # rank 0 of torchrun, or the local launcher
         (plan.output_dir / "config.yaml").write_text(plan.config_yaml)
     try:

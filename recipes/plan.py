@@ -6,6 +6,7 @@ from the same checks.
 """
 
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from components.data import PreparedData
@@ -31,6 +32,13 @@ class RunPlan:
     run_info: dict  # what checkpoints record and a resume must match (model shapes, optimizer, batch geometry)
     fault: Fault | None  # debug.fault, parsed (tests only)
     config_yaml: str  # the resolved config the run was started with, saved as output_dir/config.yaml
+
+    @cached_property
+    def flops_per_token(self) -> int:
+        """Model FLOPs of forward + backward per token at ``train.seq_len`` (for ``mfu``)."""
+        from components.planning.flops import flops_per_token
+
+        return flops_per_token(self.model.config, self.settings.train.seq_len)
 
     @property
     def checkpoints(self) -> Path:

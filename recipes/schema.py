@@ -131,6 +131,10 @@ class Config(Section):
     )
     output_dir: Text = key("a folder path, e.g. output_dir=outputs/run1")
     overwrite_output_dir: bool = key("true or false")
+    dry_run: bool = key("true or false")
+    device_memory_gib: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = key(
+        "null (the visible device's) or a positive number of GiB, e.g. device_memory_gib=80"
+    )
     cache_dir: Text = key("a folder for tokenized data and converted models, e.g. cache_dir=~/.cache/shardtune")
     train: Train
     checkpoint: Checkpoint

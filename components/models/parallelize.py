@@ -46,9 +46,10 @@ def build_parallel_model(
     spec: ModelSpec, dims: ParallelDims, mesh: DeviceMesh, device: torch.device, timeout: timedelta | None = None
 ) -> tuple[nn.Module, PlanReport | None]:
     """The model of this rank, sharded over ``mesh`` ("dp", "tp"), and the TP plan's report (None at tp=1);
-    ``timeout``: of the MoE mesh's groups, as of ``mesh``'s."""
+    ``timeout``: of the MoE mesh's groups, as of ``mesh``'s. On the meta ``device`` (a dry run)
+    every step runs but nothing gets storage."""
     policy = precision_policy(spec.precision)
-    if spec.weights is None:
+    if spec.weights is None and device.type != "meta":
         model = build_causal_lm(spec.config, seed=spec.seed, dtype=policy.param_dtype).to(device)
     else:  # nothing allocated until each rank loads its own shards
         model = meta_causal_lm(spec.config, dtype=policy.param_dtype)
@@ -60,7 +61,7 @@ def build_parallel_model(
         policy.cast_tp_inputs(model, data_parallel=dims.dp > 1)
     if dims.ep > 1:  # the MoE mesh and its process groups exist only when experts are split
         apply_expert_parallel(model, build_moe_mesh(mesh, dims, timeout), mesh["tp"], list(spec.experts))
-    if spec.weights is not None:
+    if spec.weights is not None and device.type != "meta":
         materialize_pretrained(model, spec.weights, device=str(device))
     apply_block_wrappers(model, spec.activation_checkpointing, spec.compile)
     if dims.dp > 1:

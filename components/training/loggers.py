@@ -22,7 +22,8 @@ from typing import Any, Protocol
 from components.targets import target_class
 
 # Fields of a metrics record sent to a tracker, when present and not None.
-METRIC_KEYS = ("loss", "grad_norm", "lr", "tokens_per_s", "tokens", "peak_memory_gib", "val_loss")
+_THROUGHPUT = ("tokens_per_s", "tokens", "tflops", "mfu")  # mfu: on CUDA only
+METRIC_KEYS = ("loss", "grad_norm", "lr", *_THROUGHPUT, "peak_memory_gib", "val_loss")
 _EXTRA = "pip install 'shardtune[loggers]'"
 # Logger class name -> (config group option, module it needs, what to install).
 _NEEDS = {

@@ -5,6 +5,18 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from components.planning.flops import peak_tflops
+
+
+def throughput(tokens: int, seconds: float, flops: float, world: int, device) -> dict[str, float]:
+    """``tokens_per_s``; ``tflops``, the model TFLOP/s per rank: ``flops`` per token × the step's
+    ``tokens`` (the whole world's) / ``seconds`` / ``world`` (ranks); and, where the device's peak
+    is known (CUDA, ``components.planning.flops.PEAK_BF16_TFLOPS``), ``mfu``: tflops / peak."""
+    tflops = flops * tokens / seconds / world / 1e12
+    peak = peak_tflops(device)
+    mfu = {"mfu": tflops / peak} if peak else {}
+    return {"tokens_per_s": tokens / seconds, "tflops": tflops, **mfu}
+
 
 class MetricsLog:
     """Appends one flushed JSON object per step to ``metrics.jsonl``; silent on every rank but the writer."""
