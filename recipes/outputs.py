@@ -149,7 +149,7 @@ def _check_foreign_resume(output_dir: Path, checkpoint: Path, overwrite: bool) -
     if held is None or not run_files(output_dir) or held.run_id == theirs:
         return
     if overwrite and not checkpoint.is_relative_to(output_dir):
-        remove_run_files(output_dir)
+        remove_run_files(output_dir, held)
         return
     raise OutputDirError(
         f"output_dir {output_dir} holds another run's files than the one checkpoint.resume={checkpoint} belongs to; "

@@ -9,7 +9,9 @@
   folder's files (:data:`RUN_FILES`) belong to. A fresh run (nothing to resume) into a folder holding another
   run's files is refused, like Hugging Face's Trainer refuses a non-empty output folder, with the choices:
   ``checkpoint.resume=auto``, another ``output_dir``, or ``overwrite_output_dir=true``, which removes those
-  files (and only those; never a file of the user's).
+  files (and only those; never a file of the user's). Only a folder whose ``run.json`` records a run
+  has files that are provably shardtune's (the names it lists under ``files``): a ``config.yaml``,
+  ``metrics.jsonl`` or ``loss.png`` in a folder without one is the user's and is never removed.
 - :func:`write_manifest` / :func:`foreign_files`: a folder shardtune publishes whole (``hf/``, a checkpoint)
   carries a manifest of its files, so a later publish or overwrite can tell the user's own files from ours
   and refuse instead of deleting them.
@@ -66,6 +68,7 @@ class RunRecord:
     run_id: str
     config_hash: str
     started: str
+    files: tuple[str, ...] = RUN_FILES  # what the run may write there, and overwrite may remove
 
 
 def config_hash(config: Mapping[str, Any]) -> str:
@@ -175,8 +178,9 @@ def _user_files_in_ours(output_dir: Path) -> list[str]:
     return found
 
 
-def remove_run_files(output_dir: Path) -> list[str]:
-    """Remove the :data:`RUN_FILES` in ``output_dir``; return their names. Nothing else is touched.
+def remove_run_files(output_dir: Path, record: RunRecord) -> list[str]:
+    """Remove the files in ``output_dir`` that the run ``record`` (its ``run.json``) lists; return
+    their names. Nothing else is touched.
 
     Raises:
         OutputDirError: If ``hf/``, ``tokenizer/`` or ``checkpoints/`` hold files of the user's (before
@@ -187,7 +191,7 @@ def remove_run_files(output_dir: Path) -> list[str]:
             f"output_dir {output_dir} holds files shardtune did not write inside its own folders "
             f"({', '.join(user[:5])}{' ...' if len(user) > 5 else ''}); move them, or choose another output_dir"
         )
-    removed = run_files(output_dir)
+    removed = [name for name in run_files(output_dir) if name in record.files]
     for name in removed:
         path = Path(output_dir) / name
         shutil.rmtree(path) if path.is_dir() else path.unlink()
@@ -197,8 +201,9 @@ def remove_run_files(output_dir: Path) -> list[str]:
 def read_run_record(output_dir: Path) -> RunRecord | None:
     """The run ``output_dir`` belongs to (``run.json``), or None when there is no readable record."""
     try:
-        return RunRecord(**json.loads((Path(output_dir) / RUN_FILE).read_text()))
-    except (OSError, ValueError, TypeError):
+        fields = json.loads((Path(output_dir) / RUN_FILE).read_text())
+        return RunRecord(**{**fields, "files": tuple(fields.get("files", RUN_FILES))})
+    except (OSError, ValueError, TypeError, AttributeError):
         return None
 
 
@@ -222,7 +227,9 @@ def claim_output_dir(
 
     Raises:
         OutputDirError: One line: the folder holds another run's files (naming them and the three choices),
-            or the user's own files sit inside ours (naming them).
+            or the user's own files sit inside ours (naming them), or files of shardtune's names
+            that no ``run.json`` records (a user's own ``config.yaml``: never replaced, even with
+            ``overwrite``).
     """
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -233,10 +240,17 @@ def claim_output_dir(
         )
     previous = read_run_record(output_dir)
     started = time.strftime("%Y-%m-%d %H:%M:%S")
+    present = run_files(output_dir)
+    if present and previous is None:  # no run recorded them: the user's, whatever their names
+        raise OutputDirError(
+            f"output_dir {output_dir} holds {', '.join(present)} but no readable {RUN_FILE} of a "
+            "shardtune run, so they may be your own files and nothing there is replaced or removed "
+            "(not even with overwrite_output_dir=true): move them, or choose another output_dir=..."
+        )
     if continuing:
         run_id = previous.run_id if previous is not None else uuid.uuid4().hex
         return _write_record(output_dir, RunRecord(run_id, config_hash, started))
-    if present := run_files(output_dir):
+    if present:
         if not overwrite:
             choices = "to keep it choose another output_dir=..., to replace it set overwrite_output_dir=true"
             if resume_requested:
@@ -244,5 +258,5 @@ def claim_output_dir(
             else:
                 choices = f"; to continue that run set checkpoint.resume=auto, {choices}"
             raise OutputDirError(f"output_dir {output_dir} holds another run's files ({', '.join(present)}){choices}")
-        remove_run_files(output_dir)
+        remove_run_files(output_dir, previous)
     return _write_record(output_dir, RunRecord(uuid.uuid4().hex, config_hash, started))

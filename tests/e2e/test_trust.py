@@ -224,3 +224,25 @@ def test_a_resume_from_an_earlier_step_never_returns_to_the_branch_it_left(tmp_p
     new_six = json.loads((folder / "metrics.jsonl").read_text().splitlines()[5])
     assert new_six["step"] == old_six["step"] == 6
     assert new_six["lr"] != old_six["lr"]  # the step of the 10-step schedule, not of the 6-step one
+
+
+def test_overwrite_never_removes_files_no_run_recorded(tmp_path):
+    """A user's own files that share shardtune's names, in a folder that never held a run (no
+    run.json), and a copy of the project's conf/ (output_dir=conf once replaced its config.yaml)."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    for name, text in (("config.yaml", "my: config\n"), ("metrics.jsonl", '{"mine": 1}\n')):
+        (mine / name).write_text(text)
+    (mine / "loss.png").write_bytes(b"my plot")
+    conf = tmp_path / "conf"
+    shutil.copytree(REPO / "conf", conf)
+    for folder in (mine, conf):
+        before = {path: path.read_bytes() for path in folder.rglob("*") if path.is_file()}
+        for overwrite in ("overwrite_output_dir=true", "overwrite_output_dir=false"):
+            line = error_line(run(folder, "train.max_steps=2", overwrite))
+            assert f"output_dir {folder} holds" in line and "but no readable run.json" in line, line
+            assert "may be your own files" in line, line
+            assert "not even with overwrite_output_dir=true" in line, line
+            after = {path: path.read_bytes() for path in folder.rglob("*") if path.is_file()}
+            after.pop(folder / ".lock")  # taken to decide under it, held by no one now
+            assert after == before  # nothing replaced, removed or added (no run.json)
