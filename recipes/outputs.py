@@ -32,6 +32,7 @@ from components.runtime.output_dir import (
     claim_output_dir,
     config_hash,
     lock_output_dir,
+    nested_run_errors,
     read_run_record,
     remove_run_files,
     run_files,
@@ -44,7 +45,8 @@ class OwnershipError(ValueError):
 
 
 def check_output_dir(path: Path) -> list[str]:
-    """``output_dir`` is a folder, or can be created as one, and can be written."""
+    """``output_dir`` is a folder, or can be created as one, and can be written, and is neither
+    inside another run's output folder nor holding one."""
     if path.exists() and not path.is_dir():
         return [f"output_dir={show(str(path))} is a file, not a folder: choose another output_dir"]
     existing = next(parent for parent in (path, *path.parents) if parent.exists())
@@ -52,7 +54,7 @@ def check_output_dir(path: Path) -> list[str]:
         return [f"output_dir={show(str(path))} cannot be created: {existing} is a file; choose another output_dir"]
     if not os.access(existing, os.W_OK | os.X_OK):
         return [f"output_dir={show(str(path))} is not writable ({existing}): choose a folder you can write to"]
-    return []
+    return nested_run_errors(path)
 
 
 def explicit_checkpoint_errors(resume: str | None) -> list[str]:

@@ -198,6 +198,55 @@ def remove_run_files(output_dir: Path, record: RunRecord) -> list[str]:
     return removed
 
 
+def nested_run_errors(output_dir: Path) -> list[str]:
+    """Why ``output_dir`` cannot hold a run because of another run's folder around or below it (one
+    phrase), or nothing. A run inside another's output folder (its ``checkpoints/``, ``hf/`` or
+    anywhere in it) is deleted by that run's pruning or overwrite; a folder holding another run's
+    below it would do the same to that one. Below, :data:`_NESTED_DEPTH` levels are looked at."""
+    output_dir = Path(output_dir)
+    for parent in output_dir.parents:
+        if (parent / RUN_FILE).is_file():
+            return [
+                f"output_dir {output_dir} is inside the output folder of another run ({parent}, "
+                f"with its {RUN_FILE}), whose pruning or overwrite would delete it: nested output "
+                f"folders are not allowed; choose an output_dir outside {parent}"
+            ]
+    if below := _run_folder_below(output_dir):
+        return [
+            f"output_dir {output_dir} holds the output folder of another run below it ({below}, "
+            f"with its {RUN_FILE}): nested output folders are not allowed; choose an output_dir "
+            "that holds no other run's folder"
+        ]
+    return []
+
+
+_NESTED_DEPTH = 4  # levels below an output_dir searched for another run's folder
+_NESTED_FOLDERS = 10_000  # and at most this many folders (an output_dir of ~ stays quick)
+
+
+def _run_folder_below(folder: Path) -> Path | None:
+    level, seen = ([folder] if folder.is_dir() else []), 0
+    for _ in range(_NESTED_DEPTH):
+        children = []
+        for parent in level:
+            try:
+                children += [child for child in parent.iterdir() if _real_folder(child)]
+            except OSError:
+                continue
+        for child in sorted(children):
+            if (child / RUN_FILE).is_file():
+                return child
+        seen += len(children)
+        if seen > _NESTED_FOLDERS:
+            return None
+        level = children
+    return None
+
+
+def _real_folder(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink()
+
+
 def read_run_record(output_dir: Path) -> RunRecord | None:
     """The run ``output_dir`` belongs to (``run.json``), or None when there is no readable record."""
     try:

@@ -246,3 +246,23 @@ def test_overwrite_never_removes_files_no_run_recorded(tmp_path):
             after = {path: path.read_bytes() for path in folder.rglob("*") if path.is_file()}
             after.pop(folder / ".lock")  # taken to decide under it, held by no one now
             assert after == before  # nothing replaced, removed or added (no run.json)
+
+
+@pytest.mark.parametrize("inside", ["checkpoints/mine", "hf", "hf/mine", "notes/a/b"])
+def test_a_run_inside_another_runs_folder_is_refused(trained, inside):
+    before = sorted(str(path) for path in trained.rglob("*"))
+    line = error_line(run(trained / inside, "train.max_steps=2"))
+    assert line == (
+        f"error: output_dir {trained / inside} is inside the output folder of another run "
+        f"({trained}, with its run.json), whose pruning or overwrite would delete it: nested output "
+        f"folders are not allowed; choose an output_dir outside {trained}"
+    )
+    assert sorted(str(path) for path in trained.rglob("*")) == before  # nothing written there
+
+
+def test_a_folder_holding_another_runs_folder_below_it_is_refused(trained):
+    line = error_line(run(trained.parent, "train.max_steps=2"))
+    below = f"output_dir {trained.parent} holds the output folder of another run below it"
+    assert f"{below} ({trained}," in line, line
+    assert "nested output folders are not allowed" in line, line
+    assert not (trained.parent / "run.json").exists()
