@@ -166,6 +166,62 @@ def _rank(ep: int) -> dict:
         dist.destroy_process_group()
 
 
+def _memory_rank(ep: int) -> dict:
+    """Expert bytes this rank keeps after one AdamW step (weights, gradients, moments), with the
+    experts replicated over ep_shard and sharded over it; the world is ep x ep_shard ranks."""
+    from components.distributed.grads import finalize_dtensor_gradients
+
+    init_process_group("gloo", timedelta(minutes=10))
+    torch.set_num_threads(1)
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world // ep, ep), mesh_dim_names=("ep_shard", "ep"))
+    result = {}
+    try:
+        for shard in (False, True):
+            stack = Stack()
+            apply_expert_parallel(stack, mesh, None, ["layers.*.experts"], shard_experts=shard)
+            optimizer = torch.optim.AdamW(stack.parameters(), lr=1e-3)
+            stack(batch(0, dist.get_rank())).pow(2).mean().backward()
+            finalize_dtensor_gradients([stack])
+            optimizer.step()
+            experts = [p for n, p in stack.named_parameters() if ".experts." in n]
+            moments = [v for p in experts for v in optimizer.state[p].values() if v.dim()]
+            kept = [p.to_local() for p in experts] + [p.grad.to_local() for p in experts]
+            kept += [v.to_local() for v in moments]
+            gathered = sum(p.to_local().numel() * p.element_size() for p in experts)
+            result["sharded" if shard else "replicated"] = {
+                "bytes": sum(t.numel() * t.element_size() for t in kept),
+                "weights": gathered,
+            }
+        return result
+    finally:
+        dist.destroy_process_group()
+
+
+def memory(world: int = 4, ep: int = 2) -> list[str]:
+    """The memory table: expert bytes per rank, replicated vs sharded over ep_shard = world / ep."""
+    result = launch_local(_memory_rank, world, ep)
+    replicated = max(r["replicated"]["bytes"] for r in result.values())
+    sharded = max(r["sharded"]["bytes"] for r in result.values())
+    mib = 1024 * 1024
+    weights = max(r["replicated"]["weights"] for r in result.values())
+    return [
+        f"Expert memory per rank ({world} ranks, ep={ep}, ep_shard={world // ep}, tp=1; weights + "
+        "gradients + AdamW moments after one step, the largest rank):",
+        "",
+        "| experts over ep_shard | MiB per rank | x replicated |",
+        "|---|---|---|",
+        f"| replicated | {replicated / mib:.1f} | 1.00 |",
+        f"| sharded (shard_experts=True) | {sharded / mib:.1f} | {sharded / replicated:.2f} |",
+        "",
+        f"Sharded, each forward also gathers this rank's {weights / mib:.1f} MiB of expert "
+        "weights, kept from a layer's forward to its backward.",
+        "",
+        f"{'PASS' if sharded <= 0.55 * replicated else 'MISS'} moe_grouped memory: sharded / "
+        f"replicated {sharded / replicated:.2f} (goal <= 0.55)",
+    ]
+
+
 def _load() -> str:
     return " ".join(f"{value:.2f}" for value in os.getloadavg())
 
@@ -175,8 +231,12 @@ def main(argv: list[str] | None = None) -> int:
     ep_help = "1 (one process), 2, 4 (gloo)"
     parser.add_argument("--ep", type=int, nargs="*", default=[1], help=ep_help)
     parser.add_argument("--steps", type=int, default=STEPS, help="timed steps per path")
+    parser.add_argument("--memory", action="store_true", help="only the expert memory table")
     args = parser.parse_args(argv)
     globals()["STEPS"] = args.steps
+    if args.memory:
+        print("\n".join(memory()))
+        return 0
     print(f"load average at start: {_load()}", flush=True)
     rows = []
     # The launches first: fork only from a process that has not started worker threads.

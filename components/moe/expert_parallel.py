@@ -7,6 +7,8 @@ router as ``gate.weight`` [E, H]. Each rank of an ``ep`` group (``ep`` adjacent 
 parameters are DTensors with ``Shard(0)`` on ``ep`` and ``Replicate`` on ``ep_shard``, so checkpoints
 reshard, the grad norm counts each expert once, ``tp_replicas`` sees they are not copies (the subtree is also
 marked ``exclude_from_tp_replica_sync``), and FSDP leaves them alone (``components.distributed.fsdp``).
+With ``apply_expert_parallel(..., shard_experts=True)`` they are ``Shard(1)`` on ``ep_shard``
+instead: each forward all-gathers them over ``ep_shard``, the backward reduce-scatters gradients.
 
 Tokens reach the experts one of two ways, chosen by :func:`dispatch_mode`:
 
@@ -35,7 +37,8 @@ H or I not a multiple of 16 bytes, another device, an older GPU, or non-bf16 und
 Gradients: the router sees whole, TP-replicated tokens, so its gradient keeps the replica sync's ``mean``
 over TP (and FSDP's sum over dp). An expert's copies along ``ep_shard`` see different tokens (other dp
 ranks), so their gradients are partial sums: the local weights hand back ``Partial`` gradients on
-``ep_shard`` and ``finalize_dtensor_gradients`` sums them once per step. On the folded path ``tp // ep`` of
+``ep_shard`` and ``finalize_dtensor_gradients`` sums them once per step (sharded experts: the
+gather's backward reduce-scatters them at once). On the folded path ``tp // ep`` of
 those copies saw the same tokens; their gradients are scaled by ``ep / tp`` first, so the sum counts
 each token once.
 """
@@ -82,6 +85,7 @@ class ExpertLayout:
     gradient_placements: tuple[Placement, ...]  # of the local weights' gradients on ("ep_shard", "ep")
     gradient_scale: float
     grouped: bool = True  # False: the loop even where grouped GEMM fits (the bench's baseline)
+    sharded: bool = False  # weights Shard(1) over ep_shard (FSDP-style), gathered for each forward
 
 
 def dispatch_mode(tp: int, ep: int) -> str:
@@ -100,7 +104,10 @@ def _local_weights(experts: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor
     layout: ExpertLayout = experts._ep_layout
     weights = []
     for name in EXPERT_PARAMETERS:
-        local = getattr(experts, name).to_local(grad_placements=layout.gradient_placements)
+        weight = getattr(experts, name)
+        if layout.sharded:  # all-gather over ep_shard; its backward reduce-scatters the gradient
+            weight = weight.redistribute(weight.device_mesh, (Replicate(), Shard(0)))
+        local = weight.to_local(grad_placements=layout.gradient_placements)
         if layout.gradient_scale != 1.0:
             local = scale_gradient(local, layout.gradient_scale)
         weights.append(local.to(dtype))  # FSDP leaves experts in their own dtype; compute in the activations'
@@ -310,16 +317,22 @@ def apply_expert_parallel(
     patterns: list[str],
     mode: str | None = None,
     grouped: bool = True,
+    shard_experts: bool = False,
 ) -> list[str]:
     """Split every experts module matched by ``patterns`` by expert over ``moe_mesh["ep"]``; return their names.
 
     ``tp_mesh`` is the TP mesh whose ranks share tokens (None: tp = 1). ``mode`` forces ``folded`` or
     ``all_to_all`` (the benchmark compares them); None picks :func:`dispatch_mode`.
     ``grouped=False`` keeps the per-expert loop where grouped GEMM would run (the benchmark's
-    baseline). Works on a model with real weights (each rank keeps its slice) or on the meta
-    device (load afterwards with ``materialize_pretrained``). With ``ep == 1`` nothing changes:
-    every rank holds every expert, computes it on the same tokens, and the experts are ordinary TP
-    replicas (mean); transformers' own experts forward then runs (its default is grouped_mm too).
+    baseline). ``shard_experts`` (off by default) also shards each expert's weights over
+    ``ep_shard`` (``Shard(1)``: the rows of ``gate_up_proj`` and ``down_proj``), FSDP-style:
+    weights, gradients and optimizer state cost 1/ep_shard per rank; each forward all-gathers
+    the rank's experts over ``ep_shard`` and its backward reduce-scatters their gradients (the
+    gathered copy lives from a layer's forward to its backward). Works on a model with real weights
+    (each rank keeps its slice) or on the meta device (load afterwards with
+    ``materialize_pretrained``). With ``ep == 1`` nothing changes: every rank holds every expert,
+    computes it on the same tokens, and the experts are ordinary TP replicas (mean); transformers'
+    own experts forward then runs (its default is grouped_mm too).
     """
     ep = moe_mesh["ep"].size()
     if ep == 1:
@@ -328,15 +341,17 @@ def apply_expert_parallel(
     if mode not in DISPATCH_MODES or (mode == "folded" and (tp_mesh is None or tp_mesh.size() % ep)):
         raise ValueError(f"expert dispatch {mode!r} does not fit ep={ep} (folded needs ep to divide tp)")
     names = expert_modules(model, patterns)
+    shard_over_copies = shard_experts and moe_mesh["ep_shard"].size() > 1
+    placements = [Shard(1) if shard_over_copies else Replicate(), Shard(0)]
     for name in names:
         experts = model.get_submodule(name)
         exclude_from_tp_replica_sync(experts)
         for parameter_name in EXPERT_PARAMETERS:
             full = getattr(experts, parameter_name)
-            sharded = distribute_tensor(full.data, moe_mesh, [Replicate(), Shard(0)])
+            sharded = distribute_tensor(full.data, moe_mesh, placements)
             experts.register_parameter(parameter_name, nn.Parameter(sharded, requires_grad=full.requires_grad))
         layout = _layout(moe_mesh, tp_mesh, experts.gate_up_proj.to_local().shape[0], mode)
-        experts._ep_layout = dataclasses.replace(layout, grouped=grouped)
+        experts._ep_layout = dataclasses.replace(layout, grouped=grouped, sharded=shard_over_copies)
         forward = _folded_forward if mode == "folded" else _dispatched_forward
         experts.forward = types.MethodType(forward, experts)
     return names

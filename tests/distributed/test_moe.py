@@ -226,7 +226,7 @@ def test_ranks_whose_experts_get_no_tokens_still_train_in_step(ranks4):
         assert has_grad
 
 
-def moe_run(world_size, tp, ep, seed):
+def moe_run(world_size, tp, ep, seed, shard_experts=False):
     """Qwen3-MoE at (tp, ep, dp = world / tp) with AdamW: model, optimizer, scheduler, mesh, dims."""
     dims = resolve_parallel_dims(world_size, tp=tp, ep=ep)
     device_mesh = mesh((dims.dp, dims.tp), ("dp", "tp"))
@@ -234,7 +234,9 @@ def moe_run(world_size, tp, ep, seed):
     model = build_causal_lm(config, seed=seed)
     if tp > 1:
         apply_tp_plan(model, device_mesh["tp"], plan_for(config), config, moe_modules=EXPERTS + ROUTERS)
-    apply_expert_parallel(model, mesh((dims.ep_shard, dims.ep), ("ep_shard", "ep")), device_mesh["tp"], list(EXPERTS))
+    moe_mesh = mesh((dims.ep_shard, dims.ep), ("ep_shard", "ep"))
+    tp_mesh, patterns = device_mesh["tp"], list(EXPERTS)
+    apply_expert_parallel(model, moe_mesh, tp_mesh, patterns, shard_experts=shard_experts)
     if dims.dp > 1:
         shard_data_parallel(model, device_mesh["dp"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
@@ -373,3 +375,70 @@ def test_grouped_experts_match_the_loop_on_both_paths(ranks2, tp, ep, mode, prec
         assert result["mode"] == mode and result["count"] == 4  # 2 layers x 2 fused tensors
         assert result["loss"] <= band and result["grads"] <= band
         assert result["calls"] == {True: 2, False: 0}  # grouped GEMM ran in both layers
+
+
+def sharded_against_replicated(rank, world_size, tp, ep):
+    """Two AdamW steps with experts sharded over ep_shard and with them replicated: losses, grad
+    norms, full expert gradients and weights, and the expert bytes this rank keeps (weights,
+    gradients, AdamW moments)."""
+    result = {}
+    for shard in (True, False):
+        model, optimizer, scheduler, device_mesh, dims = moe_run(world_size, tp, ep, 0, shard)
+        run = (model, optimizer, scheduler, device_mesh, dims)
+        losses = [moe_step(*run, seed=seed) for seed in (0, 1)]
+        norm = grad_norm([model]).item()
+        experts = {n: p for n, p in model.named_parameters() if ".experts." in n}
+        parameters = list(experts.values())
+        local = [p.to_local() for p in parameters] + [p.grad.to_local() for p in parameters]
+        local += [v.to_local() for p in parameters for v in optimizer.state[p].values() if v.dim()]
+        result[shard] = {
+            "losses": losses,
+            "norm": norm,
+            "grads": {n: full_tensor(p.grad) for n, p in experts.items()},
+            "weights": {n: full_tensor(p.detach()) for n, p in experts.items()},
+            "bytes": sum(t.numel() * t.element_size() for t in local),
+            "placement": str(next(iter(experts.values())).placements[0]),
+        }
+    sharded, replicated = result[True], result[False]
+
+    def largest(key):
+        return max((sharded[key][n] - t).abs().max().item() for n, t in replicated[key].items())
+
+    return {
+        "losses": (sharded["losses"], replicated["losses"]),
+        "norms": (sharded["norm"], replicated["norm"]),
+        "grad_error": largest("grads"),
+        "weight_error": largest("weights"),
+        "bytes": (sharded["bytes"], replicated["bytes"]),
+        "placements": (sharded["placement"], replicated["placement"]),
+    }
+
+
+# ep_shard = 2 on both paths: the folded one (tp = ep = 2, dp = 2) and the all-to-all one (tp = 1).
+@pytest.mark.parametrize(("tp", "ep"), [(2, 2), (1, 2)])
+def test_experts_sharded_over_ep_shard_train_like_replicated_at_half_the_bytes(ranks4, tp, ep):
+    for result in ranks4.run(sharded_against_replicated, tp, ep):
+        sharded, replicated = result["losses"]
+        assert sharded == pytest.approx(replicated, rel=1e-6)
+        assert result["norms"][0] == pytest.approx(result["norms"][1], rel=1e-6)
+        assert result["grad_error"] < 1e-6 and result["weight_error"] < 1e-6
+        assert result["placements"] == ("S(1)", "R")  # on ep_shard
+        assert result["bytes"][0] * 2 == result["bytes"][1]  # weights, gradients, AdamW moments
+
+
+def check_save_sharded_moe(rank, world_size, root):
+    run = moe_run(world_size, tp=1, ep=2, seed=0, shard_experts=True)
+    for seed in range(2):
+        moe_step(*run, seed=seed)
+    save_checkpoint(Path(root), 2, *run[:3])
+    state = full_state(*run[:2])
+    reference = {"state": state, "continued": [moe_step(*run, seed=seed) for seed in (2, 3)]}
+    if rank == 0:
+        torch.save(reference, Path(root) / "reference.pt")
+
+
+def test_a_checkpoint_with_sharded_experts_loads_exactly_replicated(ranks2, ranks4, tmp_path):
+    ranks4.run(check_save_sharded_moe, str(tmp_path))  # tp=1 ep=2 dp=4: ep_shard = 2, sharded
+    for differ, continued, reference in ranks2.run(check_load_moe, str(tmp_path)):  # ep_shard = 1
+        assert differ == []
+        assert continued == pytest.approx(reference, rel=1e-6)
