@@ -162,6 +162,9 @@ def train(run: Run, plan: RunPlan) -> None:
     log = MetricsLog(plan.output_dir / "metrics.jsonl", run.rank == 0, run.first_step, train_cfg.max_steps)
     logger, hparams = settings.logger, yaml.safe_load(plan.config_yaml)  # the tracker (logger=...) on rank 0 only
     tracker = open_logger(logger.target, logger.options(), plan.output_dir, run.first_step, hparams, run.rank == 0)
+    done, state = run.first_step, (run.model, run.optimizer, run.scheduler)  # done: the last step done
+    ids = dict(keep=settings.checkpoint.keep, run_id=plan.run_id, run_info=plan.run_info)
+    every = settings.checkpoint.every_steps
     for step in range(run.first_step, min(train_cfg.max_steps, train_cfg.stop_after or train_cfg.max_steps)):
         record = train_step(run, plan, step)
         done = step + 1
@@ -173,11 +176,11 @@ def train(run: Run, plan: RunPlan) -> None:
         tracker.log_metrics(record, record["step"])
         if settings.debug.check_replicas_every and done % settings.debug.check_replicas_every == 0:
             check_replicas([run.model], run.mesh, done)
-        every = settings.checkpoint.every_steps
         if every and done % every == 0:
-            state = (run.model, run.optimizer, run.scheduler)
-            ids = dict(keep=settings.checkpoint.keep, run_id=plan.run_id, run_info=plan.run_info)
             save_checkpoint(plan.checkpoints, done, *state, **ids, before_commit=run.before_commit)
+    if run.first_step < done < train_cfg.max_steps and not (every and done % every == 0):
+        # train.stop_after, as a stop signal: a checkpoint of the last step, even with every_steps=0
+        save_checkpoint(plan.checkpoints, done, *state, **ids, before_commit=run.before_commit)
     log.close()
     tracker.close()
 
@@ -191,7 +194,8 @@ def finish(run: Run, plan: RunPlan) -> None:
     output_dir, settings = plan.output_dir, plan.settings
     write_drift_report([run.model], run.mesh, output_dir / "replica_drift.json", run.rank)
     train = settings.train
-    if settings.checkpoint.export and (train.stop_after or train.max_steps) >= train.max_steps:
+    ended = (train.stop_after or train.max_steps) >= train.max_steps
+    if settings.checkpoint.export and ended:
         source = plan.model.weights
         export_hf(
             run.model,
@@ -206,8 +210,23 @@ def finish(run: Run, plan: RunPlan) -> None:
         )
     if run.rank == 0 and (output_dir / "metrics.jsonl").exists():
         plot_loss_curve(output_dir / "metrics.jsonl", output_dir / "loss.png")
-        print(f"done: metrics, loss.png{' and hf/' if settings.checkpoint.export else ''} in {output_dir}")
+        print(done_line(plan, ended, exported=settings.checkpoint.export and ended))
     dist.destroy_process_group()
+
+
+def done_line(plan: RunPlan, ended: bool, exported: bool) -> str:
+    """The run's last line, naming only what it left: ``hf/`` only when exported now, and before the
+    end (``train.stop_after``, a stop signal) the checkpoint ``checkpoint.resume=auto`` continues from."""
+    from components.checkpoint.integrity import complete_checkpoints
+
+    wrote = ["metrics", "loss.png", *(["hf/"] if exported else [])]
+    if ended or not (checkpoints := complete_checkpoints(plan.checkpoints)):
+        return f"done: {', '.join(wrote[:-1])} and {wrote[-1]} in {plan.output_dir}"
+    latest = checkpoints[-1]
+    return (
+        f"done: metrics, loss.png and checkpoint {latest.name} in {plan.output_dir} (no hf/ before "
+        f"step {plan.settings.train.max_steps}); checkpoint.resume=auto continues from it"
+    )
 
 
 def rank_main(plan: RunPlan) -> None:

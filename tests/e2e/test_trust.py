@@ -266,3 +266,24 @@ def test_a_folder_holding_another_runs_folder_below_it_is_refused(trained):
     assert f"{below} ({trained}," in line, line
     assert "nested output folders are not allowed" in line, line
     assert not (trained.parent / "run.json").exists()
+
+
+@pytest.mark.parametrize("every", [4, 0], ids=["every 4 steps", "checkpointing off"])
+def test_stop_after_leaves_a_checkpoint_of_its_last_step_and_says_only_what_exists(tmp_path, every):
+    folder = tmp_path / "stopped"
+    saving = f"checkpoint.every_steps={every}"
+    first = run(folder, "train.max_steps=10", saving, "train.stop_after=6")
+    assert first.returncode == 0, first.stderr[-3000:]
+    done = [line for line in first.stdout.splitlines() if line.startswith("done: ")]
+    assert done == [
+        f"done: metrics, loss.png and checkpoint step_00000006 in {folder} (no hf/ before step 10); "
+        "checkpoint.resume=auto continues from it"
+    ]
+    assert not (folder / "hf").exists() and steps(folder) == [1, 2, 3, 4, 5, 6]
+    kept = sorted(path.name for path in (folder / "checkpoints").iterdir())
+    assert kept == (["step_00000004", "step_00000006"] if every else ["step_00000006"])
+    second = run(folder, "train.max_steps=10", saving, "checkpoint.resume=auto")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"resumed from {folder / 'checkpoints' / 'step_00000006'} at step 6" in second.stdout
+    assert f"done: metrics, loss.png and hf/ in {folder}" in second.stdout
+    assert steps(folder) == list(range(1, 11))  # one line a step: nothing done twice
