@@ -29,13 +29,15 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from torch.distributed.device_mesh import DeviceMesh
 
-from components.checkpoint.dcp import load_checkpoint, save_checkpoint
+from components.checkpoint.dcp import load_checkpoint
+from components.checkpoint.writer import CheckpointWriter
 from components.debug.faults import install_faults
 from components.distributed.fsdp import set_gradient_sync
 from components.distributed.grads import clip_grad_norm_, finalize_dtensor_gradients, grad_norm
 from components.distributed.mesh import build_device_mesh
 from components.distributed.replicas import ReplicaSync, check_replicas, write_drift_report
 from components.moe import ExpertLoad, router_aux_loss_weight
+from components.runtime import preemption
 from components.runtime.launch import end_launched_rank, join_world, launch_local, started_by_launcher
 from components.targets import target_class
 from components.training.loggers import open_logger
@@ -47,6 +49,11 @@ from components.training.metrics import MetricsLog, plot_loss_curve, throughput
 if TYPE_CHECKING:
     from components.data import StepBatches
     from recipes.plan import RunPlan
+
+
+# The recipe's own launcher's status after a SIGTERM or SIGUSR1 stopped the run with a checkpoint: sysexits'
+# EX_TEMPFAIL, "try again later" (0: done; 1: an error; 128 + N: killed by signal N before a checkpoint).
+STOPPED_STATUS = 75
 
 
 @dataclass
@@ -154,17 +161,21 @@ def train_step(run: Run, plan: RunPlan, step: int) -> dict:
     }
 
 
-def train(run: Run, plan: RunPlan) -> None:
-    """The steps after ``run.first_step`` up to ``max_steps`` (or ``stop_after``): metrics, validation, saves."""
+def train(run: Run, plan: RunPlan) -> str | None:
+    """The steps after ``run.first_step`` up to ``max_steps`` (or ``stop_after``): metrics, validation, saves.
+    Returns the name of the signal that stopped the run early (with a checkpoint of its step), or None."""
     from components.training.validation import validation_loss
 
     settings, train_cfg = plan.settings, plan.settings.train
     log = MetricsLog(plan.output_dir / "metrics.jsonl", run.rank == 0, run.first_step, train_cfg.max_steps)
     logger, hparams = settings.logger, yaml.safe_load(plan.config_yaml)  # the tracker (logger=...) on rank 0 only
     tracker = open_logger(logger.target, logger.options(), plan.output_dir, run.first_step, hparams, run.rank == 0)
-    done, state = run.first_step, (run.model, run.optimizer, run.scheduler)  # done: the last step done
     ids = dict(keep=settings.checkpoint.keep, run_id=plan.run_id, run_info=plan.run_info)
-    every = settings.checkpoint.every_steps
+    writer = CheckpointWriter(
+        plan.checkpoints, **ids, asynchronous=settings.checkpoint.asynchronous, before_commit=run.before_commit
+    )
+    stopped, done = None, run.first_step  # done: the last step done
+    state = (run.model, run.optimizer, run.scheduler)
     for step in range(run.first_step, min(train_cfg.max_steps, train_cfg.stop_after or train_cfg.max_steps)):
         record = train_step(run, plan, step)
         done = step + 1
@@ -176,25 +187,43 @@ def train(run: Run, plan: RunPlan) -> None:
         tracker.log_metrics(record, record["step"])
         if settings.debug.check_replicas_every and done % settings.debug.check_replicas_every == 0:
             check_replicas([run.model], run.mesh, done)
+        every = settings.checkpoint.every_steps
         if every and done % every == 0:
-            save_checkpoint(plan.checkpoints, done, *state, **ids, before_commit=run.before_commit)
-    if run.first_step < done < train_cfg.max_steps and not (every and done % every == 0):
-        # train.stop_after, as a stop signal: a checkpoint of the last step, even with every_steps=0
-        save_checkpoint(plan.checkpoints, done, *state, **ids, before_commit=run.before_commit)
+            writer.save(done, *state)
+        # One all-reduce per step: a SIGTERM or SIGUSR1 on any rank stops every rank after this step.
+        if writer.after_step(preemption.stop_requested() is not None):
+            own = preemption.stop_requested()
+            stopped = own.name if own is not None else "a signal to another rank"
+            if writer.last_step != done:  # a checkpoint of this step, even with every_steps=0
+                writer.save(done, *state)
+            break
+    if stopped is None and run.first_step < done < train_cfg.max_steps and writer.last_step != done:
+        writer.save(done, *state)  # train.stop_after, as a stop signal: a checkpoint of the last step
+    writer.wait()  # the run ends only once its last save is published
     log.close()
     tracker.close()
+    if stopped is not None and run.rank == 0:
+        print(
+            f"note: stopped by {stopped} after step {done} of {train_cfg.max_steps}: checkpoint "
+            f"{writer.last_path}; checkpoint.resume=auto continues (exit status {STOPPED_STATUS})",
+            file=sys.stderr,
+            flush=True,
+        )
+    return stopped
 
 
-def finish(run: Run, plan: RunPlan) -> None:
-    """The replica drift report (any drift stops the run before export), the export and the loss curve."""
+def finish(run: Run, plan: RunPlan, stopped: bool = False) -> None:
+    """The replica drift report (any drift stops the run before export), the export and the loss curve;
+    after a stop signal (``stopped``) only the loss curve: the run is to be resumed, and soon killed."""
     from transformers import AutoTokenizer
 
     from components.checkpoint.export import export_dtype, export_hf
 
     output_dir, settings = plan.output_dir, plan.settings
-    write_drift_report([run.model], run.mesh, output_dir / "replica_drift.json", run.rank)
+    if not stopped:
+        write_drift_report([run.model], run.mesh, output_dir / "replica_drift.json", run.rank)
     train = settings.train
-    ended = (train.stop_after or train.max_steps) >= train.max_steps
+    ended = (train.stop_after or train.max_steps) >= train.max_steps and not stopped
     if settings.checkpoint.export and ended:
         source = plan.model.weights
         export_hf(
@@ -229,15 +258,17 @@ def done_line(plan: RunPlan, ended: bool, exported: bool) -> str:
     )
 
 
-def rank_main(plan: RunPlan) -> None:
-    """What every rank runs: set up, train, finish."""
+def rank_main(plan: RunPlan) -> str | None:
+    """What every rank runs: set up, train, finish. Returns the stop signal's name (see ``train``)."""
+    preemption.install()  # first: a SIGTERM or SIGUSR1 from now on stops the run after a step
     run = set_up(plan)
     if started_by_launcher():  # torchrun: rank 0 claimed the folder; every rank takes its run id
         ids = [plan.run_id]
         dist.broadcast_object_list(ids, src=0)
         plan = replace(plan, run_id=ids[0])
-    train(run, plan)
-    finish(run, plan)
+    stopped = train(run, plan)
+    finish(run, plan, stopped is not None)
+    return stopped
 
 
 def launch(cfg: DictConfig, output_dir: str) -> None:
@@ -254,10 +285,15 @@ def launch(cfg: DictConfig, output_dir: str) -> None:
     if lock is not None:  # rank 0 of torchrun, or the local launcher
         (plan.output_dir / "config.yaml").write_text(plan.config_yaml)
     try:
-        rank_main(plan) if started_by_launcher() else launch_local(rank_main, plan.dims.world_size, plan)
+        if started_by_launcher():  # torchrun: a stopped rank exits 0 (another status would restart it)
+            rank_main(plan)
+        else:
+            results = launch_local(rank_main, plan.dims.world_size, plan)
     finally:  # the folder is free again once the ranks are done
         if lock is not None:
             lock.release()
+    if not started_by_launcher() and any(results.values()):  # stopped by a signal, checkpoint written
+        raise SystemExit(STOPPED_STATUS)
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")

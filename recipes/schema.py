@@ -57,6 +57,8 @@ class Checkpoint(Section):
     every_steps: Count = key("0 (off) or a positive number of steps, e.g. 20")
     resume: Text | None = key("auto, null or the path of a checkpoint folder")
     keep: PositiveInt | None = key("null (keep all) or a positive integer, e.g. 2")
+    # `async` is a Python keyword: the field is asynchronous, spelt async in the config.
+    asynchronous: bool = Field(alias="async", description="true or false")
     export: bool = key("true or false")
     export_dtype: Literal["float32", "bfloat16", "float16"] | None = key(
         "null (the source's), float32, bfloat16 or float16"

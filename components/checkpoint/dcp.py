@@ -23,6 +23,7 @@ import random
 import shutil
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -272,6 +273,38 @@ def save_checkpoint(
         ValueError: If ``keep`` is less than 1 or given without ``run_id`` (before anything is written).
         TypeError: If the scheduler state, ``extra`` or ``run_info`` hold values JSON cannot store.
     """
+    save, state = start_save(root, step, model, optimizer, scheduler, extra, keep, run_id, run_info)
+    dcp.save(state, checkpoint_id=save.tmp)
+    _set_rng_state(save.rng)
+    return end_save(save, before_commit)
+
+
+@dataclass(frozen=True)
+class PendingSave:
+    """A save between :func:`start_save` and :func:`end_save`: its folders, step and RNG states."""
+
+    tmp: Path
+    final: Path
+    step: int
+    world_size: int
+    keep: int | None
+    run_id: str | None
+    rng: dict[str, Any]
+
+
+def start_save(
+    root: Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: LRScheduler | None,
+    extra: dict[str, Any] | None,
+    keep: int | None,
+    run_id: str | None,
+    run_info: dict[str, Any] | None,
+) -> tuple[PendingSave, dict[str, Any]]:
+    """The first part of :func:`save_checkpoint` (collective): a fresh ``.tmp`` folder holding the RNG
+    and trainer states; returns the save and the state dict for DCP to write into ``save.tmp``."""
     if keep is not None and (keep < 1 or run_id is None):
         raise ValueError(f"keep must be at least 1 and needs a run_id (pruning touches only this run's), got {keep}")
     rank, world_size = _rank_and_world()
@@ -280,18 +313,22 @@ def save_checkpoint(
     final = checkpoint_path(root, step)
     tmp = final.with_name(final.name + ".tmp")
     run_on_rank0(lambda: _fresh_folder(tmp))
-
-    dcp.save(_state_dict(model, optimizer, model_only=not optimizer.state), checkpoint_id=tmp)
     _write_synced(rng_file(tmp, rank), _rng_to_json(rng))
     if rank == 0:
         _write_synced(tmp / TRAINER_STATE, state_text)
-    if world_size > 1:
+    save = PendingSave(tmp, final, step, world_size, keep, run_id, rng)
+    return save, _state_dict(model, optimizer, model_only=not optimizer.state)
+
+
+def end_save(save: PendingSave, before_commit: Callable[[Path], None] | None = None) -> Path:
+    """The last part of :func:`save_checkpoint` (collective), once DCP has written ``save.tmp`` on every
+    rank: the ``before_commit`` hook, the marker, the rename and the pruning; returns the folder."""
+    if save.world_size > 1:
         dist.barrier()  # every rank's files are written
     if before_commit is not None:
-        before_commit(tmp)
-    run_on_rank0(lambda: _commit(tmp, final, step, world_size, keep, run_id))
-    _set_rng_state(rng)
-    return final
+        before_commit(save.tmp)
+    run_on_rank0(lambda: _commit(save.tmp, save.final, save.step, save.world_size, save.keep, save.run_id))
+    return save.final
 
 
 def _restore_rng(path: Path, rank: int, world_size: int, saved_world_size: int) -> None:

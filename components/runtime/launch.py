@@ -43,6 +43,8 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalEx
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from components.runtime import preemption
+
 _PR_SET_PDEATHSIG = 1  # from <sys/prctl.h>
 # Loggers that print torch elastic's own multi-line report of a failed worker (replaced by ours).
 _NOISY_LOGGERS = ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn")
@@ -239,6 +241,14 @@ class RankWatch:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(self._pids[rank], signal.SIGKILL)
 
+    def pids(self) -> list[int]:
+        """The pids of the ranks that have noted theirs (read afresh: safe in a signal handler)."""
+        pids = []
+        for path in self.folder.glob("*.pid"):
+            with contextlib.suppress(OSError, ValueError):
+                pids.append(int(path.read_text()))
+        return pids
+
     def failures(self) -> list["RankExit"]:
         """Every rank seen to fail or noted an exception; a rank's own note wins over its exit status, and a
         rank seen stopped is reported as stopped (not as the SIGKILL that ended it)."""
@@ -332,6 +342,20 @@ def _temporary_files_in(folder: Path) -> Iterator[None]:
         tempfile.tempdir = previous
 
 
+@contextlib.contextmanager
+def _forwarding_stops(watch: RankWatch) -> Iterator[None]:
+    """While the ranks run, pass SIGTERM and SIGUSR1 on to them (:mod:`preemption`): they finish their
+    step, checkpoint it and end, and the launch waits for them (torch elastic's own handler, which would
+    kill them 30 s later, is kept off these two: LaunchConfig.signals_to_handle)."""
+    previous = {sigval: signal.getsignal(sigval) for sigval in preemption.SIGNALS}
+    preemption.install(forward_to=watch.pids)
+    try:
+        yield
+    finally:
+        for sigval, handler in previous.items():
+            signal.signal(sigval, handler)
+
+
 def launch_local(
     entrypoint: Callable[..., Any],
     nproc: int,
@@ -344,6 +368,8 @@ def launch_local(
     ``fork`` starts a rank in well under a second once torch is imported (a fresh interpreter costs ~5 s);
     use ``spawn`` when CUDA is already initialised in this process. Fork only from a process that has not
     started OpenMP (or other) worker threads: a forked child can block for good in a lock a thread held.
+    SIGTERM and SIGUSR1 to this process are passed on to the ranks, which stop after their step with a
+    checkpoint (:mod:`preemption`); a second one ends them at once (status 128 + the signal).
     A rank failure fails the whole launch: the other ranks are stopped within about a second, and (with
     ``exit_on_failure``) the failed rank's traceback is printed to stderr, then one ``error: rank N failed:
     ...`` line starting a fresh line, and the process exits with status 1 (quietly when rank 0 already
@@ -360,11 +386,12 @@ def launch_local(
             rdzv_endpoint=f"127.0.0.1:{free_port()}",
             max_restarts=0,
             monitor_interval=0.1,
+            signals_to_handle=preemption.ELASTIC_SIGNALS,
             start_method=start_method,
             logs_specs=DefaultLogsSpecs(log_dir=str(watch.folder / "elastic")),  # removed with the watch
         )
         try:
-            with _quiet_elastic_logs(), _temporary_files_in(watch.folder):
+            with _quiet_elastic_logs(), _temporary_files_in(watch.folder), _forwarding_stops(watch):
                 return elastic_launch(config, _run_rank)(str(watch.folder), os.getpid(), entrypoint, *args)
         except ChildFailedError as error:
             if not exit_on_failure:

@@ -1,0 +1,125 @@
+"""Preemption and async checkpoints through the command line (issue 24).
+
+A SIGTERM to the recipe's launcher, or a SIGUSR1 to one of its ranks, stops every rank after the same
+step with a checkpoint of it (here with ``checkpoint.every_steps=0``) and exit status 75; resume=auto then
+reproduces the uninterrupted losses exactly. A second signal ends the run at once. A run with
+``checkpoint.async=true`` resumes exactly like a synchronous one. No assertion reads the clock: a run is
+waited for by its metrics lines, and the timeouts only bound a hang.
+"""
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from components.checkpoint.integrity import MARKER
+from recipes.finetune import STOPPED_STATUS
+from tests.e2e.test_failures import run_recipe, start_recipe, stderr_of
+
+STEPS = 10
+RUN = [f"train.max_steps={STEPS}", "checkpoint.every_steps=0"]
+HANG_S = 300  # only a bound for a hang
+
+
+def metrics(output_dir: Path) -> list[dict]:
+    path = output_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def losses(records: list[dict]) -> list[float]:
+    return [record["loss"] for record in records]
+
+
+def wait_for_step(process, output_dir: Path, step: int) -> None:
+    deadline = time.monotonic() + HANG_S
+    while len(metrics(output_dir)) < step:
+        assert process.poll() is None, stderr_of(output_dir)[-3000:]
+        assert time.monotonic() < deadline, "the run did not reach the step"
+        time.sleep(0.05)
+
+
+def rank_pids(launcher_pid: int) -> list[int]:
+    children = []
+    for task in Path(f"/proc/{launcher_pid}/task").iterdir():
+        children += [int(pid) for pid in (task / "children").read_text().split()]
+    return children
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> list[dict]:
+    output_dir = tmp_path_factory.mktemp("preemption") / "uninterrupted"
+    run_recipe(output_dir, *RUN)
+    return metrics(output_dir)
+
+
+def assert_stopped_with_checkpoint(process, output_dir: Path, signal_text: str) -> int:
+    """The run ended with the stop status and a complete checkpoint of its last step; that step."""
+    assert process.wait(timeout=HANG_S) == STOPPED_STATUS, stderr_of(output_dir)[-3000:]
+    stopped_at = len(metrics(output_dir))
+    assert 4 <= stopped_at < STEPS
+    checkpoints = sorted(path.name for path in (output_dir / "checkpoints").iterdir())
+    assert checkpoints == [f"step_{stopped_at:08d}"]
+    assert (output_dir / "checkpoints" / checkpoints[0] / MARKER).exists()
+    assert f"note: stopped by {signal_text}" in stderr_of(output_dir)
+    assert f"after step {stopped_at} of {STEPS}" in stderr_of(output_dir)
+    return stopped_at
+
+
+def test_sigterm_to_the_launcher_checkpoints_the_step_and_resume_continues_exactly(tmp_path, uninterrupted):
+    output_dir = tmp_path / "run"
+    process = start_recipe(output_dir, *RUN)
+    wait_for_step(process, output_dir, 4)
+    process.send_signal(signal.SIGTERM)
+    stopped_at = assert_stopped_with_checkpoint(process, output_dir, "SIGTERM")
+    assert "note: SIGTERM: the ranks finish their step" in stderr_of(output_dir)
+
+    run_recipe(output_dir, *RUN, "checkpoint.resume=auto")
+    resumed = metrics(output_dir)
+    assert [record["step"] for record in resumed] == list(range(1, STEPS + 1))
+    assert losses(resumed) == losses(uninterrupted)  # exact on the CPU
+    assert [r["grad_norm"] for r in resumed] == [r["grad_norm"] for r in uninterrupted]
+    assert stopped_at < STEPS and "resumed from" in output_dir.with_suffix(".out").read_text()
+
+
+def test_sigusr1_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
+    output_dir = tmp_path / "run"
+    process = start_recipe(output_dir, *RUN)
+    wait_for_step(process, output_dir, 4)
+    ranks = rank_pids(process.pid)
+    assert len(ranks) == 2
+    os.kill(ranks[-1], signal.SIGUSR1)  # one rank only
+    # Rank 0 reports the stop; the signal reached rank 1 only.
+    assert_stopped_with_checkpoint(process, output_dir, "a signal to another rank")
+
+
+def test_a_second_signal_ends_the_run_at_once(tmp_path):
+    output_dir = tmp_path / "run"
+    # Every save waits 600 s before its publish: the stop's checkpoint is in the middle of its save.
+    process = start_recipe(output_dir, *RUN, "debug.fault=slow_save@600")
+    wait_for_step(process, output_dir, 4)
+    process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + HANG_S
+    while not list((output_dir / "checkpoints").glob("*.tmp")):  # the stop's save has started
+        assert process.poll() is None and time.monotonic() < deadline, stderr_of(output_dir)[-3000:]
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(timeout=HANG_S) == 128 + signal.SIGTERM, stderr_of(output_dir)[-3000:]
+    assert "error: stopped by SIGTERM" in stderr_of(output_dir)
+    assert not [path for path in (output_dir / "checkpoints").iterdir() if path.suffix != ".tmp"]
+
+
+def test_async_checkpoints_resume_exactly_like_sync_ones(tmp_path, uninterrupted):
+    output_dir = tmp_path / "async"
+    every = ["checkpoint.every_steps=2", "checkpoint.async=true", "checkpoint.keep=null"]
+    run_recipe(output_dir, *RUN[:1], *every, "train.stop_after=5")
+    saved = {path.name for path in (output_dir / "checkpoints").iterdir()}
+    assert {"step_00000002", "step_00000004"} <= saved  # each published after its async write
+    assert not [name for name in saved if name.endswith(".tmp")]
+    run_recipe(output_dir, *RUN[:1], *every, "checkpoint.resume=auto")
+    resumed = metrics(output_dir)
+    assert [record["step"] for record in resumed] == list(range(1, STEPS + 1))
+    assert losses(resumed) == losses(uninterrupted)  # exact on the CPU
+    assert "resumed from" in output_dir.with_suffix(".out").read_text()
