@@ -284,6 +284,7 @@ def plan_run(cfg: DictConfig, output_dir: str | None = None) -> tuple[RunPlan, O
         model=model_spec(settings, config, model_path),
         tokenizer_dir=Path(tokenizer_dir),
         data=data,
+        pad_multiple=8 * dims.tp if settings.sp else 8,  # sp: an equal sequence slice per TP rank
         warmup_steps=warmup,
         resume_from=resume_from,
         run_id=record.run_id if record is not None else None,

@@ -88,9 +88,8 @@ def set_up(plan: RunPlan) -> Run:
     device = join_world(plan.device_type, timeout, plan.cpu_threads, settings.seed)
     rank, mesh = dist.get_rank(), build_device_mesh(plan.dims, plan.device_type, timeout)
     shards = dict(dp_size=plan.dims.dp, dp_rank=mesh["dp"].get_local_rank(), seed=settings.seed)
-    data, val_data = open_splits(
-        plan.data.train, plan.data.val, train.global_batch_size, train.micro_batch_size, **shards
-    )
+    splits = (plan.data.train, plan.data.val, train.global_batch_size, train.micro_batch_size)
+    data, val_data = open_splits(*splits, **shards, pad_multiple=plan.pad_multiple)
     model, report = build_parallel_model(plan.model, plan.dims, mesh, device, timeout)
     if report is not None and rank == 0:
         print(report.format())

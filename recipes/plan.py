@@ -26,6 +26,7 @@ class RunPlan:
     model: ModelSpec  # the Hugging Face config (vocabulary size included), the weights' folder, how to split it
     tokenizer_dir: Path
     data: PreparedData  # the tokenized splits, prepared once, memory-mapped by the ranks
+    pad_multiple: int  # a micro-batch is padded to its longest row, rounded up to this multiple
     warmup_steps: int  # train.warmup_steps, cut to train.max_steps when longer (with a note:)
     resume_from: Path | None  # the checkpoint chosen before any rank started, or None for a fresh run
     run_id: str | None  # this run's id (checkpoints record it; pruning touches only its own); None: ask rank 0

@@ -42,10 +42,11 @@ class TokenizedSplit:
 
 @dataclass
 class Batch:
-    """One micro-batch, every tensor [rows, seq_len]. ``labels`` are aligned with the inputs (the loss
-    shifts them); ``position_ids`` restart at each packed example, which is how the model keeps attention
-    inside examples (no attention mask is passed: Hugging Face builds the block-diagonal causal mask from
-    the restarts, and would not look for them if a mask were given)."""
+    """One micro-batch, every tensor [rows, positions] (``seq_len``, or its longest row's).
+    ``labels`` are aligned with the inputs (the loss shifts them); ``position_ids`` restart at each
+    packed example, which is how the model keeps attention inside examples (no attention mask is
+    passed: Hugging Face builds the block-diagonal causal mask from the restarts, and would not look
+    for them if a mask were given)."""
 
     input_ids: torch.Tensor
     labels: torch.Tensor
@@ -137,7 +138,9 @@ class StepBatches:
     ``tokens`` is a tokenized dataset (columns ``input_ids`` and ``labels``, as
     :func:`components.data.collate.tokenize_batch` writes them); ``rows`` says which examples make each row
     of this split and how many tokens each row has. Build it with :meth:`open` on a prepared split, or
-    :meth:`from_records` for a few records in memory.
+    :meth:`from_records` for a few records in memory. ``pad_multiple`` None pads every row to
+    ``seq_len``; a number pads a micro-batch only to its longest row, rounded up to a multiple of it
+    (at most ``seq_len``): the same losses, without computing on padding.
 
     Raises:
         ValueError: If there are no rows, a size is below 1, ``dp_rank`` is not in ``range(dp_size)``, or
@@ -156,6 +159,7 @@ class StepBatches:
         dp_size: int,
         dp_rank: int,
         seed: int,
+        pad_multiple: int | None = None,
     ):
         if len(rows.offsets) < 2:
             raise ValueError("no records to batch: the dataset (or its validation split) is empty")
@@ -165,6 +169,7 @@ class StepBatches:
         self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
         self.seq_len, self.pad_id = seq_len, pad_id
         self.dp_size, self.dp_rank, self.seed = dp_size, dp_rank, seed
+        self.pad_multiple = pad_multiple
         self._permutation = lru_cache(maxsize=2)(self._shuffle)
 
     @classmethod
@@ -177,12 +182,14 @@ class StepBatches:
         dp_size: int,
         dp_rank: int,
         seed: int,
+        pad_multiple: int | None = None,
     ) -> "StepBatches":
         """The loader of a prepared split, its tokens memory-mapped from the launcher's cache folder."""
         tokens = open_tokens(split.tokens_dir)
         with np.load(split.rows_file) as arrays:
             rows = Rows.load_from(arrays, split.part)
         sizes = dict(seq_len=split.seq_len, pad_id=split.pad_id, dp_size=dp_size, dp_rank=dp_rank, seed=seed)
+        sizes["pad_multiple"] = pad_multiple
         return cls(tokens, rows, global_batch_size, micro_batch_size, **sizes)
 
     @classmethod
@@ -198,6 +205,7 @@ class StepBatches:
         dp_rank: int,
         seed: int,
         packing: bool = False,
+        pad_multiple: int | None = None,
     ) -> "StepBatches":
         """The loader of a few records tokenized in memory, all of them in order (tests, benchmarks).
 
@@ -222,6 +230,7 @@ class StepBatches:
         lengths = tokens.data.column("length").to_numpy()
         rows = build_rows(lengths, labelled, np.arange(len(records)), seq_len, packing)
         sizes = dict(seq_len=seq_len, pad_id=pad_id_of(tokenizer), dp_size=dp_size, dp_rank=dp_rank, seed=seed)
+        sizes["pad_multiple"] = pad_multiple
         return cls(tokens, rows, global_batch_size, micro_batch_size, **sizes)
 
     @property
@@ -247,10 +256,17 @@ class StepBatches:
             spans = [(int(self.rows.offsets[r]), int(self.rows.offsets[r + 1])) for r in chosen]
             examples = self.tokens[[int(i) for a, b in spans for i in self.rows.order[a:b]]]
             pairs = iter(zip(examples["input_ids"], examples["labels"], strict=True))
-            batches.append(
-                collate_rows([[next(pairs) for _ in range(b - a)] for a, b in spans], self.seq_len, self.pad_id)
-            )
+            rows_of_pairs = [[next(pairs) for _ in range(b - a)] for a, b in spans]
+            batches.append(collate_rows(rows_of_pairs, self._width(chosen), self.pad_id))
         return batches
+
+    def _width(self, rows: list[int]) -> int:
+        """Positions of a micro-batch of ``rows``: ``seq_len``, or its longest row rounded up to a
+        multiple of ``pad_multiple`` (causal attention keeps every real token's result the same)."""
+        if self.pad_multiple is None:
+            return self.seq_len
+        longest = int(self.rows.tokens[rows].max())
+        return min(self.seq_len, -(-longest // self.pad_multiple) * self.pad_multiple)
 
     def indices_for_step(self, step: int) -> list[int]:
         """Row indices of the whole global batch of ``step`` (0-based), in order; dp parts are slices."""
@@ -261,9 +277,13 @@ class StepBatches:
         return [int(self._permutation(p // size)[p % size]) for p in range(start, start + self.global_batch_size)]
 
     def batches_for_step(self, step: int) -> list[Batch]:
-        """This dp rank's ``micro_batches_per_step`` Batches of ``step``, each [micro_batch_size, seq_len]."""
+        """This dp rank's ``micro_batches_per_step`` Batches of ``step``, each [micro_batch_size, seq_len].
+        With ``pad_multiple`` the rows are sorted by length first (length buckets): each micro-batch then
+        holds rows of similar length, and the step the same rows (the same loss, summed in another order)."""
         part_size = self.global_batch_size // self.dp_size
         part = self.indices_for_step(step)[self.dp_rank * part_size : (self.dp_rank + 1) * part_size]
+        if self.pad_multiple is not None:
+            part = sorted(part, key=lambda row: int(self.rows.tokens[row]))
         return self._batches(part)
 
     def labels_in_step(self, step: int) -> int:
@@ -295,11 +315,12 @@ class StepBatches:
 
 def open_splits(
     train: "TokenizedSplit", val: "TokenizedSplit | None", global_batch_size: int, micro_batch_size: int,
-    *, dp_size: int, dp_rank: int, seed: int,
+    *, dp_size: int, dp_rank: int, seed: int, pad_multiple: int | None = None,
 ) -> tuple[StepBatches, StepBatches | None]:  # fmt: skip
     """A rank's loaders of the prepared splits: training batches of ``global_batch_size``, and validation
-    (None when nothing was held out) in global batches of one micro-batch per dp rank."""
-    shards = dict(dp_size=dp_size, dp_rank=dp_rank, seed=seed)
+    (None when nothing was held out) in global batches of one micro-batch per dp rank; each
+    micro-batch padded to its longest row (a multiple of ``pad_multiple``) when that is given."""
+    shards = dict(dp_size=dp_size, dp_rank=dp_rank, seed=seed, pad_multiple=pad_multiple)
     train_batches = StepBatches.open(train, global_batch_size, micro_batch_size, **shards)
     if val is None:
         return train_batches, None

@@ -60,3 +60,61 @@ def test_help_and_the_composed_config_import_no_model_data_or_tokenizer_code():
         loaded = sorted(m for m in modules if m.split(".")[0] in heavy or m.startswith(heavy))
         assert not loaded, f"{' '.join(arguments)} imported {loaded[:10]}"
     assert "shardtune" in imported_modules("--help")[0].stdout
+
+
+def test_the_readme_packing_example_runs_and_a_longer_seq_len_names_the_key(tmp_path):
+    packed = tmp_path / "packed"
+    example = ["train.packing=true", "train.seq_len=512"]  # as README.md writes it
+    result = recipe(*example, "train.max_steps=2", *QUICK, f"output_dir={packed}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert steps(packed) == [1, 2]
+    result = recipe("train.seq_len=1024", f"output_dir={tmp_path / 'long'}")
+    assert result.returncode == 2
+    assert "model.config.max_position_embeddings=512" in result.stderr
+
+
+def test_a_data_line_says_whether_tokenized_data_was_written_or_reused(tmp_path):
+    cache = ["cache_dir=" + str(tmp_path / "cache"), "train.max_steps=1", *QUICK]
+    lines = []
+    for run in ("first", "second"):
+        result = recipe(*cache, f"output_dir={tmp_path / run}")
+        assert result.returncode == 0, result.stderr[-3000:]
+        lines.append([line for line in result.stdout.splitlines() if line.startswith("data:")])
+    (written,), (reused,) = lines
+    assert written.startswith(f"data: tokenized data written to the cache: {tmp_path / 'cache'}")
+    folder = written.split(": ")[2].split(" (")[0]
+    assert reused.startswith(f"data: tokenized data reused from the cache: {folder} (")
+    assert Path(folder, "meta.json").is_file()
+
+
+def test_output_dir_is_where_a_run_writes_and_another_hydra_run_dir_is_one_error(tmp_path):
+    ours, hydras = tmp_path / "A", tmp_path / "B"
+    result = recipe("train.max_steps=1", *QUICK, f"output_dir={ours}", f"hydra.run.dir={hydras}")
+    assert result.returncode == 2
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"error: hydra.run.dir='{hydras}' and output_dir='{ours}' disagree")
+    assert not ours.exists() and not hydras.exists()
+    result = recipe("train.max_steps=1", *QUICK, f"output_dir={ours}", f"hydra.run.dir={ours}")
+    assert result.returncode == 0, result.stderr[-3000:]  # the same folder twice is no disagreement
+    assert steps(ours) == [1]
+
+
+def test_the_default_output_dir_is_a_new_folder_per_run_so_a_second_run_is_not_refused(tmp_path):
+    for _ in range(2):  # `make run` twice in a row, from a folder of its own (outputs/ is relative)
+        result = recipe("train.max_steps=1", *QUICK, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-3000:]
+    runs = sorted((tmp_path / "outputs" / "llama").iterdir())
+    assert len(runs) == 2 and all(steps(run) == [1] for run in runs)
+    assert all(len(run.name) == len("2026-12-01_19-40-00") for run in runs)
+    result = recipe("train.max_steps=1", *QUICK, "checkpoint.resume=auto", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "note: checkpoint.resume=auto finds nothing in" in result.stdout
+
+
+def test_torchrun_needs_an_explicit_output_dir(tmp_path):
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1"]
+    command = [*torchrun, str(REPO / "recipes/finetune.py"), "train.max_steps=1", *QUICK]
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "error: output_dir must be given under torchrun" in result.stderr
+    assert not (tmp_path / "outputs").exists()

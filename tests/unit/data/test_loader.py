@@ -19,7 +19,7 @@ def tokenizer(tmp_path_factory):
 
 @pytest.fixture
 def loader(tokenizer):
-    def make(n=23, global_batch_size=8, micro_batch_size=2, dp_size=2, dp_rank=0, seed=0):
+    def make(n=23, global_batch_size=8, micro_batch_size=2, dp_size=2, dp_rank=0, seed=0, **more):
         return StepBatches.from_records(
             RECORDS[:n],
             global_batch_size,
@@ -29,6 +29,7 @@ def loader(tokenizer):
             dp_size=dp_size,
             dp_rank=dp_rank,
             seed=seed,
+            **more,
         )
 
     return make
@@ -51,6 +52,32 @@ def test_micro_batches_have_the_configured_shape(loader):
         assert batch.input_ids.shape == batch.labels.shape == batch.position_ids.shape == (2, SEQ_LEN)
         assert batch.input_ids.dtype == torch.long
         assert torch.equal(batch.position_ids, torch.arange(SEQ_LEN).expand(2, SEQ_LEN))  # unpacked rows
+
+
+def _rows(batches) -> list[tuple]:
+    """Each row's real tokens and labels, and its positions over its whole width, sorted."""
+    rows = []
+    for batch in batches:
+        for ids, labels, real in zip(batch.input_ids, batch.labels, batch.real_tokens, strict=True):
+            assert (labels[real:] == -100).all()  # what lies after the real tokens is padding
+            rows.append((ids[:real].tolist(), labels[:real].tolist()))
+    return sorted(rows)
+
+
+def test_pad_multiple_buckets_rows_by_length_and_pads_each_only_to_its_longest_row(loader):
+    full, short = loader(micro_batch_size=4), loader(micro_batch_size=4, pad_multiple=8)
+    widths = []
+    for step in range(3):
+        wide, narrow = full.batches_for_step(step), short.batches_for_step(step)
+        assert _rows(narrow) == _rows(wide)  # the same rows, labels and counts: only padding went
+        lengths = torch.cat([batch.real_tokens for batch in narrow]).tolist()
+        assert lengths == sorted(lengths)  # length buckets: similar rows share a micro-batch
+        for batch in narrow:
+            width = batch.input_ids.shape[1]
+            assert width == min(SEQ_LEN, -(-int(batch.real_tokens.max()) // 8) * 8)
+            widths.append(width)
+        assert short.labels_in_step(step) == full.labels_in_step(step)
+    assert min(widths) < SEQ_LEN  # the generated records are short: batches got narrower
 
 
 def test_dp_parts_are_disjoint_and_together_are_the_global_batch(loader, tokenizer):
