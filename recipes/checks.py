@@ -130,7 +130,9 @@ def resolve_model(settings: Config, dims: ParallelDims | None, device_type: str)
     if settings.train.seq_len > config.max_position_embeddings:
         errors.append(
             f"train.seq_len ({settings.train.seq_len}) exceeds the model's max_position_embeddings "
-            f"({config.max_position_embeddings}): use train.seq_len={config.max_position_embeddings} or less"
+            f"(model.config.max_position_embeddings={config.max_position_embeddings}): use "
+            f"train.seq_len={config.max_position_embeddings} or less"
+            + ("" if path else ", or raise model.config.max_position_embeddings")
         )
     splits = dims is not None and (dims.tp > 1 or dims.ep > 1)
     meta = meta_causal_lm(config) if path is not None or splits else None  # shapes only, built once

@@ -91,7 +91,11 @@ CASES: dict[str, tuple[list[str], str]] = {
         ["tp=4", "sp=true", "train.seq_len=50"],
         "train.seq_len (50) must be divisible by tp (4) with sp=true",
     ),
-    "seq_len beyond the model's positions": (["train.seq_len=1000"], "exceeds the model's max_position_embeddings"),
+    "seq_len beyond the model's positions": (
+        ["train.seq_len=1000"],
+        "exceeds the model's max_position_embeddings (model.config.max_position_embeddings=512): "
+        "use train.seq_len=512 or less, or raise model.config.max_position_embeddings",
+    ),
     "sp with a trained vocabulary tp does not divide": (  # the tokenizer trained on this file has an odd size
         [
             "data=jsonl",
