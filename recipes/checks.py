@@ -223,6 +223,10 @@ def prepare_run_data(settings: Config, source: DataSource, tokenizer_dir: Path, 
             f"train.val_every={train.val_every} needs validation rows for each of dp ({dims.dp}) ranks but {why}: "
             "raise data.val_fraction or set train.val_every=0"
         )
+    if os.environ.get("RANK", "0") == "0":  # the launcher, or rank 0 under torchrun
+        how = "reused from the cache" if prepared.reused else "written to the cache"
+        rows = f"{prepared.train.num_rows} training rows, {val_rows} validation rows"
+        print(f"data: tokenized data {how}: {prepared.folder} ({rows})")
     return prepared
 
 
