@@ -12,12 +12,26 @@ see every token of the micro-batch in row-major order in both dispatch modes and
 Those tokens are the same on every rank of a TP group, so the counts are summed over the dp
 group only. Activation checkpointing recomputes each forward once more, which scales every count alike and
 leaves max / mean unchanged.
+
+:meth:`ExpertLoad.metrics` gives the trackers more than the worst layer: each layer's max / mean
+(``expert_imbalance/layer_N``) and, when asked, each expert's share of its layer's choices
+(``expert_load/layer_N/expert_E``).
+
+Auxiliary-loss-free balancing (DeepSeek-V3, arXiv 2412.19437 section 2.1.2), off by default:
+:class:`RoutingBias` adds a per-expert bias to each router's probabilities for the top-k selection
+only (the routing weights stay the unbiased probabilities), and after each step moves every bias
+by ``rate`` against its expert's load: ``bias += rate * sign(mean load - load)``. The update uses
+the dp-summed real-token counts, so every rank computes the same biases, with no gradient. The
+biases are non-persistent buffers: checkpoints and exports leave them out, and a resumed run
+starts them at zero again.
 """
 
+import types
 from functools import partial
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from components.moe.expert_parallel import expert_modules
@@ -33,11 +47,58 @@ def router_aux_loss_weight(config, micro_batches: int, dp: int) -> float:
     return config.router_aux_loss_coef / (micro_batches * dp)
 
 
+class RoutingBias:
+    """DeepSeek-V3's per-expert routing bias on every router ``patterns`` match (see the module
+    docstring); ``update`` once per step with the layers' token counts, in the routers' order."""
+
+    def __init__(self, model: nn.Module, patterns: list[str], num_experts: int, rate: float = 1e-3):
+        self.rate = rate
+        self.names = expert_modules(model, patterns)
+        self.routers = [model.get_submodule(name) for name in self.names]
+        for router in self.routers:
+            if router.weight.device.type == "meta":
+                raise ValueError("a routing bias goes on a materialised model, not on meta")
+            bias = torch.zeros(num_experts, dtype=torch.float32, device=router.weight.device)
+            router.register_buffer("routing_bias", bias, persistent=False)
+            router.forward = types.MethodType(partial(_biased_forward, router.forward), router)
+
+    def update(self, counts: torch.Tensor) -> None:
+        """Move each bias by ``rate`` toward its layer's mean load; counts: layers x experts."""
+        load = counts.to(torch.float32)
+        step = self.rate * torch.sign(load.mean(dim=1, keepdim=True) - load)
+        for router, change in zip(self.routers, step, strict=True):
+            router.routing_bias.add_(change.to(router.routing_bias.device))
+
+
+def _biased_forward(unbiased, self, hidden_states):
+    """The router's own forward, then its top-k chosen again on ``probabilities + routing_bias``;
+    the weights are the unbiased probabilities of the chosen experts, normalised as the router
+    does (Mixtral always, Qwen3-MoE under ``norm_topk_prob``)."""
+    logits, scores, _ = unbiased(hidden_states)
+    probabilities = F.softmax(logits.float(), dim=-1)
+    chosen = torch.topk(probabilities + self.routing_bias, self.top_k, dim=-1).indices
+    weights = probabilities.gather(-1, chosen)
+    if getattr(self, "norm_topk_prob", True):
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return logits, weights.to(scores.dtype), chosen
+
+
 class ExpertLoad:
     """Tokens routed to each expert of each MoE layer since the last :meth:`imbalance`."""
 
-    def __init__(self, model: nn.Module, patterns: list[str], num_experts: int, dp_group: dist.ProcessGroup | None):
+    def __init__(
+        self,
+        model: nn.Module,
+        patterns: list[str],
+        num_experts: int,
+        dp_group: dist.ProcessGroup | None,
+        bias: RoutingBias | None = None,
+    ):
         names = expert_modules(model, patterns)
+        blocks = [name.rpartition(".")[0] for name in names]
+        if bias is not None and [name.rpartition(".")[0] for name in bias.names] != blocks:
+            raise ValueError(f"routers {bias.names} are not one per experts module {names}")
+        self.bias = bias  # updated from each step's counts
         self.dp_group = dp_group
         self.counts = torch.zeros(len(names), num_experts, dtype=torch.int64)
         self.real: torch.Tensor | None = None  # flat real-token mask of the micro-batch being run; None: all
@@ -47,10 +108,16 @@ class ExpertLoad:
         ]
 
     @classmethod
-    def watch(cls, model: nn.Module, config, patterns: list[str], dp_group) -> "ExpertLoad | None":
-        """Count the expert choices of ``model`` (None for a model without experts)."""
+    def watch(
+        cls, model: nn.Module, config, patterns: list[str], dp_group, routers=(), bias_rate=0.0
+    ) -> "ExpertLoad | None":
+        """Count the expert choices of ``model`` (None for a model without experts). ``bias_rate``
+        > 0 also balances the ``routers`` without an auxiliary loss (:class:`RoutingBias`)."""
         num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
-        return cls(model, patterns, num_experts, dp_group) if patterns and num_experts else None
+        if not (patterns and num_experts):
+            return None
+        bias = RoutingBias(model, list(routers), num_experts, bias_rate) if bias_rate > 0 else None
+        return cls(model, patterns, num_experts, dp_group, bias)
 
     def count_real(self, mask: torch.Tensor) -> None:
         """Count only the positions where ``mask`` ([rows, seq_len], the next micro-batch's) is True."""
@@ -76,10 +143,25 @@ class ExpertLoad:
     def imbalance(self) -> float:
         """The largest max/mean of tokens per expert over the MoE layers in the global batch; resets the counts.
         A collective over the dp group: every rank calls it."""
+        return self.metrics()["expert_imbalance"]
+
+    def metrics(self, per_expert: bool = False) -> dict[str, float]:
+        """The step's load for the trackers, then the counts reset (and the routing bias, if any,
+        updated): ``expert_imbalance`` (the worst layer's max / mean), ``expert_imbalance/layer_N``
+        per layer, and with ``per_expert`` each expert's share ``expert_load/layer_N/expert_E``.
+        A collective over the dp group: every rank calls it."""
         counts = self.counts.clone()
         if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
             dist.all_reduce(counts, group=self.dp_group)
         self.counts.zero_()
+        if self.bias is not None:
+            self.bias.update(counts)
         counts = counts.cpu().double()
-        mean = counts.mean(dim=1).clamp_min(1e-12)
-        return (counts.max(dim=1).values / mean).max().item() if len(counts) else 1.0
+        layers = (counts.max(dim=1).values / counts.mean(dim=1).clamp_min(1e-12)).tolist()
+        record = {"expert_imbalance": max(layers, default=1.0)}
+        record |= {f"expert_imbalance/layer_{n}": value for n, value in enumerate(layers)}
+        if per_expert:
+            shares = counts / counts.sum(dim=1, keepdim=True).clamp_min(1.0)
+            for n, row in enumerate(shares.tolist()):
+                record |= {f"expert_load/layer_{n}/expert_{e}": x for e, x in enumerate(row)}
+        return record

@@ -22,7 +22,7 @@ from components.distributed.tp_plan import apply_tp_plan, check_plan, plan_for
 from components.distributed.tp_replicas import synchronize_tp_replica_gradients
 from components.models import build_causal_lm, meta_causal_lm, tiny_config
 from components.models.families import FAMILIES
-from components.moe import apply_expert_parallel, check_expert_parallel, dispatch_mode
+from components.moe import ExpertLoad, apply_expert_parallel, check_expert_parallel, dispatch_mode
 from components.training.step import forward_backward
 from tests.distributed.test_tp_parity import assert_parity, finish, global_batch, parity
 from tests.harness import mesh
@@ -442,3 +442,35 @@ def test_a_checkpoint_with_sharded_experts_loads_exactly_replicated(ranks2, rank
     for differ, continued, reference in ranks2.run(check_load_moe, str(tmp_path)):  # ep_shard = 1
         assert differ == []
         assert continued == pytest.approx(reference, rel=1e-6)
+
+
+def biased_routing_steps(rank, world_size, tp, ep):
+    """Three AdamW steps with the routing bias on (rate 0.01): at (tp, ep) and in one process."""
+    config = tiny_config("qwen3_moe")
+    reference = build_causal_lm(config, seed=0)
+    reference_load = ExpertLoad.watch(reference, config, list(EXPERTS), None, ROUTERS, 0.01)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+    model, optimizer, scheduler, device_mesh, dims = moe_run(world_size, tp, ep, seed=0)
+    dp_group = device_mesh["dp"].get_group()
+    load = ExpertLoad.watch(model, config, list(EXPERTS), dp_group, ROUTERS, 0.01)
+    losses, reference_losses = [], []
+    for seed in range(3):
+        losses.append(moe_step(model, optimizer, scheduler, device_mesh, dims, seed=seed))
+        load.imbalance()  # the step's counts move the bias
+        tokens, labels, global_tokens = global_batch(config.vocab_size, seed=seed)
+        reference_optimizer.zero_grad()
+        loss_sum = forward_backward(reference, tokens, labels, global_tokens)
+        reference_losses.append(loss_sum / global_tokens)
+        reference_optimizer.step()
+        reference_load.imbalance()
+    bias = [layer.mlp.gate.routing_bias for layer in model.model.layers]
+    reference_bias = [layer.mlp.gate.routing_bias for layer in reference.model.layers]
+    same = all(map(torch.equal, bias, reference_bias))
+    return losses, reference_losses, same, bias[0].abs().sum()
+
+
+@pytest.mark.parametrize(("tp", "ep"), [(2, 2), (1, 2)])
+def test_the_routing_bias_trains_like_one_process(ranks2, tp, ep):
+    for losses, reference_losses, same_bias, moved in ranks2.run(biased_routing_steps, tp, ep):
+        assert losses == pytest.approx(reference_losses, rel=1e-5)
+        assert same_bias and moved > 0

@@ -95,3 +95,88 @@ def test_padding_is_not_counted_and_real_tokens_count_as_without_it(family):
 def test_a_dense_model_has_no_expert_load():
     config = tiny_config("llama")
     assert ExpertLoad.watch(build_causal_lm(config, seed=0), config, [], dp_group=None) is None
+
+
+def test_the_trackers_get_each_layers_imbalance_and_each_experts_share():
+    config, model, load = watched("qwen3_moe")
+    tokens, labels, labelled = batch(config.vocab_size)
+    forward_backward(model, tokens, labels, labelled)
+    counts = load.counts.clone().double()
+    record = load.metrics(per_expert=True)
+    layers = config.num_hidden_layers
+    for n in range(layers):
+        expected = (counts[n].max() / counts[n].mean()).item()
+        assert record[f"expert_imbalance/layer_{n}"] == pytest.approx(expected)
+        shares = [record[f"expert_load/layer_{n}/expert_{e}"] for e in range(config.num_experts)]
+        assert shares == pytest.approx((counts[n] / counts[n].sum()).tolist())
+    worst = max(record[f"expert_imbalance/layer_{n}"] for n in range(layers))
+    assert record["expert_imbalance"] == worst
+    assert len(record) == 1 + layers + layers * config.num_experts
+    assert load.counts.sum() == 0
+
+
+ROUTERS = ["model.layers.*.mlp.gate"]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_a_zero_routing_bias_routes_exactly_as_the_router(family):
+    config = tiny_config(family)
+    tokens, labels, labelled = batch(config.vocab_size)
+    plain = build_causal_lm(config, seed=0)
+    biased = build_causal_lm(config, seed=0)
+    ExpertLoad.watch(biased, config, EXPERTS, dp_group=None, routers=ROUTERS, bias_rate=1e-3)
+    hidden = torch.randn(32, config.hidden_size, generator=torch.Generator().manual_seed(0))
+    routed = biased.model.layers[0].mlp.gate(hidden), plain.model.layers[0].mlp.gate(hidden)
+    for ours, theirs in zip(*routed, strict=True):
+        assert ours.dtype == theirs.dtype and torch.equal(ours, theirs)
+    loss = forward_backward(biased, tokens, labels, labelled)
+    assert loss == forward_backward(plain, tokens, labels, labelled)
+    ours, theirs = gradients(biased), gradients(plain)
+    assert ours.keys() == theirs.keys()
+    for name, gradient in theirs.items():
+        assert torch.equal(ours[name], gradient), name
+
+
+def test_the_bias_picks_the_experts_but_the_weights_stay_the_routers():
+    config = tiny_config("qwen3_moe")
+    model = build_causal_lm(config, seed=0)
+    ExpertLoad.watch(model, config, EXPERTS, dp_group=None, routers=ROUTERS, bias_rate=1e-3)
+    router = model.model.layers[0].mlp.gate
+    hidden = torch.randn(32, config.hidden_size, generator=torch.Generator().manual_seed(0))
+    router.routing_bias[[3, 5]] = 10.0  # every token now picks experts 3 and 5
+    logits, weights, chosen = router(hidden)
+    assert (chosen.sort(dim=-1).values == torch.tensor([3, 5])).all()
+    expected = torch.softmax(logits.float(), dim=-1).gather(-1, chosen)  # unbiased
+    if router.norm_topk_prob:
+        expected = expected / expected.sum(dim=-1, keepdim=True)
+    torch.testing.assert_close(weights, expected.to(weights.dtype))
+
+
+def test_each_step_moves_the_bias_against_the_load():
+    config = tiny_config("qwen3_moe")
+    tokens, labels, labelled = batch(config.vocab_size)
+    model = build_causal_lm(config, seed=0)
+    load = ExpertLoad.watch(model, config, EXPERTS, dp_group=None, routers=ROUTERS, bias_rate=0.01)
+    forward_backward(model, tokens, labels, labelled)
+    counts = load.counts[0].clone()
+    load.imbalance()
+    bias = model.model.layers[0].mlp.gate.routing_bias
+    mean = counts.double().mean()
+    expected = torch.where(counts > mean, -0.01, torch.where(counts < mean, 0.01, 0.0)).float()
+    assert torch.equal(bias, expected)
+    assert "routing_bias" not in "".join(model.state_dict())  # not in checkpoints or exports
+
+
+def test_the_bias_alone_spreads_a_peaked_router_out():
+    config = tiny_config("qwen3_moe")
+    tokens, labels, labelled = batch(config.vocab_size)
+    model = build_causal_lm(config, seed=0)
+    load = ExpertLoad.watch(model, config, EXPERTS, dp_group=None, routers=ROUTERS, bias_rate=0.01)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.mul_(5)  # a peaked router: some experts take far more tokens
+    imbalance = []
+    for _ in range(10):  # no optimizer step: only the bias moves
+        forward_backward(model, tokens, labels, labelled)
+        imbalance.append(load.imbalance())
+    assert imbalance[0] > 2.0 and max(imbalance[-3:]) < 0.8 * imbalance[0], imbalance
