@@ -41,6 +41,7 @@ from components.runtime.launch import cpu_threads_per_rank, started_by_launcher
 from components.runtime.output_dir import OutputDirLock
 from components.targets import check_target
 from components.training.loggers import check_logger_available
+from components.training.optimizer import check_optimizer
 from components.training.schedule import check_schedule
 from recipes.outputs import (
     OwnershipError,
@@ -244,7 +245,9 @@ def plan_run(cfg: DictConfig, output_dir: str | None = None) -> tuple[RunPlan, O
         settings = validate(cfg)
     except SchemaError as error:
         raise ConfigError(str(error)) from None
-    errors = check_target("optim", settings.optim.target, settings.optim.options(), torch.optim.Optimizer, {"params"})
+    optim = settings.optim
+    errors = check_target("optim", optim.target, optim.options(), torch.optim.Optimizer, {"params"})
+    errors = errors or check_optimizer(optim.target, optim.options())  # its own checks: betas, ...
     logger, train = settings.logger, settings.train
     missing = check_logger_available(logger.target)
     fixed = {"output_dir", "first_step"}

@@ -8,9 +8,11 @@ the tiny models tests use are the ones the recipe runs. Every tiny size keeps he
 
 import functools
 import inspect
+import re
 from pathlib import Path
 from typing import Any
 
+from huggingface_hub.errors import StrictDataclassError
 from omegaconf import OmegaConf
 from transformers import PretrainedConfig
 
@@ -19,6 +21,8 @@ from components.models.families import FAMILIES
 # Read by every family's attention (``getattr(config, "head_dim", ...)``) though not every config declares it.
 READ_BY_MODELS = frozenset({"head_dim"})
 MODEL_CONF_DIR = Path(__file__).resolve().parents[2] / "conf" / "model"
+# Sizes and counts (hidden_size, head_dim, num_attention_heads, ...): each at least 1.
+SIZE_KEY = re.compile(r"^(num_\w+|\w+_size|head_dim|max_position_embeddings)$")
 
 
 @functools.cache
@@ -33,24 +37,37 @@ def known_keys(family: str) -> frozenset[str]:
 
 
 def config_errors(family: str | None, sizes: dict[str, Any]) -> list[str]:
-    """Why ``family`` with ``sizes`` cannot be built (an unknown family, keys the config does not have)."""
+    """Why ``family`` with ``sizes`` cannot be built (an unknown family, keys the config does not
+    have, a size or count below 1)."""
     if family not in FAMILIES:
         return [f"model.family={family!r} is not a known family: use one of {', '.join(sorted(FAMILIES))}"]
     unknown = sorted(set(sizes) - known_keys(family))
     config_name = FAMILIES[family].config_name
-    return [f"model.config.{name} is not a key of {config_name}: remove it" for name in unknown]
+    errors = [f"model.config.{name} is not a key of {config_name}: remove it" for name in unknown]
+    small = sorted(key for key, value in sizes.items() if SIZE_KEY.match(key) and _below_one(value))
+    errors += [f"model.config.{k}={sizes[k]} is not valid: use a positive integer" for k in small]
+    return errors
+
+
+def _below_one(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value < 1
 
 
 def build_config(family: str, sizes: dict[str, Any]) -> PretrainedConfig:
     """The ``family`` config with exactly ``sizes`` set (the rest are the class defaults).
 
     Raises:
-        ValueError: If the family is unknown or a key is not one of its config's (see :func:`config_errors`).
+        ValueError: If the family is unknown or a key is not one of its config's (see
+            :func:`config_errors`), or the config's own validation refuses the sizes (heads that do
+            not divide hidden_size).
     """
     errors = config_errors(family, sizes)
     if errors:
         raise ValueError("; ".join(errors))
-    return FAMILIES[family].config_class()(**sizes)
+    try:
+        return FAMILIES[family].config_class()(**sizes)
+    except StrictDataclassError as error:  # transformers' validators: the cause reads best
+        raise ValueError(f"model.config: {error.__cause__ or error}") from None
 
 
 def tiny_config(family: str, **overrides: Any) -> PretrainedConfig:

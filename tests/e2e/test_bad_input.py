@@ -139,6 +139,16 @@ CASES: dict[str, tuple[list[str], str]] = {
     "seed out of range": (["seed=99999999999999999999999"], "seed=99999999999999999999999 is not valid"),
     "infinite lr": (["optim.lr=inf"], "optim.lr=inf is not valid"),
     "unresolvable interpolation": (["train.seq_len=${oops}"], "train.seq_len='${oops}' cannot be resolved"),
+    "betas out of range": (["optim.betas=[2.0,3.0]"], "Invalid beta parameter at index 0: 2.0; change"),
+    "negative weight decay": (["optim.weight_decay=-1"], "Invalid weight_decay value: -1; change"),
+    "negative hidden size": (
+        ["model.config.hidden_size=-64"],
+        "model.config.hidden_size=-64 is not valid: use a positive integer",
+    ),
+    "heads not dividing the hidden size": (
+        ["model.config.num_attention_heads=3"],
+        "model.config: The hidden size (64) is not a multiple of the number of attention heads (3)",
+    ),
     "several problems at once": (
         ["tp=two", "optim.lr=0", "train.micro_batch_size=0"],
         "tp='two' is not valid: use a positive integer, e.g. tp=2; train.micro_batch_size=0 is not valid",
@@ -200,6 +210,7 @@ THROUGH_THE_COMMAND_LINE = [
     "a model folder without weights",
     "a Hub dataset offline",
     "output_dir is a file",
+    "betas out of range",
 ]
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 CHECKS_ONLY = """
