@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: install
-	$(PY) recipes/finetune.py overwrite_output_dir=true  # twice in a row: the second run replaces the first
+	$(PY) recipes/finetune.py  # a new outputs/llama/DATE_TIME each time: twice in a row just works
 
 test: install
 	$(PY) -m pytest -q

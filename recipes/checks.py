@@ -50,6 +50,7 @@ from recipes.outputs import (
     explicit_checkpoint_errors,
     own_output_dir,
     run_info,
+    where_errors,
 )
 from recipes.plan import RunPlan
 from recipes.schema import Config, SchemaError, show, validate
@@ -238,9 +239,26 @@ def model_spec(settings: Config, config, weights: Path | None) -> ModelSpec:
     return ModelSpec(config, weights, settings.seed, settings.sp, *patterns, *wrappers)
 
 
-def plan_run(cfg: DictConfig, output_dir: str | None = None) -> tuple[RunPlan, OutputDirLock | None]:
+def _notes(settings: Config, output: Path, per_run: bool, warmup: int) -> None:
+    """What the checks changed or found, once (on rank 0 under torchrun), as ``note:`` lines."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    if per_run and settings.checkpoint.resume == "auto":
+        print(
+            f"note: checkpoint.resume=auto finds nothing in {output}, a new folder per run: to "
+            "continue a run, give its folder as output_dir=..."
+        )
+    if warmup < settings.train.warmup_steps:
+        cut = f"train.warmup_steps={settings.train.warmup_steps} is cut to the run's {warmup} steps"
+        print(f"note: {cut}")
+
+
+def plan_run(
+    cfg: DictConfig, output_dir: str | None = None, hydra_run_dir: str | None = None
+) -> tuple[RunPlan, OutputDirLock | None]:
     """Check everything and decide everything a rank needs; raise ConfigError naming every problem. Also
-    returns the lock on ``output_dir`` (held by this process, None on torchrun ranks other than 0)."""
+    returns the lock on ``output_dir`` (held by this process, None on torchrun ranks other than 0).
+    ``output_dir`` is a sweep job's folder; ``hydra_run_dir`` the run dir Hydra was given."""
     try:
         settings = validate(cfg)
     except SchemaError as error:
@@ -248,12 +266,11 @@ def plan_run(cfg: DictConfig, output_dir: str | None = None) -> tuple[RunPlan, O
     optim = settings.optim
     errors = check_target("optim", optim.target, optim.options(), torch.optim.Optimizer, {"params"})
     errors = errors or check_optimizer(optim.target, optim.options())  # its own checks: betas, ...
-    logger, train = settings.logger, settings.train
+    logger, train, schedule = settings.logger, settings.train, settings.schedule
     missing = check_logger_available(logger.target)
     fixed = {"output_dir", "first_step"}
     errors += [missing] if missing else check_target("logger", logger.target, logger.options(), object, fixed)
     warmup = min(train.warmup_steps, train.max_steps)  # a longer one is cut to the run, with a note
-    schedule = settings.schedule
     errors += check_schedule(schedule.name, warmup, train.max_steps, schedule.options())
     try:
         fault = parse_fault(settings.debug.fault)
@@ -262,15 +279,16 @@ def plan_run(cfg: DictConfig, output_dir: str | None = None) -> tuple[RunPlan, O
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     dims, size_errors = check_sizes(settings, device_type)
     output = Path(output_dir or settings.output_dir).expanduser().absolute()
+    per_run = "${now:" in str(OmegaConf.to_container(cfg, resolve=False)["output_dir"])
     resume_errors = explicit_checkpoint_errors(settings.checkpoint.resume)
     model_path, config, model_errors = resolve_model(settings, dims, device_type)
     source, data_errors = data_source(settings)
     errors += size_errors + resume_errors + check_output_dir(output) + model_errors + data_errors
+    errors += where_errors(output, hydra_run_dir, per_run, started_by_launcher())
     if errors:
         raise ConfigError("; ".join(errors))
 
-    if warmup < train.warmup_steps and os.environ.get("RANK", "0") == "0":
-        print(f"note: train.warmup_steps={train.warmup_steps} is cut to the run's {warmup} steps")
+    _notes(settings, output, per_run, warmup)
     tokenizer_dir = _tokenizer_dir(settings, source, model_path, config, dims)
     data = prepare_run_data(settings, source, tokenizer_dir, dims)  # bad data is refused before the folder is claimed
     info = run_info(settings, config, data.tokenizer_digest)

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import yaml
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -270,13 +271,14 @@ def rank_main(plan: RunPlan) -> str | None:
     return stopped
 
 
-def launch(cfg: DictConfig, output_dir: str) -> None:
-    """Check and plan once, then run the ranks: here (torchrun started us) or as local processes."""
+def launch(cfg: DictConfig, job_dir: str | None, hydra_run_dir: str | None) -> None:
+    """Check and plan once, then run the ranks: here (torchrun started us) or as local processes.
+    ``job_dir``: a sweep job's own folder; ``hydra_run_dir``: checked to agree with output_dir."""
     from components.planning.dry_run import dry_run
     from recipes.checks import ConfigError, fail, plan_run
 
     try:
-        plan, lock = plan_run(cfg, output_dir)  # this run owns output_dir until the lock is released
+        plan, lock = plan_run(cfg, job_dir, hydra_run_dir)  # the run owns output_dir until released
     except ConfigError as error:
         fail(str(error))
     if plan.settings.dry_run:  # checked: the layout is built on fake ranks and priced; nothing runs
@@ -298,7 +300,12 @@ def launch(cfg: DictConfig, output_dir: str) -> None:
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def hydra_main(cfg: DictConfig) -> None:
     """Hydra's own entry (``--multirun``, ``--cfg``, ``--help``): each job writes to its own folder."""
-    launch(cfg, HydraConfig.get().runtime.output_dir)
+    job = HydraConfig.get()
+    run_dir_given = any(override.startswith("hydra.run.dir=") for override in job.overrides.hydra)
+    if job.mode == RunMode.MULTIRUN or not run_dir_given:  # a sweep job's folder, or output_dir's
+        launch(cfg, job.runtime.output_dir, None)  # (as Hydra resolved it: the same date and time)
+    else:  # a run dir of the user's own: it must be output_dir
+        launch(cfg, None, job.run.dir)
 
 
 if __name__ == "__main__":
@@ -309,6 +316,6 @@ if __name__ == "__main__":
         from recipes.checks import compose
 
         composed = compose(arguments)
-        launch(composed, Path(composed.hydra.run.dir))
+        launch(composed, None, composed.hydra.run.dir)
     if started_by_launcher():  # after every job: a torchrun rank ends like a local one (see end_launched_rank)
         end_launched_rank()

@@ -44,6 +44,25 @@ class OwnershipError(ValueError):
     """The folder or the checkpoint cannot be used; the message is one line saying why and what to do."""
 
 
+def where_errors(output: Path, run_dir: str | None, per_run: bool, torchrun: bool) -> list[str]:
+    """``output_dir`` (``output``) is where a run writes: a ``hydra.run.dir`` (``run_dir``) that
+    names another folder is refused rather than silently obeyed or ignored; under torchrun the
+    default folder per run (``per_run``: named by the date and time each rank reads for itself)
+    could differ between ranks, so one must be given."""
+    errors = []
+    if run_dir is not None and Path(run_dir).expanduser().absolute() != output:
+        errors.append(
+            f"hydra.run.dir={show(run_dir)} and output_dir={show(str(output))} disagree: a run "
+            f"writes to output_dir, so drop hydra.run.dir or set output_dir={show(run_dir)}"
+        )
+    if per_run and torchrun:
+        errors.append(
+            "output_dir must be given under torchrun (e.g. output_dir=outputs/my_run): the "
+            "default, a new folder per run named by date and time, is read by each rank for itself"
+        )
+    return errors
+
+
 def check_output_dir(path: Path) -> list[str]:
     """``output_dir`` is a folder, or can be created as one, and can be written, and is neither
     inside another run's output folder nor holding one."""

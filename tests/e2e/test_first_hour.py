@@ -94,6 +94,11 @@ def test_output_dir_is_where_a_run_writes_and_another_hydra_run_dir_is_one_error
     (line,) = result.stderr.splitlines()
     assert line.startswith(f"error: hydra.run.dir='{hydras}' and output_dir='{ours}' disagree")
     assert not ours.exists() and not hydras.exists()
+    hydra_entry = ["-cn", "config"]  # a flag: Hydra's own entry point (it makes the run dir)
+    result = recipe(
+        *hydra_entry, "train.max_steps=1", *QUICK, f"output_dir={ours}", f"hydra.run.dir={hydras}"
+    )
+    assert result.returncode == 2 and "disagree: a run writes to output_dir" in result.stderr
     result = recipe("train.max_steps=1", *QUICK, f"output_dir={ours}", f"hydra.run.dir={ours}")
     assert result.returncode == 0, result.stderr[-3000:]  # the same folder twice is no disagreement
     assert steps(ours) == [1]

@@ -33,7 +33,7 @@ def test_no_function_is_longer_than_60_lines(path):
 
 def test_the_recipe_and_its_checks_stay_short():
     assert len((REPO / "recipes/finetune.py").read_text().splitlines()) <= 260
-    assert len((REPO / "recipes/checks.py").read_text().splitlines()) <= 310
+    assert len((REPO / "recipes/checks.py").read_text().splitlines()) <= 330
 
 
 @pytest.mark.parametrize("path", SOURCES, ids=lambda path: str(path.relative_to(REPO)))
