@@ -12,13 +12,27 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from components.distributed.chunked_loss import (
+    LOSS_CHUNK_TOKENS,
+    chunked_cross_entropy_sum,
+    chunks_head,
+    lm_head_skipped,
+)
 from components.distributed.tp_plan import cross_entropy_sum
 
 
 def _losses(
-    model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    chunk_tokens: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The summed token loss, and the model's load-balancing loss when its config asks for one (MoE)."""
+    """The summed token loss, and the model's load-balancing loss when its config asks for one.
+
+    ``chunk_tokens`` > 0: the model's forward stops at the hidden states, and the head and the loss
+    run that many tokens at a time (``components.distributed.chunked_loss``) for the families it
+    applies to; 0 or None: the whole micro-batch's logits, then ``cross_entropy_sum``."""
     # Position ids are always explicit: under sequence parallelism the model sees a shard of the sequence
     # and would derive them from the shard's length. No attention mask: padding is on the right and masked
     # out of the labels, which causal attention allows, and a mask would hide packed examples' boundaries.
@@ -26,6 +40,11 @@ def _losses(
     if position_ids is None:
         batch, seq = input_ids.shape
         position_ids = torch.arange(seq, device=input_ids.device).expand(batch, seq)
+    if chunk_tokens and chunks_head(model):
+        with lm_head_skipped(model) as head:
+            outputs = model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        loss = chunked_cross_entropy_sum(outputs.logits, head.weight, labels, chunk_tokens)
+        return loss, getattr(outputs, "aux_loss", None)
     outputs = model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
     return cross_entropy_sum(outputs.logits, labels), getattr(outputs, "aux_loss", None)
 
@@ -42,6 +61,7 @@ def forward_backward(
     position_ids: torch.Tensor | None = None,
     compute: AbstractContextManager | None = None,
     aux_loss_weight: float = 0.0,
+    loss_chunk_tokens: int | None = LOSS_CHUNK_TOKENS,
 ) -> float:
     """Run one micro-batch and accumulate gradients; return its summed token loss (not normalised).
 
@@ -51,10 +71,12 @@ def forward_backward(
     ``compute`` wraps the forward and the loss only (the precision's autocast; backward runs outside it).
     An MoE model whose config sets ``output_router_logits`` also returns its load-balancing loss; it joins
     the backward times ``aux_loss_weight`` (``components.moe.router_aux_loss_weight``).
+    ``loss_chunk_tokens``: tokens per chunk of the head and loss (``train.loss_chunk_tokens``; see
+    ``_losses``).
     """
     with loss_parallel():  # the backward of a vocab-parallel loss must run inside it too
         with compute or nullcontext():
-            loss_sum, aux_loss = _losses(model, input_ids, labels, position_ids)
+            loss_sum, aux_loss = _losses(model, input_ids, labels, position_ids, loss_chunk_tokens)
         objectives = [loss_sum / global_tokens]
         if aux_loss_weight and aux_loss is not None:
             objectives.append(aux_loss * aux_loss_weight)
@@ -69,7 +91,9 @@ def evaluate_loss_sum(
     labels: torch.Tensor,
     position_ids: torch.Tensor | None = None,
     compute: AbstractContextManager | None = None,
+    loss_chunk_tokens: int | None = LOSS_CHUNK_TOKENS,
 ) -> float:
-    """Summed token loss of one batch, without gradients (``compute``: as in :func:`forward_backward`)."""
+    """Summed token loss of one batch, without gradients (``compute``, ``loss_chunk_tokens``: as in
+    :func:`forward_backward`)."""
     with loss_parallel(), compute or nullcontext():
-        return _value(_losses(model, input_ids, labels, position_ids)[0])
+        return _value(_losses(model, input_ids, labels, position_ids, loss_chunk_tokens)[0])

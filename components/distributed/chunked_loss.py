@@ -1,0 +1,191 @@
+"""A chunked, vocab-parallel cross entropy: the output projection and the loss, a chunk of tokens at
+a time.
+
+The unchunked path (``lm_head`` then :func:`~components.distributed.tp_plan.cross_entropy_sum`)
+holds the fp32 logits of the whole micro-batch, ``tokens x vocab / tp`` (4.6 GiB at 8,192 tokens and
+Qwen3's 151,936-token vocabulary), plus their log-softmax and their gradient. Here the head and the
+loss run over ``chunk_tokens`` tokens at a time and are recomputed in backward, so at most one
+chunk's logits exist.
+
+With tensor parallelism it stays vocab-parallel: each rank holds its rows of the ``lm_head`` weight
+(a ``Shard(0)`` DTensor, the ``vocab_parallel`` style) and computes its vocabulary shard's logits
+for a chunk; the log-sum-exp and the target logit are combined over the TP group with two
+all-reduces per chunk (max, then one sum of both). The gradient of the hidden states is then a
+partial sum over vocabulary shards, reduced as the ``lm_head``'s input layout does: an all-reduce
+(plain TP) or a reduce-scatter onto sequence shards (sequence parallelism, where the hidden states
+are first gathered, as ``vocab_parallel`` does).
+
+Only tokens with a label take part (``-100`` is ignored): they are picked out first, so prompt and
+padding tokens cost nothing. Labels are aligned with the inputs and shifted here exactly as
+``cross_entropy_sum`` does (position ``t`` predicts ``labels[t + 1]``; the last position predicts
+nothing). It is exact: the same sums, in another floating-point order. Under autocast the projection
+runs in the autocast dtype and the softmax in fp32, as on the unchunked path.
+"""
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+# train.loss_chunk_tokens's default: a chunk's fp32 logits at vocab 151,936 are 0.58 GiB per rank at
+# tp=1.
+LOSS_CHUNK_TOKENS = 1024
+
+# Families whose causal-LM forward applies lm_head to the decoder's last hidden states and nothing
+# else (no soft-capping or scaling of the logits): the chunked head computes what their forward
+# would.
+_PLAIN_HEAD_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+
+
+class _ChunkedHeadCrossEntropy(torch.autograd.Function):
+    """Sum of cross entropy of ``hidden @ weight.T`` over labelled tokens, chunk by chunk,
+    recomputed in backward. ``weight`` holds vocabulary rows ``start .. start + rows`` of
+    ``group``'s (None: all)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk, group, start, compute_dtype):
+        picked = (targets != -100).nonzero().squeeze(1)
+        hidden_picked, local = (
+            hidden.index_select(0, picked),
+            targets.index_select(0, picked) - start,
+        )
+        lse = torch.empty(picked.numel(), dtype=torch.float32, device=hidden.device)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(compute_dtype)
+            for begin in range(0, picked.numel(), chunk):
+                logits = F.linear(hidden_picked[begin : begin + chunk].to(compute_dtype), w).float()
+                target = _target_logit(logits, local[begin : begin + chunk])
+                top = logits.amax(-1)
+                if group is not None:
+                    dist.all_reduce(top, dist.ReduceOp.MAX, group=group)
+                sums = torch.stack([logits.sub_(top[:, None]).exp_().sum(-1), target])
+                if group is not None:
+                    dist.all_reduce(sums, group=group)
+                lse[begin : begin + chunk] = top + sums[0].log()
+                total += (lse[begin : begin + chunk] - sums[1]).sum()
+        ctx.save_for_backward(hidden_picked, weight, local, picked, lse)
+        ctx.chunk, ctx.compute_dtype, ctx.rows = chunk, compute_dtype, hidden.shape[0]
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        hidden_picked, weight, local, picked, lse = ctx.saved_tensors
+        chunk, compute_dtype = ctx.chunk, ctx.compute_dtype
+        grad_picked = torch.empty_like(hidden_picked)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        with torch.autocast(hidden_picked.device.type, enabled=False):
+            w = weight.to(compute_dtype)
+            for begin in range(0, picked.numel(), chunk):
+                h = hidden_picked[begin : begin + chunk].to(compute_dtype)
+                probs = F.linear(h, w).float().sub_(lse[begin : begin + chunk, None]).exp_()
+                ids = local[begin : begin + chunk]
+                inside = ((ids >= 0) & (ids < probs.shape[1])).nonzero().squeeze(1)
+                probs[inside, ids[inside]] -= 1  # d loss / d logits = softmax - one-hot(target)
+                grad_logits = probs.mul_(grad_total).to(compute_dtype)
+                grad_picked[begin : begin + chunk] = (grad_logits @ w).to(grad_picked.dtype)
+                grad_weight += (grad_logits.T @ h).float()
+        grad_hidden = grad_picked.new_zeros(ctx.rows, grad_picked.shape[1]).index_copy_(
+            0, picked, grad_picked
+        )
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None
+
+
+def _target_logit(logits: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """Each row's logit at its target where this shard holds the target, else 0 (summed over
+    shards)."""
+    inside = (local >= 0) & (local < logits.shape[1])
+    picked = logits.gather(1, local.clamp(0, logits.shape[1] - 1)[:, None]).squeeze(1)
+    return torch.where(inside, picked, torch.zeros_like(picked))
+
+
+def chunked_cross_entropy_sum(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_tokens: int = LOSS_CHUNK_TOKENS,
+) -> torch.Tensor:
+    """Sum of next-token cross entropy of ``hidden @ weight.T`` over positions with a label
+    (``-100`` ignored): what ``cross_entropy_sum(lm_head(hidden), labels)`` computes,
+    ``chunk_tokens`` at a time.
+
+    ``hidden`` [batch, seq, hidden]: a tensor, or under sequence parallelism a DTensor sharded on
+    the sequence (``Shard(1)``), gathered here. ``weight`` [vocab, hidden]: ``lm_head.weight``, a
+    tensor or a DTensor (``Shard(0)`` over the TP mesh: vocab-parallel; tied to the embedding or
+    not, its gradient goes to that one parameter). ``labels`` [batch, seq] aligned with the inputs.
+    Returns a plain scalar, the same on every TP rank. Needs no ``loss_parallel()``.
+    """
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+    targets = F.pad(
+        labels[:, 1:], (0, 1), value=-100
+    ).flatten()  # position t predicts labels[t + 1]
+    group, start, local_weight = None, 0, weight
+    if isinstance(weight, DTensor):
+        mesh = weight.device_mesh
+        if mesh.size() > 1 and weight.placements == (Shard(0),):
+            if weight.shape[0] % mesh.size():
+                raise ValueError(
+                    f"vocab ({weight.shape[0]}) must be divisible by tp ({mesh.size()})"
+                )
+            group, start = (
+                mesh.get_group(),
+                mesh.get_local_rank() * (weight.shape[0] // mesh.size()),
+            )
+        local_weight = weight.to_local()
+    if isinstance(
+        hidden, DTensor
+    ):  # sequence parallel: every rank needs every token of its vocab shard
+        gathered = hidden.redistribute(placements=[Replicate()] * hidden.device_mesh.ndim)
+        grad_placements = [
+            Partial() if group is not None else Replicate()
+        ] * hidden.device_mesh.ndim
+        hidden = gathered.to_local(grad_placements=grad_placements)
+    elif group is not None:  # plain TP: the gradient is partial over vocab shards, all-reduced
+        replicated = DTensor.from_local(hidden, weight.device_mesh, [Replicate()], run_check=False)
+        hidden = replicated.to_local(grad_placements=[Partial()])
+    device = hidden.device.type
+    autocast = torch.is_autocast_enabled(device)
+    compute_dtype = (
+        torch.get_autocast_dtype(device)
+        if autocast
+        else torch.promote_types(hidden.dtype, weight.dtype)
+    )
+    flat = hidden.flatten(0, 1)
+    return _ChunkedHeadCrossEntropy.apply(
+        flat, local_weight, targets, chunk_tokens, group, start, compute_dtype
+    )
+
+
+def chunks_head(model: nn.Module) -> bool:
+    """Whether the chunked head applies to ``model``: a family whose forward is the decoder, then a
+    bias-free ``lm_head`` (``_PLAIN_HEAD_FAMILIES``); other models keep the unchunked path."""
+    head = getattr(model, "lm_head", None)
+    config = getattr(model, "config", None)
+    return (
+        isinstance(head, nn.Linear)
+        and head.bias is None
+        and getattr(config, "model_type", None) in _PLAIN_HEAD_FAMILIES
+        and getattr(config, "final_logit_softcapping", None) is None
+    )
+
+
+@contextmanager
+def lm_head_skipped(model: nn.Module) -> Iterator[nn.Module]:
+    """Run ``model``'s own forward with ``lm_head`` replaced by the identity, so its ``logits`` are
+    the decoder's last hidden states; yields the real ``lm_head``.
+
+    The root forward runs, not ``model.model``: FSDP's root unshards the embedding, the final norm
+    and ``lm_head`` in it (and keeps them unsharded for backward), and an MoE family adds its router
+    aux loss.
+    """
+    head = model.lm_head
+    model.lm_head = nn.Identity()
+    try:
+        yield head
+    finally:
+        model.lm_head = head
