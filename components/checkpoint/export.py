@@ -1,10 +1,18 @@
 """Export a (tensor- or data-parallel) model as a Hugging Face folder that ``from_pretrained`` loads.
 
-The full state dict is gathered to rank 0 on the CPU (``full_state_dict`` + ``cpu_offload``: the other ranks
-hold nothing), then rank 0 writes into ``<out_dir>.tmp``:
+Every rank writes its own part of the weights into ``<out_dir>.tmp`` (a folder every rank sees,
+as for DCP checkpoints): whole tensors are assigned to ranks by size (largest first, each to the
+rank with the fewest bytes so far), every rank joins the gather of every tensor in the same order
+(``full_tensor`` of a DTensor is a collective), and only a tensor's owner keeps it, just long
+enough to append its bytes to its file. The safetensors header is written first (the shapes and
+the export dtype are known before any gather), so no rank ever holds more than its shard plus one
+full tensor (and that tensor cast). Then rank 0 writes:
 
-- safetensors (sharded with an index above ``max_shard_size``) in the requested ``dtype`` (default: the source
-  folder's, from its config.json; fp32 for a model built from its config), floating tensors only cast;
+- ``model.safetensors.index.json`` over the parts ``model-0000k-of-0000n.safetensors`` (rank by
+  rank, a rank's part split further above ``max_shard_size``; one process under it writes
+  ``model.safetensors`` and no index), in the requested ``dtype`` (default: the source folder's,
+  from its config.json; fp32 for a model built from its config), floating tensors only cast; a
+  tensor the ranks hold as plain replicas (norms under tp) is written from its owner's copy;
 - ``config.json`` (its ``dtype`` set to the export's) and the tokenizer, when one is given;
 - every metadata file of the source model folder, byte-identical (``generation_config.json``, chat templates,
   tokenizer files, licences: every top-level file that is neither weights, ``config.json`` nor ``README.md``);
@@ -21,20 +29,24 @@ import copy
 import json
 import os
 import shutil
+import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from huggingface_hub import split_torch_state_dict_into_shards
-from safetensors.torch import save_file
+import torch.distributed as dist
+from huggingface_hub.serialization._base import parse_size_to_int
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
 from transformers import PretrainedConfig, PreTrainedModel
 
-from components.checkpoint.dcp import publish_folder, run_on_rank0
+from components.checkpoint.dcp import _rank_and_world, publish_folder, run_on_rank0
 from components.models.hub import looks_like_hub_id
 from components.runtime.output_dir import foreign_files
 
 INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
 CARD = "README.md"
 # Files of a source model folder that the export writes itself or that hold weights: never copied.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx")
@@ -140,28 +152,201 @@ def model_card(recipe: str | None, config_yaml: str | None, base_model: str | No
     return "\n".join(lines)
 
 
-def _cast(state: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
-    """Cast every floating tensor of ``state`` to ``dtype`` in place, one at a time (peak: one extra tensor)."""
-    for name, tensor in state.items():
-        if tensor.is_floating_point() and tensor.dtype != dtype:
-            state[name] = tensor.to(dtype)
+# safetensors' names of the dtypes a model's state may hold.
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
 
-def _write_weights(state: dict[str, torch.Tensor], folder: Path, max_shard_size: str) -> None:
-    split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_size)
-    umask = os.umask(0)
-    os.umask(umask)
-    for filename, names in split.filename_to_tensors.items():
-        save_file({name: state[name].contiguous() for name in names}, folder / filename, metadata={"format": "pt"})
-        os.chmod(folder / filename, 0o666 & ~umask)  # safetensors creates its files private (0600)
-    if split.is_sharded:
-        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
-        (folder / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
+@dataclass(frozen=True)
+class _Entry:
+    """One tensor as the export writes it: its name, global shape and written dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return torch.Size(self.shape).numel() * self.dtype.itemsize
 
 
-def _write_folder(folder: Path, state, config, tokenizer, max_shard_size: str, source_dir, card: str) -> None:
-    """Everything of one export into the empty ``folder``."""
-    _write_weights(state, folder, max_shard_size)
+@dataclass(frozen=True)
+class _Part:
+    """One safetensors file of the export: the rank writing it, its tensors in gather order."""
+
+    filename: str
+    rank: int
+    entries: tuple[_Entry, ...]
+
+
+def _entries(
+    state: dict[str, torch.Tensor],
+    duplicates: set[str],
+    dtype: torch.dtype,
+) -> list[_Entry]:
+    """What is written, in the state dict's order: tied duplicates left out, floating tensors as
+    ``dtype``."""
+    return [
+        _Entry(name, tuple(tensor.shape), dtype if tensor.is_floating_point() else tensor.dtype)
+        for name, tensor in state.items()
+        if name not in duplicates
+    ]
+
+
+def _plan_parts(entries: list[_Entry], world_size: int, max_shard_bytes: int) -> list[_Part]:
+    """Which rank writes which tensor into which file; the same on every rank (no communication).
+
+    Largest tensor first, each to the rank with the fewest bytes so far (the lowest rank on a tie);
+    a rank's tensors keep the gather order and are split into files of at most ``max_shard_bytes``
+    (a bigger tensor gets a file of its own). Files are numbered rank by rank; a lone file is
+    ``model.safetensors``.
+    """
+    owned: list[list[int]] = [[] for _ in range(world_size)]
+    load = [0] * world_size
+    for index in sorted(range(len(entries)), key=lambda i: (-entries[i].nbytes, i)):
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        owned[rank].append(index)
+        load[rank] += entries[index].nbytes
+    chunks: list[tuple[int, list[_Entry]]] = []
+    for rank, indices in enumerate(owned):
+        chunk: list[_Entry] = []
+        size = 0
+        for index in sorted(indices):
+            entry = entries[index]
+            if chunk and size + entry.nbytes > max_shard_bytes:
+                chunks.append((rank, chunk))
+                chunk, size = [], 0
+            chunk.append(entry)
+            size += entry.nbytes
+        if chunk:
+            chunks.append((rank, chunk))
+    if len(chunks) == 1:
+        return [_Part(SINGLE_FILE, chunks[0][0], tuple(chunks[0][1]))]
+    total = len(chunks)
+    return [
+        _Part(f"model-{number:05d}-of-{total:05d}.safetensors", rank, tuple(chunk))
+        for number, (rank, chunk) in enumerate(chunks, start=1)
+    ]
+
+
+class _PartWriter:
+    """A safetensors file written tensor by tensor: the header (every shape and dtype known in
+    advance) first, then each tensor's bytes as it arrives, in the header's order; fsynced on
+    close."""
+
+    def __init__(self, path: Path, entries: tuple[_Entry, ...]):
+        header: dict = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for entry in entries:
+            if entry.dtype not in _SAFETENSORS_DTYPES:
+                raise ValueError(f"{entry.name}: cannot export dtype {entry.dtype} as safetensors")
+            end = offset + entry.nbytes
+            header[entry.name] = {
+                "dtype": _SAFETENSORS_DTYPES[entry.dtype],
+                "shape": list(entry.shape),
+                "data_offsets": [offset, end],
+            }
+            offset = end
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors pads it
+        self._pending = list(reversed(entries))
+        self._file = open(path, "wb")  # noqa: SIM115 (closed by close())
+        self._file.write(struct.pack("<Q", len(text)) + text)
+
+    def write(self, entry: _Entry, tensor: torch.Tensor) -> None:
+        expected = self._pending.pop()
+        got = (tuple(tensor.shape), tensor.dtype)
+        if expected != entry or got != (entry.shape, entry.dtype):
+            wanted = f"the header says {expected}"
+            raise RuntimeError(f"{entry.name}: written out of order or as {got}; {wanted}")
+        if tensor.numel():
+            self._file.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+
+    def close(self) -> None:
+        try:
+            if self._pending:
+                raise RuntimeError(f"{self._file.name}: {len(self._pending)} tensors never written")
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        finally:
+            self._file.close()
+
+
+def _write_parts(
+    state: dict[str, torch.Tensor],
+    entries: list[_Entry],
+    parts: list[_Part],
+    folder: Path,
+    rank: int,
+) -> Exception | None:
+    """Gather every tensor in ``entries``' order on every rank; append each to its owner's file.
+
+    A failure on this rank (a full disk) stops its writing but not its part in the gathers, so no
+    rank is left waiting; it is returned, for every rank to learn of it.
+    """
+    mine = [part for part in parts if part.rank == rank]
+    part_of = {entry.name: index for index, part in enumerate(mine) for entry in part.entries}
+    writers: dict[int, _PartWriter] = {}
+    failure: Exception | None = None
+    for entry in entries:
+        tensor = state[entry.name].detach()
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # a collective
+        index = part_of.get(entry.name)
+        if index is None or failure is not None:
+            continue
+        try:
+            if index not in writers:
+                for earlier in [i for i in writers if i < index]:
+                    writers.pop(earlier).close()  # a rank's files fill one after the other
+                writers[index] = _PartWriter(folder / mine[index].filename, mine[index].entries)
+            writers[index].write(entry, full.cpu().to(entry.dtype))
+        except Exception as error:
+            failure = error
+        del full
+    for writer in writers.values():
+        try:
+            writer.close()
+        except Exception as error:
+            failure = failure or error
+    return failure
+
+
+def _raise_if_any_failed(failure: Exception | None) -> None:
+    """Every rank raises when any failed: its own exception, or a RuntimeError quoting the first
+    failed rank's."""
+    rank, world = _rank_and_world()
+    if world > 1:
+        failures: list = [None] * world
+        text = None if failure is None else f"{type(failure).__name__}: {failure}"
+        dist.all_gather_object(failures, text)
+        first = next(((r, text) for r, text in enumerate(failures) if text is not None), None)
+        if first is not None and failure is None:
+            raise RuntimeError(f"rank {first[0]} failed: {first[1]}")
+    if failure is not None:
+        raise failure
+
+
+def _write_index(parts: list[_Part], folder: Path) -> None:
+    if len(parts) == 1:
+        return
+    weight_map = {entry.name: part.filename for part in parts for entry in part.entries}
+    total = sum(entry.nbytes for part in parts for entry in part.entries)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
+
+
+def _write_metadata(folder: Path, config, tokenizer, source_dir, card: str) -> None:
+    """Everything of one export but the weights into ``folder``."""
     config.save_pretrained(folder)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
@@ -189,7 +374,8 @@ def export_hf(
     config as text) as a Hugging Face folder at ``out_dir``; return it.
 
     ``dtype`` None means the source's (:func:`source_dtype`). Collective when a process group exists (every
-    rank calls it; only rank 0 writes); a plain model in a single process needs none. Tied parameters are
+    rank calls it and writes its part of the weights; rank 0 the rest, and publishes the folder
+    once all parts are written); a plain model in a single process needs none. Tied parameters are
     written once under their first name. ``config`` is copied, not changed; its ``architectures`` is filled
     in from the model when missing (vLLM needs it).
 
@@ -197,6 +383,8 @@ def export_hf(
         ValueError: Before any gathering, when ``out_dir`` holds files no export wrote
             (:func:`check_export_target`); nothing is changed then. Rank 0 raises the ValueError, the other
             ranks a RuntimeError quoting it (``run_on_rank0``).
+        Exception: A rank that fails to write its part raises its error after the last gather,
+            the others a RuntimeError quoting it; nothing is published then.
     """
     out_dir = Path(out_dir)
     dtype = dtype if dtype is not None else source_dtype(source_dir)
@@ -207,23 +395,31 @@ def export_hf(
 
     run_on_rank0(check)
     duplicates = _tied_duplicates(model)
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # The rank-local state (no DTensor gathered here), under the names a full state dict has.
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))
+    entries = _entries(state, duplicates, dtype)
+    rank, world = _rank_and_world()
+    parts = _plan_parts(entries, world, parse_size_to_int(max_shard_size))
     config = copy.deepcopy(config)
     config.dtype = dtype
     if not getattr(config, "architectures", None) and (architecture := _architecture(model)):
         config.architectures = [architecture]
     card = model_card(recipe, config_yaml, base_model, dtype)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
 
-    def write() -> None:
+    def prepare() -> None:
         check()
-        tmp = out_dir.with_name(out_dir.name + ".tmp")
         if tmp.exists():
             shutil.rmtree(tmp)  # left by a crashed export
         tmp.mkdir(parents=True)
-        kept = {name: tensor for name, tensor in state.items() if name not in duplicates}
-        _cast(kept, dtype)
-        _write_folder(tmp, kept, config, tokenizer, max_shard_size, source_dir, card)
+
+    run_on_rank0(prepare)
+    _raise_if_any_failed(_write_parts(state, entries, parts, tmp, rank))
+
+    def finish() -> None:
+        _write_index(parts, tmp)
+        _write_metadata(tmp, config, tokenizer, source_dir, card)
         publish_folder(tmp, out_dir)
 
-    run_on_rank0(write)
+    run_on_rank0(finish)
     return out_dir

@@ -4,6 +4,7 @@ Every run seeds all ranks alike and draws each global batch from the global torc
 did not restore the RNG states would train on other data and fail the exact comparisons. fp32 throughout.
 """
 
+import json
 import shutil
 from pathlib import Path
 
@@ -12,12 +13,13 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LambdaLR
 from transformers import AutoModelForCausalLM
 
 from components.checkpoint.dcp import MARKER, checkpoint_path, load_checkpoint, save_checkpoint
-from components.checkpoint.export import export_hf
+from components.checkpoint.export import INDEX_FILE, _tied_duplicates, export_hf
 from components.checkpoint.integrity import checkpoint_summary, find_resumable
 from components.distributed.fsdp import shard_data_parallel
 from components.distributed.grads import finalize_dtensor_gradients
@@ -25,6 +27,8 @@ from components.distributed.mesh import resolve_parallel_dims
 from components.distributed.tp_plan import apply_tp_plan, plan_for
 from components.distributed.tp_replicas import broadcast_tp_replicas, synchronize_tp_replica_gradients
 from components.models import build_causal_lm, tiny_config
+from components.models.families import FAMILIES
+from components.moe import apply_expert_parallel
 from components.training.step import forward_backward
 from tests.harness import mesh
 
@@ -183,41 +187,161 @@ def test_load_at_other_tensor_parallel_sizes(ranks2, ranks4, tmp_path):
             assert result["continued"] == pytest.approx(result["reference_continued"], rel=1e-5), layout
 
 
-def check_export(rank, world_size, root, tp, tied):
-    """Train 2 steps, export, and compare the exported model's logits with the parallel model's."""
+def gathered_state(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """What the export wrote before it was parallel: the full state dict gathered to rank 0 (empty
+    on the others), tied duplicates left out, floating tensors cast to ``dtype``."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_model_state_dict(model, options=options)
+    tied = _tied_duplicates(model)
+    return {
+        name: tensor.to(dtype) if tensor.is_floating_point() else tensor
+        for name, tensor in state.items()
+        if name not in tied
+    }
+
+
+def stored_state(folder: Path) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Every tensor of an exported folder, and its weight files."""
+    files = sorted(path.name for path in folder.glob("*.safetensors"))
+    tensors = {}
+    for name in files:
+        with safe_open(folder / name, framework="pt") as stored:
+            tensors.update({key: stored.get_tensor(key) for key in stored.keys()})
+    return tensors, files
+
+
+def upcast(tensor: torch.Tensor) -> torch.Tensor:
+    """A stored tensor as from_pretrained of an fp32 model holds it."""
+    return tensor.float() if tensor.is_floating_point() else tensor
+
+
+def compare_export(model, out: Path, reference: dict, tokens, logits, world_size) -> dict:
+    """Rank 0's view of an export: bitwise against the gathered state, through from_pretrained."""
+    stored, files = stored_state(out)
+    exported = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=False)
+    loaded = dict(exported.state_dict())
+    with torch.no_grad():
+        error = (exported(input_ids=tokens).logits - logits).abs().max().item()
+    index = json.loads((out / INDEX_FILE).read_text()) if (out / INDEX_FILE).exists() else None
+    return {
+        "error": error,
+        "files": files,
+        "index_files": sorted(set(index["weight_map"].values())) if index else None,
+        "same_names": sorted(stored) == sorted(reference),
+        "differ": [n for n, t in reference.items() if not torch.equal(stored.get(n, t[:0]), t)],
+        "dtypes": {str(t.dtype) for t in stored.values()},
+        "loaded_differ": [n for n, t in reference.items() if not torch.equal(loaded[n], upcast(t))],
+        "lm_head_stored": "lm_head.weight" in stored,
+        "tied_in_model": model.lm_head.weight is model.get_input_embeddings().weight,
+        "left": sorted(path.name for path in out.parent.iterdir()),
+    }
+
+
+def check_export(rank, world_size, root, tp, tied, dtype=torch.float32):
+    """Train 2 steps, export in parallel, compare with the gathered export and the logits."""
     torch.manual_seed(0)
     run = Run(world_size, tp, seed=0, tie_word_embeddings=tied)
     for _ in range(2):
         run.step()
-    out = export_hf(run.model, run.config, Path(root) / "exported")
+    out = export_hf(run.model, run.config, Path(root) / "exported", dtype=dtype)
+    reference = gathered_state(run.model, dtype)
     tokens = torch.randint(0, run.config.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         logits = full(run.model(input_ids=tokens).logits)
     if rank != 0:
         return None
-    exported = AutoModelForCausalLM.from_pretrained(out)
-    with torch.no_grad():
-        error = (exported(input_ids=tokens).logits - logits).abs().max().item()
-    with safe_open(out / "model.safetensors", framework="pt") as stored:
-        keys = set(stored.keys())
-    return {
-        "error": error,
-        "files": sorted(path.name for path in Path(root).iterdir()),
-        "tied_in_model": run.model.lm_head.weight is run.model.get_input_embeddings().weight,
-        "lm_head_stored": "lm_head.weight" in keys,
-    }
+    return compare_export(run.model, out, reference, tokens, logits.to(dtype).float(), world_size)
+
+
+def assert_parallel_export(result, world_size, tied=False, dtype="torch.float32"):
+    parts = [f"model-{k:05d}-of-{world_size:05d}.safetensors" for k in range(1, world_size + 1)]
+    assert result["files"] == parts and result["index_files"] == parts  # one part per rank
+    assert result["same_names"] and result["differ"] == [] and result["loaded_differ"] == []
+    assert result["dtypes"] == {dtype}
+    assert result["left"] == ["exported"]
+    assert result["tied_in_model"] is tied and result["lm_head_stored"] is not tied
 
 
 @pytest.mark.parametrize(
     "pool, tp, tied",
-    [("ranks2", 2, False), ("ranks2", 2, True), ("ranks4", 2, False)],
-    ids=["tp2", "tp2_tied", "dp2_tp2"],
+    [("ranks2", 2, False), ("ranks2", 2, True), ("ranks2", 1, False), ("ranks4", 2, False)],
+    ids=["tp2", "tp2_tied", "dp2_fsdp", "dp2_tp2"],
 )
-def test_export_loads_with_from_pretrained(request, tmp_path, pool, tp, tied):
-    result = request.getfixturevalue(pool).run(check_export, str(tmp_path), tp, tied)[0]
+def test_parallel_export_equals_the_gathered_one_and_loads(request, tmp_path, pool, tp, tied):
+    pool = request.getfixturevalue(pool)
+    result = pool.run(check_export, str(tmp_path), tp, tied)[0]
     assert result["error"] < 1e-5
-    assert result["files"] == ["exported"]
-    assert result["tied_in_model"] is tied and result["lm_head_stored"] is not tied
+    assert_parallel_export(result, pool.world_size, tied)
+
+
+def test_parallel_export_honours_the_dtype(ranks2, tmp_path):
+    result = ranks2.run(check_export, str(tmp_path), 2, False, torch.bfloat16)[0]
+    assert_parallel_export(result, 2, dtype="torch.bfloat16")
+
+
+def check_export_failure(rank, world_size, root):
+    """Rank 1 cannot write its part (a full disk): every rank raises after the gathers, and the
+    earlier export stays as it was."""
+    import components.checkpoint.export as export
+
+    run = Run(world_size, 2, seed=0)
+    first = export_hf(run.model, run.config, Path(root) / "exported")
+    before = sorted(path.name for path in first.iterdir())
+    write = export._PartWriter.write
+
+    def full_disk(self, entry, tensor):
+        raise OSError(28, "No space left on device")
+
+    if rank == 1:
+        export._PartWriter.write = full_disk  # in this rank's process only; restored below
+    try:
+        export_hf(run.model, run.config, Path(root) / "exported")
+    except Exception as error:
+        raised = f"{type(error).__name__}: {error}"
+    else:
+        raised = None
+    finally:
+        export._PartWriter.write = write
+    return {"raised": raised, "before": before, "after": sorted(p.name for p in first.iterdir())}
+
+
+def test_a_rank_that_cannot_write_fails_every_rank_and_publishes_nothing(ranks2, tmp_path):
+    results = ranks2.run(check_export_failure, str(tmp_path))
+    full = "OSError: [Errno 28] No space left on device"
+    assert results[1]["raised"] == full
+    assert results[0]["raised"] == f"RuntimeError: rank 1 failed: {full}"
+    for result in results:
+        assert result["after"] == result["before"]
+
+
+def check_moe_export(rank, world_size, root):
+    """A Qwen3-MoE at tp=2, its experts split over ep=2: exported in parallel, as the gathered."""
+    config = tiny_config("qwen3_moe")
+    experts, routers = FAMILIES["qwen3_moe"].experts, FAMILIES["qwen3_moe"].routers
+    dims = resolve_parallel_dims(world_size, tp=world_size, ep=world_size)
+    device_mesh = mesh((dims.dp, dims.tp), ("dp", "tp"))
+    model = build_causal_lm(config, seed=0)
+    apply_tp_plan(model, device_mesh["tp"], plan_for(config), config, moe_modules=experts + routers)
+    ep_mesh = mesh((dims.ep_shard, dims.ep), ("ep_shard", "ep"))
+    apply_expert_parallel(model, ep_mesh, device_mesh["tp"], list(experts))
+    parameters = model.named_parameters()
+    sharded = sorted(n for n, p in parameters if ".experts." in n and isinstance(p, DTensor))
+    out = export_hf(model, config, Path(root) / "exported")
+    reference = gathered_state(model, torch.float32)
+    generator = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, config.vocab_size, (2, SEQ), generator=generator)
+    with torch.no_grad():
+        logits = full(model(input_ids=tokens).logits)
+    if rank != 0:
+        return None
+    return compare_export(model, out, reference, tokens, logits, world_size) | {"sharded": sharded}
+
+
+def test_parallel_export_of_experts_split_over_ep(ranks2, tmp_path):
+    result = ranks2.run(check_moe_export, str(tmp_path))[0]
+    assert len(result["sharded"]) == 4  # 2 layers x gate_up_proj, down_proj: split by expert
+    assert result["error"] < 1e-5
+    assert_parallel_export(result, 2)
 
 
 def check_damaged_shard_falls_back(rank, world_size, root):
