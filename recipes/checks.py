@@ -287,8 +287,7 @@ def plan_run(
     errors += where_errors(output, hydra_run_dir, per_run, started_by_launcher())
     if errors:
         raise ConfigError("; ".join(errors))
-
-    _notes(settings, output, per_run, warmup)
+    _notes(settings, output, per_run, warmup)  # checked: what the plan decided
     tokenizer_dir = _tokenizer_dir(settings, source, model_path, config, dims)
     data = prepare_run_data(settings, source, tokenizer_dir, dims)  # bad data is refused before the folder is claimed
     info = run_info(settings, config, data.tokenizer_digest)

@@ -16,7 +16,7 @@ def test_each_family_builds_and_runs_a_forward(family):
     assert logits.shape == (2, 8, 256) and logits.dtype == torch.float32 and logits.isfinite().all()
     assert model.model.embed_tokens.weight.shape == (256, 64) and len(model.model.layers) == 2
     assert model.lm_head.weight is not model.model.embed_tokens.weight  # untied
-    assert config._attn_implementation == "sdpa" and config.max_position_embeddings == 256
+    assert config._attn_implementation == "sdpa" and config.max_position_embeddings == 512
 
 
 @pytest.mark.parametrize("family", FAMILIES)
