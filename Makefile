@@ -5,9 +5,12 @@ PY := $(VENV)/bin/python
 # The stamp is newer than pyproject.toml once the install for it is done, so a second `make` is instant.
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test bench regression lint format clean
+.PHONY: help install run test test-fast bench regression lint format clean
 
-install: $(STAMP)
+help:  ## list the targets (the default)
+	@awk -F ':.*## ' '/^[a-z-]+:.*## / {printf "  make %-11s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
+install: $(STAMP)  ## create .venv and install the project with its test and lint extras
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,27 +18,31 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test,lint]'
 	touch $(STAMP)
 
-run: install
+run: install  ## fine-tune the tiny Llama (~1 minute on 2 CPU cores) into outputs/llama/DATE_TIME
 	$(PY) recipes/finetune.py  # a new outputs/llama/DATE_TIME each time: twice in a row just works
 
-test: install
+test: install  ## the whole test suite, as CI runs it (~10 minutes)
 	$(PY) -m pytest -q
 
-bench: install
+# The developer's loop: unit and multi-process (gloo) tests; no recipe run through the command line.
+test-fast: install  ## unit + distributed tests only (under 3 minutes)
+	$(PY) -m pytest -q tests/unit tests/distributed
+
+bench: install  ## benchmarks (BENCHMARKS.md)
 	$(PY) bench/run_all.py
 
 # Every regression recipe (conf/experiment/regression/) against its golden curve and its tp=1 twin; plots in
 # outputs/regression/. Refresh the golden files with: $(PY) tests/regression/regress.py --update-golden
-regression: install
+regression: install  ## every regression recipe vs its golden curve and tp=1 twin (~5 minutes)
 	$(PY) tests/regression/regress.py
 
-lint: install
+lint: install  ## ruff check + ruff format --check
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-format: install
+format: install  ## apply ruff fixes and formatting
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
 
-clean:
+clean:  ## remove .venv and caches
 	rm -rf $(VENV) .pytest_cache .ruff_cache
