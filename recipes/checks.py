@@ -11,7 +11,9 @@ sizes and (with ``sp``) the sequence length that do not divide; ``checkpoint.res
 split; and, once the tokenizer exists, that every record keeps answer tokens within ``train.seq_len``.
 """
 
+import math
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
@@ -78,7 +80,17 @@ def compose(overrides: list[str]) -> DictConfig:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             return hydra_compose(config_name="config", overrides=overrides, return_hydra_config=True)
     except (HydraException, OmegaConfBaseException) as error:
-        fail(str(error) or str(error.__cause__))
+        fail(_with_group_options(str(error) or str(error.__cause__)))
+
+
+def _with_group_options(message: str) -> str:
+    """Hydra's "Could not find 'model/gpt5'" with the options the group has."""
+    missing = re.search(r"Could not find '(\w+)/([^']*)'", message)
+    if missing is None or not (CONF_DIR / missing[1]).is_dir():
+        return message
+    names = sorted(path.stem for path in (CONF_DIR / missing[1]).glob("*.yaml"))
+    first, _, rest = message.strip().partition("\n\n")  # fail() shows the first paragraph alone
+    return f"{first}: {missing[1]}= takes one of {', '.join(names)}\n\n{rest}"
 
 
 def check_sizes(settings: Config, device_type: str) -> tuple[ParallelDims | None, list[str]]:
@@ -93,7 +105,11 @@ def check_sizes(settings: Config, device_type: str) -> tuple[ParallelDims | None
     try:
         dims = resolve_parallel_dims(world_size, tp=settings.tp, dp=settings.dp, ep=settings.ep)
     except ValueError as error:
-        return None, [str(error)]
+        given = settings.nproc is not None or settings.dp is not None
+        if started_by_launcher() or given or device_type == "cuda":
+            return None, [str(error)]
+        fits = math.lcm(settings.tp, settings.ep)  # the smallest world nproc would start here
+        return None, [f"{error}; start {fits} processes here with nproc={fits}, or use torchrun"]
     train, errors = settings.train, []
     if train.global_batch_size % (train.micro_batch_size * dims.dp):
         fits = train.micro_batch_size * dims.dp

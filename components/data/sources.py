@@ -113,6 +113,11 @@ class JsonlSource:
 
     def fingerprint(self) -> str:
         path = Path(self.path).expanduser().resolve()
+        if path.is_dir():
+            raise DataError(
+                f"data.path={self.path} is a folder, and data=jsonl reads one JSONL file: give the "
+                "file, or data=hf for a folder of json, jsonl, parquet, csv or arrow files"
+            )
         if not path.is_file():
             raise DataError(f"data file not found: {self.path}")
         return _digest("jsonl", str(path), _file_stats(path), self.num_examples)

@@ -27,7 +27,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 # name -> (overrides, text the error line must contain). {root} is a folder of prepared files (see inputs).
 CASES: dict[str, tuple[list[str], str]] = {
-    "unknown model": (["model=gpt5"], "Could not find 'model/gpt5'"),
+    "unknown model": (
+        ["model=gpt5"],
+        "Could not find 'model/gpt5': model= takes one of llama, mixtral, pretrained, qwen3,",
+    ),
     "misspelt key": (["train.max_stpes=5"], "Could not override 'train.max_stpes'"),
     "tp not dividing heads": (["tp=3", "nproc=3"], "tp (3) must divide num_attention_heads (8)"),
     "world size not factoring": (["tp=4", "nproc=6"], "world size 6 is not divisible by tp=4"),
@@ -43,6 +46,14 @@ CASES: dict[str, tuple[list[str], str]] = {
     "ep not dividing the experts": (
         ["model=qwen3_moe", "ep=3", "nproc=3"],
         "ep (3) must divide the number of experts (8)",
+    ),
+    "ep on one process": (
+        ["model=qwen3_moe", "ep=2"],
+        "world size 1 is not divisible by ep=2; start 2 processes here with nproc=2, or use torchrun",
+    ),
+    "a folder given to data=jsonl": (
+        ["data=jsonl", "data.path={root}"],
+        "is a folder, and data=jsonl reads one JSONL file: give the file, or data=hf for a folder",
     ),
     "dense model with ep": (["ep=2", "tp=2"], "ep=2 needs an MoE model"),
     "batch not dividing": (
