@@ -170,5 +170,6 @@ def _fill_local_part(name: str, tensor: torch.Tensor, source: TensorSource, chec
             raise ValueError(f"{name}: local shard shape {tuple(local.shape)} != computed {tuple(size)}")
     else:
         local, size, offset = tensor, tuple(tensor.shape), (0,) * tensor.dim()
-    if local.numel() > 0:
+    if local.numel() > 0 and not source.read_into(checkpoint, tuple(offset), local):
+        # Else the slice is read, then copied (and converted): one slice held meanwhile.
         local.copy_(source.read(checkpoint, tuple(offset), tuple(size)))

@@ -51,3 +51,43 @@ def test_tied_partner_is_read_when_a_name_is_absent(qwen3_moe):
         assert find_source(checkpoint, "model.extra.weight", (256, 64), None, tied) == StoredTensor("lm_head.weight")
         with pytest.raises(KeyError, match=r"model\.extra\.weight is not in the checkpoint .*looked for model\.extra"):
             find_source(checkpoint, "model.extra.weight", (256, 64), None, {})
+
+
+def test_boxes_are_read_without_a_mapping_exactly_as_safetensors_slices_them(tmp_path, monkeypatch):
+    """pread reads every box as safetensors' own get_slice does: whole rows in place, column boxes
+    through a scratch of whole rows (made 1 KiB here, so they take several chunks), any dtype."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    import components.models.checkpoint as checkpoint_module
+
+    monkeypatch.setattr(checkpoint_module, "SCRATCH_BYTES", 1024)
+    generator = torch.Generator().manual_seed(0)
+    tensors = {
+        "scalar": torch.tensor(3.5),
+        "vector": torch.randn(40, generator=generator).to(torch.bfloat16),
+        "matrix": torch.randn(37, 24, generator=generator),
+        "experts": torch.randint(-100, 100, (4, 9, 10), generator=generator, dtype=torch.int32),
+    }
+    save_file(tensors, tmp_path / "model.safetensors")
+    boxes = {
+        "scalar": [((), ())],
+        "vector": [((0,), (40,)), ((7,), (20,)), ((40,), (0,))],
+        "matrix": [((0, 0), (37, 24)), ((5, 0), (19, 24)), ((0, 12), (37, 12)), ((3, 5), (30, 7))],
+        "experts": [((2, 0, 0), (2, 9, 10)), ((0, 3, 0), (4, 3, 10)), ((1, 0, 5), (3, 9, 5))],
+    }
+    path = tmp_path / "model.safetensors"
+    with Checkpoint(tmp_path) as checkpoint, safe_open(path, "pt") as stored:
+        for key, key_boxes in boxes.items():
+            assert checkpoint.shape(key) == tuple(tensors[key].shape)
+            for offset, size in key_boxes:
+                box = tuple(slice(o, o + n) for o, n in zip(offset, size, strict=True))
+                expected = stored.get_slice(key)[box] if box else stored.get_tensor(key)
+                assert torch.equal(checkpoint.read(key, offset, size), expected), (key, offset)
+                assert checkpoint.read(key, offset, size).dtype == tensors[key].dtype
+        out = torch.empty(19, 24)
+        assert StoredTensor("matrix").read_into(checkpoint, (5, 0), out)
+        assert torch.equal(out, tensors["matrix"][5:24])
+        assert not StoredTensor("matrix").read_into(checkpoint, (5, 0), out.to(torch.float64))
+        with pytest.raises(ValueError, match=r"matrix: box at \(30, 0\) of \(8, 24\) is outside"):
+            checkpoint.read("matrix", (30, 0), (8, 24))
