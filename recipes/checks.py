@@ -327,6 +327,7 @@ def plan_run(
         tokenizer_dir=Path(tokenizer_dir),
         data=data,
         pad_multiple=8 * dims.tp if settings.sp else 8,  # sp: an equal sequence slice per TP rank
+        loss_chunk_tokens=settings.train.loss_chunk_tokens or 0,
         warmup_steps=warmup,
         resume_from=resume_from,
         run_id=record.run_id if record is not None else None,

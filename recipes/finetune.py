@@ -130,7 +130,8 @@ def train_step(run: Run, plan: RunPlan, step: int) -> dict:
         if run.experts:  # the step's imbalance counts real tokens, not the padding
             run.experts.count_real(batch.real_mask())
         tensors = (batch.input_ids, batch.labels, labelled, batch.position_ids)
-        loss_sum += forward_backward(run.model, *tensors, run.compute(), run.aux_loss_weight)
+        chunk = plan.loss_chunk_tokens
+        loss_sum += forward_backward(run.model, *tensors, run.compute(), run.aux_loss_weight, chunk)
     finalize_dtensor_gradients([run.model])
     run.replicas.synchronize()
     clip = settings.train.clip_grad_norm
@@ -182,7 +183,9 @@ def train(run: Run, plan: RunPlan) -> str | None:
         validate = train_cfg.val_every and (done % train_cfg.val_every == 0 or done == train_cfg.max_steps)
         if validate and run.val_data is not None:
             dp_group = run.mesh["dp"].get_group()
-            record["val_loss"] = validation_loss(run.model, run.val_data, run.device, dp_group, run.compute())
+            record["val_loss"] = validation_loss(
+                run.model, run.val_data, run.device, dp_group, run.compute(), plan.loss_chunk_tokens
+            )
         log.log(record)
         tracker.log_metrics(record, record["step"])
         if settings.debug.check_replicas_every and done % settings.debug.check_replicas_every == 0:

@@ -27,6 +27,7 @@ class RunPlan:
     tokenizer_dir: Path
     data: PreparedData  # the tokenized splits, prepared once, memory-mapped by the ranks
     pad_multiple: int  # a micro-batch is padded to its longest row, rounded up to this multiple
+    loss_chunk_tokens: int  # train.loss_chunk_tokens: tokens per lm_head + loss chunk; 0: unchunked
     warmup_steps: int  # train.warmup_steps, cut to train.max_steps when longer (with a note:)
     resume_from: Path | None  # the checkpoint chosen before any rank started, or None for a fresh run
     run_id: str | None  # this run's id (checkpoints record it; pruning touches only its own); None: ask rank 0

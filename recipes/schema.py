@@ -51,6 +51,10 @@ class Train(Section):
     activation_checkpointing: Literal[ACTIVATION_CHECKPOINTING] = key(f"one of {', '.join(ACTIVATION_CHECKPOINTING)}")
     compile: bool = key("true or false")
     packing: bool = key("true or false")
+    loss_chunk_tokens: Count | None = key(
+        "0 or null (the whole micro-batch's logits at once) or a positive number of tokens, "
+        "e.g. train.loss_chunk_tokens=1024"
+    )
 
 
 class Checkpoint(Section):

@@ -7,6 +7,7 @@ import torch.distributed as dist
 from torch import nn
 
 from components.data import StepBatches
+from components.distributed.chunked_loss import LOSS_CHUNK_TOKENS
 from components.training.step import evaluate_loss_sum
 
 
@@ -16,14 +17,17 @@ def validation_loss(
     device: torch.device,
     dp_group: dist.ProcessGroup,
     compute: AbstractContextManager | None = None,
+    loss_chunk_tokens: int | None = LOSS_CHUNK_TOKENS,
 ) -> float:
     """Mean token loss over every validation row (each dp rank takes its share), the model left in train mode;
-    ``compute`` is the precision's context for the forward (a fresh one per batch is not needed: it is re-entrant)."""
+    ``compute`` is the precision's context for the forward (a fresh one per batch is not needed: it
+    is re-entrant). ``loss_chunk_tokens``: as in ``forward_backward``."""
     totals = torch.zeros(2, dtype=torch.float64)
     model.eval()
     for batch in batches.all_batches():
         batch = batch.to(device)
-        totals[0] += evaluate_loss_sum(model, batch.input_ids, batch.labels, batch.position_ids, compute)
+        tensors = (batch.input_ids, batch.labels, batch.position_ids)
+        totals[0] += evaluate_loss_sum(model, *tensors, compute, loss_chunk_tokens)
         totals[1] += batch.labelled_tokens()
     model.train()
     dist.all_reduce(totals, group=dp_group)
