@@ -127,7 +127,8 @@ def tokenize_batch(batch: dict[str, list], tokenizer, seq_len: int) -> dict[str,
 
 
 def record_error(index: int, record: dict, tokenizer, seq_len: int) -> DataError:
-    """Why record ``index`` (marked by :func:`tokenize_batch`) cannot be trained on, as a one-line DataError."""
+    """Why record ``index`` (0-based, marked by :func:`tokenize_batch`) cannot be trained on, as a
+    one-line DataError naming it 1-based (``record 1`` is the first, as JSONL errors say line 1)."""
     problem = record_problem(record)
     if problem is None:
         try:
@@ -136,7 +137,7 @@ def record_error(index: int, record: dict, tokenizer, seq_len: int) -> DataError
             problem = str(error).splitlines()[0] if str(error) else type(error).__name__
         else:
             return DataError(
-                f"record {index} has no answer tokens within train.seq_len ({seq_len}): raise train.seq_len "
-                "or shorten its prompt"
+                f"record {index + 1} has no answer tokens within train.seq_len ({seq_len}): raise "
+                "train.seq_len or shorten its prompt"
             )
-    return DataError(f"record {index}: {problem}")
+    return DataError(f"record {index + 1}: {problem}")

@@ -58,10 +58,13 @@ def capped_texts(
 ) -> Iterator[str]:
     """The first texts of ``texts``, each cut to ``per_text`` characters, until ``max_chars`` are handed out.
 
-    Lazy: a generator over a large dataset is read only as far as the cap.
+    Lazy: a generator over a large dataset is read only as far as the cap. A text that is not a
+    string (a null cell) is passed over: tokenizing then names its record.
     """
     left = max_chars
     for text in texts:
+        if not isinstance(text, str):
+            continue
         piece = text[: min(per_text, left)]
         left -= len(piece)
         yield piece

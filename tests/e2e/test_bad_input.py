@@ -24,6 +24,7 @@ from components.runtime.output_dir import run_files
 pytestmark = pytest.mark.timeout(1200)
 
 REPO = Path(__file__).resolve().parents[2]
+COLUMNS = "data.columns={prompt: instruction, response: output}"
 
 # name -> (overrides, text the error line must contain). {root} is a folder of prepared files (see inputs).
 CASES: dict[str, tuple[list[str], str]] = {
@@ -142,6 +143,10 @@ CASES: dict[str, tuple[list[str], str]] = {
         ["data=hf", "data.path={root}/chat.parquet", "data.columns={prompt: instr, response: output}"],
         "data.columns prompt='instr': no such column",
     ),
+    "a null cell the tokenizer trains on, named 1-based": (
+        ["data=hf", "data.path={root}/nulls.parquet", COLUMNS],
+        'data: record 2: needs "prompt" and "response" strings, or "messages"',
+    ),
     "a split that does not exist": (
         ["data=hf", "data.path={root}/chat.parquet", "data.split=test"],
         "data.split='test'",
@@ -197,6 +202,8 @@ def inputs(root: Path) -> None:
     model_folders(root)
     records = [{"instruction": f"say {i}", "output": f"{i} {i}"} for i in range(20)]
     datasets.Dataset.from_list(records).to_parquet(root / "chat.parquet")
+    nulls = [{"instruction": "say 1", "output": "1 1"}, {"instruction": "say 2", "output": None}]
+    datasets.Dataset.from_list(nulls).to_parquet(root / "nulls.parquet")
     (root / "a_file").write_text("not a folder\n")
     (root / "empty.jsonl").write_text("\n")
     (root / "bad.jsonl").write_text('{"prompt": "a", "response": "b"}\n{"prompt": "c", "response": "d"\n')

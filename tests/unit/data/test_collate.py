@@ -67,7 +67,7 @@ def test_records_whose_answer_is_cut_off_are_reported(tokenizer):
     assert labelled[0] > 0 and labelled[1] == 0
     error = record_error(1, records[1], tokenizer, seq_len=16)
     assert isinstance(error, DataError)
-    assert str(error).startswith("record 1 has no answer tokens within train.seq_len (16)")
+    assert str(error).startswith("record 2 has no answer tokens within train.seq_len (16)")
 
 
 def test_a_tokenizer_without_chat_template_is_an_error(tokenizer):

@@ -97,9 +97,8 @@ def test_a_record_without_answer_tokens_is_named_and_nothing_is_cached(tokenizer
     source = JsonlSource(str(_jsonl(tmp_path / "data.jsonl", records)), None, 0.0)
     with pytest.raises(DataError) as caught:
         prepare(source, tokenizer_dir, tmp_path / "cache", seq_len=16)
-    assert str(caught.value) == (
-        "record 3 has no answer tokens within train.seq_len (16): raise train.seq_len or shorten its prompt"
-    )
+    shorten = "raise train.seq_len or shorten its prompt"
+    assert str(caught.value) == f"record 4 has no answer tokens within train.seq_len (16): {shorten}"
     assert [p.name for p in data_cache_dir(tmp_path / "cache").iterdir() if p.name != "sources"] == []
 
 
@@ -110,7 +109,7 @@ def test_a_malformed_record_of_a_dataset_is_named_by_index(tokenizer_dir, tmp_pa
     )
     with pytest.raises(DataError) as caught:
         prepare(source, tokenizer_dir, tmp_path / "cache")
-    assert str(caught.value) == 'record 1: needs "prompt" and "response" strings, or "messages"'
+    assert str(caught.value) == 'record 2: needs "prompt" and "response" strings, or "messages"'
 
 
 def test_a_bad_jsonl_line_keeps_its_message_and_an_edited_file_is_tokenized_again(tokenizer_dir, tmp_path):
