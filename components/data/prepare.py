@@ -4,21 +4,15 @@
     prepared = prepare_data(source, tokenizer_dir, seq_len=..., packing=..., seed=..., cache_root=..., num_proc=...)
     # each rank: StepBatches.open(prepared.train, ...), StepBatches.open(prepared.val, ...)
 
-The records are tokenized once per (records, tokenizer with its chat template, ``seq_len``) with
-``Dataset.map`` over ``num_proc`` processes, checked in the same pass (a record that keeps no answer token
-within ``seq_len`` is reported by index), and kept as map's Arrow files under
-``<cache_root>/data/<key>/tokens``, written to a temporary folder and renamed, so a crash leaves no half
-folder and a second experiment on the same data, in any ``output_dir``, reuses it. The train/validation
-split and the packing are small index files beside it (``rows-*.npz``), so changing ``seed``,
-``val_fraction`` or packing never re-tokenizes.
+The records are tokenized and checked once per (records, tokenizer with its chat template,
+``seq_len``) with ``Dataset.map`` over ``num_proc`` processes and kept as Arrow files under
+``<cache_root>/data/<key>/tokens`` (written to a temporary folder and renamed), so a later run on the
+same data, in any ``output_dir``, reuses them. The train/validation split and the packing are small
+index files beside it (``rows-*.npz``): changing ``seed``, ``val_fraction`` or packing never
+re-tokenizes. A crash or a killed launcher leaves nothing running or half-written, and forked ranks
+inherit no tokenizer thread pool.
 
-Fork safety: the ranks are forked from the process that calls this. ``Dataset.map`` worker processes end
-before it returns, and ``TOKENIZERS_PARALLELISM`` is set to false so the Rust tokenizer starts no thread
-pool here that a forked rank could inherit mid-lock.
-
-A killed launcher leaves nothing running or behind: each map worker dies with it (parent-death
-signal), and a scratch folder (``*.tmp-PID``, ``*.PID.tmp``) of a process that no longer exists is
-removed by the next preparation in the same cache.
+Design notes: docs/design-notes.md
 """
 
 import hashlib
@@ -40,7 +34,7 @@ from components.data.loader import TokenizedSplit, open_tokens, pad_id_of
 from components.data.packing import build_rows
 from components.data.sources import DataSource
 from components.data.tokenizer import DEFAULT_VOCAB_SIZE, train_tokenizer
-from components.runtime.launch import die_with_parent
+from components.runtime.launch import die_with_parent, process_exists
 
 FORMAT_VERSION = 4  # bump when the tokenized layout changes, so old cache folders are not read
 TOKENS = datasets.Features(
@@ -106,18 +100,8 @@ def remove_stale_scratch(folder: Path) -> None:
     if not folder.is_dir():
         return
     for child in folder.iterdir():
-        if (match := SCRATCH.search(child.name)) and not _alive(int(match[1] or match[2])):
+        if (match := SCRATCH.search(child.name)) and not process_exists(int(match[1] or match[2])):
             shutil.rmtree(child, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _tokenize(source: DataSource, tokenizer, seq_len: int, num_proc: int, cache_root: Path, folder: Path) -> None:

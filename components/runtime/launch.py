@@ -1,19 +1,17 @@
 """Process start-up: join a world started by torchrun, or start local ranks with PyTorch's launcher API.
 
-Rank failures under :func:`launch_local`: torch elastic's fail-fast stops the other ranks at once (it polls
-every 0.1 s, then SIGTERMs the rest), and instead of its long ``ChildFailedError`` report the launcher
-prints the failed rank's traceback, then one line, ``error: rank 1 failed: ValueError: ...`` (or ``rank 1
-failed: killed by SIGKILL (pid 123)``), and exits with status 1. Torch elastic names only the first dead
-process it happens to find, which after a SIGKILL is often a peer that lost its connection; so a watcher
-thread records how and when every rank ends (``waitid`` without reaping) and each rank records its own
-exception, and the report names the cause: a rank that raised or was killed, before ranks whose error is
-a lost peer. A rank stopped by a signal (SIGSTOP, SIGTSTP) is named as the stuck one once a peer has given up
-on it (the collective timeout), and is then killed so the launch ends. Ranks started by another launcher
-(torchrun, several nodes) rely on the collective timeout.
+Rank failures under :func:`launch_local`: torch elastic's fail-fast stops the other ranks at once, and
+the launcher prints the failed rank's traceback, then one line, ``error: rank 1 failed: ValueError: ...``
+(or ``rank 1 failed: killed by SIGKILL (pid 123)``), and exits with status 1. A watcher thread records
+how and when every rank ends, so the report names the cause (a rank that raised, was killed or is
+stuck), not a peer that lost its connection. Ranks started by another launcher (torchrun, several
+nodes) rely on the collective timeout.
 
 Every rank dies with its launcher: :func:`die_with_parent` (``prctl(PR_SET_PDEATHSIG, SIGKILL)``) runs first
 in each rank started here and in :func:`init_process_group`, so a SIGKILLed launcher leaves no orphans.
 Torch elastic's log folder lives inside the launch's own temporary folder, removed at the end.
+
+Design notes: docs/design-notes.md
 """
 
 import contextlib
@@ -182,12 +180,36 @@ def _exit_of(rank: int, pid: int, info: os.waitid_result) -> RankExit | None:
     return RankExit(rank, f"killed by {name} (pid {pid})", time.time())
 
 
+_RANKS_PREFIX = "shardtune-ranks-"  # then the launcher's pid: a SIGKILL leaves the folder behind
+
+
+def _remove_dead_launchers_folders(folder: Path) -> None:
+    """Remove the rank folders under ``folder`` of launchers that no longer exist (killed with
+    SIGKILL, which runs no clean-up); a live launcher's, or an unnamed one's, is left alone."""
+    for child in folder.glob(f"{_RANKS_PREFIX}*-*"):
+        pid = child.name.removeprefix(_RANKS_PREFIX).split("-", 1)[0]
+        if pid.isdigit() and not process_exists(int(pid)):
+            shutil.rmtree(child, ignore_errors=True)
+
+
+def process_exists(pid: int) -> bool:
+    """Whether a process ``pid`` exists on this host (one of another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class RankWatch:
     """Records when and how each local rank's process ends, without reaping it (``os.waitid`` with
     ``WNOWAIT``, so torch's own join still works), and collects the exceptions ranks noted."""
 
     def __init__(self, nproc: int) -> None:
-        self.folder = Path(tempfile.mkdtemp(prefix="shardtune-ranks-"))
+        _remove_dead_launchers_folders(Path(tempfile.gettempdir()))
+        self.folder = Path(tempfile.mkdtemp(prefix=f"{_RANKS_PREFIX}{os.getpid()}-"))
         self._nproc = nproc
         self._pids: dict[int, int] = {}  # rank -> pid, as each rank notes it
         self._seen: dict[int, RankExit | None] = {}  # rank -> its exit (None: exited 0, or reaped unseen)

@@ -265,3 +265,16 @@ def _cmdline(pid: int) -> bytes:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except (FileNotFoundError, ProcessLookupError):
         return b""
+
+
+def test_the_rank_folder_of_a_sigkilled_launcher_is_removed_by_the_next_launch(tmp_path):
+    first = start_recipe(tmp_path / "killed", "train.max_steps=100000")
+    try:
+        wait_for(lambda: bool(metrics(tmp_path / "killed")), 300, first, "the first step")
+        left = [path for path in tmp_path.glob("shardtune-ranks-*") if path.is_dir()]
+        assert [path.name.split("-")[2] for path in left] == [str(first.pid)]
+    finally:
+        kill_group(first)  # SIGKILL: no clean-up runs
+    assert left[0].is_dir()
+    run_recipe(tmp_path / "next", "train.max_steps=1", "train.warmup_steps=1")
+    assert not list(tmp_path.glob("shardtune-ranks-*"))
