@@ -1,25 +1,17 @@
 """A chunked, vocab-parallel cross entropy: the output projection and the loss, a chunk of tokens at
 a time.
 
-The unchunked path (``lm_head`` then :func:`~components.distributed.tp_plan.cross_entropy_sum`)
-holds the fp32 logits of the whole micro-batch, ``tokens x vocab / tp`` (4.6 GiB at 8,192 tokens and
-Qwen3's 151,936-token vocabulary), plus their log-softmax and their gradient. Here the head and the
-loss run over ``chunk_tokens`` tokens at a time and are recomputed in backward, so at most one
-chunk's logits exist.
+The head and the loss run over ``chunk_tokens`` tokens at a time and are recomputed in backward, so
+at most one chunk's logits exist (the unchunked path, ``lm_head`` then
+:func:`~components.distributed.tp_plan.cross_entropy_sum`, holds the micro-batch's fp32 logits).
+With tensor parallelism it stays vocab-parallel: each rank computes its vocabulary shard's logits
+(the ``Shard(0)`` ``lm_head`` weight of the ``vocab_parallel`` style), the log-sum-exp and the
+target logit are combined over the TP group with two all-reduces per chunk, and the hidden
+states' gradient is reduced as the ``lm_head``'s input layout does (all-reduce, or reduce-scatter
+under sequence parallelism). Only labelled tokens take part (``-100`` is ignored), shifted as
+``cross_entropy_sum`` does. It is exact: the same sums, in another floating-point order.
 
-With tensor parallelism it stays vocab-parallel: each rank holds its rows of the ``lm_head`` weight
-(a ``Shard(0)`` DTensor, the ``vocab_parallel`` style) and computes its vocabulary shard's logits
-for a chunk; the log-sum-exp and the target logit are combined over the TP group with two
-all-reduces per chunk (max, then one sum of both). The gradient of the hidden states is then a
-partial sum over vocabulary shards, reduced as the ``lm_head``'s input layout does: an all-reduce
-(plain TP) or a reduce-scatter onto sequence shards (sequence parallelism, where the hidden states
-are first gathered, as ``vocab_parallel`` does).
-
-Only tokens with a label take part (``-100`` is ignored): they are picked out first, so prompt and
-padding tokens cost nothing. Labels are aligned with the inputs and shifted here exactly as
-``cross_entropy_sum`` does (position ``t`` predicts ``labels[t + 1]``; the last position predicts
-nothing). It is exact: the same sums, in another floating-point order. Under autocast the projection
-runs in the autocast dtype and the softmax in fp32, as on the unchunked path.
+Design notes: docs/design-notes.md
 """
 
 from collections.abc import Iterator
@@ -137,9 +129,16 @@ def chunked_cross_entropy_sum(
                 mesh.get_local_rank() * (weight.shape[0] // mesh.size()),
             )
         local_weight = weight.to_local()
-    if isinstance(
-        hidden, DTensor
-    ):  # sequence parallel: every rank needs every token of its vocab shard
+    device = hidden.device.type
+    autocast = torch.is_autocast_enabled(device)
+    compute_dtype = (
+        torch.get_autocast_dtype(device)
+        if autocast
+        else torch.promote_types(hidden.dtype, weight.dtype)
+    )
+    if autocast:  # as PrecisionPolicy.cast_tp_inputs does for lm_head: the TP collectives move bf16
+        hidden = hidden.to(compute_dtype)  # (the projection would cast the same values)
+    if isinstance(hidden, DTensor):  # sequence parallel: each rank needs every token
         gathered = hidden.redistribute(placements=[Replicate()] * hidden.device_mesh.ndim)
         grad_placements = [
             Partial() if group is not None else Replicate()
@@ -148,13 +147,6 @@ def chunked_cross_entropy_sum(
     elif group is not None:  # plain TP: the gradient is partial over vocab shards, all-reduced
         replicated = DTensor.from_local(hidden, weight.device_mesh, [Replicate()], run_check=False)
         hidden = replicated.to_local(grad_placements=[Partial()])
-    device = hidden.device.type
-    autocast = torch.is_autocast_enabled(device)
-    compute_dtype = (
-        torch.get_autocast_dtype(device)
-        if autocast
-        else torch.promote_types(hidden.dtype, weight.dtype)
-    )
     flat = hidden.flatten(0, 1)
     return _ChunkedHeadCrossEntropy.apply(
         flat, local_weight, targets, chunk_tokens, group, start, compute_dtype
