@@ -1,19 +1,18 @@
 """Sharded, atomic training checkpoints with ``torch.distributed.checkpoint`` (DCP): save and resume.
 
-One checkpoint is the folder ``root/step_00000042/`` (layout and checks: :mod:`checkpoint_check`): DCP's
+One checkpoint is the folder ``root/step_00000042/`` (layout and checks: :mod:`integrity`): DCP's
 ``.metadata`` and ``__<rank>_0.distcp`` (model and optimizer state, stored by global shape, so a load at another
 tp or dp size reshards them), ``trainer_state.json``, one ``rng/rank_NNNNN.json`` per rank (torch CPU, CUDA,
 Python and NumPy RNG states, so a resume at the same world size continues bitwise) and the ``COMPLETE`` marker.
 
-Nothing in a checkpoint runs code on load: the project's own files are JSON, DCP's ``.metadata`` is read with a
-restricted unpickler and its non-tensor values with ``weights_only=True`` (:mod:`safe_dcp`). A checkpoint is
-still trusted for what it holds: the weights, the optimizer state, the step and the data position.
-
 Atomicity: every rank writes into ``step_00000042.tmp``; after all ranks are done (and the caller's
 ``before_commit`` hook has run) rank 0 writes the marker and renames the folder (one ``os.replace``, atomic on
-one filesystem). A crash leaves a ``.tmp`` folder, which :func:`checkpoint_check.find_resumable` never returns
-and the next save of that step replaces. All ranks must see the same filesystem (a shared one across nodes).
+one filesystem). A crash leaves a ``.tmp`` folder, which :func:`integrity.find_resumable` never
+returns and the next save of that step replaces. All ranks must see the same filesystem (a shared
+one across nodes).
 Pruning (``keep``) removes only older checkpoints that carry the same run id as the one being saved.
+
+Design notes: docs/design-notes.md
 """
 
 import base64

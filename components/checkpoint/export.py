@@ -1,28 +1,18 @@
 """Export a (tensor- or data-parallel) model as a Hugging Face folder that ``from_pretrained`` loads.
 
-Every rank writes its own part of the weights into ``<out_dir>.tmp`` (a folder every rank sees,
-as for DCP checkpoints): whole tensors are assigned to ranks by size (largest first, each to the
-rank with the fewest bytes so far), every rank joins the gather of every tensor in the same order
-(``full_tensor`` of a DTensor is a collective), and only a tensor's owner keeps it, just long
-enough to append its bytes to its file. The safetensors header is written first (the shapes and
-the export dtype are known before any gather), so no rank ever holds more than its shard plus one
-full tensor (and that tensor cast). Then rank 0 writes:
+Every rank writes its share of the whole tensors (assigned by size) into ``<out_dir>.tmp``, a folder
+every rank sees, holding at most its shard plus one full tensor at a time. Then rank 0 writes:
 
-- ``model.safetensors.index.json`` over the parts ``model-0000k-of-0000n.safetensors`` (rank by
-  rank, a rank's part split further above ``max_shard_size``; one process under it writes
-  ``model.safetensors`` and no index), in the requested ``dtype`` (default: the source folder's,
-  from its config.json; fp32 for a model built from its config), floating tensors only cast; a
-  tensor the ranks hold as plain replicas (norms under tp) is written from its owner's copy;
+- ``model.safetensors.index.json`` over ``model-0000k-of-0000n.safetensors`` (one process under
+  ``max_shard_size``: ``model.safetensors``), in the requested ``dtype`` (default: the source's);
 - ``config.json`` (its ``dtype`` set to the export's) and the tokenizer, when one is given;
-- every metadata file of the source model folder, byte-identical (``generation_config.json``, chat templates,
-  tokenizer files, licences: every top-level file that is neither weights, ``config.json`` nor ``README.md``);
-  a source file wins over a tokenizer file of the same name;
-- ``README.md``, a short model card naming the recipe, the base model and the config the run was made with.
+- every other top-level file of the source model folder, byte-identical;
+- ``README.md``, a short model card naming the recipe, the base model and the config of the run.
 
-``publish_folder`` then adds the manifest of the files written (``components.runtime.output_dir``) and
-renames the folder to ``out_dir`` (the old one is moved aside first), so a half-written export is never
-mistaken for a model. An existing ``out_dir`` is only replaced when every file in it is one an earlier export
-wrote: a folder holding anything else (a user's own files) is refused with a ValueError, untouched.
+``publish_folder`` adds the manifest and renames the folder to ``out_dir``; an existing ``out_dir``
+holding anything an earlier export did not write is refused with a ValueError, untouched.
+
+Design notes: docs/design-notes.md
 """
 
 import copy

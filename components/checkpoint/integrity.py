@@ -8,12 +8,11 @@ The layout (written by :func:`components.checkpoint.dcp.save_checkpoint`) of ``r
 - ``rng/rank_00000.json`` (one per rank): that rank's RNG states.
 - ``COMPLETE``: the marker, written last (JSON: step and world size).
 
-:func:`check_checkpoint` validates one folder without loading tensors: marker and state files parse, ``.metadata``
-unpickles safely, every ``.distcp`` it names exists and is at least as long as the byte ranges it lists, every
-rank's RNG file is there. :func:`find_resumable` picks the newest usable checkpoint under a root and says why it
-passed over newer ones; :func:`resume_problems` compares a checkpoint's recorded run with the run about to resume.
-:func:`retire_checkpoints_after` moves the checkpoints a resume from an earlier step leaves behind
-out of ``find_resumable``'s sight (``step_N.abandoned``): it never returns to a branch the run left.
+:func:`check_checkpoint` validates one folder without loading tensors: marker and state files
+parse, ``.metadata`` unpickles safely, every ``.distcp`` it names covers the byte ranges it lists,
+every RNG file is there. :func:`find_resumable` picks the newest usable checkpoint under a root and
+says why it passed over newer ones; :func:`resume_problems` compares its run with this one;
+:func:`retire_checkpoints_after` hides the checkpoints after a resume's step (``step_N.abandoned``).
 """
 
 import hashlib

@@ -1,20 +1,16 @@
 """Reading a DCP checkpoint without running code from it, and the project's own state files as JSON.
 
-DCP stores its ``.metadata`` as a pickle and non-tensor values (optimizer hyperparameters such as ``lr``,
-``betas``) as ``torch.save`` blobs that its default planner reads back with ``weights_only=False``: a
-checkpoint handed over by someone else could run any code on load. Here:
+DCP stores ``.metadata`` as a pickle and non-tensor values (``lr``, ``betas``) as ``torch.save``
+blobs read with ``weights_only=False``: a checkpoint from someone else could run any code. Here:
 
-- :func:`read_metadata` unpickles ``.metadata`` with an unpickler that admits only DCP's metadata classes and
-  the few torch and standard types they hold (``torch.Size``, dtypes, layouts, ``pathlib`` paths); anything
-  else (``os.system``, ``builtins.eval``, ...) raises :class:`CheckpointError` naming the file and the global.
-- :class:`SafeFileSystemReader` is DCP's reader with that ``read_metadata``; :class:`SafeLoadPlanner` is DCP's
-  default planner reading byte items with ``weights_only=True``. Tensors DCP already reads with
-  ``weights_only=True``.
+- :func:`read_metadata` unpickles ``.metadata`` admitting only DCP's metadata classes and the
+  few torch and standard types they hold; anything else raises :class:`CheckpointError`.
+- :class:`SafeFileSystemReader` is DCP's reader with that ``read_metadata``;
+  :class:`SafeLoadPlanner` is DCP's default planner reading byte items with ``weights_only=True``.
 - :func:`dumps_state` / :func:`loads_state`: JSON that keeps tuples (tagged ``{"__tuple__": [...]}``), for the
   trainer state and RNG states, so those files cannot carry code at all.
 
-What a checkpoint is trusted for after this: it cannot run code, but it decides the weights, the optimizer
-state, the step and the data position of the resumed run.
+Design notes: docs/design-notes.md
 """
 
 import io

@@ -1,20 +1,17 @@
-"""Data parallelism composed with TP: FSDP2 ``fully_shard`` over the ``dp`` axis.
+"""Data parallelism composed with TP: FSDP2 ``fully_shard`` over the ``dp`` axis, on every backend.
 
-FSDP2 runs on gloo here (measured with torch 2.13 on the CPU: a (dp=2, tp=2) mesh with TP-sharded and
-replicated parameters trains and reduces correctly), so it is used on every backend; DDP is not needed.
 Replicated parameters (norms) become DTensors on the ``dp`` submesh; ``tp_replicas`` recognises them as
-TP replicas from their mesh coordinates.
+TP replicas from their mesh coordinates. Expert parameters (DTensors on the MoE mesh,
+``components.moe``) are left out of FSDP: expert parallelism already splits them over ``ep`` and
+``finalize_dtensor_gradients`` sums their gradients over ``ep_shard``.
 
 Gradients are *summed* over dp ranks (divide factor 1): the recipe normalises the loss by the token
 count of the whole global batch, so the sum is the true gradient whatever the split. The sum is forced
-(``set_force_sum_reduction_for_comms``) in every precision: gloo has no PREMUL_SUM.
+(``set_force_sum_reduction_for_comms``) in every precision: gloo has no PREMUL_SUM. Mixed precision
+is FSDP2's ``MixedPrecisionPolicy`` (``PrecisionPolicy.fsdp_policy()`` in
+``components.models.precision``).
 
-Expert parameters (DTensors on the MoE mesh, ``components.moe``) are left out of FSDP: expert parallelism
-already splits them over ``ep`` and ``finalize_dtensor_gradients`` sums their gradients over ``ep_shard``.
-
-Mixed precision is FSDP2's ``MixedPrecisionPolicy`` (``PrecisionPolicy.fsdp_policy()`` in
-``components.models.precision``): under ``bf16-mixed`` each all-gather yields bf16 copies of the fp32
-shards for compute and gradients are reduce-scattered in fp32 into the fp32 shards.
+Design notes: docs/design-notes.md
 """
 
 from torch import nn

@@ -1,20 +1,16 @@
 """Tensor-parallel styles, and the one function that checks and applies any plan.
 
-Plans are data, one per model family in ``components.models.families``. A plan maps module-name
-patterns (``fnmatch``, ``*`` for a layer index) to style names in Hugging Face's
-``base_model_tp_plan`` vocabulary, so a model's own plan can be used as is:
+Plans are data (one per family, ``components.models.families``): ``fnmatch`` module-name patterns
+(``*`` for a layer index) mapped to style names of HF's ``base_model_tp_plan``, usable as they are:
 
-- ``colwise`` / ``rowwise``: Megatron-style pairs (output features sharded, then input features sharded
-  with an all-reduce, or a reduce-scatter onto sequence shards under sequence parallelism).
+- ``colwise`` / ``rowwise``: Megatron-style pairs (output features, then input features sharded).
 - ``embedding_rowwise``: vocab-parallel embedding (rows of the table sharded).
-- ``vocab_parallel`` (ours): ``lm_head`` whose logits stay sharded over the vocabulary, for
-  :func:`vocab_parallel_cross_entropy`; no rank ever materialises the full logits.
+- ``vocab_parallel`` (ours): ``lm_head`` whose logits stay sharded over the vocabulary.
 - ``colwise_gather_output``: ``lm_head`` whose logits are gathered (HF's choice; costs vocab × tokens).
-- ``sequence_parallel``: norms run on sequence shards (their weights become Replicate DTensors whose
-  gradients arrive Partial; ``grads.finalize_dtensor_gradients`` sums them).
-- ``replicated_with_grad_allreduce``: not sharded; each rank sees a disjoint part of the work (q/k norms
-  after head-sharded projections), so the gradient is marked ``sum`` for ``tp_replicas``.
+- ``sequence_parallel``: norms run on sequence shards (Replicate weights, Partial gradients).
+- ``replicated_with_grad_allreduce``: not sharded, each rank sees a disjoint part: ``sum``.
 - ``replicate``: not sharded, computed redundantly: ``mean`` (the default for anything not in the plan).
+Each style in detail: docs/design-notes.md
 
 Everything is checked before any parameter is sharded, and all problems are reported together.
 """

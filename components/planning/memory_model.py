@@ -1,35 +1,17 @@
 """Per-rank memory of a training step, from the parallel model's local shards and the batch
 geometry.
 
-The state is exact: ``params`` are the bytes of this rank's local shards of the model as the recipe
-builds it (on the meta device: TP plan, expert parallelism, FSDP over dp), ``grads`` the same
-shapes in the parameters' dtype, ``optimizer`` AdamW's two moments (SGD's momentum, when it has
-one) in the parameters' dtype too (``components.models.precision``).
+- ``params``, ``grads``, ``optimizer``: exact, the bytes of this rank's local shards of the model as
+  the recipe builds it (on the meta device), of its gradients and of AdamW's moments (or SGD's).
+- ``activations``: what autograd saves for backward in one micro-batch, per decoder layer, counted
+  from the tensors a Hugging Face Llama-style block keeps (with ``full`` activation checkpointing,
+  each layer's input and one recomputed layer).
+- ``buffers``: the step's transients (logits, autocast copies, FSDP's unsharded layers, the TP
+  replica sync's buffer, AdamW's temporaries).
+- ``total``: the peak, not the sum (backward frees activations as it fills gradients), plus
+  ``runtime``, the process itself. Checked against measured peaks in BENCHMARKS.md.
 
-``activations`` are what autograd saves for backward in one micro-batch of ``micro_batch_size`` ×
-``seq_len`` tokens, per decoder layer, counted from the tensors a Hugging Face Llama-style block
-keeps (rows of the residual stream ``h``, of the projections ``q``/``kv`` and of the MLP ``I``; the
-TP-local share where the plan shards them; under sequence parallelism the norms' rows on ``1/tp``
-of the sequence): two per RMSNorm, the attention and MLP inputs (each of q/k/v and gate/up casts
-its own bf16 copy under autocast at tp=1; at tp>1 ``cast_tp_inputs`` casts once), q and k before
-and after rotary, v, the attention output and its copy for ``o_proj``, and four ``I``-rows in the
-MLP (gate, its SiLU, up, their product). sdpa keeps no score matrix (flash/memory-efficient
-kernels). With ``full`` activation checkpointing a layer keeps only its input, and one layer is
-recomputed at a time.
-
-``buffers`` are the step's transients: the logits (lm_head's output, its fp32 copy for the loss and
-its gradient), autocast's bf16 copy of every weight under ``bf16-mixed`` without FSDP (saved for
-backward), FSDP's unsharded parameters and gradients of two layers (the current and the prefetched
-one), the unsharded gradients FSDP keeps between micro-batches when a step accumulates several
-(``set_requires_gradient_sync(False)``), the TP replica sync's flat buffer (at most 256 MiB) and
-AdamW's temporaries (foreach on CUDA: one more copy of the moments' size).
-
-``total`` is the peak, not the sum: backward frees activations as it fills gradients, so it is
-params + optimizer + the largest of (activations + the forward's buffers) at the end of the
-forward, (grads + the backward's) at its end, and (grads + the optimizer step's temporaries), plus
-``runtime``: the process itself (on the CPU the resident Python, torch and transformers, measured;
-on CUDA 0, as ``max_memory_allocated`` counts tensors only). Checked against measured peaks in
-BENCHMARKS.md.
+Design notes: docs/design-notes.md
 """
 
 from dataclasses import asdict, dataclass

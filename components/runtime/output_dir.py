@@ -1,20 +1,18 @@
 """A run owns its ``output_dir``: an exclusive lock while it runs, and a record of which run its files belong to.
 
-- :class:`OutputDirLock` (``output_dir/.lock``, ``fcntl.flock``): taken by the launching process before any rank
-  starts and held until it exits (forked ranks inherit it, so a rank that outlives its launcher still holds
-  it). The holder's pid, host and start time are written into the file; a second run gets
-  :class:`OutputDirError` naming them. ``flock`` is per host on most network filesystems: two hosts writing
-  one shared folder are not caught.
+- :class:`OutputDirLock` (``output_dir/.lock``, ``fcntl.flock``): taken by the launching process
+  before any rank starts, held until it exits (forked ranks inherit it); a second run gets
+  :class:`OutputDirError` naming the holder. Two hosts writing one shared folder are not caught.
 - :func:`claim_output_dir`: ``output_dir/run.json`` records the run id and config hash of the run the
   folder's files (:data:`RUN_FILES`) belong to. A fresh run (nothing to resume) into a folder holding another
-  run's files is refused, like Hugging Face's Trainer refuses a non-empty output folder, with the choices:
-  ``checkpoint.resume=auto``, another ``output_dir``, or ``overwrite_output_dir=true``, which removes those
-  files (and only those; never a file of the user's). Only a folder whose ``run.json`` records a run
-  has files that are provably shardtune's (the names it lists under ``files``): a ``config.yaml``,
-  ``metrics.jsonl`` or ``loss.png`` in a folder without one is the user's and is never removed.
+  run's files is refused, with the choices: ``checkpoint.resume=auto``, another ``output_dir``, or
+  ``overwrite_output_dir=true``, which removes those files and never a file of the user's (only the
+  files a ``run.json`` lists are provably shardtune's).
 - :func:`write_manifest` / :func:`foreign_files`: a folder shardtune publishes whole (``hf/``, a checkpoint)
   carries a manifest of its files, so a later publish or overwrite can tell the user's own files from ours
   and refuse instead of deleting them.
+
+Design notes: docs/design-notes.md
 """
 
 import fcntl

@@ -8,6 +8,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 SOURCES = sorted([*REPO.glob("recipes/*.py"), *REPO.glob("components/**/*.py")])
 MAX_FUNCTION_LINES = 60
+MAX_DOCSTRING_LINES = 15
 
 
 def _functions(tree: ast.AST):
@@ -29,6 +30,25 @@ def test_no_function_is_longer_than_60_lines(path):
     tree = ast.parse(path.read_text())
     long = [f"{f.name} ({_body_lines(f)} lines)" for f in _functions(tree) if _body_lines(f) > MAX_FUNCTION_LINES]
     assert not long, f"{path.name}: {', '.join(long)}"
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda path: str(path.relative_to(REPO)))
+def test_a_module_docstring_says_what_the_module_owns_in_15_lines(path):
+    lines = len((ast.get_docstring(ast.parse(path.read_text()), clean=False) or "").splitlines())
+    assert lines <= MAX_DOCSTRING_LINES, (
+        f"{path.name}: module docstring of {lines} lines; history and rationale go to docs/design-notes.md"
+    )
+
+
+def test_every_module_that_points_to_the_design_notes_has_its_section_there():
+    notes = (REPO / "docs/design-notes.md").read_text().splitlines()
+    pointing = [
+        str(path.relative_to(REPO))
+        for path in SOURCES
+        if "docs/design-notes.md" in (ast.get_docstring(ast.parse(path.read_text())) or "")
+    ]
+    assert pointing
+    assert [module for module in pointing if f"## {module}" not in notes] == []
 
 
 def test_the_recipe_and_its_checks_stay_short():
