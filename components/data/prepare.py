@@ -85,12 +85,19 @@ def tokenizer_digest(tokenizer) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
-def _tokenize_in_worker(batch: dict[str, list], tokenizer, seq_len: int, launcher: int) -> dict:
-    """``tokenize_batch`` in a map worker that dies with the launcher (a killed launcher left its
-    workers running at full CPU, re-parented to init). Cheap: one ``prctl`` per 20,000 records."""
-    if os.getpid() != launcher:
-        die_with_parent(launcher)
-    return tokenize_batch(batch, tokenizer, seq_len)
+# This process's pid while its Dataset.map forks workers (empty otherwise): see _dies_with_mapper.
+_MAPPING: list[int] = []
+
+
+def _dies_with_mapper() -> None:
+    """Run in every child forked from this process: a map worker (forked while ``_MAPPING`` names
+    its parent) dies with the launcher, from its first instruction on (a killed launcher left its
+    workers running at full CPU, re-parented to init). Any other fork is left alone."""
+    if _MAPPING and os.getppid() == _MAPPING[0]:
+        die_with_parent(_MAPPING[0])
+
+
+os.register_at_fork(after_in_child=_dies_with_mapper)  # map's workers are forked (multiprocess)
 
 
 def remove_stale_scratch(folder: Path) -> None:
@@ -116,11 +123,12 @@ def _tokenize(source: DataSource, tokenizer, seq_len: int, num_proc: int, cache_
     try:
         raw = source.load(source_cache_dir(cache_root))
         processes = max(1, min(num_proc, len(raw) // RECORDS_PER_PROCESS))
+        _MAPPING[:] = [os.getpid()]
         tokens = raw.map(
-            _tokenize_in_worker,
+            tokenize_batch,
             batched=True,
             batch_size=WRITER_BATCH_SIZE,  # map writes one Arrow record batch per call
-            fn_kwargs={"tokenizer": tokenizer, "seq_len": seq_len, "launcher": os.getpid()},
+            fn_kwargs={"tokenizer": tokenizer, "seq_len": seq_len},
             remove_columns=raw.column_names,
             features=TOKENS,
             num_proc=processes if processes > 1 else None,
@@ -141,6 +149,7 @@ def _tokenize(source: DataSource, tokenizer, seq_len: int, num_proc: int, cache_
             if not (folder / "meta.json").is_file():
                 raise
     finally:
+        _MAPPING.clear()
         shutil.rmtree(scratch, ignore_errors=True)
 
 

@@ -229,7 +229,7 @@ def test_a_launcher_killed_while_it_tokenizes_leaves_no_process_and_no_scratch(t
     process = start_recipe(output, *shared, "data.num_examples=80000")
     workers: list[int] = []
     try:
-        # every worker has written its first batch, so it is past its first call
+        # the workers are forked (each dies with the launcher from its fork on) and at work
         wait_for(lambda: tokenizing(process, cache, workers), 600, process, "the map workers")
         scratch = next(cache.glob("data/*.tmp-*"))
         for pid in workers:  # frozen: now only the kernel's parent-death signal can end them
@@ -252,12 +252,12 @@ def test_a_launcher_killed_while_it_tokenizes_leaves_no_process_and_no_scratch(t
 
 
 def tokenizing(process: subprocess.Popen, cache: Path, workers: list[int]) -> bool:
-    """Whether the launcher's map workers (its forks, listed into ``workers``) have each written."""
+    """Whether the launcher's map workers (its forks, listed into ``workers``) are at work."""
     if process.poll() is not None:
         return False  # wait_for says it ended
     launcher = _cmdline(process.pid)
     workers[:] = [pid for pid in children(process.pid) if _cmdline(pid) == launcher]
-    return len(workers) >= 2 and len(list(cache.glob("data/*.tmp-*/tokens/*"))) >= len(workers)
+    return len(workers) >= 2 and bool(list(cache.glob("data/*.tmp-*/tokens/*")))
 
 
 def _cmdline(pid: int) -> bytes:
