@@ -11,7 +11,7 @@ caller: dequantising and saving start OpenMP worker threads, and a launcher that
 leave a rank blocked for good inside libgomp. A file lock (``CACHE_DIR/.smollm2.lock``) makes concurrent
 first runs convert once; the others wait and reuse the folder.
 
-Design notes (the model's checked facts; why not ``from_pretrained(gguf_file=...)``):
+Design notes (the model's checked facts; why not ``from_pretrained`` with ``gguf_file``):
 docs/design-notes.md
 """
 
