@@ -250,9 +250,19 @@ def prepare_run_data(settings: Config, source: DataSource, tokenizer_dir: Path, 
 
 def model_spec(settings: Config, config, weights: Path | None) -> ModelSpec:
     model, train = settings.model, settings.train
-    patterns = moe_patterns(config.model_type, model.experts, model.routers)  # null: the family's
-    wrappers = (train.precision, train.activation_checkpointing, train.compile)
-    return ModelSpec(config, weights, settings.seed, settings.sp, *patterns, *wrappers)
+    # model.experts or model.routers null: the family's patterns
+    experts, routers = moe_patterns(config.model_type, model.experts, model.routers)
+    return ModelSpec(
+        config=config,
+        weights=weights,
+        seed=settings.seed,
+        sequence_parallel=settings.sp,
+        experts=experts,
+        routers=routers,
+        precision=train.precision,
+        activation_checkpointing=train.activation_checkpointing,
+        compile=train.compile,
+    )
 
 
 def _notes(settings: Config, output: Path, per_run: bool, warmup: int) -> None:

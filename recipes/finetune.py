@@ -57,7 +57,7 @@ if TYPE_CHECKING:
 STOPPED_STATUS = 75
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Run:
     """One rank's handles: where it is, what it trains, and with what."""
 
@@ -109,8 +109,11 @@ def set_up(plan: RunPlan) -> Run:
     micro_batches = data.micro_batches_per_step
     experts = ExpertLoad.watch(model, plan.model.config, list(plan.model.experts), mesh["dp"].get_group())
     aux = router_aux_loss_weight(plan.model.config, micro_batches, plan.dims.dp)
-    handles = (rank, device, mesh, model, optimizer, scheduler, data, val_data, first_step, compute)
-    run = Run(*handles, experts, aux, replicas)
+    run = Run(
+        rank=rank, device=device, mesh=mesh, model=model, optimizer=optimizer, scheduler=scheduler,
+        data=data, val_data=val_data, first_step=first_step, compute=compute,
+        experts=experts, aux_loss_weight=aux, replicas=replicas,
+    )
     where = dict(rank=rank, world_size=dist.get_world_size(), first_step=first_step)
     run.before_commit = install_faults(plan.fault, model, optimizer, **where, micro_batches_per_step=micro_batches)
     return run

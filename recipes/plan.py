@@ -16,7 +16,7 @@ from components.models.parallelize import ModelSpec
 from recipes.schema import Config
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RunPlan:
     settings: Config  # every key of the composed config, validated (types, ranges, known keys)
     dims: ParallelDims

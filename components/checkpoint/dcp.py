@@ -278,7 +278,7 @@ def save_checkpoint(
     return end_save(save, before_commit)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PendingSave:
     """A save between :func:`start_save` and :func:`end_save`: its folders, step and RNG states."""
 
@@ -315,7 +315,9 @@ def start_save(
     _write_synced(rng_file(tmp, rank), _rng_to_json(rng))
     if rank == 0:
         _write_synced(tmp / TRAINER_STATE, state_text)
-    save = PendingSave(tmp, final, step, world_size, keep, run_id, rng)
+    save = PendingSave(
+        tmp=tmp, final=final, step=step, world_size=world_size, keep=keep, run_id=run_id, rng=rng
+    )
     return save, _state_dict(model, optimizer, model_only=not optimizer.state)
 
 

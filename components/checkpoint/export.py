@@ -157,7 +157,7 @@ _SAFETENSORS_DTYPES = {
 }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class _Entry:
     """One tensor as the export writes it: its name, global shape and written dtype."""
 
@@ -170,7 +170,7 @@ class _Entry:
         return torch.Size(self.shape).numel() * self.dtype.itemsize
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class _Part:
     """One safetensors file of the export: the rank writing it, its tensors in gather order."""
 
@@ -187,7 +187,11 @@ def _entries(
     """What is written, in the state dict's order: tied duplicates left out, floating tensors as
     ``dtype``."""
     return [
-        _Entry(name, tuple(tensor.shape), dtype if tensor.is_floating_point() else tensor.dtype)
+        _Entry(
+            name=name,
+            shape=tuple(tensor.shape),
+            dtype=dtype if tensor.is_floating_point() else tensor.dtype,
+        )
         for name, tensor in state.items()
         if name not in duplicates
     ]
@@ -221,10 +225,14 @@ def _plan_parts(entries: list[_Entry], world_size: int, max_shard_bytes: int) ->
         if chunk:
             chunks.append((rank, chunk))
     if len(chunks) == 1:
-        return [_Part(SINGLE_FILE, chunks[0][0], tuple(chunks[0][1]))]
+        return [_Part(filename=SINGLE_FILE, rank=chunks[0][0], entries=tuple(chunks[0][1]))]
     total = len(chunks)
     return [
-        _Part(f"model-{number:05d}-of-{total:05d}.safetensors", rank, tuple(chunk))
+        _Part(
+            filename=f"model-{number:05d}-of-{total:05d}.safetensors",
+            rank=rank,
+            entries=tuple(chunk),
+        )
         for number, (rank, chunk) in enumerate(chunks, start=1)
     ]
 

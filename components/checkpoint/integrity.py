@@ -40,7 +40,7 @@ _DCP_FILE = re.compile(r"^__\d+_\d+\.distcp$")
 _STATE_KEYS = ("format", "step", "world_size", "run_id", "run_info", "scheduler", "extra", "optimizer")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CheckpointSummary:
     """What a run recorded in a checkpoint: its step, world size, run id and description, and the global
     shape of every model tensor (by state-dict name, from DCP's metadata)."""
@@ -53,7 +53,7 @@ class CheckpointSummary:
     parameter_shapes: dict[str, tuple[int, ...]]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ResumeChoice:
     """The checkpoint to resume from (None: none usable) and the newer ones passed over, each with its cause."""
 
@@ -176,7 +176,14 @@ def check_checkpoint(path: Path) -> CheckpointSummary:
     except OSError as error:
         raise CheckpointError(f"checkpoint {path} is unusable: {error.strerror or error}") from None
     run_info = state["run_info"] if isinstance(state["run_info"], dict) else {}
-    return CheckpointSummary(path, state["step"], state["world_size"], state["run_id"], run_info, shapes)
+    return CheckpointSummary(
+        path=path,
+        step=state["step"],
+        world_size=state["world_size"],
+        run_id=state["run_id"],
+        run_info=run_info,
+        parameter_shapes=shapes,
+    )
 
 
 def checkpoint_summary(path: Path) -> CheckpointSummary:
@@ -197,8 +204,8 @@ def find_resumable(root: Path) -> ResumeChoice:
         except CheckpointError as error:
             skipped.append((folder, str(error).split(" is unusable: ", 1)[-1]))
             continue
-        return ResumeChoice(folder, skipped)
-    return ResumeChoice(None, skipped)
+        return ResumeChoice(path=folder, skipped=skipped)
+    return ResumeChoice(path=None, skipped=skipped)
 
 
 def retire_checkpoints_after(root: Path, step: int) -> list[Path]:

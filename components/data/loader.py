@@ -26,7 +26,7 @@ from components.data.collate import IGNORE_INDEX, record_error, tokenize_batch
 from components.data.packing import Rows, build_rows
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TokenizedSplit:
     """What a rank needs to open one prepared split (:func:`components.data.prepare.prepare_data` makes it):
     the Arrow folder of tokenized examples, the row file, and which part of it (train or val) to read."""
@@ -40,7 +40,7 @@ class TokenizedSplit:
     num_rows: int
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Batch:
     """One micro-batch, every tensor [rows, positions] (``seq_len``, or its longest row's).
     ``labels`` are aligned with the inputs (the loss shifts them); ``position_ids`` restart at each
@@ -54,8 +54,8 @@ class Batch:
     real_tokens: torch.Tensor  # [rows]: each row's examples fill its first real_tokens positions; padding follows
 
     def to(self, device: torch.device | str) -> "Batch":
-        tensors = (self.input_ids, self.labels, self.position_ids, self.real_tokens)
-        return Batch(*(tensor.to(device) for tensor in tensors))
+        names = ("input_ids", "labels", "position_ids", "real_tokens")
+        return Batch(**{name: getattr(self, name).to(device) for name in names})
 
     def real_mask(self) -> torch.Tensor:
         """[rows, seq_len]: True where a position holds an example's token, False on the padding."""
@@ -115,7 +115,9 @@ def collate_rows(rows: list[list[tuple[list[int], list[int]]]], seq_len: int, pa
             position_ids[row, start:] = torch.arange(seq_len - start)
             start = end
         real_tokens[row] = start
-    return Batch(input_ids, labels, position_ids, real_tokens)
+    return Batch(
+        input_ids=input_ids, labels=labels, position_ids=position_ids, real_tokens=real_tokens
+    )
 
 
 def _check_sizes(global_batch_size: int, micro_batch_size: int, dp_size: int, dp_rank: int) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Rows:
     """The rows of one split: row ``r`` holds examples ``order[offsets[r]:offsets[r + 1]]`` of the tokenized
     set, with ``tokens[r]`` real (non-padding) tokens of which ``labelled[r]`` count in the loss. Small:
@@ -41,10 +41,10 @@ def build_rows(lengths: np.ndarray, labelled: np.ndarray, order: np.ndarray, seq
     starts = offsets[:-1]
     if not len(order):
         empty = np.zeros(0, dtype=np.int32)
-        return Rows(order, offsets, empty, empty)
+        return Rows(order=order, offsets=offsets, tokens=empty, labelled=empty)
     tokens = np.add.reduceat(np.asarray(lengths, dtype=np.int32)[order], starts).astype(np.int32)
     labels = np.add.reduceat(np.asarray(labelled, dtype=np.int32)[order], starts).astype(np.int32)
-    return Rows(order, offsets, tokens, labels)
+    return Rows(order=order, offsets=offsets, tokens=tokens, labelled=labels)
 
 
 def row_offsets(lengths: np.ndarray, seq_len: int, packing: bool) -> np.ndarray:

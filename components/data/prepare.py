@@ -54,7 +54,7 @@ RECORDS_PER_PROCESS = 20_000
 SCRATCH = re.compile(r"\.tmp-(\d+)$|\.(\d+)\.tmp$")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PreparedData:
     """The prepared data of a run (picklable, handed to every rank). ``val`` is None when none is held out."""
 
@@ -230,9 +230,23 @@ def prepare_data(
 
     def split(part: str) -> TokenizedSplit:
         examples, num_rows = counts[part]
-        return TokenizedSplit(str(folder / "tokens"), str(rows_file), part, seq_len, pad_id, examples, num_rows)
+        return TokenizedSplit(
+            tokens_dir=str(folder / "tokens"),
+            rows_file=str(rows_file),
+            part=part,
+            seq_len=seq_len,
+            pad_id=pad_id,
+            num_examples=examples,
+            num_rows=num_rows,
+        )
 
-    return PreparedData(split("train"), split("val") if counts["val"][0] else None, str(folder), reused, digest)
+    return PreparedData(
+        train=split("train"),
+        val=split("val") if counts["val"][0] else None,
+        folder=str(folder),
+        reused=reused,
+        tokenizer_digest=digest,
+    )
 
 
 def cached_tokenizer(source: DataSource, cache_root: str | Path) -> Path:

@@ -62,7 +62,7 @@ def _dataset_texts(dataset: datasets.Dataset) -> Iterator[str]:
             yield from training_texts([{column: batch[column][index] for column in columns}])
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GeneratedSource:
     """The embedded instruction-following set (:mod:`components.data.generated`), ``num_examples`` records."""
 
@@ -102,7 +102,7 @@ def _normalized_jsonl(path: str) -> Iterator[dict]:
             }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class JsonlSource:
     """A JSONL file of ``{"prompt", "response"}`` or ``{"messages"}`` records, each line checked as read
     (errors name the line: ``data.jsonl line 3: not valid JSON (...)``); the first ``num_examples`` or all."""
@@ -150,7 +150,7 @@ class JsonlSource:
         yield from _dataset_texts(self.load(cache_dir))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class HFSource:
     """Any split ``datasets`` can load (:func:`components.data.hf.load_split`), its ``columns`` mapped onto
     ``prompt``/``response`` or ``messages`` (``{"prompt": "instruction", "response": "output"}``; empty: the

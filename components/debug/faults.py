@@ -33,7 +33,7 @@ KINDS = ("nan_grad", "perturb_replica", "raise", "replica_sync_sum", "slow_save"
 _WITH_STEP = ("nan_grad", "perturb_replica", "raise", "slow_save")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Fault:
     kind: str
     step: int | None = None  # the step it strikes at (seconds for slow_save)
@@ -50,7 +50,7 @@ def parse_fault(text: str | None) -> Fault | None:
             f"debug.fault={text!r} is not a known fault: use nan_grad@STEP, perturb_replica@STEP, raise@STEP, "
             "slow_save@SECONDS or replica_sync_sum"
         )
-    return Fault(kind, int(step) if step else None)
+    return Fault(kind=kind, step=int(step) if step else None)
 
 
 def _first_plain(model: nn.Module) -> torch.Tensor:

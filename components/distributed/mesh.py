@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ParallelDims:
     """How ``world_size`` ranks are split: ``dp × tp == world_size``; ``ep`` divides ``world_size``."""
 

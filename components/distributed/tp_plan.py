@@ -114,7 +114,7 @@ def _style(name: str, sequence_parallel: bool) -> ParallelStyle | None:
     return styles[name]()
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PlanReport:
     """Which parameters the plan sharded, and which stay replicated with which gradient reduction."""
 

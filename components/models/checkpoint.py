@@ -54,7 +54,7 @@ _DTYPES = {
 SCRATCH_BYTES = 16 * 2**20
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class _Stored:
     """Where a tensor's bytes are in its file: the absolute offset of its first byte."""
 
@@ -75,7 +75,8 @@ def _read_header(path: Path) -> tuple[int, dict[str, _Stored]]:
             name = entry["dtype"]
             raise ValueError(f"{key} in {path}: safetensors dtype {name} is not supported")
         start = 8 + length + entry["data_offsets"][0]
-        stored[key] = _Stored(_DTYPES[entry["dtype"]], tuple(entry["shape"]), start)
+        dtype, shape = _DTYPES[entry["dtype"]], tuple(entry["shape"])
+        stored[key] = _Stored(dtype=dtype, shape=shape, start=start)
     return 8 + length, stored
 
 
@@ -188,7 +189,7 @@ class TensorSource(Protocol):
         ...
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StoredTensor:
     """A tensor stored whole under one key."""
 
@@ -210,7 +211,7 @@ class StoredTensor:
         return True
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StackedExperts:
     """A fused (experts, rows, columns) parameter stored as 2-D tensors: ``keys[e]`` are expert e's parts,
     concatenated along the rows (gate then up for ``gate_up_proj``; one part for ``down_proj``)."""
@@ -256,7 +257,7 @@ def find_source(
     (and what was looked for) if the checkpoint does not hold it.
     """
     if name in checkpoint:
-        return StoredTensor(name)
+        return StoredTensor(key=name)
     tried = [name]
     family = FAMILIES.get(model_type or "")
     if family is not None and family.per_expert_checkpoint is not None:
@@ -266,14 +267,14 @@ def find_source(
             parts = (gate, up) if match["which"] == "gate_up_proj" else (down,)
             keys = tuple(tuple(f"{prefix}.{e}.{part}.weight" for part in parts) for e in range(model_shape[0]))
             if all(key in checkpoint for expert in keys for key in expert):
-                return StackedExperts(keys)
+                return StackedExperts(keys=keys)
             tried.append(f"{prefix}.<0..{model_shape[0] - 1}>.{'/'.join(parts)}.weight")
         elif (renamed := name.replace(".mlp.", f".{block}.")) != name:
             if renamed in checkpoint:
-                return StoredTensor(renamed)
+                return StoredTensor(key=renamed)
             tried.append(renamed)
     if (partner := tied.get(name)) is not None:
         if partner in checkpoint:
-            return StoredTensor(partner)
+            return StoredTensor(key=partner)
         tried.append(f"{partner} (tied)")
     raise KeyError(f"{name} is not in the checkpoint at {checkpoint.folder} (looked for {', '.join(tried)})")

@@ -27,7 +27,7 @@ from components.models.precision import precision_policy
 from components.moe import apply_expert_parallel
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ModelSpec:
     """What to build: the config, where its weights come from, and how it is split."""
 

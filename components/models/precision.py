@@ -25,7 +25,7 @@ from components.models.build import decoder_blocks
 PRECISIONS = ("fp32", "bf16-mixed", "bf16")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PrecisionPolicy:
     """What one ``train.precision`` value means for building, running and sharding the model."""
 
@@ -113,4 +113,5 @@ def precision_policy(name: str) -> PrecisionPolicy:
     }
     if name not in dtypes:
         raise ValueError(f"train.precision={name!r} is not one of {', '.join(PRECISIONS)}")
-    return PrecisionPolicy(name, *dtypes[name])
+    param_dtype, compute_dtype = dtypes[name]
+    return PrecisionPolicy(name=name, param_dtype=param_dtype, compute_dtype=compute_dtype)

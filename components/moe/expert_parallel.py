@@ -42,7 +42,7 @@ EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
 DISPATCH_MODES = ("folded", "all_to_all")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ExpertLayout:
     """Where one experts module's experts live and how its tokens reach them."""
 

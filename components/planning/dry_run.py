@@ -35,7 +35,7 @@ ROWS = ("params", "grads", "optimizer", "activations", "buffers", "runtime", "to
 
 def plan_layout(plan, step: Step, layout: Layout) -> MemoryEstimate:
     """Build ``plan``'s model for ``layout`` on the meta device over the fake world; price it."""
-    dims = ParallelDims(plan.dims.world_size, layout.dp, layout.tp, layout.ep)
+    dims = ParallelDims(world_size=plan.dims.world_size, dp=layout.dp, tp=layout.tp, ep=layout.ep)
     mesh = build_device_mesh(dims, "cpu")
     spec = replace(plan.model, activation_checkpointing=layout.activation_checkpointing)
     model, _ = build_parallel_model(spec, dims, mesh, torch.device("meta"))
@@ -110,7 +110,13 @@ def dry_run(plan, fail: Callable[[str], NoReturn]) -> dict:
     settings, dims = plan.settings, plan.dims
     train = settings.train
     checkpointing = train.activation_checkpointing
-    layout = Layout(dims.tp, dims.dp, dims.ep, train.micro_batch_size, checkpointing)
+    layout = Layout(
+        tp=dims.tp,
+        dp=dims.dp,
+        ep=dims.ep,
+        micro_batch_size=train.micro_batch_size,
+        activation_checkpointing=checkpointing,
+    )
     step = _step(plan)
     memory = _device_memory_gib(settings.device_memory_gib)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=dims.world_size)

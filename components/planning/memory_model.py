@@ -26,7 +26,7 @@ from components.planning.flops import head_dim, is_sparse_layer
 GIB = 1024**3
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Layout:
     """What a plan may change to make a run fit."""
 
@@ -37,7 +37,7 @@ class Layout:
     activation_checkpointing: str  # none | full | selective
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Step:
     """What does not change between layouts: the sequence, the precision and the optimizer."""
 
@@ -50,7 +50,7 @@ class Step:
     runtime_gib: float  # the process itself (CPU), 0 on CUDA
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MemoryEstimate:
     """GiB on the busiest rank (rank 0: FSDP gives the last ranks the shorter shards)."""
 

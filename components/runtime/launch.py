@@ -121,7 +121,7 @@ def start_fresh_line(stream: Any) -> None:
         return
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RankExit:
     """How one rank ended: its error (one line), when (``time.time()``), and its traceback if it raised."""
 
@@ -172,12 +172,13 @@ def _exit_of(rank: int, pid: int, info: os.waitid_result) -> RankExit | None:
     if info.si_code == os.CLD_EXITED:
         if info.si_status == 0:
             return None
-        return RankExit(rank, f"exited with status {info.si_status} (pid {pid})", time.time())
+        error = f"exited with status {info.si_status} (pid {pid})"
+        return RankExit(rank=rank, error=error, time=time.time())
     try:
         name = signal.Signals(info.si_status).name
     except ValueError:
         name = f"signal {info.si_status}"
-    return RankExit(rank, f"killed by {name} (pid {pid})", time.time())
+    return RankExit(rank=rank, error=f"killed by {name} (pid {pid})", time=time.time())
 
 
 _RANKS_PREFIX = "shardtune-ranks-"  # then the launcher's pid: a SIGKILL leaves the folder behind
@@ -253,7 +254,8 @@ class RankWatch:
             if info is None:
                 continue
             if info.si_code == os.CLD_STOPPED:
-                self._stopped.setdefault(rank, RankExit(rank, _stop_text(pid, info.si_status), time.time()))
+                stop = RankExit(rank=rank, error=_stop_text(pid, info.si_status), time=time.time())
+                self._stopped.setdefault(rank, stop)
             elif info.si_code == os.CLD_CONTINUED:
                 self._stopped.pop(rank, None)
             else:
@@ -282,7 +284,11 @@ class RankWatch:
             record = json.loads(path.read_text())
             rank = int(path.name.split(".")[0])
             found[rank] = RankExit(
-                rank, record["error"], record["time"], record["traceback"], record.get("reported", False)
+                rank=rank,
+                error=record["error"],
+                time=record["time"],
+                traceback=record["traceback"],
+                reported=record.get("reported", False),
             )
         return list(found.values())
 
@@ -303,13 +309,15 @@ def _from_elastic(error: ChildFailedError) -> list[RankExit]:
         if isinstance(message, dict):  # from the rank's error file: {"message": ..., "extraInfo": ...}
             text = " ".join(str(message.get("message", "")).split())
             callstack = message.get("extraInfo", {}).get("py_callstack")
-            exits.append(RankExit(rank, text, failure.timestamp, callstack))
-        elif failure.exitcode < 0:
-            exits.append(RankExit(rank, f"killed by {failure.signal_name()} (pid {failure.pid})", failure.timestamp))
-        else:
             exits.append(
-                RankExit(rank, f"exited with status {failure.exitcode} (pid {failure.pid})", failure.timestamp)
+                RankExit(rank=rank, error=text, time=failure.timestamp, traceback=callstack)
             )
+        elif failure.exitcode < 0:
+            error = f"killed by {failure.signal_name()} (pid {failure.pid})"
+            exits.append(RankExit(rank=rank, error=error, time=failure.timestamp))
+        else:
+            error = f"exited with status {failure.exitcode} (pid {failure.pid})"
+            exits.append(RankExit(rank=rank, error=error, time=failure.timestamp))
     return exits
 
 

@@ -59,7 +59,7 @@ class OutputDirError(Exception):
     """The output folder cannot be used as asked; the message is one line saying why and what to do."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RunRecord:
     """The run an output folder belongs to (the content of ``run.json``)."""
 
@@ -296,7 +296,8 @@ def claim_output_dir(
         )
     if continuing:
         run_id = previous.run_id if previous is not None else uuid.uuid4().hex
-        return _write_record(output_dir, RunRecord(run_id, config_hash, started))
+        record = RunRecord(run_id=run_id, config_hash=config_hash, started=started)
+        return _write_record(output_dir, record)
     if present:
         if not overwrite:
             choices = "to keep it choose another output_dir=..., to replace it set overwrite_output_dir=true"
@@ -306,4 +307,5 @@ def claim_output_dir(
                 choices = f"; to continue that run set checkpoint.resume=auto, {choices}"
             raise OutputDirError(f"output_dir {output_dir} holds another run's files ({', '.join(present)}){choices}")
         remove_run_files(output_dir, previous)
-    return _write_record(output_dir, RunRecord(uuid.uuid4().hex, config_hash, started))
+    record = RunRecord(run_id=uuid.uuid4().hex, config_hash=config_hash, started=started)
+    return _write_record(output_dir, record)

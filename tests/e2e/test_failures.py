@@ -176,16 +176,31 @@ def test_a_rank_that_raises_is_named_with_its_error_and_traceback():
 
 def test_the_rank_that_died_is_named_before_peers_that_lost_it():
     failures = [
-        RankExit(0, "RuntimeError: [gloo] Read error [127.0.0.1]:1234: Connection reset by peer", 10.01, "tb 0"),
-        RankExit(1, "killed by SIGKILL (pid 101)", 10.02),  # seen by the watch's poll after rank 0's error
-        RankExit(2, "SignalException: Process 102 got signal: 15", 10.2, "tb 2"),  # stopped by the launcher
+        RankExit(
+            rank=0,
+            error="RuntimeError: [gloo] Read error [127.0.0.1]:1234: Connection reset by peer",
+            time=10.01,
+            traceback="tb 0",
+        ),
+        # seen by the watch's poll after rank 0's error
+        RankExit(rank=1, error="killed by SIGKILL (pid 101)", time=10.02),
+        # stopped by the launcher
+        RankExit(
+            rank=2, error="SignalException: Process 102 got signal: 15", time=10.2, traceback="tb 2"
+        ),
     ]
     assert describe_rank_failure(failures) == ("error: rank 1 failed: killed by SIGKILL (pid 101)", None)
-    failures.append(RankExit(3, "ValueError: [/src/x.cc:12] bad", 10.5, "tb 3"))  # failed on its own, later
+    # failed on its own, later
+    failures.append(
+        RankExit(rank=3, error="ValueError: [/src/x.cc:12] bad", time=10.5, traceback="tb 3")
+    )
     line = "error: rank 1 failed: killed by SIGKILL (pid 101) (then rank 3: ValueError: bad)"
     assert describe_rank_failure(failures) == (line, None)
     assert describe_rank_failure([failures[0], failures[3]]) == ("error: rank 3 failed: ValueError: bad", "tb 3")
-    both = [RankExit(1, "RuntimeError: same", 3.0, "tb 1"), RankExit(0, "RuntimeError: same", 3.1, "tb 0")]
+    both = [
+        RankExit(rank=1, error="RuntimeError: same", time=3.0, traceback="tb 1"),
+        RankExit(rank=0, error="RuntimeError: same", time=3.1, traceback="tb 0"),
+    ]
     assert describe_rank_failure(both) == ("error: rank 1 failed: RuntimeError: same (so did rank 0)", "tb 1")
 
 

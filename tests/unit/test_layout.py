@@ -51,6 +51,30 @@ def test_every_module_that_points_to_the_design_notes_has_its_section_there():
     assert [module for module in pointing if f"## {module}" not in notes] == []
 
 
+def _is_dataclass_decorator(decorator: ast.expr) -> bool:
+    target = decorator.func if isinstance(decorator, ast.Call) else decorator
+    return ast.unparse(target) in ("dataclass", "dataclasses.dataclass")
+
+
+def _declares_kw_only(decorator: ast.expr) -> bool:
+    return isinstance(decorator, ast.Call) and any(
+        keyword.arg == "kw_only" and getattr(keyword.value, "value", None) is True
+        for keyword in decorator.keywords
+    )
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda path: str(path.relative_to(REPO)))
+def test_every_dataclass_is_keyword_only(path):
+    positional = [
+        node.name
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef)
+        for decorator in node.decorator_list
+        if _is_dataclass_decorator(decorator) and not _declares_kw_only(decorator)
+    ]
+    assert not positional, f"{path.name}: declare @dataclass(kw_only=True): {', '.join(positional)}"
+
+
 def test_the_recipe_and_its_checks_stay_short():
     assert len((REPO / "recipes/finetune.py").read_text().splitlines()) <= 260
     assert len((REPO / "recipes/checks.py").read_text().splitlines()) <= 330

@@ -129,7 +129,7 @@ def test_a_crash_before_the_commit_leaves_only_an_ignored_tmp_folder(tmp_path):
     with pytest.raises(OSError, match="killed"):
         save_checkpoint(tmp_path, 2, *state, before_commit=crash)
     assert seen == [[".metadata", "__0_0.distcp", "rng", TRAINER_STATE]]  # every file, no marker yet
-    assert find_resumable(tmp_path) == ResumeChoice(checkpoint_path(tmp_path, 1))
+    assert find_resumable(tmp_path) == ResumeChoice(path=checkpoint_path(tmp_path, 1))
     assert save_checkpoint(tmp_path, 2, *state) == checkpoint_path(tmp_path, 2)  # replaces the stale folder
     assert sorted(path.name for path in tmp_path.iterdir()) == ["step_00000001", "step_00000002"]
 

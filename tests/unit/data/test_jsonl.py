@@ -110,7 +110,7 @@ def test_a_file_without_records(tmp_path, lines):
     path.write_text("\n".join(lines), encoding="utf-8")
     assert list(iter_jsonl(path)) == []
     with pytest.raises(DataError, match=f"^{re.escape(str(path))} has no records: expected one JSON object per line$"):
-        JsonlSource(str(path), None, 0.0).load(tmp_path / "cache")
+        JsonlSource(path=str(path), num_examples=None, val_fraction=0.0).load(tmp_path / "cache")
 
 
 def test_missing_file(tmp_path):

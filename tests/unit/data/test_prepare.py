@@ -94,7 +94,8 @@ def _jsonl(path, records):
 def test_a_record_without_answer_tokens_is_named_and_nothing_is_cached(tokenizer_dir, tmp_path):
     records = generate_examples(6, 0)
     records[3] = {"prompt": "a very long prompt " * 20, "response": "x"}
-    source = JsonlSource(str(_jsonl(tmp_path / "data.jsonl", records)), None, 0.0)
+    path = str(_jsonl(tmp_path / "data.jsonl", records))
+    source = JsonlSource(path=path, num_examples=None, val_fraction=0.0)
     with pytest.raises(DataError) as caught:
         prepare(source, tokenizer_dir, tmp_path / "cache", seq_len=16)
     shorten = "raise train.seq_len or shorten its prompt"
@@ -105,7 +106,12 @@ def test_a_record_without_answer_tokens_is_named_and_nothing_is_cached(tokenizer
 def test_a_malformed_record_of_a_dataset_is_named_by_index(tokenizer_dir, tmp_path):
     rows = [{"q": "Add 1 and 2", "a": "3"}, {"q": "Add 2 and 2", "a": None}]
     source = HFSource(
-        str(_jsonl(tmp_path / "d.jsonl", rows)), "train", None, {"prompt": "q", "response": "a"}, None, 0.0
+        path=str(_jsonl(tmp_path / "d.jsonl", rows)),
+        split="train",
+        name=None,
+        columns={"prompt": "q", "response": "a"},
+        num_examples=None,
+        val_fraction=0.0,
     )
     with pytest.raises(DataError) as caught:
         prepare(source, tokenizer_dir, tmp_path / "cache")
@@ -115,12 +121,13 @@ def test_a_malformed_record_of_a_dataset_is_named_by_index(tokenizer_dir, tmp_pa
 def test_a_bad_jsonl_line_keeps_its_message_and_an_edited_file_is_tokenized_again(tokenizer_dir, tmp_path):
     path = tmp_path / "data.jsonl"
     path.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "c", "response": "d"\n')
+    source = JsonlSource(path=str(path), num_examples=None, val_fraction=0.0)
     with pytest.raises(DataError, match=r"data.jsonl line 2: not valid JSON \(Expecting ',' delimiter\)$"):
-        prepare(JsonlSource(str(path), None, 0.0), tokenizer_dir, tmp_path / "cache")
+        prepare(source, tokenizer_dir, tmp_path / "cache")
     _jsonl(path, generate_examples(10, 0))
-    first = prepare(JsonlSource(str(path), None, 0.0), tokenizer_dir, tmp_path / "cache")
+    first = prepare(source, tokenizer_dir, tmp_path / "cache")
     _jsonl(path, generate_examples(11, 0))
-    second = prepare(JsonlSource(str(path), None, 0.0), tokenizer_dir, tmp_path / "cache")
+    second = prepare(source, tokenizer_dir, tmp_path / "cache")
     assert not second.reused and second.folder != first.folder and second.train.num_examples == 11
 
 

@@ -139,7 +139,8 @@ def test_jsonl_source_keeps_the_line_numbered_errors(tmp_path):
     assert error_of(lambda: bad.load(tmp_path)) == f"{path} line 2: not valid JSON (Expecting ',' delimiter)"
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
-    assert error_of(lambda: JsonlSource(str(empty), None, 0.0).load(tmp_path)) == (
+    source = JsonlSource(path=str(empty), num_examples=None, val_fraction=0.0)
+    assert error_of(lambda: source.load(tmp_path)) == (
         f"{empty} has no records: expected one JSON object per line"
     )
 
@@ -148,7 +149,8 @@ def test_jsonl_source_takes_both_shapes_as_messages(tmp_path):
     path = tmp_path / "mixed.jsonl"
     chat = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
     _write_jsonl(path, [{"prompt": "p", "response": "r"}, {"messages": chat}])
-    loaded = JsonlSource(str(path), None, 0.0).load(tmp_path).to_list()
+    source = JsonlSource(path=str(path), num_examples=None, val_fraction=0.0)
+    loaded = source.load(tmp_path).to_list()
     assert loaded == [
         {"messages": [{"role": "user", "content": "p"}, {"role": "assistant", "content": "r"}]},
         {"messages": chat},

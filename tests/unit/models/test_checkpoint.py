@@ -19,7 +19,7 @@ def test_a_box_of_a_stored_tensor(qwen3_moe):
     model, folder = qwen3_moe
     with Checkpoint(folder) as checkpoint:
         source = find_source(checkpoint, "model.layers.1.self_attn.k_proj.weight", (32, 64), "qwen3_moe", {})
-        assert source == StoredTensor("model.layers.1.self_attn.k_proj.weight")
+        assert source == StoredTensor(key="model.layers.1.self_attn.k_proj.weight")
         box = source.read(checkpoint, (8, 16), (16, 32))
     assert torch.equal(box, model.model.layers[1].self_attn.k_proj.weight[8:24, 16:48])
 
@@ -48,7 +48,8 @@ def test_tied_partner_is_read_when_a_name_is_absent(qwen3_moe):
     _, folder = qwen3_moe
     with Checkpoint(folder) as checkpoint:
         tied = {"model.extra.weight": "lm_head.weight"}
-        assert find_source(checkpoint, "model.extra.weight", (256, 64), None, tied) == StoredTensor("lm_head.weight")
+        found = find_source(checkpoint, "model.extra.weight", (256, 64), None, tied)
+        assert found == StoredTensor(key="lm_head.weight")
         with pytest.raises(KeyError, match=r"model\.extra\.weight is not in the checkpoint .*looked for model\.extra"):
             find_source(checkpoint, "model.extra.weight", (256, 64), None, {})
 
@@ -86,8 +87,8 @@ def test_boxes_are_read_without_a_mapping_exactly_as_safetensors_slices_them(tmp
                 assert torch.equal(checkpoint.read(key, offset, size), expected), (key, offset)
                 assert checkpoint.read(key, offset, size).dtype == tensors[key].dtype
         out = torch.empty(19, 24)
-        assert StoredTensor("matrix").read_into(checkpoint, (5, 0), out)
+        assert StoredTensor(key="matrix").read_into(checkpoint, (5, 0), out)
         assert torch.equal(out, tensors["matrix"][5:24])
-        assert not StoredTensor("matrix").read_into(checkpoint, (5, 0), out.to(torch.float64))
+        assert not StoredTensor(key="matrix").read_into(checkpoint, (5, 0), out.to(torch.float64))
         with pytest.raises(ValueError, match=r"matrix: box at \(30, 0\) of \(8, 24\) is outside"):
             checkpoint.read("matrix", (30, 0), (8, 24))

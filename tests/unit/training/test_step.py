@@ -82,7 +82,12 @@ def test_packed_rows_give_each_example_its_unpacked_loss(model, tokenizer, atten
 def test_without_restarting_positions_examples_would_leak_into_each_other(model, tokenizer):
     packed = whole_split(loader(tokenizer, True))
     positions = torch.arange(SEQ_LEN).expand_as(packed.input_ids)
-    plain = Batch(packed.input_ids, packed.labels, positions, packed.real_tokens)
+    plain = Batch(
+        input_ids=packed.input_ids,
+        labels=packed.labels,
+        position_ids=positions,
+        real_tokens=packed.real_tokens,
+    )
     leaked = per_example_loss(model, plain, example_spans(packed))
     expected = per_example_loss(model, whole_split(loader(tokenizer, False)))
     assert leaked[0] == pytest.approx(expected[0], rel=RTOL)  # the first example of a row sees nothing before it
