@@ -198,23 +198,29 @@ def remove_run_files(output_dir: Path, record: RunRecord) -> list[str]:
 
 def nested_run_errors(output_dir: Path) -> list[str]:
     """Why ``output_dir`` cannot hold a run because of another run's folder around or below it (one
-    phrase), or nothing. A run inside another's output folder (its ``checkpoints/``, ``hf/`` or
-    anywhere in it) is deleted by that run's pruning or overwrite; a folder holding another run's
-    below it would do the same to that one. Below, :data:`_NESTED_DEPTH` levels are looked at."""
+    phrase), or nothing. A run inside what another run writes (its ``checkpoints/``, ``hf/``,
+    ``tokenizer/``: the names its ``run.json`` lists) is deleted by that run's pruning or overwrite;
+    a run below what this one will write would be deleted the same way. Elsewhere (``outputs/llama``
+    of an older run holding ``outputs/llama/DATE``) nothing of one run touches the other's files:
+    overwrite removes only what a ``run.json`` lists. Below, :data:`_NESTED_DEPTH` levels are looked
+    at."""
     output_dir = Path(output_dir)
     for parent in output_dir.parents:
-        if (parent / RUN_FILE).is_file():
+        record = read_run_record(parent) if (parent / RUN_FILE).is_file() else None
+        if record is not None and output_dir.relative_to(parent).parts[0] in record.files:
             return [
                 f"output_dir {output_dir} is inside the output folder of another run ({parent}, "
                 f"with its {RUN_FILE}), whose pruning or overwrite would delete it: nested output "
                 f"folders are not allowed; choose an output_dir outside {parent}"
             ]
-    if below := _run_folder_below(output_dir):
-        return [
-            f"output_dir {output_dir} holds the output folder of another run below it ({below}, "
-            f"with its {RUN_FILE}): nested output folders are not allowed; choose an output_dir "
-            "that holds no other run's folder"
-        ]
+    for name in RUN_FILES:
+        folder = output_dir / name
+        if below := folder if (folder / RUN_FILE).is_file() else _run_folder_below(folder):
+            return [
+                f"output_dir {output_dir} holds the output folder of another run below it ({below}, "
+                f"with its {RUN_FILE}): nested output folders are not allowed; choose an output_dir "
+                "that holds no other run's folder"
+            ]
     return []
 
 

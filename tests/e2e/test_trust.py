@@ -248,7 +248,7 @@ def test_overwrite_never_removes_files_no_run_recorded(tmp_path):
             assert after == before  # nothing replaced, removed or added (no run.json)
 
 
-@pytest.mark.parametrize("inside", ["checkpoints/mine", "hf", "hf/mine", "notes/a/b"])
+@pytest.mark.parametrize("inside", ["checkpoints/mine", "hf", "hf/mine", "tokenizer/a/b"])
 def test_a_run_inside_another_runs_folder_is_refused(trained, inside):
     before = sorted(str(path) for path in trained.rglob("*"))
     line = error_line(run(trained / inside, "train.max_steps=2"))
@@ -260,12 +260,28 @@ def test_a_run_inside_another_runs_folder_is_refused(trained, inside):
     assert sorted(str(path) for path in trained.rglob("*")) == before  # nothing written there
 
 
-def test_a_folder_holding_another_runs_folder_below_it_is_refused(trained):
-    line = error_line(run(trained.parent, "train.max_steps=2"))
-    below = f"output_dir {trained.parent} holds the output folder of another run below it"
-    assert f"{below} ({trained}," in line, line
+def test_a_folder_holding_another_runs_folder_below_it_is_refused(trained, tmp_path):
+    outer = tmp_path / "outer"
+    shutil.copytree(trained, outer / "checkpoints" / "inner", ignore=shutil.ignore_patterns(".lock"))
+    line = error_line(run(outer, "train.max_steps=2"))
+    below = f"output_dir {outer} holds the output folder of another run below it"
+    assert f"{below} ({outer / 'checkpoints' / 'inner'}," in line, line
     assert "nested output folders are not allowed" in line, line
-    assert not (trained.parent / "run.json").exists()
+    assert not (outer / "run.json").exists()
+
+
+def test_a_run_beside_what_another_run_writes_is_accepted(trained, tmp_path):
+    """An older run's folder (``outputs/llama`` before the folder per run) may hold the new runs
+    (``outputs/llama/DATE``): neither writes, prunes or overwrites a file of the other."""
+    outer = copy_of(trained, tmp_path)
+    before = {path: path.read_bytes() for path in outer.rglob("*") if path.is_file()}
+    result = run(outer / "2026-12-01_20-00-00", "train.max_steps=1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    after = {path: path.read_bytes() for path in outer.rglob("*") if path.is_file()}
+    assert {path: after[path] for path in before} == before
+    again = run(outer, "train.max_steps=6", "checkpoint.every_steps=2", "checkpoint.resume=auto")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert (outer / "2026-12-01_20-00-00" / "run.json").is_file()
 
 
 @pytest.mark.parametrize("every", [4, 0], ids=["every 4 steps", "checkpointing off"])
