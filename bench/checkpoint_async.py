@@ -1,19 +1,23 @@
-"""Checkpoint saves and the training step: sync (``checkpoint.async=false``) against async (``true``).
+"""Checkpoint saves and the training step: sync (``checkpoint.async=false``) against async
+(``true``).
 
 Why: every sync save blocks training for the whole write; an async save (DCP ``async_save`` through
-:class:`components.checkpoint.writer.CheckpointWriter`) should block only for its copy to CPU memory, and
-the steps while it is written should cost about a step without one (issue 24's goal: <= 1.15x).
+:class:`components.checkpoint.writer.CheckpointWriter`) should block only for its copy to CPU
+memory, and the steps while it is written should cost about a step without one (issue 24's goal: <=
+1.15x).
 
-On ``--ranks`` gloo ranks (``launch_local``), each holding a plain MLP of ``--mib`` MiB of fp32 weights
-(AdamW: the checkpoint is about 3x that per rank), each repetition runs, in a rotating order:
+On ``--ranks`` gloo ranks (``launch_local``), each holding a plain MLP of ``--mib`` MiB of fp32
+weights (AdamW: the checkpoint is about 3x that per rank), each repetition runs, in a rotating
+order:
 
 - ``plain``: one step, no save;
 - ``sync``: one step, then a blocking save (its time reported as ``blocks``);
-- ``async``: one step, then the async save's start (``blocks``), then steps while it is written, timed
-  one by one (``in flight``), until every rank has written it; then its publish (``publish``).
+- ``async``: one step, then the async save's start (``blocks``), then steps while it is written,
+  timed one by one (``in flight``), until every rank has written it; then its publish (``publish``).
 
 A time is the slowest rank's (barrier before each timed part); medians over repetitions. The load
-average is printed at the start and the end: the machine is shared. Run: ``python bench/checkpoint_async.py``.
+average is printed at the start and the end: the machine is shared. Run: ``python
+bench/checkpoint_async.py``.
 """
 
 import argparse
@@ -61,10 +65,17 @@ def _rank(root: str, mib: int, reps: int, threads: int) -> dict[str, list[float]
         optimizer.step()
 
     writers = {
-        kind: CheckpointWriter(Path(root) / kind, keep=1, run_id=kind, run_info=None, asynchronous=kind == "async")
+        kind: CheckpointWriter(
+            Path(root) / kind, keep=1, run_id=kind, run_info=None, asynchronous=kind == "async"
+        )
         for kind in ("sync", "async")
     }
-    times: dict[str, list[float]] = {"plain": [], "sync blocks": [], "async blocks": [], "in flight": []}
+    times: dict[str, list[float]] = {
+        "plain": [],
+        "sync blocks": [],
+        "async blocks": [],
+        "in flight": [],
+    }
     times["publish"] = []
     step()
     number = 0
@@ -99,12 +110,17 @@ def main() -> None:
     print(f"load average at start: {os.getloadavg()}")
     root = tempfile.mkdtemp(prefix="checkpoint-async-")
     try:
-        results = launch_local(_rank, arguments.ranks, root, arguments.mib, arguments.reps, arguments.threads)
+        results = launch_local(
+            _rank, arguments.ranks, root, arguments.mib, arguments.reps, arguments.threads
+        )
     finally:
         shutil.rmtree(root, ignore_errors=True)
     times = results[0]
     plain = statistics.median(times["plain"])
-    print(f"{arguments.ranks} ranks, {arguments.mib} MiB weights per rank, {arguments.reps} repetitions")
+    print(
+        f"{arguments.ranks} ranks, {arguments.mib} MiB weights per rank, {arguments.reps} "
+        "repetitions"
+    )
     print("| measure | n | median ms | × plain step |")
     print("|---|---|---|---|")
     for name, values in times.items():

@@ -1,16 +1,18 @@
 """Launch to first batch, and peak RSS per rank, with the data prepared once and cached (issue 14).
 
-Why: before, every rank read and tokenized every record at every start (linear in the data, per rank,
-per run). Now the launcher tokenizes once into an Arrow cache and the ranks memory-map it; a second
-experiment on the same data (another output folder, so its own tokenizer folder) reuses the cache.
+Why: before, every rank read and tokenized every record at every start (linear in the data, per
+rank, per run). Now the launcher tokenizes once into an Arrow cache and the ranks memory-map it; a
+second experiment on the same data (another output folder, so its own tokenizer folder) reuses the
+cache.
 
-Each experiment is a fresh interpreter (imports included), doing what the launcher and ranks do with the
-data: train the tiny tokenizer on the capped text of the generated records, ``prepare_data``
-(``num_proc`` = the CPU's cores), then fork 2 dp ranks that each ``StepBatches.open`` the train split and
-build the micro-batches of step 0. Measured: wall time from the driver's start of the interpreter to the
-moment the slowest rank holds its first batch, and each rank's peak RSS (``VmHWM``, which counts the pages
-a forked rank shares with its launcher, as ``ps`` does). Sizes: 2k, 20k, 200k, 1M short generated records,
-each in a fresh cache (first run), then again with a new tokenizer folder (second experiment).
+Each experiment is a fresh interpreter (imports included), doing what the launcher and ranks do with
+the data: train the tiny tokenizer on the capped text of the generated records, ``prepare_data``
+(``num_proc`` = the CPU's cores), then fork 2 dp ranks that each ``StepBatches.open`` the train
+split and build the micro-batches of step 0. Measured: wall time from the driver's start of the
+interpreter to the moment the slowest rank holds its first batch, and each rank's peak RSS
+(``VmHWM``, which counts the pages a forked rank shares with its launcher, as ``ps`` does). Sizes:
+2k, 20k, 200k, 1M short generated records, each in a fresh cache (first run), then again with a new
+tokenizer folder (second experiment).
 
     .venv/bin/python bench/data_loading.py [sizes...]
 """
@@ -41,11 +43,19 @@ def _rank(split, dp_rank: int, queue) -> None:
 
     data = StepBatches.open(split, GLOBAL_BATCH, MICRO_BATCH, dp_size=DP, dp_rank=dp_rank, seed=0)
     batches = data.batches_for_step(0)
-    queue.put({"at": time.time(), "rss": _peak_rss_mib(), "tokens": data.tokens_in_step(0), "rows": len(batches)})
+    queue.put(
+        {
+            "at": time.time(),
+            "rss": _peak_rss_mib(),
+            "tokens": data.tokens_in_step(0),
+            "rows": len(batches),
+        }
+    )
 
 
 def child(size: int, cache_root: str, tokenizer_dir: str) -> None:
-    """One experiment: tokenizer, prepare_data, 2 forked ranks to their first batch; print a JSON line."""
+    """One experiment: tokenizer, prepare_data, 2 forked ranks to their first batch; print a JSON
+    line."""
     from components.data.prepare import prepare_data, source_cache_dir
     from components.data.sources import GeneratedSource
     from components.data.tokenizer import DEFAULT_VOCAB_SIZE, train_tokenizer
@@ -55,7 +65,13 @@ def child(size: int, cache_root: str, tokenizer_dir: str) -> None:
     train_tokenizer(source.texts(source_cache_dir(cache_root)), DEFAULT_VOCAB_SIZE, tokenizer_dir)
     cores = os.cpu_count() or 1
     prepared = prepare_data(
-        source, tokenizer_dir, seq_len=SEQ_LEN, packing=False, seed=0, cache_root=cache_root, num_proc=cores
+        source,
+        tokenizer_dir,
+        seq_len=SEQ_LEN,
+        packing=False,
+        seed=0,
+        cache_root=cache_root,
+        num_proc=cores,
     )
     ready = time.time()
     launcher_rss = _peak_rss_mib()
@@ -106,16 +122,19 @@ def run(sizes: tuple[int, ...] = SIZES) -> list[str]:
             results[size] = (first, second)
             for name, r in (("first run", first), ("second experiment", second)):
                 rows.append(
-                    f"| {size:,} | {name} | {r['launch_to_first_batch_s']:.1f} | {r['imports_s']:.1f} "
+                    f"| {size:,} | {name} | {r['launch_to_first_batch_s']:.1f} | "
+                    f"{r['imports_s']:.1f} "
                     f"| {r['prepared_s']:.1f} | {r['rank_rss']:.0f} | {r['launcher_rss']:.0f} |"
                 )
             print(rows[-2] + "\n" + rows[-1], flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     lines = [
-        f"### Data: launch to first batch and peak RSS per rank (2 dp ranks, seq_len 48, cores = {os.cpu_count()})",
+        "### Data: launch to first batch and peak RSS per rank (2 dp ranks, seq_len 48, cores = "
+        f"{os.cpu_count()})",
         "",
-        "| records | experiment | launch → first batch s | of which imports s | tokenizer + prepare_data s "
+        "| records | experiment | launch → first batch s | of which imports s | tokenizer + "
+        "prepare_data s "
         "| peak RSS per rank MiB | launcher peak RSS MiB |",
         "|---|---|---|---|---|---|---|",
         *rows,
@@ -123,17 +142,24 @@ def run(sizes: tuple[int, ...] = SIZES) -> list[str]:
     print("\n".join(lines))
     goals = []
     if sizes[0] == SIZES[0]:
-        base_time, base_rss = results[sizes[0]][0]["launch_to_first_batch_s"], results[sizes[0]][0]["rank_rss"]
+        base_time, base_rss = (
+            results[sizes[0]][0]["launch_to_first_batch_s"],
+            results[sizes[0]][0]["rank_rss"],
+        )
         worst = max(results[s][1]["launch_to_first_batch_s"] for s in sizes)
         verdict = "PASS" if worst <= 1.5 * base_time + 5 else "MISS"
         goals.append(
-            f"{verdict} data second experiment: slowest {worst:.1f} s (goal ≤ 1.5 × {base_time:.1f} s + 5 s, "
+            f"{verdict} data second experiment: slowest {worst:.1f} s (goal ≤ 1.5 × "
+            f"{base_time:.1f} s + 5 s, "
             "the 2k first run)"
         )
         top = results[sizes[-1]]
         rss = max(top[0]["rank_rss"], top[1]["rank_rss"]) / base_rss
         verdict = "PASS" if rss <= 1.3 else "MISS"
-        goals.append(f"{verdict} data peak RSS per rank at {sizes[-1]:,}: {rss:.2f}× the 2k run (goal ≤ 1.3×)")
+        goals.append(
+            f"{verdict} data peak RSS per rank at {sizes[-1]:,}: {rss:.2f}× the 2k run (goal ≤ "
+            "1.3×)"
+        )
     print("\n".join(goals))
     return goals
 

@@ -1,26 +1,31 @@
-"""Step overhead at tp=1: the recipe's step components against a bare PyTorch loop and Hugging Face ``Trainer``.
+"""Step overhead at tp=1: the recipe's step components against a bare PyTorch loop and Hugging Face
+``Trainer``.
 
-Why: at tp=1 the recipe's bookkeeping around a step (``loss_parallel``, DTensor gradient finalisation,
-replica sync, a global grad norm and clipping) should cost almost nothing: the goals are ≥ 0.97× the
-bare loop's tokens/s and at least HF ``Trainer``'s. And the threads per rank: ``cores // local ranks`` or
-one thread, which default pays?
+Why: at tp=1 the recipe's bookkeeping around a step (``loss_parallel``, DTensor gradient
+finalisation, replica sync, a global grad norm and clipping) should cost almost nothing: the goals
+are ≥ 0.97× the bare loop's tokens/s and at least HF ``Trainer``'s. And the threads per rank:
+``cores // local ranks`` or one thread, which default pays?
 
-Three runners train the same tiny Llama (``tiny_config("llama", vocab_size=384)``, seed 0) on the same
-token batches (global batch 16 = 2 micro-batches of 8, seq_len 48, seeded random tokens: no data pipeline,
-so only the step is compared), AdamW (lr 3e-3, betas 0.9/0.95, no weight decay), clipping at 1.0 and the
-recipe's warmup-cosine schedule:
+Three runners train the same tiny Llama (``tiny_config("llama", vocab_size=384)``, seed 0) on the
+same token batches (global batch 16 = 2 micro-batches of 8, seq_len 48, seeded random tokens: no
+data pipeline, so only the step is compared), AdamW (lr 3e-3, betas 0.9/0.95, no weight decay),
+clipping at 1.0 and the recipe's warmup-cosine schedule:
 
-- ``loop``: forward, summed cross entropy / tokens, backward, ``torch.nn.utils.clip_grad_norm_``, step.
+- ``loop``: forward, summed cross entropy / tokens, backward, ``torch.nn.utils.clip_grad_norm_``,
+  step.
 - ``recipe``: the recipe's step components on a one-rank gloo group and a ("dp", "tp") mesh of 1 × 1
   (created for the run: with a process group alive, ``Trainer`` would wrap its model in DDP):
   ``forward_backward`` (``loss_parallel``), ``finalize_dtensor_gradients``,
-  ``synchronize_tp_replica_gradients``, ``clip_grad_norm_`` of ``components.distributed.grads``, step.
-- ``hf_trainer``: ``transformers.Trainer`` (``max_grad_norm=1.0``, ``gradient_accumulation_steps=2``,
-  ``per_device_train_batch_size=8``, the same optimizer and scheduler objects, no logging or saving);
-  its per-step times are the intervals between a ``TrainerCallback``'s ``on_step_end`` calls.
+  ``synchronize_tp_replica_gradients``, ``clip_grad_norm_`` of ``components.distributed.grads``,
+  step.
+- ``hf_trainer``: ``transformers.Trainer`` (``max_grad_norm=1.0``,
+  ``gradient_accumulation_steps=2``, ``per_device_train_batch_size=8``, the same optimizer and
+  scheduler objects, no logging or saving); its per-step times are the intervals between a
+  ``TrainerCallback``'s ``on_step_end`` calls.
 
-They alternate in one process (``ROUNDS`` rounds, each a fresh model per runner, the order rotated), for
-1 and 2 threads; tokens/s is ``16 × 48 / step time``, median over the steps after ``WARMUP_STEPS``.
+They alternate in one process (``ROUNDS`` rounds, each a fresh model per runner, the order rotated),
+for 1 and 2 threads; tokens/s is ``16 × 48 / step time``, median over the steps after
+``WARMUP_STEPS``.
 """
 
 import os
@@ -54,7 +59,9 @@ def _setup():
 
 def _batches() -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(SEED)
-    return [torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ_LEN), generator=generator) for _ in range(STEPS)]
+    return [
+        torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ_LEN), generator=generator) for _ in range(STEPS)
+    ]
 
 
 def _micro(batch: torch.Tensor) -> list[torch.Tensor]:
@@ -70,7 +77,9 @@ def loop(batches: list[torch.Tensor]) -> list[float]:
         tokens = batch[:, 1:].numel()
         for input_ids in _micro(batch):
             logits = model(input_ids=input_ids).logits
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), input_ids[:, 1:].flatten(), reduction="sum")
+            loss = F.cross_entropy(
+                logits[:, :-1].flatten(0, 1).float(), input_ids[:, 1:].flatten(), reduction="sum"
+            )
             (loss / tokens).backward()
             loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -81,9 +90,12 @@ def loop(batches: list[torch.Tensor]) -> list[float]:
 
 
 def recipe(batches: list[torch.Tensor]) -> list[float]:
-    """The recipe's components on a one-rank gloo group, created for this run only (so that ``Trainer``,
-    run without a process group, does not wrap its model in DistributedDataParallel)."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    """The recipe's components on a one-rank gloo group, created for this run only (so that
+    ``Trainer``, run without a process group, does not wrap its model in
+    DistributedDataParallel)."""
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
     try:
         return _recipe_steps(batches, init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp")))
     finally:
@@ -116,7 +128,8 @@ def hf_trainer(batches: list[torch.Tensor]) -> list[float]:
     times: list[float] = []
 
     class StepTimer(TrainerCallback):
-        """Step time = from one optimizer step's end to the next's (``on_step_begin`` fires per micro-batch)."""
+        """Step time = from one optimizer step's end to the next's (``on_step_begin`` fires per
+        micro-batch)."""
 
         def on_train_begin(self, args, state, control, **kwargs):
             self.last = time.perf_counter()
@@ -172,14 +185,16 @@ def _measure(threads_options: tuple[int, ...]) -> dict:
 
 
 def run(threads_options: tuple[int, ...] = (1, 2)) -> list[str]:
-    """Alternate the three runners at each thread count; print the table and goal lines; return the goals."""
+    """Alternate the three runners at each thread count; print the table and goal lines; return the
+    goals."""
     load = [os.getloadavg()[0]]
     results = _measure(threads_options)
     load.append(os.getloadavg()[0])
     lines = [
         "### Step overhead at tp=1 (tiny Llama, CPU)",
         "",
-        f"{ROUNDS} alternated rounds of {STEPS} steps per runner; median tokens/s over steps {WARMUP_STEPS + 1}.."
+        f"{ROUNDS} alternated rounds of {STEPS} steps per runner; median tokens/s over steps "
+        f"{WARMUP_STEPS + 1}.."
         f"{STEPS}. Load average (1 min) {load[0]:.2f} at start, {load[1]:.2f} at end.",
         "",
         "| threads | runner | median tokens/s | × loop |",
@@ -188,15 +203,19 @@ def run(threads_options: tuple[int, ...] = (1, 2)) -> list[str]:
     goals = []
     for threads, speeds in results.items():
         for name in RUNNERS:
-            lines.append(f"| {threads} | {name} | {speeds[name]:.0f} | {speeds[name] / speeds['loop']:.2f} |")
+            lines.append(
+                f"| {threads} | {name} | {speeds[name]:.0f} | {speeds[name] / speeds['loop']:.2f} |"
+            )
         ratio = speeds["recipe"] / speeds["loop"]
         goals.append(
-            f"{'PASS' if ratio >= RECIPE_GOAL else 'MISS'} recipe_overhead ({threads} thread(s)): recipe "
+            f"{'PASS' if ratio >= RECIPE_GOAL else 'MISS'} recipe_overhead ({threads} thread(s)): "
+            "recipe "
             f"{ratio:.2f}× the loop (goal ≥ {RECIPE_GOAL}×)"
         )
         versus = speeds["recipe"] / speeds["hf_trainer"]
         goals.append(
-            f"{'PASS' if versus >= 1 else 'MISS'} recipe_overhead ({threads} thread(s)): recipe {versus:.2f}× "
+            f"{'PASS' if versus >= 1 else 'MISS'} recipe_overhead ({threads} thread(s)): recipe "
+            f"{versus:.2f}× "
             "HF Trainer (goal ≥ 1×)"
         )
     print("\n".join(lines + [""] + goals), flush=True)

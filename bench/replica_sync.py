@@ -1,30 +1,37 @@
-"""Replica gradient sync: ``ReplicaSync.synchronize`` against its floor, AutoModel 0.7.0, per-tensor.
+"""Replica gradient sync: ``ReplicaSync.synchronize`` against its floor, AutoModel 0.7.0,
+per-tensor.
 
-Why: the parameters TP does not shard (norms, q/k norms, routers) need one gradient reduction per optimizer
-step. The question is how close ours is to the best any compliant sync can do, and whether it beats the
-module it reimplements (NeMo AutoModel 0.7.0's ``tp_replicas.py``).
+Why: the parameters TP does not shard (norms, q/k norms, routers) need one gradient reduction per
+optimizer step. The question is how close ours is to the best any compliant sync can do, and whether
+it beats the module it reimplements (NeMo AutoModel 0.7.0's ``tp_replicas.py``).
 
-Variants, run in one gloo process group per world size, alternated (the order rotates every repetition):
+Variants, run in one gloo process group per world size, alternated (the order rotates every
+repetition):
 
 - ``ours``: ``ReplicaSync([model], mesh).synchronize()``, one object built once and called every
   repetition (as ``recipes/finetune.py`` holds it), gradients kept between calls (as with
-  ``zero_grad(set_to_none=False)``): FP32 gradients are views of the persistent bucket, reduced in place.
-- ``ours_fresh``: the same, but every call sees fresh gradient tensors (as after ``zero_grad()``, the
-  default ``set_to_none=True``): they are packed and re-bound to the bucket. The fresh tensors are made
-  before the timed region.
-- ``automodel``: ``nemo_automodel.components.distributed.tp_replicas.synchronize_tp_replica_gradients`` of
-  nemo-automodel 0.7.0, the one file fetched from the package index at run time (``pip download --no-deps``
-  into ``~/.cache/shardtune/bench``, or ``$SHARDTUNE_CACHE/bench``; never committed) and imported alone.
-- ``per_tensor``: one in-place all-reduce per gradient (bf16 upcast to FP32 and back), then divide (HF hooks).
+  ``zero_grad(set_to_none=False)``): FP32 gradients are views of the persistent bucket, reduced in
+  place.
+- ``ours_fresh``: the same, but every call sees fresh gradient tensors (as after ``zero_grad()``,
+  the default ``set_to_none=True``): they are packed and re-bound to the bucket. The fresh tensors
+  are made before the timed region.
+- ``automodel``:
+  ``nemo_automodel.components.distributed.tp_replicas.synchronize_tp_replica_gradients`` of
+  nemo-automodel 0.7.0, the one file fetched from the package index at run time (``pip download
+  --no-deps`` into ``~/.cache/shardtune/bench``, or ``$SHARDTUNE_CACHE/bench``; never committed) and
+  imported alone.
+- ``per_tensor``: one in-place all-reduce per gradient (bf16 upcast to FP32 and back), then divide
+  (HF hooks).
 - ``floor``: one all-reduce of a preallocated FP32 buffer of the bytes ``ours`` puts on the wire.
-- ``check_floor``: the int32 [3, tensors] pre-check all-reduce, then the floor: what any sync that keeps
-  the contract of ``tp_replicas-notes.md`` (one pre-check before data moves) must pay at least.
+- ``check_floor``: the int32 [3, tensors] pre-check all-reduce, then the floor: what any sync that
+  keeps the contract of ``tp_replicas-notes.md`` (one pre-check before data moves) must pay at
+  least.
 
-Time: every rank waits at a barrier, runs the variant and records its elapsed time; a repetition's time is
-the slowest rank's; the median is reported. Extra memory: rank 0's peak resident set above the resident
-set before a call (Linux ``VmHWM``, reset through ``/proc/self/clear_refs``), on a fresh model per variant:
-the larger of the first call (which allocates any persistent buffer) and a second call. RSS has page and
-allocator granularity: a goal line allows 1 MiB above 256 MiB for it.
+Time: every rank waits at a barrier, runs the variant and records its elapsed time; a repetition's
+time is the slowest rank's; the median is reported. Extra memory: rank 0's peak resident set above
+the resident set before a call (Linux ``VmHWM``, reset through ``/proc/self/clear_refs``), on a
+fresh model per variant: the larger of the first call (which allocates any persistent buffer) and a
+second call. RSS has page and allocator granularity: a goal line allows 1 MiB above 256 MiB for it.
 """
 
 import importlib.util
@@ -48,9 +55,10 @@ from components.runtime.launch import init_process_group, launch_local
 
 MIB = 1024 * 1024
 WARMUP = 1
-# per_tensor takes 0.1-6 s a call on the small sets (100-300x ours) and only has to show a >= 10x gap: it runs
-# in the first PER_TENSOR_REPS repetitions, so the millisecond variants can afford more (a bimodal spread from
-# gloo's thread wake-ups on 2 cores moves a median of 31 by up to 1.5x from run to run)
+# per_tensor takes 0.1-6 s a call on the small sets (100-300x ours) and only has to show a >= 10x
+# gap: it runs in the first PER_TENSOR_REPS repetitions, so the millisecond variants can afford more
+# (a bimodal spread from gloo's thread wake-ups on 2 cores moves a median of 31 by up to 1.5x from
+# run to run)
 PER_TENSOR_REPS = 11
 VARIANTS = ("ours", "ours_fresh", "automodel", "per_tensor", "floor", "check_floor")
 AUTOMODEL = "nemo-automodel==0.7.0"
@@ -74,20 +82,41 @@ def _holders(count: int, numel: int, dtype: torch.dtype) -> nn.Module:
 
 # key: (description, builder, repetitions, large)
 SETS: dict[str, tuple[str, Callable[[], nn.Module], int, bool]] = {
-    "norms": ("65 × 4096 fp32 (an 8B model's norms)", lambda: _holders(65, 4096, torch.float32), 61, False),
+    "norms": (
+        "65 × 4096 fp32 (an 8B model's norms)",
+        lambda: _holders(65, 4096, torch.float32),
+        61,
+        False,
+    ),
     "many": ("1,000 × 1,024 fp32", lambda: _holders(1000, 1024, torch.float32), 61, False),
     "big": ("64 × 1M fp32 (256 MiB)", lambda: _holders(64, 1 << 20, torch.float32), 7, True),
-    "big_bf16": ("64 × 1M bf16 (256 MiB on the wire)", lambda: _holders(64, 1 << 20, torch.bfloat16), 7, True),
+    "big_bf16": (
+        "64 × 1M bf16 (256 MiB on the wire)",
+        lambda: _holders(64, 1 << 20, torch.bfloat16),
+        7,
+        True,
+    ),
 }
 
 
 def fetch_automodel() -> Path:
-    """The path of AutoModel 0.7.0's ``tp_replicas.py``, downloaded once from the package index into a cache."""
+    """The path of AutoModel 0.7.0's ``tp_replicas.py``, downloaded once from the package index into
+    a cache."""
     cache = Path(os.environ.get("SHARDTUNE_CACHE", Path.home() / ".cache" / "shardtune")) / "bench"
     target = cache / "automodel_0_7_0_tp_replicas.py"
     if not target.exists():
         cache.mkdir(parents=True, exist_ok=True)
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", AUTOMODEL, "-d", str(cache), "-q"]
+        command = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            AUTOMODEL,
+            "-d",
+            str(cache),
+            "-q",
+        ]
         subprocess.run(command, check=True)
         wheel = next(cache.glob("nemo_automodel-0.7.0-*.whl"))
         with zipfile.ZipFile(wheel) as archive:
@@ -122,7 +151,9 @@ def _fresh_grads(model: nn.Module) -> None:
         parameter.grad = parameter.grad.clone()
 
 
-def _variants(model: nn.Module, mesh: DeviceMesh, automodel, world: int) -> dict[str, Callable[[], None]]:
+def _variants(
+    model: nn.Module, mesh: DeviceMesh, automodel, world: int
+) -> dict[str, Callable[[], None]]:
     floor = torch.ones(_wire_numel(model), dtype=torch.float32)
     flags = torch.ones(3, sum(1 for _ in model.parameters()), dtype=torch.int32)
 
@@ -150,7 +181,8 @@ def _rss_kib(field: str) -> int:
 
 
 def _peak_above_rss(run: Callable[[], None]) -> int | None:
-    """Bytes of rank 0's peak resident set during ``run`` above its resident set before (every rank runs it)."""
+    """Bytes of rank 0's peak resident set during ``run`` above its resident set before (every rank
+    runs it)."""
     dist.barrier()
     try:
         with open("/proc/self/clear_refs", "w") as refs:
@@ -162,9 +194,11 @@ def _peak_above_rss(run: Callable[[], None]) -> int | None:
     return max(0, _rss_kib("VmHWM:") - before) * 1024
 
 
-def _extra_memory(build: Callable[[], nn.Module], mesh: DeviceMesh, automodel, world: int) -> dict[str, int | None]:
-    """Per variant on a fresh model: the larger of the first call's peak RSS above the RSS before it (persistent
-    buffers are allocated then) and a second call's (its transients on top of them)."""
+def _extra_memory(
+    build: Callable[[], nn.Module], mesh: DeviceMesh, automodel, world: int
+) -> dict[str, int | None]:
+    """Per variant on a fresh model: the larger of the first call's peak RSS above the RSS before it
+    (persistent buffers are allocated then) and a second call's (its transients on top of them)."""
     out: dict[str, int | None] = {}
     for name in VARIANTS:
         model = build()
@@ -179,14 +213,18 @@ def _extra_memory(build: Callable[[], nn.Module], mesh: DeviceMesh, automodel, w
             out[name] = None
             continue
         if name == "ours_fresh":
-            _fresh_grads(model)  # outside the measured window: the fresh gradients are not the sync's
+            _fresh_grads(
+                model
+            )  # outside the measured window: the fresh gradients are not the sync's
         second = _peak_above_rss(run)
         out[name] = max(first, second or 0)
         del model, run
     return out
 
 
-def _time_set(build: Callable[[], nn.Module], reps: int, mesh: DeviceMesh, automodel, world: int) -> dict:
+def _time_set(
+    build: Callable[[], nn.Module], reps: int, mesh: DeviceMesh, automodel, world: int
+) -> dict:
     torch.manual_seed(dist.get_rank())
     model = build()
     for parameter in model.parameters():
@@ -245,35 +283,43 @@ def _goal_lines(key: str, world: int, r: dict) -> list[str]:
     for name in ("ours", "ours_fresh"):
         ratio = t[name] / t["check_floor"]
         lines.append(
-            f"{'PASS' if ratio <= goal else 'MISS'} replica_sync {tag}: {name} {ratio:.2f}× check+floor "
+            f"{'PASS' if ratio <= goal else 'MISS'} replica_sync {tag}: {name} {ratio:.2f}× "
+            "check+floor "
             f"(goal ≤ {goal}×)"
         )
         faster = t["automodel"] / t[name]
         lines.append(
-            f"{'PASS' if faster > 1 else 'MISS'} replica_sync {tag}: {name} {faster:.2f}× faster than AutoModel 0.7.0"
+            f"{'PASS' if faster > 1 else 'MISS'} replica_sync {tag}: {name} {faster:.2f}× faster "
+            "than AutoModel 0.7.0"
         )
     if key == "many":
         speedup = t["per_tensor"] / t["ours_fresh"]
         lines.append(
-            f"{'PASS' if speedup >= SPEEDUP_GOAL else 'MISS'} replica_sync {tag}: per-tensor {speedup:.1f}× "
+            f"{'PASS' if speedup >= SPEEDUP_GOAL else 'MISS'} replica_sync {tag}: per-tensor "
+            f"{speedup:.1f}× "
             f"slower than ours_fresh (goal ≥ {SPEEDUP_GOAL:.0f}×)"
         )
     extra = max(v or 0 for k, v in r["extra_bytes"].items() if k.startswith("ours"))
     lines.append(
-        f"{'PASS' if extra <= MEMORY_GOAL + MIB else 'MISS'} replica_sync {tag}: extra memory {extra / MIB:.1f} MiB "
+        f"{'PASS' if extra <= MEMORY_GOAL + MIB else 'MISS'} replica_sync {tag}: extra memory "
+        f"{extra / MIB:.1f} MiB "
         f"(goal ≤ {MEMORY_GOAL // MIB} MiB)"
     )
     return lines
 
 
-def run(world_sizes: tuple[int, ...] = (2, 4), sets: tuple[str, ...] = tuple(SETS), threads: int = 1) -> list[str]:
-    """Measure every set at every world size; print the table and the goal lines; return the goal lines."""
+def run(
+    world_sizes: tuple[int, ...] = (2, 4), sets: tuple[str, ...] = tuple(SETS), threads: int = 1
+) -> list[str]:
+    """Measure every set at every world size; print the table and the goal lines; return the goal
+    lines."""
     automodel = str(fetch_automodel())
     load = [os.getloadavg()[0]]
     lines = [
         "### Replica gradient sync (gloo, CPU)",
         "",
-        f"{threads} thread(s) per rank; median of the slowest rank over the repetitions after {WARMUP} warm-up.",
+        f"{threads} thread(s) per rank; median of the slowest rank over the repetitions after "
+        f"{WARMUP} warm-up.",
         "",
         "| set | ranks | reps | variant | median ms | × check+floor | × floor | extra memory MiB |",
         "|---|---|---|---|---|---|---|---|",
@@ -287,7 +333,8 @@ def run(world_sizes: tuple[int, ...] = (2, 4), sets: tuple[str, ...] = tuple(SET
             t = r["median_s"]
             for name in VARIANTS:
                 lines.append(
-                    f"| {SETS[key][0]} | {world} | {r['reps'][name]} | {name} | {t[name] * 1e3:.2f} "
+                    f"| {SETS[key][0]} | {world} | {r['reps'][name]} | {name} | "
+                    f"{t[name] * 1e3:.2f} "
                     f"| {t[name] / t['check_floor']:.2f} | {t[name] / t['floor']:.2f} "
                     f"| {_mib(r['extra_bytes'][name])} |"
                 )
@@ -299,7 +346,8 @@ def run(world_sizes: tuple[int, ...] = (2, 4), sets: tuple[str, ...] = tuple(SET
     return goals
 
 
-# --- overlap: how much of the sync ReplicaSyncOverlap hides behind the last backward ----------------
+# --- overlap: how much of the sync ReplicaSyncOverlap hides behind the last backward
+# ----------------
 
 
 def _overlap_rank(threads: int, reps: int) -> dict[str, float]:
@@ -310,7 +358,9 @@ def _overlap_rank(threads: int, reps: int) -> dict[str, float]:
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(12)])  # 48 MiB of replicated gradients
+    model = nn.Sequential(
+        *[nn.Linear(1024, 1024) for _ in range(12)]
+    )  # 48 MiB of replicated gradients
     inputs = torch.randn(2, 64, 1024, generator=torch.Generator().manual_seed(dist.get_rank()))
     overlap = ReplicaSyncOverlap([model], mesh)
     overlap.remove()
@@ -348,24 +398,30 @@ def _overlap_rank(threads: int, reps: int) -> dict[str, float]:
 
 
 def run_overlap(world: int = 2, threads: int = 1, reps: int = 15) -> list[str]:
-    """One step (2 micro-batches, 12 × Linear(1024, 1024) replicated) without sync, with the boundary sync and
-    with ReplicaSyncOverlap; print the table and the share of the sync the overlap hides."""
+    """One step (2 micro-batches, 12 × Linear(1024, 1024) replicated) without sync, with the
+    boundary sync and with ReplicaSyncOverlap; print the table and the share of the sync the overlap
+    hides."""
     load = os.getloadavg()[0]
     t = launch_local(_overlap_rank, world, threads, reps)[0]
     sync = t["boundary"] - t["no_sync"]
     hidden = (t["boundary"] - t["overlap"]) / sync if sync > 0 else 0.0
     lines = [
-        f"### Overlap ({world} ranks, {threads} thread(s) per rank, median of {reps}; load {load:.2f} -> "
+        f"### Overlap ({world} ranks, {threads} thread(s) per rank, median of {reps}; load "
+        f"{load:.2f} -> "
         f"{os.getloadavg()[0]:.2f})",
         "",
         "| step | median ms |",
         "|---|---|",
         *(f"| {mode} | {value * 1e3:.1f} |" for mode, value in t.items()),
         "",
-        f"The boundary sync costs {sync * 1e3:.1f} ms per step; the overlap hides {hidden:.0%} of it.",
+        f"The boundary sync costs {sync * 1e3:.1f} ms per step; the overlap hides {hidden:.0%} of "
+        "it.",
     ]
     print("\n".join(lines), flush=True)
-    return [f"INFO replica_sync overlap ({world} ranks, {threads} thread(s)): hides {hidden:.0%} of the sync"]
+    return [
+        f"INFO replica_sync overlap ({world} ranks, {threads} thread(s)): hides {hidden:.0%} of "
+        "the sync"
+    ]
 
 
 if __name__ == "__main__":

@@ -1,31 +1,34 @@
 """TP replica gradient sync overlapped with the last micro-batch's backward (opt-in).
 
 :func:`~components.distributed.tp_replicas.synchronize_tp_replica_gradients` runs at the optimizer
-boundary, after the whole backward. This component starts each bucket's data all-reduce as soon as its
-gradients are final instead: post-accumulate-grad hooks count, during the backward of the *last*
-micro-batch, the gradients each bucket still waits for, and the full bucket is packed into its own FP32
-buffer and all-reduced asynchronously. At the step boundary :meth:`ReplicaSyncOverlap.finish` issues what
-is left, runs the int32 pre-check, waits, raises on every rank together if the pre-check disagrees
-(gradients untouched: the data travelled in separate buffers), and otherwise divides (mean) and copies the
-results back. The reductions are the same as the boundary sync's (SUM in FP32, then divide), so the results
-are bitwise equal. Use one or the other for a model, never both (a sum reduction applied twice is wrong).
+boundary, after the whole backward. This component starts each bucket's data all-reduce as soon as
+its gradients are final instead: post-accumulate-grad hooks count, during the backward of the *last*
+micro-batch, the gradients each bucket still waits for, and the full bucket is packed into its own
+FP32 buffer and all-reduced asynchronously. At the step boundary :meth:`ReplicaSyncOverlap.finish`
+issues what is left, runs the int32 pre-check, waits, raises on every rank together if the pre-check
+disagrees (gradients untouched: the data travelled in separate buffers), and otherwise divides
+(mean) and copies the results back. The reductions are the same as the boundary sync's (SUM in FP32,
+then divide), so the results are bitwise equal. Use one or the other for a model, never both (a sum
+reduction applied twice is wrong).
 
 Usage::
 
-    overlap = ReplicaSyncOverlap([model], device_mesh)        # once, after the TP plan and the broadcast
+    # once, after the TP plan and the broadcast
+    overlap = ReplicaSyncOverlap([model], device_mesh)
     for step ...:
         for i, batch in enumerate(micro_batches):
             if i == len(micro_batches) - 1:
                 overlap.last_micro_batch()                     # before that micro-batch's backward
             forward_backward(...)
-        overlap.finish()                                       # instead of synchronize_tp_replica_gradients
+        # instead of synchronize_tp_replica_gradients
+        overlap.finish()
 
-Buckets are issued strictly in bucket order (a full bucket waits for the ones before it), so every rank
-issues the same collectives in the same order whatever order its hooks fire in. Limits, checked at
-install: plain-tensor replicas only (DTensor replicas, e.g. sequence-parallel norms, need
-``finalize_dtensor_gradients`` first: use the boundary sync), and at most ``MAX_FLAT_BUFFER_BYTES`` of
-buffers in all (every bucket owns its buffer while it is in flight). Install it after the parameters are
-final (hooks live on the parameter objects).
+Buckets are issued strictly in bucket order (a full bucket waits for the ones before it), so every
+rank issues the same collectives in the same order whatever order its hooks fire in. Limits, checked
+at install: plain-tensor replicas only (DTensor replicas, e.g. sequence-parallel norms, need
+``finalize_dtensor_gradients`` first: use the boundary sync), and at most ``MAX_FLAT_BUFFER_BYTES``
+of buffers in all (every bucket owns its buffer while it is in flight). Install it after the
+parameters are final (hooks live on the parameter objects).
 """
 
 import torch
@@ -34,17 +37,26 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from components.distributed.replicas.flat_buffers import MAX_FLAT_BUFFER_BYTES, bounded_chunks, flat_views, wire_dtype
+from components.distributed.replicas.flat_buffers import (
+    MAX_FLAT_BUFFER_BYTES,
+    bounded_chunks,
+    flat_views,
+    wire_dtype,
+)
 from components.distributed.tp_replicas import tp_replicated_parameters, tp_submesh
 
 DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
 
 
 class _Bucket:
-    def __init__(self, reduction: str, members: list[int], parameters: list[nn.Parameter], device: str):
+    def __init__(
+        self, reduction: str, members: list[int], parameters: list[nn.Parameter], device: str
+    ):
         self.reduction, self.members = reduction, members
         self.flat = torch.zeros(
-            sum(parameters[i].numel() for i in members), dtype=wire_dtype(parameters[0].dtype), device=device
+            sum(parameters[i].numel() for i in members),
+            dtype=wire_dtype(parameters[0].dtype),
+            device=device,
         )
         self.views = flat_views(self.flat, [parameters[i].shape for i in members])
         self.waiting = len(members)
@@ -52,7 +64,8 @@ class _Bucket:
 
 
 class ReplicaSyncOverlap:
-    """Hooks that all-reduce TP-replica gradient buckets during the last backward; see the module docstring."""
+    """Hooks that all-reduce TP-replica gradient buckets during the last backward; see the module
+    docstring."""
 
     def __init__(
         self,
@@ -69,33 +82,48 @@ class ReplicaSyncOverlap:
         ]
         self.names = [name for name, _, _ in candidates]
         self.parameters = [parameter for _, parameter, _ in candidates]
-        if any(isinstance(parameter, DTensor) for parameter in self.parameters):  # e.g. sequence-parallel norms
+        if any(
+            isinstance(parameter, DTensor) for parameter in self.parameters
+        ):  # e.g. sequence-parallel norms
             raise ValueError(
-                "ReplicaSyncOverlap handles plain-tensor replicas only; use synchronize_tp_replica_gradients"
+                "ReplicaSyncOverlap handles plain-tensor replicas only; use "
+                "synchronize_tp_replica_gradients"
             )
         total = sum(p.numel() * wire_dtype(p.dtype).itemsize for p in self.parameters)
         if total > MAX_FLAT_BUFFER_BYTES:
-            raise ValueError(f"ReplicaSyncOverlap needs {total} bytes of buffers, above {MAX_FLAT_BUFFER_BYTES}")
+            raise ValueError(
+                f"ReplicaSyncOverlap needs {total} bytes of buffers, above {MAX_FLAT_BUFFER_BYTES}"
+            )
         self.group = tp_mesh.get_group() if tp_mesh is not None else None
         self.size = tp_mesh.size() if tp_mesh is not None else 1
-        self.buckets = self._buckets([reduction for _, _, reduction in candidates], bucket_bytes, tp_mesh)
+        self.buckets = self._buckets(
+            [reduction for _, _, reduction in candidates], bucket_bytes, tp_mesh
+        )
         self._bucket_of = {i: b for b in self.buckets for i in b.members}
         self._next = 0
         self.armed = False
         self._handles = [
-            p.register_post_accumulate_grad_hook(self._hook(i)) for i, p in enumerate(self.parameters) if self.group
+            p.register_post_accumulate_grad_hook(self._hook(i))
+            for i, p in enumerate(self.parameters)
+            if self.group
         ]
 
-    def _buckets(self, reductions: list[str], bucket_bytes: int, tp_mesh: DeviceMesh | None) -> list[_Bucket]:
+    def _buckets(
+        self, reductions: list[str], bucket_bytes: int, tp_mesh: DeviceMesh | None
+    ) -> list[_Bucket]:
         groups: dict[tuple, list[int]] = {}
         for index, parameter in enumerate(self.parameters):
-            groups.setdefault((reductions[index], parameter.device, parameter.dtype), []).append(index)
+            groups.setdefault((reductions[index], parameter.device, parameter.dtype), []).append(
+                index
+            )
         buckets = []
         for (reduction, _, _), members in groups.items():
             start = 0
             for chunk in bounded_chunks([self.parameters[i] for i in members], bucket_bytes):
                 device = tp_mesh.device_type if tp_mesh is not None else "cpu"
-                buckets.append(_Bucket(reduction, members[start : start + len(chunk)], self.parameters, device))
+                buckets.append(
+                    _Bucket(reduction, members[start : start + len(chunk)], self.parameters, device)
+                )
                 start += len(chunk)
         return buckets
 
@@ -114,7 +142,9 @@ class ReplicaSyncOverlap:
                 view.zero_()  # the pre-check at finish() raises on every rank
             else:
                 view.copy_(grad)
-        bucket.work = dist.all_reduce(bucket.flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        bucket.work = dist.all_reduce(
+            bucket.flat, op=dist.ReduceOp.SUM, group=self.group, async_op=True
+        )
 
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets) and self.buckets[self._next].waiting == 0:
@@ -129,7 +159,8 @@ class ReplicaSyncOverlap:
 
     @torch.no_grad()
     def finish(self) -> int:
-        """At the step boundary: issue the rest, pre-check, wait, raise or unpack; return gradients reduced."""
+        """At the step boundary: issue the rest, pre-check, wait, raise or unpack; return gradients
+        reduced."""
         if self.group is None or not self.parameters:
             return 0
         if not self.armed:  # no last_micro_batch() this step: everything is issued here
@@ -141,7 +172,9 @@ class ReplicaSyncOverlap:
         grads = [p.grad for p in self.parameters]
         present = [g is not None for g in grads]
         sparse = [g is not None and g.layout != torch.strided for g in grads]
-        flags = torch.tensor([present, present, sparse], dtype=torch.int32).to(self.buckets[0].flat.device)
+        flags = torch.tensor([present, present, sparse], dtype=torch.int32).to(
+            self.buckets[0].flat.device
+        )
         dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=self.group)
         for bucket in self.buckets:
             bucket.work.wait()
@@ -150,7 +183,11 @@ class ReplicaSyncOverlap:
         for bucket in self.buckets:
             if bucket.reduction == "mean":
                 bucket.flat.div_(self.size)
-            targets = [(grads[i], v) for i, v in zip(bucket.members, bucket.views, strict=True) if grads[i] is not None]
+            targets = [
+                (grads[i], v)
+                for i, v in zip(bucket.members, bucket.views, strict=True)
+                if grads[i] is not None
+            ]
             if targets:
                 torch._foreach_copy_([g for g, _ in targets], [v for _, v in targets])
             count += len(targets)
@@ -164,11 +201,13 @@ class ReplicaSyncOverlap:
 
         if any(0 < c < self.size for c in present):
             raise RuntimeError(
-                f"Gradient presence differs across TP replicas: {names([0 < c < self.size for c in present])}"
+                "Gradient presence differs across TP replicas: "
+                f"{names([0 < c < self.size for c in present])}"
             )
         if any(sparse):
             raise RuntimeError(
-                f"Sparse gradients cannot be flattened for TP replica synchronization: {names([c > 0 for c in sparse])}"
+                "Sparse gradients cannot be flattened for TP replica synchronization: "
+                f"{names([c > 0 for c in sparse])}"
             )
 
     def remove(self) -> None:

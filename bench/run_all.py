@@ -1,7 +1,8 @@
-"""Run every benchmark of ``bench/`` in turn, print their tables, then every goal line (PASS/MISS) together.
+"""Run every benchmark of ``bench/`` in turn, print their tables, then every goal line (PASS/MISS)
+together.
 
-Why: one command (``make bench``) that reproduces ``BENCHMARKS.md`` on any machine; on 2 CPU cores it takes
-a few minutes. Each script also runs alone (``.venv/bin/python bench/<name>.py``).
+Why: one command (``make bench``) that reproduces ``BENCHMARKS.md`` on any machine; on 2 CPU cores
+it takes a few minutes. Each script also runs alone (``.venv/bin/python bench/<name>.py``).
 """
 
 import os
@@ -25,7 +26,8 @@ import tp_comm  # noqa: E402
 def main() -> None:
     started = time.perf_counter()
     print(
-        f"# shardtune benchmarks, {datetime.now(UTC):%Y-%m-%d %H:%M} UTC: {os.cpu_count()} CPU cores, "
+        f"# shardtune benchmarks, {datetime.now(UTC):%Y-%m-%d %H:%M} UTC: {os.cpu_count()} CPU "
+        "cores, "
         f"{platform.machine()}, torch {torch.__version__}, gloo; load average before: "
         f"{' '.join(f'{v:.2f}' for v in os.getloadavg())}\n",
         flush=True,

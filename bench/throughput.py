@@ -1,11 +1,12 @@
-"""Tokens/s of one AdamW step of the 0.44B Llama shape (seq_len 1024, batch 1) at tp=1: fp32 vs bf16-mixed vs
-bf16, activation checkpointing none vs full, compile off vs on (inductor).
+"""Tokens/s of one AdamW step of the 0.44B Llama shape (seq_len 1024, batch 1) at tp=1: fp32 vs
+bf16-mixed vs bf16, activation checkpointing none vs full, compile off vs on (inductor).
 
-Why: the recompute cost of checkpointing (goal: at most 1.4x the step time of ``none``) and what bf16 and
-compile buy on this machine. Each configuration runs ``steps`` steps on a fresh process and reports its last
-(the first pays for allocation and, with compile, compilation); configurations alternate, round after round,
-so a change of load hits all alike; the load average is printed at the start and the end. On a CPU without
-bf16 matrix units bf16 may be slower than fp32: the table says what it measured.
+Why: the recompute cost of checkpointing (goal: at most 1.4x the step time of ``none``) and what
+bf16 and compile buy on this machine. Each configuration runs ``steps`` steps on a fresh process and
+reports its last (the first pays for allocation and, with compile, compilation); configurations
+alternate, round after round, so a change of load hits all alike; the load average is printed at the
+start and the end. On a CPU without bf16 matrix units bf16 may be slower than fp32: the table says
+what it measured.
 """
 
 import argparse
@@ -33,18 +34,27 @@ def _load() -> str:
 
 
 def run(rounds: int = 1, steps: int = 2, labels: list[str] | None = None) -> list[str]:
-    """Measure every configuration ``rounds`` times, alternating; print the table; return the goal lines."""
+    """Measure every configuration ``rounds`` times, alternating; print the table; return the goal
+    lines."""
     configs = [c for c in CONFIGS if labels is None or c[0] in labels]
     print(f"load average at start: {_load()}", flush=True)
     times: dict[str, list[float]] = {label: [] for label, *_ in configs}
     for _ in range(rounds):
         for label, precision, checkpointing, compile_blocks in configs:
-            ranks = real_size.measure(1, precision, checkpointing, compile_blocks, SEQ_LEN, steps, exact_rss=False)
+            ranks = real_size.measure(
+                1, precision, checkpointing, compile_blocks, SEQ_LEN, steps, exact_rss=False
+            )
             times[label].append(ranks[0]["step_s"][-1])
-            print(f"  {label}: steps {', '.join(f'{t:.1f}' for t in ranks[0]['step_s'])} s", flush=True)
+            print(
+                f"  {label}: steps {', '.join(f'{t:.1f}' for t in ranks[0]['step_s'])} s",
+                flush=True,
+            )
     print(f"load average at end: {_load()}\n", flush=True)
     base = min(times["fp32"]) if "fp32" in times else None
-    lines = ["| configuration | step s (best of rounds) | tokens/s | × fp32 step time |", "|---|---|---|---|"]
+    lines = [
+        "| configuration | step s (best of rounds) | tokens/s | × fp32 step time |",
+        "|---|---|---|---|",
+    ]
     for label, measured in times.items():
         best = min(measured)
         ratio = f"{best / base:.2f}" if base else "-"

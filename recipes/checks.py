@@ -1,14 +1,16 @@
-"""Every check, once per launch, before any rank starts; the result is the run plan (``recipes/plan.py``).
+"""Every check, once per launch, before any rank starts; the result is the run plan
+(``recipes/plan.py``).
 
-Each problem becomes part of one ``error:`` line on stderr (problems joined by "; ", each naming the key, its
-value and what would work) and exit status 2, in seconds: no traceback wall, no rank left waiting. Under
-torchrun every rank runs the checks but only rank 0 prints.
+Each problem becomes part of one ``error:`` line on stderr (problems joined by "; ", each naming the
+key, its value and what would work) and exit status 2, in seconds: no traceback wall, no rank left
+waiting. Under torchrun every rank runs the checks but only rank 0 prints.
 
-In order: Hydra composition (:func:`compose`); interpolations, every key's type, range and the set of known
-keys (``recipes/schema.py``); the optimizer's class and options; sizes that do not factor the world; batch
-sizes and (with ``sp``) the sequence length that do not divide; ``checkpoint.resume``; ``output_dir``; the model
-(folder or config, plan divisibility, experts, ``seq_len`` within its positions); the data and the validation
-split; and, once the tokenizer exists, that every record keeps answer tokens within ``train.seq_len``.
+In order: Hydra composition (:func:`compose`); interpolations, every key's type, range and the set
+of known keys (``recipes/schema.py``); the optimizer's class and options; sizes that do not factor
+the world; batch sizes and (with ``sp``) the sequence length that do not divide;
+``checkpoint.resume``; ``output_dir``; the model (folder or config, plan divisibility, experts,
+``seq_len`` within its positions); the data and the validation split; and, once the tokenizer
+exists, that every record keeps answer tokens within ``train.seq_len``.
 """
 
 import math
@@ -65,8 +67,8 @@ class ConfigError(ValueError):
 
 
 def fail(message: str) -> NoReturn:
-    """Print one ``error:`` line (the first paragraph of the message) and exit 2; under torchrun only rank 0
-    prints, the other ranks exit quietly."""
+    """Print one ``error:`` line (the first paragraph of the message) and exit 2; under torchrun
+    only rank 0 prints, the other ranks exit quietly."""
     if os.environ.get("RANK", "0") == "0":
         first = message.strip().split("\n\n")[0].replace("\n", " ")
         print(f"error: {first}", file=sys.stderr)
@@ -74,11 +76,13 @@ def fail(message: str) -> NoReturn:
 
 
 def compose(overrides: list[str]) -> DictConfig:
-    """Compose like ``hydra.main`` would (with the ``hydra`` node), so that composition errors print as one
-    ``error:`` line instead of Hydra's own multi-line report."""
+    """Compose like ``hydra.main`` would (with the ``hydra`` node), so that composition errors print
+    as one ``error:`` line instead of Hydra's own multi-line report."""
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            return hydra_compose(config_name="config", overrides=overrides, return_hydra_config=True)
+            return hydra_compose(
+                config_name="config", overrides=overrides, return_hydra_config=True
+            )
     except (HydraException, OmegaConfBaseException) as error:
         fail(_with_group_options(str(error) or str(error.__cause__)))
 
@@ -114,27 +118,37 @@ def check_sizes(settings: Config, device_type: str) -> tuple[ParallelDims | None
     if train.global_batch_size % (train.micro_batch_size * dims.dp):
         fits = train.micro_batch_size * dims.dp
         errors.append(
-            f"train.global_batch_size ({train.global_batch_size}) must be divisible by train.micro_batch_size "
+            f"train.global_batch_size ({train.global_batch_size}) must be divisible by "
+            "train.micro_batch_size "
             f"({train.micro_batch_size}) × dp ({dims.dp}): use a multiple of {fits}, e.g. "
             f"train.global_batch_size={max(fits, train.global_batch_size // fits * fits)}"
         )
     if settings.sp and train.seq_len % dims.tp:
         fits = max(dims.tp, train.seq_len // dims.tp * dims.tp)
         errors.append(
-            f"train.seq_len ({train.seq_len}) must be divisible by tp ({dims.tp}) with sp=true (each rank holds "
+            f"train.seq_len ({train.seq_len}) must be divisible by tp ({dims.tp}) with sp=true "
+            "(each rank holds "
             f"an equal slice of the sequence): use e.g. train.seq_len={fits}"
         )
     return dims, errors
 
 
-def resolve_model(settings: Config, dims: ParallelDims | None, device_type: str) -> tuple[Path | None, Any, list[str]]:
-    """(weights folder or None, the model's HF config, errors): the folder or the config, then the TP plan
-    and expert parallelism at these sizes, all checked on one weightless (meta-device) build."""
+def resolve_model(
+    settings: Config, dims: ParallelDims | None, device_type: str
+) -> tuple[Path | None, Any, list[str]]:
+    """(weights folder or None, the model's HF config, errors): the folder or the config, then the
+    TP plan and expert parallelism at these sizes, all checked on one weightless (meta-device)
+    build."""
     model = settings.model
     try:
         if model.pretrained_path is not None or model.source is not None:
-            if model.config:  # the group's sizes (or a user's overrides) do not apply to a pretrained folder
-                print(f"note: model.config of model={model.name} is not used: the folder's config.json decides")
+            if (
+                model.config
+            ):  # the group's sizes (or a user's overrides) do not apply to a pretrained folder
+                print(
+                    f"note: model.config of model={model.name} is not used: the folder's "
+                    "config.json decides"
+                )
             path = _model_folder(model.pretrained_path)
             config = load_config(path)
         else:
@@ -171,7 +185,9 @@ def _model_folder(pretrained_path: str | None) -> Path:
         from components.models.smollm2 import smollm2_folder
 
         return smollm2_folder()
-    return resolve_model_folder(pretrained_path)  # a local folder, or a Hub id from the cache (or downloaded)
+    return resolve_model_folder(
+        pretrained_path
+    )  # a local folder, or a Hub id from the cache (or downloaded)
 
 
 def _plan_errors(settings: Config, dims: ParallelDims, config, meta) -> list[str]:
@@ -181,17 +197,27 @@ def _plan_errors(settings: Config, dims: ParallelDims, config, meta) -> list[str
         plan = plan_for(config, settings.sp)
         errors += check_plan(meta, config, plan, dims.tp, (*experts, *routers))[1]
         if any(error.startswith("tp (") for error in errors):
-            sizes = [getattr(config, k, 0) for k in ("num_attention_heads", "num_key_value_heads", "intermediate_size")]
-            fits = [tp for tp in range(1, min(s for s in sizes if s) + 1) if all(s % tp == 0 for s in sizes if s)]
+            sizes = [
+                getattr(config, k, 0)
+                for k in ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+            ]
+            fits = [
+                tp
+                for tp in range(1, min(s for s in sizes if s) + 1)
+                if all(s % tp == 0 for s in sizes if s)
+            ]
             errors.append(f"tp values that fit this model: {', '.join(map(str, fits))}")
     if dims.ep > 1:
-        num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0)
+        num_experts = getattr(config, "num_experts", None) or getattr(
+            config, "num_local_experts", 0
+        )
         errors += check_expert_parallel(meta, list(experts), num_experts, dims.ep)
     return errors
 
 
 def data_source(settings: Config) -> tuple[DataSource | None, list[str]]:
-    """The ``data`` group as a source (its ``_target_`` picks the kind), a local ``path`` made absolute."""
+    """The ``data`` group as a source (its ``_target_`` picks the kind), a local ``path`` made
+    absolute."""
     group = settings.data.model_dump(by_alias=True)
     path = Path(str(group.get("path"))).expanduser()
     if "path" in group and path.exists():
@@ -204,10 +230,15 @@ def data_source(settings: Config) -> tuple[DataSource | None, list[str]]:
         return None, [str(error)]
 
 
-def _tokenizer_dir(settings: Config, source: DataSource, model_path: Path | None, config, dims: ParallelDims) -> Path:
-    """The model's tokenizer folder, or one trained on the data, whose vocabulary then sizes the model."""
+def _tokenizer_dir(
+    settings: Config, source: DataSource, model_path: Path | None, config, dims: ParallelDims
+) -> Path:
+    """The model's tokenizer folder, or one trained on the data, whose vocabulary then sizes the
+    model."""
     try:
-        tokenizer_dir = model_path or cached_tokenizer(source, Path(settings.cache_dir).expanduser().absolute())
+        tokenizer_dir = model_path or cached_tokenizer(
+            source, Path(settings.cache_dir).expanduser().absolute()
+        )
     except DataError as error:
         raise ConfigError(f"data: {error}") from None
     if model_path is None:
@@ -219,7 +250,9 @@ def _tokenizer_dir(settings: Config, source: DataSource, model_path: Path | None
     return tokenizer_dir
 
 
-def prepare_run_data(settings: Config, source: DataSource, tokenizer_dir: Path, dims: ParallelDims) -> PreparedData:
+def prepare_run_data(
+    settings: Config, source: DataSource, tokenizer_dir: Path, dims: ParallelDims
+) -> PreparedData:
     """Tokenize once (or reuse the cache) and check the splits; raise ConfigError."""
     train, cache = settings.train, Path(settings.cache_dir).expanduser().absolute()
     try:
@@ -238,7 +271,8 @@ def prepare_run_data(settings: Config, source: DataSource, tokenizer_dir: Path, 
     if train.val_every and val_rows < dims.dp:
         why = f"data.val_fraction={show(source.val_fraction)} holds out {val_rows} validation rows"
         raise ConfigError(
-            f"train.val_every={train.val_every} needs validation rows for each of dp ({dims.dp}) ranks but {why}: "
+            f"train.val_every={train.val_every} needs validation rows for each of dp ({dims.dp}) "
+            f"ranks but {why}: "
             "raise data.val_fraction or set train.val_every=0"
         )
     if os.environ.get("RANK", "0") == "0":  # the launcher, or rank 0 under torchrun
@@ -282,9 +316,9 @@ def _notes(settings: Config, output: Path, per_run: bool, warmup: int) -> None:
 def plan_run(
     cfg: DictConfig, output_dir: str | None = None, hydra_run_dir: str | None = None
 ) -> tuple[RunPlan, OutputDirLock | None]:
-    """Check everything and decide everything a rank needs; raise ConfigError naming every problem. Also
-    returns the lock on ``output_dir`` (held by this process, None on torchrun ranks other than 0).
-    ``output_dir`` is a sweep job's folder; ``hydra_run_dir`` the run dir Hydra was given."""
+    """Check everything and decide everything a rank needs; raise ConfigError naming every problem.
+    Also returns the lock on ``output_dir`` (held by this process, None on torchrun ranks other than
+    0). ``output_dir`` is a sweep job's folder; ``hydra_run_dir`` the run dir Hydra was given."""
     try:
         settings = validate(cfg)
     except SchemaError as error:
@@ -295,7 +329,11 @@ def plan_run(
     logger, train, schedule = settings.logger, settings.train, settings.schedule
     missing = check_logger_available(logger.target)
     fixed = {"output_dir", "first_step"}
-    errors += [missing] if missing else check_target("logger", logger.target, logger.options(), object, fixed)
+    errors += (
+        [missing]
+        if missing
+        else check_target("logger", logger.target, logger.options(), object, fixed)
+    )
     warmup = min(train.warmup_steps, train.max_steps)  # a longer one is cut to the run, with a note
     errors += check_schedule(schedule.name, warmup, train.max_steps, schedule.options())
     try:
@@ -315,18 +353,28 @@ def plan_run(
         raise ConfigError("; ".join(errors))
     _notes(settings, output, per_run, warmup)  # checked: what the plan decided
     tokenizer_dir = _tokenizer_dir(settings, source, model_path, config, dims)
-    data = prepare_run_data(settings, source, tokenizer_dir, dims)  # bad data is refused before the folder is claimed
+    data = prepare_run_data(
+        settings, source, tokenizer_dir, dims
+    )  # bad data is refused before the folder is claimed
     info = run_info(settings, config, data.tokenizer_digest)
     try:  # the last step that can refuse the run: nothing after it leaves a claimed folder behind
         if os.environ.get("RANK", "0") == "0" and not settings.dry_run:  # rank 0 owns it
             lock, resume_from, record = own_output_dir(settings, output, info)
         else:
-            lock, resume_from, record = None, choose_checkpoint(settings, output / "checkpoints", info), None
+            lock, resume_from, record = (
+                None,
+                choose_checkpoint(settings, output / "checkpoints", info),
+                None,
+            )
     except OwnershipError as error:
         raise ConfigError(str(error)) from None
     body = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
-    body.output_dir = str(output)  # a sweep job's own folder: what checkpoint.resume=auto will be run with
-    threads = cpu_threads_per_rank(settings.cpu_threads, int(os.environ.get("LOCAL_WORLD_SIZE", dims.world_size)))
+    body.output_dir = str(
+        output
+    )  # a sweep job's own folder: what checkpoint.resume=auto will be run with
+    threads = cpu_threads_per_rank(
+        settings.cpu_threads, int(os.environ.get("LOCAL_WORLD_SIZE", dims.world_size))
+    )
     plan = RunPlan(
         settings=settings,
         dims=dims,

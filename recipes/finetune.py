@@ -2,10 +2,11 @@
 
     python recipes/finetune.py model=llama tp=4 train.max_steps=5
 
-The story of one run: check everything once into a run plan (``recipes/checks.py``) -> start the ranks -> set
-up (mesh, data, model sharded by ``components.models.parallelize``, TP replicas broadcast, optimizer, schedule,
-resume) -> per step: micro-batches forward and backward, finalise DTensor grads, sync TP-replica grads, grad
-norm and clip, optimizer step, metrics, validation, checkpoint -> finish (drift report, export, loss curve).
+The story of one run: check everything once into a run plan (``recipes/checks.py``) -> start the
+ranks -> set up (mesh, data, model sharded by ``components.models.parallelize``, TP replicas
+broadcast, optimizer, schedule, resume) -> per step: micro-batches forward and backward, finalise
+DTensor grads, sync TP-replica grads, grad norm and clip, optimizer step, metrics, validation,
+checkpoint -> finish (drift report, export, loss curve).
 """
 
 from __future__ import annotations  # the annotations below name classes imported only when needed
@@ -39,7 +40,12 @@ from components.distributed.mesh import build_device_mesh
 from components.distributed.replicas import ReplicaSync, check_replicas, write_drift_report
 from components.moe import ExpertLoad, router_aux_loss_weight
 from components.runtime import preemption
-from components.runtime.launch import end_launched_rank, join_world, launch_local, started_by_launcher
+from components.runtime.launch import (
+    end_launched_rank,
+    join_world,
+    launch_local,
+    started_by_launcher,
+)
 from components.targets import target_class
 from components.training.loggers import open_logger
 from components.training.memory import peak_memory_gib, reset_peak_memory
@@ -52,8 +58,9 @@ if TYPE_CHECKING:
     from recipes.plan import RunPlan
 
 
-# The recipe's own launcher's status after a SIGTERM or SIGUSR1 stopped the run with a checkpoint: sysexits'
-# EX_TEMPFAIL, "try again later" (0: done; 1: an error; 128 + N: killed by signal N before a checkpoint).
+# The recipe's own launcher's status after a SIGTERM or SIGUSR1 stopped the run with a checkpoint:
+# sysexits' EX_TEMPFAIL, "try again later" (0: done; 1: an error; 128 + N: killed by signal N before
+# a checkpoint).
 STOPPED_STATUS = 75
 
 
@@ -70,15 +77,22 @@ class Run:
     data: StepBatches
     val_data: StepBatches | None
     first_step: int  # steps already done (by the checkpoint resumed from)
-    compute: Callable[[], AbstractContextManager]  # the precision's context for forward passes (autocast or none)
+    compute: Callable[
+        [], AbstractContextManager
+    ]  # the precision's context for forward passes (autocast or none)
     experts: ExpertLoad | None  # tokens per expert of an MoE model, for the step's imbalance
-    aux_loss_weight: float  # of an MoE model's load-balancing loss (0: its config does not enable it)
+    aux_loss_weight: (
+        float  # of an MoE model's load-balancing loss (0: its config does not enable it)
+    )
     replicas: ReplicaSync  # the TP replica gradient sync, built once: its plan and buffers last
-    before_commit: Callable[[Path], None] | None = None  # the checkpoint writer's callback (a fault, in tests)
+    before_commit: Callable[[Path], None] | None = (
+        None  # the checkpoint writer's callback (a fault, in tests)
+    )
 
 
 def set_up(plan: RunPlan) -> Run:
-    """Everything a rank needs before its first step: mesh, data, model, optimizer, schedule, resume."""
+    """Everything a rank needs before its first step: mesh, data, model, optimizer, schedule,
+    resume."""
     from components.data.loader import open_splits
     from components.models.parallelize import build_parallel_model
     from components.models.precision import precision_policy
@@ -98,7 +112,9 @@ def set_up(plan: RunPlan) -> Run:
     replicas.broadcast()
     optimizer = target_class("optim", optim.target)(model.parameters(), **optim.options())
     schedule = settings.schedule
-    scheduler = build_schedule(optimizer, schedule.name, plan.warmup_steps, train.max_steps, schedule.options())
+    scheduler = build_schedule(
+        optimizer, schedule.name, plan.warmup_steps, train.max_steps, schedule.options()
+    )
     first_step = 0
     if plan.resume_from is not None:
         first_step = load_checkpoint(plan.resume_from, model, optimizer, scheduler)["step"]
@@ -107,20 +123,35 @@ def set_up(plan: RunPlan) -> Run:
     precision = precision_policy(plan.model.precision)  # the same policy the model was built with
     compute = functools.partial(precision.autocast, device.type, data_parallel=plan.dims.dp > 1)
     micro_batches = data.micro_batches_per_step
-    experts = ExpertLoad.watch(model, plan.model.config, list(plan.model.experts), mesh["dp"].get_group())
+    experts = ExpertLoad.watch(
+        model, plan.model.config, list(plan.model.experts), mesh["dp"].get_group()
+    )
     aux = router_aux_loss_weight(plan.model.config, micro_batches, plan.dims.dp)
     run = Run(
-        rank=rank, device=device, mesh=mesh, model=model, optimizer=optimizer, scheduler=scheduler,
-        data=data, val_data=val_data, first_step=first_step, compute=compute,
-        experts=experts, aux_loss_weight=aux, replicas=replicas,
+        rank=rank,
+        device=device,
+        mesh=mesh,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        data=data,
+        val_data=val_data,
+        first_step=first_step,
+        compute=compute,
+        experts=experts,
+        aux_loss_weight=aux,
+        replicas=replicas,
     )
     where = dict(rank=rank, world_size=dist.get_world_size(), first_step=first_step)
-    run.before_commit = install_faults(plan.fault, model, optimizer, **where, micro_batches_per_step=micro_batches)
+    run.before_commit = install_faults(
+        plan.fault, model, optimizer, **where, micro_batches_per_step=micro_batches
+    )
     return run
 
 
 def train_step(run: Run, plan: RunPlan, step: int) -> dict:
-    """One optimizer step (0-based ``step``): micro-batches, gradient reductions, clip, update; its metrics."""
+    """One optimizer step (0-based ``step``): micro-batches, gradient reductions, clip, update; its
+    metrics."""
     from components.training.step import forward_backward  # its loss reads the models' TP plans
 
     settings, started = plan.settings, time.perf_counter()
@@ -142,7 +173,8 @@ def train_step(run: Run, plan: RunPlan, step: int) -> dict:
     finite = math.isfinite(norm)  # the same number on every rank, so all ranks decide alike
     if not finite and settings.train.on_nonfinite == "stop":
         raise FloatingPointError(
-            f"step {step + 1}: grad norm is {norm}; stopped before the update (train.on_nonfinite=skip skips it)"
+            f"step {step + 1}: grad norm is {norm}; stopped before the update "
+            "(train.on_nonfinite=skip skips it)"
         )
     lr = run.scheduler.get_last_lr()[0]
     if finite:
@@ -166,24 +198,39 @@ def train_step(run: Run, plan: RunPlan, step: int) -> dict:
 
 
 def train(run: Run, plan: RunPlan) -> str | None:
-    """The steps after ``run.first_step`` up to ``max_steps`` (or ``stop_after``): metrics, validation, saves.
-    Returns the name of the signal that stopped the run early (with a checkpoint of its step), or None."""
+    """The steps after ``run.first_step`` up to ``max_steps`` (or ``stop_after``): metrics,
+    validation, saves. Returns the name of the signal that stopped the run early (with a checkpoint
+    of its step), or None."""
     from components.training.validation import validation_loss
 
     settings, train_cfg = plan.settings, plan.settings.train
-    log = MetricsLog(plan.output_dir / "metrics.jsonl", run.rank == 0, run.first_step, train_cfg.max_steps)
-    logger, hparams = settings.logger, yaml.safe_load(plan.config_yaml)  # the tracker (logger=...) on rank 0 only
-    tracker = open_logger(logger.target, logger.options(), plan.output_dir, run.first_step, hparams, run.rank == 0)
+    log = MetricsLog(
+        plan.output_dir / "metrics.jsonl", run.rank == 0, run.first_step, train_cfg.max_steps
+    )
+    logger, hparams = (
+        settings.logger,
+        yaml.safe_load(plan.config_yaml),
+    )  # the tracker (logger=...) on rank 0 only
+    tracker = open_logger(
+        logger.target, logger.options(), plan.output_dir, run.first_step, hparams, run.rank == 0
+    )
     ids = dict(keep=settings.checkpoint.keep, run_id=plan.run_id, run_info=plan.run_info)
     writer = CheckpointWriter(
-        plan.checkpoints, **ids, asynchronous=settings.checkpoint.asynchronous, before_commit=run.before_commit
+        plan.checkpoints,
+        **ids,
+        asynchronous=settings.checkpoint.asynchronous,
+        before_commit=run.before_commit,
     )
     stopped, done = None, run.first_step  # done: the last step done
     state = (run.model, run.optimizer, run.scheduler)
-    for step in range(run.first_step, min(train_cfg.max_steps, train_cfg.stop_after or train_cfg.max_steps)):
+    for step in range(
+        run.first_step, min(train_cfg.max_steps, train_cfg.stop_after or train_cfg.max_steps)
+    ):
         record = train_step(run, plan, step)
         done = step + 1
-        validate = train_cfg.val_every and (done % train_cfg.val_every == 0 or done == train_cfg.max_steps)
+        validate = train_cfg.val_every and (
+            done % train_cfg.val_every == 0 or done == train_cfg.max_steps
+        )
         if validate and run.val_data is not None:
             dp_group = run.mesh["dp"].get_group()
             record["val_loss"] = validation_loss(
@@ -196,7 +243,8 @@ def train(run: Run, plan: RunPlan) -> str | None:
         every = settings.checkpoint.every_steps
         if every and done % every == 0:
             writer.save(done, *state)
-        # One all-reduce per step: a SIGTERM or SIGUSR1 on any rank stops every rank after this step.
+        # One all-reduce per step: a SIGTERM or SIGUSR1 on any rank stops every rank after this
+        # step.
         if writer.after_step(preemption.stop_requested() is not None):
             own = preemption.stop_requested()
             stopped = own.name if own is not None else "a signal to another rank"
@@ -204,7 +252,9 @@ def train(run: Run, plan: RunPlan) -> str | None:
                 writer.save(done, *state)
             break
     if stopped is None and run.first_step < done < train_cfg.max_steps and writer.last_step != done:
-        writer.save(done, *state)  # train.stop_after, as a stop signal: a checkpoint of the last step
+        writer.save(
+            done, *state
+        )  # train.stop_after, as a stop signal: a checkpoint of the last step
     writer.wait()  # the run ends only once its last save is published
     log.close()
     tracker.close()
@@ -219,8 +269,9 @@ def train(run: Run, plan: RunPlan) -> str | None:
 
 
 def finish(run: Run, plan: RunPlan, stopped: bool = False) -> None:
-    """The replica drift report (any drift stops the run before export), the export and the loss curve;
-    after a stop signal (``stopped``) only the loss curve: the run is to be resumed, and soon killed."""
+    """The replica drift report (any drift stops the run before export), the export and the loss
+    curve; after a stop signal (``stopped``) only the loss curve: the run is to be resumed, and soon
+    killed."""
     from transformers import AutoTokenizer
 
     from components.checkpoint.export import export_dtype, export_hf
@@ -251,7 +302,8 @@ def finish(run: Run, plan: RunPlan, stopped: bool = False) -> None:
 
 def done_line(plan: RunPlan, ended: bool, exported: bool) -> str:
     """The run's last line, naming only what it left: ``hf/`` only when exported now, and before the
-    end (``train.stop_after``, a stop signal) the checkpoint ``checkpoint.resume=auto`` continues from."""
+    end (``train.stop_after``, a stop signal) the checkpoint ``checkpoint.resume=auto`` continues
+    from."""
     from components.checkpoint.integrity import complete_checkpoints
 
     wrote = ["metrics", "loss.png", *(["hf/"] if exported else [])]
@@ -265,7 +317,8 @@ def done_line(plan: RunPlan, ended: bool, exported: bool) -> str:
 
 
 def rank_main(plan: RunPlan) -> str | None:
-    """What every rank runs: set up, train, finish. Returns the stop signal's name (see ``train``)."""
+    """What every rank runs: set up, train, finish. Returns the stop signal's name (see
+    ``train``)."""
     preemption.install()  # first: a SIGTERM or SIGUSR1 from now on stops the run after a step
     run = set_up(plan)
     if started_by_launcher():  # torchrun: rank 0 claimed the folder; every rank takes its run id
@@ -292,20 +345,25 @@ def launch(cfg: DictConfig, job_dir: str | None, hydra_run_dir: str | None) -> N
     if lock is not None:  # rank 0 of torchrun, or the local launcher
         (plan.output_dir / "config.yaml").write_text(plan.config_yaml)
     try:
-        if started_by_launcher():  # torchrun: a stopped rank exits 0 (another status would restart it)
+        if (
+            started_by_launcher()
+        ):  # torchrun: a stopped rank exits 0 (another status would restart it)
             rank_main(plan)
         else:
             results = launch_local(rank_main, plan.dims.world_size, plan)
     finally:  # the folder is free again once the ranks are done
         if lock is not None:
             lock.release()
-    if not started_by_launcher() and any(results.values()):  # stopped by a signal, checkpoint written
+    if not started_by_launcher() and any(
+        results.values()
+    ):  # stopped by a signal, checkpoint written
         raise SystemExit(STOPPED_STATUS)
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def hydra_main(cfg: DictConfig) -> None:
-    """Hydra's own entry (``--multirun``, ``--cfg``, ``--help``): each job writes to its own folder."""
+    """Hydra's own entry (``--multirun``, ``--cfg``, ``--help``): each job writes to its own
+    folder."""
     job = HydraConfig.get()
     run_dir_given = any(override.startswith("hydra.run.dir=") for override in job.overrides.hydra)
     if job.mode == RunMode.MULTIRUN or not run_dir_given:  # a sweep job's folder, or output_dir's
@@ -323,5 +381,7 @@ if __name__ == "__main__":
 
         composed = compose(arguments)
         launch(composed, None, composed.hydra.run.dir)
-    if started_by_launcher():  # after every job: a torchrun rank ends like a local one (see end_launched_rank)
+    if (
+        started_by_launcher()
+    ):  # after every job: a torchrun rank ends like a local one (see end_launched_rank)
         end_launched_rank()

@@ -1,11 +1,13 @@
-"""Whose folder, and which checkpoint: decided once in the launching process, under the folder's lock.
+"""Whose folder, and which checkpoint: decided once in the launching process, under the folder's
+lock.
 
-- The lock (``output_dir/.lock``) is taken before anything is written there and held until the launcher exits.
-- The checkpoint to resume from: ``auto`` takes the newest usable one, passing over damaged ones out loud; an
-  explicit path must be a complete, undamaged checkpoint. Either must match this run (model shapes, optimizer,
-  batch geometry) and leave steps to train.
-- The folder's files then belong to this run: a fresh run never adopts, prunes or overwrites another run's
-  files (``overwrite_output_dir=true`` replaces them, and only them).
+- The lock (``output_dir/.lock``) is taken before anything is written there and held until the
+  launcher exits.
+- The checkpoint to resume from: ``auto`` takes the newest usable one, passing over damaged ones out
+  loud; an explicit path must be a complete, undamaged checkpoint. Either must match this run (model
+  shapes, optimizer, batch geometry) and leave steps to train.
+- The folder's files then belong to this run: a fresh run never adopts, prunes or overwrites another
+  run's files (``overwrite_output_dir=true`` replaces them, and only them).
 """
 
 import os
@@ -41,7 +43,8 @@ from recipes.schema import Config, show
 
 
 class OwnershipError(ValueError):
-    """The folder or the checkpoint cannot be used; the message is one line saying why and what to do."""
+    """The folder or the checkpoint cannot be used; the message is one line saying why and what to
+    do."""
 
 
 def where_errors(output: Path, run_dir: str | None, per_run: bool, torchrun: bool) -> list[str]:
@@ -70,34 +73,53 @@ def check_output_dir(path: Path) -> list[str]:
         return [f"output_dir={show(str(path))} is a file, not a folder: choose another output_dir"]
     existing = next(parent for parent in (path, *path.parents) if parent.exists())
     if not existing.is_dir():
-        return [f"output_dir={show(str(path))} cannot be created: {existing} is a file; choose another output_dir"]
+        return [
+            f"output_dir={show(str(path))} cannot be created: {existing} is a file; choose "
+            "another output_dir"
+        ]
     if not os.access(existing, os.W_OK | os.X_OK):
-        return [f"output_dir={show(str(path))} is not writable ({existing}): choose a folder you can write to"]
+        return [
+            f"output_dir={show(str(path))} is not writable ({existing}): choose a folder you can "
+            "write to"
+        ]
     return nested_run_errors(path)
 
 
 def explicit_checkpoint_errors(resume: str | None) -> list[str]:
-    """An explicit ``checkpoint.resume`` path that is not even a checkpoint folder (checked with the config)."""
+    """An explicit ``checkpoint.resume`` path that is not even a checkpoint folder (checked with the
+    config)."""
     if resume in (None, "auto"):
         return []
     path = Path(resume).expanduser().absolute()
-    if (path / MARKER).is_file() or path.is_dir() and path.name.startswith("step_") and path.suffix != ".tmp":
+    if (
+        (path / MARKER).is_file()
+        or path.is_dir()
+        and path.name.startswith("step_")
+        and path.suffix != ".tmp"
+    ):
         return []  # a checkpoint folder: whether it is usable is checked under the lock
     if not path.is_dir():
         why = "is a file, not a checkpoint folder" if path.exists() else "does not exist"
     elif found := complete_checkpoints(path):
-        return [f"checkpoint.resume={show(resume)} holds checkpoints but is not one: use checkpoint.resume={found[-1]}"]
+        return [
+            f"checkpoint.resume={show(resume)} holds checkpoints but is not one: use "
+            f"checkpoint.resume={found[-1]}"
+        ]
     elif path.name.endswith(".tmp"):
         why = "is an unfinished save (no COMPLETE marker)"
     else:
         why = f"is not a complete checkpoint (no {MARKER} marker)"
-    return [f"checkpoint.resume={show(resume)} {why}: use auto, null or a step_NNNNNNNN checkpoint folder"]
+    return [
+        f"checkpoint.resume={show(resume)} {why}: use auto, null or a step_NNNNNNNN checkpoint "
+        "folder"
+    ]
 
 
 def run_info(settings: Config, model_config, tokenizer_digest: str) -> dict[str, Any]:
-    """What a checkpoint of this run records, and what a resume must match (tp, dp and ep may change). The
-    tokenizer's digest is part of it: a model built from its config gets a tokenizer trained on the data, whose
-    ids change with the data (``data.num_examples``, ``seed``, an edited file) at the same vocabulary size."""
+    """What a checkpoint of this run records, and what a resume must match (tp, dp and ep may
+    change). The tokenizer's digest is part of it: a model built from its config gets a tokenizer
+    trained on the data, whose ids change with the data (``data.num_examples``, ``seed``, an edited
+    file) at the same vocabulary size."""
     shapes = state_dict_shapes(meta_causal_lm(model_config))
     return {
         "model": model_fingerprint(shapes),
@@ -110,7 +132,8 @@ def run_info(settings: Config, model_config, tokenizer_digest: str) -> dict[str,
 
 
 def choose_checkpoint(settings: Config, checkpoints: Path, info: dict[str, Any]) -> Path | None:
-    """The checkpoint to resume from, or None; raise OwnershipError when the asked-for one cannot be used."""
+    """The checkpoint to resume from, or None; raise OwnershipError when the asked-for one cannot be
+    used."""
     resume = settings.checkpoint.resume
     if resume is None:
         return None
@@ -135,7 +158,8 @@ def choose_checkpoint(settings: Config, checkpoints: Path, info: dict[str, Any])
 def own_output_dir(
     settings: Config, output_dir: Path, info: dict[str, Any]
 ) -> tuple[OutputDirLock, Path | None, RunRecord]:
-    """Lock ``output_dir``, choose the checkpoint to resume from and claim the folder for this run."""
+    """Lock ``output_dir``, choose the checkpoint to resume from and claim the folder for this
+    run."""
     try:
         lock = lock_output_dir(output_dir)
         resume_from = choose_checkpoint(settings, output_dir / "checkpoints", info)
@@ -162,9 +186,10 @@ def own_output_dir(
 
 
 def _check_foreign_resume(output_dir: Path, checkpoint: Path, overwrite: bool) -> None:
-    """An explicit checkpoint of another run than the one ``output_dir`` holds would continue inside that run's
-    folder, cutting its metrics back and replacing its checkpoints: refuse, or with ``overwrite_output_dir`` (and
-    the checkpoint elsewhere) remove that run's files first, so the resumed run starts the folder afresh."""
+    """An explicit checkpoint of another run than the one ``output_dir`` holds would continue inside
+    that run's folder, cutting its metrics back and replacing its checkpoints: refuse, or with
+    ``overwrite_output_dir`` (and the checkpoint elsewhere) remove that run's files first, so the
+    resumed run starts the folder afresh."""
     held = read_run_record(output_dir)
     theirs = checkpoint_summary(checkpoint).run_id
     if held is None or not run_files(output_dir) or held.run_id == theirs:
@@ -173,7 +198,8 @@ def _check_foreign_resume(output_dir: Path, checkpoint: Path, overwrite: bool) -
         remove_run_files(output_dir, held)
         return
     raise OutputDirError(
-        f"output_dir {output_dir} holds another run's files than the one checkpoint.resume={checkpoint} belongs to; "
+        f"output_dir {output_dir} holds another run's files than the one "
+        f"checkpoint.resume={checkpoint} belongs to; "
         "resuming there would mix the two runs: choose another output_dir=..."
         + ("" if overwrite else ", or set overwrite_output_dir=true to replace that folder's run")
     )

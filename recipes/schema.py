@@ -1,14 +1,16 @@
 """The config's declared schema: every key, its type, range or choices, and what to write instead.
 
-Pydantic v2 models over the composed, resolved config (not Hydra structured configs) because the checks need
-to collect *every* problem at once with its location, and pydantic reports all errors of a validation in one
-exception, each with its dotted path and the offending input; a Hydra structured config stops at the first.
-Models are strict (no "2" -> 2, no true -> 1), frozen, and forbid extra keys, so a key added with ``+`` that
-nothing reads is an error. No field has a default: defaults live in ``conf/`` only, so a key deleted from the
-composition is an error too. Each field's ``description`` is the hint printed after "use ...".
+Pydantic v2 models over the composed, resolved config (not Hydra structured configs) because the
+checks need to collect *every* problem at once with its location, and pydantic reports all errors of
+a validation in one exception, each with its dotted path and the offending input; a Hydra structured
+config stops at the first. Models are strict (no "2" -> 2, no true -> 1), frozen, and forbid extra
+keys, so a key added with ``+`` that nothing reads is an error. No field has a default: defaults
+live in ``conf/`` only, so a key deleted from the composition is an error too. Each field's
+``description`` is the hint printed after "use ...".
 
-Groups chosen by ``_target_`` (``optim``, ``data``, ``logger``) declare only their shared keys here; their
-other keys are checked against the signature of the class the target names (see ``recipes/checks.py``).
+Groups chosen by ``_target_`` (``optim``, ``data``, ``logger``) declare only their shared keys here;
+their other keys are checked against the signature of the class the target names (see
+``recipes/checks.py``).
 """
 
 from typing import Annotated, Any, Literal
@@ -22,7 +24,8 @@ ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 
 
 def key(hint: str, **constraints: Any) -> Any:
-    """A required field whose ``hint`` says what would work, e.g. "a positive integer, e.g. tp=2"."""
+    """A required field whose ``hint`` says what would work, e.g. "a positive integer, e.g.
+    tp=2"."""
     return Field(description=hint, **constraints)
 
 
@@ -48,7 +51,9 @@ class Train(Section):
     warmup_steps: Count = key("0 or a positive number of steps, e.g. train.warmup_steps=5")
     on_nonfinite: Literal["stop", "skip"] = key("stop or skip")
     precision: Literal[PRECISIONS] = key(f"one of {', '.join(PRECISIONS)}")
-    activation_checkpointing: Literal[ACTIVATION_CHECKPOINTING] = key(f"one of {', '.join(ACTIVATION_CHECKPOINTING)}")
+    activation_checkpointing: Literal[ACTIVATION_CHECKPOINTING] = key(
+        f"one of {', '.join(ACTIVATION_CHECKPOINTING)}"
+    )
     compile: bool = key("true or false")
     packing: bool = key("true or false")
     loss_chunk_tokens: Count | None = key(
@@ -72,14 +77,17 @@ class Checkpoint(Section):
 class Debug(Section):
     check_replicas_every: Count = key("0 (off) or a positive number of steps, e.g. 10")
     fault: Text | None = key(
-        "null, nan_grad@STEP, perturb_replica@STEP, raise@STEP, slow_save@SECONDS or replica_sync_sum"
+        "null, nan_grad@STEP, perturb_replica@STEP, raise@STEP, slow_save@SECONDS or "
+        "replica_sync_sum"
     )
 
 
 class Model(Section):
     name: Text = key("a name, e.g. model.name=llama")
     family: Text | None = key("null or a model family, e.g. llama")
-    pretrained_path: Text | None = key("null, a local Hugging Face model folder or a Hub id (owner/name)")
+    pretrained_path: Text | None = key(
+        "null, a local Hugging Face model folder or a Hub id (owner/name)"
+    )
     source: Literal["smollm2"] | None = key("null or smollm2")
     experts: list[Text] | None = key(  # null: the family's (components/models/families.py)
         "null (the family's) or a list of module patterns, e.g. [model.layers.*.mlp.experts]",
@@ -87,7 +95,9 @@ class Model(Section):
     routers: list[Text] | None = key(
         "null (the family's) or a list of module patterns, e.g. [model.layers.*.mlp.gate]",
     )
-    config: dict[str, Any] = key("a mapping of Hugging Face config keys, e.g. model.config.hidden_size=512")
+    config: dict[str, Any] = key(
+        "a mapping of Hugging Face config keys, e.g. model.config.hidden_size=512"
+    )
 
 
 class Targeted(BaseModel):
@@ -101,24 +111,32 @@ class Targeted(BaseModel):
 
 
 class Optim(Targeted):
-    lr: Annotated[float, Field(gt=0, allow_inf_nan=False)] = key("a positive number, e.g. optim.lr=3e-3")
+    lr: Annotated[float, Field(gt=0, allow_inf_nan=False)] = key(
+        "a positive number, e.g. optim.lr=3e-3"
+    )
 
     def options(self) -> dict[str, Any]:
         return {"lr": self.lr, **super().options()}
 
 
 class Data(Targeted):
-    """Keys every data source has; the rest (path, split, columns, ...) are the source class's fields."""
+    """Keys every data source has; the rest (path, split, columns, ...) are the source class's
+    fields."""
 
-    num_examples: PositiveInt | None = key("null (all) or a positive integer, e.g. data.num_examples=400")
+    num_examples: PositiveInt | None = key(
+        "null (all) or a positive integer, e.g. data.num_examples=400"
+    )
     val_fraction: Annotated[float, Field(ge=0, lt=1)] = key("a number in [0, 1), e.g. 0.05")
 
 
 class Schedule(BaseModel):
-    """The LR schedule: a name (today's warmup_cosine or a transformers.get_scheduler name) and its options."""
+    """The LR schedule: a name (today's warmup_cosine or a transformers.get_scheduler name) and its
+    options."""
 
     model_config = ConfigDict(extra="allow", strict=True, frozen=True)
-    name: Text = key("warmup_cosine, linear, cosine, constant_with_warmup or warmup_stable_decay (schedule=NAME)")
+    name: Text = key(
+        "warmup_cosine, linear, cosine, constant_with_warmup or warmup_stable_decay (schedule=NAME)"
+    )
 
     def options(self) -> dict[str, Any]:
         return dict(self.model_extra or {})
@@ -131,7 +149,9 @@ class Config(Section):
     sp: bool = key("true or false")
     ep: PositiveInt = key("a positive integer, e.g. ep=2")
     nproc: PositiveInt | None = key("null (dp × tp) or a positive integer, e.g. nproc=4")
-    cpu_threads: PositiveInt | None = key("null (OMP_NUM_THREADS, else cores / local ranks) or a positive integer")
+    cpu_threads: PositiveInt | None = key(
+        "null (OMP_NUM_THREADS, else cores / local ranks) or a positive integer"
+    )
     collective_timeout_minutes: Annotated[float, Field(gt=0, allow_inf_nan=False)] = key(
         "a positive number of minutes, e.g. collective_timeout_minutes=30"
     )
@@ -141,7 +161,9 @@ class Config(Section):
     device_memory_gib: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = key(
         "null (the visible device's) or a positive number of GiB, e.g. device_memory_gib=80"
     )
-    cache_dir: Text = key("a folder for tokenized data and converted models, e.g. cache_dir=~/.cache/shardtune")
+    cache_dir: Text = key(
+        "a folder for tokenized data and converted models, e.g. cache_dir=~/.cache/shardtune"
+    )
     train: Train
     checkpoint: Checkpoint
     debug: Debug
@@ -177,20 +199,31 @@ def _field_hint(loc: tuple) -> str:
 
 
 def describe(error: ValidationError) -> list[str]:
-    """One line per wrong key (the first error of each location): the key, its value and what would work."""
+    """One line per wrong key (the first error of each location): the key, its value and what would
+    work."""
     lines, seen = [], set()
     for item in error.errors():
         loc = tuple(part for part in item["loc"] if isinstance(part, str))
-        loc = loc[: next((i for i, p in enumerate(loc) if p in ("int", "float", "str", "none", "bool")), len(loc))]
+        loc = loc[
+            : next(
+                (i for i, p in enumerate(loc) if p in ("int", "float", "str", "none", "bool")),
+                len(loc),
+            )
+        ]
         dotted = ".".join(loc)
         if dotted in seen:
             continue
         seen.add(dotted)
         hint = _field_hint(loc)
         if item["type"] == "extra_forbidden":
-            lines.append(f"{dotted} is not a known key: remove it (see `python recipes/finetune.py --cfg job`)")
+            lines.append(
+                f"{dotted} is not a known key: remove it (see `python recipes/finetune.py --cfg "
+                "job`)"
+            )
         elif item["type"] == "missing":
-            lines.append(f"{dotted} is missing from the config: add it back with +{dotted}=..., {hint}")
+            lines.append(
+                f"{dotted} is missing from the config: add it back with +{dotted}=..., {hint}"
+            )
         else:
             lines.append(f"{dotted}={show(item['input'])} is not valid: use {hint or item['msg']}")
     return lines
@@ -201,7 +234,8 @@ class SchemaError(ValueError):
 
 
 def _unresolvable(cfg: DictConfig) -> str:
-    """Which key's ``${...}`` interpolation fails (OmegaConf.resolve does not say), with the reason."""
+    """Which key's ``${...}`` interpolation fails (OmegaConf.resolve does not say), with the
+    reason."""
     pending = list(OmegaConf.to_container(cfg, resolve=False).items())
     while pending:
         key, value = pending.pop(0)
@@ -211,21 +245,23 @@ def _unresolvable(cfg: DictConfig) -> str:
         try:
             OmegaConf.select(cfg, key, throw_on_resolution_failure=True)
         except OmegaConfBaseException as failure:
-            return (
-                f"{key}={show(value)} cannot be resolved ({str(failure).splitlines()[0]}): fix the ${{...}} reference"
-            )
+            reason = str(failure).splitlines()[0]
+            return f"{key}={show(value)} cannot be resolved ({reason}): fix the ${{...}} reference"
     return "the config cannot be resolved: fix its ${...} references"
 
 
 def _unset(container: Any, prefix: str = "") -> list[str]:
     """Keys left at ``???``."""
     if isinstance(container, dict):
-        return [key for name, value in container.items() for key in _unset(value, f"{prefix}{name}.")]
+        return [
+            key for name, value in container.items() for key in _unset(value, f"{prefix}{name}.")
+        ]
     return [prefix[:-1]] if container == "???" else []
 
 
 def validate(cfg: DictConfig) -> Config:
-    """The composed config (without its ``hydra`` node) checked against the schema, every problem at once."""
+    """The composed config (without its ``hydra`` node) checked against the schema, every problem at
+    once."""
     body = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
     try:
         container = OmegaConf.to_container(body, resolve=True, throw_on_missing=False)
@@ -233,8 +269,12 @@ def validate(cfg: DictConfig) -> Config:
         raise SchemaError(_unresolvable(body)) from error
     unset = _unset(container)
     if unset:
-        hints = {"data.path": "data.path is not set: data=jsonl needs data.path=/path/to/file.jsonl"}
-        raise SchemaError("; ".join(hints.get(key, f"{key} is not set (???): give it a value") for key in unset))
+        hints = {
+            "data.path": "data.path is not set: data=jsonl needs data.path=/path/to/file.jsonl"
+        }
+        raise SchemaError(
+            "; ".join(hints.get(key, f"{key} is not set (???): give it a value") for key in unset)
+        )
     try:
         return Config.model_validate(container)
     except ValidationError as error:

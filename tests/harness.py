@@ -1,16 +1,17 @@
 """Run a test's check on N gloo ranks, as real processes, cheaply and with a hard timeout.
 
 A ``RankPool`` forks ``world_size`` workers from the pytest process (torch is already imported, so a
-rank starts in milliseconds instead of the ~5 s a fresh interpreter needs), each joins one gloo process
-group on a fresh port, and then runs check after check sent to it: one process group serves every check
-of a test module. Measured here (2 cores, torch 2.13, gloo): a pool starts, process group included, in
-0.03 s for 2 ranks and 0.5 s for 4 (gloo's pairwise connections); a trivial check then takes 2-8 ms.
-A fresh interpreter per rank would cost about 5 s each just to import torch and transformers.
+rank starts in milliseconds instead of the ~5 s a fresh interpreter needs), each joins one gloo
+process group on a fresh port, and then runs check after check sent to it: one process group serves
+every check of a test module. Measured here (2 cores, torch 2.13, gloo): a pool starts, process
+group included, in 0.03 s for 2 ranks and 0.5 s for 4 (gloo's pairwise connections); a trivial check
+then takes 2-8 ms. A fresh interpreter per rank would cost about 5 s each just to import torch and
+transformers.
 
-A check is a module-level function ``fn(rank, world_size, *args)`` (pickled by reference and found in the
-forked copy of its module). ``run`` returns every rank's return value. If a rank raises, its traceback
-becomes the pytest failure; if a rank does not answer within the timeout (a hang in a collective), every
-rank is killed, the test fails, and the next ``run`` starts a fresh pool.
+A check is a module-level function ``fn(rank, world_size, *args)`` (pickled by reference and found
+in the forked copy of its module). ``run`` returns every rank's return value. If a rank raises, its
+traceback becomes the pytest failure; if a rank does not answer within the timeout (a hang in a
+collective), every rank is killed, the test fails, and the next ``run`` starts a fresh pool.
 """
 
 import multiprocessing as mp
@@ -31,17 +32,26 @@ from components.runtime.launch import free_port
 # A collective waits at most this long in gloo, and a check at most DEFAULT_TIMEOUT_S in the parent.
 COLLECTIVE_TIMEOUT_S = 30
 DEFAULT_TIMEOUT_S = 60
-# After one rank fails, its peers get this long to finish (they usually raise too) before all are killed.
+# After one rank fails, its peers get this long to finish (they usually raise too) before all are
+# killed.
 FAILURE_GRACE_S = 3
 
 
 def _worker(rank: int, world_size: int, port: int, conn: mp.connection.Connection) -> None:
     code = 0
     try:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+        )
         torch.set_num_threads(1)  # several ranks share 2 cores
         dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+            "gloo",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
         )
         conn.send(("ready", None))
         while (message := conn.recv()) is not None:
@@ -75,7 +85,9 @@ class RankPool:
         port = free_port()
         for rank in range(self.world_size):
             parent_end, child_end = context.Pipe()
-            process = context.Process(target=_worker, args=(rank, self.world_size, port, child_end), daemon=True)
+            process = context.Process(
+                target=_worker, args=(rank, self.world_size, port, child_end), daemon=True
+            )
             process.start()
             child_end.close()
             self._processes.append(process)
@@ -83,7 +95,8 @@ class RankPool:
         self._gather("start", self.timeout_s)
 
     def run(self, fn, *args, timeout_s: float | None = None) -> list:
-        """Run ``fn(rank, world_size, *args)`` on every rank; return the per-rank results in rank order."""
+        """Run ``fn(rank, world_size, *args)`` on every rank; return the per-rank results in rank
+        order."""
         if not self._processes:
             self._start()
         for conn in self._conns:
@@ -105,7 +118,10 @@ class RankPool:
                 try:
                     status, payload = conn.recv()
                 except EOFError:
-                    status, payload = "error", f"rank {rank} exited with code {self._processes[rank].exitcode}"
+                    status, payload = (
+                        "error",
+                        f"rank {rank} exited with code {self._processes[rank].exitcode}",
+                    )
                 if status == "error":
                     errors[rank] = payload
                     deadline = min(deadline, time.monotonic() + FAILURE_GRACE_S)
@@ -117,7 +133,10 @@ class RankPool:
         report = [f"{what} failed on {self.world_size} ranks"]
         report += [f"--- rank {rank} raised:\n{tb}" for rank, tb in sorted(errors.items())]
         if pending:
-            report.append(f"--- ranks {sorted(pending)} did not answer within {timeout_s:.0f} s and were killed")
+            report.append(
+                f"--- ranks {sorted(pending)} did not answer within {timeout_s:.0f} s and were "
+                "killed"
+            )
         pytest.fail("\n".join(report), pytrace=False)
 
     def close(self, kill: bool = False) -> None:
@@ -153,10 +172,13 @@ def tiny_model_folder(root: Path) -> Path:
 
 
 def mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
-    """A device mesh over ranks 0..N-1 in row-major order, cached so a module's checks share its groups."""
+    """A device mesh over ranks 0..N-1 in row-major order, cached so a module's checks share its
+    groups."""
     key = (shape, names)
     if key not in _MESHES:
         _MESHES[key] = DeviceMesh(
-            "cpu", torch.arange(int(torch.tensor(shape).prod())).reshape(shape), mesh_dim_names=names
+            "cpu",
+            torch.arange(int(torch.tensor(shape).prod())).reshape(shape),
+            mesh_dim_names=names,
         )
     return _MESHES[key]

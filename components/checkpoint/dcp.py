@@ -1,16 +1,18 @@
-"""Sharded, atomic training checkpoints with ``torch.distributed.checkpoint`` (DCP): save and resume.
+"""Sharded, atomic training checkpoints with ``torch.distributed.checkpoint`` (DCP): save and
+resume.
 
 One checkpoint is the folder ``root/step_00000042/`` (layout and checks: :mod:`integrity`): DCP's
-``.metadata`` and ``__<rank>_0.distcp`` (model and optimizer state, stored by global shape, so a load at another
-tp or dp size reshards them), ``trainer_state.json``, one ``rng/rank_NNNNN.json`` per rank (torch CPU, CUDA,
-Python and NumPy RNG states, so a resume at the same world size continues bitwise) and the ``COMPLETE`` marker.
+``.metadata`` and ``__<rank>_0.distcp`` (model and optimizer state, stored by global shape, so a
+load at another tp or dp size reshards them), ``trainer_state.json``, one ``rng/rank_NNNNN.json``
+per rank (torch CPU, CUDA, Python and NumPy RNG states, so a resume at the same world size continues
+bitwise) and the ``COMPLETE`` marker.
 
 Atomicity: every rank writes into ``step_00000042.tmp``; after all ranks are done (and the caller's
-``before_commit`` hook has run) rank 0 writes the marker and renames the folder (one ``os.replace``, atomic on
-one filesystem). A crash leaves a ``.tmp`` folder, which :func:`integrity.find_resumable` never
-returns and the next save of that step replaces. All ranks must see the same filesystem (a shared
-one across nodes).
-Pruning (``keep``) removes only older checkpoints that carry the same run id as the one being saved.
+``before_commit`` hook has run) rank 0 writes the marker and renames the folder (one ``os.replace``,
+atomic on one filesystem). A crash leaves a ``.tmp`` folder, which :func:`integrity.find_resumable`
+never returns and the next save of that step replaces. All ranks must see the same filesystem (a
+shared one across nodes). Pruning (``keep``) removes only older checkpoints that carry the same run
+id as the one being saved.
 
 Design notes: docs/design-notes.md
 """
@@ -65,21 +67,22 @@ from components.runtime.output_dir import foreign_files, write_manifest
 __all__ = ["MARKER", "CheckpointError", "checkpoint_path", "load_checkpoint", "save_checkpoint"]
 
 # Optimizer state and hyperparameters keyed by parameter name ("optim.state.<fqn>.exp_avg",
-# "optim.param_groups.<fqn>.lr"), so a load does not depend on param-group order. The unflattened layout
-# reshards across tp/dp just as well (measured); this one is what torchtitan uses.
+# "optim.param_groups.<fqn>.lr"), so a load does not depend on param-group order. The unflattened
+# layout reshards across tp/dp just as well (measured); this one is what torchtitan uses.
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def _rank_and_world() -> tuple[int, int]:
+def rank_and_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
 
 
 def run_on_rank0(action: Callable[[], None]) -> None:
-    """Run ``action`` on rank 0 only; every rank returns after it has finished, and every rank raises if it
-    failed (rank 0 its own exception, the others a RuntimeError quoting it), so no rank is left waiting."""
-    rank, world = _rank_and_world()
+    """Run ``action`` on rank 0 only; every rank returns after it has finished, and every rank
+    raises if it failed (rank 0 its own exception, the others a RuntimeError quoting it), so no rank
+    is left waiting."""
+    rank, world = rank_and_world()
     failure: Exception | None = None
     if rank == 0:
         try:
@@ -106,7 +109,7 @@ def _rng_state() -> dict[str, Any]:
     return state
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
+def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
@@ -169,19 +172,23 @@ def _write_synced(path: Path, text: str) -> None:
 
 
 def publish_folder(tmp: Path, final: Path) -> None:
-    """Atomically put the finished folder ``tmp`` at ``final``; an existing ``final`` is moved aside first,
-    then removed, so a crash at any point leaves one complete folder (old or new) under a known name.
+    """Atomically put the finished folder ``tmp`` at ``final``; an existing ``final`` is moved aside
+    first, then removed, so a crash at any point leaves one complete folder (old or new) under a
+    known name.
 
     ``tmp`` gets a manifest of its files (see :func:`components.runtime.output_dir.write_manifest`).
 
     Raises:
-        FileExistsError: If ``final`` holds files that no earlier publish wrote (a user's own files), before
-            anything is moved; the message names them.
+        FileExistsError: If ``final`` holds files that no earlier publish wrote (a user's own
+            files), before anything is moved; the message names them.
     """
     if final.exists() and (foreign := foreign_files(final)):
-        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        shown = ", ".join(foreign[:5]) + (
+            f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
+        )
         raise FileExistsError(
-            f"{final} holds files shardtune did not write ({shown}); move them or choose another folder"
+            f"{final} holds files shardtune did not write ({shown}); move them or choose another "
+            "folder"
         )
     write_manifest(tmp)
     old = final.with_name(final.name + ".old")
@@ -202,23 +209,33 @@ def _run_id_of(folder: Path) -> str | None:
         return None
 
 
-def _commit(tmp: Path, final: Path, step: int, world_size: int, keep: int | None, run_id: str | None) -> None:
-    """Mark ``tmp`` complete, rename it to ``final`` (replacing an older save of the same step), and prune
-    this run's older checkpoints down to ``keep``."""
+def _commit(
+    tmp: Path, final: Path, step: int, world_size: int, keep: int | None, run_id: str | None
+) -> None:
+    """Mark ``tmp`` complete, rename it to ``final`` (replacing an older save of the same step), and
+    prune this run's older checkpoints down to ``keep``."""
     _write_synced(tmp / MARKER, json.dumps({"step": step, "world_size": world_size}))
     publish_folder(tmp, final)
     if keep is not None:
-        ours = [path for path in complete_checkpoints(final.parent) if path != final and _run_id_of(path) == run_id]
+        ours = [
+            path
+            for path in complete_checkpoints(final.parent)
+            if path != final and _run_id_of(path) == run_id
+        ]
         for path in ours[: max(0, len(ours) - (keep - 1))]:
             shutil.rmtree(path)
 
 
-def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, model_only: bool) -> dict[str, Any]:
-    """What DCP saves or loads in place: the model's, and unless ``model_only`` the optimizer's, state.
+def _state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer, model_only: bool
+) -> dict[str, Any]:
+    """What DCP saves or loads in place: the model's, and unless ``model_only`` the optimizer's,
+    state.
 
-    ``model_only`` is for an optimizer without per-parameter state (never stepped, or stateless like plain
-    SGD): ``get_state_dict`` would create state by running a step with zero grads and lr 0, which for
-    AdamW counts as step 1 and so changes the run. Its hyperparameters travel in ``trainer_state.json``.
+    ``model_only`` is for an optimizer without per-parameter state (never stepped, or stateless like
+    plain SGD): ``get_state_dict`` would create state by running a step with zero grads and lr 0,
+    which for AdamW counts as step 1 and so changes the run. Its hyperparameters travel in
+    ``trainer_state.json``.
     """
     if model_only:
         return {"model": get_model_state_dict(model, options=_OPTIONS)}
@@ -237,7 +254,8 @@ def _trainer_state_text(step, optimizer, scheduler, extra, world_size, run_id, r
             "run_info": dict(run_info or {}),
             "scheduler": None if scheduler is None else scheduler.state_dict(),
             "extra": dict(extra or {}),
-            # Without per-parameter state, the plain state dict is only hyperparameters (lr, ...): tiny.
+            # Without per-parameter state, the plain state dict is only hyperparameters (lr, ...):
+            # tiny.
             "optimizer": optimizer.state_dict() if stateless else None,
         }
     )
@@ -256,25 +274,29 @@ def save_checkpoint(
     run_info: dict[str, Any] | None = None,
     before_commit: Callable[[Path], None] | None = None,
 ) -> Path:
-    """Save model, optimizer, scheduler, ``step``, ``extra`` and every rank's RNG states; return the folder.
+    """Save model, optimizer, scheduler, ``step``, ``extra`` and every rank's RNG states; return the
+    folder.
 
-    Collective: every rank calls it with the same arguments. ``extra`` (JSON-able: dicts, lists, tuples,
-    numbers, strings, e.g. the data position) comes back from :func:`load_checkpoint`. ``run_id`` and
-    ``run_info`` (JSON-able; what a resume must match: model fingerprint, optimizer, batch geometry, ...) are
-    recorded for :func:`components.checkpoint.integrity.checkpoint_summary`. With ``keep``, only the
-    newest ``keep`` complete checkpoints of this ``run_id`` under ``root`` survive (this one always does);
-    checkpoints of other runs are never touched. ``before_commit(tmp_folder)`` runs on every rank after all
-    ranks wrote their files and before the marker and rename (a test's fault hook; one that raises on some
-    ranks only leaves the others waiting until the collective timeout). The RNG states are those
-    at the call, and the call leaves them as it found them, so saving does not perturb the run.
+    Collective: every rank calls it with the same arguments. ``extra`` (JSON-able: dicts, lists,
+    tuples, numbers, strings, e.g. the data position) comes back from :func:`load_checkpoint`.
+    ``run_id`` and ``run_info`` (JSON-able; what a resume must match: model fingerprint, optimizer,
+    batch geometry, ...) are recorded for
+    :func:`components.checkpoint.integrity.checkpoint_summary`. With ``keep``, only the newest
+    ``keep`` complete checkpoints of this ``run_id`` under ``root`` survive (this one always does);
+    checkpoints of other runs are never touched. ``before_commit(tmp_folder)`` runs on every rank
+    after all ranks wrote their files and before the marker and rename (a test's fault hook; one
+    that raises on some ranks only leaves the others waiting until the collective timeout). The RNG
+    states are those at the call, and the call leaves them as it found them, so saving does not
+    perturb the run.
 
     Raises:
-        ValueError: If ``keep`` is less than 1 or given without ``run_id`` (before anything is written).
+        ValueError: If ``keep`` is less than 1 or given without ``run_id`` (before anything is
+            written).
         TypeError: If the scheduler state, ``extra`` or ``run_info`` hold values JSON cannot store.
     """
     save, state = start_save(root, step, model, optimizer, scheduler, extra, keep, run_id, run_info)
     dcp.save(state, checkpoint_id=save.tmp)
-    _set_rng_state(save.rng)
+    set_rng_state(save.rng)
     return end_save(save, before_commit)
 
 
@@ -302,12 +324,18 @@ def start_save(
     run_id: str | None,
     run_info: dict[str, Any] | None,
 ) -> tuple[PendingSave, dict[str, Any]]:
-    """The first part of :func:`save_checkpoint` (collective): a fresh ``.tmp`` folder holding the RNG
-    and trainer states; returns the save and the state dict for DCP to write into ``save.tmp``."""
+    """The first part of :func:`save_checkpoint` (collective): a fresh ``.tmp`` folder holding the
+    RNG and trainer states; returns the save and the state dict for DCP to write into
+    ``save.tmp``."""
     if keep is not None and (keep < 1 or run_id is None):
-        raise ValueError(f"keep must be at least 1 and needs a run_id (pruning touches only this run's), got {keep}")
-    rank, world_size = _rank_and_world()
-    state_text = _trainer_state_text(step, optimizer, scheduler, extra, world_size, run_id, run_info)
+        raise ValueError(
+            "keep must be at least 1 and needs a run_id (pruning touches only this run's), got "
+            f"{keep}"
+        )
+    rank, world_size = rank_and_world()
+    state_text = _trainer_state_text(
+        step, optimizer, scheduler, extra, world_size, run_id, run_info
+    )
     rng = _rng_state()
     final = checkpoint_path(root, step)
     tmp = final.with_name(final.name + ".tmp")
@@ -322,46 +350,53 @@ def start_save(
 
 
 def end_save(save: PendingSave, before_commit: Callable[[Path], None] | None = None) -> Path:
-    """The last part of :func:`save_checkpoint` (collective), once DCP has written ``save.tmp`` on every
-    rank: the ``before_commit`` hook, the marker, the rename and the pruning; returns the folder."""
+    """The last part of :func:`save_checkpoint` (collective), once DCP has written ``save.tmp`` on
+    every rank: the ``before_commit`` hook, the marker, the rename and the pruning; returns the
+    folder."""
     if save.world_size > 1:
         dist.barrier()  # every rank's files are written
     if before_commit is not None:
         before_commit(save.tmp)
-    run_on_rank0(lambda: _commit(save.tmp, save.final, save.step, save.world_size, save.keep, save.run_id))
+    run_on_rank0(
+        lambda: _commit(save.tmp, save.final, save.step, save.world_size, save.keep, save.run_id)
+    )
     return save.final
 
 
 def _restore_rng(path: Path, rank: int, world_size: int, saved_world_size: int) -> None:
     """This rank's saved RNG states at the same world size; rank 0's on every rank otherwise.
 
-    Rank 0's states are what an uninterrupted run at the new size would hold if the recipe seeds every rank
-    alike (the usual SPMD rule: TP ranks must draw the same data and DTensor random ops need equal seeds).
-    A warning says when the saved ranks' torch states differed, i.e. some per-rank randomness is lost.
+    Rank 0's states are what an uninterrupted run at the new size would hold if the recipe seeds
+    every rank alike (the usual SPMD rule: TP ranks must draw the same data and DTensor random ops
+    need equal seeds). A warning says when the saved ranks' torch states differed, i.e. some
+    per-rank randomness is lost.
     """
     if world_size == saved_world_size:
-        _set_rng_state(_rng_from_json(rng_file(path, rank).read_text()))
+        set_rng_state(_rng_from_json(rng_file(path, rank).read_text()))
         return
     first = _rng_from_json(rng_file(path, 0).read_text())
     if rank == 0:
         others = (_rng_from_json(rng_file(path, r).read_text()) for r in range(1, saved_world_size))
         if any(not torch.equal(other["torch"], first["torch"]) for other in others):
             warnings.warn(
-                f"{path} was saved by {saved_world_size} ranks with different RNG states and is loaded by "
+                f"{path} was saved by {saved_world_size} ranks with different RNG states and is "
+                "loaded by "
                 f"{world_size}: every rank continues from rank 0's states",
                 stacklevel=3,
             )
-    _set_rng_state(first)
+    set_rng_state(first)
 
 
 def load_checkpoint(
     path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: LRScheduler | None
 ) -> dict[str, Any]:
-    """Restore a checkpoint into a freshly built (and parallelised) model, its optimizer and scheduler.
+    """Restore a checkpoint into a freshly built (and parallelised) model, its optimizer and
+    scheduler.
 
-    Collective. The model may be parallelised differently from the one saved (another tp, dp or world
-    size): DCP reads each rank's shards of every parameter and optimizer tensor by global offsets. RNG
-    states: see :func:`_restore_rng`. Returns ``{"step": step, **extra}``. Runs no code from the checkpoint.
+    Collective. The model may be parallelised differently from the one saved (another tp, dp or
+    world size): DCP reads each rank's shards of every parameter and optimizer tensor by global
+    offsets. RNG states: see :func:`_restore_rng`. Returns ``{"step": step, **extra}``. Runs no code
+    from the checkpoint.
 
     Raises:
         CheckpointError: ``checkpoint <path> is unusable: <cause>`` if the folder fails
@@ -370,18 +405,25 @@ def load_checkpoint(
     """
     path = Path(path)
     check_checkpoint(path)
-    rank, world_size = _rank_and_world()
+    rank, world_size = rank_and_world()
     trainer_state = read_trainer_state(path)
     state = _state_dict(model, optimizer, model_only=trainer_state["optimizer"] is not None)
     try:
         dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
-    except (CheckpointError, CheckpointException) as error:  # DCP's CheckpointException is a BaseException
+    except (
+        CheckpointError,
+        CheckpointException,
+    ) as error:  # DCP's CheckpointException is a BaseException
         if (cause := checkpoint_error_in(error)) is None:
             raise
         raise CheckpointError(f"checkpoint {path} is unusable: {cause}") from None
     if "optim" in state:
         set_state_dict(
-            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_OPTIONS
+            model,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=_OPTIONS,
         )
     else:
         set_model_state_dict(model, state["model"], options=_OPTIONS)

@@ -1,4 +1,5 @@
-"""Export a (tensor- or data-parallel) model as a Hugging Face folder that ``from_pretrained`` loads.
+"""Export a (tensor- or data-parallel) model as a Hugging Face folder that ``from_pretrained``
+loads.
 
 Every rank writes its share of the whole tensors (assigned by size) into ``<out_dir>.tmp``, a folder
 every rank sees, holding at most its shard plus one full tensor at a time. Then rank 0 writes:
@@ -31,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 from transformers import PretrainedConfig, PreTrainedModel
 
-from components.checkpoint.dcp import _rank_and_world, publish_folder, run_on_rank0
+from components.checkpoint.dcp import publish_folder, rank_and_world, run_on_rank0
 from components.models.hub import looks_like_hub_id
 from components.runtime.output_dir import foreign_files
 
@@ -39,13 +40,24 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 CARD = "README.md"
 # Files of a source model folder that the export writes itself or that hold weights: never copied.
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".onnx")
+_WEIGHT_SUFFIXES = (
+    ".safetensors",
+    ".bin",
+    ".pt",
+    ".pth",
+    ".ckpt",
+    ".h5",
+    ".msgpack",
+    ".gguf",
+    ".onnx",
+)
 _NOT_COPIED = ("config.json", CARD)
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _tied_duplicates(model: nn.Module) -> set[str]:
-    """Names of parameters that are the same object as an earlier one (``lm_head.weight`` when tied).
+    """Names of parameters that are the same object as an earlier one (``lm_head.weight`` when
+    tied).
 
     Hugging Face checkpoints store a tied pair once, under the first name, and re-tie on load.
     """
@@ -77,8 +89,8 @@ def source_dtype(source_dir: Path | None) -> torch.dtype:
 
 
 def export_dtype(name: str | None, source_dir: Path | None) -> torch.dtype:
-    """The dtype an export writes: ``name`` (``float32``, ``bfloat16`` or ``float16``), or for None the
-    source folder's (:func:`source_dtype`).
+    """The dtype an export writes: ``name`` (``float32``, ``bfloat16`` or ``float16``), or for None
+    the source folder's (:func:`source_dtype`).
 
     Raises:
         ValueError: One line naming the accepted values, for any other name.
@@ -86,13 +98,16 @@ def export_dtype(name: str | None, source_dir: Path | None) -> torch.dtype:
     if name is None:
         return source_dtype(source_dir)
     if name not in EXPORT_DTYPES:
-        raise ValueError(f"export dtype {name!r} is not one of null (the source's), {', '.join(EXPORT_DTYPES)}")
+        raise ValueError(
+            f"export dtype {name!r} is not one of null (the source's), {', '.join(EXPORT_DTYPES)}"
+        )
     return EXPORT_DTYPES[name]
 
 
 def metadata_files(source_dir: Path) -> list[Path]:
-    """The top-level files of ``source_dir`` an export copies: all but weights, index files, config.json,
-    README.md and hidden files. Symbolic links (a Hub cache snapshot) count as the files they point to."""
+    """The top-level files of ``source_dir`` an export copies: all but weights, index files,
+    config.json, README.md and hidden files. Symbolic links (a Hub cache snapshot) count as the
+    files they point to."""
     kept = []
     for path in sorted(Path(source_dir).iterdir()):
         name = path.name
@@ -103,10 +118,14 @@ def metadata_files(source_dir: Path) -> list[Path]:
 
 
 def check_export_target(out_dir: Path) -> str | None:
-    """Why ``out_dir`` may not receive an export (it holds files no earlier export wrote), or None."""
+    """Why ``out_dir`` may not receive an export (it holds files no earlier export wrote), or
+    None."""
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
-        return f"export folder {out_dir} exists and is not a folder; move it away or choose another output_dir"
+        return (
+            f"export folder {out_dir} exists and is not a folder; "
+            "move it away or choose another output_dir"
+        )
     foreign = foreign_files(out_dir)
     if not foreign:
         return None
@@ -117,14 +136,23 @@ def check_export_target(out_dir: Path) -> str | None:
     )
 
 
-def model_card(recipe: str | None, config_yaml: str | None, base_model: str | None, dtype: torch.dtype) -> str:
-    """A short README.md: Hub metadata, where the model came from, and the config it was trained with."""
+def model_card(
+    recipe: str | None, config_yaml: str | None, base_model: str | None, dtype: torch.dtype
+) -> str:
+    """A short README.md: Hub metadata, where the model came from, and the config it was trained
+    with."""
     front = ["---", "library_name: transformers", "tags:", "- shardtune"]
-    if base_model and looks_like_hub_id(base_model):  # the Hub links a base model by id, not by local path
+    if base_model and looks_like_hub_id(
+        base_model
+    ):  # the Hub links a base model by id, not by local path
         front.append(f"base_model: {json.dumps(base_model)}")
     lines = [*front, "---", "", "# Fine-tuned with shardtune", ""]
     lines.append(f"- Recipe: `{recipe}`" if recipe else "- Recipe: not recorded")
-    lines.append(f"- Base model: `{base_model}`" if base_model else "- Base model: built from its config (random init)")
+    lines.append(
+        f"- Base model: `{base_model}`"
+        if base_model
+        else "- Base model: built from its config (random init)"
+    )
     lines.append(f"- Weights: {str(dtype).removeprefix('torch.')} safetensors")
     load = "AutoModelForCausalLM.from_pretrained(<this folder>, trust_remote_code=False)"
     lines += ["", f"Load it with `{load}`.", ""]
@@ -322,7 +350,7 @@ def _write_parts(
 def _raise_if_any_failed(failure: Exception | None) -> None:
     """Every rank raises when any failed: its own exception, or a RuntimeError quoting the first
     failed rank's."""
-    rank, world = _rank_and_world()
+    rank, world = rank_and_world()
     if world > 1:
         failures: list = [None] * world
         text = None if failure is None else f"{type(failure).__name__}: {failure}"
@@ -349,7 +377,9 @@ def _write_metadata(folder: Path, config, tokenizer, source_dir, card: str) -> N
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
     for path in metadata_files(source_dir) if source_dir is not None else []:
-        shutil.copyfile(path, folder / path.name)  # follows links: a Hub cache snapshot holds links to blobs
+        shutil.copyfile(
+            path, folder / path.name
+        )  # follows links: a Hub cache snapshot holds links to blobs
     (folder / CARD).write_text(card)
 
 
@@ -367,20 +397,20 @@ def export_hf(
     base_model: str | None = None,
 ) -> Path:
     """Write ``model``'s full weights as ``dtype``, ``config``, ``tokenizer`` (anything with
-    ``save_pretrained``), the metadata files of ``source_dir`` (the Hugging Face folder the model was loaded
-    from, or None) and a model card naming ``recipe``, ``base_model`` and ``config_yaml`` (the composed
-    config as text) as a Hugging Face folder at ``out_dir``; return it.
+    ``save_pretrained``), the metadata files of ``source_dir`` (the Hugging Face folder the model
+    was loaded from, or None) and a model card naming ``recipe``, ``base_model`` and ``config_yaml``
+    (the composed config as text) as a Hugging Face folder at ``out_dir``; return it.
 
-    ``dtype`` None means the source's (:func:`source_dtype`). Collective when a process group exists (every
-    rank calls it and writes its part of the weights; rank 0 the rest, and publishes the folder
-    once all parts are written); a plain model in a single process needs none. Tied parameters are
-    written once under their first name. ``config`` is copied, not changed; its ``architectures`` is filled
-    in from the model when missing (vLLM needs it).
+    ``dtype`` None means the source's (:func:`source_dtype`). Collective when a process group exists
+    (every rank calls it and writes its part of the weights; rank 0 the rest, and publishes the
+    folder once all parts are written); a plain model in a single process needs none. Tied
+    parameters are written once under their first name. ``config`` is copied, not changed; its
+    ``architectures`` is filled in from the model when missing (vLLM needs it).
 
     Raises:
         ValueError: Before any gathering, when ``out_dir`` holds files no export wrote
-            (:func:`check_export_target`); nothing is changed then. Rank 0 raises the ValueError, the other
-            ranks a RuntimeError quoting it (``run_on_rank0``).
+            (:func:`check_export_target`); nothing is changed then. Rank 0 raises the ValueError,
+            the other ranks a RuntimeError quoting it (``run_on_rank0``).
         Exception: A rank that fails to write its part raises its error after the last gather,
             the others a RuntimeError quoting it; nothing is published then.
     """
@@ -396,7 +426,7 @@ def export_hf(
     # The rank-local state (no DTensor gathered here), under the names a full state dict has.
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))
     entries = _entries(state, duplicates, dtype)
-    rank, world = _rank_and_world()
+    rank, world = rank_and_world()
     parts = _plan_parts(entries, world, parse_size_to_int(max_shard_size))
     config = copy.deepcopy(config)
     config.dtype = dtype

@@ -1,10 +1,14 @@
-"""What a checkpoint folder holds, whether it is usable, and which one to resume from: no rank, no torch.distributed.
+"""What a checkpoint folder holds, whether it is usable, and which one to resume from: no rank, no
+torch.distributed.
 
-The layout (written by :func:`components.checkpoint.dcp.save_checkpoint`) of ``root/step_00000042/``:
+The layout (written by :func:`components.checkpoint.dcp.save_checkpoint`) of
+``root/step_00000042/``:
 
-- ``.metadata`` and ``__<rank>_0.distcp``: DCP's model and optimizer state (read with :mod:`safe_dcp`).
-- ``trainer_state.json`` (rank 0): step, world size, run id, the run description (``run_info``), the LR
-  scheduler's state, the caller's ``extra`` and, for an optimizer without per-parameter state, its hyperparameters.
+- ``.metadata`` and ``__<rank>_0.distcp``: DCP's model and optimizer state (read with
+  :mod:`safe_dcp`).
+- ``trainer_state.json`` (rank 0): step, world size, run id, the run description (``run_info``), the
+  LR scheduler's state, the caller's ``extra`` and, for an optimizer without per-parameter state,
+  its hyperparameters.
 - ``rng/rank_00000.json`` (one per rank): that rank's RNG states.
 - ``COMPLETE``: the marker, written last (JSON: step and world size).
 
@@ -28,7 +32,12 @@ from typing import Any
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from components.checkpoint.safe_dcp import METADATA_FILE, CheckpointError, loads_state, read_metadata
+from components.checkpoint.safe_dcp import (
+    METADATA_FILE,
+    CheckpointError,
+    loads_state,
+    read_metadata,
+)
 
 MARKER = "COMPLETE"
 TRAINER_STATE = "trainer_state.json"
@@ -37,13 +46,22 @@ STATE_FORMAT = 1
 STEP_FOLDER = re.compile(r"^step_(\d{8,})$")
 ABANDONED = ".abandoned"  # suffix of a checkpoint of the branch a resume from an earlier step left
 _DCP_FILE = re.compile(r"^__\d+_\d+\.distcp$")
-_STATE_KEYS = ("format", "step", "world_size", "run_id", "run_info", "scheduler", "extra", "optimizer")
+_STATE_KEYS = (
+    "format",
+    "step",
+    "world_size",
+    "run_id",
+    "run_info",
+    "scheduler",
+    "extra",
+    "optimizer",
+)
 
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointSummary:
-    """What a run recorded in a checkpoint: its step, world size, run id and description, and the global
-    shape of every model tensor (by state-dict name, from DCP's metadata)."""
+    """What a run recorded in a checkpoint: its step, world size, run id and description, and the
+    global shape of every model tensor (by state-dict name, from DCP's metadata)."""
 
     path: Path
     step: int
@@ -55,7 +73,8 @@ class CheckpointSummary:
 
 @dataclass(frozen=True, kw_only=True)
 class ResumeChoice:
-    """The checkpoint to resume from (None: none usable) and the newer ones passed over, each with its cause."""
+    """The checkpoint to resume from (None: none usable) and the newer ones passed over, each with
+    its cause."""
 
     path: Path | None
     skipped: list[tuple[Path, str]] = field(default_factory=list)
@@ -72,10 +91,15 @@ def rng_file(folder: Path, rank: int) -> Path:
 
 
 def step_folders(root: Path) -> list[tuple[int, Path]]:
-    """``(step, folder)`` for every ``step_NNNNNNNN`` folder under ``root`` (complete or not), oldest first."""
+    """``(step, folder)`` for every ``step_NNNNNNNN`` folder under ``root`` (complete or not),
+    oldest first."""
     if not Path(root).is_dir():
         return []
-    found = [(int(match[1]), child) for child in Path(root).iterdir() if (match := STEP_FOLDER.match(child.name))]
+    found = [
+        (int(match[1]), child)
+        for child in Path(root).iterdir()
+        if (match := STEP_FOLDER.match(child.name))
+    ]
     return sorted(found)
 
 
@@ -98,10 +122,18 @@ def read_trainer_state(folder: Path) -> dict[str, Any]:
     except (ValueError, UnicodeDecodeError) as error:
         raise CheckpointError(f"{TRAINER_STATE} is truncated or not JSON ({error})") from None
     if not isinstance(state, dict) or (missing := [key for key in _STATE_KEYS if key not in state]):
-        raise CheckpointError(f"{TRAINER_STATE} lacks {', '.join(missing) if isinstance(state, dict) else 'a dict'}")
+        raise CheckpointError(
+            f"{TRAINER_STATE} lacks {', '.join(missing) if isinstance(state, dict) else 'a dict'}"
+        )
     if state["format"] != STATE_FORMAT:
-        raise CheckpointError(f"{TRAINER_STATE} has format {state['format']}, this version reads {STATE_FORMAT}")
-    if not (isinstance(state["step"], int) and isinstance(state["world_size"], int) and state["world_size"] >= 1):
+        raise CheckpointError(
+            f"{TRAINER_STATE} has format {state['format']}, this version reads {STATE_FORMAT}"
+        )
+    if not (
+        isinstance(state["step"], int)
+        and isinstance(state["world_size"], int)
+        and state["world_size"] >= 1
+    ):
         raise CheckpointError(f"{TRAINER_STATE} has no valid step and world size")
     return state
 
@@ -119,20 +151,25 @@ def _read_marker(folder: Path) -> dict[str, Any]:
 
 
 def _check_dcp_files(folder: Path) -> dict[str, tuple[int, ...]]:
-    """Validate ``.metadata`` and the byte ranges of the ``.distcp`` files; return the model tensors' shapes."""
+    """Validate ``.metadata`` and the byte ranges of the ``.distcp`` files; return the model
+    tensors' shapes."""
     metadata = read_metadata(folder / METADATA_FILE)
     needed: dict[str, int] = {}
     for info in metadata.storage_data.values():
         name = getattr(info, "relative_path", None)
         if not isinstance(name, str) or not _DCP_FILE.match(name):
-            raise CheckpointError(f"{METADATA_FILE} names a data file {name!r} outside the checkpoint's own")
+            raise CheckpointError(
+                f"{METADATA_FILE} names a data file {name!r} outside the checkpoint's own"
+            )
         needed[name] = max(needed.get(name, 0), int(info.offset) + int(info.length))
     for name, size in sorted(needed.items()):
         data = folder / name
         if not data.is_file():
             raise CheckpointError(f"{name} is missing")
         if (actual := data.stat().st_size) < size:
-            raise CheckpointError(f"{name} is truncated ({actual} bytes, its metadata needs {size})")
+            raise CheckpointError(
+                f"{name} is truncated ({actual} bytes, its metadata needs {size})"
+            )
     return {
         key.removeprefix("model."): tuple(int(n) for n in value.size)
         for key, value in metadata.state_dict_metadata.items()
@@ -155,9 +192,10 @@ def check_checkpoint(path: Path) -> CheckpointSummary:
     """Validate the checkpoint folder ``path`` without loading tensors and return what it recorded.
 
     Raises:
-        CheckpointError: ``checkpoint <path> is unusable: <cause>`` (one line) for a missing folder, a missing
-            or malformed marker or state file, ``.metadata`` that is truncated or holds anything but DCP's
-            metadata, a missing or truncated ``.distcp`` file, or a missing RNG file.
+        CheckpointError: ``checkpoint <path> is unusable: <cause>`` (one line) for a missing folder,
+            a missing or malformed marker or state file, ``.metadata`` that is truncated or holds
+            anything but DCP's metadata, a missing or truncated ``.distcp`` file, or a missing RNG
+            file.
     """
     path = Path(path)
     try:
@@ -168,7 +206,9 @@ def check_checkpoint(path: Path) -> CheckpointSummary:
         marker = _read_marker(path)
         state = read_trainer_state(path)
         if marker["step"] != state["step"]:
-            raise CheckpointError(f"{MARKER} names step {marker['step']}, {TRAINER_STATE} step {state['step']}")
+            raise CheckpointError(
+                f"{MARKER} names step {marker['step']}, {TRAINER_STATE} step {state['step']}"
+            )
         shapes = _check_dcp_files(path)
         _check_rng_files(path, state["world_size"])
     except CheckpointError as error:
@@ -187,15 +227,18 @@ def check_checkpoint(path: Path) -> CheckpointSummary:
 
 
 def checkpoint_summary(path: Path) -> CheckpointSummary:
-    """What the run recorded in the checkpoint ``path`` (same checks as :func:`check_checkpoint`)."""
+    """What the run recorded in the checkpoint ``path`` (same checks as
+    :func:`check_checkpoint`)."""
     return check_checkpoint(path)
 
 
 def find_resumable(root: Path) -> ResumeChoice:
-    """The newest usable checkpoint under ``root``, checked newest first with :func:`check_checkpoint`.
+    """The newest usable checkpoint under ``root``, checked newest first with
+    :func:`check_checkpoint`.
 
-    Folders named ``step_N`` that fail the check (no marker, damaged files) are passed over and listed in
-    ``skipped`` with their cause; ``.tmp`` folders (saves in progress or killed) are ignored silently.
+    Folders named ``step_N`` that fail the check (no marker, damaged files) are passed over and
+    listed in ``skipped`` with their cause; ``.tmp`` folders (saves in progress or killed) are
+    ignored silently.
     """
     skipped: list[tuple[Path, str]] = []
     for _, folder in reversed(step_folders(root)):
@@ -226,9 +269,11 @@ def retire_checkpoints_after(root: Path, step: int) -> list[Path]:
 
 
 def state_dict_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
-    """Global shape of every tensor in ``model``'s state dict (a meta-device model works; DTensors report
-    their global shape), keyed as :attr:`CheckpointSummary.parameter_shapes` is."""
-    return {name: tuple(int(n) for n in tensor.shape) for name, tensor in model.state_dict().items()}
+    """Global shape of every tensor in ``model``'s state dict (a meta-device model works; DTensors
+    report their global shape), keyed as :attr:`CheckpointSummary.parameter_shapes` is."""
+    return {
+        name: tuple(int(n) for n in tensor.shape) for name, tensor in model.state_dict().items()
+    }
 
 
 def model_fingerprint(shapes: Mapping[str, Sequence[int]]) -> str:
@@ -237,15 +282,20 @@ def model_fingerprint(shapes: Mapping[str, Sequence[int]]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
-def resume_problems(summary: CheckpointSummary, expected: Mapping[str, Any], max_steps: int) -> list[str]:
-    """Why the run described by ``expected`` (the ``run_info`` it would save) and ``max_steps`` cannot resume
-    from ``summary``: one phrase per key whose recorded value differs, and one if ``max_steps`` is not beyond
-    the checkpoint's step. Empty when it can."""
+def resume_problems(
+    summary: CheckpointSummary, expected: Mapping[str, Any], max_steps: int
+) -> list[str]:
+    """Why the run described by ``expected`` (the ``run_info`` it would save) and ``max_steps``
+    cannot resume from ``summary``: one phrase per key whose recorded value differs, and one if
+    ``max_steps`` is not beyond the checkpoint's step. Empty when it can."""
     problems = []
     for key, value in expected.items():
         recorded = summary.run_info.get(key, "<not recorded>")
         if recorded != value:
             problems.append(f"{key} is {value!r} but the checkpoint was written with {recorded!r}")
     if max_steps <= summary.step:
-        problems.append(f"max_steps {max_steps} is not beyond the checkpoint's step {summary.step}: nothing to train")
+        problems.append(
+            f"max_steps {max_steps} is not beyond the checkpoint's step {summary.step}: nothing "
+            "to train"
+        )
     return problems

@@ -7,8 +7,8 @@ blobs read with ``weights_only=False``: a checkpoint from someone else could run
   few torch and standard types they hold; anything else raises :class:`CheckpointError`.
 - :class:`SafeFileSystemReader` is DCP's reader with that ``read_metadata``;
   :class:`SafeLoadPlanner` is DCP's default planner reading byte items with ``weights_only=True``.
-- :func:`dumps_state` / :func:`loads_state`: JSON that keeps tuples (tagged ``{"__tuple__": [...]}``), for the
-  trainer state and RNG states, so those files cannot carry code at all.
+- :func:`dumps_state` / :func:`loads_state`: JSON that keeps tuples (tagged ``{"__tuple__":
+  [...]}``), for the trainer state and RNG states, so those files cannot carry code at all.
 
 Design notes: docs/design-notes.md
 """
@@ -48,11 +48,13 @@ _UNSUPPORTED_GLOBAL = re.compile(r"unsupported GLOBAL (\S+)")
 
 
 class CheckpointError(Exception):
-    """A checkpoint that cannot be used; the message is one line naming the checkpoint (or file) and the cause."""
+    """A checkpoint that cannot be used; the message is one line naming the checkpoint (or file) and
+    the cause."""
 
 
 def checkpoint_error_in(error: BaseException) -> CheckpointError | None:
-    """The :class:`CheckpointError` a rank raised inside ``dcp.load`` (DCP wraps it per rank), or None."""
+    """The :class:`CheckpointError` a rank raised inside ``dcp.load`` (DCP wraps it per rank), or
+    None."""
     if isinstance(error, CheckpointError):
         return error
     for wrapped in getattr(error, "failures", {}).values():
@@ -63,7 +65,8 @@ def checkpoint_error_in(error: BaseException) -> CheckpointError | None:
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Admits DCP's metadata classes, torch dtypes and the types they need; refuses every other global."""
+    """Admits DCP's metadata classes, torch dtypes and the types they need; refuses every other
+    global."""
 
     def __init__(self, file: io.BufferedReader, name: str) -> None:
         super().__init__(file)
@@ -81,11 +84,12 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_metadata(path: pathlib.Path) -> Metadata:
-    """DCP's ``Metadata`` from the ``.metadata`` file ``path``, unpickled with the restricted unpickler.
+    """DCP's ``Metadata`` from the ``.metadata`` file ``path``, unpickled with the restricted
+    unpickler.
 
     Raises:
-        CheckpointError: If the file is missing, truncated, not a pickle of DCP metadata, or names a global
-            that DCP's metadata never holds (one line naming the file).
+        CheckpointError: If the file is missing, truncated, not a pickle of DCP metadata, or names a
+            global that DCP's metadata never holds (one line naming the file).
     """
     try:
         with open(path, "rb") as file:
@@ -94,15 +98,20 @@ def read_metadata(path: pathlib.Path) -> Metadata:
         raise
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing") from None
-    except Exception as error:  # EOFError, UnpicklingError, a constructor refusing its arguments, ...
-        raise CheckpointError(f"{path} is truncated or not DCP metadata ({type(error).__name__}: {error})") from None
+    except (
+        Exception
+    ) as error:  # EOFError, UnpicklingError, a constructor refusing its arguments, ...
+        raise CheckpointError(
+            f"{path} is truncated or not DCP metadata ({type(error).__name__}: {error})"
+        ) from None
     if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
         raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP metadata")
     return metadata
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """DCP's file reader, reading ``.metadata`` through :func:`read_metadata` (no arbitrary unpickling)."""
+    """DCP's file reader, reading ``.metadata`` through :func:`read_metadata` (no arbitrary
+    unpickling)."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         metadata = read_metadata(pathlib.Path(self._get_metadata_path(kwargs.get("rank"))))
@@ -115,7 +124,8 @@ class SafeFileSystemReader(FileSystemReader):
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, reading non-tensor values with ``torch.load(weights_only=True)``."""
+    """DCP's default load planner, reading non-tensor values with
+    ``torch.load(weights_only=True)``."""
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         try:
@@ -123,8 +133,11 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         except pickle.UnpicklingError as error:
             found = _UNSUPPORTED_GLOBAL.search(str(error))
             reason = f"it would load {found[1]}" if found else " ".join(str(error).split())[:200]
-            raise CheckpointError(f"value {read_item.dest_index.fqn} is not plain data, refused: {reason}") from None
-        # Hand DCP a blob re-written from the checked value, so its own bookkeeping (flattened keys) applies.
+            raise CheckpointError(
+                f"value {read_item.dest_index.fqn} is not plain data, refused: {reason}"
+            ) from None
+        # Hand DCP a blob re-written from the checked value, so its own bookkeeping (flattened keys)
+        # applies.
         checked = io.BytesIO()
         torch.save(loaded, checked)
         checked.seek(0)
@@ -139,11 +152,15 @@ def _tag_tuples(value: Any) -> Any:
     if isinstance(value, dict):
         for key in value:
             if not isinstance(key, str | int):
-                raise TypeError(f"a state key must be a str or int to be stored as JSON, got {key!r}")
+                raise TypeError(
+                    f"a state key must be a str or int to be stored as JSON, got {key!r}"
+                )
         return {str(key): _tag_tuples(item) for key, item in value.items()}
     if value is None or isinstance(value, bool | int | float | str):
         return value
-    raise TypeError(f"{type(value).__name__} cannot be stored as JSON in a checkpoint: {value!r:.80}")
+    raise TypeError(
+        f"{type(value).__name__} cannot be stored as JSON in a checkpoint: {value!r:.80}"
+    )
 
 
 def _untag(mapping: dict[str, Any]) -> Any:
@@ -153,8 +170,9 @@ def _untag(mapping: dict[str, Any]) -> Any:
 
 
 def dumps_state(state: Any) -> str:
-    """``state`` (dicts, lists, tuples, str, int, float, bool, None) as JSON that :func:`loads_state` turns back
-    into equal values, tuples included. Integer dict keys come back as strings.
+    """``state`` (dicts, lists, tuples, str, int, float, bool, None) as JSON that
+    :func:`loads_state` turns back into equal values, tuples included. Integer dict keys come back
+    as strings.
 
     Raises:
         TypeError: If ``state`` holds anything else (a tensor, an object), naming it.

@@ -1,17 +1,19 @@
-"""The run's checkpoint writer: each save blocking the step (``checkpoint.async=false``), or written in the
-background with DCP's ``async_save`` (``checkpoint.async=true``) while training goes on.
+"""The run's checkpoint writer: each save blocking the step (``checkpoint.async=false``), or written
+in the background with DCP's ``async_save`` (``checkpoint.async=true``) while training goes on.
 
-An async save copies the state to CPU memory (DCP's stager: the step that follows may change the weights
-at once), then a thread writes ``step_N.tmp`` over a gloo process group of its own (created once, so its
-collectives never interleave with the training's). At most one save is in flight: a save waits for the
-previous one first. The publish (marker, rename, pruning; :func:`components.checkpoint.dcp.end_save`)
-runs on the training thread once every rank's write has finished, so a crash during an async save leaves
-the previous checkpoint whole and a ``.tmp`` folder that resume never picks.
+An async save copies the state to CPU memory (DCP's stager: the step that follows may change the
+weights at once), then a thread writes ``step_N.tmp`` over a gloo process group of its own (created
+once, so its collectives never interleave with the training's). At most one save is in flight: a
+save waits for the previous one first. The publish (marker, rename, pruning;
+:func:`components.checkpoint.dcp.end_save`) runs on the training thread once every rank's write has
+finished, so a crash during an async save leaves the previous checkpoint whole and a ``.tmp`` folder
+that resume never picks.
 
-Once per step :meth:`CheckpointWriter.after_step` all-reduces (MAX over all ranks) two numbers: whether a
-rank was asked to stop (:mod:`components.runtime.preemption`) and the state of the save in flight on each
-rank (0 written or none, 1 still writing, 2 failed). So every rank stops after the same step and publishes
-the same save after the same step, and a save that failed on one rank fails the run on all.
+Once per step :meth:`CheckpointWriter.after_step` all-reduces (MAX over all ranks) two numbers:
+whether a rank was asked to stop (:mod:`components.runtime.preemption`) and the state of the save in
+flight on each rank (0 written or none, 1 still writing, 2 failed). So every rank stops after the
+same step and publishes the same save after the same step, and a save that failed on one rank fails
+the run on all.
 """
 
 from collections.abc import Callable
@@ -25,13 +27,20 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
-from components.checkpoint.dcp import PendingSave, _set_rng_state, end_save, save_checkpoint, start_save
+from components.checkpoint.dcp import (
+    PendingSave,
+    end_save,
+    save_checkpoint,
+    set_rng_state,
+    start_save,
+)
 
 _WRITTEN, _WRITING, _FAILED = 0, 1, 2
 
 
 class CheckpointWriter:
-    """Saves of one run under ``root`` (``keep``, ``run_id``, ``run_info``: see ``save_checkpoint``).
+    """Saves of one run under ``root`` (``keep``, ``run_id``, ``run_info``: see
+    ``save_checkpoint``).
 
     Collective: every rank builds one (after the process group exists) and calls every method alike.
     """
@@ -55,21 +64,34 @@ class CheckpointWriter:
         self._pending: tuple[PendingSave, Future] | None = None
 
     def save(
-        self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: LRScheduler | None
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: LRScheduler | None,
     ) -> None:
-        """Save ``step``: at once, or (async) start writing it once the previous save is published."""
+        """Save ``step``: at once, or (async) start writing it once the previous save is
+        published."""
         self.wait()
         self.last_step = step
         ids = dict(keep=self.keep, run_id=self.run_id, run_info=self.run_info)
         if not self.asynchronous:
             self.last_path = save_checkpoint(
-                self.root, step, model, optimizer, scheduler, **ids, before_commit=self.before_commit
+                self.root,
+                step,
+                model,
+                optimizer,
+                scheduler,
+                **ids,
+                before_commit=self.before_commit,
             )
             return
         pending, state = start_save(self.root, step, model, optimizer, scheduler, None, **ids)
         response = dcp.async_save(state, checkpoint_id=pending.tmp, process_group=self._group)
-        future = getattr(response, "upload_completion", response)  # an AsyncSaveResponse when staging is async
-        _set_rng_state(pending.rng)  # as save_checkpoint: saving leaves the RNG states as they were
+        future = getattr(
+            response, "upload_completion", response
+        )  # an AsyncSaveResponse when staging is async
+        set_rng_state(pending.rng)  # as save_checkpoint: saving leaves the RNG states as they were
         self._pending = (pending, future)
 
     @property
@@ -78,9 +100,11 @@ class CheckpointWriter:
         return self._pending is not None
 
     def after_step(self, stop_requested: bool) -> bool:
-        """Once per step on every rank: publish the save in flight if every rank has written it; return
-        True when any rank was asked to stop (the same answer on every rank)."""
-        flags = torch.tensor([float(stop_requested), float(self._state(block=False))], dtype=torch.float64)
+        """Once per step on every rank: publish the save in flight if every rank has written it;
+        return True when any rank was asked to stop (the same answer on every rank)."""
+        flags = torch.tensor(
+            [float(stop_requested), float(self._state(block=False))], dtype=torch.float64
+        )
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         self._settle(int(flags[1].item()))
@@ -116,5 +140,7 @@ class CheckpointWriter:
         self._pending = None
         if state == _FAILED:
             error = future.exception() if future.done() else None
-            raise RuntimeError(f"the async save of step {pending.step} failed on a rank: {error}") from error
+            raise RuntimeError(
+                f"the async save of step {pending.step} failed on a rank: {error}"
+            ) from error
         self.last_path = end_save(pending, self.before_commit)

@@ -1,11 +1,18 @@
-"""Training data: sources (generated, JSONL, any ``datasets`` split), tokenized once into an Arrow cache,
-packed or not, and read by every rank as resumable, dp-sharded batches; and the small trained tokenizer."""
+"""Training data: sources (generated, JSONL, any ``datasets`` split), tokenized once into an Arrow
+cache, packed or not, and read by every rank as resumable, dp-sharded batches; and the small trained
+tokenizer."""
 
 from components.data.collate import IGNORE_INDEX, tokenize_example
 from components.data.generated import generate_examples
 from components.data.jsonl import DataError
 from components.data.loader import Batch, StepBatches, TokenizedSplit, pad_id_of
-from components.data.prepare import PreparedData, cached_tokenizer, data_cache_dir, prepare_data, source_cache_dir
+from components.data.prepare import (
+    PreparedData,
+    cached_tokenizer,
+    data_cache_dir,
+    prepare_data,
+    source_cache_dir,
+)
 from components.data.sources import GeneratedSource, HFSource, JsonlSource, build_source
 from components.data.tokenizer import DEFAULT_VOCAB_SIZE, train_tokenizer, training_texts
 

@@ -1,9 +1,10 @@
-"""A deterministic synthetic instruction-following dataset, shipped as code so the demo needs no download.
+"""A deterministic synthetic instruction-following dataset, shipped as code so the demo needs no
+download.
 
-Six templated tasks over a ten-letter alphabet and single digits ("Reverse: abc" -> "cba", "Add 2 and 3" -> "5",
-...). Answers follow from the prompt by simple rules, and prompts are a handful of tokens, so a tiny
-transformer trained for a minute on a CPU learns the answer format and part of the rules: its loss falls
-clearly, which is the point of a demonstration run.
+Six templated tasks over a ten-letter alphabet and single digits ("Reverse: abc" -> "cba", "Add 2
+and 3" -> "5", ...). Answers follow from the prompt by simple rules, and prompts are a handful of
+tokens, so a tiny transformer trained for a minute on a CPU learns the answer format and part of the
+rules: its loss falls clearly, which is the point of a demonstration run.
 """
 
 import random
@@ -50,7 +51,8 @@ TASKS = (_reverse, _uppercase, _repeat_twice, _next_letter, _add, _sort)
 
 
 def iter_examples(n: int, seed: int) -> Iterator[dict]:
-    """``n`` ``{"prompt", "response"}`` records drawn from the templated tasks, one at a time (no list held).
+    """``n`` ``{"prompt", "response"}`` records drawn from the templated tasks, one at a time (no
+    list held).
 
     Raises:
         ValueError: If ``n`` is negative.
@@ -64,7 +66,8 @@ def iter_examples(n: int, seed: int) -> Iterator[dict]:
 
 
 def generate_examples(n: int, seed: int) -> list[dict]:
-    """``n`` ``{"prompt", "response"}`` records drawn from the templated tasks; same (n, seed), same list.
+    """``n`` ``{"prompt", "response"}`` records drawn from the templated tasks; same (n, seed), same
+    list.
 
     Raises:
         ValueError: If ``n`` is negative.

@@ -1,8 +1,9 @@
-"""Load a dataset split with the ``datasets`` library and map its columns onto prompt/response or messages.
+"""Load a dataset split with the ``datasets`` library and map its columns onto prompt/response or
+messages.
 
-``data.path`` may be a local file (json, jsonl, parquet, csv, arrow), a folder of such files, a folder
-written by ``save_to_disk``, or a Hub dataset id. Every failure becomes a :class:`DataError` with one line
-naming the path and what would work, never a traceback from inside ``datasets``.
+``data.path`` may be a local file (json, jsonl, parquet, csv, arrow), a folder of such files, a
+folder written by ``save_to_disk``, or a Hub dataset id. Every failure becomes a :class:`DataError`
+with one line naming the path and what would work, never a traceback from inside ``datasets``.
 """
 
 from pathlib import Path
@@ -12,7 +13,13 @@ import datasets
 from components.data.jsonl import DataError
 
 # File suffix -> the ``datasets`` builder that reads it.
-BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
+BUILDERS = {
+    ".json": "json",
+    ".jsonl": "json",
+    ".parquet": "parquet",
+    ".csv": "csv",
+    ".arrow": "arrow",
+}
 # What a source's columns may be mapped onto: one of these sets, exactly.
 TARGETS = ({"prompt", "response"}, {"messages"})
 
@@ -30,10 +37,15 @@ def _from_disk(path: Path, split: str) -> datasets.Dataset:
     saved = datasets.load_from_disk(str(path))
     if isinstance(saved, datasets.DatasetDict):
         if split not in saved:
-            raise DataError(f"data.split={split!r} is not a split of {path}: it has {', '.join(sorted(saved))}")
+            raise DataError(
+                f"data.split={split!r} is not a split of {path}: it has {', '.join(sorted(saved))}"
+            )
         return saved[split]
     if split not in ("train", str(saved.split)):
-        raise DataError(f"data.split={split!r} is not a split of {path}: it holds one split, use data.split=train")
+        raise DataError(
+            f"data.split={split!r} is not a split of {path}: it holds one split, use "
+            "data.split=train"
+        )
     return saved
 
 
@@ -45,11 +57,14 @@ def _load_local(path: Path, split: str, cache_dir: Path) -> datasets.Dataset:
     builder = BUILDERS.get(path.suffix.lower())
     if builder is None:
         raise DataError(
-            f"data.path={str(path)!r} has suffix {path.suffix!r}: use a {', '.join(sorted(BUILDERS))} file, "
+            f"data.path={str(path)!r} has suffix {path.suffix!r}: use a "
+            f"{', '.join(sorted(BUILDERS))} file, "
             "a folder of them, or a save_to_disk folder"
         )
     # A single file is the "train" split of its builder; any other split name does not exist in it.
-    return datasets.load_dataset(builder, data_files={"train": str(path)}, split=split, cache_dir=str(cache_dir))
+    return datasets.load_dataset(
+        builder, data_files={"train": str(path)}, split=split, cache_dir=str(cache_dir)
+    )
 
 
 def _looks_like_hub_id(path: str) -> bool:
@@ -58,20 +73,24 @@ def _looks_like_hub_id(path: str) -> bool:
 
 
 def load_split(path: str, split: str, name: str | None, cache_dir: Path) -> datasets.Dataset:
-    """The ``split`` of the dataset at ``path`` (local file or folder, or a Hub id with config ``name``).
+    """The ``split`` of the dataset at ``path`` (local file or folder, or a Hub id with config
+    ``name``).
 
     Local files are converted to Arrow under ``cache_dir``; Hub datasets use the Hugging Face cache.
 
     Raises:
-        DataError: One line, if the path does not exist, the split does not, the Hub cannot be reached and
-            nothing is cached, or ``datasets`` cannot read the files.
+        DataError: One line, if the path does not exist, the split does not, the Hub cannot be
+            reached and nothing is cached, or ``datasets`` cannot read the files.
     """
     local = Path(path).expanduser()
     try:
         if local.exists():
             return _load_local(local, split, cache_dir)
         if not _looks_like_hub_id(path):
-            raise DataError(f"data.path={path!r} does not exist: give a data file or folder, or a Hub dataset id")
+            raise DataError(
+                f"data.path={path!r} does not exist: give a data file or folder, or a Hub dataset "
+                "id"
+            )
         return datasets.load_dataset(path, name, split=split)
     except DataError:
         raise
@@ -82,33 +101,48 @@ def load_split(path: str, split: str, name: str | None, cache_dir: Path) -> data
         ) from None
     except ValueError as error:
         if "split" in str(error).lower():
-            raise DataError(f"data.split={split!r} is not a split of {path}: {_first_line(error)}") from None
+            raise DataError(
+                f"data.split={split!r} is not a split of {path}: {_first_line(error)}"
+            ) from None
         raise DataError(f"data.path={path!r} cannot be read: {_first_line(error)}") from None
-    except Exception as error:  # datasets raises many kinds (FileNotFoundError, DatasetGenerationError, ...)
+    except (
+        Exception
+    ) as error:  # datasets raises many kinds (FileNotFoundError, DatasetGenerationError, ...)
         raise DataError(f"data.path={path!r} cannot be read: {_first_line(error)}") from None
 
 
-def map_columns(dataset: datasets.Dataset, columns: dict[str, str] | None, path: str) -> datasets.Dataset:
-    """Rename the source's columns onto ``prompt``/``response`` or ``messages`` and drop every other column.
+def map_columns(
+    dataset: datasets.Dataset, columns: dict[str, str] | None, path: str
+) -> datasets.Dataset:
+    """Rename the source's columns onto ``prompt``/``response`` or ``messages`` and drop every other
+    column.
 
-    ``columns`` maps our name to the source's (``{"prompt": "instruction", "response": "output"}``); None or
-    empty takes the source's own ``prompt``/``response`` or ``messages`` columns.
+    ``columns`` maps our name to the source's (``{"prompt": "instruction", "response": "output"}``);
+    None or empty takes the source's own ``prompt``/``response`` or ``messages`` columns.
 
     Raises:
         DataError: If the mapping targets anything else, or names a column the source does not have.
     """
     have = list(dataset.column_names)
     if not columns:
-        columns = {"messages": "messages"} if "messages" in have else {"prompt": "prompt", "response": "response"}
+        columns = (
+            {"messages": "messages"}
+            if "messages" in have
+            else {"prompt": "prompt", "response": "response"}
+        )
     if set(columns) not in TARGETS:
         raise DataError(
-            f"data.columns maps {', '.join(sorted(columns))}: map exactly prompt and response, or messages, "
+            f"data.columns maps {', '.join(sorted(columns))}: map exactly prompt and response, or "
+            "messages, "
             f"onto columns of {path} ({', '.join(have)})"
         )
-    missing = [f"{ours}={theirs!r}" for ours, theirs in sorted(columns.items()) if theirs not in have]
+    missing = [
+        f"{ours}={theirs!r}" for ours, theirs in sorted(columns.items()) if theirs not in have
+    ]
     if missing:
         raise DataError(
-            f"data.columns {', '.join(missing)}: no such column in {path}; its columns are {', '.join(have)}"
+            f"data.columns {', '.join(missing)}: no such column in {path}; its columns are "
+            f"{', '.join(have)}"
         )
     dataset = dataset.select_columns(list(columns.values()))
     renames = {theirs: ours for ours, theirs in columns.items() if theirs != ours}

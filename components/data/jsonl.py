@@ -1,7 +1,8 @@
-"""Read a user's JSONL training data, checking every line up front with errors that point at the line.
+"""Read a user's JSONL training data, checking every line up front with errors that point at the
+line.
 
-The recipe reads the data before it starts any process, so a typo on line 9000 stops the run at once with
-``data.jsonl line 9000: ...`` instead of in every rank's traceback partway through training.
+The recipe reads the data before it starts any process, so a typo on line 9000 stops the run at once
+with ``data.jsonl line 9000: ...`` instead of in every rank's traceback partway through training.
 """
 
 import json
@@ -27,9 +28,11 @@ def record_problem(record) -> str | None:
             if not isinstance(message, dict) or not isinstance(message.get("content"), str):
                 return f'messages[{index}] needs a "content" string'
             if message.get("role") not in ROLES:
-                return f"messages[{index}] has role {message.get('role')!r}; use one of {', '.join(ROLES)}"
+                role = message.get("role")
+                return f"messages[{index}] has role {role!r}; use one of {', '.join(ROLES)}"
         if messages[-1]["role"] != "assistant":
-            return f"the last message must be from the assistant (it is from the {messages[-1]['role']})"
+            last = messages[-1]["role"]
+            return f"the last message must be from the assistant (it is from the {last})"
         if len(messages) < 2:
             return '"messages" needs a user (or system) message before the assistant\'s answer'
         return None
@@ -39,14 +42,14 @@ def record_problem(record) -> str | None:
 
 
 def iter_jsonl(path: str | Path) -> Iterator[dict]:
-    """Every record of a JSONL file in order, each checked as it is read: ``{"prompt", "response"}`` or
-    ``{"messages": [...]}`` objects (a messages record's last message must be the assistant's, what is trained
-    on). Blank lines are skipped; a file of none yields nothing (:class:`components.data.sources.JsonlSource`
-    says it has no records).
+    """Every record of a JSONL file in order, each checked as it is read: ``{"prompt", "response"}``
+    or ``{"messages": [...]}`` objects (a messages record's last message must be the assistant's,
+    what is trained on). Blank lines are skipped; a file of none yields nothing
+    (:class:`components.data.sources.JsonlSource` says it has no records).
 
     Raises:
-        DataError: At the first bad line (``data.jsonl line 3: not valid JSON (...)``), or if the file does
-            not exist.
+        DataError: At the first bad line (``data.jsonl line 3: not valid JSON (...)``), or if the
+            file does not exist.
     """
     path = Path(path)
     if not path.is_file():

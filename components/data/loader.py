@@ -1,15 +1,16 @@
-"""Deterministic, resumable batches: the rows of any optimizer step follow from the step number alone.
+"""Deterministic, resumable batches: the rows of any optimizer step follow from the step number
+alone.
 
-A row is one example, or several packed ones (:mod:`components.data.packing`). Step ``s`` takes positions
-``s * global_batch_size ...`` of an endless stream made of one seeded permutation of the rows per epoch
-(epoch ``e`` shuffled with ``seed + e``), so resuming at step ``k`` needs no loader state and every row
-appears once per epoch. The global batch is cut into ``dp_size`` contiguous parts (dp rank ``r`` takes part
-``r``; every tensor-parallel rank of that dp rank builds the same loader and gets the same part), and each
-part into micro-batches for gradient accumulation.
+A row is one example, or several packed ones (:mod:`components.data.packing`). Step ``s`` takes
+positions ``s * global_batch_size ...`` of an endless stream made of one seeded permutation of the
+rows per epoch (epoch ``e`` shuffled with ``seed + e``), so resuming at step ``k`` needs no loader
+state and every row appears once per epoch. The global batch is cut into ``dp_size`` contiguous
+parts (dp rank ``r`` takes part ``r``; every tensor-parallel rank of that dp rank builds the same
+loader and gets the same part), and each part into micro-batches for gradient accumulation.
 
 The tokenized examples are an Arrow dataset, memory-mapped when opened from the folder the launcher
-prepared (:func:`components.data.prepare.prepare_data`): a rank reads only the rows of its steps, and
-holds per row just a few integers.
+prepared (:func:`components.data.prepare.prepare_data`): a rank reads only the rows of its steps,
+and holds per row just a few integers.
 """
 
 import array
@@ -28,8 +29,9 @@ from components.data.packing import Rows, build_rows
 
 @dataclass(frozen=True, kw_only=True)
 class TokenizedSplit:
-    """What a rank needs to open one prepared split (:func:`components.data.prepare.prepare_data` makes it):
-    the Arrow folder of tokenized examples, the row file, and which part of it (train or val) to read."""
+    """What a rank needs to open one prepared split (:func:`components.data.prepare.prepare_data`
+    makes it): the Arrow folder of tokenized examples, the row file, and which part of it (train or
+    val) to read."""
 
     tokens_dir: str
     rows_file: str
@@ -51,7 +53,9 @@ class Batch:
     input_ids: torch.Tensor
     labels: torch.Tensor
     position_ids: torch.Tensor
-    real_tokens: torch.Tensor  # [rows]: each row's examples fill its first real_tokens positions; padding follows
+    real_tokens: (
+        torch.Tensor
+    )  # [rows]: each row's examples fill its first real_tokens positions; padding follows
 
     def to(self, device: torch.device | str) -> "Batch":
         names = ("input_ids", "labels", "position_ids", "real_tokens")
@@ -68,15 +72,19 @@ class Batch:
 
 
 def open_tokens(tokens_dir: str) -> datasets.Dataset:
-    """The tokenized examples in ``tokens_dir`` (``prepare_data``'s Arrow files, in order), memory-mapped."""
+    """The tokenized examples in ``tokens_dir`` (``prepare_data``'s Arrow files, in order),
+    memory-mapped."""
     files = sorted(Path(tokens_dir).glob("*.arrow"))
     if not files:
-        raise FileNotFoundError(f"no tokenized data (*.arrow) in {tokens_dir}: run prepare_data first")
+        raise FileNotFoundError(
+            f"no tokenized data (*.arrow) in {tokens_dir}: run prepare_data first"
+        )
     return datasets.concatenate_datasets([datasets.Dataset.from_file(str(file)) for file in files])
 
 
 def pad_id_of(tokenizer) -> int:
-    """The id to pad inputs with: the tokenizer's pad token, else its eos (padding is masked out of the loss).
+    """The id to pad inputs with: the tokenizer's pad token, else its eos (padding is masked out of
+    the loss).
 
     Raises:
         ValueError: If the tokenizer has neither.
@@ -84,18 +92,21 @@ def pad_id_of(tokenizer) -> int:
     for token_id in (tokenizer.pad_token_id, tokenizer.eos_token_id):
         if token_id is not None:
             return token_id
-    raise ValueError(f"tokenizer {type(tokenizer).__name__} has no pad or eos token to pad batches with")
+    raise ValueError(
+        f"tokenizer {type(tokenizer).__name__} has no pad or eos token to pad batches with"
+    )
 
 
 def collate_rows(rows: list[list[tuple[list[int], list[int]]]], seq_len: int, pad_id: int) -> Batch:
-    """A Batch of rows, each a list of (input_ids, labels) examples laid end to end and right-padded.
+    """A Batch of rows, each a list of (input_ids, labels) examples laid end to end and
+    right-padded.
 
-    Positions restart at 0 at each example and run on through the padding after the last one, so a row of
-    one example has positions ``0 .. seq_len - 1``, as an unpacked row always had.
+    Positions restart at 0 at each example and run on through the padding after the last one, so a
+    row of one example has positions ``0 .. seq_len - 1``, as an unpacked row always had.
 
     Raises:
-        ValueError: If a row's examples hold more than ``seq_len`` tokens, or an example's ids and labels
-            differ in length.
+        ValueError: If a row's examples hold more than ``seq_len`` tokens, or an example's ids and
+            labels differ in length.
     """
     input_ids = torch.full((len(rows), seq_len), pad_id, dtype=torch.long)
     labels = torch.full((len(rows), seq_len), IGNORE_INDEX, dtype=torch.long)
@@ -107,8 +118,10 @@ def collate_rows(rows: list[list[tuple[list[int], list[int]]]], seq_len: int, pa
             end = start + len(ids)
             if len(ids) != len(row_labels) or end > seq_len:
                 raise ValueError(
-                    f"row {row} does not fit: an example of {len(ids)} ids and {len(row_labels)} labels at "
-                    f"position {start}; ids and labels must be equal in length and end within seq_len ({seq_len})"
+                    f"row {row} does not fit: an example of {len(ids)} ids and {len(row_labels)} "
+                    "labels at "
+                    f"position {start}; ids and labels must be equal in length and end within "
+                    f"seq_len ({seq_len})"
                 )
             input_ids[row, start:end] = torch.tensor(ids, dtype=torch.long)
             labels[row, start:end] = torch.tensor(row_labels, dtype=torch.long)
@@ -121,13 +134,17 @@ def collate_rows(rows: list[list[tuple[list[int], list[int]]]], seq_len: int, pa
 
 
 def _check_sizes(global_batch_size: int, micro_batch_size: int, dp_size: int, dp_rank: int) -> None:
-    sizes = {"train.global_batch_size": global_batch_size, "train.micro_batch_size": micro_batch_size}
+    sizes = {
+        "train.global_batch_size": global_batch_size,
+        "train.micro_batch_size": micro_batch_size,
+    }
     for name, value in (sizes | {"dp": dp_size}).items():
         if value < 1:
             raise ValueError(f"{name} must be at least 1, got {value}")
     if global_batch_size % (micro_batch_size * dp_size):
         raise ValueError(
-            f"train.global_batch_size ({global_batch_size}) must be divisible by train.micro_batch_size "
+            f"train.global_batch_size ({global_batch_size}) must be divisible by "
+            "train.micro_batch_size "
             f"({micro_batch_size}) × dp ({dp_size})"
         )
     if not 0 <= dp_rank < dp_size:
@@ -138,15 +155,16 @@ class StepBatches:
     """One dp rank's micro-batches of any optimizer step, and the token counts of a whole step.
 
     ``tokens`` is a tokenized dataset (columns ``input_ids`` and ``labels``, as
-    :func:`components.data.collate.tokenize_batch` writes them); ``rows`` says which examples make each row
-    of this split and how many tokens each row has. Build it with :meth:`open` on a prepared split, or
-    :meth:`from_records` for a few records in memory. ``pad_multiple`` None pads every row to
-    ``seq_len``; a number pads a micro-batch only to its longest row, rounded up to a multiple of it
-    (at most ``seq_len``): the same losses, without computing on padding.
+    :func:`components.data.collate.tokenize_batch` writes them); ``rows`` says which examples make
+    each row of this split and how many tokens each row has. Build it with :meth:`open` on a
+    prepared split, or :meth:`from_records` for a few records in memory. ``pad_multiple`` None pads
+    every row to ``seq_len``; a number pads a micro-batch only to its longest row, rounded up to a
+    multiple of it (at most ``seq_len``): the same losses, without computing on padding.
 
     Raises:
-        ValueError: If there are no rows, a size is below 1, ``dp_rank`` is not in ``range(dp_size)``, or
-            ``global_batch_size`` is not divisible by ``micro_batch_size × dp_size``.
+        ValueError: If there are no rows, a size is below 1, ``dp_rank`` is not in
+            ``range(dp_size)``, or ``global_batch_size`` is not divisible by ``micro_batch_size ×
+            dp_size``.
     """
 
     def __init__(
@@ -186,11 +204,14 @@ class StepBatches:
         seed: int,
         pad_multiple: int | None = None,
     ) -> "StepBatches":
-        """The loader of a prepared split, its tokens memory-mapped from the launcher's cache folder."""
+        """The loader of a prepared split, its tokens memory-mapped from the launcher's cache
+        folder."""
         tokens = open_tokens(split.tokens_dir)
         with np.load(split.rows_file) as arrays:
             rows = Rows.load_from(arrays, split.part)
-        sizes = dict(seq_len=split.seq_len, pad_id=split.pad_id, dp_size=dp_size, dp_rank=dp_rank, seed=seed)
+        sizes = dict(
+            seq_len=split.seq_len, pad_id=split.pad_id, dp_size=dp_size, dp_rank=dp_rank, seed=seed
+        )
         sizes["pad_multiple"] = pad_multiple
         return cls(tokens, rows, global_batch_size, micro_batch_size, **sizes)
 
@@ -209,7 +230,8 @@ class StepBatches:
         packing: bool = False,
         pad_multiple: int | None = None,
     ) -> "StepBatches":
-        """The loader of a few records tokenized in memory, all of them in order (tests, benchmarks).
+        """The loader of a few records tokenized in memory, all of them in order (tests,
+        benchmarks).
 
         Raises:
             DataError: If a record cannot be trained on (named by its index).
@@ -231,7 +253,13 @@ class StepBatches:
             raise record_error(index, records[index], tokenizer, seq_len)
         lengths = tokens.data.column("length").to_numpy()
         rows = build_rows(lengths, labelled, np.arange(len(records)), seq_len, packing)
-        sizes = dict(seq_len=seq_len, pad_id=pad_id_of(tokenizer), dp_size=dp_size, dp_rank=dp_rank, seed=seed)
+        sizes = dict(
+            seq_len=seq_len,
+            pad_id=pad_id_of(tokenizer),
+            dp_size=dp_size,
+            dp_rank=dp_rank,
+            seed=seed,
+        )
         sizes["pad_multiple"] = pad_multiple
         return cls(tokens, rows, global_batch_size, micro_batch_size, **sizes)
 
@@ -245,7 +273,8 @@ class StepBatches:
         return self.global_batch_size // (self.micro_batch_size * self.dp_size)
 
     def _shuffle(self, epoch: int) -> np.ndarray:
-        # random.shuffle of 0..n-1, as a list was shuffled before (same order), but in an 8-byte-per-row
+        # random.shuffle of 0..n-1, as a list was shuffled before (same order), but in an
+        # 8-byte-per-row
         # array: a million-row list of ints would cost ~40 MB per rank for a moment.
         order = array.array("q", range(self.num_rows))
         random.Random(self.seed + epoch).shuffle(order)
@@ -271,37 +300,46 @@ class StepBatches:
         return min(self.seq_len, -(-longest // self.pad_multiple) * self.pad_multiple)
 
     def indices_for_step(self, step: int) -> list[int]:
-        """Row indices of the whole global batch of ``step`` (0-based), in order; dp parts are slices."""
+        """Row indices of the whole global batch of ``step`` (0-based), in order; dp parts are
+        slices."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         size = self.num_rows
         start = step * self.global_batch_size
-        return [int(self._permutation(p // size)[p % size]) for p in range(start, start + self.global_batch_size)]
+        return [
+            int(self._permutation(p // size)[p % size])
+            for p in range(start, start + self.global_batch_size)
+        ]
 
     def batches_for_step(self, step: int) -> list[Batch]:
-        """This dp rank's ``micro_batches_per_step`` Batches of ``step``, each [micro_batch_size, seq_len].
-        With ``pad_multiple`` the rows are sorted by length first (length buckets): each micro-batch then
-        holds rows of similar length, and the step the same rows (the same loss, summed in another order)."""
+        """This dp rank's ``micro_batches_per_step`` Batches of ``step``, each [micro_batch_size,
+        seq_len]. With ``pad_multiple`` the rows are sorted by length first (length buckets): each
+        micro-batch then holds rows of similar length, and the step the same rows (the same loss,
+        summed in another order)."""
         part_size = self.global_batch_size // self.dp_size
-        part = self.indices_for_step(step)[self.dp_rank * part_size : (self.dp_rank + 1) * part_size]
+        part = self.indices_for_step(step)[
+            self.dp_rank * part_size : (self.dp_rank + 1) * part_size
+        ]
         if self.pad_multiple is not None:
             part = sorted(part, key=lambda row: int(self.rows.tokens[row]))
         return self._batches(part)
 
     def labels_in_step(self, step: int) -> int:
-        """Labelled tokens (``labels[:, 1:] != -100``) in the whole global batch of ``step``: every dp rank and
-        micro-batch. Dividing each micro-batch's loss sum by it makes the summed gradients the global mean's."""
+        """Labelled tokens (``labels[:, 1:] != -100``) in the whole global batch of ``step``: every
+        dp rank and micro-batch. Dividing each micro-batch's loss sum by it makes the summed
+        gradients the global mean's."""
         return int(self.rows.labelled[self.indices_for_step(step)].sum())
 
     def tokens_in_step(self, step: int) -> int:
-        """Non-padding input tokens in the whole global batch of ``step`` (what ``tokens_per_s`` counts)."""
+        """Non-padding input tokens in the whole global batch of ``step`` (what ``tokens_per_s``
+        counts)."""
         return int(self.rows.tokens[self.indices_for_step(step)].sum())
 
     def all_batches(self) -> list[Batch]:
-        """This dp rank's share of every row once, in row order, in micro-batches (the last may be smaller),
-        for a validation loss. Every dp rank gets the same number and sizes of micro-batches (as sharded data
-        parallelism needs), so the ``num_rows % dp_size`` last rows are left out; ``global_batch_size`` plays
-        no part.
+        """This dp rank's share of every row once, in row order, in micro-batches (the last may be
+        smaller), for a validation loss. Every dp rank gets the same number and sizes of
+        micro-batches (as sharded data parallelism needs), so the ``num_rows % dp_size`` last rows
+        are left out; ``global_batch_size`` plays no part.
 
         Raises:
             ValueError: If there are fewer rows than dp ranks.
@@ -316,14 +354,24 @@ class StepBatches:
 
 
 def open_splits(
-    train: "TokenizedSplit", val: "TokenizedSplit | None", global_batch_size: int, micro_batch_size: int,
-    *, dp_size: int, dp_rank: int, seed: int, pad_multiple: int | None = None,
-) -> tuple[StepBatches, StepBatches | None]:  # fmt: skip
-    """A rank's loaders of the prepared splits: training batches of ``global_batch_size``, and validation
-    (None when nothing was held out) in global batches of one micro-batch per dp rank; each
-    micro-batch padded to its longest row (a multiple of ``pad_multiple``) when that is given."""
+    train: "TokenizedSplit",
+    val: "TokenizedSplit | None",
+    global_batch_size: int,
+    micro_batch_size: int,
+    *,
+    dp_size: int,
+    dp_rank: int,
+    seed: int,
+    pad_multiple: int | None = None,
+) -> tuple[StepBatches, StepBatches | None]:
+    """A rank's loaders of the prepared splits: training batches of ``global_batch_size``, and
+    validation (None when nothing was held out) in global batches of one micro-batch per dp rank;
+    each micro-batch padded to its longest row (a multiple of ``pad_multiple``) when that is
+    given."""
     shards = dict(dp_size=dp_size, dp_rank=dp_rank, seed=seed, pad_multiple=pad_multiple)
     train_batches = StepBatches.open(train, global_batch_size, micro_batch_size, **shards)
     if val is None:
         return train_batches, None
-    return train_batches, StepBatches.open(val, micro_batch_size * dp_size, micro_batch_size, **shards)
+    return train_batches, StepBatches.open(
+        val, micro_batch_size * dp_size, micro_batch_size, **shards
+    )

@@ -1,10 +1,12 @@
-"""Packing: several examples per row up to ``seq_len``, greedy, in the order given, so it is deterministic.
+"""Packing: several examples per row up to ``seq_len``, greedy, in the order given, so it is
+deterministic.
 
-A row is a run of consecutive examples (next-fit: an example that does not fit in what is left of the
-row starts the next one), so a packed split is described by its row boundaries alone and the tokenized
-examples stay as they are. Unpacked, every example is its own row. Within a row, position ids restart at
-each example; Hugging Face models then keep attention inside each example (``transformers.masking_utils``
-finds the restarts and builds a block-diagonal causal mask, or the kernel's variable-length path).
+A row is a run of consecutive examples (next-fit: an example that does not fit in what is left of
+the row starts the next one), so a packed split is described by its row boundaries alone and the
+tokenized examples stay as they are. Unpacked, every example is its own row. Within a row, position
+ids restart at each example; Hugging Face models then keep attention inside each example
+(``transformers.masking_utils`` finds the restarts and builds a block-diagonal causal mask, or the
+kernel's variable-length path).
 """
 
 from dataclasses import dataclass, fields
@@ -14,9 +16,9 @@ import numpy as np
 
 @dataclass(frozen=True, kw_only=True)
 class Rows:
-    """The rows of one split: row ``r`` holds examples ``order[offsets[r]:offsets[r + 1]]`` of the tokenized
-    set, with ``tokens[r]`` real (non-padding) tokens of which ``labelled[r]`` count in the loss. Small:
-    a rank reads these, never a whole column of the tokenized set."""
+    """The rows of one split: row ``r`` holds examples ``order[offsets[r]:offsets[r + 1]]`` of the
+    tokenized set, with ``tokens[r]`` real (non-padding) tokens of which ``labelled[r]`` count in
+    the loss. Small: a rank reads these, never a whole column of the tokenized set."""
 
     order: np.ndarray
     offsets: np.ndarray
@@ -24,7 +26,8 @@ class Rows:
     labelled: np.ndarray
 
     def save_into(self, arrays: dict[str, np.ndarray], part: str) -> None:
-        """Put the fields into ``arrays`` under ``<part>_<field>`` (for one ``np.savez`` of every part)."""
+        """Put the fields into ``arrays`` under ``<part>_<field>`` (for one ``np.savez`` of every
+        part)."""
         arrays.update({f"{part}_{field.name}": getattr(self, field.name) for field in fields(self)})
 
     @classmethod
@@ -33,9 +36,11 @@ class Rows:
         return cls(**{field.name: arrays[f"{part}_{field.name}"] for field in fields(cls)})
 
 
-def build_rows(lengths: np.ndarray, labelled: np.ndarray, order: np.ndarray, seq_len: int, packing: bool) -> Rows:
-    """The rows of the examples ``order`` (indices into per-example ``lengths`` and ``labelled``), packed or
-    one per row."""
+def build_rows(
+    lengths: np.ndarray, labelled: np.ndarray, order: np.ndarray, seq_len: int, packing: bool
+) -> Rows:
+    """The rows of the examples ``order`` (indices into per-example ``lengths`` and ``labelled``),
+    packed or one per row."""
     order = np.asarray(order, dtype=np.int64)
     offsets = row_offsets(np.asarray(lengths)[order], seq_len, packing)
     starts = offsets[:-1]
@@ -56,7 +61,9 @@ def row_offsets(lengths: np.ndarray, seq_len: int, packing: bool) -> np.ndarray:
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     if len(lengths) and int(lengths.max()) > seq_len:
-        raise ValueError(f"an example has {int(lengths.max())} tokens, more than seq_len ({seq_len})")
+        raise ValueError(
+            f"an example has {int(lengths.max())} tokens, more than seq_len ({seq_len})"
+        )
     if not packing:
         return np.arange(len(lengths) + 1, dtype=np.int64)
     starts, used = [], seq_len

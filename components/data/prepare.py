@@ -1,14 +1,17 @@
-"""Prepare the data once, in the launching process, before any rank starts; ranks only open the result.
+"""Prepare the data once, in the launching process, before any rank starts; ranks only open the
+result.
 
-    source = build_source(data_group)                        # conf/data/*.yaml, chosen by its _target_
-    prepared = prepare_data(source, tokenizer_dir, seq_len=..., packing=..., seed=..., cache_root=..., num_proc=...)
-    # each rank: StepBatches.open(prepared.train, ...), StepBatches.open(prepared.val, ...)
+    # conf/data/*.yaml, chosen by its _target_
+    source = build_source(data_group)
+    prepared = prepare_data(source, tokenizer_dir, seq_len=..., packing=..., seed=...,
+    cache_root=..., num_proc=...) # each rank: StepBatches.open(prepared.train, ...),
+    StepBatches.open(prepared.val, ...)
 
 The records are tokenized and checked once per (records, tokenizer with its chat template,
 ``seq_len``) with ``Dataset.map`` over ``num_proc`` processes and kept as Arrow files under
-``<cache_root>/data/<key>/tokens`` (written to a temporary folder and renamed), so a later run on the
-same data, in any ``output_dir``, reuses them. The train/validation split and the packing are small
-index files beside it (``rows-*.npz``): changing ``seed``, ``val_fraction`` or packing never
+``<cache_root>/data/<key>/tokens`` (written to a temporary folder and renamed), so a later run on
+the same data, in any ``output_dir``, reuses them. The train/validation split and the packing are
+small index files beside it (``rows-*.npz``): changing ``seed``, ``val_fraction`` or packing never
 re-tokenizes. A crash or a killed launcher leaves nothing running or half-written, and forked ranks
 inherit no tokenizer thread pool.
 
@@ -45,8 +48,9 @@ TOKENS = datasets.Features(
         "labelled": datasets.Value("int32"),
     }
 )
-# Records per map call, and so per Arrow record batch of the tokenized files: opening a memory-mapped
-# file reads every batch's header, and the kernel maps ~64 KB around each, so fewer batches, less RSS.
+# Records per map call, and so per Arrow record batch of the tokenized files: opening a
+# memory-mapped file reads every batch's header, and the kernel maps ~64 KB around each, so fewer
+# batches, less RSS.
 WRITER_BATCH_SIZE = 20_000
 # Below this many records per process, starting map's worker processes costs more than it saves.
 RECORDS_PER_PROCESS = 20_000
@@ -56,7 +60,8 @@ SCRATCH = re.compile(r"\.tmp-(\d+)$|\.(\d+)\.tmp$")
 
 @dataclass(frozen=True, kw_only=True)
 class PreparedData:
-    """The prepared data of a run (picklable, handed to every rank). ``val`` is None when none is held out."""
+    """The prepared data of a run (picklable, handed to every rank). ``val`` is None when none is
+    held out."""
 
     train: TokenizedSplit
     val: TokenizedSplit | None
@@ -66,22 +71,37 @@ class PreparedData:
 
 
 def data_cache_dir(cache_root: str | Path) -> Path:
-    """Where prepared data lives under the shardtune cache (``$SHARDTUNE_CACHE`` or ``~/.cache/shardtune``)."""
+    """Where prepared data lives under the shardtune cache (``$SHARDTUNE_CACHE`` or
+    ``~/.cache/shardtune``)."""
     return Path(cache_root).expanduser() / "data"
 
 
 def source_cache_dir(cache_root: str | Path) -> Path:
-    """Where ``datasets`` keeps its Arrow conversion of local source files (pass to ``source.texts``)."""
+    """Where ``datasets`` keeps its Arrow conversion of local source files (pass to
+    ``source.texts``)."""
     return data_cache_dir(cache_root) / "sources"
 
 
 def tokenizer_digest(tokenizer) -> str:
-    """A hash of everything that decides token ids: vocabulary, merges, normalisation, chat template, the special
-    tokens' strings (a chat template renders ``bos_token`` and the like by name), eos and pad."""
+    """A hash of everything that decides token ids: vocabulary, merges, normalisation, chat
+    template, the special tokens' strings (a chat template renders ``bos_token`` and the like by
+    name), eos and pad."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    state = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
-    specials = str(sorted((name, str(value)) for name, value in tokenizer.special_tokens_map.items()))
-    parts = [state, str(tokenizer.chat_template), specials, str(tokenizer.eos_token_id), str(pad_id_of(tokenizer))]
+    state = (
+        backend.to_str()
+        if backend is not None
+        else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    )
+    specials = str(
+        sorted((name, str(value)) for name, value in tokenizer.special_tokens_map.items())
+    )
+    parts = [
+        state,
+        str(tokenizer.chat_template),
+        specials,
+        str(tokenizer.eos_token_id),
+        str(pad_id_of(tokenizer)),
+    ]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
 
@@ -111,12 +131,15 @@ def remove_stale_scratch(folder: Path) -> None:
             shutil.rmtree(child, ignore_errors=True)
 
 
-def _tokenize(source: DataSource, tokenizer, seq_len: int, num_proc: int, cache_root: Path, folder: Path) -> None:
+def _tokenize(
+    source: DataSource, tokenizer, seq_len: int, num_proc: int, cache_root: Path, folder: Path
+) -> None:
     """Tokenize every record into ``folder/tokens`` (via a temporary folder renamed at the end).
 
-    The Arrow files are map's own output (one per worker), kept as they are: no second copy, and written
-    in large record batches, so a rank that memory-maps them touches ~64 KB per 20,000 rows to find them
-    instead of per 1,000 rows (``save_to_disk`` would rewrite them in 1,000-row batches).
+    The Arrow files are map's own output (one per worker), kept as they are: no second copy, and
+    written in large record batches, so a rank that memory-maps them touches ~64 KB per 20,000 rows
+    to find them instead of per 1,000 rows (``save_to_disk`` would rewrite them in 1,000-row
+    batches).
     """
     scratch = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
     shutil.rmtree(scratch, ignore_errors=True)
@@ -142,7 +165,9 @@ def _tokenize(source: DataSource, tokenizer, seq_len: int, num_proc: int, cache_
             index = int(bad[0])
             raise record_error(index, raw[index], tokenizer, seq_len)
         del tokens
-        (scratch / "meta.json").write_text(json.dumps({"num_examples": len(labelled), "seq_len": seq_len}))
+        (scratch / "meta.json").write_text(
+            json.dumps({"num_examples": len(labelled), "seq_len": seq_len})
+        )
         try:
             scratch.rename(folder)
         except OSError:  # another launcher finished the same folder first: use theirs
@@ -154,8 +179,9 @@ def _tokenize(source: DataSource, tokenizer, seq_len: int, num_proc: int, cache_
 
 
 def split_indices(n: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """(train, val) record indices, each ascending: ``random.Random(seed).sample`` holds out a ``val_fraction``
-    of ``range(n)`` (at least one record when ``val_fraction`` > 0, and at least one stays for training).
+    """(train, val) record indices, each ascending: ``random.Random(seed).sample`` holds out a
+    ``val_fraction`` of ``range(n)`` (at least one record when ``val_fraction`` > 0, and at least
+    one stays for training).
 
     Raises:
         ValueError: If ``val_fraction`` is not in [0, 1) or leaves no training record.
@@ -165,7 +191,8 @@ def split_indices(n: int, val_fraction: float, seed: int) -> tuple[np.ndarray, n
     n_val = max(1, round(n * val_fraction)) if val_fraction > 0 else 0
     if n_val >= n:
         raise ValueError(
-            f"data.val_fraction ({val_fraction}) of {n} records leaves none for training: lower it or add records"
+            f"data.val_fraction ({val_fraction}) of {n} records leaves none for training: lower "
+            "it or add records"
         )
     held_out = np.zeros(n, dtype=bool)
     held_out[random.Random(seed).sample(range(n), n_val)] = True
@@ -173,7 +200,8 @@ def split_indices(n: int, val_fraction: float, seed: int) -> tuple[np.ndarray, n
 
 
 def _write_rows(folder: Path, val_fraction: float, seed: int, packing: bool, seq_len: int) -> Path:
-    """The split and row boundaries for (val_fraction, seed, packing), written once beside the tokens."""
+    """The split and row boundaries for (val_fraction, seed, packing), written once beside the
+    tokens."""
     rows_file = folder / f"rows-v{val_fraction!r}-s{seed}-{'packed' if packing else 'rows'}.npz"
     if rows_file.is_file():
         return rows_file
@@ -183,7 +211,9 @@ def _write_rows(folder: Path, val_fraction: float, seed: int, packing: bool, seq
     train, val = split_indices(len(lengths), val_fraction, seed)
     arrays: dict[str, np.ndarray] = {}
     build_rows(lengths, labelled, train, seq_len, packing).save_into(arrays, "train")
-    build_rows(lengths, labelled, val, seq_len, packing=False).save_into(arrays, "val")  # validation per example
+    build_rows(lengths, labelled, val, seq_len, packing=False).save_into(
+        arrays, "val"
+    )  # validation per example
     private = rows_file.with_name(f"{rows_file.stem}.{os.getpid()}.tmp.npz")
     np.savez(private, **arrays)
     os.replace(private, rows_file)
@@ -200,12 +230,14 @@ def prepare_data(
     cache_root: str | Path,
     num_proc: int,
 ) -> PreparedData:
-    """Tokenize ``source`` with the tokenizer in ``tokenizer_dir`` (or reuse the cached result), split it by
-    ``seed`` and ``source.val_fraction``, pack it when asked, and return what the ranks open.
+    """Tokenize ``source`` with the tokenizer in ``tokenizer_dir`` (or reuse the cached result),
+    split it by ``seed`` and ``source.val_fraction``, pack it when asked, and return what the ranks
+    open.
 
     Raises:
-        DataError: One line, for a source that cannot be read, a tokenizer without a chat template, or a
-            record that cannot be trained on (``record 12 has no answer tokens within train.seq_len (48): ...``).
+        DataError: One line, for a source that cannot be read, a tokenizer without a chat template,
+            or a record that cannot be trained on (``record 12 has no answer tokens within
+            train.seq_len (48): ...``).
         ValueError: For a ``val_fraction`` that leaves no training record.
     """
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # see the module docstring: ranks fork from here
@@ -216,7 +248,9 @@ def prepare_data(
     except ValueError as error:
         raise DataError(str(error)) from None
     digest = tokenizer_digest(tokenizer)
-    key = hashlib.sha256(f"{FORMAT_VERSION}|{source.fingerprint()}|{digest}|{seq_len}".encode()).hexdigest()[:20]
+    key = hashlib.sha256(
+        f"{FORMAT_VERSION}|{source.fingerprint()}|{digest}|{seq_len}".encode()
+    ).hexdigest()[:20]
     folder = data_cache_dir(cache_root) / key
     reused = (folder / "meta.json").is_file()
     if not reused:
@@ -225,7 +259,10 @@ def prepare_data(
         _tokenize(source, tokenizer, seq_len, num_proc, Path(cache_root), folder)
     rows_file = _write_rows(folder, source.val_fraction, seed, packing, seq_len)
     with np.load(rows_file) as rows:
-        counts = {part: (len(rows[f"{part}_order"]), len(rows[f"{part}_offsets"]) - 1) for part in ("train", "val")}
+        counts = {
+            part: (len(rows[f"{part}_order"]), len(rows[f"{part}_offsets"]) - 1)
+            for part in ("train", "val")
+        }
     pad_id = pad_id_of(tokenizer)
 
     def split(part: str) -> TokenizedSplit:
@@ -250,11 +287,13 @@ def prepare_data(
 
 
 def cached_tokenizer(source: DataSource, cache_root: str | Path) -> Path:
-    """The byte-level BPE trained on ``source``'s texts, cached by the source's fingerprint (for a model built from
-    its config). Training is deterministic, so when torchrun ranks race each writes a private folder and the first
-    rename wins."""
+    """The byte-level BPE trained on ``source``'s texts, cached by the source's fingerprint (for a
+    model built from its config). Training is deterministic, so when torchrun ranks race each writes
+    a private folder and the first rename wins."""
     datasets.disable_progress_bars()  # one error line on bad data, not a progress bar before it
-    folder = data_cache_dir(cache_root) / "tokenizers" / f"{source.fingerprint()}-{DEFAULT_VOCAB_SIZE}"
+    folder = (
+        data_cache_dir(cache_root) / "tokenizers" / f"{source.fingerprint()}-{DEFAULT_VOCAB_SIZE}"
+    )
     if not folder.is_dir():
         remove_stale_scratch(folder.parent)
         private = folder.with_name(f"{folder.name}.{os.getpid()}.tmp")

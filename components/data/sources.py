@@ -1,12 +1,15 @@
-"""Where the records come from: the generated demo set, a user's JSONL file, or any ``datasets`` source.
+"""Where the records come from: the generated demo set, a user's JSONL file, or any ``datasets``
+source.
 
 Each source is a small frozen dataclass built from its ``conf/data/*.yaml`` group (the group's
 ``_target_`` names the class, see :func:`build_source`) and offers the same three things:
 
 - ``fingerprint()``: a short string that changes whenever the records would (cheap: file sizes and
   modification times, never the contents), so prepared data can be cached under it;
-- ``load(cache_dir)``: a ``datasets.Dataset`` with ``prompt``/``response`` or ``messages`` columns only;
-- ``texts(cache_dir)``: the record strings one by one, lazily, to train a tokenizer on the first of them.
+- ``load(cache_dir)``: a ``datasets.Dataset`` with ``prompt``/``response`` or ``messages`` columns
+  only;
+- ``texts(cache_dir)``: the record strings one by one, lazily, to train a tokenizer on the first of
+  them.
 """
 
 import hashlib
@@ -24,8 +27,12 @@ from components.data.jsonl import DataError, iter_jsonl
 from components.data.tokenizer import training_texts
 from components.targets import TargetError, target_class
 
-MESSAGES = datasets.Features({"messages": [{"role": datasets.Value("string"), "content": datasets.Value("string")}]})
-PROMPT_RESPONSE = datasets.Features({"prompt": datasets.Value("string"), "response": datasets.Value("string")})
+MESSAGES = datasets.Features(
+    {"messages": [{"role": datasets.Value("string"), "content": datasets.Value("string")}]}
+)
+PROMPT_RESPONSE = datasets.Features(
+    {"prompt": datasets.Value("string"), "response": datasets.Value("string")}
+)
 
 
 class DataSource(Protocol):
@@ -46,7 +53,10 @@ def _digest(*parts) -> str:
 def _file_stats(path: Path) -> list:
     """(relative name, size, mtime_ns) of a file or of every file under a folder, sorted."""
     files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
-    return [(str(p.relative_to(path)) if p != path else p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    return [
+        (str(p.relative_to(path)) if p != path else p.name, p.stat().st_size, p.stat().st_mtime_ns)
+        for p in files
+    ]
 
 
 def _first(dataset: datasets.Dataset, num_examples: int | None) -> datasets.Dataset:
@@ -64,7 +74,8 @@ def _dataset_texts(dataset: datasets.Dataset) -> Iterator[str]:
 
 @dataclass(frozen=True, kw_only=True)
 class GeneratedSource:
-    """The embedded instruction-following set (:mod:`components.data.generated`), ``num_examples`` records."""
+    """The embedded instruction-following set (:mod:`components.data.generated`), ``num_examples``
+    records."""
 
     num_examples: int
     val_fraction: float
@@ -89,10 +100,15 @@ class GeneratedSource:
 
 
 def _normalized_jsonl(path: str) -> Iterator[dict]:
-    """Every record of the file as ``{"messages": [{"role", "content"}, ...]}`` (one schema for both shapes)."""
+    """Every record of the file as ``{"messages": [{"role", "content"}, ...]}`` (one schema for both
+    shapes)."""
     for record in iter_jsonl(path):
         if "messages" in record:
-            yield {"messages": [{"role": m["role"], "content": m["content"]} for m in record["messages"]]}
+            yield {
+                "messages": [
+                    {"role": m["role"], "content": m["content"]} for m in record["messages"]
+                ]
+            }
         else:
             yield {
                 "messages": [
@@ -104,8 +120,9 @@ def _normalized_jsonl(path: str) -> Iterator[dict]:
 
 @dataclass(frozen=True, kw_only=True)
 class JsonlSource:
-    """A JSONL file of ``{"prompt", "response"}`` or ``{"messages"}`` records, each line checked as read
-    (errors name the line: ``data.jsonl line 3: not valid JSON (...)``); the first ``num_examples`` or all."""
+    """A JSONL file of ``{"prompt", "response"}`` or ``{"messages"}`` records, each line checked as
+    read (errors name the line: ``data.jsonl line 3: not valid JSON (...)``); the first
+    ``num_examples`` or all."""
 
     path: str
     num_examples: int | None
@@ -123,7 +140,8 @@ class JsonlSource:
         return _digest("jsonl", str(path), _file_stats(path), self.num_examples)
 
     def load(self, cache_dir: Path) -> datasets.Dataset:
-        """The records as a dataset in ``cache_dir`` (the file is read once; later calls reuse the Arrow copy)."""
+        """The records as a dataset in ``cache_dir`` (the file is read once; later calls reuse the
+        Arrow copy)."""
         path = str(Path(self.path).expanduser().resolve())
         empty = DataError(f"{self.path} has no records: expected one JSON object per line")
         try:
@@ -152,9 +170,9 @@ class JsonlSource:
 
 @dataclass(frozen=True, kw_only=True)
 class HFSource:
-    """Any split ``datasets`` can load (:func:`components.data.hf.load_split`), its ``columns`` mapped onto
-    ``prompt``/``response`` or ``messages`` (``{"prompt": "instruction", "response": "output"}``; empty: the
-    source's own columns of those names)."""
+    """Any split ``datasets`` can load (:func:`components.data.hf.load_split`), its ``columns``
+    mapped onto ``prompt``/``response`` or ``messages`` (``{"prompt": "instruction", "response":
+    "output"}``; empty: the source's own columns of those names)."""
 
     path: str
     split: str
@@ -173,8 +191,18 @@ class HFSource:
             origin = [str(local.resolve()), _file_stats(local.resolve())]
         else:  # a Hub dataset: the files datasets cached for it name its version
             files = load_split(self.path, self.split, self.name, Path.cwd()).cache_files
-            origin = [self.path, [(Path(f["filename"]).name, Path(f["filename"]).stat().st_size) for f in files]]
-        return _digest("hf", origin, self.split, self.name, sorted((self.columns or {}).items()), self.num_examples)
+            origin = [
+                self.path,
+                [(Path(f["filename"]).name, Path(f["filename"]).stat().st_size) for f in files],
+            ]
+        return _digest(
+            "hf",
+            origin,
+            self.split,
+            self.name,
+            sorted((self.columns or {}).items()),
+            self.num_examples,
+        )
 
     def load(self, cache_dir: Path) -> datasets.Dataset:
         return self._dataset(cache_dir)
@@ -183,12 +211,14 @@ class HFSource:
         yield from _dataset_texts(self._dataset(cache_dir))
 
 
-SOURCES = {f"{cls.__module__}.{cls.__name__}": cls for cls in (GeneratedSource, JsonlSource, HFSource)}
+SOURCES = {
+    f"{cls.__module__}.{cls.__name__}": cls for cls in (GeneratedSource, JsonlSource, HFSource)
+}
 
 
 def build_source(group: dict) -> DataSource:
-    """The source a ``conf/data/*.yaml`` group describes: its ``_target_`` names one of :data:`SOURCES` and
-    every other key is a field of that class.
+    """The source a ``conf/data/*.yaml`` group describes: its ``_target_`` names one of
+    :data:`SOURCES` and every other key is a field of that class.
 
     Raises:
         DataError: One line, if ``_target_`` is not a known source or a field is missing or unknown.

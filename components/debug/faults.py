@@ -1,17 +1,20 @@
 """Deliberate faults, switched on by ``debug.fault``, so tests can prove the safeguards catch them.
 
-- ``nan_grad@N``: after the backward of step N, rank 0 writes NaN into one gradient (a numerical blow-up).
-- ``perturb_replica@N``: after the update of step N, the last rank nudges its copy of one TP-replicated
-  parameter (replica drift, as a non-deterministic kernel or a missed sync would cause).
+- ``nan_grad@N``: after the backward of step N, rank 0 writes NaN into one gradient (a numerical
+  blow-up).
+- ``perturb_replica@N``: after the update of step N, the last rank nudges its copy of one
+  TP-replicated parameter (replica drift, as a non-deterministic kernel or a missed sync would
+  cause).
 - ``raise@N``: the last rank raises at the start of step N (a crash on one rank mid-run).
-- ``replica_sync_sum``: every replicated parameter is sum-reduced instead of mean-reduced (the classic
-  mean-vs-sum bug: redundant gradients counted tp times).
-- ``slow_save@S``: every checkpoint save waits S seconds after all ranks wrote their files and before it is
-  committed, so a test can kill a run in the middle of a save.
+- ``replica_sync_sum``: every replicated parameter is sum-reduced instead of mean-reduced (the
+  classic mean-vs-sum bug: redundant gradients counted tp times).
+- ``slow_save@S``: every checkpoint save waits S seconds after all ranks wrote their files and
+  before it is committed, so a test can kill a run in the middle of a save.
 
-:func:`install_faults` installs a fault once, through hooks (a forward pre-hook, a gradient hook, an optimizer
-step hook, a callback for the checkpoint writer): the training loop holds no test machinery. Steps are counted
-from the model's training forward passes, so a skipped update does not shift them.
+:func:`install_faults` installs a fault once, through hooks (a forward pre-hook, a gradient hook, an
+optimizer step hook, a callback for the checkpoint writer): the training loop holds no test
+machinery. Steps are counted from the model's training forward passes, so a skipped update does not
+shift them.
 """
 
 import time
@@ -40,14 +43,16 @@ class Fault:
 
 
 def parse_fault(text: str | None) -> Fault | None:
-    """``"nan_grad@3"`` -> Fault("nan_grad", 3); None -> None; anything else -> ValueError naming the key."""
+    """``"nan_grad@3"`` -> Fault("nan_grad", 3); None -> None; anything else -> ValueError naming
+    the key."""
     if text is None:
         return None
     kind, _, step = str(text).partition("@")
     needs_step = kind in _WITH_STEP
     if kind not in KINDS or needs_step != step.isdigit() or (step.isdigit() and int(step) < 1):
         raise ValueError(
-            f"debug.fault={text!r} is not a known fault: use nan_grad@STEP, perturb_replica@STEP, raise@STEP, "
+            f"debug.fault={text!r} is not a known fault: use nan_grad@STEP, perturb_replica@STEP, "
+            "raise@STEP, "
             "slow_save@SECONDS or replica_sync_sum"
         )
     return Fault(kind=kind, step=int(step) if step else None)
@@ -61,7 +66,8 @@ def _first_plain(model: nn.Module) -> torch.Tensor:
 
 
 class _StepCounter:
-    """The 1-based step a training forward belongs to, from the count of training forwards so far."""
+    """The 1-based step a training forward belongs to, from the count of training forwards so
+    far."""
 
     def __init__(self, model: nn.Module, first_step: int, micro_batches_per_step: int) -> None:
         self.forwards, self.first_step, self.per_step = 0, first_step, micro_batches_per_step
@@ -91,8 +97,9 @@ def install_faults(
     first_step: int,
     micro_batches_per_step: int,
 ) -> Callable[[Path], None] | None:
-    """Install ``fault`` on ``model``/``optimizer``; returns the checkpoint writer's ``before_commit`` callback
-    (``slow_save``) or None. Call once, after the model is sharded and before its replicas are broadcast."""
+    """Install ``fault`` on ``model``/``optimizer``; returns the checkpoint writer's
+    ``before_commit`` callback (``slow_save``) or None. Call once, after the model is sharded and
+    before its replicas are broadcast."""
     if fault is None:
         return None
     if fault.kind == "slow_save":
@@ -105,25 +112,40 @@ def install_faults(
     counter = _StepCounter(model, first_step, micro_batches_per_step)
     last = rank == world_size - 1
     if fault.kind == "raise" and last:
-
-        def crash(module: nn.Module, args) -> None:
-            if module.training and counter.step == fault.step:
-                raise RuntimeError(f"injected fault (debug.fault=raise@{fault.step})")
-
-        model.register_forward_pre_hook(crash)
+        _crash_at(fault.step, model, counter)
     elif fault.kind == "nan_grad" and rank == 0:
-
-        def poison(parameter: torch.Tensor) -> None:
-            if counter.step == fault.step and counter.last_micro_batch:
-                parameter.grad.view(-1)[0] = float("nan")
-
-        _first_plain(model).register_post_accumulate_grad_hook(poison)
+        _poison_at(fault.step, model, counter)
     elif fault.kind == "perturb_replica" and last:
-
-        @torch.no_grad()
-        def nudge(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-            if counter.step == fault.step:
-                _first_plain(model).view(-1)[0] += 1e-3
-
-        optimizer.register_step_post_hook(nudge)
+        _nudge_at(fault.step, model, optimizer, counter)
     return None
+
+
+def _crash_at(step: int, model: nn.Module, counter: _StepCounter) -> None:
+    """Raise in the first training forward of ``step``."""
+
+    def crash(module: nn.Module, args) -> None:
+        if module.training and counter.step == step:
+            raise RuntimeError(f"injected fault (debug.fault=raise@{step})")
+
+    model.register_forward_pre_hook(crash)
+
+
+def _poison_at(step: int, model: nn.Module, counter: _StepCounter) -> None:
+    """A NaN in the first plain parameter's gradient at the last micro-batch of ``step``."""
+
+    def poison(parameter: torch.Tensor) -> None:
+        if counter.step == step and counter.last_micro_batch:
+            parameter.grad.view(-1)[0] = float("nan")
+
+    _first_plain(model).register_post_accumulate_grad_hook(poison)
+
+
+def _nudge_at(step: int, model: nn.Module, optimizer: torch.optim.Optimizer, counter) -> None:
+    """Move one replica's first plain parameter after the optimizer step of ``step``."""
+
+    @torch.no_grad()
+    def nudge(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+        if counter.step == step:
+            _first_plain(model).view(-1)[0] += 1e-3
+
+    optimizer.register_step_post_hook(nudge)

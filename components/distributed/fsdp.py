@@ -1,14 +1,14 @@
 """Data parallelism composed with TP: FSDP2 ``fully_shard`` over the ``dp`` axis, on every backend.
 
-Replicated parameters (norms) become DTensors on the ``dp`` submesh; ``tp_replicas`` recognises them as
-TP replicas from their mesh coordinates. Expert parameters (DTensors on the MoE mesh,
+Replicated parameters (norms) become DTensors on the ``dp`` submesh; ``tp_replicas`` recognises them
+as TP replicas from their mesh coordinates. Expert parameters (DTensors on the MoE mesh,
 ``components.moe``) are left out of FSDP: expert parallelism already splits them over ``ep`` and
 ``finalize_dtensor_gradients`` sums their gradients over ``ep_shard``.
 
 Gradients are *summed* over dp ranks (divide factor 1): the recipe normalises the loss by the token
-count of the whole global batch, so the sum is the true gradient whatever the split. The sum is forced
-(``set_force_sum_reduction_for_comms``) in every precision: gloo has no PREMUL_SUM. Mixed precision
-is FSDP2's ``MixedPrecisionPolicy`` (``PrecisionPolicy.fsdp_policy()`` in
+count of the whole global batch, so the sum is the true gradient whatever the split. The sum is
+forced (``set_force_sum_reduction_for_comms``) in every precision: gloo has no PREMUL_SUM. Mixed
+precision is FSDP2's ``MixedPrecisionPolicy`` (``PrecisionPolicy.fsdp_policy()`` in
 ``components.models.precision``).
 
 Design notes: docs/design-notes.md
@@ -25,8 +25,8 @@ def shard_data_parallel(
 ) -> nn.Module:
     """Wrap each decoder layer, then the whole model, with ``fully_shard`` on ``dp_mesh``.
 
-    ``mp_policy`` (None: FSDP2's default, compute and reduction in the parameters' dtype) is applied to
-    every wrapped module. Call after the TP plan, activation checkpointing and compile.
+    ``mp_policy`` (None: FSDP2's default, compute and reduction in the parameters' dtype) is applied
+    to every wrapped module. Call after the TP plan, activation checkpointing and compile.
     """
     policy = mp_policy or MixedPrecisionPolicy()
     experts = set(expert_parameters(model))
@@ -43,10 +43,15 @@ def shard_data_parallel(
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     """Parameters split by expert parallelism: DTensors on a mesh with an ``ep`` dimension."""
-    return [p for p in model.parameters() if isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ())]
+    return [
+        p
+        for p in model.parameters()
+        if isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ())
+    ]
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
-    """Skip (False) or do (True) the dp reduce-scatter on the next backward: for gradient accumulation."""
+    """Skip (False) or do (True) the dp reduce-scatter on the next backward: for gradient
+    accumulation."""
     if isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(enabled)

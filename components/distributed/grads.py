@@ -1,13 +1,14 @@
-"""Gradient finalisation for DTensor models, a global grad norm that counts every replica once, clipping.
+"""Gradient finalisation for DTensor models, a global grad norm that counts every replica once,
+clipping.
 
-The order at each optimizer step is: :func:`finalize_dtensor_gradients` (Partial -> Replicate, so each
-gradient has its parameter's placement) -> ``synchronize_tp_replica_gradients`` -> :func:`clip_grad_norm_`
-(or :func:`grad_norm`) -> ``optimizer.step()``.
+The order at each optimizer step is: :func:`finalize_dtensor_gradients` (Partial -> Replicate, so
+each gradient has its parameter's placement) -> ``synchronize_tp_replica_gradients`` ->
+:func:`clip_grad_norm_` (or :func:`grad_norm`) -> ``optimizer.step()``.
 
 ``torch.nn.utils.clip_grad_norm_`` cannot mix plain tensors with DTensors on different meshes, and a
-naive sum over every rank counts a TP replica ``tp`` times. Here each gradient's squared norm is reduced
-only over the mesh dimensions on which it is *sharded*; replicated dimensions and plain tensors (full
-copies on every rank) contribute once.
+naive sum over every rank counts a TP replica ``tp`` times. Here each gradient's squared norm is
+reduced only over the mesh dimensions on which it is *sharded*; replicated dimensions and plain
+tensors (full copies on every rank) contribute once.
 """
 
 import math
@@ -50,7 +51,8 @@ def _any_dtensor(parameters: list[nn.Parameter]) -> bool:
 
 
 def _partial_to_replicate_dims(grad: DTensor, target: tuple) -> tuple[int, ...] | None:
-    """Mesh dims where a sum-Partial gradient must become Replicate; None if any other change is needed."""
+    """Mesh dims where a sum-Partial gradient must become Replicate; None if any other change is
+    needed."""
     dims = []
     for dim, (have, want) in enumerate(zip(grad.placements, target, strict=True)):
         if have == want:
@@ -63,22 +65,32 @@ def _partial_to_replicate_dims(grad: DTensor, target: tuple) -> tuple[int, ...] 
 
 
 def _check_partial_candidates_present(model_parts: list[nn.Module]) -> None:
-    """Raise on every rank, naming them, if DTensor parameters that may hold Partial gradients have a
-    gradient on some ranks of their mesh and not on others (a parameter unused by one rank's forward):
-    the flat all-reduce below would otherwise mismatch (a hang or an abort) or silently mix gradients."""
+    """Raise on every rank, naming them, if DTensor parameters that may hold Partial gradients have
+    a gradient on some ranks of their mesh and not on others (a parameter unused by one rank's
+    forward): the flat all-reduce below would otherwise mismatch (a hang or an abort) or silently
+    mix gradients."""
     by_mesh: dict[DeviceMesh, list[tuple[str, bool]]] = {}
     for part_index, part in enumerate(model_parts):
         for name, parameter in sorted(part.named_parameters(), key=lambda item: item[0]):
-            if isinstance(parameter, DTensor) and any(isinstance(p, Replicate) for p in parameter.placements):
+            if isinstance(parameter, DTensor) and any(
+                isinstance(p, Replicate) for p in parameter.placements
+            ):
                 by_mesh.setdefault(parameter.device_mesh, []).append(
                     (f"{part_index}:{name}" if part_index else name, parameter.grad is not None)
                 )
-    for mesh, entries in by_mesh.items():  # first-appearance order in name order: the same on every rank
-        present = torch.tensor([has for _, has in entries], dtype=torch.int32, device=mesh.device_type)
+    for (
+        mesh,
+        entries,
+    ) in by_mesh.items():  # first-appearance order in name order: the same on every rank
+        present = torch.tensor(
+            [has for _, has in entries], dtype=torch.int32, device=mesh.device_type
+        )
         for dim in range(mesh.ndim):
             dist.all_reduce(present, op=dist.ReduceOp.SUM, group=mesh.get_group(dim))
         differing = [
-            name for (name, _), count in zip(entries, present.tolist(), strict=True) if 0 < count < mesh.size()
+            name
+            for (name, _), count in zip(entries, present.tolist(), strict=True)
+            if 0 < count < mesh.size()
         ]
         if differing:
             raise RuntimeError(f"Gradient presence differs across ranks: {', '.join(differing)}")
@@ -88,11 +100,11 @@ def _check_partial_candidates_present(model_parts: list[nn.Module]) -> None:
 def finalize_dtensor_gradients(model_parts: list[nn.Module]) -> int:
     """Give every DTensor gradient its parameter's placements; return how many gradients changed.
 
-    Sequence-parallel norms (and any Replicate parameter used on sharded activations) get ``Partial``
-    gradients: each rank holds a part of the sum. These are summed in flat buffers, one all-reduce per
-    (mesh, dims, dtype) group and bounded chunk, instead of one collective per tensor. Any other
-    placement mismatch falls back to ``DTensor.redistribute``. Call once per optimizer step, after
-    gradient accumulation.
+    Sequence-parallel norms (and any Replicate parameter used on sharded activations) get
+    ``Partial`` gradients: each rank holds a part of the sum. These are summed in flat buffers, one
+    all-reduce per (mesh, dims, dtype) group and bounded chunk, instead of one collective per
+    tensor. Any other placement mismatch falls back to ``DTensor.redistribute``. Call once per
+    optimizer step, after gradient accumulation.
     """
     trainable = _trainable_parameters(model_parts)
     if not _any_dtensor(trainable):
@@ -123,25 +135,36 @@ def finalize_dtensor_gradients(model_parts: list[nn.Module]) -> int:
         for parameter in parameters:
             grad = parameter.grad
             parameter.grad = DTensor.from_local(
-                grad._local_tensor, mesh, parameter.placements, run_check=False, shape=grad.shape, stride=grad.stride()
+                grad._local_tensor,
+                mesh,
+                parameter.placements,
+                run_check=False,
+                shape=grad.shape,
+                stride=grad.stride(),
             )
         changed += len(parameters)
     return changed
 
 
 def _norm_group_key(grad: torch.Tensor) -> tuple:
-    """Gradients that share a mesh layout and sharded dims reduce together; plain tensors never reduce."""
+    """Gradients that share a mesh layout and sharded dims reduce together; plain tensors never
+    reduce."""
     if not isinstance(grad, DTensor):
         return ("plain",)
     if any(isinstance(p, Partial) for p in grad.placements):
-        raise ValueError("grad_norm needs finalised gradients: call finalize_dtensor_gradients first")
+        raise ValueError(
+            "grad_norm needs finalised gradients: call finalize_dtensor_gradients first"
+        )
     mesh = grad.device_mesh
-    sharded = tuple(dim for dim, p in enumerate(grad.placements) if not isinstance(p, Replicate))  # strided too
+    sharded = tuple(
+        dim for dim, p in enumerate(grad.placements) if not isinstance(p, Replicate)
+    )  # strided too
     return (mesh.mesh_dim_names, tuple(mesh.mesh.shape), sharded)
 
 
 def _reduce_norms(norms: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-    """Combine per-tensor float64 norms into the group's max (inf) or sum of p-th powers, on the CPU."""
+    """Combine per-tensor float64 norms into the group's max (inf) or sum of p-th powers, on the
+    CPU."""
     if not norms:
         return torch.zeros((), dtype=torch.float64)
     stacked = torch.stack(norms)
@@ -158,21 +181,23 @@ def grad_norm(model_parts: list[nn.Module], norm_type: float = 2.0) -> torch.Ten
     """The global gradient norm, equal on every rank, as if the whole model were on one device.
 
     ``norm_type`` is any p > 0 or ``inf``; each tensor's norm is accumulated in float64 (one
-    ``torch._foreach_norm``) and so is the sum. Call after finalisation and the replica sync; the result is
-    a CPU float64 scalar.
+    ``torch._foreach_norm``) and so is the sum. Call after finalisation and the replica sync; the
+    result is a CPU float64 scalar.
     """
     norm_type = float(norm_type)
     trainable = _trainable_parameters(model_parts)
     grads = list(map(_grad, trainable))
     if not _any_dtensor(trainable):  # plain tensors: full copies on every rank, nothing to reduce
-        total = _reduce_norms(_local_norms([g for g in grads if g is not None], norm_type), norm_type)
+        total = _reduce_norms(
+            _local_norms([g for g in grads if g is not None], norm_type), norm_type
+        )
         return total if norm_type == math.inf else total.pow(1.0 / norm_type)
     is_inf = norm_type == math.inf
     locals_: dict[tuple, list[torch.Tensor]] = {}
     meshes: dict[tuple, DeviceMesh | None] = {}
     for parameter, grad in zip(trainable, grads, strict=True):
-        # A missing gradient counts as zero but still names its group, so every rank reduces the same
-        # groups even when one rank's copy of a parameter (an unused expert) got no gradient.
+        # A missing gradient counts as zero but still names its group, so every rank reduces the
+        # same groups even when one rank's copy of a parameter (an unused expert) got no gradient.
         key = _norm_group_key(grad if grad is not None else parameter)
         source = grad if grad is not None else parameter
         meshes.setdefault(key, source.device_mesh if isinstance(source, DTensor) else None)
@@ -195,8 +220,11 @@ def grad_norm(model_parts: list[nn.Module], norm_type: float = 2.0) -> torch.Ten
 
 
 @torch.no_grad()
-def clip_grad_norm_(model_parts: list[nn.Module], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """Scale all gradients so their global norm is at most ``max_norm``; return the norm before clipping."""
+def clip_grad_norm_(
+    model_parts: list[nn.Module], max_norm: float, norm_type: float = 2.0
+) -> torch.Tensor:
+    """Scale all gradients so their global norm is at most ``max_norm``; return the norm before
+    clipping."""
     total = grad_norm(model_parts, norm_type)
     coefficient = min(1.0, max_norm / (total.item() + 1e-6))
     if coefficient < 1.0:

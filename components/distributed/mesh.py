@@ -1,10 +1,10 @@
 """The device mesh: ``("dp", "tp")`` with tp innermost, and the MoE view ``("ep_shard", "ep")``.
 
-Tensor parallelism talks the most, so its ranks are adjacent (innermost: on one node, on NVLink). The
-data-parallel view is ``mesh["dp"]``. Expert parallelism uses the same ranks: the MoE mesh reshapes all
-``dp × tp`` ranks into ``(world // ep, ep)``, so a rank's expert group is ``ep`` adjacent ranks (inside one
-TP group when ``ep`` divides ``tp``, else spanning several dp ranks) and ``ep_shard`` runs across the
-groups that hold the same experts.
+Tensor parallelism talks the most, so its ranks are adjacent (innermost: on one node, on NVLink).
+The data-parallel view is ``mesh["dp"]``. Expert parallelism uses the same ranks: the MoE mesh
+reshapes all ``dp × tp`` ranks into ``(world // ep, ep)``, so a rank's expert group is ``ep``
+adjacent ranks (inside one TP group when ``ep`` divides ``tp``, else spanning several dp ranks) and
+``ep_shard`` runs across the groups that hold the same experts.
 """
 
 from dataclasses import dataclass
@@ -16,7 +16,8 @@ from torch.distributed.distributed_c10d import _set_pg_timeout
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelDims:
-    """How ``world_size`` ranks are split: ``dp × tp == world_size``; ``ep`` divides ``world_size``."""
+    """How ``world_size`` ranks are split: ``dp × tp == world_size``; ``ep`` divides
+    ``world_size``."""
 
     world_size: int
     dp: int
@@ -28,15 +29,20 @@ class ParallelDims:
         return self.world_size // self.ep
 
 
-def resolve_parallel_dims(world_size: int, tp: int = 1, dp: int | None = None, ep: int = 1) -> ParallelDims:
+def resolve_parallel_dims(
+    world_size: int, tp: int = 1, dp: int | None = None, ep: int = 1
+) -> ParallelDims:
     """Check the sizes and infer ``dp`` when it is None; every problem is reported at once.
 
     Raises:
-        ValueError: naming each size that does not fit, e.g. "world size 6 is not divisible by tp=4".
+        ValueError: naming each size that does not fit, e.g. "world size 6 is not divisible by
+            tp=4".
     """
     errors = []
     for name, value in (("world size", world_size), ("tp", tp), ("dp", dp), ("ep", ep)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        if value is not None and (
+            not isinstance(value, int) or isinstance(value, bool) or value < 1
+        ):
             errors.append(f"{name} must be a positive integer, got {value!r}")
     if errors:
         raise ValueError("; ".join(errors))
@@ -53,23 +59,30 @@ def resolve_parallel_dims(world_size: int, tp: int = 1, dp: int | None = None, e
     return ParallelDims(world_size=world_size, dp=dp, tp=tp, ep=ep)
 
 
-def build_device_mesh(dims: ParallelDims, device_type: str, timeout: timedelta | None = None) -> DeviceMesh:
-    """The ``("dp", "tp")`` mesh over all ranks, tp innermost (TP groups are adjacent ranks); its groups time
-    out after ``timeout`` (the run's ``collective_timeout_minutes``)."""
-    return _with_timeout(init_device_mesh(device_type, (dims.dp, dims.tp), mesh_dim_names=("dp", "tp")), timeout)
+def build_device_mesh(
+    dims: ParallelDims, device_type: str, timeout: timedelta | None = None
+) -> DeviceMesh:
+    """The ``("dp", "tp")`` mesh over all ranks, tp innermost (TP groups are adjacent ranks); its
+    groups time out after ``timeout`` (the run's ``collective_timeout_minutes``)."""
+    return _with_timeout(
+        init_device_mesh(device_type, (dims.dp, dims.tp), mesh_dim_names=("dp", "tp")), timeout
+    )
 
 
-def build_moe_mesh(device_mesh: DeviceMesh, dims: ParallelDims, timeout: timedelta | None = None) -> DeviceMesh:
-    """The ``("ep_shard", "ep")`` view of the same ranks, derived from ``device_mesh``'s root so the meshes share
-    one world: ``ep`` adjacent ranks split the experts. Build it only when ``ep > 1``."""
+def build_moe_mesh(
+    device_mesh: DeviceMesh, dims: ParallelDims, timeout: timedelta | None = None
+) -> DeviceMesh:
+    """The ``("ep_shard", "ep")`` view of the same ranks, derived from ``device_mesh``'s root so the
+    meshes share one world: ``ep`` adjacent ranks split the experts. Build it only when ``ep >
+    1``."""
     world = device_mesh._flatten("world")
     return _with_timeout(world._unflatten(0, (dims.ep_shard, dims.ep), ("ep_shard", "ep")), timeout)
 
 
 def _with_timeout(mesh: DeviceMesh, timeout: timedelta | None) -> DeviceMesh:
-    """Give every group of ``mesh`` the run's timeout: torch makes a mesh's groups with the backend's default
-    (30 minutes on gloo), not the timeout the world was joined with, so a stuck peer would hang a TP or dp
-    collective for half an hour whatever the user set."""
+    """Give every group of ``mesh`` the run's timeout: torch makes a mesh's groups with the
+    backend's default (30 minutes on gloo), not the timeout the world was joined with, so a stuck
+    peer would hang a TP or dp collective for half an hour whatever the user set."""
     if timeout is not None:
         for dim in range(mesh.ndim):
             _set_pg_timeout(timeout, mesh.get_group(dim))

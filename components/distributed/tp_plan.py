@@ -6,10 +6,12 @@ Plans are data (one per family, ``components.models.families``): ``fnmatch`` mod
 - ``colwise`` / ``rowwise``: Megatron-style pairs (output features, then input features sharded).
 - ``embedding_rowwise``: vocab-parallel embedding (rows of the table sharded).
 - ``vocab_parallel`` (ours): ``lm_head`` whose logits stay sharded over the vocabulary.
-- ``colwise_gather_output``: ``lm_head`` whose logits are gathered (HF's choice; costs vocab × tokens).
+- ``colwise_gather_output``: ``lm_head`` whose logits are gathered (HF's choice; costs vocab ×
+  tokens).
 - ``sequence_parallel``: norms run on sequence shards (Replicate weights, Partial gradients).
 - ``replicated_with_grad_allreduce``: not sharded, each rank sees a disjoint part: ``sum``.
-- ``replicate``: not sharded, computed redundantly: ``mean`` (the default for anything not in the plan).
+- ``replicate``: not sharded, computed redundantly: ``mean`` (the default for anything not in the
+  plan).
 Each style in detail: docs/design-notes.md
 
 Everything is checked before any parameter is sharded, and all problems are reported together.
@@ -34,7 +36,10 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from components.distributed.tp_replicas import mark_tp_replica_gradient_reduction, tp_replica_reduction
+from components.distributed.tp_replicas import (
+    mark_tp_replica_gradient_reduction,
+    tp_replica_reduction,
+)
 from components.models.families import FAMILIES, SEQUENCE_PARALLEL_NORMS
 
 _VOCAB_STYLES = ("embedding_rowwise", "vocab_parallel", "colwise_gather_output")
@@ -60,15 +65,17 @@ def plan_for(config, sequence_parallel: bool = False) -> dict[str, str]:
 
 
 class _GatherSequence(ParallelStyle):
-    """A block that needs whole tokens (an MoE block) inside a sequence-parallel model: all-gather its
-    input sequence, run it on plain replicated tensors, hand back sequence shards."""
+    """A block that needs whole tokens (an MoE block) inside a sequence-parallel model: all-gather
+    its input sequence, run it on plain replicated tensors, hand back sequence shards."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         PrepareModuleInput(
             input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
         )._apply(module, device_mesh)
         PrepareModuleOutput(
-            output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=False
+            output_layouts=(Replicate(),),
+            desired_output_layouts=(Shard(1),),
+            use_local_output=False,
         )._apply(module, device_mesh)
         return module
 
@@ -77,17 +84,19 @@ def _style(name: str, sequence_parallel: bool) -> ParallelStyle | None:
     """The torch style for a style name; None for styles that only mark a replicated module.
 
     Under sequence parallelism activations between blocks are DTensors sharded on the sequence
-    (``use_local_output=False``), so Hugging Face code that reads ``hidden_states.shape`` (positions, the
-    causal mask, the attention reshape) sees the global length, with any attention implementation.
+    (``use_local_output=False``), so Hugging Face code that reads ``hidden_states.shape``
+    (positions, the causal mask, the attention reshape) sees the global length, with any attention
+    implementation.
     """
     tokens = Shard(1) if sequence_parallel else Replicate()
     local_output = not sequence_parallel  # under SP the outputs stay DTensors (see above)
     styles = {
-        # Under SP the input arrives as a DTensor (gathered by the block's *_input style, or sharded by a
-        # norm), and a DTensor input is redistributed to Replicate whatever ``input_layouts`` says.
+        # Under SP the input arrives as a DTensor (gathered by the block's *_input style, or sharded
+        # by a norm), and a DTensor input is redistributed to Replicate whatever ``input_layouts``
+        # says.
         "colwise": lambda: ColwiseParallel(),
-        # One gather (SP) or one backward all-reduce (plain) per block instead of one per projection:
-        # the block's input becomes a Replicate DTensor that q/k/v (or gate/up) share.
+        # One gather (SP) or one backward all-reduce (plain) per block instead of one per
+        # projection: the block's input becomes a Replicate DTensor that q/k/v (or gate/up) share.
         "attention_input": lambda: PrepareModuleInput(
             input_kwarg_layouts={"hidden_states": tokens},
             desired_input_kwarg_layouts={"hidden_states": Replicate()},
@@ -103,7 +112,9 @@ def _style(name: str, sequence_parallel: bool) -> ParallelStyle | None:
         "vocab_parallel": lambda: ColwiseParallel(
             input_layouts=tokens, output_layouts=Shard(-1), use_local_output=False
         ),
-        "colwise_gather_output": lambda: ColwiseParallel(input_layouts=tokens, output_layouts=Replicate()),
+        "colwise_gather_output": lambda: ColwiseParallel(
+            input_layouts=tokens, output_layouts=Replicate()
+        ),
         "sequence_parallel": lambda: SequenceParallel(),
         "gather_sequence": lambda: _GatherSequence(),
         "replicated_with_grad_allreduce": lambda: None,
@@ -116,7 +127,8 @@ def _style(name: str, sequence_parallel: bool) -> ParallelStyle | None:
 
 @dataclass(kw_only=True)
 class PlanReport:
-    """Which parameters the plan sharded, and which stay replicated with which gradient reduction."""
+    """Which parameters the plan sharded, and which stay replicated with which gradient
+    reduction."""
 
     sharded: dict[str, str] = field(default_factory=dict)
     replicated: dict[str, str] = field(default_factory=dict)
@@ -124,12 +136,18 @@ class PlanReport:
 
     def format(self) -> str:
         """A short summary: replicated parameters grouped by pattern (layer indices as ``*``)."""
-        lines = [f"tensor-parallel plan: {len(self.sharded)} parameters sharded, {len(self.replicated)} replicated"]
+        lines = [
+            f"tensor-parallel plan: {len(self.sharded)} parameters sharded, "
+            f"{len(self.replicated)} replicated"
+        ]
         groups: dict[tuple[str, str], int] = {}
         for name, reduction in self.replicated.items():
             key = (re.sub(r"\.\d+\.", ".*.", name), reduction)
             groups[key] = groups.get(key, 0) + 1
-        lines += [f"  replicated ({reduction}): {name} ×{count}" for (name, reduction), count in sorted(groups.items())]
+        lines += [
+            f"  replicated ({reduction}): {name} ×{count}"
+            for (name, reduction), count in sorted(groups.items())
+        ]
         lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
 
@@ -142,7 +160,9 @@ def _resolve(model: nn.Module, plan: dict[str, str]) -> tuple[dict[str, str], li
     for pattern, style in plan.items():
         matches = fnmatch.filter(names, pattern)
         if not matches:
-            errors.append(f"plan pattern {pattern!r} ({style}) matches no module of {type(model).__name__}")
+            errors.append(
+                f"plan pattern {pattern!r} ({style}) matches no module of {type(model).__name__}"
+            )
         for name in matches:
             resolved[name] = style
     return resolved, errors
@@ -158,16 +178,22 @@ def check_plan(
 ) -> tuple[dict[str, str], list[str]]:
     """Resolve the plan and list every reason it cannot run at this ``tp`` (empty when it can).
 
-    ``moe_modules`` are patterns of expert and router modules: a dense style on them (or inside them) is
-    refused, because experts are split by expert parallelism and routers must see whole tokens.
-    Vocabulary not divisible by tp is not an error: the embedding and ``lm_head`` then stay replicated
-    (a documented fallback, noted in the report) because uneven vocab shards would break the loss.
+    ``moe_modules`` are patterns of expert and router modules: a dense style on them (or inside
+    them) is refused, because experts are split by expert parallelism and routers must see whole
+    tokens. Vocabulary not divisible by tp is not an error: the embedding and ``lm_head`` then stay
+    replicated (a documented fallback, noted in the report) because uneven vocab shards would break
+    the loss.
     """
     resolved, errors = _resolve(model, plan)
     for name, style in resolved.items():
-        owner = next((p for p in moe_modules if any(fnmatch.fnmatch(a, p) for a in _ancestors(name))), None)
+        owner = next(
+            (p for p in moe_modules if any(fnmatch.fnmatch(a, p) for a in _ancestors(name))), None
+        )
         if owner is not None:
-            errors.append(f"plan shards {name} with {style!r}, but it is an MoE expert or router ({owner}); remove it")
+            errors.append(
+                f"plan shards {name} with {style!r}, but it is an MoE expert or router ({owner}); "
+                "remove it"
+            )
     for name, style in resolved.items():
         try:
             _style(style, False)
@@ -183,8 +209,11 @@ def check_plan(
             errors.append(f"tp ({tp}) must divide {key} ({value})")
     vocab = getattr(config, "vocab_size", None)
     if vocab is not None and vocab % tp and "sequence_parallel" in resolved.values():
-        # The replicated-vocabulary fallback hands plain tensors to sequence-parallel norms: refuse it.
-        errors.append(f"sequence parallelism needs tp ({tp}) to divide vocab_size ({vocab}); use sp=false")
+        # The replicated-vocabulary fallback hands plain tensors to sequence-parallel norms: refuse
+        # it.
+        errors.append(
+            f"sequence parallelism needs tp ({tp}) to divide vocab_size ({vocab}); use sp=false"
+        )
     return resolved, errors
 
 
@@ -196,11 +225,12 @@ def apply_tp_plan(
     sequence_parallel: bool = False,
     moe_modules: tuple[str, ...] = (),
 ) -> PlanReport:
-    """Check the plan against the model and ``tp``, then shard the model in place; return the coverage.
+    """Check the plan against the model and ``tp``, then shard the model in place; return the
+    coverage.
 
     Raises:
-        ValueError: listing every problem (``"tp (4) must divide num_key_value_heads (2)"``, patterns that
-            match nothing, unknown styles) before any parameter is touched.
+        ValueError: listing every problem (``"tp (4) must divide num_key_value_heads (2)"``,
+            patterns that match nothing, unknown styles) before any parameter is touched.
     """
     tp = tp_mesh.size()
     resolved, errors = check_plan(model, config, plan, tp, moe_modules)
@@ -210,8 +240,13 @@ def apply_tp_plan(
     vocab = config.vocab_size
     tied = getattr(config, "tie_word_embeddings", False)
     if vocab % tp:
-        report.notes.append(f"vocab_size ({vocab}) is not divisible by tp ({tp}): embedding and lm_head replicated")
-        resolved = {name: "replicate" if style in _VOCAB_STYLES else style for name, style in resolved.items()}
+        report.notes.append(
+            f"vocab_size ({vocab}) is not divisible by tp ({tp}): embedding and lm_head replicated"
+        )
+        resolved = {
+            name: "replicate" if style in _VOCAB_STYLES else style
+            for name, style in resolved.items()
+        }
 
     for name, style in sorted(resolved.items()):
         module = model.get_submodule(name)
@@ -224,7 +259,9 @@ def apply_tp_plan(
         model.lm_head.weight = model.get_input_embeddings().weight
 
     for name, parameter in model.named_parameters():
-        if isinstance(parameter, DTensor) and any(isinstance(p, Shard) for p in parameter.placements):
+        if isinstance(parameter, DTensor) and any(
+            isinstance(p, Shard) for p in parameter.placements
+        ):
             report.sharded[name] = str(parameter.placements)
         else:
             module = model.get_submodule(name.rpartition(".")[0])
@@ -235,11 +272,12 @@ def apply_tp_plan(
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Sum of next-token cross entropy over positions with a label (``-100`` is ignored).
 
-    ``logits`` [batch, seq, vocab] may be a DTensor sharded over the vocabulary (``vocab_parallel``): then
-    call this *and the backward* inside ``torch.distributed.tensor.parallel.loss_parallel()``, which
-    computes the softmax across vocab shards; the result is then a Replicate DTensor scalar. ``labels``
-    [batch, seq] are aligned with the inputs and shifted here. The *sum* lets the caller divide by the
-    token count of the whole global batch, so gradient accumulation and dp splits change nothing.
+    ``logits`` [batch, seq, vocab] may be a DTensor sharded over the vocabulary
+    (``vocab_parallel``): then call this *and the backward* inside
+    ``torch.distributed.tensor.parallel.loss_parallel()``, which computes the softmax across vocab
+    shards; the result is then a Replicate DTensor scalar. ``labels`` [batch, seq] are aligned with
+    the inputs and shifted here. The *sum* lets the caller divide by the token count of the whole
+    global batch, so gradient accumulation and dp splits change nothing.
     """
     shift_logits = logits[:, :-1, :].flatten(0, 1).float()
     shift_labels = labels[:, 1:].flatten()

@@ -1,4 +1,5 @@
-"""Build or load Hugging Face causal LMs: tiny configs, seeded or meta-device builds, and loading each rank's shard."""
+"""Build or load Hugging Face causal LMs: tiny configs, seeded or meta-device builds, and loading
+each rank's shard."""
 
 from components.models.build import build_causal_lm, local_parameter_bytes, meta_causal_lm
 from components.models.configs import tiny_config

@@ -2,32 +2,39 @@
 
 - ``none``: every activation is kept for backward.
 - ``full``: each decoder block keeps only its inputs; its forward is recomputed in backward
-  (``torch.utils.checkpoint``, non-reentrant). Memory for activations drops from all blocks' intermediates to
-  the block inputs plus one block's intermediates; the price is one more forward per block.
-- ``selective``: as ``full``, but the outputs of matmuls and attention are saved and only the cheap ops
-  (norms, activations, rotary, elementwise) are recomputed (torch's selective checkpoint policy).
+  (``torch.utils.checkpoint``, non-reentrant). Memory for activations drops from all blocks'
+  intermediates to the block inputs plus one block's intermediates; the price is one more forward
+  per block.
+- ``selective``: as ``full``, but the outputs of matmuls and attention are saved and only the cheap
+  ops (norms, activations, rotary, elementwise) are recomputed (torch's selective checkpoint
+  policy).
 
-The block's own ``forward`` is wrapped in place (no wrapper module), so parameter names, checkpoints, the
-TP plan's patterns and Hugging Face export are unchanged. Hooks stay outside the checkpointed region: the
-TP plan's hooks on the block, and FSDP2's unshard/reshard hooks, run once in forward; the TP hooks of
-modules *inside* the block (the projections' collectives) run again in the recompute, as they must.
-Apply after the TP plan and before FSDP; with ``torch.compile`` the checkpoint goes *around* the compiled
-forward (see ``components.models.compile.apply_block_wrappers`` for why).
+The block's own ``forward`` is wrapped in place (no wrapper module), so parameter names,
+checkpoints, the TP plan's patterns and Hugging Face export are unchanged. Hooks stay outside the
+checkpointed region: the TP plan's hooks on the block, and FSDP2's unshard/reshard hooks, run once
+in forward; the TP hooks of modules *inside* the block (the projections' collectives) run again in
+the recompute, as they must. Apply after the TP plan and before FSDP; with ``torch.compile`` the
+checkpoint goes *around* the compiled forward (see
+``components.models.compile.apply_block_wrappers`` for why).
 """
 
 import functools
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 from components.models.build import decoder_blocks
 
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 _MARK = "_shardtune_activation_checkpointed"
 
-# Ops whose outputs ``selective`` saves: the expensive ones (matmuls, attention) and collectives, which
-# would otherwise run again in the recompute.
+# Ops whose outputs ``selective`` saves: the expensive ones (matmuls, attention) and collectives,
+# which would otherwise run again in the recompute.
 _SAVED_OPS = {
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,
@@ -54,7 +61,8 @@ def _checkpointed_forward(forward, context_fn, *args, **kwargs):
     if not torch.is_grad_enabled():  # evaluation: nothing is saved, nothing to recompute
         return forward(*args, **kwargs)
     # A KV cache (transformers builds one unless use_cache=False) would be appended to again by the
-    # recompute: twice the keys, and state that differs between forward and recompute. Training needs none.
+    # recompute: twice the keys, and state that differs between forward and recompute. Training
+    # needs none.
     if kwargs.get("past_key_values") is not None:
         kwargs = {**kwargs, "past_key_values": None}
     if context_fn is None:
@@ -63,22 +71,29 @@ def _checkpointed_forward(forward, context_fn, *args, **kwargs):
 
 
 def apply_activation_checkpointing(model: nn.Module, mode: str) -> int:
-    """Checkpoint every decoder block of ``model`` in ``mode`` (``none``, ``full`` or ``selective``).
+    """Checkpoint every decoder block of ``model`` in ``mode`` (``none``, ``full`` or
+    ``selective``).
 
     Returns the number of blocks wrapped (0 for ``none``).
 
     Raises:
-        ValueError: If ``mode`` is unknown, the model has no decoder blocks, or a block is already wrapped.
+        ValueError: If ``mode`` is unknown, the model has no decoder blocks, or a block is already
+            wrapped.
     """
     if mode not in ACTIVATION_CHECKPOINTING:
-        raise ValueError(f"train.activation_checkpointing={mode!r} is not one of {', '.join(ACTIVATION_CHECKPOINTING)}")
+        raise ValueError(
+            f"train.activation_checkpointing={mode!r} is not one of "
+            f"{', '.join(ACTIVATION_CHECKPOINTING)}"
+        )
     if mode == "none":
         return 0
     blocks = decoder_blocks(model)
     context_fn = _selective_contexts if mode == "selective" else None
     for index, block in enumerate(blocks):
         if getattr(block, _MARK, False):
-            raise ValueError(f"decoder block {index} already has its forward wrapped: apply checkpointing once")
+            raise ValueError(
+                f"decoder block {index} already has its forward wrapped: apply checkpointing once"
+            )
         block.forward = functools.partial(_checkpointed_forward, block.forward, context_fn)
         setattr(block, _MARK, True)
     return len(blocks)

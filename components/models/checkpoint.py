@@ -1,4 +1,5 @@
-"""Read any slice of a model tensor from a Hugging Face safetensors folder, touching only that slice's bytes.
+"""Read any slice of a model tensor from a Hugging Face safetensors folder, touching only that
+slice's bytes.
 
 The files are read with ``pread`` from their safetensors headers, not memory-mapped, so a rank's
 peak RSS during a load is about its shard, not the checkpoint. A box is read straight into its
@@ -92,7 +93,8 @@ def _pread_into(fd: int, tensor: torch.Tensor, position: int) -> None:
 
 
 class Checkpoint:
-    """The safetensors files of one Hugging Face folder, open for slice reads while used as a context."""
+    """The safetensors files of one Hugging Face folder, open for slice reads while used as a
+    context."""
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
@@ -213,8 +215,9 @@ class StoredTensor:
 
 @dataclass(frozen=True, kw_only=True)
 class StackedExperts:
-    """A fused (experts, rows, columns) parameter stored as 2-D tensors: ``keys[e]`` are expert e's parts,
-    concatenated along the rows (gate then up for ``gate_up_proj``; one part for ``down_proj``)."""
+    """A fused (experts, rows, columns) parameter stored as 2-D tensors: ``keys[e]`` are expert e's
+    parts, concatenated along the rows (gate then up for ``gate_up_proj``; one part for
+    ``down_proj``)."""
 
     keys: tuple[tuple[str, ...], ...]
 
@@ -225,9 +228,14 @@ class StackedExperts:
         part_shapes = [checkpoint.shape(key) for key in self.keys[0]]
         for parts in self.keys[1:]:
             if (other := [checkpoint.shape(key) for key in parts]) != part_shapes:
-                raise ValueError(f"{' + '.join(parts)}: shapes {other} differ from expert 0's {part_shapes}")
+                raise ValueError(
+                    f"{' + '.join(parts)}: shapes {other} differ from expert 0's {part_shapes}"
+                )
         if any(len(shape) != 2 or shape[1] != part_shapes[0][1] for shape in part_shapes):
-            raise ValueError(f"{' + '.join(self.keys[0])}: expected 2-D parts with equal columns, got {part_shapes}")
+            raise ValueError(
+                f"{' + '.join(self.keys[0])}: expected 2-D parts with equal columns, got "
+                f"{part_shapes}"
+            )
         return (len(self.keys), sum(rows for rows, _ in part_shapes), part_shapes[0][1])
 
     def read_into(self, checkpoint: Checkpoint, offset: Box, out: torch.Tensor) -> bool:
@@ -240,21 +248,32 @@ class StackedExperts:
             pieces, part_start = [], 0
             for key in parts:
                 part_rows = checkpoint.shape(key)[0]
-                low, high = max(first_row, part_start), min(first_row + rows, part_start + part_rows)
+                low, high = (
+                    max(first_row, part_start),
+                    min(first_row + rows, part_start + part_rows),
+                )
                 if low < high:
-                    pieces.append(checkpoint.read(key, (low - part_start, first_column), (high - low, columns)))
+                    pieces.append(
+                        checkpoint.read(
+                            key, (low - part_start, first_column), (high - low, columns)
+                        )
+                    )
                 part_start += part_rows
             stacked.append(torch.cat(pieces))
         return torch.stack(stacked)
 
 
 def find_source(
-    checkpoint: Checkpoint, name: str, model_shape: Box, model_type: str | None, tied: Mapping[str, str]
+    checkpoint: Checkpoint,
+    name: str,
+    model_shape: Box,
+    model_type: str | None,
+    tied: Mapping[str, str],
 ) -> TensorSource:
     """Where the model tensor ``name`` (global shape ``model_shape``) is stored in ``checkpoint``.
 
-    ``tied`` maps each tied parameter name to its partner, both ways. Raises KeyError naming the tensor
-    (and what was looked for) if the checkpoint does not hold it.
+    ``tied`` maps each tied parameter name to its partner, both ways. Raises KeyError naming the
+    tensor (and what was looked for) if the checkpoint does not hold it.
     """
     if name in checkpoint:
         return StoredTensor(key=name)
@@ -265,7 +284,10 @@ def find_source(
         if match := _FUSED_EXPERTS.match(name):
             prefix = f"{match['layer']}.{block}.experts"
             parts = (gate, up) if match["which"] == "gate_up_proj" else (down,)
-            keys = tuple(tuple(f"{prefix}.{e}.{part}.weight" for part in parts) for e in range(model_shape[0]))
+            keys = tuple(
+                tuple(f"{prefix}.{e}.{part}.weight" for part in parts)
+                for e in range(model_shape[0])
+            )
             if all(key in checkpoint for expert in keys for key in expert):
                 return StackedExperts(keys=keys)
             tried.append(f"{prefix}.<0..{model_shape[0] - 1}>.{'/'.join(parts)}.weight")
@@ -277,4 +299,6 @@ def find_source(
         if partner in checkpoint:
             return StoredTensor(key=partner)
         tried.append(f"{partner} (tied)")
-    raise KeyError(f"{name} is not in the checkpoint at {checkpoint.folder} (looked for {', '.join(tried)})")
+    raise KeyError(
+        f"{name} is not in the checkpoint at {checkpoint.folder} (looked for {', '.join(tried)})"
+    )

@@ -1,9 +1,11 @@
-"""``torch.compile`` per decoder block (``train.compile``), and the one call that wraps the blocks in order.
+"""``torch.compile`` per decoder block (``train.compile``), and the one call that wraps the blocks
+in order.
 
-Each block's ``forward`` is replaced by its compiled version in place (no ``OptimizedModule`` wrapper), so
-parameter names do not change; hooks on the block (the TP plan's input layouts, FSDP2's unshard/reshard)
-stay outside the compiled region and run eagerly. Every block has the same code, so dynamo compiles
-once. With activation checkpointing the checkpoint wraps the compiled forward, not the reverse.
+Each block's ``forward`` is replaced by its compiled version in place (no ``OptimizedModule``
+wrapper), so parameter names do not change; hooks on the block (the TP plan's input layouts, FSDP2's
+unshard/reshard) stay outside the compiled region and run eagerly. Every block has the same code, so
+dynamo compiles once. With activation checkpointing the checkpoint wraps the compiled forward, not
+the reverse.
 
 Refused, with an error that says what to change: compile with an MoE model (its expert dispatch is
 data dependent), and compile at tp > 1 without sequence parallelism (torch 2.13's AOT autograd fails
@@ -31,37 +33,44 @@ def check_compile(
     sequence_parallel: bool,
     backend: str = _DEFAULT_BACKEND,
 ) -> None:
-    """Raise before anything is built if ``train.compile`` cannot work here (see the module docstring).
+    """Raise before anything is built if ``train.compile`` cannot work here (see the module
+    docstring).
 
     Raises:
-        ValueError: compile on an MoE model, at tp > 1 without sequence parallelism, or with inductor on
-            the CPU without a C compiler (``cc``).
+        ValueError: compile on an MoE model, at tp > 1 without sequence parallelism, or with
+            inductor on the CPU without a C compiler (``cc``).
     """
     if not compile_blocks:
         return
     if tp > 1 and not sequence_parallel:
         raise ValueError(
-            f"train.compile=true at tp={tp} needs sp=true (torch 2.13 cannot compile the backward of a "
+            f"train.compile=true at tp={tp} needs sp=true (torch 2.13 cannot compile the backward "
+            "of a "
             "plain tensor-parallel block): set sp=true or train.compile=false"
         )
     if is_moe:
         raise ValueError(
-            "train.compile=true is not supported with MoE models (data-dependent expert dispatch and the "
+            "train.compile=true is not supported with MoE models (data-dependent expert dispatch "
+            "and the "
             "expert-parallel all-reduce do not compile): use train.compile=false"
         )
     if backend == "inductor" and device_type == "cpu" and shutil.which("cc") is None:
-        raise ValueError("train.compile=true on the CPU needs a C compiler (cc) for inductor: install one")
+        raise ValueError(
+            "train.compile=true on the CPU needs a C compiler (cc) for inductor: install one"
+        )
 
 
 def compile_blocks(model: nn.Module, backend: str = _DEFAULT_BACKEND) -> int:
-    """Compile each decoder block's forward (after the TP plan and activation checkpointing, before FSDP).
+    """Compile each decoder block's forward (after the TP plan and activation checkpointing, before
+    FSDP).
 
-    Returns the number of blocks compiled. ``backend`` is torch.compile's (``inductor`` for training;
-    tests may use ``aot_eager``, which traces the same graphs without generating code).
+    Returns the number of blocks compiled. ``backend`` is torch.compile's (``inductor`` for
+    training; tests may use ``aot_eager``, which traces the same graphs without generating code).
     """
     blocks = decoder_blocks(model)
     for block in blocks:
-        # dynamic=False: every step has the same shapes (padded batches); a recompile per new shape is fine.
+        # dynamic=False: every step has the same shapes (padded batches); a recompile per new shape
+        # is fine.
         block.forward = torch.compile(block.forward, backend=backend, dynamic=False)
     return len(blocks)
 
@@ -69,10 +78,12 @@ def compile_blocks(model: nn.Module, backend: str = _DEFAULT_BACKEND) -> int:
 def apply_block_wrappers(
     model: nn.Module, activation_checkpointing: str, compile: bool, backend: str = _DEFAULT_BACKEND
 ) -> None:
-    """Wrap every decoder block: compile its forward, then checkpoint that (``none``/``full``/``selective``).
+    """Wrap every decoder block: compile its forward, then checkpoint that
+    (``none``/``full``/``selective``).
 
-    Call after ``apply_tp_plan`` (and expert parallelism), before ``shard_data_parallel``; FSDP's hooks
-    must stay outside both wrappers. The checkpoint goes around the compiled code (module docstring).
+    Call after ``apply_tp_plan`` (and expert parallelism), before ``shard_data_parallel``; FSDP's
+    hooks must stay outside both wrappers. The checkpoint goes around the compiled code (module
+    docstring).
 
     Raises:
         ValueError: An unknown checkpointing mode, or a model without decoder blocks.

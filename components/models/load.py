@@ -1,9 +1,11 @@
-"""Load a local Hugging Face model folder: its config, and its weights into an (optionally sharded) model.
+"""Load a local Hugging Face model folder: its config, and its weights into an (optionally sharded)
+model.
 
 ``materialize_pretrained`` is the last step of meta-device initialisation: the model was built on
-the meta device and a TP (or FSDP-style) plan has already turned parameters into DTensors, so each rank
-allocates and reads only its own shard. It runs no collective: every rank computes its slices from the
-same checkpoint and model structure, so an error (a missing key, a wrong shape) is raised on every rank.
+the meta device and a TP (or FSDP-style) plan has already turned parameters into DTensors, so each
+rank allocates and reads only its own shard. It runs no collective: every rank computes its slices
+from the same checkpoint and model structure, so an error (a missing key, a wrong shape) is raised
+on every rank.
 """
 
 from collections import defaultdict
@@ -38,42 +40,46 @@ def load_config(pretrained_path: str | Path) -> PretrainedConfig:
 
 
 def materialize_pretrained(model: nn.Module, folder: str | Path, device: str = "cpu") -> None:
-    """Give ``model`` storage on ``device`` and fill every parameter's rank-local part from the checkpoint.
+    """Give ``model`` storage on ``device`` and fill every parameter's rank-local part from the
+    checkpoint.
 
     The model may be on the meta device and its parameters may be DTensors sharded with ``Shard`` or
     ``Replicate`` placements on any mesh; each rank reads only its slice of each tensor. Persistent
     buffers load like parameters; non-persistent ones (rotary ``inv_freq``) are recomputed with the
     model's own ``_init_weights``, as transformers 5 does when it loads a folder.
 
-    Dtypes: each parameter keeps the dtype it was built with (``meta_causal_lm(config, dtype)``), whatever
-    the checkpoint's; each slice is read in the stored dtype and converted as it is copied into the local
-    shard. A bf16 checkpoint thus gives fp32 master weights under ``bf16-mixed`` with no fp32 copy beyond
-    the rank's own shard (and no bf16 copy beyond one slice).
+    Dtypes: each parameter keeps the dtype it was built with (``meta_causal_lm(config, dtype)``),
+    whatever the checkpoint's; each slice is read in the stored dtype and converted as it is copied
+    into the local shard. A bf16 checkpoint thus gives fp32 master weights under ``bf16-mixed`` with
+    no fp32 copy beyond the rank's own shard (and no bf16 copy beyond one slice).
 
     Tied weights: parameters that were one object before stay one object (``to_empty`` would untie
     them). A tie already broken by parallelisation (embedding and lm_head sharded differently) stays
-    broken: each copy is filled from the one stored tensor; keeping the copies in step while training
-    is then the caller's concern.
+    broken: each copy is filled from the one stored tensor; keeping the copies in step while
+    training is then the caller's concern.
 
     Raises:
         FileNotFoundError: If the folder holds neither model.safetensors nor its index.
-        KeyError: If a parameter or persistent buffer is not in the checkpoint; the message names it.
-        ValueError: If a stored shape differs from the model's (naming the tensor and both shapes), a
-            DTensor has a placement other than Shard or Replicate, or ``_init_weights`` leaves a
+        KeyError: If a parameter or persistent buffer is not in the checkpoint; the message names
+            it.
+        ValueError: If a stored shape differs from the model's (naming the tensor and both shapes),
+            a DTensor has a placement other than Shard or Replicate, or ``_init_weights`` leaves a
             non-persistent floating buffer unset.
     """
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     tied = _tied_partners(model)
     with Checkpoint(folder) as checkpoint:
-        # Resolve every tensor, and so raise every checkpoint or placement error, before the model is touched.
+        # Resolve every tensor, and so raise every checkpoint or placement error, before the model
+        # is touched.
         sources = {}
         for name, tensor in _loadable_tensors(model):
             source = find_source(checkpoint, name, tuple(tensor.shape), model_type, tied)
             stored_shape, model_shape = source.shape(checkpoint), tuple(tensor.shape)
             if stored_shape != model_shape:
                 raise ValueError(
-                    f"{name}: checkpoint shape {stored_shape} ({source.describe()}) != model shape {model_shape}"
+                    f"{name}: checkpoint shape {stored_shape} ({source.describe()}) != model "
+                    f"shape {model_shape}"
                 )
             _check_placements(name, tensor)
             sources[name] = source
@@ -94,12 +100,15 @@ def _loadable_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     for module_name, module in model.named_modules():
         for buffer_name, buffer in module.named_buffers(recurse=False):
             if buffer is not None and buffer_name not in module._non_persistent_buffers_set:
-                tensors.append((f"{module_name}.{buffer_name}" if module_name else buffer_name, buffer))
+                tensors.append(
+                    (f"{module_name}.{buffer_name}" if module_name else buffer_name, buffer)
+                )
     return tensors
 
 
 def _tied_partners(model: nn.Module) -> dict[str, str]:
-    """The model's declared weight ties (transformers' ``all_tied_weights_keys``), in both directions."""
+    """The model's declared weight ties (transformers' ``all_tied_weights_keys``), in both
+    directions."""
     ties = getattr(model, "all_tied_weights_keys", None) or {}
     return {**ties, **{source: target for target, source in ties.items()}}
 
@@ -108,7 +117,9 @@ def _check_placements(name: str, tensor: torch.Tensor) -> None:
     if isinstance(tensor, DTensor):
         for placement in tensor.placements:
             if not (isinstance(placement, Replicate) or type(placement) is Shard):
-                raise ValueError(f"{name}: cannot load into placement {placement!r} (only Shard and Replicate)")
+                raise ValueError(
+                    f"{name}: cannot load into placement {placement!r} (only Shard and Replicate)"
+                )
 
 
 def _shared_parameter_names(model: nn.Module) -> list[list[str]]:
@@ -120,7 +131,8 @@ def _shared_parameter_names(model: nn.Module) -> list[list[str]]:
 
 
 def _retie(model: nn.Module, shared: list[list[str]]) -> None:
-    """Make each group of names one parameter object again (``to_empty`` gives every name its own)."""
+    """Make each group of names one parameter object again (``to_empty`` gives every name its
+    own)."""
     for first, *others in shared:
         parameter = model.get_parameter(first)
         for name in others:
@@ -129,12 +141,14 @@ def _retie(model: nn.Module, shared: list[list[str]]) -> None:
 
 
 def _recompute_non_persistent_buffers(model: nn.Module) -> None:
-    """Refill buffers that are not in the checkpoint (garbage after ``to_empty``) with ``_init_weights``.
+    """Refill buffers that are not in the checkpoint (garbage after ``to_empty``) with
+    ``_init_weights``.
 
-    That is where transformers 5 computes them (rotary ``inv_freq`` and ``original_inv_freq`` from the
-    config). This runs before the parameters are loaded, so an owner module's parameters that
-    ``_init_weights`` also re-initialises are overwritten by the checkpoint afterwards. Floating buffers are
-    first set to NaN, so one that ``_init_weights`` leaves alone is an error instead of silent garbage.
+    That is where transformers 5 computes them (rotary ``inv_freq`` and ``original_inv_freq`` from
+    the config). This runs before the parameters are loaded, so an owner module's parameters that
+    ``_init_weights`` also re-initialises are overwritten by the checkpoint afterwards. Floating
+    buffers are first set to NaN, so one that ``_init_weights`` leaves alone is an error instead of
+    silent garbage.
     """
     owners = [
         (module_name, module)
@@ -145,7 +159,9 @@ def _recompute_non_persistent_buffers(model: nn.Module) -> None:
         return
     init_weights = getattr(model, "_init_weights", None)
     if init_weights is None:
-        raise ValueError(f"cannot recompute the non-persistent buffers of {owners[0][0]}: no _init_weights")
+        raise ValueError(
+            f"cannot recompute the non-persistent buffers of {owners[0][0]}: no _init_weights"
+        )
     with torch.no_grad():
         for _, module in owners:
             for name in module._non_persistent_buffers_set:
@@ -156,18 +172,27 @@ def _recompute_non_persistent_buffers(model: nn.Module) -> None:
         for name in sorted(module._non_persistent_buffers_set):
             buffer = module._buffers.get(name)
             if buffer is not None and buffer.is_floating_point() and buffer.isnan().any():
-                raise ValueError(f"{module_name}.{name} is not in the checkpoint and _init_weights did not set it")
+                raise ValueError(
+                    f"{module_name}.{name} is not in the checkpoint and _init_weights did not set "
+                    "it"
+                )
 
 
-def _fill_local_part(name: str, tensor: torch.Tensor, source: TensorSource, checkpoint: Checkpoint) -> None:
+def _fill_local_part(
+    name: str, tensor: torch.Tensor, source: TensorSource, checkpoint: Checkpoint
+) -> None:
     """Copy this rank's box of the stored tensor into ``tensor``'s local storage."""
     if isinstance(tensor, DTensor):
         if tensor.device_mesh.get_coordinate() is None:
             return  # this rank is outside the tensor's mesh and holds nothing
         local = tensor.to_local()
-        size, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+        size, offset = compute_local_shape_and_global_offset(
+            tensor.shape, tensor.device_mesh, tensor.placements
+        )
         if tuple(local.shape) != tuple(size):
-            raise ValueError(f"{name}: local shard shape {tuple(local.shape)} != computed {tuple(size)}")
+            raise ValueError(
+                f"{name}: local shard shape {tuple(local.shape)} != computed {tuple(size)}"
+            )
     else:
         local, size, offset = tensor, tuple(tensor.shape), (0,) * tensor.dim()
     if local.numel() > 0 and not source.read_into(checkpoint, tuple(offset), local):

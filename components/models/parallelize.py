@@ -1,11 +1,11 @@
 """Build the model a rank trains, in the one fixed order every parallelism needs.
 
-    weights in the precision's dtype (seeded, or on the meta device) -> TP plan (+ bf16 casts ahead of its
-    gathers) -> expert parallelism -> load this rank's slices -> compile and activation checkpointing per
-    block -> FSDP over dp with the precision's mixed-precision policy
+    weights in the precision's dtype (seeded, or on the meta device) -> TP plan (+ bf16 casts ahead
+    of its gathers) -> expert parallelism -> load this rank's slices -> compile and activation
+    checkpointing per block -> FSDP over dp with the precision's mixed-precision policy
 
-Each step is its own component (``tp_plan``, ``moe``, ``load``, ``fsdp``); this module only fixes their order,
-so the recipe makes one call.
+Each step is its own component (``tp_plan``, ``moe``, ``load``, ``fsdp``); this module only fixes
+their order, so the recipe makes one call.
 """
 
 from dataclasses import dataclass
@@ -43,11 +43,15 @@ class ModelSpec:
 
 
 def build_parallel_model(
-    spec: ModelSpec, dims: ParallelDims, mesh: DeviceMesh, device: torch.device, timeout: timedelta | None = None
+    spec: ModelSpec,
+    dims: ParallelDims,
+    mesh: DeviceMesh,
+    device: torch.device,
+    timeout: timedelta | None = None,
 ) -> tuple[nn.Module, PlanReport | None]:
-    """The model of this rank, sharded over ``mesh`` ("dp", "tp"), and the TP plan's report (None at tp=1);
-    ``timeout``: of the MoE mesh's groups, as of ``mesh``'s. On the meta ``device`` (a dry run)
-    every step runs but nothing gets storage."""
+    """The model of this rank, sharded over ``mesh`` ("dp", "tp"), and the TP plan's report (None at
+    tp=1); ``timeout``: of the MoE mesh's groups, as of ``mesh``'s. On the meta ``device`` (a dry
+    run) every step runs but nothing gets storage."""
     policy = precision_policy(spec.precision)
     if spec.weights is None and device.type != "meta":
         model = build_causal_lm(spec.config, seed=spec.seed, dtype=policy.param_dtype).to(device)
@@ -57,10 +61,14 @@ def build_parallel_model(
     if dims.tp > 1:
         plan = plan_for(spec.config, spec.sequence_parallel)
         moe_modules = (*spec.experts, *spec.routers)
-        report = apply_tp_plan(model, mesh["tp"], plan, spec.config, spec.sequence_parallel, moe_modules)
+        report = apply_tp_plan(
+            model, mesh["tp"], plan, spec.config, spec.sequence_parallel, moe_modules
+        )
         policy.cast_tp_inputs(model, data_parallel=dims.dp > 1)
     if dims.ep > 1:  # the MoE mesh and its process groups exist only when experts are split
-        apply_expert_parallel(model, build_moe_mesh(mesh, dims, timeout), mesh["tp"], list(spec.experts))
+        apply_expert_parallel(
+            model, build_moe_mesh(mesh, dims, timeout), mesh["tp"], list(spec.experts)
+        )
     if spec.weights is not None and device.type != "meta":
         materialize_pretrained(model, spec.weights, device=str(device))
     apply_block_wrappers(model, spec.activation_checkpointing, spec.compile)

@@ -1,5 +1,6 @@
-"""Training precision from one name (``train.precision``): the dtype parameters are built in, the autocast
-context of the forward pass, FSDP2's mixed-precision policy, and bf16 casts ahead of TP activation gathers.
+"""Training precision from one name (``train.precision``): the dtype parameters are built in, the
+autocast context of the forward pass, FSDP2's mixed-precision policy, and bf16 casts ahead of TP
+activation gathers.
 
 - ``fp32``: everything in fp32 (parameters, gradients, optimizer state, compute, collectives).
 - ``bf16-mixed``: fp32 master weights, gradients and optimizer state; bf16 compute: FSDP2's
@@ -30,7 +31,9 @@ class PrecisionPolicy:
     """What one ``train.precision`` value means for building, running and sharding the model."""
 
     name: str
-    param_dtype: torch.dtype  # parameters as built or loaded: the master weights, their grads and AdamW state
+    param_dtype: (
+        torch.dtype
+    )  # parameters as built or loaded: the master weights, their grads and AdamW state
     compute_dtype: torch.dtype  # matmuls and the activations TP moves
 
     @property
@@ -41,44 +44,57 @@ class PrecisionPolicy:
     def autocast(self, device_type: str, data_parallel: bool) -> AbstractContextManager:
         """The context to run the forward pass in (the backward needs none).
 
-        bf16 autocast for ``bf16-mixed`` without FSDP (``data_parallel`` False: dp = 1); otherwise a null
-        context: under FSDP the mixed-precision policy casts the parameters, and fp32 or bf16 need no cast.
+        bf16 autocast for ``bf16-mixed`` without FSDP (``data_parallel`` False: dp = 1); otherwise a
+        null context: under FSDP the mixed-precision policy casts the parameters, and fp32 or bf16
+        need no cast.
         """
         if self.mixed and not data_parallel:
             return torch.autocast(device_type=device_type, dtype=self.compute_dtype)
         return nullcontext()
 
     def fsdp_policy(self) -> MixedPrecisionPolicy:
-        """FSDP2's policy: bf16 parameters for compute under ``bf16-mixed``; gradients reduced in fp32 in
-        every mode (for ``bf16`` the fp32 reduce-scatter result is rounded to bf16 once, into the shard)."""
+        """FSDP2's policy: bf16 parameters for compute under ``bf16-mixed``; gradients reduced in
+        fp32 in every mode (for ``bf16`` the fp32 reduce-scatter result is rounded to bf16 once,
+        into the shard)."""
         param_dtype = self.compute_dtype if self.mixed else None
         return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
 
     def cast_tp_inputs(self, model: nn.Module, data_parallel: bool) -> int:
-        """Under autocast, cast the input of each block's attention and MLP, and of ``lm_head``, to bf16
-        *before* the TP plan gathers (sequence parallelism) or all-reduces its gradient (plain TP).
+        """Under autocast, cast the input of each block's attention and MLP, and of ``lm_head``, to
+        bf16 *before* the TP plan gathers (sequence parallelism) or all-reduces its gradient (plain
+        TP).
 
-        Autocast casts a matmul's input where the matmul runs, after the TP hooks moved it in fp32 (the
-        RMSNorm's output dtype). Casting first halves those bytes and gives bitwise the same loss (the
-        gather is exact; the matmul would cast the same values). Left in fp32 by design: the residual
-        stream (the embedding's output collective and its gradient), and the loss, computed from fp32
-        logits. Call after ``apply_tp_plan`` (the hook is prepended, so it runs before the plan's); a no-op
-        (returns 0) unless this policy uses autocast. Returns how many modules got the cast.
+        Autocast casts a matmul's input where the matmul runs, after the TP hooks moved it in fp32
+        (the RMSNorm's output dtype). Casting first halves those bytes and gives bitwise the same
+        loss (the gather is exact; the matmul would cast the same values). Left in fp32 by design:
+        the residual stream (the embedding's output collective and its gradient), and the loss,
+        computed from fp32 logits. Call after ``apply_tp_plan`` (the hook is prepended, so it runs
+        before the plan's); a no-op (returns 0) unless this policy uses autocast. Returns how many
+        modules got the cast.
         """
         if not self.mixed or data_parallel:
             return 0
-        modules = [getattr(block, name, None) for block in decoder_blocks(model) for name in ("self_attn", "mlp")]
-        modules.append(model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None)
+        modules = [
+            getattr(block, name, None)
+            for block in decoder_blocks(model)
+            for name in ("self_attn", "mlp")
+        ]
+        modules.append(
+            model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        )
         count = 0
         for module in modules:
             if module is not None:
-                module.register_forward_pre_hook(_CastHiddenStates(self.compute_dtype), prepend=True, with_kwargs=True)
+                module.register_forward_pre_hook(
+                    _CastHiddenStates(self.compute_dtype), prepend=True, with_kwargs=True
+                )
                 count += 1
         return count
 
 
 class _CastHiddenStates:
-    """Forward pre-hook: cast a floating ``hidden_states`` (first positional or keyword) while autocast is on."""
+    """Forward pre-hook: cast a floating ``hidden_states`` (first positional or keyword) while
+    autocast is on."""
 
     def __init__(self, dtype: torch.dtype):
         self.dtype = dtype
@@ -88,7 +104,10 @@ class _CastHiddenStates:
             return None
         if args and torch.is_floating_point(args[0]):
             return (args[0].to(self.dtype), *args[1:]), kwargs
-        if isinstance(kwargs.get("hidden_states"), torch.Tensor) and kwargs["hidden_states"].is_floating_point():
+        if (
+            isinstance(kwargs.get("hidden_states"), torch.Tensor)
+            and kwargs["hidden_states"].is_floating_point()
+        ):
             return args, {**kwargs, "hidden_states": kwargs["hidden_states"].to(self.dtype)}
         return None
 

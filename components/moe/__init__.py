@@ -1,4 +1,9 @@
-from components.moe.expert_parallel import apply_expert_parallel, check_expert_parallel, dispatch_mode, expert_modules
+from components.moe.expert_parallel import (
+    apply_expert_parallel,
+    check_expert_parallel,
+    dispatch_mode,
+    expert_modules,
+)
 from components.moe.load_balance import ExpertLoad, RoutingBias, router_aux_loss_weight
 
 __all__ = [

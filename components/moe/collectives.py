@@ -1,13 +1,18 @@
-"""The differentiable collectives expert parallelism needs, each with the backward its layout calls for.
+"""The differentiable collectives expert parallelism needs, each with the backward its layout calls
+for.
 
-Tokens entering an MoE block are the same on every rank of a TP group (replicated activations), and the
-gradient that comes back to them is the same on every TP rank too. The pairs below follow from that:
+Tokens entering an MoE block are the same on every rank of a TP group (replicated activations), and
+the gradient that comes back to them is the same on every TP rank too. The pairs below follow from
+that:
 
 - :func:`sum_over_group` / :func:`enter_group`: the folded path's pair (Megatron's "g" and "f"): the
-  forward sums the ranks' partial outputs, the backward of the entry sums the partial input gradients.
-- :func:`scatter_rows` / :func:`gather_rows`: this rank's block of replicated rows, and back; the backward
-  of taking a block is gathering the blocks' gradients, the backward of gathering is taking the block.
-- :func:`all_to_all_rows`: rows to the ranks that hold their experts; its backward is the reverse exchange.
+  forward sums the ranks' partial outputs, the backward of the entry sums the partial input
+  gradients.
+- :func:`scatter_rows` / :func:`gather_rows`: this rank's block of replicated rows, and back; the
+  backward of taking a block is gathering the blocks' gradients, the backward of gathering is taking
+  the block.
+- :func:`all_to_all_rows`: rows to the ranks that hold their experts; its backward is the reverse
+  exchange.
 """
 
 import torch
@@ -43,17 +48,20 @@ class _EnterGroup(torch.autograd.Function):
 
 
 def sum_over_group(partial: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Forward: all-reduce SUM of the ranks' partial outputs. Backward: identity (the same gradient everywhere)."""
+    """Forward: all-reduce SUM of the ranks' partial outputs. Backward: identity (the same gradient
+    everywhere)."""
     return _SumOverGroup.apply(partial, group)
 
 
 def enter_group(hidden_states: torch.Tensor, weights: torch.Tensor, group: dist.ProcessGroup):
-    """Forward: identity on replicated inputs. Backward: one all-reduce SUM of both inputs' partial gradients."""
+    """Forward: identity on replicated inputs. Backward: one all-reduce SUM of both inputs' partial
+    gradients."""
     return _EnterGroup.apply(hidden_states, weights, group)
 
 
 def block(rows: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-    """Rank ``rank``'s block of ``rows`` split into ``size`` equal blocks (a view; no autograd of its own)."""
+    """Rank ``rank``'s block of ``rows`` split into ``size`` equal blocks (a view; no autograd of
+    its own)."""
     per_rank = rows.shape[0] // size
     return rows[rank * per_rank : (rank + 1) * per_rank]
 
@@ -66,7 +74,9 @@ def _gather(block: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.T
 
 class _ScatterRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rows: torch.Tensor, group: dist.ProcessGroup, rank: int, size: int) -> torch.Tensor:
+    def forward(
+        ctx, rows: torch.Tensor, group: dist.ProcessGroup, rank: int, size: int
+    ) -> torch.Tensor:
         ctx.group, ctx.size = group, size
         return block(rows, rank, size).clone()
 
@@ -77,7 +87,9 @@ class _ScatterRows(torch.autograd.Function):
 
 class _GatherRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, block: torch.Tensor, group: dist.ProcessGroup, rank: int, size: int) -> torch.Tensor:
+    def forward(
+        ctx, block: torch.Tensor, group: dist.ProcessGroup, rank: int, size: int
+    ) -> torch.Tensor:
         ctx.rank, ctx.size = rank, size
         return _gather(block, group, size)
 
@@ -86,20 +98,28 @@ class _GatherRows(torch.autograd.Function):
         return block(grad, ctx.rank, ctx.size).clone(), None, None, None
 
 
-def scatter_rows(rows: torch.Tensor, group: dist.ProcessGroup, rank: int, size: int) -> torch.Tensor:
-    """This rank's block of rows that every rank of ``group`` holds alike (``rows`` divisible by ``size``).
-    Backward: the blocks' gradients gathered, so every rank gets the whole (identical) input gradient."""
+def scatter_rows(
+    rows: torch.Tensor, group: dist.ProcessGroup, rank: int, size: int
+) -> torch.Tensor:
+    """This rank's block of rows that every rank of ``group`` holds alike (``rows`` divisible by
+    ``size``). Backward: the blocks' gradients gathered, so every rank gets the whole (identical)
+    input gradient."""
     return _ScatterRows.apply(rows, group, rank, size)
 
 
-def gather_rows(block: torch.Tensor, group: dist.ProcessGroup, rank: int, size: int) -> torch.Tensor:
-    """Every rank's block, concatenated in rank order. Backward: this rank's block of the (identical) gradient."""
+def gather_rows(
+    block: torch.Tensor, group: dist.ProcessGroup, rank: int, size: int
+) -> torch.Tensor:
+    """Every rank's block, concatenated in rank order. Backward: this rank's block of the
+    (identical) gradient."""
     return _GatherRows.apply(block, group, rank, size)
 
 
 class _AllToAllRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rows: torch.Tensor, send: list[int], receive: list[int], group: dist.ProcessGroup):
+    def forward(
+        ctx, rows: torch.Tensor, send: list[int], receive: list[int], group: dist.ProcessGroup
+    ):
         ctx.send, ctx.receive, ctx.group = send, receive, group
         return exchange(rows, send, receive, group)
 
@@ -108,15 +128,21 @@ class _AllToAllRows(torch.autograd.Function):
         return exchange(grad, ctx.receive, ctx.send, ctx.group), None, None, None
 
 
-def exchange(rows: torch.Tensor, send: list[int], receive: list[int], group: dist.ProcessGroup) -> torch.Tensor:
-    """One all-to-all without autograd: ``send[r]`` leading rows go to rank r, ``receive[r]`` rows come from it."""
+def exchange(
+    rows: torch.Tensor, send: list[int], receive: list[int], group: dist.ProcessGroup
+) -> torch.Tensor:
+    """One all-to-all without autograd: ``send[r]`` leading rows go to rank r, ``receive[r]`` rows
+    come from it."""
     received = rows.new_empty((sum(receive), *rows.shape[1:]))
     dist.all_to_all_single(received, rows.contiguous(), receive, send, group=group)
     return received
 
 
-def all_to_all_rows(rows: torch.Tensor, send: list[int], receive: list[int], group: dist.ProcessGroup) -> torch.Tensor:
-    """:func:`exchange` with autograd: the gradient of the received rows goes back to where they came from."""
+def all_to_all_rows(
+    rows: torch.Tensor, send: list[int], receive: list[int], group: dist.ProcessGroup
+) -> torch.Tensor:
+    """:func:`exchange` with autograd: the gradient of the received rows goes back to where they
+    came from."""
     return _AllToAllRows.apply(rows, send, receive, group)
 
 

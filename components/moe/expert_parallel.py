@@ -1,4 +1,5 @@
-"""Expert parallelism for Hugging Face MoE blocks (transformers 5 fused experts), over any ranks of the world.
+"""Expert parallelism for Hugging Face MoE blocks (transformers 5 fused experts), over any ranks of
+the world.
 
 Each rank of an ``ep`` group (``ep`` adjacent ranks of the MoE mesh ``("ep_shard", "ep")``, see
 ``components.distributed.mesh``) keeps E/ep whole experts of the fused ``experts.gate_up_proj``
@@ -51,18 +52,22 @@ class ExpertLayout:
     size: int  # ep
     first_expert: int  # this rank's first expert
     experts_per_rank: int
-    tp_group: dist.ProcessGroup | None  # all_to_all: the TP group whose replicated tokens are split first
+    tp_group: (
+        dist.ProcessGroup | None
+    )  # all_to_all: the TP group whose replicated tokens are split first
     tp_rank: int
     tp_size: int
-    gradient_placements: tuple[Placement, ...]  # of the local weights' gradients on ("ep_shard", "ep")
+    gradient_placements: tuple[
+        Placement, ...
+    ]  # of the local weights' gradients on ("ep_shard", "ep")
     gradient_scale: float
     grouped: bool = True  # False: the loop even where grouped GEMM fits (the bench's baseline)
     sharded: bool = False  # weights Shard(1) over ep_shard (FSDP-style), gathered for each forward
 
 
 def dispatch_mode(tp: int, ep: int) -> str:
-    """``folded`` when the ep group is the TP group (``ep == tp``), else ``all_to_all`` (measured faster at
-    ``ep < tp`` too, see the module docstring)."""
+    """``folded`` when the ep group is the TP group (``ep == tp``), else ``all_to_all`` (measured
+    faster at ``ep < tp`` too, see the module docstring)."""
     return "folded" if tp == ep else "all_to_all"
 
 
@@ -82,11 +87,15 @@ def _local_weights(experts: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor
         local = weight.to_local(grad_placements=layout.gradient_placements)
         if layout.gradient_scale != 1.0:
             local = scale_gradient(local, layout.gradient_scale)
-        weights.append(local.to(dtype))  # FSDP leaves experts in their own dtype; compute in the activations'
+        weights.append(
+            local.to(dtype)
+        )  # FSDP leaves experts in their own dtype; compute in the activations'
     return weights[0], weights[1]
 
 
-def _run_experts(experts: nn.Module, rows, expert_of_row, gate_up, down, weight_of_row=None) -> torch.Tensor:
+def _run_experts(
+    experts: nn.Module, rows, expert_of_row, gate_up, down, weight_of_row=None
+) -> torch.Tensor:
     """Each local expert on its rows (``expert_of_row`` in ``[0, len(gate_up))``), returned in the
     rows' order and dtype, times ``weight_of_row`` when given.
 
@@ -197,33 +206,48 @@ def _run_experts_grouped(experts, rows, expert_of_row, gate_up, down, weight_of_
     return result.to(rows.dtype)
 
 
-def _folded_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-    """This rank's experts on the (replicated) tokens routed to them, then the sum over the ep group."""
+def _folded_forward(
+    self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+):
+    """This rank's experts on the (replicated) tokens routed to them, then the sum over the ep
+    group."""
     layout: ExpertLayout = self._ep_layout
     gate_up, down = _local_weights(self, hidden_states.dtype)
     hidden_states, top_k_weights = enter_group(hidden_states, top_k_weights, layout.group)
     local = top_k_index - layout.first_expert
     token, slot = torch.where((local >= 0) & (local < len(gate_up)))
-    output = _run_experts(self, hidden_states[token], local[token, slot], gate_up, down, top_k_weights[token, slot])
+    output = _run_experts(
+        self, hidden_states[token], local[token, slot], gate_up, down, top_k_weights[token, slot]
+    )
     return sum_over_group(torch.zeros_like(hidden_states).index_add(0, token, output), layout.group)
 
 
 def _own_block(layout: ExpertLayout, hidden_states, top_k_index, top_k_weights):
-    """This TP rank's block of the replicated tokens, padded so every rank's block has the same size."""
+    """This TP rank's block of the replicated tokens, padded so every rank's block has the same
+    size."""
     if layout.tp_size == 1:
         return hidden_states, top_k_index, top_k_weights
     pad = -hidden_states.shape[0] % layout.tp_size
     if pad:
-        hidden_states = torch.cat([hidden_states, hidden_states.new_zeros(pad, hidden_states.shape[1])])
-        top_k_weights = torch.cat([top_k_weights, top_k_weights.new_zeros(pad, top_k_weights.shape[1])])
-        top_k_index = torch.cat([top_k_index, top_k_index.new_full((pad, top_k_index.shape[1]), -1)])
+        hidden_states = torch.cat(
+            [hidden_states, hidden_states.new_zeros(pad, hidden_states.shape[1])]
+        )
+        top_k_weights = torch.cat(
+            [top_k_weights, top_k_weights.new_zeros(pad, top_k_weights.shape[1])]
+        )
+        top_k_index = torch.cat(
+            [top_k_index, top_k_index.new_full((pad, top_k_index.shape[1]), -1)]
+        )
     where = (layout.tp_group, layout.tp_rank, layout.tp_size)
     index = block(top_k_index, layout.tp_rank, layout.tp_size)  # integers: no gradient to gather
     return scatter_rows(hidden_states, *where), index, scatter_rows(top_k_weights, *where)
 
 
-def _dispatched_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-    """Send each (token, choice) to its expert's rank, compute there, bring the result back, weight and sum."""
+def _dispatched_forward(
+    self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+):
+    """Send each (token, choice) to its expert's rank, compute there, bring the result back, weight
+    and sum."""
     layout: ExpertLayout = self._ep_layout
     gate_up, down = _local_weights(self, hidden_states.dtype)
     hidden, index, weights = _own_block(layout, hidden_states, top_k_index, top_k_weights)
@@ -236,16 +260,27 @@ def _dispatched_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Te
     receive = exchange(send, [1] * layout.size, [1] * layout.size, layout.group).tolist()
     send = send.tolist()
     received = all_to_all_rows(hidden[token], send, receive, layout.group)
-    expert_of_row = exchange(expert - destination * layout.experts_per_rank, send, receive, layout.group)
-    results = all_to_all_rows(_run_experts(self, received, expert_of_row, gate_up, down), receive, send, layout.group)
-    output = torch.zeros_like(hidden).index_add(0, token, results * weights[token, slot, None].to(results.dtype))
+    expert_of_row = exchange(
+        expert - destination * layout.experts_per_rank, send, receive, layout.group
+    )
+    results = all_to_all_rows(
+        _run_experts(self, received, expert_of_row, gate_up, down), receive, send, layout.group
+    )
+    output = torch.zeros_like(hidden).index_add(
+        0, token, results * weights[token, slot, None].to(results.dtype)
+    )
     if layout.tp_size == 1:
         return output
-    return gather_rows(output, layout.tp_group, layout.tp_rank, layout.tp_size)[: hidden_states.shape[0]]
+    return gather_rows(output, layout.tp_group, layout.tp_rank, layout.tp_size)[
+        : hidden_states.shape[0]
+    ]
 
 
-def check_expert_parallel(model: nn.Module, patterns: list[str], num_experts: int, ep: int) -> list[str]:
-    """Every reason expert parallelism cannot run (empty when it can); ``ep`` dividing the world is the mesh's check."""
+def check_expert_parallel(
+    model: nn.Module, patterns: list[str], num_experts: int, ep: int
+) -> list[str]:
+    """Every reason expert parallelism cannot run (empty when it can); ``ep`` dividing the world is
+    the mesh's check."""
     errors = []
     if ep > 1 and not patterns:
         errors.append(f"ep={ep} needs an MoE model: model.experts names no expert modules")
@@ -253,17 +288,24 @@ def check_expert_parallel(model: nn.Module, patterns: list[str], num_experts: in
     modules = expert_modules(model, patterns)
     for pattern in patterns:
         if not fnmatch.filter(modules, pattern):
-            errors.append(f"model.experts pattern {pattern!r} matches no module of {type(model).__name__}")
+            errors.append(
+                f"model.experts pattern {pattern!r} matches no module of {type(model).__name__}"
+            )
     for name in modules:
         missing = [p for p in EXPERT_PARAMETERS if not hasattr(model.get_submodule(name), p)]
         if missing:
-            errors.append(f"{name} has no fused expert parameters {missing}: not a transformers 5 experts module")
+            errors.append(
+                f"{name} has no fused expert parameters {missing}: not a transformers 5 experts "
+                "module"
+            )
     if num_experts % ep:
         errors.append(f"ep ({ep}) must divide the number of experts ({num_experts})")
     return errors
 
 
-def _layout(moe_mesh: DeviceMesh, tp_mesh: DeviceMesh | None, experts_per_rank: int, mode: str) -> ExpertLayout:
+def _layout(
+    moe_mesh: DeviceMesh, tp_mesh: DeviceMesh | None, experts_per_rank: int, mode: str
+) -> ExpertLayout:
     ep_mesh, ep_shard = moe_mesh["ep"], moe_mesh["ep_shard"].size()
     tp = tp_mesh.size() if tp_mesh is not None else 1
     split_tokens = mode == "all_to_all" and tp > 1
@@ -291,27 +333,32 @@ def apply_expert_parallel(
     grouped: bool = True,
     shard_experts: bool = False,
 ) -> list[str]:
-    """Split every experts module matched by ``patterns`` by expert over ``moe_mesh["ep"]``; return their names.
+    """Split every experts module matched by ``patterns`` by expert over ``moe_mesh["ep"]``; return
+    their names.
 
-    ``tp_mesh`` is the TP mesh whose ranks share tokens (None: tp = 1). ``mode`` forces ``folded`` or
-    ``all_to_all`` (the benchmark compares them); None picks :func:`dispatch_mode`.
+    ``tp_mesh`` is the TP mesh whose ranks share tokens (None: tp = 1). ``mode`` forces ``folded``
+    or ``all_to_all`` (the benchmark compares them); None picks :func:`dispatch_mode`.
     ``grouped=False`` keeps the per-expert loop where grouped GEMM would run (the benchmark's
     baseline). ``shard_experts`` (off by default) also shards each expert's weights over
     ``ep_shard`` (``Shard(1)``: the rows of ``gate_up_proj`` and ``down_proj``), FSDP-style:
-    weights, gradients and optimizer state cost 1/ep_shard per rank; each forward all-gathers
-    the rank's experts over ``ep_shard`` and its backward reduce-scatters their gradients (the
-    gathered copy lives from a layer's forward to its backward). Works on a model with real weights
-    (each rank keeps its slice) or on the meta device (load afterwards with
-    ``materialize_pretrained``). With ``ep == 1`` nothing changes: every rank holds every expert,
-    computes it on the same tokens, and the experts are ordinary TP replicas (mean); transformers'
-    own experts forward then runs (its default is grouped_mm too).
+    weights, gradients and optimizer state cost 1/ep_shard per rank; each forward all-gathers the
+    rank's experts over ``ep_shard`` and its backward reduce-scatters their gradients (the gathered
+    copy lives from a layer's forward to its backward). Works on a model with real weights (each
+    rank keeps its slice) or on the meta device (load afterwards with ``materialize_pretrained``).
+    With ``ep == 1`` nothing changes: every rank holds every expert, computes it on the same tokens,
+    and the experts are ordinary TP replicas (mean); transformers' own experts forward then runs
+    (its default is grouped_mm too).
     """
     ep = moe_mesh["ep"].size()
     if ep == 1:
         return []
     mode = mode or dispatch_mode(tp_mesh.size() if tp_mesh is not None else 1, ep)
-    if mode not in DISPATCH_MODES or (mode == "folded" and (tp_mesh is None or tp_mesh.size() % ep)):
-        raise ValueError(f"expert dispatch {mode!r} does not fit ep={ep} (folded needs ep to divide tp)")
+    if mode not in DISPATCH_MODES or (
+        mode == "folded" and (tp_mesh is None or tp_mesh.size() % ep)
+    ):
+        raise ValueError(
+            f"expert dispatch {mode!r} does not fit ep={ep} (folded needs ep to divide tp)"
+        )
     names = expert_modules(model, patterns)
     shard_over_copies = shard_experts and moe_mesh["ep_shard"].size() > 1
     placements = [Shard(1) if shard_over_copies else Replicate(), Shard(0)]
@@ -321,7 +368,9 @@ def apply_expert_parallel(
         for parameter_name in EXPERT_PARAMETERS:
             full = getattr(experts, parameter_name)
             sharded = distribute_tensor(full.data, moe_mesh, placements)
-            experts.register_parameter(parameter_name, nn.Parameter(sharded, requires_grad=full.requires_grad))
+            experts.register_parameter(
+                parameter_name, nn.Parameter(sharded, requires_grad=full.requires_grad)
+            )
         layout = _layout(moe_mesh, tp_mesh, experts.gate_up_proj.to_local().shape[0], mode)
         experts._ep_layout = dataclasses.replace(layout, grouped=grouped, sharded=shard_over_copies)
         forward = _folded_forward if mode == "folded" else _dispatched_forward

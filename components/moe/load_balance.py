@@ -1,4 +1,5 @@
-"""Load balance of MoE experts: the tokens per expert imbalance of each step, and the router's auxiliary loss.
+"""Load balance of MoE experts: the tokens per expert imbalance of each step, and the router's
+auxiliary loss.
 
 Imbalance: tokens per expert, max / mean, per MoE layer, the worst layer reported. A forward
 pre-hook on each experts module counts the expert choices of real tokens only
@@ -28,9 +29,10 @@ from components.moe.expert_parallel import expert_modules
 
 def router_aux_loss_weight(config, micro_batches: int, dp: int) -> float:
     """The weight of the model's load-balancing loss in each micro-batch's backward: its config's
-    ``router_aux_loss_coef`` spread over the step's micro-batches and dp ranks, so the dp sum of gradients is
-    the coefficient times the mean auxiliary loss (as Hugging Face adds it to a batch's loss); 0 unless the
-    config sets ``output_router_logits``. Under TP the loss is the same on every rank, like the router."""
+    ``router_aux_loss_coef`` spread over the step's micro-batches and dp ranks, so the dp sum of
+    gradients is the coefficient times the mean auxiliary loss (as Hugging Face adds it to a batch's
+    loss); 0 unless the config sets ``output_router_logits``. Under TP the loss is the same on every
+    rank, like the router."""
     if not getattr(config, "output_router_logits", False):
         return 0.0
     return config.router_aux_loss_coef / (micro_batches * dp)
@@ -90,7 +92,9 @@ class ExpertLoad:
         self.bias = bias  # updated from each step's counts
         self.dp_group = dp_group
         self.counts = torch.zeros(len(names), num_experts, dtype=torch.int64)
-        self.real: torch.Tensor | None = None  # flat real-token mask of the micro-batch being run; None: all
+        self.real: torch.Tensor | None = (
+            None  # flat real-token mask of the micro-batch being run; None: all
+        )
         self.handles = [
             model.get_submodule(name).register_forward_pre_hook(partial(self._count, row))
             for row, name in enumerate(names)
@@ -102,20 +106,25 @@ class ExpertLoad:
     ) -> "ExpertLoad | None":
         """Count the expert choices of ``model`` (None for a model without experts). ``bias_rate``
         > 0 also balances the ``routers`` without an auxiliary loss (:class:`RoutingBias`)."""
-        num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+        num_experts = getattr(config, "num_experts", None) or getattr(
+            config, "num_local_experts", None
+        )
         if not (patterns and num_experts):
             return None
         bias = RoutingBias(model, list(routers), num_experts, bias_rate) if bias_rate > 0 else None
         return cls(model, patterns, num_experts, dp_group, bias)
 
     def count_real(self, mask: torch.Tensor) -> None:
-        """Count only the positions where ``mask`` ([rows, seq_len], the next micro-batch's) is True."""
+        """Count only the positions where ``mask`` ([rows, seq_len], the next micro-batch's) is
+        True."""
         self.real = mask.reshape(-1)
 
     def _count(self, row: int, module: nn.Module, args: tuple) -> None:
         if torch.is_grad_enabled():
             choices = args[1]  # [tokens, top_k]
-            if self.counts.device != choices.device:  # once: the counts live where the routing runs (no sync)
+            if (
+                self.counts.device != choices.device
+            ):  # once: the counts live where the routing runs (no sync)
                 self.counts = self.counts.to(choices.device)
             if self.real is None:
                 weights = torch.ones_like(choices)
@@ -124,14 +133,17 @@ class ExpertLoad:
                     f"expert load: {len(choices)} tokens were routed but the real-token mask has "
                     f"{len(self.real)} positions"
                 )
-            else:  # a 0/1 weight per choice, not a boolean index (which would make a GPU wait for its size)
+            # a 0/1 weight per choice, not a boolean index (which would make a GPU wait for its
+            # size)
+            else:
                 weights = self.real.to(choices.dtype).unsqueeze(1).expand_as(choices)
-            # index_add_, not bincount: bincount sizes its output from the largest id, a GPU-to-host sync
+            # index_add_, not bincount: bincount sizes its output from the largest id, a GPU-to-host
+            # sync
             self.counts[row].index_add_(0, choices.reshape(-1), weights.reshape(-1))
 
     def imbalance(self) -> float:
-        """The largest max/mean of tokens per expert over the MoE layers in the global batch; resets the counts.
-        A collective over the dp group: every rank calls it."""
+        """The largest max/mean of tokens per expert over the MoE layers in the global batch; resets
+        the counts. A collective over the dp group: every rank calls it."""
         return self.metrics()["expert_imbalance"]
 
     def metrics(self, per_expert: bool = False) -> dict[str, float]:

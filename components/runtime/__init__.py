@@ -1,1 +1,2 @@
-"""Process start-up and supervision: local launch, joining a torchrun world, threads, output folders."""
+"""Process start-up and supervision: local launch, joining a torchrun world, threads, output
+folders."""

@@ -1,15 +1,17 @@
-"""Process start-up: join a world started by torchrun, or start local ranks with PyTorch's launcher API.
+"""Process start-up: join a world started by torchrun, or start local ranks with PyTorch's launcher
+API.
 
-Rank failures under :func:`launch_local`: torch elastic's fail-fast stops the other ranks at once, and
-the launcher prints the failed rank's traceback, then one line, ``error: rank 1 failed: ValueError: ...``
-(or ``rank 1 failed: killed by SIGKILL (pid 123)``), and exits with status 1. A watcher thread records
-how and when every rank ends, so the report names the cause (a rank that raised, was killed or is
-stuck), not a peer that lost its connection. Ranks started by another launcher (torchrun, several
-nodes) rely on the collective timeout.
+Rank failures under :func:`launch_local`: torch elastic's fail-fast stops the other ranks at once,
+and the launcher prints the failed rank's traceback, then one line, ``error: rank 1 failed:
+ValueError: ...`` (or ``rank 1 failed: killed by SIGKILL (pid 123)``), and exits with status 1. A
+watcher thread records how and when every rank ends, so the report names the cause (a rank that
+raised, was killed or is stuck), not a peer that lost its connection. Ranks started by another
+launcher (torchrun, several nodes) rely on the collective timeout.
 
-Every rank dies with its launcher: :func:`die_with_parent` (``prctl(PR_SET_PDEATHSIG, SIGKILL)``) runs first
-in each rank started here and in :func:`init_process_group`, so a SIGKILLed launcher leaves no orphans.
-Torch elastic's log folder lives inside the launch's own temporary folder, removed at the end.
+Every rank dies with its launcher: :func:`die_with_parent` (``prctl(PR_SET_PDEATHSIG, SIGKILL)``)
+runs first in each rank started here and in :func:`init_process_group`, so a SIGKILLed launcher
+leaves no orphans. Torch elastic's log folder lives inside the launch's own temporary folder,
+removed at the end.
 
 Design notes: docs/design-notes.md
 """
@@ -46,8 +48,16 @@ from components.runtime import preemption
 _PR_SET_PDEATHSIG = 1  # from <sys/prctl.h>
 # Loggers that print torch elastic's own multi-line report of a failed worker (replaced by ours).
 _NOISY_LOGGERS = ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn")
-# Errors a rank raises because a peer died: an effect, so a rank that failed otherwise is named first.
-_PEER_SYMPTOMS = ("connection closed", "connection reset", "broken pipe", "timed out", "timeout", "peer")
+# Errors a rank raises because a peer died: an effect, so a rank that failed otherwise is named
+# first.
+_PEER_SYMPTOMS = (
+    "connection closed",
+    "connection reset",
+    "broken pipe",
+    "timed out",
+    "timeout",
+    "peer",
+)
 _WATCH_INTERVAL_S = 0.01
 _SOURCE_LOCATION = re.compile(r"\[[^\]\s]+\.(?:cc|cpp|h|hpp):\d+\] ")
 
@@ -60,14 +70,15 @@ def free_port() -> int:
 
 
 def started_by_launcher() -> bool:
-    """True when torchrun (or any launcher that sets RANK/WORLD_SIZE/LOCAL_RANK) started this process."""
+    """True when torchrun (or any launcher that sets RANK/WORLD_SIZE/LOCAL_RANK) started this
+    process."""
     return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
 def die_with_parent(parent_pid: int | None = None) -> None:
-    """Have the kernel SIGKILL this process when its parent dies (Linux ``PR_SET_PDEATHSIG``; a no-op
-    elsewhere). ``parent_pid``: the parent expected; if it has already died (so this process was re-parented
-    before the call), exit at once. Without it, a parent of pid 1 counts as dead."""
+    """Have the kernel SIGKILL this process when its parent dies (Linux ``PR_SET_PDEATHSIG``; a
+    no-op elsewhere). ``parent_pid``: the parent expected; if it has already died (so this process
+    was re-parented before the call), exit at once. Without it, a parent of pid 1 counts as dead."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
@@ -80,23 +91,26 @@ def die_with_parent(parent_pid: int | None = None) -> None:
 
 
 def end_launched_rank() -> NoReturn:
-    """End a rank torchrun started, after its work, the way a forked local rank ends (multiprocessing calls
-    ``os._exit`` once the rank's function returns): flush the standard streams and skip the interpreter's
-    finalisation. There, under torchrun, a process group's C++ threads could be destroyed while still
-    joinable: "terminate called without an active exception" and SIGABRT after a finished run (CI saw it).
-    Call it only when every file is closed and every lock released."""
+    """End a rank torchrun started, after its work, the way a forked local rank ends
+    (multiprocessing calls ``os._exit`` once the rank's function returns): flush the standard
+    streams and skip the interpreter's finalisation. There, under torchrun, a process group's C++
+    threads could be destroyed while still joinable: "terminate called without an active exception"
+    and SIGABRT after a finished run (CI saw it). Call it only when every file is closed and every
+    lock released."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
 
 
 class ReportedExit(SystemExit):
-    """A rank's exit whose ``error:`` line has been printed already (by rank 0): the launcher adds nothing."""
+    """A rank's exit whose ``error:`` line has been printed already (by rank 0): the launcher adds
+    nothing."""
 
 
 def fail_once(message: str) -> NoReturn:
-    """Stop every rank for bad input with one ``error: <message>`` line: rank 0 (``RANK``, 0 when unset)
-    prints it on a fresh line of stderr, every rank exits with status 1 (:class:`ReportedExit`)."""
+    """Stop every rank for bad input with one ``error: <message>`` line: rank 0 (``RANK``, 0 when
+    unset) prints it on a fresh line of stderr, every rank exits with status 1
+    (:class:`ReportedExit`)."""
     if int(os.environ.get("RANK", "0")) == 0:
         start_fresh_line(sys.stderr)
         print(f"error: {message}", file=sys.stderr, flush=True)
@@ -104,9 +118,10 @@ def fail_once(message: str) -> NoReturn:
 
 
 def start_fresh_line(stream: Any) -> None:
-    """Make the next write to ``stream`` start a line: when it is a regular file, write a newline only if its
-    last byte is not one; otherwise (a terminal or pipe, where a progress bar may have left the cursor
-    mid-line) write a newline when ``stream`` is a tty. Errors reading back are ignored."""
+    """Make the next write to ``stream`` start a line: when it is a regular file, write a newline
+    only if its last byte is not one; otherwise (a terminal or pipe, where a progress bar may have
+    left the cursor mid-line) write a newline when ``stream`` is a tty. Errors reading back are
+    ignored."""
     try:
         stream.flush()
         descriptor = stream.fileno()
@@ -123,7 +138,8 @@ def start_fresh_line(stream: Any) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class RankExit:
-    """How one rank ended: its error (one line), when (``time.time()``), and its traceback if it raised."""
+    """How one rank ended: its error (one line), when (``time.time()``), and its traceback if it
+    raised."""
 
     rank: int
     error: str
@@ -133,13 +149,14 @@ class RankExit:
 
     @property
     def stopped(self) -> bool:
-        """True when the launcher stopped this rank (SIGTERM, which torch elastic's handler turns into a
-        SignalException in the rank) after another had failed."""
+        """True when the launcher stopped this rank (SIGTERM, which torch elastic's handler turns
+        into a SignalException in the rank) after another had failed."""
         return self.error.startswith(("killed by SIGTERM", "SignalException:"))
 
     @property
     def consequence(self) -> bool:
-        """True when this failure is most likely caused by another: a lost peer, or the launcher's SIGTERM."""
+        """True when this failure is most likely caused by another: a lost peer, or the launcher's
+        SIGTERM."""
         return self.stopped or any(word in self.error.lower() for word in _PEER_SYMPTOMS)
 
 
@@ -150,8 +167,8 @@ def _write_atomically(path: Path, text: str) -> None:
 
 
 def _run_rank(folder: str, launcher_pid: int, entrypoint: Callable[..., Any], *args: Any) -> Any:
-    """Each rank's entry: die with the launcher, note this rank's pid, run ``entrypoint``, and note the
-    exception it raises."""
+    """Each rank's entry: die with the launcher, note this rank's pid, run ``entrypoint``, and note
+    the exception it raises."""
     die_with_parent(launcher_pid)
     tempfile.tempdir = None  # the launcher points it at its own folder (see _temporary_files_in)
     rank = int(os.environ["RANK"])
@@ -213,8 +230,12 @@ class RankWatch:
         self.folder = Path(tempfile.mkdtemp(prefix=f"{_RANKS_PREFIX}{os.getpid()}-"))
         self._nproc = nproc
         self._pids: dict[int, int] = {}  # rank -> pid, as each rank notes it
-        self._seen: dict[int, RankExit | None] = {}  # rank -> its exit (None: exited 0, or reaped unseen)
-        self._stopped: dict[int, RankExit] = {}  # rank -> when a signal stopped it (while not continued)
+        self._seen: dict[
+            int, RankExit | None
+        ] = {}  # rank -> its exit (None: exited 0, or reaped unseen)
+        self._stopped: dict[
+            int, RankExit
+        ] = {}  # rank -> when a signal stopped it (while not continued)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="rank-watch", daemon=True)
 
@@ -237,8 +258,9 @@ class RankWatch:
             self.poll()
 
     def poll(self) -> None:
-        """Look once at every rank that has started and not been seen to end; note ranks stopped by a signal,
-        and once any other rank has ended, kill the stopped ones (they would hold the launch up forever)."""
+        """Look once at every rank that has started and not been seen to end; note ranks stopped by
+        a signal, and once any other rank has ended, kill the stopped ones (they would hold the
+        launch up forever)."""
         if len(self._pids) < self._nproc:
             for path in self.folder.glob("*.pid"):
                 self._pids[int(path.name.split(".")[0])] = int(path.read_text())
@@ -260,7 +282,9 @@ class RankWatch:
                 self._stopped.pop(rank, None)
             else:
                 self._seen[rank] = _exit_of(rank, pid, info)
-        if self._stopped and self._seen:  # a peer has ended (failed, or already reaped by torch elastic)
+        if (
+            self._stopped and self._seen
+        ):  # a peer has ended (failed, or already reaped by torch elastic)
             for rank in set(self._stopped) - set(self._seen):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(self._pids[rank], signal.SIGKILL)
@@ -274,8 +298,9 @@ class RankWatch:
         return pids
 
     def failures(self) -> list["RankExit"]:
-        """Every rank seen to fail or noted an exception; a rank's own note wins over its exit status, and a
-        rank seen stopped is reported as stopped (not as the SIGKILL that ended it)."""
+        """Every rank seen to fail or noted an exception; a rank's own note wins over its exit
+        status, and a rank seen stopped is reported as stopped (not as the SIGKILL that ended
+        it)."""
         self.stop()
         self.poll()
         found = {rank: exit_ for rank, exit_ in self._seen.items() if exit_ is not None}
@@ -306,7 +331,9 @@ def _from_elastic(error: ChildFailedError) -> list[RankExit]:
     exits = []
     for rank, failure in error.failures.items():
         message = failure.message
-        if isinstance(message, dict):  # from the rank's error file: {"message": ..., "extraInfo": ...}
+        if isinstance(
+            message, dict
+        ):  # from the rank's error file: {"message": ..., "extraInfo": ...}
             text = " ".join(str(message.get("message", "")).split())
             callstack = message.get("extraInfo", {}).get("py_callstack")
             exits.append(
@@ -322,7 +349,8 @@ def _from_elastic(error: ChildFailedError) -> list[RankExit]:
 
 
 def _short(text: str, limit: int) -> str:
-    """``text`` without C++ source locations (``[/path/pair.cc:553] ``), cut to ``limit`` characters."""
+    """``text`` without C++ source locations (``[/path/pair.cc:553] ``), cut to ``limit``
+    characters."""
     text = _SOURCE_LOCATION.sub("", text)
     return text if len(text) <= limit else text[: limit - 4] + " ..."
 
@@ -330,9 +358,9 @@ def _short(text: str, limit: int) -> str:
 def describe_rank_failure(failures: list[RankExit]) -> tuple[str, str | None]:
     """(the ``error:`` line, the traceback of the rank it names, or None) for the failed ranks.
 
-    The line names the cause: the earliest failure that is not a consequence of another (a lost peer, the
-    launcher's SIGTERM), else the earliest; then, briefly, other ranks that failed on their own (not those
-    that only lost a peer or were stopped by the launcher).
+    The line names the cause: the earliest failure that is not a consequence of another (a lost
+    peer, the launcher's SIGTERM), else the earliest; then, briefly, other ranks that failed on
+    their own (not those that only lost a peer or were stopped by the launcher).
     """
     ordered = sorted(failures, key=lambda exit_: (exit_.consequence, exit_.time, exit_.rank))
     cause, others = ordered[0], [f for f in ordered[1:] if not f.consequence]
@@ -342,13 +370,18 @@ def describe_rank_failure(failures: list[RankExit]) -> tuple[str, str | None]:
     if same:
         line += f" (so did rank{'s' if len(same) > 1 else ''} {', '.join(same)})"
     if different:
-        line += " (then " + "; ".join(f"rank {f.rank}: {_short(f.error, 100)}" for f in different[:3]) + ")"
+        line += (
+            " (then "
+            + "; ".join(f"rank {f.rank}: {_short(f.error, 100)}" for f in different[:3])
+            + ")"
+        )
     return line, cause.traceback
 
 
 @contextlib.contextmanager
 def _quiet_elastic_logs() -> Iterator[None]:
-    """Silence torch elastic's failure logging while it runs (the report is ours); restore it afterwards."""
+    """Silence torch elastic's failure logging while it runs (the report is ours); restore it
+    afterwards."""
     loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
@@ -362,8 +395,9 @@ def _quiet_elastic_logs() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _temporary_files_in(folder: Path) -> Iterator[None]:
-    """Put this process's temporary files (torch's per-rank error files, which a killed rank leaves behind)
-    into ``folder`` while the launch runs; each rank goes back to the usual temporary directory."""
+    """Put this process's temporary files (torch's per-rank error files, which a killed rank leaves
+    behind) into ``folder`` while the launch runs; each rank goes back to the usual temporary
+    directory."""
     previous = tempfile.tempdir
     tempfile.tempdir = str(folder)
     try:
@@ -374,9 +408,9 @@ def _temporary_files_in(folder: Path) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _forwarding_stops(watch: RankWatch) -> Iterator[None]:
-    """While the ranks run, pass SIGTERM and SIGUSR1 on to them (:mod:`preemption`): they finish their
-    step, checkpoint it and end, and the launch waits for them (torch elastic's own handler, which would
-    kill them 30 s later, is kept off these two: LaunchConfig.signals_to_handle)."""
+    """While the ranks run, pass SIGTERM and SIGUSR1 on to them (:mod:`preemption`): they finish
+    their step, checkpoint it and end, and the launch waits for them (torch elastic's own handler,
+    which would kill them 30 s later, is kept off these two: LaunchConfig.signals_to_handle)."""
     previous = {sigval: signal.getsignal(sigval) for sigval in preemption.SIGNALS}
     preemption.install(forward_to=watch.pids)
     try:
@@ -395,16 +429,17 @@ def launch_local(
 ) -> dict[int, Any]:
     """Run ``entrypoint(*args)`` on ``nproc`` local ranks and return each rank's result.
 
-    ``fork`` starts a rank in well under a second once torch is imported (a fresh interpreter costs ~5 s);
-    use ``spawn`` when CUDA is already initialised in this process. Fork only from a process that has not
-    started OpenMP (or other) worker threads: a forked child can block for good in a lock a thread held.
-    SIGTERM and SIGUSR1 to this process are passed on to the ranks, which stop after their step with a
-    checkpoint (:mod:`preemption`); a second one ends them at once (status 128 + the signal).
-    A rank failure fails the whole launch: the other ranks are stopped within about a second, and (with
-    ``exit_on_failure``) the failed rank's traceback is printed to stderr, then one ``error: rank N failed:
-    ...`` line starting a fresh line, and the process exits with status 1 (quietly when rank 0 already
-    printed the line, :func:`fail_once`). Without ``exit_on_failure`` the ``ChildFailedError`` propagates.
-    Every rank dies with this process (:func:`die_with_parent`).
+    ``fork`` starts a rank in well under a second once torch is imported (a fresh interpreter costs
+    ~5 s); use ``spawn`` when CUDA is already initialised in this process. Fork only from a process
+    that has not started OpenMP (or other) worker threads: a forked child can block for good in a
+    lock a thread held. SIGTERM and SIGUSR1 to this process are passed on to the ranks, which stop
+    after their step with a checkpoint (:mod:`preemption`); a second one ends them at once (status
+    128 + the signal). A rank failure fails the whole launch: the other ranks are stopped within
+    about a second, and (with ``exit_on_failure``) the failed rank's traceback is printed to stderr,
+    then one ``error: rank N failed: ...`` line starting a fresh line, and the process exits with
+    status 1 (quietly when rank 0 already printed the line, :func:`fail_once`). Without
+    ``exit_on_failure`` the ``ChildFailedError`` propagates. Every rank dies with this process
+    (:func:`die_with_parent`).
     """
     with RankWatch(nproc) as watch:
         config = LaunchConfig(
@@ -418,28 +453,39 @@ def launch_local(
             monitor_interval=0.1,
             signals_to_handle=preemption.ELASTIC_SIGNALS,
             start_method=start_method,
-            logs_specs=DefaultLogsSpecs(log_dir=str(watch.folder / "elastic")),  # removed with the watch
+            logs_specs=DefaultLogsSpecs(
+                log_dir=str(watch.folder / "elastic")
+            ),  # removed with the watch
         )
         try:
             with _quiet_elastic_logs(), _temporary_files_in(watch.folder), _forwarding_stops(watch):
-                return elastic_launch(config, _run_rank)(str(watch.folder), os.getpid(), entrypoint, *args)
+                return elastic_launch(config, _run_rank)(
+                    str(watch.folder), os.getpid(), entrypoint, *args
+                )
         except ChildFailedError as error:
             if not exit_on_failure:
                 raise
             seen = watch.failures()
             known = {exit_.rank for exit_ in seen}
             failures = seen + [f for f in _from_elastic(error) if f.rank not in known]
-        except SignalException as error:  # this launcher was asked to stop: torch elastic stopped every rank
+        except (
+            SignalException
+        ) as error:  # this launcher was asked to stop: torch elastic stopped every rank
             if not exit_on_failure:
                 raise
             start_fresh_line(sys.stderr)
-            print(f"error: stopped by {error.sigval.name}: every rank was terminated", file=sys.stderr, flush=True)
+            print(
+                f"error: stopped by {error.sigval.name}: every rank was terminated",
+                file=sys.stderr,
+                flush=True,
+            )
             raise SystemExit(128 + int(error.sigval)) from None
     _report_failure(failures)
 
 
 def _report_failure(failures: list[RankExit]) -> NoReturn:
-    """Print the failed rank's traceback and the ``error:`` line on a fresh line of stderr; exit with 1."""
+    """Print the failed rank's traceback and the ``error:`` line on a fresh line of stderr; exit
+    with 1."""
     if not any(exit_.reported and exit_.rank == 0 for exit_ in failures):
         line, callstack = describe_rank_failure(failures)
         start_fresh_line(sys.stderr)
@@ -450,16 +496,17 @@ def _report_failure(failures: list[RankExit]) -> NoReturn:
 
 
 def init_process_group(backend: str, timeout: timedelta) -> None:
-    """Join the world described by the launcher's environment; every collective gives up after ``timeout``
-    instead of hanging forever when a peer has died or stopped. The process dies with its parent (the
-    launcher, :func:`die_with_parent`)."""
+    """Join the world described by the launcher's environment; every collective gives up after
+    ``timeout`` instead of hanging forever when a peer has died or stopped. The process dies with
+    its parent (the launcher, :func:`die_with_parent`)."""
     die_with_parent()
     dist.init_process_group(backend, timeout=timeout)
 
 
 def cpu_threads_per_rank(setting: int | None, local_ranks: int) -> int:
-    """Intra-op threads for each of ``local_ranks`` ranks on the CPU: ``setting``, else ``OMP_NUM_THREADS`` as the
-    launch saw it, else the cores shared by the local ranks (more threads than cores only thrash)."""
+    """Intra-op threads for each of ``local_ranks`` ranks on the CPU: ``setting``, else
+    ``OMP_NUM_THREADS`` as the launch saw it, else the cores shared by the local ranks (more threads
+    than cores only thrash)."""
     if setting is not None:
         return setting
     if os.environ.get("OMP_NUM_THREADS", "").isdigit():
@@ -468,9 +515,9 @@ def cpu_threads_per_rank(setting: int | None, local_ranks: int) -> int:
 
 
 def join_world(device_type: str, timeout: timedelta, cpu_threads: int, seed: int) -> torch.device:
-    """Join the process group of the launcher's environment and return this rank's device: the GPU named by
-    ``LOCAL_RANK`` on CUDA (NCCL for its tensors, gloo for the few CPU ones), else the CPU with ``cpu_threads``
-    intra-op threads. Seeds torch's RNG with ``seed``."""
+    """Join the process group of the launcher's environment and return this rank's device: the GPU
+    named by ``LOCAL_RANK`` on CUDA (NCCL for its tensors, gloo for the few CPU ones), else the CPU
+    with ``cpu_threads`` intra-op threads. Seeds torch's RNG with ``seed``."""
     init_process_group("cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo", timeout)
     torch.manual_seed(seed)
     if device_type == "cuda":

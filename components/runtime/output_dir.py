@@ -1,16 +1,17 @@
-"""A run owns its ``output_dir``: an exclusive lock while it runs, and a record of which run its files belong to.
+"""A run owns its ``output_dir``: an exclusive lock while it runs, and a record of which run its
+files belong to.
 
 - :class:`OutputDirLock` (``output_dir/.lock``, ``fcntl.flock``): taken by the launching process
   before any rank starts, held until it exits (forked ranks inherit it); a second run gets
   :class:`OutputDirError` naming the holder. Two hosts writing one shared folder are not caught.
-- :func:`claim_output_dir`: ``output_dir/run.json`` records the run id and config hash of the run the
-  folder's files (:data:`RUN_FILES`) belong to. A fresh run (nothing to resume) into a folder holding another
-  run's files is refused, with the choices: ``checkpoint.resume=auto``, another ``output_dir``, or
-  ``overwrite_output_dir=true``, which removes those files and never a file of the user's (only the
-  files a ``run.json`` lists are provably shardtune's).
-- :func:`write_manifest` / :func:`foreign_files`: a folder shardtune publishes whole (``hf/``, a checkpoint)
-  carries a manifest of its files, so a later publish or overwrite can tell the user's own files from ours
-  and refuse instead of deleting them.
+- :func:`claim_output_dir`: ``output_dir/run.json`` records the run id and config hash of the run
+  the folder's files (:data:`RUN_FILES`) belong to. A fresh run (nothing to resume) into a folder
+  holding another run's files is refused, with the choices: ``checkpoint.resume=auto``, another
+  ``output_dir``, or ``overwrite_output_dir=true``, which removes those files and never a file of
+  the user's (only the files a ``run.json`` lists are provably shardtune's).
+- :func:`write_manifest` / :func:`foreign_files`: a folder shardtune publishes whole (``hf/``, a
+  checkpoint) carries a manifest of its files, so a later publish or overwrite can tell the user's
+  own files from ours and refuse instead of deleting them.
 
 Design notes: docs/design-notes.md
 """
@@ -42,7 +43,8 @@ RUN_FILES = (
     "tokenizer",
     RUN_FILE,
 )
-# Files an export or tokenizer folder written before manifests existed holds; anything else in it is the user's.
+# Files an export or tokenizer folder written before manifests existed holds; anything else in it is
+# the user's.
 _EXPORT_NAMES = (
     "config.json",
     "generation_config.json",
@@ -56,7 +58,8 @@ _EXPORT_NAMES = (
 
 
 class OutputDirError(Exception):
-    """The output folder cannot be used as asked; the message is one line saying why and what to do."""
+    """The output folder cannot be used as asked; the message is one line saying why and what to
+    do."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,34 +78,44 @@ def config_hash(config: Mapping[str, Any]) -> str:
 
 
 class OutputDirLock:
-    """An exclusive ``flock`` on ``output_dir/.lock``; use as a context manager or call :meth:`release`."""
+    """An exclusive ``flock`` on ``output_dir/.lock``; use as a context manager or call
+    :meth:`release`."""
 
     def __init__(self, output_dir: Path) -> None:
         self.path = Path(output_dir) / LOCK_FILE
         self._fd: int | None = None
 
     def acquire(self) -> "OutputDirLock":
-        """Take the lock (creating ``output_dir``) and write this process's pid, host and start time into it.
+        """Take the lock (creating ``output_dir``) and write this process's pid, host and start time
+        into it.
 
         Raises:
-            OutputDirError: If another process holds it (naming that process), or the folder cannot be made.
+            OutputDirError: If another process holds it (naming that process), or the folder cannot
+                be made.
         """
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as error:
-            raise OutputDirError(f"output_dir {self.path.parent} cannot be used: {error.strerror or error}") from None
+            raise OutputDirError(
+                f"output_dir {self.path.parent} cannot be used: {error.strerror or error}"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 4096, 0).decode(errors="replace")
             os.close(fd)
             raise OutputDirError(
-                f"output_dir {self.path.parent} is in use by another run ({_describe_holder(holder)}); "
+                f"output_dir {self.path.parent} is in use by another run "
+                f"({_describe_holder(holder)}); "
                 "wait for it to end or choose another output_dir"
             ) from None
         os.ftruncate(fd, 0)
-        holder = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+        holder = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        }
         os.pwrite(fd, json.dumps(holder).encode(), 0)
         self._fd = fd
         return self
@@ -130,19 +143,24 @@ def _describe_holder(text: str) -> str:
 
 
 def lock_output_dir(output_dir: Path) -> OutputDirLock:
-    """Take ``output_dir``'s lock for the rest of this process's life (see :class:`OutputDirLock`)."""
+    """Take ``output_dir``'s lock for the rest of this process's life (see
+    :class:`OutputDirLock`)."""
     return OutputDirLock(output_dir).acquire()
 
 
 def write_manifest(folder: Path) -> None:
-    """Record every file now under ``folder`` (relative paths) in ``folder/.shardtune-files.json``."""
-    files = sorted(str(path.relative_to(folder)) for path in Path(folder).rglob("*") if path.is_file())
+    """Record every file now under ``folder`` (relative paths) in
+    ``folder/.shardtune-files.json``."""
+    files = sorted(
+        str(path.relative_to(folder)) for path in Path(folder).rglob("*") if path.is_file()
+    )
     (Path(folder) / MANIFEST).write_text(json.dumps(files))
 
 
 def foreign_files(folder: Path) -> list[str]:
-    """Files under ``folder`` that shardtune did not write: not in its manifest (or, for a folder without a
-    manifest, not one of a Hugging Face export's usual names). Sorted relative paths; [] if no folder."""
+    """Files under ``folder`` that shardtune did not write: not in its manifest (or, for a folder
+    without a manifest, not one of a Hugging Face export's usual names). Sorted relative paths; []
+    if no folder."""
     folder = Path(folder)
     if not folder.is_dir():
         return []
@@ -157,7 +175,8 @@ def foreign_files(folder: Path) -> list[str]:
 
 
 def _foreign_in_checkpoints(folder: Path) -> list[str]:
-    """Entries of ``checkpoints/`` that are not checkpoint folders (``step_N``, ``.tmp``, ``.old``)."""
+    """Entries of ``checkpoints/`` that are not checkpoint folders (``step_N``, ``.tmp``,
+    ``.old``)."""
     if not folder.is_dir():
         return []
     return sorted(child.name for child in folder.iterdir() if not child.name.startswith("step_"))
@@ -181,13 +200,14 @@ def remove_run_files(output_dir: Path, record: RunRecord) -> list[str]:
     their names. Nothing else is touched.
 
     Raises:
-        OutputDirError: If ``hf/``, ``tokenizer/`` or ``checkpoints/`` hold files of the user's (before
-            anything is removed), naming them.
+        OutputDirError: If ``hf/``, ``tokenizer/`` or ``checkpoints/`` hold files of the user's
+            (before anything is removed), naming them.
     """
     if user := _user_files_in_ours(output_dir):
         raise OutputDirError(
             f"output_dir {output_dir} holds files shardtune did not write inside its own folders "
-            f"({', '.join(user[:5])}{' ...' if len(user) > 5 else ''}); move them, or choose another output_dir"
+            f"({', '.join(user[:5])}{' ...' if len(user) > 5 else ''}); move them, or choose "
+            "another output_dir"
         )
     removed = [name for name in run_files(output_dir) if name in record.files]
     for name in removed:
@@ -217,8 +237,10 @@ def nested_run_errors(output_dir: Path) -> list[str]:
         folder = output_dir / name
         if below := folder if (folder / RUN_FILE).is_file() else _run_folder_below(folder):
             return [
-                f"output_dir {output_dir} holds the output folder of another run below it ({below}, "
-                f"with its {RUN_FILE}): nested output folders are not allowed; choose an output_dir "
+                f"output_dir {output_dir} holds the output folder of another run below it "
+                f"({below}, "
+                f"with its {RUN_FILE}): nested output folders are not allowed; choose an "
+                "output_dir "
                 "that holds no other run's folder"
             ]
     return []
@@ -252,7 +274,8 @@ def _real_folder(path: Path) -> bool:
 
 
 def read_run_record(output_dir: Path) -> RunRecord | None:
-    """The run ``output_dir`` belongs to (``run.json``), or None when there is no readable record."""
+    """The run ``output_dir`` belongs to (``run.json``), or None when there is no readable
+    record."""
     try:
         fields = json.loads((Path(output_dir) / RUN_FILE).read_text())
         return RunRecord(**{**fields, "files": tuple(fields.get("files", RUN_FILES))})
@@ -270,26 +293,28 @@ def _write_record(output_dir: Path, record: RunRecord) -> RunRecord:
 def claim_output_dir(
     output_dir: Path, config_hash: str, *, continuing: bool, overwrite: bool, resume_requested: bool
 ) -> RunRecord:
-    """Make ``output_dir`` this run's and return its record; call it holding the lock, before any rank starts.
+    """Make ``output_dir`` this run's and return its record; call it holding the lock, before any
+    rank starts.
 
-    ``continuing``: this run resumes from a checkpoint (the folder's run goes on: its run id is kept, so
-    ``keep`` pruning continues over its checkpoints). Otherwise a folder holding another run's files is
-    refused unless ``overwrite``, which removes exactly those files first; ``resume_requested`` (resume was
-    asked for but found no checkpoint) only changes the refusal's wording. Either way a new ``run.json``
-    records the run id and ``config_hash``.
+    ``continuing``: this run resumes from a checkpoint (the folder's run goes on: its run id is
+    kept, so ``keep`` pruning continues over its checkpoints). Otherwise a folder holding another
+    run's files is refused unless ``overwrite``, which removes exactly those files first;
+    ``resume_requested`` (resume was asked for but found no checkpoint) only changes the refusal's
+    wording. Either way a new ``run.json`` records the run id and ``config_hash``.
 
     Raises:
-        OutputDirError: One line: the folder holds another run's files (naming them and the three choices),
-            or the user's own files sit inside ours (naming them), or files of shardtune's names
-            that no ``run.json`` records (a user's own ``config.yaml``: never replaced, even with
-            ``overwrite``).
+        OutputDirError: One line: the folder holds another run's files (naming them and the three
+            choices), or the user's own files sit inside ours (naming them), or files of shardtune's
+            names that no ``run.json`` records (a user's own ``config.yaml``: never replaced, even
+            with ``overwrite``).
     """
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     if user := _user_files_in_ours(output_dir):
         raise OutputDirError(
             f"output_dir {output_dir} holds files shardtune did not write inside its own folders "
-            f"({', '.join(user[:5])}{' ...' if len(user) > 5 else ''}); move them, or choose another output_dir"
+            f"({', '.join(user[:5])}{' ...' if len(user) > 5 else ''}); move them, or choose "
+            "another output_dir"
         )
     previous = read_run_record(output_dir)
     started = time.strftime("%Y-%m-%d %H:%M:%S")
@@ -306,12 +331,17 @@ def claim_output_dir(
         return _write_record(output_dir, record)
     if present:
         if not overwrite:
-            choices = "to keep it choose another output_dir=..., to replace it set overwrite_output_dir=true"
+            choices = (
+                "to keep it choose another output_dir=..., "
+                "to replace it set overwrite_output_dir=true"
+            )
             if resume_requested:
                 choices = f" and no complete checkpoint to resume from; {choices}"
             else:
                 choices = f"; to continue that run set checkpoint.resume=auto, {choices}"
-            raise OutputDirError(f"output_dir {output_dir} holds another run's files ({', '.join(present)}){choices}")
+            raise OutputDirError(
+                f"output_dir {output_dir} holds another run's files ({', '.join(present)}){choices}"
+            )
         remove_run_files(output_dir, previous)
     record = RunRecord(run_id=uuid.uuid4().hex, config_hash=config_hash, started=started)
     return _write_record(output_dir, record)

@@ -1,14 +1,17 @@
-"""Preemption: SIGTERM or SIGUSR1 (what Slurm's ``--signal`` sends) asks a run to stop after its step.
+"""Preemption: SIGTERM or SIGUSR1 (what Slurm's ``--signal`` sends) asks a run to stop after its
+step.
 
-Every rank calls :func:`install` before its first step. The first such signal only records the request
-(:func:`stop_requested`); the training loop all-reduces it once per step (MAX over the ranks, so a signal
-that reached one rank stops every rank after the same step), writes a checkpoint of that step and ends.
-A second signal ends the process at once: the handler restores the default action and re-sends it.
+Every rank calls :func:`install` before its first step. The first such signal only records the
+request (:func:`stop_requested`); the training loop all-reduces it once per step (MAX over the
+ranks, so a signal that reached one rank stops every rank after the same step), writes a checkpoint
+of that step and ends. A second signal ends the process at once: the handler restores the default
+action and re-sends it.
 
 The recipe's own launcher (:func:`components.runtime.launch.launch_local`) installs the handler with
-``forward_to``: it passes the first signal on to its ranks and waits for them; a second one is passed on
-too (so the ranks end at once) and then raises torch elastic's ``SignalException`` in the launcher.
-A process forked from the launcher (a rank) inherits the handler and acts as a rank: it only records.
+``forward_to``: it passes the first signal on to its ranks and waits for them; a second one is
+passed on too (so the ranks end at once) and then raises torch elastic's ``SignalException`` in the
+launcher. A process forked from the launcher (a rank) inherits the handler and acts as a rank: it
+only records.
 """
 
 import os
@@ -20,12 +23,15 @@ from types import FrameType
 from torch.distributed.elastic.multiprocessing import SignalException
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-# The signals torch elastic's launcher turns into SignalException itself (LaunchConfig.signals_to_handle,
-# torchrun's --signals-to-handle): SIGTERM is left out so that the recipe's launcher forwards it and waits.
+# The signals torch elastic's launcher turns into SignalException itself
+# (LaunchConfig.signals_to_handle, torchrun's --signals-to-handle): SIGTERM is left out so that the
+# recipe's launcher forwards it and waits.
 ELASTIC_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"
 
 _requested: list[signal.Signals] = []  # the signals received, in order (this process)
-_forward: dict[int, Callable[[], Iterable[int]]] = {}  # installing pid -> the pids to pass signals to
+_forward: dict[
+    int, Callable[[], Iterable[int]]
+] = {}  # installing pid -> the pids to pass signals to
 
 
 def _handle(signum: int, frame: FrameType | None) -> None:
@@ -45,7 +51,9 @@ def _handle(signum: int, frame: FrameType | None) -> None:
         return
     _requested.append(sigval)
     if forward is not None:
-        from components.runtime.launch import start_fresh_line  # loaded already: the launcher's module
+        from components.runtime.launch import (
+            start_fresh_line,
+        )  # loaded already: the launcher's module
 
         start_fresh_line(sys.stderr)  # after a progress bar's partial line
         print(
@@ -57,9 +65,10 @@ def _handle(signum: int, frame: FrameType | None) -> None:
 
 
 def install(forward_to: Callable[[], Iterable[int]] | None = None) -> None:
-    """Handle SIGTERM and SIGUSR1 in this process (main thread only): the first records a stop request,
-    the second ends the process. ``forward_to``: the pids each signal is passed on to (a launcher's
-    ranks); with it, the second signal raises ``SignalException`` instead of ending this process."""
+    """Handle SIGTERM and SIGUSR1 in this process (main thread only): the first records a stop
+    request, the second ends the process. ``forward_to``: the pids each signal is passed on to (a
+    launcher's ranks); with it, the second signal raises ``SignalException`` instead of ending this
+    process."""
     if forward_to is not None:
         _forward[os.getpid()] = forward_to
     for sigval in SIGNALS:

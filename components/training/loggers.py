@@ -1,14 +1,15 @@
-"""Experiment trackers for the metrics line: none, TensorBoard, Weights & Biases (offline by default), MLflow
-(a local store by default). Chosen with ``logger=<name>`` (``conf/logger/*.yaml``, each a ``_target_`` here).
+"""Experiment trackers for the metrics line: none, TensorBoard, Weights & Biases (offline by
+default), MLflow (a local store by default). Chosen with ``logger=<name>`` (``conf/logger/*.yaml``,
+each a ``_target_`` here).
 
-Every logger takes the run's ``output_dir`` and ``first_step`` (the step a resumed run starts after) plus its
-own yaml options, and offers :class:`MetricsLogger`: ``log_hparams`` (the composed config, once),
-``log_metrics`` (one metrics record per optimizer step) and ``close``. Build one on the rank that writes
-``metrics.jsonl`` only; the other ranks need none (or :class:`NoLogger`).
+Every logger takes the run's ``output_dir`` and ``first_step`` (the step a resumed run starts after)
+plus its own yaml options, and offers :class:`MetricsLogger`: ``log_hparams`` (the composed config,
+once), ``log_metrics`` (one metrics record per optimizer step) and ``close``. Build one on the rank
+that writes ``metrics.jsonl`` only; the other ranks need none (or :class:`NoLogger`).
 
 A tracker's package is imported when its logger is built; a missing one raises
-:class:`LoggerUnavailableError` whose message is the one ``error:`` line to show. The pre-launch checks ask
-:func:`check_logger_available` first, which imports nothing.
+:class:`LoggerUnavailableError` whose message is the one ``error:`` line to show. The pre-launch
+checks ask :func:`check_logger_available` first, which imports nothing.
 """
 
 import importlib.util
@@ -51,24 +52,35 @@ class MetricsLogger(Protocol):
 
 
 def check_logger_available(target: str) -> str | None:
-    """The error line for a logger ``_target_`` whose package is missing, or None; imports nothing heavy."""
+    """The error line for a logger ``_target_`` whose package is missing, or None; imports nothing
+    heavy."""
     name = target.rsplit(".", 1)[-1]
     if name in _NEEDS:
         option, module, install = _NEEDS[name]
-        return None if _installed(module) else f"logger={option} needs the {module} package: {install}"
+        return (
+            None if _installed(module) else f"logger={option} needs the {module} package: {install}"
+        )
     module = target.rsplit(".", 1)[0]
-    return None if _installed(module) else f"logger._target_={target!r}: module {module!r} is not installed"
+    return (
+        None
+        if _installed(module)
+        else f"logger._target_={target!r}: module {module!r} is not installed"
+    )
 
 
 def _installed(module: str) -> bool:
     try:
         return importlib.util.find_spec(module) is not None
-    except (ModuleNotFoundError, ValueError):  # a missing parent package; a module blocked in sys.modules
+    except (
+        ModuleNotFoundError,
+        ValueError,
+    ):  # a missing parent package; a module blocked in sys.modules
         return False
 
 
 def metric_values(record: Mapping[str, Any]) -> dict[str, float]:
-    """The :data:`METRIC_KEYS` of ``record`` that hold a number (None, booleans and text are left out)."""
+    """The :data:`METRIC_KEYS` of ``record`` that hold a number (None, booleans and text are left
+    out)."""
     return {
         key: float(record[key])
         for key in METRIC_KEYS
@@ -110,12 +122,16 @@ class NoLogger:
 
 
 class TensorBoardLogger:
-    """Event files in ``<output_dir>/tensorboard`` (or ``log_dir``): one scalar per metric per step, the
-    config as text and as hyper-parameters. A resumed run drops the events a killed run wrote past
-    ``first_step``. View with ``tensorboard --logdir <output_dir>/tensorboard``."""
+    """Event files in ``<output_dir>/tensorboard`` (or ``log_dir``): one scalar per metric per step,
+    the config as text and as hyper-parameters. A resumed run drops the events a killed run wrote
+    past ``first_step``. View with ``tensorboard --logdir <output_dir>/tensorboard``."""
 
     def __init__(
-        self, output_dir: str | Path, first_step: int = 0, log_dir: str | None = None, flush_secs: int = 30
+        self,
+        output_dir: str | Path,
+        first_step: int = 0,
+        log_dir: str | None = None,
+        flush_secs: int = 30,
     ) -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
@@ -123,16 +139,22 @@ class TensorBoardLogger:
             raise _unavailable("TensorBoardLogger") from None
         self.log_dir = Path(log_dir) if log_dir else Path(output_dir) / "tensorboard"
         purge = first_step + 1 if first_step > 0 else None
-        self.writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=purge, flush_secs=flush_secs)
+        self.writer = SummaryWriter(
+            log_dir=str(self.log_dir), purge_step=purge, flush_secs=flush_secs
+        )
 
     def log_hparams(self, config: dict) -> None:
         """The config as a text summary (readable) and as HParams (comparable across runs)."""
-        self.writer.add_text("config", "```\n" + json.dumps(config, indent=2, default=str) + "\n```")
+        self.writer.add_text(
+            "config", "```\n" + json.dumps(config, indent=2, default=str) + "\n```"
+        )
         scalars = {
             key: value if isinstance(value, int | float | str | bool) else str(value)
             for key, value in flatten_config(config).items()
         }
-        self.writer.add_hparams(scalars, {}, run_name=".")  # ".": into this run's folder, not a new one
+        self.writer.add_hparams(
+            scalars, {}, run_name="."
+        )  # ".": into this run's folder, not a new one
 
     def log_metrics(self, record: dict, step: int) -> None:
         """One scalar per metric, named as in metrics.jsonl."""
@@ -145,9 +167,10 @@ class TensorBoardLogger:
 
 
 class WandbLogger:
-    """A Weights & Biases run under ``<output_dir>/wandb``: ``mode: offline`` (the default) writes it there,
-    to upload later with ``wandb sync``; ``mode: online`` sends it to the server the user configured
-    (``wandb login``, ``WANDB_BASE_URL``). ``settings``: extra ``wandb.Settings`` fields."""
+    """A Weights & Biases run under ``<output_dir>/wandb``: ``mode: offline`` (the default) writes
+    it there, to upload later with ``wandb sync``; ``mode: online`` sends it to the server the user
+    configured (``wandb login``, ``WANDB_BASE_URL``). ``settings``: extra ``wandb.Settings``
+    fields."""
 
     def __init__(
         self,
@@ -183,8 +206,9 @@ class WandbLogger:
         self.run.log(metric_values(record), step=step)
 
     def close(self) -> None:
-        """Finish the run and wait for W&B's service process to write it out (offline: the run file is
-        complete in ``<output_dir>/wandb`` when this returns; ``finish`` alone may return before)."""
+        """Finish the run and wait for W&B's service process to write it out (offline: the run file
+        is complete in ``<output_dir>/wandb`` when this returns; ``finish`` alone may return
+        before)."""
         import wandb
 
         self.run.finish()
@@ -192,9 +216,10 @@ class WandbLogger:
 
 
 class MlflowLogger:
-    """An MLflow run in ``tracking_uri`` (default ``file:<output_dir>/mlruns``, a local store that needs no
-    server; MLflow 3 keeps file stores behind ``MLFLOW_ALLOW_FILE_STORE``, set here for that case only).
-    Any other MLflow URI works too: ``http://host:5000``, ``sqlite:///mlflow.db`` (with sqlalchemy)."""
+    """An MLflow run in ``tracking_uri`` (default ``file:<output_dir>/mlruns``, a local store that
+    needs no server; MLflow 3 keeps file stores behind ``MLFLOW_ALLOW_FILE_STORE``, set here for
+    that case only). Any other MLflow URI works too: ``http://host:5000``, ``sqlite:///mlflow.db``
+    (with sqlalchemy)."""
 
     def __init__(
         self,
@@ -218,7 +243,8 @@ class MlflowLogger:
         self.run_id = self.client.create_run(experiment_id, run_name=name).info.run_id
 
     def log_hparams(self, config: dict) -> None:
-        """The flattened config as run parameters (MLflow keeps parameters as text, at most 6000 characters)."""
+        """The flattened config as run parameters (MLflow keeps parameters as text, at most 6000
+        characters)."""
         from mlflow.entities import Param
 
         params = [Param(key, str(value)[:6000]) for key, value in flatten_config(config).items()]
@@ -240,10 +266,15 @@ class MlflowLogger:
 
 
 def open_logger(
-    target: str, options: dict, output_dir: Path, first_step: int, hparams: dict, writer: bool = True
+    target: str,
+    options: dict,
+    output_dir: Path,
+    first_step: int,
+    hparams: dict,
+    writer: bool = True,
 ) -> MetricsLogger:
-    """The logger class ``target`` names, built with its ``options``, with ``hparams`` (the run's config) logged;
-    a :class:`NoLogger` where this process is not the ``writer`` (one rank logs)."""
+    """The logger class ``target`` names, built with its ``options``, with ``hparams`` (the run's
+    config) logged; a :class:`NoLogger` where this process is not the ``writer`` (one rank logs)."""
     if not writer:
         return NoLogger(output_dir)
     logger = target_class("logger", target)(output_dir=output_dir, first_step=first_step, **options)

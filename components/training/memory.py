@@ -1,12 +1,12 @@
 """Peak memory of a training step, for the metrics line (``peak_memory_gib``).
 
-On CUDA: ``torch.cuda.max_memory_allocated`` (tensors only, not the allocator's cache), reset per step.
-On the CPU: the process's peak resident set size, ``VmHWM`` in ``/proc/self/status``, which Linux lets a
-process reset by writing ``5`` to ``/proc/self/clear_refs`` (since 4.0), so it is a true per-step peak, not a
-sampled one. It counts everything the process holds (the Python runtime, torch's libraries, allocator
-slack), not only tensors. Where that file cannot be written (not Linux, a locked-down /proc) the figure is
-``ru_maxrss``: the peak since the process started, which cannot be reset; :func:`reset_peak_memory` then
-returns False so a caller can say so.
+On CUDA: ``torch.cuda.max_memory_allocated`` (tensors only, not the allocator's cache), reset per
+step. On the CPU: the process's peak resident set size, ``VmHWM`` in ``/proc/self/status``, which
+Linux lets a process reset by writing ``5`` to ``/proc/self/clear_refs`` (since 4.0), so it is a
+true per-step peak, not a sampled one. It counts everything the process holds (the Python runtime,
+torch's libraries, allocator slack), not only tensors. Where that file cannot be written (not Linux,
+a locked-down /proc) the figure is ``ru_maxrss``: the peak since the process started, which cannot
+be reset; :func:`reset_peak_memory` then returns False so a caller can say so.
 """
 
 import resource
@@ -23,8 +23,8 @@ _CLEAR_REFS = Path("/proc/self/clear_refs")
 def reset_peak_memory(device: torch.device | str) -> bool:
     """Start a new peak: the next :func:`peak_memory_gib` covers only what happens from now on.
 
-    Returns False when the peak cannot be reset (the CPU without a writable ``/proc/self/clear_refs``);
-    the figure then is the process's peak since start.
+    Returns False when the peak cannot be reset (the CPU without a writable
+    ``/proc/self/clear_refs``); the figure then is the process's peak since start.
     """
     device = torch.device(device)
     if device.type == "cuda":
@@ -38,7 +38,8 @@ def reset_peak_memory(device: torch.device | str) -> bool:
 
 
 def peak_memory_gib(device: torch.device | str) -> float:
-    """Peak memory in GiB since the last :func:`reset_peak_memory` (see the module docstring for what counts)."""
+    """Peak memory in GiB since the last :func:`reset_peak_memory` (see the module docstring for
+    what counts)."""
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / GIB
@@ -46,7 +47,8 @@ def peak_memory_gib(device: torch.device | str) -> float:
 
 
 def current_memory_gib(device: torch.device | str) -> float:
-    """Memory in GiB held now: CUDA allocated bytes, or the process's resident set size on the CPU."""
+    """Memory in GiB held now: CUDA allocated bytes, or the process's resident set size on the
+    CPU."""
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device) / GIB

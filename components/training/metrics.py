@@ -1,4 +1,5 @@
-"""Per-step metrics: one JSON line per optimizer step, a progress bar on rank 0, and a loss-curve PNG."""
+"""Per-step metrics: one JSON line per optimizer step, a progress bar on rank 0, and a loss-curve
+PNG."""
 
 import json
 from pathlib import Path
@@ -19,7 +20,8 @@ def throughput(tokens: int, seconds: float, flops: float, world: int, device) ->
 
 
 class MetricsLog:
-    """Appends one flushed JSON object per step to ``metrics.jsonl``; silent on every rank but the writer."""
+    """Appends one flushed JSON object per step to ``metrics.jsonl``; silent on every rank but the
+    writer."""
 
     def __init__(self, path: Path, writer: bool, first_step: int, max_steps: int):
         self.path = path
@@ -28,7 +30,8 @@ class MetricsLog:
         self._bar = None
         if writer:
             path.parent.mkdir(parents=True, exist_ok=True)
-            # On resume keep the lines up to the checkpoint's step: a killed run may have logged past it.
+            # On resume keep the lines up to the checkpoint's step: a killed run may have logged
+            # past it.
             kept = _lines_up_to(path, first_step) if first_step > 0 and path.exists() else []
             self._file = path.open("w")
             self._file.writelines(line + "\n" for line in kept)
@@ -36,13 +39,16 @@ class MetricsLog:
             self._bar = tqdm(total=max_steps, initial=first_step, unit="step", dynamic_ncols=True)
 
     def log(self, record: dict) -> None:
-        """Write ``record`` (needs ``step``; every other value may be missing or None) and show it: the bar's
-        postfix every step, a printed line on step 1, every tenth step, validation and skipped steps."""
+        """Write ``record`` (needs ``step``; every other value may be missing or None) and show it:
+        the bar's postfix every step, a printed line on step 1, every tenth step, validation and
+        skipped steps."""
         if not self.writer:
             return
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        self._bar.set_postfix(loss=_shown(record.get("loss"), ".4f"), tok_s=_shown(record.get("tokens_per_s"), ".0f"))
+        self._bar.set_postfix(
+            loss=_shown(record.get("loss"), ".4f"), tok_s=_shown(record.get("tokens_per_s"), ".0f")
+        )
         self._bar.update(1)
         step = record["step"]
         if "val_loss" in record or record.get("skipped") or step == 1 or step % 10 == 0:
@@ -65,7 +71,8 @@ _LINE_FIELDS = (
 
 
 def _shown(value: object, spec: str) -> str:
-    """``value`` formatted with ``spec``; ``-`` for None, plain ``str`` for what the spec does not fit."""
+    """``value`` formatted with ``spec``; ``-`` for None, plain ``str`` for what the spec does not
+    fit."""
     if value is None:
         return "-"
     try:
@@ -75,12 +82,14 @@ def _shown(value: object, spec: str) -> str:
 
 
 def format_record(record: dict) -> str:
-    """The printed line of one step: ``step``, then loss, grad_norm, val_loss, tokens and peak memory
-    (GiB) for those present (None shows as ``-``), and ``skipped`` for a skipped update."""
+    """The printed line of one step: ``step``, then loss, grad_norm, val_loss, tokens and peak
+    memory (GiB) for those present (None shows as ``-``), and ``skipped`` for a skipped update."""
     line = f"step {record.get('step', '?'):>5}"
     for key, label, spec in _LINE_FIELDS:
         if key in record:
-            line += f"  {label} {_shown(record[key], spec)}" + (" GiB" if key == "peak_memory_gib" else "")
+            line += f"  {label} {_shown(record[key], spec)}" + (
+                " GiB" if key == "peak_memory_gib" else ""
+            )
     if record.get("skipped"):
         line += "  skipped (non-finite grad norm)"
     return line
@@ -110,7 +119,12 @@ def plot_loss_curve(metrics_path: Path, png_path: Path) -> None:
     axes.plot([r["step"] for r in records], [r["loss"] for r in records], label="train loss")
     validation = [r for r in records if "val_loss" in r]
     if validation:
-        axes.plot([r["step"] for r in validation], [r["val_loss"] for r in validation], "o-", label="validation loss")
+        axes.plot(
+            [r["step"] for r in validation],
+            [r["val_loss"] for r in validation],
+            "o-",
+            label="validation loss",
+        )
     axes.set_xlabel("step")
     axes.set_ylabel("loss (nats/token)")
     axes.legend()

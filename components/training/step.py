@@ -1,8 +1,8 @@
 """One micro-batch: forward, a loss that works on vocab-sharded logits, backward; and evaluation.
 
-Callers pass a :class:`components.data.loader.Batch`'s tensors: ``input_ids``, ``labels`` and, for packed
-rows, ``position_ids`` that restart at each example (Hugging Face models keep attention inside each
-example when positions restart and no attention mask is given).
+Callers pass a :class:`components.data.loader.Batch`'s tensors: ``input_ids``, ``labels`` and, for
+packed rows, ``position_ids`` that restart at each example (Hugging Face models keep attention
+inside each example when positions restart and no attention mask is given).
 """
 
 from contextlib import AbstractContextManager, nullcontext
@@ -33,10 +33,12 @@ def _losses(
     ``chunk_tokens`` > 0: the model's forward stops at the hidden states, and the head and the loss
     run that many tokens at a time (``components.distributed.chunked_loss``) for the families it
     applies to; 0 or None: the whole micro-batch's logits, then ``cross_entropy_sum``."""
-    # Position ids are always explicit: under sequence parallelism the model sees a shard of the sequence
-    # and would derive them from the shard's length. No attention mask: padding is on the right and masked
-    # out of the labels, which causal attention allows, and a mask would hide packed examples' boundaries.
-    # No cache: Hugging Face looks for restarting positions (packed examples) only when there is none.
+    # Position ids are always explicit: under sequence parallelism the model sees a shard of the
+    # sequence and would derive them from the shard's length. No attention mask: padding is on the
+    # right and masked out of the labels, which causal attention allows, and a mask would hide
+    # packed examples' boundaries.
+    # No cache: Hugging Face looks for restarting positions (packed examples) only when there is
+    # none.
     if position_ids is None:
         batch, seq = input_ids.shape
         position_ids = torch.arange(seq, device=input_ids.device).expand(batch, seq)
@@ -66,13 +68,13 @@ def forward_backward(
     """Run one micro-batch and accumulate gradients; return its summed token loss (not normalised).
 
     The loss is divided by ``global_tokens`` (labelled tokens in the whole global batch, over every
-    micro-batch and dp rank: ``StepBatches.labels_in_step``) before backward, so accumulated and dp-summed
-    gradients equal the gradient of the global mean loss. ``position_ids`` None means ``0 .. seq - 1``.
-    ``compute`` wraps the forward and the loss only (the precision's autocast; backward runs outside it).
-    An MoE model whose config sets ``output_router_logits`` also returns its load-balancing loss; it joins
-    the backward times ``aux_loss_weight`` (``components.moe.router_aux_loss_weight``).
-    ``loss_chunk_tokens``: tokens per chunk of the head and loss (``train.loss_chunk_tokens``; see
-    ``_losses``).
+    micro-batch and dp rank: ``StepBatches.labels_in_step``) before backward, so accumulated and
+    dp-summed gradients equal the gradient of the global mean loss. ``position_ids`` None means ``0
+    .. seq - 1``. ``compute`` wraps the forward and the loss only (the precision's autocast;
+    backward runs outside it). An MoE model whose config sets ``output_router_logits`` also returns
+    its load-balancing loss; it joins the backward times ``aux_loss_weight``
+    (``components.moe.router_aux_loss_weight``). ``loss_chunk_tokens``: tokens per chunk of the head
+    and loss (``train.loss_chunk_tokens``; see ``_losses``).
     """
     with loss_parallel():  # the backward of a vocab-parallel loss must run inside it too
         with compute or nullcontext():

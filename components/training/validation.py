@@ -19,9 +19,9 @@ def validation_loss(
     compute: AbstractContextManager | None = None,
     loss_chunk_tokens: int | None = LOSS_CHUNK_TOKENS,
 ) -> float:
-    """Mean token loss over every validation row (each dp rank takes its share), the model left in train mode;
-    ``compute`` is the precision's context for the forward (a fresh one per batch is not needed: it
-    is re-entrant). ``loss_chunk_tokens``: as in ``forward_backward``."""
+    """Mean token loss over every validation row (each dp rank takes its share), the model left in
+    train mode; ``compute`` is the precision's context for the forward (a fresh one per batch is not
+    needed: it is re-entrant). ``loss_chunk_tokens``: as in ``forward_backward``."""
     totals = torch.zeros(2, dtype=torch.float64)
     model.eval()
     for batch in batches.all_batches():

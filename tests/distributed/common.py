@@ -17,7 +17,8 @@ class Holder(nn.Module):
 
 @contextmanager
 def recorded_collectives():
-    """Record (name, dtype, numel) of every all_reduce/broadcast the module issues through ``dist``."""
+    """Record (name, dtype, numel) of every all_reduce/broadcast the module issues through
+    ``dist``."""
     calls: list[tuple[str, torch.dtype, int]] = []
     original = {"all_reduce": dist.all_reduce, "broadcast": dist.broadcast}
 

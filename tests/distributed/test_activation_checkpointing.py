@@ -1,6 +1,7 @@
-"""Activation checkpointing recomputes exactly what it dropped: in fp32 on the CPU, ``full`` and ``selective``
-give the loss and every gradient bitwise equal to ``none``, at tp=2 with and without sequence parallelism,
-on an MoE model with expert parallelism, and under FSDP (dp=2 x tp=2); and the recompute really happens.
+"""Activation checkpointing recomputes exactly what it dropped: in fp32 on the CPU, ``full`` and
+``selective`` give the loss and every gradient bitwise equal to ``none``, at tp=2 with and without
+sequence parallelism, on an MoE model with expert parallelism, and under FSDP (dp=2 x tp=2); and the
+recompute really happens.
 """
 
 import pytest
@@ -27,7 +28,9 @@ def _parallel_model(config, world_size, tp, sequence_parallel, ep, mode):
     experts = ["model.layers.*.mlp.experts"] if ep > 1 else []
     plan = plan_for(config, sequence_parallel)
     apply_tp_plan(model, device_mesh["tp"], plan, config, sequence_parallel, tuple(experts))
-    apply_expert_parallel(model, mesh((dims.ep_shard, dims.ep), ("ep_shard", "ep")), device_mesh["tp"], experts)
+    apply_expert_parallel(
+        model, mesh((dims.ep_shard, dims.ep), ("ep_shard", "ep")), device_mesh["tp"], experts
+    )
     wrapped = apply_activation_checkpointing(model, mode)
     if dims.dp > 1:
         shard_data_parallel(model, device_mesh["dp"])
@@ -35,7 +38,8 @@ def _parallel_model(config, world_size, tp, sequence_parallel, ep, mode):
 
 
 def _counting_recompute(model) -> list[int]:
-    """Count forward calls of every block's attention: with checkpointing each runs twice per step."""
+    """Count forward calls of every block's attention: with checkpointing each runs twice per
+    step."""
     calls = [0]
 
     def count(*_):
@@ -48,23 +52,32 @@ def _counting_recompute(model) -> list[int]:
 
 def check_same_as_none(rank, world_size, family, tp, sequence_parallel, ep, mode):
     config = tiny_config(family)
-    tokens = torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(3))
+    tokens = torch.randint(
+        0, config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(3)
+    )
     labels = tokens.clone()
     labels[:, :4] = -100
     global_tokens = int((labels[:, 1:] != -100).sum())
     results = {}
     for name in ("none", mode):
-        model, dims, device_mesh, wrapped = _parallel_model(config, world_size, tp, sequence_parallel, ep, name)
+        model, dims, device_mesh, wrapped = _parallel_model(
+            config, world_size, tp, sequence_parallel, ep, name
+        )
         calls = _counting_recompute(model)
         dp_rank = device_mesh["dp"].get_local_rank()
-        loss = forward_backward(model, tokens.chunk(dims.dp)[dp_rank], labels.chunk(dims.dp)[dp_rank], global_tokens)
+        loss = forward_backward(
+            model, tokens.chunk(dims.dp)[dp_rank], labels.chunk(dims.dp)[dp_rank], global_tokens
+        )
         finalize_dtensor_gradients([model])
         grads = {
             n: (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).clone()
             for n, p in model.named_parameters()
         }
         results[name] = (loss, grads, calls[0], wrapped)
-    (loss_none, grads_none, calls_none, _), (loss_ac, grads_ac, calls_ac, wrapped) = results["none"], results[mode]
+    (loss_none, grads_none, calls_none, _), (loss_ac, grads_ac, calls_ac, wrapped) = (
+        results["none"],
+        results[mode],
+    )
     differing = [n for n in grads_none if not torch.equal(grads_none[n], grads_ac[n])]
     return {
         "loss_equal": loss_none == loss_ac,
@@ -83,7 +96,8 @@ def assert_bitwise(results):
         assert result["wrapped"] == result["layers"]
         calls_none, calls_ac = result["calls"]
         assert calls_none == result["layers"]
-        # the block's forward runs again in backward (selective replays its matmuls from what it saved)
+        # the block's forward runs again in backward (selective replays its matmuls from what it
+        # saved)
         assert calls_ac == 2 * result["layers"]
 
 
@@ -102,7 +116,9 @@ def test_dp2_tp2_full_checkpointing_is_bitwise_equal(ranks4):
 
 
 def test_unknown_mode_is_refused():
-    with pytest.raises(ValueError, match="train.activation_checkpointing='some' is not one of none, full"):
+    with pytest.raises(
+        ValueError, match="train.activation_checkpointing='some' is not one of none, full"
+    ):
         apply_activation_checkpointing(build_causal_lm(tiny_config("llama"), seed=0), "some")
 
 

@@ -1,7 +1,9 @@
-"""Checkpoints on real gloo ranks: exact resume, resharding to another tp (and to dp or one process), FSDP2, export.
+"""Checkpoints on real gloo ranks: exact resume, resharding to another tp (and to dp or one
+process), FSDP2, export.
 
-Every run seeds all ranks alike and draws each global batch from the global torch RNG, so a resume that
-did not restore the RNG states would train on other data and fail the exact comparisons. fp32 throughout.
+Every run seeds all ranks alike and draws each global batch from the global torch RNG, so a resume
+that did not restore the RNG states would train on other data and fail the exact comparisons. fp32
+throughout.
 """
 
 import json
@@ -25,14 +27,19 @@ from components.distributed.fsdp import shard_data_parallel
 from components.distributed.grads import finalize_dtensor_gradients
 from components.distributed.mesh import resolve_parallel_dims
 from components.distributed.tp_plan import apply_tp_plan, plan_for
-from components.distributed.tp_replicas import broadcast_tp_replicas, synchronize_tp_replica_gradients
+from components.distributed.tp_replicas import (
+    broadcast_tp_replicas,
+    synchronize_tp_replica_gradients,
+)
 from components.models import build_causal_lm, tiny_config
 from components.models.families import FAMILIES
 from components.moe import apply_expert_parallel
 from components.training.step import forward_backward
 from tests.harness import mesh
 
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # the 1-process load
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:torch.distributed is disabled:UserWarning"
+)  # the 1-process load
 
 BATCH, SEQ, PROMPT = 4, 16, 3
 
@@ -42,7 +49,8 @@ def warmup(step: int) -> float:
 
 
 class Run:
-    """A tiny Llama parallelised at (dp, tp) with AdamW and a warmup schedule; plain on one process."""
+    """A tiny Llama parallelised at (dp, tp) with AdamW and a warmup schedule; plain on one
+    process."""
 
     def __init__(self, world_size: int, tp: int, seed: int, **overrides):
         self.config = tiny_config("llama", **overrides)
@@ -64,7 +72,8 @@ class Run:
         return self.model, self.optimizer, self.scheduler
 
     def step(self) -> float:
-        """One optimizer step on a global batch drawn from the global RNG; the global mean token loss."""
+        """One optimizer step on a global batch drawn from the global RNG; the global mean token
+        loss."""
         tokens = torch.randint(0, self.config.vocab_size, (BATCH, SEQ))
         labels = tokens.clone()
         labels[:, :PROMPT] = -100
@@ -73,7 +82,10 @@ class Run:
         dp_rank = 0 if self.mesh is None else self.mesh["dp"].get_local_rank()
         self.optimizer.zero_grad()
         local = forward_backward(
-            self.model, tokens.chunk(dp_size)[dp_rank], labels.chunk(dp_size)[dp_rank], global_tokens
+            self.model,
+            tokens.chunk(dp_size)[dp_rank],
+            labels.chunk(dp_size)[dp_rank],
+            global_tokens,
         )
         loss = torch.tensor(local, dtype=torch.float64)
         if self.mesh is not None:
@@ -104,7 +116,8 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def check_resume(rank, world_size, root, tp):
-    """3 steps, save, 3 more; then a fresh model with other weights and RNG state loads and trains 3 steps."""
+    """3 steps, save, 3 more; then a fresh model with other weights and RNG state loads and trains 3
+    steps."""
     torch.manual_seed(0)
     run = Run(world_size, tp, seed=0)
     for _ in range(3):
@@ -122,12 +135,20 @@ def check_resume(rank, world_size, root, tp):
     state = load_checkpoint(find_resumable(Path(root)).path, *fresh.state)
     resumed = [fresh.step() for _ in range(3)]
     left = sorted(path.name for path in Path(root).iterdir())
-    return {"saved": saved.name, "continued": continued, "resumed": resumed, "state": state, "left": left}
+    return {
+        "saved": saved.name,
+        "continued": continued,
+        "resumed": resumed,
+        "state": state,
+        "left": left,
+    }
 
 
 @pytest.mark.parametrize("pool, tp", [("ranks2", 2), ("ranks4", 2)], ids=["tp2", "dp2_tp2_fsdp"])
 def test_resume_reproduces_an_uninterrupted_run_exactly(request, tmp_path, pool, tp):
-    for index, result in enumerate(request.getfixturevalue(pool).run(check_resume, str(tmp_path), tp)):
+    for index, result in enumerate(
+        request.getfixturevalue(pool).run(check_resume, str(tmp_path), tp)
+    ):
         assert result["resumed"] == result["continued"], f"rank {index}"
         assert result["state"] == {"step": 3, "samples_seen": 3 * BATCH}
         assert result["saved"] == "step_00000003"
@@ -135,7 +156,8 @@ def test_resume_reproduces_an_uninterrupted_run_exactly(request, tmp_path, pool,
 
 
 def check_save_reference(rank, world_size, root, tp=2):
-    """Train 3 steps at ``tp``, save, and record the weights, AdamW moments and 2 continued losses."""
+    """Train 3 steps at ``tp``, save, and record the weights, AdamW moments and 2 continued
+    losses."""
     torch.manual_seed(0)
     run = Run(world_size, tp, seed=0)
     for _ in range(3):
@@ -148,7 +170,8 @@ def check_save_reference(rank, world_size, root, tp=2):
 
 
 def check_load_resharded(rank, world_size, root, tp):
-    """Load the tp=2 checkpoint at another layout: weights and moments must be exact, losses close."""
+    """Load the tp=2 checkpoint at another layout: weights and moments must be exact, losses
+    close."""
     torch.manual_seed(1234)
     run = Run(world_size, tp, seed=1)
     state = load_checkpoint(checkpoint_path(Path(root) / "checkpoints", 3), *run.state)
@@ -158,10 +181,14 @@ def check_load_resharded(rank, world_size, root, tp):
         "state": state,
         "lr": run.scheduler.get_last_lr(),
         "weights_differ": [
-            name for name, value in reference["weights"].items() if not torch.equal(weights[name], value)
+            name
+            for name, value in reference["weights"].items()
+            if not torch.equal(weights[name], value)
         ],
         "moments_differ": [
-            name for name, value in reference["moments"].items() if not torch.equal(moments[name], value)
+            name
+            for name, value in reference["moments"].items()
+            if not torch.equal(moments[name], value)
         ],
         "moments_missing": sorted(set(reference["moments"]) - set(moments)),
         "continued": [run.step() for _ in range(2)],
@@ -172,7 +199,9 @@ def check_load_resharded(rank, world_size, root, tp):
 def test_load_at_other_tensor_parallel_sizes(ranks2, ranks4, tmp_path):
     ranks2.run(check_save_reference, str(tmp_path))
     with torch.random.fork_rng(devices=[]):
-        one_process = check_load_resharded(0, 1, str(tmp_path), 1)  # no process group: a plain model
+        one_process = check_load_resharded(
+            0, 1, str(tmp_path), 1
+        )  # no process group: a plain model
     results = {
         "tp4": ranks4.run(check_load_resharded, str(tmp_path), 4),
         "dp2_fsdp": ranks2.run(check_load_resharded, str(tmp_path), 1),
@@ -184,7 +213,9 @@ def test_load_at_other_tensor_parallel_sizes(ranks2, ranks4, tmp_path):
             assert result["lr"] == [1e-2], layout  # warmup finished at step 3: lambda(3) == 1
             assert result["weights_differ"] == [] and result["moments_differ"] == [], layout
             assert result["moments_missing"] == [], layout
-            assert result["continued"] == pytest.approx(result["reference_continued"], rel=1e-5), layout
+            assert result["continued"] == pytest.approx(result["reference_continued"], rel=1e-5), (
+                layout
+            )
 
 
 def gathered_state(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -245,7 +276,9 @@ def check_export(rank, world_size, root, tp, tied, dtype=torch.float32):
         run.step()
     out = export_hf(run.model, run.config, Path(root) / "exported", dtype=dtype)
     reference = gathered_state(run.model, dtype)
-    tokens = torch.randint(0, run.config.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    tokens = torch.randint(
+        0, run.config.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(3)
+    )
     with torch.no_grad():
         logits = full(run.model(input_ids=tokens).logits)
     if rank != 0:
@@ -345,14 +378,23 @@ def test_parallel_export_of_experts_split_over_ep(ranks2, tmp_path):
 
 
 def check_damaged_shard_falls_back(rank, world_size, root):
-    """Two checkpoints at tp=2 (pruned by run id), rank 1's shard of the newer one truncated: the choice is the
-    older one, every rank loads it, and the summary records the global shapes of the sharded model."""
+    """Two checkpoints at tp=2 (pruned by run id), rank 1's shard of the newer one truncated: the
+    choice is the older one, every rank loads it, and the summary records the global shapes of the
+    sharded model."""
     torch.manual_seed(0)
     run = Run(world_size, 2, seed=0)
     info = {"optimizer": "AdamW"}
     for number in (1, 2, 3):
         run.step()
-        save_checkpoint(Path(root), number, *run.state, keep=2, run_id="ours", run_info=info, extra={"n": number})
+        save_checkpoint(
+            Path(root),
+            number,
+            *run.state,
+            keep=2,
+            run_id="ours",
+            run_info=info,
+            extra={"n": number},
+        )
     shard = checkpoint_path(Path(root), 3) / "__1_0.distcp"
     size = [shard.stat().st_size]
     dist.barrier()
@@ -368,7 +410,10 @@ def check_damaged_shard_falls_back(rank, world_size, root):
         "skipped": [(path.name, cause) for path, cause in choice.skipped],
         "state": load_checkpoint(choice.path, *fresh.state),
         "summary": checkpoint_summary(choice.path),
-        "shapes": {name: tuple(tensor.shape) for name, tensor in Run(1, 1, seed=0).model.state_dict().items()},
+        "shapes": {
+            name: tuple(tensor.shape)
+            for name, tensor in Run(1, 1, seed=0).model.state_dict().items()
+        },
     }
 
 

@@ -1,9 +1,11 @@
-"""torch.compile per decoder block composes with TP (DTensor) and activation checkpointing: at tp=2 the loss
-and gradients match eager tp=1 within 1e-4; combinations that cannot work are refused before building.
+"""torch.compile per decoder block composes with TP (DTensor) and activation checkpointing: at tp=2
+the loss and gradients match eager tp=1 within 1e-4; combinations that cannot work are refused
+before building.
 
 Plain TP (no sequence parallelism) with compile is refused (see components/models/compile.py).
-The test compiles with ``backend="aot_eager"`` (dynamo + AOT autograd, the same graphs, no code generation):
-inductor's C++ compile of the block costs ~30 s per test on 2 cores. The product uses inductor by default.
+The test compiles with ``backend="aot_eager"`` (dynamo + AOT autograd, the same graphs, no code
+generation): inductor's C++ compile of the block costs ~30 s per test on 2 cores. The product uses
+inductor by default.
 """
 
 import functools
@@ -36,7 +38,9 @@ def _is_compiled(forward) -> bool:
     return hasattr(inner, "_torchdynamo_orig_callable")
 
 
-def check_compiled_tp2_matches_eager_tp1(rank, world_size, sequence_parallel, activation_checkpointing):
+def check_compiled_tp2_matches_eager_tp1(
+    rank, world_size, sequence_parallel, activation_checkpointing
+):
     torch._dynamo.reset()  # each check compiles afresh, independent of the previous one
     config = tiny_config("llama")
     tokens, labels, global_tokens = _batch(config.vocab_size)
@@ -44,13 +48,24 @@ def check_compiled_tp2_matches_eager_tp1(rank, world_size, sequence_parallel, ac
     reference_loss = forward_backward(reference, tokens, labels, global_tokens)
 
     model = build_causal_lm(config, seed=0)
-    apply_tp_plan(model, mesh((world_size,), ("tp",)), plan_for(config, sequence_parallel), config, sequence_parallel)
+    apply_tp_plan(
+        model,
+        mesh((world_size,), ("tp",)),
+        plan_for(config, sequence_parallel),
+        config,
+        sequence_parallel,
+    )
     apply_block_wrappers(model, activation_checkpointing, compile=True, backend=BACKEND)
-    losses = [forward_backward(model, tokens, labels, global_tokens) for _ in range(2)]  # the 2nd reuses the graph
+    losses = [
+        forward_backward(model, tokens, labels, global_tokens) for _ in range(2)
+    ]  # the 2nd reuses the graph
     finalize_dtensor_gradients([model])
     named = dict(reference.named_parameters())
     grad_error = max(
-        ((p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) / 2 - named[n].grad).abs().max().item()
+        ((p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) / 2 - named[n].grad)
+        .abs()
+        .max()
+        .item()
         for n, p in model.named_parameters()
     )
     compiled = sum(1 for layer in model.model.layers if _is_compiled(layer.forward))
@@ -63,8 +78,8 @@ def check_compiled_tp2_matches_eager_tp1(rank, world_size, sequence_parallel, ac
 
 
 def test_compiled_checkpointed_sp_tp2_matches_eager_tp1(ranks2):
-    # One case covers both compositions (compile with DTensor TP, and checkpointing around compiled blocks);
-    # each compile costs seconds on 2 cores.
+    # One case covers both compositions (compile with DTensor TP, and checkpointing around compiled
+    # blocks); each compile costs seconds on 2 cores.
     results = ranks2.run(check_compiled_tp2_matches_eager_tp1, True, "full", timeout_s=180)
     for result in results:
         assert result["compiled"] == 2

@@ -1,4 +1,5 @@
-"""The harness itself: results come back per rank, failures show the rank's traceback, hangs are killed."""
+"""The harness itself: results come back per rank, failures show the rank's traceback, hangs are
+killed."""
 
 import time
 

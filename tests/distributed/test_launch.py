@@ -1,6 +1,7 @@
-"""launch_local's process handling, on real forked ranks started by a real launcher in a subprocess: ranks die
-with a SIGKILLed launcher, a SIGSTOPped rank is named as the stuck one, error lines start a line, bad input
-prints one line from rank 0, and no torch elastic folder is left in the temporary directory."""
+"""launch_local's process handling, on real forked ranks started by a real launcher in a subprocess:
+ranks die with a SIGKILLed launcher, a SIGSTOPped rank is named as the stuck one, error lines start
+a line, bad input prints one line from rank 0, and no torch elastic folder is left in the temporary
+directory."""
 
 import os
 import signal
@@ -109,9 +110,13 @@ def test_a_stopped_rank_is_named_as_the_stuck_one(tmp_path):
     finally:
         stop_group(process)
     last = (tmp_path / "stderr").read_text().strip().splitlines()[-1]
-    assert last.startswith(f"error: rank 1 failed: stopped by SIGSTOP (pid {ranks[1]}), so its peers waited"), last
+    assert last.startswith(
+        f"error: rank 1 failed: stopped by SIGSTOP (pid {ranks[1]}), so its peers waited"
+    ), last
     assert not alive(ranks[1])
-    assert list((tmp_path / "tmp").iterdir()) == []  # neither torchelastic_* nor the watch's folder is left
+    assert (
+        list((tmp_path / "tmp").iterdir()) == []
+    )  # neither torchelastic_* nor the watch's folder is left
 
 
 def test_the_error_line_starts_its_own_line_after_a_progress_bar(tmp_path):
@@ -121,7 +126,9 @@ def test_the_error_line_starts_its_own_line_after_a_progress_bar(tmp_path):
     finally:
         stop_group(process)
     text = (tmp_path / "stderr").read_text()
-    assert "\nerror: rank 1 failed: ValueError: injected\n" in text.replace("\ntraceback", "\n"), text[-2000:]
+    assert "\nerror: rank 1 failed: ValueError: injected\n" in text.replace("\ntraceback", "\n"), (
+        text[-2000:]
+    )
     assert "4/10 [00:01<00:01]\n" in text  # the bar's line was ended before the report
     assert list((tmp_path / "tmp").iterdir()) == []
 

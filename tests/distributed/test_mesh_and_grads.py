@@ -1,4 +1,5 @@
-"""The device mesh layout, DTensor gradient finalisation, and a grad norm that counts each replica once."""
+"""The device mesh layout, DTensor gradient finalisation, and a grad norm that counts each replica
+once."""
 
 import math
 from datetime import timedelta
@@ -67,7 +68,10 @@ def check_finalize(rank, world_size):
         changed,
         [name for name, _, _ in calls],
         {
-            n: (getattr(model, n).weight.grad.placements, getattr(model, n).weight.grad.to_local().tolist())
+            n: (
+                getattr(model, n).weight.grad.placements,
+                getattr(model, n).weight.grad.to_local().tolist(),
+            )
             for n in "ab"
         },
         model.sharded.weight.grad.to_local().tolist(),
@@ -77,9 +81,12 @@ def check_finalize(rank, world_size):
 
 
 def test_partial_gradients_become_replicate_in_one_flat_all_reduce(ranks2):
-    for rank, (changed, calls, replicas, sharded, wrong_placements, wrong) in enumerate(ranks2.run(check_finalize)):
+    for rank, (changed, calls, replicas, sharded, wrong_placements, wrong) in enumerate(
+        ranks2.run(check_finalize)
+    ):
         assert changed == 3
-        # one presence check of the Replicate parameters, then a and b in one buffer; Shard is a local slice
+        # one presence check of the Replicate parameters, then a and b in one buffer; Shard is a
+        # local slice
         assert calls == ["all_reduce", "all_reduce"]
         assert replicas == {n: ((Replicate(),), [3.0] * 3) for n in "ab"}
         assert sharded == [float(rank)] * 2
@@ -88,7 +95,14 @@ def test_partial_gradients_become_replicate_in_one_flat_all_reduce(ranks2):
 
 def full_tensors() -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
-    shapes = {"plain": (3,), "tp_rep": (4,), "tp_row": (4, 2), "tp_col": (2, 4), "dp": (4, 3), "grid": (4, 4)}
+    shapes = {
+        "plain": (3,),
+        "tp_rep": (4,),
+        "tp_row": (4, 2),
+        "tp_col": (2, 4),
+        "dp": (4, 3),
+        "grid": (4, 4),
+    }
     return {name: torch.randn(shape, generator=generator) for name, shape in shapes.items()}
 
 
@@ -109,7 +123,9 @@ def check_grad_norm(rank, world_size, norm_type):
         holder = Holder(distribute_tensor(torch.zeros_like(full[name]), device_mesh, placements))
         holder.weight.grad = distribute_tensor(full[name], device_mesh, placements)
         setattr(model, name, holder)
-    reference = torch.linalg.vector_norm(torch.cat([t.reshape(-1) for t in full.values()]).double(), norm_type)
+    reference = torch.linalg.vector_norm(
+        torch.cat([t.reshape(-1) for t in full.values()]).double(), norm_type
+    )
     return grad_norm([model], norm_type).item(), reference.item()
 
 

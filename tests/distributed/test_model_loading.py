@@ -2,8 +2,9 @@
 tensor,
 and the tensor-parallel model's logits equal the single-process model's.
 
-The parent saves the checkpoints and computes reference logits with ``from_pretrained``; each ``check_*`` runs
-on every rank of a shared pool (see tests/harness.py): build on meta, shard, load, compare.
+The parent saves the checkpoints and computes reference logits with ``from_pretrained``; each
+``check_*`` runs on every rank of a shared pool (see tests/harness.py): build on meta, shard, load,
+compare.
 """
 
 from pathlib import Path
@@ -29,7 +30,8 @@ from tests.harness import mesh
 
 TOKENS = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
 
-# Colwise leaves each rank its own heads as a plain local tensor, which HF attention reshapes with -1 heads.
+# Colwise leaves each rank its own heads as a plain local tensor, which HF attention reshapes with
+# -1 heads.
 TP_PLAN = {
     "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),  # vocab rows sharded
     "model.layers.*.self_attn.q_proj": ColwiseParallel(),
@@ -69,12 +71,16 @@ def local_of(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def expected_on_this_rank(full: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
-    """The slice of ``full`` this rank should hold, by chunking mesh dimension after mesh dimension."""
+    """The slice of ``full`` this rank should hold, by chunking mesh dimension after mesh
+    dimension."""
     if not isinstance(tensor, DTensor):
         return full
     expected = full
     for placement, coordinate, size in zip(
-        tensor.placements, tensor.device_mesh.get_coordinate(), tensor.device_mesh.shape, strict=True
+        tensor.placements,
+        tensor.device_mesh.get_coordinate(),
+        tensor.device_mesh.shape,
+        strict=True,
     ):
         if isinstance(placement, Shard):
             expected = torch.chunk(expected, size, dim=placement.dim)[coordinate]
@@ -98,9 +104,13 @@ def check_tp_loading(rank, world_size, folder, reference_logits):
     materialize_pretrained(model, folder)
 
     stored = load_file(Path(folder) / "model.safetensors")
-    stored.setdefault("lm_head.weight", stored["model.embed_tokens.weight"])  # a tied checkpoint stores one
+    stored.setdefault(
+        "lm_head.weight", stored["model.embed_tokens.weight"]
+    )  # a tied checkpoint stores one
     sharded = sorted(
-        name for name, p in model.named_parameters() if isinstance(p, DTensor) and p.placements[0].is_shard()
+        name
+        for name, p in model.named_parameters()
+        if isinstance(p, DTensor) and p.placements[0].is_shard()
     )
     with torch.no_grad():
         logits = model(TOKENS).logits
@@ -121,7 +131,10 @@ def assert_tp_loaded(results, reference_bytes):
         assert not result["lm_head_is_embedding"]
         assert result["rotary"] == pytest.approx([1.0, 0.1, 0.01, 0.001])
         assert result["logit_error"] < 1e-5
-    print(f"max |logits - single-process logits| on {len(results)} ranks: {max(r['logit_error'] for r in results):.1e}")
+    print(
+        f"max |logits - single-process logits| on {len(results)} ranks: "
+        f"{max(r['logit_error'] for r in results):.1e}"
+    )
     assert len({result["bytes"] for result in results}) == 1
     return results[0]["bytes"] / reference_bytes
 
@@ -149,7 +162,8 @@ def test_tied_embedding_untied_by_the_plan_loads_both_copies(ranks2, checkpoints
 
 
 def check_sharded_experts(rank, world_size, folder):
-    """Experts sharded by expert (down_proj) and within experts (gate_up_proj rows), plus attention TP."""
+    """Experts sharded by expert (down_proj) and within experts (gate_up_proj rows), plus attention
+    TP."""
     tp = mesh((world_size,), ("tp",))
     model = meta_causal_lm(load_config(folder))
     parallelize_module(model, tp, ATTENTION_PLAN)
@@ -157,9 +171,15 @@ def check_sharded_experts(rank, world_size, folder):
         experts = layer.mlp.experts
         for name, placement in (("gate_up_proj", Shard(1)), ("down_proj", Shard(0))):
             meta = torch.empty(getattr(experts, name).shape, device="meta")
-            setattr(experts, name, nn.Parameter(distribute_tensor(meta, tp, [placement], src_data_rank=None)))
+            setattr(
+                experts,
+                name,
+                nn.Parameter(distribute_tensor(meta, tp, [placement], src_data_rank=None)),
+            )
     materialize_pretrained(model, folder)
-    reference = AutoModelForCausalLM.from_pretrained(folder)  # the fused tensors, as transformers builds them
+    reference = AutoModelForCausalLM.from_pretrained(
+        folder
+    )  # the fused tensors, as transformers builds them
     return mismatched_slices(model, dict(reference.named_parameters()))
 
 
@@ -168,7 +188,8 @@ def test_fused_experts_are_read_slice_by_slice_from_per_expert_tensors(ranks4, c
 
 
 def check_dp_by_tp_grid(rank, world_size, folder):
-    """TP on the tp axis, then FSDP-style Shard(0) on the dp axis (norms: on the dp submesh only)."""
+    """TP on the tp axis, then FSDP-style Shard(0) on the dp axis (norms: on the dp submesh
+    only)."""
     grid = mesh((2, 2), ("dp", "tp"))
     model = meta_causal_lm(load_config(folder))
     parallelize_module(model, grid["tp"], TP_PLAN)
@@ -180,7 +201,8 @@ def check_dp_by_tp_grid(rank, world_size, folder):
                 device_mesh, placements = grid["dp"], [Shard(0)]
             meta = torch.empty(parameter.shape, device="meta")
             module.register_parameter(
-                name, nn.Parameter(distribute_tensor(meta, device_mesh, placements, src_data_rank=None))
+                name,
+                nn.Parameter(distribute_tensor(meta, device_mesh, placements, src_data_rank=None)),
             )
     materialize_pretrained(model, folder)
     return mismatched_slices(model, load_file(Path(folder) / "model.safetensors"))
@@ -201,16 +223,20 @@ def check_partial_is_rejected(rank, world_size, folder):
 
 
 def test_a_partial_placement_is_rejected_on_every_rank(ranks2, checkpoints):
-    expected = "model.norm.weight: cannot load into placement Partial(sum) (only Shard and Replicate)"
+    expected = (
+        "model.norm.weight: cannot load into placement Partial(sum) (only Shard and Replicate)"
+    )
     assert ranks2.run(check_partial_is_rejected, checkpoints["llama"][0]) == [expected] * 2
 
 
-# --- a bf16 checkpoint into fp32 master weights (bf16-mixed) ----------------------------------------
+# --- a bf16 checkpoint into fp32 master weights (bf16-mixed)
+# ----------------------------------------
 
 
 def check_bf16_checkpoint_into_fp32_shards(rank, world_size, folder):
-    """Build fp32 on meta, shard, load a bf16 checkpoint: every read is this rank's slice in bf16 (no full
-    tensor, no fp32 copy of it), converted into the fp32 shard on copy; values are the bf16 ones exactly."""
+    """Build fp32 on meta, shard, load a bf16 checkpoint: every read is this rank's slice in bf16
+    (no full tensor, no fp32 copy of it), converted into the fp32 shard on copy; values are the bf16
+    ones exactly."""
     model = meta_causal_lm(load_config(folder), dtype=torch.float32)
     parallelize_module(model, mesh((world_size,), ("tp",)), TP_PLAN)
     local_numels = {local_of(p).numel() for p in model.parameters()}
@@ -229,20 +255,28 @@ def check_bf16_checkpoint_into_fp32_shards(rank, world_size, folder):
         Checkpoint.read = original_read
     stored = load_file(Path(folder) / "model.safetensors")
     expected = {name: tensor.float() for name, tensor in stored.items()}
-    sharded_keys = {n for n, p in model.named_parameters() if isinstance(p, DTensor) and p.placements[0].is_shard()}
+    sharded_keys = {
+        n
+        for n, p in model.named_parameters()
+        if isinstance(p, DTensor) and p.placements[0].is_shard()
+    }
     return {
         "param_dtypes": {str(p.dtype) for p in model.parameters()},
         "stored_dtypes": {str(t.dtype) for t in stored.values()},
         "read_dtypes": {str(dtype) for _, dtype, _ in reads},
         "oversized_reads": [k for k, _, numel in reads if numel not in local_numels],
-        "sharded_reads_smaller": all(numel < stored[k].numel() for k, _, numel in reads if k in sharded_keys),
+        "sharded_reads_smaller": all(
+            numel < stored[k].numel() for k, _, numel in reads if k in sharded_keys
+        ),
         "mismatched": mismatched_slices(model, expected),
     }
 
 
 def test_bf16_checkpoint_loads_into_fp32_shards_slice_by_slice(ranks2, checkpoints):
     for result in ranks2.run(check_bf16_checkpoint_into_fp32_shards, checkpoints["llama_bf16"][0]):
-        assert result["stored_dtypes"] == {"torch.bfloat16"} and result["param_dtypes"] == {"torch.float32"}
+        assert result["stored_dtypes"] == {"torch.bfloat16"} and result["param_dtypes"] == {
+            "torch.float32"
+        }
         assert result["read_dtypes"] == {"torch.bfloat16"}
         assert result["oversized_reads"] == [] and result["sharded_reads_smaller"]
         assert result["mismatched"] == []

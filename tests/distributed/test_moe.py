@@ -1,8 +1,10 @@
-"""MoE: attention tensor-parallel, experts split by expert over the folded ep axis, routers replicated.
+"""MoE: attention tensor-parallel, experts split by expert over the folded ep axis, routers
+replicated.
 
 The parallel model must train exactly like one process (loss 1e-5 relative, gathered gradients and
-weights after one SGD lr=1 step 1e-5, grad norm 1e-6 relative), expert gradients must never be touched
-by the replica sync, and after AdamW steps the replicas stay bitwise equal while experts differ.
+weights after one SGD lr=1 step 1e-5, grad norm 1e-6 relative), expert gradients must never be
+touched by the replica sync, and after AdamW steps the replicas stay bitwise equal while experts
+differ.
 """
 
 from pathlib import Path
@@ -31,7 +33,9 @@ EXPERTS, ROUTERS = FAMILIES["qwen3_moe"].experts, FAMILIES["qwen3_moe"].routers 
 
 
 def check_moe_parity(rank, world_size, family, tp, ep, sequence_parallel, mode=None):
-    return parity(world_size, tiny_config(family), tp, sequence_parallel, ep=ep, experts=EXPERTS, mode=mode)
+    return parity(
+        world_size, tiny_config(family), tp, sequence_parallel, ep=ep, experts=EXPERTS, mode=mode
+    )
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
@@ -47,8 +51,9 @@ def test_tp4_matches_one_process(ranks4, family, tp, ep):
 
 
 def test_folding_at_ep_below_tp_matches_one_process(ranks4):
-    # Not the automatic choice at ep < tp (the all-to-all path measured faster), but valid: tp / ep identical
-    # copies of each expert per TP group, their gradients scaled by ep / tp before the sum over ep_shard.
+    # Not the automatic choice at ep < tp (the all-to-all path measured faster), but valid: tp / ep
+    # identical copies of each expert per TP group, their gradients scaled by ep / tp before the sum
+    # over ep_shard.
     assert_parity(ranks4.run(check_moe_parity, "qwen3_moe", 4, 2, False, "folded"))
 
 
@@ -59,34 +64,44 @@ def test_sequence_parallel_moe_matches_one_process(ranks4):
 def check_experts_over_dp(rank, world_size, family, tp, ep):
     result = parity(world_size, tiny_config(family), tp, False, ep=ep, experts=EXPERTS)
     model_mode = dispatch_mode(tp, ep)
-    return result | {"mode": model_mode, "expert_drift": expert_copy_drift(family, world_size, tp, ep)}
+    return result | {
+        "mode": model_mode,
+        "expert_drift": expert_copy_drift(family, world_size, tp, ep),
+    }
 
 
 def expert_copy_drift(family, world_size, tp, ep) -> tuple[float, int]:
-    """After two AdamW steps on different dp data: the largest difference between an expert's ep_shard copies,
-    and how many expert tensors have copies."""
+    """After two AdamW steps on different dp data: the largest difference between an expert's
+    ep_shard copies, and how many expert tensors have copies."""
     dims = resolve_parallel_dims(world_size, tp=tp, ep=ep)
     device_mesh = mesh((dims.dp, dims.tp), ("dp", "tp"))
     config = tiny_config(family)
     model = build_causal_lm(config, seed=0)
     if tp > 1:
-        apply_tp_plan(model, device_mesh["tp"], plan_for(config), config, moe_modules=EXPERTS + ROUTERS)
-    apply_expert_parallel(model, mesh((dims.ep_shard, dims.ep), ("ep_shard", "ep")), device_mesh["tp"], list(EXPERTS))
+        apply_tp_plan(
+            model, device_mesh["tp"], plan_for(config), config, moe_modules=EXPERTS + ROUTERS
+        )
+    apply_expert_parallel(
+        model, mesh((dims.ep_shard, dims.ep), ("ep_shard", "ep")), device_mesh["tp"], list(EXPERTS)
+    )
     shard_data_parallel(model, device_mesh["dp"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     tokens, labels, global_tokens = global_batch(config.vocab_size)
     dp_rank = device_mesh["dp"].get_local_rank()
     for _ in range(2):
         optimizer.zero_grad()
-        forward_backward(model, tokens.chunk(dims.dp)[dp_rank], labels.chunk(dims.dp)[dp_rank], global_tokens)
+        forward_backward(
+            model, tokens.chunk(dims.dp)[dp_rank], labels.chunk(dims.dp)[dp_rank], global_tokens
+        )
         finish(model, device_mesh)
         optimizer.step()
     experts = {n: d for n, d in replica_drift([model], device_mesh).items() if ".experts." in n}
     return (max(experts.values(), default=0.0), len(experts))
 
 
-# Experts over data-parallel ranks (the world is dp x tp = 4): dispatched by all-to-all where an ep group
-# spans dp ranks, folded where it lies inside a TP group; FSDP over dp on everything but the experts.
+# Experts over data-parallel ranks (the world is dp x tp = 4): dispatched by all-to-all where an ep
+# group spans dp ranks, folded where it lies inside a TP group; FSDP over dp on everything but the
+# experts.
 @pytest.mark.parametrize(
     ("family", "tp", "ep", "mode"),
     [
@@ -106,7 +121,9 @@ def test_experts_over_data_parallel_ranks_match_one_process(ranks4, family, tp, 
         assert result["drifted"] == []
         drift, compared = result["expert_drift"]
         assert drift == 0.0  # ep_shard copies of an expert stay bitwise equal
-        assert compared == (4 if 4 // ep > 1 else 0)  # 2 layers x 2 fused tensors, when there are copies
+        assert compared == (
+            4 if 4 // ep > 1 else 0
+        )  # 2 layers x 2 fused tensors, when there are copies
 
 
 def build_parallel_moe(world_size, tp, ep):
@@ -115,7 +132,9 @@ def build_parallel_moe(world_size, tp, ep):
     device_mesh = mesh((dims.dp, dims.tp), ("dp", "tp"))
     model = build_causal_lm(config, seed=0)
     apply_tp_plan(model, device_mesh["tp"], plan_for(config), config, moe_modules=EXPERTS + ROUTERS)
-    apply_expert_parallel(model, mesh((dims.ep_shard, dims.ep), ("ep_shard", "ep")), device_mesh["tp"], list(EXPERTS))
+    apply_expert_parallel(
+        model, mesh((dims.ep_shard, dims.ep), ("ep_shard", "ep")), device_mesh["tp"], list(EXPERTS)
+    )
     return model, device_mesh
 
 
@@ -143,8 +162,8 @@ def test_expert_gradients_are_excluded_and_the_router_is_reduced(ranks4):
     for result in ranks4.run(check_experts_untouched_by_sync):
         assert result["experts_untouched"] and result["expert_count"] == 4
         assert result["router"] == (1 + 2 + 4 + 8) / 4  # mean over the 4 TP ranks
-        # Every non-expert parameter with a gradient is counted (embedding/lm_head/attention shards are
-        # not replicas); the count names no expert tensor.
+        # Every non-expert parameter with a gradient is counted (embedding/lm_head/attention shards
+        # are not replicas); the count names no expert tensor.
         assert result["synced"] < result["expected_count"]
 
 
@@ -184,16 +203,24 @@ def test_local_experts_are_different_experts(ranks2):
 
 def test_dense_styles_on_experts_or_routers_are_refused():
     config = tiny_config("qwen3_moe")
-    plan = plan_for(config) | {"model.layers.*.mlp.experts": "colwise", "model.layers.*.mlp.gate": "rowwise"}
+    plan = plan_for(config) | {
+        "model.layers.*.mlp.experts": "colwise",
+        "model.layers.*.mlp.gate": "rowwise",
+    }
     _, errors = check_plan(meta_causal_lm(config), config, plan, 2, EXPERTS + ROUTERS)
-    assert "plan shards model.layers.0.mlp.experts with 'colwise', but it is an MoE expert or router" in errors[0]
+    assert (
+        "plan shards model.layers.0.mlp.experts with 'colwise', but it is an MoE expert or router"
+        in errors[0]
+    )
     assert sum("MoE expert or router" in error for error in errors) == 4
 
 
 def test_expert_parallel_sizes_are_checked():
     model = meta_causal_lm(tiny_config("qwen3_moe"))
     assert check_expert_parallel(model, list(EXPERTS), num_experts=8, ep=2) == []
-    assert check_expert_parallel(model, list(EXPERTS), num_experts=8, ep=4) == []  # ep over dp x tp ranks
+    assert (
+        check_expert_parallel(model, list(EXPERTS), num_experts=8, ep=4) == []
+    )  # ep over dp x tp ranks
     assert check_expert_parallel(model, list(EXPERTS), num_experts=6, ep=4) == [
         "ep (4) must divide the number of experts (6)"
     ]
@@ -203,8 +230,9 @@ def test_expert_parallel_sizes_are_checked():
 
 
 def check_idle_experts(rank, world_size):
-    # Zero routers give every token the same top-2 (experts 0 and 1), so ranks 1.. own only idle experts:
-    # they must still join every collective, and their experts get zero (not missing) gradients.
+    # Zero routers give every token the same top-2 (experts 0 and 1), so ranks 1.. own only idle
+    # experts: they must still join every collective, and their experts get zero (not missing)
+    # gradients.
     config = tiny_config("qwen3_moe")
     tokens, labels, global_tokens = global_batch(config.vocab_size)
     reference = build_causal_lm(config, seed=0)
@@ -227,20 +255,29 @@ def test_ranks_whose_experts_get_no_tokens_still_train_in_step(ranks4):
 
 
 def moe_run(world_size, tp, ep, seed, shard_experts=False):
-    """Qwen3-MoE at (tp, ep, dp = world / tp) with AdamW: model, optimizer, scheduler, mesh, dims."""
+    """Qwen3-MoE at (tp, ep, dp = world / tp) with AdamW: model, optimizer, scheduler, mesh,
+    dims."""
     dims = resolve_parallel_dims(world_size, tp=tp, ep=ep)
     device_mesh = mesh((dims.dp, dims.tp), ("dp", "tp"))
     config = tiny_config("qwen3_moe")
     model = build_causal_lm(config, seed=seed)
     if tp > 1:
-        apply_tp_plan(model, device_mesh["tp"], plan_for(config), config, moe_modules=EXPERTS + ROUTERS)
+        apply_tp_plan(
+            model, device_mesh["tp"], plan_for(config), config, moe_modules=EXPERTS + ROUTERS
+        )
     moe_mesh = mesh((dims.ep_shard, dims.ep), ("ep_shard", "ep"))
     tp_mesh, patterns = device_mesh["tp"], list(EXPERTS)
     apply_expert_parallel(model, moe_mesh, tp_mesh, patterns, shard_experts=shard_experts)
     if dims.dp > 1:
         shard_data_parallel(model, device_mesh["dp"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), device_mesh, dims
+    return (
+        model,
+        optimizer,
+        torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0),
+        device_mesh,
+        dims,
+    )
 
 
 def moe_step(model, optimizer, scheduler, device_mesh, dims, seed) -> float:
@@ -248,7 +285,9 @@ def moe_step(model, optimizer, scheduler, device_mesh, dims, seed) -> float:
     tokens, labels, global_tokens = global_batch(config.vocab_size, seed=seed)
     dp_rank = device_mesh["dp"].get_local_rank()
     optimizer.zero_grad()
-    local = forward_backward(model, tokens.chunk(dims.dp)[dp_rank], labels.chunk(dims.dp)[dp_rank], global_tokens)
+    local = forward_backward(
+        model, tokens.chunk(dims.dp)[dp_rank], labels.chunk(dims.dp)[dp_rank], global_tokens
+    )
     loss = torch.tensor(local, dtype=torch.float64)
     dist.all_reduce(loss, group=device_mesh["dp"].get_group())
     finish(model, device_mesh)
@@ -275,7 +314,10 @@ def check_save_moe(rank, world_size, root):
     for seed in range(2):
         moe_step(*run, seed=seed)
     save_checkpoint(Path(root), 2, *run[:3])
-    reference = {"state": full_state(*run[:2]), "continued": [moe_step(*run, seed=seed) for seed in (2, 3)]}
+    reference = {
+        "state": full_state(*run[:2]),
+        "continued": [moe_step(*run, seed=seed) for seed in (2, 3)],
+    }
     if rank == 0:
         torch.save(reference, Path(root) / "reference.pt")
 
@@ -285,7 +327,11 @@ def check_load_moe(rank, world_size, root):
     load_checkpoint(checkpoint_path(Path(root), 2), *run[:3])
     reference = torch.load(Path(root) / "reference.pt")
     state = full_state(*run[:2])
-    differ = [name for name, value in reference["state"].items() if not torch.equal(state.get(name), value)]
+    differ = [
+        name
+        for name, value in reference["state"].items()
+        if not torch.equal(state.get(name), value)
+    ]
     return differ, [moe_step(*run, seed=seed) for seed in (2, 3)], reference["continued"]
 
 
@@ -297,8 +343,9 @@ def test_a_checkpoint_at_tp2_ep4_dp2_loads_exactly_at_tp1_ep2_dp2(ranks2, ranks4
 
 
 def check_idle_experts_dispatched(rank, world_size):
-    # Zero routers send every token to experts 0 and 1, both on rank 0: ranks 1-3 receive no rows, yet they
-    # must join every exchange, forward and backward, and their experts get zero (not missing) gradients.
+    # Zero routers send every token to experts 0 and 1, both on rank 0: ranks 1-3 receive no rows,
+    # yet they must join every exchange, forward and backward, and their experts get zero (not
+    # missing) gradients.
     config = tiny_config("qwen3_moe")
     tokens, labels, global_tokens = global_batch(config.vocab_size)
     reference = build_causal_lm(config, seed=0)
@@ -307,13 +354,23 @@ def check_idle_experts_dispatched(rank, world_size):
         for layer in built.model.layers:
             torch.nn.init.zeros_(layer.mlp.gate.weight)
     reference_loss = forward_backward(reference, tokens, labels, global_tokens) / global_tokens
-    loss = moe_step(model, optimizer, scheduler, device_mesh, dims, seed=1)  # global_batch's default seed
+    loss = moe_step(
+        model, optimizer, scheduler, device_mesh, dims, seed=1
+    )  # global_batch's default seed
     experts = model.model.layers[0].mlp.experts.gate_up_proj
-    return loss, reference_loss, grad_norm([model]).item(), grad_norm([reference]).item(), experts.grad is not None
+    return (
+        loss,
+        reference_loss,
+        grad_norm([model]).item(),
+        grad_norm([reference]).item(),
+        experts.grad is not None,
+    )
 
 
 def test_ranks_that_receive_no_tokens_still_join_every_exchange(ranks4):
-    for loss, reference_loss, norm, reference_norm, has_grad in ranks4.run(check_idle_experts_dispatched):
+    for loss, reference_loss, norm, reference_norm, has_grad in ranks4.run(
+        check_idle_experts_dispatched
+    ):
         assert loss == pytest.approx(reference_loss, rel=1e-5)
         assert norm == pytest.approx(reference_norm, rel=1e-6)
         assert has_grad

@@ -1,10 +1,11 @@
-"""Packed rows under tensor parallelism (with and without sequence parallelism) give every example its
-single-process unpacked loss and the same gradients; and ranks forked after the data is prepared run.
-(The harness's ranks use one thread each: a forked rank must never start OpenMP threads after its parent
-used them, whatever the data path does; that rule is the launcher's, tested with the recipe.)
+"""Packed rows under tensor parallelism (with and without sequence parallelism) give every example
+its single-process unpacked loss and the same gradients; and ranks forked after the data is prepared
+run. (The harness's ranks use one thread each: a forked rank must never start OpenMP threads after
+its parent used them, whatever the data path does; that rule is the launcher's, tested with the
+recipe.)
 
-Data comes through the launcher's path: ``prepare_data`` writes the Arrow cache, the ranks open it with
-``StepBatches.open``. fp32; tolerance 1e-5 relative on losses and gradients (measured ~1e-7).
+Data comes through the launcher's path: ``prepare_data`` writes the Arrow cache, the ranks open it
+with ``StepBatches.open``. fp32; tolerance 1e-5 relative on losses and gradients (measured ~1e-7).
 """
 
 import os
@@ -21,7 +22,10 @@ from components.data.sources import GeneratedSource
 from components.data.tokenizer import DEFAULT_VOCAB_SIZE, train_tokenizer
 from components.distributed.grads import finalize_dtensor_gradients
 from components.distributed.tp_plan import apply_tp_plan, plan_for
-from components.distributed.tp_replicas import broadcast_tp_replicas, synchronize_tp_replica_gradients
+from components.distributed.tp_replicas import (
+    broadcast_tp_replicas,
+    synchronize_tp_replica_gradients,
+)
 from components.models import build_causal_lm, tiny_config
 from components.training.step import evaluate_loss_sum, forward_backward
 from tests.harness import RankPool, mesh
@@ -83,22 +87,32 @@ def check_packed_tp(rank, world_size, packed, unpacked, vocab_size, sequence_par
     one_each = plain._batches(order)  # rows of the unpacked split are the examples themselves
     expected = [loss for single in one_each for loss in _per_example(reference, single)]
     for single in one_each:
-        forward_backward(reference, single.input_ids, single.labels, data.labels_in_step(0), single.position_ids)
+        forward_backward(
+            reference, single.input_ids, single.labels, data.labels_in_step(0), single.position_ids
+        )
 
     model = build_causal_lm(config, seed=0)
     apply_tp_plan(
-        model, mesh((1, world_size), ("dp", "tp"))["tp"], plan_for(config, sequence_parallel), config, sequence_parallel
+        model,
+        mesh((1, world_size), ("dp", "tp"))["tp"],
+        plan_for(config, sequence_parallel),
+        config,
+        sequence_parallel,
     )
     device_mesh = mesh((1, world_size), ("dp", "tp"))
     broadcast_tp_replicas([model], device_mesh)
     losses = _per_example(model, batch)
-    forward_backward(model, batch.input_ids, batch.labels, data.labels_in_step(0), batch.position_ids)
+    forward_backward(
+        model, batch.input_ids, batch.labels, data.labels_in_step(0), batch.position_ids
+    )
     finalize_dtensor_gradients([model])
     synchronize_tp_replica_gradients([model], device_mesh)
     torch.testing.assert_close(losses, expected, rtol=1e-5, atol=0)
     named = dict(reference.named_parameters())
     for name, parameter in model.named_parameters():
-        torch.testing.assert_close(_full(parameter.grad), named[name].grad, rtol=1e-5, atol=1e-7, msg=name)
+        torch.testing.assert_close(
+            _full(parameter.grad), named[name].grad, rtol=1e-5, atol=1e-7, msg=name
+        )
     return len(losses)
 
 
@@ -119,14 +133,26 @@ def check_forked_rank_reads_and_computes(rank, world_size, split):
 
 
 def test_ranks_forked_after_preparing_data_with_worker_processes_do_not_hang(tmp_path, monkeypatch):
-    monkeypatch.setattr("components.data.prepare.RECORDS_PER_PROCESS", 50)  # so map really starts 2 workers
+    monkeypatch.setattr(
+        "components.data.prepare.RECORDS_PER_PROCESS", 50
+    )  # so map really starts 2 workers
     tokenizer_dir = tmp_path / "tokenizer"
     train_tokenizer(SOURCE.texts(source_cache_dir(tmp_path)), DEFAULT_VOCAB_SIZE, tokenizer_dir)
     prepared = prepare_data(
-        SOURCE, tokenizer_dir, seq_len=SEQ_LEN, packing=True, seed=0, cache_root=tmp_path, num_proc=2
+        SOURCE,
+        tokenizer_dir,
+        seq_len=SEQ_LEN,
+        packing=True,
+        seed=0,
+        cache_root=tmp_path,
+        num_proc=2,
     )
-    assert os.environ["TOKENIZERS_PARALLELISM"] == "false"  # no Rust thread pool for a forked rank to inherit
-    pool = RankPool(2, timeout_s=60)  # forked now, after the tokenizer, datasets and map workers have run
+    assert (
+        os.environ["TOKENIZERS_PARALLELISM"] == "false"
+    )  # no Rust thread pool for a forked rank to inherit
+    pool = RankPool(
+        2, timeout_s=60
+    )  # forked now, after the tokenizer, datasets and map workers have run
     try:
         sums = pool.run(check_forked_rank_reads_and_computes, prepared.train)
     finally:

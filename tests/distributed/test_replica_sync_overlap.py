@@ -1,11 +1,15 @@
-"""ReplicaSyncOverlap on real gloo ranks: the same updates as the boundary sync, errors on every rank together."""
+"""ReplicaSyncOverlap on real gloo ranks: the same updates as the boundary sync, errors on every
+rank together."""
 
 import pytest
 import torch
 from torch import nn
 
 from bench.replica_sync_overlap import ReplicaSyncOverlap
-from components.distributed.tp_replicas import mark_tp_replica_gradient_reduction, synchronize_tp_replica_gradients
+from components.distributed.tp_replicas import (
+    mark_tp_replica_gradient_reduction,
+    synchronize_tp_replica_gradients,
+)
 from tests.harness import mesh
 
 
@@ -29,7 +33,9 @@ def train(rank: int, world_size: int, optimizer_name: str, overlapped: bool) -> 
     optimizer_class = torch.optim.SGD if optimizer_name == "sgd" else torch.optim.AdamW
     optimizer = optimizer_class(model.parameters(), lr=0.1)
     overlap = ReplicaSyncOverlap([model], device_mesh, bucket_bytes=64) if overlapped else None
-    generator = torch.Generator().manual_seed(rank)  # each rank its own data: gradients differ per rank
+    generator = torch.Generator().manual_seed(
+        rank
+    )  # each rank its own data: gradients differ per rank
     for _ in range(3):
         optimizer.zero_grad()
         for micro in range(2):
@@ -47,8 +53,13 @@ def train(rank: int, world_size: int, optimizer_name: str, overlapped: bool) -> 
 
 
 def check_parity(rank, world_size, optimizer_name):
-    boundary, overlapped = train(rank, world_size, optimizer_name, False), train(rank, world_size, optimizer_name, True)
-    return [torch.equal(a, b) for a, b in zip(boundary, overlapped, strict=True)], [p.sum().item() for p in overlapped]
+    boundary, overlapped = (
+        train(rank, world_size, optimizer_name, False),
+        train(rank, world_size, optimizer_name, True),
+    )
+    return [torch.equal(a, b) for a, b in zip(boundary, overlapped, strict=True)], [
+        p.sum().item() for p in overlapped
+    ]
 
 
 @pytest.mark.parametrize("optimizer_name", ["sgd", "adamw"])

@@ -2,8 +2,9 @@
 
 Each check builds the same seeded tiny model twice on every rank: once whole (the single-process
 reference, computed locally) and once parallelised by the plan. Both see the same global batch; with
-dp > 1 each dp rank takes its share. fp32 throughout; tolerances are from the issue (loss 1e-5 relative,
-gradients and weights 1e-5 absolute, grad norm 1e-6 relative); measured differences are ~1e-7.
+dp > 1 each dp rank takes its share. fp32 throughout; tolerances are from the issue (loss 1e-5
+relative, gradients and weights 1e-5 absolute, grad norm 1e-6 relative); measured differences are
+~1e-7.
 """
 
 import pytest
@@ -31,7 +32,9 @@ BATCH, SEQ, PROMPT = 4, 16, 3
 
 
 def global_batch(vocab_size: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor, int]:
-    tokens = torch.randint(0, vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
+    tokens = torch.randint(
+        0, vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed)
+    )
     labels = tokens.clone()
     labels[:, :PROMPT] = -100  # a prompt masked out of the loss
     return tokens, labels, int((labels[:, 1:] != -100).sum())
@@ -62,11 +65,13 @@ def replicated_names(model, device_mesh) -> list[str]:
     ]
 
 
-def parity(world_size, config, tp, sequence_parallel, pretrained_path=None, ep=1, experts=(), mode=None) -> dict:
-    """Train one step (then five) both ways; with ``pretrained_path`` the parallel model is built on the
-    meta device, sharded, and loaded slice by slice, the reference with ``from_pretrained``. With
-    ``ep > 1`` the modules matching ``experts`` are split by expert over the MoE mesh (``mode``: the dispatch
-    path, None for the automatic one)."""
+def parity(
+    world_size, config, tp, sequence_parallel, pretrained_path=None, ep=1, experts=(), mode=None
+) -> dict:
+    """Train one step (then five) both ways; with ``pretrained_path`` the parallel model is built on
+    the meta device, sharded, and loaded slice by slice, the reference with ``from_pretrained``.
+    With ``ep > 1`` the modules matching ``experts`` are split by expert over the MoE mesh
+    (``mode``: the dispatch path, None for the automatic one)."""
     dims = resolve_parallel_dims(world_size, tp=tp, ep=ep)
     device_mesh = mesh((dims.dp, dims.tp), ("dp", "tp"))
     tokens, labels, global_tokens = global_batch(config.vocab_size)
@@ -74,13 +79,22 @@ def parity(world_size, config, tp, sequence_parallel, pretrained_path=None, ep=1
     if pretrained_path is None:
         reference, model = build_causal_lm(config, seed=0), build_causal_lm(config, seed=0)
     else:
-        reference, model = AutoModelForCausalLM.from_pretrained(pretrained_path), meta_causal_lm(config)
+        reference, model = (
+            AutoModelForCausalLM.from_pretrained(pretrained_path),
+            meta_causal_lm(config),
+        )
     reference_loss = forward_backward(reference, tokens, labels, global_tokens) / global_tokens
     reference_norm = grad_norm([reference]).item()
 
-    apply_tp_plan(model, device_mesh["tp"], plan_for(config, sequence_parallel), config, sequence_parallel)
+    apply_tp_plan(
+        model, device_mesh["tp"], plan_for(config, sequence_parallel), config, sequence_parallel
+    )
     apply_expert_parallel(
-        model, mesh((dims.ep_shard, dims.ep), ("ep_shard", "ep")), device_mesh["tp"], list(experts), mode
+        model,
+        mesh((dims.ep_shard, dims.ep), ("ep_shard", "ep")),
+        device_mesh["tp"],
+        list(experts),
+        mode,
     )
     if pretrained_path is not None:
         materialize_pretrained(model, pretrained_path)
@@ -88,25 +102,34 @@ def parity(world_size, config, tp, sequence_parallel, pretrained_path=None, ep=1
         shard_data_parallel(model, device_mesh["dp"])
     broadcast_tp_replicas([model], device_mesh)
     dp_rank = device_mesh["dp"].get_local_rank()
-    local_loss = forward_backward(model, tokens.chunk(dims.dp)[dp_rank], labels.chunk(dims.dp)[dp_rank], global_tokens)
+    local_loss = forward_backward(
+        model, tokens.chunk(dims.dp)[dp_rank], labels.chunk(dims.dp)[dp_rank], global_tokens
+    )
     loss = torch.tensor(local_loss, dtype=torch.float64)
     dist.all_reduce(loss, group=device_mesh["dp"].get_group())
     norm = finish(model, device_mesh)
 
     named_reference = dict(reference.named_parameters())
-    grad_error = max((full(p.grad) - named_reference[n].grad).abs().max().item() for n, p in model.named_parameters())
+    grad_error = max(
+        (full(p.grad) - named_reference[n].grad).abs().max().item()
+        for n, p in model.named_parameters()
+    )
 
     for optimized in (model, reference):
         torch.optim.SGD(optimized.parameters(), lr=1.0).step()
     weight_error = max(
-        (full(p.detach()) - named_reference[n].detach()).abs().max().item() for n, p in model.named_parameters()
+        (full(p.detach()) - named_reference[n].detach()).abs().max().item()
+        for n, p in model.named_parameters()
     )
 
-    # Five AdamW steps on the parallel model alone: every TP-replicated tensor must stay bitwise equal.
+    # Five AdamW steps on the parallel model alone: every TP-replicated tensor must stay bitwise
+    # equal.
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for _ in range(5):
         optimizer.zero_grad()
-        forward_backward(model, tokens.chunk(dims.dp)[dp_rank], labels.chunk(dims.dp)[dp_rank], global_tokens)
+        forward_backward(
+            model, tokens.chunk(dims.dp)[dp_rank], labels.chunk(dims.dp)[dp_rank], global_tokens
+        )
         finish(model, device_mesh)
         optimizer.step()
     parameters = dict(model.named_parameters())

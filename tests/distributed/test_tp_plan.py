@@ -1,5 +1,5 @@
-"""Applying TP plans: checks before sharding, the coverage report, broadcast repair, memory per rank,
-tied embeddings, a model's own HF plan, and loading a checkpoint slice by slice at tp > 1."""
+"""Applying TP plans: checks before sharding, the coverage report, broadcast repair, memory per
+rank, tied embeddings, a model's own HF plan, and loading a checkpoint slice by slice at tp > 1."""
 
 import pytest
 import torch
@@ -35,14 +35,20 @@ def test_kv_heads_that_do_not_divide_tp_fail_before_sharding(ranks4):
 def check_coverage_report(rank, world_size, family, sequence_parallel):
     config = tiny_config(family)
     model = build_causal_lm(config, seed=0)
-    report = apply_tp_plan(model, tp_mesh(world_size), plan_for(config, sequence_parallel), config, sequence_parallel)
+    report = apply_tp_plan(
+        model, tp_mesh(world_size), plan_for(config, sequence_parallel), config, sequence_parallel
+    )
     return report.sharded, report.replicated, report.format()
 
 
 def test_coverage_report_names_every_replica_and_its_reduction(ranks2):
     sharded, replicated, text = ranks2.run(check_coverage_report, "qwen3", False)[0]
     assert replicated == {
-        **{f"model.layers.{i}.self_attn.{n}.weight": "sum" for i in range(2) for n in ("q_norm", "k_norm")},
+        **{
+            f"model.layers.{i}.self_attn.{n}.weight": "sum"
+            for i in range(2)
+            for n in ("q_norm", "k_norm")
+        },
         **{
             f"model.layers.{i}.{n}.weight": "mean"
             for i in range(2)
@@ -50,7 +56,10 @@ def test_coverage_report_names_every_replica_and_its_reduction(ranks2):
         },
         "model.norm.weight": "mean",
     }
-    assert sharded["lm_head.weight"] == "(Shard(dim=0),)" and sharded["model.embed_tokens.weight"] == "(Shard(dim=0),)"
+    assert (
+        sharded["lm_head.weight"] == "(Shard(dim=0),)"
+        and sharded["model.embed_tokens.weight"] == "(Shard(dim=0),)"
+    )
     assert len(sharded) + len(replicated) == 2 * 9 + 3 + 4  # every parameter is in exactly one list
     assert "replicated (sum): model.layers.*.self_attn.q_norm.weight ×2" in text
 
@@ -97,9 +106,16 @@ def check_parity_with_config(rank, world_size, config, tp, sequence_parallel, pr
 
 
 def tiny_gemma() -> GemmaConfig:
-    # Gemma has no plan of ours: its own base_model_tp_plan is used; it also ties embeddings by default.
+    # Gemma has no plan of ours: its own base_model_tp_plan is used; it also ties embeddings by
+    # default.
     llama = tiny_config("llama")
-    sizes = ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size", "num_attention_heads")
+    sizes = (
+        "hidden_size",
+        "num_hidden_layers",
+        "intermediate_size",
+        "vocab_size",
+        "num_attention_heads",
+    )
     return GemmaConfig(**{k: getattr(llama, k) for k in sizes}, num_key_value_heads=4, head_dim=8)
 
 
@@ -111,7 +127,11 @@ def test_a_model_without_our_plan_uses_its_own_hf_plan(ranks2):
 
 
 def test_tied_embeddings_stay_tied_and_train_the_same(ranks2):
-    assert_parity(ranks2.run(check_parity_with_config, tiny_config("llama", tie_word_embeddings=True), 2, False))
+    assert_parity(
+        ranks2.run(
+            check_parity_with_config, tiny_config("llama", tie_word_embeddings=True), 2, False
+        )
+    )
 
 
 def test_checkpoint_loaded_slice_by_slice_on_meta_trains_the_same(ranks4, tmp_path):
@@ -121,11 +141,14 @@ def test_checkpoint_loaded_slice_by_slice_on_meta_trains_the_same(ranks4, tmp_pa
 
 
 def test_sequence_parallel_also_works_with_eager_attention(ranks2):
-    # Eager attention builds an explicit causal mask from hidden_states.shape: it must see the global length.
+    # Eager attention builds an explicit causal mask from hidden_states.shape: it must see the
+    # global length.
     config = tiny_config("llama", attn_implementation="eager")
     assert_parity(ranks2.run(check_parity_with_config, config, 2, True))
 
 
 def test_a_vocabulary_tp_does_not_divide_stays_replicated_and_trains_the_same(ranks2):
     # The documented fallback: embedding and lm_head replicated (mean), everything else sharded.
-    assert_parity(ranks2.run(check_parity_with_config, tiny_config("llama", vocab_size=257), 2, False))
+    assert_parity(
+        ranks2.run(check_parity_with_config, tiny_config("llama", vocab_size=257), 2, False)
+    )

@@ -1,7 +1,7 @@
 """tp_replicas on real gloo ranks: what is reduced, how, over which ranks, and what is left alone.
 
-Each ``check_*`` runs on every rank of a shared pool (see tests/harness.py) and returns what the test
-asserts on. Values are small integers or dyadic fractions, so equality is exact.
+Each ``check_*`` runs on every rank of a shared pool (see tests/harness.py) and returns what the
+test asserts on. Values are small integers or dyadic fractions, so equality is exact.
 """
 
 import gc
@@ -81,7 +81,9 @@ SIZES = {"a": 3, "b": 5, "c": 7}
 def check_registration_order_reversed_on_rank_one(rank, world_size):
     model = nn.Module()
     for name in sorted(SIZES, reverse=rank == 1):
-        holder = holder_with_grad(10 * rank + SIZES[name], size=SIZES[name], reduction="sum" if name == "b" else None)
+        holder = holder_with_grad(
+            10 * rank + SIZES[name], size=SIZES[name], reduction="sum" if name == "b" else None
+        )
         holder.weight.data.fill_(100 * rank + SIZES[name])
         holder.register_buffer("stat", torch.full((SIZES[name],), float(rank)))
         setattr(model, name, holder)
@@ -95,9 +97,15 @@ def check_registration_order_reversed_on_rank_one(rank, world_size):
 
 
 def test_registration_order_does_not_change_the_result(ranks2):
-    expected_grads = {"a": [8.0] * 3, "b": [20.0] * 5, "c": [12.0] * 7}  # mean(3,13), sum(5,15), mean(7,17)
+    expected_grads = {
+        "a": [8.0] * 3,
+        "b": [20.0] * 5,
+        "c": [12.0] * 7,
+    }  # mean(3,13), sum(5,15), mean(7,17)
     expected_weights = {name: [float(size)] * size for name, size in SIZES.items()}
-    for broadcast, synced, weights, grads, stats in ranks2.run(check_registration_order_reversed_on_rank_one):
+    for broadcast, synced, weights, grads, stats in ranks2.run(
+        check_registration_order_reversed_on_rank_one
+    ):
         assert (broadcast, synced) == (6, 3)
         assert grads == expected_grads
         assert weights == expected_weights
@@ -147,7 +155,15 @@ def test_excluded_owned_sharded_and_partial_are_untouched(ranks2):
         assert result["synced"] == 1 and result["norm"] == 1.5
         # broadcast: the norm and the Replicate parameter behind the partial gradient; nothing else
         assert result["broadcast"] == 2
-        for key in ("expert", "expert_weight", "expert_buffer", "owned", "sharded", "sharded_weight", "partial"):
+        for key in (
+            "expert",
+            "expert_weight",
+            "expert_buffer",
+            "owned",
+            "sharded",
+            "sharded_weight",
+            "partial",
+        ):
             assert result[key] == (0.0 if key == "expert_weight" else value), key
         assert result["partial_placements"] == (Partial(),)
 
@@ -163,7 +179,9 @@ def check_dtensor_on_dp_submesh(rank, world_size):
 
 
 def test_dtensor_on_a_dp_only_submesh_is_reduced_over_tp(ranks4):
-    for rank, (synced, local, shape, placements) in enumerate(ranks4.run(check_dtensor_on_dp_submesh)):
+    for rank, (synced, local, shape, placements) in enumerate(
+        ranks4.run(check_dtensor_on_dp_submesh)
+    ):
         expected = 1.5 if rank < 2 else 6.0
         assert (synced, local, shape, placements) == (1, [[expected] * 2] * 2, (4, 2), (Shard(0),))
 
@@ -173,9 +191,15 @@ def check_expert_on_folded_mesh(rank, world_size):
     model = nn.Module()
     model.router = holder_with_grad(2**rank)
     model.expert = Holder(DTensor.from_local(torch.zeros(1, 3), folded, [Replicate(), Shard(0)]))
-    model.expert.weight.grad = DTensor.from_local(torch.full((1, 3), float(2**rank)), folded, [Replicate(), Shard(0)])
+    model.expert.weight.grad = DTensor.from_local(
+        torch.full((1, 3), float(2**rank)), folded, [Replicate(), Shard(0)]
+    )
     synced = synchronize_tp_replica_gradients([model], mesh((2, 2), ("dp", "tp")))
-    return synced, model.router.weight.grad[0].item(), model.expert.weight.grad.to_local()[0, 0].item()
+    return (
+        synced,
+        model.router.weight.grad[0].item(),
+        model.expert.weight.grad.to_local()[0, 0].item(),
+    )
 
 
 def test_expert_dtensor_on_folded_ep_mesh_is_not_a_replica(ranks4):
@@ -195,7 +219,9 @@ def check_is_tp_replicated(rank, world_size):
         return _is_tp_replicated(tensor, peers, rank, "tp")
 
     folded = mesh((2, 2), ("ep_shard", "ep"))
-    renamed = mesh((2, 2), ("outer", "inner"))  # same layout, other names: the answer must not change
+    renamed = mesh(
+        (2, 2), ("outer", "inner")
+    )  # same layout, other names: the answer must not change
     return {
         "plain": _is_tp_replicated(torch.zeros(2), peers, rank, "tp"),
         "tp_replicate": replicated(grid, [Shard(0), Replicate()]),
@@ -270,7 +296,11 @@ def check_chunking(rank, world_size, limit_bytes):
             synced = synchronize_tp_replica_gradients([model], mesh((world_size,), ("tp",)))
     finally:
         tp_replicas._MAX_FLAT_BUFFER_BYTES = original
-    return synced, [numel for _, _, numel in calls], {n: getattr(model, n).weight.grad.tolist() for n in SIZES}
+    return (
+        synced,
+        [numel for _, _, numel in calls],
+        {n: getattr(model, n).weight.grad.tolist() for n in SIZES},
+    )
 
 
 def test_gradients_travel_in_one_flat_buffer_when_they_fit(ranks2):
@@ -280,7 +310,8 @@ def test_gradients_travel_in_one_flat_buffer_when_they_fit(ranks2):
 
 
 def test_small_limit_cuts_buffers_and_every_gradient_is_reduced_once(ranks2):
-    # The pre-check carries 3 flags per candidate (9). 32 bytes: a (12 B) + b (20 B) fit together; c (28 B) comes alone.
+    # The pre-check carries 3 flags per candidate (9). 32 bytes: a (12 B) + b (20 B) fit together; c
+    # (28 B) comes alone.
     for synced, sizes, grads in ranks2.run(check_chunking, 32):
         assert (synced, sizes) == (3, [9, 8, 7])
         assert grads == {name: [1.5] * size for name, size in SIZES.items()}
@@ -326,7 +357,9 @@ def test_gradient_present_on_one_rank_raises_on_every_rank(ranks2):
 def check_grad_placements_differ(rank, world_size):
     tp = mesh((world_size,), ("tp",))
     holder = Holder(distribute_tensor(torch.zeros(2), tp, [Replicate()]))
-    holder.weight.grad = DTensor.from_local(torch.ones(2), tp, [Replicate() if rank == 0 else Partial()])
+    holder.weight.grad = DTensor.from_local(
+        torch.ones(2), tp, [Replicate() if rank == 0 else Partial()]
+    )
     with pytest.raises(RuntimeError) as error:
         synchronize_tp_replica_gradients([holder], tp)
     return str(error.value)
@@ -347,7 +380,9 @@ def check_sparse_gradient(rank, world_size, sparse_ranks):
 
 
 def test_sparse_gradient_raises_on_every_rank(ranks2):
-    expected = "Sparse gradients cannot be flattened for TP replica synchronization: embedding.weight"
+    expected = (
+        "Sparse gradients cannot be flattened for TP replica synchronization: embedding.weight"
+    )
     assert ranks2.run(check_sparse_gradient, (0, 1), timeout_s=20) == [expected] * 2
     assert ranks2.run(check_sparse_gradient, (1,), timeout_s=20) == [expected] * 2
 
@@ -366,7 +401,9 @@ def check_broadcast(rank, world_size):
     model.meta = Holder(torch.empty(3, device="meta"))
     model.empty = Holder(torch.empty(0))
     model.sharded = Holder(DTensor.from_local(torch.full((2,), value), tp, [Shard(0)]))
-    model.replicate = Holder(DTensor.from_local(torch.full((2,), value), tp, [Replicate()], run_check=False))
+    model.replicate = Holder(
+        DTensor.from_local(torch.full((2,), value), tp, [Replicate()], run_check=False)
+    )
     broadcast = broadcast_tp_replicas([model], tp)
     return broadcast, {
         "norm": model.norm.weight.tolist(),
@@ -382,7 +419,9 @@ def check_broadcast(rank, world_size):
 
 def test_broadcast_copies_every_replica_from_tp_rank_zero(ranks2):
     for rank, (count, values) in enumerate(ranks2.run(check_broadcast)):
-        assert count == 5  # norm, frozen, unused, replicate DTensor, rope buffer; not meta, empty or sharded
+        assert (
+            count == 5
+        )  # norm, frozen, unused, replicate DTensor, rope buffer; not meta, empty or sharded
         assert values == {
             "norm": [10.0] * 3,
             "frozen": [10.0] * 3,
@@ -410,7 +449,10 @@ def check_no_tp_means_no_collective(rank, world_size):
     model.norm = holder_with_grad(rank + 1)
     meshes = [None, mesh((world_size,), ("dp",)), mesh((world_size, 1), ("dp", "tp"))]
     with recorded_collectives() as calls:
-        counts = [(synchronize_tp_replica_gradients([model], m), broadcast_tp_replicas([model], m)) for m in meshes]
+        counts = [
+            (synchronize_tp_replica_gradients([model], m), broadcast_tp_replicas([model], m))
+            for m in meshes
+        ]
     return counts, calls, model.norm.weight.grad[0].item()
 
 
@@ -440,7 +482,9 @@ def check_plan_rebuilt_after_changes(rank, world_size, held):
     model.a.weight = nn.Parameter(torch.zeros(2))  # a parameter replaced (new shape, new object)
     model.a.weight.grad = torch.full((2,), float(4 * rank + 1))
     results.append((sync(), model.a.weight.grad.tolist()))
-    model.a._parameters["weight"] = nn.Parameter(torch.zeros(3))  # behind __setattr__'s back, as FSDP2 does
+    model.a._parameters["weight"] = nn.Parameter(
+        torch.zeros(3)
+    )  # behind __setattr__'s back, as FSDP2 does
     model.a.weight.grad = torch.full((3,), float(2 * rank))
     results.append((sync(), model.a.weight.grad.tolist()))
     model.b = holder_with_grad(2 * rank + 3)  # a module added
@@ -491,7 +535,9 @@ def check_each_change_alone_rebuilds_the_plan(rank, world_size):
 
 
 def test_each_change_alone_rebuilds_the_plan_and_an_unrelated_module_does_not(ranks2):
-    for counts, kept, mixed, frozen_untouched in ranks2.run(check_each_change_alone_rebuilds_the_plan):
+    for counts, kept, mixed, frozen_untouched in ranks2.run(
+        check_each_change_alone_rebuilds_the_plan
+    ):
         assert counts == [2, 2, 3, 2, 2, 1] and kept
         assert mixed == ([0.5] * 4, [0.5] * 4)
         assert frozen_untouched  # each rank's own gradient, not reduced
@@ -508,14 +554,24 @@ def check_gradients_become_bucket_views(rank, world_size):
     replicas.synchronize()
     first = [model.a.weight.grad, model.b.weight.grad]
     # accumulate the next step in place, as autograd does into an existing .grad, then sync again
-    loss = (model.a.weight * (rank + 1)).sum() + (model.b.weight * (rank + 1)).sum() + model.low.weight.sum().float()
+    loss = (
+        (model.a.weight * (rank + 1)).sum()
+        + (model.b.weight * (rank + 1)).sum()
+        + model.low.weight.sum().float()
+    )
     model.low.weight.grad = None
     loss.backward()
     with recorded_collectives() as calls:
         replicas.synchronize()
     same_objects = [g is p.weight.grad for g, p in zip(first, (model.a, model.b), strict=True)]
-    grads = [model.a.weight.grad.tolist(), model.b.weight.grad.tolist(), model.low.weight.grad.tolist()]
-    model.a.weight.grad = None  # set_to_none, as optimizer.zero_grad does: fresh tensors are packed again
+    grads = [
+        model.a.weight.grad.tolist(),
+        model.b.weight.grad.tolist(),
+        model.low.weight.grad.tolist(),
+    ]
+    model.a.weight.grad = (
+        None  # set_to_none, as optimizer.zero_grad does: fresh tensors are packed again
+    )
     model.b.weight.grad = torch.full((3,), float(rank))
     model.a.weight.grad = torch.full((4,), float(rank))
     replicas.synchronize()
@@ -523,7 +579,9 @@ def check_gradients_become_bucket_views(rank, world_size):
 
 
 def test_fp32_gradients_are_reduced_in_place_as_views_of_a_persistent_bucket(ranks2):
-    for same_objects, grads, calls, fresh_mean, fresh_sum in ranks2.run(check_gradients_become_bucket_views):
+    for same_objects, grads, calls, fresh_mean, fresh_sum in ranks2.run(
+        check_gradients_become_bucket_views
+    ):
         assert same_objects == [True, True]  # autograd accumulated into the bucket views
         # a: mean(1.5 + 1, 1.5 + 2) = 3.0; b: sum(3 + 1, 3 + 2) = 9.0; low: mean(1, 1) = 1.0
         assert grads == [[3.0] * 4, [9.0] * 3, [1.0] * 2]
@@ -554,7 +612,9 @@ def test_persistent_buffers_go_away_with_the_model(ranks2):
 def check_model_is_freed_after_a_sync(rank, world_size):
     model = nn.Module()
     model.a = holder_with_grad(rank + 1)
-    model.register_forward_pre_hook(lambda module, args, root=model: None)  # references its root, as FSDP2's do
+    model.register_forward_pre_hook(
+        lambda module, args, root=model: None
+    )  # references its root, as FSDP2's do
     synced = synchronize_tp_replica_gradients([model], mesh((world_size,), ("tp",)))
     gone = weakref.ref(model)
     del model
@@ -575,7 +635,10 @@ def check_gradients_given_other_storage(rank, world_size, held_sync):
     sync = syncer(model, device_mesh, held_sync)
     sync()
     model.a.weight.grad.data = torch.full((4,), float(rank + 10))  # other storage, same object
-    model.b.weight.grad, model.c.weight.grad = model.c.weight.grad, model.b.weight.grad  # slices swapped
+    model.b.weight.grad, model.c.weight.grad = (
+        model.c.weight.grad,
+        model.b.weight.grad,
+    )  # slices swapped
     model.b.weight.grad.fill_(rank + 20)
     model.c.weight.grad.fill_(rank + 30)
     sync()
@@ -584,12 +647,18 @@ def check_gradients_given_other_storage(rank, world_size, held_sync):
     model.a.weight.grad, model.b.weight.grad = owned[:4], owned[4:]
     held = model.c.weight.grad = torch.full((4,), float(rank + 40))
     sync()
-    aliases = [model.a.weight.grad.data_ptr() == owned.data_ptr(), model.b.weight.grad._base is owned]
+    aliases = [
+        model.a.weight.grad.data_ptr() == owned.data_ptr(),
+        model.b.weight.grad._base is owned,
+    ]
     model.double()  # a cast gives every gradient float64 storage: the plan's buffers follow
     for name in ("a", "b", "c"):
         getattr(model, name).weight.grad.fill_(rank + 0.25)
     sync()
-    cast = [(getattr(model, n).weight.grad.dtype, getattr(model, n).weight.grad.tolist()) for n in ("a", "b", "c")]
+    cast = [
+        (getattr(model, n).weight.grad.dtype, getattr(model, n).weight.grad.tolist())
+        for n in ("a", "b", "c")
+    ]
     return after_changes, owned.tolist(), held.tolist(), aliases, cast
 
 
@@ -600,6 +669,8 @@ def test_gradients_given_other_storage_swapped_or_owned_by_the_caller_are_reduce
     results = ranks2.run(check_gradients_given_other_storage, held_sync)
     for after_changes, owned, held, aliases, cast in results:
         assert after_changes == [[10.5] * 4, [20.5] * 4, [30.5] * 4]
-        assert owned == [0.5] * 8 and held == [40.5] * 4  # every gradient handed in holds the result, in place
+        assert (
+            owned == [0.5] * 8 and held == [40.5] * 4
+        )  # every gradient handed in holds the result, in place
         assert aliases == [True, True]  # slices of the caller's buffer stay its slices
         assert cast == [(torch.float64, [0.75] * 4)] * 3

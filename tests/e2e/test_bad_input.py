@@ -1,6 +1,8 @@
-"""Bad input exits non-zero with one ``error:`` line on stderr, before any rank starts (how fast is bench's job).
+"""Bad input exits non-zero with one ``error:`` line on stderr, before any rank starts (how fast is
+bench's job).
 
-A module fixture runs the cases (see THROUGH_THE_COMMAND_LINE below) and each case then gets its own assertion.
+A module fixture runs the cases (see THROUGH_THE_COMMAND_LINE below) and each case then gets its own
+assertion.
 """
 
 import json
@@ -19,14 +21,15 @@ from components.data import DEFAULT_VOCAB_SIZE, train_tokenizer
 from components.models import build_causal_lm, tiny_config
 from components.runtime.output_dir import run_files
 
-# The module fixture runs every case (~40 processes of ~5 s of imports each, two at a time) inside the first
-# test's set-up: give it room on a loaded machine.
+# The module fixture runs every case (~40 processes of ~5 s of imports each, two at a time) inside
+# the first test's set-up: give it room on a loaded machine.
 pytestmark = pytest.mark.timeout(1200)
 
 REPO = Path(__file__).resolve().parents[2]
 COLUMNS = "data.columns={prompt: instruction, response: output}"
 
-# name -> (overrides, text the error line must contain). {root} is a folder of prepared files (see inputs).
+# name -> (overrides, text the error line must contain). {root} is a folder of prepared files (see
+# inputs).
 CASES: dict[str, tuple[list[str], str]] = {
     "unknown model": (
         ["model=gpt5"],
@@ -35,10 +38,14 @@ CASES: dict[str, tuple[list[str], str]] = {
     "misspelt key": (["train.max_stpes=5"], "Could not override 'train.max_stpes'"),
     "tp not dividing heads": (["tp=3", "nproc=3"], "tp (3) must divide num_attention_heads (8)"),
     "world size not factoring": (["tp=4", "nproc=6"], "world size 6 is not divisible by tp=4"),
-    "dp times tp not the world size": (["tp=2", "dp=3", "nproc=4"], "dp=3 × tp=2 = 6 does not match the world size 4"),
+    "dp times tp not the world size": (
+        ["tp=2", "dp=3", "nproc=4"],
+        "dp=3 × tp=2 = 6 does not match the world size 4",
+    ),
     "missing pretrained_path": (
         ["model.pretrained_path=/nonexistent/model"],
-        "model.pretrained_path='/nonexistent/model' is neither a local folder nor a Hugging Face Hub id",
+        "model.pretrained_path='/nonexistent/model' is neither a local folder nor a Hugging Face "
+        "Hub id",
     ),
     "ep not dividing the world": (
         ["model=qwen3_moe", "tp=2", "ep=4", "nproc=6"],
@@ -50,7 +57,8 @@ CASES: dict[str, tuple[list[str], str]] = {
     ),
     "ep on one process": (
         ["model=qwen3_moe", "ep=2"],
-        "world size 1 is not divisible by ep=2; start 2 processes here with nproc=2, or use torchrun",
+        "world size 1 is not divisible by ep=2; start 2 processes here with nproc=2, or use "
+        "torchrun",
     ),
     "a folder given to data=jsonl": (
         ["data=jsonl", "data.path={root}"],
@@ -59,21 +67,40 @@ CASES: dict[str, tuple[list[str], str]] = {
     "dense model with ep": (["ep=2", "tp=2"], "ep=2 needs an MoE model"),
     "batch not dividing": (
         ["train.global_batch_size=10", "train.micro_batch_size=4"],
-        "train.global_batch_size (10) must be divisible by train.micro_batch_size (4) × dp (1): use a multiple of 4",
+        "train.global_batch_size (10) must be divisible by train.micro_batch_size (4) × dp (1): "
+        "use a multiple of 4",
     ),
     "tp not an integer": (["tp=two"], "tp='two' is not valid: use a positive integer, e.g. tp=2"),
-    "seq_len not an integer": (["train.seq_len=abc"], "train.seq_len='abc' is not valid: use an integer of at least 2"),
-    "seq_len too short for any answer": (["train.seq_len=4"], "has no answer tokens within train.seq_len (4)"),
+    "seq_len not an integer": (
+        ["train.seq_len=abc"],
+        "train.seq_len='abc' is not valid: use an integer of at least 2",
+    ),
+    "seq_len too short for any answer": (
+        ["train.seq_len=4"],
+        "has no answer tokens within train.seq_len (4)",
+    ),
     "negative lr": (["optim.lr=-1"], "optim.lr=-1 is not valid: use a positive number"),
     "unknown optimizer": (
         ["optim._target_=torch.optim.Adamm"],
         "optim._target_='torch.optim.Adamm' is not a class the optim group can build",
     ),
-    "option the optimizer lacks": (["+optim.momentum=0.9"], "optim.momentum is not an option of torch.optim.AdamW"),
-    "negative clip": (["train.clip_grad_norm=-1"], "train.clip_grad_norm=-1 is not valid: use null (no clipping)"),
-    "negative val_every": (["train.val_every=-1"], "train.val_every=-1 is not valid: use 0 (never)"),
+    "option the optimizer lacks": (
+        ["+optim.momentum=0.9"],
+        "optim.momentum is not an option of torch.optim.AdamW",
+    ),
+    "negative clip": (
+        ["train.clip_grad_norm=-1"],
+        "train.clip_grad_norm=-1 is not valid: use null (no clipping)",
+    ),
+    "negative val_every": (
+        ["train.val_every=-1"],
+        "train.val_every=-1 is not valid: use 0 (never)",
+    ),
     "sp not a boolean": (["sp=maybe"], "sp='maybe' is not valid: use true or false"),
-    "resume from nowhere": (["checkpoint.resume=/nonexistent/ckpt"], "checkpoint.resume='/nonexistent/ckpt' does not"),
+    "resume from nowhere": (
+        ["checkpoint.resume=/nonexistent/ckpt"],
+        "checkpoint.resume='/nonexistent/ckpt' does not",
+    ),
     "resume from an unfinished save": (
         ["checkpoint.resume={root}/checkpoints/step_00000002.tmp"],
         "step_00000002.tmp' is an unfinished save",
@@ -82,19 +109,37 @@ CASES: dict[str, tuple[list[str], str]] = {
         ["checkpoint.resume={root}/checkpoints"],
         "holds checkpoints but is not one: use checkpoint.resume={root}/checkpoints/step_00000004",
     ),
-    "output_dir is a file": (["output_dir={root}/a_file"], "output_dir='{root}/a_file' is a file, not a folder"),
+    "output_dir is a file": (
+        ["output_dir={root}/a_file"],
+        "output_dir='{root}/a_file' is a file, not a folder",
+    ),
     "jsonl without a path": (["data=jsonl"], "data.path is not set: data=jsonl needs data.path="),
-    "missing data file": (["data=jsonl", "data.path={root}/nope.jsonl"], "nope.jsonl' does not exist"),
-    "empty data file": (["data=jsonl", "data.path={root}/empty.jsonl"], "empty.jsonl has no records"),
-    "malformed data line": (["data=jsonl", "data.path={root}/bad.jsonl"], "bad.jsonl line 2: not valid JSON"),
+    "missing data file": (
+        ["data=jsonl", "data.path={root}/nope.jsonl"],
+        "nope.jsonl' does not exist",
+    ),
+    "empty data file": (
+        ["data=jsonl", "data.path={root}/empty.jsonl"],
+        "empty.jsonl has no records",
+    ),
+    "malformed data line": (
+        ["data=jsonl", "data.path={root}/bad.jsonl"],
+        "bad.jsonl line 2: not valid JSON",
+    ),
     "val_fraction out of range": (
         ["data.val_fraction=1.5"],
         "data.val_fraction=1.5 is not valid: use a number in [0, 1)",
     ),
-    "validation without records": (["data.val_fraction=0"], "train.val_every=20 needs validation rows"),
+    "validation without records": (
+        ["data.val_fraction=0"],
+        "train.val_every=20 needs validation rows",
+    ),
     "a key nothing reads": (["+train.grad_accum=2"], "train.grad_accum is not a known key"),
     "a dtype key nothing reads": (["+model.dtype=bfloat16"], "model.dtype is not a known key"),
-    "a model config key the family lacks": (["+model.config.hiden_size=3"], "model.config.hiden_size is not a key of"),
+    "a model config key the family lacks": (
+        ["+model.config.hiden_size=3"],
+        "model.config.hiden_size is not a key of",
+    ),
     "data.path without a data group that reads it": (
         ["+data.path=x.jsonl"],
         "data.path is not a key of GeneratedSource",
@@ -108,7 +153,8 @@ CASES: dict[str, tuple[list[str], str]] = {
         "exceeds the model's max_position_embeddings (model.config.max_position_embeddings=512): "
         "use train.seq_len=512 or less, or raise model.config.max_position_embeddings",
     ),
-    "sp with a trained vocabulary tp does not divide": (  # the tokenizer trained on this file has an odd size
+    # the tokenizer trained on this file has an odd size
+    "sp with a trained vocabulary tp does not divide": (
         [
             "data=jsonl",
             "data.path={root}/arithmetic.jsonl",
@@ -129,7 +175,8 @@ CASES: dict[str, tuple[list[str], str]] = {
     ),
     "a model folder with weights of another shape": (
         ["model=pretrained", "model.pretrained_path={root}/wrong_shapes"],
-        "holds tensors of another shape: model.layers.0.mlp.down_proj.weight [64, 96] (the model wants [64, 128])",
+        "holds tensors of another shape: model.layers.0.mlp.down_proj.weight [64, 96] (the model "
+        "wants [64, 128])",
     ),
     "a model folder without a tokenizer": (
         ["model=pretrained", "model.pretrained_path={root}/no_tokenizer"],
@@ -140,7 +187,11 @@ CASES: dict[str, tuple[list[str], str]] = {
         "output_dir /proc/shardtune cannot be used",
     ),
     "a column mapping onto missing columns": (
-        ["data=hf", "data.path={root}/chat.parquet", "data.columns={prompt: instr, response: output}"],
+        [
+            "data=hf",
+            "data.path={root}/chat.parquet",
+            "data.columns={prompt: instr, response: output}",
+        ],
         "data.columns prompt='instr': no such column",
     ),
     "a null cell the tokenizer trains on, named 1-based": (
@@ -151,11 +202,23 @@ CASES: dict[str, tuple[list[str], str]] = {
         ["data=hf", "data.path={root}/chat.parquet", "data.split=test"],
         "data.split='test'",
     ),
-    "a Hub dataset offline": (["data=hf", "data.path=someone/nothing"], "is not a local file or folder and the Hub"),
-    "seed out of range": (["seed=99999999999999999999999"], "seed=99999999999999999999999 is not valid"),
+    "a Hub dataset offline": (
+        ["data=hf", "data.path=someone/nothing"],
+        "is not a local file or folder and the Hub",
+    ),
+    "seed out of range": (
+        ["seed=99999999999999999999999"],
+        "seed=99999999999999999999999 is not valid",
+    ),
     "infinite lr": (["optim.lr=inf"], "optim.lr=inf is not valid"),
-    "unresolvable interpolation": (["train.seq_len=${oops}"], "train.seq_len='${oops}' cannot be resolved"),
-    "betas out of range": (["optim.betas=[2.0,3.0]"], "Invalid beta parameter at index 0: 2.0; change"),
+    "unresolvable interpolation": (
+        ["train.seq_len=${oops}"],
+        "train.seq_len='${oops}' cannot be resolved",
+    ),
+    "betas out of range": (
+        ["optim.betas=[2.0,3.0]"],
+        "Invalid beta parameter at index 0: 2.0; change",
+    ),
     "negative weight decay": (["optim.weight_decay=-1"], "Invalid weight_decay value: -1; change"),
     "negative hidden size": (
         ["model.config.hidden_size=-64"],
@@ -167,7 +230,8 @@ CASES: dict[str, tuple[list[str], str]] = {
     ),
     "several problems at once": (
         ["tp=two", "optim.lr=0", "train.micro_batch_size=0"],
-        "tp='two' is not valid: use a positive integer, e.g. tp=2; train.micro_batch_size=0 is not valid",
+        "tp='two' is not valid: use a positive integer, e.g. tp=2; train.micro_batch_size=0 is "
+        "not valid",
     ),
 }
 
@@ -182,14 +246,20 @@ class Outcome:
 
 def model_folders(root: Path) -> None:
     """Tiny Llama folders, each broken one way."""
-    tokenizer = train_tokenizer(["hello world", "fine tuning"], DEFAULT_VOCAB_SIZE, root / "tokenizer")
+    tokenizer = train_tokenizer(
+        ["hello world", "fine tuning"], DEFAULT_VOCAB_SIZE, root / "tokenizer"
+    )
     config = tiny_config("llama", vocab_size=len(tokenizer))
     for name in ("no_weights", "truncated", "wrong_shapes", "no_tokenizer"):
         build = (
-            tiny_config("llama", vocab_size=len(tokenizer), intermediate_size=96) if name == "wrong_shapes" else config
+            tiny_config("llama", vocab_size=len(tokenizer), intermediate_size=96)
+            if name == "wrong_shapes"
+            else config
         )
         build_causal_lm(build, seed=0).save_pretrained(root / name)
-        config.save_pretrained(root / name)  # the folder's config says 128: its weights were built with 96
+        config.save_pretrained(
+            root / name
+        )  # the folder's config says 128: its weights were built with 96
         if name != "no_tokenizer":
             tokenizer.save_pretrained(root / name)
     (root / "no_weights" / "model.safetensors").unlink()
@@ -206,7 +276,9 @@ def inputs(root: Path) -> None:
     datasets.Dataset.from_list(nulls).to_parquet(root / "nulls.parquet")
     (root / "a_file").write_text("not a folder\n")
     (root / "empty.jsonl").write_text("\n")
-    (root / "bad.jsonl").write_text('{"prompt": "a", "response": "b"}\n{"prompt": "c", "response": "d"\n')
+    (root / "bad.jsonl").write_text(
+        '{"prompt": "a", "response": "b"}\n{"prompt": "c", "response": "d"\n'
+    )
     sums = [{"prompt": f"What is {i} plus {i}?", "response": f"It is {2 * i}."} for i in range(40)]
     (root / "arithmetic.jsonl").write_text("".join(json.dumps(record) + "\n" for record in sums))
     (root / "checkpoints" / "step_00000002.tmp").mkdir(parents=True)
@@ -214,9 +286,10 @@ def inputs(root: Path) -> None:
     (root / "checkpoints" / "step_00000004" / "COMPLETE").write_text("{}")
 
 
-# These run as `python recipes/finetune.py ...`, each its own process, as a user runs them. The rest run the
-# same two calls (compose, then the checks, printing through the same `fail`) one after another in a single
-# process, so the ~5 s start-up of torch and transformers is paid once instead of once per case.
+# These run as `python recipes/finetune.py ...`, each its own process, as a user runs them. The rest
+# run the same two calls (compose, then the checks, printing through the same `fail`) one after
+# another in a single process, so the ~5 s start-up of torch and transformers is paid once instead
+# of once per case.
 THROUGH_THE_COMMAND_LINE = [
     "unknown model",
     "misspelt key",
@@ -283,7 +356,10 @@ def run_checks_only(names: list[str], root: Path) -> dict[str, Outcome]:
         env={**os.environ, **OFFLINE},
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    return {name: Outcome(code, stderr, 0.0, root) for name, (code, stderr) in json.loads(result.stdout).items()}
+    return {
+        name: Outcome(code, stderr, 0.0, root)
+        for name, (code, stderr) in json.loads(result.stdout).items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -311,9 +387,16 @@ def test_bad_input_gives_one_error_line(case, outcomes):
     lines = outcome.stderr.strip().splitlines()
     assert len(lines) == 1, outcome.stderr
     assert lines[0].startswith("error: ") and expected in lines[0], lines[0]
-    # refused before anything was claimed: a corrected rerun into the same folder is not "another run's files"
-    folder = Path(next(o for o in overrides_of(case, outcome.root) if o.startswith("output_dir=")).split("=", 1)[1])
-    assert not (folder.is_dir() and run_files(folder)), f"the refused run left {run_files(folder)} in {folder}"
+    # refused before anything was claimed: a corrected rerun into the same folder is not "another
+    # run's files"
+    folder = Path(
+        next(o for o in overrides_of(case, outcome.root) if o.startswith("output_dir=")).split(
+            "=", 1
+        )[1]
+    )
+    assert not (folder.is_dir() and run_files(folder)), (
+        f"the refused run left {run_files(folder)} in {folder}"
+    )
 
 
 @pytest.mark.timeout(300)  # the schedule check once walked every step: hours for a billion
@@ -328,10 +411,19 @@ def test_bad_input_gives_one_error_line(case, outcomes):
 )
 def test_a_billion_steps_are_checked_at_once(tmp_path, overrides, expected):
     result = subprocess.run(
-        [sys.executable, "recipes/finetune.py", "train.max_steps=1000000000", *overrides,
-         f"output_dir={tmp_path / 'out'}"],
-        cwd=REPO, capture_output=True, text=True, timeout=240, env={**os.environ, **OFFLINE},
-    )  # fmt: skip
+        [
+            sys.executable,
+            "recipes/finetune.py",
+            "train.max_steps=1000000000",
+            *overrides,
+            f"output_dir={tmp_path / 'out'}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, **OFFLINE},
+    )
     lines = result.stderr.strip().splitlines()
     assert result.returncode != 0 and len(lines) == 1, result.stderr
     assert lines[0].startswith("error: "), result.stderr

@@ -1,5 +1,5 @@
-"""Runs as experiments through the real command line: a sweep writes one folder per job, each with the config it
-ran with, and a tracker chosen by ``logger=`` gets a loss per step."""
+"""Runs as experiments through the real command line: a sweep writes one folder per job, each with
+the config it ran with, and a tracker chosen by ``logger=`` gets a loss per step."""
 
 import json
 import os
@@ -15,11 +15,24 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_a_two_job_sweep_leaves_two_folders_with_their_metrics_config_and_events(tmp_path):
     sweep = tmp_path / "sweep"
-    command = [sys.executable, "recipes/finetune.py", "--multirun", "optim.lr=0.001,0.003", "logger=tensorboard"]
-    command += ["train.max_steps=2", "train.warmup_steps=1", "train.val_every=0", "checkpoint.export=false"]
+    command = [
+        sys.executable,
+        "recipes/finetune.py",
+        "--multirun",
+        "optim.lr=0.001,0.003",
+        "logger=tensorboard",
+    ]
+    command += [
+        "train.max_steps=2",
+        "train.warmup_steps=1",
+        "train.val_every=0",
+        "checkpoint.export=false",
+    ]
     command += ["data.num_examples=200", f"output_dir={sweep}"]
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600, env=environment)
+    result = subprocess.run(
+        command, cwd=REPO, capture_output=True, text=True, timeout=600, env=environment
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     losses = {}
     for job, lr in (("0", 0.001), ("1", 0.003)):
@@ -33,6 +46,9 @@ def test_a_two_job_sweep_leaves_two_folders_with_their_metrics_config_and_events
         scalars = events.Scalars("loss")
         assert [e.step for e in scalars] == [1, 2]
         # TensorBoard stores float32: the same loss to float32 precision.
-        assert all(abs(e.value - r["loss"]) <= 1e-6 * r["loss"] for e, r in zip(scalars, records, strict=True))
+        assert all(
+            abs(e.value - r["loss"]) <= 1e-6 * r["loss"]
+            for e, r in zip(scalars, records, strict=True)
+        )
         losses[job] = records[-1]["loss"]
     assert losses["0"] != losses["1"]  # each job trained with its own lr

@@ -1,8 +1,9 @@
-"""Failures mid-run: a rank that dies stops the whole run quickly with one clear ``error:`` line, and a run
-killed in the middle of a checkpoint save resumes from the previous checkpoint, reproducing the losses.
+"""Failures mid-run: a rank that dies stops the whole run quickly with one clear ``error:`` line,
+and a run killed in the middle of a checkpoint save resumes from the previous checkpoint,
+reproducing the losses.
 
-The recipe runs as a user starts it (``python recipes/finetune.py ...``) in its own session, so a test can
-SIGKILL one rank (a child of the recipe process) or the whole process group.
+The recipe runs as a user starts it (``python recipes/finetune.py ...``) in its own session, so a
+test can SIGKILL one rank (a child of the recipe process) or the whole process group.
 """
 
 import contextlib
@@ -36,16 +37,36 @@ COMMON = [
 STOP_WITHIN_S = 60
 
 
-def start_recipe(output_dir: Path, *overrides: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start the recipe in its own session (process group), its output in files beside ``output_dir``."""
+def start_recipe(
+    output_dir: Path, *overrides: str, env: dict[str, str] | None = None
+) -> subprocess.Popen:
+    """Start the recipe in its own session (process group), its output in files beside
+    ``output_dir``."""
     output_dir.parent.mkdir(parents=True, exist_ok=True)
-    # TMPDIR: what a killed launcher leaves in temporary folders (torch elastic's logs, the rank watch's
-    # notes) stays under the test's own folder.
-    environment = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(output_dir.parent), **(env or {})}
-    command = [sys.executable, "recipes/finetune.py", *COMMON, f"output_dir={output_dir}", *overrides]
-    # Files, not pipes: nothing blocks on a full pipe. The child keeps its own copies of the descriptors.
-    with open(output_dir.with_suffix(".out"), "w") as out, open(output_dir.with_suffix(".err"), "w") as err:
-        return subprocess.Popen(command, cwd=REPO, env=environment, stdout=out, stderr=err, start_new_session=True)
+    # TMPDIR: what a killed launcher leaves in temporary folders (torch elastic's logs, the rank
+    # watch's notes) stays under the test's own folder.
+    environment = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "TMPDIR": str(output_dir.parent),
+        **(env or {}),
+    }
+    command = [
+        sys.executable,
+        "recipes/finetune.py",
+        *COMMON,
+        f"output_dir={output_dir}",
+        *overrides,
+    ]
+    # Files, not pipes: nothing blocks on a full pipe. The child keeps its own copies of the
+    # descriptors.
+    with (
+        open(output_dir.with_suffix(".out"), "w") as out,
+        open(output_dir.with_suffix(".err"), "w") as err,
+    ):
+        return subprocess.Popen(
+            command, cwd=REPO, env=environment, stdout=out, stderr=err, start_new_session=True
+        )
 
 
 def stderr_of(output_dir: Path) -> str:
@@ -107,7 +128,12 @@ def test_a_killed_rank_stops_the_run_and_is_named(tmp_path):
     process = start_recipe(output_dir, "train.max_steps=1000")
     try:
         # The launcher forks one process per rank; both are training once two steps are logged.
-        wait_for(lambda: len(metrics(output_dir)) >= 2 and len(children(process.pid)) == 2, 120, process, "step 2")
+        wait_for(
+            lambda: len(metrics(output_dir)) >= 2 and len(children(process.pid)) == 2,
+            120,
+            process,
+            "step 2",
+        )
         ranks = children(process.pid)
         victim = ranks[-1]
         os.kill(victim, signal.SIGKILL)
@@ -138,8 +164,8 @@ def test_a_rank_that_raises_mid_run_stops_the_recipe_and_is_named(tmp_path):
     assert [r["step"] for r in metrics(output_dir)] == [1, 2]
 
 
-# The launcher's report of a rank that raises, driven directly: launch_local on 2 ranks, rank 1 raising
-# at its fourth step while rank 0 keeps stepping.
+# The launcher's report of a rank that raises, driven directly: launch_local on 2 ranks, rank 1
+# raising at its fourth step while rank 0 keeps stepping.
 RAISING_RANKS = textwrap.dedent(
     """
     import time
@@ -164,14 +190,24 @@ RAISING_RANKS = textwrap.dedent(
 def test_a_rank_that_raises_is_named_with_its_error_and_traceback():
     started = time.monotonic()
     result = subprocess.run(
-        [sys.executable, "-c", RAISING_RANKS], cwd=REPO, capture_output=True, text=True, timeout=STOP_WITHIN_S
+        [sys.executable, "-c", RAISING_RANKS],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=STOP_WITHIN_S,
     )
     print(f"launch with a raising rank ended in {time.monotonic() - started:.1f} s")
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()
-    assert lines[-1] == "error: rank 1 failed: ValueError: injected failure at step 4", result.stderr
-    assert 'File "<string>", line 13, in work' in result.stderr  # the rank's traceback, above the line
-    assert "ChildFailedError" not in result.stderr and "=====" not in result.stderr  # not torch's report
+    assert lines[-1] == "error: rank 1 failed: ValueError: injected failure at step 4", (
+        result.stderr
+    )
+    assert (
+        'File "<string>", line 13, in work' in result.stderr
+    )  # the rank's traceback, above the line
+    assert (
+        "ChildFailedError" not in result.stderr and "=====" not in result.stderr
+    )  # not torch's report
 
 
 def test_the_rank_that_died_is_named_before_peers_that_lost_it():
@@ -189,31 +225,48 @@ def test_the_rank_that_died_is_named_before_peers_that_lost_it():
             rank=2, error="SignalException: Process 102 got signal: 15", time=10.2, traceback="tb 2"
         ),
     ]
-    assert describe_rank_failure(failures) == ("error: rank 1 failed: killed by SIGKILL (pid 101)", None)
+    assert describe_rank_failure(failures) == (
+        "error: rank 1 failed: killed by SIGKILL (pid 101)",
+        None,
+    )
     # failed on its own, later
     failures.append(
         RankExit(rank=3, error="ValueError: [/src/x.cc:12] bad", time=10.5, traceback="tb 3")
     )
     line = "error: rank 1 failed: killed by SIGKILL (pid 101) (then rank 3: ValueError: bad)"
     assert describe_rank_failure(failures) == (line, None)
-    assert describe_rank_failure([failures[0], failures[3]]) == ("error: rank 3 failed: ValueError: bad", "tb 3")
+    assert describe_rank_failure([failures[0], failures[3]]) == (
+        "error: rank 3 failed: ValueError: bad",
+        "tb 3",
+    )
     both = [
         RankExit(rank=1, error="RuntimeError: same", time=3.0, traceback="tb 1"),
         RankExit(rank=0, error="RuntimeError: same", time=3.1, traceback="tb 0"),
     ]
-    assert describe_rank_failure(both) == ("error: rank 1 failed: RuntimeError: same (so did rank 0)", "tb 1")
+    assert describe_rank_failure(both) == (
+        "error: rank 1 failed: RuntimeError: same (so did rank 0)",
+        "tb 1",
+    )
 
 
 def test_a_kill_during_a_checkpoint_save_resumes_from_the_previous_one(tmp_path):
     steps = ["train.max_steps=6", "checkpoint.every_steps=2"]
-    reference = start_recipe(tmp_path / "uninterrupted", *steps)  # alongside: the CPU results are exact anyway
+    reference = start_recipe(
+        tmp_path / "uninterrupted", *steps
+    )  # alongside: the CPU results are exact anyway
     interrupted = tmp_path / "interrupted"
     checkpoints = interrupted / "checkpoints"
     saving = checkpoints / "step_00000004.tmp"
     process = start_recipe(interrupted, *steps, "debug.fault=slow_save@3")
     try:
-        # Every rank is writing (or has written) step 4's files; the save waits 3 s before its marker and rename.
-        wait_for(lambda: (saving / "trainer_state.json").is_file(), 240, process, "step 4's checkpoint files")
+        # Every rank is writing (or has written) step 4's files; the save waits 3 s before its
+        # marker and rename.
+        wait_for(
+            lambda: (saving / "trainer_state.json").is_file(),
+            240,
+            process,
+            "step 4's checkpoint files",
+        )
         kill_group(process)
         assert (checkpoints / "step_00000002" / MARKER).is_file()
         assert saving.is_dir() and not (saving / MARKER).exists()
@@ -225,12 +278,17 @@ def test_a_kill_during_a_checkpoint_save_resumes_from_the_previous_one(tmp_path)
     finally:
         kill_group(process)
         kill_group(reference)
-    assert f"resumed from {checkpoints / 'step_00000002'} at step 2" in interrupted.with_suffix(".out").read_text()
+    assert (
+        f"resumed from {checkpoints / 'step_00000002'} at step 2"
+        in interrupted.with_suffix(".out").read_text()
+    )
     records = metrics(interrupted)
     # The killed run's lines after the checkpoint (steps 3 and 4) were dropped when the run resumed.
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
     expected = metrics(tmp_path / "uninterrupted")
-    assert [r["loss"] for r in records[-4:]] == [r["loss"] for r in expected[2:]]  # exact on the CPU
+    assert [r["loss"] for r in records[-4:]] == [
+        r["loss"] for r in expected[2:]
+    ]  # exact on the CPU
     assert [r["grad_norm"] for r in records[-4:]] == [r["grad_norm"] for r in expected[2:]]
     assert (checkpoints / "step_00000004" / MARKER).is_file() and not saving.exists()
 

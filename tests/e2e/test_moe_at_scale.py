@@ -1,13 +1,15 @@
-"""MoE at scale through the real command line: experts over data-parallel ranks train the model one process trains.
+"""MoE at scale through the real command line: experts over data-parallel ranks train the model one
+process trains.
 
-Qwen3-MoE at ``tp=2 ep=4 dp=2`` and ``tp=1 ep=2 dp=2`` (experts reached by all-to-all across dp ranks) and
-``tp=2 ep=2 dp=2`` (folded onto TP, FSDP over dp), Mixtral at ``tp=2 ep=4 dp=2``: 4 steps of SGD (lr 0.5)
-and of AdamW, fp32, each against the same model on one process. Only the order of floating-point sums
-differs, so per-step loss and grad norm agree to ~1e-7 relative (measured worst 1.4e-7; asserted at 1e-5, the
-issue's band). Clipping stays at the recipe's 1.0: unclipped, SGD at lr 0.5 diverges by step 4 (loss 5.9 -> 8.3)
-and amplifies the sum-order differences to 9e-6, too close to the band to prove anything.
-Every step also compares every replicated tensor across its copies (``debug.check_replicas_every=1``:
-TP replicas and the experts' ``ep_shard`` copies), which must stay bitwise equal or the run stops.
+Qwen3-MoE at ``tp=2 ep=4 dp=2`` and ``tp=1 ep=2 dp=2`` (experts reached by all-to-all across dp
+ranks) and ``tp=2 ep=2 dp=2`` (folded onto TP, FSDP over dp), Mixtral at ``tp=2 ep=4 dp=2``: 4 steps
+of SGD (lr 0.5) and of AdamW, fp32, each against the same model on one process. Only the order of
+floating-point sums differs, so per-step loss and grad norm agree to ~1e-7 relative (measured worst
+1.4e-7; asserted at 1e-5, the issue's band). Clipping stays at the recipe's 1.0: unclipped, SGD at
+lr 0.5 diverges by step 4 (loss 5.9 -> 8.3) and amplifies the sum-order differences to 9e-6, too
+close to the band to prove anything. Every step also compares every replicated tensor across its
+copies (``debug.check_replicas_every=1``: TP replicas and the experts' ``ep_shard`` copies), which
+must stay bitwise equal or the run stops.
 
 The runs are Hydra sweeps (``--multirun``): one launcher process per sweep instead of one per run.
 """
@@ -36,14 +38,28 @@ COMMON = [
 ]
 OPTIMIZERS = {"sgd": ["optim=sgd", "optim.lr=0.5"], "adamw": ["optim=adamw"]}
 # (model, tp, ep, dp) of the runs the issue asks for; every sweep below may hold a few more.
-SHAPES = [("qwen3_moe", 2, 4, 2), ("qwen3_moe", 1, 2, 2), ("qwen3_moe", 2, 2, 2), ("mixtral", 2, 4, 2)]
+SHAPES = [
+    ("qwen3_moe", 2, 4, 2),
+    ("qwen3_moe", 1, 2, 2),
+    ("qwen3_moe", 2, 2, 2),
+    ("mixtral", 2, 4, 2),
+]
 
 
 def sweep(output_dir: Path, *overrides: str) -> dict[tuple, Path]:
     """Run one ``--multirun`` sweep; each job's folder by its (model, tp, ep, dp)."""
-    command = [sys.executable, "recipes/finetune.py", "--multirun", *COMMON, f"output_dir={output_dir}", *overrides]
+    command = [
+        sys.executable,
+        "recipes/finetune.py",
+        "--multirun",
+        *COMMON,
+        f"output_dir={output_dir}",
+        *overrides,
+    ]
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600, env=environment)
+    result = subprocess.run(
+        command, cwd=REPO, capture_output=True, text=True, timeout=600, env=environment
+    )
     assert result.returncode == 0, f"{' '.join(command)}\n{result.stderr[-4000:]}"
     jobs = {}
     for folder in sorted(path for path in output_dir.iterdir() if path.name.isdigit()):
@@ -61,9 +77,24 @@ def runs(tmp_path_factory) -> dict[str, dict[tuple, Path]]:
     root = tmp_path_factory.mktemp("moe")
     found = {}
     for name, optimizer in OPTIMIZERS.items():
-        jobs = sweep(root / f"{name}_one_process", "model=qwen3_moe,mixtral", "tp=1", "ep=1", "dp=1", *optimizer)
+        jobs = sweep(
+            root / f"{name}_one_process",
+            "model=qwen3_moe,mixtral",
+            "tp=1",
+            "ep=1",
+            "dp=1",
+            *optimizer,
+        )
         save = ["checkpoint.every_steps=2"] if name == "adamw" else []
-        jobs |= sweep(root / f"{name}_tp2", "model=qwen3_moe,mixtral", "tp=2", "dp=2", "ep=2,4", *optimizer, *save)
+        jobs |= sweep(
+            root / f"{name}_tp2",
+            "model=qwen3_moe,mixtral",
+            "tp=2",
+            "dp=2",
+            "ep=2,4",
+            *optimizer,
+            *save,
+        )
         jobs |= sweep(root / f"{name}_tp1", "model=qwen3_moe", "tp=1", "dp=2", "ep=2", *optimizer)
         found[name] = jobs
     return found
@@ -78,7 +109,9 @@ def test_experts_over_dp_ranks_match_one_process(runs, optimizer, shape):
     for ours, theirs in zip(parallel, one_process, strict=True):
         assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
         assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
-        assert ours["expert_imbalance"] == theirs["expert_imbalance"]  # the same tokens reach the same experts
+        assert (
+            ours["expert_imbalance"] == theirs["expert_imbalance"]
+        )  # the same tokens reach the same experts
     assert parallel[0]["loss"] != parallel[-1]["loss"]  # it trained
 
 
@@ -87,14 +120,24 @@ def test_a_checkpoint_written_at_tp2_ep4_dp2_resumes_at_tp1_ep2_dp2(runs, tmp_pa
     checkpoint = written / "checkpoints" / "step_00000002"
     command = [
         *(sys.executable, "recipes/finetune.py", *COMMON, *OPTIMIZERS["adamw"], "model=qwen3_moe"),
-        *("tp=1", "ep=2", "dp=2", f"checkpoint.resume={checkpoint}", f"output_dir={tmp_path / 'resumed'}"),
+        *(
+            "tp=1",
+            "ep=2",
+            "dp=2",
+            f"checkpoint.resume={checkpoint}",
+            f"output_dir={tmp_path / 'resumed'}",
+        ),
     ]
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, env=environment)
+    result = subprocess.run(
+        command, cwd=REPO, capture_output=True, text=True, timeout=300, env=environment
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     resumed, uninterrupted = metrics(tmp_path / "resumed"), metrics(written)
     assert [r["step"] for r in resumed] == [3, 4]
     for ours, theirs in zip(resumed, uninterrupted[2:], strict=True):
         assert ours["lr"] == theirs["lr"]
-        assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-6)  # other shape: only sum order differs
+        assert ours["loss"] == pytest.approx(
+            theirs["loss"], rel=1e-6
+        )  # other shape: only sum order differs
         assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-6)

@@ -1,13 +1,15 @@
-"""Real-size settings through the real command line: bf16-mixed trains the same model at every tp, differs from
-fp32 by no more than bf16 rounding explains, activation checkpointing changes nothing, and compile matches eager.
+"""Real-size settings through the real command line: bf16-mixed trains the same model at every tp,
+differs from fp32 by no more than bf16 rounding explains, activation checkpointing changes nothing,
+and compile matches eager.
 
 Bands (measured on this machine, 3 steps of the tiny Llama):
-- bf16-mixed at tp 2/4 against tp=1 bf16-mixed: the ranks' partial sums are rounded to bf16 at different points
-  (a row-parallel matmul's output is all-reduced in bf16), so every activation can move by a bf16 ulp, and AdamW
-  turns that into a weight difference of the same order. Worst loss gap measured over 3 steps: 2.2e-4 (AdamW,
-  tp=2), 6.0e-5 (tp=4), 9.3e-5 (SGD, tp=2). Band 1e-3: 4x the worst, still 4x below bf16's resolution (2**-8).
-- bf16-mixed against fp32: every matmul input rounded to bf16; measured up to 2.6e-4 relative on the loss:
-  band 1e-2. They must differ (the key is honoured).
+- bf16-mixed at tp 2/4 against tp=1 bf16-mixed: the ranks' partial sums are rounded to bf16 at
+  different points (a row-parallel matmul's output is all-reduced in bf16), so every activation can
+  move by a bf16 ulp, and AdamW turns that into a weight difference of the same order. Worst loss
+  gap measured over 3 steps: 2.2e-4 (AdamW, tp=2), 6.0e-5 (tp=4), 9.3e-5 (SGD, tp=2). Band 1e-3: 4x
+  the worst, still 4x below bf16's resolution (2**-8).
+- bf16-mixed against fp32: every matmul input rounded to bf16; measured up to 2.6e-4 relative on the
+  loss: band 1e-2. They must differ (the key is honoured).
 """
 
 import json
@@ -22,7 +24,12 @@ import pytest
 pytestmark = pytest.mark.timeout(900)  # the module fixture's runs count against the first test
 
 REPO = Path(__file__).resolve().parents[2]
-COMMON = ["train.max_steps=3", "train.warmup_steps=1", "train.global_batch_size=8", "train.micro_batch_size=4"]
+COMMON = [
+    "train.max_steps=3",
+    "train.warmup_steps=1",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=4",
+]
 COMMON += ["train.val_every=0", "checkpoint.export=false", "data.num_examples=200"]
 RUNS = {
     "fp32_tp1": ["tp=1"],
@@ -37,9 +44,17 @@ RUNS = {
 
 
 def recipe(output_dir: Path, *overrides: str) -> list[dict]:
-    command = [sys.executable, "recipes/finetune.py", *COMMON, f"output_dir={output_dir}", *overrides]
+    command = [
+        sys.executable,
+        "recipes/finetune.py",
+        *COMMON,
+        f"output_dir={output_dir}",
+        *overrides,
+    ]
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900, env=environment)
+    result = subprocess.run(
+        command, cwd=REPO, capture_output=True, text=True, timeout=900, env=environment
+    )
     assert result.returncode == 0, f"{' '.join(command)}\n{result.stderr[-3000:]}"
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 

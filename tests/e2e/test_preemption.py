@@ -1,10 +1,10 @@
 """Preemption and async checkpoints through the command line (issue 24).
 
-A SIGTERM to the recipe's launcher, or a SIGUSR1 to one of its ranks, stops every rank after the same
-step with a checkpoint of it (here with ``checkpoint.every_steps=0``) and exit status 75; resume=auto then
-reproduces the uninterrupted losses exactly. A second signal ends the run at once. A run with
-``checkpoint.async=true`` resumes exactly like a synchronous one. No assertion reads the clock: a run is
-waited for by its metrics lines, and the timeouts only bound a hang.
+A SIGTERM to the recipe's launcher, or a SIGUSR1 to one of its ranks, stops every rank after the
+same step with a checkpoint of it (here with ``checkpoint.every_steps=0``) and exit status 75;
+resume=auto then reproduces the uninterrupted losses exactly. A second signal ends the run at once.
+A run with ``checkpoint.async=true`` resumes exactly like a synchronous one. No assertion reads the
+clock: a run is waited for by its metrics lines, and the timeouts only bound a hang.
 """
 
 import json
@@ -68,7 +68,9 @@ def assert_stopped_with_checkpoint(process, output_dir: Path, signal_text: str) 
     return stopped_at
 
 
-def test_sigterm_to_the_launcher_checkpoints_the_step_and_resume_continues_exactly(tmp_path, uninterrupted):
+def test_sigterm_to_the_launcher_checkpoints_the_step_and_resume_continues_exactly(
+    tmp_path, uninterrupted
+):
     output_dir = tmp_path / "run"
     process = start_recipe(output_dir, *RUN)
     wait_for_step(process, output_dir, 4)

@@ -1,4 +1,5 @@
-"""The recipe as a user runs it: the real command line in a subprocess, compared across parallelisms.
+"""The recipe as a user runs it: the real command line in a subprocess, compared across
+parallelisms.
 
 Runs share a module fixture so each configuration trains once. All fp32 on the CPU; tp changes only
 the order of floating-point sums, so per-step losses agree to ~1e-7 relative (asserted at 1e-5).
@@ -18,9 +19,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from components.data import GeneratedSource, StepBatches, prepare_data
 
 REPO = Path(__file__).resolve().parents[2]
-CACHE = Path(os.environ.get("SHARDTUNE_CACHE") or Path.home() / ".cache" / "shardtune")  # the recipe's cache_dir
+CACHE = Path(
+    os.environ.get("SHARDTUNE_CACHE") or Path.home() / ".cache" / "shardtune"
+)  # the recipe's cache_dir
 STEPS = 6
-# Small and quick: 6 steps of 8 sequences, 2 micro-batches per dp rank (gradient accumulation exercised).
+# Small and quick: 6 steps of 8 sequences, 2 micro-batches per dp rank (gradient accumulation
+# exercised).
 COMMON = [
     f"train.max_steps={STEPS}",
     "train.global_batch_size=8",
@@ -39,7 +43,9 @@ def recipe(output_dir: Path, *overrides: str, torchrun: int = 0) -> list[dict]:
     )
     command = [*launcher, "recipes/finetune.py", *COMMON, f"output_dir={output_dir}", *overrides]
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, env=environment)
+    result = subprocess.run(
+        command, cwd=REPO, capture_output=True, text=True, timeout=300, env=environment
+    )
     assert result.returncode == 0, f"{' '.join(command)}\n{result.stderr[-4000:]}"
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -110,15 +116,19 @@ def test_exported_folder_reloads_with_the_trained_weights(runs):
     folder = runs["tp2"] / "hf"
     model = AutoModelForCausalLM.from_pretrained(folder)
     AutoTokenizer.from_pretrained(folder)  # the export carries a loadable tokenizer
-    # The final validation loss was computed on the trained (sharded) model after the last update, on the
-    # validation rows the launcher prepared (the same cache entry serves this call).
+    # The final validation loss was computed on the trained (sharded) model after the last update,
+    # on the validation rows the launcher prepared (the same cache entry serves this call).
     source = GeneratedSource(num_examples=400, val_fraction=0.02, seed=0)
-    prepared = prepare_data(source, folder, seq_len=48, packing=False, seed=0, cache_root=CACHE, num_proc=1)
+    prepared = prepare_data(
+        source, folder, seq_len=48, packing=False, seed=0, cache_root=CACHE, num_proc=1
+    )
     batches = StepBatches.open(prepared.val, 4, 4, dp_size=1, dp_rank=0, seed=0)
     total, tokens = 0.0, 0
     with torch.no_grad():
         for batch in batches.all_batches():
             logits = model(input_ids=batch.input_ids).logits[:, :-1].flatten(0, 1)
-            total += torch.nn.functional.cross_entropy(logits, batch.labels[:, 1:].flatten(), reduction="sum").item()
+            total += torch.nn.functional.cross_entropy(
+                logits, batch.labels[:, 1:].flatten(), reduction="sum"
+            ).item()
             tokens += batch.labelled_tokens()
     assert total / tokens == pytest.approx(metrics(runs["tp2"])[-1]["val_loss"], rel=1e-5)

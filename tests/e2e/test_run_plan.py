@@ -1,5 +1,5 @@
-"""The run plan through the real command line: the value checked is the value used (``~`` paths), and under
-torchrun each rank reads the data file once at most."""
+"""The run plan through the real command line: the value checked is the value used (``~`` paths),
+and under torchrun each rank reads the data file once at most."""
 
 import json
 import os
@@ -8,11 +8,20 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-SMALL = ["train.global_batch_size=4", "train.micro_batch_size=2", "train.val_every=0", "checkpoint.export=false"]
+SMALL = [
+    "train.global_batch_size=4",
+    "train.micro_batch_size=2",
+    "train.val_every=0",
+    "checkpoint.export=false",
+]
 SMALL += ["train.warmup_steps=1"]
-RECORDS = [{"prompt": f"say {word}", "response": f"{word} {word}"} for word in ("a", "bb", "ccc", "dd", "e")] * 8
+RECORDS = [
+    {"prompt": f"say {word}", "response": f"{word} {word}"}
+    for word in ("a", "bb", "ccc", "dd", "e")
+] * 8
 
-# Imported by every Python process started with this folder on PYTHONPATH: counts each open() of the data file.
+# Imported by every Python process started with this folder on PYTHONPATH: counts each open() of the
+# data file.
 COUNTER = """
 import builtins, io, os
 _open, _io_open = builtins.open, io.open
@@ -28,25 +37,36 @@ io.open = _counting(_io_open)
 """
 
 
-def run(arguments: list[str], home: Path, extra_env: dict | None = None, launcher: list[str] | None = None):
+def run(
+    arguments: list[str],
+    home: Path,
+    extra_env: dict | None = None,
+    launcher: list[str] | None = None,
+):
     environment = {**os.environ, "HOME": str(home), "OMP_NUM_THREADS": "1", **(extra_env or {})}
     environment.pop("SHARDTUNE_CACHE", None)
     command = [*(launcher or [sys.executable]), "recipes/finetune.py", *SMALL, *arguments]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600, env=environment)
+    result = subprocess.run(
+        command, cwd=REPO, capture_output=True, text=True, timeout=600, env=environment
+    )
     assert result.returncode == 0, f"{' '.join(command)}\n{result.stderr[-3000:]}"
     return result
 
 
 def test_tilde_paths_for_data_output_and_resume(tmp_path):
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps(record) + "\n" for record in RECORDS))
-    # Hydra's override grammar needs ~ quoted: data.path='~/chat.jsonl' (in a shell: "data.path='~/chat.jsonl'").
+    # Hydra's override grammar needs ~ quoted: data.path='~/chat.jsonl' (in a shell:
+    # "data.path='~/chat.jsonl'").
     data = ["data=jsonl", "data.path='~/chat.jsonl'"]
     run([*data, "train.max_steps=2", "checkpoint.every_steps=2", "output_dir='~/first'"], tmp_path)
     assert (tmp_path / "first" / "checkpoints" / "step_00000002").is_dir()
     resume = "checkpoint.resume='~/first/checkpoints/step_00000002'"
     result = run([*data, "train.max_steps=3", resume, "output_dir='~/second'"], tmp_path)
     assert f"resumed from {tmp_path}/first/checkpoints/step_00000002 at step 2" in result.stdout
-    steps = [json.loads(line)["step"] for line in (tmp_path / "second" / "metrics.jsonl").read_text().splitlines()]
+    steps = [
+        json.loads(line)["step"]
+        for line in (tmp_path / "second" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert steps == [3]
     saved = (tmp_path / "second" / "config.yaml").read_text()
     assert "path: ~/chat.jsonl" in saved and "max_steps: 3" in saved
@@ -58,13 +78,26 @@ def test_torchrun_ranks_read_the_data_file_once_each_at_most(tmp_path):
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "sitecustomize.py").write_text(COUNTER)
     log = tmp_path / "opens.log"
-    env = {"PYTHONPATH": str(tmp_path / "site"), "COUNT_PATH": str(data_file), "COUNT_LOG": str(log)}
+    env = {
+        "PYTHONPATH": str(tmp_path / "site"),
+        "COUNT_PATH": str(data_file),
+        "COUNT_LOG": str(log),
+    }
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
-    arguments = ["tp=2", "data=jsonl", f"data.path={data_file}", "train.max_steps=1", f"output_dir={tmp_path / 'out'}"]
+    arguments = [
+        "tp=2",
+        "data=jsonl",
+        f"data.path={data_file}",
+        "train.max_steps=1",
+        f"output_dir={tmp_path / 'out'}",
+    ]
     run(arguments, tmp_path, env, torchrun)
     opens_per_process = {}
     for pid in log.read_text().split():
         opens_per_process[pid] = opens_per_process.get(pid, 0) + 1
-    # Each rank reads it once into its Arrow copy (the tokenizer's texts and the tokenization read that copy),
-    # or not at all when another rank's copy is already there; the fingerprint only stats it.
-    assert opens_per_process and all(count == 1 for count in opens_per_process.values()), opens_per_process
+    # Each rank reads it once into its Arrow copy (the tokenizer's texts and the tokenization read
+    # that copy), or not at all when another rank's copy is already there; the fingerprint only
+    # stats it.
+    assert opens_per_process and all(count == 1 for count in opens_per_process.values()), (
+        opens_per_process
+    )

@@ -9,12 +9,25 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-SMALL = ["tp=2", "train.max_steps=5", "train.global_batch_size=8", "train.micro_batch_size=4",
-         "train.val_every=0", "checkpoint.export=false", "data.num_examples=200"]  # fmt: skip
+SMALL = [
+    "tp=2",
+    "train.max_steps=5",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=4",
+    "train.val_every=0",
+    "checkpoint.export=false",
+    "data.num_examples=200",
+]
 
 
 def run(output_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "recipes/finetune.py", *SMALL, f"output_dir={output_dir}", *overrides]
+    command = [
+        sys.executable,
+        "recipes/finetune.py",
+        *SMALL,
+        f"output_dir={output_dir}",
+        *overrides,
+    ]
     return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=180)
 
 
@@ -35,14 +48,19 @@ def test_a_nan_gradient_can_skip_the_step_instead(tmp_path):
     records = metrics(tmp_path)
     assert [r.get("skipped", False) for r in records] == [False, False, True, False, False]
     assert records[2]["grad_norm"] is None
-    assert all(r["grad_norm"] is not None and r["grad_norm"] < 100 for i, r in enumerate(records) if i != 2)
+    assert all(
+        r["grad_norm"] is not None and r["grad_norm"] < 100 for i, r in enumerate(records) if i != 2
+    )
     assert json.loads((tmp_path / "replica_drift.json").read_text())["max"] == 0.0
 
 
 def test_replica_drift_is_detected_and_named(tmp_path):
     result = run(tmp_path, "debug.fault=perturb_replica@2", "debug.check_replicas_every=1")
     assert result.returncode != 0
-    assert "step 2: replicated tensors differ across ranks: model.layers.0.input_layernorm.weight" in result.stderr
+    assert (
+        "step 2: replicated tensors differ across ranks: model.layers.0.input_layernorm.weight"
+        in result.stderr
+    )
     assert len(metrics(tmp_path)) == 2
 
 

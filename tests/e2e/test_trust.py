@@ -1,6 +1,6 @@
-"""Runs you can trust, through the real command line: a run owns its folder, never adopts or overwrites another
-run's files, runs no code from a checkpoint, says what it does with a damaged one, and refuses a resume that
-cannot continue the same training."""
+"""Runs you can trust, through the real command line: a run owns its folder, never adopts or
+overwrites another run's files, runs no code from a checkpoint, says what it does with a damaged
+one, and refuses a resume that cannot continue the same training."""
 
 import json
 import os
@@ -17,7 +17,12 @@ import pytest
 from tests.harness import tiny_model_folder
 
 REPO = Path(__file__).resolve().parents[2]
-SMALL = ["train.global_batch_size=4", "train.micro_batch_size=2", "train.val_every=0", "train.warmup_steps=1"]
+SMALL = [
+    "train.global_batch_size=4",
+    "train.micro_batch_size=2",
+    "train.val_every=0",
+    "train.warmup_steps=1",
+]
 SMALL += ["data.num_examples=200"]
 
 
@@ -28,7 +33,12 @@ def command(output_dir: Path, *overrides: str) -> list[str]:
 def run(output_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
-        command(output_dir, *overrides), cwd=REPO, capture_output=True, text=True, timeout=600, env=environment
+        command(output_dir, *overrides),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=environment,
     )
 
 
@@ -38,12 +48,15 @@ def error_line(result: subprocess.CompletedProcess) -> str:
 
 
 def steps(output_dir: Path) -> list[int]:
-    return [json.loads(line)["step"] for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    return [
+        json.loads(line)["step"] for line in (output_dir / "metrics.jsonl").read_text().splitlines()
+    ]
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
-    """A finished run with checkpoints at steps 2 and 4 (never changed by the tests: they copy it)."""
+    """A finished run with checkpoints at steps 2 and 4 (never changed by the tests: they copy
+    it)."""
     folder = tmp_path_factory.mktemp("trained") / "run"
     result = run(folder, "train.max_steps=4", "checkpoint.every_steps=2")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -74,13 +87,19 @@ def test_a_second_run_into_a_folder_in_use_is_refused_naming_the_holder(tmp_path
     folder = tmp_path / "busy"
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
     first = subprocess.Popen(
-        command(folder, "train.max_steps=100000"), cwd=REPO, env=environment, start_new_session=True,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        command(folder, "train.max_steps=100000"),
+        cwd=REPO,
+        env=environment,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 300
         while not (folder / "metrics.jsonl").is_file():
-            assert first.poll() is None and time.monotonic() < deadline, "the first run did not start training"
+            assert first.poll() is None and time.monotonic() < deadline, (
+                "the first run did not start training"
+            )
             time.sleep(0.2)
         line = error_line(run(folder, "train.max_steps=2", "overwrite_output_dir=true"))
         assert "is in use by another run" in line and f"pid {first.pid}" in line, line
@@ -115,7 +134,9 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one_out_loud(tra
     shard.write_bytes(shard.read_bytes()[:100])
     result = run(folder, "train.max_steps=6", "checkpoint.resume=auto")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert f"warning: skipping checkpoint {folder / 'checkpoints' / 'step_00000004'}" in result.stdout
+    assert (
+        f"warning: skipping checkpoint {folder / 'checkpoints' / 'step_00000004'}" in result.stdout
+    )
     assert "is truncated" in result.stdout
     assert f"resumed from {folder / 'checkpoints' / 'step_00000002'} at step 2" in result.stdout
     assert steps(folder) == [1, 2, 3, 4, 5, 6]
@@ -130,19 +151,26 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one_out_loud(tra
         ),
         (
             ["train.max_steps=6", "optim=sgd"],
-            "optimizer is 'torch.optim.SGD' but the checkpoint was written with 'torch.optim.AdamW'",
+            "optimizer is 'torch.optim.SGD' but the checkpoint was written with "
+            "'torch.optim.AdamW'",
         ),
         (["train.max_steps=6", "model.config.intermediate_size=96"], "model is"),
         (["train.max_steps=3"], "max_steps 3 is not beyond the checkpoint's step 4"),
-        # more records train another tokenizer of the same size: the same ids would mean other tokens
+        # more records train another tokenizer of the same size: the same ids would mean other
+        # tokens
         (["train.max_steps=6", "data.num_examples=300"], "tokenizer is"),
     ],
     ids=["batch geometry", "optimizer", "model", "max_steps", "tokenizer"],
 )
-def test_a_resume_that_cannot_continue_the_same_training_is_refused(trained, tmp_path, overrides, expected):
+def test_a_resume_that_cannot_continue_the_same_training_is_refused(
+    trained, tmp_path, overrides, expected
+):
     folder = copy_of(trained, tmp_path)
     line = error_line(run(folder, "checkpoint.resume=auto", *overrides))
-    assert f"cannot resume from {folder / 'checkpoints' / 'step_00000004'}" in line and expected in line, line
+    assert (
+        f"cannot resume from {folder / 'checkpoints' / 'step_00000004'}" in line
+        and expected in line
+    ), line
 
 
 def test_a_checkpoint_of_another_run_never_continues_inside_a_third_runs_folder(trained, tmp_path):
@@ -161,7 +189,9 @@ def test_a_checkpoint_of_another_run_never_continues_inside_a_third_runs_folder(
 def test_replicas_that_drift_without_checks_stop_the_run_before_export(tmp_path):
     result = run(tmp_path / "drift", "tp=2", "train.max_steps=3", "debug.fault=perturb_replica@2")
     line = error_line(result)
-    assert "replicated tensors differ at the end of the run" in line and "not exported" in line, line
+    assert "replicated tensors differ at the end of the run" in line and "not exported" in line, (
+        line
+    )
     assert not (tmp_path / "drift" / "hf").exists()
 
 
@@ -190,9 +220,13 @@ def test_code_in_a_model_folder_never_runs_and_nothing_asks(tmp_path, where):
     output = tmp_path / "out"
     result = subprocess.run(
         command(output, "train.max_steps=2", "model=pretrained", f"model.pretrained_path={folder}"),
-        cwd=REPO, capture_output=True, text=True, timeout=600, input="y\n",
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        input="y\n",
         env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
-    )  # fmt: skip
+    )
     line = error_line(result)
     assert result.stderr.strip().splitlines() == [line], result.stderr
     assert f"{folder / where} has an auto_map (custom." in line and "never" in line, line
@@ -254,7 +288,8 @@ def test_a_run_inside_another_runs_folder_is_refused(trained, inside):
     line = error_line(run(trained / inside, "train.max_steps=2"))
     assert line == (
         f"error: output_dir {trained / inside} is inside the output folder of another run "
-        f"({trained}, with its run.json), whose pruning or overwrite would delete it: nested output "
+        f"({trained}, with its run.json), whose pruning or overwrite would delete it: nested "
+        "output "
         f"folders are not allowed; choose an output_dir outside {trained}"
     )
     assert sorted(str(path) for path in trained.rglob("*")) == before  # nothing written there
@@ -262,7 +297,9 @@ def test_a_run_inside_another_runs_folder_is_refused(trained, inside):
 
 def test_a_folder_holding_another_runs_folder_below_it_is_refused(trained, tmp_path):
     outer = tmp_path / "outer"
-    shutil.copytree(trained, outer / "checkpoints" / "inner", ignore=shutil.ignore_patterns(".lock"))
+    shutil.copytree(
+        trained, outer / "checkpoints" / "inner", ignore=shutil.ignore_patterns(".lock")
+    )
     line = error_line(run(outer, "train.max_steps=2"))
     below = f"output_dir {outer} holds the output folder of another run below it"
     assert f"{below} ({outer / 'checkpoints' / 'inner'}," in line, line
@@ -292,7 +329,8 @@ def test_stop_after_leaves_a_checkpoint_of_its_last_step_and_says_only_what_exis
     assert first.returncode == 0, first.stderr[-3000:]
     done = [line for line in first.stdout.splitlines() if line.startswith("done: ")]
     assert done == [
-        f"done: metrics, loss.png and checkpoint step_00000006 in {folder} (no hf/ before step 10); "
+        f"done: metrics, loss.png and checkpoint step_00000006 in {folder} (no hf/ before step "
+        "10); "
         "checkpoint.resume=auto continues from it"
     ]
     assert not (folder / "hf").exists() and steps(folder) == [1, 2, 3, 4, 5, 6]

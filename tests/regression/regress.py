@@ -2,11 +2,12 @@
 
     .venv/bin/python tests/regression/regress.py                  # run every recipe, compare, plot
     .venv/bin/python tests/regression/regress.py llama_tp1 llama_tp2_sp    # a subset
-    .venv/bin/python tests/regression/regress.py --update-golden  # rewrite golden/*.jsonl (review the diff!)
+    # rewrite golden/*.jsonl (review the diff!)
+    .venv/bin/python tests/regression/regress.py --update-golden
 
-Each recipe is one file in conf/experiment/regression/ (their shared settings: conf/regression_base.yaml)
-and runs as a user would run it (``python recipes/finetune.py experiment=regression/NAME``). Three checks
-per run, each printed as a table row:
+Each recipe is one file in conf/experiment/regression/ (their shared settings:
+conf/regression_base.yaml) and runs as a user would run it (``python recipes/finetune.py
+experiment=regression/NAME``). Three checks per run, each printed as a table row:
 1. golden: per-step ``loss`` and ``grad_norm`` against tests/regression/golden/NAME.jsonl;
 2. parity: a tp>1 run against its tp=1 twin (same model, same data, same schedule);
 3. drift: the largest difference between the copies of any replicated parameter (TP replicas, expert
@@ -28,13 +29,14 @@ EXPERIMENTS = sorted(p.stem for p in (REPO / "conf" / "experiment" / "regression
 FIELDS = ("loss", "grad_norm")
 
 # Tolerances (|ours - theirs| <= abs + rel * |theirs|), per field.
-# Golden: the same recipe on the same software; on this machine reruns are bitwise identical, and other
-# x86 CPUs may pick other BLAS kernels, so allow a few fp32 ulps of drift compounded over 20 steps.
+# Golden: the same recipe on the same software; on this machine reruns are bitwise identical, and
+# other x86 CPUs may pick other BLAS kernels, so allow a few fp32 ulps of drift compounded over 20
+# steps.
 GOLDEN_TOLERANCE = {"loss": (1e-6, 1e-5), "grad_norm": (1e-6, 1e-4)}
-# Parity with the tp=1 twin (same machine, same run of this script): measured on 2026-11-29 over all 13
-# parallel recipes x 20 AdamW steps, fp32, the worst relative deviation in either field was 1.54e-7
-# (llama_tp2, step 1, loss; see the table this script prints). The band is 13x that. A mean/sum
-# mix-up moves the grad norm by more than 1% at step 1.
+# Parity with the tp=1 twin (same machine, same run of this script): measured on 2026-11-29 over all
+# 13 parallel recipes x 20 AdamW steps, fp32, the worst relative deviation in either field was
+# 1.54e-7 (llama_tp2, step 1, loss; see the table this script prints). The band is 13x that. A
+# mean/sum mix-up moves the grad norm by more than 1% at step 1.
 PARITY_TOLERANCE = {"loss": (0.0, 2e-6), "grad_norm": (0.0, 2e-6)}
 
 
@@ -48,7 +50,8 @@ def twin(name: str) -> str | None:
 def run_recipe(name: str, output_root: Path, extra: list[str]) -> Path:
     output_dir = output_root / name
     recipe = f"experiment=regression/{name}"
-    # A rerun replaces the previous run's files (a fresh run refuses another run's folder otherwise).
+    # A rerun replaces the previous run's files (a fresh run refuses another run's folder
+    # otherwise).
     command = [
         sys.executable,
         "recipes/finetune.py",
@@ -68,8 +71,11 @@ def read_curve(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def worst_deviation(ours: list[dict], theirs: list[dict], tolerance: dict) -> tuple[bool, int, str, float]:
-    """(within band, worst step, worst field, worst relative deviation) over every step and field."""
+def worst_deviation(
+    ours: list[dict], theirs: list[dict], tolerance: dict
+) -> tuple[bool, int, str, float]:
+    """(within band, worst step, worst field, worst relative deviation) over every step and
+    field."""
     if [r["step"] for r in ours] != [r["step"] for r in theirs]:
         return False, 0, "steps", float("inf")
     ok, worst = True, (0, "loss", 0.0)
@@ -84,7 +90,9 @@ def worst_deviation(ours: list[dict], theirs: list[dict], tolerance: dict) -> tu
     return ok, *worst
 
 
-def plot_families(curves: dict[str, list[dict]], deviations: dict[str, float], out_dir: Path) -> list[Path]:
+def plot_families(
+    curves: dict[str, list[dict]], deviations: dict[str, float], out_dir: Path
+) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -97,10 +105,19 @@ def plot_families(curves: dict[str, list[dict]], deviations: dict[str, float], o
     for reference, names in sorted(families.items()):
         figure, axes = plt.subplots(figsize=(7, 4.5))
         for name in sorted(names):
-            label = name if name == reference else f"{name} (max dev {deviations.get(name, 0.0):.1e})"
+            label = (
+                name if name == reference else f"{name} (max dev {deviations.get(name, 0.0):.1e})"
+            )
             style = "-" if name == reference else "--"
-            axes.plot([r["step"] for r in curves[name]], [r["loss"] for r in curves[name]], style, label=label)
-        axes.set_title(f"{reference.removesuffix('_tp1')}: loss by parallelism (20 AdamW steps, fp32)")
+            axes.plot(
+                [r["step"] for r in curves[name]],
+                [r["loss"] for r in curves[name]],
+                style,
+                label=label,
+            )
+        axes.set_title(
+            f"{reference.removesuffix('_tp1')}: loss by parallelism (20 AdamW steps, fp32)"
+        )
         axes.set_xlabel("step")
         axes.set_ylabel("loss")
         axes.grid(alpha=0.3)
@@ -115,12 +132,20 @@ def plot_families(curves: dict[str, list[dict]], deviations: dict[str, float], o
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("names", nargs="*", help=f"recipes to run (default: all of {', '.join(EXPERIMENTS)})")
-    parser.add_argument("--update-golden", action="store_true", help="rewrite the golden files from this run")
+    parser.add_argument(
+        "names", nargs="*", help=f"recipes to run (default: all of {', '.join(EXPERIMENTS)})"
+    )
+    parser.add_argument(
+        "--update-golden", action="store_true", help="rewrite the golden files from this run"
+    )
     parser.add_argument("--output-root", type=Path, default=REPO / "outputs" / "regression")
-    parser.add_argument("--override", action="append", default=[], help="extra Hydra override for every run")
+    parser.add_argument(
+        "--override", action="append", default=[], help="extra Hydra override for every run"
+    )
     parser.add_argument("--no-plots", action="store_true")
-    parser.add_argument("--golden-only", action="store_true", help="skip the tp=1 twins and the parity check")
+    parser.add_argument(
+        "--golden-only", action="store_true", help="skip the tp=1 twins and the parity check"
+    )
     args = parser.parse_args(argv)
     names = args.names or EXPERIMENTS
     unknown = sorted(set(names) - set(EXPERIMENTS))
@@ -134,7 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     curves, drift = {}, {}
     for name in order:
         output_dir = run_recipe(name, args.output_root, args.override)
-        curves[name] = [{k: r[k] for k in ("step", *FIELDS)} for r in read_curve(output_dir / "metrics.jsonl")]
+        curves[name] = [
+            {k: r[k] for k in ("step", *FIELDS)} for r in read_curve(output_dir / "metrics.jsonl")
+        ]
         drift_file = output_dir / "replica_drift.json"
         drift[name] = json.loads(drift_file.read_text())["max"] if drift_file.exists() else 0.0
         print(f"ran {name}", flush=True)
@@ -142,17 +169,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.update_golden:
         GOLDEN.mkdir(parents=True, exist_ok=True)
         for name in names:
-            (GOLDEN / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in curves[name]))
+            (GOLDEN / f"{name}.jsonl").write_text(
+                "".join(json.dumps(r) + "\n" for r in curves[name])
+            )
         print(f"wrote {len(names)} golden files to {GOLDEN}; review them before committing")
 
     failures = 0
     deviations = {}
-    print(f"\n{'run':<20} {'check':<8} {'ok':<4} {'worst step':>10} {'field':<10} {'rel. deviation':>14}")
+    print(
+        f"\n{'run':<20} {'check':<8} {'ok':<4} {'worst step':>10} {'field':<10} "
+        f"{'rel. deviation':>14}"
+    )
     for name in names:
         rows = []
         golden_file = GOLDEN / f"{name}.jsonl"
         if golden_file.exists():
-            rows.append(("golden", *worst_deviation(curves[name], read_curve(golden_file), GOLDEN_TOLERANCE)))
+            rows.append(
+                (
+                    "golden",
+                    *worst_deviation(curves[name], read_curve(golden_file), GOLDEN_TOLERANCE),
+                )
+            )
         else:
             rows.append(("golden", False, 0, "missing", float("inf")))
         if twin(name) in curves:
@@ -162,7 +199,10 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(("drift", drift[name] == 0.0, 0, "replicas", drift[name]))
         for check, ok, step, field, deviation in rows:
             failures += not ok
-            print(f"{name:<20} {check:<8} {'yes' if ok else 'NO':<4} {step:>10} {field:<10} {deviation:>14.3e}")
+            print(
+                f"{name:<20} {check:<8} {'yes' if ok else 'NO':<4} {step:>10} {field:<10} "
+                f"{deviation:>14.3e}"
+            )
     if not args.no_plots:
         for path in plot_families({n: curves[n] for n in order}, deviations, args.output_root):
             print(f"plot: {path}")

@@ -1,9 +1,10 @@
-"""Flat communication buffers: the wire dtype, bounded chunks, packing and unpacking many tensors at once.
+"""Flat communication buffers: the wire dtype, bounded chunks, packing and unpacking many tensors at
+once.
 
-Gradient reductions (TP replica sync, Partial -> Replicate finalisation) move many small tensors through
-one collective. These helpers are the shared, public pieces: low-precision tensors travel as FP32, chunks
-are cut so one buffer never exceeds a byte bound, and packing/unpacking uses ``torch._foreach_copy_``
-(one dispatch for the whole list) into slices of a flat buffer.
+Gradient reductions (TP replica sync, Partial -> Replicate finalisation) move many small tensors
+through one collective. These helpers are the shared, public pieces: low-precision tensors travel as
+FP32, chunks are cut so one buffer never exceeds a byte bound, and packing/unpacking uses
+``torch._foreach_copy_`` (one dispatch for the whole list) into slices of a flat buffer.
 """
 
 from collections.abc import Iterator
@@ -16,7 +17,8 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 def wire_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a tensor of ``dtype`` is reduced in: FP32 for bf16/fp16, its own dtype otherwise."""
+    """The dtype a tensor of ``dtype`` is reduced in: FP32 for bf16/fp16, its own dtype
+    otherwise."""
     return torch.float32 if dtype in _LOW_PRECISION else dtype
 
 
@@ -49,7 +51,8 @@ def bounded_chunks(tensors: list[torch.Tensor], max_bytes: int) -> Iterator[list
 
 
 def flat_views(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
-    """Consecutive slices of ``flat`` of the given shapes (the slots tensors of those shapes pack into)."""
+    """Consecutive slices of ``flat`` of the given shapes (the slots tensors of those shapes pack
+    into)."""
     views, offset = [], 0
     for shape in shapes:
         numel = shape.numel()
@@ -58,8 +61,11 @@ def flat_views(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tenso
     return views
 
 
-def pack(tensors: list[torch.Tensor], dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
-    """A new flat buffer of ``dtype`` on ``device`` holding ``tensors`` back to back (cast as needed)."""
+def pack(
+    tensors: list[torch.Tensor], dtype: torch.dtype, device: str | torch.device
+) -> torch.Tensor:
+    """A new flat buffer of ``dtype`` on ``device`` holding ``tensors`` back to back (cast as
+    needed)."""
     flat = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=device)
     if tensors:
         torch._foreach_copy_(flat_views(flat, [t.shape for t in tensors]), tensors)

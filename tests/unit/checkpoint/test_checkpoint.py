@@ -1,5 +1,6 @@
-"""save_checkpoint / find_resumable / load_checkpoint on one process (no process group, plain tensors), and
-the checks that run before a resume: damaged and hostile checkpoints, run ids, the recorded run description.
+"""save_checkpoint / find_resumable / load_checkpoint on one process (no process group, plain
+tensors), and the checks that run before a resume: damaged and hostile checkpoints, run ids, the
+recorded run description.
 
 Sharded saves, resharding and FSDP2 on real ranks are in tests/distributed/test_checkpoint.py.
 """
@@ -17,6 +18,7 @@ import pytest
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
+from components.checkpoint import dcp as checkpoint
 from components.checkpoint.dcp import (
     MARKER,
     CheckpointError,
@@ -36,7 +38,6 @@ from components.checkpoint.integrity import (
     state_dict_shapes,
 )
 from components.models import build_causal_lm, tiny_config
-from components.checkpoint import dcp as checkpoint
 from components.training.step import forward_backward
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -93,18 +94,25 @@ def test_resume_is_exact(tmp_path, steps_before_save, optimizer_name):
 
 
 def test_latest_ignores_tmp_and_unmarked_folders(tmp_path):
-    assert find_resumable(tmp_path / "missing").path is None and complete_checkpoints(tmp_path / "missing") == []
+    assert (
+        find_resumable(tmp_path / "missing").path is None
+        and complete_checkpoints(tmp_path / "missing") == []
+    )
     assert find_resumable(tmp_path).path is None and complete_checkpoints(tmp_path) == []
     save_checkpoint(tmp_path, 1, *trainer())
     (tmp_path / "step_00000002.tmp").mkdir()
-    (tmp_path / "step_00000002.tmp" / MARKER).touch()  # a marker inside a .tmp folder does not count
+    (
+        tmp_path / "step_00000002.tmp" / MARKER
+    ).touch()  # a marker inside a .tmp folder does not count
     shutil.copytree(checkpoint_path(tmp_path, 1), tmp_path / "step_00000003")
     (tmp_path / "step_00000003" / MARKER).unlink()
     (tmp_path / "notes").mkdir()
     assert complete_checkpoints(tmp_path) == [checkpoint_path(tmp_path, 1)]
     choice = find_resumable(tmp_path)
     assert choice.path == checkpoint_path(tmp_path, 1)
-    assert [path for path, _ in choice.skipped] == [tmp_path / "step_00000003"]  # the .tmp one is not even listed
+    assert [path for path, _ in choice.skipped] == [
+        tmp_path / "step_00000003"
+    ]  # the .tmp one is not even listed
     causes = {
         tmp_path / "step_00000002.tmp": "a .tmp folder is a save that did not finish",
         tmp_path / "step_00000003": "no COMPLETE marker",
@@ -128,9 +136,13 @@ def test_a_crash_before_the_commit_leaves_only_an_ignored_tmp_folder(tmp_path):
 
     with pytest.raises(OSError, match="killed"):
         save_checkpoint(tmp_path, 2, *state, before_commit=crash)
-    assert seen == [[".metadata", "__0_0.distcp", "rng", TRAINER_STATE]]  # every file, no marker yet
+    assert seen == [
+        [".metadata", "__0_0.distcp", "rng", TRAINER_STATE]
+    ]  # every file, no marker yet
     assert find_resumable(tmp_path) == ResumeChoice(path=checkpoint_path(tmp_path, 1))
-    assert save_checkpoint(tmp_path, 2, *state) == checkpoint_path(tmp_path, 2)  # replaces the stale folder
+    assert save_checkpoint(tmp_path, 2, *state) == checkpoint_path(
+        tmp_path, 2
+    )  # replaces the stale folder
     assert sorted(path.name for path in tmp_path.iterdir()) == ["step_00000001", "step_00000002"]
 
 
@@ -142,7 +154,9 @@ def test_keep_prunes_only_this_runs_older_checkpoints(tmp_path):
         save_checkpoint(tmp_path, number, *state, extra={"n": number}, keep=2, run_id="ours")
     names = ["step_00000001", "step_00000004", "step_00000005", "step_00000009"]
     assert sorted(path.name for path in tmp_path.iterdir()) == names
-    save_checkpoint(tmp_path, 5, *state, extra={"n": 50}, keep=2, run_id="ours")  # a re-save replaces
+    save_checkpoint(
+        tmp_path, 5, *state, extra={"n": 50}, keep=2, run_id="ours"
+    )  # a re-save replaces
     assert sorted(path.name for path in tmp_path.iterdir()) == names
     assert load_checkpoint(checkpoint_path(tmp_path, 5), *trainer()) == {"step": 5, "n": 50}
     for bad in ({"keep": 0, "run_id": "ours"}, {"keep": 2}):
@@ -154,8 +168,8 @@ def test_keep_prunes_only_this_runs_older_checkpoints(tmp_path):
 
 
 def test_other_world_size_restores_rank0_rng_everywhere(tmp_path):
-    """A checkpoint from 2 ranks (faked from a 1-rank one) loaded by 1: rank 0's states, and a warning
-    only when the saved ranks' states differed."""
+    """A checkpoint from 2 ranks (faked from a 1-rank one) loaded by 1: rank 0's states, and a
+    warning only when the saved ranks' states differed."""
     torch.manual_seed(0)
     path = save_checkpoint(tmp_path, 0, *trainer())
     expected = draws()
@@ -172,13 +186,16 @@ def test_other_world_size_restores_rank0_rng_everywhere(tmp_path):
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(123)  # rank 1 drew other numbers than rank 0
-        (path / "rng" / "rank_00001.json").write_text(checkpoint._rng_to_json(checkpoint._rng_state()))
+        (path / "rng" / "rank_00001.json").write_text(
+            checkpoint._rng_to_json(checkpoint._rng_state())
+        )
     with pytest.warns(UserWarning, match="rank 0's states"):
         load_checkpoint(path, *trainer())
     assert draws() == expected
 
 
-# --- checkpoints that would run code -------------------------------------------------------------------
+# --- checkpoints that would run code
+# -------------------------------------------------------------------
 
 
 class Payload:
@@ -211,13 +228,16 @@ def test_a_state_file_holding_a_pickle_is_refused(tmp_path, name):
     path = save_checkpoint(tmp_path, 1, *trainer())
     marker = tmp_path / "payload_ran"
     (path / name).write_bytes(pickle.dumps(Payload(marker)))
-    with pytest.raises(CheckpointError, match=rf"^checkpoint {path} is unusable: {name} is .*not JSON"):
+    with pytest.raises(
+        CheckpointError, match=rf"^checkpoint {path} is unusable: {name} is .*not JSON"
+    ):
         load_checkpoint(path, *trainer())
     assert not marker.exists()
 
 
 def test_a_value_blob_that_would_run_code_is_refused(tmp_path):
-    """DCP stores non-tensor values (the optimizer's lr, betas) as torch.save blobs; one holding a payload."""
+    """DCP stores non-tensor values (the optimizer's lr, betas) as torch.save blobs; one holding a
+    payload."""
     model, optimizer, scheduler = trainer()
     step(model, optimizer, scheduler)
     path = save_checkpoint(tmp_path, 1, model, optimizer, scheduler)
@@ -227,13 +247,18 @@ def test_a_value_blob_that_would_run_code_is_refused(tmp_path):
     state["optim"][lr_key] = Payload(marker)
     for stale in (path / ".metadata", path / "__0_0.distcp"):
         stale.unlink()
-    torch.distributed.checkpoint.save(state, checkpoint_id=path)  # a checkpoint rewritten by someone else
-    with pytest.raises(CheckpointError, match=rf"^checkpoint {path} is unusable: value optim\..* refused"):
+    torch.distributed.checkpoint.save(
+        state, checkpoint_id=path
+    )  # a checkpoint rewritten by someone else
+    with pytest.raises(
+        CheckpointError, match=rf"^checkpoint {path} is unusable: value optim\..* refused"
+    ):
         load_checkpoint(path, *trainer())
     assert not marker.exists()
 
 
-# --- damaged checkpoints --------------------------------------------------------------------------------
+# --- damaged checkpoints
+# --------------------------------------------------------------------------------
 
 
 def truncate(path: Path, keep: float) -> None:
@@ -241,14 +266,32 @@ def truncate(path: Path, keep: float) -> None:
 
 
 DAMAGE = {
-    "truncated_distcp": (lambda p: truncate(p / "__0_0.distcp", 0.5), r"__0_0\.distcp is truncated \(\d+ bytes"),
-    "empty_distcp": (lambda p: truncate(p / "__0_0.distcp", 0), r"__0_0\.distcp is truncated \(0 bytes"),
+    "truncated_distcp": (
+        lambda p: truncate(p / "__0_0.distcp", 0.5),
+        r"__0_0\.distcp is truncated \(\d+ bytes",
+    ),
+    "empty_distcp": (
+        lambda p: truncate(p / "__0_0.distcp", 0),
+        r"__0_0\.distcp is truncated \(0 bytes",
+    ),
     "missing_distcp": (lambda p: (p / "__0_0.distcp").unlink(), r"__0_0\.distcp is missing"),
     "missing_metadata": (lambda p: (p / ".metadata").unlink(), r"\.metadata is missing"),
-    "truncated_metadata": (lambda p: truncate(p / ".metadata", 0.5), r"\.metadata is truncated or not DCP metadata"),
-    "missing_trainer_state": (lambda p: (p / TRAINER_STATE).unlink(), "trainer_state.json is missing"),
-    "truncated_trainer_state": (lambda p: truncate(p / TRAINER_STATE, 0.5), "trainer_state.json is truncated"),
-    "missing_rng": (lambda p: (p / "rng" / "rank_00000.json").unlink(), r"rng/rank_00000\.json is missing"),
+    "truncated_metadata": (
+        lambda p: truncate(p / ".metadata", 0.5),
+        r"\.metadata is truncated or not DCP metadata",
+    ),
+    "missing_trainer_state": (
+        lambda p: (p / TRAINER_STATE).unlink(),
+        "trainer_state.json is missing",
+    ),
+    "truncated_trainer_state": (
+        lambda p: truncate(p / TRAINER_STATE, 0.5),
+        "trainer_state.json is truncated",
+    ),
+    "missing_rng": (
+        lambda p: (p / "rng" / "rank_00000.json").unlink(),
+        r"rng/rank_00000\.json is missing",
+    ),
 }
 
 
@@ -260,7 +303,9 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, da
     damaged = checkpoint_path(tmp_path, 4)
     damage_fn, cause = damage
     damage_fn(damaged)
-    with pytest.raises(CheckpointError, match=f"^checkpoint {damaged} is unusable: .*{cause}") as info:
+    with pytest.raises(
+        CheckpointError, match=f"^checkpoint {damaged} is unusable: .*{cause}"
+    ) as info:
         check_checkpoint(damaged)
     assert "\n" not in str(info.value)
     choice = find_resumable(tmp_path)
@@ -276,10 +321,13 @@ def test_no_usable_checkpoint_and_an_empty_root(tmp_path):
     (tmp_path / "step_00000005.tmp").mkdir()  # a save in progress: not a candidate, not reported
     choice = find_resumable(tmp_path)
     assert choice.path is None
-    assert choice.skipped == [(checkpoint_path(tmp_path, 3), "no COMPLETE marker (a save that did not finish)")]
+    assert choice.skipped == [
+        (checkpoint_path(tmp_path, 3), "no COMPLETE marker (a save that did not finish)")
+    ]
 
 
-# --- what a checkpoint records about its run ----------------------------------------------------------
+# --- what a checkpoint records about its run
+# ----------------------------------------------------------
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
@@ -288,8 +336,15 @@ def test_the_summary_holds_the_run_description_and_the_model_shapes(tmp_path, ti
     model = build_causal_lm(config, seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     shapes = state_dict_shapes(model)
-    run_info = {"model": model_fingerprint(shapes), "optimizer": "AdamW", "global_batch_size": 16, "seq_len": 48}
-    path = save_checkpoint(tmp_path, 7, model, optimizer, None, run_id="run-a", run_info=run_info | {"tp": 2})
+    run_info = {
+        "model": model_fingerprint(shapes),
+        "optimizer": "AdamW",
+        "global_batch_size": 16,
+        "seq_len": 48,
+    }
+    path = save_checkpoint(
+        tmp_path, 7, model, optimizer, None, run_id="run-a", run_info=run_info | {"tp": 2}
+    )
     summary = checkpoint_summary(path)
     assert (summary.path, summary.step, summary.world_size, summary.run_id) == (path, 7, 1, "run-a")
     assert summary.run_info == run_info | {"tp": 2}

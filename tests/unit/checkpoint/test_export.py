@@ -1,7 +1,9 @@
-"""export_hf on one process (a plain model): from_pretrained gives the same logits; tied, sharded, tokenizer;
-the source folder's metadata byte-identical, a model card, the dtype asked for, user files never deleted.
+"""export_hf on one process (a plain model): from_pretrained gives the same logits; tied, sharded,
+tokenizer; the source folder's metadata byte-identical, a model card, the dtype asked for, user
+files never deleted.
 
-Exports of tensor- and data-parallel models on real ranks are in tests/distributed/test_checkpoint.py.
+Exports of tensor- and data-parallel models on real ranks are in
+tests/distributed/test_checkpoint.py.
 """
 
 import json
@@ -53,25 +55,31 @@ def test_sharded_export_with_tokenizer_replaces_an_earlier_export(tmp_path):
     export_hf(build_causal_lm(config, seed=1), config, tmp_path / "model")
     model = build_causal_lm(config, seed=2)
     vocab = {"<unk>": 0, "hello": 1, "world": 2}
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="<unk>")))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    )
     out = export_hf(model, config, tmp_path / "model", tokenizer=tokenizer, max_shard_size="40KB")
     assert sorted(path.name for path in tmp_path.iterdir()) == ["model"]
     assert len(json.loads((out / INDEX_FILE).read_text())["weight_map"]) == len(model.state_dict())
     assert len(list(out.glob("model-*-of-*.safetensors"))) > 1
     umask = os.umask(0)
     os.umask(umask)
-    assert {path.stat().st_mode & 0o777 for path in out.iterdir()} == {0o666 & ~umask}  # as readable as any file
+    assert {path.stat().st_mode & 0o777 for path in out.iterdir()} == {
+        0o666 & ~umask
+    }  # as readable as any file
     assert torch.equal(logits(AutoModelForCausalLM.from_pretrained(out)), logits(model))
     assert AutoTokenizer.from_pretrained(out).convert_tokens_to_ids("world") == 2
 
 
 def source_folder(tmp_path, config, model) -> Path:
-    """A Hugging Face folder as a user or the Hub would have it: weights, config, generation config, chat
-    template, tokenizer files, a licence, a README of its own and a hidden file."""
+    """A Hugging Face folder as a user or the Hub would have it: weights, config, generation config,
+    chat template, tokenizer files, a licence, a README of its own and a hidden file."""
     source = tmp_path / "source"
     export_hf(model, config, source)
     (source / MANIFEST).unlink()
-    (source / "generation_config.json").write_text('{\n  "bos_token_id": 1,\n  "temperature": 0.25\n}\n')
+    (source / "generation_config.json").write_text(
+        '{\n  "bos_token_id": 1,\n  "temperature": 0.25\n}\n'
+    )
     (source / "chat_template.jinja").write_bytes(
         "{% for m in messages %}<|{{ m.role }}|>\u00e9\r\n{% endfor %}".encode()
     )
@@ -105,7 +113,11 @@ def test_export_carries_source_metadata_byte_identical_and_a_model_card(tmp_path
     assert "recipes/finetune.py" in card and 'base_model: "owner/base"' in card
     assert "```yaml\ntp: 2\noptim:\n  lr: 0.001\n```" in card
     local = model_card("recipes/finetune.py", None, "/models/mine", torch.bfloat16)
-    assert "base_model:" not in local and "- Base model: `/models/mine`" in local and "bfloat16" in local
+    assert (
+        "base_model:" not in local
+        and "- Base model: `/models/mine`" in local
+        and "bfloat16" in local
+    )
     assert metadata_files(source) == [source / name for name in copied]
     loaded = AutoModelForCausalLM.from_pretrained(out)
     assert loaded.generation_config.temperature == 0.25
@@ -123,12 +135,20 @@ def test_export_dtype_defaults_to_the_sources(tmp_path, dtype):
     with safe_open(out / "model.safetensors", framework="pt") as stored:
         tensors = {name: stored.get_tensor(name) for name in stored.keys()}
     assert {tensor.dtype for tensor in tensors.values()} == {torch.bfloat16}
-    assert torch.equal(tensors["model.norm.weight"], model.model.norm.weight.detach().to(torch.bfloat16))
+    assert torch.equal(
+        tensors["model.norm.weight"], model.model.norm.weight.detach().to(torch.bfloat16)
+    )
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     fp32 = export_hf(model, config, tmp_path / "fp32")  # built from config: fp32
     assert json.loads((fp32 / "config.json").read_text())["dtype"] == "float32"
-    assert export_dtype(None, source) == torch.bfloat16 and export_dtype("float16", source) == torch.float16
-    with pytest.raises(ValueError, match=r"^export dtype 'fp8' is not one of null \(the source's\), float32, bfloat16"):
+    assert (
+        export_dtype(None, source) == torch.bfloat16
+        and export_dtype("float16", source) == torch.float16
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"^export dtype 'fp8' is not one of null \(the source's\), float32, bfloat16",
+    ):
         export_dtype("fp8", None)
 
 
@@ -146,4 +166,6 @@ def test_export_refuses_a_folder_with_user_files_and_leaves_it_alone(tmp_path):
     export_hf(model, config, target)  # an empty folder is fine, and so is an earlier export
     export_hf(model, config, target)
     (target / "extra.safetensors").write_bytes(b"")
-    assert check_export_target(target).endswith("(extra.safetensors); move them away or choose another output_dir")
+    assert check_export_target(target).endswith(
+        "(extra.safetensors); move them away or choose another output_dir"
+    )

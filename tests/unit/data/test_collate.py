@@ -1,5 +1,5 @@
-"""tokenize_example masks the prompt and keeps the answer; tokenize_batch marks a record whose answer is cut off
-and record_error names it."""
+"""tokenize_example masks the prompt and keeps the answer; tokenize_batch marks a record whose
+answer is cut off and record_error names it."""
 
 import pytest
 
@@ -20,7 +20,9 @@ def _kept(input_ids, labels):
 
 
 def test_prompt_response_masks_the_prompt_and_keeps_response_and_eos(tokenizer):
-    input_ids, labels = tokenize_example({"prompt": "Reverse: abc", "response": "cba"}, tokenizer, seq_len=64)
+    input_ids, labels = tokenize_example(
+        {"prompt": "Reverse: abc", "response": "cba"}, tokenizer, seq_len=64
+    )
     assert len(input_ids) == len(labels)
     assert tokenizer.decode(input_ids) == "<|bos|><|user|>Reverse: abc<|assistant|>cba<|eos|>"
     kept = _kept(input_ids, labels)
@@ -40,7 +42,9 @@ def test_messages_train_only_the_final_assistant_message(tokenizer):
         ]
     }
     input_ids, labels = tokenize_example(record, tokenizer, seq_len=64)
-    assert tokenizer.decode(input_ids) == tokenizer.apply_chat_template(record["messages"], tokenize=False)
+    assert tokenizer.decode(input_ids) == tokenizer.apply_chat_template(
+        record["messages"], tokenize=False
+    )
     assert tokenizer.decode(_kept(input_ids, labels)) == "AB<|eos|>"
 
 
@@ -55,14 +59,24 @@ def test_the_prompt_part_ends_with_the_generation_prompt(tokenizer):
 
 
 def test_truncates_to_seq_len(tokenizer):
-    full_ids, full_labels = tokenize_example({"prompt": "Repeat twice: abcd", "response": "abcd abcd"}, tokenizer, 64)
-    input_ids, labels = tokenize_example({"prompt": "Repeat twice: abcd", "response": "abcd abcd"}, tokenizer, 8)
+    full_ids, full_labels = tokenize_example(
+        {"prompt": "Repeat twice: abcd", "response": "abcd abcd"}, tokenizer, 64
+    )
+    input_ids, labels = tokenize_example(
+        {"prompt": "Repeat twice: abcd", "response": "abcd abcd"}, tokenizer, 8
+    )
     assert (input_ids, labels) == (full_ids[:8], full_labels[:8])
 
 
 def test_records_whose_answer_is_cut_off_are_reported(tokenizer):
-    records = [{"prompt": "Add 2 and 3", "response": "5"}, {"prompt": "Reverse: " + "abc" * 30, "response": "x"}]
-    columns = {"prompt": [r["prompt"] for r in records], "response": [r["response"] for r in records]}
+    records = [
+        {"prompt": "Add 2 and 3", "response": "5"},
+        {"prompt": "Reverse: " + "abc" * 30, "response": "x"},
+    ]
+    columns = {
+        "prompt": [r["prompt"] for r in records],
+        "response": [r["response"] for r in records],
+    }
     labelled = tokenize_batch(columns, tokenizer, seq_len=16)["labelled"]
     assert labelled[0] > 0 and labelled[1] == 0
     error = record_error(1, records[1], tokenizer, seq_len=16)

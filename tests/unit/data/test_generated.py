@@ -8,7 +8,9 @@ from components.data.generated import LETTERS, generate_examples
 def test_same_n_and_seed_give_the_same_list_and_other_seeds_differ():
     assert generate_examples(200, seed=3) == generate_examples(200, seed=3)
     assert generate_examples(200, seed=3) != generate_examples(200, seed=4)
-    assert generate_examples(50, seed=3) == generate_examples(200, seed=3)[:50]  # a longer run extends it
+    assert (
+        generate_examples(50, seed=3) == generate_examples(200, seed=3)[:50]
+    )  # a longer run extends it
 
 
 def test_records_are_short_prompt_response_strings_covering_every_task():

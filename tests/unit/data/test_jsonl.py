@@ -1,5 +1,5 @@
-"""iter_jsonl: both record shapes, blank lines skipped, and one-line errors naming the file and line; a file
-without records is refused by JsonlSource.load, which reads it."""
+"""iter_jsonl: both record shapes, blank lines skipped, and one-line errors naming the file and
+line; a file without records is refused by JsonlSource.load, which reads it."""
 
 import json
 import re
@@ -64,9 +64,16 @@ def test_wrong_types(tmp_path):
     assert _error(tmp_path, [json.dumps({"messages": "hi"})]) == (
         'line 1: "messages" must be a non-empty list of {"role", "content"} objects'
     )
-    bad_content = {"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "a"}]}
-    assert _error(tmp_path, [json.dumps(bad_content)]) == 'line 1: messages[0] needs a "content" string'
-    bad_role = {"messages": [{"role": "human", "content": "u"}, {"role": "assistant", "content": "a"}]}
+    bad_content = {
+        "messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "a"}]
+    }
+    assert (
+        _error(tmp_path, [json.dumps(bad_content)])
+        == 'line 1: messages[0] needs a "content" string'
+    )
+    bad_role = {
+        "messages": [{"role": "human", "content": "u"}, {"role": "assistant", "content": "a"}]
+    }
     assert _error(tmp_path, [json.dumps(bad_role)]) == (
         "line 1: messages[0] has role 'human'; use one of system, user, assistant"
     )
@@ -81,20 +88,26 @@ def test_messages_must_end_with_the_assistant(tmp_path):
         ]
     }
     lines = [json.dumps(GOOD[1]), json.dumps(record)]
-    assert _error(tmp_path, lines) == "line 2: the last message must be from the assistant (it is from the user)"
+    assert (
+        _error(tmp_path, lines)
+        == "line 2: the last message must be from the assistant (it is from the user)"
+    )
 
 
 def test_messages_need_a_prompt_before_the_answer(tmp_path):
     lines = [json.dumps({"messages": [{"role": "assistant", "content": "a"}]})]
     assert (
-        _error(tmp_path, lines) == 'line 1: "messages" needs a user (or system) message before the assistant\'s answer'
+        _error(tmp_path, lines)
+        == 'line 1: "messages" needs a user (or system) message before the assistant\'s answer'
     )
 
 
 def test_invalid_utf8_names_its_line(tmp_path):
     path = tmp_path / "data.jsonl"
     path.write_bytes(json.dumps(GOOD[0]).encode() + b"\n" + b'{"prompt": "\xff"}\n')
-    with pytest.raises(DataError, match=r"^.*data\.jsonl line 2: not valid UTF-8 \(invalid start byte\)$"):
+    with pytest.raises(
+        DataError, match=r"^.*data\.jsonl line 2: not valid UTF-8 \(invalid start byte\)$"
+    ):
         list(iter_jsonl(path))
 
 
@@ -109,7 +122,10 @@ def test_a_file_without_records(tmp_path, lines):
     path = tmp_path / "data.jsonl"
     path.write_text("\n".join(lines), encoding="utf-8")
     assert list(iter_jsonl(path)) == []
-    with pytest.raises(DataError, match=f"^{re.escape(str(path))} has no records: expected one JSON object per line$"):
+    with pytest.raises(
+        DataError,
+        match=f"^{re.escape(str(path))} has no records: expected one JSON object per line$",
+    ):
         JsonlSource(path=str(path), num_examples=None, val_fraction=0.0).load(tmp_path / "cache")
 
 

@@ -1,4 +1,5 @@
-"""StepBatches: dp parts partition the global batch, epochs cover every row, resuming from a step reproduces."""
+"""StepBatches: dp parts partition the global batch, epochs cover every row, resuming from a step
+reproduces."""
 
 import pytest
 import torch
@@ -14,7 +15,9 @@ RECORDS = generate_examples(40, seed=5)
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-    return train_tokenizer(training_texts(RECORDS), DEFAULT_VOCAB_SIZE, tmp_path_factory.mktemp("tokenizer"))
+    return train_tokenizer(
+        training_texts(RECORDS), DEFAULT_VOCAB_SIZE, tmp_path_factory.mktemp("tokenizer")
+    )
 
 
 @pytest.fixture
@@ -41,17 +44,27 @@ def _cat(batches) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _unpacked(records, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
     """The records one per row, tokenized one by one: what the loader's rows must equal."""
-    batch = collate_rows([[tokenize_example(r, tokenizer, SEQ_LEN)] for r in records], SEQ_LEN, tokenizer.pad_token_id)
+    batch = collate_rows(
+        [[tokenize_example(r, tokenizer, SEQ_LEN)] for r in records],
+        SEQ_LEN,
+        tokenizer.pad_token_id,
+    )
     return batch.input_ids, batch.labels
 
 
 def test_micro_batches_have_the_configured_shape(loader):
-    batches = loader(global_batch_size=8, micro_batch_size=2, dp_size=2, dp_rank=1).batches_for_step(0)
+    batches = loader(
+        global_batch_size=8, micro_batch_size=2, dp_size=2, dp_rank=1
+    ).batches_for_step(0)
     assert len(batches) == 2
     for batch in batches:
-        assert batch.input_ids.shape == batch.labels.shape == batch.position_ids.shape == (2, SEQ_LEN)
+        assert (
+            batch.input_ids.shape == batch.labels.shape == batch.position_ids.shape == (2, SEQ_LEN)
+        )
         assert batch.input_ids.dtype == torch.long
-        assert torch.equal(batch.position_ids, torch.arange(SEQ_LEN).expand(2, SEQ_LEN))  # unpacked rows
+        assert torch.equal(
+            batch.position_ids, torch.arange(SEQ_LEN).expand(2, SEQ_LEN)
+        )  # unpacked rows
 
 
 def _rows(batches) -> list[tuple]:
@@ -81,7 +94,10 @@ def test_pad_multiple_buckets_rows_by_length_and_pads_each_only_to_its_longest_r
 
 
 def test_dp_parts_are_disjoint_and_together_are_the_global_batch(loader, tokenizer):
-    ranks = [loader(n=40, global_batch_size=12, micro_batch_size=2, dp_size=3, dp_rank=r) for r in range(3)]
+    ranks = [
+        loader(n=40, global_batch_size=12, micro_batch_size=2, dp_size=3, dp_rank=r)
+        for r in range(3)
+    ]
     for step in range(3):  # steps 0-2 lie inside the first epoch (40 records, 12 per step)
         indices = ranks[0].indices_for_step(step)
         assert len(set(indices)) == 12  # disjoint parts: no record twice in the step
@@ -92,14 +108,19 @@ def test_dp_parts_are_disjoint_and_together_are_the_global_batch(loader, tokeniz
 
 def test_every_record_appears_once_per_epoch_and_epochs_reshuffle(loader):
     steps = loader(n=24, global_batch_size=8)
-    epochs = [sum((steps.indices_for_step(step) for step in range(3 * e, 3 * e + 3)), []) for e in range(3)]
+    epochs = [
+        sum((steps.indices_for_step(step) for step in range(3 * e, 3 * e + 3)), [])
+        for e in range(3)
+    ]
     assert all(sorted(epoch) == list(range(24)) for epoch in epochs)
     assert epochs[0] != epochs[1] != epochs[2]
 
 
 def test_epochs_roll_over_inside_a_step(loader):
     steps = loader(n=23, global_batch_size=8)
-    stream = sum((steps.indices_for_step(step) for step in range(6)), [])  # 48 positions: two epochs and 2
+    stream = sum(
+        (steps.indices_for_step(step) for step in range(6)), []
+    )  # 48 positions: two epochs and 2
     assert sorted(stream[:23]) == sorted(stream[23:46]) == list(range(23))
     assert stream[:23] != stream[23:46]
 
@@ -115,13 +136,18 @@ def test_resuming_at_a_step_gives_the_same_batches_as_running_through(loader):
 
 def test_the_seed_changes_the_order_and_tp_ranks_of_one_dp_rank_agree(loader):
     assert loader(seed=0).indices_for_step(0) != loader(seed=1).indices_for_step(0)
-    tp0, tp1 = loader(dp_rank=1), loader(dp_rank=1)  # two TP ranks of dp rank 1 build their own loaders
+    tp0, tp1 = (
+        loader(dp_rank=1),
+        loader(dp_rank=1),
+    )  # two TP ranks of dp rank 1 build their own loaders
     pairs = zip(tp0.batches_for_step(3), tp1.batches_for_step(3), strict=True)
     assert all(torch.equal(a.input_ids, b.input_ids) for a, b in pairs)
 
 
 def test_step_counts_cover_every_part_labels_shifted_and_tokens_without_padding(loader, tokenizer):
-    ranks = [loader(global_batch_size=12, micro_batch_size=3, dp_size=2, dp_rank=r) for r in range(2)]
+    ranks = [
+        loader(global_batch_size=12, micro_batch_size=3, dp_size=2, dp_rank=r) for r in range(2)
+    ]
     for step in range(4):
         batches = [batch for rank in ranks for batch in rank.batches_for_step(step)]
         labelled = sum(batch.labelled_tokens() for batch in batches)
@@ -131,7 +157,10 @@ def test_step_counts_cover_every_part_labels_shifted_and_tokens_without_padding(
 
 
 def test_all_batches_share_every_record_once_equally_over_dp_ranks(loader, tokenizer):
-    ranks = [loader(n=11, global_batch_size=4, micro_batch_size=2, dp_size=2, dp_rank=r) for r in range(2)]
+    ranks = [
+        loader(n=11, global_batch_size=4, micro_batch_size=2, dp_size=2, dp_rank=r)
+        for r in range(2)
+    ]
     shares = [rank.all_batches() for rank in ranks]
     # 11 % 2: the last is left out
     assert [[batch.input_ids.shape[0] for batch in share] for share in shares] == [[2, 2, 1]] * 2
@@ -142,7 +171,8 @@ def test_all_batches_share_every_record_once_equally_over_dp_ranks(loader, token
 def test_global_batch_must_divide_by_micro_batch_times_dp(loader):
     with pytest.raises(
         ValueError,
-        match=r"^train.global_batch_size \(10\) must be divisible by train.micro_batch_size \(4\) × dp \(2\)$",
+        match=r"^train.global_batch_size \(10\) must be divisible by "
+        r"train.micro_batch_size \(4\) × dp \(2\)$",
     ):
         loader(global_batch_size=10, micro_batch_size=4, dp_size=2)
 
@@ -185,11 +215,16 @@ def test_collate_rows_right_pads_one_example_rows_to_seq_len():
     assert batch.input_ids.shape == batch.labels.shape == (2, 6)
     assert batch.input_ids.dtype == batch.labels.dtype == torch.long
     assert batch.input_ids.tolist() == [[1, 5, 6, 7, 0, 0], [1, 8, 0, 0, 0, 0]]
-    assert batch.labels.tolist() == [[-100, -100, 6, 7, -100, -100], [-100, 8, -100, -100, -100, -100]]
+    assert batch.labels.tolist() == [
+        [-100, -100, 6, 7, -100, -100],
+        [-100, 8, -100, -100, -100, -100],
+    ]
 
 
 def test_collate_rows_rejects_examples_longer_than_seq_len_or_with_unequal_labels():
-    with pytest.raises(ValueError, match=r"row 0 does not fit: an example of 3 ids and 3 labels.*seq_len \(2\)"):
+    with pytest.raises(
+        ValueError, match=r"row 0 does not fit: an example of 3 ids and 3 labels.*seq_len \(2\)"
+    ):
         collate_rows([[([1, 2, 3], [1, 2, 3])]], seq_len=2, pad_id=0)
     with pytest.raises(ValueError, match=r"row 1 does not fit: an example of 2 ids and 1 labels"):
         collate_rows([[([1], [1])], [([1, 2], [1])]], seq_len=4, pad_id=0)

@@ -1,4 +1,5 @@
-"""Packing: next-fit rows of consecutive examples, deterministic, and well filled on short chat examples."""
+"""Packing: next-fit rows of consecutive examples, deterministic, and well filled on short chat
+examples."""
 
 import random
 
@@ -28,11 +29,16 @@ def test_unpacked_rows_are_single_examples_and_too_long_is_refused():
 
 
 def test_collated_row_restarts_positions_and_masks_nothing_of_the_next_example():
-    batch = collate_rows([[([1, 2, 3], [-100, 2, 3]), ([1, 5], [-100, 5])], [([1, 7], [-100, 7])]], 6, pad_id=0)
+    batch = collate_rows(
+        [[([1, 2, 3], [-100, 2, 3]), ([1, 5], [-100, 5])], [([1, 7], [-100, 7])]], 6, pad_id=0
+    )
     assert batch.input_ids.tolist() == [[1, 2, 3, 1, 5, 0], [1, 7, 0, 0, 0, 0]]
     assert batch.labels.tolist() == [[-100, 2, 3, -100, 5, -100], [-100, 7, -100, -100, -100, -100]]
     assert batch.position_ids.tolist() == [[0, 1, 2, 0, 1, 2], [0, 1, 2, 3, 4, 5]]
-    assert batch.real_tokens.tolist() == [5, 2]  # padding (here the pad id 0) is told apart by place, not by id
+    assert batch.real_tokens.tolist() == [
+        5,
+        2,
+    ]  # padding (here the pad id 0) is told apart by place, not by id
     assert batch.real_mask().tolist() == [[True] * 5 + [False], [True] * 2 + [False] * 4]
     assert batch.to("cpu").real_tokens.tolist() == [5, 2]
     with pytest.raises(ValueError, match=r"row 0 does not fit"):
@@ -62,14 +68,23 @@ def test_packing_short_chats_at_512_trains_many_times_more_real_tokens_per_step(
     unpacked = StepBatches.from_records(records, 8, 8, **common)
     packed = StepBatches.from_records(records, 8, 8, **common, packing=True)
     steps = range(min(unpacked.num_rows, packed.num_rows) // 8)
-    ratio = sum(packed.tokens_in_step(s) for s in steps) / sum(unpacked.tokens_in_step(s) for s in steps)
+    ratio = sum(packed.tokens_in_step(s) for s in steps) / sum(
+        unpacked.tokens_in_step(s) for s in steps
+    )
     lengths = [len(ids) for ids in packed.tokens["input_ids"]]
     full = packing_efficiency(lengths, packed.rows.offsets, 512)
-    print(f"packing short chats at seq_len 512: {ratio:.1f}x real tokens per step, rows {full:.0%} full")
+    print(
+        f"packing short chats at seq_len 512: {ratio:.1f}x real tokens per step, rows {full:.0%} "
+        "full"
+    )
     assert ratio >= 3
     first = packed.batches_for_step(0)
-    assert sum(int((batch.input_ids != tokenizer.pad_token_id).sum()) for batch in first) == packed.tokens_in_step(0)
-    again = StepBatches.from_records(records, 8, 8, **common, packing=True).batches_for_step(0)  # deterministic
+    assert sum(
+        int((batch.input_ids != tokenizer.pad_token_id).sum()) for batch in first
+    ) == packed.tokens_in_step(0)
+    again = StepBatches.from_records(records, 8, 8, **common, packing=True).batches_for_step(
+        0
+    )  # deterministic
     assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(first, again, strict=True))
 
 

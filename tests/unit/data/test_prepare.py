@@ -1,4 +1,5 @@
-"""prepare_data: tokenized once into a keyed Arrow cache, reused by the next experiment, checked in the same pass."""
+"""prepare_data: tokenized once into a keyed Arrow cache, reused by the next experiment, checked in
+the same pass."""
 
 import json
 import random
@@ -11,7 +12,13 @@ from transformers import AutoTokenizer
 from components.data.generated import generate_examples
 from components.data.jsonl import DataError
 from components.data.loader import StepBatches
-from components.data.prepare import data_cache_dir, prepare_data, source_cache_dir, split_indices, tokenizer_digest
+from components.data.prepare import (
+    data_cache_dir,
+    prepare_data,
+    source_cache_dir,
+    split_indices,
+    tokenizer_digest,
+)
 from components.data.sources import GeneratedSource, HFSource, JsonlSource
 from components.data.tokenizer import DEFAULT_VOCAB_SIZE, train_tokenizer
 
@@ -26,18 +33,33 @@ def tokenizer_dir(tmp_path_factory):
 
 
 def prepare(source, tokenizer_dir, root, seq_len=48, packing=False, seed=0):
-    return prepare_data(source, tokenizer_dir, seq_len=seq_len, packing=packing, seed=seed, cache_root=root, num_proc=1)
+    return prepare_data(
+        source,
+        tokenizer_dir,
+        seq_len=seq_len,
+        packing=packing,
+        seed=seed,
+        cache_root=root,
+        num_proc=1,
+    )
 
 
-def test_a_second_experiment_reuses_the_tokens_whatever_its_seed_or_packing(tokenizer_dir, tmp_path):
+def test_a_second_experiment_reuses_the_tokens_whatever_its_seed_or_packing(
+    tokenizer_dir, tmp_path
+):
     first = prepare(SOURCE, tokenizer_dir, tmp_path)
     assert not first.reused and first.train.num_examples == 108 and first.val.num_examples == 12
     for seed, packing in ((0, False), (1, False), (0, True)):
         again = prepare(SOURCE, tokenizer_dir, tmp_path, packing=packing, seed=seed)
         assert again.reused and again.folder == first.folder
-    assert prepare(SOURCE, tokenizer_dir, tmp_path, seq_len=40).folder != first.folder  # seq_len is in the key
+    assert (
+        prepare(SOURCE, tokenizer_dir, tmp_path, seq_len=40).folder != first.folder
+    )  # seq_len is in the key
     leftovers = [p.name for p in data_cache_dir(tmp_path).iterdir() if ".tmp" in p.name]
-    assert leftovers == [] and len(list((data_cache_dir(tmp_path) / first.folder).glob("rows-*.npz"))) == 3
+    assert (
+        leftovers == []
+        and len(list((data_cache_dir(tmp_path) / first.folder).glob("rows-*.npz"))) == 3
+    )
 
 
 def test_split_and_batches_are_those_of_the_records_in_memory(tokenizer_dir, tmp_path):
@@ -49,12 +71,19 @@ def test_split_and_batches_are_those_of_the_records_in_memory(tokenizer_dir, tmp
     opened = StepBatches.open(prepared.train, 8, 2, **common)
     in_memory = StepBatches.from_records(train, 8, 2, tokenizer=tokenizer, seq_len=48, **common)
     for step in (0, 5, 20):  # 20 lies in the second epoch
-        for a, b in zip(opened.batches_for_step(step), in_memory.batches_for_step(step), strict=True):
+        for a, b in zip(
+            opened.batches_for_step(step), in_memory.batches_for_step(step), strict=True
+        ):
             assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.labels, b.labels)
         assert opened.labels_in_step(step) == in_memory.labels_in_step(step)
     val_opened = StepBatches.open(prepared.val, 2, 2, dp_size=1, dp_rank=0, seed=3).all_batches()
-    val_memory = StepBatches.from_records(val, 2, 2, tokenizer=tokenizer, seq_len=48, dp_size=1, dp_rank=0, seed=3)
-    assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(val_opened, val_memory.all_batches(), strict=True))
+    val_memory = StepBatches.from_records(
+        val, 2, 2, tokenizer=tokenizer, seq_len=48, dp_size=1, dp_rank=0, seed=3
+    )
+    assert all(
+        torch.equal(a.input_ids, b.input_ids)
+        for a, b in zip(val_opened, val_memory.all_batches(), strict=True)
+    )
 
 
 def test_split_indices_are_seeded_disjoint_and_complete():
@@ -62,8 +91,13 @@ def test_split_indices_are_seeded_disjoint_and_complete():
     assert train.dtype == val.dtype == np.int64
     assert len(val) == 10 and sorted([*train, *val]) == list(range(100))
     assert train.tolist() == sorted(train) and val.tolist() == sorted(val)
-    assert val.tolist() == sorted(random.Random(0).sample(range(100), 10))  # the seeded choice, held stable
-    assert [part.tolist() for part in split_indices(100, 0.1, seed=0)] == [train.tolist(), val.tolist()]
+    assert val.tolist() == sorted(
+        random.Random(0).sample(range(100), 10)
+    )  # the seeded choice, held stable
+    assert [part.tolist() for part in split_indices(100, 0.1, seed=0)] == [
+        train.tolist(),
+        val.tolist(),
+    ]
     assert split_indices(100, 0.1, seed=1)[1].tolist() != val.tolist()
     assert [part.tolist() for part in split_indices(100, 0.0, seed=0)] == [list(range(100)), []]
     assert len(split_indices(5, 0.01, seed=0)[1]) == 1  # a positive fraction holds out at least one
@@ -72,9 +106,13 @@ def test_split_indices_are_seeded_disjoint_and_complete():
 def test_split_indices_errors():
     with pytest.raises(ValueError, match=r"data.val_fraction must be in \[0, 1\), got 1.5"):
         split_indices(2, 1.5, seed=0)
-    with pytest.raises(ValueError, match=r"data.val_fraction \(0.9\) of 2 records leaves none for training"):
+    with pytest.raises(
+        ValueError, match=r"data.val_fraction \(0.9\) of 2 records leaves none for training"
+    ):
         split_indices(2, 0.9, seed=0)
-    with pytest.raises(ValueError, match=r"data.val_fraction \(0.99\) of 50 records leaves none for training"):
+    with pytest.raises(
+        ValueError, match=r"data.val_fraction \(0.99\) of 50 records leaves none for training"
+    ):
         split_indices(50, 0.99, seed=0)
 
 
@@ -83,7 +121,11 @@ def test_packed_rows_hold_every_training_example_once(tokenizer_dir, tmp_path):
     with np.load(prepared.train.rows_file) as rows:
         order, offsets = rows["train_order"], rows["train_offsets"]
     assert sorted(order.tolist()) == order.tolist() and len(order) == 108
-    assert offsets[0] == 0 and offsets[-1] == 108 and prepared.train.num_rows == len(offsets) - 1 < 108 / 3
+    assert (
+        offsets[0] == 0
+        and offsets[-1] == 108
+        and prepared.train.num_rows == len(offsets) - 1 < 108 / 3
+    )
 
 
 def _jsonl(path, records):
@@ -99,8 +141,12 @@ def test_a_record_without_answer_tokens_is_named_and_nothing_is_cached(tokenizer
     with pytest.raises(DataError) as caught:
         prepare(source, tokenizer_dir, tmp_path / "cache", seq_len=16)
     shorten = "raise train.seq_len or shorten its prompt"
-    assert str(caught.value) == f"record 4 has no answer tokens within train.seq_len (16): {shorten}"
-    assert [p.name for p in data_cache_dir(tmp_path / "cache").iterdir() if p.name != "sources"] == []
+    assert (
+        str(caught.value) == f"record 4 has no answer tokens within train.seq_len (16): {shorten}"
+    )
+    assert [
+        p.name for p in data_cache_dir(tmp_path / "cache").iterdir() if p.name != "sources"
+    ] == []
 
 
 def test_a_malformed_record_of_a_dataset_is_named_by_index(tokenizer_dir, tmp_path):
@@ -118,11 +164,15 @@ def test_a_malformed_record_of_a_dataset_is_named_by_index(tokenizer_dir, tmp_pa
     assert str(caught.value) == 'record 2: needs "prompt" and "response" strings, or "messages"'
 
 
-def test_a_bad_jsonl_line_keeps_its_message_and_an_edited_file_is_tokenized_again(tokenizer_dir, tmp_path):
+def test_a_bad_jsonl_line_keeps_its_message_and_an_edited_file_is_tokenized_again(
+    tokenizer_dir, tmp_path
+):
     path = tmp_path / "data.jsonl"
     path.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "c", "response": "d"\n')
     source = JsonlSource(path=str(path), num_examples=None, val_fraction=0.0)
-    with pytest.raises(DataError, match=r"data.jsonl line 2: not valid JSON \(Expecting ',' delimiter\)$"):
+    with pytest.raises(
+        DataError, match=r"data.jsonl line 2: not valid JSON \(Expecting ',' delimiter\)$"
+    ):
         prepare(source, tokenizer_dir, tmp_path / "cache")
     _jsonl(path, generate_examples(10, 0))
     first = prepare(source, tokenizer_dir, tmp_path / "cache")
@@ -143,7 +193,11 @@ def test_a_tokenizer_without_a_chat_template_is_one_line(tokenizer_dir, tmp_path
 
 def test_the_tokenizer_digest_follows_the_special_tokens_a_chat_template_renders(tokenizer_dir):
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    assert tokenizer_digest(tokenizer) == tokenizer_digest(AutoTokenizer.from_pretrained(tokenizer_dir))
+    assert tokenizer_digest(tokenizer) == tokenizer_digest(
+        AutoTokenizer.from_pretrained(tokenizer_dir)
+    )
     renamed = AutoTokenizer.from_pretrained(tokenizer_dir)
-    renamed.bos_token = "<|begin|>"  # same vocabulary, merges and ids: only the string a template would print
+    renamed.bos_token = (
+        "<|begin|>"  # same vocabulary, merges and ids: only the string a template would print
+    )
     assert tokenizer_digest(renamed) != tokenizer_digest(tokenizer)

@@ -1,4 +1,5 @@
-"""Data sources: every local kind ``datasets`` reads, column mapping, and one-line errors for what cannot work."""
+"""Data sources: every local kind ``datasets`` reads, column mapping, and one-line errors for what
+cannot work."""
 
 import json
 
@@ -36,16 +37,21 @@ WRITERS = {
     "data.csv": lambda path, rows: datasets.Dataset.from_list(rows).to_csv(str(path), index=False),
     "data.arrow": _write_arrow,
     "saved": lambda path, rows: datasets.Dataset.from_list(rows).save_to_disk(str(path)),
-    "saved_dict": lambda path, rows: datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(
-        str(path)
-    ),
+    "saved_dict": lambda path, rows: datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(rows)}
+    ).save_to_disk(str(path)),
     "folder": lambda path, rows: (path.mkdir(), _write_jsonl(path / "part-0.jsonl", rows)),
 }
 
 
 def source(path, split="train", columns=MAPPING, num_examples=None) -> HFSource:
     return HFSource(
-        path=str(path), split=split, name=None, columns=columns, num_examples=num_examples, val_fraction=0.0
+        path=str(path),
+        split=split,
+        name=None,
+        columns=columns,
+        num_examples=num_examples,
+        val_fraction=0.0,
     )
 
 
@@ -73,7 +79,9 @@ def test_fingerprint_follows_the_file_and_the_mapping(tmp_path):
     first = source(path).fingerprint()
     assert source(path).fingerprint() == first
     assert source(path, num_examples=3).fingerprint() != first
-    assert source(path, columns={"prompt": "output", "response": "instruction"}).fingerprint() != first
+    assert (
+        source(path, columns={"prompt": "output", "response": "instruction"}).fingerprint() != first
+    )
     _write_jsonl(path, ROWS[:5])
     assert source(path).fingerprint() != first
 
@@ -88,9 +96,13 @@ def test_own_columns_are_taken_without_a_mapping(tmp_path):
 def test_a_column_mapping_naming_a_missing_column(tmp_path):
     path = tmp_path / "data.jsonl"
     _write_jsonl(path, ROWS)
-    message = error_of(lambda: source(path, columns={"prompt": "question", "response": "output"}).load(tmp_path))
+    message = error_of(
+        lambda: source(path, columns={"prompt": "question", "response": "output"}).load(tmp_path)
+    )
     assert message == (
-        "data.columns prompt='question': no such column in " + str(path) + "; its columns are instruction, output, id"
+        "data.columns prompt='question': no such column in "
+        + str(path)
+        + "; its columns are instruction, output, id"
     )
 
 
@@ -98,7 +110,9 @@ def test_a_column_mapping_onto_something_else(tmp_path):
     path = tmp_path / "data.jsonl"
     _write_jsonl(path, ROWS)
     message = error_of(lambda: source(path, columns={"prompt": "instruction"}).load(tmp_path))
-    assert message.startswith("data.columns maps prompt: map exactly prompt and response, or messages")
+    assert message.startswith(
+        "data.columns maps prompt: map exactly prompt and response, or messages"
+    )
 
 
 @pytest.mark.parametrize("name", ["data.jsonl", "saved_dict", "saved"])
@@ -117,7 +131,8 @@ def test_a_hub_id_offline_and_not_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     message = error_of(lambda: source("shardtune-tests/no-such-dataset").load(tmp_path))
     assert message.startswith(
-        "data.path='shardtune-tests/no-such-dataset' is not a local file or folder and the Hub cannot be reached"
+        "data.path='shardtune-tests/no-such-dataset' is not a local file or folder and the Hub "
+        "cannot be reached"
     )
     assert message.endswith("download it once with a network, or give a local path")
 
@@ -125,18 +140,24 @@ def test_a_hub_id_offline_and_not_cached(tmp_path, monkeypatch):
 def test_a_missing_local_path_and_an_unknown_suffix(tmp_path):
     missing = tmp_path / "nope.parquet"
     assert error_of(lambda: source(missing).load(tmp_path)) == (
-        f"data.path={str(missing)!r} does not exist: give a data file or folder, or a Hub dataset id"
+        f"data.path={str(missing)!r} does not exist: give a data file or folder, or a Hub dataset "
+        "id"
     )
     text = tmp_path / "data.txt"
     text.write_text("x")
-    assert error_of(lambda: source(text).load(tmp_path)).startswith(f"data.path={str(text)!r} has suffix '.txt'")
+    assert error_of(lambda: source(text).load(tmp_path)).startswith(
+        f"data.path={str(text)!r} has suffix '.txt'"
+    )
 
 
 def test_jsonl_source_keeps_the_line_numbered_errors(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "c", "response": "d"\n')
     bad = JsonlSource(path=str(path), num_examples=None, val_fraction=0.0)
-    assert error_of(lambda: bad.load(tmp_path)) == f"{path} line 2: not valid JSON (Expecting ',' delimiter)"
+    assert (
+        error_of(lambda: bad.load(tmp_path))
+        == f"{path} line 2: not valid JSON (Expecting ',' delimiter)"
+    )
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")
     source = JsonlSource(path=str(empty), num_examples=None, val_fraction=0.0)
@@ -147,7 +168,11 @@ def test_jsonl_source_keeps_the_line_numbered_errors(tmp_path):
 
 def test_jsonl_source_takes_both_shapes_as_messages(tmp_path):
     path = tmp_path / "mixed.jsonl"
-    chat = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+    chat = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "u"},
+        {"role": "assistant", "content": "a"},
+    ]
     _write_jsonl(path, [{"prompt": "p", "response": "r"}, {"messages": chat}])
     source = JsonlSource(path=str(path), num_examples=None, val_fraction=0.0)
     loaded = source.load(tmp_path).to_list()
@@ -162,7 +187,10 @@ def test_generated_source_is_the_generated_set(tmp_path):
 
     generated = GeneratedSource(num_examples=30, val_fraction=0.1, seed=4)
     assert generated.load(tmp_path).to_list() == generate_examples(30, 4)
-    assert generated.fingerprint() != GeneratedSource(num_examples=30, val_fraction=0.1, seed=5).fingerprint()
+    assert (
+        generated.fingerprint()
+        != GeneratedSource(num_examples=30, val_fraction=0.1, seed=5).fingerprint()
+    )
 
 
 def test_build_source_by_target_and_its_errors():
@@ -176,10 +204,19 @@ def test_build_source_by_target_and_its_errors():
     )
     assert built == JsonlSource(path="x.jsonl", num_examples=None, val_fraction=0.1)
     assert error_of(lambda: build_source({"_target_": "os.system"})).startswith(
-        "data._target_='os.system' is not a data source: use one of components.data.sources.GeneratedSource"
+        "data._target_='os.system' is not a data source: use one of "
+        "components.data.sources.GeneratedSource"
     )
     assert error_of(
         lambda: build_source(
-            {"_target_": "components.data.sources.JsonlSource", "path": "x", "val_fraction": 0.1, "splitt": 1}
+            {
+                "_target_": "components.data.sources.JsonlSource",
+                "path": "x",
+                "val_fraction": 0.1,
+                "splitt": 1,
+            }
         )
-    ) == ("data.splitt is not a key of JsonlSource; data.num_examples is missing (a field of JsonlSource)")
+    ) == (
+        "data.splitt is not a key of JsonlSource; data.num_examples is missing (a field of "
+        "JsonlSource)"
+    )

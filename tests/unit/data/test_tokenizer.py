@@ -1,4 +1,5 @@
-"""train_tokenizer: deterministic byte-level BPE, saved and loaded back through AutoTokenizer, with a chat template."""
+"""train_tokenizer: deterministic byte-level BPE, saved and loaded back through AutoTokenizer, with
+a chat template."""
 
 import pytest
 from transformers import AutoTokenizer
@@ -42,9 +43,15 @@ def test_round_trip_through_auto_tokenizer(tokenizer, tmp_path):
     saved = train_tokenizer(TEXTS, DEFAULT_VOCAB_SIZE, tmp_path)
     loaded = AutoTokenizer.from_pretrained(tmp_path)
     assert loaded.get_vocab() == saved.get_vocab() and loaded.chat_template == saved.chat_template
-    assert (loaded.pad_token, loaded.bos_token, loaded.eos_token) == ("<|pad|>", "<|bos|>", "<|eos|>")
+    assert (loaded.pad_token, loaded.bos_token, loaded.eos_token) == (
+        "<|pad|>",
+        "<|bos|>",
+        "<|eos|>",
+    )
     text = "Reverse: abc"
-    assert loaded.encode(text, add_special_tokens=False) == saved.encode(text, add_special_tokens=False)
+    assert loaded.encode(text, add_special_tokens=False) == saved.encode(
+        text, add_special_tokens=False
+    )
 
 
 @pytest.mark.parametrize("text", ["Reverse: abc", "Sort: c a b", "Ünïcode never seen: 日本 ✓", ""])
@@ -100,7 +107,11 @@ def test_training_text_is_capped_lazily_in_total_and_per_text():
 
 
 def test_one_ten_megabyte_line_trains_on_a_bounded_text(tmp_path):
-    line = ("thequickbrownfoxjumpsoverlazydg" * 400_000)[:10_000_000]  # one 10 MB "word": no space to split at
-    assert sum(len(text) for text in capped_texts([line])) == MAX_CHARS_PER_TEXT <= MAX_TRAINING_CHARS
+    line = ("thequickbrownfoxjumpsoverlazydg" * 400_000)[
+        :10_000_000
+    ]  # one 10 MB "word": no space to split at
+    assert (
+        sum(len(text) for text in capped_texts([line])) == MAX_CHARS_PER_TEXT <= MAX_TRAINING_CHARS
+    )
     tokenizer = train_tokenizer([line], DEFAULT_VOCAB_SIZE, tmp_path)
     assert tokenizer.decode(tokenizer.encode(line[:500])) == line[:500]

@@ -21,7 +21,9 @@ def with_grads(model: nn.Module) -> nn.Module:
 
 
 def expected(model: nn.Module) -> float:
-    return math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in model.parameters() if p.requires_grad))
+    return math.sqrt(
+        sum(float(p.grad.double().pow(2).sum()) for p in model.parameters() if p.requires_grad)
+    )
 
 
 def test_the_trainable_parameters_follow_every_change_to_the_model():
@@ -44,7 +46,9 @@ def test_the_trainable_parameters_follow_every_change_to_the_model():
 
 def test_a_norm_keeps_nothing_of_the_model_and_a_copy_is_its_own():
     model = nn.Sequential(nn.Linear(3, 3), nn.LayerNorm(3))
-    model.register_forward_pre_hook(lambda module, args, root=model: None)  # references its root, as FSDP2's do
+    model.register_forward_pre_hook(
+        lambda module, args, root=model: None
+    )  # references its root, as FSDP2's do
     for parameter in model.parameters():
         parameter.grad = torch.ones_like(parameter)
     assert grad_norm([model]).item() == math.sqrt(18)

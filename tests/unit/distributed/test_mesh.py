@@ -27,5 +27,7 @@ def test_sizes_that_do_not_fit_are_named(kwargs, message):
 
 
 def test_all_problems_are_reported_at_once():
-    with pytest.raises(ValueError, match="not divisible by tp=4; world size 6 is not divisible by ep=4"):
+    with pytest.raises(
+        ValueError, match="not divisible by tp=4; world size 6 is not divisible by ep=4"
+    ):
         resolve_parallel_dims(6, tp=4, ep=4)

@@ -9,13 +9,18 @@ from components.models.families import FAMILIES
 
 
 def test_every_problem_is_listed_together():
-    config = tiny_config("llama", hidden_size=48, num_attention_heads=6, num_key_value_heads=3, intermediate_size=130)
+    config = tiny_config(
+        "llama", hidden_size=48, num_attention_heads=6, num_key_value_heads=3, intermediate_size=130
+    )
     plan = plan_for(config) | {"model.layers.*.mlp.typo_proj": "colwise", "model.norm": "diagonal"}
     _, errors = check_plan(meta_causal_lm(config), config, plan, tp=4)
     assert errors == [
-        "plan pattern 'model.layers.*.mlp.typo_proj' (colwise) matches no module of LlamaForCausalLM",
-        "model.norm: unknown tensor-parallel style 'diagonal'; known: ['attention_input', 'colwise', "
-        "'colwise_gather_output', 'embedding_rowwise', 'gather_sequence', 'mlp_input', 'replicate', "
+        "plan pattern 'model.layers.*.mlp.typo_proj' (colwise) matches no module of "
+        "LlamaForCausalLM",
+        "model.norm: unknown tensor-parallel style 'diagonal'; known: ['attention_input', "
+        "'colwise', "
+        "'colwise_gather_output', 'embedding_rowwise', 'gather_sequence', 'mlp_input', "
+        "'replicate', "
         "'replicated_with_grad_allreduce', 'rowwise', 'sequence_parallel', 'vocab_parallel']",
         "tp (4) must divide num_attention_heads (6)",
         "tp (4) must divide num_key_value_heads (3)",
@@ -27,7 +32,9 @@ def test_every_problem_is_listed_together():
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_our_plans_fit_the_tiny_models(family, tp):
     config = tiny_config(family)
-    resolved, errors = check_plan(meta_causal_lm(config), config, plan_for(config, sequence_parallel=True), tp)
+    resolved, errors = check_plan(
+        meta_causal_lm(config), config, plan_for(config, sequence_parallel=True), tp
+    )
     assert errors == []
     assert resolved["model.layers.1.self_attn.o_proj"] == "rowwise"
     assert resolved["model.layers.0.input_layernorm"] == "sequence_parallel"
@@ -40,8 +47,15 @@ def test_qwen3_marks_qk_norms_sum_and_llama_has_none():
 
 
 def test_a_hf_plan_with_styles_we_do_not_have_is_refused_by_name():
-    config = Phi3Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
-                        intermediate_size=64, vocab_size=64, pad_token_id=0)  # fmt: skip
+    config = Phi3Config(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=64,
+        vocab_size=64,
+        pad_token_id=0,
+    )
     _, errors = check_plan(meta_causal_lm(config), config, plan_for(config), tp=2)
     assert any("unknown tensor-parallel style 'rowwise_split_input'" in error for error in errors)
 
@@ -57,6 +71,10 @@ def test_unknown_model_type_without_a_hf_plan_is_an_error():
 
 def test_sequence_parallel_needs_the_vocabulary_sharded():
     config = tiny_config("llama", vocab_size=257)
-    _, errors = check_plan(meta_causal_lm(config), config, plan_for(config, sequence_parallel=True), tp=2)
+    _, errors = check_plan(
+        meta_causal_lm(config), config, plan_for(config, sequence_parallel=True), tp=2
+    )
     assert errors == ["sequence parallelism needs tp (2) to divide vocab_size (257); use sp=false"]
-    assert check_plan(meta_causal_lm(config), config, plan_for(config), tp=2)[1] == []  # replicated fallback
+    assert (
+        check_plan(meta_causal_lm(config), config, plan_for(config), tp=2)[1] == []
+    )  # replicated fallback

@@ -55,7 +55,9 @@ def test_exclude_marks_the_whole_subtree_and_hides_its_parameters_and_buffers():
     model.router = nn.Linear(2, 2, bias=False)
     model.experts = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
     exclude_from_tp_replica_sync(model.experts)
-    assert all(getattr(m, _TP_REPLICA_GRAD_REDUCTION_ATTR) == "skip" for m in model.experts.modules())
+    assert all(
+        getattr(m, _TP_REPLICA_GRAD_REDUCTION_ATTR) == "skip" for m in model.experts.modules()
+    )
     assert [p for p, _ in _iter_unique_parameters([model])] == [model.router.weight]
     assert list(_iter_unique_buffers([model])) == []
 
@@ -121,7 +123,9 @@ def test_chunks_respect_the_limit_and_keep_every_tensor_once_in_order(monkeypatc
     gradients = [torch.zeros(n) for n in (4, 6, 3, 20, 2, 2, 5)]
     chunks = list(_gradient_chunks(gradients))
     assert sizes_of(chunks) == [[4, 6], [3], [20], [2, 2, 5]]
-    assert [t for chunk in chunks for t in chunk] == gradients  # identity: each tensor once, in order
+    assert [
+        t for chunk in chunks for t in chunk
+    ] == gradients  # identity: each tensor once, in order
     assert all(sum(t.numel() * 4 for t in chunk) <= 40 for chunk in chunks if len(chunk) > 1)
 
 
@@ -136,7 +140,11 @@ def test_low_precision_is_budgeted_at_fp32_size(monkeypatch):
 
 def test_oversized_gradient_gets_its_own_chunk(monkeypatch):
     monkeypatch.setattr(tp_replicas, "_MAX_FLAT_BUFFER_BYTES", 8)
-    assert sizes_of(_gradient_chunks([torch.zeros(1), torch.zeros(100), torch.zeros(1)])) == [[1], [100], [1]]
+    assert sizes_of(_gradient_chunks([torch.zeros(1), torch.zeros(100), torch.zeros(1)])) == [
+        [1],
+        [100],
+        [1],
+    ]
     assert list(_gradient_chunks([])) == []
 
 

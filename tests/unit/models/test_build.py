@@ -1,4 +1,5 @@
-"""build_causal_lm is reproducible from a seed, meta_causal_lm allocates nothing, and local bytes count once."""
+"""build_causal_lm is reproducible from a seed, meta_causal_lm allocates nothing, and local bytes
+count once."""
 
 import torch
 
@@ -30,6 +31,12 @@ def test_meta_build_allocates_nothing():
 def test_local_parameter_bytes_counts_a_tied_parameter_once():
     untied = build_causal_lm(tiny_config("llama"), seed=0)
     tied = build_causal_lm(tiny_config("llama", tie_word_embeddings=True), seed=0)
-    assert local_parameter_bytes(untied) == 4 * sum(p.numel() for p in untied.parameters()) == 4 * 106816
+    assert (
+        local_parameter_bytes(untied)
+        == 4 * sum(p.numel() for p in untied.parameters())
+        == 4 * 106816
+    )
     assert local_parameter_bytes(untied) - local_parameter_bytes(tied) == 4 * 256 * 64
-    assert local_parameter_bytes(meta_causal_lm(tiny_config("llama"))) == local_parameter_bytes(untied)
+    assert local_parameter_bytes(meta_causal_lm(tiny_config("llama"))) == local_parameter_bytes(
+        untied
+    )

@@ -1,4 +1,5 @@
-"""Checkpoint reads any box of a stored tensor, and of fused experts assembled from per-expert tensors."""
+"""Checkpoint reads any box of a stored tensor, and of fused experts assembled from per-expert
+tensors."""
 
 import pytest
 import torch
@@ -18,7 +19,9 @@ def qwen3_moe(tmp_path_factory):
 def test_a_box_of_a_stored_tensor(qwen3_moe):
     model, folder = qwen3_moe
     with Checkpoint(folder) as checkpoint:
-        source = find_source(checkpoint, "model.layers.1.self_attn.k_proj.weight", (32, 64), "qwen3_moe", {})
+        source = find_source(
+            checkpoint, "model.layers.1.self_attn.k_proj.weight", (32, 64), "qwen3_moe", {}
+        )
         assert source == StoredTensor(key="model.layers.1.self_attn.k_proj.weight")
         box = source.read(checkpoint, (8, 16), (16, 32))
     assert torch.equal(box, model.model.layers[1].self_attn.k_proj.weight[8:24, 16:48])
@@ -37,7 +40,13 @@ def test_a_box_of_fused_experts_from_per_expert_tensors(qwen3_moe, offset, size)
     model, folder = qwen3_moe
     fused = model.model.layers[0].mlp.experts.gate_up_proj
     with Checkpoint(folder) as checkpoint:
-        source = find_source(checkpoint, "model.layers.0.mlp.experts.gate_up_proj", tuple(fused.shape), "qwen3_moe", {})
+        source = find_source(
+            checkpoint,
+            "model.layers.0.mlp.experts.gate_up_proj",
+            tuple(fused.shape),
+            "qwen3_moe",
+            {},
+        )
         assert isinstance(source, StackedExperts) and source.shape(checkpoint) == (8, 128, 64)
         box = source.read(checkpoint, offset, size)
     expected = fused[tuple(slice(o, o + n) for o, n in zip(offset, size, strict=True))]
@@ -50,7 +59,10 @@ def test_tied_partner_is_read_when_a_name_is_absent(qwen3_moe):
         tied = {"model.extra.weight": "lm_head.weight"}
         found = find_source(checkpoint, "model.extra.weight", (256, 64), None, tied)
         assert found == StoredTensor(key="lm_head.weight")
-        with pytest.raises(KeyError, match=r"model\.extra\.weight is not in the checkpoint .*looked for model\.extra"):
+        with pytest.raises(
+            KeyError,
+            match=r"model\.extra\.weight is not in the checkpoint .*looked for model\.extra",
+        ):
             find_source(checkpoint, "model.extra.weight", (256, 64), None, {})
 
 

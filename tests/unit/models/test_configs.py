@@ -22,14 +22,22 @@ def test_each_family_builds_and_runs_a_forward(family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_counts_divide_by_one_two_and_four(family):
     config = tiny_config(family)
-    counts = [config.num_attention_heads, config.num_key_value_heads, config.head_dim * config.num_attention_heads]
+    counts = [
+        config.num_attention_heads,
+        config.num_key_value_heads,
+        config.head_dim * config.num_attention_heads,
+    ]
     counts += [getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 8)]
     assert all(count % 4 == 0 for count in counts), counts
 
 
 def test_moe_families_have_eight_experts_two_per_token():
     qwen3_moe, mixtral = tiny_config("qwen3_moe"), tiny_config("mixtral")
-    assert (qwen3_moe.num_experts, qwen3_moe.num_experts_per_tok, qwen3_moe.moe_intermediate_size) == (8, 2, 64)
+    assert (
+        qwen3_moe.num_experts,
+        qwen3_moe.num_experts_per_tok,
+        qwen3_moe.moe_intermediate_size,
+    ) == (8, 2, 64)
     assert (mixtral.num_local_experts, mixtral.num_experts_per_tok) == (8, 2)
 
 

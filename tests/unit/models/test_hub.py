@@ -1,5 +1,6 @@
-"""model.pretrained_path as a Hub id: found in a Hugging Face cache built here (the Hub's own layout), loaded;
-an id that is not cached while offline is one error line. Nothing here reaches the network."""
+"""model.pretrained_path as a Hub id: found in a Hugging Face cache built here (the Hub's own
+layout), loaded; an id that is not cached while offline is one error line. Nothing here reaches the
+network."""
 
 import os
 import subprocess
@@ -23,7 +24,8 @@ def offline(monkeypatch):
 
 
 def hub_cache(root: Path, repo_id: str, model) -> Path:
-    """A Hugging Face hub cache holding ``repo_id`` at revision main, as ``hf download`` leaves it."""
+    """A Hugging Face hub cache holding ``repo_id`` at revision main, as ``hf download`` leaves
+    it."""
     owner, name = repo_id.split("/")
     repo = root / f"models--{owner}--{name}"
     model.save_pretrained(repo / "snapshots" / SHA)
@@ -40,7 +42,9 @@ def test_a_cached_hub_id_resolves_to_its_snapshot_and_loads(tmp_path):
     assert load_config(folder).hidden_size == model.config.hidden_size
     tokens = torch.arange(10).view(1, 10)
     with torch.no_grad():
-        assert torch.equal(AutoModelForCausalLM.from_pretrained(folder)(tokens).logits, model(tokens).logits)
+        assert torch.equal(
+            AutoModelForCausalLM.from_pretrained(folder)(tokens).logits, model(tokens).logits
+        )
 
 
 def test_an_uncached_hub_id_offline_is_one_error_line(tmp_path):
@@ -48,7 +52,8 @@ def test_an_uncached_hub_id_offline_is_one_error_line(tmp_path):
         resolve_model_folder("owner/missing", allow_download=False, cache_dir=tmp_path)
     message = str(caught.value)
     assert message.startswith(
-        "model.pretrained_path='owner/missing' is not a local folder and is not in the Hugging Face cache (offline): "
+        "model.pretrained_path='owner/missing' is not a local folder and is not in the Hugging "
+        "Face cache (offline): "
     )
     assert str(tmp_path) in message and "\n" not in message
 
@@ -60,7 +65,9 @@ def test_local_folders_win_and_other_text_is_refused(tmp_path, monkeypatch):
     assert resolve_model_folder("owner/name", allow_download=False) == Path("owner/name")
     monkeypatch.setenv("HOME", str(tmp_path))
     assert resolve_model_folder("~/owner/name", allow_download=False) == tmp_path / "owner" / "name"
-    with pytest.raises(ModelSourceError, match=r"is neither a local folder nor a Hugging Face Hub id"):
+    with pytest.raises(
+        ModelSourceError, match=r"is neither a local folder nor a Hugging Face Hub id"
+    ):
         resolve_model_folder("no/such/folder", allow_download=False)
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelSourceError, match=r"no config.json"):
@@ -72,19 +79,27 @@ def test_local_folders_win_and_other_text_is_refused(tmp_path, monkeypatch):
 def test_hf_hub_cache_and_offline_come_from_the_environment(tmp_path):
     """As a user runs it: HF_HUB_CACHE names the cache, HF_HUB_OFFLINE=1 forbids the network."""
     cache = hub_cache(
-        tmp_path / "hub", "owner/tiny", build_causal_lm(tiny_config("llama", num_hidden_layers=1), seed=0)
+        tmp_path / "hub",
+        "owner/tiny",
+        build_causal_lm(tiny_config("llama", num_hidden_layers=1), seed=0),
     )
-    # hub.py loaded by path: the components.models package would import torch and transformers (seconds).
+    # hub.py loaded by path: the components.models package would import torch and transformers
+    # (seconds).
     script = (
         "import importlib.util\n"
         "spec = importlib.util.spec_from_file_location('hub', 'components/models/hub.py')\n"
         "hub = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(hub)\n"
         "print(hub.resolve_model_folder('owner/tiny'))\n"
-        "try:\n    hub.resolve_model_folder('owner/absent')\nexcept hub.ModelSourceError as error:\n    print(error)\n"
+        "try:\n    hub.resolve_model_folder('owner/absent')\nexcept hub.ModelSourceError as "
+        "error:\n    print(error)\n"
     )
     environment = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
-    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=environment, capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, env=environment, capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stderr
     resolved, error = result.stdout.splitlines()
     assert resolved == str(cache / "models--owner--tiny" / "snapshots" / SHA)
-    assert error.startswith("model.pretrained_path='owner/absent' is not a local folder and is not in the Hugging")
+    assert error.startswith(
+        "model.pretrained_path='owner/absent' is not a local folder and is not in the Hugging"
+    )

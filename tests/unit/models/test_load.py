@@ -28,7 +28,9 @@ TOKENS = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(
 def save_tiny(folder: Path, family: str = "llama", **save_kwargs) -> Path:
     """A seeded tiny model of ``family`` saved with ``save_pretrained``."""
     overrides = save_kwargs.pop("overrides", {})
-    build_causal_lm(tiny_config(family, **overrides), seed=11).save_pretrained(folder, **save_kwargs)
+    build_causal_lm(tiny_config(family, **overrides), seed=11).save_pretrained(
+        folder, **save_kwargs
+    )
     return folder
 
 
@@ -77,11 +79,14 @@ def test_meta_model_loads_like_from_pretrained(tmp_path, family):
     # recomputed after to_empty: the rotary frequencies of the config, not garbage
     rotary = model.model.rotary_emb
     expected, _ = rotary.compute_default_rope_parameters(model.config)
-    assert torch.equal(rotary.inv_freq, expected) and torch.equal(rotary.original_inv_freq, expected)
+    assert torch.equal(rotary.inv_freq, expected) and torch.equal(
+        rotary.original_inv_freq, expected
+    )
 
 
 def test_moe_checkpoints_store_one_tensor_per_expert_and_fused_ones_load_too(tmp_path):
-    # transformers 5 fuses experts in memory but save_pretrained writes them per expert (Mixtral renamed).
+    # transformers 5 fuses experts in memory but save_pretrained writes them per expert (Mixtral
+    # renamed).
     folder = save_tiny(tmp_path / "per_expert", "mixtral")
     stored = load_file(folder / "model.safetensors")
     assert "model.layers.0.block_sparse_moe.experts.7.w3.weight" in stored
@@ -90,13 +95,17 @@ def test_moe_checkpoints_store_one_tensor_per_expert_and_fused_ones_load_too(tmp
     model = build_causal_lm(tiny_config("mixtral"), seed=3)
     fused = tmp_path / "fused"
     model.config.save_pretrained(fused)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, fused / "model.safetensors")
+    save_file(
+        {k: v.contiguous() for k, v in model.state_dict().items()}, fused / "model.safetensors"
+    )
     assert torch.equal(loaded(fused)(TOKENS).logits, model(TOKENS).logits)
 
 
 def test_sharded_checkpoint_with_an_index(tmp_path):
     folder = save_tiny(tmp_path, max_shard_size="50KB")
-    assert (folder / "model.safetensors.index.json").is_file() and not (folder / "model.safetensors").exists()
+    assert (folder / "model.safetensors.index.json").is_file() and not (
+        folder / "model.safetensors"
+    ).exists()
     assert len(list(folder.glob("model-*.safetensors"))) > 1
     assert_same_as_from_pretrained(loaded(folder), folder)
 
@@ -105,21 +114,28 @@ def test_tied_embeddings_stay_one_parameter(tmp_path):
     folder = save_tiny(tmp_path, overrides={"tie_word_embeddings": True})
     assert "lm_head.weight" not in load_file(folder / "model.safetensors")  # as in SmolLM2
     model = loaded(folder)
-    assert model.lm_head.weight is model.model.embed_tokens.weight  # to_empty alone would untie them
+    assert (
+        model.lm_head.weight is model.model.embed_tokens.weight
+    )  # to_empty alone would untie them
     assert_same_as_from_pretrained(model, folder)
 
 
 def test_a_tie_broken_before_loading_fills_both_copies_from_the_stored_tensor(tmp_path):
     folder = save_tiny(tmp_path, overrides={"tie_word_embeddings": True})
     model = meta_causal_lm(load_config(folder))
-    model.lm_head.weight = nn.Parameter(torch.empty(256, 64, device="meta"))  # as a TP plan untying them would
+    model.lm_head.weight = nn.Parameter(
+        torch.empty(256, 64, device="meta")
+    )  # as a TP plan untying them would
     materialize_pretrained(model, folder)
     assert model.lm_head.weight is not model.model.embed_tokens.weight
     assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
-    assert torch.equal(model.lm_head.weight, load_file(folder / "model.safetensors")["model.embed_tokens.weight"])
+    assert torch.equal(
+        model.lm_head.weight, load_file(folder / "model.safetensors")["model.embed_tokens.weight"]
+    )
 
 
-# --- errors, raised before the model is touched ----------------------------------------------------
+# --- errors, raised before the model is touched
+# ----------------------------------------------------
 
 
 def drop_key(folder: Path, key: str) -> None:
@@ -132,7 +148,10 @@ def test_missing_parameter_is_a_key_error_naming_it(tmp_path):
     folder = save_tiny(tmp_path)
     drop_key(folder, "model.layers.1.post_attention_layernorm.weight")
     model = meta_causal_lm(load_config(folder))
-    with pytest.raises(KeyError, match=r"model\.layers\.1\.post_attention_layernorm\.weight is not in the checkpoint"):
+    with pytest.raises(
+        KeyError,
+        match=r"model\.layers\.1\.post_attention_layernorm\.weight is not in the checkpoint",
+    ):
         materialize_pretrained(model, folder)
     assert all(p.is_meta for p in model.parameters())
 
@@ -147,7 +166,9 @@ def test_an_untied_lm_head_never_falls_back_to_the_embedding(tmp_path):
 def test_missing_expert_names_the_fused_parameter_and_the_per_expert_keys(tmp_path):
     folder = save_tiny(tmp_path, "qwen3_moe")
     drop_key(folder, "model.layers.1.mlp.experts.5.up_proj.weight")
-    with pytest.raises(KeyError, match=r"model\.layers\.1\.mlp\.experts\.gate_up_proj .*experts\.<0\.\.7>"):
+    with pytest.raises(
+        KeyError, match=r"model\.layers\.1\.mlp\.experts\.gate_up_proj .*experts\.<0\.\.7>"
+    ):
         loaded(folder)
 
 
@@ -156,22 +177,30 @@ def test_shape_mismatch_names_the_parameter_and_both_shapes(tmp_path):
     model = meta_causal_lm(tiny_config("llama", intermediate_size=96))
     with pytest.raises(
         ValueError,
-        match=r"model\.layers\.0\.mlp\.gate_proj\.weight: checkpoint shape \(128, 64\) .* model shape \(96, 64\)",
+        match=r"model\.layers\.0\.mlp\.gate_proj\.weight: checkpoint shape \(128, 64\) "
+        r".* model shape \(96, 64\)",
     ):
         materialize_pretrained(model, folder)
 
 
 def test_folder_without_safetensors_is_a_file_not_found_error(tmp_path):
     LlamaConfig().save_pretrained(tmp_path)
-    with pytest.raises(FileNotFoundError, match=f"no model.safetensors or model.safetensors.index.json in {tmp_path}"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=f"no model.safetensors or model.safetensors.index.json in {tmp_path}",
+    ):
         materialize_pretrained(meta_causal_lm(tiny_config("llama")), tmp_path)
 
 
 def test_a_non_persistent_buffer_that_init_weights_does_not_set_is_an_error(tmp_path):
     folder = save_tiny(tmp_path)
     model = meta_causal_lm(load_config(folder))
-    model.model.layers[0].register_buffer("scratch", torch.empty(3, device="meta"), persistent=False)
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.scratch is not in the checkpoint and _init_weights"):
+    model.model.layers[0].register_buffer(
+        "scratch", torch.empty(3, device="meta"), persistent=False
+    )
+    with pytest.raises(
+        ValueError, match=r"model\.layers\.0\.scratch is not in the checkpoint and _init_weights"
+    ):
         materialize_pretrained(model, folder)
 
 
@@ -181,7 +210,8 @@ def test_llama_checkpoint_names_are_the_state_dict_names(tmp_path):
     assert set(weight_map) == set(build_causal_lm(tiny_config("llama"), seed=0).state_dict())
 
 
-# --- dtypes ------------------------------------------------------------------------------------------
+# --- dtypes
+# ------------------------------------------------------------------------------------------
 
 
 def test_a_bf16_checkpoint_gives_fp32_master_weights_equal_to_its_values(tmp_path):
@@ -191,7 +221,9 @@ def test_a_bf16_checkpoint_gives_fp32_master_weights_equal_to_its_values(tmp_pat
     stored = load_file(tmp_path / "model.safetensors")
     assert {t.dtype for t in stored.values()} == {torch.bfloat16}
     for name, parameter in model.named_parameters():
-        assert parameter.dtype == torch.float32 and torch.equal(parameter, stored[name].float()), name
+        assert parameter.dtype == torch.float32 and torch.equal(parameter, stored[name].float()), (
+            name
+        )
 
 
 def test_a_bf16_model_loads_an_fp32_checkpoint_rounded(tmp_path):
@@ -200,10 +232,13 @@ def test_a_bf16_model_loads_an_fp32_checkpoint_rounded(tmp_path):
     materialize_pretrained(model, tmp_path)
     stored = load_file(tmp_path / "model.safetensors")
     for name, parameter in model.named_parameters():
-        assert parameter.dtype == torch.bfloat16 and torch.equal(parameter, stored[name].bfloat16()), name
+        assert parameter.dtype == torch.bfloat16 and torch.equal(
+            parameter, stored[name].bfloat16()
+        ), name
 
 
-# --- materialize_random (no checkpoint: benchmarks of real-size shapes) --------------------------------
+# --- materialize_random (no checkpoint: benchmarks of real-size shapes)
+# --------------------------------
 
 
 def test_materialize_random_gives_every_tensor_storage_and_the_right_buffers():

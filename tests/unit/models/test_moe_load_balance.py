@@ -1,4 +1,5 @@
-"""An MoE model's load balance: its router's auxiliary loss joins the backward, and each step's imbalance is counted."""
+"""An MoE model's load balance: its router's auxiliary loss joins the backward, and each step's
+imbalance is counted."""
 
 import pytest
 import torch
@@ -49,7 +50,9 @@ def test_the_aux_loss_the_config_enables_trains_like_hugging_faces_own_loss():
 def test_the_aux_loss_weight_spreads_the_coefficient_over_micro_batches_and_dp_ranks():
     enabled = tiny_config("qwen3_moe", output_router_logits=True, router_aux_loss_coef=0.25)
     assert router_aux_loss_weight(enabled, micro_batches=2, dp=4) == 0.25 / 8
-    assert router_aux_loss_weight(tiny_config("qwen3_moe"), micro_batches=1, dp=1) == 0.0  # off by default
+    assert (
+        router_aux_loss_weight(tiny_config("qwen3_moe"), micro_batches=1, dp=1) == 0.0
+    )  # off by default
     assert router_aux_loss_weight(tiny_config("llama"), micro_batches=1, dp=1) == 0.0
 
 
@@ -59,12 +62,17 @@ def test_imbalance_is_max_over_mean_tokens_per_expert_of_the_worst_layer(family)
     tokens, labels, labelled = batch(config.vocab_size)
     forward_backward(model, tokens, labels, labelled)
     counts = load.counts.clone()
-    assert counts.sum(dim=1).tolist() == [tokens.numel() * config.num_experts_per_tok] * config.num_hidden_layers
+    assert (
+        counts.sum(dim=1).tolist()
+        == [tokens.numel() * config.num_experts_per_tok] * config.num_hidden_layers
+    )
     expected = max((row.max() / row.double().mean()).item() for row in counts)
     assert load.imbalance() == expected
     assert load.counts.sum() == 0  # reset for the next step
 
-    for layer in model.model.layers:  # a zero router picks experts 0 and 1 for every token: 8 / 2 = 4x the mean
+    for layer in (
+        model.model.layers
+    ):  # a zero router picks experts 0 and 1 for every token: 8 / 2 = 4x the mean
         torch.nn.init.zeros_(layer.mlp.gate.weight)
     forward_backward(model, tokens, labels, labelled)
     evaluate_loss_sum(model, tokens, labels)  # validation (no gradients) is not counted
@@ -76,7 +84,10 @@ def test_imbalance_is_max_over_mean_tokens_per_expert_of_the_worst_layer(family)
 def test_padding_is_not_counted_and_real_tokens_count_as_without_it(family):
     config, model, load = watched(family)
     tokens, labels, _ = batch(config.vocab_size)
-    real = [11, 16]  # row 0: 11 real tokens then 5 of padding (causal: they cannot change the real ones' routing)
+    real = [
+        11,
+        16,
+    ]  # row 0: 11 real tokens then 5 of padding (causal: they cannot change the real ones' routing)
     for row, length in enumerate(real):  # each row alone, unpadded
         forward_backward(model, tokens[row : row + 1, :length], labels[row : row + 1, :length], 1)
     unpadded = load.counts.clone()
@@ -85,10 +96,17 @@ def test_padding_is_not_counted_and_real_tokens_count_as_without_it(family):
     padded[0, real[0] :] = 0
     load.count_real(torch.arange(16) < torch.tensor(real).unsqueeze(1))
     forward_backward(model, padded, labels, 1)
-    assert load.counts.sum(dim=1).tolist() == [sum(real) * config.num_experts_per_tok] * config.num_hidden_layers
+    assert (
+        load.counts.sum(dim=1).tolist()
+        == [sum(real) * config.num_experts_per_tok] * config.num_hidden_layers
+    )
     assert torch.equal(load.counts, unpadded)
-    load.count_real(torch.ones(3, 16, dtype=torch.bool))  # a mask of another batch is a bug, said out loud
-    with pytest.raises(RuntimeError, match="32 tokens were routed but the real-token mask has 48 positions"):
+    load.count_real(
+        torch.ones(3, 16, dtype=torch.bool)
+    )  # a mask of another batch is a bug, said out loud
+    with pytest.raises(
+        RuntimeError, match="32 tokens were routed but the real-token mask has 48 positions"
+    ):
         forward_backward(model, tokens, labels, 1)
 
 

@@ -1,5 +1,6 @@
-"""A run owns its output_dir: the lock (a second run is refused, naming the holder), run.json, refusing a fresh
-run into another run's folder, overwrite removing only our files, and hf/ keeping the user's files."""
+"""A run owns its output_dir: the lock (a second run is refused, naming the holder), run.json,
+refusing a fresh run into another run's folder, overwrite removing only our files, and hf/ keeping
+the user's files."""
 
 import json
 import os
@@ -32,7 +33,10 @@ time.sleep(120)
 
 def test_a_second_run_is_refused_naming_the_holder(tmp_path):
     holder = subprocess.Popen(
-        [sys.executable, "-c", HOLD_LOCK, str(tmp_path / "run")], cwd=REPO, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", HOLD_LOCK, str(tmp_path / "run")],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert holder.stdout.readline().strip() == "locked"
@@ -52,7 +56,8 @@ def test_a_second_run_is_refused_naming_the_holder(tmp_path):
 
 
 def fill_with_a_run(folder: Path) -> None:
-    """What a finished run leaves: metrics, plot, checkpoints, an export (published, so with its manifest)."""
+    """What a finished run leaves: metrics, plot, checkpoints, an export (published, so with its
+    manifest)."""
     claim_output_dir(folder, "hash-a", continuing=False, overwrite=False, resume_requested=False)
     (folder / "metrics.jsonl").write_text('{"step": 1}\n')
     (folder / "loss.png").write_bytes(b"png")
@@ -68,52 +73,85 @@ def test_a_fresh_run_into_another_runs_folder_is_refused_with_the_choices(tmp_pa
     (tmp_path / "notes.txt").write_text("mine")
     first = read_run_record(tmp_path)
     message = (
-        rf"^output_dir {tmp_path} holds another run's files \(metrics.jsonl, loss.png, checkpoints, hf, run.json\); "
-        r"to continue that run set checkpoint.resume=auto, to keep it choose another output_dir=\.\.\., "
+        rf"^output_dir {tmp_path} holds another run's files "
+        r"\(metrics.jsonl, loss.png, checkpoints, hf, run.json\); "
+        r"to continue that run set checkpoint.resume=auto, "
+        r"to keep it choose another output_dir=\.\.\., "
         r"to replace it set overwrite_output_dir=true$"
     )
     with pytest.raises(OutputDirError, match=message):
-        claim_output_dir(tmp_path, "hash-b", continuing=False, overwrite=False, resume_requested=False)
+        claim_output_dir(
+            tmp_path, "hash-b", continuing=False, overwrite=False, resume_requested=False
+        )
     nothing_to_resume = (
-        rf"^output_dir {tmp_path} holds another run's files \(.*\) and no complete checkpoint to resume from; "
+        rf"^output_dir {tmp_path} holds another run's files \(.*\) "
+        r"and no complete checkpoint to resume from; "
         r"to keep it choose another output_dir=\.\.\., to replace it set overwrite_output_dir=true$"
     )
     with pytest.raises(OutputDirError, match=nothing_to_resume):
-        claim_output_dir(tmp_path, "hash-b", continuing=False, overwrite=False, resume_requested=True)
+        claim_output_dir(
+            tmp_path, "hash-b", continuing=False, overwrite=False, resume_requested=True
+        )
     assert read_run_record(tmp_path) == first  # nothing changed
 
-    resumed = claim_output_dir(tmp_path, "hash-b", continuing=True, overwrite=False, resume_requested=True)
-    assert resumed.run_id == first.run_id and resumed.config_hash == "hash-b"  # the same run goes on
+    resumed = claim_output_dir(
+        tmp_path, "hash-b", continuing=True, overwrite=False, resume_requested=True
+    )
+    assert (
+        resumed.run_id == first.run_id and resumed.config_hash == "hash-b"
+    )  # the same run goes on
     assert (tmp_path / "metrics.jsonl").exists()
 
-    fresh = claim_output_dir(tmp_path, "hash-c", continuing=False, overwrite=True, resume_requested=False)
+    fresh = claim_output_dir(
+        tmp_path, "hash-c", continuing=False, overwrite=True, resume_requested=False
+    )
     assert fresh.run_id != first.run_id
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["notes.txt", RUN_FILE]  # the user's file stays
+    assert sorted(path.name for path in tmp_path.iterdir()) == [
+        "notes.txt",
+        RUN_FILE,
+    ]  # the user's file stays
 
 
 def test_an_empty_or_user_only_folder_is_claimed_and_run_json_records_the_run(tmp_path):
     (tmp_path / "readme.md").write_text("my notes")
     record = claim_output_dir(
-        tmp_path, config_hash({"tp": 2, "seed": 0}), continuing=False, overwrite=False, resume_requested=False
+        tmp_path,
+        config_hash({"tp": 2, "seed": 0}),
+        continuing=False,
+        overwrite=False,
+        resume_requested=False,
     )
     assert json.loads((tmp_path / RUN_FILE).read_text())["run_id"] == record.run_id
-    assert config_hash({"seed": 0, "tp": 2}) == record.config_hash != config_hash({"tp": 4, "seed": 0})
+    assert (
+        config_hash({"seed": 0, "tp": 2}) == record.config_hash != config_hash({"tp": 4, "seed": 0})
+    )
 
 
 def test_user_files_inside_hf_are_never_deleted(tmp_path):
     fill_with_a_run(tmp_path)
     (tmp_path / "hf" / "my_eval.txt").write_text("results")
     for continuing, overwrite in ((False, True), (True, False)):
-        with pytest.raises(OutputDirError, match=r"shardtune did not write inside its own folders \(hf/my_eval.txt\)"):
+        with pytest.raises(
+            OutputDirError,
+            match=r"shardtune did not write inside its own folders \(hf/my_eval.txt\)",
+        ):
             claim_output_dir(
-                tmp_path, "hash-b", continuing=continuing, overwrite=overwrite, resume_requested=continuing
+                tmp_path,
+                "hash-b",
+                continuing=continuing,
+                overwrite=overwrite,
+                resume_requested=continuing,
             )
     assert foreign_files(tmp_path / "hf") == ["my_eval.txt"]
     staging = tmp_path / "hf.tmp"
     staging.mkdir()
     (staging / "config.json").write_text('{"new": true}')
-    with pytest.raises(FileExistsError, match=r"hf holds files shardtune did not write \(my_eval.txt\)"):
-        publish_folder(staging, tmp_path / "hf")  # the export refuses instead of replacing the folder
+    with pytest.raises(
+        FileExistsError, match=r"hf holds files shardtune did not write \(my_eval.txt\)"
+    ):
+        publish_folder(
+            staging, tmp_path / "hf"
+        )  # the export refuses instead of replacing the folder
     assert (tmp_path / "hf" / "my_eval.txt").read_text() == "results"
     assert (tmp_path / "hf" / "config.json").read_text() == "{}"
 

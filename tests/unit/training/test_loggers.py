@@ -1,5 +1,6 @@
-"""Trackers through their own libraries, read back with their own readers: TensorBoard's event reader,
-the W&B offline run file, MLflow's client on its local store. Missing packages are one error line."""
+"""Trackers through their own libraries, read back with their own readers: TensorBoard's event
+reader, the W&B offline run file, MLflow's client on its local store. Missing packages are one error
+line."""
 
 import inspect
 import json
@@ -68,26 +69,43 @@ def test_metric_values_and_flat_config():
 
 
 def test_every_logger_yaml_names_its_class_and_options(tmp_path):
-    classes = {"none": NoLogger, "tensorboard": TensorBoardLogger, "wandb": WandbLogger, "mlflow": MlflowLogger}
+    classes = {
+        "none": NoLogger,
+        "tensorboard": TensorBoardLogger,
+        "wandb": WandbLogger,
+        "mlflow": MlflowLogger,
+    }
     for option, cls in classes.items():
         node = OmegaConf.load(REPO / "conf" / "logger" / f"{option}.yaml")
         assert node["_target_"] == f"components.training.loggers.{cls.__name__}"
         assert check_logger_available(node["_target_"]) is None, option
         parameters = set(inspect.signature(cls).parameters) - {"output_dir", "first_step"}
         assert set(node) - {"_target_"} == parameters, option
-    logger = instantiate(OmegaConf.load(REPO / "conf" / "logger" / "none.yaml"), output_dir=str(tmp_path), first_step=0)
+    logger = instantiate(
+        OmegaConf.load(REPO / "conf" / "logger" / "none.yaml"),
+        output_dir=str(tmp_path),
+        first_step=0,
+    )
     assert isinstance(logger, NoLogger)
     log_run(logger)
-    log_run(instantiate(OmegaConf.load(REPO / "conf" / "logger" / "tensorboard.yaml"), output_dir=str(tmp_path)))
+    log_run(
+        instantiate(
+            OmegaConf.load(REPO / "conf" / "logger" / "tensorboard.yaml"), output_dir=str(tmp_path)
+        )
+    )
     assert [path.name for path in tmp_path.iterdir()] == ["tensorboard"]
 
 
 def test_a_missing_package_is_one_error_line(monkeypatch, tmp_path):
-    monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed: import raises ImportError
+    monkeypatch.setitem(
+        sys.modules, "wandb", None
+    )  # as if not installed: import raises ImportError
     assert check_logger_available("components.training.loggers.WandbLogger") == (
         "logger=wandb needs the wandb package: pip install 'shardtune[loggers]'"
     )
-    with pytest.raises(LoggerUnavailableError, match=r"^logger=wandb needs the wandb package: pip install"):
+    with pytest.raises(
+        LoggerUnavailableError, match=r"^logger=wandb needs the wandb package: pip install"
+    ):
         WandbLogger(tmp_path)
     assert (
         check_logger_available("my_trackers.Logger")
@@ -99,19 +117,28 @@ def test_tensorboard_holds_a_loss_scalar_per_step_and_a_resume_replaces_the_tail
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     log_run(TensorBoardLogger(tmp_path))
-    log_run(TensorBoardLogger(tmp_path, first_step=2), steps=range(3, 6))  # resumed at step 2: 3 and 4 again
+    log_run(
+        TensorBoardLogger(tmp_path, first_step=2), steps=range(3, 6)
+    )  # resumed at step 2: 3 and 4 again
     events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"scalars": 0})
     events.Reload()
     loss = [(event.step, event.value) for event in events.Scalars("loss")]
     assert loss == [(step, 5.0 - step / 4) for step in range(1, 6)]
-    assert [(event.step, event.value) for event in events.Scalars("val_loss")] == [(2, 3.75), (4, 3.5)]
+    assert [(event.step, event.value) for event in events.Scalars("val_loss")] == [
+        (2, 3.75),
+        (4, 3.5),
+    ]
     assert {"grad_norm", "lr", "tokens_per_s", "tokens"} <= set(events.Tags()["scalars"])
-    assert "peak_memory_gib" not in events.Tags()["scalars"] and "skipped" not in events.Tags()["scalars"]
+    assert (
+        "peak_memory_gib" not in events.Tags()["scalars"]
+        and "skipped" not in events.Tags()["scalars"]
+    )
     assert "config/text_summary" in events.Tags()["tensors"]
 
 
 def wandb_records(path: Path) -> list:
-    """The protobuf records of a W&B run file (its LevelDB-style log: 7-byte header, 32 KiB blocks, chunks)."""
+    """The protobuf records of a W&B run file (its LevelDB-style log: 7-byte header, 32 KiB blocks,
+    chunks)."""
     from wandb.proto import wandb_internal_pb2
 
     data = path.read_bytes()
@@ -143,7 +170,12 @@ def test_wandb_offline_run_file_holds_the_metrics_and_config(tmp_path, monkeypat
     for variable in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
         monkeypatch.setenv(variable, str(tmp_path / "wandb-home"))
     monkeypatch.setenv("WANDB_SILENT", "true")
-    quick = {"x_disable_stats": True, "x_disable_meta": True, "x_disable_machine_info": True, "console": "off"}
+    quick = {
+        "x_disable_stats": True,
+        "x_disable_meta": True,
+        "x_disable_machine_info": True,
+        "console": "off",
+    }
     log_run(WandbLogger(tmp_path / "run", name="run-a", settings=quick))
     (run_file,) = (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")
     records = wandb_records(run_file)
@@ -152,16 +184,22 @@ def test_wandb_offline_run_file_holds_the_metrics_and_config(tmp_path, monkeypat
         for r in records
         if r.WhichOneof("record_type") == "history"
     ]
-    assert [(row["_step"], row["loss"]) for row in history] == [(step, 5.0 - step / 4) for step in range(1, 5)]
+    assert [(row["_step"], row["loss"]) for row in history] == [
+        (step, 5.0 - step / 4) for step in range(1, 5)
+    ]
     assert [row.get("val_loss") for row in history] == [None, 3.75, None, 3.5]
     assert all("peak_memory_gib" not in row and "skipped" not in row for row in history)
     config = {}
     for r in records:
         if r.WhichOneof("record_type") in ("run", "config"):
-            updates = r.run.config.update if r.WhichOneof("record_type") == "run" else r.config.update
+            updates = (
+                r.run.config.update if r.WhichOneof("record_type") == "run" else r.config.update
+            )
             config.update({key_of(item): json.loads(item.value_json) for item in updates})
     assert config["optim"] == {"lr": 0.001, "betas": [0.9, 0.95]} and config["tp"] == 2
-    assert next(r.run.display_name for r in records if r.WhichOneof("record_type") == "run") == "run-a"
+    assert (
+        next(r.run.display_name for r in records if r.WhichOneof("record_type") == "run") == "run-a"
+    )
 
 
 def test_mlflow_local_store_holds_the_metrics_and_params(tmp_path):
@@ -171,9 +209,14 @@ def test_mlflow_local_store_holds_the_metrics_and_params(tmp_path):
     log_run(logger)
     assert logger.tracking_uri == (tmp_path / "mlruns").resolve().as_uri()
     client = MlflowClient(tracking_uri=logger.tracking_uri)
-    loss = [(metric.step, metric.value) for metric in client.get_metric_history(logger.run_id, "loss")]
+    loss = [
+        (metric.step, metric.value) for metric in client.get_metric_history(logger.run_id, "loss")
+    ]
     assert loss == [(step, 5.0 - step / 4) for step in range(1, 5)]
-    assert [(m.step, m.value) for m in client.get_metric_history(logger.run_id, "val_loss")] == [(2, 3.75), (4, 3.5)]
+    assert [(m.step, m.value) for m in client.get_metric_history(logger.run_id, "val_loss")] == [
+        (2, 3.75),
+        (4, 3.5),
+    ]
     run = client.get_run(logger.run_id)
     assert run.data.params == {
         "tp": "2",

@@ -1,4 +1,5 @@
-"""Peak memory per step on the CPU: the process's peak RSS, reset per step through /proc/self/clear_refs."""
+"""Peak memory per step on the CPU: the process's peak RSS, reset per step through
+/proc/self/clear_refs."""
 
 import torch
 
