@@ -2,17 +2,13 @@
 resume.
 
 One checkpoint is the folder ``root/step_00000042/`` (layout and checks: :mod:`integrity`): DCP's
-``.metadata`` and ``__<rank>_0.distcp`` (model and optimizer state, stored by global shape, so a
-load at another tp or dp size reshards them), ``trainer_state.json``, one ``rng/rank_NNNNN.json``
-per rank (torch CPU, CUDA, Python and NumPy RNG states, so a resume at the same world size continues
-bitwise) and the ``COMPLETE`` marker.
+``.metadata`` and ``__<rank>_0.distcp`` (model and optimizer state by global shape, so a load at
+another tp or dp size reshards them), ``trainer_state.json``, one ``rng/rank_NNNNN.json`` per rank
+and the ``COMPLETE`` marker.
 
-Atomicity: every rank writes into ``step_00000042.tmp``; after all ranks are done (and the caller's
-``before_commit`` hook has run) rank 0 writes the marker and renames the folder (one ``os.replace``,
-atomic on one filesystem). A crash leaves a ``.tmp`` folder, which :func:`integrity.find_resumable`
-never returns and the next save of that step replaces. All ranks must see the same filesystem (a
-shared one across nodes). Pruning (``keep``) removes only older checkpoints that carry the same run
-id as the one being saved.
+Atomicity: every rank writes into ``step_00000042.tmp``; rank 0 then writes the marker and renames
+the folder (one ``os.replace``). A crash leaves a ``.tmp`` folder that resume never picks. Pruning
+(``keep``) removes only older checkpoints of the same run id.
 
 Design notes: docs/design-notes.md
 """

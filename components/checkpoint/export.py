@@ -1,14 +1,11 @@
 """Export a (tensor- or data-parallel) model as a Hugging Face folder that ``from_pretrained``
 loads.
 
-Every rank writes its share of the whole tensors (assigned by size) into ``<out_dir>.tmp``, a folder
-every rank sees, holding at most its shard plus one full tensor at a time. Then rank 0 writes:
-
-- ``model.safetensors.index.json`` over ``model-0000k-of-0000n.safetensors`` (one process under
-  ``max_shard_size``: ``model.safetensors``), in the requested ``dtype`` (default: the source's);
-- ``config.json`` (its ``dtype`` set to the export's) and the tokenizer, when one is given;
-- every other top-level file of the source model folder, byte-identical;
-- ``README.md``, a short model card naming the recipe, the base model and the config of the run.
+Every rank writes its share of the whole tensors (assigned by size) into ``<out_dir>.tmp``, holding
+at most its shard plus one full tensor at a time. Then rank 0 writes the safetensors index (one
+process under ``max_shard_size``: ``model.safetensors``) in the requested ``dtype``,
+``config.json``, the tokenizer when one is given, every other top-level file of the source model
+folder byte-identical, and a ``README.md`` model card.
 
 ``publish_folder`` adds the manifest and renames the folder to ``out_dir``; an existing ``out_dir``
 holding anything an earlier export did not write is refused with a ValueError, untouched.

@@ -1,22 +1,16 @@
 """What a checkpoint folder holds, whether it is usable, and which one to resume from: no rank, no
 torch.distributed.
 
-The layout (written by :func:`components.checkpoint.dcp.save_checkpoint`) of
-``root/step_00000042/``:
+``root/step_00000042/`` (written by :func:`components.checkpoint.dcp.save_checkpoint`) holds DCP's
+``.metadata`` and ``__<rank>_0.distcp`` (read with :mod:`safe_dcp`), ``trainer_state.json`` (rank
+0), one ``rng/rank_00000.json`` per rank and the ``COMPLETE`` marker, written last.
 
-- ``.metadata`` and ``__<rank>_0.distcp``: DCP's model and optimizer state (read with
-  :mod:`safe_dcp`).
-- ``trainer_state.json`` (rank 0): step, world size, run id, the run description (``run_info``), the
-  LR scheduler's state, the caller's ``extra`` and, for an optimizer without per-parameter state,
-  its hyperparameters.
-- ``rng/rank_00000.json`` (one per rank): that rank's RNG states.
-- ``COMPLETE``: the marker, written last (JSON: step and world size).
+:func:`check_checkpoint` validates one folder without loading tensors; :func:`find_resumable` picks
+the newest usable checkpoint under a root and says why it passed over newer ones;
+:func:`resume_problems` compares its run with this one; :func:`retire_checkpoints_after` hides the
+checkpoints after a resume's step (``step_N.abandoned``).
 
-:func:`check_checkpoint` validates one folder without loading tensors: marker and state files
-parse, ``.metadata`` unpickles safely, every ``.distcp`` it names covers the byte ranges it lists,
-every RNG file is there. :func:`find_resumable` picks the newest usable checkpoint under a root and
-says why it passed over newer ones; :func:`resume_problems` compares its run with this one;
-:func:`retire_checkpoints_after` hides the checkpoints after a resume's step (``step_N.abandoned``).
+Design notes: docs/design-notes.md
 """
 
 import hashlib

@@ -1,19 +1,16 @@
 """The run's checkpoint writer: each save blocking the step (``checkpoint.async=false``), or written
 in the background with DCP's ``async_save`` (``checkpoint.async=true``) while training goes on.
 
-An async save copies the state to CPU memory (DCP's stager: the step that follows may change the
-weights at once), then a thread writes ``step_N.tmp`` over a gloo process group of its own (created
-once, so its collectives never interleave with the training's). At most one save is in flight: a
-save waits for the previous one first. The publish (marker, rename, pruning;
+An async save copies the state to CPU memory, then a thread writes ``step_N.tmp`` over a gloo
+process group of its own; at most one save is in flight. The publish (marker, rename, pruning;
 :func:`components.checkpoint.dcp.end_save`) runs on the training thread once every rank's write has
-finished, so a crash during an async save leaves the previous checkpoint whole and a ``.tmp`` folder
-that resume never picks.
+finished, so a crash during an async save leaves the previous checkpoint whole.
 
-Once per step :meth:`CheckpointWriter.after_step` all-reduces (MAX over all ranks) two numbers:
-whether a rank was asked to stop (:mod:`components.runtime.preemption`) and the state of the save in
-flight on each rank (0 written or none, 1 still writing, 2 failed). So every rank stops after the
-same step and publishes the same save after the same step, and a save that failed on one rank fails
-the run on all.
+Once per step :meth:`CheckpointWriter.after_step` all-reduces whether a rank was asked to stop and
+the state of each rank's save in flight: every rank stops and publishes after the same step, and a
+save that failed on one rank fails the run on all.
+
+Design notes: docs/design-notes.md
 """
 
 from collections.abc import Callable

@@ -1,19 +1,15 @@
 """Prepare the data once, in the launching process, before any rank starts; ranks only open the
 result.
 
-    # conf/data/*.yaml, chosen by its _target_
-    source = build_source(data_group)
-    prepared = prepare_data(source, tokenizer_dir, seq_len=..., packing=..., seed=...,
-    cache_root=..., num_proc=...) # each rank: StepBatches.open(prepared.train, ...),
-    StepBatches.open(prepared.val, ...)
+    source = build_source(data_group)  # conf/data/*.yaml, chosen by its _target_
+    prepared = prepare_data(source, tokenizer_dir, seq_len=..., packing=..., seed=..., ...)
+    # each rank: StepBatches.open(prepared.train, ...), StepBatches.open(prepared.val, ...)
 
 The records are tokenized and checked once per (records, tokenizer with its chat template,
-``seq_len``) with ``Dataset.map`` over ``num_proc`` processes and kept as Arrow files under
-``<cache_root>/data/<key>/tokens`` (written to a temporary folder and renamed), so a later run on
-the same data, in any ``output_dir``, reuses them. The train/validation split and the packing are
-small index files beside it (``rows-*.npz``): changing ``seed``, ``val_fraction`` or packing never
-re-tokenizes. A crash or a killed launcher leaves nothing running or half-written, and forked ranks
-inherit no tokenizer thread pool.
+``seq_len``) and kept as Arrow files under ``<cache_root>/data/<key>/tokens``, which a later run on
+the same data, in any ``output_dir``, reuses. The split and the packing are small index files beside
+it, so changing ``seed``, ``val_fraction`` or packing never re-tokenizes. A crash or a killed
+launcher leaves nothing running or half-written.
 
 Design notes: docs/design-notes.md
 """

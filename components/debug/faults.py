@@ -1,20 +1,17 @@
 """Deliberate faults, switched on by ``debug.fault``, so tests can prove the safeguards catch them.
 
-- ``nan_grad@N``: after the backward of step N, rank 0 writes NaN into one gradient (a numerical
-  blow-up).
+- ``nan_grad@N``: after the backward of step N, rank 0 writes NaN into one gradient.
 - ``perturb_replica@N``: after the update of step N, the last rank nudges its copy of one
-  TP-replicated parameter (replica drift, as a non-deterministic kernel or a missed sync would
-  cause).
+  TP-replicated parameter (replica drift).
 - ``raise@N``: the last rank raises at the start of step N (a crash on one rank mid-run).
-- ``replica_sync_sum``: every replicated parameter is sum-reduced instead of mean-reduced (the
-  classic mean-vs-sum bug: redundant gradients counted tp times).
-- ``slow_save@S``: every checkpoint save waits S seconds after all ranks wrote their files and
-  before it is committed, so a test can kill a run in the middle of a save.
+- ``replica_sync_sum``: every replicated parameter is sum-reduced instead of mean-reduced.
+- ``slow_save@S``: every checkpoint save waits S seconds before it is committed, so a test can kill
+  a run in the middle of a save.
 
-:func:`install_faults` installs a fault once, through hooks (a forward pre-hook, a gradient hook, an
-optimizer step hook, a callback for the checkpoint writer): the training loop holds no test
-machinery. Steps are counted from the model's training forward passes, so a skipped update does not
-shift them.
+:func:`install_faults` installs a fault once, through hooks: the training loop holds no test
+machinery. Steps count the model's training forward passes, so a skipped update does not shift them.
+
+Design notes: docs/design-notes.md
 """
 
 import time

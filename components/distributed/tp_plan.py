@@ -1,20 +1,17 @@
 """Tensor-parallel styles, and the one function that checks and applies any plan.
 
 Plans are data (one per family, ``components.models.families``): ``fnmatch`` module-name patterns
-(``*`` for a layer index) mapped to style names of HF's ``base_model_tp_plan``, usable as they are:
+(``*`` for a layer index) mapped to style names of HF's ``base_model_tp_plan``:
 
-- ``colwise`` / ``rowwise``: Megatron-style pairs (output features, then input features sharded).
-- ``embedding_rowwise``: vocab-parallel embedding (rows of the table sharded).
-- ``vocab_parallel`` (ours): ``lm_head`` whose logits stay sharded over the vocabulary.
-- ``colwise_gather_output``: ``lm_head`` whose logits are gathered (HF's choice; costs vocab ×
-  tokens).
-- ``sequence_parallel``: norms run on sequence shards (Replicate weights, Partial gradients).
-- ``replicated_with_grad_allreduce``: not sharded, each rank sees a disjoint part: ``sum``.
-- ``replicate``: not sharded, computed redundantly: ``mean`` (the default for anything not in the
-  plan).
-Each style in detail: docs/design-notes.md
+- ``colwise`` / ``rowwise``: Megatron-style pairs; ``embedding_rowwise``: vocab-parallel embedding.
+- ``vocab_parallel`` (ours) / ``colwise_gather_output`` (HF's): an ``lm_head`` whose logits stay
+  sharded over the vocabulary / are gathered.
+- ``sequence_parallel``: norms run on sequence shards.
+- ``replicated_with_grad_allreduce`` (gradient ``sum``) / ``replicate`` (``mean``, the default for
+  anything not in the plan): not sharded.
 
 Everything is checked before any parameter is sharded, and all problems are reported together.
+Each style in detail: docs/design-notes.md
 """
 
 import fnmatch

@@ -2,20 +2,16 @@
 
 - ``none``: every activation is kept for backward.
 - ``full``: each decoder block keeps only its inputs; its forward is recomputed in backward
-  (``torch.utils.checkpoint``, non-reentrant). Memory for activations drops from all blocks'
-  intermediates to the block inputs plus one block's intermediates; the price is one more forward
-  per block.
+  (``torch.utils.checkpoint``, non-reentrant), at the price of one more forward per block.
 - ``selective``: as ``full``, but the outputs of matmuls and attention are saved and only the cheap
-  ops (norms, activations, rotary, elementwise) are recomputed (torch's selective checkpoint
-  policy).
+  ops are recomputed (torch's selective checkpoint policy).
 
 The block's own ``forward`` is wrapped in place (no wrapper module), so parameter names,
-checkpoints, the TP plan's patterns and Hugging Face export are unchanged. Hooks stay outside the
-checkpointed region: the TP plan's hooks on the block, and FSDP2's unshard/reshard hooks, run once
-in forward; the TP hooks of modules *inside* the block (the projections' collectives) run again in
-the recompute, as they must. Apply after the TP plan and before FSDP; with ``torch.compile`` the
-checkpoint goes *around* the compiled forward (see
-``components.models.compile.apply_block_wrappers`` for why).
+checkpoints, the TP plan's patterns and Hugging Face export are unchanged; the hooks on the block
+stay outside the checkpointed region. Apply after the TP plan and before FSDP; with
+``torch.compile`` the checkpoint goes *around* the compiled forward.
+
+Design notes: docs/design-notes.md
 """
 
 import functools

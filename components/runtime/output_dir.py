@@ -2,16 +2,14 @@
 files belong to.
 
 - :class:`OutputDirLock` (``output_dir/.lock``, ``fcntl.flock``): taken by the launching process
-  before any rank starts, held until it exits (forked ranks inherit it); a second run gets
-  :class:`OutputDirError` naming the holder. Two hosts writing one shared folder are not caught.
+  before any rank starts, held until it exits; a second run gets :class:`OutputDirError`.
 - :func:`claim_output_dir`: ``output_dir/run.json`` records the run id and config hash of the run
-  the folder's files (:data:`RUN_FILES`) belong to. A fresh run (nothing to resume) into a folder
-  holding another run's files is refused, with the choices: ``checkpoint.resume=auto``, another
-  ``output_dir``, or ``overwrite_output_dir=true``, which removes those files and never a file of
-  the user's (only the files a ``run.json`` lists are provably shardtune's).
+  the folder's files (:data:`RUN_FILES`) belong to. A fresh run into a folder holding another run's
+  files is refused, naming the choices: ``checkpoint.resume=auto``, another ``output_dir``, or
+  ``overwrite_output_dir=true`` (removes those files, never a file of the user's).
 - :func:`write_manifest` / :func:`foreign_files`: a folder shardtune publishes whole (``hf/``, a
-  checkpoint) carries a manifest of its files, so a later publish or overwrite can tell the user's
-  own files from ours and refuse instead of deleting them.
+  checkpoint) carries a manifest of its files, so a later publish or overwrite can refuse instead of
+  deleting the user's own files.
 
 Design notes: docs/design-notes.md
 """
