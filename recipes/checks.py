@@ -30,7 +30,7 @@ from transformers import AutoTokenizer
 
 from components.data import DataError, PreparedData, build_source, cached_tokenizer, prepare_data
 from components.data.sources import DataSource
-from components.debug.faults import parse_fault
+from components.debug.faults import Fault, parse_fault
 from components.distributed.mesh import ParallelDims, resolve_parallel_dims
 from components.distributed.tp_plan import check_plan, plan_for
 from components.models import load_config, meta_causal_lm
@@ -42,7 +42,7 @@ from components.models.hub import resolve_model_folder
 from components.models.parallelize import ModelSpec
 from components.moe import check_expert_parallel
 from components.runtime.launch import cpu_threads_per_rank, started_by_launcher
-from components.runtime.output_dir import OutputDirLock
+from components.runtime.output_dir import OutputDirLock, RunRecord
 from components.targets import check_target
 from components.training.loggers import check_logger_available
 from components.training.optimizer import check_optimizer
@@ -319,27 +319,10 @@ def plan_run(
     """Check everything and decide everything a rank needs; raise ConfigError naming every problem.
     Also returns the lock on ``output_dir`` (held by this process, None on torchrun ranks other than
     0). ``output_dir`` is a sweep job's folder; ``hydra_run_dir`` the run dir Hydra was given."""
-    try:
-        settings = validate(cfg)
-    except SchemaError as error:
-        raise ConfigError(str(error)) from None
-    optim = settings.optim
-    errors = check_target("optim", optim.target, optim.options(), torch.optim.Optimizer, {"params"})
-    errors = errors or check_optimizer(optim.target, optim.options())  # its own checks: betas, ...
-    logger, train, schedule = settings.logger, settings.train, settings.schedule
-    missing = check_logger_available(logger.target)
-    fixed = {"output_dir", "first_step"}
-    errors += (
-        [missing]
-        if missing
-        else check_target("logger", logger.target, logger.options(), object, fixed)
-    )
+    settings = _validated(cfg)
+    train = settings.train
     warmup = min(train.warmup_steps, train.max_steps)  # a longer one is cut to the run, with a note
-    errors += check_schedule(schedule.name, warmup, train.max_steps, schedule.options())
-    try:
-        fault = parse_fault(settings.debug.fault)
-    except ValueError as error:
-        fault, errors = None, [*errors, str(error)]
+    errors, fault = _option_errors(settings, warmup)
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     dims, size_errors = check_sizes(settings, device_type)
     output = Path(output_dir or settings.output_dir).expanduser().absolute()
@@ -353,25 +336,10 @@ def plan_run(
         raise ConfigError("; ".join(errors))
     _notes(settings, output, per_run, warmup)  # checked: what the plan decided
     tokenizer_dir = _tokenizer_dir(settings, source, model_path, config, dims)
-    data = prepare_run_data(
-        settings, source, tokenizer_dir, dims
-    )  # bad data is refused before the folder is claimed
+    # bad data is refused before the folder is claimed
+    data = prepare_run_data(settings, source, tokenizer_dir, dims)
     info = run_info(settings, config, data.tokenizer_digest)
-    try:  # the last step that can refuse the run: nothing after it leaves a claimed folder behind
-        if os.environ.get("RANK", "0") == "0" and not settings.dry_run:  # rank 0 owns it
-            lock, resume_from, record = own_output_dir(settings, output, info)
-        else:
-            lock, resume_from, record = (
-                None,
-                choose_checkpoint(settings, output / "checkpoints", info),
-                None,
-            )
-    except OwnershipError as error:
-        raise ConfigError(str(error)) from None
-    body = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
-    body.output_dir = str(
-        output
-    )  # a sweep job's own folder: what checkpoint.resume=auto will be run with
+    lock, resume_from, record = _claim_output_dir(settings, output, info)
     threads = cpu_threads_per_rank(
         settings.cpu_threads, int(os.environ.get("LOCAL_WORLD_SIZE", dims.world_size))
     )
@@ -391,6 +359,58 @@ def plan_run(
         run_id=record.run_id if record is not None else None,
         run_info=info,
         fault=fault,
-        config_yaml=OmegaConf.to_yaml(body, resolve=True),
+        config_yaml=_config_yaml(cfg, output),
     )
     return plan, lock
+
+
+def _validated(cfg: DictConfig) -> Config:
+    """The schema's reading of the composed config: interpolations, types, ranges, known keys."""
+    try:
+        return validate(cfg)
+    except SchemaError as error:
+        raise ConfigError(str(error)) from None
+
+
+def _option_errors(settings: Config, warmup: int) -> tuple[list[str], Fault | None]:
+    """(errors, the debug fault): the optimizer's class and options, the logger's, the schedule's
+    and ``debug.fault``, in that order."""
+    optim = settings.optim
+    errors = check_target("optim", optim.target, optim.options(), torch.optim.Optimizer, {"params"})
+    errors = errors or check_optimizer(optim.target, optim.options())  # its own checks: betas, ...
+    logger, train, schedule = settings.logger, settings.train, settings.schedule
+    missing = check_logger_available(logger.target)
+    fixed = {"output_dir", "first_step"}
+    errors += (
+        [missing]
+        if missing
+        else check_target("logger", logger.target, logger.options(), object, fixed)
+    )
+    errors += check_schedule(schedule.name, warmup, train.max_steps, schedule.options())
+    try:
+        fault = parse_fault(settings.debug.fault)
+    except ValueError as error:
+        fault, errors = None, [*errors, str(error)]
+    return errors, fault
+
+
+def _claim_output_dir(
+    settings: Config, output: Path, info: dict[str, Any]
+) -> tuple[OutputDirLock | None, Path | None, RunRecord | None]:
+    """(lock, checkpoint to resume from, run record): rank 0 owns ``output`` (locks it, resumes
+    from it), the other ranks and a dry run only choose the checkpoint. The last step that can
+    refuse the run: nothing after it leaves a claimed folder behind."""
+    try:
+        if os.environ.get("RANK", "0") == "0" and not settings.dry_run:  # rank 0 owns it
+            return own_output_dir(settings, output, info)
+        return None, choose_checkpoint(settings, output / "checkpoints", info), None
+    except OwnershipError as error:
+        raise ConfigError(str(error)) from None
+
+
+def _config_yaml(cfg: DictConfig, output: Path) -> str:
+    """The run's config (without the ``hydra`` node) as YAML, with ``output_dir`` a sweep job's own
+    folder: what checkpoint.resume=auto will be run with."""
+    body = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
+    body.output_dir = str(output)
+    return OmegaConf.to_yaml(body, resolve=True)

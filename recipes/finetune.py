@@ -47,7 +47,7 @@ from components.runtime.launch import (
     started_by_launcher,
 )
 from components.targets import target_class
-from components.training.loggers import open_logger
+from components.training.loggers import MetricsLogger, open_logger
 from components.training.memory import peak_memory_gib, reset_peak_memory
 from components.training.metrics import MetricsLog, plot_loss_curve, throughput
 
@@ -201,18 +201,46 @@ def train(run: Run, plan: RunPlan) -> str | None:
     """The steps after ``run.first_step`` up to ``max_steps`` (or ``stop_after``): metrics,
     validation, saves. Returns the name of the signal that stopped the run early (with a checkpoint
     of its step), or None."""
-    from components.training.validation import validation_loss
-
     settings, train_cfg = plan.settings, plan.settings.train
+    log, tracker, writer = _open_outputs(run, plan)
+    stopped, done = None, run.first_step  # done: the last step done
+    state = (run.model, run.optimizer, run.scheduler)
+    last = min(train_cfg.max_steps, train_cfg.stop_after or train_cfg.max_steps)
+    for step in range(run.first_step, last):
+        record = train_step(run, plan, step)
+        done = step + 1
+        if _validation_due(plan, done) and run.val_data is not None:
+            record["val_loss"] = _validation_loss(run, plan)
+        log.log(record)
+        tracker.log_metrics(record, record["step"])
+        if settings.debug.check_replicas_every and done % settings.debug.check_replicas_every == 0:
+            check_replicas([run.model], run.mesh, done)
+        every = settings.checkpoint.every_steps
+        if every and done % every == 0:
+            writer.save(done, *state)
+        stopped = _stop_signal(writer, done, state)
+        if stopped is not None:
+            break
+    if stopped is None and run.first_step < done < train_cfg.max_steps and writer.last_step != done:
+        writer.save(done, *state)  # train.stop_after, as a stop signal: the last step's checkpoint
+    writer.wait()  # the run ends only once its last save is published
+    log.close()
+    tracker.close()
+    if stopped is not None and run.rank == 0:
+        _print_stop_note(stopped, done, plan, writer)
+    return stopped
+
+
+def _open_outputs(run: Run, plan: RunPlan) -> tuple[MetricsLog, MetricsLogger, CheckpointWriter]:
+    """What the steps write to: metrics.jsonl, the tracker (``logger=...``, on rank 0 only) and the
+    checkpoint writer."""
+    settings, first_step = plan.settings, run.first_step
     log = MetricsLog(
-        plan.output_dir / "metrics.jsonl", run.rank == 0, run.first_step, train_cfg.max_steps
+        plan.output_dir / "metrics.jsonl", run.rank == 0, first_step, settings.train.max_steps
     )
-    logger, hparams = (
-        settings.logger,
-        yaml.safe_load(plan.config_yaml),
-    )  # the tracker (logger=...) on rank 0 only
+    logger, hparams = settings.logger, yaml.safe_load(plan.config_yaml)
     tracker = open_logger(
-        logger.target, logger.options(), plan.output_dir, run.first_step, hparams, run.rank == 0
+        logger.target, logger.options(), plan.output_dir, first_step, hparams, run.rank == 0
     )
     ids = dict(keep=settings.checkpoint.keep, run_id=plan.run_id, run_info=plan.run_info)
     writer = CheckpointWriter(
@@ -221,51 +249,48 @@ def train(run: Run, plan: RunPlan) -> str | None:
         asynchronous=settings.checkpoint.asynchronous,
         before_commit=run.before_commit,
     )
-    stopped, done = None, run.first_step  # done: the last step done
-    state = (run.model, run.optimizer, run.scheduler)
-    for step in range(
-        run.first_step, min(train_cfg.max_steps, train_cfg.stop_after or train_cfg.max_steps)
-    ):
-        record = train_step(run, plan, step)
-        done = step + 1
-        validate = train_cfg.val_every and (
-            done % train_cfg.val_every == 0 or done == train_cfg.max_steps
-        )
-        if validate and run.val_data is not None:
-            dp_group = run.mesh["dp"].get_group()
-            record["val_loss"] = validation_loss(
-                run.model, run.val_data, run.device, dp_group, run.compute(), plan.loss_chunk_tokens
-            )
-        log.log(record)
-        tracker.log_metrics(record, record["step"])
-        if settings.debug.check_replicas_every and done % settings.debug.check_replicas_every == 0:
-            check_replicas([run.model], run.mesh, done)
-        every = settings.checkpoint.every_steps
-        if every and done % every == 0:
-            writer.save(done, *state)
-        # One all-reduce per step: a SIGTERM or SIGUSR1 on any rank stops every rank after this
-        # step.
-        if writer.after_step(preemption.stop_requested() is not None):
-            own = preemption.stop_requested()
-            stopped = own.name if own is not None else "a signal to another rank"
-            if writer.last_step != done:  # a checkpoint of this step, even with every_steps=0
-                writer.save(done, *state)
-            break
-    if stopped is None and run.first_step < done < train_cfg.max_steps and writer.last_step != done:
-        writer.save(
-            done, *state
-        )  # train.stop_after, as a stop signal: a checkpoint of the last step
-    writer.wait()  # the run ends only once its last save is published
-    log.close()
-    tracker.close()
-    if stopped is not None and run.rank == 0:
-        print(
-            f"note: stopped by {stopped} after step {done} of {train_cfg.max_steps}: checkpoint "
-            f"{writer.last_path}; checkpoint.resume=auto continues (exit status {STOPPED_STATUS})",
-            file=sys.stderr,
-            flush=True,
-        )
+    return log, tracker, writer
+
+
+def _validation_due(plan: RunPlan, done: int) -> bool:
+    """Whether step ``done`` validates: every ``train.val_every`` steps and after the last (never
+    with ``train.val_every=0``)."""
+    train_cfg = plan.settings.train
+    every = train_cfg.val_every
+    return bool(every) and (done % every == 0 or done == train_cfg.max_steps)
+
+
+def _validation_loss(run: Run, plan: RunPlan) -> float:
+    """The mean loss on the validation split, the same on every rank."""
+    from components.training.validation import validation_loss
+
+    dp_group = run.mesh["dp"].get_group()
+    return validation_loss(
+        run.model, run.val_data, run.device, dp_group, run.compute(), plan.loss_chunk_tokens
+    )
+
+
+def _stop_signal(writer: CheckpointWriter, done: int, state: tuple) -> str | None:
+    """The name of the signal that stops the run after step ``done`` (with a checkpoint of it), or
+    None. One all-reduce per step: a SIGTERM or SIGUSR1 on any rank stops every rank."""
+    if not writer.after_step(preemption.stop_requested() is not None):
+        return None
+    own = preemption.stop_requested()
+    stopped = own.name if own is not None else "a signal to another rank"
+    if writer.last_step != done:  # a checkpoint of this step, even with every_steps=0
+        writer.save(done, *state)
     return stopped
+
+
+def _print_stop_note(stopped: str, done: int, plan: RunPlan, writer: CheckpointWriter) -> None:
+    """The stop's ``note:`` line on stderr: the signal, the checkpoint, how to continue."""
+    print(
+        f"note: stopped by {stopped} after step {done} of {plan.settings.train.max_steps}: "
+        f"checkpoint {writer.last_path}; checkpoint.resume=auto continues (exit status "
+        f"{STOPPED_STATUS})",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def finish(run: Run, plan: RunPlan, stopped: bool = False) -> None:
