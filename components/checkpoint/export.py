@@ -58,10 +58,10 @@ def _tied_duplicates(model: nn.Module) -> set[str]:
 
     Hugging Face checkpoints store a tied pair once, under the first name, and re-tie on load.
     """
-    first: dict[int, str] = {}
+    first: dict[nn.Parameter, str] = {}  # tensors hash by identity
     duplicates = set()
     for name, parameter in model.named_parameters(remove_duplicate=False):
-        if first.setdefault(id(parameter), name) != name:
+        if first.setdefault(parameter, name) != name:
             duplicates.add(name)
     return duplicates
 

@@ -124,9 +124,9 @@ def _check_placements(name: str, tensor: torch.Tensor) -> None:
 
 def _shared_parameter_names(model: nn.Module) -> list[list[str]]:
     """Groups of names that refer to one parameter object (tied weights)."""
-    names_of: dict[int, list[str]] = defaultdict(list)
+    names_of: dict[nn.Parameter, list[str]] = defaultdict(list)  # tensors hash by identity
     for name, parameter in model.named_parameters(remove_duplicate=False):
-        names_of[id(parameter)].append(name)
+        names_of[parameter].append(name)
     return [names for names in names_of.values() if len(names) > 1]
 
 

@@ -16,7 +16,7 @@ candidate is planned again the same way and reported only when that plan fits.
 import itertools
 import json
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import NoReturn
 
@@ -131,7 +131,7 @@ def dry_run(plan, fail: Callable[[str], NoReturn]) -> dict:
         dist.destroy_process_group()
     result = {
         "world_size": dims.world_size,
-        "layout": {**layout.__dict__, "sp": settings.sp, "cp": 1},
+        "layout": {**asdict(layout), "sp": settings.sp, "cp": 1},
         "seq_len": train.seq_len,
         "precision": train.precision,
         "per_rank_gib": {row: getattr(estimate, row) for row in ROWS},
