@@ -193,6 +193,7 @@ def _model_folder(pretrained_path: str | None) -> Path:
 def _plan_errors(settings: Config, dims: ParallelDims, config, meta) -> list[str]:
     model, errors = settings.model, []
     experts, routers = moe_patterns(config.model_type, model.experts, model.routers)
+    errors += [] if experts else settings.moe.dense_errors(model.name)
     if dims.tp > 1:
         plan = plan_for(config, settings.sp)
         errors += check_plan(meta, config, plan, dims.tp, (*experts, *routers))[1]
@@ -296,6 +297,7 @@ def model_spec(settings: Config, config, weights: Path | None) -> ModelSpec:
         precision=train.precision,
         activation_checkpointing=train.activation_checkpointing,
         compile=train.compile,
+        shard_experts=settings.moe.shard_experts,
     )
 
 

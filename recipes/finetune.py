@@ -123,9 +123,8 @@ def set_up(plan: RunPlan) -> Run:
     precision = precision_policy(plan.model.precision)  # the same policy the model was built with
     compute = functools.partial(precision.autocast, device.type, data_parallel=plan.dims.dp > 1)
     micro_batches = data.micro_batches_per_step
-    experts = ExpertLoad.watch(
-        model, plan.model.config, list(plan.model.experts), mesh["dp"].get_group()
-    )
+    watched = (model, plan.model.config, list(plan.model.experts), mesh["dp"].get_group())
+    experts = ExpertLoad.watch(*watched, plan.model.routers, settings.moe.routing_bias_rate)
     aux = router_aux_loss_weight(plan.model.config, micro_batches, plan.dims.dp)
     run = Run(
         rank=rank,
@@ -192,7 +191,7 @@ def train_step(run: Run, plan: RunPlan, step: int) -> dict:
         "tokens": tokens,
         **throughput(tokens, elapsed, plan.flops_per_token, dist.get_world_size(), run.device),
         "peak_memory_gib": peak.item(),
-        **({"expert_imbalance": run.experts.imbalance()} if run.experts else {}),
+        **(run.experts.metrics(settings.moe.expert_load == "experts") if run.experts else {}),
         **({} if finite else {"skipped": True}),
     }
 

@@ -82,6 +82,30 @@ class Debug(Section):
     )
 
 
+class Moe(Section):
+    shard_experts: bool = key("true or false")
+    expert_load: Literal["layers", "experts"] = key(
+        "layers (each layer's imbalance) or experts (also each expert's share)"
+    )
+    routing_bias_rate: Annotated[float, Field(ge=0, allow_inf_nan=False)] = key(
+        "0 (off) or a positive number, e.g. moe.routing_bias_rate=0.001"
+    )
+
+    def dense_errors(self, model_name: str) -> list[str]:
+        """One error per ``moe.*`` key switched on for a model without experts."""
+        switched_on = {
+            "shard_experts": self.shard_experts,
+            "expert_load": self.expert_load != "layers",
+            "routing_bias_rate": self.routing_bias_rate > 0,
+        }
+        return [
+            f"moe.{name}={show(getattr(self, name))} needs an MoE model: model={model_name} has "
+            f"no experts (model.experts names none); remove it"
+            for name, on in switched_on.items()
+            if on
+        ]
+
+
 class Model(Section):
     name: Text = key("a name, e.g. model.name=llama")
     family: Text | None = key("null or a model family, e.g. llama")
@@ -167,6 +191,7 @@ class Config(Section):
     train: Train
     checkpoint: Checkpoint
     debug: Debug
+    moe: Moe
     model: Model
     optim: Optim
     data: Data

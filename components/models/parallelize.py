@@ -40,6 +40,7 @@ class ModelSpec:
     precision: str  # fp32 | bf16-mixed | bf16 (components.models.precision)
     activation_checkpointing: str  # none | full | selective
     compile: bool  # torch.compile each decoder block
+    shard_experts: bool = False  # moe.shard_experts: expert weights also Shard(1) over ep_shard
 
 
 def build_parallel_model(
@@ -66,8 +67,10 @@ def build_parallel_model(
         )
         policy.cast_tp_inputs(model, data_parallel=dims.dp > 1)
     if dims.ep > 1:  # the MoE mesh and its process groups exist only when experts are split
+        moe_mesh = build_moe_mesh(mesh, dims, timeout)
+        experts = list(spec.experts)
         apply_expert_parallel(
-            model, build_moe_mesh(mesh, dims, timeout), mesh["tp"], list(spec.experts)
+            model, moe_mesh, mesh["tp"], experts, shard_experts=spec.shard_experts
         )
     if spec.weights is not None and device.type != "meta":
         materialize_pretrained(model, spec.weights, device=str(device))

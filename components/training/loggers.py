@@ -24,7 +24,12 @@ from components.targets import target_class
 
 # Fields of a metrics record sent to a tracker, when present and not None.
 _THROUGHPUT = ("tokens_per_s", "tokens", "tflops", "mfu")  # mfu: on CUDA only
-METRIC_KEYS = ("loss", "grad_norm", "lr", *_THROUGHPUT, "peak_memory_gib", "val_loss")
+METRIC_KEYS = (
+    *("loss", "grad_norm", "lr", *_THROUGHPUT, "peak_memory_gib", "val_loss"),
+    "expert_imbalance",  # MoE models: the worst layer's tokens per expert, max / mean
+)
+# ... and every key under these (MoE: expert_imbalance/layer_N, expert_load/layer_N/expert_E).
+METRIC_PREFIXES = ("expert_imbalance/", "expert_load/")
 _EXTRA = "pip install 'shardtune[loggers]'"
 # Logger class name -> (config group option, module it needs, what to install).
 _NEEDS = {
@@ -79,11 +84,12 @@ def _installed(module: str) -> bool:
 
 
 def metric_values(record: Mapping[str, Any]) -> dict[str, float]:
-    """The :data:`METRIC_KEYS` of ``record`` that hold a number (None, booleans and text are left
-    out)."""
+    """The :data:`METRIC_KEYS` of ``record``, then its keys under :data:`METRIC_PREFIXES`, that
+    hold a number (None, booleans and text are left out)."""
+    prefixed = [key for key in record if key.startswith(METRIC_PREFIXES)]
     return {
         key: float(record[key])
-        for key in METRIC_KEYS
+        for key in (*METRIC_KEYS, *prefixed)
         if isinstance(record.get(key), int | float) and not isinstance(record.get(key), bool)
     }
 

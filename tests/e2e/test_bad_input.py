@@ -65,6 +65,14 @@ CASES: dict[str, tuple[list[str], str]] = {
         "is a folder, and data=jsonl reads one JSONL file: give the file, or data=hf for a folder",
     ),
     "dense model with ep": (["ep=2", "tp=2"], "ep=2 needs an MoE model"),
+    "moe option on a dense model": (
+        ["moe.shard_experts=true"],
+        "moe.shard_experts=true needs an MoE model: model=llama has no experts",
+    ),
+    "negative routing bias rate": (
+        ["model=qwen3_moe", "moe.routing_bias_rate=-1"],
+        "moe.routing_bias_rate=-1 is not valid: use 0 (off) or a positive number",
+    ),
     "batch not dividing": (
         ["train.global_batch_size=10", "train.micro_batch_size=4"],
         "train.global_batch_size (10) must be divisible by train.micro_batch_size (4) × dp (1): "

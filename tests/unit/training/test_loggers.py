@@ -226,3 +226,14 @@ def test_mlflow_local_store_holds_the_metrics_and_params(tmp_path):
     }
     assert run.info.status == "FINISHED" and run.info.run_name == tmp_path.name
     assert "peak_memory_gib" not in run.data.metrics
+
+
+def test_the_trackers_get_the_expert_load_keys():
+    record = {"loss": 2.0, "expert_imbalance": 1.5, "expert_imbalance/layer_0": 1.5}
+    record |= {"expert_load/layer_0/expert_0": 0.25, "expert_loads": "not a metric"}
+    assert metric_values(record) == {
+        "loss": 2.0,
+        "expert_imbalance": 1.5,
+        "expert_imbalance/layer_0": 1.5,
+        "expert_load/layer_0/expert_0": 0.25,
+    }

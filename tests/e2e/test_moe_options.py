@@ -1,0 +1,82 @@
+"""The ``moe.*`` keys through the real command line (Qwen3-MoE, fp32, CPU).
+
+``moe.shard_experts=true`` at ``tp=1 ep=2 dp=4`` (ep_shard = 2: each expert's weights split over the
+two copies of its ep group) trains the same 4 steps as the replicated run, and its checkpoint
+resumes at ``moe.shard_experts=false`` (resharded) to the same losses. ``moe.routing_bias_rate``
+spreads the routing out: at a tiny learning rate (the router barely moves, so the load is the
+bias's doing) the worst layer's imbalance of steps 2-8 drops well below the unbiased run's
+(measured: mean 2.0 against 2.9).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+COMMON = [
+    "model=qwen3_moe",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=2",
+    "train.val_every=0",
+    "train.warmup_steps=0",
+    "schedule=constant_with_warmup",
+    "checkpoint.export=false",
+    "data.num_examples=200",
+]
+SHARDED = ["tp=1", "ep=2", "dp=4", "train.max_steps=4", "debug.check_replicas_every=1"]
+
+
+def finetune(*overrides: str, sweep: bool = False) -> None:
+    """One run, or with ``sweep`` one ``--multirun`` sweep (its jobs in output_dir/0, /1, ...)."""
+    flags = ["--multirun"] if sweep else []
+    command = [sys.executable, "recipes/finetune.py", *flags, *COMMON, *overrides]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        command, cwd=REPO, capture_output=True, text=True, timeout=600, env=environment
+    )
+    assert result.returncode == 0, f"{' '.join(command)}\n{result.stderr[-4000:]}"
+
+
+def records(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def close(a: list[float], b: list[float], rel: float = 1e-6) -> bool:
+    return len(a) == len(b) and all(abs(x - y) <= rel * abs(y) for x, y in zip(a, b, strict=True))
+
+
+def test_sharded_experts_train_and_resume_like_replicated_ones(tmp_path):
+    out = tmp_path / "sweep"
+    shard = "moe.shard_experts=true,false"
+    finetune(*SHARDED, shard, "checkpoint.every_steps=2", f"output_dir={out}", sweep=True)
+    sharded, replicated = records(out / "0"), records(out / "1")
+    losses = [record["loss"] for record in sharded]
+    assert len(losses) == 4
+    assert close(losses, [record["loss"] for record in replicated])
+    assert all("expert_imbalance/layer_0" in record for record in sharded)
+    step_2 = out / "0" / "checkpoints" / "step_00000002"
+    resumed = tmp_path / "resumed"
+    finetune(
+        *SHARDED, "moe.shard_experts=false", f"checkpoint.resume={step_2}", f"output_dir={resumed}"
+    )
+    assert close([record["loss"] for record in records(resumed)], losses[2:])
+
+
+def test_the_routing_bias_spreads_the_load(tmp_path):
+    out = tmp_path / "bias"
+    rates = "moe.routing_bias_rate=0,0.01"
+    finetune(
+        rates,
+        "optim.lr=1e-6",
+        "train.max_steps=8",
+        "moe.expert_load=experts",
+        f"output_dir={out}",
+        sweep=True,
+    )
+    plain, biased = ([r["expert_imbalance"] for r in records(out / job)] for job in ("0", "1"))
+    assert plain[0] == biased[0]  # the bias starts at zero and moves after each step
+    assert sum(biased[1:]) < 0.8 * sum(plain[1:]), (plain, biased)
+    shares = [v for k, v in records(out / "1")[-1].items() if k.startswith("expert_load/layer_0/")]
+    assert len(shares) == 8 and abs(sum(shares) - 1) < 1e-9
