@@ -1,9 +1,10 @@
 """Every check, once per launch, before any rank starts; the result is the run plan
 (``recipes/plan.py``).
 
-Each problem becomes part of one ``error:`` line on stderr (problems joined by "; ", each naming the
-key, its value and what would work) and exit status 2, in seconds: no traceback wall, no rank left
-waiting. Under torchrun every rank runs the checks but only rank 0 prints.
+Every check returns problems (``recipes/problems.py``); ``fail`` prints them as one ``error:`` line
+on stderr (joined by "; ", each naming the key, its value and what would work) and exits 2, in
+seconds: no traceback wall, no rank left waiting. Under torchrun every rank runs the checks but only
+rank 0 prints (``say``).
 
 In order: Hydra composition (:func:`compose`); interpolations, every key's type, range and the set
 of known keys (``recipes/schema.py``); the optimizer's class and options; sizes that do not factor
@@ -16,9 +17,8 @@ exists, that every record keeps answer tokens within ``train.seq_len``.
 import math
 import os
 import re
-import sys
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 from hydra import compose as hydra_compose
@@ -32,7 +32,7 @@ from components.data import DataError, PreparedData, build_source, cached_tokeni
 from components.data.sources import DataSource
 from components.debug.faults import Fault, parse_fault
 from components.distributed.mesh import ParallelDims, resolve_parallel_dims
-from components.distributed.tp_plan import check_plan, plan_for
+from components.distributed.tp_plan import check_plan, plan_for, tp_size_errors
 from components.models import load_config, meta_causal_lm
 from components.models.compile import check_compile
 from components.models.configs import build_config, config_errors
@@ -57,22 +57,10 @@ from recipes.outputs import (
     where_errors,
 )
 from recipes.plan import RunPlan
+from recipes.problems import ConfigError, Problem, fail, is_rank_zero, problems, say
 from recipes.schema import Config, SchemaError, show, validate
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
-
-
-class ConfigError(ValueError):
-    """A setting that cannot work; the message says which and what to change."""
-
-
-def fail(message: str) -> NoReturn:
-    """Print one ``error:`` line (the first paragraph of the message) and exit 2; under torchrun
-    only rank 0 prints, the other ranks exit quietly."""
-    if os.environ.get("RANK", "0") == "0":
-        first = message.strip().split("\n\n")[0].replace("\n", " ")
-        print(f"error: {first}", file=sys.stderr)
-    sys.exit(2)
 
 
 def compose(overrides: list[str]) -> DictConfig:
@@ -84,7 +72,8 @@ def compose(overrides: list[str]) -> DictConfig:
                 config_name="config", overrides=overrides, return_hydra_config=True
             )
     except (HydraException, OmegaConfBaseException) as error:
-        fail(_with_group_options(str(error) or str(error.__cause__)))
+        message = _with_group_options(str(error) or str(error.__cause__))
+        fail([Problem(key="overrides", message=message)])
 
 
 def _with_group_options(message: str) -> str:
@@ -97,7 +86,7 @@ def _with_group_options(message: str) -> str:
     return f"{first}: {missing[1]}= takes one of {', '.join(names)}\n\n{rest}"
 
 
-def check_sizes(settings: Config, device_type: str) -> tuple[ParallelDims | None, list[str]]:
+def check_sizes(settings: Config, device_type: str) -> tuple[ParallelDims | None, list[Problem]]:
     """Parallel sizes that factor the world; batch sizes and (with sp) seq_len that divide."""
     if started_by_launcher():
         world_size = int(os.environ["WORLD_SIZE"])
@@ -111,32 +100,39 @@ def check_sizes(settings: Config, device_type: str) -> tuple[ParallelDims | None
     except ValueError as error:
         given = settings.nproc is not None or settings.dp is not None
         if started_by_launcher() or given or device_type == "cuda":
-            return None, [str(error)]
+            return None, [Problem(key="nproc", message=str(error))]
         fits = math.lcm(settings.tp, settings.ep)  # the smallest world nproc would start here
-        return None, [f"{error}; start {fits} processes here with nproc={fits}, or use torchrun"]
-    train, errors = settings.train, []
+        how = f"start {fits} processes here with nproc={fits}, or use torchrun"
+        return None, [Problem(key="nproc", message=f"{error}; {how}")]
+    train, found = settings.train, []
     if train.global_batch_size % (train.micro_batch_size * dims.dp):
         fits = train.micro_batch_size * dims.dp
-        errors.append(
-            f"train.global_batch_size ({train.global_batch_size}) must be divisible by "
-            "train.micro_batch_size "
-            f"({train.micro_batch_size}) × dp ({dims.dp}): use a multiple of {fits}, e.g. "
-            f"train.global_batch_size={max(fits, train.global_batch_size // fits * fits)}"
+        found.append(
+            Problem(
+                key="train.global_batch_size",
+                message=f"train.global_batch_size ({train.global_batch_size}) must be divisible by "
+                "train.micro_batch_size "
+                f"({train.micro_batch_size}) × dp ({dims.dp}): use a multiple of {fits}, e.g. "
+                f"train.global_batch_size={max(fits, train.global_batch_size // fits * fits)}",
+            )
         )
     if settings.sp and train.seq_len % dims.tp:
         fits = max(dims.tp, train.seq_len // dims.tp * dims.tp)
-        errors.append(
-            f"train.seq_len ({train.seq_len}) must be divisible by tp ({dims.tp}) with sp=true "
-            "(each rank holds "
-            f"an equal slice of the sequence): use e.g. train.seq_len={fits}"
+        found.append(
+            Problem(
+                key="train.seq_len",
+                message=f"train.seq_len ({train.seq_len}) must be divisible by tp ({dims.tp}) "
+                "with sp=true (each rank holds "
+                f"an equal slice of the sequence): use e.g. train.seq_len={fits}",
+            )
         )
-    return dims, errors
+    return dims, found
 
 
 def resolve_model(
     settings: Config, dims: ParallelDims | None, device_type: str
-) -> tuple[Path | None, Any, list[str]]:
-    """(weights folder or None, the model's HF config, errors): the folder or the config, then the
+) -> tuple[Path | None, Any, list[Problem]]:
+    """(weights folder or None, the model's HF config, problems): the folder or the config, then the
     TP plan and expert parallelism at these sizes, all checked on one weightless (meta-device)
     build."""
     model = settings.model
@@ -145,39 +141,42 @@ def resolve_model(
             if (
                 model.config
             ):  # the group's sizes (or a user's overrides) do not apply to a pretrained folder
-                print(
+                say(
                     f"note: model.config of model={model.name} is not used: the folder's "
                     "config.json decides"
                 )
             path = _model_folder(model.pretrained_path)
             config = load_config(path)
         else:
-            errors = config_errors(model.family, model.config)
-            if errors:
-                return None, None, errors
+            if errors := config_errors(model.family, model.config):
+                return None, None, problems("model.config", errors)
             path, config = None, build_config(model.family, model.config)
     except (ValueError, OSError, RuntimeError) as error:
-        return None, None, [str(error)]
-    errors = []
+        return None, None, [Problem(key="model", message=str(error))]
+    found = []
     if settings.train.seq_len > config.max_position_embeddings:
-        errors.append(
-            f"train.seq_len ({settings.train.seq_len}) exceeds the model's max_position_embeddings "
-            f"(model.config.max_position_embeddings={config.max_position_embeddings}): use "
-            f"train.seq_len={config.max_position_embeddings} or less"
-            + ("" if path else ", or raise model.config.max_position_embeddings")
+        found.append(
+            Problem(
+                key="train.seq_len",
+                message=f"train.seq_len ({settings.train.seq_len}) exceeds the model's "
+                "max_position_embeddings "
+                f"(model.config.max_position_embeddings={config.max_position_embeddings}): use "
+                f"train.seq_len={config.max_position_embeddings} or less"
+                + ("" if path else ", or raise model.config.max_position_embeddings"),
+            )
         )
     splits = dims is not None and (dims.tp > 1 or dims.ep > 1)
     meta = meta_causal_lm(config) if path is not None or splits else None  # shapes only, built once
     if path is not None:
-        errors += check_model_folder(path, meta) + check_tokenizer_folder(path)
+        found += problems("model", check_model_folder(path, meta) + check_tokenizer_folder(path))
     if dims is not None:
-        errors += _plan_errors(settings, dims, config, meta)
+        found += _plan_problems(settings, dims, config, meta)
         try:
             experts, _ = moe_patterns(config.model_type, model.experts, model.routers)
             check_compile(settings.train.compile, device_type, bool(experts), dims.tp, settings.sp)
         except ValueError as error:
-            errors.append(str(error))
-    return path, config, errors
+            found.append(Problem(key="train.compile", message=str(error)))
+    return path, config, found
 
 
 def _model_folder(pretrained_path: str | None) -> Path:
@@ -190,33 +189,37 @@ def _model_folder(pretrained_path: str | None) -> Path:
     )  # a local folder, or a Hub id from the cache (or downloaded)
 
 
-def _plan_errors(settings: Config, dims: ParallelDims, config, meta) -> list[str]:
-    model, errors = settings.model, []
+def _plan_problems(settings: Config, dims: ParallelDims, config, meta) -> list[Problem]:
+    """The TP plan (and the model sizes tp must divide, key ``tp``), then expert parallelism."""
+    model, found = settings.model, []
     experts, routers = moe_patterns(config.model_type, model.experts, model.routers)
-    errors += [] if experts else settings.moe.dense_errors(model.name)
+    found += [] if experts else problems("moe", settings.moe.dense_errors(model.name))
     if dims.tp > 1:
         plan = plan_for(config, settings.sp)
-        errors += check_plan(meta, config, plan, dims.tp, (*experts, *routers))[1]
-        if any(error.startswith("tp (") for error in errors):
-            sizes = [
-                getattr(config, k, 0)
-                for k in ("num_attention_heads", "num_key_value_heads", "intermediate_size")
-            ]
-            fits = [
-                tp
-                for tp in range(1, min(s for s in sizes if s) + 1)
-                if all(s % tp == 0 for s in sizes if s)
-            ]
-            errors.append(f"tp values that fit this model: {', '.join(map(str, fits))}")
+        moe = (*experts, *routers)
+        found += problems("model", check_plan(meta, config, plan, dims.tp, moe, sizes=False)[1])
+        found += with_tp_suggestion(problems("tp", tp_size_errors(config, dims.tp)), config)
     if dims.ep > 1:
         num_experts = getattr(config, "num_experts", None) or getattr(
             config, "num_local_experts", 0
         )
-        errors += check_expert_parallel(meta, list(experts), num_experts, dims.ep)
-    return errors
+        found += problems("ep", check_expert_parallel(meta, list(experts), num_experts, dims.ep))
+    return found
 
 
-def data_source(settings: Config) -> tuple[DataSource | None, list[str]]:
+def with_tp_suggestion(found: list[Problem], config) -> list[Problem]:
+    """``found``, and when a problem is with ``tp``, one more naming the tp values that fit the
+    model (those dividing its heads, KV heads and intermediate size)."""
+    if not any(problem.key == "tp" for problem in found):
+        return found
+    keys = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+    sizes = [size for key in keys if (size := getattr(config, key, 0))]
+    fits = [tp for tp in range(1, min(sizes) + 1) if all(size % tp == 0 for size in sizes)]
+    hint = f"tp values that fit this model: {', '.join(map(str, fits))}"
+    return [*found, Problem(key="tp", message=hint)]
+
+
+def data_source(settings: Config) -> tuple[DataSource | None, list[Problem]]:
     """The ``data`` group as a source (its ``_target_`` picks the kind), a local ``path`` made
     absolute."""
     group = settings.data.model_dump(by_alias=True)
@@ -224,37 +227,38 @@ def data_source(settings: Config) -> tuple[DataSource | None, list[str]]:
     if "path" in group and path.exists():
         group["path"] = str(path.absolute())
     elif "path" in group and group["path"].startswith(("~", ".", "/")):
-        return None, [f"data.path={show(group['path'])} does not exist: give a data file or folder"]
+        missing = f"data.path={show(group['path'])} does not exist: give a data file or folder"
+        return None, [Problem(key="data.path", message=missing)]
     try:
         return build_source(group), []
     except DataError as error:
-        return None, [str(error)]
+        return None, [Problem(key="data", message=str(error))]
 
 
 def _tokenizer_dir(
     settings: Config, source: DataSource, model_path: Path | None, config, dims: ParallelDims
-) -> Path:
+) -> tuple[Path | None, list[Problem]]:
     """The model's tokenizer folder, or one trained on the data, whose vocabulary then sizes the
-    model."""
+    model (and is checked against the TP plan)."""
     try:
         tokenizer_dir = model_path or cached_tokenizer(
             source, Path(settings.cache_dir).expanduser().absolute()
         )
     except DataError as error:
-        raise ConfigError(f"data: {error}") from None
+        return None, [Problem(key="data", message=f"data: {error}")]
     if model_path is None:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=False)
         if not (settings.dry_run and config.vocab_size > len(tokenizer)):  # a dry run: a real one's
             config.vocab_size = len(tokenizer)
-        if dims.tp > 1 and (errors := _plan_errors(settings, dims, config, meta_causal_lm(config))):
-            raise ConfigError("; ".join(errors))
-    return tokenizer_dir
+        if dims.tp > 1:
+            return tokenizer_dir, _plan_problems(settings, dims, config, meta_causal_lm(config))
+    return tokenizer_dir, []
 
 
 def prepare_run_data(
     settings: Config, source: DataSource, tokenizer_dir: Path, dims: ParallelDims
-) -> PreparedData:
-    """Tokenize once (or reuse the cache) and check the splits; raise ConfigError."""
+) -> tuple[PreparedData | None, list[Problem]]:
+    """Tokenize once (or reuse the cache) and check the splits."""
     train, cache = settings.train, Path(settings.cache_dir).expanduser().absolute()
     try:
         prepared = prepare_data(
@@ -267,20 +271,20 @@ def prepare_run_data(
             num_proc=max(1, min(8, os.cpu_count() or 1)),
         )
     except (DataError, ValueError) as error:
-        raise ConfigError(f"data: {error}") from error
+        return None, [Problem(key="data", message=f"data: {error}")]
     val_rows = prepared.val.num_rows if prepared.val is not None else 0
     if train.val_every and val_rows < dims.dp:
         why = f"data.val_fraction={show(source.val_fraction)} holds out {val_rows} validation rows"
-        raise ConfigError(
+        too_few = (
             f"train.val_every={train.val_every} needs validation rows for each of dp ({dims.dp}) "
             f"ranks but {why}: "
             "raise data.val_fraction or set train.val_every=0"
         )
-    if os.environ.get("RANK", "0") == "0":  # the launcher, or rank 0 under torchrun
-        how = "reused from the cache" if prepared.reused else "written to the cache"
-        rows = f"{prepared.train.num_rows} training rows, {val_rows} validation rows"
-        print(f"data: tokenized data {how}: {prepared.folder} ({rows})")
-    return prepared
+        return None, [Problem(key="train.val_every", message=too_few)]
+    how = "reused from the cache" if prepared.reused else "written to the cache"
+    rows = f"{prepared.train.num_rows} training rows, {val_rows} validation rows"
+    say(f"data: tokenized data {how}: {prepared.folder} ({rows})")
+    return prepared, []
 
 
 def model_spec(settings: Config, config, weights: Path | None) -> ModelSpec:
@@ -303,45 +307,51 @@ def model_spec(settings: Config, config, weights: Path | None) -> ModelSpec:
 
 def _notes(settings: Config, output: Path, per_run: bool, warmup: int) -> None:
     """What the checks changed or found, once (on rank 0 under torchrun), as ``note:`` lines."""
-    if os.environ.get("RANK", "0") != "0":
-        return
     if per_run and settings.checkpoint.resume == "auto":
-        print(
+        say(
             f"note: checkpoint.resume=auto finds nothing in {output}, a new folder per run: to "
             "continue a run, give its folder as output_dir=..."
         )
     if warmup < settings.train.warmup_steps:
         cut = f"train.warmup_steps={settings.train.warmup_steps} is cut to the run's {warmup} steps"
-        print(f"note: {cut}")
+        say(f"note: {cut}")
+
+
+def _refuse(found: list[Problem]) -> None:
+    """Stop planning with ``found``, if any: :class:`ConfigError` carries them to ``fail``."""
+    if found:
+        raise ConfigError(found)
 
 
 def plan_run(
     cfg: DictConfig, output_dir: str | None = None, hydra_run_dir: str | None = None
 ) -> tuple[RunPlan, OutputDirLock | None]:
-    """Check everything and decide everything a rank needs; raise ConfigError naming every problem.
+    """Check everything and decide everything a rank needs; raise ConfigError with every problem.
     Also returns the lock on ``output_dir`` (held by this process, None on torchrun ranks other than
     0). ``output_dir`` is a sweep job's folder; ``hydra_run_dir`` the run dir Hydra was given."""
-    settings = _validated(cfg)
+    settings, found = _validated(cfg)
+    _refuse(found)
     train = settings.train
     warmup = min(train.warmup_steps, train.max_steps)  # a longer one is cut to the run, with a note
-    errors, fault = _option_errors(settings, warmup)
+    found, fault = _option_problems(settings, warmup)
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    dims, size_errors = check_sizes(settings, device_type)
+    dims, size_problems = check_sizes(settings, device_type)
     output = Path(output_dir or settings.output_dir).expanduser().absolute()
     per_run = "${now:" in str(OmegaConf.to_container(cfg, resolve=False)["output_dir"])
-    resume_errors = explicit_checkpoint_errors(settings.checkpoint.resume)
-    model_path, config, model_errors = resolve_model(settings, dims, device_type)
-    source, data_errors = data_source(settings)
-    errors += size_errors + resume_errors + check_output_dir(output) + model_errors + data_errors
-    errors += where_errors(output, hydra_run_dir, per_run, started_by_launcher())
-    if errors:
-        raise ConfigError("; ".join(errors))
+    resume = explicit_checkpoint_errors(settings.checkpoint.resume)
+    model_path, config, model_problems = resolve_model(settings, dims, device_type)
+    source, data_problems = data_source(settings)
+    found += size_problems + resume + check_output_dir(output) + model_problems + data_problems
+    _refuse(found + where_errors(output, hydra_run_dir, per_run, started_by_launcher()))
     _notes(settings, output, per_run, warmup)  # checked: what the plan decided
-    tokenizer_dir = _tokenizer_dir(settings, source, model_path, config, dims)
+    tokenizer_dir, found = _tokenizer_dir(settings, source, model_path, config, dims)
+    _refuse(found)
     # bad data is refused before the folder is claimed
-    data = prepare_run_data(settings, source, tokenizer_dir, dims)
+    data, found = prepare_run_data(settings, source, tokenizer_dir, dims)
+    _refuse(found)
     info = run_info(settings, config, data.tokenizer_digest)
-    lock, resume_from, record = _claim_output_dir(settings, output, info)
+    (lock, resume_from, record), found = _claim_output_dir(settings, output, info)
+    _refuse(found)
     threads = cpu_threads_per_rank(
         settings.cpu_threads, int(os.environ.get("LOCAL_WORLD_SIZE", dims.world_size))
     )
@@ -366,48 +376,52 @@ def plan_run(
     return plan, lock
 
 
-def _validated(cfg: DictConfig) -> Config:
+def _validated(cfg: DictConfig) -> tuple[Config | None, list[Problem]]:
     """The schema's reading of the composed config: interpolations, types, ranges, known keys."""
     try:
-        return validate(cfg)
+        return validate(cfg), []
     except SchemaError as error:
-        raise ConfigError(str(error)) from None
+        return None, [Problem(key="config", message=str(error))]
 
 
-def _option_errors(settings: Config, warmup: int) -> tuple[list[str], Fault | None]:
-    """(errors, the debug fault): the optimizer's class and options, the logger's, the schedule's
+def _option_problems(settings: Config, warmup: int) -> tuple[list[Problem], Fault | None]:
+    """(problems, the debug fault): the optimizer's class and options, the logger's, the schedule's
     and ``debug.fault``, in that order."""
     optim = settings.optim
     errors = check_target("optim", optim.target, optim.options(), torch.optim.Optimizer, {"params"})
     errors = errors or check_optimizer(optim.target, optim.options())  # its own checks: betas, ...
+    found = problems("optim", errors)
     logger, train, schedule = settings.logger, settings.train, settings.schedule
     missing = check_logger_available(logger.target)
     fixed = {"output_dir", "first_step"}
-    errors += (
+    found += problems(
+        "logger",
         [missing]
         if missing
-        else check_target("logger", logger.target, logger.options(), object, fixed)
+        else check_target("logger", logger.target, logger.options(), object, fixed),
     )
-    errors += check_schedule(schedule.name, warmup, train.max_steps, schedule.options())
+    found += problems(
+        "schedule", check_schedule(schedule.name, warmup, train.max_steps, schedule.options())
+    )
     try:
         fault = parse_fault(settings.debug.fault)
     except ValueError as error:
-        fault, errors = None, [*errors, str(error)]
-    return errors, fault
+        fault, found = None, [*found, Problem(key="debug.fault", message=str(error))]
+    return found, fault
 
 
 def _claim_output_dir(
     settings: Config, output: Path, info: dict[str, Any]
-) -> tuple[OutputDirLock | None, Path | None, RunRecord | None]:
-    """(lock, checkpoint to resume from, run record): rank 0 owns ``output`` (locks it, resumes
-    from it), the other ranks and a dry run only choose the checkpoint. The last step that can
-    refuse the run: nothing after it leaves a claimed folder behind."""
+) -> tuple[tuple[OutputDirLock | None, Path | None, RunRecord | None], list[Problem]]:
+    """((lock, checkpoint to resume from, run record), problems): rank 0 owns ``output`` (locks it,
+    resumes from it), the other ranks and a dry run only choose the checkpoint. The last step that
+    can refuse the run: nothing after it leaves a claimed folder behind."""
     try:
-        if os.environ.get("RANK", "0") == "0" and not settings.dry_run:  # rank 0 owns it
-            return own_output_dir(settings, output, info)
-        return None, choose_checkpoint(settings, output / "checkpoints", info), None
+        if is_rank_zero() and not settings.dry_run:  # rank 0 owns it
+            return own_output_dir(settings, output, info), []
+        return (None, choose_checkpoint(settings, output / "checkpoints", info), None), []
     except OwnershipError as error:
-        raise ConfigError(str(error)) from None
+        return (None, None, None), [error.problem()]
 
 
 def _config_yaml(cfg: DictConfig, output: Path) -> str:

@@ -50,6 +50,7 @@ from components.targets import target_class
 from components.training.loggers import MetricsLogger, open_logger
 from components.training.memory import peak_memory_gib, reset_peak_memory
 from components.training.metrics import MetricsLog, plot_loss_curve, throughput
+from recipes.problems import say  # every line a run prints: rank 0's alone
 
 # Model, data and tokenizer code (transformers, datasets) is imported by the functions that use it,
 # so that --help and --cfg job take about the time of `import torch` (tests/e2e/test_first_hour.py).
@@ -106,8 +107,8 @@ def set_up(plan: RunPlan) -> Run:
     splits = (plan.data.train, plan.data.val, train.global_batch_size, train.micro_batch_size)
     data, val_data = open_splits(*splits, **shards, pad_multiple=plan.pad_multiple)
     model, report = build_parallel_model(plan.model, plan.dims, mesh, device, timeout)
-    if report is not None and rank == 0:
-        print(report.format())
+    if report is not None:
+        say(report.format())
     replicas = ReplicaSync([model], mesh)  # after parallelising and loading, before the optimizer
     replicas.broadcast()
     optimizer = target_class("optim", optim.target)(model.parameters(), **optim.options())
@@ -118,8 +119,7 @@ def set_up(plan: RunPlan) -> Run:
     first_step = 0
     if plan.resume_from is not None:
         first_step = load_checkpoint(plan.resume_from, model, optimizer, scheduler)["step"]
-        if rank == 0:
-            print(f"resumed from {plan.resume_from} at step {first_step}")
+        say(f"resumed from {plan.resume_from} at step {first_step}")
     precision = precision_policy(plan.model.precision)  # the same policy the model was built with
     compute = functools.partial(precision.autocast, device.type, data_parallel=plan.dims.dp > 1)
     micro_batches = data.micro_batches_per_step
@@ -283,7 +283,7 @@ def _stop_signal(writer: CheckpointWriter, done: int, state: tuple) -> str | Non
 
 def _print_stop_note(stopped: str, done: int, plan: RunPlan, writer: CheckpointWriter) -> None:
     """The stop's ``note:`` line on stderr: the signal, the checkpoint, how to continue."""
-    print(
+    say(
         f"note: stopped by {stopped} after step {done} of {plan.settings.train.max_steps}: "
         f"checkpoint {writer.last_path}; checkpoint.resume=auto continues (exit status "
         f"{STOPPED_STATUS})",
@@ -320,7 +320,7 @@ def finish(run: Run, plan: RunPlan, stopped: bool = False) -> None:
         )
     if run.rank == 0 and (output_dir / "metrics.jsonl").exists():
         plot_loss_curve(output_dir / "metrics.jsonl", output_dir / "loss.png")
-        print(done_line(plan, ended, exported=settings.checkpoint.export and ended))
+        say(done_line(plan, ended, exported=settings.checkpoint.export and ended))
     dist.destroy_process_group()
 
 
@@ -363,7 +363,7 @@ def launch(cfg: DictConfig, job_dir: str | None, hydra_run_dir: str | None) -> N
     try:
         plan, lock = plan_run(cfg, job_dir, hydra_run_dir)  # the run owns output_dir until released
     except ConfigError as error:
-        fail(str(error))
+        fail(error.problems)
     if plan.settings.dry_run:  # checked: the layout is built on fake ranks and priced; nothing runs
         return dry_run(plan, fail)
     if lock is not None:  # rank 0 of torchrun, or the local launcher

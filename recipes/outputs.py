@@ -39,36 +39,50 @@ from components.runtime.output_dir import (
     remove_run_files,
     run_files,
 )
+from recipes.problems import Problem, problems, say
 from recipes.schema import Config, show
 
 
 class OwnershipError(ValueError):
-    """The folder or the checkpoint cannot be used; the message is one line saying why and what to
-    do."""
+    """The folder or the checkpoint cannot be used, while claiming it under the lock; the message is
+    one line saying why and what to do, ``key`` the setting (its :class:`Problem`'s key)."""
+
+    def __init__(self, message: str, key: str = "output_dir") -> None:
+        super().__init__(message)
+        self.key = key
+
+    def problem(self) -> Problem:
+        return Problem(key=self.key, message=str(self))
 
 
-def where_errors(output: Path, run_dir: str | None, per_run: bool, torchrun: bool) -> list[str]:
+def where_errors(output: Path, run_dir: str | None, per_run: bool, torchrun: bool) -> list[Problem]:
     """``output_dir`` (``output``) is where a run writes: a ``hydra.run.dir`` (``run_dir``) that
     names another folder is refused rather than silently obeyed or ignored; under torchrun the
     default folder per run (``per_run``: named by the date and time each rank reads for itself)
     could differ between ranks, so one must be given."""
     errors = []
     if run_dir is not None and Path(run_dir).expanduser().absolute() != output:
-        errors.append(
+        disagree = (
             f"hydra.run.dir={show(run_dir)} and output_dir={show(str(output))} disagree: a run "
             f"writes to output_dir, so drop hydra.run.dir or set output_dir={show(run_dir)}"
         )
+        errors.append(Problem(key="hydra.run.dir", message=disagree))
     if per_run and torchrun:
-        errors.append(
+        given = (
             "output_dir must be given under torchrun (e.g. output_dir=outputs/my_run): the "
             "default, a new folder per run named by date and time, is read by each rank for itself"
         )
+        errors.append(Problem(key="output_dir", message=given))
     return errors
 
 
-def check_output_dir(path: Path) -> list[str]:
+def check_output_dir(path: Path) -> list[Problem]:
     """``output_dir`` is a folder, or can be created as one, and can be written, and is neither
     inside another run's output folder nor holding one."""
+    return problems("output_dir", _output_dir_errors(path))
+
+
+def _output_dir_errors(path: Path) -> list[str]:
     if path.exists() and not path.is_dir():
         return [f"output_dir={show(str(path))} is a file, not a folder: choose another output_dir"]
     existing = next(parent for parent in (path, *path.parents) if parent.exists())
@@ -85,9 +99,13 @@ def check_output_dir(path: Path) -> list[str]:
     return nested_run_errors(path)
 
 
-def explicit_checkpoint_errors(resume: str | None) -> list[str]:
+def explicit_checkpoint_errors(resume: str | None) -> list[Problem]:
     """An explicit ``checkpoint.resume`` path that is not even a checkpoint folder (checked with the
     config)."""
+    return problems("checkpoint.resume", _not_a_checkpoint(resume))
+
+
+def _not_a_checkpoint(resume: str | None) -> list[str]:
     if resume in (None, "auto"):
         return []
     path = Path(resume).expanduser().absolute()
@@ -141,17 +159,18 @@ def choose_checkpoint(settings: Config, checkpoints: Path, info: dict[str, Any])
         if resume == "auto":
             choice = find_resumable(checkpoints)
             for folder, cause in choice.skipped:
-                print(f"warning: skipping checkpoint {folder}: {cause}")
+                say(f"warning: skipping checkpoint {folder}: {cause}")
             if choice.path is None:
                 return None
             summary = check_checkpoint(choice.path)
         else:
             summary = check_checkpoint(Path(resume).expanduser().absolute())
     except CheckpointError as error:
-        raise OwnershipError(f"checkpoint.resume={show(resume)}: {error}") from None
-    problems = resume_problems(summary, info, settings.train.max_steps)
-    if problems:
-        raise OwnershipError(f"cannot resume from {summary.path}: {'; '.join(problems)}")
+        why = f"checkpoint.resume={show(resume)}: {error}"
+        raise OwnershipError(why, "checkpoint.resume") from None
+    if mismatches := resume_problems(summary, info, settings.train.max_steps):
+        why = f"cannot resume from {summary.path}: {'; '.join(mismatches)}"
+        raise OwnershipError(why, "checkpoint.resume")
     return summary.path
 
 
@@ -178,7 +197,7 @@ def own_output_dir(
         step = checkpoint_summary(resume_from).step
         if retired := retire_checkpoints_after(output_dir / "checkpoints", step):
             names = ", ".join(path.name for path in retired)
-            print(
+            say(
                 f"note: resuming from step {step}: the later checkpoints of the branch it leaves "
                 f"are moved aside ({names}), so checkpoint.resume=auto never returns to them"
             )

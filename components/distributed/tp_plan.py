@@ -170,10 +170,27 @@ def _ancestors(name: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
 
 
+def tp_size_errors(config, tp: int) -> list[str]:
+    """The model's sizes that ``tp`` must divide and does not (heads, KV heads, intermediate)."""
+    errors = []
+    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        value = getattr(config, key, None)
+        if value is not None and value % tp:
+            errors.append(f"tp ({tp}) must divide {key} ({value})")
+    return errors
+
+
 def check_plan(
-    model: nn.Module, config, plan: dict[str, str], tp: int, moe_modules: tuple[str, ...] = ()
+    model: nn.Module,
+    config,
+    plan: dict[str, str],
+    tp: int,
+    moe_modules: tuple[str, ...] = (),
+    *,
+    sizes: bool = True,
 ) -> tuple[dict[str, str], list[str]]:
-    """Resolve the plan and list every reason it cannot run at this ``tp`` (empty when it can).
+    """Resolve the plan and list every reason it cannot run at this ``tp`` (empty when it can);
+    ``sizes=False`` leaves out :func:`tp_size_errors` (for a caller that reports them itself).
 
     ``moe_modules`` are patterns of expert and router modules: a dense style on them (or inside
     them) is refused, because experts are split by expert parallelism and routers must see whole
@@ -196,14 +213,8 @@ def check_plan(
             _style(style, False)
         except ValueError as error:
             errors.append(f"{name}: {error}")
-    sizes = {
-        "num_attention_heads": getattr(config, "num_attention_heads", None),
-        "num_key_value_heads": getattr(config, "num_key_value_heads", None),
-        "intermediate_size": getattr(config, "intermediate_size", None),
-    }
-    for key, value in sizes.items():
-        if value is not None and value % tp:
-            errors.append(f"tp ({tp}) must divide {key} ({value})")
+    if sizes:
+        errors += tp_size_errors(config, tp)
     vocab = getattr(config, "vocab_size", None)
     if vocab is not None and vocab % tp and "sequence_parallel" in resolved.values():
         # The replicated-vocabulary fallback hands plain tensors to sequence-parallel norms: refuse
