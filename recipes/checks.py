@@ -44,7 +44,7 @@ from components.moe import check_expert_parallel
 from components.runtime.launch import cpu_threads_per_rank, started_by_launcher
 from components.runtime.output_dir import OutputDirLock, RunRecord
 from components.targets import check_target
-from components.training.loggers import check_logger_available
+from components.training.loggers import check_logger_available, check_logger_options
 from components.training.optimizer import check_optimizer
 from components.training.schedule import check_schedule
 from recipes.outputs import (
@@ -333,10 +333,10 @@ def plan_run(
     _refuse(found)
     train = settings.train
     warmup = min(train.warmup_steps, train.max_steps)  # a longer one is cut to the run, with a note
-    found, fault = _option_problems(settings, warmup)
+    output = Path(output_dir or settings.output_dir).expanduser().absolute()
+    found, fault = _option_problems(settings, warmup, output)
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     dims, size_problems = check_sizes(settings, device_type)
-    output = Path(output_dir or settings.output_dir).expanduser().absolute()
     per_run = "${now:" in str(OmegaConf.to_container(cfg, resolve=False)["output_dir"])
     resume = explicit_checkpoint_errors(settings.checkpoint.resume)
     model_path, config, model_problems = resolve_model(settings, dims, device_type)
@@ -384,9 +384,11 @@ def _validated(cfg: DictConfig) -> tuple[Config | None, list[Problem]]:
         return None, [Problem(key="config", message=str(error))]
 
 
-def _option_problems(settings: Config, warmup: int) -> tuple[list[Problem], Fault | None]:
-    """(problems, the debug fault): the optimizer's class and options, the logger's, the schedule's
-    and ``debug.fault``, in that order."""
+def _option_problems(
+    settings: Config, warmup: int, output: Path
+) -> tuple[list[Problem], Fault | None]:
+    """(problems, the debug fault): the optimizer's class and options, the logger's (its values
+    too, for a run into ``output``), the schedule's and ``debug.fault``, in that order."""
     optim = settings.optim
     errors = check_target("optim", optim.target, optim.options(), torch.optim.Optimizer, {"params"})
     errors = errors or check_optimizer(optim.target, optim.options())  # its own checks: betas, ...
@@ -398,7 +400,8 @@ def _option_problems(settings: Config, warmup: int) -> tuple[list[Problem], Faul
         "logger",
         [missing]
         if missing
-        else check_target("logger", logger.target, logger.options(), object, fixed),
+        else check_target("logger", logger.target, logger.options(), object, fixed)
+        or check_logger_options(logger.target, logger.options(), output),
     )
     found += problems(
         "schedule", check_schedule(schedule.name, warmup, train.max_steps, schedule.options())

@@ -9,16 +9,21 @@ that writes ``metrics.jsonl`` only; the other ranks need none (or :class:`NoLogg
 
 A tracker's package is imported when its logger is built; a missing one raises
 :class:`LoggerUnavailableError` whose message is the one ``error:`` line to show. The pre-launch
-checks ask :func:`check_logger_available` first, which imports nothing.
+checks ask :func:`check_logger_available` first, which imports nothing, then
+:func:`check_logger_options` (a ``log_dir`` that is a file, a wandb ``mode``, its key, an MLflow
+server that does not answer within 3 s), so that no rank finds them.
 """
 
 import importlib.util
 import json
+import netrc
 import os
+import socket
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 from components.targets import target_class
 
@@ -71,6 +76,77 @@ def check_logger_available(target: str) -> str | None:
         if _installed(module)
         else f"logger._target_={target!r}: module {module!r} is not installed"
     )
+
+
+WANDB_MODES = ("online", "offline", "disabled")
+REACH_SECONDS = 3.0  # how long the checks wait for an MLflow server to accept a connection
+
+
+def check_logger_options(target: str, options: Mapping[str, Any], output_dir: Path) -> list[str]:
+    """The error lines for a tracker's options that its rank would only find when built: a
+    TensorBoard ``log_dir`` that is (or lies under) a file, a wandb ``mode`` it does not take or
+    ``mode=online`` without a key, an http(s) MLflow ``tracking_uri`` that does not answer."""
+    name = target.rsplit(".", 1)[-1]
+    if name == "TensorBoardLogger":
+        log_dir = options.get("log_dir")
+        return _folder_errors("logger.log_dir", Path(log_dir or Path(output_dir) / "tensorboard"))
+    if name == "WandbLogger":
+        return _wandb_errors(str(options.get("mode", "offline")))
+    if name == "MlflowLogger" and options.get("tracking_uri"):
+        return _reach_errors(str(options["tracking_uri"]))
+    return []
+
+
+def _folder_errors(key: str, folder: Path) -> list[str]:
+    """A folder to be created: refused where it, or a folder above it, is a file."""
+    for path in (folder, *folder.parents):
+        if path.exists():
+            if path.is_dir():
+                return []
+            return [f"{key}={str(folder)!r} cannot be a folder: {path} is a file; use another path"]
+    return []
+
+
+def _wandb_errors(mode: str) -> list[str]:
+    if mode not in WANDB_MODES:
+        return [f"logger.mode={mode!r} is not valid: use one of {', '.join(WANDB_MODES)}"]
+    if mode == "online" and not _wandb_key():
+        return [
+            "logger.mode=online needs a W&B API key: set WANDB_API_KEY (or run `wandb login`), "
+            "or use logger.mode=offline (upload later with `wandb sync`)"
+        ]
+    return []
+
+
+def _wandb_key() -> bool:
+    """A key in ``WANDB_API_KEY`` or the netrc entry ``wandb login`` writes for the server."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlsplit(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        found = netrc.netrc(os.environ.get("NETRC") or None).authenticators(host or "")
+    except (OSError, netrc.NetrcParseError):
+        return False
+    return bool(found and found[2])
+
+
+def _reach_errors(uri: str) -> list[str]:
+    """An http(s) server must accept a connection within :data:`REACH_SECONDS`; a local path,
+    ``file:``, ``sqlite:`` and other stores are left to MLflow."""
+    parts = urlsplit(uri)
+    if parts.scheme not in ("http", "https"):
+        return []
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        socket.create_connection((parts.hostname or "", port), timeout=REACH_SECONDS).close()
+    except OSError as error:
+        cause = "no answer" if isinstance(error, TimeoutError) else error.strerror or str(error)
+        return [
+            f"logger.tracking_uri={uri!r} cannot be reached ({parts.hostname}:{port}: {cause}; "
+            f"the checks wait {REACH_SECONDS:g} s): start the server, or use "
+            "logger.tracking_uri=null (a local store in <output_dir>/mlruns)"
+        ]
+    return []
 
 
 def _installed(module: str) -> bool:

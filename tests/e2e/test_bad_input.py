@@ -236,6 +236,24 @@ CASES: dict[str, tuple[list[str], str]] = {
         ["model.config.num_attention_heads=3"],
         "model.config: The hidden size (64) is not a multiple of the number of attention heads (3)",
     ),
+    "a tensorboard log_dir that is a file": (
+        ["logger=tensorboard", "logger.log_dir={root}/a_file"],
+        "logger.log_dir='{root}/a_file' cannot be a folder: {root}/a_file is a file",
+    ),
+    "a wandb mode it does not take": (
+        ["logger=wandb", "logger.mode=onlin"],
+        "logger.mode='onlin' is not valid: use one of online, offline, disabled",
+    ),
+    # the checks run with no WANDB_API_KEY and a NETRC file that does not exist (case_env)
+    "wandb online without a key": (
+        ["logger=wandb", "logger.mode=online"],
+        "logger.mode=online needs a W&B API key: set WANDB_API_KEY (or run `wandb login`), or use "
+        "logger.mode=offline",
+    ),
+    "an MLflow server that does not answer": (
+        ["logger=mlflow", "logger.tracking_uri=http://127.0.0.1:9"],
+        "logger.tracking_uri='http://127.0.0.1:9' cannot be reached (127.0.0.1:9: ",
+    ),
     "several problems at once": (
         ["tp=two", "optim.lr=0", "train.micro_batch_size=0"],
         "tp='two' is not valid: use a positive integer, e.g. tp=2; train.micro_batch_size=0 is "
@@ -333,6 +351,13 @@ print(json.dumps(results))
 """
 
 
+def case_env(root: Path) -> dict[str, str]:
+    """The environment of every case: offline, and without a W&B key."""
+    env = {**os.environ, **OFFLINE, "NETRC": str(root / "no_netrc")}
+    env.pop("WANDB_API_KEY", None)
+    return env
+
+
 def overrides_of(name: str, root: Path) -> list[str]:
     overrides = [override.replace("{root}", str(root)) for override in CASES[name][0]]
     if not any(override.startswith("output_dir=") for override in overrides):
@@ -348,7 +373,7 @@ def run_case(name: str, root: Path) -> Outcome:
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, **OFFLINE},
+        env=case_env(root),
     )
     return Outcome(result.returncode, result.stderr, time.monotonic() - started, root)
 
@@ -361,7 +386,7 @@ def run_checks_only(names: list[str], root: Path) -> dict[str, Outcome]:
         capture_output=True,
         text=True,
         timeout=600,
-        env={**os.environ, **OFFLINE},
+        env=case_env(root),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return {

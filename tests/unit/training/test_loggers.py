@@ -19,6 +19,7 @@ from components.training.loggers import (
     TensorBoardLogger,
     WandbLogger,
     check_logger_available,
+    check_logger_options,
     flatten_config,
     metric_values,
 )
@@ -237,3 +238,27 @@ def test_the_trackers_get_the_expert_load_keys():
         "expert_imbalance/layer_0": 1.5,
         "expert_load/layer_0/expert_0": 0.25,
     }
+
+
+def test_logger_options_that_work_pass_the_checks(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    (tmp_path / "netrc").write_text("machine api.wandb.ai login user password k3y\n")
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    target = "components.training.loggers."
+    assert check_logger_options(target + "WandbLogger", {"mode": "online"}, tmp_path) == []
+    assert check_logger_options(target + "WandbLogger", {"mode": "disabled"}, tmp_path) == []
+    assert check_logger_options(target + "TensorBoardLogger", {"log_dir": None}, tmp_path) == []
+    for uri in (None, (tmp_path / "mlruns").as_uri(), "sqlite:///mlflow.db"):
+        assert check_logger_options(target + "MlflowLogger", {"tracking_uri": uri}, tmp_path) == []
+    monkeypatch.setenv("NETRC", str(tmp_path / "none"))
+    assert check_logger_options(target + "WandbLogger", {"mode": "online"}, tmp_path)
+    monkeypatch.setenv("WANDB_API_KEY", "k3y")
+    assert check_logger_options(target + "WandbLogger", {"mode": "online"}, tmp_path) == []
+
+
+def test_a_tensorboard_folder_under_a_file_is_refused(tmp_path):
+    (tmp_path / "tensorboard").write_text("a file")
+    target = "components.training.loggers.TensorBoardLogger"
+    (line,) = check_logger_options(target, {"log_dir": None}, tmp_path)
+    assert "is a file" in line
+    assert check_logger_options(target, {"log_dir": str(tmp_path / "tensorboard" / "x")}, tmp_path)
