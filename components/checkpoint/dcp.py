@@ -427,4 +427,4 @@ def load_checkpoint(
     if scheduler is not None and trainer_state["scheduler"] is not None:
         scheduler.load_state_dict(trainer_state["scheduler"])
     _restore_rng(path, rank, world_size, trainer_state["world_size"])
-    return {"step": trainer_state["step"], **trainer_state["extra"]}
+    return {**trainer_state["extra"], "step": trainer_state["step"]}  # the cross-checked step

@@ -13,9 +13,12 @@ checkpoints after a resume's step (``step_N.abandoned``).
 Design notes: docs/design-notes.md
 """
 
+import base64
+import binascii
 import hashlib
 import json
 import os
+import random
 import re
 import shutil
 from collections.abc import Mapping, Sequence
@@ -23,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -40,6 +45,7 @@ STATE_FORMAT = 1
 STEP_FOLDER = re.compile(r"^step_(\d{8,})$")
 ABANDONED = ".abandoned"  # suffix of a checkpoint of the branch a resume from an earlier step left
 _DCP_FILE = re.compile(r"^__\d+_\d+\.distcp$")
+_ZIP_HEADER = b"PK\x03\x04"  # every item DCP writes (torch.save) starts with it
 _STATE_KEYS = (
     "format",
     "step",
@@ -129,6 +135,12 @@ def read_trainer_state(folder: Path) -> dict[str, Any]:
         and state["world_size"] >= 1
     ):
         raise CheckpointError(f"{TRAINER_STATE} has no valid step and world size")
+    extra = state["extra"]
+    if not isinstance(extra, dict) or extra.get("step", state["step"]) != state["step"]:
+        raise CheckpointError(
+            f"{TRAINER_STATE} has an extra that is not a dict or names another step than "
+            f"{state['step']}"
+        )
     return state
 
 
@@ -164,6 +176,7 @@ def _check_dcp_files(folder: Path) -> dict[str, tuple[int, ...]]:
             raise CheckpointError(
                 f"{name} is truncated ({actual} bytes, its metadata needs {size})"
             )
+    _check_item_headers(folder, metadata.storage_data.values())
     return {
         key.removeprefix("model."): tuple(int(n) for n in value.size)
         for key, value in metadata.state_dict_metadata.items()
@@ -171,15 +184,58 @@ def _check_dcp_files(folder: Path) -> dict[str, tuple[int, ...]]:
     }
 
 
+def _check_item_headers(folder: Path, items) -> None:
+    """Every item's first bytes are a ``torch.save`` (zip) header: a ``.distcp`` overwritten with
+    other bytes of the same size is found here, not by the unpickler on a rank."""
+    by_file: dict[str, list[int]] = {}
+    for info in items:
+        if not getattr(info, "transform_descriptors", None):  # compressed items: other headers
+            by_file.setdefault(info.relative_path, []).append(int(info.offset))
+    for name, offsets in sorted(by_file.items()):
+        with open(folder / name, "rb") as data:
+            for offset in sorted(offsets):
+                data.seek(offset)
+                if data.read(len(_ZIP_HEADER)) != _ZIP_HEADER:
+                    raise CheckpointError(
+                        f"{name} is damaged (no saved tensor at byte {offset}, where its "
+                        "metadata puts one)"
+                    )
+
+
 def _check_rng_files(folder: Path, world_size: int) -> None:
+    """Every rank's RNG file is there and holds states its generators take (set on throwaway
+    generators, so the process's own states are untouched)."""
     for rank in range(world_size):
         path = rng_file(folder, rank)
+        name = path.relative_to(folder)
         if not path.is_file() or path.stat().st_size == 0:
-            raise CheckpointError(f"{path.relative_to(folder)} is missing or empty")
-    try:
-        loads_state(rng_file(folder, 0).read_text())
-    except ValueError:
-        raise CheckpointError(f"{rng_file(folder, 0).relative_to(folder)} is not JSON") from None
+            raise CheckpointError(f"{name} is missing or empty")
+        try:
+            plain = loads_state(path.read_text())
+        except (ValueError, UnicodeDecodeError):
+            raise CheckpointError(f"{name} is truncated or not JSON") from None
+        try:
+            _try_rng_state(plain)
+        except (KeyError, TypeError, ValueError, IndexError, RuntimeError, binascii.Error):
+            raise CheckpointError(f"{name} does not hold the RNG states a save writes") from None
+
+
+def _try_rng_state(plain: Any) -> None:
+    """Raise unless ``plain`` (an RNG file's JSON) holds torch, Python and NumPy states."""
+    name, keys, position, has_gauss, cached = plain["numpy"]
+    np.random.RandomState().set_state(
+        (name, np.array(keys, dtype=np.uint32), position, has_gauss, cached)
+    )
+    random.Random().setstate(plain["python"])
+    torch.Generator().set_state(_bytes_tensor(plain["torch"]))
+    if "cuda" in plain and not _bytes_tensor(plain["cuda"]).numel():
+        raise ValueError("an empty CUDA state")
+
+
+def _bytes_tensor(text: Any) -> torch.Tensor:
+    if not isinstance(text, str):
+        raise TypeError("not base64 text")
+    return torch.frombuffer(bytearray(base64.b64decode(text, validate=True)), dtype=torch.uint8)
 
 
 def check_checkpoint(path: Path) -> CheckpointSummary:
@@ -188,8 +244,8 @@ def check_checkpoint(path: Path) -> CheckpointSummary:
     Raises:
         CheckpointError: ``checkpoint <path> is unusable: <cause>`` (one line) for a missing folder,
             a missing or malformed marker or state file, ``.metadata`` that is truncated or holds
-            anything but DCP's metadata, a missing or truncated ``.distcp`` file, or a missing RNG
-            file.
+            anything but DCP's metadata, a missing, truncated or overwritten ``.distcp`` file (each
+            item's header is read), or any rank's RNG file missing or not holding RNG states.
     """
     path = Path(path)
     try:

@@ -292,7 +292,36 @@ DAMAGE = {
         lambda p: (p / "rng" / "rank_00000.json").unlink(),
         r"rng/rank_00000\.json is missing",
     ),
+    "rng_of_wrong_content": (
+        lambda p: (p / "rng" / "rank_00000.json").write_text('{"torch": "AAAA", "numpy": [1]}'),
+        r"rng/rank_00000\.json does not hold the RNG states a save writes",
+    ),
+    "truncated_rng_of_rank_1": (
+        lambda p: second_rank_rng(p, keep=0.5),
+        r"rng/rank_00001\.json is truncated or not JSON",
+    ),
+    "distcp_of_random_bytes": (
+        lambda p: (p / "__0_0.distcp").write_bytes(os.urandom((p / "__0_0.distcp").stat().st_size)),
+        r"__0_0\.distcp is damaged \(no saved tensor at byte 0",
+    ),
+    "extra_naming_another_step": (
+        lambda p: edit_state(p, extra={"step": 99}),
+        "names another step than 4",
+    ),
 }
+
+
+def edit_state(folder: Path, **values) -> None:
+    state = json.loads((folder / TRAINER_STATE).read_text())
+    (folder / TRAINER_STATE).write_text(json.dumps({**state, **values}))
+
+
+def second_rank_rng(folder: Path, keep: float) -> None:
+    """The checkpoint as two ranks would have saved it, rank 1's RNG file cut to ``keep``."""
+    edit_state(folder, world_size=2)
+    rng = folder / "rng"
+    (rng / "rank_00001.json").write_bytes((rng / "rank_00000.json").read_bytes())
+    truncate(rng / "rank_00001.json", keep)
 
 
 @pytest.mark.parametrize("damage", DAMAGE.values(), ids=DAMAGE.keys())
@@ -312,6 +341,14 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, da
     assert choice.path == checkpoint_path(tmp_path, 2)
     assert [path for path, _ in choice.skipped] == [damaged]
     assert load_checkpoint(choice.path, *trainer()) == {"step": 2}
+
+
+def test_the_checked_step_wins_over_extra(tmp_path):
+    path = save_checkpoint(tmp_path, 3, *trainer(), extra={"tokens": 7})
+    second_rank_rng(path, keep=1.0)  # every rank's file is read: a whole one passes
+    assert check_checkpoint(path).world_size == 2
+    edit_state(path, world_size=1, extra={"tokens": 7, "step": 3})
+    assert load_checkpoint(path, *trainer()) == {"tokens": 7, "step": 3}
 
 
 def test_no_usable_checkpoint_and_an_empty_root(tmp_path):
