@@ -404,7 +404,10 @@ if __name__ == "__main__":
         from recipes.checks import compose
 
         composed = compose(arguments)
-        launch(composed, None, composed.hydra.run.dir)
+        # only a run dir the user gave: the default is ${output_dir}, and its ${now:...} read a
+        # moment later can name the next second's folder
+        given = any(argument.startswith("hydra.run.dir=") for argument in arguments)
+        launch(composed, None, composed.hydra.run.dir if given else None)
     if (
         started_by_launcher()
     ):  # after every job: a torchrun rank ends like a local one (see end_launched_rank)
