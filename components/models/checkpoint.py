@@ -92,6 +92,35 @@ def _pread_into(fd: int, tensor: torch.Tensor, position: int) -> None:
         done += got
 
 
+def index_errors(folder: Path) -> list[str]:
+    """Why the folder's ``model.safetensors.index.json`` cannot be followed (one phrase each): not a
+    ``weight_map`` of names to files, or naming a file outside the folder (``../``, an absolute
+    path, a link out) or missing. Nothing when there is no index or it is sound."""
+    index = Path(folder) / INDEX_FILE
+    if not index.is_file():
+        return []
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as error:
+        return [f"{index} cannot be read ({str(error).splitlines()[0][:120]})"]
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(file, str) for file in weight_map.values()
+    ):
+        return [f"{index} has no weight_map of tensor names to file names"]
+    inside, errors = Path(folder).resolve(), []
+    for file in sorted(set(weight_map.values())):
+        tensor = next(name for name, named in weight_map.items() if named == file)
+        path = (Path(folder) / file).resolve()
+        if not path.is_relative_to(inside):
+            errors.append(
+                f"{index} names {file!r} (for {tensor}), outside the model folder: a model's "
+                "weights must be files in its own folder"
+            )
+        elif not path.is_file():
+            errors.append(f"{index} names {file!r} (for {tensor}), which does not exist")
+    return errors
+
+
 class Checkpoint:
     """The safetensors files of one Hugging Face folder, open for slice reads while used as a
     context."""
@@ -100,6 +129,8 @@ class Checkpoint:
         self.folder = Path(folder)
         index, single = self.folder / INDEX_FILE, self.folder / SINGLE_FILE
         if index.is_file():
+            if errors := index_errors(self.folder):
+                raise ValueError("; ".join(errors))
             self._file_of: dict[str, str] = json.loads(index.read_text())["weight_map"]
         elif single.is_file():
             self._file_of = dict.fromkeys(_read_header(single)[1], SINGLE_FILE)

@@ -15,6 +15,8 @@ from torch import nn
 from transformers import AutoTokenizer
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
+from components.models.checkpoint import Checkpoint, find_source, index_errors
+
 # The files through which transformers would import the folder's code (each may hold an auto_map).
 CODE_BEARING_FILES = (
     "config.json",
@@ -81,6 +83,8 @@ def _header_shapes(path: Path) -> dict[str, tuple[int, ...]]:
 def check_model_folder(folder: Path, model: nn.Module) -> list[str]:
     """Why the weights in ``folder`` cannot be loaded into ``model`` (a meta-device build of its
     config), each problem one phrase naming the folder and the file; empty when they can."""
+    if errors := index_errors(folder):
+        return errors
     files = weight_files(folder)
     if not files:
         pickled = sorted(path.name for path in Path(folder).glob("*.bin"))
@@ -108,7 +112,32 @@ def check_model_folder(folder: Path, model: nn.Module) -> list[str]:
         ]
         if wrong:
             errors.append(f"{path} holds tensors of another shape: {'; '.join(wrong[:3])}")
-    return errors
+    return errors or missing_tensor_errors(folder, model)
+
+
+def missing_tensor_errors(folder: Path, model: nn.Module) -> list[str]:
+    """The model's tensors ``folder`` does not hold (as the loader looks for them: under their own
+    name, as per-expert tensors, or as a tied partner), named in one phrase; nothing when all are
+    there. An untied ``lm_head.weight`` must be stored: it is not the embedding."""
+    ties = getattr(model, "all_tied_weights_keys", None) or {}
+    tied = {**ties, **{source: target for target, source in ties.items()}}
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    missing = []
+    with Checkpoint(folder) as checkpoint:
+        for name, tensor in model.state_dict().items():
+            try:
+                find_source(checkpoint, name, tuple(tensor.shape), model_type, tied)
+            except KeyError:
+                missing.append(name)
+    if not missing:
+        return []
+    more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+    untied = "lm_head.weight" in missing and not getattr(model.config, "tie_word_embeddings", True)
+    why = " (config.json has tie_word_embeddings=false: the head is a tensor of its own)"
+    return [
+        f"model folder {folder} lacks {', '.join(missing[:3])}{more}{why if untied else ''}: its "
+        "weights are not a checkpoint of the model its config.json describes"
+    ]
 
 
 def check_tokenizer_folder(folder: Path) -> list[str]:

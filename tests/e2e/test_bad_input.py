@@ -16,6 +16,7 @@ from pathlib import Path
 
 import datasets
 import pytest
+from safetensors.torch import load_file, save_file
 
 from components.data import DEFAULT_VOCAB_SIZE, train_tokenizer
 from components.models import build_causal_lm, tiny_config
@@ -186,6 +187,15 @@ CASES: dict[str, tuple[list[str], str]] = {
         "holds tensors of another shape: model.layers.0.mlp.down_proj.weight [64, 96] (the model "
         "wants [64, 128])",
     ),
+    "a safetensors index naming a file outside the folder": (
+        ["model=pretrained", "model.pretrained_path={root}/index_outside"],
+        "model.safetensors.index.json names '../outside.safetensors' (for lm_head.weight), "
+        "outside the model folder",
+    ),
+    "an untied model folder without lm_head.weight": (
+        ["model=pretrained", "model.pretrained_path={root}/no_head"],
+        "lacks lm_head.weight (config.json has tie_word_embeddings=false",
+    ),
     "a model folder without a tokenizer": (
         ["model=pretrained", "model.pretrained_path={root}/no_tokenizer"],
         "has no tokenizer that loads",
@@ -289,8 +299,29 @@ def model_folders(root: Path) -> None:
         if name != "no_tokenizer":
             tokenizer.save_pretrained(root / name)
     (root / "no_weights" / "model.safetensors").unlink()
+    untied_folders(root, tokenizer)
     weights = root / "truncated" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
+
+
+def untied_folders(root: Path, tokenizer) -> None:
+    """Untied tiny Llamas: one without lm_head.weight, one whose index names a file beside it."""
+    config = tiny_config("llama", vocab_size=len(tokenizer), tie_word_embeddings=False)
+    for name in ("no_head", "index_outside"):
+        build_causal_lm(config, seed=0).save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+    weights = root / "no_head" / "model.safetensors"
+    tensors = load_file(weights)
+    save_file({k: v for k, v in tensors.items() if k != "lm_head.weight"}, weights)
+    folder = root / "index_outside"
+    head = {"lm_head.weight": tensors.pop("lm_head.weight")}
+    save_file(head, root / "outside.safetensors")
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    weight_map = {
+        **dict.fromkeys(tensors, "model.safetensors"),
+        **dict.fromkeys(head, "../outside.safetensors"),
+    }
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
 
 
 def inputs(root: Path) -> None:

@@ -1,0 +1,69 @@
+"""A model folder is checked before any rank loads it: an index naming files outside the folder and
+a checkpoint without a tensor the model needs are each one phrase naming the cause."""
+
+import json
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from components.models import build_causal_lm, meta_causal_lm, tiny_config
+from components.models.checkpoint import INDEX_FILE, Checkpoint, index_errors
+from components.models.folder_check import check_model_folder
+
+
+@pytest.fixture(scope="module")
+def untied(tmp_path_factory):
+    """An untied tiny Llama saved as two shards with an index, and its config."""
+    config = tiny_config("llama", tie_word_embeddings=False)
+    folder = tmp_path_factory.mktemp("untied")
+    build_causal_lm(config, seed=0).save_pretrained(folder, max_shard_size="100KB")
+    assert (folder / INDEX_FILE).is_file()
+    return folder, config
+
+
+def copy_of(folder, into):
+    into.mkdir()
+    for path in folder.iterdir():
+        (into / path.name).write_bytes(path.read_bytes())
+    return into
+
+
+def test_a_sound_sharded_folder_passes(untied):
+    folder, config = untied
+    assert index_errors(folder) == []
+    assert check_model_folder(folder, meta_causal_lm(config)) == []
+
+
+def test_an_index_naming_a_file_outside_the_folder_is_refused(untied, tmp_path):
+    folder, config = untied
+    copy = copy_of(folder, tmp_path / "model")
+    index = json.loads((copy / INDEX_FILE).read_text())
+    moved = index["weight_map"]["lm_head.weight"]
+    (copy / moved).rename(tmp_path / moved)  # the shard exists, but beside the folder
+    index["weight_map"] = {
+        name: f"../{file}" if file == moved else file for name, file in index["weight_map"].items()
+    }
+    (copy / INDEX_FILE).write_text(json.dumps(index))
+    errors = check_model_folder(copy, meta_causal_lm(config))
+    assert len(errors) == 1 and f"names '../{moved}'" in errors[0], errors
+    assert "outside the model folder" in errors[0]
+    with pytest.raises(ValueError, match="outside the model folder"):
+        Checkpoint(copy)  # the loader refuses it too
+
+
+def test_an_untied_folder_without_lm_head_is_refused_naming_it(tmp_path):
+    config = tiny_config("llama", tie_word_embeddings=False)
+    build_causal_lm(config, seed=0).save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    tensors = load_file(weights)
+    del tensors["lm_head.weight"]
+    save_file(tensors, weights, metadata={"format": "pt"})
+    errors = check_model_folder(tmp_path, meta_causal_lm(config))
+    assert len(errors) == 1 and "lacks lm_head.weight (config.json has" in errors[0], errors
+
+
+def test_a_tied_folder_without_lm_head_passes(tmp_path):
+    config = tiny_config("llama", tie_word_embeddings=True)
+    build_causal_lm(config, seed=0).save_pretrained(tmp_path)
+    assert "lm_head.weight" not in load_file(tmp_path / "model.safetensors")
+    assert check_model_folder(tmp_path, meta_causal_lm(config)) == []
