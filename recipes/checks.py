@@ -14,6 +14,7 @@ the world; batch sizes and (with ``sp``) the sequence length that do not divide;
 exists, that every record keeps answer tokens within ``train.seq_len``.
 """
 
+import difflib
 import math
 import os
 import re
@@ -73,7 +74,61 @@ def compose(overrides: list[str]) -> DictConfig:
             )
     except (HydraException, OmegaConfBaseException) as error:
         message = _with_group_options(str(error) or str(error.__cause__))
-        fail([Problem(key="overrides", message=message)])
+        fail([Problem(key="overrides", message=_append_advice(message, overrides))])
+
+
+def _append_advice(message: str, overrides: list[str]) -> str:
+    """Hydra's "Could not override 'train.max_stpes'. To append to your config use
+    +train.max_stpes=5", kept only when that ``+`` override then passes the checks; else what it
+    would be refused with, and the known key of the closest name."""
+    found = re.search(
+        r"Could not override '([^']+)'\.\s+To append to your config use \+(\S+)", message
+    )
+    if found is None:
+        return message
+    key = found[1]
+    given = [override.partition("=")[0] == key for override in overrides]
+    appended = [f"+{o}" if is_key else o for o, is_key in zip(overrides, given, strict=True)]
+    rest = [o for o, is_key in zip(overrides, given, strict=True) if not is_key]
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            settings, refused = _validated(hydra_compose(config_name="config", overrides=appended))
+            known = _dotted_keys(OmegaConf.to_container(hydra_compose("config", overrides=rest)))
+    except (HydraException, OmegaConfBaseException):
+        return message  # Hydra would refuse the + too: its own words
+    refused = refused or _open_group_problems(settings)
+    if not (why := [problem.message for problem in refused if key in problem.message]):
+        return message
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
+    meant = f"; did you mean {close[0]}?" if close else ""
+    return f"Could not override '{key}', and +{key} is refused too: {why[0].splitlines()[0]}{meant}"
+
+
+def _open_group_problems(settings: Config) -> list[Problem]:
+    """The keys of the groups the schema leaves open (an optimizer's or logger's options, a model
+    family's config), as their own checks judge them."""
+    optim, logger, model = settings.optim, settings.logger, settings.model
+    fixed = {"output_dir", "first_step"}
+    found = problems(
+        "optim",
+        check_target("optim", optim.target, optim.options(), torch.optim.Optimizer, {"params"}),
+    )
+    found += problems(
+        "logger", check_target("logger", logger.target, logger.options(), object, fixed)
+    )
+    if model.pretrained_path is None and model.source is None:
+        found += problems("model.config", config_errors(model.family, model.config))
+    return found
+
+
+def _dotted_keys(tree: dict, prefix: str = "") -> list[str]:
+    """Every key of a config as a dotted path, groups and leaves."""
+    keys = []
+    for name, value in tree.items():
+        keys.append(f"{prefix}{name}")
+        if isinstance(value, dict):
+            keys += _dotted_keys(value, f"{prefix}{name}.")
+    return keys
 
 
 def _with_group_options(message: str) -> str:
