@@ -2,6 +2,7 @@
 the same pass."""
 
 import json
+import os
 import random
 
 import numpy as np
@@ -201,3 +202,20 @@ def test_the_tokenizer_digest_follows_the_special_tokens_a_chat_template_renders
         "<|begin|>"  # same vocabulary, merges and ids: only the string a template would print
     )
     assert tokenizer_digest(renamed) != tokenizer_digest(tokenizer)
+
+
+def test_a_file_rewritten_with_the_same_size_and_mtime_is_tokenized_again(tokenizer_dir, tmp_path):
+    path = tmp_path / "data.jsonl"
+    records = [{"prompt": f"Add {i} and 1", "response": str(i + 1)} for i in range(10)]
+    _jsonl(path, records)
+    source = JsonlSource(path=str(path), num_examples=None, val_fraction=0.0)
+    first = prepare(source, tokenizer_dir, tmp_path / "cache")
+    stat = path.stat()
+    swapped = [{"prompt": f"Add {i} and 2", "response": str(i + 1)} for i in range(10)]
+    _jsonl(path, swapped)  # one digit per record: the same size
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # and the same mtime (cp -p, touch -r)
+    assert (path.stat().st_size, path.stat().st_mtime_ns) == (stat.st_size, stat.st_mtime_ns)
+    second = prepare(source, tokenizer_dir, tmp_path / "cache")
+    assert not second.reused and second.folder != first.folder
+    os.utime(path)  # touched only: the same bytes, so the same tokens
+    assert prepare(source, tokenizer_dir, tmp_path / "cache").folder == second.folder
