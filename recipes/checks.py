@@ -18,6 +18,7 @@ import difflib
 import math
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -336,6 +337,8 @@ def prepare_run_data(
             "raise data.val_fraction or set train.val_every=0"
         )
         return None, [Problem(key="train.val_every", message=too_few)]
+    if prepared.repaired:
+        say(f"warning: {prepared.repaired}: made again from the data", file=sys.stderr)
     how = "reused from the cache" if prepared.reused else "written to the cache"
     rows = f"{prepared.train.num_rows} training rows, {val_rows} validation rows"
     say(f"data: tokenized data {how}: {prepared.folder} ({rows})")

@@ -30,7 +30,7 @@ from transformers import AutoTokenizer
 from components.data.collate import check_template, record_error, tokenize_batch
 from components.data.jsonl import DataError
 from components.data.loader import TokenizedSplit, open_tokens, pad_id_of
-from components.data.packing import build_rows
+from components.data.packing import Rows, build_rows
 from components.data.sources import DataSource
 from components.data.tokenizer import DEFAULT_VOCAB_SIZE, train_tokenizer
 from components.runtime.launch import die_with_parent, process_exists
@@ -64,6 +64,7 @@ class PreparedData:
     folder: str
     reused: bool  # the tokenized records came from the cache
     tokenizer_digest: str  # of the tokenizer that made them (:func:`tokenizer_digest`)
+    repaired: str | None = None  # what was damaged in the cache and made again, if anything
 
 
 def data_cache_dir(cache_root: str | Path) -> Path:
@@ -216,6 +217,65 @@ def _write_rows(folder: Path, val_fraction: float, seed: int, packing: bool, seq
     return rows_file
 
 
+def writable_cache(cache_root: str | Path) -> Path:
+    """The data folder of the cache, created and shown writable.
+
+    Raises:
+        DataError: Naming the folder and why (not a folder, read-only, no space), and the fix.
+    """
+    folder = data_cache_dir(cache_root)
+    probe = folder / f".probe.{os.getpid()}.tmp"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise DataError(
+            f"the cache folder {folder} cannot be written ({error.strerror or error}): set "
+            "SHARDTUNE_CACHE (or cache_dir=) to a writable folder"
+        ) from None
+    return folder
+
+
+def _tokens_damage(folder: Path, seq_len: int) -> str | None:
+    """Why the tokens cached in ``folder`` cannot be used (meta.json unreadable, Arrow files that do
+    not open or hold another number of records), or None when they can."""
+    try:
+        meta = json.loads((folder / "meta.json").read_text())
+        count = int(meta["num_examples"])
+        if meta.get("seq_len") != seq_len:
+            return f"meta.json says seq_len {meta.get('seq_len')}, not {seq_len}"
+        tokens = open_tokens(str(folder / "tokens"))
+    except Exception as error:  # noqa: BLE001 - a damaged file raises any of several errors
+        return f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
+    if tokens.features != TOKENS or len(tokens) != count:
+        return f"the tokens hold {len(tokens)} records where meta.json says {count}"
+    return None
+
+
+def _rows_damage(rows_file: Path, count: int, val_fraction: float, seed: int) -> str | None:
+    """Why the split and row boundaries in ``rows_file`` are not those of ``count`` records split by
+    (``val_fraction``, ``seed``): another order, boundaries outside the order, sizes that differ.
+    None when they are."""
+    try:
+        with np.load(rows_file) as arrays:
+            parts = {part: Rows.load_from(arrays, part) for part in ("train", "val")}
+    except Exception as error:  # noqa: BLE001 - a damaged file raises any of several errors
+        return f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
+    expected = dict(zip(("train", "val"), split_indices(count, val_fraction, seed), strict=True))
+    for part, rows in parts.items():
+        offsets, order = rows.offsets, rows.order
+        if not np.array_equal(order, expected[part]):
+            given = f"{len(expected[part])} that seed {seed} and val_fraction {val_fraction!r} give"
+            return f"its {part} split holds {len(order)} records, not the {given}"
+        bounded = len(offsets) > 0 and offsets[0] == 0 and offsets[-1] == len(order)
+        if not bounded or np.any(np.diff(offsets) <= 0):
+            return f"its {part} row boundaries do not cover the split"
+        if not len(rows.tokens) == len(rows.labelled) == len(offsets) - 1:
+            return f"its {part} row sizes do not match its rows"
+    return None
+
+
 def prepare_data(
     source: DataSource,
     tokenizer_dir: str | Path,
@@ -247,13 +307,21 @@ def prepare_data(
     key = hashlib.sha256(
         f"{FORMAT_VERSION}|{source.fingerprint()}|{digest}|{seq_len}".encode()
     ).hexdigest()[:20]
-    folder = data_cache_dir(cache_root) / key
-    reused = (folder / "meta.json").is_file()
+    folder = writable_cache(cache_root) / key
+    repaired = _tokens_damage(folder, seq_len) if folder.exists() else None
+    if repaired is not None:  # made again, from the records
+        repaired = f"the cached tokens in {folder} were damaged ({repaired})"
+        shutil.rmtree(folder, ignore_errors=True)
+    reused = folder.exists()
     if not reused:
-        folder.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_scratch(folder.parent)
         _tokenize(source, tokenizer, seq_len, num_proc, Path(cache_root), folder)
     rows_file = _write_rows(folder, source.val_fraction, seed, packing, seq_len)
+    count = json.loads((folder / "meta.json").read_text())["num_examples"]
+    if why := _rows_damage(rows_file, count, source.val_fraction, seed):
+        repaired = f"the cached split {rows_file} was damaged ({why.strip()})"
+        rows_file.unlink(missing_ok=True)
+        rows_file = _write_rows(folder, source.val_fraction, seed, packing, seq_len)
     with np.load(rows_file) as rows:
         counts = {
             part: (len(rows[f"{part}_order"]), len(rows[f"{part}_offsets"]) - 1)
@@ -279,6 +347,7 @@ def prepare_data(
         folder=str(folder),
         reused=reused,
         tokenizer_digest=digest,
+        repaired=repaired,
     )
 
 
@@ -291,6 +360,7 @@ def cached_tokenizer(source: DataSource, cache_root: str | Path) -> Path:
         data_cache_dir(cache_root) / "tokenizers" / f"{source.fingerprint()}-{DEFAULT_VOCAB_SIZE}"
     )
     if not folder.is_dir():
+        writable_cache(cache_root)
         remove_stale_scratch(folder.parent)
         private = folder.with_name(f"{folder.name}.{os.getpid()}.tmp")
         train_tokenizer(source.texts(source_cache_dir(cache_root)), DEFAULT_VOCAB_SIZE, private)

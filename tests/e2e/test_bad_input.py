@@ -264,6 +264,11 @@ CASES: dict[str, tuple[list[str], str]] = {
         ["logger=mlflow", "logger.tracking_uri=http://127.0.0.1:9"],
         "logger.tracking_uri='http://127.0.0.1:9' cannot be reached (127.0.0.1:9: ",
     ),
+    "a cache that cannot be written": (
+        ["cache_dir={root}/a_file"],
+        "the cache folder {root}/a_file/data cannot be written (Not a directory): set "
+        "SHARDTUNE_CACHE (or cache_dir=) to a writable folder",
+    ),
     "several problems at once": (
         ["tp=two", "optim.lr=0", "train.micro_batch_size=0"],
         "tp='two' is not valid: use a positive integer, e.g. tp=2; train.micro_batch_size=0 is "

@@ -4,6 +4,7 @@ the same pass."""
 import json
 import os
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -219,3 +220,38 @@ def test_a_file_rewritten_with_the_same_size_and_mtime_is_tokenized_again(tokeni
     assert not second.reused and second.folder != first.folder
     os.utime(path)  # touched only: the same bytes, so the same tokens
     assert prepare(source, tokenizer_dir, tmp_path / "cache").folder == second.folder
+
+
+def test_a_tampered_split_is_detected_and_written_again(tokenizer_dir, tmp_path):
+    first = prepare(SOURCE, tokenizer_dir, tmp_path)
+    rows_file = Path(first.train.rows_file)
+    arrays = dict(np.load(rows_file))
+    for name, keep in (("order", 1), ("offsets", 2), ("tokens", 1), ("labelled", 1)):
+        arrays[f"train_{name}"] = arrays[f"train_{name}"][:keep]  # one record left to train on
+    np.savez(rows_file, **arrays)
+    again = prepare(SOURCE, tokenizer_dir, tmp_path)
+    assert again.reused and again.train.num_examples == 108 and again.train.num_rows == 108
+    assert "its train split holds 1 records, not the 108" in again.repaired
+    assert prepare(SOURCE, tokenizer_dir, tmp_path).repaired is None
+
+
+@pytest.mark.parametrize("damage", ["meta.json", "truncated tokens", "another count"])
+def test_damaged_cached_tokens_are_tokenized_again(tokenizer_dir, tmp_path, damage):
+    first = prepare(SOURCE, tokenizer_dir, tmp_path)
+    folder = Path(first.folder)
+    if damage == "meta.json":
+        (folder / "meta.json").write_text("garbage")
+    elif damage == "truncated tokens":
+        arrow = next((folder / "tokens").glob("*.arrow"))
+        arrow.write_bytes(arrow.read_bytes()[:1000])
+    else:
+        (folder / "meta.json").write_text(json.dumps({"num_examples": 1, "seq_len": 48}))
+    again = prepare(SOURCE, tokenizer_dir, tmp_path)
+    assert not again.reused and again.repaired.startswith(f"the cached tokens in {folder}")
+    assert again.train.num_examples == 108 and again.val.num_examples == 12
+
+
+def test_a_cache_that_cannot_be_written_is_one_line(tokenizer_dir, tmp_path):
+    (tmp_path / "a_file").write_text("not a folder")
+    with pytest.raises(DataError, match=r"the cache folder .*a_file/data cannot be written \(Not"):
+        prepare(SOURCE, tokenizer_dir, tmp_path / "a_file")
