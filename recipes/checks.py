@@ -407,7 +407,7 @@ def plan_run(
     # bad data is refused before the folder is claimed
     data, found = prepare_run_data(settings, source, tokenizer_dir, dims)
     _refuse(found)
-    info = run_info(settings, config, data.tokenizer_digest)
+    info = run_info(settings, config, data.tokenizer_digest, source)
     (lock, resume_from, record), found = _claim_output_dir(settings, output, info)
     _refuse(found)
     threads = cpu_threads_per_rank(

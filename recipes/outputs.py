@@ -26,6 +26,7 @@ from components.checkpoint.integrity import (
     retire_checkpoints_after,
     state_dict_shapes,
 )
+from components.data.sources import DataSource
 from components.models import meta_causal_lm
 from components.runtime.output_dir import (
     OutputDirError,
@@ -133,12 +134,26 @@ def _not_a_checkpoint(resume: str | None) -> list[str]:
     ]
 
 
-def run_info(settings: Config, model_config, tokenizer_digest: str) -> dict[str, Any]:
+# The tensor shapes of each model fingerprint run_info made (a resume that differs names a tensor).
+_SHAPES: dict[str, dict[str, tuple[int, ...]]] = {}
+
+
+def run_info(
+    settings: Config, model_config, tokenizer_digest: str, source: DataSource | None = None
+) -> dict[str, Any]:
     """What a checkpoint of this run records, and what a resume must match (tp, dp and ep may
     change). The tokenizer's digest is part of it: a model built from its config gets a tokenizer
     trained on the data, whose ids change with the data (``data.num_examples``, ``seed``, an edited
-    file) at the same vocabulary size."""
+    file) at the same vocabulary size. So are the data (``source``: which, and its fingerprint),
+    ``seed`` (the data order) and ``data.val_fraction`` (the split): a resume that changes them
+    trains on another timeline's data, or validates on records it trained on."""
     shapes = state_dict_shapes(meta_causal_lm(model_config))
+    _SHAPES[model_fingerprint(shapes)] = shapes
+    data = {}
+    if source is not None:
+        path = getattr(source, "path", None)
+        origin = f"data.path={path}" if path else "data=generated"
+        data = {"data": {"source": origin, "fingerprint": source.fingerprint()}}
     return {
         "model": model_fingerprint(shapes),
         "tokenizer": tokenizer_digest,
@@ -146,6 +161,9 @@ def run_info(settings: Config, model_config, tokenizer_digest: str) -> dict[str,
         "global_batch_size": settings.train.global_batch_size,
         "seq_len": settings.train.seq_len,
         "packing": settings.train.packing,
+        "seed": settings.seed,
+        "data.val_fraction": settings.data.model_dump().get("val_fraction"),
+        **data,
     }
 
 
@@ -168,7 +186,8 @@ def choose_checkpoint(settings: Config, checkpoints: Path, info: dict[str, Any])
     except CheckpointError as error:
         why = f"checkpoint.resume={show(resume)}: {error}"
         raise OwnershipError(why, "checkpoint.resume") from None
-    if mismatches := resume_problems(summary, info, settings.train.max_steps):
+    shapes = _SHAPES.get(info.get("model"))
+    if mismatches := resume_problems(summary, info, settings.train.max_steps, shapes):
         why = f"cannot resume from {summary.path}: {'; '.join(mismatches)}"
         raise OwnershipError(why, "checkpoint.resume")
     return summary.path

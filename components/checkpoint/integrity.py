@@ -326,22 +326,67 @@ def state_dict_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     }
 
 
+def tensor_difference(
+    shapes: Mapping[str, Sequence[int]], recorded: Mapping[str, Sequence[int]]
+) -> str:
+    """The first model tensor (by name) that ``recorded`` (a checkpoint's) lacks, has beside the
+    model's, or holds in another shape, as one phrase."""
+    for name in sorted(set(shapes) | set(recorded)):
+        mine, theirs = shapes.get(name), recorded.get(name)
+        if mine is None:
+            return f"the model is not the checkpoint's: the checkpoint has {name}, this model not"
+        if theirs is None:
+            return f"the model is not the checkpoint's: {name} is not in the checkpoint"
+        if list(mine) != list(theirs):
+            return (
+                f"the model is not the checkpoint's: {name} is {list(mine)} here but "
+                f"{list(theirs)} in the checkpoint"
+            )
+    return "the model is not the checkpoint's (the same tensors, recorded under another hash)"
+
+
 def model_fingerprint(shapes: Mapping[str, Sequence[int]]) -> str:
     """A short stable hash of tensor names and global shapes (for ``run_info``)."""
     canonical = json.dumps({name: list(shape) for name, shape in sorted(shapes.items())})
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
+# run_info keys that checkpoints written before them lack: those are not refused for them.
+LATER_KEYS = ("seed", "data.val_fraction", "data")
+
+
 def resume_problems(
-    summary: CheckpointSummary, expected: Mapping[str, Any], max_steps: int
+    summary: CheckpointSummary,
+    expected: Mapping[str, Any],
+    max_steps: int,
+    shapes: Mapping[str, Sequence[int]] | None = None,
 ) -> list[str]:
     """Why the run described by ``expected`` (the ``run_info`` it would save) and ``max_steps``
-    cannot resume from ``summary``: one phrase per key whose recorded value differs, and one if
-    ``max_steps`` is not beyond the checkpoint's step. Empty when it can."""
+    cannot resume from ``summary``: one phrase per key whose recorded value differs (the model by
+    its first differing tensor when its ``shapes`` are given), and one if ``max_steps`` is not
+    beyond the checkpoint's step. Empty when it can."""
     problems = []
     for key, value in expected.items():
+        if key in LATER_KEYS and key not in summary.run_info:
+            continue
         recorded = summary.run_info.get(key, "<not recorded>")
-        if recorded != value:
+        if recorded == value:
+            continue
+        if key == "model" and shapes is not None:
+            problems.append(tensor_difference(shapes, summary.parameter_shapes))
+        elif key == "data" and isinstance(recorded, dict) and isinstance(value, dict):
+            now, then = value.get("source"), recorded.get("source")
+            problems.append(
+                f"the data ({now}) has changed since the checkpoint was trained on it"
+                if now == then
+                else f"the data is {now}, not the {then} the checkpoint was trained on"
+            )
+        elif key == "tokenizer":
+            problems.append(
+                "the tokenizer is not the checkpoint's (its vocabulary, merges, chat template or "
+                "special tokens differ; a tokenizer trained on the data follows the data)"
+            )
+        else:
             problems.append(f"{key} is {value!r} but the checkpoint was written with {recorded!r}")
     if max_steps <= summary.step:
         problems.append(
