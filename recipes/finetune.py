@@ -42,6 +42,7 @@ from components.moe import ExpertLoad, router_aux_loss_weight
 from components.runtime import preemption
 from components.runtime.launch import (
     end_launched_rank,
+    fail_once,
     join_world,
     launch_local,
     started_by_launcher,
@@ -196,18 +197,18 @@ def train_step(run: Run, plan: RunPlan, step: int) -> dict:
     }
 
 
-def train(run: Run, plan: RunPlan) -> str | None:
+def train(run: Run, plan: RunPlan) -> tuple[str | None, int]:
     """The steps after ``run.first_step`` up to ``max_steps`` (or ``stop_after``): metrics,
     validation, saves. Returns the name of the signal that stopped the run early (with a checkpoint
-    of its step), or None."""
+    of its step), or None; and how many steps were skipped as non-finite."""
     settings, train_cfg = plan.settings, plan.settings.train
     log, tracker, writer = _open_outputs(run, plan)
-    stopped, done = None, run.first_step  # done: the last step done
+    stopped, done, skipped = None, run.first_step, 0  # done: the last step done
     state = (run.model, run.optimizer, run.scheduler)
     last = min(train_cfg.max_steps, train_cfg.stop_after or train_cfg.max_steps)
     for step in range(run.first_step, last):
         record = train_step(run, plan, step)
-        done = step + 1
+        done, skipped = step + 1, skipped + bool(record.get("skipped"))
         if _validation_due(plan, done) and run.val_data is not None:
             record["val_loss"] = _validation_loss(run, plan)
         log.log(record)
@@ -227,7 +228,7 @@ def train(run: Run, plan: RunPlan) -> str | None:
     tracker.close()
     if stopped is not None and run.rank == 0:
         _print_stop_note(stopped, done, plan, writer)
-    return stopped
+    return stopped, skipped
 
 
 def _open_outputs(run: Run, plan: RunPlan) -> tuple[MetricsLog, MetricsLogger, CheckpointWriter]:
@@ -292,10 +293,32 @@ def _print_stop_note(stopped: str, done: int, plan: RunPlan, writer: CheckpointW
     )
 
 
-def finish(run: Run, plan: RunPlan, stopped: bool = False) -> None:
+# A run with more than this share of its steps skipped as non-finite (train.on_nonfinite=skip)
+# fails: its model is barely trained, so it is not exported (skip is for the rare bad batch).
+MOST_SKIPPED = 0.5
+
+
+def skipped_verdict(skipped: int, steps: int) -> tuple[bool, str | None]:
+    """(whether the run fails, the line saying how many of its ``steps`` were ``skipped`` as
+    non-finite; None when none were)."""
+    if not skipped:
+        return False, None
+    fails = skipped > MOST_SKIPPED * steps
+    what = f"{skipped} of {steps} steps {'was' if skipped == 1 else 'were'} skipped as non-finite"
+    if fails:
+        return True, (
+            f"{what} (train.on_nonfinite=skip; more than {MOST_SKIPPED:.0%} fails the run): the "
+            "model is barely trained, so hf/ was not exported; metrics.jsonl and any checkpoints "
+            "are kept. Lower optim.lr, set train.clip_grad_norm, or use train.on_nonfinite=stop"
+        )
+    return False, f"warning: {what} (train.on_nonfinite=skip): their updates were not applied"
+
+
+def finish(run: Run, plan: RunPlan, stopped: bool = False, skipped: int = 0) -> None:
     """The replica drift report (any drift stops the run before export), the export and the loss
     curve; after a stop signal (``stopped``) only the loss curve: the run is to be resumed, and soon
-    killed."""
+    killed. More than :data:`MOST_SKIPPED` of the run's steps ``skipped`` as non-finite: no export,
+    and the run fails with one ``error:`` line."""
     from transformers import AutoTokenizer
 
     from components.checkpoint.export import export_dtype, export_hf
@@ -305,7 +328,9 @@ def finish(run: Run, plan: RunPlan, stopped: bool = False) -> None:
         write_drift_report([run.model], run.mesh, output_dir / "replica_drift.json", run.rank)
     train = settings.train
     ended = (train.stop_after or train.max_steps) >= train.max_steps and not stopped
-    if settings.checkpoint.export and ended:
+    last = min(train.max_steps, train.stop_after or train.max_steps)
+    fails, note = skipped_verdict(skipped, last - run.first_step) if not stopped else (False, None)
+    if settings.checkpoint.export and ended and not fails:
         source = plan.model.weights
         export_hf(
             run.model,
@@ -320,8 +345,13 @@ def finish(run: Run, plan: RunPlan, stopped: bool = False) -> None:
         )
     if run.rank == 0 and (output_dir / "metrics.jsonl").exists():
         plot_loss_curve(output_dir / "metrics.jsonl", output_dir / "loss.png")
-        say(done_line(plan, ended, exported=settings.checkpoint.export and ended))
+        if note and not fails:
+            say(note, file=sys.stderr)
+        if not fails:
+            say(done_line(plan, ended, exported=settings.checkpoint.export and ended))
     dist.destroy_process_group()
+    if fails:
+        fail_once(note)  # every rank exits 1; rank 0 prints the one error: line
 
 
 def done_line(plan: RunPlan, ended: bool, exported: bool) -> str:
@@ -349,8 +379,8 @@ def rank_main(plan: RunPlan) -> str | None:
         ids = [plan.run_id]
         dist.broadcast_object_list(ids, src=0)
         plan = replace(plan, run_id=ids[0])
-    stopped = train(run, plan)
-    finish(run, plan, stopped is not None)
+    stopped, skipped = train(run, plan)
+    finish(run, plan, stopped is not None, skipped)
     return stopped
 
 

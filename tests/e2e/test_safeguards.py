@@ -69,3 +69,14 @@ def test_without_faults_every_replica_is_bitwise_identical_at_the_end(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     drift = json.loads((tmp_path / "replica_drift.json").read_text())
     assert drift["max"] == 0.0 and len(drift["tensors"]) == 5  # 2 layers × 2 norms + the final norm
+
+
+def test_a_run_with_most_steps_skipped_fails_without_exporting(tmp_path):
+    # lr 1e38: after the first update every grad norm is non-finite, so 9 of 10 steps are skipped
+    skip = ["train.on_nonfinite=skip", "optim.lr=1e38", "train.max_steps=10"]
+    result = run(tmp_path, *skip, "checkpoint.export=true")
+    assert result.returncode == 1, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: 9 of 10 steps were skipped as non-finite"), result.stderr[-2000:]
+    assert "hf/ was not exported" in last and "done:" not in result.stdout
+    assert not (tmp_path / "hf").exists() and len(metrics(tmp_path)) == 10
