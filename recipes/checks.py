@@ -44,7 +44,7 @@ from components.models.hub import resolve_model_folder
 from components.models.parallelize import ModelSpec
 from components.moe import check_expert_parallel
 from components.runtime.launch import cpu_threads_per_rank, started_by_launcher
-from components.runtime.output_dir import OutputDirLock, RunRecord
+from components.runtime.output_dir import OutputDirLock, RunRecord, unused_folder
 from components.targets import check_target
 from components.training.loggers import check_logger_available, check_logger_options
 from components.training.optimizer import check_optimizer
@@ -392,10 +392,12 @@ def plan_run(
     train = settings.train
     warmup = min(train.warmup_steps, train.max_steps)  # a longer one is cut to the run, with a note
     output = Path(output_dir or settings.output_dir).expanduser().absolute()
+    per_run = "${now:" in str(OmegaConf.to_container(cfg, resolve=False)["output_dir"])
+    if per_run and output_dir is None:  # two runs in one second: the second gets DATE_TIME_2
+        output = unused_folder(output)
     found, fault = _option_problems(settings, warmup, output)
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     dims, size_problems = check_sizes(settings, device_type)
-    per_run = "${now:" in str(OmegaConf.to_container(cfg, resolve=False)["output_dir"])
     resume = explicit_checkpoint_errors(settings.checkpoint.resume)
     model_path, config, model_problems = resolve_model(settings, dims, device_type)
     source, data_problems = data_source(settings)

@@ -444,8 +444,8 @@ def launch_local(
             max_nodes=1,
             nproc_per_node=nproc,
             run_id=uuid.uuid4().hex,
-            # One node: a static rendezvous. The dynamic (c10d) one costs ~1.3 s per launch here, most
-            # of it in inspect.stack() calls that torch elastic makes to name its log events.
+            # One node: a static rendezvous. The dynamic (c10d) one costs ~1.3 s per launch here,
+            # most of it in inspect.stack() calls that torch elastic makes to name its log events.
             rdzv_backend="static",
             rdzv_endpoint=f"127.0.0.1:{free_port()}",
             rdzv_configs={"rank": 0},

@@ -146,6 +146,16 @@ def lock_output_dir(output_dir: Path) -> OutputDirLock:
     return OutputDirLock(output_dir).acquire()
 
 
+def unused_folder(path: Path) -> Path:
+    """``path``, or ``path_2``, ``path_3``, ... the first that does not exist: a per-run default
+    folder (``outputs/MODEL/DATE_TIME``) for a run that starts in the same second as another."""
+    candidate, number = path, 1
+    while candidate.exists():
+        number += 1
+        candidate = path.with_name(f"{path.name}_{number}")
+    return candidate
+
+
 def write_manifest(folder: Path) -> None:
     """Record every file now under ``folder`` (relative paths) in
     ``folder/.shardtune-files.json``."""

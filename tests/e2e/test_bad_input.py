@@ -7,7 +7,6 @@ assertion.
 
 import json
 import os
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from components.data import DEFAULT_VOCAB_SIZE, train_tokenizer
 from components.models import build_causal_lm, tiny_config
 from components.runtime.output_dir import run_files
+from tests import cli
 
 # The module fixture runs every case (~40 processes of ~5 s of imports each, two at a time) inside
 # the first test's set-up: give it room on a loaded machine.
@@ -403,7 +403,7 @@ def overrides_of(name: str, root: Path) -> list[str]:
 
 def run_case(name: str, root: Path) -> Outcome:
     started = time.monotonic()
-    result = subprocess.run(
+    result = cli.run(
         [sys.executable, "recipes/finetune.py", *overrides_of(name, root)],
         cwd=REPO,
         capture_output=True,
@@ -416,7 +416,7 @@ def run_case(name: str, root: Path) -> Outcome:
 
 def run_checks_only(names: list[str], root: Path) -> dict[str, Outcome]:
     cases = json.dumps({name: overrides_of(name, root) for name in names})
-    result = subprocess.run(
+    result = cli.run(
         [sys.executable, "-c", CHECKS_ONLY, cases],
         cwd=REPO,
         capture_output=True,
@@ -479,7 +479,7 @@ def test_bad_input_gives_one_error_line(case, outcomes):
     ids=["bad schedule", "sound schedule"],
 )
 def test_a_billion_steps_are_checked_at_once(tmp_path, overrides, expected):
-    result = subprocess.run(
+    result = cli.run(
         [
             sys.executable,
             "recipes/finetune.py",

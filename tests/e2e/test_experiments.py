@@ -3,12 +3,13 @@ the config it ran with, and a tracker chosen by ``logger=`` gets a loss per step
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from tests import cli
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -30,7 +31,7 @@ def test_a_two_job_sweep_leaves_two_folders_with_their_metrics_config_and_events
     ]
     command += ["data.num_examples=200", f"output_dir={sweep}"]
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
+    result = cli.run(
         command, cwd=REPO, capture_output=True, text=True, timeout=600, env=environment
     )
     assert result.returncode == 0, result.stderr[-3000:]

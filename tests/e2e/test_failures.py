@@ -21,6 +21,7 @@ import pytest
 
 from components.checkpoint.integrity import MARKER
 from components.runtime.launch import RankExit, describe_rank_failure
+from tests import cli
 from tests.harness import tiny_model_folder
 
 REPO = Path(__file__).resolve().parents[2]
@@ -64,7 +65,7 @@ def start_recipe(
         open(output_dir.with_suffix(".out"), "w") as out,
         open(output_dir.with_suffix(".err"), "w") as err,
     ):
-        return subprocess.Popen(
+        return cli.Popen(
             command, cwd=REPO, env=environment, stdout=out, stderr=err, start_new_session=True
         )
 
@@ -189,7 +190,7 @@ RAISING_RANKS = textwrap.dedent(
 
 def test_a_rank_that_raises_is_named_with_its_error_and_traceback():
     started = time.monotonic()
-    result = subprocess.run(
+    result = cli.run(
         [sys.executable, "-c", RAISING_RANKS],
         cwd=REPO,
         capture_output=True,

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests import cli
+
 REPO = Path(__file__).resolve().parents[2]
 QUICK = ["train.global_batch_size=4", "train.micro_batch_size=2", "train.val_every=0"]
 QUICK += ["checkpoint.export=false", "data.num_examples=100"]
@@ -20,7 +22,7 @@ QUICK += ["checkpoint.export=false", "data.num_examples=100"]
 def recipe(*arguments: str, cwd: Path = REPO, **kwargs) -> subprocess.CompletedProcess:
     command = [sys.executable, str(REPO / "recipes/finetune.py"), *arguments]
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
+    return cli.run(
         command, cwd=cwd, capture_output=True, text=True, timeout=300, env=environment, **kwargs
     )
 
@@ -44,7 +46,7 @@ def test_a_warmup_longer_than_the_run_is_cut_to_it_with_one_note(tmp_path):
 def imported_modules(*arguments: str) -> tuple[subprocess.CompletedProcess, set[str]]:
     """The command's result and every module it imported (``python -X importtime`` lists them)."""
     command = [sys.executable, "-X", "importtime", "recipes/finetune.py", *arguments]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    result = cli.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
     lines = [
         line.split("|") for line in result.stderr.splitlines() if line.startswith("import time:")
     ]
@@ -119,7 +121,7 @@ def test_the_default_output_dir_is_a_new_folder_per_run_so_a_second_run_is_not_r
 def test_torchrun_needs_an_explicit_output_dir(tmp_path):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1"]
     command = [*torchrun, str(REPO / "recipes/finetune.py"), "train.max_steps=1", *QUICK]
-    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    result = cli.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert result.returncode != 0
     assert "error: output_dir must be given under torchrun" in result.stderr
     assert not (tmp_path / "outputs").exists()

@@ -16,12 +16,13 @@ The runs are Hydra sweeps (``--multirun``): one launcher process per sweep inste
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
+
+from tests import cli
 
 # the module fixture's sweeps (4-rank runs) count against the first test: minutes when a second
 # pytest worker shares the 2 cores and the cache starts empty
@@ -61,7 +62,7 @@ def sweep(output_dir: Path, *overrides: str) -> dict[tuple, Path]:
         *overrides,
     ]
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
+    result = cli.run(
         command, cwd=REPO, capture_output=True, text=True, timeout=600, env=environment
     )
     assert result.returncode == 0, f"{' '.join(command)}\n{result.stderr[-4000:]}"
@@ -133,7 +134,7 @@ def test_a_checkpoint_written_at_tp2_ep4_dp2_resumes_at_tp1_ep2_dp2(runs, tmp_pa
         ),
     ]
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
+    result = cli.run(
         command, cwd=REPO, capture_output=True, text=True, timeout=300, env=environment
     )
     assert result.returncode == 0, result.stderr[-4000:]

@@ -10,9 +10,10 @@ bias's doing) the worst layer's imbalance of steps 2-8 drops well below the unbi
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
+
+from tests import cli
 
 REPO = Path(__file__).resolve().parents[2]
 COMMON = [
@@ -33,7 +34,7 @@ def finetune(*overrides: str, sweep: bool = False) -> None:
     flags = ["--multirun"] if sweep else []
     command = [sys.executable, "recipes/finetune.py", *flags, *COMMON, *overrides]
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
+    result = cli.run(
         command, cwd=REPO, capture_output=True, text=True, timeout=600, env=environment
     )
     assert result.returncode == 0, f"{' '.join(command)}\n{result.stderr[-4000:]}"

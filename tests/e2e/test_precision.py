@@ -14,12 +14,13 @@ Bands (measured on this machine, 3 steps of the tiny Llama):
 
 import json
 import os
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+
+from tests import cli
 
 pytestmark = pytest.mark.timeout(900)  # the module fixture's runs count against the first test
 
@@ -52,7 +53,7 @@ def recipe(output_dir: Path, *overrides: str) -> list[dict]:
         *overrides,
     ]
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
+    result = cli.run(
         command, cwd=REPO, capture_output=True, text=True, timeout=900, env=environment
     )
     assert result.returncode == 0, f"{' '.join(command)}\n{result.stderr[-3000:]}"

@@ -8,11 +8,12 @@ components/models/smollm2.py).
 
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests import cli
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -33,7 +34,7 @@ def test_smollm2_starts_from_a_pretrained_loss(tp, tmp_path):
         "checkpoint.export=false",
         f"output_dir={tmp_path}",
     ]
-    result = subprocess.run(
+    result = cli.run(
         [sys.executable, "recipes/finetune.py", *overrides],
         cwd=REPO,
         capture_output=True,

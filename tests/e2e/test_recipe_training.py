@@ -8,7 +8,6 @@ the order of floating-point sums, so per-step losses agree to ~1e-7 relative (as
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from components.data import GeneratedSource, StepBatches, prepare_data
+from tests import cli
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE = Path(
@@ -43,7 +43,7 @@ def recipe(output_dir: Path, *overrides: str, torchrun: int = 0) -> list[dict]:
     )
     command = [*launcher, "recipes/finetune.py", *COMMON, f"output_dir={output_dir}", *overrides]
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
+    result = cli.run(
         command, cwd=REPO, capture_output=True, text=True, timeout=300, env=environment
     )
     assert result.returncode == 0, f"{' '.join(command)}\n{result.stderr[-4000:]}"

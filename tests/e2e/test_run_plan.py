@@ -3,9 +3,10 @@ and under torchrun each rank reads the data file once at most."""
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
+
+from tests import cli
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = [
@@ -46,7 +47,7 @@ def run(
     environment = {**os.environ, "HOME": str(home), "OMP_NUM_THREADS": "1", **(extra_env or {})}
     environment.pop("SHARDTUNE_CACHE", None)
     command = [*(launcher or [sys.executable]), "recipes/finetune.py", *SMALL, *arguments]
-    result = subprocess.run(
+    result = cli.run(
         command, cwd=REPO, capture_output=True, text=True, timeout=600, env=environment
     )
     assert result.returncode == 0, f"{' '.join(command)}\n{result.stderr[-3000:]}"

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests import cli
+
 REPO = Path(__file__).resolve().parents[2]
 SMALL = [
     "tp=2",
@@ -28,7 +30,7 @@ def run(output_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
         f"output_dir={output_dir}",
         *overrides,
     ]
-    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=180)
+    return cli.run(command, cwd=REPO, capture_output=True, text=True, timeout=180)
 
 
 def metrics(output_dir: Path) -> list[dict]:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import cli
 from tests.harness import tiny_model_folder
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,7 +33,7 @@ def command(output_dir: Path, *overrides: str) -> list[str]:
 
 def run(output_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
+    return cli.run(
         command(output_dir, *overrides),
         cwd=REPO,
         capture_output=True,
@@ -86,7 +87,7 @@ def test_a_fresh_run_never_adopts_another_runs_files(trained, tmp_path):
 def test_a_second_run_into_a_folder_in_use_is_refused_naming_the_holder(tmp_path):
     folder = tmp_path / "busy"
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
-    first = subprocess.Popen(
+    first = cli.Popen(
         command(folder, "train.max_steps=100000"),
         cwd=REPO,
         env=environment,
@@ -218,7 +219,7 @@ def model_folder_with_code(root: Path, where: str) -> Path:
 def test_code_in_a_model_folder_never_runs_and_nothing_asks(tmp_path, where):
     folder = model_folder_with_code(tmp_path, where)
     output = tmp_path / "out"
-    result = subprocess.run(
+    result = cli.run(
         command(output, "train.max_steps=2", "model=pretrained", f"model.pretrained_path={folder}"),
         cwd=REPO,
         capture_output=True,

@@ -19,6 +19,7 @@ from components.runtime.output_dir import (
     config_hash,
     foreign_files,
     read_run_record,
+    unused_folder,
 )
 
 REPO = Path(__file__).resolve().parents[3]
@@ -162,3 +163,12 @@ def test_a_folder_exported_before_manifests_counts_its_usual_files_as_ours(tmp_p
         (tmp_path / "hf" / name).write_text("x")
     assert foreign_files(tmp_path / "hf") == ["notes.txt"]
     assert foreign_files(tmp_path / "missing") == []
+
+
+def test_a_per_run_folder_taken_in_the_same_second_gets_the_next_number(tmp_path):
+    first = tmp_path / "2026-12-01_23-05-48"
+    assert unused_folder(first) == first
+    first.mkdir()
+    assert unused_folder(first) == tmp_path / "2026-12-01_23-05-48_2"
+    (tmp_path / "2026-12-01_23-05-48_2").mkdir()
+    assert unused_folder(first) == tmp_path / "2026-12-01_23-05-48_3"

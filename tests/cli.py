@@ -1,0 +1,312 @@
+"""``run`` and ``Popen`` as in :mod:`subprocess`; ``python script.py ...`` from a warm interpreter.
+
+A recipe run through a fresh interpreter spends ~5 s importing torch, transformers, datasets and
+Hydra before it reads its first argument, and the e2e suite runs ~100 of them. A *zygote* (one per
+test session and import-time environment) imports those once and forks a child per command. The
+child takes the command's arguments, working folder, environment, standard streams and session,
+runs the script as ``__main__`` (``runpy.run_path``, as ``python script.py`` does), then its
+atexit handlers, and exits with the script's status: the caller sees its pid, signals and status as
+a subprocess's. Variables read only after start-up (``LATE_ENVIRONMENT``) may differ from the
+zygote's; any other difference gets its own zygote, so import-time reads (``HF_HOME``,
+``OMP_NUM_THREADS``) stay true. Anything else (``torchrun``, ``python -X ...``, ``python -c``) runs
+as a real subprocess. The zygote only imports, never runs torch work: a fork cannot inherit an
+OpenMP pool's locks.
+"""
+
+import os
+import pickle
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# Our own code reads these when it runs, not at import (and so may differ from the zygote's).
+LATE_ENVIRONMENT = ("SHARDTUNE_", "WANDB_", "MLFLOW_", "COUNT_", "TMPDIR", "NETRC")
+# What a recipe run imports before its first step (the rest is imported by the child itself).
+PRELOAD = (
+    "torch",
+    "torch.distributed.checkpoint",
+    "transformers",
+    "datasets",
+    "hydra",
+    "matplotlib.pyplot",
+    "recipes.finetune",
+    "recipes.checks",
+    "components.models",
+    "components.data",
+    "components.training.step",
+    "components.checkpoint.dcp",
+    "components.runtime.launch",
+)
+MAX_ZYGOTES = 3
+_ZYGOTES: dict[tuple, "_Zygote"] = {}
+
+
+def _is_warm_command(command) -> bool:
+    arguments = [str(part) for part in command] if not isinstance(command, str) else []
+    return len(arguments) >= 2 and arguments[0] == sys.executable and arguments[1].endswith(".py")
+
+
+def _early_environment(env: dict[str, str]) -> tuple:
+    return tuple(sorted((k, v) for k, v in env.items() if not k.startswith(LATE_ENVIRONMENT)))
+
+
+def _send(sock: socket.socket, payload) -> None:
+    data = pickle.dumps(payload)
+    sock.sendall(struct.pack("!I", len(data)) + data)
+
+
+def _receive(sock: socket.socket):
+    header = _read_exactly(sock, 4)
+    return pickle.loads(_read_exactly(sock, struct.unpack("!I", header)[0]))
+
+
+def _read_exactly(sock: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            raise EOFError("the zygote closed the connection")
+        data += chunk
+    return data
+
+
+class _Zygote:
+    """One warm interpreter (``python -m tests.cli``) listening on a Unix socket."""
+
+    def __init__(self, env: dict[str, str]):
+        self.folder = tempfile.mkdtemp(prefix="shardtune-zygote-")
+        self.address = os.path.join(self.folder, "socket")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tests.cli", self.address],
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.PIPE,  # the zygote ends when this pipe closes (with the test session)
+            stdout=subprocess.DEVNULL,
+        )
+
+    def connect(self) -> socket.socket:
+        deadline = time.monotonic() + 120
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.connect(self.address)
+                return sock
+            except (FileNotFoundError, ConnectionRefusedError):
+                sock.close()
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the test zygote did not start") from None
+                time.sleep(0.05)
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(timeout=30)
+
+
+def _zygote_for(env: dict[str, str]) -> _Zygote:
+    key = _early_environment(env)
+    if key not in _ZYGOTES:
+        if len(_ZYGOTES) >= MAX_ZYGOTES:
+            _ZYGOTES.pop(next(iter(_ZYGOTES))).close()
+        _ZYGOTES[key] = _Zygote({k: v for k, v in key})
+    return _ZYGOTES[key]
+
+
+def _descriptor(stream, inherited: int, opened: list) -> int:
+    """The file descriptor the child gets for one standard stream, as ``subprocess`` reads it."""
+    if stream is None:
+        return inherited  # the caller's own stream, as a subprocess inherits it
+    if stream == subprocess.DEVNULL:
+        opened.append(open(os.devnull, "r+b"))  # noqa: SIM115 - closed once sent
+        return opened[-1].fileno()
+    if stream == subprocess.PIPE:
+        raise ValueError("tests.cli has no pipes: give a file")
+    return stream if isinstance(stream, int) else stream.fileno()
+
+
+class WarmProcess:
+    """A command run by a zygote's child: the parts of ``subprocess.Popen`` the tests use."""
+
+    def __init__(self, command, *, cwd=None, env=None, stdin=None, stdout=None, stderr=None,
+                 start_new_session=False):  # fmt: skip
+        env = dict(os.environ if env is None else env)
+        self.args = command
+        self.returncode: int | None = None
+        self._sock = _zygote_for(env).connect()
+        request = {
+            "argv": [str(part) for part in command[1:]],
+            "cwd": str(cwd or os.getcwd()),
+            "env": env,
+            "new_session": start_new_session,
+        }
+        opened = []
+        fds = [_descriptor(s, fd, opened) for fd, s in enumerate((stdin, stdout, stderr))]
+        data = pickle.dumps(request)
+        socket.send_fds(self._sock, [struct.pack("!I", len(data)) + data], fds)
+        for file in opened:
+            file.close()
+        self.pid = _receive(self._sock)
+
+    def poll(self) -> int | None:
+        if self.returncode is None and select.select([self._sock], [], [], 0)[0]:
+            self.returncode = _receive(self._sock)
+            self._sock.close()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            if not select.select([self._sock], [], [], timeout)[0]:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self.poll()
+        return self.returncode
+
+    def send_signal(self, number: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, number)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+
+def Popen(command, **kwargs):  # noqa: N802 - subprocess's name
+    """``subprocess.Popen``, warm for ``python script.py ...`` (see the module docstring)."""
+    if _is_warm_command(command):
+        return WarmProcess(command, **kwargs)
+    return subprocess.Popen(command, **kwargs)
+
+
+def run(command, *, input=None, capture_output=False, text=False, timeout=None, **kwargs):  # noqa: A002
+    """``subprocess.run``, warm for ``python script.py ...``: the same result and exceptions."""
+    if not _is_warm_command(command):
+        return subprocess.run(
+            command, input=input, capture_output=capture_output, text=text, timeout=timeout,
+            **kwargs,
+        )  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="shardtune-cli-") as folder:
+        paths = {name: Path(folder) / name for name in ("stdin", "stdout", "stderr")}
+        paths["stdin"].write_bytes((input.encode() if text else input) if input else b"")
+        with open(paths["stdin"], "rb") as stdin, open(paths["stdout"], "wb") as stdout:
+            with open(paths["stderr"], "wb") as stderr:
+                streams = {"stdin": stdin}
+                if capture_output:
+                    streams |= {"stdout": stdout, "stderr": stderr}
+                process = WarmProcess(command, **streams, **kwargs)
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            raise
+        out, err = (paths["stdout"].read_bytes(), paths["stderr"].read_bytes())
+    if text:
+        out, err = out.decode(errors="replace"), err.decode(errors="replace")
+    if not capture_output:
+        out = err = None
+    return subprocess.CompletedProcess(command, process.returncode, out, err)
+
+
+# --- the zygote's side -------------------------------------------------------------------------
+
+
+def _become_the_command(request: dict, fds: list[int]) -> None:
+    """In the forked child: take the command's place and run its script; never returns."""
+    if request["new_session"]:
+        os.setsid()
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    for fd in fds:
+        os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+    script = request["argv"][0]
+    sys.argv = list(request["argv"])
+    sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python script.py` sets it
+    os._exit(_run_script(script))
+
+
+def _run_script(script: str) -> int:
+    import atexit
+    import runpy
+    import threading
+    import traceback
+
+    code = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as stop:
+        if stop.code is None or isinstance(stop.code, int):
+            code = stop.code or 0
+        else:
+            print(stop.code, file=sys.stderr)
+            code = 1
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        code = -signal.SIGINT
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    for thread in threading.enumerate():  # as the interpreter does at exit
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    if code < 0:  # an uncaught KeyboardInterrupt ends a Python process by SIGINT
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    return code
+
+
+def _serve(address: str) -> None:
+    import importlib
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(address)
+    server.listen(16)
+    waiting: dict[int, socket.socket] = {}
+    while True:
+        readable = select.select([server, sys.stdin], [], [], 0.02)[0]
+        if sys.stdin in readable and not os.read(sys.stdin.fileno(), 1):
+            return  # the test session ended
+        if server in readable:
+            conn, _ = server.accept()
+            message, fds, _, _ = socket.recv_fds(conn, 1 << 16, 8)
+            size = struct.unpack("!I", message[:4])[0]
+            message += _read_exactly(conn, 4 + size - len(message))
+            request = pickle.loads(message[4:])
+            pid = os.fork()
+            if pid == 0:
+                server.close()
+                conn.close()
+                for other in waiting.values():
+                    other.close()
+                _become_the_command(request, fds)
+            for fd in fds:
+                os.close(fd)
+            _send(conn, pid)
+            waiting[pid] = conn
+        while waiting:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            if pid in waiting:
+                conn = waiting.pop(pid)
+                _send(conn, os.waitstatus_to_exitcode(status))
+                conn.close()
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1])
