@@ -150,14 +150,16 @@ def check_sizes(settings: Config, device_type: str) -> tuple[ParallelDims | None
         world_size = settings.nproc
     else:  # a dry run plans the layout asked for, whatever devices this machine has
         cuda = device_type == "cuda" and not settings.dry_run
-        world_size = torch.cuda.device_count() if cuda else (settings.dp or 1) * settings.tp
+        inner = settings.cp * settings.tp
+        world_size = torch.cuda.device_count() if cuda else (settings.dp or 1) * inner
+    sizes = dict(tp=settings.tp, dp=settings.dp, ep=settings.ep, cp=settings.cp)
     try:
-        dims = resolve_parallel_dims(world_size, tp=settings.tp, dp=settings.dp, ep=settings.ep)
+        dims = resolve_parallel_dims(world_size, **sizes)
     except ValueError as error:
         given = settings.nproc is not None or settings.dp is not None
         if started_by_launcher() or given or device_type == "cuda":
             return None, [Problem(key="nproc", message=str(error))]
-        fits = math.lcm(settings.tp, settings.ep)  # the smallest world nproc would start here
+        fits = math.lcm(settings.cp * settings.tp, settings.ep)  # the smallest world to start
         how = f"start {fits} processes here with nproc={fits}, or use torchrun"
         return None, [Problem(key="nproc", message=f"{error}; {how}")]
     train, found = settings.train, []
@@ -182,7 +184,32 @@ def check_sizes(settings: Config, device_type: str) -> tuple[ParallelDims | None
                 f"an equal slice of the sequence): use e.g. train.seq_len={fits}",
             )
         )
-    return dims, found
+    return dims, found + context_parallel_problems(settings, dims)
+
+
+def context_parallel_problems(settings: Config, dims: ParallelDims) -> list[Problem]:
+    """With cp > 1: ``train.seq_len`` must split into ``2·cp`` equal chunks (and, with sp, a rank's
+    share into tp slices); a dry run and ``train.compile`` are not planned for cp yet."""
+    if dims.cp == 1:
+        return []
+    found, seq_len = [], settings.train.seq_len
+    multiple = math.lcm(2 * dims.cp, dims.cp * dims.tp if settings.sp else 1)
+    if seq_len % multiple:
+        why = f"2 × cp ({2 * dims.cp})" if multiple == 2 * dims.cp else f"{multiple}"
+        use = f"train.seq_len={max(multiple, seq_len // multiple * multiple)}"
+        split = ", split over tp with sp=true" if settings.sp else ""
+        message = (
+            f"train.seq_len ({seq_len}) must be divisible by {why} with cp={dims.cp} (each cp rank "
+            f"holds two of 2 × cp equal chunks{split}): use e.g. {use}"
+        )
+        found.append(Problem(key="train.seq_len", message=message))
+    unplanned = {"dry_run": settings.dry_run, "train.compile": settings.train.compile}
+    found += [
+        Problem(key=name, message=f"{name}=true with cp={dims.cp} is not supported yet: use cp=1")
+        for name, on in unplanned.items()
+        if on
+    ]
+    return found
 
 
 def resolve_model(
@@ -250,6 +277,9 @@ def _plan_problems(settings: Config, dims: ParallelDims, config, meta) -> list[P
     model, found = settings.model, []
     experts, routers = moe_patterns(config.model_type, model.experts, model.routers)
     found += [] if experts else problems("moe", settings.moe.dense_errors(model.name))
+    if experts and dims.cp > 1:
+        moe = f"cp={dims.cp} with an MoE model (model={model.name}) is not supported yet: use cp=1"
+        found.append(Problem(key="cp", message=moe))
     if dims.tp > 1:
         plan = plan_for(config, settings.sp)
         moe = (*experts, *routers)
@@ -424,7 +454,7 @@ def plan_run(
         model=model_spec(settings, config, model_path),
         tokenizer_dir=Path(tokenizer_dir),
         data=data,
-        pad_multiple=8 * dims.tp if settings.sp else 8,  # sp: an equal sequence slice per TP rank
+        pad_multiple=pad_multiple(settings.sp, dims),
         loss_chunk_tokens=settings.train.loss_chunk_tokens or 0,
         warmup_steps=warmup,
         resume_from=resume_from,
@@ -434,6 +464,13 @@ def plan_run(
         config_yaml=_config_yaml(cfg, output),
     )
     return plan, lock
+
+
+def pad_multiple(sequence_parallel: bool, dims: ParallelDims) -> int:
+    """What a micro-batch's length is rounded up to: 8, and with sp an equal slice per TP rank, and
+    with cp 2 × cp equal chunks (with sp too, a cp rank's share in tp slices)."""
+    tp = dims.tp if sequence_parallel else 1
+    return math.lcm(8 * tp, 2 * dims.cp if dims.cp > 1 else 1, dims.cp * tp)
 
 
 def _validated(cfg: DictConfig) -> tuple[Config | None, list[Problem]]:

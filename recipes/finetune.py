@@ -34,9 +34,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from components.checkpoint.dcp import load_checkpoint
 from components.checkpoint.writer import CheckpointWriter
 from components.debug.faults import install_faults
+from components.distributed.context_parallel import ContextParallel
 from components.distributed.fsdp import set_gradient_sync
 from components.distributed.grads import clip_grad_norm_, finalize_dtensor_gradients, grad_norm
-from components.distributed.mesh import build_device_mesh
+from components.distributed.mesh import build_device_mesh, data_parallel_mesh
 from components.distributed.replicas import ReplicaSync, check_replicas, write_drift_report
 from components.moe import ExpertLoad, router_aux_loss_weight
 from components.runtime import preemption
@@ -87,6 +88,7 @@ class Run:
         float  # of an MoE model's load-balancing loss (0: its config does not enable it)
     )
     replicas: ReplicaSync  # the TP replica gradient sync, built once: its plan and buffers last
+    cp: ContextParallel | None  # this rank's context-parallel group (None at cp=1)
     before_commit: Callable[[Path], None] | None = (
         None  # the checkpoint writer's callback (a fault, in tests)
     )
@@ -122,7 +124,8 @@ def set_up(plan: RunPlan) -> Run:
         first_step = load_checkpoint(plan.resume_from, model, optimizer, scheduler)["step"]
         say(f"resumed from {plan.resume_from} at step {first_step}")
     precision = precision_policy(plan.model.precision)  # the same policy the model was built with
-    compute = functools.partial(precision.autocast, device.type, data_parallel=plan.dims.dp > 1)
+    data_parallel = plan.dims.data_parallel > 1  # FSDP over dp × cp
+    compute = functools.partial(precision.autocast, device.type, data_parallel=data_parallel)
     micro_batches = data.micro_batches_per_step
     watched = (model, plan.model.config, list(plan.model.experts), mesh["dp"].get_group())
     experts = ExpertLoad.watch(*watched, plan.model.routers, settings.moe.routing_bias_rate)
@@ -141,6 +144,7 @@ def set_up(plan: RunPlan) -> Run:
         experts=experts,
         aux_loss_weight=aux,
         replicas=replicas,
+        cp=ContextParallel.of(mesh),
     )
     where = dict(rank=rank, world_size=dist.get_world_size(), first_step=first_step)
     run.before_commit = install_faults(
@@ -165,7 +169,8 @@ def train_step(run: Run, plan: RunPlan, step: int) -> dict:
             run.experts.count_real(batch.real_mask())
         tensors = (batch.input_ids, batch.labels, labelled, batch.position_ids)
         chunk = plan.loss_chunk_tokens
-        loss_sum += forward_backward(run.model, *tensors, run.compute(), run.aux_loss_weight, chunk)
+        options = (run.compute(), run.aux_loss_weight, chunk, run.cp)
+        loss_sum += forward_backward(run.model, *tensors, *options)
     finalize_dtensor_gradients([run.model])
     run.replicas.synchronize()
     clip = settings.train.clip_grad_norm
@@ -180,7 +185,7 @@ def train_step(run: Run, plan: RunPlan, step: int) -> dict:
     if finite:
         run.optimizer.step()
     run.scheduler.step()
-    dist.all_reduce(loss_sum, group=run.mesh["dp"].get_group())
+    dist.all_reduce(loss_sum, group=data_parallel_mesh(run.mesh).get_group())  # over dp × cp
     peak = torch.tensor(peak_memory_gib(run.device), dtype=torch.float64)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # the busiest rank's
     elapsed, tokens = time.perf_counter() - started, run.data.tokens_in_step(step)
@@ -264,9 +269,9 @@ def _validation_loss(run: Run, plan: RunPlan) -> float:
     """The mean loss on the validation split, the same on every rank."""
     from components.training.validation import validation_loss
 
-    dp_group = run.mesh["dp"].get_group()
+    dp_group = data_parallel_mesh(run.mesh).get_group()  # dp × cp
     return validation_loss(
-        run.model, run.val_data, run.device, dp_group, run.compute(), plan.loss_chunk_tokens
+        run.model, run.val_data, run.device, dp_group, run.compute(), plan.loss_chunk_tokens, run.cp
     )
 
 

@@ -169,10 +169,11 @@ class Schedule(BaseModel):
 class Config(Section):
     seed: Annotated[int, Field(ge=0, lt=2**63)] = key("an integer in [0, 2**63), e.g. seed=0")
     tp: PositiveInt = key("a positive integer, e.g. tp=2")
+    cp: PositiveInt = key("a positive integer, e.g. cp=2")
     dp: PositiveInt | None = key("null (world size / tp) or a positive integer, e.g. dp=2")
     sp: bool = key("true or false")
     ep: PositiveInt = key("a positive integer, e.g. ep=2")
-    nproc: PositiveInt | None = key("null (dp × tp) or a positive integer, e.g. nproc=4")
+    nproc: PositiveInt | None = key("null (dp × cp × tp) or a positive integer, e.g. nproc=4")
     cpu_threads: PositiveInt | None = key(
         "null (OMP_NUM_THREADS, else cores / local ranks) or a positive integer"
     )

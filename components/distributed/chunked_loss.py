@@ -100,6 +100,7 @@ def chunked_cross_entropy_sum(
     weight: torch.Tensor,
     labels: torch.Tensor,
     chunk_tokens: int = LOSS_CHUNK_TOKENS,
+    shifted: bool = False,
 ) -> torch.Tensor:
     """Sum of next-token cross entropy of ``hidden @ weight.T`` over positions with a label
     (``-100`` ignored): what ``cross_entropy_sum(lm_head(hidden), labels)`` computes,
@@ -108,14 +109,14 @@ def chunked_cross_entropy_sum(
     ``hidden`` [batch, seq, hidden]: a tensor, or under sequence parallelism a DTensor sharded on
     the sequence (``Shard(1)``), gathered here. ``weight`` [vocab, hidden]: ``lm_head.weight``, a
     tensor or a DTensor (``Shard(0)`` over the TP mesh: vocab-parallel; tied to the embedding or
-    not, its gradient goes to that one parameter). ``labels`` [batch, seq] aligned with the inputs.
+    not, its gradient goes to that one parameter). ``labels`` [batch, seq] aligned with the inputs
+    (or with ``shifted``, each position's target already: a context-parallel shard's).
     Returns a plain scalar, the same on every TP rank. Needs no ``loss_parallel()``.
     """
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
-    targets = F.pad(
-        labels[:, 1:], (0, 1), value=-100
-    ).flatten()  # position t predicts labels[t + 1]
+    # position t predicts labels[t + 1]
+    targets = (labels if shifted else F.pad(labels[:, 1:], (0, 1), value=-100)).flatten()
     group, start, local_weight = None, 0, weight
     if isinstance(weight, DTensor):
         mesh = weight.device_mesh

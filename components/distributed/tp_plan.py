@@ -277,16 +277,20 @@ def apply_tp_plan(
     return report
 
 
-def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def cross_entropy_sum(
+    logits: torch.Tensor, labels: torch.Tensor, shifted: bool = False
+) -> torch.Tensor:
     """Sum of next-token cross entropy over positions with a label (``-100`` is ignored).
 
     ``logits`` [batch, seq, vocab] may be a DTensor sharded over the vocabulary
     (``vocab_parallel``): then call this *and the backward* inside
     ``torch.distributed.tensor.parallel.loss_parallel()``, which computes the softmax across vocab
     shards; the result is then a Replicate DTensor scalar. ``labels`` [batch, seq] are aligned with
-    the inputs and shifted here. The *sum* lets the caller divide by the token count of the whole
-    global batch, so gradient accumulation and dp splits change nothing.
+    the inputs and shifted here, or with ``shifted`` already the targets of each position (a context
+    parallel shard's). The *sum* lets the caller divide by the token count of the whole global
+    batch, so gradient accumulation and dp splits change nothing.
     """
-    shift_logits = logits[:, :-1, :].flatten(0, 1).float()
-    shift_labels = labels[:, 1:].flatten()
-    return F.cross_entropy(shift_logits, shift_labels, ignore_index=-100, reduction="sum")
+    if not shifted:
+        logits, labels = logits[:, :-1, :], labels[:, 1:]
+    flat_logits = logits.flatten(0, 1).float()
+    return F.cross_entropy(flat_logits, labels.flatten(), ignore_index=-100, reduction="sum")

@@ -2,7 +2,8 @@
 
     weights in the precision's dtype (seeded, or on the meta device) -> TP plan (+ bf16 casts ahead
     of its gathers) -> expert parallelism -> load this rank's slices -> compile and activation
-    checkpointing per block -> FSDP over dp with the precision's mixed-precision policy
+    checkpointing per block -> FSDP over dp (dp × cp) with the precision's mixed-precision policy
+    -> with cp > 1, the context-parallel attention
 
 Each step is its own component (``tp_plan``, ``moe``, ``load``, ``fsdp``); this module only fixes
 their order, so the recipe makes one call.
@@ -17,8 +18,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import PretrainedConfig
 
+from components.distributed.context_parallel import enable_context_parallel
 from components.distributed.fsdp import shard_data_parallel
-from components.distributed.mesh import ParallelDims, build_moe_mesh
+from components.distributed.mesh import ParallelDims, build_moe_mesh, data_parallel_mesh
 from components.distributed.tp_plan import PlanReport, apply_tp_plan, plan_for
 from components.models.build import build_causal_lm, meta_causal_lm
 from components.models.compile import apply_block_wrappers
@@ -50,9 +52,9 @@ def build_parallel_model(
     device: torch.device,
     timeout: timedelta | None = None,
 ) -> tuple[nn.Module, PlanReport | None]:
-    """The model of this rank, sharded over ``mesh`` ("dp", "tp"), and the TP plan's report (None at
-    tp=1); ``timeout``: of the MoE mesh's groups, as of ``mesh``'s. On the meta ``device`` (a dry
-    run) every step runs but nothing gets storage."""
+    """The model of this rank, sharded over ``mesh`` ("dp", "tp"; or "dp", "cp", "tp"), and the TP
+    plan's report (None at tp=1); ``timeout``: of the MoE mesh's groups, as of ``mesh``'s. On the
+    meta ``device`` (a dry run) every step runs but nothing gets storage."""
     policy = precision_policy(spec.precision)
     if spec.weights is None and device.type != "meta":
         model = build_causal_lm(spec.config, seed=spec.seed, dtype=policy.param_dtype).to(device)
@@ -65,7 +67,7 @@ def build_parallel_model(
         report = apply_tp_plan(
             model, mesh["tp"], plan, spec.config, spec.sequence_parallel, moe_modules
         )
-        policy.cast_tp_inputs(model, data_parallel=dims.dp > 1)
+        policy.cast_tp_inputs(model, data_parallel=dims.data_parallel > 1)
     if dims.ep > 1:  # the MoE mesh and its process groups exist only when experts are split
         moe_mesh = build_moe_mesh(mesh, dims, timeout)
         experts = list(spec.experts)
@@ -75,6 +77,8 @@ def build_parallel_model(
     if spec.weights is not None and device.type != "meta":
         materialize_pretrained(model, spec.weights, device=str(device))
     apply_block_wrappers(model, spec.activation_checkpointing, spec.compile)
-    if dims.dp > 1:
-        shard_data_parallel(model, mesh["dp"], mp_policy=policy.fsdp_policy())
+    if dims.data_parallel > 1:  # the cp ranks hold the same weights: data parallel for FSDP
+        shard_data_parallel(model, data_parallel_mesh(mesh), mp_policy=policy.fsdp_policy())
+    if dims.cp > 1:
+        enable_context_parallel(model)
     return model, report

@@ -2,7 +2,9 @@
 
 Callers pass a :class:`components.data.loader.Batch`'s tensors: ``input_ids``, ``labels`` and, for
 packed rows, ``position_ids`` that restart at each example (Hugging Face models keep attention
-inside each example when positions restart and no attention mask is given).
+inside each example when positions restart and no attention mask is given). With context
+parallelism (a :class:`~components.distributed.context_parallel.ContextParallel`) every cp rank is
+given the whole micro-batch and computes its own share of it, and its own tokens' loss.
 """
 
 from contextlib import AbstractContextManager, nullcontext
@@ -18,6 +20,7 @@ from components.distributed.chunked_loss import (
     chunks_head,
     lm_head_skipped,
 )
+from components.distributed.context_parallel import ContextParallel
 from components.distributed.tp_plan import cross_entropy_sum
 
 
@@ -27,8 +30,10 @@ def _losses(
     labels: torch.Tensor,
     position_ids: torch.Tensor | None,
     chunk_tokens: int | None,
+    cp: ContextParallel | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The summed token loss, and the model's load-balancing loss when its config asks for one.
+    """The summed token loss (of this cp rank's tokens under ``cp``), and the model's
+    load-balancing loss when its config asks for one.
 
     ``chunk_tokens`` > 0: the model's forward stops at the hidden states, and the head and the loss
     run that many tokens at a time (``components.distributed.chunked_loss``) for the families it
@@ -42,13 +47,17 @@ def _losses(
     if position_ids is None:
         batch, seq = input_ids.shape
         position_ids = torch.arange(seq, device=input_ids.device).expand(batch, seq)
+    inputs, shifted = {"input_ids": input_ids, "position_ids": position_ids}, cp is not None
+    if cp is not None:  # this rank's share, its targets shifted over the whole sequence
+        shard = cp.shard(input_ids, labels, position_ids)
+        inputs, labels = shard.model_inputs(), shard.targets
     if chunk_tokens and chunks_head(model):
         with lm_head_skipped(model) as head:
-            outputs = model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
-        loss = chunked_cross_entropy_sum(outputs.logits, head.weight, labels, chunk_tokens)
+            outputs = model(**inputs, use_cache=False)
+        loss = chunked_cross_entropy_sum(outputs.logits, head.weight, labels, chunk_tokens, shifted)
         return loss, getattr(outputs, "aux_loss", None)
-    outputs = model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
-    return cross_entropy_sum(outputs.logits, labels), getattr(outputs, "aux_loss", None)
+    outputs = model(**inputs, use_cache=False)
+    return cross_entropy_sum(outputs.logits, labels, shifted), getattr(outputs, "aux_loss", None)
 
 
 def _value(loss: torch.Tensor) -> float:
@@ -64,8 +73,10 @@ def forward_backward(
     compute: AbstractContextManager | None = None,
     aux_loss_weight: float = 0.0,
     loss_chunk_tokens: int | None = LOSS_CHUNK_TOKENS,
+    cp: ContextParallel | None = None,
 ) -> float:
-    """Run one micro-batch and accumulate gradients; return its summed token loss (not normalised).
+    """Run one micro-batch and accumulate gradients; return its summed token loss (not normalised;
+    under ``cp`` this rank's tokens' part: the sum over the cp group is the micro-batch's).
 
     The loss is divided by ``global_tokens`` (labelled tokens in the whole global batch, over every
     micro-batch and dp rank: ``StepBatches.labels_in_step``) before backward, so accumulated and
@@ -74,11 +85,13 @@ def forward_backward(
     backward runs outside it). An MoE model whose config sets ``output_router_logits`` also returns
     its load-balancing loss; it joins the backward times ``aux_loss_weight``
     (``components.moe.router_aux_loss_weight``). ``loss_chunk_tokens``: tokens per chunk of the head
-    and loss (``train.loss_chunk_tokens``; see ``_losses``).
+    and loss (``train.loss_chunk_tokens``; see ``_losses``). ``cp``: this rank's context-parallel
+    group; the gradients are then summed over it as over dp (FSDP over dp × cp).
     """
+    tensors = (input_ids, labels, position_ids)
     with loss_parallel():  # the backward of a vocab-parallel loss must run inside it too
         with compute or nullcontext():
-            loss_sum, aux_loss = _losses(model, input_ids, labels, position_ids, loss_chunk_tokens)
+            loss_sum, aux_loss = _losses(model, *tensors, loss_chunk_tokens, cp)
         objectives = [loss_sum / global_tokens]
         if aux_loss_weight and aux_loss is not None:
             objectives.append(aux_loss * aux_loss_weight)
@@ -94,8 +107,10 @@ def evaluate_loss_sum(
     position_ids: torch.Tensor | None = None,
     compute: AbstractContextManager | None = None,
     loss_chunk_tokens: int | None = LOSS_CHUNK_TOKENS,
+    cp: ContextParallel | None = None,
 ) -> float:
-    """Summed token loss of one batch, without gradients (``compute``, ``loss_chunk_tokens``: as in
-    :func:`forward_backward`)."""
+    """Summed token loss of one batch, without gradients (``compute``, ``loss_chunk_tokens``,
+    ``cp``: as in :func:`forward_backward`)."""
+    tensors = (input_ids, labels, position_ids)
     with loss_parallel(), compute or nullcontext():
-        return _value(_losses(model, input_ids, labels, position_ids, loss_chunk_tokens)[0])
+        return _value(_losses(model, *tensors, loss_chunk_tokens, cp)[0])

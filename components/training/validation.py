@@ -1,4 +1,4 @@
-"""The validation loss: every validation row once, the token-mean loss over all dp ranks."""
+"""The validation loss: every validation row once, the token-mean loss over all dp (× cp) ranks."""
 
 from contextlib import AbstractContextManager
 
@@ -8,6 +8,7 @@ from torch import nn
 
 from components.data import StepBatches
 from components.distributed.chunked_loss import LOSS_CHUNK_TOKENS
+from components.distributed.context_parallel import ContextParallel
 from components.training.step import evaluate_loss_sum
 
 
@@ -18,17 +19,20 @@ def validation_loss(
     dp_group: dist.ProcessGroup,
     compute: AbstractContextManager | None = None,
     loss_chunk_tokens: int | None = LOSS_CHUNK_TOKENS,
+    cp: ContextParallel | None = None,
 ) -> float:
     """Mean token loss over every validation row (each dp rank takes its share), the model left in
     train mode; ``compute`` is the precision's context for the forward (a fresh one per batch is not
-    needed: it is re-entrant). ``loss_chunk_tokens``: as in ``forward_backward``."""
+    needed: it is re-entrant). ``loss_chunk_tokens``, ``cp``: as in ``forward_backward``; with cp,
+    ``dp_group`` is the dp × cp group, each cp rank sums its tokens' loss and one counts the
+    tokens."""
     totals = torch.zeros(2, dtype=torch.float64)
     model.eval()
     for batch in batches.all_batches():
         batch = batch.to(device)
         tensors = (batch.input_ids, batch.labels, batch.position_ids)
-        totals[0] += evaluate_loss_sum(model, *tensors, compute, loss_chunk_tokens)
-        totals[1] += batch.labelled_tokens()
+        totals[0] += evaluate_loss_sum(model, *tensors, compute, loss_chunk_tokens, cp)
+        totals[1] += batch.labelled_tokens() if cp is None or cp.rank == 0 else 0
     model.train()
     dist.all_reduce(totals, group=dp_group)
     return (totals[0] / totals[1]).item()

@@ -31,3 +31,14 @@ def test_all_problems_are_reported_at_once():
         ValueError, match="not divisible by tp=4; world size 6 is not divisible by ep=4"
     ):
         resolve_parallel_dims(6, tp=4, ep=4)
+
+
+def test_cp_sits_between_dp_and_tp():
+    dims = resolve_parallel_dims(8, tp=2, cp=2)
+    assert (dims.dp, dims.cp, dims.tp, dims.data_parallel) == (2, 2, 2, 4)
+    with pytest.raises(ValueError, match="world size 6 is not divisible by cp=4 × tp=1"):
+        resolve_parallel_dims(6, cp=4)
+    with pytest.raises(ValueError, match="dp=2 × cp=2 × tp=2 = 8 does not match the world size 4"):
+        resolve_parallel_dims(4, tp=2, dp=2, cp=2)
+    with pytest.raises(ValueError, match="cp must be a positive integer, got 0"):
+        resolve_parallel_dims(4, cp=0)

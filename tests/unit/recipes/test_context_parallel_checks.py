@@ -1,0 +1,50 @@
+"""The cp key's checks: one problem per bad value, each naming what would work."""
+
+import pytest
+
+from components.distributed.mesh import resolve_parallel_dims
+from recipes.checks import check_sizes, compose, pad_multiple
+from recipes.schema import SchemaError, validate
+
+
+def problems_of(overrides: list[str]) -> list[str]:
+    _, found = check_sizes(validate(compose(overrides)), "cpu")
+    return [f"{problem.key}: {problem.message}" for problem in found]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (
+            ["cp=2", "train.seq_len=50"],
+            "train.seq_len: train.seq_len (50) must be divisible by 2 × cp (4)",
+        ),
+        (
+            ["cp=2", "tp=4", "sp=true", "train.seq_len=36"],
+            "train.seq_len (36) must be divisible by 8",
+        ),
+        (["cp=3", "nproc=4"], "nproc: world size 4 is not divisible by cp=3 × tp=1"),
+        (["cp=2", "dry_run=true"], "dry_run: dry_run=true with cp=2 is not supported yet"),
+        (["cp=2", "train.compile=true"], "train.compile=true with cp=2 is not supported yet"),
+    ],
+)
+def test_a_bad_cp_layout_is_one_problem(overrides, expected):
+    found = problems_of(overrides)
+    assert len(found) == 1 and expected in found[0], found
+
+
+def test_a_layout_that_fits_has_no_problem():
+    assert problems_of(["cp=2", "tp=2", "sp=true", "train.seq_len=48"]) == []
+
+
+def test_cp_must_be_a_positive_integer():
+    with pytest.raises(SchemaError, match="cp=0 is not valid: use a positive integer, e.g. cp=2"):
+        validate(compose(["cp=0"]))
+
+
+def test_micro_batches_are_padded_to_whole_chunks():
+    assert pad_multiple(False, resolve_parallel_dims(1)) == 8
+    assert pad_multiple(True, resolve_parallel_dims(4, tp=4)) == 32
+    assert pad_multiple(False, resolve_parallel_dims(4, cp=4)) == 8
+    assert pad_multiple(False, resolve_parallel_dims(3, cp=3)) == 24
+    assert pad_multiple(True, resolve_parallel_dims(8, tp=2, cp=4)) == 16
