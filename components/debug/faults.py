@@ -5,8 +5,9 @@
   TP-replicated parameter (replica drift).
 - ``raise@N``: the last rank raises at the start of step N (a crash on one rank mid-run).
 - ``replica_sync_sum``: every replicated parameter is sum-reduced instead of mean-reduced.
-- ``slow_save@S``: every checkpoint save waits S seconds before it is committed, so a test can kill
-  a run in the middle of a save.
+- ``slow_save@S``: every checkpoint save waits S seconds before it is committed.
+- ``kill@N``, ``kill_in_collective@N``, ``kill_in_save@N``: in its run's first attempt only, the
+  last rank SIGKILLs itself in step N: at its forward, waiting in a collective, in step N's save.
 
 :func:`install_faults` installs a fault once, through hooks: the training loop holds no test
 machinery. Steps count the model's training forward passes, so a skipped update does not shift them.
@@ -14,6 +15,10 @@ machinery. Steps count the model's training forward passes, so a skipped update 
 Design notes: docs/design-notes.md
 """
 
+import os
+import signal
+import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,8 +34,12 @@ from components.distributed.tp_replicas import (
     unmarked_parameters,
 )
 
-KINDS = ("nan_grad", "perturb_replica", "raise", "replica_sync_sum", "slow_save")
-_WITH_STEP = ("nan_grad", "perturb_replica", "raise", "slow_save")
+_KILLS = ("kill", "kill_in_collective", "kill_in_save")
+KINDS = ("nan_grad", "perturb_replica", "raise", "replica_sync_sum", "slow_save", *_KILLS)
+_WITH_STEP = ("nan_grad", "perturb_replica", "raise", "slow_save", *_KILLS)
+# How long the other ranks arrive late at step N of kill_in_collective, so that the last rank is
+# surely waiting in the collective when it dies.
+_LATE_S = 1.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,8 +58,8 @@ def parse_fault(text: str | None) -> Fault | None:
     if kind not in KINDS or needs_step != step.isdigit() or (step.isdigit() and int(step) < 1):
         raise ValueError(
             f"debug.fault={text!r} is not a known fault: use nan_grad@STEP, perturb_replica@STEP, "
-            "raise@STEP, "
-            "slow_save@SECONDS or replica_sync_sum"
+            "raise@STEP, slow_save@SECONDS, kill@STEP, kill_in_collective@STEP, kill_in_save@STEP "
+            "or replica_sync_sum"
         )
     return Fault(kind=kind, step=int(step) if step else None)
 
@@ -108,7 +117,9 @@ def install_faults(
         return None
     counter = _StepCounter(model, first_step, micro_batches_per_step)
     last = rank == world_size - 1
-    if fault.kind == "raise" and last:
+    if fault.kind in _KILLS:
+        _kill_at(fault, model, counter, last)
+    elif fault.kind == "raise" and last:
         _crash_at(fault.step, model, counter)
     elif fault.kind == "nan_grad" and rank == 0:
         _poison_at(fault.step, model, counter)
@@ -146,3 +157,73 @@ def _nudge_at(step: int, model: nn.Module, optimizer: torch.optim.Optimizer, cou
             _first_plain(model).view(-1)[0] += 1e-3
 
     optimizer.register_step_post_hook(nudge)
+
+
+def _first_attempt() -> bool:
+    """Whether this process belongs to its run's first attempt (not one restarted by torch
+    elastic)."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+
+
+def _die(fault: Fault, where: str) -> None:
+    """SIGKILL this process, saying so on stderr first (a test reads where it died)."""
+    print(
+        f"injected fault (debug.fault={fault.kind}@{fault.step}): SIGKILL {where}", file=sys.stderr
+    )
+    sys.stderr.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _kill_at(fault: Fault, model: nn.Module, counter: _StepCounter, last: bool) -> None:
+    """The last rank dies in ``fault.step`` as ``fault.kind`` says (first attempt only)."""
+    if not _first_attempt():
+        return
+    step = fault.step
+
+    def at_step(module: nn.Module) -> bool:  # the first training forward of the step
+        first_micro_batch = (counter.forwards - 1) % counter.per_step == 0
+        return module.training and counter.step == step and first_micro_batch
+
+    armed = threading.Event()
+
+    def before_forward(module: nn.Module, args) -> None:
+        if not at_step(module):
+            return
+        if fault.kind == "kill" and last:
+            _die(fault, f"at the first forward of step {step}")
+        elif fault.kind == "kill_in_collective" and last:
+            armed.set()  # the watcher kills this rank once it waits in a collective
+        elif fault.kind == "kill_in_collective":
+            time.sleep(_LATE_S)  # late: the last rank waits for this one in its first collective
+
+    def in_save(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        # a save's state dict after a training step: the save's .tmp folder holds the RNG and
+        # trainer states, and DCP has not written a byte of the weights
+        if module.training and counter.forwards and counter.step == step:
+            _die(fault, f"in the save of step {step}")
+
+    model.register_forward_pre_hook(before_forward)
+    if fault.kind == "kill_in_save" and last:
+        model.register_state_dict_pre_hook(in_save)
+    if fault.kind == "kill_in_collective" and last:
+        main = threading.main_thread().ident
+        watch = (fault, armed, main)
+        threading.Thread(target=_die_in_collective, args=watch, daemon=True).start()
+
+
+def _die_in_collective(fault: Fault, armed: threading.Event, thread_id: int) -> None:
+    """Once ``armed``, SIGKILL this process when thread ``thread_id`` waits in a collective."""
+    armed.wait()
+    while True:
+        frame = sys._current_frames().get(thread_id)
+        while frame is not None:
+            in_torch = f"torch{os.sep}distributed" in frame.f_code.co_filename
+            if in_torch and frame.f_code.co_name in _COLLECTIVE_WAITS:
+                _die(fault, f"while waiting in {frame.f_code.co_name} in step {fault.step}")
+            frame = frame.f_back
+        time.sleep(0.001)
+
+
+# Where a rank's main thread waits for a collective: a functional collective's result (DTensor's),
+# or a c10d call.
+_COLLECTIVE_WAITS = ("wait_tensor", "all_reduce", "broadcast", "all_gather", "barrier")
