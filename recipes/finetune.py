@@ -46,6 +46,7 @@ from components.runtime.launch import (
     fail_once,
     join_world,
     launch_local,
+    start_fresh_line,
     started_by_launcher,
 )
 from components.targets import target_class
@@ -65,6 +66,12 @@ if TYPE_CHECKING:
 # sysexits' EX_TEMPFAIL, "try again later" (0: done; 1: an error; 128 + N: killed by signal N before
 # a checkpoint).
 STOPPED_STATUS = 75
+# Ctrl-C before any rank started (the checks, tokenizing): one line, 128 + SIGINT like a shell.
+INTERRUPTED_STATUS = 130
+INTERRUPTED = (
+    "error: interrupted (Ctrl-C) before any rank started: nothing was trained or claimed, and the "
+    "cache keeps only finished data (its scratch folder was removed)"
+)
 
 
 @dataclass(kw_only=True)
@@ -399,6 +406,10 @@ def launch(cfg: DictConfig, job_dir: str | None, hydra_run_dir: str | None) -> N
         plan, lock = plan_run(cfg, job_dir, hydra_run_dir)  # the run owns output_dir until released
     except ConfigError as error:
         fail(error.problems)
+    except KeyboardInterrupt:  # Ctrl-C while checking or tokenizing: no rank has started
+        start_fresh_line(sys.stderr)
+        say(INTERRUPTED, file=sys.stderr, flush=True)
+        raise SystemExit(INTERRUPTED_STATUS) from None
     if plan.settings.dry_run:  # checked: the layout is built on fake ranks and priced; nothing runs
         return dry_run(plan, fail)
     if lock is not None:  # rank 0 of torchrun, or the local launcher

@@ -20,6 +20,7 @@ import os
 import random
 import re
 import shutil
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,9 +110,11 @@ _MAPPING: list[int] = []
 def _dies_with_mapper() -> None:
     """Run in every child forked from this process: a map worker (forked while ``_MAPPING`` names
     its parent) dies with the launcher, from its first instruction on (a killed launcher left its
-    workers running at full CPU, re-parented to init). Any other fork is left alone."""
+    workers running at full CPU, re-parented to init), and leaves Ctrl-C to the launcher (which
+    ends them), so a worker prints no traceback of its own. Any other fork is left alone."""
     if _MAPPING and os.getppid() == _MAPPING[0]:
         die_with_parent(_MAPPING[0])
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 os.register_at_fork(after_in_child=_dies_with_mapper)  # map's workers are forked (multiprocess)
@@ -170,9 +173,22 @@ def _tokenize(
         except OSError:  # another launcher finished the same folder first: use theirs
             if not (folder / "meta.json").is_file():
                 raise
+    except Exception as error:
+        if _interrupted(error):  # Ctrl-C, which map's pool re-raises as its own TimeoutError
+            raise KeyboardInterrupt from None
+        raise
     finally:
         _MAPPING.clear()
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _interrupted(error: BaseException) -> bool:
+    """Whether ``error`` was raised while handling a KeyboardInterrupt (or caused by one)."""
+    for _ in range(16):  # a chain of causes is short; a cycle ends here too
+        if error is None or isinstance(error, KeyboardInterrupt):
+            return error is not None
+        error = error.__cause__ or error.__context__
+    return False
 
 
 def split_indices(n: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:

@@ -4,6 +4,7 @@ the same pass."""
 import json
 import os
 import random
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -255,3 +256,38 @@ def test_a_cache_that_cannot_be_written_is_one_line(tokenizer_dir, tmp_path):
     (tmp_path / "a_file").write_text("not a folder")
     with pytest.raises(DataError, match=r"the cache folder .*a_file/data cannot be written \(Not"):
         prepare(SOURCE, tokenizer_dir, tmp_path / "a_file")
+
+
+class _InterruptedSource:
+    """A source whose records are being read when Ctrl-C arrives, as map's pool reports it: its own
+    TimeoutError raised while handling the KeyboardInterrupt."""
+
+    num_examples, val_fraction = None, 0.0
+
+    def fingerprint(self) -> str:
+        return "interrupted"
+
+    def load(self, cache_dir):
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise TimeoutError from None  # the pool's, with the interrupt as its context
+
+
+def test_ctrl_c_while_tokenizing_is_an_interrupt_and_leaves_no_scratch(tokenizer_dir, tmp_path):
+    with pytest.raises(KeyboardInterrupt):
+        prepare(_InterruptedSource(), tokenizer_dir, tmp_path)
+    assert [p.name for p in data_cache_dir(tmp_path).iterdir() if ".tmp" in p.name] == []
+
+
+def test_map_workers_leave_ctrl_c_to_the_launcher():
+    from components.data import prepare as module
+
+    module._MAPPING[:] = [os.getpid()]
+    try:
+        child = os.fork()
+        if child == 0:  # a map worker: SIGINT ignored, so it prints no traceback of its own
+            os._exit(0 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN else 1)
+    finally:
+        module._MAPPING.clear()
+    assert os.waitpid(child, 0)[1] == 0
