@@ -507,7 +507,25 @@ def _option_problems(
         fault = parse_fault(settings.debug.fault)
     except ValueError as error:
         fault, found = None, [*found, Problem(key="debug.fault", message=str(error))]
-    return found, fault
+    return found + restart_problems(settings), fault
+
+
+def restart_problems(settings: Config) -> list[Problem]:
+    """``max_restarts`` restarts the recipe's own launcher's ranks, which continue from the last
+    complete checkpoint: it needs ``checkpoint.resume=auto``, and under torchrun (whose own
+    ``--max-restarts`` restarts the ranks there) it is not read."""
+    restarts = settings.max_restarts
+    if not restarts:
+        return []
+    if started_by_launcher():
+        why = f"max_restarts={restarts} is the recipe's own launcher's: under torchrun pass "
+        return [Problem(key="max_restarts", message=f"{why}--max-restarts={restarts} to torchrun")]
+    if settings.checkpoint.resume != "auto":
+        resume = show(settings.checkpoint.resume)
+        why = f"max_restarts={restarts} needs checkpoint.resume=auto (got {resume}): restarted "
+        message = f"{why}ranks continue from the last complete checkpoint in output_dir"
+        return [Problem(key="max_restarts", message=message)]
+    return []
 
 
 def _claim_output_dir(

@@ -13,6 +13,7 @@ from __future__ import annotations  # the annotations below name classes importe
 
 import functools
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -396,6 +397,20 @@ def rank_main(plan: RunPlan) -> str | None:
     return stopped
 
 
+def local_rank_main(plan: RunPlan) -> str | None:
+    """``rank_main`` for a rank of the recipe's own launcher (``max_restarts``): after a restart the
+    plan's checkpoint (chosen before the first attempt) is chosen again, the last complete one."""
+    from recipes.outputs import choose_checkpoint
+
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart:
+        resume_from = choose_checkpoint(plan.settings, plan.checkpoints, plan.run_info)
+        at = f"from {resume_from}" if resume_from is not None else "from step 0"
+        say(f"note: restart {restart} of {plan.settings.max_restarts} after a rank failed: {at}")
+        plan = replace(plan, resume_from=resume_from)
+    return rank_main(plan)
+
+
 def launch(cfg: DictConfig, job_dir: str | None, hydra_run_dir: str | None) -> None:
     """Check and plan once, then run the ranks: here (torchrun started us) or as local processes.
     ``job_dir``: a sweep job's own folder; ``hydra_run_dir``: checked to agree with output_dir."""
@@ -420,7 +435,8 @@ def launch(cfg: DictConfig, job_dir: str | None, hydra_run_dir: str | None) -> N
         ):  # torchrun: a stopped rank exits 0 (another status would restart it)
             rank_main(plan)
         else:
-            results = launch_local(rank_main, plan.dims.world_size, plan)
+            restarts = dict(max_restarts=plan.settings.max_restarts)
+            results = launch_local(local_rank_main, plan.dims.world_size, plan, **restarts)
     finally:  # the folder is free again once the ranks are done
         if lock is not None:
             lock.release()

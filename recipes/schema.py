@@ -174,6 +174,7 @@ class Config(Section):
     sp: bool = key("true or false")
     ep: PositiveInt = key("a positive integer, e.g. ep=2")
     nproc: PositiveInt | None = key("null (dp × cp × tp) or a positive integer, e.g. nproc=4")
+    max_restarts: Count = key("0 (none) or a positive number of restarts, e.g. max_restarts=1")
     cpu_threads: PositiveInt | None = key(
         "null (OMP_NUM_THREADS, else cores / local ranks) or a positive integer"
     )

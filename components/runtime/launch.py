@@ -169,6 +169,7 @@ def _run_rank(folder: str, launcher_pid: int, entrypoint: Callable[..., Any], *a
     die_with_parent(launcher_pid)
     tempfile.tempdir = None  # the launcher points it at its own folder (see _temporary_files_in)
     rank = int(os.environ["RANK"])
+    Path(folder, f"{rank}.error.json").unlink(missing_ok=True)  # an earlier attempt's (restarts)
     _write_atomically(Path(folder, f"{rank}.pid"), str(os.getpid()))
     try:
         return entrypoint(*args)
@@ -258,9 +259,8 @@ class RankWatch:
         """Look once at every rank that has started and not been seen to end; note ranks stopped by
         a signal, and once any other rank has ended, kill the stopped ones (they would hold the
         launch up forever)."""
-        if len(self._pids) < self._nproc:
-            for path in self.folder.glob("*.pid"):
-                self._pids[int(path.name.split(".")[0])] = int(path.read_text())
+        if len(self._pids) < self._nproc or self._seen:  # a restart starts ranks anew
+            self._read_pids()
         for rank, pid in self._pids.items():
             if rank in self._seen:
                 continue
@@ -285,6 +285,15 @@ class RankWatch:
             for rank in set(self._stopped) - set(self._seen):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(self._pids[rank], signal.SIGKILL)
+
+    def _read_pids(self) -> None:
+        """Note each rank's pid; a rank whose pid changed (restarted) is watched afresh."""
+        for path in self.folder.glob("*.pid"):
+            rank, pid = int(path.name.split(".")[0]), int(path.read_text())
+            if self._pids.get(rank) != pid:
+                self._pids[rank] = pid
+                self._seen.pop(rank, None)
+                self._stopped.pop(rank, None)
 
     def pids(self) -> list[int]:
         """The pids of the ranks that have noted theirs (read afresh: safe in a signal handler)."""
@@ -423,6 +432,7 @@ def launch_local(
     *args: Any,
     start_method: str = "fork",
     exit_on_failure: bool = True,
+    max_restarts: int = 0,
 ) -> dict[int, Any]:
     """Run ``entrypoint(*args)`` on ``nproc`` local ranks and return each rank's result.
 
@@ -436,7 +446,10 @@ def launch_local(
     then one ``error: rank N failed: ...`` line starting a fresh line, and the process exits with
     status 1 (quietly when rank 0 already printed the line, :func:`fail_once`). Without
     ``exit_on_failure`` the ``ChildFailedError`` propagates. Every rank dies with this process
-    (:func:`die_with_parent`).
+    (:func:`die_with_parent`). With ``max_restarts``, a failure instead stops every rank and starts
+    them all again (torch elastic's restart, as ``torchrun --max-restarts``), up to that many
+    times; only the last attempt's failure is reported. A restarted rank sees
+    ``TORCHELASTIC_RESTART_COUNT`` above 0 and joins a fresh world (:func:`attempt_store`).
     """
     with RankWatch(nproc) as watch:
         config = LaunchConfig(
@@ -449,7 +462,7 @@ def launch_local(
             rdzv_backend="static",
             rdzv_endpoint=f"127.0.0.1:{free_port()}",
             rdzv_configs={"rank": 0},
-            max_restarts=0,
+            max_restarts=max_restarts,
             monitor_interval=0.1,
             signals_to_handle=preemption.ELASTIC_SIGNALS,
             start_method=start_method,

@@ -2,8 +2,9 @@
 SIGKILLed in a step, in a collective or in the middle of a save (``debug.fault=kill...``, first
 attempt only); every other rank exits, torchrun restarts the world, ``checkpoint.resume=auto`` picks
 up the last complete checkpoint, and the run completes with the uninterrupted run's losses, exactly
-(CPU, fp32). Each run gets its own rendezvous port. No assertion reads the clock: the timeout only
-bounds a hang.
+(CPU, fp32). Each run gets its own rendezvous port. The recipe's own launcher does the same with
+``max_restarts=1``, and reports a failure of every attempt once, from the last. No assertion reads
+the clock: the timeout only bounds a hang.
 """
 
 import json
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from components.runtime.launch import free_port
+from tests import cli
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 6
@@ -104,3 +106,42 @@ def test_a_rank_killed_mid_run_restarts_and_continues_exactly(
     assert [r["loss"] for r in after] == [r["loss"] for r in uninterrupted[resumed_at:]]  # exact
     assert [r["grad_norm"] for r in after] == [r["grad_norm"] for r in uninterrupted[resumed_at:]]
     assert [r["loss"] for r in records] == [r["loss"] for r in uninterrupted]
+
+
+def local_run(output_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """The recipe's own launcher (``python recipes/finetune.py``) with ``max_restarts=1``."""
+    command = [sys.executable, "recipes/finetune.py", *COMMON, f"output_dir={output_dir}"]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(output_dir.parent)}
+    return cli.run(
+        [*command, "max_restarts=1", *overrides],
+        cwd=REPO,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
+    )
+
+
+def test_the_recipes_own_launcher_restarts_with_max_restarts(tmp_path, uninterrupted):
+    output_dir = tmp_path / "local"
+    result = local_run(output_dir, "debug.fault=kill_in_save@4")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "SIGKILL in the save of step 4" in result.stderr
+    checkpoint = output_dir / "checkpoints" / "step_00000002"
+    assert f"note: restart 1 of 1 after a rank failed: from {checkpoint}" in result.stdout
+    assert f"resumed from {checkpoint} at step 2" in result.stdout
+    records = metrics(output_dir)
+    assert [record["step"] for record in records] == list(range(1, STEPS + 1))
+    assert [r["loss"] for r in records] == [r["loss"] for r in uninterrupted]  # exact
+    assert [r["grad_norm"] for r in records] == [r["grad_norm"] for r in uninterrupted]
+
+
+def test_a_failure_in_every_attempt_is_reported_once_from_the_last(tmp_path):
+    output_dir = tmp_path / "local"
+    result = local_run(output_dir, "debug.fault=raise@3")  # strikes every attempt
+    assert result.returncode == 1
+    checkpoint = output_dir / "checkpoints" / "step_00000002"
+    assert f"note: restart 1 of 1 after a rank failed: from {checkpoint}" in result.stdout
+    last = result.stderr.strip().splitlines()[-1]
+    assert last == "error: rank 1 failed: RuntimeError: injected fault (debug.fault=raise@3)", last
+    assert [record["step"] for record in metrics(output_dir)] == [1, 2]

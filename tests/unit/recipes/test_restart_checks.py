@@ -1,0 +1,40 @@
+"""The max_restarts key's check: the recipe's own launcher restarts its ranks from the last complete
+checkpoint, so it needs checkpoint.resume=auto; under torchrun its own --max-restarts is the key."""
+
+import pytest
+
+from recipes.checks import compose, restart_problems
+from recipes.schema import validate
+
+TORCHRUN = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
+
+
+def problems_of(overrides: list[str]) -> list[str]:
+    return [f"{p.key}: {p.message}" for p in restart_problems(validate(compose(overrides)))]
+
+
+@pytest.fixture
+def local(monkeypatch):
+    for name in TORCHRUN:
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_restarts_with_resume_auto_pass(local):
+    assert problems_of(["max_restarts=2", "checkpoint.resume=auto"]) == []
+    assert problems_of([]) == []  # the default: 0
+
+
+def test_restarts_without_resume_auto_are_refused(local):
+    assert problems_of(["max_restarts=1"]) == [
+        "max_restarts: max_restarts=1 needs checkpoint.resume=auto (got null): restarted ranks "
+        "continue from the last complete checkpoint in output_dir"
+    ]
+
+
+def test_under_torchrun_its_own_flag_is_named(monkeypatch):
+    for name, value in TORCHRUN.items():
+        monkeypatch.setenv(name, value)
+    assert problems_of(["max_restarts=1", "checkpoint.resume=auto"]) == [
+        "max_restarts: max_restarts=1 is the recipe's own launcher's: under torchrun pass "
+        "--max-restarts=1 to torchrun"
+    ]
