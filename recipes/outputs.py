@@ -200,6 +200,9 @@ def own_output_dir(
     run."""
     try:
         lock = lock_output_dir(output_dir)
+    except OutputDirError as error:
+        raise OwnershipError(str(error)) from None
+    try:
         resume_from = choose_checkpoint(settings, output_dir / "checkpoints", info)
         if resume_from is not None and settings.checkpoint.resume != "auto":
             _check_foreign_resume(output_dir, resume_from, settings.overwrite_output_dir)
@@ -210,8 +213,9 @@ def own_output_dir(
             overwrite=settings.overwrite_output_dir,
             resume_requested=settings.checkpoint.resume is not None,
         )
-    except OutputDirError as error:
-        raise OwnershipError(str(error)) from None
+    except (OutputDirError, OwnershipError) as error:
+        lock.release()  # refused: no .lock is left in the folder
+        raise (OwnershipError(str(error)) if isinstance(error, OutputDirError) else error) from None
     if resume_from is not None:  # nothing refuses the run after the claim: the old branch moves
         step = checkpoint_summary(resume_from).step
         if retired := retire_checkpoints_after(output_dir / "checkpoints", step):

@@ -91,6 +91,21 @@ class OutputDirLock:
             OutputDirError: If another process holds it (naming that process), or the folder cannot
                 be made.
         """
+        while (fd := self._open_locked()) is None:  # the holder removed the file as we took it
+            pass
+        os.ftruncate(fd, 0)
+        holder = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        }
+        os.pwrite(fd, json.dumps(holder).encode(), 0)
+        self._fd = fd
+        return self
+
+    def _open_locked(self) -> int | None:
+        """The lock file, opened and flocked; None when the file was removed (a releasing holder
+        unlinks it) between the open and the lock, so the caller opens the new one."""
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -108,19 +123,21 @@ class OutputDirLock:
                 f"({_describe_holder(holder)}); "
                 "wait for it to end or choose another output_dir"
             ) from None
-        os.ftruncate(fd, 0)
-        holder = {
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-        }
-        os.pwrite(fd, json.dumps(holder).encode(), 0)
-        self._fd = fd
-        return self
+        try:
+            current = os.stat(self.path).st_ino
+        except FileNotFoundError:
+            current = None
+        if current != os.fstat(fd).st_ino:
+            os.close(fd)
+            return None
+        return fd
 
     def release(self) -> None:
-        """Give the lock up (idempotent); process exit does the same."""
+        """Give the lock up (idempotent) and remove the lock file, so no ``.lock`` naming a finished
+        run stays behind; process exit gives the lock up too (the file a killed holder leaves is
+        taken over by the next run and removed at its release)."""
         if self._fd is not None:
+            self.path.unlink(missing_ok=True)  # still held: a newcomer that opened it retries
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None

@@ -172,3 +172,14 @@ def test_a_per_run_folder_taken_in_the_same_second_gets_the_next_number(tmp_path
     assert unused_folder(first) == tmp_path / "2026-12-01_23-05-48_2"
     (tmp_path / "2026-12-01_23-05-48_2").mkdir()
     assert unused_folder(first) == tmp_path / "2026-12-01_23-05-48_3"
+
+
+def test_a_released_lock_leaves_no_lock_file(tmp_path):
+    with OutputDirLock(tmp_path / "run") as lock:
+        assert lock.path.is_file()
+    assert not lock.path.exists()
+    stale = tmp_path / "run" / ".lock"  # what a SIGKILLed holder leaves: its pid, long gone
+    stale.write_text(json.dumps({"pid": 999999999, "host": "h", "started": "then"}))
+    with OutputDirLock(tmp_path / "run") as lock:  # taken over, then removed with this release
+        assert json.loads(lock.path.read_text())["pid"] == os.getpid()
+    assert not stale.exists()
