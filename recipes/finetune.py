@@ -452,16 +452,74 @@ def hydra_main(cfg: DictConfig) -> None:
     folder."""
     job = HydraConfig.get()
     run_dir_given = any(override.startswith("hydra.run.dir=") for override in job.overrides.hydra)
-    if job.mode == RunMode.MULTIRUN or not run_dir_given:  # a sweep job's folder, or output_dir's
-        launch(cfg, job.runtime.output_dir, None)  # (as Hydra resolved it: the same date and time)
+    if job.mode == RunMode.MULTIRUN:  # its own folder; a failure is noted, and the next job runs
+        sweep_job(
+            job.job.num, list(job.overrides.task), lambda: launch(cfg, job.runtime.output_dir, None)
+        )
+    elif not run_dir_given:  # output_dir (as Hydra resolved it: the same date and time)
+        launch(cfg, job.runtime.output_dir, None)
     else:  # a run dir of the user's own: it must be output_dir
         launch(cfg, None, job.run.dir)
+
+
+# The jobs of a --multirun sweep as they end: (number, overrides, exit status), for its summary.
+SWEEP_JOBS: list[tuple[int, list[str], int]] = []
+
+
+def sweep_job(number: int, overrides: list[str], job: Callable[[], None]) -> None:
+    """Run one job of a sweep and note how it ended. Its failure (already said in its own
+    ``error:`` line) does not stop the sweep, as Hydra's users expect; a signal (Ctrl-C, SIGTERM:
+    status 128 + N) does, once noted."""
+    status = 0
+    try:
+        job()
+    except SystemExit as stop:
+        status = stop.code if isinstance(stop.code, int) else 1
+    except Exception as error:  # noqa: BLE001 - any job's failure: said, then the next job runs
+        say(f"error: {type(error).__name__}: {error}", file=sys.stderr)
+        status = 1
+    SWEEP_JOBS.append((number, overrides, status))
+    if status >= 128:
+        raise SystemExit(status)
+
+
+def sweep_summary(jobs: list[tuple[int, list[str], int]]) -> tuple[list[str], int]:
+    """The lines that end a sweep (one per job: its overrides that differ between jobs, and how it
+    ended) and the sweep's exit status: 0 when every job was done, else the first failure's (a
+    signal's, when one stopped the sweep)."""
+    shared = set.intersection(*(set(overrides) for _, overrides, _ in jobs))
+    failed = [status for _, _, status in jobs if status]
+    lines = [f"sweep: {len(jobs) - len(failed)} of {len(jobs)} jobs done, {len(failed)} failed"]
+    for number, overrides, status in jobs:
+        own = " ".join(override for override in overrides if override not in shared) or "-"
+        how = "done" if status == 0 else f"failed (exit status {status})"
+        lines.append(f"  job {number} ({own}): {how}")
+    if failed and failed[-1] >= 128:
+        lines.append(
+            f"  the sweep was stopped by a signal after job {jobs[-1][0]}: later jobs did not run"
+        )
+    status = next((code for code in failed if code >= 128), failed[0] if failed else 0)
+    return lines, status
+
+
+def end_sweep() -> None:
+    """After a sweep: its summary on stderr, and exit with its status when a job failed."""
+    if not SWEEP_JOBS:
+        return
+    lines, status = sweep_summary(SWEEP_JOBS)
+    start_fresh_line(sys.stderr)
+    say("\n".join(lines), file=sys.stderr, flush=True)
+    if status:
+        raise SystemExit(status)
 
 
 if __name__ == "__main__":
     arguments = sys.argv[1:]
     if any(argument.startswith("-") for argument in arguments):
-        hydra_main()
+        try:
+            hydra_main()
+        finally:  # a --multirun sweep: every job's status, and the sweep's
+            end_sweep()
     else:  # plain overrides: compose here, so that a composition error is one line
         from recipes.checks import compose
 

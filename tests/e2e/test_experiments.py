@@ -53,3 +53,19 @@ def test_a_two_job_sweep_leaves_two_folders_with_their_metrics_config_and_events
         )
         losses[job] = records[-1]["loss"]
     assert losses["0"] != losses["1"]  # each job trained with its own lr
+
+
+def test_a_sweep_runs_every_job_after_a_bad_one_and_ends_with_a_summary(tmp_path):
+    sweep = tmp_path / "sweep"
+    command = [sys.executable, "recipes/finetune.py", "--multirun", "optim.lr=-1,0.001"]
+    command += ["train.max_steps=1", "train.val_every=0", "checkpoint.export=false"]
+    command += ["data.num_examples=200", f"output_dir={sweep}"]
+    result = cli.run(command, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 2, result.stderr[-3000:]  # the first failed job's status
+    assert "error: optim.lr=-1 is not valid" in result.stderr
+    assert (sweep / "1" / "metrics.jsonl").is_file()  # the job after the bad one ran
+    assert result.stderr.strip().splitlines()[-3:] == [
+        "sweep: 1 of 2 jobs done, 1 failed",
+        "  job 0 (optim.lr=-1): failed (exit status 2)",
+        "  job 1 (optim.lr=0.001): done",
+    ]

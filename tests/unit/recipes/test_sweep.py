@@ -1,0 +1,47 @@
+"""A --multirun sweep runs every job, whatever the one before did, and ends with their statuses."""
+
+import pytest
+
+from recipes.finetune import sweep_job, sweep_summary
+
+
+def test_a_failed_job_is_noted_and_the_sweep_goes_on(monkeypatch):
+    jobs = []
+    monkeypatch.setattr("recipes.finetune.SWEEP_JOBS", jobs)
+
+    def bad_input():
+        raise SystemExit(2)
+
+    def crash():
+        raise RuntimeError("rank 1 failed")
+
+    sweep_job(0, ["lr=-1"], bad_input)
+    sweep_job(1, ["lr=1"], crash)
+    sweep_job(2, ["lr=2"], lambda: None)
+    assert jobs == [(0, ["lr=-1"], 2), (1, ["lr=1"], 1), (2, ["lr=2"], 0)]
+    lines, status = sweep_summary(jobs)
+    assert status == 2 and lines[0] == "sweep: 1 of 3 jobs done, 2 failed"
+    assert lines[1:] == [
+        "  job 0 (lr=-1): failed (exit status 2)",
+        "  job 1 (lr=1): failed (exit status 1)",
+        "  job 2 (lr=2): done",
+    ]
+
+
+def test_ctrl_c_stops_the_sweep_and_says_the_rest_did_not_run(monkeypatch):
+    jobs = []
+    monkeypatch.setattr("recipes.finetune.SWEEP_JOBS", jobs)
+
+    def interrupted():
+        raise SystemExit(130)
+
+    sweep_job(0, ["a=1", "b=1"], lambda: None)
+    with pytest.raises(SystemExit):
+        sweep_job(1, ["a=1", "b=2"], interrupted)
+    lines, status = sweep_summary(jobs)
+    assert status == 130 and lines[1] == "  job 0 (b=1): done"
+    assert lines[-1].endswith("after job 1: later jobs did not run")
+
+
+def test_a_sweep_of_good_jobs_exits_0():
+    assert sweep_summary([(0, ["x=1"], 0), (1, ["x=2"], 0)])[1] == 0
