@@ -224,6 +224,7 @@ def _die_in_collective(fault: Fault, armed: threading.Event, thread_id: int) -> 
         time.sleep(0.001)
 
 
-# Where a rank's main thread waits for a collective: a functional collective's result (DTensor's),
-# or a c10d call.
-_COLLECTIVE_WAITS = ("wait_tensor", "all_reduce", "broadcast", "all_gather", "barrier")
+# Where a rank's main thread waits for a collective it has issued: a functional collective's
+# result (DTensor's, in the forward). Not the call that issues one (``all_reduce``, ...): a rank
+# caught there may not have sent its part yet.
+_COLLECTIVE_WAITS = ("wait_tensor",)
