@@ -11,9 +11,11 @@ checkpoint -> finish (drift report, export, loss curve).
 
 from __future__ import annotations  # the annotations below name classes imported only when needed
 
+import errno
 import functools
 import math
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -30,6 +32,7 @@ import yaml
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import DeviceMesh
 
 from components.checkpoint.dcp import load_checkpoint
@@ -392,9 +395,48 @@ def rank_main(plan: RunPlan) -> str | None:
         ids = [plan.run_id]
         dist.broadcast_object_list(ids, src=0)
         plan = replace(plan, run_id=ids[0])
-    stopped, skipped = train(run, plan)
-    finish(run, plan, stopped is not None, skipped)
+    try:
+        stopped, skipped = train(run, plan)
+        finish(run, plan, stopped is not None, skipped)
+    except (Exception, CheckpointException) as error:  # DCP's is a BaseException
+        if (full := disk_full(error, plan)) is not None:  # said plainly, on the error line
+            raise OSError(errno.ENOSPC, full) from error
+        raise
     return stopped
+
+
+# Free space below which a failed write is taken for a full disk (torch's checkpoint writer
+# reports one as "unexpected pos 704 vs 598", without the errno).
+FULL_BYTES = 64 * 2**20
+
+
+def disk_full(error: BaseException, plan: RunPlan) -> str | None:
+    """What a write that failed on a full disk under ``plan.output_dir`` says (the folder, the
+    space left, the checkpoint that survives), or None when ``error`` is not that."""
+    from components.checkpoint.integrity import complete_checkpoints
+
+    chain, cause = [], error
+    while cause is not None and len(chain) < 16:
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    enospc = any(isinstance(e, OSError) and e.errno == errno.ENOSPC for e in chain)
+    try:
+        free = shutil.disk_usage(plan.output_dir).free
+    except OSError:
+        return None
+    if not (enospc or "No space left on device" in str(error) or free < FULL_BYTES):
+        return None
+    kept = complete_checkpoints(plan.checkpoints)
+    survives = (
+        f"the last complete checkpoint, {kept[-1].name}, is kept: free space and "
+        "checkpoint.resume=auto continues from it"
+        if kept
+        else "no checkpoint was written yet: free space and run again"
+    )
+    return (
+        f"no space left on device in {plan.output_dir} ({free / 2**20:.1f} MiB free): {survives}, "
+        "or choose an output_dir on another disk"
+    )
 
 
 def local_rank_main(plan: RunPlan) -> str | None:

@@ -352,3 +352,31 @@ def test_the_rank_folder_of_a_sigkilled_launcher_is_removed_by_the_next_launch(t
     assert left[0].is_dir()
     run_recipe(tmp_path / "next", "train.max_steps=1", "train.warmup_steps=1")
     assert not list(tmp_path.glob("shardtune-ranks-*"))
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 3 MiB tmpfs (mounting needs root: skipped where it cannot be mounted)."""
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(folder)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    yield folder
+    subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_a_full_disk_is_named_on_the_error_line_and_the_last_checkpoint_survives(small_disk):
+    # two 2 MiB checkpoints do not fit in 3 MiB: the second save fails, torch saying only
+    # "unexpected pos"
+    output = small_disk / "run"
+    overrides = ["train.max_steps=4", "train.val_every=0", "checkpoint.every_steps=2"]
+    command = [sys.executable, "recipes/finetune.py", *overrides, f"output_dir={output}"]
+    result = cli.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert f"no space left on device in {output}" in last, last
+    assert "the last complete checkpoint, step_00000002, is kept" in last, last
+    assert (output / "checkpoints" / "step_00000002" / MARKER).is_file()
