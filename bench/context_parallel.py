@@ -1,0 +1,169 @@
+"""Context parallelism: peak memory per rank at cp 1/2/4, and the bytes its collectives move.
+
+    .venv/bin/python bench/context_parallel.py memory [--cp 1 2 4] [--seq 8192]  # recipe runs
+    .venv/bin/python bench/context_parallel.py bytes [--cp 2 4] [--seq 2048]     # one step
+
+``memory``: the recipe itself (``python recipes/finetune.py``), a Llama of hidden 512, 6 layers
+(8 heads of 64, 4 KV heads, intermediate 1536), fp32, tp=1, one packed ``--seq``-token row per
+step, 2 AdamW steps; the figure is step 2's ``peak_memory_gib`` (the busiest rank's peak RSS),
+printed beside :func:`expected_gib`. ``bytes``: the same model on ``cp`` gloo ranks, one forward and
+backward of one row; every ``all_gather_single`` / ``reduce_scatter_single`` of the context-parallel
+attention is counted (bytes this rank receives) beside :func:`expected_bytes`.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+REPO = Path(__file__).resolve().parents[1]
+SHAPE = {"hidden_size": 512, "num_hidden_layers": 6, "num_attention_heads": 8, "head_dim": 64}
+SHAPE |= {"num_key_value_heads": 4, "intermediate_size": 1536, "max_position_embeddings": 8192}
+GIB = 1024**3
+
+
+def expected_bytes(seq: int, cp: int) -> int:
+    """Bytes one rank receives per step: each layer gathers K and V ((cp-1)/cp of [seq, kv dim]
+    each, fp32) forward and reduce-scatters their gradients (the same volume) in backward."""
+    kv_dim = SHAPE["num_key_value_heads"] * SHAPE["head_dim"]
+    return SHAPE["num_hidden_layers"] * 2 * 2 * (cp - 1) * (seq // cp) * kv_dim * 4
+
+
+def expected_gib(seq: int, cp: int, runtime_gib: float = 0.45) -> float:
+    """A rank's peak by counting tensors: the process itself (``runtime_gib``: the tiny model's
+    RSS), the weights, gradients and AdamW moments sharded over cp (FSDP), what each layer saves for
+    backward for ``seq / cp`` tokens (2 norm inputs/outputs of ``hidden``, q, the rotated q, the
+    attention output and its contiguous copy of ``heads·dim``, k, v and the rotated k of ``kv dim``,
+    4 MLP tensors of ``intermediate``), and with cp > 1 every layer's gathered K/V with their copies
+    repeated to all heads ([seq, 2·kv + 2·heads·dim]) and the [seq / cp, seq] bool mask."""
+    h, i, layers = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["num_hidden_layers"]
+    kv = SHAPE["num_key_value_heads"] * SHAPE["head_dim"]
+    q = SHAPE["num_attention_heads"] * SHAPE["head_dim"]
+    params = layers * (h * (2 * q + 2 * kv) + 3 * h * i) + 2 * 512 * h
+    state = 4 * params * 4 / cp
+    saved = layers * (seq / cp) * (2 * h + 4 * q + 3 * kv + 4 * i) * 4
+    gathered = (layers * seq * (2 * kv + 2 * q) * 4 + seq * seq / cp) if cp > 1 else 0
+    return runtime_gib + (state + saved + gathered) / GIB
+
+
+def recipe_peak(cp: int, seq: int, root: Path) -> float:
+    """Step 2's ``peak_memory_gib`` of the recipe at this cp."""
+    overrides = [f"model.config.{key}={value}" for key, value in SHAPE.items()]
+    overrides += [f"cp={cp}", f"train.seq_len={seq}", "train.packing=true", "train.max_steps=2"]
+    overrides += ["train.global_batch_size=1", "train.micro_batch_size=1", "train.val_every=0"]
+    overrides += ["train.warmup_steps=0", "checkpoint.export=false", "data.num_examples=4000"]
+    output = root / f"cp{cp}"
+    command = [sys.executable, "recipes/finetune.py", *overrides, f"output_dir={output}"]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=environment)
+    if result.returncode:
+        raise RuntimeError(result.stderr[-2000:])
+    return json.loads((output / "metrics.jsonl").read_text().splitlines()[-1])["peak_memory_gib"]
+
+
+def memory(cps: list[int], seq: int) -> None:
+    with tempfile.TemporaryDirectory() as folder:
+        peaks = {cp: recipe_peak(cp, seq, Path(folder)) for cp in cps}
+    print(f"| cp | seq | peak_memory_gib per rank | analytic | ratio to cp={cps[0]} |")
+    print("|---|---|---|---|---|")
+    for cp, peak in peaks.items():
+        ratio = peak / peaks[cps[0]]
+        print(f"| {cp} | {seq} | {peak:.3f} | {expected_gib(seq, cp):.3f} | {ratio:.3f} |")
+
+
+def _counting(counts: dict, name: str):
+    original = getattr(dist, name)
+
+    def call(*args, **kwargs):
+        if len(args) >= 2:
+            output, tensor = args[:2]
+        else:  # FSDP's reduce-scatter passes keywords
+            output, tensor = kwargs.get("output"), kwargs.get("input")
+        received = output if name == "all_gather_single" else tensor
+        if received.ndim == 4:  # the attention's [cp·batch, heads, n, dim]; FSDP's buffers are flat
+            counts[name] = counts.get(name, 0) + received.numel() * received.element_size()
+        return original(*args, **kwargs)
+
+    return call
+
+
+def _count_rank(seq: int) -> dict:
+    """One forward and backward of one ``seq``-token row on this rank's share; bytes received."""
+    from components.distributed.context_parallel import ContextParallel
+    from components.distributed.mesh import build_device_mesh, resolve_parallel_dims
+    from components.models import tiny_config
+    from components.models.parallelize import ModelSpec, build_parallel_model
+    from components.runtime.launch import init_process_group
+    from components.training.step import forward_backward
+
+    init_process_group("gloo", timedelta(minutes=10))
+    torch.set_num_threads(1)
+    cp = dist.get_world_size()
+    dims = resolve_parallel_dims(cp, cp=cp)
+    mesh = build_device_mesh(dims, "cpu")
+    spec = ModelSpec(
+        config=tiny_config("llama", **SHAPE),
+        weights=None,
+        seed=0,
+        sequence_parallel=False,
+        experts=(),
+        routers=(),
+        precision="fp32",
+        activation_checkpointing="none",
+        compile=False,
+    )
+    model, _ = build_parallel_model(spec, dims, mesh, torch.device("cpu"))
+    ids = torch.randint(0, 256, (1, seq), generator=torch.Generator().manual_seed(0))
+    counts: dict = {}
+    originals = {
+        name: getattr(dist, name) for name in ("all_gather_single", "reduce_scatter_single")
+    }
+    for name in originals:
+        setattr(dist, name, _counting(counts, name))
+    try:
+        forward_backward(model, ids, ids, seq, cp=ContextParallel.of(mesh))
+    finally:
+        for name, function in originals.items():
+            setattr(dist, name, function)
+    # the all-gather's output holds this rank's own shard too: received is (cp-1)/cp of it, and a
+    # reduce-scatter moves (cp-1)/cp of its input per rank
+    return {name: n * (cp - 1) // cp for name, n in counts.items()}
+
+
+def collective_bytes(cps: list[int], seq: int) -> None:
+    from components.runtime.launch import launch_local
+
+    print("| cp | seq | all-gather K/V (fwd) | reduce-scatter dK/dV (bwd) | measured | analytic |")
+    print("|---|---|---|---|---|---|")
+    for cp in cps:
+        counts = launch_local(_count_rank, cp, seq)[0]
+        total = sum(counts.values())
+        gathered, scattered = counts["all_gather_single"], counts["reduce_scatter_single"]
+        mib = 1024**2
+        print(
+            f"| {cp} | {seq} | {gathered / mib:.2f} MiB | {scattered / mib:.2f} MiB | "
+            f"{total / mib:.2f} MiB | {expected_bytes(seq, cp) / mib:.2f} MiB |"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("what", choices=["memory", "bytes"])
+    parser.add_argument("--cp", type=int, nargs="+")
+    parser.add_argument("--seq", type=int)
+    args = parser.parse_args()
+    if args.what == "memory":
+        memory(args.cp or [1, 2, 4], args.seq or 8192)
+    else:
+        collective_bytes(args.cp or [2, 4], args.seq or 2048)
+
+
+if __name__ == "__main__":
+    main()
