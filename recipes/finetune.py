@@ -327,7 +327,8 @@ def skipped_verdict(skipped: int, steps: int) -> tuple[bool, str | None]:
             "model is barely trained, so hf/ was not exported; metrics.jsonl and any checkpoints "
             "are kept. Lower optim.lr, set train.clip_grad_norm, or use train.on_nonfinite=stop"
         )
-    return False, f"warning: {what} (train.on_nonfinite=skip): their updates were not applied"
+    updates = "its update was" if skipped == 1 else "their updates were"
+    return False, f"warning: {what} (train.on_nonfinite=skip): {updates} not applied"
 
 
 def finish(run: Run, plan: RunPlan, stopped: bool = False, skipped: int = 0) -> None:

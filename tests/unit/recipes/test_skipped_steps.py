@@ -10,6 +10,8 @@ def test_no_skipped_step_says_nothing():
 def test_a_few_skipped_steps_are_a_warning():
     fails, line = skipped_verdict(1, 10)
     assert not fails and line.startswith("warning: 1 of 10 steps was skipped as non-finite")
+    assert line.endswith("its update was not applied")
+    assert skipped_verdict(2, 10)[1].endswith("their updates were not applied")
 
 
 def test_more_than_half_skipped_fails_the_run():
