@@ -93,6 +93,7 @@ def _step(plan) -> Step:
         optimizer_moments=moments,
         device_type=plan.device_type,
         runtime_gib=runtime,
+        loss_chunk_tokens=plan.loss_chunk_tokens,
     )
 
 
@@ -136,6 +137,7 @@ def dry_run(plan, fail: Callable[[str], NoReturn]) -> dict:
         "precision": train.precision,
         "per_rank_gib": {row: getattr(estimate, row) for row in ROWS},
         "detail_gib": estimate.detail,
+        "phases_gib": estimate.phases,
         "flops_per_token": flops_per_token(plan.model.config, train.seq_len),
         "device_memory_gib": memory,
         "fits": fits,

@@ -3,13 +3,13 @@ geometry.
 
 - ``params``, ``grads``, ``optimizer``: exact, the bytes of this rank's local shards of the model as
   the recipe builds it (on the meta device), of its gradients and of AdamW's moments (or SGD's).
-- ``activations``: what autograd saves for backward in one micro-batch, per decoder layer, counted
-  from the tensors a Hugging Face Llama-style block keeps (with ``full`` activation checkpointing,
-  each layer's input and one recomputed layer).
-- ``buffers``: the step's transients (logits, autocast copies, FSDP's unsharded layers, the TP
-  replica sync's buffer, AdamW's temporaries).
-- ``total``: the peak, not the sum (backward frees activations as it fills gradients), plus
-  ``runtime``, the process itself. Checked against measured peaks in BENCHMARKS.md.
+- ``activations``: what autograd saves for backward in one micro-batch, per decoder layer counted
+  from the tensors a Hugging Face Llama-style block keeps (``full`` checkpointing: each layer's
+  input, and one layer recomputed at a time), plus the final norm's and the loss head's.
+- ``buffers``: the step's transients (the loss's logits: one chunk's, or all of them unchunked;
+  autocast's weight copies; one block's gradients in flight; FSDP's unsharded layers; the TP
+  replica sync's buffer; AdamW's temporaries).
+- ``total``: the largest of the step's phases (``phases``), not the sum, plus ``runtime``.
 
 Design notes: docs/design-notes.md
 """
@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from components.distributed.chunked_loss import chunks_head
 from components.distributed.replicas.flat_buffers import MAX_FLAT_BUFFER_BYTES
 from components.planning.flops import head_dim, is_sparse_layer
 
@@ -48,6 +49,7 @@ class Step:
     optimizer_moments: int  # 2 for Adam(W), 1 for SGD with momentum, 0 without
     device_type: str  # cuda | cpu: AdamW's temporaries, the runtime
     runtime_gib: float  # the process itself (CPU), 0 on CUDA
+    loss_chunk_tokens: int  # train.loss_chunk_tokens: tokens per head + loss chunk; 0: unchunked
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,6 +64,7 @@ class MemoryEstimate:
     runtime: float
     total: float
     detail: dict  # each buffer and activation term, GiB
+    phases: dict  # GiB above params + optimizer at each phase of the step
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -90,50 +93,64 @@ def _tp_replicated(parameter: torch.Tensor) -> bool:
 
 
 def _state(model: nn.Module, layout: Layout) -> dict[str, float]:
-    """Bytes of the local shards: all of them, one decoder layer's unsharded over dp, the matmul
-    weights (autocast copies), the TP-replicated ones (the replica sync) and the largest tensor."""
+    """Bytes of the local shards: all of them, one decoder layer's (unsharded over dp: its numel),
+    the matmul weights (autocast copies), the TP-replicated ones (the replica sync), the largest
+    tensor and ``lm_head``'s."""
     params = list(model.parameters())
     local = [_local(p) for p in params]
     total = sum(t.numel() * t.element_size() for t in local)
+    element = local[0].element_size() if local else 4
     layers = getattr(getattr(model, "model", None), "layers", None) or []
     layer = max((sum(_local(p).numel() for p in block.parameters()) for block in layers), default=0)
     embedding = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    head_weight = _local(head.weight) if head is not None else None
     pairs = list(zip(params, local, strict=True))
     matmul = sum(t.numel() for p, t in pairs if t.dim() >= 2 and p is not embedding)
     replicated = sum(t.numel() * t.element_size() for p, t in pairs if _tp_replicated(p))
     return {
         "bytes": total,
-        "element": local[0].element_size() if local else 4,
+        "element": element,
+        "layer_bytes": layer * element,
         "layer_numel": layer * layout.dp,  # FSDP all-gathers a layer over dp
         "matmul_numel": matmul if layout.dp == 1 else 0,  # autocast copies: only without FSDP
+        "head_numel": head_weight.numel() if head_weight is not None else 0,
         "replicated_bytes": replicated,
         "largest_bytes": max((t.numel() * t.element_size() for t in local), default=0),
     }
 
 
-def _layer_rows(config, layout: Layout, step: Step, index: int) -> tuple[float, float]:
-    """(bytes per token decoder layer ``index`` saves without checkpointing, bytes of its input)."""
+def _autocast(layout: Layout, step: Step) -> bool:
+    """fp32 weights and bf16 matmuls under ``torch.autocast``: bf16-mixed without FSDP."""
+    return step.precision == "bf16-mixed" and layout.dp == 1
+
+
+def _layer_rows(config, layout: Layout, step: Step, index: int) -> tuple[float, float, float]:
+    """Bytes per token of decoder layer ``index``: (what it saves without checkpointing, its input,
+    the gradients in flight in its backward)."""
     tp, sp = layout.tp, step.sequence_parallel
     compute = 4 if step.precision == "fp32" else 2
-    autocast = step.precision == "bf16-mixed" and layout.dp == 1  # fp32 weights, bf16 matmuls
+    autocast = _autocast(layout, step)  # fp32 weights, bf16 matmuls
     residual = 4 if step.precision == "fp32" or autocast else 2
     autocast_copies = autocast and tp == 1  # each projection casts its own copy of the input
     hidden, dim = config.hidden_size, head_dim(config)
     q = config.num_attention_heads * dim
     kv = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * dim
-    norm_rows = hidden * residual * (2 / tp if sp else 2)  # input and normalised output, per norm
+    norm_rows = hidden * residual * (2 / tp if sp else 2)  # input and normalised, per norm
     attention_in = hidden * compute * (3 if autocast_copies else 1)
-    attention = (2 * (q + kv) + kv + 2 * q) * compute / tp + 4 * config.num_attention_heads / tp
+    # sdpa keeps q and k after rotary, v, and its output (o_proj's input); fp32 log-sum-exp per head
+    attention = 2 * (q + kv) * compute / tp + 4 * config.num_attention_heads / tp
     if is_sparse_layer(config, index):
         top_k = getattr(config, "num_experts_per_tok", 1)
         inner = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
         mlp_in = hidden * compute * (1 + 2 * top_k / layout.ep)  # input; routed rows and outputs
-        mlp = 4 * inner * compute * top_k / layout.ep
+        inner_rows = inner * top_k / layout.ep
     else:
         mlp_in = hidden * compute * (2 if autocast_copies else 1)
-        mlp = 4 * config.intermediate_size * compute / tp
-    saved = 2 * norm_rows + attention_in + attention + mlp_in + mlp
-    return saved, hidden * residual / (tp if sp else 1)
+        inner_rows = config.intermediate_size / tp
+    saved = 2 * norm_rows + attention_in + attention + mlp_in + 4 * inner_rows * compute
+    in_flight = 3 * inner_rows * compute + 2 * hidden * residual / (tp if sp else 1)
+    return saved, hidden * residual / (tp if sp else 1), in_flight
 
 
 def _activations(config, layout: Layout, step: Step) -> dict[str, float]:
@@ -141,25 +158,43 @@ def _activations(config, layout: Layout, step: Step) -> dict[str, float]:
     rows = [_layer_rows(config, layout, step, i) for i in range(config.num_hidden_layers)]
     mode = layout.activation_checkpointing
     if mode == "none":
-        layers, recompute = sum(saved for saved, _ in rows), 0.0
+        layers, recompute = sum(saved for saved, _, _ in rows), 0.0
     else:
         kept = 0.0 if mode == "full" else 0.5  # selective keeps the matmul and attention outputs
-        layers = sum(block_input + kept * saved for saved, block_input in rows)
-        recompute = max(saved for saved, _ in rows)  # one layer recomputed at a time in backward
+        layers = sum(block_input + kept * saved for saved, block_input, _ in rows)
+        recompute = max(saved for saved, _, _ in rows)  # one layer recomputed at a time in backward
+    compute = 4 if step.precision == "fp32" else 2
     residual = 4 if step.precision != "bf16" else 2
-    ends = 3 * config.hidden_size * residual / (layout.tp if step.sequence_parallel else 1)
+    final_norm = 2 * config.hidden_size * residual / (layout.tp if step.sequence_parallel else 1)
+    # the head's input (whole sequence), the token ids (embedding, head), rotary's cos and sin
+    ends = final_norm + config.hidden_size * compute + 3 * 8 + 4 + 2 * 4 * head_dim(config)
     return {
         "layers": tokens * layers,
         "recompute": tokens * recompute,
         "embedding_and_norm": tokens * ends,
+        "in_flight": tokens * max(in_flight for _, _, in_flight in rows),
     }
 
 
-def _buffers(config, layout: Layout, step: Step, state: dict) -> dict[str, float]:
+def _loss(config, layout: Layout, step: Step, state: dict, chunked: bool) -> dict[str, float]:
+    """The head and the loss: (the forward's transients, the backward's), bytes. Chunked: one chunk
+    of logits (fp32, and its bf16 matmul output under bf16 compute), the head's weight cast to the
+    compute dtype, and in backward the head's fp32 weight gradient and the hidden states' gradient;
+    unchunked: the micro-batch's logits, their fp32 copy and their gradient."""
     tokens = layout.micro_batch_size * step.seq_len
     compute = 4 if step.precision == "fp32" else 2
-    vocab_share = layout.tp if config.vocab_size % layout.tp == 0 else 1
-    logits = tokens * config.vocab_size / vocab_share * (compute + 4 + (4 if compute != 4 else 0))
+    vocab = config.vocab_size / (layout.tp if config.vocab_size % layout.tp == 0 else 1)
+    if not chunked:
+        logits = tokens * vocab * (compute + 4 + (4 if compute != 4 else 0))
+        return {"logits": logits, "head_backward": 0.0}
+    rows = min(tokens, step.loss_chunk_tokens)
+    cast = state["head_numel"] * compute * (compute != state["element"])
+    logits = rows * vocab * (4 + (compute if compute != 4 else 0)) + cast
+    gradients = state["head_numel"] * 4 + 2 * tokens * config.hidden_size * compute
+    return {"logits": logits, "head_backward": gradients}
+
+
+def _buffers(config, layout: Layout, step: Step, state: dict, chunked: bool) -> dict[str, float]:
     fsdp = unsharded = 0.0
     if layout.dp > 1:
         gathered = 2 if step.precision != "fp32" else 4
@@ -168,9 +203,10 @@ def _buffers(config, layout: Layout, step: Step, state: dict) -> dict[str, float
             unsharded = state["bytes"] / state["element"] * layout.dp * 4
     moments = state["bytes"] * step.optimizer_moments / 2
     temporaries = moments if step.device_type == "cuda" else 2 * state["largest_bytes"]
+    copies = state["matmul_numel"] - state["head_numel"] * chunked  # the chunked head casts its own
     return {
-        "logits": logits,
-        "autocast_weight_copies": 2 * state["matmul_numel"] * (step.precision == "bf16-mixed"),
+        **_loss(config, layout, step, state, chunked),
+        "autocast_weight_copies": 2 * copies * _autocast(layout, step),
         "fsdp_layers": fsdp,
         "fsdp_unsharded_accumulated_grads": unsharded,
         "replica_sync": min(MAX_FLAT_BUFFER_BYTES, state["replicated_bytes"]) * (layout.tp > 1),
@@ -178,20 +214,39 @@ def _buffers(config, layout: Layout, step: Step, state: dict) -> dict[str, float
     }
 
 
+def _peak(grads: float, state: dict, act: dict, buf: dict, layout: Layout) -> dict[str, float]:
+    """Bytes above params + optimizer state at each phase of the step (its largest is the peak)."""
+    fsdp = buf["fsdp_layers"] + buf["fsdp_unsharded_accumulated_grads"]
+    kept = act["layers"] + act["embedding_and_norm"]  # saved by the forward, for backward
+    copies = buf["autocast_weight_copies"]  # in autocast's cache until the forward ends
+    none = layout.activation_checkpointing == "none"
+    saved_copies = copies if none else 0.0  # saved for backward only without checkpointing
+    in_flight = buf["block_backward"] + act["recompute"]  # one block's backward
+    layer_copies = copies / state["layers"] if state["layers"] and not none else 0.0
+    first_block = kept + saved_copies + buf["head_backward"] + in_flight + layer_copies
+    last_block = grads - state["layer_bytes"] + in_flight + layer_copies
+    last_block += kept / state["layers"] if state["layers"] else kept
+    return {
+        "forward": kept + copies + buf["logits"] + fsdp,
+        "head_backward": kept + saved_copies + buf["logits"] + buf["head_backward"] + fsdp,
+        "first_block_backward": first_block + fsdp,
+        "last_block_backward": last_block + fsdp,
+        "after_backward": grads + buf["replica_sync"],
+        "optimizer_step": grads + buf["optimizer_step"],
+    }
+
+
 def estimate_memory(model: nn.Module, config, layout: Layout, step: Step) -> MemoryEstimate:
     """Per-rank memory of a training step of ``model``, the parallel meta model of ``layout``."""
     state = _state(model, layout)
+    state["layers"] = config.num_hidden_layers
     params = grads = state["bytes"]
     optimizer = params * step.optimizer_moments
-    act, buf = _activations(config, layout, step), _buffers(config, layout, step, state)
-    fsdp = buf["fsdp_layers"] + buf["fsdp_unsharded_accumulated_grads"]
-    forward_end = sum(act.values()) - act["recompute"] + buf["logits"] + fsdp
-    forward_end += buf["autocast_weight_copies"]
-    checkpointed = layout.activation_checkpointing != "none"
-    backward_end = grads + act["recompute"] + act["layers"] * checkpointed + buf["replica_sync"]
-    backward_end += fsdp
-    optimizer_step = grads + buf["optimizer_step"]
-    peak = params + optimizer + max(forward_end, backward_end, optimizer_step)
+    chunked = bool(step.loss_chunk_tokens) and chunks_head(model)
+    act = _activations(config, layout, step)
+    buf = {**_buffers(config, layout, step, state, chunked), "block_backward": act.pop("in_flight")}
+    phases = _peak(grads, state, act, buf, layout)
+    peak = params + optimizer + max(phases.values())
     gib = {name: value / GIB for name, value in {**act, **buf}.items()}
     return MemoryEstimate(
         params=params / GIB,
@@ -202,4 +257,5 @@ def estimate_memory(model: nn.Module, config, layout: Layout, step: Step) -> Mem
         runtime=step.runtime_gib,
         total=peak / GIB + step.runtime_gib,
         detail=gib,
+        phases={name: value / GIB for name, value in phases.items()},
     )

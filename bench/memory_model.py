@@ -1,0 +1,178 @@
+"""The memory model against measurement (issue 25, deliverable 3): predicted ``total`` per rank
+(``dry_run=true``'s plan.json) beside the measured ``peak_memory_gib`` of the same recipe run.
+
+Each configuration runs twice through the real command line, one after the other: a dry run, then
+``train.max_steps`` steps (metrics.jsonl; the measured figure is the run's largest
+``peak_memory_gib``, the busiest rank's peak RSS within a step: ``components.training.memory``).
+The shape is the issue's: a Llama built from its config with hidden 768, 8 layers, seq 1024,
+micro-batch 4 (no accumulation), tp 1 and 2 × activation checkpointing none and full × fp32 and
+bf16-mixed. The data is a JSONL file written here of records longer than ``seq_len``, so every row
+is full (the plan's tokens are micro-batch × seq_len). ``OMP_NUM_THREADS=1``, and glibc's mmap
+threshold fixed at 64 KiB (``MALLOC_MMAP_THRESHOLD_``; ``--default-malloc``: glibc's dynamic one,
+whose freed heap blocks stay resident and make the RSS creep up step by step, design-notes.md).
+Every output under a temporary folder. Goal: predicted within 20 % of measured, every row.
+
+    .venv/bin/python bench/memory_model.py [--only 1:fp32:none,2:bf16-mixed:full] [--steps 3]
+"""
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = {
+    "hidden_size": 768,
+    "num_hidden_layers": 8,
+    "intermediate_size": 2048,
+    "num_attention_heads": 12,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "max_position_embeddings": 1024,
+}
+CONFIGS = [
+    (tp, precision, checkpointing)
+    for tp in (1, 2)
+    for precision in ("fp32", "bf16-mixed")
+    for checkpointing in ("none", "full")
+]
+TOLERANCE = 0.2
+MMAP_THRESHOLD = 64 * 1024  # bytes: every larger block is its own mapping, unmapped when freed
+
+
+def write_records(path: Path, records: int = 48, words: int = 2500) -> None:
+    """Records whose response alone is longer than 1024 tokens: every row is cut to seq_len."""
+    rng = random.Random(0)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    with path.open("w") as file:
+        for index in range(records):
+            text = " ".join(
+                "".join(rng.choice(letters) for _ in range(rng.randint(2, 7))) for _ in range(words)
+            )
+            file.write(json.dumps({"prompt": f"Continue {index}:", "response": text}) + "\n")
+
+
+def overrides(data: Path, tp: int, precision: str, checkpointing: str, steps: int) -> list[str]:
+    """The recipe's command-line overrides of one configuration (dry run and real run alike)."""
+    model = [f"model.config.{key}={value}" for key, value in MODEL.items()]
+    return [
+        "model=llama",
+        *model,
+        f"tp={tp}",
+        "data=jsonl",
+        f"data.path={data}",
+        "train.seq_len=1024",
+        "train.micro_batch_size=4",
+        "train.global_batch_size=4",
+        f"train.max_steps={steps}",
+        "train.val_every=0",
+        f"train.precision={precision}",
+        f"train.activation_checkpointing={checkpointing}",
+        "checkpoint.every_steps=0",
+        "checkpoint.export=false",
+    ]
+
+
+def recipe(arguments: list[str], log: Path, malloc: dict | None = None) -> None:
+    """Run the recipe's command line with one intra-op thread per rank; fail loudly."""
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", **(malloc or {})}
+    command = [sys.executable, "recipes/finetune.py", *arguments]
+    with log.open("w") as output:
+        done = subprocess.run(command, cwd=REPO, env=environment, stdout=output, stderr=output)
+    if done.returncode:
+        raise SystemExit(
+            f"{' '.join(command)} exited {done.returncode}:\n{log.read_text()[-3000:]}"
+        )
+
+
+def measure(folder: Path, data: Path, config: tuple, steps: int, malloc: dict) -> dict:
+    """One configuration: the plan's per-rank figures, then the measured peaks of a real run."""
+    tp, precision, checkpointing = config
+    name = f"tp{tp}_{precision}_{checkpointing}"
+    arguments = overrides(data, *config, steps)
+    plan_dir, run_dir = folder / f"{name}_plan", folder / f"{name}_run"
+    recipe([*arguments, "dry_run=true", f"output_dir={plan_dir}"], folder / f"{name}_plan.log")
+    plan = json.loads((plan_dir / "plan.json").read_text())
+    started = time.perf_counter()
+    recipe([*arguments, f"output_dir={run_dir}"], folder / f"{name}_run.log", malloc)
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    peaks = [json.loads(line)["peak_memory_gib"] for line in lines]
+    predicted, measured = plan["per_rank_gib"]["total"], max(peaks)
+    return {
+        "tp": tp,
+        "precision": precision,
+        "checkpointing": checkpointing,
+        "predicted_gib": predicted,
+        "measured_gib": measured,
+        "ratio": predicted / measured,
+        "peaks_per_step": peaks,
+        "per_rank_gib": plan["per_rank_gib"],
+        "detail_gib": plan["detail_gib"],
+        "run_s": time.perf_counter() - started,
+    }
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| tp | precision | checkpointing | predicted GiB | measured GiB | predicted ÷ measured "
+        "| within 20 % |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        verdict = "**PASS**" if abs(row["ratio"] - 1) <= TOLERANCE else "MISS"
+        lines.append(
+            f"| {row['tp']} | {row['precision']} | {row['checkpointing']} "
+            f"| {row['predicted_gib']:.3f} | {row['measured_gib']:.3f} | {row['ratio']:.3f} "
+            f"| {verdict} |"
+        )
+    return "\n".join(lines)
+
+
+def _load() -> str:
+    return " ".join(f"{value:.2f}" for value in os.getloadavg())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", help="tp:precision:checkpointing,... (default: all 8)")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--default-malloc", action="store_true", help="glibc's dynamic threshold")
+    args = parser.parse_args()
+    malloc = {} if args.default_malloc else {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
+    configs = CONFIGS
+    if args.only:
+        wanted = [item.split(":") for item in args.only.split(",")]
+        configs = [(int(tp), precision, mode) for tp, precision, mode in wanted]
+    print(
+        f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}; load average: {_load()}; "
+        f"allocator: {malloc or 'glibc defaults'}"
+    )
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="memory_model_") as temporary:
+        folder = Path(temporary)
+        write_records(folder / "records.jsonl")
+        for config in configs:
+            rows.append(measure(folder, folder / "records.jsonl", config, args.steps, malloc))
+            row = rows[-1]
+            print(
+                f"  {config}: predicted {row['predicted_gib']:.3f} measured "
+                f"{row['measured_gib']:.3f} (per step {row['peaks_per_step']}), "
+                f"{row['run_s']:.0f} s, load {_load()}",
+                flush=True,
+            )
+    print(table(rows))
+    print(f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}; load average: {_load()}")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+    misses = sum(abs(row["ratio"] - 1) > TOLERANCE for row in rows)
+    print(f"{len(rows) - misses} of {len(rows)} within {TOLERANCE:.0%}")
+
+
+if __name__ == "__main__":
+    main()
