@@ -26,8 +26,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# Our own code reads these when it runs, not at import (and so may differ from the zygote's).
-LATE_ENVIRONMENT = ("SHARDTUNE_", "WANDB_", "MLFLOW_", "COUNT_", "TMPDIR", "NETRC")
+# Read when code runs, not at import, so they may differ from the zygote's (pytest sets
+# PYTEST_CURRENT_TEST anew for every test).
+LATE_ENVIRONMENT = ("SHARDTUNE_", "WANDB_", "MLFLOW_", "COUNT_", "TMPDIR", "NETRC", "PYTEST_")
 # What a recipe run imports before its first step (the rest is imported by the child itself).
 PRELOAD = (
     "torch",
