@@ -8,6 +8,7 @@ folder is one per run, and the ``data:`` line says whether tokenized data was re
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -112,7 +113,8 @@ def test_the_default_output_dir_is_a_new_folder_per_run_so_a_second_run_is_not_r
         assert result.returncode == 0, result.stderr[-3000:]
     runs = sorted((tmp_path / "outputs" / "llama").iterdir())
     assert len(runs) == 2 and all(steps(run) == [1] for run in runs)
-    assert all(len(run.name) == len("2026-12-01_19-40-00") for run in runs)
+    # DATE_TIME, and DATE_TIME_2 for a run that started in the same second as the one before
+    assert all(re.fullmatch(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d(_2)?", run.name) for run in runs)
     result = recipe("train.max_steps=1", *QUICK, "checkpoint.resume=auto", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "note: checkpoint.resume=auto finds nothing in" in result.stdout
