@@ -21,9 +21,9 @@ $(STAMP): pyproject.toml
 run: install  ## fine-tune the tiny Llama (~1 minute on 2 CPU cores) into outputs/llama/DATE_TIME
 	$(PY) recipes/finetune.py  # a new outputs/llama/DATE_TIME each time: twice in a row just works
 
-# One pytest process. Two xdist workers took 8:39 on a quiet machine, but on both clean-clone tries
-# 4-rank runs starved by the other worker's ranks passed their timeouts (12:00 serially, all passed).
-test: install  ## the whole test suite, as CI runs it (~12 minutes on 2 cores)
+# One pytest process (two xdist workers starved 4-rank runs past their timeouts). Recipe runs start
+# from a warm interpreter (tests/cli.py), which took the suite from 16:40 to about 8 minutes.
+test: install  ## the whole test suite, as CI runs it (~8 minutes on 2 cores)
 	$(PY) -m pytest -q
 
 # The developer's loop: unit and multi-process (gloo) tests; no recipe run through the command line.
