@@ -1,5 +1,6 @@
-"""Context parallelism through the real command line: ``cp=2`` trains what ``cp=1`` trains (loss,
-grad norm and validation loss within 1e-5 relative over 4 fp32 steps, packed rows too), a cp=2
+"""Context parallelism through the real command line: ``cp=2`` (and 4) trains what ``cp=1`` trains
+(loss, grad norm and validation loss within 1e-5 relative over 4 fp32 steps) for llama at tp1/tp2,
+qwen3 at tp2 with sp and at tp1 cp4, and packed llama at tp1 and tp2 with sp, a cp=2
 checkpoint resumes at cp=1 and a cp=1 one at cp=2 (DCP reshards: the weights are replicated over
 cp) and each goes on as the cp=1 run did, and an MoE model with cp > 1 is one ``error:`` line.
 """
@@ -11,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests import cli
 
@@ -24,6 +26,24 @@ RUNS = {
     "cp2": ["cp=2", "checkpoint.every_steps=2"],
     "packed_cp1": ["train.packing=true", "optim=sgd", "optim.lr=0.5"],
     "packed_cp2": ["train.packing=true", "optim=sgd", "optim.lr=0.5", "cp=2"],
+    "tp2_cp1": ["tp=2"],
+    "tp2_cp2": ["tp=2", "cp=2"],
+    "qwen3_tp2_sp_cp1": ["model=qwen3", "tp=2", "sp=true"],
+    "qwen3_tp2_sp_cp2": ["model=qwen3", "tp=2", "sp=true", "cp=2"],
+    "qwen3_cp1": ["model=qwen3"],
+    "qwen3_cp4": ["model=qwen3", "cp=4"],
+    "packed_tp2_sp_cp1": ["train.packing=true", "optim=sgd", "optim.lr=0.5", "tp=2", "sp=true"],
+    "packed_tp2_sp_cp2": ["train.packing=true", "optim=sgd", "optim.lr=0.5", "tp=2", "sp=true"]
+    + ["cp=2"],
+}
+# Each cp > 1 run and its twin: the same run at cp=1.
+TWINS = {
+    "cp2": "cp1",
+    "packed_cp2": "packed_cp1",
+    "tp2_cp2": "tp2_cp1",
+    "qwen3_tp2_sp_cp2": "qwen3_tp2_sp_cp1",
+    "qwen3_cp4": "qwen3_cp1",
+    "packed_tp2_sp_cp2": "packed_tp2_sp_cp1",
 }
 
 
@@ -37,6 +57,12 @@ def recipe(output_dir: Path, *overrides: str, ok: bool = True):
     if not ok:
         return result
     assert result.returncode == 0, f"{' '.join(command)}\n{result.stderr[-3000:]}"
+    config = yaml.safe_load((output_dir / "config.yaml").read_text())
+    layout = {key: config[key] for key in ("tp", "cp", "sp")}
+    asked = dict(
+        override.split("=") for override in overrides if override[:3] in ("tp=", "cp=", "sp=")
+    )
+    assert {key: str(layout[key]).lower() for key in asked} == asked, layout
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -69,9 +95,9 @@ def worst_gap(ours: list[dict], theirs: list[dict]) -> float:
     )
 
 
-@pytest.mark.parametrize("name", ["cp2", "packed_cp2"])
-def test_cp2_trains_what_cp1_trains(runs, name):
-    reference = runs[name.replace("cp2", "cp1")]
+@pytest.mark.parametrize("name", TWINS)
+def test_cp_trains_what_cp1_trains(runs, name):
+    reference = runs[TWINS[name]]
     assert [record["step"] for record in runs[name]] == [1, 2, 3, 4]
     assert "val_loss" in runs[name][-1]
     print(f"{name}: worst gap {worst_gap(runs[name], reference):.1e}")
