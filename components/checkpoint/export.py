@@ -1,8 +1,9 @@
 """Export a (tensor- or data-parallel) model as a Hugging Face folder that ``from_pretrained``
 loads.
 
-Every rank writes its share of the whole tensors (assigned by size) into ``<out_dir>.tmp``, holding
-at most its shard plus one full tensor at a time. Then rank 0 writes the safetensors index (one
+Every rank writes its share of the whole tensors (assigned by size) into ``<out_dir>.tmp``; each
+tensor comes to its writer in row blocks, sent by the ranks holding them to it alone, so no rank
+holds more than its shard plus about one block. Then rank 0 writes the safetensors index (one
 process under ``max_shard_size``: ``model.safetensors``) in the requested ``dtype``,
 ``config.json``, the tokenizer when one is given, every other top-level file of the source model
 folder byte-identical, and a ``README.md`` model card.
@@ -27,6 +28,7 @@ from huggingface_hub.serialization._base import parse_size_to_int
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers import PretrainedConfig, PreTrainedModel
 
 from components.checkpoint.dcp import publish_folder, rank_and_world, run_on_rank0
@@ -263,9 +265,9 @@ def _plan_parts(entries: list[_Entry], world_size: int, max_shard_bytes: int) ->
 
 
 class _PartWriter:
-    """A safetensors file written tensor by tensor: the header (every shape and dtype known in
-    advance) first, then each tensor's bytes as it arrives, in the header's order; fsynced on
-    close."""
+    """A safetensors file written block by block: the header (every shape and dtype known in
+    advance) first, then each tensor's bytes in row blocks as they arrive, in the header's order;
+    fsynced on close."""
 
     def __init__(self, path: Path, entries: tuple[_Entry, ...]):
         header: dict = {"__metadata__": {"format": "pt"}}
@@ -283,26 +285,131 @@ class _PartWriter:
         text = json.dumps(header, separators=(",", ":")).encode()
         text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors pads it
         self._pending = list(reversed(entries))
+        self._current: _Entry | None = None
+        self._left = 0  # bytes of the current tensor still to come
         self._file = open(path, "wb")  # noqa: SIM115 (closed by close())
         self._file.write(struct.pack("<Q", len(text)) + text)
 
-    def write(self, entry: _Entry, tensor: torch.Tensor) -> None:
-        expected = self._pending.pop()
-        got = (tuple(tensor.shape), tensor.dtype)
-        if expected != entry or got != (entry.shape, entry.dtype):
-            wanted = f"the header says {expected}"
-            raise RuntimeError(f"{entry.name}: written out of order or as {got}; {wanted}")
-        if tensor.numel():
-            self._file.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+    def write(self, entry: _Entry, block: torch.Tensor) -> None:
+        """Append ``block``: the next rows of ``entry`` (all of it, for a tensor of < 2 dims)."""
+        if self._left == 0:  # a new tensor starts
+            expected = self._pending.pop() if self._pending else None
+            if expected != entry:
+                raise RuntimeError(
+                    f"{entry.name}: written out of order; the header says {expected}"
+                )
+            self._current, self._left = entry, entry.nbytes
+        if (
+            entry != self._current
+            or block.dtype != entry.dtype
+            or block.shape[1:] != entry.shape[1:]
+        ):
+            raise RuntimeError(f"{entry.name}: a block of {tuple(block.shape)} {block.dtype}")
+        size = block.numel() * block.element_size()
+        if size > self._left or (size == 0 and self._left):
+            raise RuntimeError(f"{entry.name}: {size} bytes written where {self._left} were left")
+        if size:
+            self._file.write(block.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+        self._left -= size
 
     def close(self) -> None:
         try:
-            if self._pending:
+            if self._pending or self._left:
                 raise RuntimeError(f"{self._file.name}: {len(self._pending)} tensors never written")
             self._file.flush()
             os.fsync(self._file.fileno())
         finally:
             self._file.close()
+
+
+# Rows of a tensor sent to its writer at a time: a rank holds its shard plus about one block.
+_BLOCK_BYTES = 4 * 1024**2
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Box:
+    """The part of a tensor one rank holds: ``shape`` rows, columns, ... from ``offset``."""
+
+    rank: int
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+
+
+def _boxes(state: dict[str, torch.Tensor], entries: list[_Entry]) -> dict[str, list[_Box]]:
+    """For each sharded tensor, the distinct boxes the ranks hold (a replica's lowest rank), from
+    one exchange of every rank's boxes; a tensor whose boxes do not tile it is left out (gathered
+    whole instead)."""
+    rank, world = rank_and_world()
+    local = {}
+    for entry in entries:
+        tensor = state[entry.name]
+        if isinstance(tensor, DTensor) and tensor.ndim > 0:
+            shape, offset = compute_local_shape_and_global_offset(
+                tensor.shape, tensor.device_mesh, tensor.placements
+            )
+            local[entry.name] = (tuple(offset), tuple(shape))
+    every: list = [None] * world
+    dist.all_gather_object(every, local)
+    boxes = {}
+    for name in local:
+        found: dict[tuple, _Box] = {}
+        for other, held in enumerate(every):
+            if name in held and torch.Size(held[name][1]).numel() > 0:
+                offset, shape = held[name]
+                found.setdefault((offset, shape), _Box(rank=other, offset=offset, shape=shape))
+        shape = state[name].shape
+        inside = all(
+            len(box.offset) == len(shape)
+            and all(
+                0 <= o and o + n <= d for o, n, d in zip(box.offset, box.shape, shape, strict=True)
+            )
+            for box in found.values()
+        )
+        if inside and sum(torch.Size(box.shape).numel() for box in found.values()) == shape.numel():
+            boxes[name] = list(found.values())
+    return boxes
+
+
+def _row_blocks(entry: _Entry):
+    rows = entry.shape[0]
+    row_bytes = max(1, entry.nbytes // max(rows, 1))
+    step = max(1, _BLOCK_BYTES // row_bytes)
+    for start in range(0, rows, step):
+        yield start, min(rows, start + step)
+
+
+def _gathered_blocks(tensor: DTensor, entry: _Entry, owner: int, boxes: list[_Box], rank: int):
+    """Row blocks of ``tensor`` as ``entry.dtype`` on ``owner`` (None on the others): each box's
+    rows of a block are sent by the rank holding them to the owner alone (point-to-point, in the
+    same order on every rank)."""
+    local = tensor.to_local()
+    for start, end in _row_blocks(entry):
+        block = None
+        if rank == owner:
+            block = torch.empty((end - start, *entry.shape[1:]), dtype=entry.dtype)
+            block = block.to(local.device)
+        for box in boxes:
+            first, last = max(start, box.offset[0]), min(end, box.offset[0] + box.shape[0])
+            if first >= last or rank not in (box.rank, owner):
+                continue
+            rows = slice(first - start, last - start)
+            where = (
+                rows,
+                *(slice(o, o + n) for o, n in zip(box.offset[1:], box.shape[1:], strict=True)),
+            )
+            if box.rank == rank:
+                piece = local[first - box.offset[0] : last - box.offset[0]].to(entry.dtype)
+                if rank == owner:
+                    block[where] = piece
+                else:
+                    dist.send(piece.contiguous(), dst=owner)
+            else:
+                piece = torch.empty((last - first, *box.shape[1:]), dtype=entry.dtype)
+                piece = piece.to(local.device)
+                dist.recv(piece, src=box.rank)
+                block[where] = piece
+            del piece
+        yield None if block is None else block.cpu()
 
 
 def _write_parts(
@@ -312,30 +419,40 @@ def _write_parts(
     folder: Path,
     rank: int,
 ) -> Exception | None:
-    """Gather every tensor in ``entries``' order on every rank; append each to its owner's file.
+    """Write this rank's parts: every sharded tensor comes to its writer in row blocks
+    (:func:`_gathered_blocks`), every rank taking part in every tensor's exchange in ``entries``'
+    order.
 
-    A failure on this rank (a full disk) stops its writing but not its part in the gathers, so no
+    A failure on this rank (a full disk) stops its writing but not its part in the exchanges, so no
     rank is left waiting; it is returned, for every rank to learn of it.
     """
     mine = [part for part in parts if part.rank == rank]
+    owner_of = {entry.name: part.rank for part in parts for entry in part.entries}
     part_of = {entry.name: index for index, part in enumerate(mine) for entry in part.entries}
+    boxes = _boxes(state, entries) if dist.is_initialized() else {}
     writers: dict[int, _PartWriter] = {}
     failure: Exception | None = None
     for entry in entries:
         tensor = state[entry.name].detach()
-        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # a collective
+        owner = owner_of[entry.name]
+        if entry.name in boxes:
+            blocks = _gathered_blocks(tensor, entry, owner, boxes[entry.name], rank)
+        else:  # a plain tensor (whole on every rank), or a DTensor gathered whole
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # a collective
+            blocks = iter([full.cpu().to(entry.dtype)] if rank == owner else [])
         index = part_of.get(entry.name)
-        if index is None or failure is not None:
-            continue
-        try:
-            if index not in writers:
-                for earlier in [i for i in writers if i < index]:
-                    writers.pop(earlier).close()  # a rank's files fill one after the other
-                writers[index] = _PartWriter(folder / mine[index].filename, mine[index].entries)
-            writers[index].write(entry, full.cpu().to(entry.dtype))
-        except Exception as error:
-            failure = error
-        del full
+        for block in blocks:
+            if block is None or index is None or failure is not None:
+                continue
+            try:
+                if index not in writers:
+                    for earlier in [i for i in writers if i < index]:
+                        writers.pop(earlier).close()  # a rank's files fill one after the other
+                    writers[index] = _PartWriter(folder / mine[index].filename, mine[index].entries)
+                writers[index].write(entry, block)
+            except Exception as error:
+                failure = error
+            del block
     for writer in writers.values():
         try:
             writer.close()
