@@ -1,6 +1,6 @@
 """Context parallelism: peak memory per rank at cp 1/2/4, and the bytes its collectives move.
 
-    .venv/bin/python bench/context_parallel.py memory [--cp 1 2 4] [--seq 8192]  # recipe runs
+    .venv/bin/python bench/context_parallel.py memory [--cp 1 2 4] [--seq 8192] [--ac none full]
     .venv/bin/python bench/context_parallel.py bytes [--cp 2 4] [--seq 2048]     # one step
 
 ``memory``: the recipe itself (``python recipes/finetune.py``), a Llama of hidden 512, 6 layers
@@ -53,29 +53,51 @@ def expected_gib(seq: int, cp: int, runtime_gib: float = 0.45) -> float:
     return runtime_gib + (state + saved + gathered) / GIB
 
 
-def recipe_peak(cp: int, seq: int, root: Path) -> float:
-    """Step 2's ``peak_memory_gib`` of the recipe at this cp."""
-    overrides = [f"model.config.{key}={value}" for key, value in SHAPE.items()]
+def recipe_overrides(cp: int, seq: int, ac: str) -> list[str]:
+    shape = SHAPE | {"max_position_embeddings": max(seq, SHAPE["max_position_embeddings"])}
+    overrides = [f"model.config.{key}={value}" for key, value in shape.items()]
     overrides += [f"cp={cp}", f"train.seq_len={seq}", "train.packing=true", "train.max_steps=2"]
     overrides += ["train.global_batch_size=1", "train.micro_batch_size=1", "train.val_every=0"]
-    overrides += ["train.warmup_steps=0", "checkpoint.export=false", "data.num_examples=4000"]
-    output = root / f"cp{cp}"
-    command = [sys.executable, "recipes/finetune.py", *overrides, f"output_dir={output}"]
+    overrides += ["train.warmup_steps=0", "checkpoint.export=false"]
+    return overrides + [
+        f"data.num_examples={max(4000, seq // 2)}",
+        f"train.activation_checkpointing={ac}",
+    ]
+
+
+def recipe_peak(cp: int, seq: int, ac: str, root: Path) -> dict:
+    """The recipe's two steps at this cp: each step's metrics line."""
+    output = root / f"cp{cp}_seq{seq}_{ac}"
+    command = [sys.executable, "recipes/finetune.py", *recipe_overrides(cp, seq, ac)]
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command.append(f"output_dir={output}")
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=environment)
     if result.returncode:
         raise RuntimeError(result.stderr[-2000:])
-    return json.loads((output / "metrics.jsonl").read_text().splitlines()[-1])["peak_memory_gib"]
+    return [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
 
 
-def memory(cps: list[int], seq: int) -> None:
+def memory(cps: list[int], seq: int, acs: list[str], keep: Path | None) -> None:
+    """One table row per (ac, cp); each row is also appended to ``keep``/rows.jsonl as it ends."""
+    print(f"| ac | cp | seq | step 1 GiB | step 2 GiB/rank | analytic | ratio to cp={cps[0]} |")
+    print("|---|---|---|---|---|---|---|", flush=True)
     with tempfile.TemporaryDirectory() as folder:
-        peaks = {cp: recipe_peak(cp, seq, Path(folder)) for cp in cps}
-    print(f"| cp | seq | peak_memory_gib per rank | analytic | ratio to cp={cps[0]} |")
-    print("|---|---|---|---|---|")
-    for cp, peak in peaks.items():
-        ratio = peak / peaks[cps[0]]
-        print(f"| {cp} | {seq} | {peak:.3f} | {expected_gib(seq, cp):.3f} | {ratio:.3f} |")
+        root = keep or Path(folder)
+        root.mkdir(parents=True, exist_ok=True)
+        for ac in acs:
+            first = None
+            for cp in cps:
+                steps = recipe_peak(cp, seq, ac, root)
+                peak = steps[-1]["peak_memory_gib"]
+                first = first or peak
+                row = {"ac": ac, "cp": cp, "seq": seq, "steps": steps}
+                with (root / "rows.jsonl").open("a") as rows:
+                    rows.write(json.dumps(row) + "\n")
+                print(
+                    f"| {ac} | {cp} | {seq} | {steps[0]['peak_memory_gib']:.3f} | {peak:.3f} | "
+                    f"{expected_gib(seq, cp):.3f} | {peak / first:.3f} |",
+                    flush=True,
+                )
 
 
 def _counting(counts: dict, name: str):
@@ -158,9 +180,11 @@ def main() -> None:
     parser.add_argument("what", choices=["memory", "bytes"])
     parser.add_argument("--cp", type=int, nargs="+")
     parser.add_argument("--seq", type=int)
+    parser.add_argument("--ac", nargs="+", default=["none"], choices=["none", "full"])
+    parser.add_argument("--keep", type=Path, help="memory: keep the runs' folders here")
     args = parser.parse_args()
     if args.what == "memory":
-        memory(args.cp or [1, 2, 4], args.seq or 8192)
+        memory(args.cp or [1, 2, 4], args.seq or 8192, args.ac, args.keep)
     else:
         collective_bytes(args.cp or [2, 4], args.seq or 2048)
 
