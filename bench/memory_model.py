@@ -13,12 +13,19 @@ whose freed heap blocks stay resident and make the RSS creep up step by step, de
 Every output under a temporary folder. Goal: predicted within 20 % of measured, every row.
 
     .venv/bin/python bench/memory_model.py [--only 1:fp32:none,2:bf16-mixed:full] [--steps 3]
+    .venv/bin/python bench/memory_model.py --speed 3 --steps 6 --only 1:fp32:none
+
+``--speed N``: what the fixed threshold costs in speed, to decide whether CPU ranks should set it:
+per configuration, N runs with the fixed threshold and N with glibc's defaults, alternating (which
+goes first alternates too); a run's figure is the median ``tokens_per_s`` of its steps after the
+first; printed: each side's median and fixed ÷ default.
 """
 
 import argparse
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -117,6 +124,23 @@ def measure(folder: Path, data: Path, config: tuple, steps: int, malloc: dict) -
     }
 
 
+def speed(folder: Path, data: Path, config: tuple, steps: int, repetitions: int) -> dict:
+    """Median tokens/s (steps after the first) of ``repetitions`` runs per allocator, alternated."""
+    fixed = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
+    rates: dict[str, list[float]] = {"fixed": [], "default": []}
+    for repetition in range(repetitions):
+        order = [("fixed", fixed), ("default", {})]
+        for name, malloc in order if repetition % 2 == 0 else order[::-1]:
+            run_dir = folder / f"speed_{name}_{repetition}"
+            arguments = [*overrides(data, *config, steps), f"output_dir={run_dir}"]
+            recipe(arguments, folder / f"speed_{name}_{repetition}.log", malloc)
+            lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+            per_step = [json.loads(line)["tokens_per_s"] for line in lines[1:]]
+            rates[name].append(statistics.median(per_step))
+    medians = {name: statistics.median(values) for name, values in rates.items()}
+    return {"config": config, "runs": rates, "median": medians}
+
+
 def table(rows: list[dict]) -> str:
     lines = [
         "| tp | precision | checkpointing | predicted GiB | measured GiB | predicted ÷ measured "
@@ -143,6 +167,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--json", type=Path, help="also write the rows here")
     parser.add_argument("--default-malloc", action="store_true", help="glibc's dynamic threshold")
+    parser.add_argument("--speed", type=int, metavar="N", help="N speed runs per allocator")
     args = parser.parse_args()
     malloc = {} if args.default_malloc else {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
     configs = CONFIGS
@@ -157,6 +182,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="memory_model_") as temporary:
         folder = Path(temporary)
         write_records(folder / "records.jsonl")
+        for config in configs if args.speed else []:
+            result = speed(folder, folder / "records.jsonl", config, args.steps, args.speed)
+            fixed, default = result["median"]["fixed"], result["median"]["default"]
+            print(
+                f"  {config}: tokens/s fixed {fixed:.0f} default {default:.0f}, fixed / default "
+                f"{fixed / default:.3f} (runs {result['runs']}), load {_load()}",
+                flush=True,
+            )
+        if args.speed:
+            return
         for config in configs:
             rows.append(measure(folder, folder / "records.jsonl", config, args.steps, malloc))
             row = rows[-1]
