@@ -28,23 +28,10 @@ from typing import TYPE_CHECKING
 import hydra
 import torch
 import torch.distributed as dist
-import yaml
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.device_mesh import DeviceMesh
 
-from components.checkpoint.dcp import load_checkpoint
-from components.checkpoint.writer import CheckpointWriter
-from components.debug.faults import install_faults
-from components.distributed.context_parallel import ContextParallel
-from components.distributed.fsdp import set_gradient_sync
-from components.distributed.grads import clip_grad_norm_, finalize_dtensor_gradients, grad_norm
-from components.distributed.mesh import build_device_mesh, data_parallel_mesh
-from components.distributed.replicas import ReplicaSync, check_replicas, write_drift_report
-from components.moe import ExpertLoad, router_aux_loss_weight
-from components.runtime import preemption
 from components.runtime.launch import (
     end_launched_rank,
     fail_once,
@@ -53,16 +40,23 @@ from components.runtime.launch import (
     start_fresh_line,
     started_by_launcher,
 )
-from components.targets import target_class
-from components.training.loggers import MetricsLogger, open_logger
-from components.training.memory import peak_memory_gib, reset_peak_memory
-from components.training.metrics import MetricsLog, plot_loss_curve, throughput
 from recipes.problems import say  # every line a run prints: rank 0's alone
 
-# Model, data and tokenizer code (transformers, datasets) is imported by the functions that use it,
-# so that --help and --cfg job take about the time of `import torch` (tests/e2e/test_first_hour.py).
+# Above: what the driver needs to compose the config and start the ranks (torch is the floor
+# every command pays). What ranks alone run (DTensor, DCP, FSDP, model, data and tokenizer code)
+# is imported by the functions that use it, so that --help and --cfg job take about the time of
+# `import torch, hydra` (tests/e2e/test_first_hour.py). The checks import most of it before the
+# local launcher forks the ranks, which inherit it.
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from components.checkpoint.writer import CheckpointWriter
     from components.data import StepBatches
+    from components.distributed.context_parallel import ContextParallel
+    from components.distributed.replicas import ReplicaSync
+    from components.moe import ExpertLoad
+    from components.training.loggers import MetricsLogger
+    from components.training.metrics import MetricsLog
     from recipes.plan import RunPlan
 
 
@@ -109,8 +103,14 @@ def set_up(plan: RunPlan) -> Run:
     """Everything a rank needs before its first step: mesh, data, model, optimizer, schedule,
     resume."""
     from components.data.loader import open_splits
+    from components.debug.faults import install_faults
+    from components.distributed.context_parallel import ContextParallel
+    from components.distributed.mesh import build_device_mesh
+    from components.distributed.replicas import ReplicaSync
     from components.models.parallelize import build_parallel_model
     from components.models.precision import precision_policy
+    from components.moe import ExpertLoad, router_aux_loss_weight
+    from components.targets import target_class
     from components.training.schedule import build_schedule
 
     settings, train, optim = plan.settings, plan.settings.train, plan.settings.optim
@@ -130,10 +130,7 @@ def set_up(plan: RunPlan) -> Run:
     scheduler = build_schedule(
         optimizer, schedule.name, plan.warmup_steps, train.max_steps, schedule.options()
     )
-    first_step = 0
-    if plan.resume_from is not None:
-        first_step = load_checkpoint(plan.resume_from, model, optimizer, scheduler)["step"]
-        say(f"resumed from {plan.resume_from} at step {first_step}")
+    first_step = _resume(plan, model, optimizer, scheduler)
     precision = precision_policy(plan.model.precision)  # the same policy the model was built with
     data_parallel = plan.dims.data_parallel > 1  # FSDP over dp × cp
     compute = functools.partial(precision.autocast, device.type, data_parallel=data_parallel)
@@ -164,9 +161,31 @@ def set_up(plan: RunPlan) -> Run:
     return run
 
 
+def _resume(
+    plan: RunPlan,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+) -> int:
+    """The steps already done: 0 for a fresh run, else those of the checkpoint
+    ``plan.resume_from``, loaded into the model, optimizer and scheduler."""
+    from components.checkpoint.dcp import load_checkpoint
+
+    if plan.resume_from is None:
+        return 0
+    first_step = load_checkpoint(plan.resume_from, model, optimizer, scheduler)["step"]
+    say(f"resumed from {plan.resume_from} at step {first_step}")
+    return first_step
+
+
 def train_step(run: Run, plan: RunPlan, step: int) -> dict:
     """One optimizer step (0-based ``step``): micro-batches, gradient reductions, clip, update; its
     metrics."""
+    from components.distributed.fsdp import set_gradient_sync
+    from components.distributed.grads import clip_grad_norm_, finalize_dtensor_gradients, grad_norm
+    from components.distributed.mesh import data_parallel_mesh
+    from components.training.memory import peak_memory_gib, reset_peak_memory
+    from components.training.metrics import throughput
     from components.training.step import forward_backward  # its loss reads the models' TP plans
 
     settings, started = plan.settings, time.perf_counter()
@@ -217,6 +236,8 @@ def train(run: Run, plan: RunPlan) -> tuple[str | None, int]:
     """The steps after ``run.first_step`` up to ``max_steps`` (or ``stop_after``): metrics,
     validation, saves. Returns the name of the signal that stopped the run early (with a checkpoint
     of its step), or None; and how many steps were skipped as non-finite."""
+    from components.distributed.replicas import check_replicas
+
     settings, train_cfg = plan.settings, plan.settings.train
     log, tracker, writer = _open_outputs(run, plan)
     stopped, done, skipped = None, run.first_step, 0  # done: the last step done
@@ -250,6 +271,12 @@ def train(run: Run, plan: RunPlan) -> tuple[str | None, int]:
 def _open_outputs(run: Run, plan: RunPlan) -> tuple[MetricsLog, MetricsLogger, CheckpointWriter]:
     """What the steps write to: metrics.jsonl, the tracker (``logger=...``, on rank 0 only) and the
     checkpoint writer."""
+    import yaml
+
+    from components.checkpoint.writer import CheckpointWriter
+    from components.training.loggers import open_logger
+    from components.training.metrics import MetricsLog
+
     settings, first_step = plan.settings, run.first_step
     log = MetricsLog(
         plan.output_dir / "metrics.jsonl", run.rank == 0, first_step, settings.train.max_steps
@@ -278,6 +305,7 @@ def _validation_due(plan: RunPlan, done: int) -> bool:
 
 def _validation_loss(run: Run, plan: RunPlan) -> float:
     """The mean loss on the validation split, the same on every rank."""
+    from components.distributed.mesh import data_parallel_mesh
     from components.training.validation import validation_loss
 
     dp_group = data_parallel_mesh(run.mesh).get_group()  # dp × cp
@@ -289,6 +317,8 @@ def _validation_loss(run: Run, plan: RunPlan) -> float:
 def _stop_signal(writer: CheckpointWriter, done: int, state: tuple) -> str | None:
     """The name of the signal that stops the run after step ``done`` (with a checkpoint of it), or
     None. One all-reduce per step: a SIGTERM or SIGUSR1 on any rank stops every rank."""
+    from components.runtime import preemption
+
     if not writer.after_step(preemption.stop_requested() is not None):
         return None
     own = preemption.stop_requested()
@@ -339,6 +369,8 @@ def finish(run: Run, plan: RunPlan, stopped: bool = False, skipped: int = 0) -> 
     from transformers import AutoTokenizer
 
     from components.checkpoint.export import export_dtype, export_hf
+    from components.distributed.replicas import write_drift_report
+    from components.training.metrics import plot_loss_curve
 
     output_dir, settings = plan.output_dir, plan.settings
     if not stopped:
@@ -390,6 +422,10 @@ def done_line(plan: RunPlan, ended: bool, exported: bool) -> str:
 def rank_main(plan: RunPlan) -> str | None:
     """What every rank runs: set up, train, finish. Returns the stop signal's name (see
     ``train``)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from components.runtime import preemption
+
     preemption.install()  # first: a SIGTERM or SIGUSR1 from now on stops the run after a step
     run = set_up(plan)
     if started_by_launcher():  # torchrun: rank 0 claimed the folder; every rank takes its run id

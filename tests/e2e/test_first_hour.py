@@ -56,6 +56,9 @@ def imported_modules(*arguments: str) -> tuple[subprocess.CompletedProcess, set[
 
 def test_help_and_the_composed_config_import_no_model_data_or_tokenizer_code():
     heavy = ("transformers", "datasets", "tokenizers", "components.models", "components.data")
+    # nor what only ranks run: DTensor (and the sympy it loads), DCP, FSDP, the loss plot
+    heavy += ("torch.distributed.tensor", "torch.distributed.checkpoint", "torch.distributed.fsdp")
+    heavy += ("sympy", "matplotlib", "components.checkpoint", "components.distributed")
     for arguments in (["--help"], ["--cfg", "job"], ["--cfg", "job", "model=qwen3", "tp=2"]):
         result, modules = imported_modules(*arguments)
         assert result.returncode == 0, result.stderr[-3000:]
