@@ -6,9 +6,10 @@
 ``memory``: the recipe itself (``python recipes/finetune.py``), a Llama of hidden 512, 6 layers
 (8 heads of 64, 4 KV heads, intermediate 1536), fp32, tp=1, one packed ``--seq``-token row per
 step, 2 AdamW steps; the figure is step 2's ``peak_memory_gib`` (the busiest rank's peak RSS),
-printed beside :func:`expected_gib`. ``bytes``: the same model on ``cp`` gloo ranks, one forward and
-backward of one row; every ``all_gather_single`` / ``reduce_scatter_single`` of the context-parallel
-attention is counted (bytes this rank receives) beside :func:`expected_bytes`.
+printed beside :func:`planned_gib`, the memory model's total for the same overrides (the dry
+run's). ``bytes``: the same model on ``cp`` gloo ranks, one forward and backward of one row;
+every ``all_gather_single`` / ``reduce_scatter_single`` of the context-parallel attention is
+counted (bytes this rank receives) beside :func:`expected_bytes`.
 """
 
 import argparse
@@ -26,7 +27,6 @@ import torch.distributed as dist
 REPO = Path(__file__).resolve().parents[1]
 SHAPE = {"hidden_size": 512, "num_hidden_layers": 6, "num_attention_heads": 8, "head_dim": 64}
 SHAPE |= {"num_key_value_heads": 4, "intermediate_size": 1536, "max_position_embeddings": 8192}
-GIB = 1024**3
 
 
 def expected_bytes(seq: int, cp: int) -> int:
@@ -36,21 +36,17 @@ def expected_bytes(seq: int, cp: int) -> int:
     return SHAPE["num_hidden_layers"] * 2 * 2 * (cp - 1) * (seq // cp) * kv_dim * 4
 
 
-def expected_gib(seq: int, cp: int, runtime_gib: float = 0.45) -> float:
-    """A rank's peak by counting tensors: the process itself (``runtime_gib``: the tiny model's
-    RSS), the weights, gradients and AdamW moments sharded over cp (FSDP), what each layer saves for
-    backward for ``seq / cp`` tokens (2 norm inputs/outputs of ``hidden``, q, the rotated q, the
-    attention output and its contiguous copy of ``heads·dim``, k, v and the rotated k of ``kv dim``,
-    4 MLP tensors of ``intermediate``), and with cp > 1 every layer's gathered K/V with their copies
-    repeated to all heads ([seq, 2·kv + 2·heads·dim]) and the [seq / cp, seq] bool mask."""
-    h, i, layers = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["num_hidden_layers"]
-    kv = SHAPE["num_key_value_heads"] * SHAPE["head_dim"]
-    q = SHAPE["num_attention_heads"] * SHAPE["head_dim"]
-    params = layers * (h * (2 * q + 2 * kv) + 3 * h * i) + 2 * 512 * h
-    state = 4 * params * 4 / cp
-    saved = layers * (seq / cp) * (2 * h + 4 * q + 3 * kv + 4 * i) * 4
-    gathered = (layers * seq * (2 * kv + 2 * q) * 4 + seq * seq / cp) if cp > 1 else 0
-    return runtime_gib + (state + saved + gathered) / GIB
+def planned_gib(overrides: list[str]) -> float:
+    """The memory model's peak per rank for a recipe run of ``overrides``: plan.json's ``total``
+    of ``dry_run=true`` (``components.planning``: the busiest rank, its runtime included)."""
+    with tempfile.TemporaryDirectory() as folder:
+        command = [sys.executable, "recipes/finetune.py", *overrides, "dry_run=true"]
+        command.append(f"output_dir={folder}")
+        environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+        result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=environment)
+        if result.returncode:
+            raise RuntimeError(result.stderr[-2000:])
+        return json.loads((Path(folder) / "plan.json").read_text())["per_rank_gib"]["total"]
 
 
 def recipe_overrides(cp: int, seq: int, ac: str) -> list[str]:
@@ -79,7 +75,7 @@ def recipe_peak(cp: int, seq: int, ac: str, root: Path) -> dict:
 
 def memory(cps: list[int], seq: int, acs: list[str], keep: Path | None) -> None:
     """One table row per (ac, cp); each row is also appended to ``keep``/rows.jsonl as it ends."""
-    print(f"| ac | cp | seq | step 1 GiB | step 2 GiB/rank | analytic | ratio to cp={cps[0]} |")
+    print(f"| ac | cp | seq | step 1 GiB | step 2 GiB/rank | planned | ratio to cp={cps[0]} |")
     print("|---|---|---|---|---|---|---|", flush=True)
     with tempfile.TemporaryDirectory() as folder:
         root = keep or Path(folder)
@@ -90,12 +86,13 @@ def memory(cps: list[int], seq: int, acs: list[str], keep: Path | None) -> None:
                 steps = recipe_peak(cp, seq, ac, root)
                 peak = steps[-1]["peak_memory_gib"]
                 first = first or peak
-                row = {"ac": ac, "cp": cp, "seq": seq, "steps": steps}
+                planned = planned_gib(recipe_overrides(cp, seq, ac))
+                row = {"ac": ac, "cp": cp, "seq": seq, "steps": steps, "planned_gib": planned}
                 with (root / "rows.jsonl").open("a") as rows:
                     rows.write(json.dumps(row) + "\n")
                 print(
                     f"| {ac} | {cp} | {seq} | {steps[0]['peak_memory_gib']:.3f} | {peak:.3f} | "
-                    f"{expected_gib(seq, cp):.3f} | {peak / first:.3f} |",
+                    f"{planned:.3f} | {peak / first:.3f} |",
                     flush=True,
                 )
 

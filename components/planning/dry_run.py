@@ -9,12 +9,13 @@ world size, and nothing is allocated at full size. The local shards price the st
 geometry prices the rest (``components.planning.memory_model``). It prints a table and writes
 ``${output_dir}/plan.json``; with ``device_memory_gib`` (or the visible GPU's memory) it says
 whether the layout fits, and if not the smallest change that does: activation checkpointing, a
-smaller micro-batch, a larger tp (fewer dp ranks on the same world), then pairs of them; each
-candidate is planned again the same way and reported only when that plan fits.
+smaller micro-batch, a larger tp, a larger cp (each on the same world: fewer dp ranks), then pairs
+of them; each candidate is planned again the same way and reported only when that plan fits.
 """
 
 import itertools
 import json
+import math
 from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -35,16 +36,39 @@ ROWS = ("params", "grads", "optimizer", "activations", "buffers", "runtime", "to
 
 def plan_layout(plan, step: Step, layout: Layout) -> MemoryEstimate:
     """Build ``plan``'s model for ``layout`` on the meta device over the fake world; price it."""
-    dims = ParallelDims(world_size=plan.dims.world_size, dp=layout.dp, tp=layout.tp, ep=layout.ep)
+    world = plan.dims.world_size
+    dims = ParallelDims(world_size=world, dp=layout.dp, tp=layout.tp, ep=layout.ep, cp=layout.cp)
     mesh = build_device_mesh(dims, "cpu")
     spec = replace(plan.model, activation_checkpointing=layout.activation_checkpointing)
     model, _ = build_parallel_model(spec, dims, mesh, torch.device("meta"))
     return estimate_memory(model, plan.model.config, layout, step)
 
 
+def _cp_sizes(plan, layout: Layout) -> list[int]:
+    """The cp sizes above ``layout.cp`` that divide the world; none for an MoE model or under
+    ``train.compile`` (both refused with cp > 1)."""
+    world = plan.dims.world_size
+    if plan.model.experts or plan.model.compile:
+        return []
+    return [c for c in range(layout.cp + 1, world + 1) if world % c == 0]
+
+
+def _fits_the_world(plan, layout: Layout) -> bool:
+    """dp × cp × tp is the world, the global batch splits over dp, and a row into 2·cp chunks
+    (with sp, a rank's share into tp slices too), as ``recipes/checks.py`` requires."""
+    world, train = plan.dims.world_size, plan.settings.train
+    sequence = math.lcm(2 * layout.cp, layout.cp * layout.tp if plan.settings.sp else 1)
+    return (
+        layout.dp * layout.cp * layout.tp == world
+        and train.global_batch_size % (layout.micro_batch_size * layout.dp) == 0
+        and (layout.cp == 1 or train.seq_len % sequence == 0)
+    )
+
+
 def _candidates(plan, layout: Layout) -> list[tuple[str, Layout]]:
-    """Changes that lower the memory: single ones first (cheapest first), then pairs, then all."""
-    world, global_batch = plan.dims.world_size, plan.settings.train.global_batch_size
+    """Changes that lower the memory: single ones first (cheapest first), then pairs, then all. A
+    larger tp or cp keeps the world: dp shrinks (its new size is named with the change)."""
+    world = plan.dims.world_size
     changes = []
     if layout.activation_checkpointing != "full":
         full = {"activation_checkpointing": "full"}
@@ -52,16 +76,21 @@ def _candidates(plan, layout: Layout) -> list[tuple[str, Layout]]:
     micro = layout.micro_batch_size
     batches = [m for m in range(micro - 1, 0, -1) if micro % m == 0]
     changes.append([(f"train.micro_batch_size={m}", {"micro_batch_size": m}) for m in batches])
-    sizes = [t for t in range(layout.tp + 1, world + 1) if world % t == 0]
-    tps = [(t, world // t) for t in sizes if global_batch % (micro * world // t) == 0]
-    changes.append([(f"tp={t} dp={d}", {"tp": t, "dp": d}) for t, d in tps])
+    tps = [t for t in range(layout.tp + 1, world + 1) if world % t == 0]
+    changes.append([(f"tp={t}", {"tp": t}) for t in tps])
+    changes.append([(f"cp={c}", {"cp": c}) for c in _cp_sizes(plan, layout)])
     found = []
     for count in range(1, len(changes) + 1):
         for group in itertools.combinations(changes, count):
             for picks in itertools.product(*group):
                 words = " ".join(word for word, _ in picks)
                 fields = {key: value for _, change in picks for key, value in change.items()}
-                found.append((words, replace(layout, **fields)))
+                candidate = replace(layout, **fields)
+                if "tp" in fields or "cp" in fields:
+                    dp = world // (candidate.tp * candidate.cp)
+                    candidate, words = replace(candidate, dp=dp), f"{words} dp={dp}"
+                if _fits_the_world(plan, candidate):
+                    found.append((words, candidate))
     return found
 
 
@@ -94,6 +123,7 @@ def _step(plan) -> Step:
         device_type=plan.device_type,
         runtime_gib=runtime,
         loss_chunk_tokens=plan.loss_chunk_tokens,
+        packing=train.packing,
     )
 
 
@@ -116,6 +146,7 @@ def dry_run(plan, fail: Callable[[str], NoReturn]) -> dict:
         dp=dims.dp,
         ep=dims.ep,
         micro_batch_size=train.micro_batch_size,
+        cp=dims.cp,
         activation_checkpointing=checkpointing,
     )
     step = _step(plan)
@@ -132,7 +163,7 @@ def dry_run(plan, fail: Callable[[str], NoReturn]) -> dict:
         dist.destroy_process_group()
     result = {
         "world_size": dims.world_size,
-        "layout": {**asdict(layout), "sp": settings.sp, "cp": 1},
+        "layout": {**asdict(layout), "sp": settings.sp},
         "seq_len": train.seq_len,
         "precision": train.precision,
         "per_rank_gib": {row: getattr(estimate, row) for row in ROWS},
@@ -159,7 +190,8 @@ def format_plan(result: dict) -> str:
     """The printed table of a plan."""
     layout = result["layout"]
     lines = [
-        f"dry run: world {result['world_size']} = dp {layout['dp']} × tp {layout['tp']} "
+        f"dry run: world {result['world_size']} = dp {layout['dp']} × cp {layout['cp']} "
+        f"× tp {layout['tp']} "
         f"(ep {layout['ep']}, sp {str(layout['sp']).lower()}), "
         f"micro-batch {layout['micro_batch_size']} "
         f"× seq {result['seq_len']}, {result['precision']}, activation checkpointing "

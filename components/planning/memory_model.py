@@ -3,9 +3,11 @@ geometry.
 
 - ``params``, ``grads``, ``optimizer``: exact, the bytes of this rank's local shards of the model as
   the recipe builds it (on the meta device), of its gradients and of AdamW's moments (or SGD's).
-- ``activations``: what autograd saves for backward in one micro-batch, per decoder layer counted
-  from the tensors a Hugging Face Llama-style block keeps (``full`` checkpointing: each layer's
-  input, and one layer recomputed at a time), plus the final norm's and the loss head's.
+- ``activations``: what autograd saves for backward in one micro-batch (this cp rank's
+  ``seq_len / cp`` tokens of each row), per decoder layer counted from the tensors a Hugging Face
+  Llama-style block keeps (``full`` checkpointing: each layer's input, and one layer recomputed at
+  a time), plus the final norm's and the loss head's; with an attention mask (cp > 1, packed rows)
+  each layer's K and V over the whole sequence, repeated to every head, and its float mask.
 - ``buffers``: the step's transients (the loss's logits: one chunk's, or all of them unchunked;
   autocast's weight copies; one block's gradients in flight; FSDP's unsharded layers; the TP
   replica sync's buffer; AdamW's temporaries).
@@ -35,6 +37,7 @@ class Layout:
     dp: int
     ep: int
     micro_batch_size: int
+    cp: int = 1  # context parallel: each row split over cp ranks; FSDP shards over dp × cp
     activation_checkpointing: str  # none | full | selective
 
 
@@ -50,6 +53,7 @@ class Step:
     device_type: str  # cuda | cpu: AdamW's temporaries, the runtime
     runtime_gib: float  # the process itself (CPU), 0 on CUDA
     loss_chunk_tokens: int  # train.loss_chunk_tokens: tokens per head + loss chunk; 0: unchunked
+    packing: bool = False  # train.packing: transformers then builds a document mask (cp=1 too)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,6 +80,16 @@ def optimizer_moments(target: str, options: dict) -> int:
     if name == "sgd":
         return 1 if options.get("momentum", 0) else 0
     return 1 if name in ("adagrad", "rmsprop", "adafactor") else 2  # Adam, AdamW, ... : two moments
+
+
+def _data_parallel(layout: Layout) -> int:
+    """The ranks FSDP shards the weights over: dp × cp (the cp ranks hold the same weights)."""
+    return layout.dp * layout.cp
+
+
+def _masked(layout: Layout, step: Step) -> bool:
+    """Whether attention gets a mask: cp's [seq/cp, seq] one, or transformers' over packed rows."""
+    return layout.cp > 1 or step.packing
 
 
 def _local(parameter: torch.Tensor) -> torch.Tensor:
@@ -112,8 +126,8 @@ def _state(model: nn.Module, layout: Layout) -> dict[str, float]:
         "bytes": total,
         "element": element,
         "layer_bytes": layer * element,
-        "layer_numel": layer * layout.dp,  # FSDP all-gathers a layer over dp
-        "matmul_numel": matmul if layout.dp == 1 else 0,  # autocast copies: only without FSDP
+        "layer_numel": layer * _data_parallel(layout),  # FSDP all-gathers a layer over dp × cp
+        "matmul_numel": matmul if _data_parallel(layout) == 1 else 0,  # autocast: without FSDP
         "head_numel": head_weight.numel() if head_weight is not None else 0,
         "replicated_bytes": replicated,
         "largest_bytes": max((t.numel() * t.element_size() for t in local), default=0),
@@ -122,12 +136,17 @@ def _state(model: nn.Module, layout: Layout) -> dict[str, float]:
 
 def _autocast(layout: Layout, step: Step) -> bool:
     """fp32 weights and bf16 matmuls under ``torch.autocast``: bf16-mixed without FSDP."""
-    return step.precision == "bf16-mixed" and layout.dp == 1
+    return step.precision == "bf16-mixed" and _data_parallel(layout) == 1
 
 
 def _layer_rows(config, layout: Layout, step: Step, index: int) -> tuple[float, float, float]:
-    """Bytes per token of decoder layer ``index``: (what it saves without checkpointing, its input,
-    the gradients in flight in its backward)."""
+    """Bytes per (local) token of decoder layer ``index``: (what it saves without checkpointing,
+    its input, the gradients in flight in its backward).
+
+    With a mask (``_masked``) sdpa gets K and V over the whole sequence (cp's all-gather: ``cp``
+    rows per local token) repeated to every head (transformers' ``repeat_kv``; the gathered ones
+    are not kept), and aten turns the bool mask into a float one of the compute dtype per layer,
+    [seq/cp, seq], saved by the kernel; without one, sdpa's ``enable_gqa`` keeps the KV heads."""
     tp, sp = layout.tp, step.sequence_parallel
     compute = 4 if step.precision == "fp32" else 2
     autocast = _autocast(layout, step)  # fp32 weights, bf16 matmuls
@@ -138,8 +157,11 @@ def _layer_rows(config, layout: Layout, step: Step, index: int) -> tuple[float, 
     kv = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * dim
     norm_rows = hidden * residual * (2 / tp if sp else 2)  # input and normalised, per norm
     attention_in = hidden * compute * (3 if autocast_copies else 1)
-    # sdpa keeps q and k after rotary, v, and its output (o_proj's input); fp32 log-sum-exp per head
-    attention = 2 * (q + kv) * compute / tp + 4 * config.num_attention_heads / tp
+    masked, cp = _masked(layout, step), layout.cp
+    keys = (q if masked else kv) * cp  # K's (and V's) row elements per local token
+    mask = step.seq_len * compute if masked else 0  # the float mask's row, whole on every TP rank
+    # sdpa keeps q (after rotary), k, v and its output (o_proj's input); fp32 log-sum-exp per head
+    attention = 2 * (q + keys) * compute / tp + 4 * config.num_attention_heads / tp + mask
     if is_sparse_layer(config, index):
         top_k = getattr(config, "num_experts_per_tok", 1)
         inner = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
@@ -150,11 +172,18 @@ def _layer_rows(config, layout: Layout, step: Step, index: int) -> tuple[float, 
         inner_rows = config.intermediate_size / tp
     saved = 2 * norm_rows + attention_in + attention + mlp_in + 4 * inner_rows * compute
     in_flight = 3 * inner_rows * compute + 2 * hidden * residual / (tp if sp else 1)
+    # attention's backward: the gradients of its output, q, and K and V over the whole sequence
+    in_flight = max(in_flight, 2 * (q + keys) * compute / tp)
     return saved, hidden * residual / (tp if sp else 1), in_flight
 
 
+def _tokens(layout: Layout, step: Step) -> int:
+    """Tokens of one micro-batch on this rank: cp splits every row."""
+    return layout.micro_batch_size * step.seq_len // layout.cp
+
+
 def _activations(config, layout: Layout, step: Step) -> dict[str, float]:
-    tokens = layout.micro_batch_size * step.seq_len
+    tokens = _tokens(layout, step)
     rows = [_layer_rows(config, layout, step, i) for i in range(config.num_hidden_layers)]
     mode = layout.activation_checkpointing
     if mode == "none":
@@ -172,6 +201,8 @@ def _activations(config, layout: Layout, step: Step) -> dict[str, float]:
         "layers": tokens * layers,
         "recompute": tokens * recompute,
         "embedding_and_norm": tokens * ends,
+        # the bool mask [seq/cp, seq] per row, built once per forward and handed to every layer
+        "attention_mask": tokens * step.seq_len * _masked(layout, step),
         "in_flight": tokens * max(in_flight for _, _, in_flight in rows),
     }
 
@@ -181,7 +212,7 @@ def _loss(config, layout: Layout, step: Step, state: dict, chunked: bool) -> dic
     of logits (fp32, and its bf16 matmul output under bf16 compute), the head's weight cast to the
     compute dtype, and in backward the head's fp32 weight gradient and the hidden states' gradient;
     unchunked: the micro-batch's logits, their fp32 copy and their gradient."""
-    tokens = layout.micro_batch_size * step.seq_len
+    tokens = _tokens(layout, step)
     compute = 4 if step.precision == "fp32" else 2
     vocab = config.vocab_size / (layout.tp if config.vocab_size % layout.tp == 0 else 1)
     if not chunked:
@@ -196,11 +227,11 @@ def _loss(config, layout: Layout, step: Step, state: dict, chunked: bool) -> dic
 
 def _buffers(config, layout: Layout, step: Step, state: dict, chunked: bool) -> dict[str, float]:
     fsdp = unsharded = 0.0
-    if layout.dp > 1:
+    if _data_parallel(layout) > 1:
         gathered = 2 if step.precision != "fp32" else 4
         fsdp = 2 * state["layer_numel"] * (gathered + 4)  # two layers' parameters, fp32 grads
         if step.global_batch_size > layout.micro_batch_size * layout.dp:  # micro-batches accumulate
-            unsharded = state["bytes"] / state["element"] * layout.dp * 4
+            unsharded = state["bytes"] / state["element"] * _data_parallel(layout) * 4
     moments = state["bytes"] * step.optimizer_moments / 2
     temporaries = moments if step.device_type == "cuda" else 2 * state["largest_bytes"]
     copies = state["matmul_numel"] - state["head_numel"] * chunked  # the chunked head casts its own
@@ -223,12 +254,15 @@ def _peak(grads: float, state: dict, act: dict, buf: dict, layout: Layout) -> di
     saved_copies = copies if none else 0.0  # saved for backward only without checkpointing
     in_flight = buf["block_backward"] + act["recompute"]  # one block's backward
     layer_copies = copies / state["layers"] if state["layers"] and not none else 0.0
-    first_block = kept + saved_copies + buf["head_backward"] + in_flight + layer_copies
-    last_block = grads - state["layer_bytes"] + in_flight + layer_copies
+    # the bool mask: freed with the forward's inputs, or kept for the recompute by checkpointing
+    mask = act["attention_mask"]
+    backward = kept + saved_copies + (0.0 if none else mask)  # what the backward starts with
+    first_block = backward + buf["head_backward"] + in_flight + layer_copies
+    last_block = grads - state["layer_bytes"] + in_flight + layer_copies + (not none) * mask
     last_block += kept / state["layers"] if state["layers"] else kept
     return {
-        "forward": kept + copies + buf["logits"] + fsdp,
-        "head_backward": kept + saved_copies + buf["logits"] + buf["head_backward"] + fsdp,
+        "forward": kept + mask + copies + buf["logits"] + fsdp,
+        "head_backward": backward + buf["logits"] + buf["head_backward"] + fsdp,
         "first_block_backward": first_block + fsdp,
         "last_block_backward": last_block + fsdp,
         "after_backward": grads + buf["replica_sync"],

@@ -1,6 +1,7 @@
 """``dry_run=true`` through the real command line: a Llama-3-70B layout of 64 ranks planned on this
 machine (every check, the parallel model built on the meta device over fake ranks), its plan.json
-against the arithmetic, and a layout that does not fit given a change that fits when planned again.
+against the arithmetic, a layout that does not fit given a change that fits when planned again,
+and a cp=2 plan against the measured peak of the same run.
 
 The child's peak RSS is read with ``os.wait4`` (that child's own rusage), not wall-clock time."""
 
@@ -11,6 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests import cli
 
 REPO = Path(__file__).resolve().parents[2]
 GIB = 1024**3
@@ -75,3 +78,31 @@ def test_a_layout_that_does_not_fit_gets_the_smallest_change_and_that_change_fit
     planned = plan["suggestion"]["total_gib"] - plan["per_rank_gib"]["runtime"]
     replanned = again["per_rank_gib"]["total"] - again["per_rank_gib"]["runtime"]
     assert replanned == pytest.approx(planned, rel=1e-9)
+
+
+# bench/context_parallel.py's Llama: hidden 512, 6 layers, 8 heads of 64, 4 KV heads
+CP_SHAPE = {"hidden_size": 512, "num_hidden_layers": 6, "num_attention_heads": 8, "head_dim": 64}
+CP_SHAPE |= {"num_key_value_heads": 4, "intermediate_size": 1536, "max_position_embeddings": 2048}
+CP_RUN = ["cp=2", "train.seq_len=2048", "train.packing=true", "data.num_examples=4000"]
+CP_RUN += ["train.global_batch_size=1", "train.micro_batch_size=1", "train.max_steps=3"]
+CP_RUN += ["train.val_every=0", "train.warmup_steps=0", "checkpoint.export=false"]
+
+
+@pytest.mark.timeout(300)
+def test_a_cp2_plan_is_within_20_percent_of_the_measured_peak_of_the_same_run(tmp_path):
+    """One packed row of 2,048 tokens split over cp=2 (each rank: 1,024 queries over 2,048 keys,
+    the [1,024, 2,048] mask, K and V gathered and repeated to every head). glibc's mmap threshold is
+    fixed so the RSS is the live bytes (as in tests/distributed/test_memory_model.py)."""
+    overrides = [*CP_RUN, *(f"model.config.{key}={value}" for key, value in CP_SHAPE.items())]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
+    for extra in (["dry_run=true", f"output_dir={tmp_path / 'plan'}"], [f"output_dir={tmp_path}"]):
+        command = [sys.executable, "recipes/finetune.py", *overrides, *extra]
+        done = cli.run(command, cwd=REPO, env=environment, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-3000:]
+    plan = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    assert plan["world_size"] == 2 and plan["layout"]["cp"] == 2 and plan["layout"]["dp"] == 1
+    assert plan["detail_gib"]["attention_mask"] > 0
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    measured = max(json.loads(line)["peak_memory_gib"] for line in lines)
+    print(f"cp=2: planned {plan['per_rank_gib']['total']:.3f} GiB, measured {measured:.3f} GiB")
+    assert plan["per_rank_gib"]["total"] == pytest.approx(measured, rel=0.2), (plan, measured)

@@ -24,7 +24,6 @@ def problems_of(overrides: list[str]) -> list[str]:
             "train.seq_len (36) must be divisible by 8",
         ),
         (["cp=3", "nproc=4"], "nproc: world size 4 is not divisible by cp=3 × tp=1"),
-        (["cp=2", "dry_run=true"], "dry_run: dry_run=true with cp=2 is not supported yet"),
         (["cp=2", "train.compile=true"], "train.compile=true with cp=2 is not supported yet"),
     ],
 )
@@ -35,6 +34,10 @@ def test_a_bad_cp_layout_is_one_problem(overrides, expected):
 
 def test_a_layout_that_fits_has_no_problem():
     assert problems_of(["cp=2", "tp=2", "sp=true", "train.seq_len=48"]) == []
+
+
+def test_a_dry_run_plans_cp():
+    assert problems_of(["cp=2", "dry_run=true"]) == []
 
 
 def test_cp_must_be_a_positive_integer():

@@ -1,0 +1,34 @@
+"""The dry run's suggestion search with cp: a larger tp or cp keeps the world (dp shrinks), a cp
+the row cannot split into 2·cp chunks is never suggested, nor cp for an MoE model."""
+
+from types import SimpleNamespace
+
+from components.planning.dry_run import _candidates
+from components.planning.memory_model import Layout
+
+
+def plan_of(world: int, seq_len: int, experts: tuple = ()) -> SimpleNamespace:
+    train = SimpleNamespace(global_batch_size=8, seq_len=seq_len)
+    return SimpleNamespace(
+        dims=SimpleNamespace(world_size=world),
+        model=SimpleNamespace(experts=experts, compile=False),
+        settings=SimpleNamespace(sp=False, train=train),
+    )
+
+
+LAYOUT = Layout(tp=1, dp=4, ep=1, cp=2, micro_batch_size=2, activation_checkpointing="full")
+
+
+def test_a_larger_tp_or_cp_keeps_the_world():
+    found = dict(_candidates(plan_of(8, 4096), LAYOUT))
+    assert found["tp=2 dp=2"] == Layout(**{**vars(LAYOUT), "tp": 2, "dp": 2})
+    assert found["cp=4 dp=2"] == Layout(**{**vars(LAYOUT), "cp": 4, "dp": 2})
+    assert found["tp=2 cp=4 dp=1"].dp == 1
+    assert all(c.dp * c.cp * c.tp == 8 for c in found.values())
+
+
+def test_cp_is_suggested_only_where_the_row_splits_and_never_for_moe():
+    words = [word for word, _ in _candidates(plan_of(8, 20), LAYOUT)]
+    assert "cp=4 dp=2" not in words and "cp=8 dp=1" not in words  # 20 % 8, 20 % 16
+    moe = [word for word, _ in _candidates(plan_of(8, 4096, experts=("mlp.experts",)), LAYOUT)]
+    assert not any("cp=" in word for word in moe) and "tp=2 dp=2" in moe
