@@ -19,6 +19,7 @@ import math
 import os
 import re
 import sys
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -443,17 +444,29 @@ def plan_run(
         settings.cpu_threads, int(os.environ.get("LOCAL_WORLD_SIZE", dims.world_size))
     )
     plan = RunPlan(
-        settings=settings,
         dims=dims,
         device_type=device_type,
         cpu_threads=threads,
+        seed=settings.seed,
+        collective_timeout=timedelta(minutes=settings.collective_timeout_minutes),
         output_dir=output,
         model=model_spec(settings, config, model_path),
+        base_model=settings.model.pretrained_path,
         tokenizer_dir=Path(tokenizer_dir),
         data=data,
         pad_multiple=pad_multiple(settings.sp, dims),
-        loss_chunk_tokens=settings.train.loss_chunk_tokens or 0,
-        warmup_steps=warmup,
+        train=train.model_copy(
+            update=dict(warmup_steps=warmup, loss_chunk_tokens=train.loss_chunk_tokens or 0)
+        ),
+        optim=settings.optim,
+        schedule=settings.schedule,
+        checkpoint=settings.checkpoint,
+        logger=settings.logger,
+        moe=settings.moe,
+        check_replicas_every=settings.debug.check_replicas_every,
+        max_restarts=settings.max_restarts,
+        dry_run=settings.dry_run,
+        device_memory_gib=settings.device_memory_gib,
         resume_from=resume_from,
         run_id=record.run_id if record is not None else None,
         run_info=info,
@@ -534,7 +547,9 @@ def _claim_output_dir(
     try:
         if is_rank_zero() and not settings.dry_run:  # rank 0 owns it
             return own_output_dir(settings, output, info), []
-        return (None, choose_checkpoint(settings, output / "checkpoints", info), None), []
+        resume, max_steps = settings.checkpoint.resume, settings.train.max_steps
+        chosen = choose_checkpoint(resume, max_steps, output / "checkpoints", info)
+        return (None, chosen, None), []
     except OwnershipError as error:
         return (None, None, None), [error.problem()]
 

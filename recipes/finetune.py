@@ -21,7 +21,6 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
-from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -113,11 +112,10 @@ def set_up(plan: RunPlan) -> Run:
     from components.targets import target_class
     from components.training.schedule import build_schedule
 
-    settings, train, optim = plan.settings, plan.settings.train, plan.settings.optim
-    timeout = timedelta(minutes=settings.collective_timeout_minutes)
-    device = join_world(plan.device_type, timeout, plan.cpu_threads, settings.seed)
+    train, optim, timeout = plan.train, plan.optim, plan.collective_timeout
+    device = join_world(plan.device_type, timeout, plan.cpu_threads, plan.seed)
     rank, mesh = dist.get_rank(), build_device_mesh(plan.dims, plan.device_type, timeout)
-    shards = dict(dp_size=plan.dims.dp, dp_rank=mesh["dp"].get_local_rank(), seed=settings.seed)
+    shards = dict(dp_size=plan.dims.dp, dp_rank=mesh["dp"].get_local_rank(), seed=plan.seed)
     splits = (plan.data.train, plan.data.val, train.global_batch_size, train.micro_batch_size)
     data, val_data = open_splits(*splits, **shards, pad_multiple=plan.pad_multiple)
     model, report = build_parallel_model(plan.model, plan.dims, mesh, device, timeout)
@@ -126,9 +124,9 @@ def set_up(plan: RunPlan) -> Run:
     replicas = ReplicaSync([model], mesh)  # after parallelising and loading, before the optimizer
     replicas.broadcast()
     optimizer = target_class("optim", optim.target)(model.parameters(), **optim.options())
-    schedule = settings.schedule
+    schedule = plan.schedule
     scheduler = build_schedule(
-        optimizer, schedule.name, plan.warmup_steps, train.max_steps, schedule.options()
+        optimizer, schedule.name, train.warmup_steps, train.max_steps, schedule.options()
     )
     first_step = _resume(plan, model, optimizer, scheduler)
     precision = precision_policy(plan.model.precision)  # the same policy the model was built with
@@ -136,7 +134,7 @@ def set_up(plan: RunPlan) -> Run:
     compute = functools.partial(precision.autocast, device.type, data_parallel=data_parallel)
     micro_batches = data.micro_batches_per_step
     watched = (model, plan.model.config, list(plan.model.experts), mesh["dp"].get_group())
-    experts = ExpertLoad.watch(*watched, plan.model.routers, settings.moe.routing_bias_rate)
+    experts = ExpertLoad.watch(*watched, plan.model.routers, plan.moe.routing_bias_rate)
     aux = router_aux_loss_weight(plan.model.config, micro_batches, plan.dims.dp)
     run = Run(
         rank=rank,
@@ -188,7 +186,7 @@ def train_step(run: Run, plan: RunPlan, step: int) -> dict:
     from components.training.metrics import throughput
     from components.training.step import forward_backward  # its loss reads the models' TP plans
 
-    settings, started = plan.settings, time.perf_counter()
+    started = time.perf_counter()
     reset_peak_memory(run.device)
     run.optimizer.zero_grad(set_to_none=True)
     micro_batches, labelled = run.data.batches_for_step(step), run.data.labels_in_step(step)
@@ -198,15 +196,15 @@ def train_step(run: Run, plan: RunPlan, step: int) -> dict:
         if run.experts:  # the step's imbalance counts real tokens, not the padding
             run.experts.count_real(batch.real_mask())
         tensors = (batch.input_ids, batch.labels, labelled, batch.position_ids)
-        chunk = plan.loss_chunk_tokens
+        chunk = plan.train.loss_chunk_tokens
         options = (run.compute(), run.aux_loss_weight, chunk, run.cp)
         loss_sum += forward_backward(run.model, *tensors, *options)
     finalize_dtensor_gradients([run.model])
     run.replicas.synchronize()
-    clip = settings.train.clip_grad_norm
+    clip = plan.train.clip_grad_norm
     norm = (clip_grad_norm_([run.model], clip) if clip else grad_norm([run.model])).item()
     finite = math.isfinite(norm)  # the same number on every rank, so all ranks decide alike
-    if not finite and settings.train.on_nonfinite == "stop":
+    if not finite and plan.train.on_nonfinite == "stop":
         raise FloatingPointError(
             f"step {step + 1}: grad norm is {norm}; stopped before the update "
             "(train.on_nonfinite=skip skips it)"
@@ -227,7 +225,7 @@ def train_step(run: Run, plan: RunPlan, step: int) -> dict:
         "tokens": tokens,
         **throughput(tokens, elapsed, plan.flops_per_token, dist.get_world_size(), run.device),
         "peak_memory_gib": peak.item(),
-        **(run.experts.metrics(settings.moe.expert_load == "experts") if run.experts else {}),
+        **(run.experts.metrics(plan.moe.expert_load == "experts") if run.experts else {}),
         **({} if finite else {"skipped": True}),
     }
 
@@ -238,7 +236,7 @@ def train(run: Run, plan: RunPlan) -> tuple[str | None, int]:
     of its step), or None; and how many steps were skipped as non-finite."""
     from components.distributed.replicas import check_replicas
 
-    settings, train_cfg = plan.settings, plan.settings.train
+    train_cfg = plan.train
     log, tracker, writer = _open_outputs(run, plan)
     stopped, done, skipped = None, run.first_step, 0  # done: the last step done
     state = (run.model, run.optimizer, run.scheduler)
@@ -250,9 +248,9 @@ def train(run: Run, plan: RunPlan) -> tuple[str | None, int]:
             record["val_loss"] = _validation_loss(run, plan)
         log.log(record)
         tracker.log_metrics(record, record["step"])
-        if settings.debug.check_replicas_every and done % settings.debug.check_replicas_every == 0:
+        if plan.check_replicas_every and done % plan.check_replicas_every == 0:
             check_replicas([run.model], run.mesh, done)
-        every = settings.checkpoint.every_steps
+        every = plan.checkpoint.every_steps
         if every and done % every == 0:
             writer.save(done, *state)
         stopped = _stop_signal(writer, done, state)
@@ -277,19 +275,19 @@ def _open_outputs(run: Run, plan: RunPlan) -> tuple[MetricsLog, MetricsLogger, C
     from components.training.loggers import open_logger
     from components.training.metrics import MetricsLog
 
-    settings, first_step = plan.settings, run.first_step
+    first_step = run.first_step
     log = MetricsLog(
-        plan.output_dir / "metrics.jsonl", run.rank == 0, first_step, settings.train.max_steps
+        plan.output_dir / "metrics.jsonl", run.rank == 0, first_step, plan.train.max_steps
     )
-    logger, hparams = settings.logger, yaml.safe_load(plan.config_yaml)
+    logger, hparams = plan.logger, yaml.safe_load(plan.config_yaml)
     tracker = open_logger(
         logger.target, logger.options(), plan.output_dir, first_step, hparams, run.rank == 0
     )
-    ids = dict(keep=settings.checkpoint.keep, run_id=plan.run_id, run_info=plan.run_info)
+    ids = dict(keep=plan.checkpoint.keep, run_id=plan.run_id, run_info=plan.run_info)
     writer = CheckpointWriter(
         plan.checkpoints,
         **ids,
-        asynchronous=settings.checkpoint.asynchronous,
+        asynchronous=plan.checkpoint.asynchronous,
         before_commit=run.before_commit,
     )
     return log, tracker, writer
@@ -298,7 +296,7 @@ def _open_outputs(run: Run, plan: RunPlan) -> tuple[MetricsLog, MetricsLogger, C
 def _validation_due(plan: RunPlan, done: int) -> bool:
     """Whether step ``done`` validates: every ``train.val_every`` steps and after the last (never
     with ``train.val_every=0``)."""
-    train_cfg = plan.settings.train
+    train_cfg = plan.train
     every = train_cfg.val_every
     return bool(every) and (done % every == 0 or done == train_cfg.max_steps)
 
@@ -310,7 +308,13 @@ def _validation_loss(run: Run, plan: RunPlan) -> float:
 
     dp_group = data_parallel_mesh(run.mesh).get_group()  # dp × cp
     return validation_loss(
-        run.model, run.val_data, run.device, dp_group, run.compute(), plan.loss_chunk_tokens, run.cp
+        run.model,
+        run.val_data,
+        run.device,
+        dp_group,
+        run.compute(),
+        plan.train.loss_chunk_tokens,
+        run.cp,
     )
 
 
@@ -331,7 +335,7 @@ def _stop_signal(writer: CheckpointWriter, done: int, state: tuple) -> str | Non
 def _print_stop_note(stopped: str, done: int, plan: RunPlan, writer: CheckpointWriter) -> None:
     """The stop's ``note:`` line on stderr: the signal, the checkpoint, how to continue."""
     say(
-        f"note: stopped by {stopped} after step {done} of {plan.settings.train.max_steps}: "
+        f"note: stopped by {stopped} after step {done} of {plan.train.max_steps}: "
         f"checkpoint {writer.last_path}; checkpoint.resume=auto continues (exit status "
         f"{STOPPED_STATUS})",
         file=sys.stderr,
@@ -372,32 +376,31 @@ def finish(run: Run, plan: RunPlan, stopped: bool = False, skipped: int = 0) -> 
     from components.distributed.replicas import write_drift_report
     from components.training.metrics import plot_loss_curve
 
-    output_dir, settings = plan.output_dir, plan.settings
+    output_dir, train = plan.output_dir, plan.train
     if not stopped:
         write_drift_report([run.model], run.mesh, output_dir / "replica_drift.json", run.rank)
-    train = settings.train
     ended = (train.stop_after or train.max_steps) >= train.max_steps and not stopped
     last = min(train.max_steps, train.stop_after or train.max_steps)
     fails, note = skipped_verdict(skipped, last - run.first_step) if not stopped else (False, None)
-    if settings.checkpoint.export and ended and not fails:
+    if plan.checkpoint.export and ended and not fails:
         source = plan.model.weights
         export_hf(
             run.model,
             plan.model.config,
             output_dir / "hf",
             tokenizer=AutoTokenizer.from_pretrained(plan.tokenizer_dir, trust_remote_code=False),
-            dtype=export_dtype(settings.checkpoint.export_dtype, source),
+            dtype=export_dtype(plan.checkpoint.export_dtype, source),
             source_dir=source,
             recipe="recipes/finetune.py",
             config_yaml=plan.config_yaml,
-            base_model=settings.model.pretrained_path,
+            base_model=plan.base_model,
         )
     if run.rank == 0 and (output_dir / "metrics.jsonl").exists():
         plot_loss_curve(output_dir / "metrics.jsonl", output_dir / "loss.png")
         if note and not fails:
             say(note, file=sys.stderr)
         if not fails:
-            say(done_line(plan, ended, exported=settings.checkpoint.export and ended))
+            say(done_line(plan, ended, exported=plan.checkpoint.export and ended))
     dist.destroy_process_group()
     if fails:
         fail_once(note)  # every rank exits 1; rank 0 prints the one error: line
@@ -415,7 +418,7 @@ def done_line(plan: RunPlan, ended: bool, exported: bool) -> str:
     latest = checkpoints[-1]
     return (
         f"done: metrics, loss.png and checkpoint {latest.name} in {plan.output_dir} (no hf/ before "
-        f"step {plan.settings.train.max_steps}); checkpoint.resume=auto continues from it"
+        f"step {plan.train.max_steps}); checkpoint.resume=auto continues from it"
     )
 
 
@@ -483,9 +486,11 @@ def local_rank_main(plan: RunPlan) -> str | None:
 
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if restart:
-        resume_from = choose_checkpoint(plan.settings, plan.checkpoints, plan.run_info)
+        resume_from = choose_checkpoint(
+            plan.checkpoint.resume, plan.train.max_steps, plan.checkpoints, plan.run_info
+        )
         at = f"from {resume_from}" if resume_from is not None else "from step 0"
-        say(f"note: restart {restart} of {plan.settings.max_restarts} after a rank failed: {at}")
+        say(f"note: restart {restart} of {plan.max_restarts} after a rank failed: {at}")
         plan = replace(plan, resume_from=resume_from)
     return rank_main(plan)
 
@@ -504,7 +509,7 @@ def launch(cfg: DictConfig, job_dir: str | None, hydra_run_dir: str | None) -> N
         start_fresh_line(sys.stderr)
         say(INTERRUPTED, file=sys.stderr, flush=True)
         raise SystemExit(INTERRUPTED_STATUS) from None
-    if plan.settings.dry_run:  # checked: the layout is built on fake ranks and priced; nothing runs
+    if plan.dry_run:  # checked: the layout is built on fake ranks and priced; nothing runs
         return dry_run(plan, fail)
     if lock is not None:  # rank 0 of torchrun, or the local launcher
         (plan.output_dir / "config.yaml").write_text(plan.config_yaml)
@@ -514,7 +519,7 @@ def launch(cfg: DictConfig, job_dir: str | None, hydra_run_dir: str | None) -> N
         ):  # torchrun: a stopped rank exits 0 (another status would restart it)
             rank_main(plan)
         else:
-            restarts = dict(max_restarts=plan.settings.max_restarts)
+            restarts = dict(max_restarts=plan.max_restarts)
             results = launch_local(local_rank_main, plan.dims.world_size, plan, **restarts)
     finally:  # the folder is free again once the ranks are done
         if lock is not None:

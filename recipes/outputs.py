@@ -167,10 +167,12 @@ def run_info(
     }
 
 
-def choose_checkpoint(settings: Config, checkpoints: Path, info: dict[str, Any]) -> Path | None:
-    """The checkpoint to resume from, or None; raise OwnershipError when the asked-for one cannot be
-    used."""
-    resume = settings.checkpoint.resume
+def choose_checkpoint(
+    resume: str | None, max_steps: int, checkpoints: Path, info: dict[str, Any]
+) -> Path | None:
+    """The checkpoint ``checkpoint.resume`` names (``auto``: the latest complete one in
+    ``checkpoints``), or None; raise OwnershipError when the asked-for one cannot be used by a run
+    of ``max_steps`` recording ``info``."""
     if resume is None:
         return None
     try:
@@ -187,7 +189,7 @@ def choose_checkpoint(settings: Config, checkpoints: Path, info: dict[str, Any])
         why = f"checkpoint.resume={show(resume)}: {error}"
         raise OwnershipError(why, "checkpoint.resume") from None
     shapes = _SHAPES.get(info.get("model"))
-    if mismatches := resume_problems(summary, info, settings.train.max_steps, shapes):
+    if mismatches := resume_problems(summary, info, max_steps, shapes):
         why = f"cannot resume from {summary.path}: {'; '.join(mismatches)}"
         raise OwnershipError(why, "checkpoint.resume")
     return summary.path
@@ -203,7 +205,8 @@ def own_output_dir(
     except OutputDirError as error:
         raise OwnershipError(str(error)) from None
     try:
-        resume_from = choose_checkpoint(settings, output_dir / "checkpoints", info)
+        resume, max_steps = settings.checkpoint.resume, settings.train.max_steps
+        resume_from = choose_checkpoint(resume, max_steps, output_dir / "checkpoints", info)
         if resume_from is not None and settings.checkpoint.resume != "auto":
             _check_foreign_resume(output_dir, resume_from, settings.overwrite_output_dir)
         record = claim_output_dir(

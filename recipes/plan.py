@@ -6,6 +6,7 @@ torchrun rank from the same checks.
 """
 
 from dataclasses import dataclass
+from datetime import timedelta
 from functools import cached_property
 from pathlib import Path
 
@@ -13,42 +14,47 @@ from components.data import PreparedData
 from components.debug.faults import Fault
 from components.distributed.mesh import ParallelDims
 from components.models.parallelize import ModelSpec
-from recipes.schema import Config
+from recipes.schema import Checkpoint, Moe, Optim, Schedule, Targeted, Train
 
 
 @dataclass(frozen=True, kw_only=True)
 class RunPlan:
-    settings: Config  # every key of the composed config, validated (types, ranges, known keys)
     dims: ParallelDims
     device_type: str  # "cpu" or "cuda"
     cpu_threads: int  # intra-op threads per rank on the CPU
+    seed: int
+    collective_timeout: timedelta  # a collective waiting longer fails the run
     output_dir: Path  # absolute; this run owns it while it runs
     # the Hugging Face config (vocabulary size included), the weights' folder, how to split it
     model: ModelSpec
+    base_model: str | None  # model.pretrained_path, as the export's model card names it
     tokenizer_dir: Path
     data: PreparedData  # the tokenized splits, prepared once, memory-mapped by the ranks
     pad_multiple: int  # a micro-batch is padded to its longest row, rounded up to this multiple
-    loss_chunk_tokens: int  # train.loss_chunk_tokens: tokens per lm_head + loss chunk; 0: unchunked
-    warmup_steps: int  # train.warmup_steps, cut to train.max_steps when longer (with a note:)
-    resume_from: (
-        Path | None
-    )  # the checkpoint chosen before any rank started, or None for a fresh run
-    run_id: (
-        str | None
-    )  # this run's id (checkpoints record it; pruning touches only its own); None: ask rank 0
+    # train.*, decided: warmup_steps cut to max_steps (with a note:), loss_chunk_tokens 0 for off
+    train: Train
+    optim: Optim
+    schedule: Schedule
+    checkpoint: Checkpoint  # saves, pruning, export; the resume itself is decided: resume_from
+    logger: Targeted
+    moe: Moe
+    check_replicas_every: int  # debug.check_replicas_every
+    max_restarts: int  # the recipe's own launcher restarts every rank up to this many times
+    dry_run: bool  # plan the layout on fake ranks and exit
+    device_memory_gib: float | None  # with dry_run: one device's memory (None: the visible one's)
+    resume_from: Path | None  # the checkpoint chosen before any rank started, or None
+    run_id: str | None  # this run's id (checkpoints record it); None: ask rank 0
     # what checkpoints record and a resume must match (model shapes, optimizer, batch geometry)
     run_info: dict
     fault: Fault | None  # debug.fault, parsed (tests only)
-    config_yaml: (
-        str  # the resolved config the run was started with, saved as output_dir/config.yaml
-    )
+    config_yaml: str  # the resolved config the run was started with (output_dir/config.yaml)
 
     @cached_property
     def flops_per_token(self) -> int:
         """Model FLOPs of forward + backward per token at ``train.seq_len`` (for ``mfu``)."""
         from components.planning.flops import flops_per_token
 
-        return flops_per_token(self.model.config, self.settings.train.seq_len)
+        return flops_per_token(self.model.config, self.train.seq_len)
 
     @property
     def checkpoints(self) -> Path:

@@ -56,8 +56,9 @@ def _cp_sizes(plan, layout: Layout) -> list[int]:
 def _fits_the_world(plan, layout: Layout) -> bool:
     """dp × cp × tp is the world, the global batch splits over dp, and a row into 2·cp chunks
     (with sp, a rank's share into tp slices too), as ``recipes/checks.py`` requires."""
-    world, train = plan.dims.world_size, plan.settings.train
-    sequence = math.lcm(2 * layout.cp, layout.cp * layout.tp if plan.settings.sp else 1)
+    world, train = plan.dims.world_size, plan.train
+    sp = plan.model.sequence_parallel
+    sequence = math.lcm(2 * layout.cp, layout.cp * layout.tp if sp else 1)
     return (
         layout.dp * layout.cp * layout.tp == world
         and train.global_batch_size % (layout.micro_batch_size * layout.dp) == 0
@@ -110,19 +111,18 @@ def _suggest(plan, step: Step, layout: Layout, memory_gib: float) -> tuple[dict 
 
 
 def _step(plan) -> Step:
-    settings = plan.settings
-    train = settings.train
+    train = plan.train
     runtime = current_memory_gib("cpu") if plan.device_type == "cpu" else 0.0
-    moments = moments_of(settings.optim.target, settings.optim.options())
+    moments = moments_of(plan.optim.target, plan.optim.options())
     return Step(
         seq_len=train.seq_len,
         global_batch_size=train.global_batch_size,
         precision=train.precision,
-        sequence_parallel=settings.sp,
+        sequence_parallel=plan.model.sequence_parallel,
         optimizer_moments=moments,
         device_type=plan.device_type,
         runtime_gib=runtime,
-        loss_chunk_tokens=plan.loss_chunk_tokens,
+        loss_chunk_tokens=train.loss_chunk_tokens,
         packing=train.packing,
     )
 
@@ -138,8 +138,7 @@ def dry_run(plan, fail: Callable[[str], NoReturn]) -> dict:
     A layout that cannot be built (the error a launch would hit) goes to ``fail`` as one line."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    settings, dims = plan.settings, plan.dims
-    train = settings.train
+    dims, train = plan.dims, plan.train
     checkpointing = train.activation_checkpointing
     layout = Layout(
         tp=dims.tp,
@@ -150,7 +149,7 @@ def dry_run(plan, fail: Callable[[str], NoReturn]) -> dict:
         activation_checkpointing=checkpointing,
     )
     step = _step(plan)
-    memory = _device_memory_gib(settings.device_memory_gib)
+    memory = _device_memory_gib(plan.device_memory_gib)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=dims.world_size)
     try:
         try:
@@ -163,7 +162,7 @@ def dry_run(plan, fail: Callable[[str], NoReturn]) -> dict:
         dist.destroy_process_group()
     result = {
         "world_size": dims.world_size,
-        "layout": {**asdict(layout), "sp": settings.sp},
+        "layout": {**asdict(layout), "sp": plan.model.sequence_parallel},
         "seq_len": train.seq_len,
         "precision": train.precision,
         "per_rank_gib": {row: getattr(estimate, row) for row in ROWS},

@@ -1,19 +1,17 @@
 """Per-rank memory of a training step, from the parallel model's local shards and the batch
 geometry.
 
-- ``params``, ``grads``, ``optimizer``: exact, the bytes of this rank's local shards of the model as
-  the recipe builds it (on the meta device), of its gradients and of AdamW's moments (or SGD's).
+- ``params``, ``grads``, ``optimizer``: exact, this rank's local shards (built on the meta device),
+  their gradients and AdamW's moments (or SGD's).
 - ``activations``: what autograd saves for backward in one micro-batch (this cp rank's
-  ``seq_len / cp`` tokens of each row), per decoder layer counted from the tensors a Hugging Face
-  Llama-style block keeps (``full`` checkpointing: each layer's input, and one layer recomputed at
-  a time), plus the final norm's and the loss head's; with an attention mask (cp > 1, packed rows)
-  each layer's K and V over the whole sequence, repeated to every head, and its float mask.
-- ``buffers``: the step's transients (the loss's logits: one chunk's, or all of them unchunked;
-  autocast's weight copies; one block's gradients in flight; FSDP's unsharded layers; the TP
-  replica sync's buffer; AdamW's temporaries).
-- ``total``: the largest of the step's phases (``phases``), not the sum, plus ``runtime``.
-
-Design notes: docs/design-notes.md
+  ``seq_len / cp`` tokens of each row), per decoder layer (``full`` checkpointing: each layer's
+  input and one layer recomputed at a time), plus the final norm's and the loss head's; with a mask
+  (cp > 1, packed rows) each layer's K and V over the whole sequence, repeated to every head, and
+  its float mask.
+- ``buffers``: the step's transients (logits, autocast copies, gradients in flight, FSDP's
+  unsharded layers, the replica sync's buffer, AdamW's temporaries).
+- ``total``: the largest of the step's phases (``phases``), plus ``runtime``. Design notes:
+  docs/design-notes.md
 """
 
 from dataclasses import asdict, dataclass

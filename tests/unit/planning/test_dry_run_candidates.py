@@ -11,8 +11,8 @@ def plan_of(world: int, seq_len: int, experts: tuple = ()) -> SimpleNamespace:
     train = SimpleNamespace(global_batch_size=8, seq_len=seq_len)
     return SimpleNamespace(
         dims=SimpleNamespace(world_size=world),
-        model=SimpleNamespace(experts=experts, compile=False),
-        settings=SimpleNamespace(sp=False, train=train),
+        model=SimpleNamespace(experts=experts, compile=False, sequence_parallel=False),
+        train=train,
     )
 
 
