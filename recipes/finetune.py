@@ -13,6 +13,7 @@ from __future__ import annotations  # the annotations below name classes importe
 
 import errno
 import functools
+import importlib
 import math
 import os
 import shutil
@@ -495,6 +496,39 @@ def local_rank_main(plan: RunPlan) -> str | None:
     return rank_main(plan)
 
 
+# What the rank functions import inside themselves (so --help stays light), imported by the launcher
+# before it forks the ranks: a child forked while another thread holds an import lock would hang.
+RANK_MODULES = (
+    "yaml",
+    "transformers",
+    "torch.distributed.checkpoint.api",
+    "components.checkpoint.dcp",
+    "components.checkpoint.export",
+    "components.checkpoint.integrity",
+    "components.checkpoint.writer",
+    "components.data",
+    "components.data.loader",
+    "components.debug.faults",
+    "components.distributed.context_parallel",
+    "components.distributed.fsdp",
+    "components.distributed.grads",
+    "components.distributed.mesh",
+    "components.distributed.replicas",
+    "components.models.parallelize",
+    "components.models.precision",
+    "components.moe",
+    "components.runtime.preemption",
+    "components.targets",
+    "components.training.loggers",
+    "components.training.memory",
+    "components.training.metrics",
+    "components.training.schedule",
+    "components.training.step",
+    "components.training.validation",
+    "recipes.outputs",
+)
+
+
 def launch(cfg: DictConfig, job_dir: str | None, hydra_run_dir: str | None) -> None:
     """Check and plan once, then run the ranks: here (torchrun started us) or as local processes.
     ``job_dir``: a sweep job's own folder; ``hydra_run_dir``: checked to agree with output_dir."""
@@ -513,6 +547,8 @@ def launch(cfg: DictConfig, job_dir: str | None, hydra_run_dir: str | None) -> N
         return dry_run(plan, fail)
     if lock is not None:  # rank 0 of torchrun, or the local launcher
         (plan.output_dir / "config.yaml").write_text(plan.config_yaml)
+    for module in RANK_MODULES:  # before the fork: a rank imports nothing (no import locks held)
+        importlib.import_module(module)
     try:
         if (
             started_by_launcher()
