@@ -41,7 +41,7 @@ SIZES = dict(
     num_key_value_heads=4,
     head_dim=32,
     vocab_size=4096,
-    max_position_embeddings=2048,  # the cp case's row
+    max_position_embeddings=512,
 )
 BATCH, SEQ, CHUNK = 2, 512, 256
 CP_BATCH, CP_SEQ = 1, 2048  # cp=2: one row of two documents
@@ -72,7 +72,8 @@ def measured_and_planned(rank, world_size, precision, checkpointing, cp=1) -> tu
     before = current_memory_gib("cpu")
     dims = ParallelDims(world_size=world_size, dp=1, tp=world_size // cp, cp=cp)
     mesh = build_device_mesh(dims, "cpu")
-    config = tiny_config("llama", **SIZES)
+    positions_limit = SEQ if cp == 1 else CP_SEQ  # the cp case's row is longer
+    config = tiny_config("llama", **SIZES | {"max_position_embeddings": positions_limit})
     spec = ModelSpec(
         config=config,
         weights=None,
