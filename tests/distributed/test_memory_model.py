@@ -121,12 +121,19 @@ def measured_and_planned(rank, world_size, precision, checkpointing, cp=1) -> tu
     return peak, estimate_memory(model, config, layout, plan).total
 
 
+def _take_one_time_allocations(pool: RankPool, cp: int) -> None:
+    """A fresh rank's first step in a precision also allocates what the process keeps for good
+    (autograd's engine, the kernels and scratch buffers of that dtype: 0.02-0.04 GiB more for
+    bf16-mixed's first step at this shape): the model's runtime term, left out here. One throwaway
+    case per precision takes it first."""
+    for precision in ("fp32", "bf16-mixed"):
+        pool.run(measured_and_planned, precision, "none", cp)
+
+
 @pytest.fixture(scope="module")
 def ranks1():
     pool = RankPool(1, timeout_s=120)
-    # A fresh rank's first step also allocates what the process keeps for good (autograd's engine,
-    # kernel caches): the model's runtime term, left out here. One throwaway case takes it first.
-    pool.run(measured_and_planned, "fp32", "none")
+    _take_one_time_allocations(pool, cp=1)
     yield pool
     pool.close()
 
@@ -145,16 +152,17 @@ def test_planned_total_is_within_20_percent_of_the_measured_peak_at_tp1(
 @pytest.fixture(scope="module")
 def ranks2():
     pool = RankPool(2, timeout_s=120)
-    pool.run(measured_and_planned, "fp32", "none", 2)  # the fresh ranks' one-time allocations
+    _take_one_time_allocations(pool, cp=2)
     yield pool
     pool.close()
 
 
-# fp32 only: bf16-mixed over FSDP (dp × cp > 1) plans 0.82-0.84 of the measured peak at this
-# shape at cp=1 (dp=2) and cp=2 alike, a gap of the FSDP mixed-precision path, not of cp's terms
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
 @pytest.mark.parametrize("checkpointing", ["none", "full"])
-def test_planned_total_is_within_20_percent_of_the_measured_peak_at_cp2(ranks2, checkpointing):
-    results = ranks2.run(measured_and_planned, "fp32", checkpointing, 2)
+def test_planned_total_is_within_20_percent_of_the_measured_peak_at_cp2(
+    ranks2, precision, checkpointing
+):
+    results = ranks2.run(measured_and_planned, precision, checkpointing, 2)
     measured, planned = max(results)  # the busiest rank
-    print(f"cp=2 fp32 {checkpointing}: planned {planned:.3f} GiB, measured {measured:.3f}")
+    print(f"cp=2 {precision} {checkpointing}: planned {planned:.3f} GiB, measured {measured:.3f}")
     assert planned == pytest.approx(measured, rel=0.2), (planned, measured)
