@@ -496,8 +496,9 @@ def local_rank_main(plan: RunPlan) -> str | None:
     return rank_main(plan)
 
 
-# What the rank functions import inside themselves (so --help stays light), imported by the launcher
-# before it forks the ranks: a child forked while another thread holds an import lock would hang.
+# What the rank functions import inside themselves (so --help stays light), imported once by the
+# launcher before it forks the ranks, which then share them, instead of once by every rank
+# (tests/unit/recipes/test_rank_modules.py keeps the list in step with the functions).
 RANK_MODULES = (
     "yaml",
     "transformers",
@@ -506,7 +507,6 @@ RANK_MODULES = (
     "components.checkpoint.export",
     "components.checkpoint.integrity",
     "components.checkpoint.writer",
-    "components.data",
     "components.data.loader",
     "components.debug.faults",
     "components.distributed.context_parallel",
@@ -547,7 +547,7 @@ def launch(cfg: DictConfig, job_dir: str | None, hydra_run_dir: str | None) -> N
         return dry_run(plan, fail)
     if lock is not None:  # rank 0 of torchrun, or the local launcher
         (plan.output_dir / "config.yaml").write_text(plan.config_yaml)
-    for module in RANK_MODULES:  # before the fork: a rank imports nothing (no import locks held)
+    for module in RANK_MODULES:  # once, before the fork
         importlib.import_module(module)
     try:
         if (

@@ -56,6 +56,7 @@ _PEER_SYMPTOMS = (
     "peer",
 )
 _WATCH_INTERVAL_S = 0.01
+_START_WAIT_S = 120.0
 _SOURCE_LOCATION = re.compile(r"\[[^\]\s]+\.(?:cc|cpp|h|hpp):\d+\] ")
 
 
@@ -171,6 +172,7 @@ def _run_rank(folder: str, launcher_pid: int, entrypoint: Callable[..., Any], *a
     rank = int(os.environ["RANK"])
     Path(folder, f"{rank}.error.json").unlink(missing_ok=True)  # an earlier attempt's (restarts)
     _write_atomically(Path(folder, f"{rank}.pid"), str(os.getpid()))
+    _wait_until_every_local_rank_started(Path(folder))
     try:
         return entrypoint(*args)
     except BaseException as error:
@@ -180,6 +182,26 @@ def _run_rank(folder: str, launcher_pid: int, entrypoint: Callable[..., Any], *a
             record["reported"] = isinstance(error, ReportedExit)
             _write_atomically(Path(folder, f"{rank}.error.json"), json.dumps(record))
         raise
+
+
+def _wait_until_every_local_rank_started(folder: Path) -> None:
+    """Return once every local rank of this attempt has been forked (each notes it with a file).
+
+    Until then no rank may reach the launcher's store: the launcher's store server thread answers a
+    connecting rank with a reverse lookup of its address (``getnameinfo``), and a rank forked while
+    that thread holds glibc's resolver lock inherits it held and blocks for good in its own first
+    lookup (seen as a rank stuck in ``__resolv_context_get`` under ``TCPStore`` while the others
+    wait on it: about one local launch in 300 on 2 busy cores). Once every rank exists no fork
+    follows, so the lookups are safe. Gives up waiting after ``_START_WAIT_S`` (a rank that died
+    before noting itself fails the launch anyway)."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    _write_atomically(folder / f"{os.environ['LOCAL_RANK']}.started.{attempt}", "")
+    local_ranks = int(os.environ["LOCAL_WORLD_SIZE"])
+    deadline = time.monotonic() + _START_WAIT_S
+    while len(list(folder.glob(f"*.started.{attempt}"))) < local_ranks:
+        if time.monotonic() > deadline:
+            return
+        time.sleep(_WATCH_INTERVAL_S)
 
 
 def _exit_of(rank: int, pid: int, info: os.waitid_result) -> RankExit | None:
