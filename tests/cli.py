@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from tests.stacks import descendants, python_stacks
+
 REPO = Path(__file__).resolve().parents[1]
 # Read when code runs, not at import, so they may differ from the zygote's (pytest sets
 # PYTEST_CURRENT_TEST anew for every test).
@@ -204,6 +206,7 @@ def run(command, *, input=None, capture_output=False, text=False, timeout=None, 
         try:
             process.wait(timeout)
         except subprocess.TimeoutExpired:
+            print(python_stacks(descendants(process.pid)), file=sys.stderr)  # in the report
             process.kill()
             process.wait()
             raise

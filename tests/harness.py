@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from components.runtime.launch import free_port
+from tests.stacks import python_stacks
 
 # A collective waits at most this long in gloo, and a check at most DEFAULT_TIMEOUT_S in the parent.
 COLLECTIVE_TIMEOUT_S = 30
@@ -129,14 +130,16 @@ class RankPool:
                     results[rank] = payload
         if not errors and not pending:
             return results
+        stacks = python_stacks([self._processes[rank].pid for rank in sorted(pending)])
         self.close(kill=True)
         report = [f"{what} failed on {self.world_size} ranks"]
         report += [f"--- rank {rank} raised:\n{tb}" for rank, tb in sorted(errors.items())]
         if pending:
             report.append(
                 f"--- ranks {sorted(pending)} did not answer within {timeout_s:.0f} s and were "
-                "killed"
+                "killed; their stacks:"
             )
+            report.append(stacks)
         pytest.fail("\n".join(report), pytrace=False)
 
     def close(self, kill: bool = False) -> None:
