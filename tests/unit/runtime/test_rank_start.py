@@ -4,6 +4,7 @@ held glibc's resolver lock blocked for good in its first address lookup. A marke
 attempt (a restart) does not count."""
 
 import threading
+import time
 
 from components.runtime.launch import _wait_until_every_local_rank_started
 
@@ -15,9 +16,13 @@ def test_a_rank_waits_for_every_local_rank_of_its_own_attempt(tmp_path, monkeypa
     (tmp_path / "1.started.0").write_text("")  # rank 1 of the failed first attempt
     waiting = threading.Thread(target=_wait_until_every_local_rank_started, args=(tmp_path,))
     waiting.start()
+    noted = tmp_path / "0.started.1"  # this rank notes itself first
+    deadline = time.monotonic() + 60
+    while not noted.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert noted.exists()
     waiting.join(timeout=0.5)
     assert waiting.is_alive()  # rank 1 of this attempt has not started
-    assert (tmp_path / "0.started.1").exists()  # this rank noted itself
     (tmp_path / "1.started.1").write_text("")
     waiting.join(timeout=60)
     assert not waiting.is_alive()
