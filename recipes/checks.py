@@ -14,6 +14,8 @@ the world; batch sizes and (with ``sp``) the sequence length that do not divide;
 exists, that every record keeps answer tokens within ``train.seq_len``.
 """
 
+from __future__ import annotations  # the annotations name classes imported only when needed
+
 import difflib
 import math
 import os
@@ -21,7 +23,7 @@ import re
 import sys
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from hydra import compose as hydra_compose
@@ -29,40 +31,28 @@ from hydra import initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from transformers import AutoTokenizer
 
-from components.data import DataError, PreparedData, build_source, cached_tokenizer, prepare_data
-from components.data.sources import DataSource
-from components.debug.faults import Fault, parse_fault
 from components.distributed.mesh import ParallelDims, resolve_parallel_dims
-from components.distributed.tp_plan import check_plan, plan_for, tp_size_errors
-from components.models import load_config, meta_causal_lm
-from components.models.compile import check_compile
 from components.models.configs import build_config, config_errors
 from components.models.families import moe_patterns
-from components.models.folder_check import check_model_folder, check_tokenizer_folder
 from components.models.hub import resolve_model_folder
-from components.models.parallelize import ModelSpec
-from components.moe import check_expert_parallel
 from components.runtime.launch import cpu_threads_per_rank, started_by_launcher
 from components.runtime.output_dir import OutputDirLock, RunRecord, unused_folder
 from components.targets import check_target
 from components.training.loggers import check_logger_available, check_logger_options
 from components.training.optimizer import check_optimizer
-from components.training.schedule import check_schedule
-from recipes.outputs import (
-    OwnershipError,
-    check_output_dir,
-    choose_checkpoint,
-    explicit_checkpoint_errors,
-    own_output_dir,
-    run_info,
-    where_errors,
-)
 from recipes.plan import RunPlan
 from recipes.problems import ConfigError, Problem, fail, is_rank_zero, problems, say
 from recipes.schema import Config, SchemaError, show, validate
 
+if TYPE_CHECKING:
+    from components.data import PreparedData
+    from components.data.sources import DataSource
+    from components.debug.faults import Fault
+    from components.models.parallelize import ModelSpec
+
+# Model, data and tokenizer modules (transformers, datasets, DTensor) are imported by the checks
+# that use them: a mistyped key or a bad value is refused in about the time of `import torch`.
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
@@ -216,6 +206,10 @@ def resolve_model(
     """(weights folder or None, the model's HF config, problems): the folder or the config, then the
     TP plan and expert parallelism at these sizes, all checked on one weightless (meta-device)
     build."""
+    from components.models import load_config, meta_causal_lm
+    from components.models.compile import check_compile
+    from components.models.folder_check import check_model_folder, check_tokenizer_folder
+
     model = settings.model
     try:
         if model.pretrained_path is not None or model.source is not None:
@@ -272,6 +266,9 @@ def _model_folder(pretrained_path: str | None) -> Path:
 
 def _plan_problems(settings: Config, dims: ParallelDims, config, meta) -> list[Problem]:
     """The TP plan (and the model sizes tp must divide, key ``tp``), then expert parallelism."""
+    from components.distributed.tp_plan import check_plan, plan_for, tp_size_errors
+    from components.moe import check_expert_parallel
+
     model, found = settings.model, []
     experts, routers = moe_patterns(config.model_type, model.experts, model.routers)
     found += [] if experts else problems("moe", settings.moe.dense_errors(model.name))
@@ -306,6 +303,8 @@ def with_tp_suggestion(found: list[Problem], config) -> list[Problem]:
 def data_source(settings: Config) -> tuple[DataSource | None, list[Problem]]:
     """The ``data`` group as a source (its ``_target_`` picks the kind), a local ``path`` made
     absolute."""
+    from components.data import DataError, build_source
+
     group = settings.data.model_dump(by_alias=True)
     path = Path(str(group.get("path"))).expanduser()
     if "path" in group and path.exists():
@@ -324,6 +323,11 @@ def _tokenizer_dir(
 ) -> tuple[Path | None, list[Problem]]:
     """The model's tokenizer folder, or one trained on the data, whose vocabulary then sizes the
     model (and is checked against the TP plan)."""
+    from transformers import AutoTokenizer
+
+    from components.data import DataError, cached_tokenizer
+    from components.models import meta_causal_lm
+
     try:
         tokenizer_dir = model_path or cached_tokenizer(
             source, Path(settings.cache_dir).expanduser().absolute()
@@ -343,6 +347,8 @@ def prepare_run_data(
     settings: Config, source: DataSource, tokenizer_dir: Path, dims: ParallelDims
 ) -> tuple[PreparedData | None, list[Problem]]:
     """Tokenize once (or reuse the cache) and check the splits."""
+    from components.data import DataError, prepare_data
+
     train, cache = settings.train, Path(settings.cache_dir).expanduser().absolute()
     try:
         prepared = prepare_data(
@@ -374,6 +380,8 @@ def prepare_run_data(
 
 
 def model_spec(settings: Config, config, weights: Path | None) -> ModelSpec:
+    from components.models.parallelize import ModelSpec
+
     model, train = settings.model, settings.train
     # model.experts or model.routers null: the family's patterns
     experts, routers = moe_patterns(config.model_type, model.experts, model.routers)
@@ -417,6 +425,8 @@ def plan_run(
     0). ``output_dir`` is a sweep job's folder; ``hydra_run_dir`` the run dir Hydra was given."""
     settings, found = _validated(cfg)
     _refuse(found)
+    from recipes.outputs import check_output_dir, explicit_checkpoint_errors, run_info, where_errors
+
     train = settings.train
     warmup = min(train.warmup_steps, train.max_steps)  # a longer one is cut to the run, with a note
     output = Path(output_dir or settings.output_dir).expanduser().absolute()
@@ -496,6 +506,9 @@ def _option_problems(
 ) -> tuple[list[Problem], Fault | None]:
     """(problems, the debug fault): the optimizer's class and options, the logger's (its values
     too, for a run into ``output``), the schedule's and ``debug.fault``, in that order."""
+    from components.debug.faults import parse_fault
+    from components.training.schedule import check_schedule
+
     optim = settings.optim
     errors = check_target("optim", optim.target, optim.options(), torch.optim.Optimizer, {"params"})
     errors = errors or check_optimizer(optim.target, optim.options())  # its own checks: betas, ...
@@ -544,6 +557,8 @@ def _claim_output_dir(
     """((lock, checkpoint to resume from, run record), problems): rank 0 owns ``output`` (locks it,
     resumes from it), the other ranks and a dry run only choose the checkpoint. The last step that
     can refuse the run: nothing after it leaves a claimed folder behind."""
+    from recipes.outputs import OwnershipError, choose_checkpoint, own_output_dir
+
     try:
         if is_rank_zero() and not settings.dry_run:  # rank 0 owns it
             return own_output_dir(settings, output, info), []

@@ -532,7 +532,6 @@ RANK_MODULES = (
 def launch(cfg: DictConfig, job_dir: str | None, hydra_run_dir: str | None) -> None:
     """Check and plan once, then run the ranks: here (torchrun started us) or as local processes.
     ``job_dir``: a sweep job's own folder; ``hydra_run_dir``: checked to agree with output_dir."""
-    from components.planning.dry_run import dry_run
     from recipes.checks import ConfigError, fail, plan_run
 
     try:
@@ -544,6 +543,8 @@ def launch(cfg: DictConfig, job_dir: str | None, hydra_run_dir: str | None) -> N
         say(INTERRUPTED, file=sys.stderr, flush=True)
         raise SystemExit(INTERRUPTED_STATUS) from None
     if plan.dry_run:  # checked: the layout is built on fake ranks and priced; nothing runs
+        from components.planning.dry_run import dry_run
+
         return dry_run(plan, fail)
     if lock is not None:  # rank 0 of torchrun, or the local launcher
         (plan.output_dir / "config.yaml").write_text(plan.config_yaml)

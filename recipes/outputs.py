@@ -10,9 +10,11 @@ lock.
   run's files (``overwrite_output_dir=true`` replaces them, and only them).
 """
 
+from __future__ import annotations  # the annotations name classes imported only when needed
+
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from components.checkpoint.integrity import (
     MARKER,
@@ -26,8 +28,6 @@ from components.checkpoint.integrity import (
     retire_checkpoints_after,
     state_dict_shapes,
 )
-from components.data.sources import DataSource
-from components.models import meta_causal_lm
 from components.runtime.output_dir import (
     OutputDirError,
     OutputDirLock,
@@ -42,6 +42,9 @@ from components.runtime.output_dir import (
 )
 from recipes.problems import Problem, problems, say
 from recipes.schema import Config, show
+
+if TYPE_CHECKING:
+    from components.data.sources import DataSource
 
 
 class OwnershipError(ValueError):
@@ -147,6 +150,8 @@ def run_info(
     file) at the same vocabulary size. So are the data (``source``: which, and its fingerprint),
     ``seed`` (the data order) and ``data.val_fraction`` (the split): a resume that changes them
     trains on another timeline's data, or validates on records it trained on."""
+    from components.models import meta_causal_lm
+
     shapes = state_dict_shapes(meta_causal_lm(model_config))
     _SHAPES[model_fingerprint(shapes)] = shapes
     data = {}

@@ -5,16 +5,21 @@ config): they get this frozen object, handed over in memory by the local launche
 torchrun rank from the same checks.
 """
 
+from __future__ import annotations  # the field types are only read by a type checker
+
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from components.data import PreparedData
-from components.debug.faults import Fault
 from components.distributed.mesh import ParallelDims
-from components.models.parallelize import ModelSpec
 from recipes.schema import Checkpoint, Moe, Optim, Schedule, Targeted, Train
+
+if TYPE_CHECKING:  # heavy (datasets, DTensor): the checks import them when they need them
+    from components.data import PreparedData
+    from components.debug.faults import Fault
+    from components.models.parallelize import ModelSpec
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,15 +1,24 @@
 """Build or load Hugging Face causal LMs: tiny configs, seeded or meta-device builds, and loading
-each rank's shard."""
+each rank's shard. The names below are imported on first use (``from components.models import
+tiny_config``): a submodule such as ``components.models.families`` stays light."""
 
-from components.models.build import build_causal_lm, local_parameter_bytes, meta_causal_lm
-from components.models.configs import tiny_config
-from components.models.load import load_config, materialize_pretrained
+import importlib
 
-__all__ = [
-    "build_causal_lm",
-    "load_config",
-    "local_parameter_bytes",
-    "materialize_pretrained",
-    "meta_causal_lm",
-    "tiny_config",
-]
+_HOMES = {
+    "build_causal_lm": "components.models.build",
+    "local_parameter_bytes": "components.models.build",
+    "meta_causal_lm": "components.models.build",
+    "tiny_config": "components.models.configs",
+    "load_config": "components.models.load",
+    "materialize_pretrained": "components.models.load",
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOMES[name]), name)
+    globals()[name] = value  # once
+    return value

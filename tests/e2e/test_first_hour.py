@@ -68,6 +68,20 @@ def test_help_and_the_composed_config_import_no_model_data_or_tokenizer_code():
     assert "shardtune" in imported_modules("--help")[0].stdout
 
 
+def test_a_mistyped_key_or_a_bad_value_is_refused_without_model_data_or_rank_code():
+    # transformers' config classes judge model.config; nothing heavier runs before the error line
+    heavy = ("datasets", "tokenizers", "components.data", "components.models.build")
+    heavy += ("torch.distributed.tensor", "torch.distributed.checkpoint", "torch.distributed.fsdp")
+    heavy += ("sympy", "matplotlib", "components.checkpoint", "components.planning")
+    for argument, key in (("trian.max_steps=3", "trian"), ("train.max_steps=-1", "max_steps")):
+        result, modules = imported_modules(argument)
+        assert result.returncode == 2, result.stderr[-3000:]
+        [line] = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+        assert key in line
+        loaded = sorted(m for m in modules if m.split(".")[0] in heavy or m.startswith(heavy))
+        assert not loaded, f"{argument} imported {loaded[:10]}"
+
+
 def test_the_readme_packing_example_runs_and_a_longer_seq_len_names_the_key(tmp_path):
     packed = tmp_path / "packed"
     example = ["train.packing=true", "train.seq_len=512"]  # as README.md writes it
