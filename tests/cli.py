@@ -41,7 +41,11 @@ PRELOAD = (
     "matplotlib.pyplot",
     "recipes.finetune",
     "recipes.checks",
-    "components.models",
+    "components.models.build",
+    "components.models.load",
+    "components.models.parallelize",
+    "components.planning.dry_run",
+    "recipes.outputs",
     "components.data",
     "components.training.step",
     "components.checkpoint.dcp",
@@ -276,6 +280,10 @@ def _serve(address: str) -> None:
     import importlib
 
     for name in PRELOAD:
+        importlib.import_module(name)
+    from recipes.finetune import RANK_MODULES  # what the launcher imports before it forks
+
+    for name in RANK_MODULES:
         importlib.import_module(name)
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(address)
