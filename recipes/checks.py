@@ -450,13 +450,11 @@ def plan_run(
     info = run_info(settings, config, data.tokenizer_digest, source)
     (lock, resume_from, record), found = _claim_output_dir(settings, output, info)
     _refuse(found)
-    threads = cpu_threads_per_rank(
-        settings.cpu_threads, int(os.environ.get("LOCAL_WORLD_SIZE", dims.world_size))
-    )
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dims.world_size))
     plan = RunPlan(
         dims=dims,
         device_type=device_type,
-        cpu_threads=threads,
+        cpu_threads=cpu_threads_per_rank(settings.cpu_threads, local_ranks),
         seed=settings.seed,
         collective_timeout=timedelta(minutes=settings.collective_timeout_minutes),
         output_dir=output,
