@@ -7,6 +7,8 @@
 #    torch sees the GPUs.
 # 2. `make run` as a newcomer types it (the recipe picks CUDA/NCCL itself; default precision fp32).
 # 3. The recipe at bf16-mixed with tp = the number of GPUs (the tiny Llama: 8 heads, so 1, 2, 4 or 8 GPUs).
+# 3b. bench/checkpoint_async_recipe.py at a ~1B Llama, tp=1: steps with an async save in flight against
+#    steps without (issue 24's <= 1.15x), a sync run beside it.
 # 4. The e2e tests (tests/e2e) on this machine: the recipe runs on CUDA/NCCL; each test keeps its own
 #    precision overrides.
 # 5. One line per precision (fp32, bf16-mixed, bf16): tokens/s and peak memory of a ~0.44B Llama shape
@@ -56,6 +58,15 @@ step "make run" make run
 
 step "recipe bf16-mixed tp=$TP" $PY recipes/finetune.py train.precision=bf16-mixed tp="$TP" \
     output_dir="$OUT_DIR/bf16_mixed_tp$TP" overwrite_output_dir=true
+
+# issue 24's last point: the step with an async save in flight against a step without, at a ~1B
+# Llama (hidden 2048, 18 layers, MLP 5632: 0.93B; ~11 GB of checkpoint, keep 1), bf16-mixed.
+ONE_B=(model.config.hidden_size=2048 model.config.num_hidden_layers=18 model.config.intermediate_size=5632
+       model.config.num_attention_heads=16 model.config.num_key_value_heads=8 model.config.head_dim=128
+       model.config.max_position_embeddings=2048 train.seq_len=1024 train.precision=bf16-mixed)
+step "async save ~1B tp=1" bash -c "set -o pipefail; $PY bench/checkpoint_async_recipe.py --steps 14 --every 4 --reps 1 \
+    -- ${ONE_B[*]} tp=1 | tee $OUT_DIR/checkpoint_async_1b.txt"
+grep -h "^| async\|^| sync" "$OUT_DIR/checkpoint_async_1b.txt" | sed 's/^/line  async save 1B: /' >> "$SUMMARY"
 
 step "e2e tests" $PY -m pytest tests/e2e -q -x -p no:cacheprovider
 
