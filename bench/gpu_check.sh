@@ -68,7 +68,8 @@ step "async save ~1B tp=1" bash -c "set -o pipefail; $PY bench/checkpoint_async_
     -- ${ONE_B[*]} tp=1 | tee $OUT_DIR/checkpoint_async_1b.txt"
 grep -h "^| async\|^| sync" "$OUT_DIR/checkpoint_async_1b.txt" | sed 's/^/line  async save 1B: /' >> "$SUMMARY"
 
-step "e2e tests" $PY -m pytest tests/e2e -q -x -p no:cacheprovider
+# no -x: on a machine with fewer GPUs than a test's ranks that test fails; the others still run
+step "e2e tests" $PY -m pytest tests/e2e -q -p no:cacheprovider
 
 SHAPE=(model.config.hidden_size=1024 model.config.num_hidden_layers=24 model.config.intermediate_size=4096
        model.config.num_attention_heads=16 model.config.num_key_value_heads=8 model.config.head_dim=64
