@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 # Read when code runs, not at import, so they may differ from the zygote's (pytest sets
 # PYTEST_CURRENT_TEST anew for every test).
 LATE_ENVIRONMENT = ("SHARDTUNE_", "WANDB_", "MLFLOW_", "COUNT_", "TMPDIR", "NETRC", "PYTEST_")
-# What a recipe run imports before its first step (the rest is imported by the child itself).
+# What a recipe's checks import before its first step (the rest is imported by the child itself).
 PRELOAD = (
     "torch",
     "torch.distributed.checkpoint",
@@ -43,14 +43,9 @@ PRELOAD = (
     "recipes.checks",
     "components.models.build",
     "components.models.load",
-    "components.models.parallelize",
     "components.planning.dry_run",
-    "recipes.outputs",
-    "components.data",
-    "components.training.step",
-    "components.checkpoint.dcp",
     "components.runtime.launch",
-)
+)  # and the launcher's RANK_MODULES (recipes/finetune.py), which _serve imports after these
 MAX_ZYGOTES = 3
 _ZYGOTES: dict[tuple, "_Zygote"] = {}
 

@@ -130,7 +130,8 @@ class RankPool:
                     results[rank] = payload
         if not errors and not pending:
             return results
-        stacks = python_stacks([self._processes[rank].pid for rank in sorted(pending)])
+        hung = [self._processes[rank].pid for rank in sorted(pending)]
+        stacks = python_stacks(hung) if hung else ""  # before the kill
         self.close(kill=True)
         report = [f"{what} failed on {self.world_size} ranks"]
         report += [f"--- rank {rank} raised:\n{tb}" for rank, tb in sorted(errors.items())]

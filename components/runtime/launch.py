@@ -191,7 +191,7 @@ def _wait_until_every_local_rank_started(folder: Path) -> None:
     connecting rank with a reverse lookup of its address (``getnameinfo``), and a rank forked while
     that thread holds glibc's resolver lock inherits it held and blocks for good in its own first
     lookup (seen as a rank stuck in ``__resolv_context_get`` under ``TCPStore`` while the others
-    wait on it: about one local launch in 300 on 2 busy cores). Once every rank exists no fork
+    wait on it: 2 of about 232 local launches on 2 busy cores). Once every rank exists no fork
     follows, so the lookups are safe. Gives up waiting after ``_START_WAIT_S`` (a rank that died
     before noting itself fails the launch anyway)."""
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
