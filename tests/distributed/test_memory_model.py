@@ -51,6 +51,9 @@ M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 def _fixed_mmap_threshold() -> None:
     libc = ctypes.CDLL(ctypes.util.find_library("c"))
     assert libc.mallopt(M_MMAP_THRESHOLD, 64 * 1024) == 1
+    # A rank forked from pytest inherits the heap the tests before it freed, still resident: the
+    # step would reuse those pages without the RSS rising. Hand them back first.
+    libc.malloc_trim(0)
 
 
 def _step(model, optimizer, replicas, compute, tokens, positions, cp) -> None:
