@@ -11,7 +11,7 @@ folder byte-identical, and a ``README.md`` model card.
 ``publish_folder`` adds the manifest and renames the folder to ``out_dir``; an existing ``out_dir``
 holding anything an earlier export did not write is refused with a ValueError, untouched.
 
-Design notes: docs/design-notes.md
+Docs: docs/checkpoints.md
 """
 
 import copy

@@ -10,7 +10,7 @@ the newest usable checkpoint under a root and says why it passed over newer ones
 :func:`resume_problems` compares its run with this one; :func:`retire_checkpoints_after` hides the
 checkpoints after a resume's step (``step_N.abandoned``).
 
-Design notes: docs/design-notes.md
+Docs: docs/checkpoints.md
 """
 
 import base64

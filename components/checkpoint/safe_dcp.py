@@ -10,7 +10,7 @@ blobs read with ``weights_only=False``: a checkpoint from someone else could run
 - :func:`dumps_state` / :func:`loads_state`: JSON that keeps tuples (tagged ``{"__tuple__":
   [...]}``), for the trainer state and RNG states, so those files cannot carry code at all.
 
-Design notes: docs/design-notes.md
+Docs: docs/checkpoints.md
 """
 
 import io

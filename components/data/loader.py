@@ -102,7 +102,7 @@ def collate_rows(rows: list[list[tuple[list[int], list[int]]]], seq_len: int, pa
     right-padded.
 
     Positions restart at 0 at each example and run on through the padding after the last one, so a
-    row of one example has positions ``0 .. seq_len - 1``, as an unpacked row always had.
+    row of one example has positions ``0 .. seq_len - 1``, like an unpacked row.
 
     Raises:
         ValueError: If a row's examples hold more than ``seq_len`` tokens, or an example's ids and
@@ -273,9 +273,8 @@ class StepBatches:
         return self.global_batch_size // (self.micro_batch_size * self.dp_size)
 
     def _shuffle(self, epoch: int) -> np.ndarray:
-        # random.shuffle of 0..n-1, as a list was shuffled before (same order), but in an
-        # 8-byte-per-row
-        # array: a million-row list of ints would cost ~40 MB per rank for a moment.
+        # random.shuffle of 0..n-1 (the order a list of them gets), in an 8-byte-per-row array:
+        # a list of a million Python ints would cost ~40 MB per rank for a moment.
         order = array.array("q", range(self.num_rows))
         random.Random(self.seed + epoch).shuffle(order)
         return np.frombuffer(order, dtype=np.int64)

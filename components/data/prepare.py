@@ -11,7 +11,7 @@ the same data, in any ``output_dir``, reuses. The split and the packing are smal
 it, so changing ``seed``, ``val_fraction`` or packing never re-tokenizes. A crash or a killed
 launcher leaves nothing running or half-written.
 
-Design notes: docs/design-notes.md
+Docs: docs/data.md
 """
 
 import hashlib

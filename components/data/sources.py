@@ -63,7 +63,7 @@ def _file_stats(path: Path) -> list:
 
 
 def content_digest(path: Path) -> str:
-    """The SHA-256 of ``path``'s bytes (0.06-0.15 s per 100 MB here), hashed once per process for
+    """The SHA-256 of ``path``'s bytes (well under a second per 100 MB), hashed once per process for
     each version of the file: a new size, mtime, ctime (which no user can set back) or inode hashes
     it again."""
     stat = path.stat()

@@ -5,7 +5,7 @@ The tiny demo model needs a vocabulary sized to it (a few hundred tokens, divisi
 tensor-parallel degree so the embedding and ``lm_head`` can be vocab-sharded), not a pretrained
 32k-150k one. Byte-level means any text encodes, including characters the training text never had.
 
-BPE training costs grow faster than linearly in the length of a text (one 10 MB line ran for
+BPE training costs grow faster than linearly in the length of a text (a 10 MB line takes
 minutes), and a few hundred merges need little text: the trainer sees at most
 :data:`MAX_TRAINING_CHARS` characters in all, each text cut to :data:`MAX_CHARS_PER_TEXT`, so
 training time is bounded whatever the data.

@@ -11,7 +11,7 @@ checkpoints, the TP plan's patterns and Hugging Face export are unchanged; the h
 stay outside the checkpointed region. Apply after the TP plan and before FSDP; with
 ``torch.compile`` the checkpoint goes *around* the compiled forward.
 
-Design notes: docs/design-notes.md
+Docs: docs/precision-and-memory.md
 """
 
 import functools

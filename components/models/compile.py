@@ -11,7 +11,7 @@ Refused, with an error that says what to change: compile with an MoE model (its 
 data dependent), and compile at tp > 1 without sequence parallelism (torch 2.13's AOT autograd fails
 in the embedding's redistribute; with ``sp=true`` the compiled blocks match eager tp=1).
 
-Design notes: docs/design-notes.md
+Docs: docs/precision-and-memory.md
 """
 
 import shutil

@@ -11,7 +11,7 @@ activation gathers.
   bf16: 8 bytes per parameter instead of 16, for the largest models, at the price of updates
   below bf16's resolution being rounded away. ``bf16-mixed`` is the choice when memory allows.
 
-Design notes: docs/design-notes.md
+Docs: docs/precision-and-memory.md
 """
 
 from contextlib import AbstractContextManager, nullcontext

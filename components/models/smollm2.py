@@ -9,8 +9,7 @@ The conversion runs in a child process (``python components/models/smollm2.py CA
 the caller, so a launcher that then forks its ranks inherits no OpenMP threads. A file lock
 (``CACHE_DIR/.smollm2.lock``) makes concurrent first runs convert once.
 
-Design notes (the model's checked facts; why not ``from_pretrained`` with ``gguf_file``):
-docs/design-notes.md
+Docs (the model's checked facts; why not ``from_pretrained`` with ``gguf_file``): docs/models.md
 """
 
 import fcntl

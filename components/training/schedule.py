@@ -4,7 +4,7 @@
 Every schedule is a ``LambdaLR`` (or another ``LRScheduler``) stepped once per optimizer step, so
 its state goes into the training checkpoint. Names:
 
-- ``warmup_cosine`` (shardtune's own, unchanged): linear warmup, then a cosine to ``min_lr_ratio`` ×
+- ``warmup_cosine`` (shardtune's own): linear warmup, then a cosine to ``min_lr_ratio`` ×
   lr at ``max_steps``. Options: ``min_lr_ratio``.
 - the names of ``transformers.SchedulerType`` that need no metric: ``linear``, ``cosine``,
   ``cosine_with_restarts``, ``polynomial``, ``constant``, ``constant_with_warmup``,
