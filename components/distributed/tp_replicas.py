@@ -11,8 +11,7 @@ its plan and flat buffers (``replicas/plan.py``: kept with the model, checked by
 fingerprint at every call, rebuilt when the model changed). Every collective is made here, through
 ``dist.<name>`` at call time, so tests can intercept them. Where the specification is silent: owners
 of a shared parameter that disagree are a ``ValueError``; a sparse gradient on any rank makes every
-rank raise together; every rank of a TP group holds the same module structure; a model-owned
-attribute set on a parameter after its first sync is not seen until the model changes otherwise.
+rank raise together; every rank of a TP group holds the same module structure.
 """
 
 from collections.abc import Iterator

@@ -8,15 +8,14 @@ it lives and dies with the model (a reference cycle the garbage collector frees;
 dictionaries and hooks) and a copy or pickle of the model starts without one. Each call compares
 the plan's fingerprint, a few C-level passes and no module walk: the same model parts, mesh, axis
 and byte bound, every module and parameter still in its slot, none added anywhere, the same markers,
-each replica's ``requires_grad``; a mismatch rebuilds it. Gradients given other storage, another
-dtype, shape or device are seen by the buffers (data pointers, then dtypes, shapes and devices).
-Only the model-owned attribute set on a parameter after the first call goes unseen. Nothing here
-issues a collective: ``tp_replicas`` does, through its ``dist``.
+each replica's ``requires_grad`` and model-owned attribute; a mismatch rebuilds it. Gradients given
+other storage, another dtype, shape or device are seen by the buffers (data pointers, then dtypes,
+shapes and devices). Nothing here issues a collective: ``tp_replicas`` does, through its ``dist``.
 """
 
 import weakref
 from itertools import repeat
-from operator import attrgetter, is_
+from operator import attrgetter, contains, is_
 from typing import NamedTuple
 
 import torch
@@ -28,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from components.distributed.replicas.buckets import BucketLayout
 from components.distributed.replicas.flat_buffers import local_tensor
 from components.distributed.replicas.selection import (
+    MODEL_OWNED_ATTR,
     REDUCTION_ATTR,
     get_tp_mesh,
     is_tp_replicated,
@@ -100,17 +100,20 @@ class _Fingerprint:
         self._attributes = list(map(vars, modules))
         self._markers = self._read_markers()
         self._trainable, self._frozen = trainable, frozen
+        self._replica_attributes = list(map(vars, [*trainable, *frozen]))
 
     def _read_markers(self) -> list:
         return list(map(dict.get, self._attributes, repeat(REDUCTION_ATTR)))
 
     def same_structure(self) -> bool:
-        """Nothing added, removed or replaced, no marker changed, no frozen replica thawed."""
+        """Nothing added, removed or replaced, no marker changed, no frozen replica thawed, no
+        replica become model-owned."""
         return (
             sum(map(len, self._dicts)) == self._length
             and all(map(is_, map(dict.get, self._entry_dicts, self._entry_names), self._entries))
             and self._read_markers() == self._markers
             and not any(map(_requires_grad, self._frozen))
+            and not any(map(contains, self._replica_attributes, repeat(MODEL_OWNED_ATTR)))
         )
 
     def still_trainable(self) -> bool:
