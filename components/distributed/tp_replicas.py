@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from components.distributed.replicas.buckets import BucketLayout
 from components.distributed.replicas.flat_buffers import bounded_chunks, local_tensor, wire_dtype
 from components.distributed.replicas.plan import (
+    Plan,
     TpGroup,
     cached_plan,
     tp_group,
@@ -261,16 +262,22 @@ def synchronize_tp_replica_gradients(
         grads = list(map(_grad, plan.parameters))
         flags = plan.precheck_flags(grads).to(tp.mesh.device_type)
         dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=tp.group)
+    layout, local_grads = _checked_layout(plan, flags, grads)
+    return _reduce(layout, plan.parameters, local_grads, tp)
+
+
+def _checked_layout(plan: Plan, flags: torch.Tensor, grads: list) -> tuple[BucketLayout, list]:
+    """The layout to reduce with, once the summed pre-check flags are known (raising on every rank
+    alike where they disagree), and the gradients' rank-local storage."""
     if torch.equal(flags, plan.expected_flags):  # every gradient present, eligible and dense
         local_grads = plan.local_grads(grads)
         layout = plan.full_layout(local_grads)
         if layout is None:
             layout = plan.layout(local_grads, list(range(len(grads))))
-    else:
-        eligible = plan.check_flags(flags)  # raises on every rank alike
-        local_grads = [None if grad is None else local_tensor(grad) for grad in grads]
-        layout = plan.layout(local_grads, eligible)
-    return _reduce(layout, plan.parameters, local_grads, tp)
+        return layout, local_grads
+    eligible = plan.check_flags(flags)
+    local_grads = [None if grad is None else local_tensor(grad) for grad in grads]
+    return plan.layout(local_grads, eligible), local_grads
 
 
 def _reduce(
