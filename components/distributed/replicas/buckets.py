@@ -16,7 +16,7 @@ hands out (:meth:`BucketLayout.exchange`), so every collective goes through that
 from collections import deque
 from collections.abc import Iterator
 from itertools import repeat
-from operator import attrgetter, itemgetter
+from operator import attrgetter, eq, itemgetter
 
 import torch
 from torch import nn
@@ -209,11 +209,18 @@ class BucketLayout:
             for bucket in self.buckets:
                 yield bucket.flat, bucket.reduction
             return
-        sources, moved = self._read_apart(local_grads)
+        # data pointers, read once (a None where a gradient is absent): only view buckets need them
+        pointers = None
+        if self.spans:
+            pointers = _pointers(local_grads) or [
+                0 if grad is None else _data_ptr(grad) for grad in local_grads
+            ]
+        sources, moved = self._read_apart(local_grads, pointers)
         for bucket in self.buckets:
             if bucket.as_view:
                 picked = (bucket.pick(parameters), bucket.pick(local_grads), bucket.pick(sources))
-                yield from self._exchange_views(bucket, *picked, bucket.pick(moved))
+                picked += (bucket.pick(moved), bucket.pick(pointers))
+                yield from self._exchange_views(bucket, *picked)
                 continue
             flat, views = bucket.flat, bucket.views
             if flat is None:
@@ -224,14 +231,16 @@ class BucketLayout:
             # copy_ casts in place (a mul with out= stages FP32 on CPU)
             torch._foreach_copy_(list(bucket.pick(local_grads)), views)
 
-    def _read_apart(self, grads: list[torch.Tensor | None]) -> tuple[list, list[bool]]:
+    def _read_apart(
+        self, grads: list[torch.Tensor | None], pointers: list[int] | None
+    ) -> tuple[list, list[bool]]:
         """The gradients to pack, with a copy of each one that is a slice of a view bucket other
         than its own (swapped, or moved by hand: packing or reducing the buckets would overwrite
-        it), and which those are."""
+        it), and which those are. ``pointers``: the gradients' data pointers (None: no view
+        bucket)."""
         moved = [False] * len(grads)
-        if not self.spans:
+        if pointers is None:
             return grads, moved
-        pointers = _pointers(grads) or [0 if g is None else _data_ptr(g) for g in grads]
         low, high = min(lo for lo, _ in self.spans), max(hi for _, hi in self.spans)
         # the usual fresh gradients: one cheap pass
         if not any(low <= pointer < high for pointer in pointers):
@@ -241,7 +250,7 @@ class BucketLayout:
         return [g.clone() if m else g for g, m in zip(grads, moved, strict=True)], moved
 
     def _exchange_views(
-        self, bucket, parameters, grads, sources, moved
+        self, bucket, parameters, grads, sources, moved, pointers
     ) -> Iterator[tuple[torch.Tensor, str]]:
         """A view bucket: in place when every gradient is its slice; else packed, reduced by the
         caller, the result copied back into the gradients handed in (in place), and the buffer's
@@ -250,10 +259,7 @@ class BucketLayout:
         Gradients already in their slice are not copied; gradients that are slices of another tensor
         (someone's own flat buffer) get the result and stay bound where they are.
         """
-        own = [
-            pointer == slot
-            for pointer, slot in zip(_pointers(grads), bucket.view_pointers, strict=True)
-        ]
+        own = list(map(eq, pointers, bucket.view_pointers))  # each gradient already its slice
         if all(own):
             yield bucket.flat, bucket.reduction
             return
