@@ -37,7 +37,7 @@ from components.distributed.replicas.selection import (
 _grad = attrgetter("grad")
 _dtype = attrgetter("dtype")
 _device = attrgetter("device")
-_shape = attrgetter("shape")
+_size = torch.Tensor.size  # a few times cheaper than reading .shape
 _layout = attrgetter("layout")
 _requires_grad = attrgetter("requires_grad")
 
@@ -168,7 +168,7 @@ class Plan:
         """The persistent layout when every gradient is present: rebuilt when a gradient's dtype,
         device or plain shape changed (a cast or moved model); None if DTensor local shapes
         moved."""
-        shapes = list(map(_shape, local_grads))
+        shapes = list(map(_size, local_grads))
         kinds = (list(map(_dtype, local_grads)), list(map(_device, local_grads)))
         plain = shapes
         if not self.all_plain:
