@@ -1,4 +1,4 @@
-"""Replica gradient sync: ``ReplicaSync.synchronize`` against its floor, AutoModel 0.7.0,
+"""Replica gradient sync: ``synchronize_tp_replica_gradients`` against its floor, AutoModel 0.7.0,
 per-tensor.
 
 Why: the parameters TP does not shard (norms, q/k norms, routers) need one gradient reduction per
@@ -8,10 +8,10 @@ it beats the module it reimplements (NeMo AutoModel 0.7.0's ``tp_replicas.py``).
 Variants, run in one gloo process group per world size, alternated (the order rotates every
 repetition):
 
-- ``ours``: ``ReplicaSync([model], mesh).synchronize()``, one object built once and called every
-  repetition (as ``recipes/finetune.py`` holds it), gradients kept between calls (as with
-  ``zero_grad(set_to_none=False)``): FP32 gradients are views of the persistent bucket, reduced in
-  place.
+- ``ours``: ``synchronize_tp_replica_gradients([model], mesh)`` called every repetition on the
+  same model, as ``recipes/finetune.py`` calls it once per step (its plan and buffers are kept with
+  the model), gradients kept between calls (as with ``zero_grad(set_to_none=False)``): FP32
+  gradients are views of the persistent bucket, reduced in place.
 - ``ours_fresh``: the same, but every call sees fresh gradient tensors (as after ``zero_grad()``,
   the default ``set_to_none=True``): they are packed and re-bound to the bucket. The fresh tensors
   are made before the timed region.
@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from components.distributed.replicas import ReplicaSync
+from components.distributed.tp_replicas import synchronize_tp_replica_gradients
 from components.runtime.launch import init_process_group, launch_local
 
 MIB = 1024 * 1024
@@ -89,6 +89,7 @@ SETS: dict[str, tuple[str, Callable[[], nn.Module], int, bool]] = {
         False,
     ),
     "many": ("1,000 × 1,024 fp32", lambda: _holders(1000, 1024, torch.float32), 61, False),
+    "mid": ("16 × 1M fp32 (64 MiB)", lambda: _holders(16, 1 << 20, torch.float32), 21, True),
     "big": ("64 × 1M fp32 (256 MiB)", lambda: _holders(64, 1 << 20, torch.float32), 7, True),
     "big_bf16": (
         "64 × 1M bf16 (256 MiB on the wire)",
@@ -161,10 +162,12 @@ def _variants(
         dist.all_reduce(flags)
         dist.all_reduce(floor)
 
-    replicas = ReplicaSync([model], mesh)  # built once, as the recipe builds it
+    def ours() -> None:  # the spec's free function, once per step on the same model
+        synchronize_tp_replica_gradients([model], mesh)
+
     return {
-        "ours": replicas.synchronize,
-        "ours_fresh": replicas.synchronize,
+        "ours": ours,
+        "ours_fresh": ours,
         "automodel": lambda: automodel.synchronize_tp_replica_gradients([model], mesh),
         "per_tensor": lambda: per_tensor(model, world),
         "floor": lambda: dist.all_reduce(floor),
@@ -364,7 +367,6 @@ def _overlap_rank(threads: int, reps: int) -> dict[str, float]:
     inputs = torch.randn(2, 64, 1024, generator=torch.Generator().manual_seed(dist.get_rank()))
     overlap = ReplicaSyncOverlap([model], mesh)
     overlap.remove()
-    replicas = ReplicaSync([model], mesh)
 
     def step(mode: str) -> None:
         model.zero_grad(set_to_none=False)
@@ -373,7 +375,7 @@ def _overlap_rank(threads: int, reps: int) -> dict[str, float]:
                 overlap.last_micro_batch()
             model(inputs[micro]).square().mean().backward()
         if mode == "boundary":
-            replicas.synchronize()
+            synchronize_tp_replica_gradients([model], mesh)
         elif mode == "overlap":
             overlap.finish()
 

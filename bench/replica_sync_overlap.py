@@ -43,7 +43,8 @@ from components.distributed.replicas.flat_buffers import (
     flat_views,
     wire_dtype,
 )
-from components.distributed.tp_replicas import tp_replicated_parameters, tp_submesh
+from components.distributed.replicas.selection import get_tp_mesh
+from components.distributed.tp_replicas import tp_replicated_parameters
 
 DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
 
@@ -74,7 +75,7 @@ class ReplicaSyncOverlap:
         tp_axis_name: str = "tp",
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ):
-        tp_mesh = tp_submesh(device_mesh, tp_axis_name)
+        tp_mesh = get_tp_mesh(device_mesh, tp_axis_name)
         candidates = [
             entry
             for entry in tp_replicated_parameters(model_parts, device_mesh, tp_axis_name)

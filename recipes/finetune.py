@@ -53,7 +53,6 @@ if TYPE_CHECKING:
     from components.checkpoint.writer import CheckpointWriter
     from components.data import StepBatches
     from components.distributed.context_parallel import ContextParallel
-    from components.distributed.replicas import ReplicaSync
     from components.moe import ExpertLoad
     from components.training.loggers import MetricsLogger
     from components.training.metrics import MetricsLog
@@ -92,7 +91,6 @@ class Run:
     aux_loss_weight: (
         float  # of an MoE model's load-balancing loss (0: its config does not enable it)
     )
-    replicas: ReplicaSync  # the TP replica gradient sync, built once: its plan and buffers last
     cp: ContextParallel | None  # this rank's context-parallel group (None at cp=1)
     before_commit: Callable[[Path], None] | None = (
         None  # the checkpoint writer's callback (a fault, in tests)
@@ -106,7 +104,7 @@ def set_up(plan: RunPlan) -> Run:
     from components.debug.faults import install_faults
     from components.distributed.context_parallel import ContextParallel
     from components.distributed.mesh import build_device_mesh
-    from components.distributed.replicas import ReplicaSync
+    from components.distributed.tp_replicas import broadcast_tp_replicas
     from components.models.parallelize import build_parallel_model
     from components.models.precision import precision_policy
     from components.moe import ExpertLoad, router_aux_loss_weight
@@ -122,8 +120,7 @@ def set_up(plan: RunPlan) -> Run:
     model, report = build_parallel_model(plan.model, plan.dims, mesh, device, timeout)
     if report is not None:
         say(report.format())
-    replicas = ReplicaSync([model], mesh)  # after parallelising and loading, before the optimizer
-    replicas.broadcast()
+    broadcast_tp_replicas([model], mesh)  # after parallelising and loading, before the optimizer
     optimizer = target_class("optim", optim.target)(model.parameters(), **optim.options())
     schedule = plan.schedule
     scheduler = build_schedule(
@@ -150,7 +147,6 @@ def set_up(plan: RunPlan) -> Run:
         compute=compute,
         experts=experts,
         aux_loss_weight=aux,
-        replicas=replicas,
         cp=ContextParallel.of(mesh),
     )
     where = dict(rank=rank, world_size=dist.get_world_size(), first_step=first_step)
@@ -183,6 +179,7 @@ def train_step(run: Run, plan: RunPlan, step: int) -> dict:
     from components.distributed.fsdp import set_gradient_sync
     from components.distributed.grads import clip_grad_norm_, finalize_dtensor_gradients, grad_norm
     from components.distributed.mesh import data_parallel_mesh
+    from components.distributed.tp_replicas import synchronize_tp_replica_gradients
     from components.training.memory import peak_memory_gib, reset_peak_memory
     from components.training.metrics import throughput
     from components.training.step import forward_backward  # its loss reads the models' TP plans
@@ -201,7 +198,7 @@ def train_step(run: Run, plan: RunPlan, step: int) -> dict:
         options = (run.compute(), run.aux_loss_weight, chunk, run.cp)
         loss_sum += forward_backward(run.model, *tensors, *options)
     finalize_dtensor_gradients([run.model])
-    run.replicas.synchronize()
+    synchronize_tp_replica_gradients([run.model], run.mesh)  # its plan and buffers are reused
     clip = plan.train.clip_grad_norm
     norm = (clip_grad_norm_([run.model], clip) if clip else grad_norm([run.model])).item()
     finite = math.isfinite(norm)  # the same number on every rank, so all ranks decide alike

@@ -1,27 +1,37 @@
-"""The TP replica API of ``../shared/spec/tp_replicas-api.md``, over one explicit ``ReplicaSync``.
+"""Keep the parameters TP does not shard identical on every rank of a TP group (the spec's API).
 
-Under TP, norms, routers, q/k norms and small projections are full copies on every rank of a TP
-group; this module keeps them identical. :func:`broadcast_tp_replicas` once the model is built
-(after the TP plan and weight loading, before the optimizer);
-:func:`synchronize_tp_replica_gradients` once per optimizer update, after accumulation and DTensor
-gradient finalisation, before grad norm, clipping and ``optimizer.step()``. Unmarked modules are
-mean-reduced, modules marked ``"sum"`` sum-reduced (a second call per update is wrong). What counts
-as a replica, and in which order, is ``replicas/selection.py``; the work is ``replicas/sync.py``'s
-``ReplicaSync``. Each free function builds one and uses it once; a training loop keeps its own, so
-the plan and persistent buffers last between steps. Where the specification is silent: owners of a
-shared parameter that disagree are a ``ValueError``; a sparse gradient on any rank makes every rank
-raise together; every rank of a TP group holds the same module structure. Collectives go through
-``dist.<name>`` at call time, so tests can intercept them.
+Under TP, norms, routers, q/k norms and small projections are full copies on every TP rank.
+:func:`broadcast_tp_replicas` copies TP rank 0's once the model is built (after the TP plan and
+weight loading, before the optimizer); :func:`synchronize_tp_replica_gradients` reduces their
+gradients once per optimizer update, after accumulation and DTensor gradient finalisation, before
+grad norm, clipping and ``optimizer.step()``: unmarked modules mean-reduced, modules marked
+``"sum"`` sum-reduced (a second call per update is wrong). What counts as a replica, and in which
+order, is ``replicas/selection.py``. Called once per step on the same model parts, the sync reuses
+its plan and flat buffers (``replicas/plan.py``: kept with the model, checked by a structural
+fingerprint at every call, rebuilt when the model changed). Every collective is made here, through
+``dist.<name>`` at call time, so tests can intercept them. Where the specification is silent: owners
+of a shared parameter that disagree are a ``ValueError``; a sparse gradient on any rank makes every
+rank raise together; every rank of a TP group holds the same module structure.
 """
 
 from collections.abc import Iterator
+from operator import attrgetter
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from components.distributed.replicas.buckets import BucketLayout
 from components.distributed.replicas.flat_buffers import bounded_chunks, local_tensor, wire_dtype
+from components.distributed.replicas.plan import (
+    Plan,
+    TpGroup,
+    cached_plan,
+    tp_group,
+    tp_replicated_parameters,
+)
 from components.distributed.replicas.selection import (
     MODEL_OWNED_ATTR,
     REDUCTION_ATTR,
@@ -33,23 +43,22 @@ from components.distributed.replicas.selection import (
     unique_buffers,
     unmarked_entries,
 )
-from components.distributed.replicas.sync import ReplicaSync
 
 __all__ = [
-    "ReplicaSync",
     "broadcast_tp_replicas",
     "exclude_from_tp_replica_sync",
     "mark_tp_replica_gradient_reduction",
     "synchronize_tp_replica_gradients",
     "tp_replica_reduction",
     "tp_replicated_parameters",
-    "tp_submesh",
     "unmarked_parameters",
 ]
 
 _TP_REPLICA_GRAD_REDUCTION_ATTR = REDUCTION_ATTR
 _MODEL_OWNED_GRAD_DIVISOR_ATTR = MODEL_OWNED_ATTR
 _MAX_FLAT_BUFFER_BYTES = 256 * 1024 * 1024  # read at call time: tests and callers may change it
+
+_grad = attrgetter("grad")
 
 # the spec's names for pieces that live beside the sync
 _get_tp_mesh = get_tp_mesh
@@ -158,22 +167,6 @@ def unmarked_parameters(model_parts: list[nn.Module]) -> list[tuple[str, nn.Para
     ]
 
 
-def tp_submesh(device_mesh: DeviceMesh | None, tp_axis_name: str = "tp") -> DeviceMesh | None:
-    """The TP submesh of ``device_mesh`` when it has a TP axis of size > 1, else None."""
-    return get_tp_mesh(device_mesh, tp_axis_name)
-
-
-def tp_replicated_parameters(
-    model_parts: list[nn.Module], device_mesh: DeviceMesh | None, tp_axis_name: str = "tp"
-) -> list[tuple[str, nn.Parameter, str]]:
-    """(name, parameter, reduction) of every TP-replicated parameter, trainable or not, by name.
-
-    The parameters :func:`broadcast_tp_replicas` copies and, among those that require grad,
-    :func:`synchronize_tp_replica_gradients` reduces. Empty without a TP axis of size > 1.
-    """
-    return ReplicaSync(model_parts, device_mesh, tp_axis_name).replicated_parameters()
-
-
 @torch.no_grad()
 def broadcast_tp_replicas(
     model_parts: list[torch.nn.Module], device_mesh: DeviceMesh | None, tp_axis_name: str = "tp"
@@ -197,7 +190,25 @@ def broadcast_tp_replicas(
     Returns: Number of rank-local tensors broadcast on this rank (0, with no collective, when there
         is no TP axis or it has size 1).
     """
-    return ReplicaSync(model_parts, device_mesh, tp_axis_name).broadcast()
+    tp = tp_group(device_mesh, tp_axis_name)
+    if tp is None:
+        return 0
+    source = dist.get_global_rank(tp.group, 0)
+    parameters = [parameter for _, parameter, _ in unmarked_entries(model_parts)]
+    count = 0
+    for tensor in [*parameters, *unique_buffers(model_parts)]:
+        if not is_tp_replicated(tensor, tp.ranks, tp.rank, tp_axis_name):
+            continue
+        local = local_tensor(tensor)
+        if local.is_meta or local.numel() == 0:
+            continue
+        on_wire = local.device.type == tp.mesh.device_type
+        wire = local if on_wire else local.to(tp.mesh.device_type)
+        dist.broadcast(wire, src=source, group=tp.group)
+        if wire is not local:
+            local.copy_(wire)
+        count += 1
+    return count
 
 
 @torch.no_grad()
@@ -230,5 +241,63 @@ def synchronize_tp_replica_gradients(
             has a sparse gradient that cannot be flattened without changing its representation.
             Every rank of the TP group raises together, before any gradient is changed.
     """
-    sync = ReplicaSync(model_parts, device_mesh, tp_axis_name, max_bytes=_MAX_FLAT_BUFFER_BYTES)
-    return sync.synchronize()
+    plan = cached_plan(model_parts, device_mesh, tp_axis_name, _MAX_FLAT_BUFFER_BYTES)
+    if plan is None or not plan.parameters:
+        return 0
+    full = plan.full
+    in_place = full is not None and full.gradients_are_views(plan.parameters)
+    if not plan.fingerprint.still_trainable():  # read here, just after their gradients
+        plan = cached_plan(model_parts, device_mesh, tp_axis_name, plan.max_bytes, rebuild=True)
+        full, in_place = None, False
+        if plan is None or not plan.parameters:
+            return 0
+    tp = plan.tp
+    if in_place:  # every gradient is its bucket view: present, dense, eligible; flags known
+        flags = plan.dense_device_flags.clone()
+        dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=tp.group)
+        if torch.equal(flags, plan.expected_flags):
+            return _reduce(full, plan.parameters, full.views_in_order, tp, in_place=True)
+        grads = full.views_in_order  # another rank disagrees: raise below, or reduce the eligible
+    else:
+        grads = list(map(_grad, plan.parameters))
+        flags = plan.precheck_flags(grads).to(tp.mesh.device_type)
+        dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=tp.group)
+    layout, local_grads = _checked_layout(plan, flags, grads)
+    return _reduce(layout, plan.parameters, local_grads, tp)
+
+
+def _checked_layout(plan: Plan, flags: torch.Tensor, grads: list) -> tuple[BucketLayout, list]:
+    """The layout to reduce with, once the summed pre-check flags are known (raising on every rank
+    alike where they disagree), and the gradients' rank-local storage."""
+    if torch.equal(flags, plan.expected_flags):  # every gradient present, eligible and dense
+        local_grads = plan.local_grads(grads)
+        layout = plan.full_layout(local_grads)
+        if layout is None:
+            layout = plan.layout(local_grads, list(range(len(grads))))
+        return layout, local_grads
+    eligible = plan.check_flags(flags)
+    local_grads = [None if grad is None else local_tensor(grad) for grad in grads]
+    return plan.layout(local_grads, eligible), local_grads
+
+
+def _reduce(
+    layout: BucketLayout,
+    parameters: list[nn.Parameter],
+    local_grads: list,
+    tp: TpGroup,
+    in_place: bool = False,
+) -> int:
+    """SUM all-reduce each bucket the layout hands out, then divide a mean's; the number reduced.
+
+    Mean is SUM then divide (not ``ReduceOp.AVG``), the same on every backend; over a power-of-two
+    TP size by the exact reciprocal, which rounds exactly like the division and is cheaper.
+    """
+    scale = 1.0 / tp.size if tp.size & (tp.size - 1) == 0 else None
+    for flat, reduction in layout.exchange(parameters, local_grads, in_place):
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=tp.group)
+        if reduction == "mean":
+            if scale is None:
+                flat.div_(tp.size)
+            else:
+                flat.mul_(scale)
+    return layout.count

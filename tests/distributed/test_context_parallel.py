@@ -22,7 +22,10 @@ from components.distributed.context_parallel import (
 )
 from components.distributed.grads import finalize_dtensor_gradients, grad_norm
 from components.distributed.mesh import data_parallel_mesh, resolve_parallel_dims
-from components.distributed.replicas import ReplicaSync
+from components.distributed.tp_replicas import (
+    broadcast_tp_replicas,
+    synchronize_tp_replica_gradients,
+)
 from components.models import build_causal_lm, tiny_config
 from components.models.parallelize import ModelSpec, build_parallel_model
 from components.models.precision import precision_policy
@@ -91,8 +94,7 @@ def check_cp(rank, world_size, family, layout, optimizer, packed=False, options=
     config = tiny_config(family)
     spec = spec_for(config, options["sp"], options["precision"], options["checkpointing"])
     model, _ = build_parallel_model(spec, dims, device_mesh, torch.device("cpu"))
-    replicas = ReplicaSync([model], device_mesh)
-    replicas.broadcast()
+    broadcast_tp_replicas([model], device_mesh)
     make, kwargs = OPTIMIZERS[optimizer]
     optim = make(model.parameters(), **kwargs)
     cp, dp_rank = ContextParallel.of(device_mesh), device_mesh["dp"].get_local_rank()
@@ -104,7 +106,7 @@ def check_cp(rank, world_size, family, layout, optimizer, packed=False, options=
         optim.zero_grad()
         loss = forward_backward(model, *share[:2], labelled, share[2], compute, cp=cp)
         finalize_dtensor_gradients([model])
-        replicas.synchronize()
+        synchronize_tp_replica_gradients([model], device_mesh)
         total = torch.tensor(loss, dtype=torch.float64)
         dist.all_reduce(total, group=data_parallel_mesh(device_mesh).get_group())
         curve.append((total.item() / labelled, grad_norm([model]).item()))

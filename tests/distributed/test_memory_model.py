@@ -24,7 +24,7 @@ import torch
 from components.distributed.context_parallel import ContextParallel
 from components.distributed.grads import clip_grad_norm_, finalize_dtensor_gradients
 from components.distributed.mesh import ParallelDims, build_device_mesh
-from components.distributed.replicas import ReplicaSync
+from components.distributed.tp_replicas import synchronize_tp_replica_gradients
 from components.models import tiny_config
 from components.models.parallelize import ModelSpec, build_parallel_model
 from components.models.precision import precision_policy
@@ -56,13 +56,13 @@ def _fixed_mmap_threshold() -> None:
     libc.malloc_trim(0)
 
 
-def _step(model, optimizer, replicas, compute, tokens, positions, cp) -> None:
+def _step(model, optimizer, mesh, compute, tokens, positions, cp) -> None:
     """The recipe's train_step on one micro-batch: forward, backward, finalise, sync, clip, step."""
     optimizer.zero_grad(set_to_none=True)
     loss = (tokens, tokens.clone(), tokens.numel(), positions, compute, 0.0, CHUNK, cp)
     forward_backward(model, *loss)
     finalize_dtensor_gradients([model])
-    replicas.synchronize()
+    synchronize_tp_replica_gradients([model], mesh)
     clip_grad_norm_([model], 1.0)
     optimizer.step()
 
@@ -89,7 +89,6 @@ def measured_and_planned(rank, world_size, precision, checkpointing, cp=1) -> tu
         compile=False,
     )
     model, _ = build_parallel_model(spec, dims, mesh, torch.device("cpu"))
-    replicas = ReplicaSync([model], mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batch, seq = (BATCH, SEQ) if cp == 1 else (CP_BATCH, CP_SEQ)
     tokens = torch.randint(
@@ -100,7 +99,7 @@ def measured_and_planned(rank, world_size, precision, checkpointing, cp=1) -> tu
     compute = policy.autocast("cpu", data_parallel=cp > 1)
     for _ in range(2):
         reset_peak_memory("cpu")
-        _step(model, optimizer, replicas, compute, tokens, positions, ContextParallel.of(mesh))
+        _step(model, optimizer, mesh, compute, tokens, positions, ContextParallel.of(mesh))
     peak = peak_memory_gib("cpu") - before
     layout = Layout(
         tp=world_size // cp,

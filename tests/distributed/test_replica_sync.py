@@ -1,18 +1,21 @@
-"""ReplicaSync held across steps: what rebuilds its plan (by itself or through ``refresh()``) and
-that the copies stay exactly equal on every rank after each change.
+"""The free sync called once per step on the same model: it keeps its plan and buffers while the
+model stays as it is, rebuilds them exactly when the model changes, and the copies stay exactly
+equal on every rank after each change.
 
-Values are small integers and halves, so every comparison is exact.
+Whether the plan and buffers were kept shows in behaviour: after a sync the FP32 gradients are
+views of the plan's persistent bucket, and a rebuilt plan hands out views of a new one. Values are
+small integers and halves, so every comparison is exact.
 """
 
 import torch
 from torch import nn
 
-from components.distributed.replicas.sync import ReplicaSync
 from components.distributed.tp_replicas import (
     _MODEL_OWNED_GRAD_DIVISOR_ATTR,
     mark_tp_replica_gradient_reduction,
+    synchronize_tp_replica_gradients,
 )
-from tests.distributed.common import Holder
+from tests.distributed.common import Holder, recorded_collectives
 from tests.harness import mesh
 
 
@@ -29,19 +32,23 @@ def give_grads(model: nn.Module, rank: int) -> None:
 def check_changes(rank, world_size):
     model = nn.Module()
     model.a = Holder(torch.zeros(4))
-    replicas = ReplicaSync([model], mesh((world_size,), ("tp",)))
-    steps = []
+    device_mesh = mesh((world_size,), ("tp",))
+    steps, buckets = [], []
+
+    def sync(label: str) -> None:
+        count = synchronize_tp_replica_gradients([model], device_mesh)
+        buckets.append(model.a.weight.grad._base)  # the bucket a's gradient is now a view of
+        kept = len(buckets) > 1 and buckets[-1] is buckets[-2]
+        steps.append((label, count, kept, grads_of(model)))
 
     def step(label: str) -> None:
         give_grads(model, rank)
-        count = replicas.synchronize()
-        steps.append((label, count, replicas.plans_built, grads_of(model)))
+        sync(label)
 
     step("first")
-    step("steady")  # nothing changed: the plan is kept
-    model.a.weight.grad = torch.full((4,), float(rank + 1))  # a gradient re-bound: kept, packed
-    replicas.synchronize()
-    steps.append(("grad rebound", 1, replicas.plans_built, grads_of(model)))
+    step("steady")  # nothing changed: the plan and its bucket are kept
+    model.a.weight.grad = torch.full((4,), float(rank + 1))  # a gradient re-bound: packed, kept
+    sync("grad rebound")
     model.b = Holder(torch.zeros(2))  # a parameter added
     step("added")
     model.a.weight = nn.Parameter(torch.zeros(3))  # a parameter replaced
@@ -51,31 +58,28 @@ def check_changes(rank, world_size):
     model.double()  # a dtype cast: the same parameters, new storage; the buffers follow
     step("cast")
     dtypes = [p.grad.dtype for p in model.parameters()]
-    setattr(model.b.weight, _MODEL_OWNED_GRAD_DIVISOR_ATTR, 2)  # only refresh() sees this one
-    step("owned, not refreshed")
-    replicas.refresh()
-    step("owned, refreshed")
+    setattr(model.b.weight, _MODEL_OWNED_GRAD_DIVISOR_ATTR, 2)  # b is now the model's own shard
+    step("owned")
     return steps, dtypes
 
 
-def test_a_held_sync_rebuilds_its_plan_exactly_when_the_model_changes(ranks2):
+def test_the_plan_is_kept_while_the_model_stays_and_rebuilt_when_it_changes(ranks2):
     results = ranks2.run(check_changes)
     (steps, dtypes), (other_steps, _) = results
     mean, total = 1.5, 3.0  # mean(1, 2) and sum(1, 2)
     expected = [
-        ("first", 1, 1, {"a.weight": [mean] * 4}),
-        ("steady", 1, 1, {"a.weight": [mean] * 4}),
-        ("grad rebound", 1, 1, {"a.weight": [mean] * 4}),
-        ("added", 2, 2, {"a.weight": [mean] * 4, "b.weight": [mean] * 2}),
-        ("replaced", 2, 3, {"a.weight": [mean] * 3, "b.weight": [mean] * 2}),
-        ("marked sum", 2, 4, {"a.weight": [mean] * 3, "b.weight": [total] * 2}),
-        ("cast", 2, 4, {"a.weight": [mean] * 3, "b.weight": [total] * 2}),
-        ("owned, not refreshed", 2, 4, {"a.weight": [mean] * 3, "b.weight": [total] * 2}),
+        ("first", 1, False, {"a.weight": [mean] * 4}),
+        ("steady", 1, True, {"a.weight": [mean] * 4}),
+        ("grad rebound", 1, True, {"a.weight": [mean] * 4}),
+        ("added", 2, False, {"a.weight": [mean] * 4, "b.weight": [mean] * 2}),
+        ("replaced", 2, False, {"a.weight": [mean] * 3, "b.weight": [mean] * 2}),
+        ("marked sum", 2, False, {"a.weight": [mean] * 3, "b.weight": [total] * 2}),
+        ("cast", 2, False, {"a.weight": [mean] * 3, "b.weight": [total] * 2}),
     ]
     assert steps[:-1] == other_steps[:-1] == expected  # every replica identical on both ranks
-    # after refresh() the model-owned gradient is left alone: each rank keeps its own (rank + 1)
-    for rank, (label, count, built, grads) in enumerate([steps[-1], other_steps[-1]]):
-        assert (label, count, built) == ("owned, refreshed", 1, 5)
+    # once b is model-owned it is left alone: each rank keeps its own gradient (rank + 1)
+    for rank, (label, count, kept, grads) in enumerate([steps[-1], other_steps[-1]]):
+        assert (label, count, kept) == ("owned", 1, False)
         assert grads == {"a.weight": [mean] * 3, "b.weight": [rank + 1.0] * 2}
     assert dtypes == [torch.float64] * 2
 
@@ -84,21 +88,25 @@ def check_in_place_across_steps(rank, world_size):
     model = nn.Module()
     model.a = Holder(torch.zeros(4))
     model.b = Holder(torch.zeros(2))
-    replicas = ReplicaSync([model], mesh((world_size,), ("tp",)))
+    device_mesh = mesh((world_size,), ("tp",))
     give_grads(model, rank)
-    replicas.synchronize()
+    synchronize_tp_replica_gradients([model], device_mesh)
     views = [model.a.weight.grad, model.b.weight.grad]
+    bucket = views[0]._base
     results = []
     # autograd accumulates into the bucket views, as with zero_grad(set_to_none=False)
     for _ in range(3):
         for grad in views:
             grad.zero_().add_(rank + 1)
-        results.append((replicas.synchronize(), grads_of(model)))
+        with recorded_collectives() as calls:
+            count = synchronize_tp_replica_gradients([model], device_mesh)
+        results.append((count, grads_of(model), calls))
     same = [grad is p.grad for grad, p in zip(views, model.parameters(), strict=True)]
-    return results, same, replicas.plans_built
+    return results, same, [grad._base is bucket for grad in views]
 
 
-def test_a_held_sync_reduces_in_place_step_after_step_with_one_plan(ranks2):
-    for results, same, built in ranks2.run(check_in_place_across_steps):
-        assert results == [(2, {"a.weight": [1.5] * 4, "b.weight": [1.5] * 2})] * 3
-        assert same == [True, True] and built == 1
+def test_the_free_sync_reduces_in_place_step_after_step_in_one_bucket(ranks2):
+    calls = [("all_reduce", torch.int32, 6), ("all_reduce", torch.float32, 6)]
+    for results, same, in_bucket in ranks2.run(check_in_place_across_steps):
+        assert results == [(2, {"a.weight": [1.5] * 4, "b.weight": [1.5] * 2}, calls)] * 3
+        assert same == [True, True] and in_bucket == [True, True]

@@ -5,7 +5,9 @@ test asserts on. Values are small integers or dyadic fractions, so equality is e
 """
 
 import gc
+import types
 import weakref
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -14,7 +16,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from components.distributed import tp_replicas
-from components.distributed.replicas.sync import ReplicaSync
 from components.distributed.tp_replicas import (
     _MODEL_OWNED_GRAD_DIVISOR_ATTR,
     _is_tp_replicated,
@@ -259,6 +260,62 @@ def test_replica_detection_by_placement_and_coordinates(ranks4):
 # --- precision, chunking, counts -----------------------------------------------------------------
 
 
+def check_patched_all_reduce(rank, world_size):
+    """A bf16 replica synced twice (the plan built, then reused) under a spy on the module's
+    ``dist.all_reduce`` that still calls the real one."""
+    holder = Holder(torch.tensor([120.0 + rank], dtype=torch.bfloat16))
+    device_mesh = mesh((world_size,), ("tp",))
+    seen = []
+    for _ in range(2):
+        holder.weight.grad = torch.tensor([1.0 + rank], dtype=torch.bfloat16)
+        with patch(
+            "components.distributed.tp_replicas.dist.all_reduce", wraps=dist.all_reduce
+        ) as spy:
+            synced = synchronize_tp_replica_gradients([holder], device_mesh)
+        wire = [call.args[0].dtype for call in spy.call_args_list]
+        seen.append((synced, wire, holder.weight.grad.dtype, holder.weight.grad.tolist()))
+    return seen
+
+
+def test_a_spy_on_the_modules_dist_all_reduce_sees_the_two_all_reduces(ranks2):
+    once = (1, [torch.int32, torch.float32], torch.bfloat16, [1.5])
+    assert ranks2.run(check_patched_all_reduce) == [[once, once]] * 2
+
+
+def check_module_dist_replaced(rank, world_size):
+    """``tp_replicas.dist`` itself replaced by a namespace whose collectives record and forward:
+    every collective of both functions goes through the name at call time."""
+    calls = []
+
+    def recording(name):
+        def call(tensor, *args, **kwargs):
+            calls.append((name, tensor.dtype, tensor.numel()))
+            return getattr(dist, name)(tensor, *args, **kwargs)
+
+        return call
+
+    spy = types.SimpleNamespace(**{name: getattr(dist, name) for name in dir(dist)})
+    spy.all_reduce, spy.broadcast = recording("all_reduce"), recording("broadcast")
+    model = nn.Module()
+    model.norm = holder_with_grad(rank + 1, size=3)
+    model.low = Holder(torch.zeros(2, dtype=torch.bfloat16))
+    model.low.weight.grad = torch.full((2,), float(rank + 1), dtype=torch.bfloat16)
+    device_mesh = mesh((world_size,), ("tp",))
+    with patch.object(tp_replicas, "dist", spy):
+        counts = [broadcast_tp_replicas([model], device_mesh)]
+        counts += [synchronize_tp_replica_gradients([model], device_mesh) for _ in range(2)]
+    return counts, calls
+
+
+def test_every_collective_goes_through_the_modules_dist_name(ranks2):
+    sync = [("all_reduce", torch.int32, 6), ("all_reduce", torch.float32, 2)]
+    sync += [("all_reduce", torch.float32, 3)]
+    broadcast = [("broadcast", torch.bfloat16, 2), ("broadcast", torch.float32, 3)]
+    for counts, calls in ranks2.run(check_module_dist_replaced):
+        assert counts == [2, 2, 2]
+        assert calls == broadcast + sync + sync
+
+
 def check_low_precision(rank, world_size):
     model = nn.Module()
     model.bf16 = Holder(torch.zeros(4, dtype=torch.bfloat16))
@@ -463,21 +520,19 @@ def test_without_a_tp_axis_of_size_above_one_both_return_zero(ranks2):
         assert grad == rank + 1
 
 
-# --- the plan and its persistent buffers: held by a ReplicaSync, or one per free-function call ---
+# --- the plan and its persistent buffers, kept with the model between calls -----------------------
 
 
-def syncer(model, device_mesh, held: bool):
-    """One ReplicaSync kept across calls (as the recipe does), or the free function per call."""
-    if held:
-        return ReplicaSync([model], device_mesh).synchronize
+def syncer(model, device_mesh):
+    """The free function, called as the recipe calls it: once per step on the same model."""
     return lambda: synchronize_tp_replica_gradients([model], device_mesh)
 
 
-def check_plan_rebuilt_after_changes(rank, world_size, held):
+def check_plan_rebuilt_after_changes(rank, world_size):
     device_mesh = mesh((world_size,), ("tp",))
     model = nn.Module()
     model.a = holder_with_grad(rank + 1)
-    sync = syncer(model, device_mesh, held)
+    sync = syncer(model, device_mesh)
     results = [sync()]
     model.a.weight = nn.Parameter(torch.zeros(2))  # a parameter replaced (new shape, new object)
     model.a.weight.grad = torch.full((2,), float(4 * rank + 1))
@@ -501,9 +556,8 @@ def check_plan_rebuilt_after_changes(rank, world_size, held):
     return results, calls
 
 
-@pytest.mark.parametrize("held", [True, False], ids=["held", "free"])
-def test_plan_is_rebuilt_when_parameters_modules_or_markers_change(ranks2, held):
-    for results, calls in ranks2.run(check_plan_rebuilt_after_changes, held):
+def test_plan_is_rebuilt_when_parameters_modules_or_markers_change(ranks2):
+    for results, calls in ranks2.run(check_plan_rebuilt_after_changes):
         assert results == [1, (1, [3.0] * 2), (1, [1.0] * 3), (3, [0.5]), (3, [3.0] * 4), 1]
         assert calls == [("all_reduce", torch.int32, 3), ("all_reduce", torch.float32, 4)]
 
@@ -515,22 +569,23 @@ def check_each_change_alone_rebuilds_the_plan(rank, world_size):
     model.b = holder_with_grad(rank + 1)
     model.frozen = holder_with_grad(rank + 1)
     model.frozen.weight.requires_grad_(False)
-    replicas = ReplicaSync([model], device_mesh)
-    counts = [replicas.synchronize()]
-    nn.Linear(2, 2)  # built elsewhere: the plan is kept
-    counts.append(replicas.synchronize())
-    kept = replicas.plans_built == 1
+    sync = syncer(model, device_mesh)
+    counts = [sync()]
+    bucket = model.a.weight.grad._base  # the plan's persistent bucket
+    nn.Linear(2, 2)  # built elsewhere: the plan and its bucket are kept
+    counts.append(sync())
+    kept = model.a.weight.grad._base is bucket
     model.frozen.weight.requires_grad_(True)  # thawed, nothing else changed: reduced from now on
     model.frozen.weight.grad = torch.full((4,), float(rank))
-    counts.append(replicas.synchronize())
+    counts.append(sync())
     del model.b  # deleted, nothing registered: no longer reduced
-    counts.append(replicas.synchronize())
+    counts.append(sync())
     model.a.weight.grad = torch.full((4,), float(rank))  # fresh beside a kept bucket view
-    counts.append(replicas.synchronize())
+    counts.append(sync())
     mixed = (model.a.weight.grad.tolist(), model.frozen.weight.grad.tolist())
     model.a.weight.requires_grad_(False)  # frozen, nothing else changed: left alone
     model.a.weight.grad = torch.full((4,), float(rank))
-    counts.append(replicas.synchronize())
+    counts.append(sync())
     return counts, kept, mixed, model.a.weight.grad.tolist() == [float(rank)] * 4
 
 
@@ -550,8 +605,8 @@ def check_gradients_become_bucket_views(rank, world_size):
     model.b = holder_with_grad(rank + 1, size=3, reduction="sum")
     model.low = Holder(torch.zeros(2, dtype=torch.bfloat16))
     model.low.weight.grad = torch.full((2,), float(rank + 1), dtype=torch.bfloat16)
-    replicas = ReplicaSync([model], device_mesh)  # held between steps, as the recipe holds it
-    replicas.synchronize()
+    sync = syncer(model, device_mesh)  # once per step on the same model, as the recipe calls it
+    sync()
     first = [model.a.weight.grad, model.b.weight.grad]
     # accumulate the next step in place, as autograd does into an existing .grad, then sync again
     loss = (
@@ -562,7 +617,7 @@ def check_gradients_become_bucket_views(rank, world_size):
     model.low.weight.grad = None
     loss.backward()
     with recorded_collectives() as calls:
-        replicas.synchronize()
+        sync()
     same_objects = [g is p.weight.grad for g, p in zip(first, (model.a, model.b), strict=True)]
     grads = [
         model.a.weight.grad.tolist(),
@@ -574,7 +629,7 @@ def check_gradients_become_bucket_views(rank, world_size):
     )
     model.b.weight.grad = torch.full((3,), float(rank))
     model.a.weight.grad = torch.full((4,), float(rank))
-    replicas.synchronize()
+    sync()
     return same_objects, grads, calls, model.a.weight.grad.tolist(), model.b.weight.grad.tolist()
 
 
@@ -626,13 +681,13 @@ def test_the_cached_plan_and_buffers_go_with_the_model(ranks2):
     assert ranks2.run(check_model_is_freed_after_a_sync) == [(1, True)] * 2
 
 
-def check_gradients_given_other_storage(rank, world_size, held_sync):
+def check_gradients_given_other_storage(rank, world_size):
     # after a first sync the gradients are the bucket's slices; then each is changed a different way
     device_mesh = mesh((world_size,), ("tp",))
     model = nn.Module()
     for name in ("a", "b", "c"):
         setattr(model, name, holder_with_grad(rank + 1))
-    sync = syncer(model, device_mesh, held_sync)
+    sync = syncer(model, device_mesh)
     sync()
     model.a.weight.grad.data = torch.full((4,), float(rank + 10))  # other storage, same object
     model.b.weight.grad, model.c.weight.grad = (
@@ -662,11 +717,8 @@ def check_gradients_given_other_storage(rank, world_size, held_sync):
     return after_changes, owned.tolist(), held.tolist(), aliases, cast
 
 
-@pytest.mark.parametrize("held_sync", [True, False], ids=["held", "free"])
-def test_gradients_given_other_storage_swapped_or_owned_by_the_caller_are_reduced(
-    ranks2, held_sync
-):
-    results = ranks2.run(check_gradients_given_other_storage, held_sync)
+def test_gradients_given_other_storage_swapped_or_owned_by_the_caller_are_reduced(ranks2):
+    results = ranks2.run(check_gradients_given_other_storage)
     for after_changes, owned, held, aliases, cast in results:
         assert after_changes == [[10.5] * 4, [20.5] * 4, [30.5] * 4]
         assert (

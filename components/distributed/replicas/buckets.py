@@ -1,4 +1,4 @@
-"""The flat buffers of a TP replica gradient sync: its buckets, their memory and the reduction.
+"""The flat buffers of a TP replica gradient sync: its buckets, their memory, packing and unpacking.
 
 :class:`BucketLayout` cuts gradients into buckets by (reduction, device, dtype) and the byte bound
 and owns their buffers, bounded together by ``max_bytes``: FP32 (wire-dtype) buckets of plain
@@ -8,16 +8,17 @@ place), and one shared staging buffer, reused bucket after bucket, for the rest 
 FP32, DTensor gradients). "In place" is decided by data pointer, so a gradient given other storage
 (``grad.data = ...``, ``model.to(...)``) is packed again; gradients that are not yet the bucket's
 slices get the result copied into them and are then re-bound, except slices of another tensor (a
-caller's own flat buffer), which stay bound there. The layout knows nothing of modules:
-:class:`components.distributed.replicas.sync.ReplicaSync` decides when to build one.
+caller's own flat buffer), which stay bound there. The layout knows nothing of modules or process
+groups: ``replicas/plan.py`` decides when to build one, and ``tp_replicas`` reduces each buffer it
+hands out (:meth:`BucketLayout.exchange`), so every collective goes through that module's ``dist``.
 """
 
 from collections import deque
+from collections.abc import Iterator
 from itertools import repeat
-from operator import attrgetter, itemgetter
+from operator import attrgetter, eq, itemgetter
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from components.distributed.replicas.flat_buffers import bounded_chunks, flat_views, wire_dtype
@@ -119,6 +120,7 @@ class BucketLayout:
             for chunk in bounded_chunks([gradients[i] for i in members], max_bytes):
                 self.buckets.append(_Bucket(reduction, members[start : start + len(chunk)], chunk))
                 start += len(chunk)
+        self.count = sum(len(bucket.indices) for bucket in self.buckets)  # gradients reduced
         self.device = torch.device(device)  # the collectives' kind of device ("cuda" has no index)
         self.size = len(gradients)
         # by candidate: the data pointer of its slice in a view bucket (None: staged); when every
@@ -190,53 +192,55 @@ class BucketLayout:
             and _pointers(map(_grad, parameters)) == self.slot_pointers
         )
 
-    def reduce(
+    def exchange(
         self,
         parameters: list[nn.Parameter],
         local_grads: list[torch.Tensor],
-        group: dist.ProcessGroup,
-        tp_size: int,
         in_place: bool = False,
-    ) -> int:
-        """SUM all-reduce every bucket (divide for mean), leave the result in each gradient, in
-        place.
+    ) -> Iterator[tuple[torch.Tensor, str]]:
+        """Each bucket's packed flat wire buffer with its reduction (``"mean"`` or ``"sum"``).
 
-        ``in_place``: the caller has checked :meth:`gradients_are_views`. A mean over a power-of-two
-            TP size multiplies by its exact reciprocal, which rounds exactly like the division (and
-            is ~3x faster on CPU).
+        The caller reduces each buffer in place (SUM, then the mean's divide) before asking for
+        the next; the result is then copied back into the gradients, in place, or already is them
+        (bucket views). ``in_place``: the caller has checked :meth:`gradients_are_views`, so
+        nothing is packed or unpacked. The layout issues no collective itself.
         """
-        scale = 1.0 / tp_size if tp_size & (tp_size - 1) == 0 else None
-        if in_place:  # nothing to pack or unpack
+        if in_place:
             for bucket in self.buckets:
-                _sum_and_divide(bucket, bucket.flat, group, scale, tp_size)
-            return sum(len(bucket.indices) for bucket in self.buckets)
-        sources, moved = self._read_apart(local_grads)
-        count = 0
+                yield bucket.flat, bucket.reduction
+            return
+        # data pointers, read once (a None where a gradient is absent): only view buckets need them
+        pointers = None
+        if self.spans:
+            pointers = _pointers(local_grads) or [
+                0 if grad is None else _data_ptr(grad) for grad in local_grads
+            ]
+        sources, moved = self._read_apart(local_grads, pointers)
         for bucket in self.buckets:
-            count += len(bucket.indices)
             if bucket.as_view:
                 picked = (bucket.pick(parameters), bucket.pick(local_grads), bucket.pick(sources))
-                self._reduce_into_views(bucket, *picked, bucket.pick(moved), group, scale, tp_size)
+                picked += (bucket.pick(moved), bucket.pick(pointers))
+                yield from self._exchange_views(bucket, *picked)
                 continue
-            grads = bucket.pick(local_grads)
             flat, views = bucket.flat, bucket.views
             if flat is None:
                 flat = torch.empty(bucket.numel, dtype=bucket.wire, device=self._reduced_on(bucket))
                 views = flat_views(flat, bucket.shapes)
             bucket.pack(flat, views, bucket.pick(sources))
-            _sum_and_divide(bucket, flat, group, scale, tp_size)
+            yield flat, bucket.reduction
             # copy_ casts in place (a mul with out= stages FP32 on CPU)
-            torch._foreach_copy_(list(grads), views)
-        return count
+            torch._foreach_copy_(list(bucket.pick(local_grads)), views)
 
-    def _read_apart(self, grads: list[torch.Tensor | None]) -> tuple[list, list[bool]]:
+    def _read_apart(
+        self, grads: list[torch.Tensor | None], pointers: list[int] | None
+    ) -> tuple[list, list[bool]]:
         """The gradients to pack, with a copy of each one that is a slice of a view bucket other
         than its own (swapped, or moved by hand: packing or reducing the buckets would overwrite
-        it), and which those are."""
+        it), and which those are. ``pointers``: the gradients' data pointers (None: no view
+        bucket)."""
         moved = [False] * len(grads)
-        if not self.spans:
+        if pointers is None:
             return grads, moved
-        pointers = _pointers(grads) or [0 if g is None else _data_ptr(g) for g in grads]
         low, high = min(lo for lo, _ in self.spans), max(hi for _, hi in self.spans)
         # the usual fresh gradients: one cheap pass
         if not any(low <= pointer < high for pointer in pointers):
@@ -245,22 +249,19 @@ class BucketLayout:
             moved[index] = pointer != own and any(lo <= pointer < hi for lo, hi in self.spans)
         return [g.clone() if m else g for g, m in zip(grads, moved, strict=True)], moved
 
-    def _reduce_into_views(
-        self, bucket, parameters, grads, sources, moved, group, scale, tp_size
-    ) -> None:
-        """A view bucket: in place when every gradient is its slice; else packed, reduced, the
-        result copied back into the gradients handed in (in place), and the buffer's slices made the
-        gradients from now on.
+    def _exchange_views(
+        self, bucket, parameters, grads, sources, moved, pointers
+    ) -> Iterator[tuple[torch.Tensor, str]]:
+        """A view bucket: in place when every gradient is its slice; else packed, reduced by the
+        caller, the result copied back into the gradients handed in (in place), and the buffer's
+        slices made the gradients from now on.
 
         Gradients already in their slice are not copied; gradients that are slices of another tensor
         (someone's own flat buffer) get the result and stay bound where they are.
         """
-        own = [
-            pointer == slot
-            for pointer, slot in zip(_pointers(grads), bucket.view_pointers, strict=True)
-        ]
+        own = list(map(eq, pointers, bucket.view_pointers))  # each gradient already its slice
         if all(own):
-            _sum_and_divide(bucket, bucket.flat, group, scale, tp_size)
+            yield bucket.flat, bucket.reduction
             return
         # copy only the others: a slice copied onto itself is fine, but cat refuses any overlap
         if any(own):
@@ -272,7 +273,7 @@ class BucketLayout:
             torch._foreach_copy_([view for view, _ in pairs], [source for _, source in pairs])
         else:
             bucket.pack(bucket.flat, bucket.views, sources)
-        _sum_and_divide(bucket, bucket.flat, group, scale, tp_size)
+        yield bucket.flat, bucket.reduction
         # outside every view bucket
         elsewhere = [not (mine or m) for mine, m in zip(own, moved, strict=True)]
         targets = [(g, v) for g, v, out in zip(grads, bucket.views, elsewhere, strict=True) if out]
@@ -282,16 +283,3 @@ class BucketLayout:
         if any(map(_is_view, (g for g, _ in targets))):
             keep = [out and _is_view(g) for g, out in zip(grads, elsewhere, strict=True)]
         bucket.hand_out(parameters, keep)
-
-
-def _sum_and_divide(
-    bucket: _Bucket, flat: torch.Tensor, group, scale: float | None, tp_size: int
-) -> None:
-    """SUM all-reduce ``flat``, then the mean's divide: by the exact reciprocal when the TP size is
-    a power of two (the same rounding)."""
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-    if bucket.reduction == "mean":
-        if scale is not None:
-            flat.mul_(scale)
-        else:
-            flat.div_(tp_size)

@@ -18,8 +18,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from components.distributed.replicas.flat_buffers import local_tensor
+from components.distributed.replicas.plan import tp_replicated_parameters
 from components.distributed.replicas.selection import get_tp_mesh
-from components.distributed.replicas.sync import ReplicaSync
 
 
 def _replicated_tensors(
@@ -29,7 +29,7 @@ def _replicated_tensors(
     name order."""
     return [
         (name, local_tensor(tensor).detach())
-        for name, tensor, _ in ReplicaSync(model_parts, device_mesh).replicated_parameters()
+        for name, tensor, _ in tp_replicated_parameters(model_parts, device_mesh)
         if not local_tensor(tensor).is_meta and tensor.is_floating_point() and tensor.numel()
     ]
 

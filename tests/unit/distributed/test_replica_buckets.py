@@ -12,8 +12,8 @@ from components.distributed.replicas.flat_buffers import (
     unpack,
     wire_dtype,
 )
+from components.distributed.replicas.plan import _Fingerprint
 from components.distributed.replicas.selection import REDUCTION_ATTR
-from components.distributed.replicas.sync import _Fingerprint
 
 
 def two_layers() -> nn.Module:

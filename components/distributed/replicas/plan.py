@@ -1,18 +1,21 @@
-"""``ReplicaSync``: the TP replica sync of one model on one mesh, built once and held by its caller.
+"""The plan behind ``tp_replicas.synchronize_tp_replica_gradients``, kept with the model it serves.
 
-It owns the TP group (sliced from the mesh once), the plan (the trainable TP replicas in rank-stable
-order with their reductions, chosen by ``selection``), the flat buffers (``buckets.BucketLayout``)
-and their invalidation, which is explicit: :meth:`ReplicaSync.refresh` drops the plan and its
-buffers, and every :meth:`ReplicaSync.synchronize` first compares the fingerprint taken with the
-plan (every module and parameter still in its slot, none added anywhere, the same markers, each
-replica's ``requires_grad``; no module walk) and rebuilds on a mismatch. Gradients given other
-storage or another dtype are seen by the buffers (data pointers, dtypes). Only the model-owned
-attribute set on a parameter after the first call needs ``refresh()``. Nothing is global or kept on
-the model: drop the object and its plan goes.
+A plan holds the TP group (sliced from the mesh once), the trainable TP replicas in rank-stable
+order with their reductions (chosen by ``selection``), the pre-check flags and the flat buffers
+(``buckets.BucketLayout``). :func:`cached_plan` keeps it in the first model part's ``__dict__``, so
+it lives and dies with the model (a reference cycle the garbage collector frees; a
+``WeakKeyDictionary`` could not hold it, since a plan reaches its key through the modules' own
+dictionaries and hooks) and a copy or pickle of the model starts without one. Each call compares
+the plan's fingerprint, a few C-level passes and no module walk: the same model parts, mesh, axis
+and byte bound, every module and parameter still in its slot, none added anywhere, the same markers,
+each replica's ``requires_grad`` and model-owned attribute; a mismatch rebuilds it. Gradients given
+other storage, another dtype, shape or device are seen by the buffers (data pointers, then dtypes,
+shapes and devices). Nothing here issues a collective: ``tp_replicas`` does, through its ``dist``.
 """
 
+import weakref
 from itertools import repeat
-from operator import attrgetter, is_
+from operator import attrgetter, contains, is_
 from typing import NamedTuple
 
 import torch
@@ -22,17 +25,19 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from components.distributed.replicas.buckets import BucketLayout
-from components.distributed.replicas.flat_buffers import MAX_FLAT_BUFFER_BYTES, local_tensor
+from components.distributed.replicas.flat_buffers import local_tensor
 from components.distributed.replicas.selection import (
+    MODEL_OWNED_ATTR,
     REDUCTION_ATTR,
     get_tp_mesh,
     is_tp_replicated,
-    unique_buffers,
     unmarked_entries,
 )
 
 _grad = attrgetter("grad")
 _dtype = attrgetter("dtype")
+_device = attrgetter("device")
+_size = torch.Tensor.size  # a few times cheaper than reading .shape
 _layout = attrgetter("layout")
 _requires_grad = attrgetter("requires_grad")
 
@@ -57,7 +62,7 @@ def tp_group(device_mesh: DeviceMesh | None, tp_axis_name: str = "tp") -> TpGrou
     return TpGroup(tp_mesh, group, ranks, dist.get_rank(), len(ranks))
 
 
-def tp_replicas(
+def replicated_parameters(
     model_parts: list[nn.Module], tp: TpGroup, tp_axis_name: str
 ) -> list[tuple[str, nn.Parameter, str]]:
     """(name, parameter, reduction) of every TP-replicated parameter, trainable or not, by name."""
@@ -66,6 +71,16 @@ def tp_replicas(
         for key, parameter, reduction in unmarked_entries(model_parts)
         if is_tp_replicated(parameter, tp.ranks, tp.rank, tp_axis_name)
     ]
+
+
+def tp_replicated_parameters(
+    model_parts: list[nn.Module], device_mesh: DeviceMesh | None, tp_axis_name: str = "tp"
+) -> list[tuple[str, nn.Parameter, str]]:
+    """(name, parameter, reduction) of every TP replica, trainable or not, in rank-stable order:
+    what ``broadcast_tp_replicas`` copies and, among those that require grad,
+    ``synchronize_tp_replica_gradients`` reduces. Empty without a TP axis of size > 1."""
+    tp = tp_group(device_mesh, tp_axis_name)
+    return [] if tp is None else replicated_parameters(model_parts, tp, tp_axis_name)
 
 
 class _Fingerprint:
@@ -85,17 +100,20 @@ class _Fingerprint:
         self._attributes = list(map(vars, modules))
         self._markers = self._read_markers()
         self._trainable, self._frozen = trainable, frozen
+        self._replica_attributes = list(map(vars, [*trainable, *frozen]))
 
     def _read_markers(self) -> list:
         return list(map(dict.get, self._attributes, repeat(REDUCTION_ATTR)))
 
     def same_structure(self) -> bool:
-        """Nothing added, removed or replaced, no marker changed, no frozen replica thawed."""
+        """Nothing added, removed or replaced, no marker changed, no frozen replica thawed, no
+        replica become model-owned."""
         return (
             sum(map(len, self._dicts)) == self._length
             and all(map(is_, map(dict.get, self._entry_dicts, self._entry_names), self._entries))
             and self._read_markers() == self._markers
             and not any(map(_requires_grad, self._frozen))
+            and not any(map(contains, self._replica_attributes, repeat(MODEL_OWNED_ATTR)))
         )
 
     def still_trainable(self) -> bool:
@@ -103,16 +121,23 @@ class _Fingerprint:
         return all(map(_requires_grad, self._trainable))
 
 
-class _Plan:
+class Plan:
     """Trainable replicas of one model for one TP group, in rank-stable order, and their buckets."""
 
     def __init__(
-        self, model_parts: list[nn.Module], tp: TpGroup, tp_axis_name: str, max_bytes: int
+        self,
+        model_parts: list[nn.Module],
+        device_mesh: DeviceMesh,
+        tp: TpGroup,
+        tp_axis_name: str,
+        max_bytes: int,
     ):
-        replicas = tp_replicas(model_parts, tp, tp_axis_name)
+        replicas = replicated_parameters(model_parts, tp, tp_axis_name)
         candidates = [entry for entry in replicas if entry[1].requires_grad]
         frozen = [parameter for _, parameter, _ in replicas if not parameter.requires_grad]
         self.tp, self.tp_axis_name, self.max_bytes = tp, tp_axis_name, max_bytes
+        self.device_mesh = device_mesh
+        self.parts = [weakref.ref(part) for part in model_parts]
         self.names = [name for name, _, _ in candidates]
         self.parameters = [parameter for _, parameter, _ in candidates]
         self.reductions = [reduction for _, _, reduction in candidates]
@@ -125,8 +150,9 @@ class _Plan:
         self.expected_flags = (self.dense_flags * tp.size).to(tp.mesh.device_type)
         self._dtensor_indices = [index for index, plain in enumerate(self.plain) if not plain]
         self.full: BucketLayout | None = None  # the persistent layout, built at the first full step
-        self._full_local_shapes: list[torch.Size] = []
-        self._full_dtypes: list[torch.dtype] = []
+        self._full_local_shapes: list[torch.Size] = []  # of the DTensor gradients
+        self._full_plain_shapes: list[torch.Size] = []
+        self._full_kinds: tuple[list, list] = ([], [])  # dtypes and devices
 
     def local_grads(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         return grads if self.all_plain else list(map(local_tensor, grads))
@@ -138,25 +164,26 @@ class _Plan:
             local_grads, self.reductions, eligible, self.plain, device, bound, persistent=False
         )
 
-    def full_layout(self, grads: list[torch.Tensor]) -> BucketLayout | None:
-        """The persistent layout when every gradient is present (None if DTensor shapes moved)."""
-        shapes = [local_tensor(grads[i]).shape for i in self._dtensor_indices]
-        dtypes = list(map(_dtype, grads))
-        # first full step, or the model was cast
-        if self.full is None or dtypes != self._full_dtypes:
+    def full_layout(self, local_grads: list[torch.Tensor]) -> BucketLayout | None:
+        """The persistent layout when every gradient is present: rebuilt when a gradient's dtype,
+        device or plain shape changed (a cast or moved model); None if DTensor local shapes
+        moved."""
+        shapes = list(map(_size, local_grads))
+        kinds = (list(map(_dtype, local_grads)), list(map(_device, local_grads)))
+        plain = shapes
+        if not self.all_plain:
+            plain = [shape for shape, kept in zip(shapes, self.plain, strict=True) if kept]
+        if self.full is None or kinds != self._full_kinds or plain != self._full_plain_shapes:
             self.full = None  # its buffers go before the new ones are made
-            everyone = list(range(len(grads)))
-            device = self.tp.mesh.device_type
+            everyone = list(range(len(local_grads)))
+            device, bound = self.tp.mesh.device_type, self.max_bytes
             self.full = BucketLayout(
-                self.local_grads(grads),
-                self.reductions,
-                everyone,
-                self.plain,
-                device,
-                self.max_bytes,
+                local_grads, self.reductions, everyone, self.plain, device, bound
             )
-            self._full_local_shapes, self._full_dtypes = shapes, dtypes
-        return self.full if shapes == self._full_local_shapes else None
+            self._full_kinds, self._full_plain_shapes = kinds, plain
+            self._full_local_shapes = [shapes[i] for i in self._dtensor_indices]
+        moved = [shapes[i] for i in self._dtensor_indices] != self._full_local_shapes
+        return None if moved else self.full
 
     def precheck_flags(self, grads: list) -> torch.Tensor:
         """Per candidate [present, eligible, sparse], as one int32 tensor built at once."""
@@ -203,103 +230,71 @@ class _Plan:
         # no gradient anywhere, or Partial/Shard on TP: left exactly as it is
         return [index for index, count in enumerate(eligible) if count > 0]
 
-
-class ReplicaSync:
-    """Broadcast TP replicas at start-up and reduce their gradients once per optimizer update.
-
-    Build it once the model is parallelised (and loaded); keep it as long as the model. The contract
-    is ``tp_replicas``' (``../shared/spec/tp_replicas-api.md``); see the module docstring for what
-    it rebuilds by itself and what needs :meth:`refresh`.
-    """
-
-    def __init__(
+    def serves(
         self,
         model_parts: list[nn.Module],
         device_mesh: DeviceMesh | None,
-        tp_axis_name: str = "tp",
-        *,
-        max_bytes: int = MAX_FLAT_BUFFER_BYTES,
-    ):
-        self.model_parts = list(model_parts)
-        self.tp_axis_name, self.max_bytes = tp_axis_name, max_bytes
-        self.tp = tp_group(device_mesh, tp_axis_name)
-        self.plans_built = 0  # how often the plan was (re)built: for tests and benchmarks
-        self._plan: _Plan | None = None
+        tp_axis_name: str,
+        max_bytes: int,
+    ) -> bool:
+        """The same parts, mesh, axis and bound as when built, and the same structure."""
+        return (
+            device_mesh is self.device_mesh
+            and tp_axis_name == self.tp_axis_name
+            and max_bytes == self.max_bytes
+            and len(model_parts) == len(self.parts)
+            and all(map(is_, model_parts, (part() for part in self.parts)))
+            and self.fingerprint.same_structure()
+        )
 
-    def refresh(self) -> None:
-        """Forget the plan and its buffers; the next :meth:`synchronize` rebuilds them."""
-        self._plan = None
 
-    def replicated_parameters(self) -> list[tuple[str, nn.Parameter, str]]:
-        """(name, parameter, reduction) of every TP replica, trainable or not, in rank-stable
-        order."""
-        return [] if self.tp is None else tp_replicas(self.model_parts, self.tp, self.tp_axis_name)
+class _PlanSlot:
+    """The cached plan in a model part's ``__dict__``; a copy or pickle of the part gets an empty
+    slot, so a copied model never reuses the original's buffers."""
 
-    @torch.no_grad()
-    def broadcast(self) -> int:
-        """Copy every replicated parameter and buffer from TP rank 0; the number of tensors
-        copied."""
-        tp = self.tp
-        if tp is None:
-            return 0
-        source = dist.get_global_rank(tp.group, 0)
-        parameters = [parameter for _, parameter, _ in unmarked_entries(self.model_parts)]
-        count = 0
-        for tensor in [*parameters, *unique_buffers(self.model_parts)]:
-            if not is_tp_replicated(tensor, tp.ranks, tp.rank, self.tp_axis_name):
-                continue
-            local = local_tensor(tensor)
-            if local.is_meta or local.numel() == 0:
-                continue
-            wire = (
-                local if local.device.type == tp.mesh.device_type else local.to(tp.mesh.device_type)
-            )
-            dist.broadcast(wire, src=source, group=tp.group)
-            if wire is not local:
-                local.copy_(wire)
-            count += 1
-        return count
+    __slots__ = ("plan", "no_tp")
 
-    def _current_plan(self, rebuild: bool = False) -> _Plan:
-        plan = self._plan
-        if rebuild or plan is None or not plan.fingerprint.same_structure():
-            self._plan = None  # the old buffers go before the new ones are made
-            plan = self._plan = _Plan(self.model_parts, self.tp, self.tp_axis_name, self.max_bytes)
-            self.plans_built += 1
+    def __init__(self):
+        self.plan: Plan | None = None
+        self.no_tp: tuple[DeviceMesh | None, str] | None = None  # a mesh known to have no TP
+
+    def __copy__(self) -> "_PlanSlot":
+        return _PlanSlot()
+
+    def __deepcopy__(self, memo: dict) -> "_PlanSlot":
+        return _PlanSlot()
+
+    def __reduce__(self):
+        return (_PlanSlot, ())
+
+
+_PLAN_ATTR = "_tp_replica_plan"
+
+
+def cached_plan(
+    model_parts: list[nn.Module],
+    device_mesh: DeviceMesh | None,
+    tp_axis_name: str,
+    max_bytes: int,
+    rebuild: bool = False,
+) -> Plan | None:
+    """The plan for these model parts on this mesh, reused while it serves them, else built (and
+    kept); None without a TP axis of size > 1 or without model parts."""
+    if not model_parts:
+        return None
+    slot = model_parts[0].__dict__.get(_PLAN_ATTR)
+    if slot is None:
+        slot = model_parts[0].__dict__[_PLAN_ATTR] = _PlanSlot()
+    plan, key = slot.plan, (device_mesh, tp_axis_name)
+    if plan is not None and not rebuild and plan.serves(model_parts, *key, max_bytes):
         return plan
-
-    @torch.no_grad()
-    def synchronize(self) -> int:
-        """Reduce the replicas' gradients (mean or sum) in place; the number synchronised here."""
-        tp = self.tp
-        if tp is None:
-            return 0
-        plan = self._current_plan()
-        if not plan.parameters:
-            return 0
-        full = plan.full
-        in_place = full is not None and full.gradients_are_views(plan.parameters)
-        if not plan.fingerprint.still_trainable():  # read here, just after their gradients
-            plan, full, in_place = self._current_plan(rebuild=True), None, False
-            if not plan.parameters:
-                return 0
-        if in_place:  # every gradient is its bucket view: present, dense, eligible; flags known
-            flags = plan.dense_device_flags.clone()
-            dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=tp.group)
-            if torch.equal(flags, plan.expected_flags):
-                return full.reduce(plan.parameters, full.views_in_order, tp.group, tp.size, True)
-            # another rank disagrees: raise below, or reduce what is eligible
-            grads = full.views_in_order
-        else:
-            grads = list(map(_grad, plan.parameters))
-            flags = plan.precheck_flags(grads).to(tp.mesh.device_type)
-            dist.all_reduce(flags, op=dist.ReduceOp.SUM, group=tp.group)
-        if torch.equal(flags, plan.expected_flags):  # every gradient present, eligible and dense
-            layout, local_grads = plan.full_layout(grads), plan.local_grads(grads)
-            if layout is None:
-                layout = plan.layout(local_grads, list(range(len(grads))))
-        else:
-            eligible = plan.check_flags(flags)
-            local_grads = [local_tensor(g) if g is not None else None for g in grads]
-            layout = plan.layout(local_grads, eligible)
-        return layout.reduce(plan.parameters, local_grads, tp.group, tp.size)
+    if slot.no_tp is not None and slot.no_tp[0] is device_mesh and slot.no_tp[1] == tp_axis_name:
+        return None  # this mesh was seen before: no TP axis of size > 1
+    same_group = plan is not None and plan.device_mesh is device_mesh
+    tp = plan.tp if same_group and plan.tp_axis_name == tp_axis_name else tp_group(*key)
+    slot.plan = None  # the old buffers go before the new ones are made
+    if tp is None:
+        slot.no_tp = key
+        return None
+    slot.plan = Plan(model_parts, device_mesh, tp, tp_axis_name, max_bytes)
+    return slot.plan
