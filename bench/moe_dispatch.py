@@ -59,10 +59,10 @@ import components.moe.collectives as moe_collectives
 from components.distributed.fsdp import shard_data_parallel
 from components.distributed.grads import finalize_dtensor_gradients
 from components.distributed.mesh import build_device_mesh, build_moe_mesh, resolve_parallel_dims
-from components.distributed.tp_plan import apply_tp_plan, plan_for
+from components.distributed.tp_plan import apply_tp_plan
 from components.distributed.tp_replicas import synchronize_tp_replica_gradients
 from components.models import build_causal_lm, tiny_config
-from components.models.families import FAMILIES
+from components.models.families import FAMILIES, plan_for
 from components.moe import apply_expert_parallel
 from components.runtime.launch import init_process_group, launch_local
 from components.training.step import evaluate_loss_sum, forward_backward

@@ -266,7 +266,8 @@ def _model_folder(pretrained_path: str | None) -> Path:
 
 def _plan_problems(settings: Config, dims: ParallelDims, config, meta) -> list[Problem]:
     """The TP plan (and the model sizes tp must divide, key ``tp``), then expert parallelism."""
-    from components.distributed.tp_plan import check_plan, plan_for, tp_size_errors
+    from components.distributed.tp_plan import check_plan, tp_size_errors
+    from components.models.families import plan_for
     from components.moe import check_expert_parallel
 
     model, found = settings.model, []

@@ -183,7 +183,7 @@ def train_step(run: Run, plan: RunPlan, step: int) -> dict:
     from components.distributed.fsdp import set_gradient_sync
     from components.distributed.grads import clip_grad_norm_, finalize_dtensor_gradients, grad_norm
     from components.distributed.mesh import data_parallel_mesh
-    from components.training.memory import peak_memory_gib, reset_peak_memory
+    from components.planning.memory import peak_memory_gib, reset_peak_memory
     from components.training.metrics import throughput
     from components.training.step import forward_backward  # its loss reads the models' TP plans
 
@@ -517,10 +517,10 @@ RANK_MODULES = (
     "components.models.parallelize",
     "components.models.precision",
     "components.moe",
+    "components.planning.memory",
     "components.runtime.preemption",
     "components.targets",
     "components.training.loggers",
-    "components.training.memory",
     "components.training.metrics",
     "components.training.schedule",
     "components.training.step",

@@ -32,8 +32,8 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from transformers import PretrainedConfig, PreTrainedModel
 
 from components.checkpoint.dcp import publish_folder, rank_and_world, run_on_rank0
+from components.checkpoint.manifest import foreign_files
 from components.models.hub import looks_like_hub_id
-from components.runtime.output_dir import foreign_files
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from components.distributed.fsdp import shard_data_parallel
 from components.distributed.grads import finalize_dtensor_gradients, grad_norm
 from components.distributed.mesh import resolve_parallel_dims
-from components.distributed.tp_plan import apply_tp_plan, plan_for
+from components.distributed.tp_plan import apply_tp_plan
 from components.distributed.tp_replicas import (
     _is_tp_replicated,
     _iter_unique_parameters_by_name,
@@ -24,6 +24,7 @@ from components.distributed.tp_replicas import (
     synchronize_tp_replica_gradients,
 )
 from components.models import build_causal_lm, materialize_pretrained, meta_causal_lm, tiny_config
+from components.models.families import plan_for
 from components.moe import apply_expert_parallel
 from components.training.step import forward_backward
 from tests.harness import mesh

@@ -26,8 +26,8 @@ from components.checkpoint.export import (
     model_card,
     source_dtype,
 )
+from components.checkpoint.manifest import MANIFEST
 from components.models import build_causal_lm, tiny_config
-from components.runtime.output_dir import MANIFEST
 
 TOKENS = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
 

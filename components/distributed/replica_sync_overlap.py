@@ -1,4 +1,5 @@
-"""TP replica gradient sync overlapped with the last micro-batch's backward (opt-in).
+"""TP replica gradient sync overlapped with the last micro-batch's backward (opt-in: the recipe
+runs the boundary sync; bench/replica_sync.py measures this one against it).
 
 :func:`~components.distributed.tp_replicas.synchronize_tp_replica_gradients` runs at the optimizer
 boundary, after the whole backward. This component starts each bucket's data all-reduce as soon as
