@@ -129,13 +129,13 @@ def set_up(plan: RunPlan) -> Run:
     scheduler = build_schedule(
         optimizer, schedule.name, train.warmup_steps, train.max_steps, schedule.options()
     )
-    first_step = _resume(plan, model, optimizer, scheduler)
+    watched = (model, plan.model.config, list(plan.model.experts), mesh["dp"].get_group())
+    experts = ExpertLoad.watch(*watched, plan.model.routers, plan.moe.routing_bias_rate)
+    first_step = _resume(plan, model, optimizer, scheduler)  # the routing bias too
     precision = precision_policy(plan.model.precision)  # the same policy the model was built with
     data_parallel = plan.dims.data_parallel > 1  # FSDP over dp × cp
     compute = functools.partial(precision.autocast, device.type, data_parallel=data_parallel)
     micro_batches = data.micro_batches_per_step
-    watched = (model, plan.model.config, list(plan.model.experts), mesh["dp"].get_group())
-    experts = ExpertLoad.watch(*watched, plan.model.routers, plan.moe.routing_bias_rate)
     aux = router_aux_loss_weight(plan.model.config, micro_batches, plan.dims.dp)
     run = Run(
         rank=rank,
@@ -183,6 +183,7 @@ def train_step(run: Run, plan: RunPlan, step: int) -> dict:
     from components.distributed.fsdp import set_gradient_sync
     from components.distributed.grads import clip_grad_norm_, finalize_dtensor_gradients, grad_norm
     from components.distributed.mesh import data_parallel_mesh
+    from components.moe import load_metrics
     from components.planning.memory import peak_memory_gib, reset_peak_memory
     from components.training.metrics import throughput
     from components.training.step import forward_backward  # its loss reads the models' TP plans
@@ -217,6 +218,7 @@ def train_step(run: Run, plan: RunPlan, step: int) -> dict:
     dist.all_reduce(loss_sum, group=data_parallel_mesh(run.mesh).get_group())  # over dp × cp
     peak = torch.tensor(peak_memory_gib(run.device), dtype=torch.float64)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # the busiest rank's
+    expert_counts = run.experts.end_step() if run.experts else None  # moves the routing bias
     elapsed, tokens = time.perf_counter() - started, run.data.tokens_in_step(step)
     return {
         "step": step + 1,
@@ -226,7 +228,7 @@ def train_step(run: Run, plan: RunPlan, step: int) -> dict:
         "tokens": tokens,
         **throughput(tokens, elapsed, plan.flops_per_token, dist.get_world_size(), run.device),
         "peak_memory_gib": peak.item(),
-        **(run.experts.metrics(plan.moe.expert_load == "experts") if run.experts else {}),
+        **(load_metrics(expert_counts, plan.moe.expert_load == "experts") if run.experts else {}),
         **({} if finite else {"skipped": True}),
     }
 

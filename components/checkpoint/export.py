@@ -539,6 +539,8 @@ def export_hf(
     duplicates = _tied_duplicates(model)
     # The rank-local state (no DTensor gathered here), under the names a full state dict has.
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))
+    ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or ())  # as save_pretrained
+    state = {name: tensor for name, tensor in state.items() if name not in ignored}
     entries = _entries(state, duplicates, dtype)
     rank, world = rank_and_world()
     parts = _plan_parts(entries, world, parse_size_to_int(max_shard_size))

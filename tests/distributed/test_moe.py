@@ -513,13 +513,13 @@ def biased_routing_steps(rank, world_size, tp, ep):
     losses, reference_losses = [], []
     for seed in range(3):
         losses.append(moe_step(model, optimizer, scheduler, device_mesh, dims, seed=seed))
-        load.imbalance()  # the step's counts move the bias
+        load.end_step()  # the step's counts move the bias
         tokens, labels, global_tokens = global_batch(config.vocab_size, seed=seed)
         reference_optimizer.zero_grad()
         loss_sum = forward_backward(reference, tokens, labels, global_tokens)
         reference_losses.append(loss_sum / global_tokens)
         reference_optimizer.step()
-        reference_load.imbalance()
+        reference_load.end_step()
     bias = [layer.mlp.gate.routing_bias for layer in model.model.layers]
     reference_bias = [layer.mlp.gate.routing_bias for layer in reference.model.layers]
     same = all(map(torch.equal, bias, reference_bias))
