@@ -489,9 +489,8 @@ def local_rank_main(plan: RunPlan) -> str | None:
 
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if restart:
-        resume_from = choose_checkpoint(
-            plan.checkpoint.resume, plan.train.max_steps, plan.checkpoints, plan.run_info
-        )
+        where = (plan.checkpoint.resume, plan.train.max_steps, plan.checkpoints, plan.run_info)
+        resume_from = choose_checkpoint(*where, shapes=None)  # the same model as before
         at = f"from {resume_from}" if resume_from is not None else "from step 0"
         say(f"note: restart {restart} of {plan.max_restarts} after a rank failed: {at}")
         plan = replace(plan, resume_from=resume_from)
