@@ -19,8 +19,8 @@ Paths, on the same weights and batches:
   (every expert local, no collective): ``_run_experts_loop`` or ``_run_experts_grouped`` on the
   (token, choice) rows.
 - ep = 2 and 4 (``--ep``), gloo, 1 thread per rank, every rank its own tokens:
-  ``apply_expert_parallel`` on a ``("ep_shard", "ep")`` mesh of (1, ep) with ``grouped=False``
-  or ``True`` (the all-to-all path). 4 ranks on 2 cores are oversubscribed.
+  ``apply_expert_parallel`` on a ``("ep_shard", "ep")`` mesh of (1, ep), its layouts set to
+  ``grouped=False`` or ``True`` (the all-to-all path). 4 ranks on 2 cores are oversubscribed.
 
 Time: paths alternate step by step (the order rotates), ``WARMUP`` warm-up steps then ``STEPS``
 timed ones, each after a barrier; a step's time is the slowest rank's; the median is reported,
@@ -31,6 +31,7 @@ Guard: the first step's loss of both paths agrees to 1e-5 relative, and their ou
 relative."""
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -107,7 +108,9 @@ def build(path: str, ep: int) -> Stack:
             block.experts.forward = types.MethodType(_local_forward(function), block.experts)
     else:
         mesh = init_device_mesh("cpu", (1, ep), mesh_dim_names=("ep_shard", "ep"))
-        apply_expert_parallel(stack, mesh, None, ["layers.*.experts"], grouped=path == "grouped")
+        for name in apply_expert_parallel(stack, mesh, None, ["layers.*.experts"]):
+            module = stack.get_submodule(name)  # the loop everywhere: the layout is data
+            module.layout = dataclasses.replace(module.layout, grouped=path == "grouped")
     return stack
 
 

@@ -7,6 +7,7 @@ touched by the replica sync, and after AdamW steps the replicas stay bitwise equ
 differ.
 """
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -402,7 +403,9 @@ def grouped_against_loop(rank, world_size, tp, ep, precision):
                 apply_tp_plan(model, device_mesh["tp"], plan, config, moe_modules=moe_modules)
             moe_mesh = mesh((dims.ep_shard, dims.ep), ("ep_shard", "ep"))
             tp_mesh = device_mesh["tp"]
-            apply_expert_parallel(model, moe_mesh, tp_mesh, list(EXPERTS), grouped=grouped)
+            for name in apply_expert_parallel(model, moe_mesh, tp_mesh, list(EXPERTS)):
+                module = model.get_submodule(name)  # the layout is data: the loop everywhere
+                module.layout = dataclasses.replace(module.layout, grouped=grouped)
             batch = (tokens.chunk(dims.dp)[dp_rank], labels.chunk(dims.dp)[dp_rank], global_tokens)
             loss = forward_backward(model, *batch, compute=compute)
             named = model.named_parameters()
@@ -413,7 +416,7 @@ def grouped_against_loop(rank, world_size, tp, ep, precision):
     (loss, grads), (loop_loss, loop_grads) = results[True], results[False]
     errors = [((grads[n] - g).abs().max() / g.abs().max()).item() for n, g in loop_grads.items()]
     return {
-        "mode": model.model.layers[0].mlp.experts._ep_layout.mode,
+        "mode": model.model.layers[0].mlp.experts.layout.mode,
         "loss": abs(loss - loop_loss) / abs(loop_loss),
         "grads": max(errors),
         "count": len(errors),

@@ -26,6 +26,7 @@ from components.distributed.tp_replicas import (
 from components.models import build_causal_lm, materialize_pretrained, meta_causal_lm, tiny_config
 from components.models.families import plan_for
 from components.moe import apply_expert_parallel
+from components.moe.expert_parallel import expert_layout
 from components.training.step import forward_backward
 from tests.harness import mesh
 
@@ -90,13 +91,12 @@ def parity(
     apply_tp_plan(
         model, device_mesh["tp"], plan_for(config, sequence_parallel), config, sequence_parallel
     )
-    apply_expert_parallel(
-        model,
-        mesh((dims.ep_shard, dims.ep), ("ep_shard", "ep")),
-        device_mesh["tp"],
-        list(experts),
-        mode,
-    )
+    moe_mesh = mesh((dims.ep_shard, dims.ep), ("ep_shard", "ep"))
+    for name in apply_expert_parallel(model, moe_mesh, device_mesh["tp"], list(experts)):
+        if mode is not None:  # the other dispatch path at this shape: the layout is data
+            module = model.get_submodule(name)
+            per_rank = module.layout.experts_per_rank
+            module.layout = expert_layout(moe_mesh, device_mesh["tp"], per_rank, mode)
     if pretrained_path is not None:
         materialize_pretrained(model, pretrained_path)
     if dims.dp > 1:

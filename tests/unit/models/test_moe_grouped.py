@@ -23,7 +23,7 @@ IDLE = (1, 5)  # local experts that receive no rows
 
 def experts_module(family="qwen3_moe"):
     experts = build_causal_lm(tiny_config(family), seed=0).model.layers[0].mlp.experts
-    experts._ep_layout = types.SimpleNamespace(grouped=True)
+    experts.layout = types.SimpleNamespace(grouped=True)
     return experts
 
 
