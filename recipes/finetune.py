@@ -95,7 +95,7 @@ class Run:
     replicas: ReplicaSync  # the TP replica gradient sync, built once: its plan and buffers last
     cp: ContextParallel | None  # this rank's context-parallel group (None at cp=1)
     before_commit: Callable[[Path], None] | None = (
-        None  # the checkpoint writer's callback (a fault, in tests)
+        None  # the checkpoint writer's callback (a drill's)
     )
 
 
@@ -153,10 +153,10 @@ def set_up(plan: RunPlan) -> Run:
         replicas=replicas,
         cp=ContextParallel.of(mesh),
     )
-    where = dict(rank=rank, world_size=dist.get_world_size(), first_step=first_step)
-    run.before_commit = install_faults(
-        plan.fault, model, optimizer, **where, micro_batches_per_step=micro_batches
-    )
+    if plan.fault is not None:  # a resilience drill (docs/fault-injection.md)
+        where = dict(rank=rank, world_size=dist.get_world_size(), first_step=first_step)
+        where |= dict(micro_batches_per_step=micro_batches)
+        run.before_commit = install_faults(plan.fault, model, optimizer, **where)
     return run
 
 

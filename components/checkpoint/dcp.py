@@ -280,8 +280,9 @@ def save_checkpoint(
     :func:`components.checkpoint.integrity.checkpoint_summary`. With ``keep``, only the newest
     ``keep`` complete checkpoints of this ``run_id`` under ``root`` survive (this one always does);
     checkpoints of other runs are never touched. ``before_commit(tmp_folder)`` runs on every rank
-    after all ranks wrote their files and before the marker and rename (a test's fault hook; one
-    that raises on some ranks only leaves the others waiting until the collective timeout). The RNG
+    after all ranks wrote their files and before the marker and rename (a caller's hook, e.g. the
+    ``slow_save`` drill of :mod:`components.debug.faults`; one that raises on some ranks only leaves
+    the others waiting until the collective timeout). The RNG
     states are those at the call, and the call leaves them as it found them, so saving does not
     perturb the run.
 
