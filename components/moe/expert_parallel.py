@@ -58,7 +58,6 @@ class ExpertLayout:
     ]  # of the local weights' gradients on ("ep_shard", "ep")
     gradient_scale: float
     sharded: bool = False  # weights Shard(1) over ep_shard (FSDP-style), gathered for each forward
-    grouped: bool = True  # grouped GEMM wherever it fits (False: the per-expert loop everywhere)
 
 
 def dispatch_mode(tp: int, ep: int) -> str:
@@ -96,11 +95,11 @@ def _run_experts(
     rows' order and dtype, times ``weight_of_row`` when given.
 
     Grouped GEMM (:func:`_run_experts_grouped`) wherever :func:`grouped_mm_fits`; the per-expert
-    loop (:func:`_run_experts_loop`) runs only where that predicate is false, or where the layout
-    says ``grouped=False``. No row at all: tied zeros."""
+    loop (:func:`_run_experts_loop`) runs only where that predicate is false. No row at all: tied
+    zeros."""
     if rows.shape[0] == 0:
         return _tied_zeros(rows, gate_up, down)
-    if experts.layout.grouped and grouped_mm_fits(rows, gate_up, down):
+    if grouped_mm_fits(rows, gate_up, down):
         return _run_experts_grouped(experts, rows, expert_of_row, gate_up, down, weight_of_row)
     return _run_experts_loop(experts, rows, expert_of_row, gate_up, down, weight_of_row)
 

@@ -7,7 +7,6 @@ touched by the replica sync, and after AdamW steps the replicas stay bitwise equ
 differ.
 """
 
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -388,7 +387,7 @@ def grouped_against_loop(rank, world_size, tp, ep, precision):
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     compute = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed")
     results, calls = {}, {True: 0, False: 0}
-    grouped_run = expert_parallel._run_experts_grouped
+    grouped_run, fits = expert_parallel._run_experts_grouped, expert_parallel.grouped_mm_fits
 
     def counted(*args, **kwargs):
         calls[grouped] += 1
@@ -403,9 +402,9 @@ def grouped_against_loop(rank, world_size, tp, ep, precision):
                 apply_tp_plan(model, device_mesh["tp"], plan, config, moe_modules=moe_modules)
             moe_mesh = mesh((dims.ep_shard, dims.ep), ("ep_shard", "ep"))
             tp_mesh = device_mesh["tp"]
-            for name in apply_expert_parallel(model, moe_mesh, tp_mesh, list(EXPERTS)):
-                module = model.get_submodule(name)  # the layout is data: the loop everywhere
-                module.layout = dataclasses.replace(module.layout, grouped=grouped)
+            apply_expert_parallel(model, moe_mesh, tp_mesh, list(EXPERTS))
+            # the loop run: as where grouped GEMM cannot run
+            expert_parallel.grouped_mm_fits = fits if grouped else lambda *args: False
             batch = (tokens.chunk(dims.dp)[dp_rank], labels.chunk(dims.dp)[dp_rank], global_tokens)
             loss = forward_backward(model, *batch, compute=compute)
             named = model.named_parameters()
@@ -413,6 +412,7 @@ def grouped_against_loop(rank, world_size, tp, ep, precision):
             results[grouped] = (loss, experts)
     finally:
         expert_parallel._run_experts_grouped = grouped_run
+        expert_parallel.grouped_mm_fits = fits
     (loss, grads), (loop_loss, loop_grads) = results[True], results[False]
     errors = [((grads[n] - g).abs().max() / g.abs().max()).item() for n, g in loop_grads.items()]
     return {
