@@ -10,11 +10,8 @@ safeguards catch them, on a user's own cluster as in this project's tests (docs/
 - ``kill@N``, ``kill_in_collective@N``, ``kill_in_save@N``: in its run's first attempt only, the
   last rank SIGKILLs itself in step N: at its forward, waiting in a collective, in step N's save.
 
-:func:`install_faults` installs a fault once, through the model's, the optimizer's and the
-checkpoint writer's hooks, only in a run that asks for one: the training loop holds no fault
-code. Steps count the model's training forward passes, so a skipped update does not shift them.
-
-Design notes: docs/design-notes.md
+:func:`install_faults` installs one through the model's, optimizer's and checkpoint writer's hooks,
+only in a run that asks for it. Steps count training forwards (a skipped update shifts nothing).
 """
 
 import os

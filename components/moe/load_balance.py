@@ -10,11 +10,8 @@ expert's share of its layer.
 Auxiliary-loss-free balancing (DeepSeek-V3, arXiv 2412.19437 section 2.1.2), off by default:
 :class:`RoutingBias` adds a per-expert bias to each router's probabilities for the top-k selection
 only (a forward hook), moved at each step's end by ``rate`` against its expert's load. The bias is
-a persistent buffer of the router, so it is in the model's state dict and the DCP checkpoint and a
-resumed run routes exactly as the uninterrupted one; an HF export leaves it out
-(``_keys_to_ignore_on_save``), as the families' own checkpoints have no such tensor.
-
-Design notes: docs/design-notes.md
+a persistent buffer of the router: in the DCP checkpoint, so a resume routes exactly as the
+uninterrupted run; not in an HF export (``_keys_to_ignore_on_save``). Notes: docs/design-notes.md
 """
 
 from functools import partial
