@@ -38,9 +38,10 @@ bench: install  ## benchmarks (BENCHMARKS.md)
 regression: install  ## every regression recipe vs its golden curve and tp=1 twin (~5 minutes)
 	$(PY) tests/regression/regress.py
 
-lint: install  ## ruff check + ruff format --check
+lint: install  ## ruff check + ruff format --check + the import layers (lint-imports)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 
 format: install  ## apply ruff fixes and formatting
 	$(VENV)/bin/ruff check --fix .

@@ -8,7 +8,7 @@ Each measurement runs ``lm_head`` + loss forward and backward on fresh leaf tens
 [1, tokens, hidden] and the [vocab, hidden] weight, a ``Shard(0)`` DTensor at tp=2: the
 ``vocab_parallel`` style), the unchunked path as the recipe runs it (``F.linear`` then
 ``cross_entropy_sum`` inside ``loss_parallel``). Peak memory: the process's peak RSS (``VmHWM``,
-reset through ``/proc/self/clear_refs`` before each measurement: ``components.training.memory``)
+reset through ``/proc/self/clear_refs`` before each measurement: ``components.planning.memory``)
 minus its RSS just before, so it counts what the head and loss allocate. Chunked and unchunked
 alternate, ``--repeats`` times each; load averages are printed beside each (2 shared cores). fp32.
 At tp=2 the two ranks are local gloo processes; each reports its own figure.
@@ -32,8 +32,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from components.distributed.chunked_loss import chunked_cross_entropy_sum
 from components.distributed.tp_plan import cross_entropy_sum
+from components.planning.memory import GIB, current_memory_gib, peak_memory_gib, reset_peak_memory
 from components.runtime.launch import init_process_group, launch_local
-from components.training.memory import GIB, current_memory_gib, peak_memory_gib, reset_peak_memory
 
 
 def _inputs(args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -14,7 +14,7 @@ Each measurement runs on fresh gloo ranks (``launch_local``) holding a Llama of 
 - ``export gathered``: the export as it was before: the full state dict gathered to rank 0 on the
   CPU (``full_state_dict`` + ``cpu_offload``), which writes it with ``save_file``.
 
-A figure is the peak RSS (``VmHWM``, reset before the phase, :mod:`components.training.memory`)
+A figure is the peak RSS (``VmHWM``, reset before the phase, :mod:`components.planning.memory`)
 minus the RSS just before the phase, in MiB: the memory the phase added, which also counts the
 pages of memory-mapped files the process touched. ``anon``/``file`` split the RSS at the end of
 the phase (``RssAnon``, ``RssFile``). Run: ``python bench/export_load.py``.
@@ -32,15 +32,16 @@ import torch.distributed as dist
 from transformers import LlamaConfig
 
 from components.checkpoint.export import export_hf
-from components.distributed.tp_plan import apply_tp_plan, plan_for
+from components.distributed.tp_plan import apply_tp_plan
 from components.models import (
     build_causal_lm,
     local_parameter_bytes,
     materialize_pretrained,
     meta_causal_lm,
 )
+from components.models.families import plan_for
+from components.planning.memory import current_memory_gib, reset_peak_memory
 from components.runtime.launch import launch_local
-from components.training.memory import current_memory_gib, reset_peak_memory
 
 MIB = 2**20
 

@@ -34,8 +34,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from transformers import LlamaConfig
 
-from components.distributed.tp_plan import apply_tp_plan, plan_for
+from components.distributed.tp_plan import apply_tp_plan
 from components.models import local_parameter_bytes, meta_causal_lm, tiny_config
+from components.models.families import plan_for
 from components.runtime.launch import init_process_group, launch_local
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

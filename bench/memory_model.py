@@ -3,7 +3,7 @@
 
 Each configuration runs twice through the real command line, one after the other: a dry run, then
 ``train.max_steps`` steps (metrics.jsonl; the measured figure is the run's largest
-``peak_memory_gib``, the busiest rank's peak RSS within a step: ``components.training.memory``).
+``peak_memory_gib``, the busiest rank's peak RSS within a step: ``components.planning.memory``).
 The shape is the issue's: a Llama built from its config with hidden 768, 8 layers, seq 1024,
 micro-batch 4 (no accumulation), tp 1 and 2 × activation checkpointing none and full × fp32 and
 bf16-mixed. The data is a JSONL file written here of records longer than ``seq_len``, so every row

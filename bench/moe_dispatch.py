@@ -3,8 +3,8 @@ EP.
 
 Why: ``components.moe.dispatch_mode`` picks the folded path wherever ``ep`` divides ``tp`` on the
 assumption that it is the cheaper one (no token moves, one all-reduce each way), and the all-to-all
-path only where it must (an ep group that spans data-parallel ranks). ``apply_expert_parallel(...,
-mode=...)`` can force either path at a shape where both fit; this script measures both there, and
+path only where it must (an ep group that spans data-parallel ranks). ``expert_layout(...,
+mode)`` can set either path at a shape where both fit; this script measures both there, and
 the all-to-all path alone at the shapes only it can run (experts over data-parallel ranks).
 
 Model: Qwen3-MoE from config (``SIZES``: hidden 256, 8 experts of intermediate 256, top-2, 2 layers,
@@ -59,11 +59,12 @@ import components.moe.collectives as moe_collectives
 from components.distributed.fsdp import shard_data_parallel
 from components.distributed.grads import finalize_dtensor_gradients
 from components.distributed.mesh import build_device_mesh, build_moe_mesh, resolve_parallel_dims
-from components.distributed.tp_plan import apply_tp_plan, plan_for
+from components.distributed.tp_plan import apply_tp_plan
 from components.distributed.tp_replicas import synchronize_tp_replica_gradients
 from components.models import build_causal_lm, tiny_config
-from components.models.families import FAMILIES
+from components.models.families import FAMILIES, plan_for
 from components.moe import apply_expert_parallel
+from components.moe.expert_parallel import expert_layout
 from components.runtime.launch import init_process_group, launch_local
 from components.training.step import evaluate_loss_sum, forward_backward
 
@@ -195,7 +196,11 @@ def _build(world: int, tp: int, ep: int, path: str):
     model = build_causal_lm(cfg, seed=0)
     if tp > 1:
         apply_tp_plan(model, mesh["tp"], plan_for(cfg), cfg, moe_modules=EXPERTS + ROUTERS)
-    apply_expert_parallel(model, build_moe_mesh(mesh, dims), mesh["tp"], list(EXPERTS), mode=path)
+    moe_mesh = build_moe_mesh(mesh, dims)
+    for name in apply_expert_parallel(model, moe_mesh, mesh["tp"], list(EXPERTS)):
+        module = model.get_submodule(name)  # either path at this shape: the layout is data
+        per_rank = module.layout.experts_per_rank
+        module.layout = expert_layout(moe_mesh, mesh["tp"], per_rank, path)
     if dims.dp > 1:
         shard_data_parallel(model, mesh["dp"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

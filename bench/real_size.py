@@ -24,16 +24,17 @@ from torch.distributed.tensor.parallel import loss_parallel
 from transformers import LlamaConfig
 
 from components.distributed.grads import finalize_dtensor_gradients
-from components.distributed.tp_plan import apply_tp_plan, cross_entropy_sum, plan_for
+from components.distributed.tp_plan import apply_tp_plan, cross_entropy_sum
 from components.distributed.tp_replicas import (
     broadcast_tp_replicas,
     synchronize_tp_replica_gradients,
 )
 from components.models.build import local_parameter_bytes, materialize_random, meta_causal_lm
 from components.models.compile import apply_block_wrappers
+from components.models.families import plan_for
 from components.models.precision import precision_policy
+from components.planning.memory import current_memory_gib, peak_memory_gib, reset_peak_memory
 from components.runtime.launch import init_process_group, launch_local
-from components.training.memory import current_memory_gib, peak_memory_gib, reset_peak_memory
 
 GIB = 1024**3
 _M_MMAP_THRESHOLD = -3  # glibc mallopt parameter

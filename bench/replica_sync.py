@@ -354,7 +354,7 @@ def run(
 
 
 def _overlap_rank(threads: int, reps: int) -> dict[str, float]:
-    from replica_sync_overlap import ReplicaSyncOverlap
+    from components.distributed.replica_sync_overlap import ReplicaSyncOverlap
 
     init_process_group("gloo", timedelta(minutes=5))
     torch.set_num_threads(threads)

@@ -27,12 +27,13 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from components.distributed.grads import clip_grad_norm_, finalize_dtensor_gradients
 from components.distributed.mesh import ParallelDims, build_device_mesh
-from components.distributed.tp_plan import apply_tp_plan, cross_entropy_sum, plan_for
+from components.distributed.tp_plan import apply_tp_plan, cross_entropy_sum
 from components.distributed.tp_replicas import (
     broadcast_tp_replicas,
     synchronize_tp_replica_gradients,
 )
 from components.models import build_causal_lm, tiny_config
+from components.models.families import plan_for
 from components.runtime.launch import init_process_group, launch_local
 
 TP = 2

@@ -266,7 +266,8 @@ def _model_folder(pretrained_path: str | None) -> Path:
 
 def _plan_problems(settings: Config, dims: ParallelDims, config, meta) -> list[Problem]:
     """The TP plan (and the model sizes tp must divide, key ``tp``), then expert parallelism."""
-    from components.distributed.tp_plan import check_plan, plan_for, tp_size_errors
+    from components.distributed.tp_plan import check_plan, tp_size_errors
+    from components.models.families import plan_for
     from components.moe import check_expert_parallel
 
     model, found = settings.model, []
@@ -447,8 +448,8 @@ def plan_run(
     # bad data is refused before the folder is claimed
     data, found = prepare_run_data(settings, source, tokenizer_dir, dims)
     _refuse(found)
-    info = run_info(settings, config, data.tokenizer_digest, source)
-    (lock, resume_from, record), found = _claim_output_dir(settings, output, info)
+    info, shapes = run_info(settings, config, data.tokenizer_digest, source)
+    (lock, resume_from, record), found = _claim_output_dir(settings, output, info, shapes)
     _refuse(found)
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dims.world_size))
     plan = RunPlan(
@@ -550,7 +551,7 @@ def restart_problems(settings: Config) -> list[Problem]:
 
 
 def _claim_output_dir(
-    settings: Config, output: Path, info: dict[str, Any]
+    settings: Config, output: Path, info: dict[str, Any], shapes: dict[str, tuple[int, ...]]
 ) -> tuple[tuple[OutputDirLock | None, Path | None, RunRecord | None], list[Problem]]:
     """((lock, checkpoint to resume from, run record), problems): rank 0 owns ``output`` (locks it,
     resumes from it), the other ranks and a dry run only choose the checkpoint. The last step that
@@ -559,9 +560,9 @@ def _claim_output_dir(
 
     try:
         if is_rank_zero() and not settings.dry_run:  # rank 0 owns it
-            return own_output_dir(settings, output, info), []
+            return own_output_dir(settings, output, info, shapes), []
         resume, max_steps = settings.checkpoint.resume, settings.train.max_steps
-        chosen = choose_checkpoint(resume, max_steps, output / "checkpoints", info)
+        chosen = choose_checkpoint(resume, max_steps, output / "checkpoints", info, shapes)
         return (None, chosen, None), []
     except OwnershipError as error:
         return (None, None, None), [error.problem()]

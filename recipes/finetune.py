@@ -93,7 +93,7 @@ class Run:
     )
     cp: ContextParallel | None  # this rank's context-parallel group (None at cp=1)
     before_commit: Callable[[Path], None] | None = (
-        None  # the checkpoint writer's callback (a fault, in tests)
+        None  # the checkpoint writer's callback (a drill's)
     )
 
 
@@ -126,13 +126,13 @@ def set_up(plan: RunPlan) -> Run:
     scheduler = build_schedule(
         optimizer, schedule.name, train.warmup_steps, train.max_steps, schedule.options()
     )
-    first_step = _resume(plan, model, optimizer, scheduler)
+    watched = (model, plan.model.config, list(plan.model.experts), mesh["dp"].get_group())
+    experts = ExpertLoad.watch(*watched, plan.model.routers, plan.moe.routing_bias_rate)
+    first_step = _resume(plan, model, optimizer, scheduler)  # the routing bias too
     precision = precision_policy(plan.model.precision)  # the same policy the model was built with
     data_parallel = plan.dims.data_parallel > 1  # FSDP over dp × cp
     compute = functools.partial(precision.autocast, device.type, data_parallel=data_parallel)
     micro_batches = data.micro_batches_per_step
-    watched = (model, plan.model.config, list(plan.model.experts), mesh["dp"].get_group())
-    experts = ExpertLoad.watch(*watched, plan.model.routers, plan.moe.routing_bias_rate)
     aux = router_aux_loss_weight(plan.model.config, micro_batches, plan.dims.dp)
     run = Run(
         rank=rank,
@@ -149,10 +149,10 @@ def set_up(plan: RunPlan) -> Run:
         aux_loss_weight=aux,
         cp=ContextParallel.of(mesh),
     )
-    where = dict(rank=rank, world_size=dist.get_world_size(), first_step=first_step)
-    run.before_commit = install_faults(
-        plan.fault, model, optimizer, **where, micro_batches_per_step=micro_batches
-    )
+    if plan.fault is not None:  # a resilience drill (docs/fault-injection.md)
+        where = dict(rank=rank, world_size=dist.get_world_size(), first_step=first_step)
+        where |= dict(micro_batches_per_step=micro_batches)
+        run.before_commit = install_faults(plan.fault, model, optimizer, **where)
     return run
 
 
@@ -180,7 +180,8 @@ def train_step(run: Run, plan: RunPlan, step: int) -> dict:
     from components.distributed.grads import clip_grad_norm_, finalize_dtensor_gradients, grad_norm
     from components.distributed.mesh import data_parallel_mesh
     from components.distributed.tp_replicas import synchronize_tp_replica_gradients
-    from components.training.memory import peak_memory_gib, reset_peak_memory
+    from components.moe import load_metrics
+    from components.planning.memory import peak_memory_gib, reset_peak_memory
     from components.training.metrics import throughput
     from components.training.step import forward_backward  # its loss reads the models' TP plans
 
@@ -214,6 +215,7 @@ def train_step(run: Run, plan: RunPlan, step: int) -> dict:
     dist.all_reduce(loss_sum, group=data_parallel_mesh(run.mesh).get_group())  # over dp × cp
     peak = torch.tensor(peak_memory_gib(run.device), dtype=torch.float64)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # the busiest rank's
+    expert_counts = run.experts.end_step() if run.experts else None  # moves the routing bias
     elapsed, tokens = time.perf_counter() - started, run.data.tokens_in_step(step)
     return {
         "step": step + 1,
@@ -223,7 +225,7 @@ def train_step(run: Run, plan: RunPlan, step: int) -> dict:
         "tokens": tokens,
         **throughput(tokens, elapsed, plan.flops_per_token, dist.get_world_size(), run.device),
         "peak_memory_gib": peak.item(),
-        **(run.experts.metrics(plan.moe.expert_load == "experts") if run.experts else {}),
+        **(load_metrics(expert_counts, plan.moe.expert_load == "experts") if run.experts else {}),
         **({} if finite else {"skipped": True}),
     }
 
@@ -484,9 +486,8 @@ def local_rank_main(plan: RunPlan) -> str | None:
 
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if restart:
-        resume_from = choose_checkpoint(
-            plan.checkpoint.resume, plan.train.max_steps, plan.checkpoints, plan.run_info
-        )
+        where = (plan.checkpoint.resume, plan.train.max_steps, plan.checkpoints, plan.run_info)
+        resume_from = choose_checkpoint(*where, shapes=None)  # the same model as before
         at = f"from {resume_from}" if resume_from is not None else "from step 0"
         say(f"note: restart {restart} of {plan.max_restarts} after a rank failed: {at}")
         plan = replace(plan, resume_from=resume_from)
@@ -514,10 +515,10 @@ RANK_MODULES = (
     "components.models.parallelize",
     "components.models.precision",
     "components.moe",
+    "components.planning.memory",
     "components.runtime.preemption",
     "components.targets",
     "components.training.loggers",
-    "components.training.memory",
     "components.training.metrics",
     "components.training.schedule",
     "components.training.step",

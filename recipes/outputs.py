@@ -137,29 +137,26 @@ def _not_a_checkpoint(resume: str | None) -> list[str]:
     ]
 
 
-# The tensor shapes of each model fingerprint run_info made (a resume that differs names a tensor).
-_SHAPES: dict[str, dict[str, tuple[int, ...]]] = {}
-
-
 def run_info(
     settings: Config, model_config, tokenizer_digest: str, source: DataSource | None = None
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]]:
     """What a checkpoint of this run records, and what a resume must match (tp, dp and ep may
-    change). The tokenizer's digest is part of it: a model built from its config gets a tokenizer
-    trained on the data, whose ids change with the data (``data.num_examples``, ``seed``, an edited
-    file) at the same vocabulary size. So are the data (``source``: which, and its fingerprint),
-    ``seed`` (the data order) and ``data.val_fraction`` (the split): a resume that changes them
-    trains on another timeline's data, or validates on records it trained on."""
+    change); and the model's tensor shapes, which that record holds as a fingerprint (hand them to
+    :func:`choose_checkpoint`, so a resume that differs names the tensor). The tokenizer's digest is
+    part of it: a model built from its config gets a tokenizer trained on the data, whose ids change
+    with the data (``data.num_examples``, ``seed``, an edited file) at the same vocabulary size. So
+    are the data (``source``: which, and its fingerprint), ``seed`` (the data order) and
+    ``data.val_fraction`` (the split): a resume that changes them trains on another timeline's data,
+    or validates on records it trained on."""
     from components.models import meta_causal_lm
 
     shapes = state_dict_shapes(meta_causal_lm(model_config))
-    _SHAPES[model_fingerprint(shapes)] = shapes
     data = {}
     if source is not None:
         path = getattr(source, "path", None)
         origin = f"data.path={path}" if path else "data=generated"
         data = {"data": {"source": origin, "fingerprint": source.fingerprint()}}
-    return {
+    info = {
         "model": model_fingerprint(shapes),
         "tokenizer": tokenizer_digest,
         "optimizer": settings.optim.target,
@@ -170,14 +167,20 @@ def run_info(
         "data.val_fraction": settings.data.model_dump().get("val_fraction"),
         **data,
     }
+    return info, shapes
 
 
 def choose_checkpoint(
-    resume: str | None, max_steps: int, checkpoints: Path, info: dict[str, Any]
+    resume: str | None,
+    max_steps: int,
+    checkpoints: Path,
+    info: dict[str, Any],
+    shapes: dict[str, tuple[int, ...]] | None,
 ) -> Path | None:
     """The checkpoint ``checkpoint.resume`` names (``auto``: the latest complete one in
     ``checkpoints``), or None; raise OwnershipError when the asked-for one cannot be used by a run
-    of ``max_steps`` recording ``info``."""
+    of ``max_steps`` recording ``info``. ``shapes`` (:func:`run_info`'s), when given, name the
+    first tensor of a model that differs."""
     if resume is None:
         return None
     try:
@@ -193,7 +196,6 @@ def choose_checkpoint(
     except CheckpointError as error:
         why = f"checkpoint.resume={show(resume)}: {error}"
         raise OwnershipError(why, "checkpoint.resume") from None
-    shapes = _SHAPES.get(info.get("model"))
     if mismatches := resume_problems(summary, info, max_steps, shapes):
         why = f"cannot resume from {summary.path}: {'; '.join(mismatches)}"
         raise OwnershipError(why, "checkpoint.resume")
@@ -201,7 +203,7 @@ def choose_checkpoint(
 
 
 def own_output_dir(
-    settings: Config, output_dir: Path, info: dict[str, Any]
+    settings: Config, output_dir: Path, info: dict[str, Any], shapes: dict[str, tuple[int, ...]]
 ) -> tuple[OutputDirLock, Path | None, RunRecord]:
     """Lock ``output_dir``, choose the checkpoint to resume from and claim the folder for this
     run."""
@@ -211,7 +213,8 @@ def own_output_dir(
         raise OwnershipError(str(error)) from None
     try:
         resume, max_steps = settings.checkpoint.resume, settings.train.max_steps
-        resume_from = choose_checkpoint(resume, max_steps, output_dir / "checkpoints", info)
+        checkpoints = output_dir / "checkpoints"
+        resume_from = choose_checkpoint(resume, max_steps, checkpoints, info, shapes)
         if resume_from is not None and settings.checkpoint.resume != "auto":
             _check_foreign_resume(output_dir, resume_from, settings.overwrite_output_dir)
         record = claim_output_dir(

@@ -51,7 +51,7 @@ class RunPlan:
     run_id: str | None  # this run's id (checkpoints record it); None: ask rank 0
     # what checkpoints record and a resume must match (model shapes, optimizer, batch geometry)
     run_info: dict
-    fault: Fault | None  # debug.fault, parsed (tests only)
+    fault: Fault | None  # debug.fault, parsed: a resilience drill (docs/fault-injection.md)
     config_yaml: str  # the resolved config the run was started with (output_dir/config.yaml)
 
     @cached_property

@@ -50,6 +50,7 @@ from components.checkpoint.integrity import (
     read_trainer_state,
     rng_file,
 )
+from components.checkpoint.manifest import foreign_files, write_manifest
 from components.checkpoint.safe_dcp import (
     CheckpointError,
     SafeFileSystemReader,
@@ -58,7 +59,6 @@ from components.checkpoint.safe_dcp import (
     dumps_state,
     loads_state,
 )
-from components.runtime.output_dir import foreign_files, write_manifest
 
 __all__ = ["MARKER", "CheckpointError", "checkpoint_path", "load_checkpoint", "save_checkpoint"]
 
@@ -172,7 +172,7 @@ def publish_folder(tmp: Path, final: Path) -> None:
     first, then removed, so a crash at any point leaves one complete folder (old or new) under a
     known name.
 
-    ``tmp`` gets a manifest of its files (see :func:`components.runtime.output_dir.write_manifest`).
+    ``tmp`` gets a manifest of its files (:func:`components.checkpoint.manifest.write_manifest`).
 
     Raises:
         FileExistsError: If ``final`` holds files that no earlier publish wrote (a user's own
@@ -280,8 +280,9 @@ def save_checkpoint(
     :func:`components.checkpoint.integrity.checkpoint_summary`. With ``keep``, only the newest
     ``keep`` complete checkpoints of this ``run_id`` under ``root`` survive (this one always does);
     checkpoints of other runs are never touched. ``before_commit(tmp_folder)`` runs on every rank
-    after all ranks wrote their files and before the marker and rename (a test's fault hook; one
-    that raises on some ranks only leaves the others waiting until the collective timeout). The RNG
+    after all ranks wrote their files and before the marker and rename (a caller's hook, e.g. the
+    ``slow_save`` drill of :mod:`components.debug.faults`; one that raises on some ranks only leaves
+    the others waiting until the collective timeout). The RNG
     states are those at the call, and the call leaves them as it found them, so saving does not
     perturb the run.
 

@@ -32,8 +32,8 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from transformers import PretrainedConfig, PreTrainedModel
 
 from components.checkpoint.dcp import publish_folder, rank_and_world, run_on_rank0
+from components.checkpoint.manifest import foreign_files
 from components.models.hub import looks_like_hub_id
-from components.runtime.output_dir import foreign_files
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -539,6 +539,8 @@ def export_hf(
     duplicates = _tied_duplicates(model)
     # The rank-local state (no DTensor gathered here), under the names a full state dict has.
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))
+    ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or ())  # as save_pretrained
+    state = {name: tensor for name, tensor in state.items() if name not in ignored}
     entries = _entries(state, duplicates, dtype)
     rank, world = rank_and_world()
     parts = _plan_parts(entries, world, parse_size_to_int(max_shard_size))

@@ -34,7 +34,7 @@ from components.data.loader import TokenizedSplit, open_tokens, pad_id_of
 from components.data.packing import Rows, build_rows
 from components.data.sources import DataSource
 from components.data.tokenizer import DEFAULT_VOCAB_SIZE, train_tokenizer
-from components.runtime.launch import die_with_parent, process_exists
+from components.processes import die_with_parent, process_exists
 
 FORMAT_VERSION = 4  # bump when the tokenized layout changes, so old cache folders are not read
 TOKENS = datasets.Features(

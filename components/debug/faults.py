@@ -1,4 +1,5 @@
-"""Deliberate faults, switched on by ``debug.fault``, so tests can prove the safeguards catch them.
+"""Deliberate faults for resilience drills, switched on by ``debug.fault``: a run that proves the
+safeguards catch them, on a user's own cluster as in this project's tests (docs/fault-injection.md).
 
 - ``nan_grad@N``: after the backward of step N, rank 0 writes NaN into one gradient.
 - ``perturb_replica@N``: after the update of step N, the last rank nudges its copy of one
@@ -9,10 +10,8 @@
 - ``kill@N``, ``kill_in_collective@N``, ``kill_in_save@N``: in its run's first attempt only, the
   last rank SIGKILLs itself in step N: at its forward, waiting in a collective, in step N's save.
 
-:func:`install_faults` installs a fault once, through hooks: the training loop holds no test
-machinery. Steps count the model's training forward passes, so a skipped update does not shift them.
-
-Design notes: docs/design-notes.md
+:func:`install_faults` installs one through the model's, optimizer's and checkpoint writer's hooks,
+only in a run that asks for it. Steps count training forwards (a skipped update shifts nothing).
 """
 
 import os
@@ -94,7 +93,7 @@ class _StepCounter:
 
 
 def install_faults(
-    fault: Fault | None,
+    fault: Fault,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     *,
@@ -106,8 +105,6 @@ def install_faults(
     """Install ``fault`` on ``model``/``optimizer``; returns the checkpoint writer's
     ``before_commit`` callback (``slow_save``) or None. Call once, after the model is sharded and
     before its replicas are broadcast."""
-    if fault is None:
-        return None
     if fault.kind == "slow_save":
         return lambda folder: time.sleep(fault.step)
     if fault.kind == "replica_sync_sum":

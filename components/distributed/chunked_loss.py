@@ -169,16 +169,40 @@ def chunks_head(model: nn.Module) -> bool:
 
 @contextmanager
 def lm_head_skipped(model: nn.Module) -> Iterator[nn.Module]:
-    """Run ``model``'s own forward with ``lm_head`` replaced by the identity, so its ``logits`` are
-    the decoder's last hidden states; yields the real ``lm_head``.
+    """Run ``model``'s own forward with its ``lm_head`` handing back its input, so the ``logits``
+    are the decoder's last hidden states; yields ``lm_head``.
 
-    The root forward runs, not ``model.model``: FSDP's root unshards the embedding, the final norm
-    and ``lm_head`` in it (and keeps them unsharded for backward), and an MoE family adds its router
+    Two hooks on ``lm_head`` while the context lasts: the first (ahead of any TP style's) keeps the
+    hidden states and gives the head one position of zeros, so its forward costs next to nothing
+    and moves nothing; the second returns the kept hidden states as the head's output. The root
+    forward runs, not ``model.model``: FSDP's root unshards the embedding, the final norm and
+    ``lm_head`` in it (and keeps them unsharded for backward), and an MoE family adds its router
     aux loss.
     """
-    head = model.lm_head
-    model.lm_head = nn.Identity()
+    head, kept = model.lm_head, []
+
+    def keep(module: nn.Module, args: tuple) -> tuple:
+        kept.append(args[0])
+        return (_one_zero_token(args[0]), *args[1:])
+
+    handles = [
+        head.register_forward_pre_hook(keep, prepend=True),
+        head.register_forward_hook(lambda module, args, output: kept.pop()),
+    ]
     try:
         yield head
     finally:
-        model.lm_head = head
+        for handle in handles:
+            handle.remove()
+
+
+def _one_zero_token(hidden: torch.Tensor) -> torch.Tensor:
+    """Zeros of one position shaped like ``hidden`` [batch, seq, hidden], outside the autograd
+    graph; for a DTensor a replicated one, which a TP style's input redistribution leaves as is (no
+    collective). DTensor ops refuse a zero-length sequence, so one position it is."""
+    local = hidden.to_local() if isinstance(hidden, DTensor) else hidden
+    zeros = local.new_zeros(local.shape[0], 1, local.shape[-1])
+    if not isinstance(hidden, DTensor):
+        return zeros
+    placements = [Replicate()] * hidden.device_mesh.ndim
+    return DTensor.from_local(zeros, hidden.device_mesh, placements, run_check=False)

@@ -1,7 +1,8 @@
 """Tensor-parallel styles, and the one function that checks and applies any plan.
 
-Plans are data (one per family, ``components.models.families``): ``fnmatch`` module-name patterns
-(``*`` for a layer index) mapped to style names of HF's ``base_model_tp_plan``:
+Plans are data (one per family, ``components.models.families.plan_for``): ``fnmatch``
+module-name patterns (``*`` for a layer index) mapped to style names of HF's
+``base_model_tp_plan``:
 
 - ``colwise`` / ``rowwise``: Megatron-style pairs; ``embedding_rowwise``: vocab-parallel embedding.
 - ``vocab_parallel`` (ours) / ``colwise_gather_output`` (HF's): an ``lm_head`` whose logits stay
@@ -37,28 +38,8 @@ from components.distributed.tp_replicas import (
     mark_tp_replica_gradient_reduction,
     tp_replica_reduction,
 )
-from components.models.families import FAMILIES, SEQUENCE_PARALLEL_NORMS
 
 _VOCAB_STYLES = ("embedding_rowwise", "vocab_parallel", "colwise_gather_output")
-
-
-def plan_for(config, sequence_parallel: bool = False) -> dict[str, str]:
-    """The plan for a Hugging Face config: its family's (``components.models.families``), else the
-    model's own TP plan."""
-    family = FAMILIES.get(config.model_type)
-    if family is not None:
-        plan = dict(family.plan)
-    elif getattr(config, "base_model_tp_plan", None):
-        plan = {f"model.{pattern}": style for pattern, style in config.base_model_tp_plan.items()}
-        plan |= {"model.embed_tokens": "embedding_rowwise", "lm_head": "vocab_parallel"}
-    else:
-        raise ValueError(
-            f"no tensor-parallel plan for model type {config.model_type!r}: "
-            f"known {sorted(FAMILIES)}, and its config has no base_model_tp_plan"
-        )
-    if sequence_parallel:
-        plan |= family.sequence_parallel_plan if family is not None else SEQUENCE_PARALLEL_NORMS
-    return plan
 
 
 class _GatherSequence(ParallelStyle):

@@ -122,3 +122,22 @@ def moe_patterns(
         tuple(default_experts if experts is None else experts),
         tuple(default_routers if routers is None else routers),
     )
+
+
+def plan_for(config, sequence_parallel: bool = False) -> dict[str, str]:
+    """The plan for a Hugging Face config: its family's, else the model's own TP plan
+    (``base_model_tp_plan``), in the style names of ``components.distributed.tp_plan``."""
+    family = FAMILIES.get(config.model_type)
+    if family is not None:
+        plan = dict(family.plan)
+    elif getattr(config, "base_model_tp_plan", None):
+        plan = {f"model.{pattern}": style for pattern, style in config.base_model_tp_plan.items()}
+        plan |= {"model.embed_tokens": "embedding_rowwise", "lm_head": "vocab_parallel"}
+    else:
+        raise ValueError(
+            f"no tensor-parallel plan for model type {config.model_type!r}: "
+            f"known {sorted(FAMILIES)}, and its config has no base_model_tp_plan"
+        )
+    if sequence_parallel:
+        plan |= family.sequence_parallel_plan if family is not None else SEQUENCE_PARALLEL_NORMS
+    return plan

@@ -21,9 +21,10 @@ from transformers import PretrainedConfig
 from components.distributed.context_parallel import enable_context_parallel
 from components.distributed.fsdp import shard_data_parallel
 from components.distributed.mesh import ParallelDims, build_moe_mesh, data_parallel_mesh
-from components.distributed.tp_plan import PlanReport, apply_tp_plan, plan_for
+from components.distributed.tp_plan import PlanReport, apply_tp_plan
 from components.models.build import build_causal_lm, meta_causal_lm
 from components.models.compile import apply_block_wrappers
+from components.models.families import plan_for
 from components.models.load import materialize_pretrained
 from components.models.precision import precision_policy
 from components.moe import apply_expert_parallel

@@ -4,7 +4,12 @@ from components.moe.expert_parallel import (
     dispatch_mode,
     expert_modules,
 )
-from components.moe.load_balance import ExpertLoad, RoutingBias, router_aux_loss_weight
+from components.moe.load_balance import (
+    ExpertLoad,
+    RoutingBias,
+    load_metrics,
+    router_aux_loss_weight,
+)
 
 __all__ = [
     "ExpertLoad",
@@ -13,5 +18,6 @@ __all__ = [
     "check_expert_parallel",
     "dispatch_mode",
     "expert_modules",
+    "load_metrics",
     "router_aux_loss_weight",
 ]

@@ -15,7 +15,6 @@ Design notes: docs/design-notes.md
 
 import dataclasses
 import fnmatch
-import types
 
 import torch
 import torch.distributed as dist
@@ -58,7 +57,6 @@ class ExpertLayout:
         Placement, ...
     ]  # of the local weights' gradients on ("ep_shard", "ep")
     gradient_scale: float
-    grouped: bool = True  # False: the loop even where grouped GEMM fits (the bench's baseline)
     sharded: bool = False  # weights Shard(1) over ep_shard (FSDP-style), gathered for each forward
 
 
@@ -75,7 +73,7 @@ def expert_modules(model: nn.Module, patterns: list[str]) -> list[str]:
 
 
 def _local_weights(experts: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    layout: ExpertLayout = experts._ep_layout
+    layout: ExpertLayout = experts.layout
     weights = []
     for name in EXPERT_PARAMETERS:
         weight = getattr(experts, name)
@@ -97,11 +95,11 @@ def _run_experts(
     rows' order and dtype, times ``weight_of_row`` when given.
 
     Grouped GEMM (:func:`_run_experts_grouped`) wherever :func:`grouped_mm_fits`; the per-expert
-    loop (:func:`_run_experts_loop`) runs only where that predicate is false, or when the layout
-    was built with ``grouped=False`` (the benchmark's baseline). No row at all: tied zeros."""
+    loop (:func:`_run_experts_loop`) runs only where that predicate is false. No row at all: tied
+    zeros."""
     if rows.shape[0] == 0:
         return _tied_zeros(rows, gate_up, down)
-    if experts._ep_layout.grouped and grouped_mm_fits(rows, gate_up, down):
+    if grouped_mm_fits(rows, gate_up, down):
         return _run_experts_grouped(experts, rows, expert_of_row, gate_up, down, weight_of_row)
     return _run_experts_loop(experts, rows, expert_of_row, gate_up, down, weight_of_row)
 
@@ -208,7 +206,7 @@ def _folded_forward(
 ):
     """This rank's experts on the (replicated) tokens routed to them, then the sum over the ep
     group."""
-    layout: ExpertLayout = self._ep_layout
+    layout: ExpertLayout = self.layout
     gate_up, down = _local_weights(self, hidden_states.dtype)
     hidden_states, top_k_weights = enter_group(hidden_states, top_k_weights, layout.group)
     local = top_k_index - layout.first_expert
@@ -245,7 +243,7 @@ def _dispatched_forward(
 ):
     """Send each (token, choice) to its expert's rank, compute there, bring the result back, weight
     and sum."""
-    layout: ExpertLayout = self._ep_layout
+    layout: ExpertLayout = self.layout
     gate_up, down = _local_weights(self, hidden_states.dtype)
     hidden, index, weights = _own_block(layout, hidden_states, top_k_index, top_k_weights)
     choices = index.reshape(-1)
@@ -300,9 +298,21 @@ def check_expert_parallel(
     return errors
 
 
-def _layout(
-    moe_mesh: DeviceMesh, tp_mesh: DeviceMesh | None, experts_per_rank: int, mode: str
+def expert_layout(
+    moe_mesh: DeviceMesh,
+    tp_mesh: DeviceMesh | None,
+    experts_per_rank: int,
+    mode: str,
+    sharded: bool = False,
 ) -> ExpertLayout:
+    """Where this rank's experts live and how tokens reach them in ``mode`` (``folded`` needs ep to
+    divide tp); :func:`apply_expert_parallel` uses :func:`dispatch_mode`'s."""
+    folded_fits = tp_mesh is not None and tp_mesh.size() % moe_mesh["ep"].size() == 0
+    if mode not in DISPATCH_MODES or (mode == "folded" and not folded_fits):
+        raise ValueError(
+            f"expert dispatch {mode!r} does not fit ep={moe_mesh['ep'].size()} "
+            "(folded needs ep to divide tp)"
+        )
     ep_mesh, ep_shard = moe_mesh["ep"], moe_mesh["ep_shard"].size()
     tp = tp_mesh.size() if tp_mesh is not None else 1
     split_tokens = mode == "all_to_all" and tp > 1
@@ -318,7 +328,31 @@ def _layout(
         # Copies along ep_shard hold partial sums unless there is only one copy.
         gradient_placements=(Partial("sum") if ep_shard > 1 else Replicate(), Shard(0)),
         gradient_scale=ep_mesh.size() / tp if mode == "folded" else 1.0,
+        sharded=sharded,
     )
+
+
+class ExpertParallelExperts(nn.Module):
+    """A Hugging Face fused experts module split by expert over the ep group: its parameters under
+    the same names (``gate_up_proj``, ``down_proj``, now DTensors on the MoE mesh), its activation,
+    and a forward that brings each token to its experts as ``layout`` says. It takes the HF
+    module's place in its MoE block, so checkpoints and plans see the same names."""
+
+    def __init__(self, experts: nn.Module, moe_mesh: DeviceMesh, placements, layout: ExpertLayout):
+        super().__init__()
+        self.layout = layout
+        self.act_fn = experts.act_fn
+        for name in EXPERT_PARAMETERS:
+            full = getattr(experts, name)
+            sharded = distribute_tensor(full.data, moe_mesh, placements)
+            self.register_parameter(name, nn.Parameter(sharded, requires_grad=full.requires_grad))
+        exclude_from_tp_replica_sync(self)
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        forward = _folded_forward if self.layout.mode == "folded" else _dispatched_forward
+        return forward(self, hidden_states, top_k_index, top_k_weights)
 
 
 def apply_expert_parallel(
@@ -326,17 +360,14 @@ def apply_expert_parallel(
     moe_mesh: DeviceMesh,
     tp_mesh: DeviceMesh | None,
     patterns: list[str],
-    mode: str | None = None,
-    grouped: bool = True,
     shard_experts: bool = False,
 ) -> list[str]:
-    """Split every experts module matched by ``patterns`` by expert over ``moe_mesh["ep"]``; return
+    """Split every experts module matched by ``patterns`` by expert over ``moe_mesh["ep"]``: each
+    becomes an :class:`ExpertParallelExperts` dispatching as :func:`dispatch_mode` picks; return
     their names.
 
-    ``tp_mesh`` is the TP mesh whose ranks share tokens (None: tp = 1). ``mode`` forces ``folded``
-    or ``all_to_all`` (the benchmark compares them); None picks :func:`dispatch_mode`.
-    ``grouped=False`` keeps the per-expert loop where grouped GEMM would run (the benchmark's
-    baseline). ``shard_experts`` (off by default) also shards each expert's weights over
+    ``tp_mesh`` is the TP mesh whose ranks share tokens (None: tp = 1). ``shard_experts`` (off by
+    default) also shards each expert's weights over
     ``ep_shard`` (``Shard(1)``: the rows of ``gate_up_proj`` and ``down_proj``), FSDP-style:
     weights, gradients and optimizer state cost 1/ep_shard per rank; each forward all-gathers the
     rank's experts over ``ep_shard`` and its backward reduce-scatters their gradients (the gathered
@@ -349,27 +380,15 @@ def apply_expert_parallel(
     ep = moe_mesh["ep"].size()
     if ep == 1:
         return []
-    mode = mode or dispatch_mode(tp_mesh.size() if tp_mesh is not None else 1, ep)
-    if mode not in DISPATCH_MODES or (
-        mode == "folded" and (tp_mesh is None or tp_mesh.size() % ep)
-    ):
-        raise ValueError(
-            f"expert dispatch {mode!r} does not fit ep={ep} (folded needs ep to divide tp)"
-        )
+    mode = dispatch_mode(tp_mesh.size() if tp_mesh is not None else 1, ep)
     names = expert_modules(model, patterns)
     shard_over_copies = shard_experts and moe_mesh["ep_shard"].size() > 1
     placements = [Shard(1) if shard_over_copies else Replicate(), Shard(0)]
     for name in names:
         experts = model.get_submodule(name)
-        exclude_from_tp_replica_sync(experts)
-        for parameter_name in EXPERT_PARAMETERS:
-            full = getattr(experts, parameter_name)
-            sharded = distribute_tensor(full.data, moe_mesh, placements)
-            experts.register_parameter(
-                parameter_name, nn.Parameter(sharded, requires_grad=full.requires_grad)
-            )
-        layout = _layout(moe_mesh, tp_mesh, experts.gate_up_proj.to_local().shape[0], mode)
-        experts._ep_layout = dataclasses.replace(layout, grouped=grouped, sharded=shard_over_copies)
-        forward = _folded_forward if mode == "folded" else _dispatched_forward
-        experts.forward = types.MethodType(forward, experts)
+        per_rank = experts.gate_up_proj.shape[0] // ep
+        layout = expert_layout(moe_mesh, tp_mesh, per_rank, mode, sharded=shard_over_copies)
+        parent, _, child = name.rpartition(".")
+        wrapped = ExpertParallelExperts(experts, moe_mesh, placements, layout)
+        model.get_submodule(parent).register_module(child, wrapped)
     return names

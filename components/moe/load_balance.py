@@ -3,17 +3,17 @@ auxiliary loss.
 
 Imbalance: tokens per expert, max / mean, per MoE layer, the worst layer reported. A forward
 pre-hook on each experts module counts the expert choices of real tokens only
-(:meth:`ExpertLoad.count_real`) while gradients are enabled, summed over the dp group;
-:meth:`ExpertLoad.metrics` also gives each layer's imbalance and each expert's share of its layer.
+(:meth:`ExpertLoad.count_real`) while gradients are enabled; :meth:`ExpertLoad.end_step` sums
+them over the dp group, and :func:`load_metrics` turns them into each layer's imbalance and each
+expert's share of its layer.
 
 Auxiliary-loss-free balancing (DeepSeek-V3, arXiv 2412.19437 section 2.1.2), off by default:
 :class:`RoutingBias` adds a per-expert bias to each router's probabilities for the top-k selection
-only, moved after each step by ``rate`` against its expert's load (not checkpointed).
-
-Design notes: docs/design-notes.md
+only (a forward hook), moved at each step's end by ``rate`` against its expert's load. The bias is
+a persistent buffer of the router: in the DCP checkpoint, so a resume routes exactly as the
+uninterrupted run; not in an HF export (``_keys_to_ignore_on_save``). Notes: docs/design-notes.md
 """
 
-import types
 from functools import partial
 
 import torch
@@ -39,6 +39,8 @@ class RoutingBias:
     """DeepSeek-V3's per-expert routing bias on every router ``patterns`` match (see the module
     docstring); ``update`` once per step with the layers' token counts, in the routers' order."""
 
+    BUFFER = "routing_bias"
+
     def __init__(self, model: nn.Module, patterns: list[str], num_experts: int, rate: float = 1e-3):
         self.rate = rate
         self.names = expert_modules(model, patterns)
@@ -47,8 +49,11 @@ class RoutingBias:
             if router.weight.device.type == "meta":
                 raise ValueError("a routing bias goes on a materialised model, not on meta")
             bias = torch.zeros(num_experts, dtype=torch.float32, device=router.weight.device)
-            router.register_buffer("routing_bias", bias, persistent=False)
-            router.forward = types.MethodType(partial(_biased_forward, router.forward), router)
+            router.register_buffer(self.BUFFER, bias)  # persistent: checkpointed with the model
+            router.register_forward_hook(_choose_with_bias)
+        ignored = [f"{name}.{self.BUFFER}" for name in self.names]
+        already = getattr(model, "_keys_to_ignore_on_save", None) or ()
+        model._keys_to_ignore_on_save = [*already, *ignored]  # left out of an HF export
 
     def update(self, counts: torch.Tensor) -> None:
         """Move each bias by ``rate`` toward its layer's mean load; counts: layers x experts."""
@@ -58,21 +63,21 @@ class RoutingBias:
             router.routing_bias.add_(change.to(router.routing_bias.device))
 
 
-def _biased_forward(unbiased, self, hidden_states):
-    """The router's own forward, then its top-k chosen again on ``probabilities + routing_bias``;
-    the weights are the unbiased probabilities of the chosen experts, normalised as the router
-    does (Mixtral always, Qwen3-MoE under ``norm_topk_prob``)."""
-    logits, scores, _ = unbiased(hidden_states)
+def _choose_with_bias(router: nn.Module, args: tuple, output: tuple) -> tuple:
+    """A router's forward hook: its top-k chosen again on ``probabilities + routing_bias``; the
+    weights are the unbiased probabilities of the chosen experts, normalised as the router does
+    (Mixtral always, Qwen3-MoE under ``norm_topk_prob``)."""
+    logits, scores, _ = output
     probabilities = F.softmax(logits.float(), dim=-1)
-    chosen = torch.topk(probabilities + self.routing_bias, self.top_k, dim=-1).indices
+    chosen = torch.topk(probabilities + router.routing_bias, router.top_k, dim=-1).indices
     weights = probabilities.gather(-1, chosen)
-    if getattr(self, "norm_topk_prob", True):
+    if getattr(router, "norm_topk_prob", True):
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return logits, weights.to(scores.dtype), chosen
 
 
 class ExpertLoad:
-    """Tokens routed to each expert of each MoE layer since the last :meth:`imbalance`."""
+    """Tokens routed to each expert of each MoE layer since the last :meth:`end_step`."""
 
     def __init__(
         self,
@@ -138,28 +143,29 @@ class ExpertLoad:
             # sync
             self.counts[row].index_add_(0, choices.reshape(-1), weights.reshape(-1))
 
-    def imbalance(self) -> float:
-        """The largest max/mean of tokens per expert over the MoE layers in the global batch; resets
-        the counts. A collective over the dp group: every rank calls it."""
-        return self.metrics()["expert_imbalance"]
-
-    def metrics(self, per_expert: bool = False) -> dict[str, float]:
-        """The step's load for the trackers, then the counts reset (and the routing bias, if any,
-        updated): ``expert_imbalance`` (the worst layer's max / mean), ``expert_imbalance/layer_N``
-        per layer, and with ``per_expert`` each expert's share ``expert_load/layer_N/expert_E``.
-        A collective over the dp group: every rank calls it."""
+    def end_step(self) -> torch.Tensor:
+        """The step's end: its counts (layers x experts), summed over the dp group, are returned and
+        reset, and the routing bias (if any) moves by them. A collective over the dp group: every
+        rank calls it once per step."""
         counts = self.counts.clone()
         if self.dp_group is not None and dist.get_world_size(self.dp_group) > 1:
             dist.all_reduce(counts, group=self.dp_group)
         self.counts.zero_()
         if self.bias is not None:
             self.bias.update(counts)
-        counts = counts.cpu().double()
-        layers = (counts.max(dim=1).values / counts.mean(dim=1).clamp_min(1e-12)).tolist()
-        record = {"expert_imbalance": max(layers, default=1.0)}
-        record |= {f"expert_imbalance/layer_{n}": value for n, value in enumerate(layers)}
-        if per_expert:
-            shares = counts / counts.sum(dim=1, keepdim=True).clamp_min(1.0)
-            for n, row in enumerate(shares.tolist()):
-                record |= {f"expert_load/layer_{n}/expert_{e}": x for e, x in enumerate(row)}
-        return record
+        return counts
+
+
+def load_metrics(counts: torch.Tensor, per_expert: bool = False) -> dict[str, float]:
+    """A step's load (:meth:`ExpertLoad.end_step`) for the trackers: ``expert_imbalance`` (the worst
+    layer's max / mean tokens per expert), ``expert_imbalance/layer_N`` per layer, and with
+    ``per_expert`` each expert's share ``expert_load/layer_N/expert_E``."""
+    counts = counts.cpu().double()
+    layers = (counts.max(dim=1).values / counts.mean(dim=1).clamp_min(1e-12)).tolist()
+    record = {"expert_imbalance": max(layers, default=1.0)}
+    record |= {f"expert_imbalance/layer_{n}": value for n, value in enumerate(layers)}
+    if per_expert:
+        shares = counts / counts.sum(dim=1, keepdim=True).clamp_min(1.0)
+        for n, row in enumerate(shares.tolist()):
+            record |= {f"expert_load/layer_{n}/expert_{e}": x for e, x in enumerate(row)}
+    return record

@@ -27,9 +27,9 @@ import torch.distributed as dist
 from components.distributed.mesh import ParallelDims, build_device_mesh
 from components.models.parallelize import build_parallel_model
 from components.planning.flops import flops_per_token
+from components.planning.memory import current_memory_gib
 from components.planning.memory_model import GIB, Layout, MemoryEstimate, Step, estimate_memory
 from components.planning.memory_model import optimizer_moments as moments_of
-from components.training.memory import current_memory_gib
 
 ROWS = ("params", "grads", "optimizer", "activations", "buffers", "runtime", "total")
 

@@ -14,7 +14,6 @@ Design notes: docs/design-notes.md
 """
 
 import contextlib
-import ctypes
 import json
 import logging
 import os
@@ -40,9 +39,10 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalEx
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from components.processes import die_with_parent, process_exists
 from components.runtime import preemption
+from components.runtime.console import start_fresh_line
 
-_PR_SET_PDEATHSIG = 1  # from <sys/prctl.h>
 # Loggers that print torch elastic's own multi-line report of a failed worker (replaced by ours).
 _NOISY_LOGGERS = ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn")
 # Errors a rank raises because a peer died: an effect, so a rank that failed otherwise is named
@@ -73,21 +73,6 @@ def started_by_launcher() -> bool:
     return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
-def die_with_parent(parent_pid: int | None = None) -> None:
-    """Have the kernel SIGKILL this process when its parent dies (Linux ``PR_SET_PDEATHSIG``; a
-    no-op elsewhere). ``parent_pid``: the parent expected; if it has already died (so this process
-    was re-parented before the call), exit at once. Without it, a parent of pid 1 counts as dead."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-            return
-    except (OSError, AttributeError):
-        return
-    parent_gone = os.getppid() == 1 if parent_pid is None else os.getppid() != parent_pid
-    if parent_gone:
-        os._exit(1)
-
-
 def end_launched_rank() -> NoReturn:
     """End a rank torchrun started, after its work, the way a forked local rank ends
     (multiprocessing calls ``os._exit`` once the rank's function returns): flush the standard
@@ -113,25 +98,6 @@ def fail_once(message: str) -> NoReturn:
         start_fresh_line(sys.stderr)
         print(f"error: {message}", file=sys.stderr, flush=True)
     raise ReportedExit(1)
-
-
-def start_fresh_line(stream: Any) -> None:
-    """Make the next write to ``stream`` start a line: when it is a regular file, write a newline
-    only if its last byte is not one; otherwise (a terminal or pipe, where a progress bar may have
-    left the cursor mid-line) write a newline when ``stream`` is a tty. Errors reading back are
-    ignored."""
-    try:
-        stream.flush()
-        descriptor = stream.fileno()
-        if os.path.isfile(f"/proc/self/fd/{descriptor}"):
-            with open(f"/proc/self/fd/{descriptor}", "rb") as readable:
-                size = os.fstat(readable.fileno()).st_size
-                if size and os.pread(readable.fileno(), 1, size - 1) != b"\n":
-                    stream.write("\n")
-        elif stream.isatty():
-            stream.write("\n")
-    except (OSError, ValueError, AttributeError):
-        return
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -228,17 +194,6 @@ def _remove_dead_launchers_folders(folder: Path) -> None:
         pid = child.name.removeprefix(_RANKS_PREFIX).split("-", 1)[0]
         if pid.isdigit() and not process_exists(int(pid)):
             shutil.rmtree(child, ignore_errors=True)
-
-
-def process_exists(pid: int) -> bool:
-    """Whether a process ``pid`` exists on this host (one of another user's counts)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class RankWatch:

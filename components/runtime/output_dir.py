@@ -7,9 +7,8 @@ files belong to.
   the folder's files (:data:`RUN_FILES`) belong to. A fresh run into a folder holding another run's
   files is refused, naming the choices: ``checkpoint.resume=auto``, another ``output_dir``, or
   ``overwrite_output_dir=true`` (removes those files, never a file of the user's).
-- :func:`write_manifest` / :func:`foreign_files`: a folder shardtune publishes whole (``hf/``, a
-  checkpoint) carries a manifest of its files, so a later publish or overwrite can refuse instead of
-  deleting the user's own files.
+- a folder shardtune publishes whole (``hf/``, a checkpoint) carries a manifest of its files
+  (:mod:`components.checkpoint.manifest`), so an overwrite can refuse to delete the user's own.
 
 Design notes: docs/design-notes.md
 """
@@ -27,9 +26,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from components.checkpoint.manifest import foreign_files
+
 LOCK_FILE = ".lock"
 RUN_FILE = "run.json"
-MANIFEST = ".shardtune-files.json"
 # What a run writes into its output_dir; only these are ever removed (overwrite_output_dir=true).
 RUN_FILES = (
     "metrics.jsonl",
@@ -40,18 +40,6 @@ RUN_FILES = (
     "hf",
     "tokenizer",
     RUN_FILE,
-)
-# Files an export or tokenizer folder written before manifests existed holds; anything else in it is
-# the user's.
-_EXPORT_NAMES = (
-    "config.json",
-    "generation_config.json",
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
 )
 
 
@@ -171,32 +159,6 @@ def unused_folder(path: Path) -> Path:
         number += 1
         candidate = path.with_name(f"{path.name}_{number}")
     return candidate
-
-
-def write_manifest(folder: Path) -> None:
-    """Record every file now under ``folder`` (relative paths) in
-    ``folder/.shardtune-files.json``."""
-    files = sorted(
-        str(path.relative_to(folder)) for path in Path(folder).rglob("*") if path.is_file()
-    )
-    (Path(folder) / MANIFEST).write_text(json.dumps(files))
-
-
-def foreign_files(folder: Path) -> list[str]:
-    """Files under ``folder`` that shardtune did not write: not in its manifest (or, for a folder
-    without a manifest, not one of a Hugging Face export's usual names). Sorted relative paths; []
-    if no folder."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        return []
-    try:
-        ours = set(json.loads((folder / MANIFEST).read_text())) | {MANIFEST}
-    except (OSError, ValueError, TypeError):
-        ours = None
-    found = sorted(str(path.relative_to(folder)) for path in folder.rglob("*") if not path.is_dir())
-    if ours is None:
-        return [name for name in found if name not in _EXPORT_NAMES]
-    return [name for name in found if name not in ours]
 
 
 def _foreign_in_checkpoints(folder: Path) -> list[str]:

@@ -22,6 +22,8 @@ from types import FrameType
 
 from torch.distributed.elastic.multiprocessing import SignalException
 
+from components.runtime.console import start_fresh_line
+
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 # The signals torch elastic's launcher turns into SignalException itself
 # (LaunchConfig.signals_to_handle, torchrun's --signals-to-handle): SIGTERM is left out so that the
@@ -51,10 +53,6 @@ def _handle(signum: int, frame: FrameType | None) -> None:
         return
     _requested.append(sigval)
     if forward is not None:
-        from components.runtime.launch import (
-            start_fresh_line,
-        )  # loaded already: the launcher's module
-
         start_fresh_line(sys.stderr)  # after a progress bar's partial line
         print(
             f"note: {sigval.name}: the ranks finish their step and write a checkpoint of it "

@@ -26,13 +26,13 @@ from components.checkpoint.integrity import checkpoint_summary, find_resumable
 from components.distributed.fsdp import shard_data_parallel
 from components.distributed.grads import finalize_dtensor_gradients
 from components.distributed.mesh import resolve_parallel_dims
-from components.distributed.tp_plan import apply_tp_plan, plan_for
+from components.distributed.tp_plan import apply_tp_plan
 from components.distributed.tp_replicas import (
     broadcast_tp_replicas,
     synchronize_tp_replica_gradients,
 )
 from components.models import build_causal_lm, tiny_config
-from components.models.families import FAMILIES
+from components.models.families import FAMILIES, plan_for
 from components.moe import apply_expert_parallel
 from components.training.step import forward_backward
 from tests.harness import mesh

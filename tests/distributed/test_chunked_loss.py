@@ -14,8 +14,9 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from components.distributed.chunked_loss import chunked_cross_entropy_sum
 from components.distributed.grads import finalize_dtensor_gradients
-from components.distributed.tp_plan import apply_tp_plan, cross_entropy_sum, plan_for
+from components.distributed.tp_plan import apply_tp_plan, cross_entropy_sum
 from components.models import build_causal_lm, tiny_config
+from components.models.families import plan_for
 from components.training.step import forward_backward
 from tests.harness import mesh
 from tests.unit.training.test_chunked_loss import TOLERANCE, batch, relative

@@ -15,9 +15,10 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from components.distributed.grads import finalize_dtensor_gradients
-from components.distributed.tp_plan import apply_tp_plan, plan_for
+from components.distributed.tp_plan import apply_tp_plan
 from components.models import build_causal_lm, tiny_config
 from components.models.compile import apply_block_wrappers, check_compile
+from components.models.families import plan_for
 from components.training.step import forward_backward
 from tests.harness import mesh
 

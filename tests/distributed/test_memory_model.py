@@ -28,8 +28,8 @@ from components.distributed.tp_replicas import synchronize_tp_replica_gradients
 from components.models import tiny_config
 from components.models.parallelize import ModelSpec, build_parallel_model
 from components.models.precision import precision_policy
+from components.planning.memory import current_memory_gib, peak_memory_gib, reset_peak_memory
 from components.planning.memory_model import Layout, Step, estimate_memory
-from components.training.memory import current_memory_gib, peak_memory_gib, reset_peak_memory
 from components.training.step import forward_backward
 from tests.harness import RankPool
 

@@ -20,10 +20,10 @@ from components.distributed.fsdp import shard_data_parallel
 from components.distributed.grads import grad_norm
 from components.distributed.mesh import resolve_parallel_dims
 from components.distributed.replicas.drift import replica_drift
-from components.distributed.tp_plan import apply_tp_plan, check_plan, plan_for
+from components.distributed.tp_plan import apply_tp_plan, check_plan
 from components.distributed.tp_replicas import synchronize_tp_replica_gradients
 from components.models import build_causal_lm, meta_causal_lm, tiny_config
-from components.models.families import FAMILIES
+from components.models.families import FAMILIES, plan_for
 from components.moe import ExpertLoad, apply_expert_parallel, check_expert_parallel, dispatch_mode
 from components.training.step import forward_backward
 from tests.distributed.test_tp_parity import assert_parity, finish, global_batch, parity
@@ -387,7 +387,7 @@ def grouped_against_loop(rank, world_size, tp, ep, precision):
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     compute = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed")
     results, calls = {}, {True: 0, False: 0}
-    grouped_run = expert_parallel._run_experts_grouped
+    grouped_run, fits = expert_parallel._run_experts_grouped, expert_parallel.grouped_mm_fits
 
     def counted(*args, **kwargs):
         calls[grouped] += 1
@@ -402,7 +402,9 @@ def grouped_against_loop(rank, world_size, tp, ep, precision):
                 apply_tp_plan(model, device_mesh["tp"], plan, config, moe_modules=moe_modules)
             moe_mesh = mesh((dims.ep_shard, dims.ep), ("ep_shard", "ep"))
             tp_mesh = device_mesh["tp"]
-            apply_expert_parallel(model, moe_mesh, tp_mesh, list(EXPERTS), grouped=grouped)
+            apply_expert_parallel(model, moe_mesh, tp_mesh, list(EXPERTS))
+            # the loop run: as where grouped GEMM cannot run
+            expert_parallel.grouped_mm_fits = fits if grouped else lambda *args: False
             batch = (tokens.chunk(dims.dp)[dp_rank], labels.chunk(dims.dp)[dp_rank], global_tokens)
             loss = forward_backward(model, *batch, compute=compute)
             named = model.named_parameters()
@@ -410,10 +412,11 @@ def grouped_against_loop(rank, world_size, tp, ep, precision):
             results[grouped] = (loss, experts)
     finally:
         expert_parallel._run_experts_grouped = grouped_run
+        expert_parallel.grouped_mm_fits = fits
     (loss, grads), (loop_loss, loop_grads) = results[True], results[False]
     errors = [((grads[n] - g).abs().max() / g.abs().max()).item() for n, g in loop_grads.items()]
     return {
-        "mode": model.model.layers[0].mlp.experts._ep_layout.mode,
+        "mode": model.model.layers[0].mlp.experts.layout.mode,
         "loss": abs(loss - loop_loss) / abs(loop_loss),
         "grads": max(errors),
         "count": len(errors),
@@ -513,13 +516,13 @@ def biased_routing_steps(rank, world_size, tp, ep):
     losses, reference_losses = [], []
     for seed in range(3):
         losses.append(moe_step(model, optimizer, scheduler, device_mesh, dims, seed=seed))
-        load.imbalance()  # the step's counts move the bias
+        load.end_step()  # the step's counts move the bias
         tokens, labels, global_tokens = global_batch(config.vocab_size, seed=seed)
         reference_optimizer.zero_grad()
         loss_sum = forward_backward(reference, tokens, labels, global_tokens)
         reference_losses.append(loss_sum / global_tokens)
         reference_optimizer.step()
-        reference_load.imbalance()
+        reference_load.end_step()
     bias = [layer.mlp.gate.routing_bias for layer in model.model.layers]
     reference_bias = [layer.mlp.gate.routing_bias for layer in reference.model.layers]
     same = all(map(torch.equal, bias, reference_bias))

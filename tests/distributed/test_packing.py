@@ -21,12 +21,13 @@ from components.data.prepare import prepare_data, source_cache_dir
 from components.data.sources import GeneratedSource
 from components.data.tokenizer import DEFAULT_VOCAB_SIZE, train_tokenizer
 from components.distributed.grads import finalize_dtensor_gradients
-from components.distributed.tp_plan import apply_tp_plan, plan_for
+from components.distributed.tp_plan import apply_tp_plan
 from components.distributed.tp_replicas import (
     broadcast_tp_replicas,
     synchronize_tp_replica_gradients,
 )
 from components.models import build_causal_lm, tiny_config
+from components.models.families import plan_for
 from components.training.step import evaluate_loss_sum, forward_backward
 from tests.harness import RankPool, mesh
 

@@ -20,12 +20,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from components.distributed.fsdp import shard_data_parallel
 from components.distributed.grads import finalize_dtensor_gradients, grad_norm
-from components.distributed.tp_plan import apply_tp_plan, plan_for
+from components.distributed.tp_plan import apply_tp_plan
 from components.distributed.tp_replicas import (
     broadcast_tp_replicas,
     synchronize_tp_replica_gradients,
 )
 from components.models import build_causal_lm, tiny_config
+from components.models.families import plan_for
 from components.models.precision import precision_policy
 from components.training.step import forward_backward
 from tests.distributed.common import recorded_collectives

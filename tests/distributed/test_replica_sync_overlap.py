@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from bench.replica_sync_overlap import ReplicaSyncOverlap
+from components.distributed.replica_sync_overlap import ReplicaSyncOverlap
 from components.distributed.tp_replicas import (
     mark_tp_replica_gradient_reduction,
     synchronize_tp_replica_gradients,

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from components.distributed.fsdp import shard_data_parallel
 from components.distributed.grads import finalize_dtensor_gradients, grad_norm
 from components.distributed.mesh import resolve_parallel_dims
-from components.distributed.tp_plan import apply_tp_plan, plan_for
+from components.distributed.tp_plan import apply_tp_plan
 from components.distributed.tp_replicas import (
     _is_tp_replicated,
     _iter_unique_parameters_by_name,
@@ -24,7 +24,9 @@ from components.distributed.tp_replicas import (
     synchronize_tp_replica_gradients,
 )
 from components.models import build_causal_lm, materialize_pretrained, meta_causal_lm, tiny_config
+from components.models.families import plan_for
 from components.moe import apply_expert_parallel
+from components.moe.expert_parallel import expert_layout
 from components.training.step import forward_backward
 from tests.harness import mesh
 
@@ -89,13 +91,12 @@ def parity(
     apply_tp_plan(
         model, device_mesh["tp"], plan_for(config, sequence_parallel), config, sequence_parallel
     )
-    apply_expert_parallel(
-        model,
-        mesh((dims.ep_shard, dims.ep), ("ep_shard", "ep")),
-        device_mesh["tp"],
-        list(experts),
-        mode,
-    )
+    moe_mesh = mesh((dims.ep_shard, dims.ep), ("ep_shard", "ep"))
+    for name in apply_expert_parallel(model, moe_mesh, device_mesh["tp"], list(experts)):
+        if mode is not None:  # the other dispatch path at this shape: the layout is data
+            module = model.get_submodule(name)
+            per_rank = module.layout.experts_per_rank
+            module.layout = expert_layout(moe_mesh, device_mesh["tp"], per_rank, mode)
     if pretrained_path is not None:
         materialize_pretrained(model, pretrained_path)
     if dims.dp > 1:

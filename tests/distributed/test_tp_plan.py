@@ -7,9 +7,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from transformers import GemmaConfig
 
-from components.distributed.tp_plan import apply_tp_plan, plan_for
+from components.distributed.tp_plan import apply_tp_plan
 from components.distributed.tp_replicas import broadcast_tp_replicas
 from components.models import build_causal_lm, local_parameter_bytes, tiny_config
+from components.models.families import plan_for
 from tests.distributed.test_tp_parity import assert_parity, parity
 from tests.harness import mesh
 

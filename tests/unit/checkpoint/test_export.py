@@ -26,8 +26,9 @@ from components.checkpoint.export import (
     model_card,
     source_dtype,
 )
+from components.checkpoint.manifest import MANIFEST
 from components.models import build_causal_lm, tiny_config
-from components.runtime.output_dir import MANIFEST
+from components.moe import RoutingBias
 
 TOKENS = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
 
@@ -169,3 +170,14 @@ def test_export_refuses_a_folder_with_user_files_and_leaves_it_alone(tmp_path):
     assert check_export_target(target).endswith(
         "(extra.safetensors); move them away or choose another output_dir"
     )
+
+
+def test_an_export_leaves_out_the_routing_bias_a_checkpoint_keeps(tmp_path):
+    config = tiny_config("qwen3_moe", num_hidden_layers=1)
+    model = build_causal_lm(config, seed=0)
+    RoutingBias(model, ["model.layers.*.mlp.gate"], config.num_experts)
+    assert "model.layers.0.mlp.gate.routing_bias" in model.state_dict()  # what DCP saves
+    out = export_hf(model, config, tmp_path / "model")
+    with safe_open(out / "model.safetensors", framework="pt") as stored:
+        names = set(stored.keys())
+    assert names == set(build_causal_lm(config, seed=0).state_dict())  # the family's own tensors

@@ -3,9 +3,9 @@
 import pytest
 from transformers import Phi3Config
 
-from components.distributed.tp_plan import check_plan, plan_for
+from components.distributed.tp_plan import check_plan
 from components.models import meta_causal_lm, tiny_config
-from components.models.families import FAMILIES
+from components.models.families import FAMILIES, plan_for
 
 
 def test_every_problem_is_listed_together():

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from components.distributed.tp_plan import check_plan, plan_for
+from components.distributed.tp_plan import check_plan
 from components.models import meta_causal_lm, tiny_config
 from components.models.configs import MODEL_CONF_DIR, build_config
-from components.models.families import FAMILIES, moe_patterns
+from components.models.families import FAMILIES, moe_patterns, plan_for
 
 TINY = OmegaConf.to_container(OmegaConf.load(MODEL_CONF_DIR / "llama.yaml").config)
 

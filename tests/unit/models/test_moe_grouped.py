@@ -5,8 +5,6 @@ relative, experts that receive no rows get exact zero gradients on both paths. b
 autocast on fp32 weights) agrees within a bf16 band. Where grouped GEMM cannot run (fp64,
 unaligned sizes) the loop runs."""
 
-import types
-
 import pytest
 import torch
 
@@ -22,9 +20,7 @@ IDLE = (1, 5)  # local experts that receive no rows
 
 
 def experts_module(family="qwen3_moe"):
-    experts = build_causal_lm(tiny_config(family), seed=0).model.layers[0].mlp.experts
-    experts._ep_layout = types.SimpleNamespace(grouped=True)
-    return experts
+    return build_causal_lm(tiny_config(family), seed=0).model.layers[0].mlp.experts
 
 
 def inputs(experts, rows=96, dtype=torch.float32, weights_dtype=None, seed=0):

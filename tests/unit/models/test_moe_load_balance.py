@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from components.models import build_causal_lm, tiny_config
-from components.moe import ExpertLoad, router_aux_loss_weight
+from components.moe import ExpertLoad, load_metrics, router_aux_loss_weight
 from components.training.step import evaluate_loss_sum, forward_backward
 
 EXPERTS = ["model.layers.*.mlp.experts"]
@@ -23,6 +23,11 @@ def watched(family: str):
     config = tiny_config(family)
     model = build_causal_lm(config, seed=0)
     return config, model, ExpertLoad.watch(model, config, EXPERTS, dp_group=None)
+
+
+def imbalance(load: ExpertLoad) -> float:
+    """End the step and read its imbalance, as the recipe does."""
+    return load_metrics(load.end_step())["expert_imbalance"]
 
 
 def gradients(model) -> dict[str, torch.Tensor]:
@@ -67,7 +72,7 @@ def test_imbalance_is_max_over_mean_tokens_per_expert_of_the_worst_layer(family)
         == [tokens.numel() * config.num_experts_per_tok] * config.num_hidden_layers
     )
     expected = max((row.max() / row.double().mean()).item() for row in counts)
-    assert load.imbalance() == expected
+    assert imbalance(load) == expected
     assert load.counts.sum() == 0  # reset for the next step
 
     for layer in (
@@ -76,7 +81,7 @@ def test_imbalance_is_max_over_mean_tokens_per_expert_of_the_worst_layer(family)
         torch.nn.init.zeros_(layer.mlp.gate.weight)
     forward_backward(model, tokens, labels, labelled)
     evaluate_loss_sum(model, tokens, labels)  # validation (no gradients) is not counted
-    assert load.imbalance() == 4.0
+    assert imbalance(load) == 4.0
     assert load.counts.sum() == 0
 
 
@@ -120,7 +125,7 @@ def test_the_trackers_get_each_layers_imbalance_and_each_experts_share():
     tokens, labels, labelled = batch(config.vocab_size)
     forward_backward(model, tokens, labels, labelled)
     counts = load.counts.clone().double()
-    record = load.metrics(per_expert=True)
+    record = load_metrics(load.end_step(), per_expert=True)
     layers = config.num_hidden_layers
     for n in range(layers):
         expected = (counts[n].max() / counts[n].mean()).item()
@@ -177,12 +182,14 @@ def test_each_step_moves_the_bias_against_the_load():
     load = ExpertLoad.watch(model, config, EXPERTS, dp_group=None, routers=ROUTERS, bias_rate=0.01)
     forward_backward(model, tokens, labels, labelled)
     counts = load.counts[0].clone()
-    load.imbalance()
+    assert torch.equal(load.end_step()[0], counts)  # the step's end: no metrics read needed
     bias = model.model.layers[0].mlp.gate.routing_bias
     mean = counts.double().mean()
     expected = torch.where(counts > mean, -0.01, torch.where(counts < mean, 0.01, 0.0)).float()
     assert torch.equal(bias, expected)
-    assert "routing_bias" not in "".join(model.state_dict())  # not in checkpoints or exports
+    names = [f"model.layers.{n}.mlp.gate.routing_bias" for n in range(config.num_hidden_layers)]
+    assert set(names) <= set(model.state_dict())  # saved with the model in every checkpoint
+    assert model._keys_to_ignore_on_save == names  # but not in an HF export
 
 
 def test_the_bias_alone_spreads_a_peaked_router_out():
@@ -193,8 +200,8 @@ def test_the_bias_alone_spreads_a_peaked_router_out():
     with torch.no_grad():
         for layer in model.model.layers:
             layer.mlp.gate.weight.mul_(5)  # a peaked router: some experts take far more tokens
-    imbalance = []
+    seen = []
     for _ in range(10):  # no optimizer step: only the bias moves
         forward_backward(model, tokens, labels, labelled)
-        imbalance.append(load.imbalance())
-    assert imbalance[0] > 2.0 and max(imbalance[-3:]) < 0.8 * imbalance[0], imbalance
+        seen.append(imbalance(load))
+    assert seen[0] > 2.0 and max(seen[-3:]) < 0.8 * seen[0], seen

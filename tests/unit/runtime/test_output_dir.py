@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 
 from components.checkpoint.dcp import publish_folder
+from components.checkpoint.manifest import foreign_files
 from components.runtime.output_dir import (
     RUN_FILE,
     OutputDirError,
     OutputDirLock,
     claim_output_dir,
     config_hash,
-    foreign_files,
     read_run_record,
     unused_folder,
 )

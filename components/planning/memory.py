@@ -1,4 +1,5 @@
-"""Peak memory of a training step, for the metrics line (``peak_memory_gib``).
+"""Memory measured: the peak of a training step (the metrics line's ``peak_memory_gib``) and the
+memory held now (the dry run's measurement, which the memory model is checked against).
 
 On CUDA: ``torch.cuda.max_memory_allocated`` (tensors only, not the allocator's cache), reset per
 step. On the CPU: the process's peak resident set size, ``VmHWM`` in ``/proc/self/status``, which

@@ -1,34 +1,15 @@
-"""TP replica gradient sync overlapped with the last micro-batch's backward (opt-in).
+"""TP replica gradient sync overlapped with the last micro-batch's backward (opt-in: the recipe
+runs the boundary sync, bench/replica_sync.py measures this one against it).
 
-:func:`~components.distributed.tp_replicas.synchronize_tp_replica_gradients` runs at the optimizer
-boundary, after the whole backward. This component starts each bucket's data all-reduce as soon as
-its gradients are final instead: post-accumulate-grad hooks count, during the backward of the *last*
-micro-batch, the gradients each bucket still waits for, and the full bucket is packed into its own
-FP32 buffer and all-reduced asynchronously. At the step boundary :meth:`ReplicaSyncOverlap.finish`
-issues what is left, runs the int32 pre-check, waits, raises on every rank together if the pre-check
-disagrees (gradients untouched: the data travelled in separate buffers), and otherwise divides
-(mean) and copies the results back. The reductions are the same as the boundary sync's (SUM in FP32,
-then divide), so the results are bitwise equal. Use one or the other for a model, never both (a sum
-reduction applied twice is wrong).
-
-Usage::
-
-    # once, after the TP plan and the broadcast
-    overlap = ReplicaSyncOverlap([model], device_mesh)
-    for step ...:
-        for i, batch in enumerate(micro_batches):
-            if i == len(micro_batches) - 1:
-                overlap.last_micro_batch()                     # before that micro-batch's backward
-            forward_backward(...)
-        # instead of synchronize_tp_replica_gradients
-        overlap.finish()
-
-Buckets are issued strictly in bucket order (a full bucket waits for the ones before it), so every
-rank issues the same collectives in the same order whatever order its hooks fire in. Limits, checked
-at install: plain-tensor replicas only (DTensor replicas, e.g. sequence-parallel norms, need
-``finalize_dtensor_gradients`` first: use the boundary sync), and at most ``MAX_FLAT_BUFFER_BYTES``
-of buffers in all (every bucket owns its buffer while it is in flight). Install it after the
-parameters are final (hooks live on the parameter objects).
+Post-accumulate-grad hooks count, during the last micro-batch's backward, the gradients each bucket
+still waits for; a full bucket is packed into its own FP32 buffer and all-reduced asynchronously,
+strictly in bucket order, so every rank issues the same collectives in the same order.
+:meth:`ReplicaSyncOverlap.finish` issues the rest, runs the int32 pre-check, waits, raises on every
+rank together if it disagrees (gradients untouched), else divides (mean) and copies back: the
+reductions of :func:`~components.distributed.tp_replicas.synchronize_tp_replica_gradients`, bitwise
+equal. Use one or the other for a model, never both. Limits, checked at install: plain-tensor
+replicas only (DTensor ones need ``finalize_dtensor_gradients`` and the boundary sync), at most
+``MAX_FLAT_BUFFER_BYTES`` of buffers; install it once the parameters are final.
 """
 
 import torch
@@ -65,8 +46,17 @@ class _Bucket:
 
 
 class ReplicaSyncOverlap:
-    """Hooks that all-reduce TP-replica gradient buckets during the last backward; see the module
-    docstring."""
+    """Hooks that all-reduce TP-replica gradient buckets during the last backward (see the module
+    docstring). Usage::
+
+        overlap = ReplicaSyncOverlap([model], device_mesh)  # after the TP plan and the broadcast
+        for step ...:
+            for i, batch in enumerate(micro_batches):
+                if i == len(micro_batches) - 1:
+                    overlap.last_micro_batch()  # before that micro-batch's backward
+                forward_backward(...)
+            overlap.finish()  # instead of synchronize_tp_replica_gradients
+    """
 
     def __init__(
         self,

@@ -3,7 +3,7 @@
 
 import torch
 
-from components.training.memory import current_memory_gib, peak_memory_gib, reset_peak_memory
+from components.planning.memory import current_memory_gib, peak_memory_gib, reset_peak_memory
 
 MIB = 1024**2
 
