@@ -512,6 +512,7 @@ RANK_MODULES = (
     "components.distributed.grads",
     "components.distributed.mesh",
     "components.distributed.replicas",
+    "components.distributed.tp_replicas",
     "components.models.parallelize",
     "components.models.precision",
     "components.moe",
