@@ -40,7 +40,7 @@ from components.runtime.output_dir import (
     remove_run_files,
     run_files,
 )
-from recipes.problems import Problem, problems, say
+from components.runtime.problems import Problem, problems, say
 from recipes.schema import Config, show
 
 if TYPE_CHECKING:
