@@ -1,13 +1,11 @@
-"""Fine-tune a Hugging Face causal LM with tensor parallelism (DTensor), configured with Hydra.
+"""Fine-tune a Hugging Face causal LM with tensor parallelism (DTensor), configured with Hydra:
+``python recipes/finetune.py model=llama tp=4 train.max_steps=5``.
 
-    python recipes/finetune.py model=llama tp=4 train.max_steps=5
-
-The story of one run: check (pure, ``recipes/checks.py``) -> prepare once (``recipes/prepare.py``)
--> the frozen run plan -> ranks: set up (mesh, data, model built, converted, parallelised, TP
-replicas broadcast, optimizer, schedule, resume) -> per step: the step function's forward and
-backward, finalise DTensor grads, sync TP-replica grads, grad norm and clip, optimizer step,
-metrics, validation, checkpoint -> finish (drift report, export, loss curve). The command line,
-launching, restarts and exit statuses are ``components/runtime``'s.
+The story of one run on each rank: set up (mesh, data, model built, converted, parallelised, TP
+replicas broadcast, optimizer, schedule, resume), train (per step: the step function, finalise
+DTensor grads, sync TP-replica grads, clip, update, metrics, validation, checkpoint), finish (drift
+report, export, loss curve). Checks and the run plan: ``recipes/checks.py``, ``recipes/prepare.py``;
+the command line, launching, restarts and exit statuses: ``components/runtime``.
 """
 
 from __future__ import annotations  # the annotations below name classes imported only when needed
@@ -28,11 +26,7 @@ from omegaconf import DictConfig
 
 from components.runtime.exit_status import STOPPED_STATUS, disk_full_said_plainly, skipped_verdict
 from components.runtime.launch import fail_once
-from components.runtime.preload import preload
-from components.runtime.problems import (
-    fail,
-    say,  # every line a run prints: rank 0's alone
-)
+from components.runtime.problems import fail, say  # say: rank 0's lines alone
 
 # What ranks alone run (DTensor, DCP, FSDP, model, data and tokenizer code) is imported by the
 # functions that use it, so that --help and --cfg job take about the time of `import torch, hydra`;
@@ -88,6 +82,7 @@ def set_up(plan: RunPlan) -> Run:
     from components.models.parallelize import build_parallel_model
     from components.models.precision import precision_policy
     from components.moe import ExpertLoad, router_aux_loss_weight
+    from components.runtime.checkpoints import resume
     from components.runtime.launch import join_world
     from components.targets import target_class
     from components.training.schedule import build_schedule
@@ -109,7 +104,7 @@ def set_up(plan: RunPlan) -> Run:
     scheduler = build_schedule(
         optimizer, schedule.name, train.warmup_steps, train.max_steps, schedule.options()
     )
-    first_step = _resume(plan, model, optimizer, scheduler)
+    first_step = resume(plan.resume_from, model, optimizer, scheduler)
     precision = precision_policy(plan.model.precision)  # the same policy the model was built with
     data_parallel = dims.data_parallel > 1  # FSDP over dp × cp
     compute = functools.partial(precision.autocast, device.type, data_parallel=data_parallel)
@@ -117,42 +112,15 @@ def set_up(plan: RunPlan) -> Run:
     watched = (model, plan.model.config, list(plan.model.experts), mesh["dp"].get_group())
     experts = ExpertLoad.watch(*watched, plan.model.routers, plan.moe.routing_bias_rate)
     aux = router_aux_loss_weight(plan.model.config, micro_batches, dims.dp)
-    handles = dict(model=model, optimizer=optimizer, scheduler=scheduler, data=data)
-    run = Run(
-        **handles,
-        rank=rank,
-        device=device,
-        mesh=mesh,
-        val_data=val_data,
-        first_step=first_step,
-        compute=compute,
-        experts=experts,
-        aux_loss_weight=aux,
-        replicas=replicas,
-        cp=ContextParallel.of(mesh),
-    )
+    handles = dict(model=model, optimizer=optimizer, scheduler=scheduler, replicas=replicas)
+    where = dict(rank=rank, device=device, mesh=mesh, cp=ContextParallel.of(mesh))
+    steps = dict(data=data, val_data=val_data, first_step=first_step, compute=compute)
+    run = Run(**handles, **where, **steps, experts=experts, aux_loss_weight=aux)
     where = dict(rank=rank, world_size=dist.get_world_size(), first_step=first_step)
     run.before_commit = install_faults(
         plan.fault, model, optimizer, **where, micro_batches_per_step=micro_batches
     )
     return run
-
-
-def _resume(
-    plan: RunPlan,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-) -> int:
-    """The steps already done: 0 for a fresh run, else those of the checkpoint
-    ``plan.resume_from``, loaded into the model, optimizer and scheduler."""
-    from components.checkpoint.dcp import load_checkpoint
-
-    if plan.resume_from is None:
-        return 0
-    first_step = load_checkpoint(plan.resume_from, model, optimizer, scheduler)["step"]
-    say(f"resumed from {plan.resume_from} at step {first_step}")
-    return first_step
 
 
 def forward_backward_step(run: Run, plan: RunPlan, step: int) -> torch.Tensor:
@@ -226,15 +194,17 @@ def train(
     validation, saves. Returns the name of the signal that stopped the run early (with a checkpoint
     of its step), or None; and how many steps were skipped as non-finite."""
     from components.distributed.replicas import check_replicas
+    from components.runtime.checkpoints import stop_note, stop_signal
 
-    log, tracker, writer = _open_outputs(run, plan)
+    log, tracker, writer = open_outputs(run, plan)
     stopped, done, skipped = None, run.first_step, 0  # done: the last step done
     state, every = (run.model, run.optimizer, run.scheduler), plan.checkpoint.every_steps
     max_steps, check_every = plan.train.max_steps, plan.settings.debug.check_replicas_every
+    val_every = plan.train.val_every  # and after the last step
     for step in range(run.first_step, _last_step(plan)):
         record = train_step(run, plan, step, step_fn)
         done, skipped = step + 1, skipped + bool(record.get("skipped"))
-        if _validation_due(plan, done) and run.val_data is not None:
+        if val_every and (done % val_every == 0 or done == max_steps) and run.val_data is not None:
             record["val_loss"] = _validation_loss(run, plan)
         log.log(record)
         tracker.log_metrics(record, record["step"])
@@ -242,7 +212,7 @@ def train(
             check_replicas([run.model], run.mesh, done)
         if every and done % every == 0:
             writer.save(done, *state)
-        if (stopped := _stop_signal(writer, done, state)) is not None:
+        if (stopped := stop_signal(writer, done, state)) is not None:
             break
     if stopped is None and run.first_step < done < max_steps and writer.last_step != done:
         writer.save(done, *state)  # train.stop_after, as a stop signal: the last step's checkpoint
@@ -250,12 +220,8 @@ def train(
     log.close()
     tracker.close()
     if stopped is not None:
-        say(
-            f"note: stopped by {stopped} after step {done} of {max_steps}: checkpoint "
-            f"{writer.last_path}; checkpoint.resume=auto continues (exit status {STOPPED_STATUS})",
-            file=sys.stderr,
-            flush=True,
-        )
+        note = stop_note(stopped, done, max_steps, writer.last_path, STOPPED_STATUS)
+        say(note, file=sys.stderr, flush=True)
     return stopped, skipped
 
 
@@ -263,33 +229,21 @@ def _last_step(plan: RunPlan) -> int:
     return min(plan.train.max_steps, plan.train.stop_after or plan.train.max_steps)
 
 
-def _open_outputs(run: Run, plan: RunPlan) -> tuple[MetricsLog, MetricsLogger, CheckpointWriter]:
-    """What the steps write to: metrics.jsonl, the tracker (``logger=...``, on rank 0 only) and the
-    checkpoint writer."""
+def open_outputs(run: Run, plan: RunPlan) -> tuple[MetricsLog, MetricsLogger, CheckpointWriter]:
+    """metrics.jsonl, the tracker (``logger=...``, on rank 0 only) and the checkpoint writer."""
     import yaml
 
     from components.checkpoint.writer import CheckpointWriter
     from components.training.loggers import open_logger
     from components.training.metrics import MetricsLog
 
-    first, output_dir, zero = run.first_step, plan.output_dir, run.rank == 0
+    first, zero, logger, output_dir = run.first_step, run.rank == 0, plan.logger, plan.output_dir
     log = MetricsLog(output_dir / "metrics.jsonl", zero, first, plan.train.max_steps)
-    logger, hparams = plan.logger, yaml.safe_load(plan.config_yaml)
+    hparams = yaml.safe_load(plan.config_yaml)
     tracker = open_logger(logger.target, logger.options(), output_dir, first, hparams, zero)
-    ids = dict(keep=plan.checkpoint.keep, run_id=plan.run_id, run_info=plan.run_info)
-    asynchronous, before_commit = plan.checkpoint.asynchronous, run.before_commit
-    writer = CheckpointWriter(
-        plan.checkpoints, **ids, asynchronous=asynchronous, before_commit=before_commit
-    )
-    return log, tracker, writer
-
-
-def _validation_due(plan: RunPlan, done: int) -> bool:
-    """Whether step ``done`` validates: every ``train.val_every`` steps and after the last (never
-    with ``train.val_every=0``)."""
-    train_cfg = plan.train
-    every = train_cfg.val_every
-    return bool(every) and (done % every == 0 or done == train_cfg.max_steps)
+    saves = dict(keep=plan.checkpoint.keep, asynchronous=plan.checkpoint.asynchronous)
+    ids = dict(run_id=plan.run_id, run_info=plan.run_info, before_commit=run.before_commit)
+    return log, tracker, CheckpointWriter(plan.checkpoints, **saves, **ids)
 
 
 def _validation_loss(run: Run, plan: RunPlan) -> float:
@@ -298,29 +252,8 @@ def _validation_loss(run: Run, plan: RunPlan) -> float:
     from components.training.validation import validation_loss
 
     dp_group = data_parallel_mesh(run.mesh).get_group()  # dp × cp
-    return validation_loss(
-        run.model,
-        run.val_data,
-        run.device,
-        dp_group,
-        run.compute(),
-        plan.train.loss_chunk_tokens,
-        run.cp,
-    )
-
-
-def _stop_signal(writer: CheckpointWriter, done: int, state: tuple) -> str | None:
-    """The name of the signal that stops the run after step ``done`` (with a checkpoint of it), or
-    None. One all-reduce per step: a SIGTERM or SIGUSR1 on any rank stops every rank."""
-    from components.runtime import preemption
-
-    if not writer.after_step(preemption.stop_requested() is not None):
-        return None
-    own = preemption.stop_requested()
-    stopped = own.name if own is not None else "a signal to another rank"
-    if writer.last_step != done:  # a checkpoint of this step, even with every_steps=0
-        writer.save(done, *state)
-    return stopped
+    where = (run.device, dp_group, run.compute(), plan.train.loss_chunk_tokens, run.cp)
+    return validation_loss(run.model, run.val_data, *where)
 
 
 def finish(run: Run, plan: RunPlan, stopped: bool = False, skipped: int = 0) -> None:
@@ -331,57 +264,37 @@ def finish(run: Run, plan: RunPlan, stopped: bool = False, skipped: int = 0) -> 
 
     from components.checkpoint.export import export_dtype, export_hf
     from components.distributed.replicas import write_drift_report
+    from components.runtime.checkpoints import done_line
     from components.training.metrics import plot_loss_curve
 
     output_dir, train = plan.output_dir, plan.train
     if not stopped:
         write_drift_report([run.model], run.mesh, output_dir / "replica_drift.json", run.rank)
     ended = (train.stop_after or train.max_steps) >= train.max_steps and not stopped
-    verdict = skipped_verdict(skipped, _last_step(plan) - run.first_step)
-    fails, note = verdict if not stopped else (False, None)
+    fails, note = skipped_verdict(0 if stopped else skipped, _last_step(plan) - run.first_step)
     if plan.checkpoint.export and ended and not fails:
-        source = plan.model.weights
-        export_hf(
-            run.model,
-            plan.model.config,
-            output_dir / "hf",
-            tokenizer=AutoTokenizer.from_pretrained(plan.tokenizer_dir, trust_remote_code=False),
-            dtype=export_dtype(plan.checkpoint.export_dtype, source),
-            source_dir=source,
-            recipe="recipes/finetune.py",
-            config_yaml=plan.config_yaml,
-            base_model=plan.settings.model.pretrained_path,
+        source, base_model = plan.model.weights, plan.settings.model.pretrained_path
+        tokenizer = AutoTokenizer.from_pretrained(plan.tokenizer_dir, trust_remote_code=False)
+        dtype = export_dtype(plan.checkpoint.export_dtype, source)
+        card = dict(
+            recipe="recipes/finetune.py", config_yaml=plan.config_yaml, base_model=base_model
         )
+        files = dict(tokenizer=tokenizer, dtype=dtype, source_dir=source)
+        export_hf(run.model, plan.model.config, output_dir / "hf", **files, **card)
     if run.rank == 0 and (output_dir / "metrics.jsonl").exists():
         plot_loss_curve(output_dir / "metrics.jsonl", output_dir / "loss.png")
         if note and not fails:
             say(note, file=sys.stderr)
         if not fails:
-            say(done_line(plan, ended, exported=plan.checkpoint.export and ended))
+            exported = plan.checkpoint.export and ended
+            say(done_line(output_dir, train.max_steps, ended, exported))
     dist.destroy_process_group()
     if fails:
         fail_once(note)  # every rank exits 1; rank 0 prints the one error: line
 
 
-def done_line(plan: RunPlan, ended: bool, exported: bool) -> str:
-    """The run's last line, naming only what it left: ``hf/`` only when exported now, and before the
-    end (``train.stop_after``, a stop signal) the checkpoint ``checkpoint.resume=auto`` continues
-    from."""
-    from components.checkpoint.integrity import complete_checkpoints
-
-    wrote = ["metrics", "loss.png", *(["hf/"] if exported else [])]
-    if ended or not (checkpoints := complete_checkpoints(plan.checkpoints)):
-        return f"done: {', '.join(wrote[:-1])} and {wrote[-1]} in {plan.output_dir}"
-    latest = checkpoints[-1]
-    return (
-        f"done: metrics, loss.png and checkpoint {latest.name} in {plan.output_dir} (no hf/ before "
-        f"step {plan.train.max_steps}); checkpoint.resume=auto continues from it"
-    )
-
-
 def rank_main(plan: RunPlan) -> str | None:
-    """What every rank runs: set up, train, finish. Returns the stop signal's name (see
-    ``train``)."""
+    """What every rank runs: set up, train, finish; the stop signal's name (see ``train``)."""
     from components.runtime import preemption
 
     preemption.install()  # first: a SIGTERM or SIGUSR1 from now on stops the run after a step
@@ -404,28 +317,32 @@ def resume_again(plan: RunPlan, attempt: int) -> RunPlan:
 
 
 def launch(cfg: DictConfig, job_dir: str | None, hydra_run_dir: str | None) -> None:
-    """Check (pure), prepare once, then run the ranks (or price the layout: ``dry_run``).
+    """Check (pure), prepare once, then the ranks; ``dry_run``: the layout priced on fake ranks.
     ``job_dir``: a sweep job's own folder; ``hydra_run_dir``: checked to agree with output_dir."""
-    from components.runtime.ranks import prepared_plan, run_ranks
+    from components.planning.dry_run import dry_run
+    from components.runtime.ranks import start
     from recipes.checks import check
     from recipes.prepare import prepare
 
-    plan, lock = prepared_plan(lambda: check(cfg, job_dir, hydra_run_dir), prepare)
-    try:
-        if plan.dry_run:  # checked: the layout is built on fake ranks and priced; nothing runs
-            from components.planning.dry_run import dry_run
+    checked = functools.partial(check, cfg, job_dir, hydra_run_dir)
+    priced = functools.partial(dry_run, fail=fail)
+    start(
+        checked,
+        prepare,
+        rank_main,
+        preload_from=Path(__file__),
+        dry_run=priced,
+        on_restart=resume_again,
+    )
 
-            return dry_run(plan, fail)
-        restarts = dict(max_restarts=plan.settings.max_restarts, on_restart=resume_again)
-        preload(Path(__file__))  # what the rank functions import, once before the fork
-        run_ranks(rank_main, plan, plan.dims.world_size, **restarts)
-    finally:  # the folder is free again once the ranks are done
-        if lock is not None:
-            lock.release()
+
+def compose(overrides: list[str]) -> DictConfig:
+    from recipes.checks import compose
+
+    return compose(overrides)
 
 
 if __name__ == "__main__":
     from components.runtime.cli import main
-    from recipes.checks import CONF_DIR, compose
 
-    main(CONF_DIR, launch, compose)
+    main(Path(__file__).resolve().parents[1] / "conf", launch, compose)

@@ -1,15 +1,12 @@
 """How a run ends, as a status and one line: stopped by a signal with a checkpoint, interrupted
-before any rank started, or failed on a full disk (said plainly, with what survives)."""
+before any rank started, or failed on a full disk (said plainly, with what survives). Imports
+nothing heavy at the top: ``--help`` stays fast."""
 
 import errno
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-
-from torch.distributed.checkpoint.api import CheckpointException
-
-from components.checkpoint.integrity import complete_checkpoints
 
 # A SIGTERM or SIGUSR1 stopped the run with a checkpoint: sysexits' EX_TEMPFAIL, "try again later"
 # (0: done; 1: an error; 2: bad input; 128 + N: killed by signal N before a checkpoint).
@@ -28,6 +25,8 @@ FULL_BYTES = 64 * 2**20
 def disk_full(error: BaseException, output_dir: Path) -> str | None:
     """What a write that failed on a full disk under ``output_dir`` says (the folder, the space
     left, the checkpoint that survives), or None when ``error`` is not that."""
+    from components.checkpoint.integrity import complete_checkpoints
+
     chain, cause = [], error
     while cause is not None and len(chain) < 16:
         chain.append(cause)
@@ -56,6 +55,8 @@ def disk_full(error: BaseException, output_dir: Path) -> str | None:
 def disk_full_said_plainly(output_dir: Path) -> Iterator[None]:
     """Re-raise a write that failed on a full disk as ``OSError(ENOSPC, <what to do>)``, the
     message the launcher's ``error:`` line shows; any other error passes unchanged."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         yield
     except (Exception, CheckpointException) as error:  # DCP's is a BaseException

@@ -7,6 +7,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch.distributed as dist
@@ -19,6 +20,7 @@ from components.runtime.launch import (
     start_fresh_line,
     started_by_launcher,
 )
+from components.runtime.preload import preload
 from components.runtime.problems import ConfigError, fail, say
 
 Plan = TypeVar("Plan")
@@ -103,3 +105,30 @@ def prepared_plan(check: Callable[[], Any], prepare: Callable[[Any], tuple[Plan,
             timeout = checked.collective_timeout
             join_world(checked.device_type, timeout, checked.cpu_threads, checked.seed)
         return prepare_once(lambda: prepare(checked))
+
+
+def start(
+    check: Callable[[], Any],
+    prepare: Callable[[Any], tuple[Plan, Any]],
+    rank_main: Callable[[Plan], str | None],
+    *,
+    preload_from: Path,
+    dry_run: Callable[[Plan], Any],
+    on_restart: Callable[[Plan, int], Plan] | None = None,
+) -> None:
+    """A recipe's launch: check, prepare once, then ``rank_main`` on every rank (with
+    ``plan.dims.world_size`` local ranks and ``plan.settings.max_restarts`` restarts when nothing
+    launched us); a plan with ``dry_run`` set goes to ``dry_run`` instead. What the functions of
+    ``preload_from`` import is imported once, before the fork. The lock ``prepare`` took on the
+    output folder is released once the ranks are done."""
+    plan, lock = prepared_plan(check, prepare)
+    try:
+        if plan.dry_run:
+            dry_run(plan)
+            return
+        preload(preload_from)
+        restarts = dict(max_restarts=plan.settings.max_restarts, on_restart=on_restart)
+        run_ranks(rank_main, plan, plan.dims.world_size, **restarts)
+    finally:
+        if lock is not None:
+            lock.release()
