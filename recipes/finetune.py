@@ -15,8 +15,6 @@ import math
 import sys
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,37 +30,10 @@ from components.runtime.problems import fail, say  # say: rank 0's lines alone
 # functions that use it, so that --help and --cfg job take about the time of `import torch, hydra`;
 # the launcher imports it once before it forks the ranks (components/runtime/preload.py).
 if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
-
     from components.checkpoint.writer import CheckpointWriter
-    from components.data import StepBatches
-    from components.distributed.context_parallel import ContextParallel
-    from components.distributed.replicas import ReplicaSync
-    from components.moe import ExpertLoad
     from components.training.loggers import MetricsLogger
     from components.training.metrics import MetricsLog
-    from recipes.plan import RunPlan
-
-
-@dataclass(kw_only=True)
-class Run:
-    """One rank's handles: where it is, what it trains, and with what."""
-
-    rank: int
-    device: torch.device
-    mesh: DeviceMesh
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    data: StepBatches
-    val_data: StepBatches | None
-    first_step: int  # steps already done (by the checkpoint resumed from)
-    compute: Callable[[], AbstractContextManager]  # the precision's forward context (autocast)
-    experts: ExpertLoad | None  # tokens per expert of an MoE model, for the step's imbalance
-    aux_loss_weight: float  # of an MoE model's load-balancing loss (0: its config has none)
-    replicas: ReplicaSync  # the TP replica gradient sync, built once: its plan and buffers last
-    cp: ContextParallel | None  # this rank's context-parallel group (None at cp=1)
-    before_commit: Callable[[Path], None] | None = None  # the checkpoint writer's callback
+    from recipes.plan import Run, RunPlan
 
 
 def convert(model: torch.nn.Module, plan: RunPlan) -> torch.nn.Module:
@@ -86,6 +57,7 @@ def set_up(plan: RunPlan) -> Run:
     from components.runtime.launch import join_world
     from components.targets import target_class
     from components.training.schedule import build_schedule
+    from recipes.plan import Run
 
     train, optim, timeout, dims = plan.train, plan.optim, plan.collective_timeout, plan.dims
     device = join_world(plan.device_type, timeout, plan.cpu_threads, plan.seed)
@@ -141,7 +113,7 @@ def forward_backward_step(run: Run, plan: RunPlan, step: int) -> torch.Tensor:
     return loss_sum
 
 
-StepFn = Callable[[Run, "RunPlan", int], torch.Tensor]
+StepFn = Callable[["Run", "RunPlan", int], torch.Tensor]
 
 
 def train_step(run: Run, plan: RunPlan, step: int, step_fn: StepFn = forward_backward_step) -> dict:
@@ -201,7 +173,7 @@ def train(
     state, every = (run.model, run.optimizer, run.scheduler), plan.checkpoint.every_steps
     max_steps, check_every = plan.train.max_steps, plan.settings.debug.check_replicas_every
     val_every = plan.train.val_every  # and after the last step
-    for step in range(run.first_step, _last_step(plan)):
+    for step in range(run.first_step, plan.last_step):
         record = train_step(run, plan, step, step_fn)
         done, skipped = step + 1, skipped + bool(record.get("skipped"))
         if val_every and (done % val_every == 0 or done == max_steps) and run.val_data is not None:
@@ -223,10 +195,6 @@ def train(
         note = stop_note(stopped, done, max_steps, writer.last_path, STOPPED_STATUS)
         say(note, file=sys.stderr, flush=True)
     return stopped, skipped
-
-
-def _last_step(plan: RunPlan) -> int:
-    return min(plan.train.max_steps, plan.train.stop_after or plan.train.max_steps)
 
 
 def open_outputs(run: Run, plan: RunPlan) -> tuple[MetricsLog, MetricsLogger, CheckpointWriter]:
@@ -271,7 +239,7 @@ def finish(run: Run, plan: RunPlan, stopped: bool = False, skipped: int = 0) -> 
     if not stopped:
         write_drift_report([run.model], run.mesh, output_dir / "replica_drift.json", run.rank)
     ended = (train.stop_after or train.max_steps) >= train.max_steps and not stopped
-    fails, note = skipped_verdict(0 if stopped else skipped, _last_step(plan) - run.first_step)
+    fails, note = skipped_verdict(0 if stopped else skipped, plan.last_step - run.first_step)
     if plan.checkpoint.export and ended and not fails:
         source, base_model = plan.model.weights, plan.settings.model.pretrained_path
         tokenizer = AutoTokenizer.from_pretrained(plan.tokenizer_dir, trust_remote_code=False)
@@ -305,44 +273,26 @@ def rank_main(plan: RunPlan) -> str | None:
     return stopped
 
 
-def resume_again(plan: RunPlan, attempt: int) -> RunPlan:
-    """A restarted local rank's plan: the checkpoint chosen again, the last complete one."""
-    from recipes.outputs import choose_checkpoint
-
-    resume, max_steps = plan.checkpoint.resume, plan.train.max_steps
-    resume_from = choose_checkpoint(resume, max_steps, plan.checkpoints, plan.run_info)
-    at = f"from {resume_from}" if resume_from is not None else "from step 0"
-    say(f"note: restart {attempt} of {plan.settings.max_restarts} after a rank failed: {at}")
-    return replace(plan, resume_from=resume_from)
-
-
 def launch(cfg: DictConfig, job_dir: str | None, hydra_run_dir: str | None) -> None:
     """Check (pure), prepare once, then the ranks; ``dry_run``: the layout priced on fake ranks.
     ``job_dir``: a sweep job's own folder; ``hydra_run_dir``: checked to agree with output_dir."""
-    from components.planning.dry_run import dry_run
     from components.runtime.ranks import start
     from recipes.checks import check
-    from recipes.prepare import prepare
+    from recipes.prepare import prepare, resume_again
 
     checked = functools.partial(check, cfg, job_dir, hydra_run_dir)
-    priced = functools.partial(dry_run, fail=fail)
-    start(
-        checked,
-        prepare,
-        rank_main,
-        preload_from=Path(__file__),
-        dry_run=priced,
-        on_restart=resume_again,
-    )
+    ways = dict(dry_run=price, on_restart=resume_again, preload_from=Path(__file__))
+    start(checked, prepare, rank_main, **ways)
 
 
-def compose(overrides: list[str]) -> DictConfig:
-    from recipes.checks import compose
+def price(plan: RunPlan) -> None:
+    """``dry_run=true``: the layout built on fake ranks and priced; nothing runs."""
+    from components.planning.dry_run import dry_run
 
-    return compose(overrides)
+    dry_run(plan, fail)
 
 
 if __name__ == "__main__":
     from components.runtime.cli import main
 
-    main(Path(__file__).resolve().parents[1] / "conf", launch, compose)
+    main(Path(__file__).resolve().parents[1] / "conf", launch, "recipes.checks:compose")

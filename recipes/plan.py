@@ -1,5 +1,6 @@
-"""What the checks decided (:class:`Checked`, pure) and the run plan the ``prepare`` phase makes of
-it (:class:`RunPlan`): every decision of a run, made once and read by every rank.
+"""What the checks decided (:class:`Checked`, pure), the run plan the ``prepare`` phase makes of
+it (:class:`RunPlan`: every decision of a run, made once and read by every rank), and what a rank
+builds from the plan (:class:`Run`).
 
 Ranks never re-derive what is here (paths, sizes, the checkpoint to resume, the data, the model's
 config). The settings themselves stay the schema's object (``recipes/schema.py``, each key declared
@@ -8,6 +9,8 @@ once there); the plan adds only what was decided from them.
 
 from __future__ import annotations  # the field types are only read by a type checker
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import cached_property
@@ -18,10 +21,16 @@ from components.distributed.mesh import ParallelDims
 from recipes.schema import Checkpoint, Config, Moe, Optim, Schedule, Targeted, Train
 
 if TYPE_CHECKING:  # heavy (datasets, DTensor): the checks import them when they need them
-    from components.data import PreparedData
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from components.data import PreparedData, StepBatches
     from components.data.sources import DataSource
     from components.debug.faults import Fault
+    from components.distributed.context_parallel import ContextParallel
+    from components.distributed.replicas import ReplicaSync
     from components.models.parallelize import ModelSpec
+    from components.moe import ExpertLoad
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,6 +90,11 @@ class Settled:
     def checkpoints(self) -> Path:
         return self.output_dir / "checkpoints"
 
+    @property
+    def last_step(self) -> int:
+        """The last step this invocation trains: ``train.stop_after`` or ``train.max_steps``."""
+        return min(self.train.max_steps, self.train.stop_after or self.train.max_steps)
+
 
 @dataclass(frozen=True, kw_only=True)
 class Checked(Settled):
@@ -110,3 +124,24 @@ class RunPlan(Settled):
         from components.planning.flops import flops_per_token
 
         return flops_per_token(self.model.config, self.train.seq_len)
+
+
+@dataclass(kw_only=True)
+class Run:
+    """One rank's handles: where it is, what it trains, and with what."""
+
+    rank: int
+    device: torch.device
+    mesh: DeviceMesh
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    data: StepBatches
+    val_data: StepBatches | None
+    first_step: int  # steps already done (by the checkpoint resumed from)
+    compute: Callable[[], AbstractContextManager]  # the precision's forward context (autocast)
+    experts: ExpertLoad | None  # tokens per expert of an MoE model, for the step's imbalance
+    aux_loss_weight: float  # of an MoE model's load-balancing loss (0: its config has none)
+    replicas: ReplicaSync  # the TP replica gradient sync, built once: its plan and buffers last
+    cp: ContextParallel | None  # this rank's context-parallel group (None at cp=1)
+    before_commit: Callable[[Path], None] | None = None  # the checkpoint writer's callback

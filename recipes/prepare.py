@@ -11,7 +11,7 @@ from __future__ import annotations  # the annotations name classes imported only
 import copy
 import os
 import sys
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -161,3 +161,14 @@ def _claim_output_dir(
         return None, choose_checkpoint(resume, max_steps, output / "checkpoints", info), None
     except OwnershipError as error:
         raise ConfigError([error.problem()]) from None
+
+
+def resume_again(plan: RunPlan, attempt: int) -> RunPlan:
+    """A restarted local rank's plan: the checkpoint chosen again, the last complete one."""
+    from recipes.outputs import choose_checkpoint
+
+    resume, max_steps = plan.checkpoint.resume, plan.train.max_steps
+    resume_from = choose_checkpoint(resume, max_steps, plan.checkpoints, plan.run_info)
+    at = f"from {resume_from}" if resume_from is not None else "from step 0"
+    say(f"note: restart {attempt} of {plan.settings.max_restarts} after a rank failed: {at}")
+    return replace(plan, resume_from=resume_from)

@@ -6,6 +6,7 @@ goes to ``hydra.main``, each sweep job into its own folder.
 ``hydra_run_dir`` a ``hydra.run.dir`` the user gave (checked to agree with ``output_dir``).
 """
 
+import importlib
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -56,9 +57,11 @@ def composition_message(error: Exception, overrides: list[str], advise: Advise |
     return message
 
 
-def main(conf_dir: Path, launch: Launch, compose: Callable[[list[str]], DictConfig]) -> None:
+def main(conf_dir: Path, launch: Launch, compose: str) -> None:
     """The recipe's ``__main__``: read ``sys.argv``, compose (or hand over to Hydra), launch; under
-    torchrun, end the rank as a local one ends (:func:`end_launched_rank`)."""
+    torchrun, end the rank as a local one ends (:func:`end_launched_rank`). ``compose`` names the
+    recipe's composing function (``module:function``), imported only for plain overrides, so that
+    ``--help`` stays light."""
     arguments = sys.argv[1:]
     if any(argument.startswith("-") for argument in arguments):
         sweep = Sweep()
@@ -67,7 +70,8 @@ def main(conf_dir: Path, launch: Launch, compose: Callable[[list[str]], DictConf
         finally:  # a --multirun sweep: every job's status, and the sweep's
             sweep.end()
     else:
-        composed = compose(arguments)
+        module, _, function = compose.partition(":")
+        composed = getattr(importlib.import_module(module), function)(arguments)
         # only a run dir the user gave: the default is ${output_dir}, and its ${now:...} read a
         # moment later can name the next second's folder
         given = any(argument.startswith("hydra.run.dir=") for argument in arguments)
