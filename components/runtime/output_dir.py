@@ -38,23 +38,8 @@ RUN_FILES = (
     "config.yaml",
     "checkpoints",
     "hf",
-    "tokenizer",
     RUN_FILE,
 )
-# Files an export or tokenizer folder written before manifests existed holds; anything else in it is
-# the user's.
-_EXPORT_NAMES = (
-    "config.json",
-    "generation_config.json",
-    "model.safetensors",
-    "model.safetensors.index.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-)
-
-
 class OutputDirError(Exception):
     """The output folder cannot be used as asked; the message is one line saying why and what to
     do."""
@@ -183,19 +168,16 @@ def write_manifest(folder: Path) -> None:
 
 
 def foreign_files(folder: Path) -> list[str]:
-    """Files under ``folder`` that shardtune did not write: not in its manifest (or, for a folder
-    without a manifest, not one of a Hugging Face export's usual names). Sorted relative paths; []
-    if no folder."""
+    """Files under ``folder`` that shardtune did not write: not in its manifest (every file, for a
+    folder without one). Sorted relative paths; [] if no folder."""
     folder = Path(folder)
     if not folder.is_dir():
         return []
     try:
         ours = set(json.loads((folder / MANIFEST).read_text())) | {MANIFEST}
     except (OSError, ValueError, TypeError):
-        ours = None
+        ours = set()
     found = sorted(str(path.relative_to(folder)) for path in folder.rglob("*") if not path.is_dir())
-    if ours is None:
-        return [name for name in found if name not in _EXPORT_NAMES]
     return [name for name in found if name not in ours]
 
 
@@ -215,7 +197,6 @@ def run_files(output_dir: Path) -> list[str]:
 def _user_files_in_ours(output_dir: Path) -> list[str]:
     output_dir = Path(output_dir)
     found = [f"hf/{name}" for name in foreign_files(output_dir / "hf")]
-    found += [f"tokenizer/{name}" for name in foreign_files(output_dir / "tokenizer")]
     found += [f"checkpoints/{name}" for name in _foreign_in_checkpoints(output_dir / "checkpoints")]
     return found
 
@@ -303,8 +284,8 @@ def read_run_record(output_dir: Path) -> RunRecord | None:
     record."""
     try:
         fields = json.loads((Path(output_dir) / RUN_FILE).read_text())
-        return RunRecord(**{**fields, "files": tuple(fields.get("files", RUN_FILES))})
-    except (OSError, ValueError, TypeError, AttributeError):
+        return RunRecord(**{**fields, "files": tuple(fields["files"])})
+    except (OSError, ValueError, TypeError, AttributeError, KeyError):
         return None
 
 

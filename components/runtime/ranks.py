@@ -1,6 +1,8 @@
 """From a checked config to running ranks: refusals as one line, the ``prepare`` phase once (here,
 or on rank 0 of a torchrun world while the others wait for its plan), then the ranks, here
 (torchrun started us) or as local processes with torch elastic's restarts.
+
+Design notes: docs/design-notes.md
 """
 
 import os
