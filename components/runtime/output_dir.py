@@ -40,6 +40,8 @@ RUN_FILES = (
     "hf",
     RUN_FILE,
 )
+
+
 class OutputDirError(Exception):
     """The output folder cannot be used as asked; the message is one line saying why and what to
     do."""
