@@ -31,12 +31,12 @@ from components.models.hub import resolve_model_folder
 from components.runtime.cli import compose_config
 from components.runtime.launch import cpu_threads_per_rank, started_by_launcher
 from components.runtime.output_dir import unused_folder
-from components.runtime.problems import ConfigError, Problem, problems, say
+from components.runtime.problems import ConfigError, Problem, problems, say, show
 from components.targets import check_target
 from components.training.loggers import check_logger_available, check_logger_options
 from components.training.optimizer import check_optimizer
 from recipes.plan import Checked
-from recipes.schema import Config, SchemaError, show, validate
+from recipes.schema import Config, SchemaError, validate
 
 if TYPE_CHECKING:
     from components.data.sources import DataSource
@@ -311,7 +311,11 @@ def check(
     a sweep job's folder; ``hydra_run_dir`` the run dir Hydra was given."""
     settings, found = _validated(cfg)
     _refuse(found)
-    from recipes.outputs import check_output_dir, explicit_checkpoint_errors, where_errors
+    from components.runtime.output_checks import (  # after the schema: a bad key is refused fast
+        check_output_dir,
+        explicit_checkpoint_errors,
+        where_errors,
+    )
 
     train = settings.train
     warmup = min(train.warmup_steps, train.max_steps)  # a longer one is cut to the run, with a note

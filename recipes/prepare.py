@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 from components.models.families import moe_patterns
 from components.runtime.output_dir import OutputDirLock
-from components.runtime.problems import ConfigError, Problem, say
+from components.runtime.problems import ConfigError, Problem, say, show
 from recipes.checks import pad_multiple, plan_problems
 from recipes.plan import Checked, RunPlan, Settled
-from recipes.schema import Config, show
+from recipes.schema import Config
 
 if TYPE_CHECKING:
     from components.data import PreparedData

@@ -21,6 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from components.models.options import ACTIVATION_CHECKPOINTING, PRECISIONS
+from components.runtime.problems import show
 
 ON_NONFINITE = ("stop", "skip")
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")  # components.checkpoint.export's names
@@ -244,15 +245,6 @@ class Config(Section):
     data: Data
     schedule: Schedule
     logger: Targeted
-
-
-def show(value: Any) -> str:
-    """A value as a Hydra override would spell it (null, true, 'text', [1, 2])."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    return repr(value)
 
 
 def _field_hint(loc: tuple) -> str:
