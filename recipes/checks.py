@@ -1,17 +1,12 @@
-"""Every check, once per launch, before any rank starts; the result is the run plan
-(``recipes/plan.py``).
-
-Every check returns problems (``recipes/problems.py``); ``fail`` prints them as one ``error:`` line
-on stderr (joined by "; ", each naming the key, its value and what would work) and exits 2, in
-seconds: no traceback wall, no rank left waiting. Under torchrun every rank runs the checks but only
-rank 0 prints (``say``).
+"""Every check that needs no effect, once per launch, before any rank starts: config in, problems
+out (``components/runtime/problems.py``), all at once; nothing written, tokenized or trained. The
+effects follow in ``recipes/prepare.py``, once.
 
 In order: Hydra composition (:func:`compose`); interpolations, every key's type, range and the set
 of known keys (``recipes/schema.py``); the optimizer's class and options; sizes that do not factor
 the world; batch sizes and (with ``sp``) the sequence length that do not divide;
 ``checkpoint.resume``; ``output_dir``; the model (folder or config, plan divisibility, experts,
-``seq_len`` within its positions); the data and the validation split; and, once the tokenizer
-exists, that every record keeps answer tokens within ``train.seq_len``.
+``seq_len`` within its positions); the data source.
 """
 
 from __future__ import annotations  # the annotations name classes imported only when needed
@@ -19,9 +14,6 @@ from __future__ import annotations  # the annotations name classes imported only
 import difflib
 import math
 import os
-import re
-import sys
-from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,20 +28,19 @@ from components.distributed.mesh import ParallelDims, resolve_parallel_dims
 from components.models.configs import build_config, config_errors
 from components.models.families import moe_patterns
 from components.models.hub import resolve_model_folder
+from components.runtime.cli import compose_config
 from components.runtime.launch import cpu_threads_per_rank, started_by_launcher
-from components.runtime.output_dir import OutputDirLock, RunRecord, unused_folder
+from components.runtime.output_dir import unused_folder
+from components.runtime.problems import ConfigError, Problem, problems, say, show
 from components.targets import check_target
 from components.training.loggers import check_logger_available, check_logger_options
 from components.training.optimizer import check_optimizer
-from recipes.plan import RunPlan
-from recipes.problems import ConfigError, Problem, fail, is_rank_zero, problems, say
-from recipes.schema import Config, SchemaError, show, validate
+from recipes.plan import Checked
+from recipes.schema import Config, SchemaError, validate
 
 if TYPE_CHECKING:
-    from components.data import PreparedData
     from components.data.sources import DataSource
     from components.debug.faults import Fault
-    from components.models.parallelize import ModelSpec
 
 # Model, data and tokenizer modules (transformers, datasets, DTensor) are imported by the checks
 # that use them: a mistyped key or a bad value is refused in about the time of `import torch`.
@@ -57,28 +48,14 @@ CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
 def compose(overrides: list[str]) -> DictConfig:
-    """Compose like ``hydra.main`` would (with the ``hydra`` node), so that composition errors print
-    as one ``error:`` line instead of Hydra's own multi-line report."""
-    try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            return hydra_compose(
-                config_name="config", overrides=overrides, return_hydra_config=True
-            )
-    except (HydraException, OmegaConfBaseException) as error:
-        message = _with_group_options(str(error) or str(error.__cause__))
-        fail([Problem(key="overrides", message=_append_advice(message, overrides))])
+    """The recipe's config composed from ``overrides`` (``conf/``), or one ``error:`` line."""
+    return compose_config(CONF_DIR, overrides, advise=_append_advice)
 
 
-def _append_advice(message: str, overrides: list[str]) -> str:
-    """Hydra's "Could not override 'train.max_stpes'. To append to your config use
-    +train.max_stpes=5", kept only when that ``+`` override then passes the checks; else what it
-    would be refused with, and the known key of the closest name."""
-    found = re.search(
-        r"Could not override '([^']+)'\.\s+To append to your config use \+(\S+)", message
-    )
-    if found is None:
-        return message
-    key = found[1]
+def _append_advice(key: str, overrides: list[str], message: str) -> str | None:
+    """For Hydra's "Could not override 'train.max_stpes'. To append to your config use
+    +train.max_stpes=5": None (Hydra's advice stands) when that ``+`` override then passes the
+    checks; else what it would be refused with, and the known key of the closest name."""
     given = [override.partition("=")[0] == key for override in overrides]
     appended = [f"+{o}" if is_key else o for o, is_key in zip(overrides, given, strict=True)]
     rest = [o for o, is_key in zip(overrides, given, strict=True) if not is_key]
@@ -87,10 +64,10 @@ def _append_advice(message: str, overrides: list[str]) -> str:
             settings, refused = _validated(hydra_compose(config_name="config", overrides=appended))
             known = _dotted_keys(OmegaConf.to_container(hydra_compose("config", overrides=rest)))
     except (HydraException, OmegaConfBaseException):
-        return message  # Hydra would refuse the + too: its own words
+        return None  # Hydra would refuse the + too: its own words
     refused = refused or _open_group_problems(settings)
     if not (why := [problem.message for problem in refused if key in problem.message]):
-        return message
+        return None
     close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
     meant = f"; did you mean {close[0]}?" if close else ""
     return f"Could not override '{key}', and +{key} is refused too: {why[0].splitlines()[0]}{meant}"
@@ -121,16 +98,6 @@ def _dotted_keys(tree: dict, prefix: str = "") -> list[str]:
         if isinstance(value, dict):
             keys += _dotted_keys(value, f"{prefix}{name}.")
     return keys
-
-
-def _with_group_options(message: str) -> str:
-    """Hydra's "Could not find 'model/gpt5'" with the options the group has."""
-    missing = re.search(r"Could not find '(\w+)/([^']*)'", message)
-    if missing is None or not (CONF_DIR / missing[1]).is_dir():
-        return message
-    names = sorted(path.stem for path in (CONF_DIR / missing[1]).glob("*.yaml"))
-    first, _, rest = message.strip().partition("\n\n")  # fail() shows the first paragraph alone
-    return f"{first}: {missing[1]}= takes one of {', '.join(names)}\n\n{rest}"
 
 
 def check_sizes(settings: Config, device_type: str) -> tuple[ParallelDims | None, list[Problem]]:
@@ -245,7 +212,7 @@ def resolve_model(
     if path is not None:
         found += problems("model", check_model_folder(path, meta) + check_tokenizer_folder(path))
     if dims is not None:
-        found += _plan_problems(settings, dims, config, meta)
+        found += plan_problems(settings, dims, config, meta)
         try:
             experts, _ = moe_patterns(config.model_type, model.experts, model.routers)
             check_compile(settings.train.compile, device_type, bool(experts), dims.tp, settings.sp)
@@ -264,7 +231,7 @@ def _model_folder(pretrained_path: str | None) -> Path:
     )  # a local folder, or a Hub id from the cache (or downloaded)
 
 
-def _plan_problems(settings: Config, dims: ParallelDims, config, meta) -> list[Problem]:
+def plan_problems(settings: Config, dims: ParallelDims, config, meta) -> list[Problem]:
     """The TP plan (and the model sizes tp must divide, key ``tp``), then expert parallelism."""
     from components.distributed.tp_plan import check_plan, tp_size_errors
     from components.models.families import plan_for
@@ -319,87 +286,6 @@ def data_source(settings: Config) -> tuple[DataSource | None, list[Problem]]:
         return None, [Problem(key="data", message=str(error))]
 
 
-def _tokenizer_dir(
-    settings: Config, source: DataSource, model_path: Path | None, config, dims: ParallelDims
-) -> tuple[Path | None, list[Problem]]:
-    """The model's tokenizer folder, or one trained on the data, whose vocabulary then sizes the
-    model (and is checked against the TP plan)."""
-    from transformers import AutoTokenizer
-
-    from components.data import DataError, cached_tokenizer
-    from components.models import meta_causal_lm
-
-    try:
-        tokenizer_dir = model_path or cached_tokenizer(
-            source, Path(settings.cache_dir).expanduser().absolute()
-        )
-    except DataError as error:
-        return None, [Problem(key="data", message=f"data: {error}")]
-    if model_path is None:
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=False)
-        if not (settings.dry_run and config.vocab_size > len(tokenizer)):  # a dry run: a real one's
-            config.vocab_size = len(tokenizer)
-        if dims.tp > 1:
-            return tokenizer_dir, _plan_problems(settings, dims, config, meta_causal_lm(config))
-    return tokenizer_dir, []
-
-
-def prepare_run_data(
-    settings: Config, source: DataSource, tokenizer_dir: Path, dims: ParallelDims
-) -> tuple[PreparedData | None, list[Problem]]:
-    """Tokenize once (or reuse the cache) and check the splits."""
-    from components.data import DataError, prepare_data
-
-    train, cache = settings.train, Path(settings.cache_dir).expanduser().absolute()
-    try:
-        prepared = prepare_data(
-            source,
-            tokenizer_dir,
-            seq_len=train.seq_len,
-            packing=train.packing,
-            seed=settings.seed,
-            cache_root=cache,
-            num_proc=max(1, min(8, os.cpu_count() or 1)),
-        )
-    except (DataError, ValueError) as error:
-        return None, [Problem(key="data", message=f"data: {error}")]
-    val_rows = prepared.val.num_rows if prepared.val is not None else 0
-    if train.val_every and val_rows < dims.dp:
-        why = f"data.val_fraction={show(source.val_fraction)} holds out {val_rows} validation rows"
-        too_few = (
-            f"train.val_every={train.val_every} needs validation rows for each of dp ({dims.dp}) "
-            f"ranks but {why}: "
-            "raise data.val_fraction or set train.val_every=0"
-        )
-        return None, [Problem(key="train.val_every", message=too_few)]
-    if prepared.repaired:
-        say(f"warning: {prepared.repaired}: made again from the data", file=sys.stderr)
-    how = "reused from the cache" if prepared.reused else "written to the cache"
-    rows = f"{prepared.train.num_rows} training rows, {val_rows} validation rows"
-    say(f"data: tokenized data {how}: {prepared.folder} ({rows})")
-    return prepared, []
-
-
-def model_spec(settings: Config, config, weights: Path | None) -> ModelSpec:
-    from components.models.parallelize import ModelSpec
-
-    model, train = settings.model, settings.train
-    # model.experts or model.routers null: the family's patterns
-    experts, routers = moe_patterns(config.model_type, model.experts, model.routers)
-    return ModelSpec(
-        config=config,
-        weights=weights,
-        seed=settings.seed,
-        sequence_parallel=settings.sp,
-        experts=experts,
-        routers=routers,
-        precision=train.precision,
-        activation_checkpointing=train.activation_checkpointing,
-        compile=train.compile,
-        shard_experts=settings.moe.shard_experts,
-    )
-
-
 def _notes(settings: Config, output: Path, per_run: bool, warmup: int) -> None:
     """What the checks changed or found, once (on rank 0 under torchrun), as ``note:`` lines."""
     if per_run and settings.checkpoint.resume == "auto":
@@ -418,15 +304,19 @@ def _refuse(found: list[Problem]) -> None:
         raise ConfigError(found)
 
 
-def plan_run(
+def check(
     cfg: DictConfig, output_dir: str | None = None, hydra_run_dir: str | None = None
-) -> tuple[RunPlan, OutputDirLock | None]:
-    """Check everything and decide everything a rank needs; raise ConfigError with every problem.
-    Also returns the lock on ``output_dir`` (held by this process, None on torchrun ranks other than
-    0). ``output_dir`` is a sweep job's folder; ``hydra_run_dir`` the run dir Hydra was given."""
+) -> Checked:
+    """Every check that needs no effect, all problems at once (ConfigError): config in, decisions
+    out; nothing is written, tokenized or trained, and ``cfg`` is left as it was. ``output_dir`` is
+    a sweep job's folder; ``hydra_run_dir`` the run dir Hydra was given."""
     settings, found = _validated(cfg)
     _refuse(found)
-    from recipes.outputs import check_output_dir, explicit_checkpoint_errors, run_info, where_errors
+    from components.runtime.output_checks import (  # after the schema: a bad key is refused fast
+        check_output_dir,
+        explicit_checkpoint_errors,
+        where_errors,
+    )
 
     train = settings.train
     warmup = min(train.warmup_steps, train.max_steps)  # a longer one is cut to the run, with a note
@@ -442,47 +332,21 @@ def plan_run(
     source, data_problems = data_source(settings)
     found += size_problems + resume + check_output_dir(output) + model_problems + data_problems
     _refuse(found + where_errors(output, hydra_run_dir, per_run, started_by_launcher()))
-    _notes(settings, output, per_run, warmup)  # checked: what the plan decided
-    tokenizer_dir, found = _tokenizer_dir(settings, source, model_path, config, dims)
-    _refuse(found)
-    # bad data is refused before the folder is claimed
-    data, found = prepare_run_data(settings, source, tokenizer_dir, dims)
-    _refuse(found)
-    info, shapes = run_info(settings, config, data.tokenizer_digest, source)
-    (lock, resume_from, record), found = _claim_output_dir(settings, output, info, shapes)
-    _refuse(found)
+    _notes(settings, output, per_run, warmup)
+    decided = dict(warmup_steps=warmup, loss_chunk_tokens=train.loss_chunk_tokens or 0)
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dims.world_size))
-    plan = RunPlan(
+    return Checked(
+        settings=settings.model_copy(update=dict(train=train.model_copy(update=decided))),
+        output_dir=output,
         dims=dims,
         device_type=device_type,
         cpu_threads=cpu_threads_per_rank(settings.cpu_threads, local_ranks),
-        seed=settings.seed,
-        collective_timeout=timedelta(minutes=settings.collective_timeout_minutes),
-        output_dir=output,
-        model=model_spec(settings, config, model_path),
-        base_model=settings.model.pretrained_path,
-        tokenizer_dir=Path(tokenizer_dir),
-        data=data,
-        pad_multiple=pad_multiple(settings.sp, dims),
-        train=train.model_copy(
-            update=dict(warmup_steps=warmup, loss_chunk_tokens=train.loss_chunk_tokens or 0)
-        ),
-        optim=settings.optim,
-        schedule=settings.schedule,
-        checkpoint=settings.checkpoint,
-        logger=settings.logger,
-        moe=settings.moe,
-        check_replicas_every=settings.debug.check_replicas_every,
-        max_restarts=settings.max_restarts,
-        dry_run=settings.dry_run,
-        device_memory_gib=settings.device_memory_gib,
-        resume_from=resume_from,
-        run_id=record.run_id if record is not None else None,
-        run_info=info,
+        model_path=model_path,
+        model_config=config,
+        source=source,
         fault=fault,
         config_yaml=_config_yaml(cfg, output),
     )
-    return plan, lock
 
 
 def pad_multiple(sequence_parallel: bool, dims: ParallelDims) -> int:
@@ -548,24 +412,6 @@ def restart_problems(settings: Config) -> list[Problem]:
         message = f"{why}ranks continue from the last complete checkpoint in output_dir"
         return [Problem(key="max_restarts", message=message)]
     return []
-
-
-def _claim_output_dir(
-    settings: Config, output: Path, info: dict[str, Any], shapes: dict[str, tuple[int, ...]]
-) -> tuple[tuple[OutputDirLock | None, Path | None, RunRecord | None], list[Problem]]:
-    """((lock, checkpoint to resume from, run record), problems): rank 0 owns ``output`` (locks it,
-    resumes from it), the other ranks and a dry run only choose the checkpoint. The last step that
-    can refuse the run: nothing after it leaves a claimed folder behind."""
-    from recipes.outputs import OwnershipError, choose_checkpoint, own_output_dir
-
-    try:
-        if is_rank_zero() and not settings.dry_run:  # rank 0 owns it
-            return own_output_dir(settings, output, info, shapes), []
-        resume, max_steps = settings.checkpoint.resume, settings.train.max_steps
-        chosen = choose_checkpoint(resume, max_steps, output / "checkpoints", info, shapes)
-        return (None, chosen, None), []
-    except OwnershipError as error:
-        return (None, None, None), [error.problem()]
 
 
 def _config_yaml(cfg: DictConfig, output: Path) -> str:

@@ -1,58 +1,121 @@
-"""The run plan: every decision of a run, made once in the launching process and read by every rank.
+"""What the checks decided (:class:`Checked`, pure), the run plan the ``prepare`` phase makes of
+it (:class:`RunPlan`: every decision of a run, made once and read by every rank), and what a rank
+builds from the plan (:class:`Run`).
 
 Ranks never re-derive what is here (paths, sizes, the checkpoint to resume, the data, the model's
-config): they get this frozen object, handed over in memory by the local launcher or rebuilt by each
-torchrun rank from the same checks.
+config). The settings themselves stay the schema's object (``recipes/schema.py``, each key declared
+once there); the plan adds only what was decided from them.
 """
 
 from __future__ import annotations  # the field types are only read by a type checker
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from components.distributed.mesh import ParallelDims
-from recipes.schema import Checkpoint, Moe, Optim, Schedule, Targeted, Train
+from recipes.schema import Checkpoint, Config, Moe, Optim, Schedule, Targeted, Train
 
 if TYPE_CHECKING:  # heavy (datasets, DTensor): the checks import them when they need them
-    from components.data import PreparedData
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from components.data import PreparedData, StepBatches
+    from components.data.sources import DataSource
     from components.debug.faults import Fault
+    from components.distributed.context_parallel import ContextParallel
     from components.models.parallelize import ModelSpec
+    from components.moe import ExpertLoad
 
 
 @dataclass(frozen=True, kw_only=True)
-class RunPlan:
-    dims: ParallelDims
+class Settled:
+    """The validated settings (train.* decided: warmup_steps cut to max_steps, with a note:, and
+    loss_chunk_tokens 0 for off) and what follows from them alone."""
+
+    settings: Config
+    dims: ParallelDims  # the mesh's sizes: pp × dp_replicate × dp_shard × cp × tp, as data
     device_type: str  # "cpu" or "cuda"
     cpu_threads: int  # intra-op threads per rank on the CPU
-    seed: int
-    collective_timeout: timedelta  # a collective waiting longer fails the run
     output_dir: Path  # absolute; this run owns it while it runs
-    # the Hugging Face config (vocabulary size included), the weights' folder, how to split it
-    model: ModelSpec
-    base_model: str | None  # model.pretrained_path, as the export's model card names it
+    fault: Fault | None  # debug.fault, parsed: a resilience drill (docs/fault-injection.md)
+    config_yaml: str  # the resolved config the run was started with (output_dir/config.yaml)
+
+    @property
+    def train(self) -> Train:
+        return self.settings.train
+
+    @property
+    def optim(self) -> Optim:
+        return self.settings.optim
+
+    @property
+    def schedule(self) -> Schedule:
+        return self.settings.schedule
+
+    @property
+    def checkpoint(self) -> Checkpoint:
+        return self.settings.checkpoint
+
+    @property
+    def logger(self) -> Targeted:
+        return self.settings.logger
+
+    @property
+    def moe(self) -> Moe:
+        return self.settings.moe
+
+    @property
+    def seed(self) -> int:
+        return self.settings.seed
+
+    @property
+    def dry_run(self) -> bool:
+        return self.settings.dry_run
+
+    @property
+    def device_memory_gib(self) -> float | None:
+        return self.settings.device_memory_gib
+
+    @property
+    def collective_timeout(self) -> timedelta:
+        return timedelta(minutes=self.settings.collective_timeout_minutes)
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.output_dir / "checkpoints"
+
+    @property
+    def last_step(self) -> int:
+        """The last step this invocation trains: ``train.stop_after`` or ``train.max_steps``."""
+        return min(self.train.max_steps, self.train.stop_after or self.train.max_steps)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Checked(Settled):
+    """What the pure checks found: the model and data as checked, before anything is prepared."""
+
+    model_path: Path | None  # the weights' folder, or None: built from its config
+    model_config: Any  # the Hugging Face config (its vocabulary not yet a trained tokenizer's)
+    source: DataSource
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunPlan(Settled):
+    """The frozen plan every rank reads: the checked settings and what ``prepare`` made."""
+
+    model: ModelSpec  # the Hugging Face config (vocabulary size included), weights, how to split
     tokenizer_dir: Path
     data: PreparedData  # the tokenized splits, prepared once, memory-mapped by the ranks
     pad_multiple: int  # a micro-batch is padded to its longest row, rounded up to this multiple
-    # train.*, decided: warmup_steps cut to max_steps (with a note:), loss_chunk_tokens 0 for off
-    train: Train
-    optim: Optim
-    schedule: Schedule
-    checkpoint: Checkpoint  # saves, pruning, export; the resume itself is decided: resume_from
-    logger: Targeted
-    moe: Moe
-    check_replicas_every: int  # debug.check_replicas_every
-    max_restarts: int  # the recipe's own launcher restarts every rank up to this many times
-    dry_run: bool  # plan the layout on fake ranks and exit
-    device_memory_gib: float | None  # with dry_run: one device's memory (None: the visible one's)
     resume_from: Path | None  # the checkpoint chosen before any rank started, or None
-    run_id: str | None  # this run's id (checkpoints record it); None: ask rank 0
+    run_id: str | None  # this run's id (checkpoints record it); None in a dry run
     # what checkpoints record and a resume must match (model shapes, optimizer, batch geometry)
     run_info: dict
-    fault: Fault | None  # debug.fault, parsed: a resilience drill (docs/fault-injection.md)
-    config_yaml: str  # the resolved config the run was started with (output_dir/config.yaml)
 
     @cached_property
     def flops_per_token(self) -> int:
@@ -61,6 +124,22 @@ class RunPlan:
 
         return flops_per_token(self.model.config, self.train.seq_len)
 
-    @property
-    def checkpoints(self) -> Path:
-        return self.output_dir / "checkpoints"
+
+@dataclass(kw_only=True)
+class Run:
+    """One rank's handles: where it is, what it trains, and with what."""
+
+    rank: int
+    device: torch.device
+    mesh: DeviceMesh
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    data: StepBatches
+    val_data: StepBatches | None
+    first_step: int  # steps already done (by the checkpoint resumed from)
+    compute: Callable[[], AbstractContextManager]  # the precision's forward context (autocast)
+    experts: ExpertLoad | None  # tokens per expert of an MoE model, for the step's imbalance
+    aux_loss_weight: float  # of an MoE model's load-balancing loss (0: its config has none)
+    cp: ContextParallel | None  # this rank's context-parallel group (None at cp=1)
+    before_commit: Callable[[Path], None] | None = None  # the writer's callback (a drill's)

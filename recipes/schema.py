@@ -1,12 +1,13 @@
-"""The config's declared schema: every key, its type, range or choices, and what to write instead.
+"""The config's declared schema, the one declaration of every key: its type, range or choices
+(each list of choices named once, its hint made from it), its meaning, and what to write instead.
 
 Pydantic v2 models over the composed, resolved config (not Hydra structured configs) because the
 checks need to collect *every* problem at once with its location, and pydantic reports all errors of
 a validation in one exception, each with its dotted path and the offending input; a Hydra structured
 config stops at the first. Models are strict (no "2" -> 2, no true -> 1), frozen, and forbid extra
 keys, so a key added with ``+`` that nothing reads is an error. No field has a default: defaults
-live in ``conf/`` only, so a key deleted from the composition is an error too. Each field's
-``description`` is the hint printed after "use ...".
+live in ``conf/`` as values only, so a key deleted from the composition is an error too. Each
+field's ``description`` is the hint printed after "use ...", its comment what the key means.
 
 Groups chosen by ``_target_`` (``optim``, ``data``, ``logger``) declare only their shared keys here;
 their other keys are checked against the signature of the class the target names (see
@@ -19,8 +20,20 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-PRECISIONS = ("fp32", "bf16-mixed", "bf16")
-ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
+from components.models.options import ACTIVATION_CHECKPOINTING, PRECISIONS
+from components.runtime.problems import show
+
+ON_NONFINITE = ("stop", "skip")
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")  # components.checkpoint.export's names
+EXPERT_LOADS = ("layers", "experts")
+MODEL_SOURCES = ("smollm2",)
+
+
+def one_of(values: tuple[str, ...], null: str | None = None) -> str:
+    """The hint of a key that takes one of ``values`` (or null, meaning ``null``), from the same
+    tuple its type is made of."""
+    listed = ", ".join(values)
+    return f"null ({null}) or one of {listed}" if null else f"one of {listed}"
 
 
 def key(hint: str, **constraints: Any) -> Any:
@@ -40,22 +53,34 @@ class Section(BaseModel):
 
 class Train(Section):
     max_steps: PositiveInt = key("a positive integer, e.g. train.max_steps=60")
+    # end this invocation after this step (the schedule spans max_steps) with a checkpoint of it,
+    # even with every_steps=0: resume=auto goes on
     stop_after: PositiveInt | None = key("null or a positive step number, e.g. train.stop_after=20")
+    # sequences per optimizer step
     global_batch_size: PositiveInt = key("a positive integer, e.g. train.global_batch_size=16")
+    # sequences per forward pass per dp rank
     micro_batch_size: PositiveInt = key("a positive integer, e.g. train.micro_batch_size=8")
     seq_len: Annotated[int, Field(ge=2)] = key("an integer of at least 2, e.g. train.seq_len=48")
     clip_grad_norm: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = key(
         "null (no clipping) or a positive number, e.g. train.clip_grad_norm=1.0"
     )
+    # steps between validation losses; 0: never
     val_every: Count = key("0 (never) or a positive number of steps, e.g. train.val_every=20")
     warmup_steps: Count = key("0 or a positive number of steps, e.g. train.warmup_steps=5")
-    on_nonfinite: Literal["stop", "skip"] = key("stop or skip")
-    precision: Literal[PRECISIONS] = key(f"one of {', '.join(PRECISIONS)}")
+    # a non-finite grad norm stops the run, or skips the update
+    on_nonfinite: Literal[ON_NONFINITE] = key(one_of(ON_NONFINITE))
+    # bf16-mixed: fp32 master weights, bf16 compute; bf16: everything bf16
+    precision: Literal[PRECISIONS] = key(one_of(PRECISIONS))
+    # recompute decoder blocks in backward (selective: only the cheap ops)
     activation_checkpointing: Literal[ACTIVATION_CHECKPOINTING] = key(
-        f"one of {', '.join(ACTIVATION_CHECKPOINTING)}"
+        one_of(ACTIVATION_CHECKPOINTING)
     )
+    # torch.compile each decoder block
     compile: bool = key("true or false")
+    # several examples per row, no attention across them
     packing: bool = key("true or false")
+    # lm_head + loss over this many tokens at a time, recomputed in backward (never the whole micro-
+    # batch's fp32 logits); 0 or null: all at once
     loss_chunk_tokens: Count | None = key(
         "0 or null (the whole micro-batch's logits at once) or a positive number of tokens, "
         "e.g. train.loss_chunk_tokens=1024"
@@ -64,29 +89,36 @@ class Train(Section):
 
 class Checkpoint(Section):
     every_steps: Count = key("0 (off) or a positive number of steps, e.g. 20")
+    # auto: the latest in output_dir
     resume: Text | None = key("auto, null or the path of a checkpoint folder")
+    # complete checkpoints kept
     keep: PositiveInt | None = key("null (keep all) or a positive integer, e.g. 2")
     # `async` is a Python keyword: the field is asynchronous, spelt async in the config.
+    # true: write each checkpoint in the background while training goes on
     asynchronous: bool = Field(alias="async", description="true or false")
+    # write a Hugging Face folder to ${output_dir}/hf at the end
     export: bool = key("true or false")
-    export_dtype: Literal["float32", "bfloat16", "float16"] | None = key(
-        "null (the source's), float32, bfloat16 or float16"
-    )
+    # null: the source model's dtype (float32 for a model built from its config)
+    export_dtype: Literal[EXPORT_DTYPES] | None = key(one_of(EXPORT_DTYPES, "the source's"))
 
 
 class Debug(Section):
+    # every N steps compare every TP replica across ranks; stop on any difference
     check_replicas_every: Count = key("0 (off) or a positive number of steps, e.g. 10")
-    fault: Text | None = key(
-        "null, nan_grad@STEP, perturb_replica@STEP, raise@STEP, slow_save@SECONDS or "
-        "replica_sync_sum"
-    )
+    # the kinds are components/debug/faults.py's (KINDS), which names them when one is wrong
+    # a resilience drill (docs/fault-injection.md), e.g. nan_grad@3
+    fault: Text | None = key("null or a fault of components/debug/faults.py, e.g. nan_grad@3")
 
 
 class Moe(Section):
+    # true: also shard each expert's weights, gradients and optimizer state over ep_shard (world /
+    # ep ranks, the copies of each ep group's experts), FSDP-style; no effect at ep=1 (FSDP over dp
+    # shards them) or ep = world
     shard_experts: bool = key("true or false")
-    expert_load: Literal["layers", "experts"] = key(
-        "layers (each layer's imbalance) or experts (also each expert's share)"
-    )
+    # experts: also expert_load/layer_N/expert_E, each expert's token share
+    expert_load: Literal[EXPERT_LOADS] = key(one_of(EXPERT_LOADS))
+    # > 0: DeepSeek-V3's auxiliary-loss-free balancing, a per-expert routing bias moved this much
+    # per step against its load
     routing_bias_rate: Annotated[float, Field(ge=0, allow_inf_nan=False)] = key(
         "0 (off) or a positive number, e.g. moe.routing_bias_rate=0.001"
     )
@@ -112,7 +144,7 @@ class Model(Section):
     pretrained_path: Text | None = key(
         "null, a local Hugging Face model folder or a Hub id (owner/name)"
     )
-    source: Literal["smollm2"] | None = key("null or smollm2")
+    source: Literal[MODEL_SOURCES] | None = key(one_of(MODEL_SOURCES, "pretrained_path"))
     experts: list[Text] | None = key(  # null: the family's (components/models/families.py)
         "null (the family's) or a list of module patterns, e.g. [model.layers.*.mlp.experts]",
     )
@@ -168,25 +200,39 @@ class Schedule(BaseModel):
 
 class Config(Section):
     seed: Annotated[int, Field(ge=0, lt=2**63)] = key("an integer in [0, 2**63), e.g. seed=0")
+    # tensor-parallel size
     tp: PositiveInt = key("a positive integer, e.g. tp=2")
+    # context-parallel size: each sequence split over cp ranks (world = dp × cp × tp)
     cp: PositiveInt = key("a positive integer, e.g. cp=2")
+    # data-parallel size; null: world size / (cp × tp)
     dp: PositiveInt | None = key("null (world size / tp) or a positive integer, e.g. dp=2")
+    # sequence parallelism on the TP ranks
     sp: bool = key("true or false")
+    # expert-parallel size for MoE models
     ep: PositiveInt = key("a positive integer, e.g. ep=2")
+    # local processes when not under torchrun; null: dp × cp × tp on CPU, the visible GPUs on CUDA
     nproc: PositiveInt | None = key("null (dp × cp × tp) or a positive integer, e.g. nproc=4")
+    # the recipe's own launcher: after a rank fails, restart every rank up to N times (torchrun:
+    # --max-restarts); needs checkpoint.resume=auto
     max_restarts: Count = key("0 (none) or a positive number of restarts, e.g. max_restarts=1")
+    # intra-op threads per rank; null: OMP_NUM_THREADS if set, else cores / local ranks
     cpu_threads: PositiveInt | None = key(
         "null (OMP_NUM_THREADS, else cores / local ranks) or a positive integer"
     )
+    # a collective waiting longer fails the run (NCCL's default; raise it for huge loads)
     collective_timeout_minutes: Annotated[float, Field(gt=0, allow_inf_nan=False)] = key(
         "a positive number of minutes, e.g. collective_timeout_minutes=30"
     )
     output_dir: Text = key("a folder path, e.g. output_dir=outputs/run1")
+    # true: a fresh run replaces another run's files in output_dir
     overwrite_output_dir: bool = key("true or false")
+    # true: check, plan the layout on fake ranks, write plan.json, exit
     dry_run: bool = key("true or false")
+    # with dry_run: one device's memory, to say whether the plan fits
     device_memory_gib: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = key(
         "null (the visible device's) or a positive number of GiB, e.g. device_memory_gib=80"
     )
+    # tokenized data, trained tokenizers, converted models
     cache_dir: Text = key(
         "a folder for tokenized data and converted models, e.g. cache_dir=~/.cache/shardtune"
     )
@@ -199,15 +245,6 @@ class Config(Section):
     data: Data
     schedule: Schedule
     logger: Targeted
-
-
-def show(value: Any) -> str:
-    """A value as a Hydra override would spell it (null, true, 'text', [1, 2])."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    return repr(value)
 
 
 def _field_hint(loc: tuple) -> str:

@@ -41,11 +41,14 @@ PRELOAD = (
     "matplotlib.pyplot",
     "recipes.finetune",
     "recipes.checks",
+    "recipes.prepare",
     "components.models.build",
     "components.models.load",
     "components.planning.dry_run",
     "components.runtime.launch",
-)  # and the launcher's RANK_MODULES (recipes/finetune.py), which _serve imports after these
+    "components.runtime.cli",
+    "components.runtime.ranks",
+)  # and what the recipe's functions import (components/runtime/preload.py), after these
 MAX_ZYGOTES = 3
 _ZYGOTES: dict[tuple, "_Zygote"] = {}
 
@@ -276,10 +279,9 @@ def _serve(address: str) -> None:
 
     for name in PRELOAD:
         importlib.import_module(name)
-    from recipes.finetune import RANK_MODULES  # what the launcher imports before it forks
+    from components.runtime.preload import preload  # what the launcher imports before it forks
 
-    for name in RANK_MODULES:
-        importlib.import_module(name)
+    preload(REPO / "recipes" / "finetune.py")
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(address)
     server.listen(16)

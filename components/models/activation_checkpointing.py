@@ -25,8 +25,8 @@ from torch.utils.checkpoint import (
 )
 
 from components.models.build import decoder_blocks
+from components.models.options import ACTIVATION_CHECKPOINTING
 
-ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 _MARK = "_shardtune_activation_checkpointed"
 
 # Ops whose outputs ``selective`` saves: the expensive ones (matmuls, attention) and collectives,

@@ -9,6 +9,7 @@ Each step is its own component (``tp_plan``, ``moe``, ``load``, ``fsdp``); this 
 their order, so the recipe makes one call.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -52,15 +53,18 @@ def build_parallel_model(
     mesh: DeviceMesh,
     device: torch.device,
     timeout: timedelta | None = None,
+    convert: Callable[[nn.Module], nn.Module] | None = None,
 ) -> tuple[nn.Module, PlanReport | None]:
     """The model of this rank, sharded over ``mesh`` ("dp", "tp"; or "dp", "cp", "tp"), and the TP
     plan's report (None at tp=1); ``timeout``: of the MoE mesh's groups, as of ``mesh``'s. On the
-    meta ``device`` (a dry run) every step runs but nothing gets storage."""
+    meta ``device`` (a dry run) every step runs but nothing gets storage. ``convert``: applied to
+    the built model before it is parallelised (where LoRA adapters and FP8 linears plug in)."""
     policy = precision_policy(spec.precision)
     if spec.weights is None and device.type != "meta":
         model = build_causal_lm(spec.config, seed=spec.seed, dtype=policy.param_dtype).to(device)
     else:  # nothing allocated until each rank loads its own shards
         model = meta_causal_lm(spec.config, dtype=policy.param_dtype)
+    model = convert(model) if convert is not None else model
     report = None
     if dims.tp > 1:
         plan = plan_for(spec.config, spec.sequence_parallel)

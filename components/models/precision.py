@@ -22,8 +22,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from components.models.build import decoder_blocks
-
-PRECISIONS = ("fp32", "bf16-mixed", "bf16")
+from components.models.options import PRECISIONS
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -526,7 +526,8 @@ def join_world(device_type: str, timeout: timedelta, cpu_threads: int, seed: int
     """Join the process group of the launcher's environment and return this rank's device: the GPU
     named by ``LOCAL_RANK`` on CUDA (NCCL for its tensors, gloo for the few CPU ones), else the CPU
     with ``cpu_threads`` intra-op threads. Seeds torch's RNG with ``seed``."""
-    init_process_group("cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo", timeout)
+    if not dist.is_initialized():  # torchrun: joined already, to wait for rank 0's plan
+        init_process_group("cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo", timeout)
     torch.manual_seed(seed)
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))

@@ -38,7 +38,6 @@ RUN_FILES = (
     "config.yaml",
     "checkpoints",
     "hf",
-    "tokenizer",
     RUN_FILE,
 )
 
@@ -177,7 +176,6 @@ def run_files(output_dir: Path) -> list[str]:
 def _user_files_in_ours(output_dir: Path) -> list[str]:
     output_dir = Path(output_dir)
     found = [f"hf/{name}" for name in foreign_files(output_dir / "hf")]
-    found += [f"tokenizer/{name}" for name in foreign_files(output_dir / "tokenizer")]
     found += [f"checkpoints/{name}" for name in _foreign_in_checkpoints(output_dir / "checkpoints")]
     return found
 
@@ -265,8 +263,8 @@ def read_run_record(output_dir: Path) -> RunRecord | None:
     record."""
     try:
         fields = json.loads((Path(output_dir) / RUN_FILE).read_text())
-        return RunRecord(**{**fields, "files": tuple(fields.get("files", RUN_FILES))})
-    except (OSError, ValueError, TypeError, AttributeError):
+        return RunRecord(**{**fields, "files": tuple(fields["files"])})
+    except (OSError, ValueError, TypeError, AttributeError, KeyError):
         return None
 
 

@@ -368,7 +368,9 @@ THROUGH_THE_COMMAND_LINE = [
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 CHECKS_ONLY = """
 import contextlib, io, json, sys
-from recipes.checks import ConfigError, compose, fail, plan_run
+from components.runtime.problems import ConfigError, fail
+from recipes.checks import check, compose
+from recipes.prepare import prepare
 
 results = {}
 for name, overrides in json.loads(sys.argv[1]).items():
@@ -377,7 +379,7 @@ for name, overrides in json.loads(sys.argv[1]).items():
         try:
             config = compose(overrides)
             try:
-                plan_run(config, str(config.hydra.run.dir))
+                prepare(check(config, str(config.hydra.run.dir)))
             except ConfigError as error:
                 fail(str(error))
         except SystemExit as stop:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from components.checkpoint.integrity import MARKER
-from recipes.finetune import STOPPED_STATUS
+from components.runtime.exit_status import STOPPED_STATUS
 from tests.e2e.test_failures import run_recipe, start_recipe, stderr_of
 
 STEPS = 10

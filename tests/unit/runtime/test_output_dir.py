@@ -157,11 +157,11 @@ def test_user_files_inside_hf_are_never_deleted(tmp_path):
     assert (tmp_path / "hf" / "config.json").read_text() == "{}"
 
 
-def test_a_folder_exported_before_manifests_counts_its_usual_files_as_ours(tmp_path):
+def test_a_folder_without_a_manifest_is_the_users(tmp_path):
     (tmp_path / "hf").mkdir()
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "notes.txt"):
+    for name in ("config.json", "notes.txt"):
         (tmp_path / "hf" / name).write_text("x")
-    assert foreign_files(tmp_path / "hf") == ["notes.txt"]
+    assert foreign_files(tmp_path / "hf") == ["config.json", "notes.txt"]
     assert foreign_files(tmp_path / "missing") == []
 
 

@@ -1,6 +1,6 @@
 """How many steps a run may skip as non-finite (train.on_nonfinite=skip) before it fails."""
 
-from recipes.finetune import skipped_verdict
+from components.runtime.exit_status import skipped_verdict
 
 
 def test_no_skipped_step_says_nothing():

@@ -11,7 +11,7 @@ import os
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import Any, NoReturn
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,3 +57,12 @@ def fail(found: Sequence[Problem] | str) -> NoReturn:
     the one exit status for bad input."""
     say(error_line(found), file=sys.stderr)
     sys.exit(2)
+
+
+def show(value: Any) -> str:
+    """A value as a Hydra override would spell it (null, true, 'text', [1, 2])."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return repr(value)

@@ -3,14 +3,9 @@ checkpoint that survives (torch's checkpoint writer reports a full disk without 
 
 import errno
 import shutil
-from pathlib import Path
 from types import SimpleNamespace
 
-from recipes.finetune import disk_full
-
-
-def plan_in(folder: Path) -> SimpleNamespace:
-    return SimpleNamespace(output_dir=folder, checkpoints=folder / "checkpoints")
+from components.runtime.exit_status import disk_full
 
 
 def usage(free: int):
@@ -22,7 +17,7 @@ def test_a_full_disk_without_the_errno_is_named_with_the_checkpoint_kept(tmp_pat
     (tmp_path / "checkpoints" / "step_00000002" / "COMPLETE").write_text("{}")
     (tmp_path / "checkpoints" / "step_00000004.tmp").mkdir()
     monkeypatch.setattr(shutil, "disk_usage", usage(0))
-    line = disk_full(RuntimeError("unexpected pos 704 vs 598"), plan_in(tmp_path))
+    line = disk_full(RuntimeError("unexpected pos 704 vs 598"), tmp_path)
     assert line.startswith(f"no space left on device in {tmp_path} (0.0 MiB free)")
     assert "the last complete checkpoint, step_00000002, is kept" in line
 
@@ -35,10 +30,10 @@ def test_enospc_is_named_even_with_space_freed_since(tmp_path, monkeypatch):
         try:
             raise RuntimeError("export failed") from cause
         except RuntimeError as error:
-            line = disk_full(error, plan_in(tmp_path))
+            line = disk_full(error, tmp_path)
     assert "no space left on device in" in line and "no checkpoint was written yet" in line
 
 
 def test_another_failure_with_space_left_is_not_a_full_disk(tmp_path, monkeypatch):
     monkeypatch.setattr(shutil, "disk_usage", usage(2**40))
-    assert disk_full(ValueError("a bug"), plan_in(tmp_path)) is None
+    assert disk_full(ValueError("a bug"), tmp_path) is None

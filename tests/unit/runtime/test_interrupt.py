@@ -3,17 +3,16 @@ traceback."""
 
 import pytest
 
-import recipes.checks
-from recipes.finetune import INTERRUPTED_STATUS, launch
+from components.runtime.exit_status import INTERRUPTED_STATUS
+from components.runtime.ranks import prepared_plan
 
 
-def test_ctrl_c_while_planning_is_one_line(monkeypatch, capsys):
-    def interrupted(*args):
+def test_ctrl_c_while_preparing_is_one_line(capsys):
+    def interrupted(checked):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(recipes.checks, "plan_run", interrupted)
     with pytest.raises(SystemExit) as caught:
-        launch(None, None, None)
+        prepared_plan(lambda: None, interrupted)
     assert caught.value.code == INTERRUPTED_STATUS == 130
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: interrupted (Ctrl-C) before any rank")

@@ -2,12 +2,12 @@
 
 import pytest
 
-from recipes.finetune import sweep_job, sweep_summary
+from components.runtime.sweep import Sweep, sweep_summary
 
 
-def test_a_failed_job_is_noted_and_the_sweep_goes_on(monkeypatch):
-    jobs = []
-    monkeypatch.setattr("recipes.finetune.SWEEP_JOBS", jobs)
+def test_a_failed_job_is_noted_and_the_sweep_goes_on():
+    sweep = Sweep()
+    jobs, sweep_job = sweep.jobs, sweep.run_job
 
     def bad_input():
         raise SystemExit(2)
@@ -28,9 +28,9 @@ def test_a_failed_job_is_noted_and_the_sweep_goes_on(monkeypatch):
     ]
 
 
-def test_ctrl_c_stops_the_sweep_and_says_the_rest_did_not_run(monkeypatch):
-    jobs = []
-    monkeypatch.setattr("recipes.finetune.SWEEP_JOBS", jobs)
+def test_ctrl_c_stops_the_sweep_and_says_the_rest_did_not_run():
+    sweep = Sweep()
+    jobs, sweep_job = sweep.jobs, sweep.run_job
 
     def interrupted():
         raise SystemExit(130)

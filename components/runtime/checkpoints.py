@@ -1,0 +1,62 @@
+"""A run's checkpoints as its runtime uses them: resuming from one, stopping after a step with one
+(a SIGTERM or SIGUSR1 on any rank stops every rank: one all-reduce per step, in the checkpoint
+writer), and the run's last line naming what it left."""
+
+from pathlib import Path
+
+import torch
+
+from components.checkpoint.dcp import load_checkpoint
+from components.checkpoint.integrity import complete_checkpoints
+from components.checkpoint.writer import CheckpointWriter
+from components.runtime import preemption
+from components.runtime.problems import say
+
+
+def resume(
+    checkpoint: Path | None,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+) -> int:
+    """The steps already done: 0 without a ``checkpoint``, else those of it, loaded into the model,
+    optimizer and scheduler (and said)."""
+    if checkpoint is None:
+        return 0
+    first_step = load_checkpoint(checkpoint, model, optimizer, scheduler)["step"]
+    say(f"resumed from {checkpoint} at step {first_step}")
+    return first_step
+
+
+def stop_signal(writer: CheckpointWriter, done: int, state: tuple) -> str | None:
+    """The name of the signal that stops the run after step ``done`` (with a checkpoint of it, the
+    ``state`` of model, optimizer and scheduler), or None."""
+    if not writer.after_step(preemption.stop_requested() is not None):
+        return None
+    own = preemption.stop_requested()
+    stopped = own.name if own is not None else "a signal to another rank"
+    if writer.last_step != done:  # a checkpoint of this step, even with every_steps=0
+        writer.save(done, *state)
+    return stopped
+
+
+def done_line(output_dir: Path, max_steps: int, ended: bool, exported: bool) -> str:
+    """The run's last line, naming only what it left: ``hf/`` only when exported now, and before the
+    end (``train.stop_after``, a stop signal) the checkpoint ``checkpoint.resume=auto`` continues
+    from."""
+    wrote = ["metrics", "loss.png", *(["hf/"] if exported else [])]
+    if ended or not (checkpoints := complete_checkpoints(output_dir / "checkpoints")):
+        return f"done: {', '.join(wrote[:-1])} and {wrote[-1]} in {output_dir}"
+    latest = checkpoints[-1]
+    return (
+        f"done: metrics, loss.png and checkpoint {latest.name} in {output_dir} (no hf/ before "
+        f"step {max_steps}); checkpoint.resume=auto continues from it"
+    )
+
+
+def stop_note(stopped: str, done: int, max_steps: int, checkpoint: Path | None, status: int) -> str:
+    """The ``note:`` line of a run ``stopped`` by a signal after step ``done``."""
+    return (
+        f"note: stopped by {stopped} after step {done} of {max_steps}: checkpoint {checkpoint}; "
+        f"checkpoint.resume=auto continues (exit status {status})"
+    )

@@ -1,0 +1,99 @@
+"""The command line of a Hydra recipe: plain overrides are composed here, so that a composition
+error is one ``error:`` line; anything starting with ``-`` (``--multirun``, ``--cfg``, ``--help``)
+goes to ``hydra.main``, each sweep job into its own folder.
+
+``launch(cfg, job_dir, hydra_run_dir)`` is the recipe's: ``job_dir`` is a sweep job's folder,
+``hydra_run_dir`` a ``hydra.run.dir`` the user gave (checked to agree with ``output_dir``).
+"""
+
+import importlib
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import hydra
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException, MissingConfigException
+from hydra.types import RunMode
+from omegaconf import DictConfig
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+
+from components.runtime.launch import end_launched_rank, started_by_launcher
+from components.runtime.problems import Problem, fail
+from components.runtime.sweep import Sweep
+
+Launch = Callable[[DictConfig, str | None, str | None], None]
+# (the key Hydra could not override, the overrides, its message) -> a better message, or None
+Advise = Callable[[str, list[str], str], str | None]
+
+
+def compose_config(
+    conf_dir: Path, overrides: list[str], advise: Advise | None = None
+) -> DictConfig:
+    """Compose like ``hydra.main`` would (with the ``hydra`` node), or fail with one ``error:``
+    line: a missing group option lists the group's options; an override of an unknown key gets
+    ``advise``'s message when it has one."""
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
+            return hydra_compose(
+                config_name="config", overrides=overrides, return_hydra_config=True
+            )
+    except (HydraException, OmegaConfBaseException) as error:
+        fail([Problem(key="overrides", message=composition_message(error, overrides, advise))])
+
+
+def composition_message(error: Exception, overrides: list[str], advise: Advise | None) -> str:
+    """Hydra's message, its first paragraph alone, with what its exception carries said plainly."""
+    message = str(error) or str(error.__cause__)
+    first = message.strip().split("\n\n")[0]
+    if isinstance(error, MissingConfigException) and error.options:
+        group = str(error.missing_cfg_file).partition("/")[0]
+        return f"{first}: {group}= takes one of {', '.join(sorted(error.options))}"
+    cause = error.__cause__
+    if advise is not None and isinstance(cause, ConfigAttributeError | ConfigKeyError):
+        return advise(str(cause.full_key), overrides, message) or message
+    return message
+
+
+def main(conf_dir: Path, launch: Launch, compose: str) -> None:
+    """The recipe's ``__main__``: read ``sys.argv``, compose (or hand over to Hydra), launch; under
+    torchrun, end the rank as a local one ends (:func:`end_launched_rank`). ``compose`` names the
+    recipe's composing function (``module:function``), imported only for plain overrides, so that
+    ``--help`` stays light."""
+    arguments = sys.argv[1:]
+    if any(argument.startswith("-") for argument in arguments):
+        sweep = Sweep()
+        try:
+            _hydra_entry(conf_dir, launch, sweep)()
+        finally:  # a --multirun sweep: every job's status, and the sweep's
+            sweep.end()
+    else:
+        module, _, function = compose.partition(":")
+        composed = getattr(importlib.import_module(module), function)(arguments)
+        # only a run dir the user gave: the default is ${output_dir}, and its ${now:...} read a
+        # moment later can name the next second's folder
+        given = any(argument.startswith("hydra.run.dir=") for argument in arguments)
+        launch(composed, None, composed.hydra.run.dir if given else None)
+    if started_by_launcher():
+        end_launched_rank()
+
+
+def _hydra_entry(conf_dir: Path, launch: Launch, sweep: Sweep) -> Callable[[], None]:
+    """``hydra.main`` over ``launch``: each sweep job writes to its own folder and is noted in
+    ``sweep``; a plain run writes to ``output_dir`` or to a run dir the user gave."""
+
+    def task(cfg: DictConfig) -> None:
+        job = HydraConfig.get()
+        run_dir_given = any(item.startswith("hydra.run.dir=") for item in job.overrides.hydra)
+        if job.mode == RunMode.MULTIRUN:
+            overrides = list(job.overrides.task)
+            sweep.run_job(job.job.num, overrides, lambda: launch(cfg, job.runtime.output_dir, None))
+        elif not run_dir_given:  # output_dir (as Hydra resolved it: the same date and time)
+            launch(cfg, job.runtime.output_dir, None)
+        else:
+            launch(cfg, None, job.run.dir)
+
+    task.__wrapped__ = launch  # Hydra names the job (and finds its file) by the recipe's function
+    return hydra.main(config_path=str(conf_dir), config_name="config", version_base="1.3")(task)

@@ -1,0 +1,176 @@
+"""The run's effects, once, before any rank trains (in the launcher, or on rank 0 of a torchrun
+world while the others wait): train a tokenizer when the model has none, tokenize into the cache,
+claim ``output_dir`` and choose the checkpoint to resume from; the result is the frozen run plan.
+
+Bad data shows only here (a record too long, a file that does not parse): it is refused with the
+same ``error:`` line as the checks' problems, before the folder is claimed.
+"""
+
+from __future__ import annotations  # the annotations name classes imported only when needed
+
+import copy
+import os
+import sys
+from dataclasses import fields, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from components.models.families import moe_patterns
+from components.runtime.output_dir import OutputDirLock
+from components.runtime.problems import ConfigError, Problem, say, show
+from recipes.checks import pad_multiple, plan_problems
+from recipes.plan import Checked, RunPlan, Settled
+from recipes.schema import Config
+
+if TYPE_CHECKING:
+    from components.data import PreparedData
+    from components.data.sources import DataSource
+    from components.distributed.mesh import ParallelDims
+    from components.models.parallelize import ModelSpec
+
+
+def prepare(checked: Checked) -> tuple[RunPlan, OutputDirLock | None]:
+    """The plan of a checked run, and the lock on its ``output_dir`` (None in a dry run, which
+    claims nothing). Raises ConfigError for data the checks could not see."""
+    from recipes.outputs import run_info
+
+    settings, dims = checked.settings, checked.dims
+    config = copy.deepcopy(checked.model_config)  # sized to the tokenizer here, never in place
+    tokenizer_dir, found = _tokenizer_dir(settings, checked, config)
+    _refuse(found)
+    data, found = prepare_run_data(settings, checked.source, tokenizer_dir, dims)
+    _refuse(found)
+    info, shapes = run_info(settings, config, data.tokenizer_digest, checked.source)
+    lock, resume_from, run_id = _claim_output_dir(settings, checked.output_dir, info, shapes)
+    if lock is not None:
+        (checked.output_dir / "config.yaml").write_text(checked.config_yaml)
+    settled = {field.name: getattr(checked, field.name) for field in fields(Settled)}
+    plan = RunPlan(
+        **settled,
+        model=model_spec(settings, config, checked.model_path),
+        tokenizer_dir=Path(tokenizer_dir),
+        data=data,
+        pad_multiple=pad_multiple(settings.sp, dims),
+        resume_from=resume_from,
+        run_id=run_id,
+        run_info=info,
+    )
+    return plan, lock
+
+
+def _refuse(found: list[Problem]) -> None:
+    if found:
+        raise ConfigError(found)
+
+
+def _tokenizer_dir(
+    settings: Config, checked: Checked, config: Any
+) -> tuple[Path | None, list[Problem]]:
+    """The model's tokenizer folder, or one trained on the data, whose vocabulary then sizes the
+    model's ``config`` (and is checked against the TP plan)."""
+    from transformers import AutoTokenizer
+
+    from components.data import DataError, cached_tokenizer
+    from components.models import meta_causal_lm
+
+    model_path, dims = checked.model_path, checked.dims
+    try:
+        tokenizer_dir = model_path or cached_tokenizer(
+            checked.source, Path(settings.cache_dir).expanduser().absolute()
+        )
+    except DataError as error:
+        return None, [Problem(key="data", message=f"data: {error}")]
+    if model_path is None:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=False)
+        if not (settings.dry_run and config.vocab_size > len(tokenizer)):  # a dry run: a real one's
+            config.vocab_size = len(tokenizer)
+        if dims.tp > 1:
+            return tokenizer_dir, plan_problems(settings, dims, config, meta_causal_lm(config))
+    return tokenizer_dir, []
+
+
+def prepare_run_data(
+    settings: Config, source: DataSource, tokenizer_dir: Path, dims: ParallelDims
+) -> tuple[PreparedData | None, list[Problem]]:
+    """Tokenize once (or reuse the cache) and check the splits."""
+    from components.data import DataError, prepare_data
+
+    train, cache = settings.train, Path(settings.cache_dir).expanduser().absolute()
+    try:
+        prepared = prepare_data(
+            source,
+            tokenizer_dir,
+            seq_len=train.seq_len,
+            packing=train.packing,
+            seed=settings.seed,
+            cache_root=cache,
+            num_proc=max(1, min(8, os.cpu_count() or 1)),
+        )
+    except (DataError, ValueError) as error:
+        return None, [Problem(key="data", message=f"data: {error}")]
+    val_rows = prepared.val.num_rows if prepared.val is not None else 0
+    if train.val_every and val_rows < dims.dp:
+        why = f"data.val_fraction={show(source.val_fraction)} holds out {val_rows} validation rows"
+        too_few = (
+            f"train.val_every={train.val_every} needs validation rows for each of dp ({dims.dp}) "
+            f"ranks but {why}: "
+            "raise data.val_fraction or set train.val_every=0"
+        )
+        return None, [Problem(key="train.val_every", message=too_few)]
+    if prepared.repaired:
+        say(f"warning: {prepared.repaired}: made again from the data", file=sys.stderr)
+    how = "reused from the cache" if prepared.reused else "written to the cache"
+    rows = f"{prepared.train.num_rows} training rows, {val_rows} validation rows"
+    say(f"data: tokenized data {how}: {prepared.folder} ({rows})")
+    return prepared, []
+
+
+def model_spec(settings: Config, config, weights: Path | None) -> ModelSpec:
+    from components.models.parallelize import ModelSpec
+
+    model, train = settings.model, settings.train
+    # model.experts or model.routers null: the family's patterns
+    experts, routers = moe_patterns(config.model_type, model.experts, model.routers)
+    return ModelSpec(
+        config=config,
+        weights=weights,
+        seed=settings.seed,
+        sequence_parallel=settings.sp,
+        experts=experts,
+        routers=routers,
+        precision=train.precision,
+        activation_checkpointing=train.activation_checkpointing,
+        compile=train.compile,
+        shard_experts=settings.moe.shard_experts,
+    )
+
+
+def _claim_output_dir(
+    settings: Config, output: Path, info: dict[str, Any], shapes: dict[str, tuple[int, ...]]
+) -> tuple[OutputDirLock | None, Path | None, str | None]:
+    """(lock, checkpoint to resume from, run id): this process owns ``output`` (locks it, resumes
+    from it); a dry run only chooses the checkpoint. The last step that can refuse the run: nothing
+    after it leaves a claimed folder behind."""
+    from recipes.outputs import OwnershipError, choose_checkpoint, own_output_dir
+
+    try:
+        if not settings.dry_run:
+            lock, resume_from, record = own_output_dir(settings, output, info, shapes)
+            return lock, resume_from, record.run_id
+        resume, max_steps = settings.checkpoint.resume, settings.train.max_steps
+        checkpoints = output / "checkpoints"
+        return None, choose_checkpoint(resume, max_steps, checkpoints, info, shapes), None
+    except OwnershipError as error:
+        raise ConfigError([error.problem()]) from None
+
+
+def resume_again(plan: RunPlan, attempt: int) -> RunPlan:
+    """A restarted local rank's plan: the checkpoint chosen again, the last complete one."""
+    from recipes.outputs import choose_checkpoint
+
+    resume, max_steps = plan.checkpoint.resume, plan.train.max_steps
+    where = (resume, max_steps, plan.checkpoints, plan.run_info)
+    resume_from = choose_checkpoint(*where, shapes=None)  # the same model as before
+    at = f"from {resume_from}" if resume_from is not None else "from step 0"
+    say(f"note: restart {attempt} of {plan.settings.max_restarts} after a rank failed: {at}")
+    return replace(plan, resume_from=resume_from)
