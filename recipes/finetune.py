@@ -114,7 +114,7 @@ def set_up(plan: RunPlan) -> Run:
     from components.training.schedule import build_schedule
 
     train, optim, timeout = plan.train, plan.optim, plan.collective_timeout
-    device = join_world(plan.device_type, timeout, plan.cpu_threads, plan.seed)
+    device = join_world(plan.device_type, timeout, plan.cpu_threads, plan.seed, train.tf32)
     rank, mesh = dist.get_rank(), build_device_mesh(plan.dims, plan.device_type, timeout)
     shards = dict(dp_size=plan.dims.dp, dp_rank=mesh["dp"].get_local_rank(), seed=plan.seed)
     splits = (plan.data.train, plan.data.val, train.global_batch_size, train.micro_batch_size)
@@ -184,14 +184,14 @@ def train_step(run: Run, plan: RunPlan, step: int) -> dict:
     from components.distributed.grads import clip_grad_norm_, finalize_dtensor_gradients, grad_norm
     from components.distributed.mesh import data_parallel_mesh
     from components.training.memory import peak_memory_gib, reset_peak_memory
-    from components.training.metrics import throughput
+    from components.training.metrics import matmul_math, throughput
     from components.training.step import forward_backward  # its loss reads the models' TP plans
 
     started = time.perf_counter()
     reset_peak_memory(run.device)
     run.optimizer.zero_grad(set_to_none=True)
     micro_batches, labelled = run.data.batches_for_step(step), run.data.labels_in_step(step)
-    loss_sum = torch.zeros((), dtype=torch.float64)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)  # mesh groups: NCCL only
     for index, batch in enumerate(batch.to(run.device) for batch in micro_batches):
         set_gradient_sync(run.model, index == len(micro_batches) - 1)  # dp reduce once per step
         if run.experts:  # the step's imbalance counts real tokens, not the padding
@@ -215,7 +215,7 @@ def train_step(run: Run, plan: RunPlan, step: int) -> dict:
         run.optimizer.step()
     run.scheduler.step()
     dist.all_reduce(loss_sum, group=data_parallel_mesh(run.mesh).get_group())  # over dp × cp
-    peak = torch.tensor(peak_memory_gib(run.device), dtype=torch.float64)
+    peak = torch.tensor(peak_memory_gib(run.device), dtype=torch.float64, device=run.device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # the busiest rank's
     elapsed, tokens = time.perf_counter() - started, run.data.tokens_in_step(step)
     return {
@@ -224,7 +224,14 @@ def train_step(run: Run, plan: RunPlan, step: int) -> dict:
         "grad_norm": norm if finite else None,
         "lr": lr,
         "tokens": tokens,
-        **throughput(tokens, elapsed, plan.flops_per_token, dist.get_world_size(), run.device),
+        **throughput(
+            tokens,
+            elapsed,
+            plan.flops_per_token,
+            dist.get_world_size(),
+            run.device,
+            matmul_math(plan.train.precision, plan.train.tf32),
+        ),
         "peak_memory_gib": peak.item(),
         **(run.experts.metrics(plan.moe.expert_load == "experts") if run.experts else {}),
         **({} if finite else {"skipped": True}),
@@ -243,7 +250,7 @@ def train(run: Run, plan: RunPlan) -> tuple[str | None, int]:
     state = (run.model, run.optimizer, run.scheduler)
     last = min(train_cfg.max_steps, train_cfg.stop_after or train_cfg.max_steps)
     for step in range(run.first_step, last):
-        record = train_step(run, plan, step)
+        record = train_step(run, plan, step) | writer.take_stall()  # the save after the last step
         done, skipped = step + 1, skipped + bool(record.get("skipped"))
         if _validation_due(plan, done) and run.val_data is not None:
             record["val_loss"] = _validation_loss(run, plan)
@@ -259,7 +266,7 @@ def train(run: Run, plan: RunPlan) -> tuple[str | None, int]:
             break
     if stopped is None and run.first_step < done < train_cfg.max_steps and writer.last_step != done:
         writer.save(done, *state)  # train.stop_after, as a stop signal: the last step's checkpoint
-    writer.wait()  # the run ends only once its last save is published
+    writer.close()  # the run ends only once its last save is published
     log.close()
     tracker.close()
     if stopped is not None and run.rank == 0:

@@ -55,6 +55,7 @@ class Train(Section):
         f"one of {', '.join(ACTIVATION_CHECKPOINTING)}"
     )
     compile: bool = key("true or false")
+    tf32: bool = key("true or false")
     packing: bool = key("true or false")
     loss_chunk_tokens: Count | None = key(
         "0 or null (the whole micro-batch's logits at once) or a positive number of tokens, "

@@ -59,4 +59,3 @@ def test_file_bytes_are_never_read_into_a_device_tensor(tmp_path):
     save_file({"matrix": torch.zeros(3, 4)}, tmp_path / "model.safetensors")
     with Checkpoint(tmp_path) as checkpoint, pytest.raises(ValueError, match="CPU memory only"):
         checkpoint.read("matrix", (0, 0), (3, 4), out=torch.empty(3, 4, device="meta"))
-
