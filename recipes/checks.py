@@ -467,7 +467,6 @@ def plan_run(
     0). ``output_dir`` is a sweep job's folder; ``hydra_run_dir`` the run dir Hydra was given."""
     settings, found = _validated(cfg)
     _refuse(found)
-    from components.debug.faults import fault_backend_errors
     from recipes.outputs import check_output_dir, explicit_checkpoint_errors, run_info, where_errors
 
     train = settings.train
@@ -476,10 +475,9 @@ def plan_run(
     per_run = "${now:" in str(OmegaConf.to_container(cfg, resolve=False)["output_dir"])
     if per_run and output_dir is None:  # two runs in one second: the second gets DATE_TIME_2
         output = unused_folder(output)
-    found, fault = _option_problems(settings, warmup, output)
     gpus = visible_gpus()  # NVML's count: CUDA starts in the ranks, never before the fork
     device_type = "cuda" if gpus else "cpu"
-    found += problems("debug.fault", fault_backend_errors(fault, device_type))
+    found, fault = _option_problems(settings, warmup, output, device_type)
     dims, size_problems = check_sizes(settings, device_type, gpus)
     resume = explicit_checkpoint_errors(settings.checkpoint.resume)
     model_path, config, model_problems = resolve_model(settings, dims, device_type)
@@ -545,11 +543,12 @@ def _validated(cfg: DictConfig) -> tuple[Config | None, list[Problem]]:
 
 
 def _option_problems(
-    settings: Config, warmup: int, output: Path
+    settings: Config, warmup: int, output: Path, device_type: str
 ) -> tuple[list[Problem], Fault | None]:
     """(problems, the debug fault): the optimizer's class and options, the logger's (its values
-    too, for a run into ``output``), the schedule's and ``debug.fault``, in that order."""
-    from components.debug.faults import parse_fault
+    too, for a run into ``output``), the schedule's and ``debug.fault`` (on ``device_type``'s
+    backend), in that order."""
+    from components.debug.faults import fault_backend_errors, parse_fault
     from components.training.schedule import check_schedule
 
     optim = settings.optim
@@ -573,6 +572,7 @@ def _option_problems(
         fault = parse_fault(settings.debug.fault)
     except ValueError as error:
         fault, found = None, [*found, Problem(key="debug.fault", message=str(error))]
+    found += problems("debug.fault", fault_backend_errors(fault, device_type))
     return found + restart_problems(settings), fault
 
 

@@ -9,11 +9,8 @@ finished, so a crash during an async save leaves the previous checkpoint whole.
 
 Once per step :meth:`CheckpointWriter.after_step` all-reduces whether a rank was asked to stop and
 the state of each rank's save in flight: every rank stops and publishes after the same step, and a
-save that failed on one rank fails the run on all.
-
-Every second the training thread spends in the writer (a save, its copy, waiting for the previous
-one, publishing) is counted: :meth:`CheckpointWriter.take_stall` hands it to the next step's
-metrics as ``checkpoint_stall_s``.
+save that failed on one rank fails the run on all. The training thread's time in the writer is
+the next step's ``checkpoint_stall_s`` (:meth:`CheckpointWriter.take_stall`).
 
 Design notes: docs/design-notes.md
 """

@@ -7,8 +7,7 @@
 - ``replica_sync_sum``: every replicated parameter is sum-reduced instead of mean-reduced.
 - ``slow_save@S``: every checkpoint save waits S seconds before it is committed.
 - ``kill@N``, ``kill_in_collective@N``, ``kill_in_save@N``: in its run's first attempt only, the
-  last rank SIGKILLs itself in step N: at its forward, waiting in a collective (gloo only: refused
-  on CUDA, :func:`fault_backend_errors`), in step N's save.
+  last rank SIGKILLs itself in step N: at its forward, in a collective (gloo only), in its save.
 
 :func:`install_faults` installs a fault once, through hooks: the training loop holds no test
 machinery. Steps count the model's training forward passes, so a skipped update does not shift them.
