@@ -306,13 +306,18 @@ class RankWatch:
             else:
                 self._seen[rank] = _exit_of(rank, pid, info)
                 if self._seen[rank] is not None:  # the survivors' NCCL waits would not end
-                    _write_atomically(self.folder / PEER_FAILED, str(rank))
+                    _write_atomically(self.folder / f"{PEER_FAILED}.{self._attempt()}", str(rank))
         if (
             self._stopped and self._seen
         ):  # a peer has ended (failed, or already reaped by torch elastic)
             for rank in set(self._stopped) - set(self._seen):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(self._pids[rank], signal.SIGKILL)
+
+    def _attempt(self) -> int:
+        """The latest attempt whose ranks have started (each notes ``RANK.started.ATTEMPT``)."""
+        started = [path.name.rsplit(".", 1)[1] for path in self.folder.glob("*.started.*")]
+        return max((int(attempt) for attempt in started if attempt.isdigit()), default=0)
 
     def _read_pids(self) -> None:
         """Note each rank's pid; a rank whose pid changed (restarted) is watched afresh."""
@@ -601,8 +606,8 @@ def join_world(
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
         torch.set_float32_matmul_precision("high" if tf32 else "highest")
+        abort_when_a_peer_fails()  # first: a peer may fail while this rank waits to join
         init_process_group("cpu:gloo,cuda:nccl", timeout, device_id=device)
-        abort_when_a_peer_fails()
     else:
         init_process_group("gloo", timeout)
         torch.set_num_threads(cpu_threads)
@@ -645,8 +650,9 @@ def _gpus_counted_in_a_child() -> int:
     return int(done.stdout.strip() or 0) if done.returncode == 0 else 0
 
 
-# The file a local launcher writes into its ranks' folder when it sees one fail
-# (:meth:`RankWatch.poll`); a rank's peer watch then aborts its NCCL communicators.
+# The file (PEER_FAILED.ATTEMPT) a local launcher writes into its ranks' folder when it sees one
+# of that attempt fail (:meth:`RankWatch.poll`); the attempt's other ranks then abort their NCCL
+# communicators and end.
 PEER_FAILED = "peer_failed"
 _PEER_WATCH_S = 0.05
 
@@ -661,20 +667,17 @@ def abort_when_a_peer_fails(abort: Callable[[], None] | None = None) -> threadin
     if folder is None:
         return None
     abort = abort or dist.distributed_c10d._abort_process_group
-    since = time.time_ns()  # a note left by a failed earlier attempt predates this rank
-    thread = threading.Thread(
-        target=_watch_peers, args=(Path(folder), since, abort), name="peer-watch", daemon=True
-    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # an earlier one's note is old
+    note = Path(folder, f"{PEER_FAILED}.{attempt}")
+    thread = threading.Thread(target=_watch_peers, args=(note, abort), name="peer-watch")
+    thread.daemon = True
     thread.start()
     return thread
 
 
-def _watch_peers(folder: Path, since: int, abort: Callable[[], None]) -> None:
-    note = folder / PEER_FAILED
-    while True:
-        with contextlib.suppress(OSError):
-            if note.stat().st_mtime_ns >= since:
-                break
+def _watch_peers(note: Path, abort: Callable[[], None]) -> None:
+    folder = note.parent
+    while not note.exists():
         time.sleep(_PEER_WATCH_S)
     rank = os.environ.get("RANK", "?")
     record = {"error": "a peer rank failed: communicators aborted", "time": time.time()}

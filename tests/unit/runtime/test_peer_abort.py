@@ -1,7 +1,7 @@
 """When a local rank fails, its launcher notes it in the ranks' folder, and every other rank's peer
 watch aborts its communicators and ends the rank: on NCCL a survivor would otherwise wait inside a
-CUDA sync, where no signal reaches it, until torch elastic SIGKILLs it. A note left by an earlier
-attempt (a restart) does not count."""
+CUDA sync, where no signal reaches it, until torch elastic SIGKILLs it. A note for an earlier
+attempt (before a restart) does not count."""
 
 import json
 import multiprocessing
@@ -21,7 +21,7 @@ def _survivor(folder: str) -> None:
 
 
 def launch_environment(folder: str) -> dict[str, str]:
-    return {launch._RANKS_FOLDER: folder, "RANK": "1"}
+    return {launch._RANKS_FOLDER: folder, "RANK": "1", "TORCHELASTIC_RESTART_COUNT": "1"}
 
 
 def wait_for(path, seconds: float = 60) -> bool:
@@ -32,13 +32,13 @@ def wait_for(path, seconds: float = 60) -> bool:
 
 
 def test_a_survivor_aborts_and_ends_once_its_launcher_notes_a_failed_peer(tmp_path):
-    launch._write_atomically(tmp_path / launch.PEER_FAILED, "0")  # an earlier attempt's
+    launch._write_atomically(tmp_path / f"{launch.PEER_FAILED}.0", "0")  # the first attempt's
     rank = multiprocessing.get_context("fork").Process(target=_survivor, args=(str(tmp_path),))
     rank.start()
     assert wait_for(tmp_path / "watching")
     rank.join(timeout=0.5)
     assert rank.is_alive() and not (tmp_path / "aborted").exists()
-    launch._write_atomically(tmp_path / launch.PEER_FAILED, "0")  # this attempt's rank 0 failed
+    launch._write_atomically(tmp_path / f"{launch.PEER_FAILED}.1", "0")  # this attempt's rank 0
     rank.join(timeout=120)
     assert rank.exitcode == 1 and (tmp_path / "aborted").exists()
     record = json.loads((tmp_path / "1.error.json").read_text())
@@ -48,6 +48,7 @@ def test_a_survivor_aborts_and_ends_once_its_launcher_notes_a_failed_peer(tmp_pa
 
 
 def _failing_rank(folder: str) -> None:
+    (Path(folder) / "0.started.2").write_text("")  # a rank of the third attempt
     (Path(folder) / "0.pid").write_text(str(os.getpid()))
     os._exit(3)
 
@@ -58,7 +59,7 @@ def test_the_launcher_notes_a_failed_rank_for_its_peers(tmp_path):
             target=_failing_rank, args=(str(watch.folder),)
         )
         rank.start()
-        assert wait_for(watch.folder / launch.PEER_FAILED)
+        assert wait_for(watch.folder / f"{launch.PEER_FAILED}.2")
         rank.join(timeout=60)
         assert [exit_.error.split(" (")[0] for exit_ in watch.failures()] == [
             "exited with status 3"
