@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from components.checkpoint.dcp import load_checkpoint
 from components.checkpoint.writer import CheckpointWriter
-from components.models import build_causal_lm, tiny_config
+from components.models import build_causal_lm, load_config, meta_causal_lm, tiny_config
 from components.models.load import materialize_pretrained
 from components.planning.flops import peak_tflops
 from components.runtime.launch import free_port, join_world
@@ -69,7 +69,7 @@ def cpu_runs(tmp_path_factory) -> dict[str, list[dict]]:
 
 def test_fp32_without_tf32_matches_the_cpu_run(tmp_path, cpu_runs):
     records = recipe(tmp_path / "run", "train.tf32=false")
-    assert len(records) == STEPS and max(relative_gaps(records, cpu_runs["fp32"])) < 1e-4
+    assert len(records) == STEPS and max(relative_gaps(records, cpu_runs["fp32"])) < 1e-3
     assert records[0]["peak_memory_gib"] > 0
     peak = peak_tflops("cuda", "fp32")
     if peak is not None:  # a GPU the table knows: MFU against its plain fp32 peak
@@ -94,8 +94,7 @@ def test_bf16_mixed_trains_like_the_cpu_run(tmp_path, cpu_runs):
 def test_a_pretrained_folder_loads_onto_the_gpu_exactly(tmp_path, dtype):
     source = build_causal_lm(tiny_config("llama"), seed=3).to(dtype)
     source.save_pretrained(tmp_path)
-    with torch.device("meta"):
-        model = build_causal_lm(tiny_config("llama"), seed=4).to(dtype)
+    model = meta_causal_lm(load_config(tmp_path)).to(dtype)
     materialize_pretrained(model, tmp_path, device="cuda")
     loaded = model.state_dict()
     for name, tensor in source.state_dict().items():
