@@ -29,7 +29,7 @@ from components.models.configs import build_config, config_errors
 from components.models.families import moe_patterns
 from components.models.hub import resolve_model_folder
 from components.runtime.cli import compose_config
-from components.runtime.launch import cpu_threads_per_rank, started_by_launcher
+from components.runtime.launch import cpu_threads_per_rank, started_by_launcher, visible_gpus
 from components.runtime.output_dir import unused_folder
 from components.runtime.problems import ConfigError, Problem, problems, say, show
 from components.targets import check_target
@@ -100,16 +100,21 @@ def _dotted_keys(tree: dict, prefix: str = "") -> list[str]:
     return keys
 
 
-def check_sizes(settings: Config, device_type: str) -> tuple[ParallelDims | None, list[Problem]]:
-    """Parallel sizes that factor the world; batch sizes and (with sp) seq_len that divide."""
+def check_sizes(
+    settings: Config, device_type: str, gpus: int = 0
+) -> tuple[ParallelDims | None, list[Problem]]:
+    """Parallel sizes that factor the world; batch sizes and (with sp) seq_len that divide; on CUDA
+    one visible GPU (of ``gpus``) for each local rank."""
+    cuda = device_type == "cuda" and not settings.dry_run  # a dry run plans any layout
     if started_by_launcher():
         world_size = int(os.environ["WORLD_SIZE"])
     elif settings.nproc is not None:
         world_size = settings.nproc
-    else:  # a dry run plans the layout asked for, whatever devices this machine has
-        cuda = device_type == "cuda" and not settings.dry_run
+    else:
         inner = settings.cp * settings.tp
-        world_size = torch.cuda.device_count() if cuda else (settings.dp or 1) * inner
+        world_size = default_gpu_world(settings, gpus) if cuda else (settings.dp or 1) * inner
+    if cuda and (found := gpu_count_problems(world_size, gpus)):
+        return None, found
     sizes = dict(tp=settings.tp, dp=settings.dp, ep=settings.ep, cp=settings.cp)
     try:
         dims = resolve_parallel_dims(world_size, **sizes)
@@ -143,6 +148,43 @@ def check_sizes(settings: Config, device_type: str) -> tuple[ParallelDims | None
             )
         )
     return dims, found + context_parallel_problems(settings, dims)
+
+
+def default_gpu_world(settings: Config, gpus: int) -> int:
+    """The default ``nproc`` on CUDA: ``dp × cp × tp`` when dp is set, else the most of the visible
+    GPUs the layout and the batch fit (``cp × tp`` and ``ep`` divide it, ``global_batch_size``
+    splits into dp micro-batches), with a note when that leaves GPUs idle."""
+    inner, train = settings.cp * settings.tp, settings.train
+    if settings.dp is not None:
+        return settings.dp * inner
+    for world in range(gpus, 0, -1):
+        dp, fits = world // inner, world % inner == 0 and world % settings.ep == 0
+        if fits and train.global_batch_size % (train.micro_batch_size * dp) == 0:
+            if world < gpus:
+                say(
+                    f"note: nproc={world} of the {gpus} visible GPUs: train.global_batch_size="
+                    f"{train.global_batch_size} with train.micro_batch_size="
+                    f"{train.micro_batch_size} splits over dp={dp} at most; for all {gpus}, set "
+                    "nproc and a global_batch_size that splits"
+                )
+            return world
+    return max(gpus, inner)  # nothing fits: too few GPUs for cp × tp, or the size checks say why
+
+
+def gpu_count_problems(world_size: int, gpus: int) -> list[Problem]:
+    """On CUDA every local rank has a GPU of its own (``LOCAL_RANK`` picks it)."""
+    local = int(os.environ["LOCAL_WORLD_SIZE"]) if started_by_launcher() else world_size
+    if local <= gpus:
+        return []
+    seen = os.environ.get("CUDA_VISIBLE_DEVICES")
+    where = f" (CUDA_VISIBLE_DEVICES={seen})" if seen is not None else ""
+    key = "nproc" if not started_by_launcher() else "LOCAL_WORLD_SIZE"
+    message = (
+        f"{local} ranks on this machine need a GPU each but {gpus} "
+        f"{'is' if gpus == 1 else 'are'} visible{where}: use nproc={gpus} or fewer (with dp, cp "
+        "and tp to match), or torchrun across machines"
+    )
+    return [Problem(key=key, message=message)]
 
 
 def context_parallel_problems(settings: Config, dims: ParallelDims) -> list[Problem]:
@@ -324,9 +366,10 @@ def check(
     per_run = "${now:" in str(OmegaConf.to_container(cfg, resolve=False)["output_dir"])
     if per_run and output_dir is None:  # two runs in one second: the second gets DATE_TIME_2
         output = unused_folder(output)
-    found, fault = _option_problems(settings, warmup, output)
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    dims, size_problems = check_sizes(settings, device_type)
+    gpus = visible_gpus()  # NVML's count: CUDA starts in the ranks, never before the fork
+    device_type = "cuda" if gpus else "cpu"
+    found, fault = _option_problems(settings, warmup, output, device_type)
+    dims, size_problems = check_sizes(settings, device_type, gpus)
     resume = explicit_checkpoint_errors(settings.checkpoint.resume)
     model_path, config, model_problems = resolve_model(settings, dims, device_type)
     source, data_problems = data_source(settings)
@@ -365,11 +408,12 @@ def _validated(cfg: DictConfig) -> tuple[Config | None, list[Problem]]:
 
 
 def _option_problems(
-    settings: Config, warmup: int, output: Path
+    settings: Config, warmup: int, output: Path, device_type: str
 ) -> tuple[list[Problem], Fault | None]:
     """(problems, the debug fault): the optimizer's class and options, the logger's (its values
-    too, for a run into ``output``), the schedule's and ``debug.fault``, in that order."""
-    from components.debug.faults import parse_fault
+    too, for a run into ``output``), the schedule's and ``debug.fault`` (on ``device_type``'s
+    backend), in that order."""
+    from components.debug.faults import fault_backend_errors, parse_fault
     from components.training.schedule import check_schedule
 
     optim = settings.optim
@@ -393,6 +437,7 @@ def _option_problems(
         fault = parse_fault(settings.debug.fault)
     except ValueError as error:
         fault, found = None, [*found, Problem(key="debug.fault", message=str(error))]
+    found += problems("debug.fault", fault_backend_errors(fault, device_type))
     return found + restart_problems(settings), fault
 
 

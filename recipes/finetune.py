@@ -60,7 +60,7 @@ def set_up(plan: RunPlan) -> Run:
     from recipes.plan import Run
 
     train, optim, timeout, dims = plan.train, plan.optim, plan.collective_timeout, plan.dims
-    device = join_world(plan.device_type, timeout, plan.cpu_threads, plan.seed)
+    device = join_world(plan.device_type, timeout, plan.cpu_threads, plan.seed, train.tf32)
     rank, mesh = dist.get_rank(), build_device_mesh(dims, plan.device_type, timeout)
     shards = dict(dp_size=dims.dp, dp_rank=mesh["dp"].get_local_rank(), seed=plan.seed)
     splits = (plan.data.train, plan.data.val, train.global_batch_size, train.micro_batch_size)
@@ -101,7 +101,7 @@ def forward_backward_step(run: Run, plan: RunPlan, step: int) -> torch.Tensor:
     from components.training.step import forward_backward  # its loss reads the models' TP plans
 
     micro_batches, labelled = run.data.batches_for_step(step), run.data.labels_in_step(step)
-    loss_sum = torch.zeros((), dtype=torch.float64)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)  # mesh groups: NCCL only
     for index, batch in enumerate(batch.to(run.device) for batch in micro_batches):
         set_gradient_sync(run.model, index == len(micro_batches) - 1)  # dp reduce once per step
         if run.experts:  # the step's imbalance counts real tokens, not the padding
@@ -123,7 +123,7 @@ def train_step(run: Run, plan: RunPlan, step: int, step_fn: StepFn = forward_bac
     from components.distributed.tp_replicas import synchronize_tp_replica_gradients
     from components.moe import load_metrics
     from components.planning.memory import peak_memory_gib, reset_peak_memory
-    from components.training.metrics import throughput
+    from components.training.metrics import matmul_math, throughput
 
     started = time.perf_counter()
     reset_peak_memory(run.device)
@@ -144,17 +144,18 @@ def train_step(run: Run, plan: RunPlan, step: int, step_fn: StepFn = forward_bac
         run.optimizer.step()
     run.scheduler.step()
     dist.all_reduce(loss_sum, group=data_parallel_mesh(run.mesh).get_group())  # over dp × cp
-    peak = torch.tensor(peak_memory_gib(run.device), dtype=torch.float64)
+    peak = torch.tensor(peak_memory_gib(run.device), dtype=torch.float64, device=run.device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # the busiest rank's
     expert_counts = run.experts.end_step() if run.experts else None  # moves the routing bias
     elapsed, tokens = time.perf_counter() - started, run.data.tokens_in_step(step)
+    world, kind = dist.get_world_size(), matmul_math(plan.train.precision, plan.train.tf32)
     return {
         "step": step + 1,
         "loss": (loss_sum / run.data.labels_in_step(step)).item(),
         "grad_norm": norm if finite else None,
         "lr": lr,
         "tokens": tokens,
-        **throughput(tokens, elapsed, plan.flops_per_token, dist.get_world_size(), run.device),
+        **throughput(tokens, elapsed, plan.flops_per_token, world, run.device, kind),  # MFU: kind's
         "peak_memory_gib": peak.item(),
         **(load_metrics(expert_counts, plan.moe.expert_load == "experts") if run.experts else {}),
         **({} if finite else {"skipped": True}),
@@ -176,7 +177,7 @@ def train(
     max_steps, check_every = plan.train.max_steps, plan.settings.debug.check_replicas_every
     val_every = plan.train.val_every  # and after the last step
     for step in range(run.first_step, plan.last_step):
-        record = train_step(run, plan, step, step_fn)
+        record = train_step(run, plan, step, step_fn) | writer.take_stall()  # the save before
         done, skipped = step + 1, skipped + bool(record.get("skipped"))
         if val_every and (done % val_every == 0 or done == max_steps) and run.val_data is not None:
             record["val_loss"] = _validation_loss(run, plan)
@@ -190,7 +191,7 @@ def train(
             break
     if stopped is None and run.first_step < done < max_steps and writer.last_step != done:
         writer.save(done, *state)  # train.stop_after, as a stop signal: the last step's checkpoint
-    writer.wait()  # the run ends only once its last save is published
+    writer.close()  # the run ends only once its last save is published
     log.close()
     tracker.close()
     if stopped is not None:
@@ -256,8 +257,7 @@ def finish(run: Run, plan: RunPlan, stopped: bool = False, skipped: int = 0) -> 
         if note and not fails:
             say(note, file=sys.stderr)
         if not fails:
-            exported = plan.checkpoint.export and ended
-            say(done_line(output_dir, train.max_steps, ended, exported))
+            say(done_line(output_dir, train.max_steps, ended, plan.checkpoint.export and ended))
     dist.destroy_process_group()
     if fails:
         fail_once(note)  # every rank exits 1; rank 0 prints the one error: line

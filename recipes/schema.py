@@ -77,6 +77,8 @@ class Train(Section):
     )
     # torch.compile each decoder block
     compile: bool = key("true or false")
+    # on CUDA, fp32 matmuls in TF32 on tensor cores; false: full fp32
+    tf32: bool = key("true or false")
     # several examples per row, no attention across them
     packing: bool = key("true or false")
     # lm_head + loss over this many tokens at a time, recomputed in backward (never the whole micro-

@@ -1,20 +1,24 @@
 """The run's checkpoint writer: each save blocking the step (``checkpoint.async=false``), or written
 in the background with DCP's ``async_save`` (``checkpoint.async=true``) while training goes on.
 
-An async save copies the state to CPU memory, then a thread writes ``step_N.tmp`` over a gloo
-process group of its own; at most one save is in flight. The publish (marker, rename, pruning;
+An async save copies the state to CPU memory (one stager for the run, whose host buffers, pinned
+on CUDA, every save reuses), then a thread writes ``step_N.tmp`` over a gloo process group of its
+own; at most one save is in flight. The publish (marker, rename, pruning;
 :func:`components.checkpoint.dcp.end_save`) runs on the training thread once every rank's write has
 finished, so a crash during an async save leaves the previous checkpoint whole.
 
 Once per step :meth:`CheckpointWriter.after_step` all-reduces whether a rank was asked to stop and
 the state of each rank's save in flight: every rank stops and publishes after the same step, and a
-save that failed on one rank fails the run on all.
+save that failed on one rank fails the run on all. The training thread's time in the writer is
+the next step's ``checkpoint_stall_s`` (:meth:`CheckpointWriter.take_stall`).
 
 Design notes: docs/design-notes.md
 """
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.optim.lr_scheduler import LRScheduler
 
 from components.checkpoint.dcp import (
@@ -59,6 +64,26 @@ class CheckpointWriter:
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self._group = dist.new_group(backend="gloo") if asynchronous and distributed else None
         self._pending: tuple[PendingSave, Future] | None = None
+        self._stager: DefaultStager | None = None  # made at the first async save, for its device
+        self._stalled = 0.0  # seconds the training thread spent here since take_stall
+        self._inside = 0  # nested _stalling blocks: only the outermost counts
+
+    @contextmanager
+    def _stalling(self) -> Iterator[None]:
+        started, self._inside = time.perf_counter(), self._inside + 1
+        try:
+            yield
+        finally:
+            self._inside -= 1
+            if not self._inside:
+                self._stalled += time.perf_counter() - started
+
+    def take_stall(self) -> dict[str, float]:
+        """``{"checkpoint_stall_s": seconds}`` the training thread spent saving since the last call
+        (a save after a step, its copy to the host, waiting for the previous one, the publish);
+        empty when it spent none."""
+        stalled, self._stalled = self._stalled, 0.0
+        return {"checkpoint_stall_s": stalled} if stalled else {}
 
     def save(
         self,
@@ -69,7 +94,13 @@ class CheckpointWriter:
     ) -> None:
         """Save ``step``: at once, or (async) start writing it once the previous save is
         published."""
+        with self._stalling():
+            self._save(step, model, optimizer, scheduler)
+
+    def _save(self, step: int, model: nn.Module, optimizer, scheduler) -> None:
         self.wait()
+        if self.asynchronous and self._stager is None:
+            self._stager = host_stager(next(model.parameters()).device.type)
         self.last_step = step
         ids = dict(keep=self.keep, run_id=self.run_id, run_info=self.run_info)
         if not self.asynchronous:
@@ -84,7 +115,9 @@ class CheckpointWriter:
             )
             return
         pending, state = start_save(self.root, step, model, optimizer, scheduler, None, **ids)
-        response = dcp.async_save(state, checkpoint_id=pending.tmp, process_group=self._group)
+        response = dcp.async_save(
+            state, checkpoint_id=pending.tmp, process_group=self._group, async_stager=self._stager
+        )
         future = getattr(
             response, "upload_completion", response
         )  # an AsyncSaveResponse when staging is async
@@ -111,6 +144,17 @@ class CheckpointWriter:
         """Wait for the save in flight (if any) on every rank and publish it (collective)."""
         if not self.asynchronous:
             return
+        with self._stalling():
+            self._wait()
+
+    def close(self) -> None:
+        """:meth:`wait`, then free the stager's host buffers (collective)."""
+        self.wait()
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+
+    def _wait(self) -> None:
         state = torch.tensor([float(self._state(block=True))], dtype=torch.float64)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(state, op=dist.ReduceOp.MAX)
@@ -140,4 +184,19 @@ class CheckpointWriter:
             raise RuntimeError(
                 f"the async save of step {pending.step} failed on a rank: {error}"
             ) from error
-        self.last_path = end_save(pending, self.before_commit)
+        with self._stalling():
+            self.last_path = end_save(pending, self.before_commit)
+
+
+def host_stager(device_type: str) -> DefaultStager:
+    """DCP's stager for state on ``device_type``, copying on the training thread (the next step may
+    change the weights) into host buffers it keeps for the next save; from CUDA pinned ones, filled
+    by non-blocking copies and one sync."""
+    cuda = device_type == "cuda"
+    options = StagingOptions(
+        use_pinned_memory=cuda,
+        use_shared_memory=False,  # the writing thread shares this process's memory
+        use_async_staging=False,
+        use_non_blocking_copy=cuda,
+    )
+    return DefaultStager(options)

@@ -8,7 +8,7 @@ safeguards catch them, on a user's own cluster as in this project's tests (docs/
 - ``replica_sync_sum``: every replicated parameter is sum-reduced instead of mean-reduced.
 - ``slow_save@S``: every checkpoint save waits S seconds before it is committed.
 - ``kill@N``, ``kill_in_collective@N``, ``kill_in_save@N``: in its run's first attempt only, the
-  last rank SIGKILLs itself in step N: at its forward, waiting in a collective, in step N's save.
+  last rank SIGKILLs itself in step N: at its forward, in a collective (gloo only), in its save.
 
 :func:`install_faults` installs one through the model's, optimizer's and checkpoint writer's hooks,
 only in a run that asks for it. Steps count training forwards (a skipped update shifts nothing).
@@ -61,6 +61,21 @@ def parse_fault(text: str | None) -> Fault | None:
             "or replica_sync_sum"
         )
     return Fault(kind=kind, step=int(step) if step else None)
+
+
+# Faults that only strike as described over gloo: on NCCL a collective returns before its peers
+# arrive (the rank then waits in a CUDA sync, not in ``wait_tensor``).
+GLOO_ONLY = ("kill_in_collective",)
+
+
+def fault_backend_errors(fault: Fault | None, device_type: str) -> list[str]:
+    """Why ``fault`` cannot run on ``device_type``'s backend (NCCL on CUDA), if it cannot."""
+    if fault is None or fault.kind not in GLOO_ONLY or device_type == "cpu":
+        return []
+    return [
+        f"debug.fault={fault.kind}@{fault.step} is gloo-only (a CPU run): on NCCL a rank never "
+        f"waits in wait_tensor; use kill@{fault.step} or kill_in_save@{fault.step} on CUDA"
+    ]
 
 
 def _first_plain(model: nn.Module) -> torch.Tensor:

@@ -82,7 +82,9 @@ def _read_header(path: Path) -> tuple[int, dict[str, _Stored]]:
 
 
 def _pread_into(fd: int, tensor: torch.Tensor, position: int) -> None:
-    """Fill the contiguous ``tensor`` with the bytes of ``fd`` from ``position``."""
+    """Fill the contiguous CPU ``tensor`` with the bytes of ``fd`` from ``position``."""
+    if tensor.device.type != "cpu":
+        raise ValueError(f"file bytes are read into CPU memory only, not {tensor.device}")
     view = memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
     done = 0
     while done < len(view):
@@ -238,10 +240,24 @@ class StoredTensor:
         return checkpoint.read(self.key, offset, size)
 
     def read_into(self, checkpoint: Checkpoint, offset: Box, out: torch.Tensor) -> bool:
+        """Read in place into a CPU ``out``; a device's ``out`` (CUDA, meta, ...) is filled from a
+        host buffer (pinned for CUDA): file bytes only ever land in CPU memory."""
         if out.dtype != checkpoint.dtype(self.key) or not out.is_contiguous():
             return False
-        checkpoint.read(self.key, offset, tuple(out.shape), out=out)
+        if out.device.type == "cpu":
+            checkpoint.read(self.key, offset, tuple(out.shape), out=out)
+            return True
+        staged = host_buffer(out)
+        checkpoint.read(self.key, offset, tuple(out.shape), out=staged)
+        out.copy_(staged)  # blocking: the buffer may be reused or freed right after
         return True
+
+
+def host_buffer(like: torch.Tensor) -> torch.Tensor:
+    """An empty CPU tensor of ``like``'s shape and dtype to read file bytes into before copying them
+    to ``like``'s device; pinned when that device is CUDA (a faster, DMA-able copy)."""
+    pinned = like.device.type == "cuda"
+    return torch.empty(tuple(like.shape), dtype=like.dtype, pin_memory=pinned)
 
 
 @dataclass(frozen=True, kw_only=True)

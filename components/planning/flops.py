@@ -24,6 +24,16 @@ PEAK_BF16_TFLOPS = (
     ("H200", 989.0),
     ("B200", 2250.0),
 )
+# The same parts' dense TF32 tensor-core peaks (half the bf16 ones) and plain fp32 (CUDA cores).
+PEAK_TF32_TFLOPS = tuple((name, peak / 2) for name, peak in PEAK_BF16_TFLOPS)
+PEAK_FP32_TFLOPS = (
+    ("H100 PCIe", 51.0),
+    ("A100", 19.5),
+    ("H100", 67.0),
+    ("H200", 67.0),
+    ("B200", 75.0),
+)
+PEAKS = {"bf16": PEAK_BF16_TFLOPS, "tf32": PEAK_TF32_TFLOPS, "fp32": PEAK_FP32_TFLOPS}
 
 
 def _get(config: Any, *names: str, default: Any = None) -> Any:
@@ -92,10 +102,11 @@ def flops_per_token(config: Any, seq_len: int) -> int:
     return 6 * matmul_params_per_token(config) + attention_flops_per_token(config, seq_len)
 
 
-def peak_tflops(device: torch.device | str) -> float | None:
-    """The device's dense bf16 peak (:data:`PEAK_BF16_TFLOPS`); None on the CPU or another GPU."""
+def peak_tflops(device: torch.device | str, math: str = "bf16") -> float | None:
+    """The device's dense peak for the matmuls' ``math`` (``bf16``, ``tf32`` or ``fp32``:
+    :data:`PEAKS`); None on the CPU or another GPU."""
     device = torch.device(device)
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    return next((peak for key, peak in PEAK_BF16_TFLOPS if key in name), None)
+    return next((peak for key, peak in PEAKS[math] if key in name), None)

@@ -14,6 +14,8 @@ Design notes: docs/design-notes.md
 """
 
 import contextlib
+import ctypes
+import dataclasses
 import json
 import logging
 import os
@@ -54,9 +56,11 @@ _PEER_SYMPTOMS = (
     "timed out",
     "timeout",
     "peer",
+    "abort",  # NCCL's communicators aborted by abort_when_a_peer_fails
 )
 _WATCH_INTERVAL_S = 0.01
 _START_WAIT_S = 120.0
+_RANKS_FOLDER = "SHARDTUNE_RANKS_FOLDER"  # a local rank's folder shared with its launcher
 _SOURCE_LOCATION = re.compile(r"\[[^\]\s]+\.(?:cc|cpp|h|hpp):\d+\] ")
 
 
@@ -125,7 +129,7 @@ class RankExit:
 
 
 def _write_atomically(path: Path, text: str) -> None:
-    private = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    private = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     private.write_text(text)
     os.replace(private, path)
 
@@ -135,6 +139,7 @@ def _run_rank(folder: str, launcher_pid: int, entrypoint: Callable[..., Any], *a
     the exception it raises."""
     die_with_parent(launcher_pid)
     tempfile.tempdir = None  # the launcher points it at its own folder (see _temporary_files_in)
+    os.environ[_RANKS_FOLDER] = folder  # for abort_when_a_peer_fails
     rank = int(os.environ["RANK"])
     Path(folder, f"{rank}.error.json").unlink(missing_ok=True)  # an earlier attempt's (restarts)
     _write_atomically(Path(folder, f"{rank}.pid"), str(os.getpid()))
@@ -256,12 +261,19 @@ class RankWatch:
                 self._stopped.pop(rank, None)
             else:
                 self._seen[rank] = _exit_of(rank, pid, info)
+                if self._seen[rank] is not None:  # the survivors' NCCL waits would not end
+                    _write_atomically(self.folder / f"{PEER_FAILED}.{self._attempt()}", str(rank))
         if (
             self._stopped and self._seen
         ):  # a peer has ended (failed, or already reaped by torch elastic)
             for rank in set(self._stopped) - set(self._seen):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(self._pids[rank], signal.SIGKILL)
+
+    def _attempt(self) -> int:
+        """The latest attempt whose ranks have started (each notes ``RANK.started.ATTEMPT``)."""
+        started = [path.name.rsplit(".", 1)[1] for path in self.folder.glob("*.started.*")]
+        return max((int(attempt) for attempt in started if attempt.isdigit()), default=0)
 
     def _read_pids(self) -> None:
         """Note each rank's pid; a rank whose pid changed (restarted) is watched afresh."""
@@ -429,7 +441,7 @@ def launch_local(
     ``TORCHELASTIC_RESTART_COUNT`` above 0 and joins a fresh world (:func:`attempt_store`).
     """
     with RankWatch(nproc) as watch:
-        config = LaunchConfig(
+        config = _launch_config(
             min_nodes=1,
             max_nodes=1,
             nproc_per_node=nproc,
@@ -473,6 +485,17 @@ def launch_local(
     _report_failure(failures)
 
 
+def _launch_config(**options: Any) -> LaunchConfig:
+    """torch elastic's ``LaunchConfig`` without its NUMA default, which it looks up by calling
+    ``torch.cuda.is_available()`` (CUDA started in the launcher: no forked rank could start it) and
+    which is no binding anyway outside Meta (``torch._utils_internal.get_default_numa_options``)."""
+    if "numa_options" not in {field.name for field in dataclasses.fields(LaunchConfig)}:
+        return LaunchConfig(**options)  # an older torch, without the lookup
+    config = LaunchConfig(**options, numa_options=False)  # not None: the lookup is skipped
+    config.numa_options = None
+    return config
+
+
 def _report_failure(failures: list[RankExit]) -> NoReturn:
     """Print the failed rank's traceback and the ``error:`` line on a fresh line of stderr; exit
     with 1."""
@@ -485,13 +508,19 @@ def _report_failure(failures: list[RankExit]) -> NoReturn:
     raise SystemExit(1)
 
 
-def init_process_group(backend: str, timeout: timedelta) -> None:
+def init_process_group(
+    backend: str, timeout: timedelta, device_id: torch.device | None = None
+) -> None:
     """Join the world described by the launcher's environment; every collective gives up after
-    ``timeout`` instead of hanging forever when a peer has died or stopped. The process dies with
-    its parent (the launcher, :func:`die_with_parent`)."""
+    ``timeout`` instead of hanging forever when a peer has died or stopped. ``device_id``: this
+    rank's GPU (set as the current device first), which binds NCCL's communicators to it. The
+    process dies with its parent (the launcher, :func:`die_with_parent`)."""
     die_with_parent()
     store, rank, world_size = attempt_store(timeout)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    bound = {} if device_id is None else {"device_id": device_id}
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **bound
+    )
 
 
 def attempt_store(timeout: timedelta) -> tuple[dist.Store, int, int]:
@@ -522,15 +551,102 @@ def cpu_threads_per_rank(setting: int | None, local_ranks: int) -> int:
     return max(1, (os.cpu_count() or 1) // local_ranks)
 
 
-def join_world(device_type: str, timeout: timedelta, cpu_threads: int, seed: int) -> torch.device:
+def join_world(
+    device_type: str, timeout: timedelta, cpu_threads: int, seed: int, tf32: bool = True
+) -> torch.device:
     """Join the process group of the launcher's environment and return this rank's device: the GPU
-    named by ``LOCAL_RANK`` on CUDA (NCCL for its tensors, gloo for the few CPU ones), else the CPU
-    with ``cpu_threads`` intra-op threads. Seeds torch's RNG with ``seed``."""
-    if not dist.is_initialized():  # torchrun: joined already, to wait for rank 0's plan
-        init_process_group("cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo", timeout)
-    torch.manual_seed(seed)
+    named by ``LOCAL_RANK`` on CUDA (made current before the group exists; NCCL for its tensors,
+    gloo for the default group's CPU ones; fp32 matmuls in TF32 unless ``tf32`` is False), else the
+    CPU with ``cpu_threads`` intra-op threads. Seeds torch's RNG with ``seed``. Under torchrun the
+    group may exist already (joined to wait for rank 0's plan)."""
+    joined = dist.is_initialized()
     if device_type == "cuda":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        return torch.device("cuda", torch.cuda.current_device())
-    torch.set_num_threads(cpu_threads)
-    return torch.device("cpu")
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        torch.set_float32_matmul_precision("high" if tf32 else "highest")
+        if not joined:
+            abort_when_a_peer_fails()  # first: a peer may fail while this rank waits to join
+            init_process_group("cpu:gloo,cuda:nccl", timeout, device_id=device)
+    else:
+        if not joined:
+            init_process_group("gloo", timeout)
+        torch.set_num_threads(cpu_threads)
+        device = torch.device("cpu")
+    torch.manual_seed(seed)
+    return device
+
+
+def visible_gpus() -> int:
+    """The GPUs this process may use (``CUDA_VISIBLE_DEVICES`` applied), counted without starting
+    CUDA, which would make every rank forked afterwards fail ("Cannot re-initialize CUDA in forked
+    subprocess"): NVML counts them, as ``torch.cuda.device_count`` does before CUDA starts but
+    without its fall-back to the CUDA runtime; where NVML cannot (MIG UUIDs), a child process
+    counts. 0 without a CUDA build of torch or an NVIDIA driver."""
+    if not torch.cuda._is_compiled():
+        return 0
+    if torch.cuda.is_initialized():  # too late to keep CUDA out: its own count is safe now
+        return torch.cuda.device_count()
+    if not _nvidia_driver_present():
+        return 0
+    count = torch.cuda._device_count_nvml()
+    return count if count >= 0 else _gpus_counted_in_a_child()
+
+
+def _nvidia_driver_present() -> bool:
+    """Whether NVML's library (installed with the NVIDIA driver) loads."""
+    try:
+        ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+        return False
+    return True
+
+
+def _gpus_counted_in_a_child() -> int:
+    """``torch.cuda.device_count()`` in a fresh interpreter: CUDA starts there, not here."""
+    import subprocess
+
+    code = "import torch; print(torch.cuda.device_count())"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    return int(done.stdout.strip() or 0) if done.returncode == 0 else 0
+
+
+# The file (PEER_FAILED.ATTEMPT) a local launcher writes into its ranks' folder when it sees one
+# of that attempt fail (:meth:`RankWatch.poll`); the attempt's other ranks then abort their NCCL
+# communicators and end.
+PEER_FAILED = "peer_failed"
+_PEER_WATCH_S = 0.05
+
+
+def abort_when_a_peer_fails(abort: Callable[[], None] | None = None) -> threading.Thread | None:
+    """In a local launcher's rank: watch for its note that a peer failed, then ``abort`` (default:
+    every process group's communicators) and end this process. On NCCL a survivor blocks inside a
+    CUDA wait where no signal handler runs (torch elastic SIGKILLs it 30 s later, its error
+    unsaid); aborting makes that wait raise within a second. Gloo needs none: a lost peer's
+    connection closes. Returns the watch thread, or None outside a local launch."""
+    folder = os.environ.get(_RANKS_FOLDER)
+    if folder is None:
+        return None
+    abort = abort or dist.distributed_c10d._abort_process_group
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # an earlier one's note is old
+    note = Path(folder, f"{PEER_FAILED}.{attempt}")
+    thread = threading.Thread(target=_watch_peers, args=(note, abort), name="peer-watch")
+    thread.daemon = True
+    thread.start()
+    return thread
+
+
+def _watch_peers(note: Path, abort: Callable[[], None]) -> None:
+    folder = note.parent
+    while not note.exists():
+        time.sleep(_PEER_WATCH_S)
+    rank = os.environ.get("RANK", "?")
+    record = {"error": "a peer rank failed: communicators aborted", "time": time.time()}
+    with contextlib.suppress(OSError):
+        _write_atomically(folder / f"{rank}.error.json", json.dumps(record | {"traceback": None}))
+    with contextlib.suppress(Exception):  # whatever the abort raises, this rank ends
+        abort()
+    time.sleep(_ABORT_GRACE_S)  # the main thread's wait raises and the rank unwinds, or:
+    os._exit(1)
+
+
+_ABORT_GRACE_S = 5.0

@@ -105,7 +105,8 @@ def prepared_plan(check: Callable[[], Any], prepare: Callable[[Any], tuple[Plan,
         checked = check()
         if started_by_launcher() and not checked.dry_run:
             timeout = checked.collective_timeout
-            join_world(checked.device_type, timeout, checked.cpu_threads, checked.seed)
+            tf32 = checked.settings.train.tf32
+            join_world(checked.device_type, timeout, checked.cpu_threads, checked.seed, tf32)
         return prepare_once(lambda: prepare(checked))
 
 

@@ -9,12 +9,23 @@ from tqdm import tqdm
 from components.planning.flops import peak_tflops
 
 
-def throughput(tokens: int, seconds: float, flops: float, world: int, device) -> dict[str, float]:
+def matmul_math(precision: str, tf32: bool) -> str:
+    """What the matmuls of ``train.precision`` compute in on CUDA: ``bf16`` (bf16-mixed, bf16),
+    ``tf32`` (fp32 with ``train.tf32``) or ``fp32``; MFU divides by that math's peak."""
+    if precision != "fp32":
+        return "bf16"
+    return "tf32" if tf32 else "fp32"
+
+
+def throughput(
+    tokens: int, seconds: float, flops: float, world: int, device, math: str = "bf16"
+) -> dict[str, float]:
     """``tokens_per_s``; ``tflops``, the model TFLOP/s per rank: ``flops`` per token × the step's
     ``tokens`` (the whole world's) / ``seconds`` / ``world`` (ranks); and, where the device's peak
-    is known (CUDA, ``components.planning.flops.PEAK_BF16_TFLOPS``), ``mfu``: tflops / peak."""
+    for the matmuls' ``math`` is known (CUDA, ``components.planning.flops.PEAKS``), ``mfu``:
+    tflops / peak."""
     tflops = flops * tokens / seconds / world / 1e12
-    peak = peak_tflops(device)
+    peak = peak_tflops(device, math)
     mfu = {"mfu": tflops / peak} if peak else {}
     return {"tokens_per_s": tokens / seconds, "tflops": tflops, **mfu}
 

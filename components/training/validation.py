@@ -26,7 +26,7 @@ def validation_loss(
     needed: it is re-entrant). ``loss_chunk_tokens``, ``cp``: as in ``forward_backward``; with cp,
     ``dp_group`` is the dp × cp group, each cp rank sums its tokens' loss and one counts the
     tokens."""
-    totals = torch.zeros(2, dtype=torch.float64)
+    totals = torch.zeros(2, dtype=torch.float64, device=device)  # dp groups are NCCL-only on CUDA
     model.eval()
     for batch in batches.all_batches():
         batch = batch.to(device)
