@@ -42,9 +42,9 @@ def main(overrides: list[str]) -> None:
     def launching(config, entrypoint):  # torch elastic's launch: its agent then forks the ranks
         run = elastic_launch(config, entrypoint)
 
-        def start(folder, launcher_pid, rank_main, plan):
-            seen.update(nproc=config.nproc_per_node, device_type=plan.device_type)
-            return run(folder, launcher_pid, rank_main, plan)
+        def start(folder, launcher_pid, rank_main, *args):  # args: the rank's, the plan last
+            seen.update(nproc=config.nproc_per_node, device_type=args[-1].device_type)
+            return run(folder, launcher_pid, rank_main, *args)
 
         return start
 
