@@ -18,7 +18,8 @@
 #     median tokens/s, TFLOP/s and MFU after the warm-up, peak memory against the plan.
 #  6. bench/checkpoint_async_recipe.py at the 0.93B shape, bf16-mixed: the step after an async save
 #     against the others, a sync run beside it (the async-save stall).
-# Steps not started within GPU_CHECK_BUDGET_S seconds (450 on the GPU, none with --cpu) are skipped.
+# Steps not started within GPU_CHECK_BUDGET_S seconds (420 on the GPU, none with --cpu) are
+# skipped, and every step ends by 120 s later, so the call returns inside its 10 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 REPO=$PWD
@@ -36,6 +37,7 @@ FAILED=()
 if $CPU; then  # tiny shapes, few steps: every step of the device's run, in minutes on 2 cores
     PY=${PY:-.venv/bin/python}
     BUDGET=${GPU_CHECK_BUDGET_S:-0}
+    HARD_END=$((BUDGET > 0 ? BUDGET + 120 : 1 << 30))
     LIMIT=1800
     STEPS=3 WARMUP=1 SEQ=128
     HALF=(hidden_size=64 num_hidden_layers=2 intermediate_size=128 num_attention_heads=4
@@ -46,7 +48,8 @@ if $CPU; then  # tiny shapes, few steps: every step of the device's run, in minu
     LABELS=(0.44B-slot-tiny 0.93B-slot-tiny)
 else
     PY=${PY:-python3}
-    BUDGET=${GPU_CHECK_BUDGET_S:-450}
+    BUDGET=${GPU_CHECK_BUDGET_S:-420}
+    HARD_END=$((BUDGET + 120))  # every step ends by then: inside a 10-minute call
     LIMIT=150
     STEPS=12 WARMUP=3 SEQ=1024
     HALF=(hidden_size=1024 num_hidden_layers=24 intermediate_size=4096 num_attention_heads=16
@@ -58,20 +61,23 @@ else
 fi
 COMMON=(nproc=1 tp=1 "train.seq_len=$SEQ" train.packing=true train.val_every=0
         checkpoint.export=false "train.max_steps=$STEPS" overwrite_output_dir=true)
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TQDM_DISABLE=1  # no network; a lean log
+# No network there; a lean log.
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TQDM_DISABLE=1
 
-step() {  # step NAME SECONDS COMMAND...: run (under a time limit unless 0), log, remember a failure
-    local name=$1 limit=$2
+step() {  # step NAME SECONDS COMMAND...: run under a time limit, log, remember a failure
+    local name=$1
+    STEP_LIMIT=$2  # a shell function (declare -F) applies it to its own commands
     shift 2
     if [ "$BUDGET" -gt 0 ] && [ "$SECONDS" -gt "$BUDGET" ]; then
         echo "SKIP $name (past the ${BUDGET} s budget at $SECONDS s)" | tee -a "$SUMMARY"
         FAILED+=("$name")
         return 1
     fi
-    echo "=== $name: $* ($(date -u +%H:%M:%S), $SECONDS s in)"
+    [ $((HARD_END - SECONDS)) -lt "$STEP_LIMIT" ] && STEP_LIMIT=$((HARD_END - SECONDS))
+    echo "=== $name: $* ($(date -u +%H:%M:%S), $SECONDS s in, limit $STEP_LIMIT s)"
     local started=$SECONDS
-    local limited=(timeout --kill-after=20 "$limit")
-    [ "$limit" -eq 0 ] && limited=()  # a shell function: its commands carry their own limits
+    local limited=(timeout --kill-after=10 "$STEP_LIMIT")
+    declare -F "$1" > /dev/null && limited=()
     if "${limited[@]}" "$@"; then
         echo "ok   $name ($((SECONDS - started)) s)" | tee -a "$SUMMARY"
     else
@@ -107,7 +113,8 @@ plan_all() {  # a dry run of every throughput run, side by side; plan.json in $R
             for checkpointing in none full; do
                 name=${size}_${precision}_${checkpointing}
                 mapfile -t dims < <(shape "$size")
-                timeout "$LIMIT" "$PY" recipes/finetune.py dry_run=true "${dims[@]}" "${COMMON[@]}" \
+                timeout "$STEP_LIMIT" "$PY" recipes/finetune.py dry_run=true "${dims[@]}" \
+                    "${COMMON[@]}" \
                     "train.precision=$precision" "train.activation_checkpointing=$checkpointing" \
                     "output_dir=$RUNS/$name/plan" > "$RUNS/$name.plan.log" 2>&1 &
                 pids+=($!)
@@ -125,8 +132,8 @@ throughput() {  # throughput SIZE LABEL PRECISION CHECKPOINTING: one packed run 
     local name=${size}_${precision}_${checkpointing}
     mapfile -t dims < <(shape "$size")
     step "$label $precision ac=$checkpointing" "$LIMIT" "$PY" recipes/finetune.py "${dims[@]}" \
-        "${COMMON[@]}" "train.precision=$precision" "train.activation_checkpointing=$checkpointing" \
-        "output_dir=$RUNS/$name/run"
+        "${COMMON[@]}" "train.precision=$precision" \
+        "train.activation_checkpointing=$checkpointing" "output_dir=$RUNS/$name/run"
     "$PY" bench/gpu_run_line.py "$label $precision ac=$checkpointing" \
         "$RUNS/$name/run/metrics.jsonl" "$RUNS/$name/plan/plan.json" "$WARMUP" "$RECORDS" \
         | tee -a "$SUMMARY"
@@ -135,25 +142,30 @@ throughput() {  # throughput SIZE LABEL PRECISION CHECKPOINTING: one packed run 
 
 async_save() {  # the async-save stall: bench/checkpoint_async_recipe.py's table into the summary
     mapfile -t dims < <(shape ONE)
-    timeout $((LIMIT * 2)) "$PY" bench/checkpoint_async_recipe.py "${ASYNC[@]}" --reps 1 -- \
+    timeout --kill-after=10 "$STEP_LIMIT" "$PY" bench/checkpoint_async_recipe.py "${ASYNC[@]}" \
+        --reps 1 -- \
         "${dims[@]}" nproc=1 tp=1 "train.seq_len=$SEQ" train.packing=true \
         train.precision=bf16-mixed | tee "$RUNS/async.txt"
     local status=${PIPESTATUS[0]}
-    grep -h "^| async\|^| sync" "$RUNS/async.txt" | sed "s/^/line  async save ${LABELS[1]}: /" >> "$SUMMARY"
+    grep -h "^| async\|^| sync" "$RUNS/async.txt" \
+        | sed "s/^/line  async save ${LABELS[1]}: /" >> "$SUMMARY"
     return "$status"
 }
 
 cuda_tests() {  # the single-GPU tests; pytest's exit 5 (none selected) said in the summary
-    timeout --kill-after=20 240 "$PY" -m pytest -m cuda -q -p no:cacheprovider tests
+    timeout --kill-after=10 "$STEP_LIMIT" "$PY" -m pytest -m cuda -q -p no:cacheprovider tests
     local status=$?
-    [ "$status" -eq 5 ] && echo "line  pytest -m cuda: no test carries the cuda marker" >> "$SUMMARY"
+    [ "$status" -eq 5 ] && echo "line  pytest -m cuda: no test carries the marker" >> "$SUMMARY"
     return "$status"
 }
 
 main() {
     echo "gpu_check: PY=$PY cpu=$CPU out=$OUT_DIR runs=$RUNS load $(cut -d' ' -f1-3 /proc/loadavg)"
     command -v nvidia-smi > /dev/null && nvidia-smi
-    install_wheels || { echo "error: the wheels of .whl/ did not install" | tee -a "$SUMMARY"; return 1; }
+    if ! install_wheels; then
+        echo "error: the wheels of .whl/ did not install" | tee -a "$SUMMARY"
+        return 1
+    fi
     step "env" 120 "$PY" bench/gpu_env.py .whl
     if ! $CPU && ! "$PY" -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
         echo "error: torch sees no CUDA device (run with --cpu on a CPU)" | tee -a "$SUMMARY"
@@ -165,8 +177,8 @@ main() {
     step "make run" "$LIMIT" "${make[@]}"
     "$PY" bench/gpu_run_line.py "make run (tiny Llama, 20 steps)" "$RUNS/make_run/metrics.jsonl" \
         none "$WARMUP" "$RECORDS" | tee -a "$SUMMARY"
-    step "pytest -m cuda" 0 cuda_tests
-    step "dry-run plans" 0 plan_all
+    step "pytest -m cuda" 240 cuda_tests
+    step "dry-run plans" "$LIMIT" plan_all
     for size in HALF ONE; do
         label=$([ "$size" = HALF ] && echo "${LABELS[0]}" || echo "${LABELS[1]}")
         for precision in bf16-mixed fp32; do
@@ -175,7 +187,7 @@ main() {
             done
         done
     done
-    step "async save ${LABELS[1]}" 0 async_save
+    step "async save ${LABELS[1]}" $((LIMIT * 2)) async_save
     echo
     echo "=== summary ($SECONDS s)"
     cat "$SUMMARY"

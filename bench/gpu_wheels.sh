@@ -31,7 +31,8 @@ done
 ls -l .whl | awk 'NR > 1 {printf "%9d  %s\n", $5, $9}'
 wheels=$(du -cb .whl/*.whl | tail -1 | cut -f1)
 tracked=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
-echo "wheels: $(ls .whl/*.whl | wc -l) files, $((wheels / 1024)) KiB; tracked files $((tracked / 1024)) KiB"
+echo "wheels: $(ls .whl/*.whl | wc -l) files, $((wheels / 1024)) KiB;" \
+    "tracked files $((tracked / 1024)) KiB"
 if [ $((wheels + tracked)) -gt $((32 * 1024 * 1024)) ]; then  # a call carries 64 MiB at most
     echo "error: the repo and .whl/ take over 32 MiB, half of what one call may carry" >&2
     exit 1
