@@ -2,24 +2,30 @@
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
-# The stamp is newer than pyproject.toml once the install for it is done, so a second `make` is instant.
+# The stamp is newer than pyproject.toml and constraints.txt once the install for them is done, so a
+# second `make` is instant.
 STAMP := $(VENV)/.installed
+# `make run PY=python3` (any PY but the venv's) runs with an interpreter that already holds the
+# dependencies, e.g. a GPU machine's image without network (docs/install.md): no .venv is made then.
+DEPS := $(if $(filter $(VENV)/bin/python,$(PY)),$(STAMP))
 
 .PHONY: help install run test test-fast bench regression lint format clean
 
 help:  ## list the targets (the default)
 	@awk -F ':.*## ' '/^[a-z-]+:.*## / {printf "  make %-11s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
-install: $(STAMP)  ## create .venv and install the project with its test and lint extras
+install: $(DEPS)  ## create .venv and install the project with its test and lint extras
 
-$(STAMP): pyproject.toml
+# The versions in constraints.txt (the tested ones, torch's CPU build here) within pyproject's ranges.
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,lint]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,lint]'
 	touch $(STAMP)
 
+# ARGS: recipe overrides, e.g. make run ARGS=train.max_steps=20
 run: install  ## fine-tune the tiny Llama (~1 minute on 2 CPU cores) into outputs/llama/DATE_TIME
-	$(PY) recipes/finetune.py  # a new outputs/llama/DATE_TIME each time: twice in a row just works
+	$(PY) recipes/finetune.py $(ARGS)  # a new outputs/llama/DATE_TIME each time: twice in a row just works
 
 # One pytest process (two xdist workers starved 4-rank runs past their timeouts). Recipe runs start
 # from a warm interpreter (tests/cli.py), which took the suite from 16:40 to about 8 minutes.

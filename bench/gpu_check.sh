@@ -1,106 +1,204 @@
 #!/usr/bin/env bash
-# GPU check, for the day a CUDA machine is lent: run from the repo root of a copy of the repo.
+# The first-GPU check, in one call on a lent GPU machine (docs/install.md): the image's python3 and
+# the wheels of .whl/ (bench/gpu_wheels.sh, carried with the call), no network, ~6 minutes on one
+# H200. Writes summary.txt, gpu_check.log and runs.jsonl (one record per run) to $OUT (default
+# outputs/gpu_check); the run folders (checkpoints) live in a temporary folder, removed at the end.
 #
-#   bash bench/gpu_check.sh            # everything goes to $OUT (if set) or outputs/gpu_check/
+#   bash bench/gpu_check.sh          # on the GPU machine: PY defaults to python3
+#   bash bench/gpu_check.sh --cpu    # the same steps on this CPU at tiny shapes (PY: .venv's)
 #
-# 1. `make install` (creates .venv; PyPI's torch==2.13.0 wheel for Linux is the CUDA build) and a check that
-#    torch sees the GPUs.
-# 2. `make run` as a newcomer types it (the recipe picks CUDA/NCCL itself; default precision fp32).
-# 3. The recipe at bf16-mixed with tp = the number of GPUs (the tiny Llama: 8 heads, so 1, 2, 4 or 8 GPUs).
-# 3b. bench/checkpoint_async_recipe.py at a ~1B Llama, tp=1: steps with an async save in flight against
-#    steps without (issue 24's <= 1.15x), a sync run beside it.
-# 4. The e2e tests (tests/e2e) on this machine: the recipe runs on CUDA/NCCL; each test keeps its own
-#    precision overrides.
-# 5. One line per precision (fp32, bf16-mixed, bf16): tokens/s and peak memory of a ~0.44B Llama shape
-#    (model.config.* overrides: hidden 1024, 24 layers, MLP 4096, 16 heads / 8 kv heads; seq_len 1024) at
-#    tp = the number of GPUs, from the run's metrics.jsonl (median tokens_per_s after 3 warm-up steps, max
-#    peak_memory_gib), with and without activation checkpointing.
-#
-# Every step runs even if an earlier one failed; the script exits non-zero if any failed and its summary
-# (summary.txt) says which.
+# Steps, each timed and limited, each run even if an earlier one failed (the summary says which):
+#  1. bench/gpu_env.py: versions against pyproject's ranges, torch's devices.
+#  2. `make run PY=$PY` at 20 steps, as a newcomer types it (no .venv is made for another PY).
+#  3. `pytest -m cuda`: the single-GPU tests.
+#  4. Dry runs (plan.json) of every throughput run below, side by side on the CPU.
+#  5. Packed rows (train.packing=true: tokens/s counts what the GPU computes, not padding) of a
+#     0.44B and a 0.93B Llama shape (the names of its old ~32k vocab; the tiny tokenizer's vocab
+#     gives 0.38B and 0.85B) at bf16-mixed and fp32 (TF32), activation checkpointing none and full:
+#     median tokens/s, TFLOP/s and MFU after the warm-up, peak memory against the plan.
+#  6. bench/checkpoint_async_recipe.py at the 0.93B shape, bf16-mixed: the step after an async save
+#     against the others, a sync run beside it (the async-save stall).
+# Steps not started within GPU_CHECK_BUDGET_S seconds (420 on the GPU, none with --cpu) are
+# skipped, and every step ends by 120 s later, so the call returns inside its 10 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
-
-OUT_DIR="${OUT:-outputs/gpu_check}"
+REPO=$PWD
+CPU=false
+[ "${1:-}" = "--cpu" ] && CPU=true
+OUT_DIR=${OUT:-outputs/gpu_check}
 mkdir -p "$OUT_DIR"
-exec > >(tee "$OUT_DIR/gpu_check.log") 2>&1
-PY=.venv/bin/python
+OUT_DIR=$(cd "$OUT_DIR" && pwd)
+SUMMARY=$OUT_DIR/summary.txt
+RECORDS=$OUT_DIR/runs.jsonl
+RUNS=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")
+trap 'rm -rf "$RUNS"' EXIT
 FAILED=()
-SUMMARY="$OUT_DIR/summary.txt"
-: > "$SUMMARY"
 
-step() {  # step NAME COMMAND...: run, log, remember a failure
+if $CPU; then  # tiny shapes, few steps: every step of the device's run, in minutes on 2 cores
+    PY=${PY:-.venv/bin/python}
+    BUDGET=${GPU_CHECK_BUDGET_S:-0}
+    HARD_END=$((BUDGET > 0 ? BUDGET + 120 : 1 << 30))
+    LIMIT=1800
+    STEPS=3 WARMUP=1 SEQ=128
+    HALF=(hidden_size=64 num_hidden_layers=2 intermediate_size=128 num_attention_heads=4
+          num_key_value_heads=2 head_dim=16 max_position_embeddings=256)
+    ONE=(hidden_size=96 num_hidden_layers=2 intermediate_size=192 num_attention_heads=4
+         num_key_value_heads=2 head_dim=24 max_position_embeddings=256)
+    ASYNC=(--steps 5 --every 2)
+    LABELS=(0.44B-slot-tiny 0.93B-slot-tiny)
+else
+    PY=${PY:-python3}
+    BUDGET=${GPU_CHECK_BUDGET_S:-420}
+    HARD_END=$((BUDGET + 120))  # every step ends by then: inside a 10-minute call
+    LIMIT=150
+    STEPS=12 WARMUP=3 SEQ=1024
+    HALF=(hidden_size=1024 num_hidden_layers=24 intermediate_size=4096 num_attention_heads=16
+          num_key_value_heads=8 head_dim=64 max_position_embeddings=2048)
+    ONE=(hidden_size=2048 num_hidden_layers=18 intermediate_size=5632 num_attention_heads=16
+         num_key_value_heads=8 head_dim=128 max_position_embeddings=2048)
+    ASYNC=(--steps 10 --every 4)
+    LABELS=(0.44B 0.93B)
+fi
+COMMON=(nproc=1 tp=1 "train.seq_len=$SEQ" train.packing=true train.val_every=0
+        checkpoint.export=false "train.max_steps=$STEPS" overwrite_output_dir=true)
+# No network there; a lean log.
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TQDM_DISABLE=1
+
+step() {  # step NAME SECONDS COMMAND...: run under a time limit, log, remember a failure
     local name=$1
-    shift
-    echo "=== $name: $* ($(date -u +%H:%M:%S))"
+    STEP_LIMIT=$2  # a shell function (declare -F) applies it to its own commands
+    shift 2
+    if [ "$BUDGET" -gt 0 ] && [ "$SECONDS" -gt "$BUDGET" ]; then
+        echo "SKIP $name (past the ${BUDGET} s budget at $SECONDS s)" | tee -a "$SUMMARY"
+        FAILED+=("$name")
+        return 1
+    fi
+    [ $((HARD_END - SECONDS)) -lt "$STEP_LIMIT" ] && STEP_LIMIT=$((HARD_END - SECONDS))
+    echo "=== $name: $* ($(date -u +%H:%M:%S), $SECONDS s in, limit $STEP_LIMIT s)"
     local started=$SECONDS
-    if "$@"; then
+    local limited=(timeout --kill-after=10 "$STEP_LIMIT")
+    declare -F "$1" > /dev/null && limited=()
+    if "${limited[@]}" "$@"; then
         echo "ok   $name ($((SECONDS - started)) s)" | tee -a "$SUMMARY"
     else
-        echo "FAIL $name ($((SECONDS - started)) s)" | tee -a "$SUMMARY"
+        echo "FAIL $name (exit $?, $((SECONDS - started)) s)" | tee -a "$SUMMARY"
         FAILED+=("$name")
+        return 1
     fi
 }
 
-nvidia-smi || echo "nvidia-smi not found"
-make install || { echo "error: make install failed"; exit 1; }
-NGPU=$($PY -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)")
-$PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
-if [ "$NGPU" -lt 1 ]; then
-    echo "error: torch sees no CUDA device (is the installed torch a CPU build?)"
-    exit 1
-fi
-echo "GPUs: $NGPU"
-TP=$NGPU
+shape() {  # shape NAME: the model.config overrides of HALF or ONE
+    local -n dims=$1
+    printf 'model.config.%s\n' "${dims[@]}"
+}
 
-step "make run" make run
-[ -d outputs/llama ] && cp -r outputs/llama "$OUT_DIR/make_run" 2>/dev/null
+install_wheels() {  # the carried wheels into a folder of their own, first on PYTHONPATH
+    local site=$RUNS/site
+    export PYTHONPATH=$REPO
+    compgen -G ".whl/*.whl" > /dev/null || { echo "no .whl/: using $PY's packages alone"; return; }
+    if ! "$PY" -c "import sys; sys.exit(sys.version_info[:2] != (3, 12))"; then
+        echo "$PY is not Python 3.12, the wheels' version: using its packages alone"
+        return
+    fi
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$site" .whl/*.whl || return 1
+    export PYTHONPATH=$site:$REPO
+    echo "installed $(ls .whl/*.whl | wc -l) wheels into $site"
+}
 
-step "recipe bf16-mixed tp=$TP" $PY recipes/finetune.py train.precision=bf16-mixed tp="$TP" \
-    output_dir="$OUT_DIR/bf16_mixed_tp$TP" overwrite_output_dir=true
-
-# issue 24's last point: the step with an async save in flight against a step without, at a ~1B
-# Llama (hidden 2048, 18 layers, MLP 5632: 0.93B; ~11 GB of checkpoint, keep 1), bf16-mixed.
-ONE_B=(model.config.hidden_size=2048 model.config.num_hidden_layers=18 model.config.intermediate_size=5632
-       model.config.num_attention_heads=16 model.config.num_key_value_heads=8 model.config.head_dim=128
-       model.config.max_position_embeddings=2048 train.seq_len=1024 train.precision=bf16-mixed)
-step "async save ~1B tp=1" bash -c "set -o pipefail; $PY bench/checkpoint_async_recipe.py --steps 14 --every 4 --reps 1 \
-    -- ${ONE_B[*]} tp=1 | tee $OUT_DIR/checkpoint_async_1b.txt"
-grep -h "^| async\|^| sync" "$OUT_DIR/checkpoint_async_1b.txt" | sed 's/^/line  async save 1B: /' >> "$SUMMARY"
-
-# no -x: on a machine with fewer GPUs than a test's ranks that test fails; the others still run
-step "e2e tests" $PY -m pytest tests/e2e -q -p no:cacheprovider
-
-SHAPE=(model.config.hidden_size=1024 model.config.num_hidden_layers=24 model.config.intermediate_size=4096
-       model.config.num_attention_heads=16 model.config.num_key_value_heads=8 model.config.head_dim=64
-       model.config.max_position_embeddings=2048
-       train.seq_len=1024 train.max_steps=12 train.val_every=0 checkpoint.export=false)
-for precision in fp32 bf16-mixed bf16; do
-    for checkpointing in none full; do
-        run_dir="$OUT_DIR/half_b_${precision}_${checkpointing}_tp$TP"
-        step "0.44B $precision ac=$checkpointing tp=$TP" $PY recipes/finetune.py "${SHAPE[@]}" \
-            train.precision="$precision" train.activation_checkpointing="$checkpointing" tp="$TP" \
-            output_dir="$run_dir" overwrite_output_dir=true
-        $PY - "$run_dir/metrics.jsonl" "$precision" "$checkpointing" "$TP" <<'EOF' | tee -a "$SUMMARY"
-import json, statistics, sys
-path, precision, checkpointing, tp = sys.argv[1:]
-try:
-    lines = [json.loads(line) for line in open(path)]
-except OSError:
-    sys.exit(print(f"line  {precision} ac={checkpointing} tp={tp}: no metrics ({path})"))
-rates = [line["tokens_per_s"] for line in lines[3:]] or [line["tokens_per_s"] for line in lines]
-peak = max((line.get("peak_memory_gib") or 0.0) for line in lines)
-print(f"line  0.44B Llama {precision} ac={checkpointing} tp={tp}: {statistics.median(rates):.0f} tokens/s, "
-      f"peak {peak:.2f} GiB per rank ({len(lines)} steps)")
-EOF
+plan_all() {  # a dry run of every throughput run, side by side; plan.json in $RUNS/NAME/plan
+    local pids=() name size precision checkpointing
+    for size in HALF ONE; do
+        for precision in bf16-mixed fp32; do
+            for checkpointing in none full; do
+                name=${size}_${precision}_${checkpointing}
+                mapfile -t dims < <(shape "$size")
+                timeout "$STEP_LIMIT" "$PY" recipes/finetune.py dry_run=true "${dims[@]}" \
+                    "${COMMON[@]}" \
+                    "train.precision=$precision" "train.activation_checkpointing=$checkpointing" \
+                    "output_dir=$RUNS/$name/plan" > "$RUNS/$name.plan.log" 2>&1 &
+                pids+=($!)
+            done
+        done
     done
-done
+    local failed=0
+    for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
+    grep -h "^  total\|^error" "$RUNS"/*.plan.log
+    return $failed
+}
 
-echo
-echo "=== summary"
-cat "$SUMMARY"
-if [ ${#FAILED[@]} -gt 0 ]; then
-    echo "failed: ${FAILED[*]}"
-    exit 1
-fi
-echo "all passed; outputs in $OUT_DIR"
+throughput() {  # throughput SIZE LABEL PRECISION CHECKPOINTING: one packed run and its line
+    local size=$1 label=$2 precision=$3 checkpointing=$4
+    local name=${size}_${precision}_${checkpointing}
+    mapfile -t dims < <(shape "$size")
+    step "$label $precision ac=$checkpointing" "$LIMIT" "$PY" recipes/finetune.py "${dims[@]}" \
+        "${COMMON[@]}" "train.precision=$precision" \
+        "train.activation_checkpointing=$checkpointing" "output_dir=$RUNS/$name/run"
+    "$PY" bench/gpu_run_line.py "$label $precision ac=$checkpointing" \
+        "$RUNS/$name/run/metrics.jsonl" "$RUNS/$name/plan/plan.json" "$WARMUP" "$RECORDS" \
+        | tee -a "$SUMMARY"
+    rm -rf "$RUNS/$name/run"
+}
+
+async_save() {  # the async-save stall: bench/checkpoint_async_recipe.py's table into the summary
+    mapfile -t dims < <(shape ONE)
+    timeout --kill-after=10 "$STEP_LIMIT" "$PY" bench/checkpoint_async_recipe.py "${ASYNC[@]}" \
+        --reps 1 -- \
+        "${dims[@]}" nproc=1 tp=1 "train.seq_len=$SEQ" train.packing=true \
+        train.precision=bf16-mixed | tee "$RUNS/async.txt"
+    local status=${PIPESTATUS[0]}
+    grep -h "^| async\|^| sync" "$RUNS/async.txt" \
+        | sed "s/^/line  async save ${LABELS[1]}: /" >> "$SUMMARY"
+    return "$status"
+}
+
+cuda_tests() {  # the single-GPU tests; pytest's exit 5 (none selected) said in the summary
+    timeout --kill-after=10 "$STEP_LIMIT" "$PY" -m pytest -m cuda -q -p no:cacheprovider tests
+    local status=$?
+    [ "$status" -eq 5 ] && echo "line  pytest -m cuda: no test carries the marker" >> "$SUMMARY"
+    return "$status"
+}
+
+main() {
+    echo "gpu_check: PY=$PY cpu=$CPU out=$OUT_DIR runs=$RUNS load $(cut -d' ' -f1-3 /proc/loadavg)"
+    command -v nvidia-smi > /dev/null && nvidia-smi
+    if ! install_wheels; then
+        echo "error: the wheels of .whl/ did not install" | tee -a "$SUMMARY"
+        return 1
+    fi
+    step "env" 120 "$PY" bench/gpu_env.py .whl
+    if ! $CPU && ! "$PY" -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
+        echo "error: torch sees no CUDA device (run with --cpu on a CPU)" | tee -a "$SUMMARY"
+        return 1
+    fi
+    local run_args=(train.max_steps=20 "output_dir=$RUNS/make_run" overwrite_output_dir=true)
+    local make=(make run "PY=$PY" "ARGS=${run_args[*]}")
+    command -v make > /dev/null || make=("$PY" recipes/finetune.py "${run_args[@]}")  # no make
+    step "make run" "$LIMIT" "${make[@]}"
+    "$PY" bench/gpu_run_line.py "make run (tiny Llama, 20 steps)" "$RUNS/make_run/metrics.jsonl" \
+        none "$WARMUP" "$RECORDS" | tee -a "$SUMMARY"
+    step "pytest -m cuda" 240 cuda_tests
+    step "dry-run plans" "$LIMIT" plan_all
+    for size in HALF ONE; do
+        label=$([ "$size" = HALF ] && echo "${LABELS[0]}" || echo "${LABELS[1]}")
+        for precision in bf16-mixed fp32; do
+            for checkpointing in none full; do
+                throughput "$size" "$label" "$precision" "$checkpointing"
+            done
+        done
+    done
+    step "async save ${LABELS[1]}" $((LIMIT * 2)) async_save
+    echo
+    echo "=== summary ($SECONDS s)"
+    cat "$SUMMARY"
+    if [ ${#FAILED[@]} -gt 0 ]; then
+        echo "failed: ${FAILED[*]}"
+        return 1
+    fi
+    echo "all passed; outputs in $OUT_DIR"
+}
+
+: > "$SUMMARY"
+: > "$RECORDS"
+main 2>&1 | tee "$OUT_DIR/gpu_check.log"
+exit "${PIPESTATUS[0]}"

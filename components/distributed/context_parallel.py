@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from components.distributed.collectives import all_gather_single, reduce_scatter_single
+
 ATTENTION = "context_parallel"
 IGNORE_INDEX = -100
 
@@ -122,7 +124,7 @@ class _GatherSequence(torch.autograd.Function):
         ctx.group, ctx.size = group, size
         batch, heads, n, dim = tensor.shape
         gathered = tensor.new_empty((size * batch, heads, n, dim))  # rank-major on dim 0
-        dist.all_gather_single(gathered, tensor.contiguous(), group=group)
+        all_gather_single(gathered, tensor.contiguous(), group=group)
         gathered = gathered.view(size, batch, heads, n, dim).permute(1, 2, 0, 3, 4)
         return gathered.reshape(batch, heads, size * n, dim)
 
@@ -132,7 +134,7 @@ class _GatherSequence(torch.autograd.Function):
         size = ctx.size
         pieces = grad.reshape(batch, heads, size, total // size, dim).permute(2, 0, 1, 3, 4)
         local = grad.new_empty((batch, heads, total // size, dim))
-        dist.reduce_scatter_single(
+        reduce_scatter_single(
             local, pieces.reshape(size * batch, *local.shape[1:]), group=ctx.group
         )
         return local, None, None

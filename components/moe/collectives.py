@@ -18,6 +18,8 @@ that:
 import torch
 import torch.distributed as dist
 
+from components.distributed.collectives import all_gather_single
+
 
 class _SumOverGroup(torch.autograd.Function):
     @staticmethod
@@ -68,7 +70,7 @@ def block(rows: torch.Tensor, rank: int, size: int) -> torch.Tensor:
 
 def _gather(block: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
     gathered = block.new_empty((block.shape[0] * size, *block.shape[1:]))
-    dist.all_gather_single(gathered, block.contiguous(), group=group)
+    all_gather_single(gathered, block.contiguous(), group=group)
     return gathered
 
 

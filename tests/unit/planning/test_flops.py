@@ -56,15 +56,23 @@ def test_flops_per_token_matches_the_flop_counter_on_eager_attention_and_experts
     assert counted == pytest.approx(predicted, rel=0.05), (family, counted, predicted)
 
 
+def _as_many_heads(q, *kv):
+    """Key/value shapes with the query's heads: torch 2.11's formulas refuse GQA shapes (2.13's
+    take them); the count is the same."""
+    return [torch.Size((shape[0], q[1], *shape[2:])) for shape in kv]
+
+
 def _sdpa_backward(grad, q, k, v, *_, **__):
-    return flop_counter.sdpa_backward_flop_count(grad, q, k, v)
+    return flop_counter.sdpa_backward_flop_count(grad, q, *_as_many_heads(q, k, v))
 
 
 def test_the_sdpa_path_counts_full_attention_plus_the_backward_recompute():
     aten = torch.ops.aten
     cpu_flash = aten._scaled_dot_product_flash_attention_for_cpu
     mapping = {  # torch's own formulas for the CUDA kernels, on the CPU kernel's (shape) arguments
-        cpu_flash: lambda q, k, v, *_, **__: flop_counter.sdpa_flop_count(q, k, v),
+        cpu_flash: lambda q, k, v, *_, **__: flop_counter.sdpa_flop_count(
+            q, *_as_many_heads(q, k, v)
+        ),
         aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_backward,
     }
     config = tiny_config("llama")  # the recipe's sdpa attention
