@@ -266,6 +266,7 @@ def _model_folder(pretrained_path: str | None) -> Path:
 
 def _plan_problems(settings: Config, dims: ParallelDims, config, meta) -> list[Problem]:
     """The TP plan (and the model sizes tp must divide, key ``tp``), then expert parallelism."""
+    from components.distributed.context_parallel import attention_problems
     from components.distributed.tp_plan import check_plan, plan_for, tp_size_errors
     from components.moe import check_expert_parallel
 
@@ -275,6 +276,7 @@ def _plan_problems(settings: Config, dims: ParallelDims, config, meta) -> list[P
     if experts and dims.cp > 1:
         moe = f"cp={dims.cp} with an MoE model (model={model.name}) is not supported yet: use cp=1"
         found.append(Problem(key="cp", message=moe))
+    found += problems("cp", attention_problems(config, dims.cp))
     if dims.tp > 1:
         plan = plan_for(config, settings.sp)
         moe = (*experts, *routers)
