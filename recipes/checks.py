@@ -275,6 +275,7 @@ def _model_folder(pretrained_path: str | None) -> Path:
 
 def plan_problems(settings: Config, dims: ParallelDims, config, meta) -> list[Problem]:
     """The TP plan (and the model sizes tp must divide, key ``tp``), then expert parallelism."""
+    from components.distributed.context_parallel import attention_problems
     from components.distributed.tp_plan import check_plan, tp_size_errors
     from components.models.families import plan_for
     from components.moe import check_expert_parallel
@@ -285,6 +286,7 @@ def plan_problems(settings: Config, dims: ParallelDims, config, meta) -> list[Pr
     if experts and dims.cp > 1:
         moe = f"cp={dims.cp} with an MoE model (model={model.name}) is not supported yet: use cp=1"
         found.append(Problem(key="cp", message=moe))
+    found += problems("cp", attention_problems(config, dims.cp))
     if dims.tp > 1:
         plan = plan_for(config, settings.sp)
         moe = (*experts, *routers)

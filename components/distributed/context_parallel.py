@@ -3,17 +3,23 @@
 It owns the zig-zag split (:func:`zigzag_indices`: ``2·cp`` chunks, rank ``r`` takes chunks ``r``
 and ``2·cp-1-r``, so every rank has the same causal attention work), one micro-batch's share of a
 rank (:class:`CpShard`: its tokens, its targets shifted *before* the split, its position ids, and
-the attention mask built from global positions and document ids, so packed documents never attend
-across their boundaries, also when one spans two ranks), and the exchange: keys and values are
-all-gathered over the cp group (the backward is a reduce-scatter), then plain SDPA runs on this
-rank's queries. The attention function is registered with transformers' ``AttentionInterface`` as
-``context_parallel``; :func:`enable_context_parallel` makes a model use it. Plain torch collectives:
-gloo and NCCL alike.
+where its queries and the gathered keys sit in the whole sequence), and the exchange: keys and
+values are all-gathered over the cp group (the backward is a reduce-scatter), then SDPA (or the
+model's own eager attention, for softcapping and sinks) runs on this rank's queries. Each layer's
+mask is transformers' own: the mask function ``create_masks_for_generate`` picks for the layer's
+type (full, sliding window, chunked, packed documents kept apart), evaluated at the global
+positions of this rank's queries and keys (:class:`CpLayout`); what it cannot express is refused
+before a run starts (:func:`attention_problems`). The attention function is registered with
+transformers' ``AttentionInterface`` as ``context_parallel``; :func:`enable_context_parallel` makes
+a model use it. Plain torch collectives: gloo and NCCL alike.
 
 Design notes (all-gather against a ring, what is measured): docs/design-notes.md
 """
 
-from dataclasses import dataclass
+import copy
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -24,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from components.distributed.collectives import all_gather_single, reduce_scatter_single
 
 ATTENTION = "context_parallel"
+MASK_FUNCTION = "context_parallel_mask_function"  # a mask "interface" that returns the function
 IGNORE_INDEX = -100
 
 
@@ -46,33 +53,87 @@ def zigzag_indices(seq_len: int, rank: int, size: int, device=None) -> torch.Ten
     )
 
 
-def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
-    """[batch, seq]: which document of its row each position is in; a document starts where the
-    positions do not go on by one (packed rows restart them at each example)."""
-    starts = torch.ones_like(position_ids, dtype=torch.bool)
-    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
-    return starts.cumsum(1)
+def _return_mask_function(*, mask_function: Callable, **_) -> Callable:
+    return mask_function
+
+
+def layer_mask_functions(config, position_ids: torch.Tensor) -> Callable | dict | None:
+    """transformers' mask function for whole rows with these position ids: one per layer type
+    (a dict) when the config has ``layer_types``, else one for every layer; None (or a None
+    value) where transformers builds no attention mask (linear attention, unknown layer types).
+    ``create_masks_for_generate`` chooses as the model does; its mask "interface" here hands the
+    composed function back instead of a mask."""
+    from transformers.masking_utils import AttentionMaskInterface, create_masks_for_generate
+
+    AttentionMaskInterface.register(MASK_FUNCTION, _return_mask_function)
+    probe = copy.copy(config.get_text_config())
+    probe._attn_implementation_internal = MASK_FUNCTION  # this copy only, not its sub-configs
+    batch, seq = position_ids.shape
+    embeds = position_ids.new_empty((batch, seq, 0), dtype=torch.float32)
+    return create_masks_for_generate(probe, embeds, None, None, position_ids)
+
+
+def _layer_type(config, layer_idx: int) -> str | None:
+    layer_types = getattr(config, "layer_types", None)
+    return None if layer_types is None else layer_types[layer_idx]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CpLayout:
+    """Where this rank's queries ([seq / cp]) and the gathered keys ([seq], in all-gather order)
+    sit in the whole sequence, and the whole rows' position ids: what each layer's mask is
+    evaluated on. Masks [batch, 1, seq / cp, seq] are built once per layer type per forward
+    (``masks``, keyed by layer type; None: a model without ``layer_types``)."""
+
+    queries: torch.Tensor
+    keys: torch.Tensor
+    position_ids: torch.Tensor
+    masks: dict = field(default_factory=dict)
+
+    def mask(self, config, layer_idx: int) -> torch.Tensor:
+        """The boolean mask of layer ``layer_idx`` of a model with ``config``."""
+        if not self.masks:  # the mask functions, each replaced by its mask on first use
+            functions = layer_mask_functions(config, self.position_ids)
+            self.masks.update(functions if isinstance(functions, dict) else {None: functions})
+        kind = _layer_type(config, layer_idx)
+        if self.masks.get(kind) is None:
+            raise ValueError(f"context parallelism has no mask for {kind} layers")
+        if callable(self.masks[kind]):
+            self.masks[kind] = self._evaluate(self.masks[kind])
+        return self.masks[kind]
+
+    def _evaluate(self, function: Callable) -> torch.Tensor:
+        batch = self.position_ids.shape[0]
+        batch_idx = torch.arange(batch, device=self.keys.device)[:, None, None, None]
+        head_idx = torch.zeros(1, dtype=torch.long, device=self.keys.device)[None, :, None, None]
+        allowed = function(
+            batch_idx, head_idx, self.queries[None, None, :, None], self.keys[None, None, None, :]
+        )
+        return allowed.expand(batch, 1, len(self.queries), len(self.keys))
 
 
 @dataclass(frozen=True, kw_only=True)
 class CpShard:
-    """One micro-batch as this cp rank computes it: [batch, seq / cp] each, and the mask [batch, 1,
-    seq / cp, seq] of its queries over the keys in the order the all-gather lays them out."""
+    """One micro-batch as this cp rank computes it: [batch, seq / cp] each, and its
+    :class:`CpLayout`."""
 
     input_ids: torch.Tensor
     targets: torch.Tensor  # already shifted: position t is trained to predict targets[t]
     position_ids: torch.Tensor
-    attention_mask: torch.Tensor
+    layout: CpLayout
     group: dist.ProcessGroup
 
     def model_inputs(self) -> dict:
-        """Keyword arguments of the model's forward: a 4D mask is used as given by transformers,
-        and ``cp_group`` reaches :func:`context_parallel_attention` through the layers' kwargs."""
+        """Keyword arguments of the model's forward. ``cp_group`` and ``cp_layout`` reach
+        :func:`context_parallel_attention` through the layers' kwargs; the attention mask is a
+        4D placeholder, which transformers passes on as given (each layer builds its own)."""
+        placeholder = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.input_ids.device)
         return {
             "input_ids": self.input_ids,
             "position_ids": self.position_ids,
-            "attention_mask": self.attention_mask,
+            "attention_mask": placeholder,
             "cp_group": self.group,
+            "cp_layout": self.layout,
         }
 
 
@@ -103,14 +164,11 @@ class ContextParallel:
             [zigzag_indices(seq_len, r, self.size, input_ids.device) for r in range(self.size)]
         )
         targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-        documents = document_ids(position_ids)
-        causal = keys[None, :] <= local[:, None]
-        same_document = documents[:, local, None] == documents[:, None, keys]
         return CpShard(
             input_ids=input_ids[:, local],
             targets=targets[:, local],
             position_ids=position_ids[:, local],
-            attention_mask=(causal[None] & same_document)[:, None],
+            layout=CpLayout(queries=local, keys=keys, position_ids=position_ids),
             group=self.group,
         )
 
@@ -153,16 +211,42 @@ def context_parallel_attention(
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
     cp_group: dist.ProcessGroup | None = None,
+    cp_layout: CpLayout | None = None,
     **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """transformers' SDPA attention on this rank's queries over every cp rank's keys and values
-    (gathered when ``cp_group`` is given; without it, plain SDPA). ``attention_mask``: the
-    :class:`CpShard`'s."""
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """This rank's queries over every cp rank's keys and values (gathered when ``cp_group`` is
+    given, with this layer's mask from ``cp_layout``; without them, the mask transformers built).
+    SDPA, or the model's own eager attention where the layer asks for what SDPA cannot do:
+    logit softcapping (``softcap``, Gemma 2) or attention sinks (``s_aux``, GPT-OSS)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if cp_group is not None:
         key, value = gather_sequence(key, cp_group), gather_sequence(value, cp_group)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        attention_mask = cp_layout.mask(module.config, module.layer_idx)
+    if kwargs.get("softcap") is None and kwargs.get("s_aux") is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    eager = sys.modules[type(module).__module__].eager_attention_forward
+    if attention_mask is not None and attention_mask.dtype == torch.bool:  # eager adds a bias
+        bias = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device)
+        attention_mask = bias.masked_fill(~attention_mask, torch.finfo(query.dtype).min)
+    return eager(module, query, key, value, attention_mask, **kwargs)
+
+
+def attention_problems(config, cp: int) -> list[str]:
+    """What context parallelism (``cp`` > 1) cannot run of this model's attention, one message
+    each: layers transformers builds no attention mask for (linear attention, unknown layer
+    types) and the bidirectional overlay of ``use_bidirectional_attention``, which its mask
+    functions do not describe."""
+    if cp == 1:
+        return []
+    functions = layer_mask_functions(config, torch.arange(4)[None])
+    text, found = config.get_text_config(), []
+    if functions is None or isinstance(functions, dict) and None in functions.values():
+        kinds = ", ".join(sorted(set(getattr(text, "layer_types", None) or ["unknown"])))
+        found.append(f"a model with {kinds} layers (model.config.layer_types)")
+    if getattr(text, "use_bidirectional_attention", False):
+        found.append("model.config.use_bidirectional_attention=true")
+    return [f"cp={cp} with {what} is not supported: use cp=1" for what in found]
 
 
 def enable_context_parallel(model: nn.Module) -> None:

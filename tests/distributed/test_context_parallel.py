@@ -16,7 +16,6 @@ import torch.distributed as dist
 
 from components.distributed.context_parallel import (
     ContextParallel,
-    document_ids,
     gather_sequence,
     zigzag_indices,
 )
@@ -189,8 +188,3 @@ def test_zigzag_covers_the_sequence_with_equal_causal_work():
         assert len(work) == 1
     with pytest.raises(ValueError, match="not divisible by 2 × cp"):
         zigzag_indices(12, 0, 4)
-
-
-def test_documents_start_where_positions_restart():
-    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]])
-    assert document_ids(positions).tolist() == [[1, 1, 1, 2, 2, 3, 3, 3, 3]]
