@@ -11,9 +11,7 @@ type (full, sliding window, chunked, packed documents kept apart), evaluated at 
 positions of this rank's queries and keys (:class:`CpLayout`); what it cannot express is refused
 before a run starts (:func:`attention_problems`). The attention function is registered with
 transformers' ``AttentionInterface`` as ``context_parallel``; :func:`enable_context_parallel` makes
-a model use it. Plain torch collectives: gloo and NCCL alike.
-
-Design notes (all-gather against a ring, what is measured): docs/design-notes.md
+a model use it. Plain torch collectives: gloo and NCCL alike. Design notes: docs/design-notes.md
 """
 
 import copy
