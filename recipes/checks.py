@@ -413,9 +413,10 @@ def _option_problems(
     settings: Config, warmup: int, output: Path, device_type: str
 ) -> tuple[list[Problem], Fault | None]:
     """(problems, the debug fault): the optimizer's class and options, the logger's (its values
-    too, for a run into ``output``), the schedule's and ``debug.fault`` (on ``device_type``'s
-    backend), in that order."""
+    too, for a run into ``output``), the schedule's, ``debug.fault`` and ``profile`` (on
+    ``device_type``'s backend), in that order."""
     from components.debug.faults import fault_backend_errors, parse_fault
+    from components.training.profiler import profile_errors
     from components.training.schedule import check_schedule
 
     optim = settings.optim
@@ -440,6 +441,9 @@ def _option_problems(
     except ValueError as error:
         fault, found = None, [*found, Problem(key="debug.fault", message=str(error))]
     found += problems("debug.fault", fault_backend_errors(fault, device_type))
+    profile = settings.profile  # a range past stop_after is the resumed invocation's
+    asked = (profile.steps, profile.memory, train.max_steps, device_type)
+    found += problems("profile", profile_errors(*asked))
     return found + restart_problems(settings), fault
 
 

@@ -170,12 +170,14 @@ def train(
     of its step), or None; and how many steps were skipped as non-finite."""
     from components.distributed.replicas import check_replicas
     from components.runtime.checkpoints import stop_note, stop_signal
+    from components.training.profiler import StepProfiler
 
     log, tracker, writer = open_outputs(run, plan)
     stopped, done, skipped = None, run.first_step, 0  # done: the last step done
     state, every = (run.model, run.optimizer, run.scheduler), plan.checkpoint.every_steps
     max_steps, check_every = plan.train.max_steps, plan.settings.debug.check_replicas_every
-    val_every = plan.train.val_every  # and after the last step
+    val_every, profile = plan.train.val_every, plan.settings.profile  # val: after the last step too
+    profiler = StepProfiler(profile.steps, profile.memory, plan.output_dir, run.rank, done)
     for step in range(run.first_step, plan.last_step):
         record = train_step(run, plan, step, step_fn) | writer.take_stall()  # the save before
         done, skipped = step + 1, skipped + bool(record.get("skipped"))
@@ -189,11 +191,11 @@ def train(
             writer.save(done, *state)
         if (stopped := stop_signal(writer, done, state)) is not None:
             break
+        profiler.step(done)  # ProfilerStep#done: all the loop does for the step
     if stopped is None and run.first_step < done < max_steps and writer.last_step != done:
         writer.save(done, *state)  # train.stop_after, as a stop signal: the last step's checkpoint
-    writer.close()  # the run ends only once its last save is published
-    log.close()
-    tracker.close()
+    for output in (profiler, writer, log, tracker):  # the writer once its last save is published
+        output.close()
     if stopped is not None:
         note = stop_note(stopped, done, max_steps, writer.last_path, STOPPED_STATUS)
         say(note, file=sys.stderr, flush=True)
@@ -244,12 +246,10 @@ def finish(run: Run, plan: RunPlan, stopped: bool = False, skipped: int = 0) -> 
     ended = (train.stop_after or train.max_steps) >= train.max_steps and not stopped
     fails, note = skipped_verdict(0 if stopped else skipped, plan.last_step - run.first_step)
     if plan.checkpoint.export and ended and not fails:
-        source, base_model = plan.model.weights, plan.settings.model.pretrained_path
+        source, base = plan.model.weights, plan.settings.model.pretrained_path
         tokenizer = AutoTokenizer.from_pretrained(plan.tokenizer_dir, trust_remote_code=False)
         dtype = export_dtype(plan.checkpoint.export_dtype, source)
-        card = dict(
-            recipe="recipes/finetune.py", config_yaml=plan.config_yaml, base_model=base_model
-        )
+        card = dict(recipe="recipes/finetune.py", config_yaml=plan.config_yaml, base_model=base)
         files = dict(tokenizer=tokenizer, dtype=dtype, source_dir=source)
         export_hf(run.model, plan.model.config, output_dir / "hf", **files, **card)
     if run.rank == 0 and (output_dir / "metrics.jsonl").exists():

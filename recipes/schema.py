@@ -140,6 +140,16 @@ class Moe(Section):
         ]
 
 
+class Profile(Section):
+    # 1-based steps [FIRST, LAST] (as metrics.jsonl's step) traced by torch.profiler, one trace per
+    # rank under ${output_dir}/profile/ (docs/profiling.md); null: no profiler
+    steps: Annotated[list[PositiveInt], Field(min_length=2, max_length=2)] | None = key(
+        "null (off) or [FIRST, LAST], 1-based steps of the run, e.g. profile.steps=[2,3]"
+    )
+    # on CUDA: a memory snapshot of the profiled steps beside the trace (PyTorch's memory viz)
+    memory: bool = key("true or false")
+
+
 class Model(Section):
     name: Text = key("a name, e.g. model.name=llama")
     family: Text | None = key("null or a model family, e.g. llama")
@@ -242,6 +252,7 @@ class Config(Section):
     checkpoint: Checkpoint
     debug: Debug
     moe: Moe
+    profile: Profile
     model: Model
     optim: Optim
     data: Data
