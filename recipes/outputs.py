@@ -12,6 +12,7 @@ lock.
 
 from __future__ import annotations  # the annotations name classes imported only when needed
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -84,8 +85,58 @@ def run_info(
         "seed": settings.seed,
         "data.val_fraction": settings.data.model_dump().get("val_fraction"),
         **data,
+        SETTINGS: resume_settings(settings),
     }
     return info, shapes
+
+
+SETTINGS = "settings"  # the run_info key of what a resume may change (not matched by resume)
+_UNSET = "unset"  # a setting one side does not give
+# optimizer options whose change a resume refuses: the state they need is not in the checkpoint
+_FIXED_OPTIONS = {"amsgrad": "AdamW's max_exp_avg_sq state is kept only with amsgrad=true"}
+
+
+def resume_settings(settings: Config) -> dict[str, Any]:
+    """What a resume applies from its step on when it differs from the checkpoint's run: the
+    optimizer's options, the schedule, warmup, run length and clipping (JSON's values)."""
+    schedule, train = settings.schedule, settings.train
+    found = {f"optim.{key}": value for key, value in settings.optim.options().items()}
+    found |= {"schedule": schedule.name}
+    found |= {f"schedule.{key}": value for key, value in schedule.options().items()}
+    found |= {"train.warmup_steps": train.warmup_steps, "train.max_steps": train.max_steps}
+    found |= {"train.clip_grad_norm": train.clip_grad_norm}
+    return json.loads(json.dumps(found, default=str))
+
+
+def changed_settings(recorded: Any, now: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """``{key: (then, now)}`` for each resume setting that differs from the checkpoint's record
+    (``recorded``; nothing for a checkpoint written before the record)."""
+    if not isinstance(recorded, dict):
+        return {}
+    keys = sorted(set(recorded) | set(now))
+    pairs = {key: (recorded.get(key, _UNSET), now.get(key, _UNSET)) for key in keys}
+    return {key: pair for key, pair in pairs.items() if pair[0] != pair[1]}
+
+
+def _refuse_fixed_settings(changes: dict[str, tuple[Any, Any]], path: Path) -> None:
+    """Raise OwnershipError naming the first changed setting a resume cannot apply."""
+    for key, (then, now) in changes.items():
+        if (option := key.removeprefix("optim.")) in _FIXED_OPTIONS:
+            keep = f"drop {key}" if then == _UNSET else f"keep {key}={then}"
+            why = (
+                f"cannot resume from {path}: {key} is {now!r} but the checkpoint was written with "
+                f"{then!r} ({_FIXED_OPTIONS[option]}); {keep} to resume"
+            )
+            raise OwnershipError(why, key)
+
+
+def changes_note(step: int, changes: dict[str, tuple[Any, Any]]) -> str:
+    """The ``note:`` line of a resume with changed settings (applied from step ``step`` + 1)."""
+    listed = ", ".join(f"{key} {then} -> {now}" for key, (then, now) in changes.items())
+    return (
+        f"note: resuming from step {step} with changed settings, applied from step {step + 1} on: "
+        f"{listed}"
+    )
 
 
 def choose_checkpoint(
@@ -114,9 +165,12 @@ def choose_checkpoint(
     except CheckpointError as error:
         why = f"checkpoint.resume={show(resume)}: {error}"
         raise OwnershipError(why, "checkpoint.resume") from None
-    if mismatches := resume_problems(summary, info, max_steps, shapes):
+    matched = {key: value for key, value in info.items() if key != SETTINGS}
+    if mismatches := resume_problems(summary, matched, max_steps, shapes):
         why = f"cannot resume from {summary.path}: {'; '.join(mismatches)}"
         raise OwnershipError(why, "checkpoint.resume")
+    changes = changed_settings(summary.run_info.get(SETTINGS), info[SETTINGS])
+    _refuse_fixed_settings(changes, summary.path)
     return summary.path
 
 
@@ -146,7 +200,10 @@ def own_output_dir(
         lock.release()  # refused: no .lock is left in the folder
         raise (OwnershipError(str(error)) if isinstance(error, OutputDirError) else error) from None
     if resume_from is not None:  # nothing refuses the run after the claim: the old branch moves
-        step = checkpoint_summary(resume_from).step
+        summary = checkpoint_summary(resume_from)
+        step = summary.step
+        if changes := changed_settings(summary.run_info.get(SETTINGS), info[SETTINGS]):
+            say(changes_note(step, changes))
         if retired := retire_checkpoints_after(output_dir / "checkpoints", step):
             names = ", ".join(path.name for path in retired)
             say(

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
-from torch.optim.lr_scheduler import LRScheduler
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 from components.checkpoint.integrity import (
     MARKER,
@@ -392,8 +392,9 @@ def load_checkpoint(
 
     Collective. The model may be parallelised differently from the one saved (another tp, dp or
     world size): DCP reads each rank's shards of every parameter and optimizer tensor by global
-    offsets. RNG states: see :func:`_restore_rng`. Returns ``{"step": step, **extra}``. Runs no code
-    from the checkpoint.
+    offsets. With a ``scheduler``, the optimizer's settings (lr, weight decay, ...) and the schedule
+    stay this run's from the checkpoint's step on (:func:`_continue_schedule`). RNG states: see
+    :func:`_restore_rng`. Returns ``{"step": step, **extra}``. Runs no code from the checkpoint.
 
     Raises:
         CheckpointError: ``checkpoint <path> is unusable: <cause>`` if the folder fails
@@ -405,6 +406,8 @@ def load_checkpoint(
     rank, world_size = rank_and_world()
     trainer_state = read_trainer_state(path)
     state = _state_dict(model, optimizer, model_only=trainer_state["optimizer"] is not None)
+    # this run's optimizer settings (optim.lr, weight_decay, ...): the loaded groups carry the saved
+    settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     try:
         dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
     except (
@@ -426,6 +429,30 @@ def load_checkpoint(
         set_model_state_dict(model, state["model"], options=_OPTIONS)
         optimizer.load_state_dict(trainer_state["optimizer"])
     if scheduler is not None and trainer_state["scheduler"] is not None:
-        scheduler.load_state_dict(trainer_state["scheduler"])
+        for group, setting in zip(optimizer.param_groups, settings, strict=True):
+            group.update(setting)
+        _continue_schedule(scheduler, trainer_state["scheduler"])  # at its step, on this schedule
     _restore_rng(path, rank, world_size, trainer_state["world_size"])
     return {**trainer_state["extra"], "step": trainer_state["step"]}  # the cross-checked step
+
+
+def _continue_schedule(scheduler: LRScheduler, saved: dict[str, Any]) -> None:
+    """Put a freshly built ``scheduler`` at the step a checkpoint's scheduler (its ``state_dict``,
+    ``saved``) had reached, and its optimizer's learning rates at this run's schedule there.
+
+    Only the position comes from the checkpoint, not its base learning rates (``load_state_dict``
+    would restore those and keep the saved lr for one step), so a changed lr, schedule, warmup or
+    run length applies from the resumed step on; an unchanged one gives the saved learning rates
+    exactly (the ``base_lr * factor(step)`` a ``LambdaLR`` step computes). Every schedule of
+    ``components.training.schedule`` is a ``LambdaLR``.
+    """
+    if not isinstance(scheduler, LambdaLR):
+        scheduler.load_state_dict(saved)  # another scheduler: its own state, as saved
+        return
+    step = saved["last_epoch"]
+    schedule = zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)
+    rates = [base * factor(step) for base, factor in schedule]
+    for group, rate in zip(scheduler.optimizer.param_groups, rates, strict=True):
+        group["lr"] = rate
+    scheduler.last_epoch, scheduler._step_count = step, saved["_step_count"]
+    scheduler._last_lr = rates

@@ -203,31 +203,27 @@ def remove_run_files(output_dir: Path, record: RunRecord) -> list[str]:
 
 def nested_run_errors(output_dir: Path) -> list[str]:
     """Why ``output_dir`` cannot hold a run because of another run's folder around or below it (one
-    phrase), or nothing. A run inside what another run writes (its ``checkpoints/``, ``hf/``,
-    ``tokenizer/``: the names its ``run.json`` lists) is deleted by that run's pruning or overwrite;
-    a run below what this one will write would be deleted the same way. Elsewhere (``outputs/llama``
-    of an older run holding ``outputs/llama/DATE``) nothing of one run touches the other's files:
-    overwrite removes only what a ``run.json`` lists. Below, :data:`_NESTED_DEPTH` levels are looked
-    at."""
-    output_dir = Path(output_dir)
-    for parent in output_dir.parents:
-        record = read_run_record(parent) if (parent / RUN_FILE).is_file() else None
-        if record is not None and output_dir.relative_to(parent).parts[0] in record.files:
+    phrase), or nothing. Judged on the real path (symlinks resolved): a link into another run's
+    ``checkpoints/`` or ``hf/`` is inside that run. Any folder inside another run's folder (one with
+    a ``run.json``) would mix its files with that run's, or be deleted by its pruning or overwrite;
+    a folder above other runs' folders would hold their files as its own. Below,
+    :data:`_NESTED_DEPTH` levels are looked at."""
+    given = Path(output_dir)
+    real = given.resolve()
+    shown = str(given) if real == given else f"{given} (a link to {real})"
+    for parent in real.parents:
+        if (parent / RUN_FILE).is_file():
             return [
-                f"output_dir {output_dir} is inside the output folder of another run ({parent}, "
+                f"output_dir {shown} is inside the output folder of another run ({parent}, "
                 f"with its {RUN_FILE}), whose pruning or overwrite would delete it: nested output "
                 f"folders are not allowed; choose an output_dir outside {parent}"
             ]
-    for name in RUN_FILES:
-        folder = output_dir / name
-        if below := folder if (folder / RUN_FILE).is_file() else _run_folder_below(folder):
-            return [
-                f"output_dir {output_dir} holds the output folder of another run below it "
-                f"({below}, "
-                f"with its {RUN_FILE}): nested output folders are not allowed; choose an "
-                "output_dir "
-                "that holds no other run's folder"
-            ]
+    if below := _run_folder_below(real):
+        return [
+            f"output_dir {shown} holds the output folder of another run below it ({below}, with "
+            f"its {RUN_FILE}): nested output folders are not allowed; choose an output_dir that "
+            "holds no other run's folder"
+        ]
     return []
 
 
@@ -236,6 +232,8 @@ _NESTED_FOLDERS = 10_000  # and at most this many folders (an output_dir of ~ st
 
 
 def _run_folder_below(folder: Path) -> Path | None:
+    """The first folder (breadth first, links not followed) below ``folder`` holding a
+    ``run.json``, or None."""
     level, seen = ([folder] if folder.is_dir() else []), 0
     for _ in range(_NESTED_DEPTH):
         children = []

@@ -307,20 +307,6 @@ def test_a_folder_holding_another_runs_folder_below_it_is_refused(trained, tmp_p
     assert not (outer / "run.json").exists()
 
 
-def test_a_run_beside_what_another_run_writes_is_accepted(trained, tmp_path):
-    """An older run's folder (``outputs/llama`` before the folder per run) may hold the new runs
-    (``outputs/llama/DATE``): neither writes, prunes or overwrites a file of the other."""
-    outer = copy_of(trained, tmp_path)
-    before = {path: path.read_bytes() for path in outer.rglob("*") if path.is_file()}
-    result = run(outer / "2026-12-01_20-00-00", "train.max_steps=1")
-    assert result.returncode == 0, result.stderr[-3000:]
-    after = {path: path.read_bytes() for path in outer.rglob("*") if path.is_file()}
-    assert {path: after[path] for path in before} == before
-    again = run(outer, "train.max_steps=6", "checkpoint.every_steps=2", "checkpoint.resume=auto")
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert (outer / "2026-12-01_20-00-00" / "run.json").is_file()
-
-
 @pytest.mark.parametrize("every", [4, 0], ids=["every 4 steps", "checkpointing off"])
 def test_stop_after_leaves_a_checkpoint_of_its_last_step_and_says_only_what_exists(tmp_path, every):
     folder = tmp_path / "stopped"
