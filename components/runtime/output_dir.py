@@ -26,8 +26,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from components.checkpoint.manifest import foreign_files
-
 LOCK_FILE = ".lock"
 RUN_FILE = "run.json"
 # What a run writes into its output_dir; only these are ever removed (overwrite_output_dir=true).
@@ -174,6 +172,8 @@ def run_files(output_dir: Path) -> list[str]:
 
 
 def _user_files_in_ours(output_dir: Path) -> list[str]:
+    from components.checkpoint.manifest import foreign_files  # on use: the checks stay light
+
     output_dir = Path(output_dir)
     found = [f"hf/{name}" for name in foreign_files(output_dir / "hf")]
     found += [f"checkpoints/{name}" for name in _foreign_in_checkpoints(output_dir / "checkpoints")]
