@@ -252,7 +252,9 @@ def resolve_model(
     splits = dims is not None and (dims.tp > 1 or dims.ep > 1)
     meta = meta_causal_lm(config) if path is not None or splits else None  # shapes only, built once
     if path is not None:
-        found += problems("model", check_model_folder(path, meta) + check_tokenizer_folder(path))
+        rows = meta.get_input_embeddings().num_embeddings
+        folder_errors = check_model_folder(path, meta) + check_tokenizer_folder(path, rows)
+        found += problems("model", folder_errors)
     if dims is not None:
         found += plan_problems(settings, dims, config, meta)
         try:
@@ -288,9 +290,12 @@ def plan_problems(settings: Config, dims: ParallelDims, config, meta) -> list[Pr
         found.append(Problem(key="cp", message=moe))
     found += problems("cp", attention_problems(config, dims.cp))
     if dims.tp > 1:
-        plan = plan_for(config, settings.sp)
         moe = (*experts, *routers)
-        found += problems("model", check_plan(meta, config, plan, dims.tp, moe, sizes=False)[1])
+        try:
+            plan = plan_for(config, settings.sp, meta)
+            found += problems("model", check_plan(meta, config, plan, dims.tp, moe, sizes=False)[1])
+        except ValueError as error:  # no plan, given or derived
+            found.append(Problem(key="model", message=str(error)))
         found += with_tp_suggestion(problems("tp", tp_size_errors(config, dims.tp)), config)
     if dims.ep > 1:
         num_experts = getattr(config, "num_experts", None) or getattr(
