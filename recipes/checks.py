@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from components.distributed.mesh import ParallelDims, resolve_parallel_dims
-from components.models.configs import build_config, config_errors
+from components.models.configs import build_config, config_errors, vocab_size_errors
 from components.models.families import moe_patterns
 from components.models.hub import resolve_model_folder
 from components.runtime.cli import compose_config
@@ -232,7 +232,9 @@ def resolve_model(
             path = _model_folder(model.pretrained_path)
             config = load_config(path)
         else:
-            if errors := config_errors(model.family, model.config):
+            if errors := config_errors(model.family, model.config) + vocab_size_errors(
+                model.config
+            ):
                 return None, None, problems("model.config", errors)
             path, config = None, build_config(model.family, model.config)
     except (ValueError, OSError, RuntimeError) as error:

@@ -147,3 +147,12 @@ def test_what_cannot_run_is_one_error_line(folders, tmp_path, model, overrides, 
     assert result.returncode != 0 and len(lines) == 1, result.stderr[-4000:]
     assert lines[0].startswith("error: ") and expected in lines[0], lines[0]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_vocab_size_smaller_than_the_tokenizer_is_one_error_line(folders, tmp_path):
+    command = [sys.executable, "recipes/finetune.py", "model=llama", "model.config.vocab_size=1"]
+    command += [*COMMON[1:], f"cache_dir={folders['cache']}", f"output_dir={tmp_path / 'run'}"]
+    result = cli.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode != 0 and len(lines) == 1, result.stderr[-4000:]
+    assert lines[0].startswith("error: model.config.vocab_size=1 cannot hold the tokenizer")
