@@ -75,7 +75,7 @@ def derive_plan(model: nn.Module, config) -> dict[str, str]:
             entries, missing = _sublayer(prefix, child, hidden, head_dim)
             plan |= entries
             unplaced += missing
-        elif any(True for _ in child.parameters()) and not _is_norm(child):
+        elif any(True for _ in child.parameters()) and not _is_norm(child):  # norms: replicated
             unplaced.append(prefix)
     if unplaced:
         raise ValueError(
@@ -91,11 +91,35 @@ def derive_plan(model: nn.Module, config) -> dict[str, str]:
 
 
 def _is_norm(module: nn.Module) -> bool:
-    """A module of 1-D parameters only (a norm's weight and bias): replicated like every plan's."""
-    return all(p.dim() == 1 for p in module.parameters())
+    """A module of 1-D parameters only, at least one (a norm's weight and bias)."""
+    parameters = list(module.parameters())
+    return bool(parameters) and all(p.dim() == 1 for p in parameters)
 
 
 def derived_plan_note(config, plan: dict[str, str]) -> str:
     """The plan report's line for a derived plan: where it came from and what it shards."""
     sharded = ", ".join(f"{name} {style}" for name, style in plan.items())
     return f"plan derived from the structure of {config.model_type!r} (it has none): {sharded}"
+
+
+def sequence_parallel_norms(model: nn.Module) -> dict[str, str]:
+    """Every norm on the residual stream, found from the structure: each block child made of 1-D
+    parameters only (before, between and after the sublayers, however many: Gemma's four, Cohere's
+    one) and the final norm beside the layers, all ``sequence_parallel``; empty when the decoder
+    layers are not found."""
+    found = _blocks(model)
+    if found is None:
+        return {}
+    layers, block = found
+    plan = {
+        f"{layers}.*.{name}": "sequence_parallel"
+        for name, child in block.named_children()
+        if _is_norm(child) and not any(isinstance(m, nn.Linear) for m in child.modules())
+    }
+    parent, _, _ = layers.rpartition(".")
+    owner = model.get_submodule(parent) if parent else model
+    embedding = model.get_input_embeddings()
+    for name, child in owner.named_children():
+        if child is not embedding and not isinstance(child, nn.ModuleList) and _is_norm(child):
+            plan[f"{parent}.{name}" if parent else name] = "sequence_parallel"
+    return plan

@@ -128,7 +128,9 @@ def plan_for(config, sequence_parallel: bool = False, model=None) -> dict[str, s
     """The plan for a Hugging Face config: its family's, else the model's own TP plan
     (``base_model_tp_plan``), else (given the ``model``, a meta-device build is enough) one derived
     from its structure (``components.models.derived_plan``), in the style names of
-    ``components.distributed.tp_plan``.
+    ``components.distributed.tp_plan``. Under sequence parallelism, given the ``model``, every
+    norm on its residual stream is found from the structure (``sequence_parallel_norms``);
+    without it, :data:`SEQUENCE_PARALLEL_NORMS` names them.
 
     Raises:
         ValueError: for a model with no plan, none given or derivable (the modules it cannot
@@ -151,6 +153,11 @@ def plan_for(config, sequence_parallel: bool = False, model=None) -> dict[str, s
         )
     if sequence_parallel:
         plan |= family.sequence_parallel_plan if family is not None else SEQUENCE_PARALLEL_NORMS
+    if sequence_parallel and model is not None:  # the norms the structure has, not those names
+        from components.models.derived_plan import sequence_parallel_norms
+
+        norms = sequence_parallel_norms(model)
+        plan = {k: v for k, v in plan.items() if v != "sequence_parallel" or not norms} | norms
     return plan
 
 
