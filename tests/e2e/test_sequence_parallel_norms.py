@@ -44,7 +44,6 @@ def losses(folders, model: str, output_dir: Path, *overrides: str) -> list[float
         ("gemma2", "sgd"),
         ("gemma2", "adamw"),
         ("gemma3", "adamw"),
-        ("cohere", "sgd"),
         ("cohere", "adamw"),
     ],
 )
