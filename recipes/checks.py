@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from components.distributed.mesh import ParallelDims, resolve_parallel_dims
-from components.models.configs import build_config, config_errors
+from components.models.configs import build_config, config_errors, vocab_size_errors
 from components.models.families import moe_patterns
 from components.models.hub import resolve_model_folder
 from components.runtime.cli import compose_config
@@ -232,7 +232,9 @@ def resolve_model(
             path = _model_folder(model.pretrained_path)
             config = load_config(path)
         else:
-            if errors := config_errors(model.family, model.config):
+            if errors := config_errors(model.family, model.config) + vocab_size_errors(
+                model.config
+            ):
                 return None, None, problems("model.config", errors)
             path, config = None, build_config(model.family, model.config)
     except (ValueError, OSError, RuntimeError) as error:
@@ -252,7 +254,9 @@ def resolve_model(
     splits = dims is not None and (dims.tp > 1 or dims.ep > 1)
     meta = meta_causal_lm(config) if path is not None or splits else None  # shapes only, built once
     if path is not None:
-        found += problems("model", check_model_folder(path, meta) + check_tokenizer_folder(path))
+        rows = meta.get_input_embeddings().num_embeddings
+        folder_errors = check_model_folder(path, meta) + check_tokenizer_folder(path, rows)
+        found += problems("model", folder_errors)
     if dims is not None:
         found += plan_problems(settings, dims, config, meta)
         try:
@@ -288,9 +292,12 @@ def plan_problems(settings: Config, dims: ParallelDims, config, meta) -> list[Pr
         found.append(Problem(key="cp", message=moe))
     found += problems("cp", attention_problems(config, dims.cp))
     if dims.tp > 1:
-        plan = plan_for(config, settings.sp)
         moe = (*experts, *routers)
-        found += problems("model", check_plan(meta, config, plan, dims.tp, moe, sizes=False)[1])
+        try:
+            plan = plan_for(config, settings.sp, meta)
+            found += problems("model", check_plan(meta, config, plan, dims.tp, moe, sizes=False)[1])
+        except ValueError as error:  # no plan, given or derived
+            found.append(Problem(key="model", message=str(error)))
         found += with_tp_suggestion(problems("tp", tp_size_errors(config, dims.tp)), config)
     if dims.ep > 1:
         num_experts = getattr(config, "num_experts", None) or getattr(

@@ -72,6 +72,7 @@ def _tokenizer_dir(
 
     from components.data import DataError, cached_tokenizer
     from components.models import meta_causal_lm
+    from components.models.configs import vocab_size_for
 
     model_path, dims = checked.model_path, checked.dims
     try:
@@ -82,8 +83,10 @@ def _tokenizer_dir(
         return None, [Problem(key="data", message=f"data: {error}")]
     if model_path is None:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, trust_remote_code=False)
-        if not (settings.dry_run and config.vocab_size > len(tokenizer)):  # a dry run: a real one's
-            config.vocab_size = len(tokenizer)
+        try:
+            config.vocab_size = vocab_size_for(settings.model.config["vocab_size"], len(tokenizer))
+        except ValueError as error:
+            return None, [Problem(key="model.config.vocab_size", message=str(error))]
         if dims.tp > 1:
             return tokenizer_dir, plan_problems(settings, dims, config, meta_causal_lm(config))
     return tokenizer_dir, []

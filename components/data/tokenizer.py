@@ -40,7 +40,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 
-_MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # every byte, plus the special tokens
+MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # every byte, plus the special tokens
 
 # A few hundred merges are learnt from far less; the default 4000-record set has about 100k
 # characters.
@@ -94,9 +94,9 @@ def train_tokenizer(
     Raises:
         ValueError: If ``vocab_size`` cannot hold every byte plus the special tokens.
     """
-    if vocab_size < _MIN_VOCAB_SIZE:
+    if vocab_size < MIN_VOCAB_SIZE:
         raise ValueError(
-            f"tokenizer vocab_size ({vocab_size}) must be at least {_MIN_VOCAB_SIZE}: 256 bytes "
+            f"tokenizer vocab_size ({vocab_size}) must be at least {MIN_VOCAB_SIZE}: 256 bytes "
             "plus "
             f"{len(SPECIAL_TOKENS)} special tokens; use e.g. {DEFAULT_VOCAB_SIZE}"
         )

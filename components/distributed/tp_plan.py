@@ -8,6 +8,8 @@ module-name patterns (``*`` for a layer index) mapped to style names of HF's
 - ``vocab_parallel`` (ours) / ``colwise_gather_output`` (HF's): an ``lm_head`` whose logits stay
   sharded over the vocabulary / are gathered.
 - ``sequence_parallel``: norms run on sequence shards.
+- ``local_heads`` (ours): an attention module's head counts become this rank's (for code that
+  reshapes by ``self.num_heads``).
 - ``replicated_with_grad_allreduce`` (gradient ``sum``) / ``replicate`` (``mean``, the default for
   anything not in the plan): not sharded.
 
@@ -58,6 +60,21 @@ class _GatherSequence(ParallelStyle):
         return module
 
 
+HEAD_COUNTS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads")
+
+
+class _LocalHeads(ParallelStyle):
+    """An attention module that reshapes by its own head counts (``self.num_heads``, not ``-1``)
+    over colwise q/k/v: each count becomes this rank's share."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name in HEAD_COUNTS:
+            value = getattr(module, name, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                setattr(module, name, value // device_mesh.size())
+        return module
+
+
 def _style(name: str, sequence_parallel: bool) -> ParallelStyle | None:
     """The torch style for a style name; None for styles that only mark a replicated module.
 
@@ -95,6 +112,7 @@ def _style(name: str, sequence_parallel: bool) -> ParallelStyle | None:
         ),
         "sequence_parallel": lambda: SequenceParallel(),
         "gather_sequence": lambda: _GatherSequence(),
+        "local_heads": lambda: _LocalHeads(),
         "replicated_with_grad_allreduce": lambda: None,
         "replicate": lambda: None,
     }

@@ -22,6 +22,8 @@ from components.models.families import FAMILIES
 # Read by every family's attention (``getattr(config, "head_dim", ...)``) though not every config
 # declares it.
 READ_BY_MODELS = frozenset({"head_dim"})
+# Tests' and benchmarks' vocabulary (tiny_config) where the group's is null (the tokenizer's).
+TINY_VOCAB_SIZE = 256
 MODEL_CONF_DIR = Path(__file__).resolve().parents[2] / "conf" / "model"
 # Sizes and counts (hidden_size, head_dim, num_attention_heads, ...): each at least 1.
 SIZE_KEY = re.compile(r"^(num_\w+|\w+_size|head_dim|max_position_embeddings)$")
@@ -61,7 +63,8 @@ def _below_one(value: Any) -> bool:
 
 
 def build_config(family: str, sizes: dict[str, Any]) -> PretrainedConfig:
-    """The ``family`` config with exactly ``sizes`` set (the rest are the class defaults).
+    """The ``family`` config with exactly ``sizes`` set (the rest, and a null size, are the class
+    defaults).
 
     Raises:
         ValueError: If the family is unknown or a key is not one of its config's (see
@@ -71,8 +74,9 @@ def build_config(family: str, sizes: dict[str, Any]) -> PretrainedConfig:
     errors = config_errors(family, sizes)
     if errors:
         raise ValueError("; ".join(errors))
+    given = {key: value for key, value in sizes.items() if value is not None}  # null: the default
     try:
-        return FAMILIES[family].config_class()(**sizes)
+        return FAMILIES[family].config_class()(**given)
     except StrictDataclassError as error:  # transformers' validators: the cause reads best
         raise ValueError(f"model.config: {error.__cause__ or error}") from None
 
@@ -85,4 +89,38 @@ def tiny_config(family: str, **overrides: Any) -> PretrainedConfig:
             f"unknown model family {family!r}; known families: {', '.join(sorted(FAMILIES))}"
         )
     sizes = OmegaConf.to_container(OmegaConf.load(MODEL_CONF_DIR / f"{family}.yaml").config)
+    sizes["vocab_size"] = sizes["vocab_size"] or TINY_VOCAB_SIZE  # null there: the tokenizer's
     return build_config(family, {**sizes, **overrides})
+
+
+def vocab_size_errors(sizes: dict[str, Any]) -> list[str]:
+    """A ``model.config.vocab_size`` that no tokenizer trained on the data fits (each holds every
+    byte and the special tokens), refused before the config is built."""
+    from components.data.tokenizer import MIN_VOCAB_SIZE  # the tokenizers package: when asked
+
+    given = sizes["vocab_size"] if "vocab_size" in sizes else None
+    if not isinstance(given, int) or given >= MIN_VOCAB_SIZE:
+        return []
+    return [
+        f"model.config.vocab_size={given} cannot hold the tokenizer trained on the data (at least "
+        f"{MIN_VOCAB_SIZE} tokens: every byte and the special tokens): use a larger size, or null "
+        "for the tokenizer's"
+    ]
+
+
+def vocab_size_for(given: int | None, tokenizer_size: int) -> int:
+    """The vocabulary of a model built from a config: ``model.config.vocab_size`` as given (rows
+    past the tokenizer stay unused), or, when null, the tokenizer's size.
+
+    Raises:
+        ValueError: If a given size cannot hold every token id of the tokenizer.
+    """
+    if given is None:
+        return tokenizer_size
+    if given < tokenizer_size:
+        raise ValueError(
+            f"model.config.vocab_size={given} is smaller than the tokenizer's {tokenizer_size} "
+            f"tokens: use model.config.vocab_size={tokenizer_size} or more, or null for the "
+            "tokenizer's size"
+        )
+    return given

@@ -124,15 +124,28 @@ def moe_patterns(
     )
 
 
-def plan_for(config, sequence_parallel: bool = False) -> dict[str, str]:
+def plan_for(config, sequence_parallel: bool = False, model=None) -> dict[str, str]:
     """The plan for a Hugging Face config: its family's, else the model's own TP plan
-    (``base_model_tp_plan``), in the style names of ``components.distributed.tp_plan``."""
+    (``base_model_tp_plan``), else (given the ``model``, a meta-device build is enough) one derived
+    from its structure (``components.models.derived_plan``), in the style names of
+    ``components.distributed.tp_plan``. Under sequence parallelism, given the ``model``, every
+    norm on its residual stream is found from the structure (``sequence_parallel_norms``);
+    without it, :data:`SEQUENCE_PARALLEL_NORMS` names them.
+
+    Raises:
+        ValueError: for a model with no plan, none given or derivable (the modules it cannot
+            place named).
+    """
     family = FAMILIES.get(config.model_type)
     if family is not None:
         plan = dict(family.plan)
     elif getattr(config, "base_model_tp_plan", None):
         plan = {f"model.{pattern}": style for pattern, style in config.base_model_tp_plan.items()}
         plan |= {"model.embed_tokens": "embedding_rowwise", "lm_head": "vocab_parallel"}
+    elif model is not None:
+        from components.models.derived_plan import derive_plan
+
+        plan = derive_plan(model, config)
     else:
         raise ValueError(
             f"no tensor-parallel plan for model type {config.model_type!r}: "
@@ -140,4 +153,15 @@ def plan_for(config, sequence_parallel: bool = False) -> dict[str, str]:
         )
     if sequence_parallel:
         plan |= family.sequence_parallel_plan if family is not None else SEQUENCE_PARALLEL_NORMS
+    if sequence_parallel and model is not None:  # the norms the structure has, not those names
+        from components.models.derived_plan import sequence_parallel_norms
+
+        norms = sequence_parallel_norms(model)
+        plan = {k: v for k, v in plan.items() if v != "sequence_parallel" or not norms} | norms
     return plan
+
+
+def plan_is_derived(config) -> bool:
+    """Whether :func:`plan_for` derives this model's plan from its structure (no family, no
+    ``base_model_tp_plan``)."""
+    return config.model_type not in FAMILIES and not getattr(config, "base_model_tp_plan", None)

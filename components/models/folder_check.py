@@ -140,14 +140,23 @@ def missing_tensor_errors(folder: Path, model: nn.Module) -> list[str]:
     ]
 
 
-def check_tokenizer_folder(folder: Path) -> list[str]:
-    """Why the tokenizer of ``folder`` cannot be loaded (one phrase), or nothing."""
+def check_tokenizer_folder(folder: Path, embedding_rows: int | None = None) -> list[str]:
+    """Why the tokenizer of ``folder`` cannot be loaded, or (given the model's ``embedding_rows``)
+    cannot feed the model: a token id at or past the embedding's last row would fail inside every
+    rank's first forward. One phrase, or nothing."""
     try:
-        AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
     # noqa: BLE001 - missing files raise OSError, ValueError or TypeError
     except Exception as error:
         return [
             f"model folder {folder} has no tokenizer that loads "
             f"({str(error).splitlines()[0][:160]})"
+        ]
+    ids = max([len(tokenizer) - 1, *tokenizer.get_vocab().values()]) + 1
+    if embedding_rows is not None and ids > embedding_rows:
+        return [
+            f"the tokenizer of model folder {folder} has token ids up to {ids - 1}, but the "
+            f"model's embedding has {embedding_rows} rows (config.json vocab_size): use the "
+            "tokenizer the model was trained with"
         ]
     return []

@@ -25,7 +25,8 @@ from components.distributed.mesh import ParallelDims, build_moe_mesh, data_paral
 from components.distributed.tp_plan import PlanReport, apply_tp_plan
 from components.models.build import build_causal_lm, meta_causal_lm
 from components.models.compile import apply_block_wrappers
-from components.models.families import plan_for
+from components.models.derived_plan import derived_plan_note
+from components.models.families import plan_for, plan_is_derived
 from components.models.load import materialize_pretrained
 from components.models.precision import precision_policy
 from components.moe import apply_expert_parallel
@@ -67,11 +68,13 @@ def build_parallel_model(
     model = convert(model) if convert is not None else model
     report = None
     if dims.tp > 1:
-        plan = plan_for(spec.config, spec.sequence_parallel)
+        plan = plan_for(spec.config, spec.sequence_parallel, model)
         moe_modules = (*spec.experts, *spec.routers)
         report = apply_tp_plan(
             model, mesh["tp"], plan, spec.config, spec.sequence_parallel, moe_modules
         )
+        if plan_is_derived(spec.config):
+            report.notes.append(derived_plan_note(spec.config, plan))
         policy.cast_tp_inputs(model, data_parallel=dims.data_parallel > 1)
     if dims.ep > 1:  # the MoE mesh and its process groups exist only when experts are split
         moe_mesh = build_moe_mesh(mesh, dims, timeout)

@@ -19,7 +19,8 @@ def test_every_problem_is_listed_together():
         "LlamaForCausalLM",
         "model.norm: unknown tensor-parallel style 'diagonal'; known: ['attention_input', "
         "'colwise', "
-        "'colwise_gather_output', 'embedding_rowwise', 'gather_sequence', 'mlp_input', "
+        "'colwise_gather_output', 'embedding_rowwise', 'gather_sequence', 'local_heads', "
+        "'mlp_input', "
         "'replicate', "
         "'replicated_with_grad_allreduce', 'rowwise', 'sequence_parallel', 'vocab_parallel']",
         "tp (4) must divide num_attention_heads (6)",

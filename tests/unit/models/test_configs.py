@@ -1,9 +1,11 @@
-"""tiny_config: four small families whose heads, kv heads and experts divide by 1, 2 and 4."""
+"""tiny_config: four small families whose heads, kv heads and experts divide by 1, 2 and 4; the
+vocabulary of a model built from a config."""
 
 import pytest
 import torch
 
 from components.models import build_causal_lm, tiny_config
+from components.models.configs import vocab_size_errors, vocab_size_for
 
 FAMILIES = ["llama", "qwen3", "qwen3_moe", "mixtral"]
 
@@ -50,3 +52,12 @@ def test_unknown_family_lists_the_known_ones():
     known = "llama, mistral, mixtral, qwen2, qwen3, qwen3_moe"  # components.models.families
     with pytest.raises(ValueError, match=f"unknown model family 'gpt2'; known families: {known}"):
         tiny_config("gpt2")
+
+
+def test_a_given_vocab_size_is_applied_and_one_too_small_refused():
+    assert vocab_size_for(None, 300) == 300
+    assert vocab_size_for(512, 300) == 512
+    with pytest.raises(ValueError, match="vocab_size=1 is smaller than the tokenizer's 300"):
+        vocab_size_for(1, 300)
+    assert "cannot hold the tokenizer" in vocab_size_errors({"vocab_size": 1})[0]
+    assert vocab_size_errors({"vocab_size": None}) == vocab_size_errors({"vocab_size": 300}) == []

@@ -1,0 +1,125 @@
+"""A tensor-parallel plan for a model that has none, derived from its structure.
+
+The decoder blocks are the items of the model's one ``nn.ModuleList``. In a block, every child
+module that holds ``nn.Linear`` children is a sublayer (attention or MLP): its linears that read the
+hidden size are split by columns (``colwise``: q/k/v, gate/up), and its last linear that writes the
+hidden size from another width (or, when every linear reads the hidden size, its last one) by rows
+(``rowwise``: o_proj, down_proj). A sublayer's 1-D parameters of ``head_dim`` (a per-head q/k norm)
+are replicated with summed gradients, and a sublayer with head counts of its own
+(``self.num_heads``) gets ``local_heads``. The embedding and ``lm_head`` get the styles of every
+other plan. Anything else that holds parameters inside a sublayer (attention sinks, fused experts, a
+linear of another shape) cannot be placed: the derivation then lists those modules instead.
+"""
+
+from torch import nn
+
+from components.distributed.tp_plan import HEAD_COUNTS
+
+
+def _blocks(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """(name, the first block) of the model's decoder layers: its one ``nn.ModuleList``."""
+    lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+    lists = [(n, m) for n, m in lists if "." not in n.removeprefix("model.")]
+    return (lists[0][0], lists[0][1][0]) if len(lists) == 1 else None
+
+
+def _sublayer(prefix: str, module: nn.Module, hidden: int, head_dim: int | None):
+    """(plan entries, modules it cannot place) of one attention or MLP sublayer."""
+    linears = [(n, m) for n, m in module.named_children() if isinstance(m, nn.Linear)]
+    writers = [n for n, m in linears if m.out_features == hidden and m.in_features != hidden]
+    readers = [n for n, m in linears if m.in_features == hidden]
+    output = writers[-1] if writers else (readers[-1] if len(readers) > 1 else None)
+    plan, unplaced = {}, []
+    for name, child in module.named_children():
+        pattern = f"{prefix}.{name}"
+        if name == output:
+            plan[pattern] = "rowwise"
+        elif name in readers:
+            plan[pattern] = "colwise"
+        elif _is_head_norm(child, head_dim):
+            plan[pattern] = "replicated_with_grad_allreduce"
+        elif any(True for _ in child.parameters()):
+            unplaced.append(pattern)
+    unplaced += [f"{prefix} (its parameter {n})" for n, _ in module.named_parameters(recurse=False)]
+    if any(isinstance(getattr(module, count, None), int) for count in HEAD_COUNTS):
+        plan[prefix] = "local_heads"
+    if output is None:
+        unplaced.append(f"{prefix} (no output projection to the hidden size)")
+    return plan, unplaced
+
+
+def _is_head_norm(module: nn.Module, head_dim: int | None) -> bool:
+    parameters = list(module.parameters())
+    return bool(parameters) and all(p.shape == (head_dim,) for p in parameters)
+
+
+def derive_plan(model: nn.Module, config) -> dict[str, str]:
+    """The plan for ``model`` (a meta-device build is enough), as ``plan_for`` returns one.
+
+    Raises:
+        ValueError: naming every module the derivation cannot place.
+    """
+    hidden = config.hidden_size
+    heads = getattr(config, "num_attention_heads", None)
+    head_dim = getattr(config, "head_dim", None) or (hidden // heads if heads else None)
+    found = _blocks(model)
+    what = f"model type {config.model_type!r} has no tensor-parallel plan"
+    if found is None:
+        raise ValueError(f"{what}, and its decoder layers (one nn.ModuleList) were not found")
+    layers, block = found
+    plan: dict[str, str] = {}
+    unplaced: list[str] = []
+    for name, child in block.named_children():
+        prefix = f"{layers}.*.{name}"
+        if any(isinstance(m, nn.Linear) for m in child.children()):
+            entries, missing = _sublayer(prefix, child, hidden, head_dim)
+            plan |= entries
+            unplaced += missing
+        elif any(True for _ in child.parameters()) and not _is_norm(child):  # norms: replicated
+            unplaced.append(prefix)
+    if unplaced:
+        raise ValueError(
+            f"{what}, and one derived from its structure cannot place {', '.join(unplaced)}: "
+            "use tp=1"
+        )
+    embedding = next(n for n, m in model.named_modules() if m is model.get_input_embeddings())
+    plan = {embedding: "embedding_rowwise", **plan}
+    if model.get_output_embeddings() is not None:
+        head = next(n for n, m in model.named_modules() if m is model.get_output_embeddings())
+        plan[head] = "vocab_parallel"
+    return plan
+
+
+def _is_norm(module: nn.Module) -> bool:
+    """A module of 1-D parameters only, at least one (a norm's weight and bias)."""
+    parameters = list(module.parameters())
+    return bool(parameters) and all(p.dim() == 1 for p in parameters)
+
+
+def derived_plan_note(config, plan: dict[str, str]) -> str:
+    """The plan report's line for a derived plan: where it came from and what it shards."""
+    sharded = ", ".join(f"{name} {style}" for name, style in plan.items())
+    return f"plan derived from the structure of {config.model_type!r} (it has none): {sharded}"
+
+
+def sequence_parallel_norms(model: nn.Module) -> dict[str, str]:
+    """Every norm on the residual stream, found from the structure: each block child made of 1-D
+    parameters only (before, between and after the sublayers, however many: Gemma's four, Cohere's
+    one) and the final norm beside the layers, all ``sequence_parallel``; empty when the decoder
+    layers are not found."""
+    found = _blocks(model)
+    if found is None:
+        return {}
+    layers, block = found
+    plan = {
+        f"{layers}.*.{name}": "sequence_parallel"
+        for name, child in block.named_children()
+        if _is_norm(child) and not any(isinstance(m, nn.Linear) for m in child.modules())
+    }
+    parent, _, _ = layers.rpartition(".")
+    owner = model.get_submodule(parent) if parent else model
+    embedding = model.get_input_embeddings()
+    for name, child in owner.named_children():
+        if child is not embedding and not isinstance(child, nn.ModuleList) and _is_norm(child):
+            plan[f"{parent}.{name}" if parent else name] = "sequence_parallel"
+    return plan

@@ -1,0 +1,54 @@
+"""Sequence parallelism on every norm of the residual stream, found from the structure: Gemma 2 and
+Gemma 3 (four norms a block) and Cohere (one, before parallel attention and MLP) at tp=2 sp=true
+train as at tp=1 (1e-5), through the command line on folders written by ``save_pretrained``.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+from transformers import CohereConfig, Gemma2Config, Gemma3TextConfig
+
+from components.data import DEFAULT_VOCAB_SIZE, train_tokenizer
+from tests.e2e.test_models_without_plan import SIZES, recipe, save_model
+
+IDS = dict(bos_token_id=1, eos_token_id=2, pad_token_id=0)  # within the tiny vocabulary
+CONFIGS = {
+    "gemma2": lambda vocab: Gemma2Config(**SIZES, **IDS, head_dim=16, vocab_size=vocab),
+    "gemma3": lambda vocab: Gemma3TextConfig(**SIZES, **IDS, head_dim=16, vocab_size=vocab),
+    "cohere": lambda vocab: CohereConfig(**SIZES, **IDS, vocab_size=vocab),
+}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    tokenizer = train_tokenizer(["hello world", "tune"], DEFAULT_VOCAB_SIZE, root / "tokenizer")
+    built = {
+        name: save_model(root / name, config(DEFAULT_VOCAB_SIZE), tokenizer)  # tp divides it
+        for name, config in CONFIGS.items()
+    }
+    return {"cache": root / "cache", **built}
+
+
+def losses(folders, model: str, output_dir: Path, *overrides: str) -> list[float]:
+    result = recipe(folders, model, output_dir, *overrides)
+    assert result.returncode == 0, result.stderr[-4000:]
+    lines = (output_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["loss"] for line in lines]
+
+
+@pytest.mark.parametrize(
+    ("model", "optim"),
+    [
+        ("gemma2", "sgd"),
+        ("gemma2", "adamw"),
+        ("gemma3", "adamw"),
+        ("cohere", "adamw"),
+    ],
+)
+def test_tp2_with_sequence_parallel_norms_equals_tp1(folders, tmp_path, model, optim):
+    tp1 = losses(folders, model, tmp_path / "tp1", "tp=1", f"optim={optim}")
+    sp = losses(folders, model, tmp_path / "sp", "tp=2", "sp=true", f"optim={optim}")
+    assert len(set(tp1)) == 3  # the steps train
+    assert sp == pytest.approx(tp1, rel=1e-5, abs=1e-5)
