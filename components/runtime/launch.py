@@ -82,7 +82,7 @@ def end_launched_rank() -> NoReturn:
     (multiprocessing calls ``os._exit`` once the rank's function returns): flush the standard
     streams and skip the interpreter's finalisation. There, under torchrun, a process group's C++
     threads could be destroyed while still joinable: "terminate called without an active exception"
-    and SIGABRT after a finished run (CI saw it). Call it only when every file is closed and every
+    and SIGABRT after a finished run. Call it only when every file is closed and every
     lock released."""
     sys.stdout.flush()
     sys.stderr.flush()
@@ -161,10 +161,9 @@ def _wait_until_every_local_rank_started(folder: Path) -> None:
     Until then no rank may reach the launcher's store: the launcher's store server thread answers a
     connecting rank with a reverse lookup of its address (``getnameinfo``), and a rank forked while
     that thread holds glibc's resolver lock inherits it held and blocks for good in its own first
-    lookup (seen as a rank stuck in ``__resolv_context_get`` under ``TCPStore`` while the others
-    wait on it: 2 of about 232 local launches on 2 busy cores). Once every rank exists no fork
-    follows, so the lookups are safe. Gives up waiting after ``_START_WAIT_S`` (a rank that died
-    before noting itself fails the launch anyway)."""
+    lookup (a rank stuck in ``__resolv_context_get`` under ``TCPStore`` while the others wait on
+    it). Once every rank exists no fork follows, so the lookups are safe. Gives up waiting after
+    ``_START_WAIT_S`` (a rank that died before noting itself fails the launch anyway)."""
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     _write_atomically(folder / f"{os.environ['LOCAL_RANK']}.started.{attempt}", "")
     local_ranks = int(os.environ["LOCAL_WORLD_SIZE"])
