@@ -1,8 +1,7 @@
 """Tensor-parallel styles, and the one function that checks and applies any plan.
 
-Plans are data (one per family, ``components.models.families.plan_for``): ``fnmatch``
-module-name patterns (``*`` for a layer index) mapped to style names of HF's
-``base_model_tp_plan``:
+Plans are data (one per family, ``components.models.families.plan_for``): ``fnmatch`` module-name
+patterns (``*`` for a layer index) mapped to style names of HF's ``base_model_tp_plan``:
 
 - ``colwise`` / ``rowwise``: Megatron-style pairs; ``embedding_rowwise``: vocab-parallel embedding.
 - ``vocab_parallel`` (ours) / ``colwise_gather_output`` (HF's): an ``lm_head`` whose logits stay
@@ -10,11 +9,11 @@ module-name patterns (``*`` for a layer index) mapped to style names of HF's
 - ``sequence_parallel``: norms run on sequence shards.
 - ``local_heads`` (ours): an attention module's head counts become this rank's (for code that
   reshapes by ``self.num_heads``).
-- ``replicated_with_grad_allreduce`` (gradient ``sum``) / ``replicate`` (``mean``, the default for
-  anything not in the plan): not sharded.
+- ``replicated_with_grad_allreduce`` (gradient ``sum``) / ``replicate`` (``mean``, the default):
+  not sharded.
 
-Everything is checked before any parameter is sharded, and all problems are reported together.
-Each style in detail: docs/design-notes.md
+Everything is checked before any parameter is sharded, and all problems are reported together
+(each style in detail: docs/design-notes.md).
 """
 
 import fnmatch
