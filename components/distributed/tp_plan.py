@@ -1,7 +1,6 @@
-"""Tensor-parallel styles, and the one function that checks and applies any plan.
-
-Plans are data (one per family, ``components.models.families.plan_for``): ``fnmatch`` module-name
-patterns (``*`` for a layer index) mapped to style names of HF's ``base_model_tp_plan``:
+"""Tensor-parallel styles, and the one function that checks and applies any plan. Plans are data
+(one per family, ``components.models.families.plan_for``): ``fnmatch`` module-name patterns (``*``
+for a layer index) mapped to style names of HF's ``base_model_tp_plan``:
 
 - ``colwise`` / ``rowwise``: Megatron-style pairs; ``embedding_rowwise``: vocab-parallel embedding.
 - ``vocab_parallel`` (ours) / ``colwise_gather_output`` (HF's): an ``lm_head`` whose logits stay
@@ -11,7 +10,6 @@ patterns (``*`` for a layer index) mapped to style names of HF's ``base_model_tp
   reshapes by ``self.num_heads``).
 - ``replicated_with_grad_allreduce`` (gradient ``sum``) / ``replicate`` (``mean``, the default):
   not sharded.
-
 Everything is checked before any parameter is sharded, and all problems are reported together
 (each style in detail: docs/design-notes.md).
 """
