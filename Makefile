@@ -8,6 +8,10 @@ STAMP := $(VENV)/.installed
 # `make run PY=python3` (any PY but the venv's) runs with an interpreter that already holds the
 # dependencies, e.g. a GPU machine's image without network (docs/install.md): no .venv is made then.
 DEPS := $(if $(filter $(VENV)/bin/python,$(PY)),$(STAMP))
+# Bytecode caches on, even where the environment turns them off: every rank, zygote and fresh
+# interpreter of the suite would otherwise recompile the project's modules (and pytest rewrite every
+# test module) on each start.
+export PYTHONDONTWRITEBYTECODE :=
 
 .PHONY: help install run test test-fast bench regression lint format clean
 

@@ -22,6 +22,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -51,11 +52,17 @@ PRELOAD = (
 )  # and what the recipe's functions import (components/runtime/preload.py), after these
 MAX_ZYGOTES = 3
 _ZYGOTES: dict[tuple, "_Zygote"] = {}
+_ZYGOTES_LOCK = threading.Lock()
 
 
-def _is_warm_command(command) -> bool:
+def _is_warm_command(command, env: dict[str, str] | None) -> bool:
+    """``python script.py ...``; or ``python -m torch.distributed.run ...`` (torchrun's agent) in
+    an environment made by :func:`warm_torchrun_environment`."""
     arguments = [str(part) for part in command] if not isinstance(command, str) else []
-    return len(arguments) >= 2 and arguments[0] == sys.executable and arguments[1].endswith(".py")
+    if len(arguments) < 2 or arguments[0] != sys.executable:
+        return False
+    torchrun = arguments[1:3] == ["-m", "torch.distributed.run"]
+    return arguments[1].endswith(".py") or (torchrun and "SHARDTUNE_TEST_ZYGOTE" in (env or {}))
 
 
 def _early_environment(env: dict[str, str]) -> tuple:
@@ -96,6 +103,13 @@ class _Zygote:
             stdout=subprocess.DEVNULL,
         )
 
+    @classmethod
+    def at(cls, address: str) -> "_Zygote":
+        """A running zygote's client side, by its socket's address (no process of ours)."""
+        zygote = cls.__new__(cls)
+        zygote.address, zygote.process = address, None
+        return zygote
+
     def connect(self) -> socket.socket:
         deadline = time.monotonic() + 120
         while True:
@@ -105,7 +119,8 @@ class _Zygote:
                 return sock
             except (FileNotFoundError, ConnectionRefusedError):
                 sock.close()
-                if self.process.poll() is not None or time.monotonic() > deadline:
+                ended = self.process is not None and self.process.poll() is not None
+                if ended or time.monotonic() > deadline:
                     raise RuntimeError("the test zygote did not start") from None
                 time.sleep(0.05)
 
@@ -115,12 +130,16 @@ class _Zygote:
 
 
 def _zygote_for(env: dict[str, str]) -> _Zygote:
+    """The zygote for ``env``'s import-time environment; the least recently used one makes room.
+    Locked: tests start commands from threads, and two zygotes for one key would import twice."""
     key = _early_environment(env)
-    if key not in _ZYGOTES:
-        if len(_ZYGOTES) >= MAX_ZYGOTES:
-            _ZYGOTES.pop(next(iter(_ZYGOTES))).close()
-        _ZYGOTES[key] = _Zygote({k: v for k, v in key})
-    return _ZYGOTES[key]
+    with _ZYGOTES_LOCK:
+        if key not in _ZYGOTES:
+            if len(_ZYGOTES) >= MAX_ZYGOTES:
+                _ZYGOTES.pop(next(iter(_ZYGOTES))).close()
+            _ZYGOTES[key] = _Zygote({k: v for k, v in key})
+        _ZYGOTES[key] = _ZYGOTES.pop(key)  # the most recently used last
+        return _ZYGOTES[key]
 
 
 def _descriptor(stream, inherited: int, opened: list) -> int:
@@ -139,16 +158,17 @@ class WarmProcess:
     """A command run by a zygote's child: the parts of ``subprocess.Popen`` the tests use."""
 
     def __init__(self, command, *, cwd=None, env=None, stdin=None, stdout=None, stderr=None,
-                 start_new_session=False):  # fmt: skip
+                 start_new_session=False, zygote: str | None = None):  # fmt: skip
         env = dict(os.environ if env is None else env)
         self.args = command
         self.returncode: int | None = None
-        self._sock = _zygote_for(env).connect()
+        self._sock = (_Zygote.at(zygote) if zygote else _zygote_for(env)).connect()
         request = {
             "argv": [str(part) for part in command[1:]],
             "cwd": str(cwd or os.getcwd()),
             "env": env,
             "new_session": start_new_session,
+            "watch": os.getpid() if zygote else None,  # the forwarding process (see forward)
         }
         opened = []
         fds = [_descriptor(s, fd, opened) for fd, s in enumerate((stdin, stdout, stderr))]
@@ -184,14 +204,14 @@ class WarmProcess:
 
 def Popen(command, **kwargs):  # noqa: N802 - subprocess's name
     """``subprocess.Popen``, warm for ``python script.py ...`` (see the module docstring)."""
-    if _is_warm_command(command):
+    if _is_warm_command(command, kwargs.get("env")):
         return WarmProcess(command, **kwargs)
     return subprocess.Popen(command, **kwargs)
 
 
 def run(command, *, input=None, capture_output=False, text=False, timeout=None, **kwargs):  # noqa: A002
     """``subprocess.run``, warm for ``python script.py ...``: the same result and exceptions."""
-    if not _is_warm_command(command):
+    if not _is_warm_command(command, kwargs.get("env")):
         return subprocess.run(
             command, input=input, capture_output=capture_output, text=text, timeout=timeout,
             **kwargs,
@@ -220,6 +240,50 @@ def run(command, *, input=None, capture_output=False, text=False, timeout=None, 
     return subprocess.CompletedProcess(command, process.returncode, out, err)
 
 
+def warm_torchrun_environment(env: dict[str, str]) -> dict[str, str]:
+    """``env`` for a real ``torchrun`` whose workers start warm: torchrun runs each worker as
+    ``$PYTHON_EXEC -u script ...`` (its documented override), and ``tests/warm_python`` hands that
+    command to the zygote of ``env`` (:func:`forward`), so a rank skips ~5 s of imports while
+    torchrun's agent, rendezvous, restarts and signals stay the real ones."""
+    zygote = _zygote_for(env)
+    return env | {
+        "PYTHON_EXEC": str(REPO / "tests" / "warm_python"),
+        "SHARDTUNE_TEST_PYTHON": sys.executable,
+        "SHARDTUNE_TEST_ZYGOTE": zygote.address,
+    }
+
+
+def forward(argv: list[str]) -> None:
+    """Be ``python [-u] script args...`` (argv) for the process that started us (torchrun): the
+    zygote runs it; signals are passed on, and this process ends as the command ended (by the same
+    signal, or with its status). If this process is killed, the command is too (see ``watch``)."""
+    unbuffered = argv[:1] == ["-u"]
+    env = dict(os.environ) | ({"PYTHONUNBUFFERED": "1"} if unbuffered else {})
+    command = [sys.executable, *argv[unbuffered:]]
+    process = WarmProcess(
+        command, env=env, stdin=0, stdout=1, stderr=2, zygote=env["SHARDTUNE_TEST_ZYGOTE"]
+    )
+    for number in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(number, lambda number, _frame: process.send_signal(number))
+    code = process.wait()
+    if code < 0:
+        if -code != signal.SIGKILL:
+            signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    sys.exit(code)
+
+
+def _die_with(pid: int) -> None:
+    """SIGKILL this process once process ``pid`` has ended (a thread waiting on its pidfd)."""
+    pidfd = os.pidfd_open(pid)
+
+    def wait() -> None:
+        select.select([pidfd], [], [])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=wait, daemon=True, name="die-with-forwarder").start()
+
+
 # --- the zygote's side -------------------------------------------------------------------------
 
 
@@ -234,14 +298,22 @@ def _become_the_command(request: dict, fds: list[int]) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    if request.get("watch"):
+        _die_with(request["watch"])
+    if os.environ.get("PYTHONUNBUFFERED"):  # as `python -u` makes them
+        sys.stdout.reconfigure(line_buffering=False, write_through=True)
+        sys.stderr.reconfigure(line_buffering=False, write_through=True)
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
-    script = request["argv"][0]
-    sys.argv = list(request["argv"])
-    sys.path[0] = os.path.dirname(os.path.abspath(script))  # as `python script.py` sets it
-    os._exit(_run_script(script))
+    argv = list(request["argv"])
+    if argv[0] == "-m":  # as `python -m module` sets them
+        sys.argv, sys.path[0] = argv[1:], os.getcwd()
+        os._exit(_run_script(argv[1], module=True))
+    sys.argv = argv
+    sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))  # as `python script.py` sets it
+    os._exit(_run_script(argv[0]))
 
 
-def _run_script(script: str) -> int:
+def _run_script(script: str, module: bool = False) -> int:
     import atexit
     import runpy
     import threading
@@ -249,7 +321,10 @@ def _run_script(script: str) -> int:
 
     code = 0
     try:
-        runpy.run_path(script, run_name="__main__")
+        if module:
+            runpy.run_module(script, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(script, run_name="__main__")
     except SystemExit as stop:
         if stop.code is None or isinstance(stop.code, int):
             code = stop.code or 0

@@ -43,6 +43,8 @@ def recipe(output_dir: Path, *overrides: str, torchrun: int = 0) -> list[dict]:
     )
     command = [*launcher, "recipes/finetune.py", *COMMON, f"output_dir={output_dir}", *overrides]
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if torchrun:  # a real torchrun whose workers start warm
+        environment = cli.warm_torchrun_environment(environment)
     result = cli.run(
         command, cwd=REPO, capture_output=True, text=True, timeout=300, env=environment
     )

@@ -53,9 +53,10 @@ def torchrun(output_dir: Path, *overrides: str) -> tuple[int, str]:
         *overrides,
     ]
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(output_dir.parent)}
+    environment = cli.warm_torchrun_environment(environment)  # workers start warm (tests/cli.py)
     log = output_dir.with_suffix(".log")
     with open(log, "w") as out:
-        process = subprocess.Popen(
+        process = cli.Popen(
             command, cwd=REPO, env=environment, stdout=out, stderr=out, start_new_session=True
         )
         try:
