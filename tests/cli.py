@@ -50,7 +50,7 @@ PRELOAD = (
     "components.runtime.cli",
     "components.runtime.ranks",
 )  # and what the recipe's functions import (components/runtime/preload.py), after these
-MAX_ZYGOTES = 3
+MAX_ZYGOTES = 4  # each holds ~1 GiB; the suite has five import-time environments
 _ZYGOTES: dict[tuple, "_Zygote"] = {}
 _ZYGOTES_LOCK = threading.Lock()
 
