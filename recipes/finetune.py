@@ -269,7 +269,7 @@ def rank_main(plan: RunPlan) -> str | None:
 
     preemption.install()  # first: a SIGTERM or SIGUSR1 from now on stops the run after a step
     run = set_up(plan)
-    with disk_full_said_plainly(plan.output_dir):  # said plainly, on the error line
+    with disk_full_said_plainly(plan.output_dir, plan.train.max_steps):  # on the error line
         stopped, skipped = train(run, plan)
         finish(run, plan, stopped is not None, skipped)
     return stopped
