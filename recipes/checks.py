@@ -410,6 +410,12 @@ def unread_keys(settings: Config, dims: ParallelDims) -> list[str]:
             f"moe.shard_experts=true changes nothing at ep={dims.ep} on {dims.world_size} ranks: "
             "each expert has one copy, with nothing to shard it over"
         )
+    copies = dims.ep > 1 and dims.ep_shard > 1 and not settings.moe.shard_experts
+    if settings.debug.check_replicas_every and dims.tp == 1 and not copies:
+        unread.append(
+            f"debug.check_replicas_every={settings.debug.check_replicas_every} compares nothing "
+            "here: at tp=1 there are no TP replicas (nor experts copied over ep_shard)"
+        )
     if started_by_launcher():
         local = os.environ.get("LOCAL_WORLD_SIZE", "?")
         if settings.nproc is not None:

@@ -52,3 +52,11 @@ def test_nproc_under_torchrun_is_noted(monkeypatch):
     assert unread(["nproc=4"], 2) == [
         "nproc=4 is not read under torchrun: torchrun started 2 ranks here (its --nproc-per-node)"
     ]
+
+
+def test_a_replica_check_with_no_copies_to_compare_is_noted(local):
+    assert unread(["debug.check_replicas_every=1"], 2, dp=2) == [
+        "debug.check_replicas_every=1 compares nothing here: at tp=1 there are no TP replicas (nor "
+        "experts copied over ep_shard)"
+    ]
+    assert unread(["debug.check_replicas_every=1", "model=qwen3_moe", "ep=2"], 4, ep=2) == []
