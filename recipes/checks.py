@@ -14,6 +14,7 @@ from __future__ import annotations  # the annotations name classes imported only
 import difflib
 import math
 import os
+import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +26,12 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from components.distributed.mesh import ParallelDims, resolve_parallel_dims
-from components.models.configs import build_config, config_errors, vocab_size_errors
+from components.models.configs import (
+    build_config,
+    config_errors,
+    routing_errors,
+    vocab_size_errors,
+)
 from components.models.families import moe_patterns
 from components.models.hub import resolve_model_folder
 from components.runtime.cli import compose_config
@@ -239,18 +245,7 @@ def resolve_model(
             path, config = None, build_config(model.family, model.config)
     except (ValueError, OSError, RuntimeError) as error:
         return None, None, [Problem(key="model", message=str(error))]
-    found = []
-    if settings.train.seq_len > config.max_position_embeddings:
-        found.append(
-            Problem(
-                key="train.seq_len",
-                message=f"train.seq_len ({settings.train.seq_len}) exceeds the model's "
-                "max_position_embeddings "
-                f"(model.config.max_position_embeddings={config.max_position_embeddings}): use "
-                f"train.seq_len={config.max_position_embeddings} or less"
-                + ("" if path else ", or raise model.config.max_position_embeddings"),
-            )
-        )
+    found = config_problems(settings, config, path)
     splits = dims is not None and (dims.tp > 1 or dims.ep > 1)
     meta = meta_causal_lm(config) if path is not None or splits else None  # shapes only, built once
     if path is not None:
@@ -265,6 +260,27 @@ def resolve_model(
         except ValueError as error:
             found.append(Problem(key="train.compile", message=str(error)))
     return path, config, found
+
+
+def config_problems(settings: Config, config, path: Path | None) -> list[Problem]:
+    """What the model's config cannot run: ``train.seq_len`` beyond its positions, more experts per
+    token than it has. ``path``: the folder whose ``config.json`` it is (None: ``model.config``)."""
+    found = []
+    if settings.train.seq_len > config.max_position_embeddings:
+        found.append(
+            Problem(
+                key="train.seq_len",
+                message=f"train.seq_len ({settings.train.seq_len}) exceeds the model's "
+                "max_position_embeddings "
+                f"(model.config.max_position_embeddings={config.max_position_embeddings}): use "
+                f"train.seq_len={config.max_position_embeddings} or less"
+                + ("" if path else ", or raise model.config.max_position_embeddings"),
+            )
+        )
+    if path is None:
+        return found + problems("model.config", routing_errors(config))
+    where = path / "config.json"
+    return found + problems("model", [f"{where}: {e}" for e in routing_errors(config, "")])
 
 
 def _model_folder(pretrained_path: str | None) -> Path:
@@ -326,6 +342,9 @@ def data_source(settings: Config) -> tuple[DataSource | None, list[Problem]]:
 
     group = settings.data.model_dump(by_alias=True)
     path = Path(str(group.get("path"))).expanduser()
+    if "path" in group and (kind := _special_file(path)):
+        special = f"data.path={show(group['path'])} is {kind}, not a regular file"
+        return None, [Problem(key="data.path", message=f"{special}: give a data file or folder")]
     if "path" in group and path.exists():
         group["path"] = str(path.absolute())
     elif "path" in group and group["path"].startswith(("~", ".", "/")):
@@ -337,7 +356,23 @@ def data_source(settings: Config) -> tuple[DataSource | None, list[Problem]]:
         return None, [Problem(key="data", message=str(error))]
 
 
-def _notes(settings: Config, output: Path, per_run: bool, warmup: int) -> None:
+def _special_file(path: Path) -> str | None:
+    """What ``path`` is when it exists but is neither a file nor a folder (``/dev/zero``, a FIFO,
+    which a reader would read forever or wait on), else None."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return None
+    kinds = (
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISFIFO, "a named pipe (FIFO)"),
+        (stat.S_ISSOCK, "a socket"),
+    )
+    return next((name for test, name in kinds if test(mode)), None)
+
+
+def _notes(settings: Config, dims: ParallelDims, output: Path, per_run: bool, warmup: int) -> None:
     """What the checks changed or found, once (on rank 0 under torchrun), as ``note:`` lines."""
     if per_run and settings.checkpoint.resume == "auto":
         say(
@@ -347,6 +382,53 @@ def _notes(settings: Config, output: Path, per_run: bool, warmup: int) -> None:
     if warmup < settings.train.warmup_steps:
         cut = f"train.warmup_steps={settings.train.warmup_steps} is cut to the run's {warmup} steps"
         say(f"note: {cut}")
+    for unread in unread_keys(settings, dims):
+        say(f"note: {unread}")
+
+
+def unread_keys(settings: Config, dims: ParallelDims) -> list[str]:
+    """The keys set to something this run's layout never reads, each said (never silently
+    ignored): they are harmless, and right in another layout (a sweep over tp, a dry run)."""
+    unread = []
+    if settings.sp and dims.tp == 1:
+        unread.append(
+            "sp=true changes nothing at tp=1: sequence parallelism splits the norms' sequence over "
+            "the TP ranks, and there is one"
+        )
+    if settings.device_memory_gib is not None and not settings.dry_run:
+        unread.append(
+            f"device_memory_gib={settings.device_memory_gib:g} is read by dry_run=true only "
+            "(whether the planned layout fits): this run trains on the device it has"
+        )
+    if settings.moe.shard_experts and dims.ep == 1:
+        unread.append(
+            "moe.shard_experts=true changes nothing at ep=1: the experts are not split by expert "
+            "(with dp > 1, FSDP shards them like every other weight)"
+        )
+    elif settings.moe.shard_experts and dims.ep_shard == 1:
+        unread.append(
+            f"moe.shard_experts=true changes nothing at ep={dims.ep} on {dims.world_size} ranks: "
+            "each expert has one copy, with nothing to shard it over"
+        )
+    copies = dims.ep > 1 and dims.ep_shard > 1 and not settings.moe.shard_experts
+    if settings.debug.check_replicas_every and dims.tp == 1 and not copies:
+        unread.append(
+            f"debug.check_replicas_every={settings.debug.check_replicas_every} compares nothing "
+            "here: at tp=1 there are no TP replicas (nor experts copied over ep_shard)"
+        )
+    if started_by_launcher():
+        local = os.environ.get("LOCAL_WORLD_SIZE", "?")
+        if settings.nproc is not None:
+            started = f"torchrun started {local} ranks here (its --nproc-per-node)"
+            unread.append(f"nproc={settings.nproc} is not read under torchrun: {started}")
+        if settings.max_restarts:
+            theirs = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
+            unread.append(
+                f"max_restarts={settings.max_restarts} is the recipe's own launcher's and is not "
+                f"read under torchrun, which restarts the ranks itself (here --max-restarts="
+                f"{theirs}): pass --max-restarts={settings.max_restarts} to torchrun"
+            )
+    return unread
 
 
 def _refuse(found: list[Problem]) -> None:
@@ -379,12 +461,13 @@ def check(
     device_type = "cuda" if gpus else "cpu"
     found, fault = _option_problems(settings, warmup, output, device_type)
     dims, size_problems = check_sizes(settings, device_type, gpus)
+    size_problems += _fault_layout_problems(fault, dims)
     resume = explicit_checkpoint_errors(settings.checkpoint.resume)
     model_path, config, model_problems = resolve_model(settings, dims, device_type)
     source, data_problems = data_source(settings)
     found += size_problems + resume + check_output_dir(output) + model_problems + data_problems
     _refuse(found + where_errors(output, hydra_run_dir, per_run, started_by_launcher()))
-    _notes(settings, output, per_run, warmup)
+    _notes(settings, dims, output, per_run, warmup)
     decided = dict(warmup_steps=warmup, loss_chunk_tokens=train.loss_chunk_tokens or 0)
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dims.world_size))
     return Checked(
@@ -454,16 +537,20 @@ def _option_problems(
     return found + restart_problems(settings), fault
 
 
+def _fault_layout_problems(fault: Fault | None, dims: ParallelDims | None) -> list[Problem]:
+    from components.debug.faults import fault_layout_errors
+
+    return problems("debug.fault", fault_layout_errors(fault, dims.tp)) if dims else []
+
+
 def restart_problems(settings: Config) -> list[Problem]:
     """``max_restarts`` restarts the recipe's own launcher's ranks, which continue from the last
-    complete checkpoint: it needs ``checkpoint.resume=auto``, and under torchrun (whose own
-    ``--max-restarts`` restarts the ranks there) it is not read."""
+    complete checkpoint: it needs ``checkpoint.resume=auto``. Under torchrun (whose own
+    ``--max-restarts`` restarts the ranks there) it is not read, and said so in a note: a refusal
+    there would end in torchrun's own failure report, once per restart."""
     restarts = settings.max_restarts
-    if not restarts:
+    if not restarts or started_by_launcher():
         return []
-    if started_by_launcher():
-        why = f"max_restarts={restarts} is the recipe's own launcher's: under torchrun pass "
-        return [Problem(key="max_restarts", message=f"{why}--max-restarts={restarts} to torchrun")]
     if settings.checkpoint.resume != "auto":
         resume = show(settings.checkpoint.resume)
         why = f"max_restarts={restarts} needs checkpoint.resume=auto (got {resume}): restarted "

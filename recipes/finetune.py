@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from components.runtime.exit_status import STOPPED_STATUS, disk_full_said_plainly, skipped_verdict
+from components.runtime.exit_status import disk_full_said_plainly, skipped_verdict
 from components.runtime.launch import fail_once
 from components.runtime.problems import fail, say  # say: rank 0's lines alone
 
@@ -197,7 +197,7 @@ def train(
     for output in (profiler, writer, log, tracker):  # the writer once its last save is published
         output.close()
     if stopped is not None:
-        note = stop_note(stopped, done, max_steps, writer.last_path, STOPPED_STATUS)
+        note = stop_note(stopped, done, max_steps, writer.last_path)
         say(note, file=sys.stderr, flush=True)
     return stopped, skipped
 
@@ -269,7 +269,7 @@ def rank_main(plan: RunPlan) -> str | None:
 
     preemption.install()  # first: a SIGTERM or SIGUSR1 from now on stops the run after a step
     run = set_up(plan)
-    with disk_full_said_plainly(plan.output_dir):  # said plainly, on the error line
+    with disk_full_said_plainly(plan.output_dir, plan.train.max_steps):  # on the error line
         stopped, skipped = train(run, plan)
         finish(run, plan, stopped is not None, skipped)
     return stopped

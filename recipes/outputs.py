@@ -12,6 +12,7 @@ lock.
 
 from __future__ import annotations  # the annotations name classes imported only when needed
 
+import errno
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,6 +28,7 @@ from components.checkpoint.integrity import (
     state_dict_shapes,
 )
 from components.runtime.output_dir import (
+    RUN_FILE,
     OutputDirError,
     OutputDirLock,
     RunRecord,
@@ -36,6 +38,7 @@ from components.runtime.output_dir import (
     read_run_record,
     remove_run_files,
     run_files,
+    write_whole,
 )
 from components.runtime.problems import Problem, say, show
 from recipes.schema import Config
@@ -175,30 +178,32 @@ def choose_checkpoint(
 
 
 def own_output_dir(
-    settings: Config, output_dir: Path, info: dict[str, Any], shapes: dict[str, tuple[int, ...]]
+    settings: Config,
+    output_dir: Path,
+    info: dict[str, Any],
+    shapes: dict[str, tuple[int, ...]],
+    config_yaml: str,
 ) -> tuple[OutputDirLock, Path | None, RunRecord]:
-    """Lock ``output_dir``, choose the checkpoint to resume from and claim the folder for this
-    run."""
+    """Lock ``output_dir``, choose the checkpoint to resume from and claim the folder for this run
+    (its ``run.json`` and ``config.yaml``). Refused, or on a disk too full to claim it, nothing of
+    this run is left there: no lock, no private copies, no ``run.json`` of a fresh run."""
     try:
         lock = lock_output_dir(output_dir)
     except OutputDirError as error:
         raise OwnershipError(str(error)) from None
+    resume_from = None
     try:
         resume, max_steps = settings.checkpoint.resume, settings.train.max_steps
-        checkpoints = output_dir / "checkpoints"
-        resume_from = choose_checkpoint(resume, max_steps, checkpoints, info, shapes)
+        resume_from = choose_checkpoint(resume, max_steps, output_dir / "checkpoints", info, shapes)
         if resume_from is not None and settings.checkpoint.resume != "auto":
             _check_foreign_resume(output_dir, resume_from, settings.overwrite_output_dir)
-        record = claim_output_dir(
-            output_dir,
-            config_hash(settings.model_dump(by_alias=True)),
-            continuing=resume_from is not None,
-            overwrite=settings.overwrite_output_dir,
-            resume_requested=settings.checkpoint.resume is not None,
-        )
+        record = _claim(settings, output_dir, resume_from, config_yaml)
     except (OutputDirError, OwnershipError) as error:
         lock.release()  # refused: no .lock is left in the folder
         raise (OwnershipError(str(error)) if isinstance(error, OutputDirError) else error) from None
+    except OSError as error:  # a full disk: said plainly, no traceback
+        lock.release()
+        raise OwnershipError(_unwritable(error, output_dir, resume_from)) from None
     if resume_from is not None:  # nothing refuses the run after the claim: the old branch moves
         summary = checkpoint_summary(resume_from)
         step = summary.step
@@ -211,6 +216,42 @@ def own_output_dir(
                 f"are moved aside ({names}), so checkpoint.resume=auto never returns to them"
             )
     return lock, resume_from, record
+
+
+def _claim(
+    settings: Config, output_dir: Path, resume_from: Path | None, config_yaml: str
+) -> RunRecord:
+    """``run.json`` and ``config.yaml`` of this run; a fresh claim that cannot write them takes its
+    ``run.json`` back, so the folder holds no run of this one."""
+    record = claim_output_dir(
+        output_dir,
+        config_hash(settings.model_dump(by_alias=True)),
+        continuing=resume_from is not None,
+        overwrite=settings.overwrite_output_dir,
+        resume_requested=settings.checkpoint.resume is not None,
+    )
+    try:
+        write_whole(output_dir / "config.yaml", config_yaml)
+    except OSError:
+        if resume_from is None:
+            (output_dir / RUN_FILE).unlink(missing_ok=True)
+        raise
+    return record
+
+
+def _unwritable(error: OSError, output_dir: Path, resume_from: Path | None) -> str:
+    """Why ``output_dir`` could not be claimed, and what to do: on a full disk the space left and
+    (resuming) the checkpoint that is kept."""
+    from components.runtime.exit_status import disk_full
+
+    if resume_from is not None and (full := disk_full(error, output_dir)):
+        return full
+    cause = f"no space left on device in {output_dir}" if error.errno == errno.ENOSPC else None
+    cause = cause or f"output_dir {output_dir} cannot be written ({error.strerror or error})"
+    return (
+        f"{cause}: nothing was claimed or trained; free space (or fix it) and run again, or "
+        "choose an output_dir on another disk"
+    )
 
 
 def _check_foreign_resume(output_dir: Path, checkpoint: Path, overwrite: bool) -> None:

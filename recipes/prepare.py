@@ -41,9 +41,7 @@ def prepare(checked: Checked) -> tuple[RunPlan, OutputDirLock | None]:
     data, found = prepare_run_data(settings, checked.source, tokenizer_dir, dims)
     _refuse(found)
     info, shapes = run_info(settings, config, data.tokenizer_digest, checked.source)
-    lock, resume_from, run_id = _claim_output_dir(settings, checked.output_dir, info, shapes)
-    if lock is not None:
-        (checked.output_dir / "config.yaml").write_text(checked.config_yaml)
+    lock, resume_from, run_id = _claim_output_dir(settings, checked, info, shapes)
     settled = {field.name: getattr(checked, field.name) for field in fields(Settled)}
     plan = RunPlan(
         **settled,
@@ -149,16 +147,18 @@ def model_spec(settings: Config, config, weights: Path | None) -> ModelSpec:
 
 
 def _claim_output_dir(
-    settings: Config, output: Path, info: dict[str, Any], shapes: dict[str, tuple[int, ...]]
+    settings: Config, checked: Checked, info: dict[str, Any], shapes: dict[str, tuple[int, ...]]
 ) -> tuple[OutputDirLock | None, Path | None, str | None]:
-    """(lock, checkpoint to resume from, run id): this process owns ``output`` (locks it, resumes
-    from it); a dry run only chooses the checkpoint. The last step that can refuse the run: nothing
-    after it leaves a claimed folder behind."""
+    """(lock, checkpoint to resume from, run id): this process owns the output folder (locks it,
+    writes its run.json and config.yaml, resumes from it); a dry run only chooses the checkpoint.
+    The last step that can refuse the run: nothing after it leaves a claimed folder behind."""
     from recipes.outputs import OwnershipError, choose_checkpoint, own_output_dir
 
+    output = checked.output_dir
     try:
         if not settings.dry_run:
-            lock, resume_from, record = own_output_dir(settings, output, info, shapes)
+            claim = (settings, output, info, shapes, checked.config_yaml)
+            lock, resume_from, record = own_output_dir(*claim)
             return lock, resume_from, record.run_id
         resume, max_steps = settings.checkpoint.resume, settings.train.max_steps
         checkpoints = output / "checkpoints"

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from components.distributed.tp_replicas import (
     mark_tp_replica_gradient_reduction,
@@ -78,11 +78,41 @@ def fault_backend_errors(fault: Fault | None, device_type: str) -> list[str]:
     ]
 
 
-def _first_plain(model: nn.Module) -> torch.Tensor:
+# Faults on TP replicas: at tp=1 there are none, and the drill would change nothing.
+TP_ONLY = ("perturb_replica", "replica_sync_sum")
+
+
+def fault_layout_errors(fault: Fault | None, tp: int) -> list[str]:
+    """Why ``fault`` cannot strike at this ``tp``, if it cannot."""
+    if fault is None or fault.kind not in TP_ONLY or tp > 1:
+        return []
+    asked = f"{fault.kind}@{fault.step}" if fault.step else fault.kind
+    return [
+        f"debug.fault={asked} needs tp > 1: it acts on TP replicas, and at tp=1 there are none "
+        "(the drill would change nothing); use e.g. tp=2"
+    ]
+
+
+def _first_replicated(model: nn.Module) -> torch.Tensor:
+    """The first TP-replicated parameter this rank holds a part of: a plain tensor, or under FSDP
+    (dp or cp > 1) a DTensor whose local shard is that part."""
     for _, parameter, _ in unmarked_parameters([model]):
-        if not isinstance(parameter, DTensor):
+        if _tp_replicated(parameter) and _local(parameter).numel():
             return parameter
-    raise RuntimeError("no plain replicated parameter to inject a fault into")
+    raise RuntimeError("no replicated parameter on this rank to inject a fault into")
+
+
+def _tp_replicated(parameter: torch.Tensor) -> bool:
+    """Whether ``parameter`` is the same on every TP rank (not a TP shard; FSDP may shard it)."""
+    if not isinstance(parameter, DTensor):
+        return True
+    names = parameter.device_mesh.mesh_dim_names or ()
+    return "tp" not in names or isinstance(parameter.placements[names.index("tp")], Replicate)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor``, in place: a DTensor's local shard."""
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
 class _StepCounter:
@@ -151,22 +181,24 @@ def _crash_at(step: int, model: nn.Module, counter: _StepCounter) -> None:
 
 
 def _poison_at(step: int, model: nn.Module, counter: _StepCounter) -> None:
-    """A NaN in the first plain parameter's gradient at the last micro-batch of ``step``."""
+    """A NaN in the first replicated parameter's gradient at the last micro-batch of ``step`` (under
+    FSDP, whose reduce-scatter calls the hook too, in the rank's shard of the reduced gradient)."""
 
+    @torch.no_grad()
     def poison(parameter: torch.Tensor) -> None:
         if counter.step == step and counter.last_micro_batch:
-            parameter.grad.view(-1)[0] = float("nan")
+            _local(parameter.grad).view(-1)[0] = float("nan")
 
-    _first_plain(model).register_post_accumulate_grad_hook(poison)
+    _first_replicated(model).register_post_accumulate_grad_hook(poison)
 
 
 def _nudge_at(step: int, model: nn.Module, optimizer: torch.optim.Optimizer, counter) -> None:
-    """Move one replica's first plain parameter after the optimizer step of ``step``."""
+    """Move one replica's first replicated parameter after the optimizer step of ``step``."""
 
     @torch.no_grad()
     def nudge(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
         if counter.step == step:
-            _first_plain(model).view(-1)[0] += 1e-3
+            _local(_first_replicated(model)).view(-1)[0] += 1e-3
 
     optimizer.register_step_post_hook(nudge)
 

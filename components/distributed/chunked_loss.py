@@ -187,13 +187,24 @@ def lm_head_skipped(model: nn.Module) -> Iterator[nn.Module]:
 
     handles = [
         head.register_forward_pre_hook(keep, prepend=True),
-        head.register_forward_hook(lambda module, args, output: kept.pop()),
+        head.register_forward_hook(lambda module, args, output: _whole(kept.pop())),
     ]
     try:
         yield head
     finally:
         for handle in handles:
             handle.remove()
+
+
+def _whole(hidden: torch.Tensor) -> torch.Tensor:
+    """``hidden``, or the tensor it views when it is all of it (the family's forward hands the head
+    ``hidden_states[:, 0:, :]``): the root's output is then no view, which FSDP2 warns about on
+    every rank (an in-place op on a view would skip its pre-backward hook; none is done)."""
+    base = hidden._base
+    if base is None or (base.dtype, base.shape) != (hidden.dtype, hidden.shape):
+        return hidden
+    same = (base.stride(), base.storage_offset()) == (hidden.stride(), hidden.storage_offset())
+    return base if same else hidden
 
 
 def _one_zero_token(hidden: torch.Tensor) -> torch.Tensor:

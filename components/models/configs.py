@@ -124,3 +124,24 @@ def vocab_size_for(given: int | None, tokenizer_size: int) -> int:
             "tokenizer's size"
         )
     return given
+
+
+# Where a family's config keeps its routed-expert count (Qwen-MoE, Mixtral and GPT-OSS, DeepSeek).
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def routing_errors(config: PretrainedConfig, prefix: str = "model.config.") -> list[str]:
+    """An MoE config that routes each token to more experts than a layer has
+    (``num_experts_per_tok`` above the expert count): ``torch.topk`` would fail in the first
+    forward, on every rank. ``prefix`` names the keys (``model.config.``, or a folder's
+    ``config.json``)."""
+    key = next((name for name in EXPERT_COUNT_KEYS if getattr(config, name, None)), None)
+    top_k = getattr(config, "num_experts_per_tok", None)
+    if key is None or not isinstance(top_k, int) or top_k <= getattr(config, key):
+        return []
+    experts, key = getattr(config, key), config.attribute_map.get(key, key)  # Mixtral's real name
+    return [
+        f"{prefix}num_experts_per_tok={top_k} is more than the model's {experts} experts "
+        f"({prefix}{key}={experts}): each token is routed to that many different experts; use "
+        f"{prefix}num_experts_per_tok={experts} or less"
+    ]

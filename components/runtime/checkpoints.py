@@ -10,6 +10,8 @@ from components.checkpoint.dcp import load_checkpoint
 from components.checkpoint.integrity import complete_checkpoints
 from components.checkpoint.writer import CheckpointWriter
 from components.runtime import preemption
+from components.runtime.exit_status import STOPPED_STATUS
+from components.runtime.launch import started_by_launcher
 from components.runtime.problems import say
 
 
@@ -54,9 +56,13 @@ def done_line(output_dir: Path, max_steps: int, ended: bool, exported: bool) -> 
     )
 
 
-def stop_note(stopped: str, done: int, max_steps: int, checkpoint: Path | None, status: int) -> str:
-    """The ``note:`` line of a run ``stopped`` by a signal after step ``done``."""
+def stop_note(stopped: str, done: int, max_steps: int, checkpoint: Path | None) -> str:
+    """The ``note:`` line of a run ``stopped`` by a signal after step ``done``, with the status it
+    ends with: :data:`STOPPED_STATUS`, or 0 under torchrun, which would restart ranks that end
+    otherwise (``components.runtime.ranks.run_ranks``)."""
+    torchrun = started_by_launcher()
+    status = "0 under torchrun, which would restart ranks that end otherwise" if torchrun else ""
     return (
         f"note: stopped by {stopped} after step {done} of {max_steps}: checkpoint {checkpoint}; "
-        f"checkpoint.resume=auto continues (exit status {status})"
+        f"checkpoint.resume=auto continues (exit status {status or STOPPED_STATUS})"
     )

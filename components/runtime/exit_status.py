@@ -22,10 +22,11 @@ INTERRUPTED = (
 FULL_BYTES = 64 * 2**20
 
 
-def disk_full(error: BaseException, output_dir: Path) -> str | None:
+def disk_full(error: BaseException, output_dir: Path, max_steps: int | None = None) -> str | None:
     """What a write that failed on a full disk under ``output_dir`` says (the folder, the space
-    left, the checkpoint that survives), or None when ``error`` is not that."""
-    from components.checkpoint.integrity import complete_checkpoints
+    left, the checkpoint that survives and how to go on from it), or None when ``error`` is not
+    that. ``max_steps``: the run's, whose last step's checkpoint ``checkpoint.resume=auto`` would
+    refuse (nothing to train)."""
 
     chain, cause = [], error
     while cause is not None and len(chain) < 16:
@@ -38,29 +39,45 @@ def disk_full(error: BaseException, output_dir: Path) -> str | None:
         return None
     if not (enospc or "No space left on device" in str(error) or free < FULL_BYTES):
         return None
-    kept = complete_checkpoints(output_dir / "checkpoints")
-    survives = (
-        f"the last complete checkpoint, {kept[-1].name}, is kept: free space and "
-        "checkpoint.resume=auto continues from it"
-        if kept
-        else "no checkpoint was written yet: free space and run again"
-    )
     return (
-        f"no space left on device in {output_dir} ({free / 2**20:.1f} MiB free): {survives}, "
-        "or choose an output_dir on another disk"
+        f"no space left on device in {output_dir} ({free / 2**20:.1f} MiB free): "
+        f"{_way_on(output_dir, max_steps)}, or choose an output_dir on another disk"
+    )
+
+
+def _way_on(output_dir: Path, max_steps: int | None) -> str:
+    """What survives a full disk in ``output_dir`` and the command that goes on from it: resume
+    from a checkpoint before the last step; after the last one (the export failed) resume with more
+    steps, or train again; with none, train again (the folder now holds this run's files)."""
+    from components.checkpoint.integrity import STEP_FOLDER, complete_checkpoints
+
+    again = "overwrite_output_dir=true trains again"
+    if not (kept := complete_checkpoints(output_dir / "checkpoints")):
+        return f"no checkpoint was written yet: free space, then {again}"
+    step = int(STEP_FOLDER.match(kept[-1].name).group(1))
+    if max_steps is None or step < max_steps:
+        return (
+            f"the last complete checkpoint, {kept[-1].name}, is kept: free space and "
+            "checkpoint.resume=auto continues from it"
+        )
+    return (
+        f"the last complete checkpoint, {kept[-1].name}, is of the run's last step but hf/ was "
+        "not written: free space, then checkpoint.resume=auto with a train.max_steps above "
+        f"{step} trains on from it and exports, or {again}"
     )
 
 
 @contextmanager
-def disk_full_said_plainly(output_dir: Path) -> Iterator[None]:
+def disk_full_said_plainly(output_dir: Path, max_steps: int | None = None) -> Iterator[None]:
     """Re-raise a write that failed on a full disk as ``OSError(ENOSPC, <what to do>)``, the
-    message the launcher's ``error:`` line shows; any other error passes unchanged."""
+    message the launcher's ``error:`` line shows; any other error passes unchanged. ``max_steps``:
+    the run's (see :func:`disk_full`)."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
         yield
     except (Exception, CheckpointException) as error:  # DCP's is a BaseException
-        if (full := disk_full(error, output_dir)) is not None:
+        if (full := disk_full(error, output_dir, max_steps)) is not None:
             raise OSError(errno.ENOSPC, full) from error
         raise
 

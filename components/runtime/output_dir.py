@@ -267,10 +267,20 @@ def read_run_record(output_dir: Path) -> RunRecord | None:
 
 
 def _write_record(output_dir: Path, record: RunRecord) -> RunRecord:
-    private = Path(output_dir) / f".{RUN_FILE}.{os.getpid()}.tmp"
-    private.write_text(json.dumps(asdict(record), indent=1))
-    os.replace(private, Path(output_dir) / RUN_FILE)
+    write_whole(Path(output_dir) / RUN_FILE, json.dumps(asdict(record), indent=1))
     return record
+
+
+def write_whole(path: Path, text: str) -> None:
+    """``path`` holds ``text`` whole, or stays as it was: written beside it and renamed over it;
+    the private copy is removed when the write fails (a full disk)."""
+    private = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        private.write_text(text)
+        os.replace(private, path)
+    except BaseException:
+        private.unlink(missing_ok=True)
+        raise
 
 
 def claim_output_dir(

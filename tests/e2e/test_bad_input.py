@@ -269,6 +269,26 @@ CASES: dict[str, tuple[list[str], str]] = {
         "the cache folder {root}/a_file/data cannot be written (Not a directory): set "
         "SHARDTUNE_CACHE (or cache_dir=) to a writable folder",
     ),
+    "more experts per token than the model has": (
+        ["model=mixtral", "model.config.num_experts_per_tok=9"],
+        "model.config.num_experts_per_tok=9 is more than the model's 8 experts "
+        "(model.config.num_local_experts=8): each token is routed to that many different experts; "
+        "use model.config.num_experts_per_tok=8 or less",
+    ),
+    "a character device as data": (
+        ["data=jsonl", "data.path=/dev/zero"],
+        "data.path='/dev/zero' is a character device, not a regular file: give a data file or "
+        "folder",
+    ),
+    "a named pipe as data": (
+        ["data=hf", "data.path={root}/fifo.jsonl"],
+        "data.path='{root}/fifo.jsonl' is a named pipe (FIFO), not a regular file",
+    ),
+    "a replica drill without replicas": (
+        ["debug.fault=perturb_replica@2", "dp=2", "nproc=2"],
+        "debug.fault=perturb_replica@2 needs tp > 1: it acts on TP replicas, and at tp=1 there are "
+        "none (the drill would change nothing); use e.g. tp=2",
+    ),
     "several problems at once": (
         ["tp=two", "optim.lr=0", "train.micro_batch_size=0"],
         "tp='two' is not valid: use a positive integer, e.g. tp=2; train.micro_batch_size=0 is "
@@ -337,6 +357,7 @@ def inputs(root: Path) -> None:
     nulls = [{"instruction": "say 1", "output": "1 1"}, {"instruction": "say 2", "output": None}]
     datasets.Dataset.from_list(nulls).to_parquet(root / "nulls.parquet")
     (root / "a_file").write_text("not a folder\n")
+    os.mkfifo(root / "fifo.jsonl")  # a reader would wait on it forever
     (root / "empty.jsonl").write_text("\n")
     (root / "bad.jsonl").write_text(
         '{"prompt": "a", "response": "b"}\n{"prompt": "c", "response": "d"\n'
@@ -460,14 +481,41 @@ def test_bad_input_gives_one_error_line(case, outcomes):
     assert lines[0].startswith("error: ") and expected in lines[0], lines[0]
     # refused before anything was claimed: a corrected rerun into the same folder is not "another
     # run's files"
-    folder = Path(
-        next(o for o in overrides_of(case, outcome.root) if o.startswith("output_dir=")).split(
-            "=", 1
-        )[1]
-    )
+    folder = output_dir_of(case, outcome.root)
     assert not (folder.is_dir() and run_files(folder)), (
         f"the refused run left {run_files(folder)} in {folder}"
     )
+
+
+def output_dir_of(case: str, root: Path) -> Path:
+    given = next(o for o in overrides_of(case, root) if o.startswith("output_dir="))
+    return Path(given.split("=", 1)[1])
+
+
+def test_a_corrected_rerun_into_a_refused_folder_trains_and_says_what_it_does_not_read(outcomes):
+    """One short run stands for every case above (none claimed its folder): the FIFO's, with a data
+    file. At cp=2 (FSDP over the cp ranks) ``nan_grad`` strikes and the step is skipped, the keys
+    this layout does not read are each noted once, and FSDP2 warns of no view tensor."""
+    root = outcomes["a named pipe as data"].root
+    folder = output_dir_of("a named pipe as data", root)
+    data = ["data=jsonl", f"data.path={root / 'arithmetic.jsonl'}", "data.val_fraction=0"]
+    small = ["train.max_steps=3", "train.val_every=0", "train.warmup_steps=1"]
+    small += ["train.global_batch_size=4", "train.micro_batch_size=2", "checkpoint.export=false"]
+    unread = ["sp=true", "device_memory_gib=80"]
+    fault = ["debug.fault=nan_grad@2", "train.on_nonfinite=skip"]
+    result = cli.run(
+        [sys.executable, "recipes/finetune.py", *data, *small, "cp=2", *unread, *fault,
+         f"output_dir={folder}"],
+        cwd=REPO, capture_output=True, text=True, timeout=300, env=case_env(root),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    notes = [line for line in result.stdout.splitlines() if line.startswith("note: ")]
+    sp = "note: sp=true changes nothing at tp=1: sequence parallelism splits the norms' sequence"
+    memory = "note: device_memory_gib=80 is read by dry_run=true only (whether the planned layout"
+    assert [sum(note.startswith(start) for note in notes) for start in (sp, memory)] == [1, 1]
+    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    assert [record.get("skipped", False) for record in records] == [False, True, False]
+    assert "view tensor" not in result.stderr and "Warning" not in result.stderr, result.stderr
 
 
 @pytest.mark.timeout(300)  # the schedule check once walked every step: hours for a billion

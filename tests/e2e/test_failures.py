@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -372,11 +373,43 @@ def test_a_full_disk_is_named_on_the_error_line_and_the_last_checkpoint_survives
     # two 2 MiB checkpoints do not fit in 3 MiB: the second save fails, torch saying only
     # "unexpected pos"
     output = small_disk / "run"
-    overrides = ["train.max_steps=4", "train.val_every=0", "checkpoint.every_steps=2"]
-    command = [sys.executable, "recipes/finetune.py", *overrides, f"output_dir={output}"]
-    result = cli.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    every = ["train.val_every=0", "checkpoint.every_steps=2", f"output_dir={output}"]
+    result = full_disk_run(*every, "train.max_steps=4")
     assert result.returncode == 1
     last = result.stderr.strip().splitlines()[-1]
     assert f"no space left on device in {output}" in last, last
     assert "the last complete checkpoint, step_00000002, is kept" in last, last
     assert (output / "checkpoints" / "step_00000002" / MARKER).is_file()
+
+    # resuming on the still-full disk: one line before any rank starts, nothing of it left behind
+    again = full_disk_run(*every, "train.max_steps=4", "checkpoint.resume=auto")
+    assert again.returncode != 0 and again.stderr.strip().splitlines() == [
+        f"error: no space left on device in {output} (0.0 MiB free): the last complete "
+        "checkpoint, step_00000002, is kept: free space and checkpoint.resume=auto continues from "
+        "it, or choose an output_dir on another disk"
+    ], again.stderr[-3000:]
+    assert not list(output.glob(".run.json.*")) and not (output / ".lock").exists()
+
+    # room for step 4's checkpoint but not for the export: it says how to go on from there
+    subprocess.run(["mount", "-o", "remount,size=16m", str(small_disk)], check=True)
+    checkpoints = output / "checkpoints"  # the next save removes the failed one's .tmp first
+    room = size_of(checkpoints / "step_00000002") - size_of(checkpoints / "step_00000004.tmp")
+    filler = small_disk / "filler"
+    filler.write_bytes(bytes(shutil.disk_usage(small_disk).free - room - 200 * 2**10))
+    exported = full_disk_run(*every, "train.max_steps=4", "checkpoint.resume=auto")
+    last = exported.stderr.strip().splitlines()[-1]
+    assert "resumed from" in exported.stdout and "step_00000004, is of the run's last step" in last
+    assert "checkpoint.resume=auto with a train.max_steps above 4 trains on from it" in last, last
+    filler.unlink()
+    done = full_disk_run(*every, "train.max_steps=5", "checkpoint.resume=auto")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (output / "hf" / "config.json").is_file()
+
+
+def size_of(folder: Path) -> int:
+    return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
+
+
+def full_disk_run(*overrides: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "recipes/finetune.py", *overrides]
+    return cli.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)

@@ -10,6 +10,7 @@ clock: a run is waited for by its metrics lines, and the timeouts only bound a h
 import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -17,7 +18,9 @@ import pytest
 
 from components.checkpoint.integrity import MARKER
 from components.runtime.exit_status import STOPPED_STATUS
-from tests.e2e.test_failures import run_recipe, start_recipe, stderr_of
+from components.runtime.launch import free_port
+from tests import cli
+from tests.e2e.test_failures import COMMON, REPO, run_recipe, start_recipe, stderr_of
 
 STEPS = 10
 RUN = [f"train.max_steps={STEPS}", "checkpoint.every_steps=0"]
@@ -125,3 +128,40 @@ def test_async_checkpoints_resume_exactly_like_sync_ones(tmp_path, uninterrupted
     assert [record["step"] for record in resumed] == list(range(1, STEPS + 1))
     assert losses(resumed) == losses(uninterrupted)  # exact on the CPU
     assert "resumed from" in output_dir.with_suffix(".out").read_text()
+
+
+def test_under_torchrun_a_signal_to_one_rank_ends_every_rank_with_the_status_it_says(tmp_path):
+    """Under torchrun the stopped ranks exit 0 (another status would have torchrun report or
+    restart them), and the note says 0. ``max_restarts``, which torchrun does not read (its own
+    --max-restarts restarts ranks), is one note, not a refusal ending in torchrun's report."""
+    output_dir = tmp_path / "torchrun"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
+    torchrun += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}"]
+    recipe = ["recipes/finetune.py", *COMMON, *RUN, "max_restarts=1", "checkpoint.resume=auto"]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
+    with open(tmp_path / "torchrun.out", "w") as out, open(tmp_path / "torchrun.err", "w") as err:
+        process = cli.Popen(
+            [*torchrun, *recipe, f"output_dir={output_dir}"],
+            cwd=REPO, env=environment, stdout=out, stderr=err, start_new_session=True,
+        )  # fmt: skip
+    try:
+        wait_for_step(process, output_dir, 4)
+        os.kill(rank_pids(process.pid)[-1], signal.SIGUSR1)  # one rank only
+        assert process.wait(timeout=HANG_S) == 0, stderr_of(output_dir)[-3000:]
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    printed, errors = stdout_of(output_dir), stderr_of(output_dir)
+    stopped_at = len(metrics(output_dir))
+    assert f"after step {stopped_at} of {STEPS}" in errors and stopped_at < STEPS, errors[-3000:]
+    assert "(exit status 0 under torchrun, which would restart ranks that end otherwise)" in errors
+    assert "exit status 75" not in printed + errors
+    assert "FAILED" not in errors and "error:" not in errors, errors[-3000:]
+    note = "note: max_restarts=1 is the recipe's own launcher's and is not read under torchrun"
+    assert printed.count(note) == 1, printed[-3000:]
+    assert (output_dir / "checkpoints" / f"step_{stopped_at:08d}" / MARKER).is_file()
+
+
+def stdout_of(output_dir: Path) -> str:
+    return output_dir.with_suffix(".out").read_text()

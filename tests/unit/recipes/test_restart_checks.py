@@ -1,9 +1,11 @@
 """The max_restarts key's check: the recipe's own launcher restarts its ranks from the last complete
-checkpoint, so it needs checkpoint.resume=auto; under torchrun its own --max-restarts is the key."""
+checkpoint, so it needs checkpoint.resume=auto; under torchrun its own --max-restarts is the key,
+and a note says so."""
 
 import pytest
 
-from recipes.checks import compose, restart_problems
+from components.distributed.mesh import resolve_parallel_dims
+from recipes.checks import compose, restart_problems, unread_keys
 from recipes.schema import validate
 
 TORCHRUN = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
@@ -31,10 +33,16 @@ def test_restarts_without_resume_auto_are_refused(local):
     ]
 
 
-def test_under_torchrun_its_own_flag_is_named(monkeypatch):
+def test_under_torchrun_it_is_noted_not_refused(monkeypatch):
+    """A refusal there would end in torchrun's own failure report (and its restarts): a note says
+    that torchrun's --max-restarts is the key."""
     for name, value in TORCHRUN.items():
         monkeypatch.setenv(name, value)
-    assert problems_of(["max_restarts=1", "checkpoint.resume=auto"]) == [
-        "max_restarts: max_restarts=1 is the recipe's own launcher's: under torchrun pass "
-        "--max-restarts=1 to torchrun"
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")
+    settings = validate(compose(["max_restarts=1"]))
+    assert restart_problems(settings) == []
+    dims = resolve_parallel_dims(2)
+    assert unread_keys(settings, dims) == [
+        "max_restarts=1 is the recipe's own launcher's and is not read under torchrun, which "
+        "restarts the ranks itself (here --max-restarts=0): pass --max-restarts=1 to torchrun"
     ]

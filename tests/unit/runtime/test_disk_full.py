@@ -37,3 +37,14 @@ def test_enospc_is_named_even_with_space_freed_since(tmp_path, monkeypatch):
 def test_another_failure_with_space_left_is_not_a_full_disk(tmp_path, monkeypatch):
     monkeypatch.setattr(shutil, "disk_usage", usage(2**40))
     assert disk_full(ValueError("a bug"), tmp_path) is None
+
+
+def test_after_the_last_steps_checkpoint_it_says_resume_needs_more_steps(tmp_path, monkeypatch):
+    """The export failed: resume=auto at the same max_steps would be refused (nothing to train)."""
+    (tmp_path / "checkpoints" / "step_00000004").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step_00000004" / "COMPLETE").write_text("{}")
+    monkeypatch.setattr(shutil, "disk_usage", usage(0))
+    line = disk_full(OSError(errno.ENOSPC, "No space left on device"), tmp_path, max_steps=4)
+    assert "step_00000004, is of the run's last step but hf/ was not written" in line
+    assert "checkpoint.resume=auto with a train.max_steps above 4 trains on from it" in line
+    assert "overwrite_output_dir=true trains again" in line
