@@ -139,6 +139,7 @@ def test_under_torchrun_a_signal_to_one_rank_ends_every_rank_with_the_status_it_
     torchrun += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}"]
     recipe = ["recipes/finetune.py", *COMMON, *RUN, "max_restarts=1", "checkpoint.resume=auto"]
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
+    environment = cli.warm_torchrun_environment(environment)  # workers start warm (tests/cli.py)
     with open(tmp_path / "torchrun.out", "w") as out, open(tmp_path / "torchrun.err", "w") as err:
         process = cli.Popen(
             [*torchrun, *recipe, f"output_dir={output_dir}"],
