@@ -15,6 +15,7 @@ Design notes: docs/design-notes.md
 import contextlib
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -25,6 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from components.processes import process_exists
 from components.runtime.console import start_fresh_line
 
 # The folder a local launcher shares with its ranks (their pids, errors and beats).
@@ -131,9 +133,10 @@ class Heartbeat:
 
     def _run(self, peers: "HangWatch | None") -> None:
         while not self._stop.wait(self.interval):
-            with contextlib.suppress(OSError):
+            hang = None
+            with contextlib.suppress(OSError):  # a beat missed now and then is no hang
                 self.beat()
-            hang = peers.look(_attempt()) if peers is not None else None
+                hang = peers.look(_attempt()) if peers is not None else None
             if hang is not None:
                 _end_node(hang, self.rank)
 
@@ -180,15 +183,15 @@ class HangWatch:
     (on this process's clock, so clocks of other hosts do not matter), or a watched rank idle for
     it. ``look`` is called every :func:`beat_interval`."""
 
-    def __init__(self, folder: Path, timeout_s: float) -> None:
-        self.folder, self.timeout_s = folder, timeout_s
+    def __init__(self, folder: Path, timeout_s: float, clock=time.monotonic) -> None:
+        self.folder, self.timeout_s, self._clock = folder, timeout_s, clock
         self.interval = beat_interval(timeout_s)
         self._changed: dict[tuple[int, int], tuple[int, float]] = {}  # (rank, pid) -> (seq, at)
 
     def look(self, attempt: str, pids: dict[int, int] | None = None) -> Hang | None:
         """The hang among ``attempt``'s beats, or None; ``pids``: only these ranks' processes
         (rank -> pid: a launcher's ranks still running)."""
-        now, beats = time.monotonic(), []
+        now, beats, ages = self._clock(), [], {}
         for path in sorted(self.folder.glob(f"*.{attempt}.beat")):
             beat = Beat.read(path)
             if beat is None or (pids is not None and pids.get(beat.rank) != beat.pid):
@@ -196,11 +199,15 @@ class HangWatch:
             seq, at = self._changed.get((beat.rank, beat.pid), (None, now))
             self._changed[(beat.rank, beat.pid)] = (beat.seq, at if seq == beat.seq else now)
             beats.append(beat)
+            with contextlib.suppress(OSError):  # written on this host: its clock is ours
+                ages[beat.rank] = max(0.0, time.time() - path.stat().st_mtime)
         silent_s = {b.rank: now - self._changed[(b.rank, b.pid)][1] for b in beats}
         stuck = [b for b in beats if b.watched and b.idle_s > self.timeout_s]
         if not stuck and max(silent_s.values(), default=0) <= self.timeout_s:
             return None
-        return _hang(beats, silent_s, self.timeout_s, _SILENT_BEATS * self.interval)
+        silent = {b.rank for b in beats if silent_s[b.rank] > _SILENT_BEATS * self.interval}
+        idle_s = {b.rank: b.idle_s + ages.get(b.rank, silent_s[b.rank]) for b in beats}
+        return _hang(beats, silent, idle_s, self.timeout_s)
 
 
 def _process_state(pid: int) -> str | None:
@@ -210,16 +217,16 @@ def _process_state(pid: int) -> str | None:
     return None
 
 
-def _hang(beats: list[Beat], silent_s: dict[int, float], timeout_s: float, silent: float) -> Hang:
-    """The hang's cause among ``beats``: a rank whose process does not run (stopped, or silent for
-    ``silent`` s), else the one behind (fewest marks), else one not waiting in a collective."""
-    stopped = {b.rank for b in beats if silent_s[b.rank] > silent or _process_state(b.pid) == "T"}
+def _hang(beats: list[Beat], silent: set[int], idle_s: dict[int, float], timeout_s: float) -> Hang:
+    """The hang's cause among ``beats``: a rank whose process does not run (stopped, or
+    ``silent``), else the one behind (fewest marks), else one not waiting in a collective."""
+    stopped = silent | {b.rank for b in beats if _process_state(b.pid) == "T"}
 
     def suspicion(beat: Beat) -> tuple:
         return (beat.rank not in stopped, beat.marks, beat.collective, beat.rank)
 
     cause = min(beats, key=suspicion)
-    idle = round(cause.idle_s + silent_s[cause.rank])
+    idle = round(idle_s[cause.rank])
     text = f"made no progress for {idle} s (hang_timeout_s={timeout_s:g}), {_where(cause)}"
     if cause.rank in stopped:
         state = "is stopped" if _process_state(cause.pid) == "T" else "sent no heartbeat"
@@ -268,8 +275,18 @@ def watched(what: str, judged: bool = True) -> contextlib.AbstractContextManager
     return _current.watched(what, judged) if _current is not None else contextlib.nullcontext()
 
 
+def remove_dead_folders(folder: Path) -> None:
+    """Remove the rank folders under ``folder`` of launchers (ours, or torchrun) that no longer
+    exist (a SIGKILL, or ranks ended on a hang, leave them behind); a live one's is left alone."""
+    for child in folder.glob(f"{NODE_FOLDER_PREFIX}*-*"):
+        pid = child.name.removeprefix(NODE_FOLDER_PREFIX).split("-", 1)[0]
+        if pid.isdigit() and not process_exists(int(pid)):
+            shutil.rmtree(child, ignore_errors=True)
+
+
 def node_folder() -> Path:
     """Under torchrun, the folder this node's ranks share: named by their torchrun's pid."""
+    remove_dead_folders(Path(tempfile.gettempdir()))
     folder = Path(tempfile.gettempdir(), f"{NODE_FOLDER_PREFIX}{os.getppid()}-torchrun")
     folder.mkdir(mode=0o700, exist_ok=True)
     if folder.stat().st_uid != os.getuid():

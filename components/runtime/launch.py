@@ -41,10 +41,15 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalEx
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from components.processes import die_with_parent, process_exists
+from components.processes import die_with_parent
 from components.runtime import preemption
 from components.runtime.console import start_fresh_line
-from components.runtime.heartbeat import NODE_FOLDER_PREFIX, RANKS_FOLDER, HangWatch
+from components.runtime.heartbeat import (
+    NODE_FOLDER_PREFIX,
+    RANKS_FOLDER,
+    HangWatch,
+    remove_dead_folders,
+)
 
 # Loggers that print torch elastic's own multi-line report of a failed worker (replaced by ours).
 _NOISY_LOGGERS = ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn")
@@ -191,25 +196,13 @@ def _exit_of(rank: int, pid: int, info: os.waitid_result) -> RankExit | None:
     return RankExit(rank=rank, error=f"killed by {name} (pid {pid})", time=time.time())
 
 
-_RANKS_PREFIX = NODE_FOLDER_PREFIX  # then the launcher's pid: a SIGKILL leaves the folder behind
-
-
-def _remove_dead_launchers_folders(folder: Path) -> None:
-    """Remove the rank folders under ``folder`` of launchers that no longer exist (killed with
-    SIGKILL, which runs no clean-up); a live launcher's, or an unnamed one's, is left alone."""
-    for child in folder.glob(f"{_RANKS_PREFIX}*-*"):
-        pid = child.name.removeprefix(_RANKS_PREFIX).split("-", 1)[0]
-        if pid.isdigit() and not process_exists(int(pid)):
-            shutil.rmtree(child, ignore_errors=True)
-
-
 class RankWatch:
     """Records when and how each local rank's process ends, without reaping it (``os.waitid`` with
     ``WNOWAIT``, so torch's own join still works), and collects the exceptions ranks noted."""
 
     def __init__(self, nproc: int, hang_timeout_s: float | None = None) -> None:
-        _remove_dead_launchers_folders(Path(tempfile.gettempdir()))
-        self.folder = Path(tempfile.mkdtemp(prefix=f"{_RANKS_PREFIX}{os.getpid()}-"))
+        remove_dead_folders(Path(tempfile.gettempdir()))
+        self.folder = Path(tempfile.mkdtemp(prefix=f"{NODE_FOLDER_PREFIX}{os.getpid()}-"))
         self._nproc = nproc
         self._pids: dict[int, int] = {}  # rank -> pid, as each rank notes it
         self._seen: dict[
