@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from components.checkpoint.integrity import MARKER
-from components.runtime.launch import RankExit, describe_rank_failure
+from components.runtime.launch import RankExit, describe_rank_failure, free_port
 from tests import cli
 from tests.harness import tiny_model_folder
 
@@ -39,10 +39,13 @@ STOP_WITHIN_S = 60
 
 
 def start_recipe(
-    output_dir: Path, *overrides: str, env: dict[str, str] | None = None
+    output_dir: Path,
+    *overrides: str,
+    env: dict[str, str] | None = None,
+    launcher: tuple[str, ...] = (),
 ) -> subprocess.Popen:
     """Start the recipe in its own session (process group), its output in files beside
-    ``output_dir``."""
+    ``output_dir``; ``launcher``: ``python -m`` arguments that start it (torchrun's)."""
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     # TMPDIR: what a killed launcher leaves in temporary folders (torch elastic's logs, the rank
     # watch's notes) stays under the test's own folder.
@@ -54,6 +57,7 @@ def start_recipe(
     }
     command = [
         sys.executable,
+        *launcher,
         "recipes/finetune.py",
         *COMMON,
         f"output_dir={output_dir}",
@@ -163,6 +167,35 @@ def test_a_rank_that_raises_mid_run_stops_the_recipe_and_is_named(tmp_path):
     last = stderr_of(output_dir).strip().splitlines()[-1]
     assert last == "error: rank 1 failed: RuntimeError: injected fault (debug.fault=raise@3)", last
     assert [r["step"] for r in metrics(output_dir)] == [1, 2]
+
+
+def torchrun() -> tuple[str, ...]:
+    """``python -m`` arguments of torchrun with 2 local ranks on a fresh port."""
+    rendezvous = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}"]
+    return ("-m", "torch.distributed.run", "--nproc_per_node=2", *rendezvous)
+
+
+# The last rank SIGSTOPs itself at step 4; its heartbeat stops, rank 0 waits in a collective.
+HANG = ["train.max_steps=1000", "debug.fault=stop@4", "hang_timeout_s=6"]
+HANG_LINE = (
+    r"error: rank 1 made no progress for \d+ s \(hang_timeout_s=6\), at step 4: its process is "
+    r"stopped \(pid (\d+)\); rank 0 at step 4, micro-batch 1, waiting in \w+"
+)
+
+
+@pytest.mark.parametrize("launcher", ["recipe", "torchrun"])
+def test_a_stopped_rank_is_found_by_its_heartbeat_and_every_rank_ends(tmp_path, launcher):
+    output_dir = tmp_path / "run"
+    started = start_recipe(output_dir, *HANG, launcher=torchrun() if launcher == "torchrun" else ())
+    try:
+        returncode = started.wait(timeout=150)  # the collective timeout is 10 minutes
+    finally:
+        kill_group(started)
+    assert returncode == 1
+    errors = [line for line in stderr_of(output_dir).splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and (found := re.fullmatch(HANG_LINE, errors[0])), errors
+    assert not alive(int(found.group(1)))  # the stopped rank was killed, not left behind
+    assert [record["step"] for record in metrics(output_dir)] == [1, 2, 3]
 
 
 # The launcher's report of a rank that raises, driven directly: launch_local on 2 ranks, rank 1
