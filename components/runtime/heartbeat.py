@@ -25,6 +25,7 @@ import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 from components.processes import process_exists
 from components.runtime.console import start_fresh_line
@@ -35,7 +36,7 @@ RANKS_FOLDER = "SHARDTUNE_RANKS_FOLDER"
 # same prefix as a local launcher's, so a later launch removes it once that pid is gone).
 NODE_FOLDER_PREFIX = "shardtune-ranks-"
 _SILENT_BEATS = 3  # a beat file unchanged for this many intervals: its process is not running
-_ABORT_GRACE_S = 2.0  # the rank that prints the error line ends first
+_ABORT_GRACE_S = 0.5  # for the error line's print (torchrun: :func:`_end_node`)
 
 
 def beat_interval(timeout_s: float) -> float:
@@ -137,8 +138,8 @@ class Heartbeat:
             with contextlib.suppress(OSError):  # a beat missed now and then is no hang
                 self.beat()
                 hang = peers.look(_attempt()) if peers is not None else None
-            if hang is not None:
-                _end_node(hang, self.rank)
+            if peers is not None and (hang is not None or _ended(peers.folder)):
+                _end_node(hang, peers.folder, self.interval)
 
     def stop(self) -> None:
         """Stop beating and remove the beat file: a rank that is done is not watched."""
@@ -242,22 +243,31 @@ def _where(beat: Beat) -> str:
     return f"at {beat.what}" + (f", waiting in {beat.waiting_in}" if beat.waiting_in else "")
 
 
-def _end_node(hang: Hang, rank: int) -> None:
-    """Under torchrun: this node's lowest running rank prints the ``error:`` line and SIGKILLs the
-    stopped ranks; every running rank then exits with status 1 (torchrun ends or restarts the
-    world)."""
-    printer = min((r for r in hang.pids if r not in hang.silent), default=rank)
-    if rank == printer:
+def _ended(folder: Path) -> bool:
+    return (folder / f"hang.{_attempt()}").exists()
+
+
+def _end_node(hang: Hang | None, folder: Path, interval: float) -> NoReturn:
+    """Under torchrun, end this rank with status 1 (torchrun ends or restarts the world). The first
+    of the node's ranks to find the ``hang`` notes it for the others, prints the ``error:`` line,
+    waits a beat for them to end quietly, then SIGKILLs the stopped ranks."""
+    try:
+        os.close(os.open(folder / f"hang.{_attempt()}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        hang = None  # another rank found it first and says so
+    if hang is not None:
         start_fresh_line(sys.stderr)
         if hang.stack:
             print(f"where rank {hang.rank}'s main thread waited:\n{hang.stack}", file=sys.stderr)
         print(f"error: rank {hang.rank} {hang.text}", file=sys.stderr, flush=True)
+        time.sleep(interval + _ABORT_GRACE_S)
         for stopped in hang.silent:
             with contextlib.suppress(OSError):
                 os.kill(hang.pids[stopped], signal.SIGKILL)
     else:
-        time.sleep(_ABORT_GRACE_S)
+        time.sleep(_ABORT_GRACE_S)  # the line is printed
     sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(1)
 
 
