@@ -36,6 +36,7 @@ RANKS_FOLDER = "SHARDTUNE_RANKS_FOLDER"
 # same prefix as a local launcher's, so a later launch removes it once that pid is gone).
 NODE_FOLDER_PREFIX = "shardtune-ranks-"
 _SILENT_BEATS = 3  # a beat file unchanged for this many intervals: its process is not running
+_BEAT_BYTES = 8192  # a beat file's size: a torn read is rare, and skipped as unreadable
 _ABORT_GRACE_S = 0.5  # for the error line's print (torchrun: :func:`_end_node`)
 
 
@@ -88,6 +89,7 @@ class Heartbeat:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._writing = threading.Lock()  # the main thread beats too (:meth:`watched`)
+        self._fd: int | None = None
 
     def progress(self, what: str) -> None:
         """A mark: the main thread got to ``what``."""
@@ -120,9 +122,13 @@ class Heartbeat:
                     idle_s=round(idle_s, 2), watched=self._watched)  # fmt: skip
         if self._watched and idle_s > self.timeout_s / 2:
             beat = _with_stack(beat, sys._current_frames().get(self._main))
-        private = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
-        private.write_text(json.dumps(beat.__dict__))
-        os.replace(private, self.path)
+        text = json.dumps(beat.__dict__)
+        if len(text) > _BEAT_BYTES:
+            text = json.dumps(beat.__dict__ | dict(stack=None))
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_CREAT | os.O_WRONLY, 0o644)
+        # in place, padded to one size: a few microseconds (a new file and a rename: ~0.3 ms)
+        os.pwrite(self._fd, text.ljust(_BEAT_BYTES).encode(), 0)
         return beat
 
     def start(self, peers: "HangWatch | None") -> None:
@@ -146,6 +152,8 @@ class Heartbeat:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+        if self._fd is not None:
+            os.close(self._fd)
         self.path.unlink(missing_ok=True)
 
 
