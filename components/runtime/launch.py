@@ -4,8 +4,8 @@ API.
 Rank failures under :func:`launch_local`: the other ranks are stopped at once, and the launcher
 prints the failed rank's traceback, then one line, ``error: rank 1 failed: ValueError: ...``, and
 exits with status 1; a watcher thread makes the report name the cause, not a peer that lost its
-connection. Ranks started by another launcher (torchrun, several nodes) rely on the collective
-timeout.
+connection, and reads the ranks' heartbeats: a rank that makes no progress for ``hang_timeout_s``
+is named and killed (:mod:`heartbeat`; under torchrun the ranks watch each other).
 
 Every rank dies with its launcher (:func:`die_with_parent`), so a SIGKILLed launcher leaves no
 orphans; torch elastic's log folder lives inside the launch's own temporary folder.

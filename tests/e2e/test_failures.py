@@ -281,6 +281,10 @@ def test_the_rank_that_died_is_named_before_peers_that_lost_it():
         "error: rank 1 failed: RuntimeError: same (so did rank 0)",
         "tb 1",
     )
+    # a hang the launcher found (its text names a timeout) is no peer's consequence
+    hung = "made no progress for 12 s (hang_timeout_s=10), at step 4"
+    hang = RankExit(rank=2, error=hung, time=10.3, traceback="stack 2", hang=True)
+    assert describe_rank_failure([failures[0], hang]) == (f"error: rank 2 {hung}", "stack 2")
 
 
 def test_a_kill_during_a_checkpoint_save_resumes_from_the_previous_one(tmp_path):
