@@ -158,12 +158,12 @@ class Heartbeat:
 
 
 def _with_stack(beat: Beat, frame) -> Beat:
-    """``beat`` with where ``frame`` (the main thread's) waits: a torch.distributed function (a
-    collective), else the innermost function."""
+    """``beat`` with where ``frame`` (the main thread's) waits: a torch.distributed function among
+    the torch frames it is in (a collective, most likely), else its innermost function."""
     if frame is None:
         return beat
-    waiting_in, inner = None, frame
-    while inner is not None and waiting_in is None:
+    waiting_in, inner, torch_files = None, frame, f"{os.sep}torch{os.sep}"
+    while inner is not None and torch_files in inner.f_code.co_filename and waiting_in is None:
         if f"torch{os.sep}distributed{os.sep}" in inner.f_code.co_filename:
             waiting_in = inner.f_code.co_name
         inner = inner.f_back

@@ -270,8 +270,8 @@ class RankWatch:
 
     def _look_for_a_hang(self) -> None:
         """Every beat interval, read the running ranks' heartbeats; on a hang, note it as the
-        named rank's error, tell the others a peer failed, and SIGKILL it and any stopped rank
-        (torch elastic then stops the rest, or restarts the world)."""
+        named rank's error and SIGKILL every rank of the attempt (torch elastic then fails the
+        launch, or restarts the world)."""
         if self._hangs is None or time.monotonic() < self._next_look:
             return
         self._next_look = time.monotonic() + self._hangs.interval
@@ -283,10 +283,9 @@ class RankWatch:
         self._hung_attempts.add(attempt)
         record = dict(error=hang.text, time=time.time(), traceback=hang.stack, hang=True)
         _write_atomically(self.folder / f"{hang.rank}.error.json", json.dumps(record))
-        _write_atomically(self.folder / f"{PEER_FAILED}.{attempt}", str(hang.rank))
-        for rank in {hang.rank, *hang.silent}:
+        for pid in running.values():  # a rank stuck in a kernel would ignore a SIGTERM
             with contextlib.suppress(ProcessLookupError):
-                os.kill(hang.pids[rank], signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
 
     def _attempt(self) -> int:
         """The latest attempt whose ranks have started (each notes ``RANK.started.ATTEMPT``)."""
@@ -526,8 +525,10 @@ def _report_failure(failures: list[RankExit]) -> NoReturn:
     if not any(exit_.reported and exit_.rank == 0 for exit_ in failures):
         line, callstack = describe_rank_failure(failures)
         start_fresh_line(sys.stderr)
-        if callstack:
-            print(f"traceback of the failed rank:\n{callstack.rstrip()}", file=sys.stderr)
+        if callstack:  # a hung rank's: where its main thread waited when it was found
+            hung = " made no progress " in line
+            what = "where the hung rank waited" if hung else "traceback of the failed rank"
+            print(f"{what}:\n{callstack.rstrip()}", file=sys.stderr)
         print(line, file=sys.stderr, flush=True)
     raise SystemExit(1)
 

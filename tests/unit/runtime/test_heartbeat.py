@@ -106,17 +106,38 @@ def test_a_heartbeat_marks_progress_and_is_judged_only_while_watched(tmp_path):
     assert not path.exists()  # a rank that is done is not watched
 
 
-def test_a_rank_idle_while_watched_says_where_its_main_thread_waits(tmp_path):
-    heart, beats = Heartbeat(tmp_path / "0.0.beat", 0, 2.0), []
-    with heart.watched("step 5"):
-        # the beat thread's beat, once the main thread has been idle past half the timeout
-        beating = threading.Timer(1.1, lambda: beats.append(heart.beat()))
-        beating.start()
-        beating.join()
-    assert "(threading.py:" in beats[0].waiting_in  # where join waits
-    assert not beats[0].collective
-    assert "beating.join()" in beats[0].stack
-
-
 def test_the_beat_interval_is_an_eighth_of_the_timeout_within_bounds():
     assert [beat_interval(t) for t in (2, 10, 120, 600)] == [0.25, 1.25, 5.0, 5.0]
+
+
+# A function "in" torch's files, as a collective's wait and torch elastic's outer wrapper are.
+TORCH_FILE = f"{os.sep}site-packages{os.sep}torch{os.sep}distributed{os.sep}fake.py"
+FAKE_TORCH = compile("def all_reduce(wait, *args):\n    wait(*args)\n", TORCH_FILE, "exec")
+
+
+def idle_beat(tmp_path, wait_in, *args) -> Beat:
+    """The beat taken while the main thread runs ``wait_in(*args)``, past half the timeout."""
+    heart, beats = Heartbeat(tmp_path / "0.0.beat", 0, 2.0), []
+    with heart.watched("step 5"):
+        beating = threading.Timer(1.1, lambda: beats.append(heart.beat()))
+        beating.start()
+        wait_in(*args)
+        beating.join()
+    return beats[0]
+
+
+def test_an_idle_rank_says_where_it_waits_in_a_collective_or_in_its_own_code(tmp_path):
+    torch_functions: dict = {}
+    exec(FAKE_TORCH, torch_functions)
+    all_reduce = torch_functions["all_reduce"]
+    collective = idle_beat(tmp_path, all_reduce, time.sleep, 1.3)  # C code under a torch frame
+    assert (collective.waiting_in, collective.collective) == ("all_reduce", True)
+    # user code that a torch.distributed frame further out runs (torch elastic's record wrapper)
+    user = idle_beat(tmp_path, all_reduce, sleep_in, 1.3)
+    assert user.waiting_in.startswith("sleep_in (test_heartbeat.py:")
+    assert not user.collective
+    assert "time.sleep(seconds)" in user.stack and ", in all_reduce" in user.stack
+
+
+def sleep_in(seconds: float) -> None:
+    time.sleep(seconds)
