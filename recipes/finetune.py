@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
+from components.runtime import heartbeat, preemption
 from components.runtime.exit_status import disk_full_said_plainly, skipped_verdict
 from components.runtime.launch import fail_once
 from components.runtime.problems import fail, say  # say: rank 0's lines alone
@@ -71,10 +72,8 @@ def set_up(plan: RunPlan) -> Run:
         say(report.format())
     broadcast_tp_replicas([model], mesh)  # after parallelising and loading, before the optimizer
     optimizer = target_class("optim", optim.target)(model.parameters(), **optim.options())
-    schedule = plan.schedule
-    scheduler = build_schedule(
-        optimizer, schedule.name, train.warmup_steps, train.max_steps, schedule.options()
-    )
+    schedule = (plan.schedule.name, train.warmup_steps, train.max_steps, plan.schedule.options())
+    scheduler = build_schedule(optimizer, *schedule)
     watched = (model, plan.model.config, list(plan.model.experts), mesh["dp"].get_group())
     experts = ExpertLoad.watch(*watched, plan.model.routers, plan.moe.routing_bias_rate)
     first_step = resume(plan.resume_from, model, optimizer, scheduler)  # the routing bias too
@@ -103,6 +102,7 @@ def forward_backward_step(run: Run, plan: RunPlan, step: int) -> torch.Tensor:
     micro_batches, labelled = run.data.batches_for_step(step), run.data.labels_in_step(step)
     loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)  # mesh groups: NCCL only
     for index, batch in enumerate(batch.to(run.device) for batch in micro_batches):
+        heartbeat.progress(f"step {step + 1}, micro-batch {index + 1}")  # a mark: 0.2 µs
         set_gradient_sync(run.model, index == len(micro_batches) - 1)  # dp reduce once per step
         if run.experts:  # the step's imbalance counts real tokens, not the padding
             run.experts.count_real(batch.real_mask())
@@ -179,7 +179,8 @@ def train(
     val_every, profile = plan.train.val_every, plan.settings.profile  # val: after the last step too
     profiler = StepProfiler(profile.steps, profile.memory, plan.output_dir, run.rank, done)
     for step in range(run.first_step, plan.last_step):
-        record = train_step(run, plan, step, step_fn) | writer.take_stall()  # the save before
+        with heartbeat.watched(f"step {step + 1}", judged=step > run.first_step):  # 1st: compile
+            record = train_step(run, plan, step, step_fn) | writer.take_stall()  # the save before
         done, skipped = step + 1, skipped + bool(record.get("skipped"))
         if val_every and (done % val_every == 0 or done == max_steps) and run.val_data is not None:
             record["val_loss"] = _validation_loss(run, plan)
@@ -264,12 +265,11 @@ def finish(run: Run, plan: RunPlan, stopped: bool = False, skipped: int = 0) -> 
 
 
 def rank_main(plan: RunPlan) -> str | None:
-    """What every rank runs: set up, train, finish; the stop signal's name (see ``train``)."""
-    from components.runtime import preemption
-
+    """What every rank runs, beating: set up, train, finish; the stop signal's name (``train``)."""
     preemption.install()  # first: a SIGTERM or SIGUSR1 from now on stops the run after a step
-    run = set_up(plan)
-    with disk_full_said_plainly(plan.output_dir, plan.train.max_steps):  # on the error line
+    beating = heartbeat.beating(plan.settings.hang_timeout_s)  # watched: launcher or torchrun peers
+    with beating, disk_full_said_plainly(plan.output_dir, plan.train.max_steps):  # one line
+        run = set_up(plan)
         stopped, skipped = train(run, plan)
         finish(run, plan, stopped is not None, skipped)
     return stopped

@@ -235,6 +235,11 @@ class Config(Section):
     collective_timeout_minutes: Annotated[float, Field(gt=0, allow_inf_nan=False)] = key(
         "a positive number of minutes, e.g. collective_timeout_minutes=30"
     )
+    # a rank whose heartbeat shows no progress for this long ends the run (docs/failures.md)
+    hang_timeout_s: Annotated[float, Field(ge=2, allow_inf_nan=False)] | None = key(
+        "null (off: the collective timeout alone) or a number of seconds of at least 2, e.g. "
+        "hang_timeout_s=300"
+    )
     output_dir: Text = key("a folder path, e.g. output_dir=outputs/run1")
     # true: a fresh run replaces another run's files in output_dir
     overwrite_output_dir: bool = key("true or false")

@@ -9,6 +9,7 @@ safeguards catch them, on a user's own cluster as in this project's tests (docs/
 - ``slow_save@S``: every checkpoint save waits S seconds before it is committed.
 - ``kill@N``, ``kill_in_collective@N``, ``kill_in_save@N``: in its run's first attempt only, the
   last rank SIGKILLs itself in step N: at its forward, in a collective (gloo only), in its save.
+- ``stop@N``: in the first attempt, the last rank SIGSTOPs itself at its first forward of step N.
 
 :func:`install_faults` installs one through the model's, optimizer's and checkpoint writer's hooks,
 only in a run that asks for it. Steps count training forwards (a skipped update shifts nothing).
@@ -33,7 +34,7 @@ from components.distributed.tp_replicas import (
     unmarked_parameters,
 )
 
-_KILLS = ("kill", "kill_in_collective", "kill_in_save")
+_KILLS = ("kill", "kill_in_collective", "kill_in_save", "stop")
 KINDS = ("nan_grad", "perturb_replica", "raise", "replica_sync_sum", "slow_save", *_KILLS)
 _WITH_STEP = ("nan_grad", "perturb_replica", "raise", "slow_save", *_KILLS)
 # How long the other ranks arrive late at step N of kill_in_collective, so that the last rank is
@@ -57,8 +58,8 @@ def parse_fault(text: str | None) -> Fault | None:
     if kind not in KINDS or needs_step != step.isdigit() or (step.isdigit() and int(step) < 1):
         raise ValueError(
             f"debug.fault={text!r} is not a known fault: use nan_grad@STEP, perturb_replica@STEP, "
-            "raise@STEP, slow_save@SECONDS, kill@STEP, kill_in_collective@STEP, kill_in_save@STEP "
-            "or replica_sync_sum"
+            "raise@STEP, slow_save@SECONDS, kill@STEP, kill_in_collective@STEP, kill_in_save@STEP, "
+            "stop@STEP or replica_sync_sum"
         )
     return Fault(kind=kind, step=int(step) if step else None)
 
@@ -209,13 +210,14 @@ def _first_attempt() -> bool:
     return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 
 
-def _die(fault: Fault, where: str) -> None:
-    """SIGKILL this process, saying so on stderr first (a test reads where it died)."""
+def _die(fault: Fault, where: str, how: signal.Signals = signal.SIGKILL) -> None:
+    """SIGKILL (or ``how``) this process, saying so on stderr first (a test reads where)."""
     print(
-        f"injected fault (debug.fault={fault.kind}@{fault.step}): SIGKILL {where}", file=sys.stderr
+        f"injected fault (debug.fault={fault.kind}@{fault.step}): {how.name} {where}",
+        file=sys.stderr,
     )
     sys.stderr.flush()
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), how)
 
 
 def _kill_at(fault: Fault, model: nn.Module, counter: _StepCounter, last: bool) -> None:
@@ -233,8 +235,9 @@ def _kill_at(fault: Fault, model: nn.Module, counter: _StepCounter, last: bool) 
     def before_forward(module: nn.Module, args) -> None:
         if not at_step(module):
             return
-        if fault.kind == "kill" and last:
-            _die(fault, f"at the first forward of step {step}")
+        if fault.kind in ("kill", "stop") and last:  # stop: a hung rank, its heartbeat stops
+            how = signal.SIGSTOP if fault.kind == "stop" else signal.SIGKILL
+            _die(fault, f"at the first forward of step {step}", how)
         elif fault.kind == "kill_in_collective" and last:
             armed.set()  # the watcher kills this rank once it waits in a collective
         elif fault.kind == "kill_in_collective":

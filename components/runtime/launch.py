@@ -4,8 +4,8 @@ API.
 Rank failures under :func:`launch_local`: the other ranks are stopped at once, and the launcher
 prints the failed rank's traceback, then one line, ``error: rank 1 failed: ValueError: ...``, and
 exits with status 1; a watcher thread makes the report name the cause, not a peer that lost its
-connection. Ranks started by another launcher (torchrun, several nodes) rely on the collective
-timeout.
+connection, and reads the ranks' heartbeats: a rank that makes no progress for ``hang_timeout_s``
+is named and killed (:mod:`heartbeat`; under torchrun the ranks watch each other).
 
 Every rank dies with its launcher (:func:`die_with_parent`), so a SIGKILLed launcher leaves no
 orphans; torch elastic's log folder lives inside the launch's own temporary folder.
@@ -41,9 +41,15 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalEx
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from components.processes import die_with_parent, process_exists
+from components.processes import die_with_parent
 from components.runtime import preemption
 from components.runtime.console import start_fresh_line
+from components.runtime.heartbeat import (
+    NODE_FOLDER_PREFIX,
+    RANKS_FOLDER,
+    HangWatch,
+    remove_dead_folders,
+)
 
 # Loggers that print torch elastic's own multi-line report of a failed worker (replaced by ours).
 _NOISY_LOGGERS = ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn")
@@ -60,7 +66,6 @@ _PEER_SYMPTOMS = (
 )
 _WATCH_INTERVAL_S = 0.01
 _START_WAIT_S = 120.0
-_RANKS_FOLDER = "SHARDTUNE_RANKS_FOLDER"  # a local rank's folder shared with its launcher
 _SOURCE_LOCATION = re.compile(r"\[[^\]\s]+\.(?:cc|cpp|h|hpp):\d+\] ")
 
 
@@ -114,6 +119,7 @@ class RankExit:
     time: float
     traceback: str | None = None
     reported: bool = False  # the rank printed its own ``error:`` line (:func:`fail_once`)
+    hang: bool = False  # the launcher found it made no progress (``error`` says how long, where)
 
     @property
     def stopped(self) -> bool:
@@ -125,6 +131,8 @@ class RankExit:
     def consequence(self) -> bool:
         """True when this failure is most likely caused by another: a lost peer, or the launcher's
         SIGTERM."""
+        if self.hang:
+            return False
         return self.stopped or any(word in self.error.lower() for word in _PEER_SYMPTOMS)
 
 
@@ -139,7 +147,7 @@ def _run_rank(folder: str, launcher_pid: int, entrypoint: Callable[..., Any], *a
     the exception it raises."""
     die_with_parent(launcher_pid)
     tempfile.tempdir = None  # the launcher points it at its own folder (see _temporary_files_in)
-    os.environ[_RANKS_FOLDER] = folder  # for abort_when_a_peer_fails
+    os.environ[RANKS_FOLDER] = folder  # for abort_when_a_peer_fails
     rank = int(os.environ["RANK"])
     Path(folder, f"{rank}.error.json").unlink(missing_ok=True)  # an earlier attempt's (restarts)
     _write_atomically(Path(folder, f"{rank}.pid"), str(os.getpid()))
@@ -188,25 +196,13 @@ def _exit_of(rank: int, pid: int, info: os.waitid_result) -> RankExit | None:
     return RankExit(rank=rank, error=f"killed by {name} (pid {pid})", time=time.time())
 
 
-_RANKS_PREFIX = "shardtune-ranks-"  # then the launcher's pid: a SIGKILL leaves the folder behind
-
-
-def _remove_dead_launchers_folders(folder: Path) -> None:
-    """Remove the rank folders under ``folder`` of launchers that no longer exist (killed with
-    SIGKILL, which runs no clean-up); a live launcher's, or an unnamed one's, is left alone."""
-    for child in folder.glob(f"{_RANKS_PREFIX}*-*"):
-        pid = child.name.removeprefix(_RANKS_PREFIX).split("-", 1)[0]
-        if pid.isdigit() and not process_exists(int(pid)):
-            shutil.rmtree(child, ignore_errors=True)
-
-
 class RankWatch:
     """Records when and how each local rank's process ends, without reaping it (``os.waitid`` with
     ``WNOWAIT``, so torch's own join still works), and collects the exceptions ranks noted."""
 
-    def __init__(self, nproc: int) -> None:
-        _remove_dead_launchers_folders(Path(tempfile.gettempdir()))
-        self.folder = Path(tempfile.mkdtemp(prefix=f"{_RANKS_PREFIX}{os.getpid()}-"))
+    def __init__(self, nproc: int, hang_timeout_s: float | None = None) -> None:
+        remove_dead_folders(Path(tempfile.gettempdir()))
+        self.folder = Path(tempfile.mkdtemp(prefix=f"{NODE_FOLDER_PREFIX}{os.getpid()}-"))
         self._nproc = nproc
         self._pids: dict[int, int] = {}  # rank -> pid, as each rank notes it
         self._seen: dict[
@@ -217,6 +213,8 @@ class RankWatch:
         ] = {}  # rank -> when a signal stopped it (while not continued)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="rank-watch", daemon=True)
+        self._hangs = None if hang_timeout_s is None else HangWatch(self.folder, hang_timeout_s)
+        self._next_look, self._hung_attempts = 0.0, set()  # one hang reported per attempt
 
     def __enter__(self) -> "RankWatch":
         self._thread.start()
@@ -268,6 +266,26 @@ class RankWatch:
             for rank in set(self._stopped) - set(self._seen):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(self._pids[rank], signal.SIGKILL)
+        self._look_for_a_hang()
+
+    def _look_for_a_hang(self) -> None:
+        """Every beat interval, read the running ranks' heartbeats; on a hang, note it as the
+        named rank's error and SIGKILL every rank of the attempt (torch elastic then fails the
+        launch, or restarts the world)."""
+        if self._hangs is None or time.monotonic() < self._next_look:
+            return
+        self._next_look = time.monotonic() + self._hangs.interval
+        attempt = self._attempt()
+        running = {rank: pid for rank, pid in self._pids.items() if rank not in self._seen}
+        hang = None if attempt in self._hung_attempts else self._hangs.look(str(attempt), running)
+        if hang is None:
+            return
+        self._hung_attempts.add(attempt)
+        record = dict(error=hang.text, time=time.time(), traceback=hang.stack, hang=True)
+        _write_atomically(self.folder / f"{hang.rank}.error.json", json.dumps(record))
+        for pid in running.values():  # a rank stuck in a kernel would ignore a SIGTERM
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
     def _attempt(self) -> int:
         """The latest attempt whose ranks have started (each notes ``RANK.started.ATTEMPT``)."""
@@ -308,6 +326,7 @@ class RankWatch:
                 time=record["time"],
                 traceback=record["traceback"],
                 reported=record.get("reported", False),
+                hang=record.get("hang", False),
             )
         return list(found.values())
 
@@ -358,6 +377,8 @@ def describe_rank_failure(failures: list[RankExit]) -> tuple[str, str | None]:
     """
     ordered = sorted(failures, key=lambda exit_: (exit_.consequence, exit_.time, exit_.rank))
     cause, others = ordered[0], [f for f in ordered[1:] if not f.consequence]
+    if cause.hang:  # "made no progress for ..."
+        return f"error: rank {cause.rank} {_short(cause.error, 600)}", cause.traceback
     line = f"error: rank {cause.rank} failed: {_short(cause.error, 400)}"
     same = [str(f.rank) for f in others if f.error == cause.error]
     different = [f for f in others if f.error != cause.error]
@@ -421,6 +442,7 @@ def launch_local(
     start_method: str = "fork",
     exit_on_failure: bool = True,
     max_restarts: int = 0,
+    hang_timeout_s: float | None = None,
 ) -> dict[int, Any]:
     """Run ``entrypoint(*args)`` on ``nproc`` local ranks and return each rank's result.
 
@@ -437,9 +459,11 @@ def launch_local(
     (:func:`die_with_parent`). With ``max_restarts``, a failure instead stops every rank and starts
     them all again (torch elastic's restart, as ``torchrun --max-restarts``), up to that many
     times; only the last attempt's failure is reported. A restarted rank sees
-    ``TORCHELASTIC_RESTART_COUNT`` above 0 and joins a fresh world (:func:`attempt_store`).
+    ``TORCHELASTIC_RESTART_COUNT`` above 0 and joins a fresh world (:func:`attempt_store`). With
+    ``hang_timeout_s``, a rank that makes no progress for that long (its heartbeat,
+    :mod:`heartbeat`) is named and killed, and the launch fails (or restarts) as above.
     """
-    with RankWatch(nproc) as watch:
+    with RankWatch(nproc, hang_timeout_s) as watch:
         config = _launch_config(
             min_nodes=1,
             max_nodes=1,
@@ -501,8 +525,10 @@ def _report_failure(failures: list[RankExit]) -> NoReturn:
     if not any(exit_.reported and exit_.rank == 0 for exit_ in failures):
         line, callstack = describe_rank_failure(failures)
         start_fresh_line(sys.stderr)
-        if callstack:
-            print(f"traceback of the failed rank:\n{callstack.rstrip()}", file=sys.stderr)
+        if callstack:  # a hung rank's: where its main thread waited when it was found
+            hung = " made no progress " in line
+            what = "where the hung rank waited" if hung else "traceback of the failed rank"
+            print(f"{what}:\n{callstack.rstrip()}", file=sys.stderr)
         print(line, file=sys.stderr, flush=True)
     raise SystemExit(1)
 
@@ -622,7 +648,7 @@ def abort_when_a_peer_fails(abort: Callable[[], None] | None = None) -> threadin
     CUDA wait where no signal handler runs (torch elastic SIGKILLs it 30 s later, its error
     unsaid); aborting makes that wait raise within a second. Gloo needs none: a lost peer's
     connection closes. Returns the watch thread, or None outside a local launch."""
-    folder = os.environ.get(_RANKS_FOLDER)
+    folder = os.environ.get(RANKS_FOLDER)
     if folder is None:
         return None
     abort = abort or dist.distributed_c10d._abort_process_group

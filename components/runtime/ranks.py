@@ -69,17 +69,19 @@ def run_ranks(
     world_size: int,
     max_restarts: int = 0,
     on_restart: Callable[[Plan, int], Plan] | None = None,
+    hang_timeout_s: float | None = None,
 ) -> None:
     """Run ``rank_main(plan)`` on every rank: this process's alone under torchrun (a stopped rank
     exits 0 there: another status would restart it), else ``world_size`` local ranks with up to
-    ``max_restarts`` restarts, each restarted rank's plan made by ``on_restart(plan, attempt)``.
+    ``max_restarts`` restarts, each restarted rank's plan made by ``on_restart(plan, attempt)``,
+    and a rank whose heartbeat shows no progress for ``hang_timeout_s`` ended as a failure.
     A rank's non-None result (the signal that stopped it, with a checkpoint) ends the launcher with
     :data:`STOPPED_STATUS`."""
     if started_by_launcher():
         rank_main(plan)
         return
-    restarts = dict(max_restarts=max_restarts)
-    results = launch_local(_attempt, world_size, rank_main, on_restart, plan, **restarts)
+    watch = dict(max_restarts=max_restarts, hang_timeout_s=hang_timeout_s)
+    results = launch_local(_attempt, world_size, rank_main, on_restart, plan, **watch)
     if any(results.values()):
         raise SystemExit(STOPPED_STATUS)
 
@@ -120,18 +122,19 @@ def start(
     on_restart: Callable[[Plan, int], Plan] | None = None,
 ) -> None:
     """A recipe's launch: check, prepare once, then ``rank_main`` on every rank (with
-    ``plan.dims.world_size`` local ranks and ``plan.settings.max_restarts`` restarts when nothing
-    launched us); a plan with ``dry_run`` set goes to ``dry_run`` instead. What the functions of
-    ``preload_from`` import is imported once, before the fork. The lock ``prepare`` took on the
-    output folder is released once the ranks are done."""
+    ``plan.dims.world_size`` local ranks, ``plan.settings.max_restarts`` restarts and
+    ``plan.settings.hang_timeout_s`` when nothing launched us); a plan with ``dry_run`` set goes to
+    ``dry_run`` instead. What the functions of ``preload_from`` import is imported once, before the
+    fork. The lock ``prepare`` took on the output folder is released once the ranks are done."""
     plan, lock = prepared_plan(check, prepare)
     try:
         if plan.dry_run:
             dry_run(plan)
             return
         preload(preload_from)
-        restarts = dict(max_restarts=plan.settings.max_restarts, on_restart=on_restart)
-        run_ranks(rank_main, plan, plan.dims.world_size, **restarts)
+        settings = plan.settings
+        watch = dict(max_restarts=settings.max_restarts, hang_timeout_s=settings.hang_timeout_s)
+        run_ranks(rank_main, plan, plan.dims.world_size, on_restart=on_restart, **watch)
     finally:
         if lock is not None:
             lock.release()

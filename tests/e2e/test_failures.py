@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from components.checkpoint.integrity import MARKER
-from components.runtime.launch import RankExit, describe_rank_failure
+from components.runtime.launch import RankExit, describe_rank_failure, free_port
 from tests import cli
 from tests.harness import tiny_model_folder
 
@@ -40,10 +40,13 @@ STOP_WITHIN_S = 60
 
 
 def start_recipe(
-    output_dir: Path, *overrides: str, env: dict[str, str] | None = None
+    output_dir: Path,
+    *overrides: str,
+    env: dict[str, str] | None = None,
+    launcher: tuple[str, ...] = (),
 ) -> subprocess.Popen:
     """Start the recipe in its own session (process group), its output in files beside
-    ``output_dir``."""
+    ``output_dir``; ``launcher``: ``python -m`` arguments that start it (torchrun's)."""
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     # TMPDIR: what a killed launcher leaves in temporary folders (torch elastic's logs, the rank
     # watch's notes) stays under the test's own folder.
@@ -53,8 +56,11 @@ def start_recipe(
         "TMPDIR": str(output_dir.parent),
         **(env or {}),
     }
+    if launcher:  # torchrun's workers start warm (tests/cli.py)
+        environment = cli.warm_torchrun_environment(environment)
     command = [
         sys.executable,
+        *launcher,
         "recipes/finetune.py",
         *COMMON,
         f"output_dir={output_dir}",
@@ -166,6 +172,35 @@ def test_a_rank_that_raises_mid_run_stops_the_recipe_and_is_named(tmp_path):
     assert [r["step"] for r in metrics(output_dir)] == [1, 2]
 
 
+def torchrun() -> tuple[str, ...]:
+    """``python -m`` arguments of torchrun with 2 local ranks on a fresh port."""
+    rendezvous = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}"]
+    return ("-m", "torch.distributed.run", "--nproc_per_node=2", *rendezvous)
+
+
+# The last rank SIGSTOPs itself at step 4; its heartbeat stops, rank 0 waits in a collective.
+HANG = ["train.max_steps=1000", "debug.fault=stop@4", "hang_timeout_s=6"]
+HANG_LINE = (
+    r"error: rank 1 made no progress for \d+ s \(hang_timeout_s=6\), at step 4: its process is "
+    r"stopped \(pid (\d+)\); rank 0 at step 4, micro-batch 1, waiting in \w+"
+)
+
+
+@pytest.mark.parametrize("launcher", ["recipe", "torchrun"])
+def test_a_stopped_rank_is_found_by_its_heartbeat_and_every_rank_ends(tmp_path, launcher):
+    output_dir = tmp_path / "run"
+    started = start_recipe(output_dir, *HANG, launcher=torchrun() if launcher == "torchrun" else ())
+    try:
+        returncode = started.wait(timeout=150)  # the collective timeout is 10 minutes
+    finally:
+        kill_group(started)
+    assert returncode == 1
+    errors = [line for line in stderr_of(output_dir).splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and (found := re.fullmatch(HANG_LINE, errors[0])), errors
+    assert not alive(int(found.group(1)))  # the stopped rank was killed, not left behind
+    assert [record["step"] for record in metrics(output_dir)] == [1, 2, 3]
+
+
 # The launcher's report of a rank that raises, driven directly: launch_local on 2 ranks, rank 1
 # raising at its fourth step while rank 0 keeps stepping.
 RAISING_RANKS = textwrap.dedent(
@@ -249,6 +284,10 @@ def test_the_rank_that_died_is_named_before_peers_that_lost_it():
         "error: rank 1 failed: RuntimeError: same (so did rank 0)",
         "tb 1",
     )
+    # a hang the launcher found (its text names a timeout) is no peer's consequence
+    hung = "made no progress for 12 s (hang_timeout_s=10), at step 4"
+    hang = RankExit(rank=2, error=hung, time=10.3, traceback="stack 2", hang=True)
+    assert describe_rank_failure([failures[0], hang]) == (f"error: rank 2 {hung}", "stack 2")
 
 
 def test_a_kill_during_a_checkpoint_save_resumes_from_the_previous_one(tmp_path):

@@ -22,7 +22,7 @@ def _survivor(folder: str) -> None:
 
 
 def launch_environment(folder: str) -> dict[str, str]:
-    return {launch._RANKS_FOLDER: folder, "RANK": "1", "TORCHELASTIC_RESTART_COUNT": "1"}
+    return {launch.RANKS_FOLDER: folder, "RANK": "1", "TORCHELASTIC_RESTART_COUNT": "1"}
 
 
 def wait_for(path, seconds: float = 60) -> bool:
