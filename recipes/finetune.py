@@ -37,8 +37,12 @@ if TYPE_CHECKING:
 
 
 def convert(model: torch.nn.Module, plan: RunPlan) -> torch.nn.Module:
-    """The built model, converted before it is parallelised: where LoRA adapters and FP8 linears
-    plug in; full fine-tuning in full precision keeps it as built."""
+    """The built model, converted before it is parallelised: ``peft=lora`` freezes it and adds
+    adapters (where FP8 linears would plug in too); full fine-tuning keeps it as built."""
+    from components.models.lora import apply_lora
+
+    if (options := plan.lora) is not None:
+        apply_lora(model, options, seed=plan.seed)
     return model
 
 
@@ -70,7 +74,8 @@ def set_up(plan: RunPlan) -> Run:
     if report is not None:
         say(report.format())
     broadcast_tp_replicas([model], mesh)  # after parallelising and loading, before the optimizer
-    optimizer = target_class("optim", optim.target)(model.parameters(), **optim.options())
+    trained = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    optimizer = target_class("optim", optim.target)(trained, **optim.options())  # no frozen state
     schedule = plan.schedule
     scheduler = build_schedule(
         optimizer, schedule.name, train.warmup_steps, train.max_steps, schedule.options()
