@@ -168,3 +168,42 @@ def is_adapter(name: str) -> bool:
 def lora_modules(model: nn.Module) -> list[tuple[str, LoRALinear]]:
     """The adapted linear layers of ``model`` by name, sorted."""
     return sorted((n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear))
+
+
+def adapter_state(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every adapter's whole weight as ``dtype`` under PEFT's saved names
+    (``base_model.model.<module>.lora_A.weight``). Collective when any is a DTensor: every rank
+    calls it and gets the same tensors."""
+    state = {}
+    for name, module in lora_modules(model):
+        for adapter in ADAPTERS:
+            weight = getattr(module, adapter).weight.detach()
+            whole = weight.full_tensor() if isinstance(weight, DTensor) else weight
+            state[f"base_model.model.{name}.{adapter}.weight"] = whole.to(dtype).contiguous()
+    return state
+
+
+@torch.no_grad()
+def merge_adapters(model: nn.Module) -> None:
+    """Fold each adapter into its base weight (``W += scaling · B·A``) and zero its B: the model
+    computes the same function, its base weights are the merged ones, and an export leaves the
+    adapters out (HF's ``_keys_to_ignore_on_save``). Collective like
+    :func:`adapter_state`; the base may be sharded by TP and FSDP."""
+    for _, module in lora_modules(model):
+        A, B = (getattr(module, adapter).weight.detach() for adapter in ADAPTERS)
+        A, B = (w.full_tensor() if isinstance(w, DTensor) else w for w in (A, B))
+        delta = (B.float() @ A.float()) * module.scaling
+        weight = module.weight
+        if isinstance(weight, DTensor):
+            mesh, placements = weight.device_mesh, weight.placements
+            delta = distribute_tensor(delta, mesh, placements, src_data_rank=None).to_local()
+            weight = weight.to_local()
+        weight.copy_((weight.float() + delta).to(weight.dtype))
+        _local(module.lora_B.weight).zero_()
+    ignored = list(getattr(model, "_keys_to_ignore_on_save", None) or ())
+    adapters = [name for name, _ in model.named_parameters() if is_adapter(name)]
+    model._keys_to_ignore_on_save = ignored + adapters  # as save_pretrained: not exported
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
