@@ -212,7 +212,7 @@ def check_plan(
         supported = getattr(model.get_submodule(name), "tp_styles", None)  # LoRA's
         if supported is not None and style not in supported:
             kind = type(model.get_submodule(name)).__name__
-            errors.append(f"{name} is a {kind}: its style {style!r} is not one of {supported}")
+            errors.append(f"{name} ({kind}) can be split only as {supported}, not {style!r}")
     if sizes:
         errors += tp_size_errors(config, tp)
     vocab = getattr(config, "vocab_size", None)
