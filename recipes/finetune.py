@@ -241,6 +241,7 @@ def finish(run: Run, plan: RunPlan, stopped: bool = False, skipped: int = 0) -> 
     from components.distributed.replicas import write_drift_report
     from components.runtime.checkpoints import done_line
     from components.training.metrics import plot_loss_curve
+    from recipes.export import export, export_folders
 
     output_dir, train = plan.output_dir, plan.train
     if not stopped:
@@ -248,47 +249,17 @@ def finish(run: Run, plan: RunPlan, stopped: bool = False, skipped: int = 0) -> 
     ended = (train.stop_after or train.max_steps) >= train.max_steps and not stopped
     fails, note = skipped_verdict(0 if stopped else skipped, plan.last_step - run.first_step)
     if plan.checkpoint.export and ended and not fails:
-        export(run, plan)
+        export(run.model, plan)
     if run.rank == 0 and (output_dir / "metrics.jsonl").exists():
         plot_loss_curve(output_dir / "metrics.jsonl", output_dir / "loss.png")
         if note and not fails:
             say(note, file=sys.stderr)
         if not fails:
             exported = plan.checkpoint.export and ended
-            say(done_line(output_dir, train.max_steps, ended, exported, _export_folders(plan)))
+            say(done_line(output_dir, train.max_steps, ended, exported, export_folders(plan)))
     dist.destroy_process_group()
     if fails:
         fail_once(note)  # every rank exits 1; rank 0 prints the one error: line
-
-
-def export(run: Run, plan: RunPlan) -> None:
-    """``hf/``: the trained model as a Hugging Face folder; with ``peft=lora`` ``adapter/`` in
-    PEFT's format instead, and with ``peft.merge=true`` ``hf/`` of the merged model too."""
-    from transformers import AutoTokenizer
-
-    from components.checkpoint.export import export_dtype, export_hf
-    from components.checkpoint.peft_export import adapter_config, export_peft_adapter
-    from components.models.lora import adapter_state, lora_modules, merge_adapters
-
-    source, base, peft = plan.model.weights, plan.settings.model.pretrained_path, plan.settings.peft
-    dtype = export_dtype(plan.checkpoint.export_dtype, source)
-    if (lora := plan.lora) is not None:
-        names = [name for name, _ in lora_modules(run.model)]
-        config = adapter_config(lora.rank, lora.alpha, lora.dropout, names, base)
-        export_peft_adapter(adapter_state(run.model, dtype), config, plan.output_dir / "adapter")
-        if not peft.merge:
-            return
-        merge_adapters(run.model)  # the same function, its adapters folded into the base
-    tokenizer = AutoTokenizer.from_pretrained(plan.tokenizer_dir, trust_remote_code=False)
-    card = dict(recipe="recipes/finetune.py", config_yaml=plan.config_yaml, base_model=base)
-    files = dict(tokenizer=tokenizer, dtype=dtype, source_dir=source)
-    export_hf(run.model, plan.model.config, plan.output_dir / "hf", **files, **card)
-
-
-def _export_folders(plan: RunPlan) -> tuple[str, ...]:
-    if plan.lora is None:
-        return ("hf/",)
-    return ("adapter/", "hf/") if plan.settings.peft.merge else ("adapter/",)
 
 
 def rank_main(plan: RunPlan) -> str | None:
