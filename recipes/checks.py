@@ -254,12 +254,12 @@ def resolve_model(
     splits = dims is not None and (dims.tp > 1 or dims.ep > 1)
     lora = settings.peft.name == "lora" and not settings.peft.errors()
     meta = meta_causal_lm(config) if path is not None or splits or lora else None  # shapes only
-    if lora:  # the adapters' targets, on the converted model the TP plan then sees
-        found += problems("peft.target_modules", lora_problems(meta, settings.peft.target_modules))
     if path is not None:
         rows = meta.get_input_embeddings().num_embeddings
         folder_errors = check_model_folder(path, meta) + check_tokenizer_folder(path, rows)
         found += problems("model", folder_errors)
+    if lora:  # the adapters' targets, on the converted model the TP plan then sees
+        found += problems("peft.target_modules", lora_problems(meta, settings.peft.target_modules))
     if dims is not None:
         found += plan_problems(settings, dims, config, meta)
         try:

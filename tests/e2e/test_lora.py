@@ -78,3 +78,12 @@ def test_adapter_export_loads_with_peft_and_the_merged_export_is_base_plus_scale
             continue
         delta = adapters[f"{prefix}.lora_B.weight"] @ adapters[f"{prefix}.lora_A.weight"]
         torch.testing.assert_close(exported[name], weight + 2.0 * delta, rtol=1e-6, atol=1e-6)
+
+
+def test_lora_on_a_pretrained_folder_loads_it_on_meta_and_names_it_in_the_adapter(runs, tmp_path):
+    folder = runs["tp2"] / "hf"
+    pretrained = ["model=pretrained", f"model.pretrained_path={folder}", "checkpoint.export=true"]
+    records = recipe(tmp_path / "pretrained", *LORA, *pretrained, "tp=2", "train.max_steps=2")
+    assert len(records) == 2
+    config = json.loads((tmp_path / "pretrained" / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(folder)
