@@ -247,11 +247,14 @@ def resolve_model(
         return None, None, [Problem(key="model", message=str(error))]
     found = config_problems(settings, config, path)
     splits = dims is not None and (dims.tp > 1 or dims.ep > 1)
-    meta = meta_causal_lm(config) if path is not None or splits else None  # shapes only, built once
+    lora = settings.peft.name == "lora" and not settings.peft.errors()
+    meta = meta_causal_lm(config) if path is not None or splits or lora else None  # shapes only
     if path is not None:
         rows = meta.get_input_embeddings().num_embeddings
         folder_errors = check_model_folder(path, meta) + check_tokenizer_folder(path, rows)
         found += problems("model", folder_errors)
+    if lora:  # the adapters' targets, on the converted model the TP plan then sees
+        found += problems("peft.target_modules", lora_problems(meta, settings.peft.target_modules))
     if dims is not None:
         found += plan_problems(settings, dims, config, meta)
         try:
@@ -281,6 +284,19 @@ def config_problems(settings: Config, config, path: Path | None) -> list[Problem
         return found + problems("model.config", routing_errors(config))
     where = path / "config.json"
     return found + problems("model", [f"{where}: {e}" for e in routing_errors(config, "")])
+
+
+def lora_problems(meta, target_modules: list[str]) -> list[str]:
+    """Why ``target_modules`` cannot adapt the meta ``model`` (none when it can); it is converted
+    in place on success."""
+    from components.models.lora import LoraOptions, apply_lora
+
+    options = LoraOptions(rank=1, alpha=1.0, dropout=0.0, target_modules=tuple(target_modules))
+    try:
+        apply_lora(meta, options, seed=0)
+    except ValueError as error:
+        return [str(error)]
+    return []
 
 
 def _model_folder(pretrained_path: str | None) -> Path:
@@ -534,6 +550,7 @@ def _option_problems(
     profile = settings.profile  # a range past stop_after is the resumed invocation's
     asked = (profile.steps, profile.memory, train.max_steps, device_type)
     found += problems("profile", profile_errors(*asked))
+    found += problems("peft", settings.peft.errors())
     return found + restart_problems(settings), fault
 
 

@@ -38,8 +38,12 @@ if TYPE_CHECKING:
 
 
 def convert(model: torch.nn.Module, plan: RunPlan) -> torch.nn.Module:
-    """The built model, converted before it is parallelised: where LoRA adapters and FP8 linears
-    plug in; full fine-tuning in full precision keeps it as built."""
+    """The built model, converted before it is parallelised: ``peft=lora`` freezes it and adds
+    adapters (where FP8 linears would plug in too); full fine-tuning keeps it as built."""
+    from components.models.lora import apply_lora
+
+    if (options := plan.lora) is not None:
+        apply_lora(model, options, seed=plan.seed)
     return model
 
 
@@ -71,7 +75,8 @@ def set_up(plan: RunPlan) -> Run:
     if report is not None:
         say(report.format())
     broadcast_tp_replicas([model], mesh)  # after parallelising and loading, before the optimizer
-    optimizer = target_class("optim", optim.target)(model.parameters(), **optim.options())
+    trained = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    optimizer = target_class("optim", optim.target)(trained, **optim.options())  # no frozen state
     schedule = (plan.schedule.name, train.warmup_steps, train.max_steps, plan.schedule.options())
     scheduler = build_schedule(optimizer, *schedule)
     watched = (model, plan.model.config, list(plan.model.experts), mesh["dp"].get_group())
@@ -234,12 +239,10 @@ def finish(run: Run, plan: RunPlan, stopped: bool = False, skipped: int = 0) -> 
     """The replica drift report (any drift stops the run before export), the export and the loss
     curve; after a stop signal (``stopped``) only the loss curve: the run is to be resumed, and soon
     killed. Too many steps ``skipped`` as non-finite: no export, and one ``error:`` line."""
-    from transformers import AutoTokenizer
-
-    from components.checkpoint.export import export_dtype, export_hf
     from components.distributed.replicas import write_drift_report
     from components.runtime.checkpoints import done_line
     from components.training.metrics import plot_loss_curve
+    from recipes.export import export, export_folders
 
     output_dir, train = plan.output_dir, plan.train
     if not stopped:
@@ -247,18 +250,14 @@ def finish(run: Run, plan: RunPlan, stopped: bool = False, skipped: int = 0) -> 
     ended = (train.stop_after or train.max_steps) >= train.max_steps and not stopped
     fails, note = skipped_verdict(0 if stopped else skipped, plan.last_step - run.first_step)
     if plan.checkpoint.export and ended and not fails:
-        source, base = plan.model.weights, plan.settings.model.pretrained_path
-        tokenizer = AutoTokenizer.from_pretrained(plan.tokenizer_dir, trust_remote_code=False)
-        dtype = export_dtype(plan.checkpoint.export_dtype, source)
-        card = dict(recipe="recipes/finetune.py", config_yaml=plan.config_yaml, base_model=base)
-        files = dict(tokenizer=tokenizer, dtype=dtype, source_dir=source)
-        export_hf(run.model, plan.model.config, output_dir / "hf", **files, **card)
+        export(run.model, plan)
     if run.rank == 0 and (output_dir / "metrics.jsonl").exists():
         plot_loss_curve(output_dir / "metrics.jsonl", output_dir / "loss.png")
         if note and not fails:
             say(note, file=sys.stderr)
         if not fails:
-            say(done_line(output_dir, train.max_steps, ended, plan.checkpoint.export and ended))
+            exported = plan.checkpoint.export and ended
+            say(done_line(output_dir, train.max_steps, ended, exported, export_folders(plan)))
     dist.destroy_process_group()
     if fails:
         fail_once(note)  # every rank exits 1; rank 0 prints the one error: line

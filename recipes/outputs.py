@@ -86,6 +86,7 @@ def run_info(
         "seq_len": settings.train.seq_len,
         "packing": settings.train.packing,
         "seed": settings.seed,
+        "peft": settings.peft.model_dump(),  # adapters change the model and the optimizer state
         "data.val_fraction": settings.data.model_dump().get("val_fraction"),
         **data,
         SETTINGS: resume_settings(settings),

@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # heavy (datasets, DTensor): the checks import them when they
     from components.data.sources import DataSource
     from components.debug.faults import Fault
     from components.distributed.context_parallel import ContextParallel
+    from components.models.lora import LoraOptions
     from components.models.parallelize import ModelSpec
     from components.moe import ExpertLoad
 
@@ -68,6 +69,19 @@ class Settled:
     @property
     def moe(self) -> Moe:
         return self.settings.moe
+
+    @property
+    def lora(self) -> LoraOptions | None:
+        """``peft=lora``'s options as the model takes them; None for full fine-tuning."""
+        from components.models.lora import LoraOptions
+
+        peft = self.settings.peft
+        if peft.name != "lora":
+            return None
+        patterns = tuple(peft.target_modules)
+        return LoraOptions(
+            rank=peft.rank, alpha=peft.alpha, dropout=peft.dropout, target_modules=patterns
+        )
 
     @property
     def seed(self) -> int:

@@ -168,6 +168,56 @@ class Model(Section):
     )
 
 
+PEFT_METHODS = ("none", "lora")
+
+
+class Peft(Section):
+    """Parameter-efficient fine-tuning (docs/lora.md): ``peft=none`` trains every weight, its other
+    keys null; ``peft=lora`` trains low-rank adapters on a frozen base."""
+
+    name: Literal[PEFT_METHODS] = key(one_of(PEFT_METHODS))
+    # LoRA's r: the adapters' inner size
+    rank: PositiveInt | None = key("a positive integer with peft=lora, e.g. peft.rank=8")
+    # the update is alpha / rank · B·A
+    alpha: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = key(
+        "a positive number with peft=lora, e.g. peft.alpha=16"
+    )
+    # dropout on the adapter's input
+    dropout: Annotated[float, Field(ge=0, lt=1)] | None = key(
+        "a number in [0, 1) with peft=lora, e.g. peft.dropout=0.05"
+    )
+    # fnmatch patterns of the module names of the linear layers that get adapters
+    target_modules: Annotated[list[Text], Field(min_length=1)] | None = key(
+        "a list of module name patterns with peft=lora, e.g. peft.target_modules=['*.q_proj']"
+    )
+    # per-expert adapters on MoE experts
+    experts: bool | None = key("true or false with peft=lora")
+    # the export also writes base + adapters merged as a Hugging Face folder
+    merge: bool | None = key("true or false with peft=lora")
+
+    def errors(self) -> list[str]:
+        """Keys set that the chosen method does not read, or left null that it needs."""
+        keys = [name for name in type(self).model_fields if name != "name"]
+        if self.name == "none":
+            return [
+                f"peft.{name}={show(getattr(self, name))} is read only with peft=lora: add "
+                f"peft=lora or remove it"
+                for name in keys
+                if getattr(self, name) is not None
+            ]
+        found = [
+            f"peft.{name} is null: peft=lora needs it"
+            for name in keys
+            if getattr(self, name) is None
+        ]
+        if self.experts:
+            found.append(
+                "peft.experts=true (adapters on MoE experts) is not supported yet: use "
+                "peft.experts=false (the attention and dense MLP projections)"
+            )
+        return found
+
+
 class Targeted(BaseModel):
     """A group built by ``_target_``: its other keys belong to the target's signature."""
 
@@ -263,6 +313,7 @@ class Config(Section):
     data: Data
     schedule: Schedule
     logger: Targeted
+    peft: Peft
 
 
 def _field_hint(loc: tuple) -> str:

@@ -209,6 +209,10 @@ def check_plan(
             _style(style, False)
         except ValueError as error:
             errors.append(f"{name}: {error}")
+        supported = getattr(model.get_submodule(name), "tp_styles", None)  # LoRA's
+        if supported is not None and style not in supported:
+            kind = type(model.get_submodule(name)).__name__
+            errors.append(f"{name} ({kind}) can be split only as {supported}, not {style!r}")
     if sizes:
         errors += tp_size_errors(config, tp)
     vocab = getattr(config, "vocab_size", None)
@@ -257,8 +261,14 @@ def apply_tp_plan(
         if style == "replicated_with_grad_allreduce":
             mark_tp_replica_gradient_reduction(module, "sum")
         torch_style = _style(style, sequence_parallel)
-        if torch_style is not None:
+        # torch's SequenceParallel makes new parameters that require grad: a frozen one stays so
+        frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
+        if hasattr(module, "parallelize_tp"):  # a module that places its own extras (LoRA)
+            module.parallelize_tp(tp_mesh, style, torch_style)
+        elif torch_style is not None:
             parallelize_module(module, tp_mesh, torch_style)
+        for parameter_name, parameter in module.named_parameters():
+            parameter.requires_grad_(parameter_name not in frozen and parameter.requires_grad)
     if tied and hasattr(model, "lm_head"):
         model.lm_head.weight = model.get_input_embeddings().weight
 

@@ -19,6 +19,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from components.models.checkpoint import Checkpoint, TensorSource, find_source
 from components.models.folder_check import custom_code_errors
+from components.models.lora import is_adapter, reset_adapters
 
 
 def load_config(pretrained_path: str | Path) -> PretrainedConfig:
@@ -56,7 +57,8 @@ def materialize_pretrained(model: nn.Module, folder: str | Path, device: str = "
     Tied weights: parameters that were one object before stay one object (``to_empty`` would untie
     them). A tie already broken by parallelisation (embedding and lm_head sharded differently) stays
     broken: each copy is filled from the one stored tensor; keeping the copies in step while
-    training is then the caller's concern.
+    training is then the caller's concern. LoRA adapters (``components.models.lora``) are not in
+    the checkpoint: they get their initial values instead.
 
     Raises:
         FileNotFoundError: If the folder holds neither model.safetensors nor its index.
@@ -74,6 +76,8 @@ def materialize_pretrained(model: nn.Module, folder: str | Path, device: str = "
         # is touched.
         sources = {}
         for name, tensor in _loadable_tensors(model):
+            if is_adapter(name):  # LoRA's: not in a base checkpoint, drawn below
+                continue
             source = find_source(checkpoint, name, tuple(tensor.shape), model_type, tied)
             stored_shape, model_shape = source.shape(checkpoint), tuple(tensor.shape)
             if stored_shape != model_shape:
@@ -92,6 +96,7 @@ def materialize_pretrained(model: nn.Module, folder: str | Path, device: str = "
         with torch.no_grad():
             for name, source in sources.items():
                 _fill_local_part(name, tensors[name], source, checkpoint)
+        reset_adapters(model)
 
 
 def _loadable_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:

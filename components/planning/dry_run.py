@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from components.distributed.mesh import ParallelDims, build_device_mesh
+from components.models.lora import apply_lora
 from components.models.parallelize import build_parallel_model
 from components.planning.flops import flops_per_token
 from components.planning.memory import current_memory_gib
@@ -40,8 +41,22 @@ def plan_layout(plan, step: Step, layout: Layout) -> MemoryEstimate:
     dims = ParallelDims(world_size=world, dp=layout.dp, tp=layout.tp, ep=layout.ep, cp=layout.cp)
     mesh = build_device_mesh(dims, "cpu")
     spec = replace(plan.model, activation_checkpointing=layout.activation_checkpointing)
-    model, _ = build_parallel_model(spec, dims, mesh, torch.device("meta"))
+    model, _ = build_parallel_model(
+        spec, dims, mesh, torch.device("meta"), convert=_converter(plan)
+    )
     return estimate_memory(model, plan.model.config, layout, step)
+
+
+def _converter(plan) -> Callable[[torch.nn.Module], torch.nn.Module] | None:
+    """The recipe's conversion of the built model: ``peft=lora``'s adapters, or None."""
+    if (options := plan.lora) is None:
+        return None
+
+    def convert(model: torch.nn.Module) -> torch.nn.Module:
+        apply_lora(model, options, seed=plan.seed)
+        return model
+
+    return convert
 
 
 def _cp_sizes(plan, layout: Layout) -> list[int]:

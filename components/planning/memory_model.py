@@ -106,29 +106,36 @@ def _tp_replicated(parameter: torch.Tensor) -> bool:
 
 def _state(model: nn.Module, layout: Layout) -> dict[str, float]:
     """Bytes of the local shards: all of them, one decoder layer's (unsharded over dp: its numel),
-    the matmul weights (autocast copies), the TP-replicated ones (the replica sync), the largest
-    tensor and ``lm_head``'s."""
+    the matmul weights (autocast copies) and ``lm_head``'s; and of the trained ones alone (a frozen
+    base has no gradients and no optimizer state): all, one layer's, the TP-replicated ones (the
+    replica sync) and the largest tensor."""
     params = list(model.parameters())
     local = [_local(p) for p in params]
     total = sum(t.numel() * t.element_size() for t in local)
     element = local[0].element_size() if local else 4
     layers = getattr(getattr(model, "model", None), "layers", None) or []
     layer = max((sum(_local(p).numel() for p in block.parameters()) for block in layers), default=0)
+    layer_trained = max(
+        (sum(_local(p).numel() for p in b.parameters() if p.requires_grad) for b in layers),
+        default=0,
+    )
     embedding = model.get_input_embeddings().weight
     head = model.get_output_embeddings()
     head_weight = _local(head.weight) if head is not None else None
     pairs = list(zip(params, local, strict=True))
+    trained = [(p, t) for p, t in pairs if p.requires_grad]
     matmul = sum(t.numel() for p, t in pairs if t.dim() >= 2 and p is not embedding)
-    replicated = sum(t.numel() * t.element_size() for p, t in pairs if _tp_replicated(p))
+    replicated = sum(t.numel() * t.element_size() for p, t in trained if _tp_replicated(p))
     return {
         "bytes": total,
+        "grad_bytes": sum(t.numel() * t.element_size() for _, t in trained),
         "element": element,
-        "layer_bytes": layer * element,
+        "layer_grad_bytes": layer_trained * element,
         "layer_numel": layer * _data_parallel(layout),  # FSDP all-gathers a layer over dp × cp
         "matmul_numel": matmul if _data_parallel(layout) == 1 else 0,  # autocast: without FSDP
         "head_numel": head_weight.numel() if head_weight is not None else 0,
         "replicated_bytes": replicated,
-        "largest_bytes": max((t.numel() * t.element_size() for t in local), default=0),
+        "largest_bytes": max((t.numel() * t.element_size() for _, t in trained), default=0),
     }
 
 
@@ -229,8 +236,8 @@ def _buffers(config, layout: Layout, step: Step, state: dict, chunked: bool) -> 
         gathered = 2 if step.precision != "fp32" else 4
         fsdp = 2 * state["layer_numel"] * (gathered + 4)  # two layers' parameters, fp32 grads
         if step.global_batch_size > layout.micro_batch_size * layout.dp:  # micro-batches accumulate
-            unsharded = state["bytes"] / state["element"] * _data_parallel(layout) * 4
-    moments = state["bytes"] * step.optimizer_moments / 2
+            unsharded = state["grad_bytes"] / state["element"] * _data_parallel(layout) * 4
+    moments = state["grad_bytes"] * step.optimizer_moments / 2
     temporaries = moments if step.device_type == "cuda" else 2 * state["largest_bytes"]
     copies = state["matmul_numel"] - state["head_numel"] * chunked  # the chunked head casts its own
     return {
@@ -256,7 +263,7 @@ def _peak(grads: float, state: dict, act: dict, buf: dict, layout: Layout) -> di
     mask = act["attention_mask"]
     backward = kept + saved_copies + (0.0 if none else mask)  # what the backward starts with
     first_block = backward + buf["head_backward"] + in_flight + layer_copies
-    last_block = grads - state["layer_bytes"] + in_flight + layer_copies + (not none) * mask
+    last_block = grads - state["layer_grad_bytes"] + in_flight + layer_copies + (not none) * mask
     last_block += kept / state["layers"] if state["layers"] else kept
     return {
         "forward": kept + mask + copies + buf["logits"] + fsdp,
@@ -272,8 +279,8 @@ def estimate_memory(model: nn.Module, config, layout: Layout, step: Step) -> Mem
     """Per-rank memory of a training step of ``model``, the parallel meta model of ``layout``."""
     state = _state(model, layout)
     state["layers"] = config.num_hidden_layers
-    params = grads = state["bytes"]
-    optimizer = params * step.optimizer_moments
+    params, grads = state["bytes"], state["grad_bytes"]  # grads: of the trained parameters
+    optimizer = grads * step.optimizer_moments
     chunked = bool(step.loss_chunk_tokens) and chunks_head(model)
     act = _activations(config, layout, step)
     buf = {**_buffers(config, layout, step, state, chunked), "block_backward": act.pop("in_flight")}

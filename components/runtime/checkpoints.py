@@ -42,11 +42,17 @@ def stop_signal(writer: CheckpointWriter, done: int, state: tuple) -> str | None
     return stopped
 
 
-def done_line(output_dir: Path, max_steps: int, ended: bool, exported: bool) -> str:
-    """The run's last line, naming only what it left: ``hf/`` only when exported now, and before the
-    end (``train.stop_after``, a stop signal) the checkpoint ``checkpoint.resume=auto`` continues
-    from."""
-    wrote = ["metrics", "loss.png", *(["hf/"] if exported else [])]
+def done_line(
+    output_dir: Path,
+    max_steps: int,
+    ended: bool,
+    exported: bool,
+    folders: tuple[str, ...] = ("hf/",),
+) -> str:
+    """The run's last line, naming only what it left: the export's ``folders`` only when exported
+    now, and before the end (``train.stop_after``, a stop signal) the checkpoint
+    ``checkpoint.resume=auto`` continues from."""
+    wrote = ["metrics", "loss.png", *(folders if exported else [])]
     if ended or not (checkpoints := complete_checkpoints(output_dir / "checkpoints")):
         return f"done: {', '.join(wrote[:-1])} and {wrote[-1]} in {output_dir}"
     latest = checkpoints[-1]

@@ -56,6 +56,19 @@ CASES: dict[str, tuple[list[str], str]] = {
         ["model=qwen3_moe", "ep=3", "nproc=3"],
         "ep (3) must divide the number of experts (8)",
     ),
+    "a LoRA key without peft=lora": (
+        ["peft.rank=4"],
+        "peft.rank=4 is read only with peft=lora: add peft=lora or remove it",
+    ),
+    "LoRA on experts": (["peft=lora", "peft.experts=true"], "peft.experts=true (adapters on MoE"),
+    "LoRA targets matching nothing": (
+        ["peft=lora", "peft.target_modules=[*.nothing]"],
+        "peft.target_modules ['*.nothing'] match no linear layer of LlamaForCausalLM",
+    ),
+    "LoRA on a vocab-parallel lm_head": (
+        ["peft=lora", "peft.target_modules=[lm_head]", "tp=2"],
+        "lm_head (LoRALinear) can be split only as ('colwise', 'rowwise'), not 'vocab_parallel'",
+    ),
     "ep on one process": (
         ["model=qwen3_moe", "ep=2"],
         "world size 1 is not divisible by ep=2; start 2 processes here with nproc=2, or use "

@@ -1,0 +1,42 @@
+"""The end of a run: the trained model exported, as ``hf/`` (a Hugging Face folder), or with
+``peft=lora`` as ``adapter/`` (PEFT's format) and, with ``peft.merge=true``, ``hf/`` merged."""
+
+from __future__ import annotations  # the annotations name classes imported only when needed
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from recipes.plan import RunPlan
+
+
+def export(model: torch.nn.Module, plan: RunPlan) -> None:
+    """``hf/``: the trained model as a Hugging Face folder; with ``peft=lora`` ``adapter/`` in
+    PEFT's format instead, and with ``peft.merge=true`` ``hf/`` of the merged model too."""
+    from transformers import AutoTokenizer
+
+    from components.checkpoint.export import export_dtype, export_hf
+    from components.checkpoint.peft_export import adapter_config, export_peft_adapter
+    from components.models.lora import adapter_state, lora_modules, merge_adapters
+
+    source, base, peft = plan.model.weights, plan.settings.model.pretrained_path, plan.settings.peft
+    dtype = export_dtype(plan.checkpoint.export_dtype, source)
+    if (lora := plan.lora) is not None:
+        names = [name for name, _ in lora_modules(model)]
+        config = adapter_config(lora.rank, lora.alpha, lora.dropout, names, base)
+        export_peft_adapter(adapter_state(model, dtype), config, plan.output_dir / "adapter")
+        if not peft.merge:
+            return
+        merge_adapters(model)  # the same function, its adapters folded into the base
+    tokenizer = AutoTokenizer.from_pretrained(plan.tokenizer_dir, trust_remote_code=False)
+    card = dict(recipe="recipes/finetune.py", config_yaml=plan.config_yaml, base_model=base)
+    files = dict(tokenizer=tokenizer, dtype=dtype, source_dir=source)
+    export_hf(model, plan.model.config, plan.output_dir / "hf", **files, **card)
+
+
+def export_folders(plan: RunPlan) -> tuple[str, ...]:
+    """What :func:`export` writes, as the done line names it."""
+    if plan.lora is None:
+        return ("hf/",)
+    return ("adapter/", "hf/") if plan.settings.peft.merge else ("adapter/",)

@@ -1,0 +1,122 @@
+"""LoRA at tp=2 on gloo ranks: the adapters' placement and replica markers, the optimizer's state
+(the adapters' alone, as the memory model plans it, to the byte), and a model loaded from a folder
+on the meta device gets the same adapters as one built with its weights."""
+
+import torch
+from torch.distributed.tensor import DTensor, Shard
+
+from components.distributed.grads import clip_grad_norm_, finalize_dtensor_gradients
+from components.distributed.mesh import ParallelDims, build_device_mesh
+from components.distributed.tp_replicas import synchronize_tp_replica_gradients
+from components.models import build_causal_lm, tiny_config
+from components.models.lora import LoraOptions, apply_lora
+from components.models.parallelize import ModelSpec, build_parallel_model
+from components.planning.memory_model import GIB, Layout, Step, estimate_memory
+from components.training.step import forward_backward
+
+OPTIONS = LoraOptions(rank=4, alpha=8.0, dropout=0.0, target_modules=("*_proj",))
+CONFIG = tiny_config("llama", vocab_size=96)
+
+
+def _adapted(model: torch.nn.Module) -> torch.nn.Module:
+    apply_lora(model, OPTIONS, seed=0)
+    return model
+
+
+def _build(world_size: int, weights=None):
+    dims = ParallelDims(world_size=world_size, dp=1, tp=world_size)
+    mesh = build_device_mesh(dims, "cpu")
+    spec = ModelSpec(
+        config=CONFIG,
+        weights=weights,
+        seed=0,
+        sequence_parallel=False,
+        experts=(),
+        routers=(),
+        precision="fp32",
+        activation_checkpointing="none",
+        compile=False,
+    )
+    model, report = build_parallel_model(spec, dims, mesh, torch.device("cpu"), convert=_adapted)
+    return model, report, mesh
+
+
+def placements_state_and_plan(rank, world_size):
+    model, report, mesh = _build(world_size)
+    attention = model.model.layers[0].self_attn
+    placed = {}
+    for short, module in (("q", attention.q_proj), ("o", attention.o_proj)):
+        for adapter in ("lora_A", "lora_B"):
+            weight = getattr(module, adapter).weight
+            placed[f"{short}.{adapter}"] = (
+                weight.placements if isinstance(weight, DTensor) else "plain"
+            )
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=1e-2)
+    tokens = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
+    forward_backward(model, tokens, tokens.clone(), tokens.numel(), loss_chunk_tokens=0)
+    finalize_dtensor_gradients([model])
+    synchronize_tp_replica_gradients([model], mesh)
+    clip_grad_norm_([model], 1.0)
+    optimizer.step()
+    local = [
+        v.to_local() if isinstance(v, DTensor) else v
+        for s in optimizer.state.values()
+        for v in s.values()
+    ]
+    moments = sum(t.numel() * t.element_size() for t in local if t.dim() > 0)
+    layout = Layout(
+        tp=world_size, dp=1, ep=1, cp=1, micro_batch_size=2, activation_checkpointing="none"
+    )
+    step = Step(
+        seq_len=16,
+        global_batch_size=2,
+        precision="fp32",
+        sequence_parallel=False,
+        optimizer_moments=2,
+        device_type="cpu",
+        runtime_gib=0.0,
+        loss_chunk_tokens=0,
+        packing=False,
+    )
+    planned = estimate_memory(model, CONFIG, layout, step).optimizer * GIB
+    replicated = {k: v for k, v in report.replicated.items() if ".lora_" in k}
+    return placed, moments, planned, replicated, len(optimizer.state) == len(trained)
+
+
+def test_adapters_are_placed_by_the_base_style_and_the_optimizer_holds_theirs_alone(ranks2):
+    for placed, moments, planned, replicated, every_trained in ranks2.run(
+        placements_state_and_plan
+    ):
+        assert placed == {
+            "q.lora_A": "plain",  # colwise base: A whole on every rank, B by rows
+            "q.lora_B": (Shard(0),),
+            "o.lora_A": (Shard(1),),  # rowwise base: A by columns, B whole
+            "o.lora_B": "plain",
+        }
+        assert moments == planned  # exact: AdamW's two moments of the local adapter shards
+        assert every_trained
+        assert replicated["model.layers.0.self_attn.q_proj.lora_A.weight"] == "sum"
+        assert replicated["model.layers.0.self_attn.o_proj.lora_B.weight"] == "mean"
+        assert len(replicated) == 2 * 7 * 2 // 2  # one replicated adapter per projection
+
+
+def adapters_built_and_loaded(rank, world_size, folder):
+    built, _, _ = _build(world_size)
+    loaded, _, _ = _build(world_size, weights=folder)
+    differing = []
+    for (name, ours), (_, theirs) in zip(
+        built.state_dict().items(), loaded.state_dict().items(), strict=True
+    ):
+        a = ours.to_local() if isinstance(ours, DTensor) else ours
+        b = theirs.to_local() if isinstance(theirs, DTensor) else theirs
+        if not torch.equal(a, b):
+            differing.append(name)
+    lora_a = loaded.model.layers[1].mlp.down_proj.lora_A.weight
+    return differing, isinstance(lora_a, DTensor) and lora_a.placements == (Shard(1),), rank
+
+
+def test_a_model_loaded_on_meta_gets_the_adapters_of_one_built_with_its_weights(ranks2, tmp_path):
+    build_causal_lm(CONFIG, seed=0).save_pretrained(tmp_path)
+    results = ranks2.run(adapters_built_and_loaded, tmp_path)
+    assert results == [([], True, 0), ([], True, 1)]

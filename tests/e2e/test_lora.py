@@ -1,0 +1,89 @@
+"""``peft=lora`` through the command line: tp=2 and dp=2 × tp=2 with sp equal the tp=1 run step by
+step; a resume at another tp equals the uninterrupted run; the optimizer holds the adapters' state
+alone; the adapter export loads with peft, and the merged export is base + alpha/r · B·A."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file
+from torch.distributed.checkpoint import FileSystemReader
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from components.checkpoint.dcp import checkpoint_path
+from components.models import build_causal_lm
+from tests.e2e.test_recipe_training import metrics, recipe
+
+LORA = ["peft=lora", "peft.rank=4", "peft.alpha=8.0", "optim.lr=1e-2"]
+TP2 = ["tp=2", "checkpoint.export=true", "peft.merge=true"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("lora")
+    layouts = {"tp1": ["tp=1"], "tp2": TP2, "dp2_tp2_sp": ["tp=2", "dp=2", "sp=true"]}
+    for name, overrides in layouts.items():
+        recipe(root / name, *LORA, *overrides)
+    return {name: root / name for name in layouts}
+
+
+@pytest.mark.parametrize("name", ["tp2", "dp2_tp2_sp"])
+def test_parallel_lora_runs_match_tp1_step_by_step(runs, name):
+    reference = metrics(runs["tp1"])
+    assert reference[-1]["loss"] < reference[0]["loss"]
+    for ours, theirs in zip(metrics(runs[name]), reference, strict=True):
+        assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
+        assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
+
+
+def test_resume_at_another_tp_equals_the_uninterrupted_run_with_adapter_state_alone(runs, tmp_path):
+    interrupted = tmp_path / "interrupted"
+    recipe(interrupted, *LORA, "tp=2", "checkpoint.every_steps=3", "train.stop_after=3")
+    saved = FileSystemReader(checkpoint_path(interrupted / "checkpoints", 3)).read_metadata()
+    state = {k: v for k, v in saved.state_dict_metadata.items() if k.startswith("optim.state.")}
+    saved_model = {k: v for k, v in saved.state_dict_metadata.items() if k.startswith("model.")}
+    adapters = {k: v for k, v in saved_model.items() if ".lora_" in k}
+    moments = [k for k in state if k.endswith(("exp_avg", "exp_avg_sq"))]
+    assert moments and all(".lora_" in k for k in state)  # no state for the frozen base
+    numel = sum(state[k].size.numel() for k in moments)
+    assert numel == 2 * sum(v.size.numel() for v in adapters.values())  # AdamW's two moments
+    assert len(adapters) < len(saved_model)  # the frozen base is saved too
+
+    resumed = recipe(interrupted, *LORA, "tp=1", "checkpoint.resume=auto")
+    uninterrupted = metrics(runs["tp1"])
+    for ours, theirs in zip(resumed[3:], uninterrupted[3:], strict=True):
+        assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
+
+
+def test_adapter_export_loads_with_peft_and_the_merged_export_is_base_plus_scaled_ba(runs):
+    folder = runs["tp2"]
+    config = AutoConfig.from_pretrained(folder / "hf")
+    adapters = load_file(folder / "adapter" / "adapter_model.safetensors")
+    assert json.loads((folder / "adapter" / "adapter_config.json").read_text())["r"] == 4
+    ids = torch.arange(1, 40)[None]
+    with torch.no_grad():
+        loaded = PeftModel.from_pretrained(build_causal_lm(config, seed=0), folder / "adapter")
+        merged = AutoModelForCausalLM.from_pretrained(folder / "hf")
+        torch.testing.assert_close(
+            loaded(input_ids=ids).logits, merged(input_ids=ids).logits, rtol=1e-5, atol=1e-5
+        )
+    base = build_causal_lm(config, seed=0).state_dict()
+    exported = merged.state_dict()
+    for name, weight in base.items():
+        prefix = f"base_model.model.{name.removesuffix('.weight')}"
+        if f"{prefix}.lora_A.weight" not in adapters:
+            assert torch.equal(exported[name], weight), name  # frozen: bitwise the source's
+            continue
+        delta = adapters[f"{prefix}.lora_B.weight"] @ adapters[f"{prefix}.lora_A.weight"]
+        torch.testing.assert_close(exported[name], weight + 2.0 * delta, rtol=1e-6, atol=1e-6)
+
+
+def test_lora_on_a_pretrained_folder_loads_it_on_meta_and_names_it_in_the_adapter(runs, tmp_path):
+    folder = runs["tp2"] / "hf"
+    pretrained = ["model=pretrained", f"model.pretrained_path={folder}", "checkpoint.export=true"]
+    records = recipe(tmp_path / "pretrained", *LORA, *pretrained, "tp=2", "train.max_steps=2")
+    assert len(records) == 2
+    config = json.loads((tmp_path / "pretrained" / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(folder)
