@@ -8,9 +8,11 @@ runs the script as ``__main__`` (``runpy.run_path``, as ``python script.py`` doe
 atexit handlers, and exits with the script's status: the caller sees its pid, signals and status as
 a subprocess's. Variables read only after start-up (``LATE_ENVIRONMENT``) may differ from the
 zygote's; any other difference gets its own zygote, so import-time reads (``HF_HOME``,
-``OMP_NUM_THREADS``) stay true. Anything else (``torchrun``, ``python -X ...``, ``python -c``) runs
-as a real subprocess. The zygote only imports, never runs torch work: a fork cannot inherit an
-OpenMP pool's locks.
+``OMP_NUM_THREADS``) stay true. torchrun (``python -m torch.distributed.run``) runs warm only in
+an environment from :func:`warm_torchrun_environment`, where its workers start warm as well (through
+its ``PYTHON_EXEC``); anything else (``python -X ...``, ``python -c``) runs as a real subprocess.
+The zygote only imports, never runs torch work: a fork cannot inherit an OpenMP pool's locks, nor a
+store thread's resolver lock.
 """
 
 import os
