@@ -2,8 +2,8 @@
 
 A family names its config class (imported only when asked for: reading the table imports nothing
 heavy), its tensor-parallel plan (module patterns to style names, applied by
-``components.distributed.tp_plan``), its MoE expert and router modules (none for a dense model)
-and, for an MoE family, how its checkpoints store each expert (read by ``models.checkpoint``).
+``components.distributed.tp_plan``) and its MoE expert and router modules (none for a dense model).
+How checkpoints store each expert is transformers' own conversion rules' (``models.checkpoint``).
 ``conf/model/*.yaml`` names a family and leaves ``experts``/``routers`` null to take them from here.
 """
 
@@ -73,8 +73,6 @@ class Family:
     )
     experts: tuple[str, ...] = ()  # MoE expert modules (patterns), split across ep ranks
     routers: tuple[str, ...] = ()  # MoE routers (patterns): replicated, never sharded by the plan
-    # On disk, one tensor per expert: (the MoE block's name, the gate, up and down weight names).
-    per_expert_checkpoint: tuple[str, str, str, str] | None = None
 
     @property
     def moe(self) -> bool:
@@ -97,7 +95,6 @@ FAMILIES: Mapping[str, Family] = MappingProxyType(
             sequence_parallel_plan=_SEQUENCE_PARALLEL_MOE,
             experts=_FUSED_EXPERTS,
             routers=_ROUTERS,
-            per_expert_checkpoint=("mlp", "gate_proj", "up_proj", "down_proj"),
         ),
         "mixtral": Family(
             config_name="MixtralConfig",
@@ -105,7 +102,6 @@ FAMILIES: Mapping[str, Family] = MappingProxyType(
             sequence_parallel_plan=_SEQUENCE_PARALLEL_MOE,
             experts=_FUSED_EXPERTS,
             routers=_ROUTERS,
-            per_expert_checkpoint=("block_sparse_moe", "w1", "w3", "w2"),
         ),
     }
 )
