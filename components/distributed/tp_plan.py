@@ -2,7 +2,8 @@
 (one per family, ``components.models.families.plan_for``): ``fnmatch`` module-name patterns (``*``
 for a layer index) mapped to style names of HF's ``base_model_tp_plan``:
 
-- ``colwise`` / ``rowwise``: Megatron-style pairs; ``embedding_rowwise``: vocab-parallel embedding.
+- ``colwise`` / ``rowwise``: Megatron-style pairs; ``embedding_rowwise``: vocab-parallel embedding;
+  ``rowwise_split_input`` (HF's): rowwise on an input whole on every rank.
 - ``vocab_parallel`` (ours) / ``colwise_gather_output`` (HF's): an ``lm_head`` whose logits stay
   sharded over the vocabulary / are gathered.
 - ``sequence_parallel``: norms run on sequence shards.
@@ -98,6 +99,11 @@ def _style(name: str, sequence_parallel: bool) -> ParallelStyle | None:
             input_layouts=(tokens,), desired_input_layouts=(Replicate(),), use_local_output=False
         ),
         "rowwise": lambda: RowwiseParallel(output_layouts=tokens, use_local_output=local_output),
+        # HF's: rowwise on an input whole on every rank (after colwise_gather_output), split here
+        # at no communication cost.
+        "rowwise_split_input": lambda: RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=tokens, use_local_output=local_output
+        ),
         "embedding_rowwise": lambda: RowwiseParallel(
             input_layouts=Replicate(), output_layouts=tokens, use_local_output=local_output
         ),
@@ -221,6 +227,17 @@ def check_plan(
     return resolved, errors
 
 
+def _vocabulary_modules(model: nn.Module) -> set[str]:
+    """The names of the embedding and the head (a module with neither: every module, so a vocab
+    style anywhere counts as theirs)."""
+    ends = [
+        getattr(model, f"get_{kind}_embeddings", lambda: None)() for kind in ("input", "output")
+    ]
+    if all(end is None for end in ends):
+        return {name for name, _ in model.named_modules()}
+    return {name for name, module in model.named_modules() if any(module is e for e in ends)}
+
+
 def apply_tp_plan(
     model: nn.Module,
     tp_mesh: DeviceMesh,
@@ -247,8 +264,9 @@ def apply_tp_plan(
         report.notes.append(
             f"vocab_size ({vocab}) is not divisible by tp ({tp}): embedding and lm_head replicated"
         )
+        vocabulary = _vocabulary_modules(model)
         resolved = {
-            name: "replicate" if style in _VOCAB_STYLES else style
+            name: "replicate" if style in _VOCAB_STYLES and name in vocabulary else style
             for name, style in resolved.items()
         }
 

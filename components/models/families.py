@@ -7,6 +7,7 @@ How checkpoints store each expert is transformers' own conversion rules' (``mode
 ``conf/model/*.yaml`` names a family and leaves ``experts``/``routers`` null to take them from here.
 """
 
+import fnmatch
 import importlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -108,16 +109,33 @@ FAMILIES: Mapping[str, Family] = MappingProxyType(
 
 
 def moe_patterns(
-    model_type: str | None, experts: Sequence[str] | None, routers: Sequence[str] | None
+    config: "PretrainedConfig", experts: Sequence[str] | None, routers: Sequence[str] | None
 ) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(expert patterns, router patterns) of a model: each as given, or (None) its family's from
-    the table; none for a model type the table does not hold."""
-    family = FAMILIES.get(model_type or "")
-    default_experts, default_routers = (family.experts, family.routers) if family else ((), ())
+    the table, else found from the structure of a meta-device build of ``config``
+    (``components.moe.structure``); none for a dense model."""
+    if experts is None or routers is None:
+        family = FAMILIES.get(config.model_type)
+        found = (family.experts, family.routers) if family else _structure(config)
     return (
-        tuple(default_experts if experts is None else experts),
-        tuple(default_routers if routers is None else routers),
+        tuple(found[0] if experts is None else experts),
+        tuple(found[1] if routers is None else routers),
     )
+
+
+_FOUND: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
+
+
+def _structure(config: "PretrainedConfig") -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The experts and routers a model of ``config`` has (built on the meta device once per
+    config)."""
+    from components.models.build import meta_causal_lm
+    from components.moe.structure import find_moe_modules
+
+    key = config.to_json_string()
+    if key not in _FOUND:
+        _FOUND[key] = find_moe_modules(meta_causal_lm(config))
+    return _FOUND[key]
 
 
 def plan_for(config, sequence_parallel: bool = False, model=None) -> dict[str, str]:
@@ -136,8 +154,7 @@ def plan_for(config, sequence_parallel: bool = False, model=None) -> dict[str, s
     if family is not None:
         plan = dict(family.plan)
     elif getattr(config, "base_model_tp_plan", None):
-        plan = {f"model.{pattern}": style for pattern, style in config.base_model_tp_plan.items()}
-        plan |= {"model.embed_tokens": "embedding_rowwise", "lm_head": "vocab_parallel"}
+        plan = _own_plan(config, model)
     elif model is not None:
         from components.models.derived_plan import derive_plan
 
@@ -155,6 +172,37 @@ def plan_for(config, sequence_parallel: bool = False, model=None) -> dict[str, s
         norms = sequence_parallel_norms(model)
         plan = {k: v for k, v in plan.items() if v != "sequence_parallel" or not norms} | norms
     return plan
+
+
+def _own_plan(config, model=None) -> dict[str, str]:
+    """The model's own plan (``base_model_tp_plan``) in our names, less its entries for the MoE
+    experts (split by expert parallelism, as in every family of the table) and, given the
+    ``model``, less its :func:`unbuilt_patterns`; the embedding and head as in every plan."""
+    plan = {
+        f"model.{pattern}": style
+        for pattern, style in config.base_model_tp_plan.items()
+        if not _in_experts(config, f"model.{pattern}")
+    }
+    unbuilt = unbuilt_patterns(config, model) if model is not None else []
+    plan = {pattern: style for pattern, style in plan.items() if pattern not in unbuilt}
+    return plan | {"model.embed_tokens": "embedding_rowwise", "lm_head": "vocab_parallel"}
+
+
+def unbuilt_patterns(config, model) -> list[str]:
+    """The patterns of the model's own plan (``base_model_tp_plan``, experts aside) that match no
+    module of ``model`` (a meta-device build is enough): written for layer kinds its config does
+    not build, such as Qwen2-MoE's dense MLP when every layer is sparse. Left out, with a note."""
+    if config.model_type in FAMILIES or not getattr(config, "base_model_tp_plan", None):
+        return []
+    names = [name for name, _ in model.named_modules() if name]
+    patterns = [f"model.{pattern}" for pattern in config.base_model_tp_plan]
+    return [p for p in patterns if not _in_experts(config, p) and not fnmatch.filter(names, p)]
+
+
+def _in_experts(config, pattern: str) -> bool:
+    """Whether a plan pattern names an experts module of the model, or something inside one."""
+    experts, _ = moe_patterns(config, None, None)
+    return any(pattern == e or pattern.startswith(f"{e}.") for e in experts)
 
 
 def plan_is_derived(config) -> bool:

@@ -37,6 +37,15 @@ from components.moe.collectives import (
 
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
 DISPATCH_MODES = ("folded", "all_to_all")
+# transformers' experts flags (``use_experts_implementation``) whose other value this module's
+# forward does not compute: (attribute, the value it computes, what the other value means).
+_OTHER_FORMS = (
+    ("is_transposed", False, "transposed weights"),
+    ("has_bias", False, "biases"),
+    ("is_concatenated", True, "interleaved gate and up rows"),
+    ("has_gate", True, "no gate"),
+    ("has_post_expert_norm", False, "a norm after each expert"),
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -287,11 +296,20 @@ def check_expert_parallel(
                 f"model.experts pattern {pattern!r} matches no module of {type(model).__name__}"
             )
     for name in modules:
-        missing = [p for p in EXPERT_PARAMETERS if not hasattr(model.get_submodule(name), p)]
+        module = model.get_submodule(name)
+        missing = [p for p in EXPERT_PARAMETERS if not hasattr(module, p)]
+        forms = [
+            what for flag, plain, what in _OTHER_FORMS if getattr(module, flag, plain) != plain
+        ]
         if missing:
             errors.append(
                 f"{name} has no fused expert parameters {missing}: not a transformers 5 experts "
                 "module"
+            )
+        elif forms:
+            errors.append(
+                f"{name} ({type(module).__name__}) has {', '.join(forms)}: expert parallelism "
+                "of such experts is not supported yet; use ep=1"
             )
     if num_experts % ep:
         errors.append(f"ep ({ep}) must divide the number of experts ({num_experts})")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
+from transformers import Phi3Config
 
 from components.distributed.tp_plan import check_plan
 from components.models import meta_causal_lm, tiny_config
@@ -73,10 +74,14 @@ def test_experts_and_routers_match_modules_and_only_moe_families_have_them(model
 
 def test_null_patterns_are_the_familys_and_a_list_overrides_them():
     experts, routers = FAMILIES["mixtral"].experts, FAMILIES["mixtral"].routers
-    assert moe_patterns("mixtral", None, None) == (experts, routers)
-    assert moe_patterns("mixtral", ["model.layers.*.moe.e"], []) == (("model.layers.*.moe.e",), ())
-    assert moe_patterns("llama", None, None) == ((), ())
-    assert moe_patterns("phi3", None, None) == ((), ())  # not in the table: a dense model
+    mixtral = family_config("mixtral")
+    assert moe_patterns(mixtral, None, None) == (experts, routers)
+    assert moe_patterns(mixtral, ["model.layers.*.moe.e"], []) == (("model.layers.*.moe.e",), ())
+    assert moe_patterns(family_config("llama"), None, None) == ((), ())
+    phi3 = Phi3Config(
+        **{**TINY, "vocab_size": 256}, pad_token_id=0
+    )  # not in the table: dense, from structure
+    assert moe_patterns(phi3, None, None) == ((), ())
 
 
 def test_the_table_cannot_be_changed_in_place():
