@@ -34,6 +34,7 @@ from components.moe.collectives import (
     scatter_rows,
     sum_over_group,
 )
+from components.moe.structure import takes_routing
 
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
 DISPATCH_MODES = ("folded", "all_to_all")
@@ -305,6 +306,11 @@ def check_expert_parallel(
             errors.append(
                 f"{name} has no fused expert parameters {missing}: not a transformers 5 experts "
                 "module"
+            )
+        elif not takes_routing(module):
+            errors.append(
+                f"{name} ({type(module).__name__}) takes its tokens already routed: expert "
+                "parallelism of such experts is not supported yet; use ep=1"
             )
         elif forms:
             errors.append(

@@ -5,8 +5,10 @@ expert: ``gate_up_proj``, ``down_proj``; GPT-OSS and Llama 4 likewise), called b
 ``experts(hidden_states, top_k_index, top_k_weights)``. The router is that block's child whose
 ``weight`` has one row per expert (``gate`` in Qwen2-MoE, OLMoE, DeepSeek-V3; ``router`` in
 Granite-MoE, GPT-OSS). Patterns name them with ``*`` for the layer index, as the family table does.
+Llama 4's experts are found too, but take their tokens already routed (:func:`takes_routing`).
 """
 
+import inspect
 import re
 
 from torch import nn
@@ -20,6 +22,13 @@ def _is_experts(module: nn.Module) -> bool:
 def experts_count(module: nn.Module) -> int:
     """How many experts an experts module holds (the first dimension of its 3-D parameters)."""
     return next(p.shape[0] for p in module.parameters(recurse=False) if p.dim() == 3)
+
+
+def takes_routing(module: nn.Module) -> bool:
+    """Whether an experts module is called with the routing (``hidden_states, top_k_index,
+    top_k_weights``), as transformers' experts interface is, rather than with tokens already routed
+    (Llama 4's ``experts(hidden_states)``)."""
+    return len(inspect.signature(module.forward).parameters) >= 3
 
 
 def _router(block: nn.Module, experts_name: str, experts: int) -> str | None:
