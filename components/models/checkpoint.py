@@ -334,12 +334,6 @@ def _conversions(model: nn.Module) -> list:
     return get_model_conversion_mapping(model, add_legacy=True)
 
 
-def _describe_operations(converter: WeightConverter) -> str:
-    return ", ".join(
-        f"{type(op).__name__}(dim={getattr(op, 'dim', '?')})" for op in converter.operations
-    )
-
-
 def _is_expert_merge(converter: WeightConverter, parts: int) -> bool:
     """Whether ``converter`` stacks per-expert tensors (``MergeModulelist(dim=0)``) and, for
     several source patterns, concatenates the stacks along their rows (``Concatenate(dim=1)``):
@@ -409,11 +403,12 @@ class StoredLayout:
         parts = [keys[pattern] for pattern in converter.source_patterns if pattern in keys]
         stored = " + ".join(f"{part[0]} (and {len(part) - 1} more)" for part in parts)
         if not _is_expert_merge(converter, len(parts)):
+            operations = ", ".join(map(repr, converter.operations))
             raise UnsupportedLayout(
-                f"{name} is stored as {stored}, which transformers converts with "
-                f"{_describe_operations(converter)}: that checkpoint layout of model type "
-                f"{self.model_type!r} is not supported yet (shardtune reads per-expert tensors "
-                "merged by MergeModulelist(dim=0), then Concatenate(dim=1))"
+                f"{name} is stored as {stored}, which transformers converts with {operations}: "
+                f"that checkpoint layout of model type {self.model_type!r} is not supported yet "
+                "(shardtune reads per-expert tensors merged by MergeModulelist(dim=0), then "
+                "Concatenate(dim=1))"
             )
         if len(parts) != len(converter.source_patterns) or len({len(p) for p in parts}) != 1:
             counts = " but ".join(
