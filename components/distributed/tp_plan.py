@@ -18,6 +18,7 @@ Everything is checked before any parameter is sharded, and all problems are repo
 import fnmatch
 import re
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +29,6 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
-    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -43,19 +43,33 @@ _VOCAB_STYLES = ("embedding_rowwise", "vocab_parallel", "colwise_gather_output")
 
 
 class _GatherSequence(ParallelStyle):
-    """A block that needs whole tokens (an MoE block) inside a sequence-parallel model: all-gather
-    its input sequence, run it on plain replicated tensors, hand back sequence shards."""
+    """A sublayer that needs whole tokens (an MoE block, or one the plan leaves replicated) inside a
+    sequence-parallel model: every DTensor among its inputs, positional or keyword, is gathered
+    into a plain replicated tensor; its output (a tuple's first item) goes back as sequence shards.
+    Plan entries inside it take their styles without sequence parallelism."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        PrepareModuleInput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
-        )._apply(module, device_mesh)
-        PrepareModuleOutput(
-            output_layouts=(Replicate(),),
-            desired_output_layouts=(Shard(1),),
-            use_local_output=False,
-        )._apply(module, device_mesh)
+        module.register_forward_pre_hook(_gather_inputs, with_kwargs=True)
+        module.register_forward_hook(partial(_shard_output, device_mesh))
         return module
+
+
+def _whole(value):
+    if isinstance(value, DTensor):
+        return value.redistribute(value.device_mesh, [Replicate()]).to_local()
+    return value
+
+
+def _gather_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    return tuple(map(_whole, args)), {key: _whole(value) for key, value in kwargs.items()}
+
+
+def _shard_output(mesh: DeviceMesh, module: nn.Module, args: tuple, output):
+    def shards(tensor: torch.Tensor) -> DTensor:
+        whole = DTensor.from_local(tensor, mesh, [Replicate()], run_check=False)
+        return whole.redistribute(mesh, [Shard(1)])
+
+    return (shards(output[0]), *output[1:]) if isinstance(output, tuple) else shards(output)
 
 
 HEAD_COUNTS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads")
@@ -270,11 +284,13 @@ def apply_tp_plan(
             for name, style in resolved.items()
         }
 
+    gathered = [name for name, style in resolved.items() if style == "gather_sequence"]
     for name, style in sorted(resolved.items()):
         module = model.get_submodule(name)
         if style == "replicated_with_grad_allreduce":
             mark_tp_replica_gradient_reduction(module, "sum")
-        torch_style = _style(style, sequence_parallel)
+        inside = any(name.startswith(f"{outer}.") for outer in gathered)  # on whole tokens
+        torch_style = _style(style, sequence_parallel and not inside)
         if torch_style is not None:
             parallelize_module(module, tp_mesh, torch_style)
     if tied and hasattr(model, "lm_head"):

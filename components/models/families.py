@@ -143,8 +143,10 @@ def plan_for(config, sequence_parallel: bool = False, model=None) -> dict[str, s
     (``base_model_tp_plan``), else (given the ``model``, a meta-device build is enough) one derived
     from its structure (``components.models.derived_plan``), in the style names of
     ``components.distributed.tp_plan``. Under sequence parallelism, given the ``model``, every
-    norm on its residual stream is found from the structure (``sequence_parallel_norms``);
-    without it, :data:`SEQUENCE_PARALLEL_NORMS` names them.
+    norm on its residual stream is found from the structure (``sequence_parallel_norms``), and
+    outside the table every MoE block and every sublayer the plan leaves replicated gathers the
+    sequence; without it,
+    :data:`SEQUENCE_PARALLEL_NORMS` names the norms.
 
     Raises:
         ValueError: for a model with no plan, none given or derivable (the modules it cannot
@@ -171,7 +173,20 @@ def plan_for(config, sequence_parallel: bool = False, model=None) -> dict[str, s
 
         norms = sequence_parallel_norms(model)
         plan = {k: v for k, v in plan.items() if v != "sequence_parallel" or not norms} | norms
+        if family is None:  # MoE blocks and unplanned sublayers run on whole tokens, by name
+            from components.models.derived_plan import unplanned_sublayers
+
+            gathered = [*moe_blocks(config, model), *unplanned_sublayers(model, plan)]
+            plan |= dict.fromkeys(gathered, "gather_sequence")
     return plan
+
+
+def moe_blocks(config, model) -> list[str]:
+    """The names of the modules that hold the experts (the MoE blocks, which route whole tokens)."""
+    from components.moe.expert_parallel import expert_modules
+
+    experts, _ = moe_patterns(config, None, None)
+    return sorted({name.rpartition(".")[0] for name in expert_modules(model, list(experts))})
 
 
 def _own_plan(config, model=None) -> dict[str, str]:
