@@ -258,7 +258,7 @@ def resolve_model(
     if dims is not None:
         found += plan_problems(settings, dims, config, meta)
         try:
-            experts, _ = moe_patterns(config.model_type, model.experts, model.routers)
+            experts, _ = moe_patterns(config, model.experts, model.routers)
             check_compile(settings.train.compile, device_type, bool(experts), dims.tp, settings.sp)
         except ValueError as error:
             found.append(Problem(key="train.compile", message=str(error)))
@@ -314,10 +314,11 @@ def plan_problems(settings: Config, dims: ParallelDims, config, meta) -> list[Pr
     from components.distributed.context_parallel import attention_problems
     from components.distributed.tp_plan import check_plan, tp_size_errors
     from components.models.families import plan_for
-    from components.moe import check_expert_parallel
+    from components.moe import check_expert_parallel, expert_modules
+    from components.moe.structure import experts_count
 
     model, found = settings.model, []
-    experts, routers = moe_patterns(config.model_type, model.experts, model.routers)
+    experts, routers = moe_patterns(config, model.experts, model.routers)
     found += [] if experts else problems("moe", settings.moe.dense_errors(model.name))
     if experts and dims.cp > 1:
         moe = f"cp={dims.cp} with an MoE model (model={model.name}) is not supported yet: use cp=1"
@@ -332,9 +333,8 @@ def plan_problems(settings: Config, dims: ParallelDims, config, meta) -> list[Pr
             found.append(Problem(key="model", message=str(error)))
         found += with_tp_suggestion(problems("tp", tp_size_errors(config, dims.tp)), config)
     if dims.ep > 1:
-        num_experts = getattr(config, "num_experts", None) or getattr(
-            config, "num_local_experts", 0
-        )
+        modules = expert_modules(meta, list(experts))
+        num_experts = experts_count(meta.get_submodule(modules[0])) if modules else 0
         found += problems("ep", check_expert_parallel(meta, list(experts), num_experts, dims.ep))
     return found
 

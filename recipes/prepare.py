@@ -131,7 +131,7 @@ def model_spec(settings: Config, config, weights: Path | None) -> ModelSpec:
 
     model, train = settings.model, settings.train
     # model.experts or model.routers null: the family's patterns
-    experts, routers = moe_patterns(config.model_type, model.experts, model.routers)
+    experts, routers = moe_patterns(config, model.experts, model.routers)
     return ModelSpec(
         config=config,
         weights=weights,

@@ -2,7 +2,8 @@
 (one per family, ``components.models.families.plan_for``): ``fnmatch`` module-name patterns (``*``
 for a layer index) mapped to style names of HF's ``base_model_tp_plan``:
 
-- ``colwise`` / ``rowwise``: Megatron-style pairs; ``embedding_rowwise``: vocab-parallel embedding.
+- ``colwise`` / ``rowwise``: Megatron-style pairs; ``embedding_rowwise``: vocab-parallel embedding;
+  ``rowwise_split_input`` (HF's): rowwise on an input whole on every rank.
 - ``vocab_parallel`` (ours) / ``colwise_gather_output`` (HF's): an ``lm_head`` whose logits stay
   sharded over the vocabulary / are gathered.
 - ``sequence_parallel``: norms run on sequence shards.
@@ -17,6 +18,7 @@ Everything is checked before any parameter is sharded, and all problems are repo
 import fnmatch
 import re
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +29,6 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
-    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -42,19 +43,33 @@ _VOCAB_STYLES = ("embedding_rowwise", "vocab_parallel", "colwise_gather_output")
 
 
 class _GatherSequence(ParallelStyle):
-    """A block that needs whole tokens (an MoE block) inside a sequence-parallel model: all-gather
-    its input sequence, run it on plain replicated tensors, hand back sequence shards."""
+    """A sublayer that needs whole tokens (an MoE block, or one the plan leaves replicated) inside a
+    sequence-parallel model: every DTensor among its inputs, positional or keyword, is gathered
+    into a plain replicated tensor; its output (a tuple's first item) goes back as sequence shards.
+    Plan entries inside it take their styles without sequence parallelism."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        PrepareModuleInput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
-        )._apply(module, device_mesh)
-        PrepareModuleOutput(
-            output_layouts=(Replicate(),),
-            desired_output_layouts=(Shard(1),),
-            use_local_output=False,
-        )._apply(module, device_mesh)
+        module.register_forward_pre_hook(_gather_inputs, with_kwargs=True)
+        module.register_forward_hook(partial(_shard_output, device_mesh))
         return module
+
+
+def _whole(value):
+    if isinstance(value, DTensor):
+        return value.redistribute(value.device_mesh, [Replicate()]).to_local()
+    return value
+
+
+def _gather_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    return tuple(map(_whole, args)), {key: _whole(value) for key, value in kwargs.items()}
+
+
+def _shard_output(mesh: DeviceMesh, module: nn.Module, args: tuple, output):
+    def shards(tensor: torch.Tensor) -> DTensor:
+        whole = DTensor.from_local(tensor, mesh, [Replicate()], run_check=False)
+        return whole.redistribute(mesh, [Shard(1)])
+
+    return (shards(output[0]), *output[1:]) if isinstance(output, tuple) else shards(output)
 
 
 HEAD_COUNTS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads")
@@ -98,6 +113,11 @@ def _style(name: str, sequence_parallel: bool) -> ParallelStyle | None:
             input_layouts=(tokens,), desired_input_layouts=(Replicate(),), use_local_output=False
         ),
         "rowwise": lambda: RowwiseParallel(output_layouts=tokens, use_local_output=local_output),
+        # HF's: rowwise on an input whole on every rank (after colwise_gather_output), split here
+        # at no communication cost.
+        "rowwise_split_input": lambda: RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=tokens, use_local_output=local_output
+        ),
         "embedding_rowwise": lambda: RowwiseParallel(
             input_layouts=Replicate(), output_layouts=tokens, use_local_output=local_output
         ),
@@ -225,6 +245,17 @@ def check_plan(
     return resolved, errors
 
 
+def _vocabulary_modules(model: nn.Module) -> set[str]:
+    """The names of the embedding and the head (a module with neither: every module, so a vocab
+    style anywhere counts as theirs)."""
+    ends = [
+        getattr(model, f"get_{kind}_embeddings", lambda: None)() for kind in ("input", "output")
+    ]
+    if all(end is None for end in ends):
+        return {name for name, _ in model.named_modules()}
+    return {name for name, module in model.named_modules() if any(module is e for e in ends)}
+
+
 def apply_tp_plan(
     model: nn.Module,
     tp_mesh: DeviceMesh,
@@ -251,16 +282,19 @@ def apply_tp_plan(
         report.notes.append(
             f"vocab_size ({vocab}) is not divisible by tp ({tp}): embedding and lm_head replicated"
         )
+        vocabulary = _vocabulary_modules(model)
         resolved = {
-            name: "replicate" if style in _VOCAB_STYLES else style
+            name: "replicate" if style in _VOCAB_STYLES and name in vocabulary else style
             for name, style in resolved.items()
         }
 
+    gathered = [name for name, style in resolved.items() if style == "gather_sequence"]
     for name, style in sorted(resolved.items()):
         module = model.get_submodule(name)
         if style == "replicated_with_grad_allreduce":
             mark_tp_replica_gradient_reduction(module, "sum")
-        torch_style = _style(style, sequence_parallel)
+        inside = any(name.startswith(f"{outer}.") for outer in gathered)  # on whole tokens
+        torch_style = _style(style, sequence_parallel and not inside)
         # torch's SequenceParallel makes new parameters that require grad: a frozen one stays so
         frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
         if hasattr(module, "parallelize_tp"):  # a module that places its own extras (LoRA)

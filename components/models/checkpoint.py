@@ -5,12 +5,12 @@ The files are read with ``pread`` from their safetensors headers, not memory-map
 peak RSS during a load is about its shard, not the checkpoint. A box is read straight into its
 tensor where its rows are whole, else through a scratch of at most 16 MiB of whole rows.
 
-Most tensors are stored under the model's own parameter name. Two exceptions (transformers 5.23):
-
-- Fused experts (Qwen3-MoE, Mixtral: ``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``) are
-  stored one 2-D tensor per expert; a slice of a fused parameter is assembled from their slices.
-- Tied weights (``tie_word_embeddings``): a checkpoint stores one of the pair (SmolLM2 stores
-  ``model.embed_tokens.weight``); the other name reads the same tensor.
+Where each model tensor is stored (:class:`StoredLayout`) is what transformers' own
+``from_pretrained`` finds: its checkpoint conversion rules for the model (``conversion_mapping``:
+renamings, and converters such as per-expert tensors merged into fused experts) run over the stored
+names. A merge of per-expert tensors is read box by box (:class:`StackedExperts`); a conversion we
+cannot slice is refused by name. Tied weights (``tie_word_embeddings``): a checkpoint stores one of
+the pair; the other name reads the same tensor.
 
 Design notes: docs/design-notes.md
 """
@@ -18,21 +18,28 @@ Design notes: docs/design-notes.md
 import json
 import math
 import os
-import re
 import struct
+from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import torch
-
-from components.models.families import FAMILIES
+from torch import nn
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import (
+    Concatenate,
+    MergeModulelist,
+    WeightConverter,
+    WeightRenaming,
+    dot_natural_key,
+    rename_source_key,
+)
+from transformers.modeling_utils import PreTrainedModel
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-
-_FUSED_EXPERTS = re.compile(r"^(?P<layer>.+)\.mlp\.experts\.(?P<which>gate_up_proj|down_proj)$")
 
 Box = tuple[int, ...]
 
@@ -150,6 +157,10 @@ class Checkpoint:
 
     def __contains__(self, key: str) -> bool:
         return key in self._file_of
+
+    def keys(self) -> list[str]:
+        """Every stored tensor's name."""
+        return list(self._file_of)
 
     def _stored(self, key: str) -> tuple[int, _Stored]:
         file = self._file_of[key]
@@ -310,42 +321,102 @@ class StackedExperts:
         return torch.stack(stacked)
 
 
-def find_source(
-    checkpoint: Checkpoint,
-    name: str,
-    model_shape: Box,
-    model_type: str | None,
-    tied: Mapping[str, str],
-) -> TensorSource:
-    """Where the model tensor ``name`` (global shape ``model_shape``) is stored in ``checkpoint``.
+class UnsupportedLayout(ValueError):
+    """Stored tensors that transformers converts in a way this loader cannot read by slices."""
 
-    ``tied`` maps each tied parameter name to its partner, both ways. Raises KeyError naming the
-    tensor (and what was looked for) if the checkpoint does not hold it.
-    """
-    if name in checkpoint:
-        return StoredTensor(key=name)
-    tried = [name]
-    family = FAMILIES.get(model_type or "")
-    if family is not None and family.per_expert_checkpoint is not None:
-        block, gate, up, down = family.per_expert_checkpoint
-        if match := _FUSED_EXPERTS.match(name):
-            prefix = f"{match['layer']}.{block}.experts"
-            parts = (gate, up) if match["which"] == "gate_up_proj" else (down,)
-            keys = tuple(
-                tuple(f"{prefix}.{e}.{part}.weight" for part in parts)
-                for e in range(model_shape[0])
-            )
-            if all(key in checkpoint for expert in keys for key in expert):
-                return StackedExperts(keys=keys)
-            tried.append(f"{prefix}.<0..{model_shape[0] - 1}>.{'/'.join(parts)}.weight")
-        elif (renamed := name.replace(".mlp.", f".{block}.")) != name:
-            if renamed in checkpoint:
-                return StoredTensor(key=renamed)
-            tried.append(renamed)
-    if (partner := tied.get(name)) is not None:
-        if partner in checkpoint:
-            return StoredTensor(key=partner)
-        tried.append(f"{partner} (tied)")
-    raise KeyError(
-        f"{name} is not in the checkpoint at {checkpoint.folder} (looked for {', '.join(tried)})"
+
+def _conversions(model: nn.Module) -> list:
+    """The conversion rules transformers' ``from_pretrained`` applies to ``model``'s checkpoints
+    (its class's or model type's, the legacy renamings too); none for a module that is not a
+    transformers model."""
+    if not isinstance(model, PreTrainedModel):
+        return []
+    return get_model_conversion_mapping(model, add_legacy=True)
+
+
+def _is_expert_merge(converter: WeightConverter, parts: int) -> bool:
+    """Whether ``converter`` stacks per-expert tensors (``MergeModulelist(dim=0)``) and, for
+    several source patterns, concatenates the stacks along their rows (``Concatenate(dim=1)``):
+    the conversions :class:`StackedExperts` reads by slices."""
+    operations = converter.operations
+    merge = (
+        bool(operations) and isinstance(operations[0], MergeModulelist) and operations[0].dim == 0
     )
+    if len(operations) == 1:
+        return merge and parts == 1
+    concatenate = isinstance(operations[1], Concatenate) and operations[1].dim == 1
+    return merge and len(operations) == 2 and concatenate
+
+
+class StoredLayout:
+    """Where each tensor of one model is stored in ``checkpoint``: every stored name is renamed by
+    transformers' conversion rules for the model, in the order and with the base-model prefix
+    handling of its ``from_pretrained``; names a converter collects are grouped by model tensor."""
+
+    def __init__(self, checkpoint: Checkpoint, model: nn.Module):
+        self.checkpoint = checkpoint
+        self.model_type = getattr(getattr(model, "config", None), "model_type", None)
+        conversions = _conversions(model)
+        renamings = [entry for entry in conversions if isinstance(entry, WeightRenaming)]
+        converters = [entry for entry in conversions if isinstance(entry, WeightConverter)]
+        names = dict.fromkeys(model.state_dict(), True)
+        prefix = getattr(model, "base_model_prefix", None) or None
+        self._stored: dict[str, str] = {}
+        self._converted: dict[str, tuple[WeightConverter, dict[str, list[str]]]] = {}
+        for key in sorted(checkpoint.keys(), key=dot_natural_key):
+            target, pattern = rename_source_key(key, renamings, converters, prefix, names)
+            if target not in names and key in names:  # as from_pretrained: kept under its name
+                target, pattern = key, None
+            if pattern is None:
+                self._stored.setdefault(target, key)
+                continue
+            converter = next(c for c in converters if pattern in c.source_patterns)
+            self._converted.setdefault(target, (converter, defaultdict(list)))[1][pattern].append(
+                key
+            )
+
+    def source(self, name: str, tied: Mapping[str, str]) -> TensorSource:
+        """Where the model tensor ``name`` is stored; ``tied`` maps each tied parameter to its
+        partner, both ways.
+
+        Raises:
+            KeyError: naming the tensor (and what was looked for) if the checkpoint lacks it.
+            UnsupportedLayout: if it is stored in a form transformers converts in a way this loader
+                does not read (the conversion named).
+        """
+        if name in self._stored:
+            return StoredTensor(key=self._stored[name])
+        if name in self._converted:
+            return self._merged(name)
+        tried = [name]
+        if (partner := tied.get(name)) is not None:
+            if partner in self._stored:
+                return StoredTensor(key=self._stored[partner])
+            tried.append(f"{partner} (tied)")
+        folder = self.checkpoint.folder
+        raise KeyError(
+            f"{name} is not in the checkpoint at {folder} (looked for {', '.join(tried)})"
+        )
+
+    def _merged(self, name: str) -> "StackedExperts":
+        converter, keys = self._converted[name]
+        parts = [keys[pattern] for pattern in converter.source_patterns if pattern in keys]
+        stored = " + ".join(f"{part[0]} (and {len(part) - 1} more)" for part in parts)
+        if not _is_expert_merge(converter, len(parts)):
+            operations = ", ".join(map(repr, converter.operations))
+            raise UnsupportedLayout(
+                f"{name} is stored as {stored}, which transformers converts with {operations}: "
+                f"that checkpoint layout of model type {self.model_type!r} is not supported yet "
+                "(shardtune reads per-expert tensors merged by MergeModulelist(dim=0), then "
+                "Concatenate(dim=1))"
+            )
+        if len(parts) != len(converter.source_patterns) or len({len(p) for p in parts}) != 1:
+            counts = " but ".join(
+                f"{len(keys.get(pattern, ()))} of {pattern}"
+                for pattern in converter.source_patterns
+            )
+            raise KeyError(
+                f"{name}: the checkpoint at {self.checkpoint.folder} holds {counts}: an expert's "
+                "tensor is missing"
+            )
+        return StackedExperts(keys=tuple(zip(*parts, strict=True)))

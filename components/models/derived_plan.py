@@ -11,6 +11,8 @@ other plan. Anything else that holds parameters inside a sublayer (attention sin
 linear of another shape) cannot be placed: the derivation then lists those modules instead.
 """
 
+import fnmatch
+
 from torch import nn
 
 from components.distributed.tp_plan import HEAD_COUNTS
@@ -123,3 +125,23 @@ def sequence_parallel_norms(model: nn.Module) -> dict[str, str]:
         if child is not embedding and not isinstance(child, nn.ModuleList) and _is_norm(child):
             plan[f"{parent}.{name}" if parent else name] = "sequence_parallel"
     return plan
+
+
+def unplanned_sublayers(model: nn.Module, plan: dict[str, str]) -> list[str]:
+    """The decoder blocks' sublayers (children with parameters, not norms) that no pattern of
+    ``plan`` names, neither them nor anything inside them, by name: under sequence parallelism
+    each must gather the sequence (``gather_sequence``) to run replicated on whole tokens."""
+    found = _blocks(model)
+    if found is None:
+        return []
+    layers = found[0]
+    unplanned = []
+    for index, block in enumerate(model.get_submodule(layers)):
+        for name, child in block.named_children():
+            if _is_norm(child) or not any(True for _ in child.parameters()):
+                continue
+            prefix = f"{layers}.{index}.{name}"
+            names = [prefix, *(f"{prefix}.{inner}" for inner, _ in child.named_modules() if inner)]
+            if not any(fnmatch.filter(names, pattern) for pattern in plan):
+                unplanned.append(prefix)
+    return unplanned

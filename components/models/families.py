@@ -2,11 +2,12 @@
 
 A family names its config class (imported only when asked for: reading the table imports nothing
 heavy), its tensor-parallel plan (module patterns to style names, applied by
-``components.distributed.tp_plan``), its MoE expert and router modules (none for a dense model)
-and, for an MoE family, how its checkpoints store each expert (read by ``models.checkpoint``).
+``components.distributed.tp_plan``) and its MoE expert and router modules (none for a dense model).
+How checkpoints store each expert is transformers' own conversion rules' (``models.checkpoint``).
 ``conf/model/*.yaml`` names a family and leaves ``experts``/``routers`` null to take them from here.
 """
 
+import fnmatch
 import importlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -73,8 +74,6 @@ class Family:
     )
     experts: tuple[str, ...] = ()  # MoE expert modules (patterns), split across ep ranks
     routers: tuple[str, ...] = ()  # MoE routers (patterns): replicated, never sharded by the plan
-    # On disk, one tensor per expert: (the MoE block's name, the gate, up and down weight names).
-    per_expert_checkpoint: tuple[str, str, str, str] | None = None
 
     @property
     def moe(self) -> bool:
@@ -97,7 +96,6 @@ FAMILIES: Mapping[str, Family] = MappingProxyType(
             sequence_parallel_plan=_SEQUENCE_PARALLEL_MOE,
             experts=_FUSED_EXPERTS,
             routers=_ROUTERS,
-            per_expert_checkpoint=("mlp", "gate_proj", "up_proj", "down_proj"),
         ),
         "mixtral": Family(
             config_name="MixtralConfig",
@@ -105,23 +103,39 @@ FAMILIES: Mapping[str, Family] = MappingProxyType(
             sequence_parallel_plan=_SEQUENCE_PARALLEL_MOE,
             experts=_FUSED_EXPERTS,
             routers=_ROUTERS,
-            per_expert_checkpoint=("block_sparse_moe", "w1", "w3", "w2"),
         ),
     }
 )
 
 
 def moe_patterns(
-    model_type: str | None, experts: Sequence[str] | None, routers: Sequence[str] | None
+    config: "PretrainedConfig", experts: Sequence[str] | None, routers: Sequence[str] | None
 ) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(expert patterns, router patterns) of a model: each as given, or (None) its family's from
-    the table; none for a model type the table does not hold."""
-    family = FAMILIES.get(model_type or "")
-    default_experts, default_routers = (family.experts, family.routers) if family else ((), ())
+    the table, else found from the structure of a meta-device build of ``config``
+    (``components.moe.structure``); none for a dense model."""
+    if experts is None or routers is None:
+        family = FAMILIES.get(config.model_type)
+        found = (family.experts, family.routers) if family else _structure(config)
     return (
-        tuple(default_experts if experts is None else experts),
-        tuple(default_routers if routers is None else routers),
+        tuple(found[0] if experts is None else experts),
+        tuple(found[1] if routers is None else routers),
     )
+
+
+_FOUND: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
+
+
+def _structure(config: "PretrainedConfig") -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The experts and routers a model of ``config`` has (built on the meta device once per
+    config)."""
+    from components.models.build import meta_causal_lm
+    from components.moe.structure import find_moe_modules
+
+    key = config.to_json_string()
+    if key not in _FOUND:
+        _FOUND[key] = find_moe_modules(meta_causal_lm(config))
+    return _FOUND[key]
 
 
 def plan_for(config, sequence_parallel: bool = False, model=None) -> dict[str, str]:
@@ -129,8 +143,10 @@ def plan_for(config, sequence_parallel: bool = False, model=None) -> dict[str, s
     (``base_model_tp_plan``), else (given the ``model``, a meta-device build is enough) one derived
     from its structure (``components.models.derived_plan``), in the style names of
     ``components.distributed.tp_plan``. Under sequence parallelism, given the ``model``, every
-    norm on its residual stream is found from the structure (``sequence_parallel_norms``);
-    without it, :data:`SEQUENCE_PARALLEL_NORMS` names them.
+    norm on its residual stream is found from the structure (``sequence_parallel_norms``), and
+    outside the table every MoE block and every sublayer the plan leaves replicated gathers the
+    sequence; without it,
+    :data:`SEQUENCE_PARALLEL_NORMS` names the norms.
 
     Raises:
         ValueError: for a model with no plan, none given or derivable (the modules it cannot
@@ -140,8 +156,7 @@ def plan_for(config, sequence_parallel: bool = False, model=None) -> dict[str, s
     if family is not None:
         plan = dict(family.plan)
     elif getattr(config, "base_model_tp_plan", None):
-        plan = {f"model.{pattern}": style for pattern, style in config.base_model_tp_plan.items()}
-        plan |= {"model.embed_tokens": "embedding_rowwise", "lm_head": "vocab_parallel"}
+        plan = _own_plan(config, model)
     elif model is not None:
         from components.models.derived_plan import derive_plan
 
@@ -158,7 +173,51 @@ def plan_for(config, sequence_parallel: bool = False, model=None) -> dict[str, s
 
         norms = sequence_parallel_norms(model)
         plan = {k: v for k, v in plan.items() if v != "sequence_parallel" or not norms} | norms
+        if family is None:  # MoE blocks and unplanned sublayers run on whole tokens, by name
+            from components.models.derived_plan import unplanned_sublayers
+
+            gathered = [*moe_blocks(config, model), *unplanned_sublayers(model, plan)]
+            plan |= dict.fromkeys(gathered, "gather_sequence")
     return plan
+
+
+def moe_blocks(config, model) -> list[str]:
+    """The names of the modules that hold the experts (the MoE blocks, which route whole tokens)."""
+    from components.moe.expert_parallel import expert_modules
+
+    experts, _ = moe_patterns(config, None, None)
+    return sorted({name.rpartition(".")[0] for name in expert_modules(model, list(experts))})
+
+
+def _own_plan(config, model=None) -> dict[str, str]:
+    """The model's own plan (``base_model_tp_plan``) in our names, less its entries for the MoE
+    experts (split by expert parallelism, as in every family of the table) and, given the
+    ``model``, less its :func:`unbuilt_patterns`; the embedding and head as in every plan."""
+    plan = {
+        f"model.{pattern}": style
+        for pattern, style in config.base_model_tp_plan.items()
+        if not _in_experts(config, f"model.{pattern}")
+    }
+    unbuilt = unbuilt_patterns(config, model) if model is not None else []
+    plan = {pattern: style for pattern, style in plan.items() if pattern not in unbuilt}
+    return plan | {"model.embed_tokens": "embedding_rowwise", "lm_head": "vocab_parallel"}
+
+
+def unbuilt_patterns(config, model) -> list[str]:
+    """The patterns of the model's own plan (``base_model_tp_plan``, experts aside) that match no
+    module of ``model`` (a meta-device build is enough): written for layer kinds its config does
+    not build, such as Qwen2-MoE's dense MLP when every layer is sparse. Left out, with a note."""
+    if config.model_type in FAMILIES or not getattr(config, "base_model_tp_plan", None):
+        return []
+    names = [name for name, _ in model.named_modules() if name]
+    patterns = [f"model.{pattern}" for pattern in config.base_model_tp_plan]
+    return [p for p in patterns if not _in_experts(config, p) and not fnmatch.filter(names, p)]
+
+
+def _in_experts(config, pattern: str) -> bool:
+    """Whether a plan pattern names an experts module of the model, or something inside one."""
+    experts, _ = moe_patterns(config, None, None)
+    return any(pattern == e or pattern.startswith(f"{e}.") for e in experts)
 
 
 def plan_is_derived(config) -> bool:

@@ -15,7 +15,12 @@ from torch import nn
 from transformers import AutoTokenizer
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
-from components.models.checkpoint import Checkpoint, find_source, index_errors
+from components.models.checkpoint import (
+    Checkpoint,
+    StoredLayout,
+    UnsupportedLayout,
+    index_errors,
+)
 
 # The files through which transformers would import the folder's code (each may hold an auto_map).
 CODE_BEARING_FILES = (
@@ -116,19 +121,24 @@ def check_model_folder(folder: Path, model: nn.Module) -> list[str]:
 
 
 def missing_tensor_errors(folder: Path, model: nn.Module) -> list[str]:
-    """The model's tensors ``folder`` does not hold (as the loader looks for them: under their own
-    name, as per-expert tensors, or as a tied partner), named in one phrase; nothing when all are
-    there. An untied ``lm_head.weight`` must be stored: it is not the embedding."""
+    """The model's tensors ``folder`` does not hold (as the loader looks for them: through
+    transformers' conversion rules for the model, or as a tied partner), named in one phrase, and
+    those stored in a layout the loader cannot read (the first, in its own phrase); nothing when
+    all are there. An untied ``lm_head.weight`` must be stored: it is not the embedding."""
     ties = getattr(model, "all_tied_weights_keys", None) or {}
     tied = {**ties, **{source: target for target, source in ties.items()}}
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    missing = []
+    missing, unsupported = [], []
     with Checkpoint(folder) as checkpoint:
-        for name, tensor in model.state_dict().items():
+        layout = StoredLayout(checkpoint, model)
+        for name in model.state_dict():
             try:
-                find_source(checkpoint, name, tuple(tensor.shape), model_type, tied)
+                layout.source(name, tied)
             except KeyError:
                 missing.append(name)
+            except UnsupportedLayout as error:
+                unsupported.append(str(error))
+    if unsupported:
+        return [f"model folder {folder}: {unsupported[0]}"]
     if not missing:
         return []
     more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers import AutoConfig, PretrainedConfig
 
-from components.models.checkpoint import Checkpoint, TensorSource, find_source
+from components.models.checkpoint import Checkpoint, StoredLayout, TensorSource
 from components.models.folder_check import custom_code_errors
 from components.models.lora import is_adapter, reset_adapters
 
@@ -64,21 +64,21 @@ def materialize_pretrained(model: nn.Module, folder: str | Path, device: str = "
         FileNotFoundError: If the folder holds neither model.safetensors nor its index.
         KeyError: If a parameter or persistent buffer is not in the checkpoint; the message names
             it.
+        UnsupportedLayout: If one is stored in a form transformers converts in a way this loader
+            cannot read (a ``ValueError``; see ``components.models.checkpoint``).
         ValueError: If a stored shape differs from the model's (naming the tensor and both shapes),
             a DTensor has a placement other than Shard or Replicate, or ``_init_weights`` leaves a
             non-persistent floating buffer unset.
     """
-    config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
     tied = _tied_partners(model)
     with Checkpoint(folder) as checkpoint:
         # Resolve every tensor, and so raise every checkpoint or placement error, before the model
         # is touched.
-        sources = {}
+        layout, sources = StoredLayout(checkpoint, model), {}
         for name, tensor in _loadable_tensors(model):
             if is_adapter(name):  # LoRA's: not in a base checkpoint, drawn below
                 continue
-            source = find_source(checkpoint, name, tuple(tensor.shape), model_type, tied)
+            source = layout.source(name, tied)
             stored_shape, model_shape = source.shape(checkpoint), tuple(tensor.shape)
             if stored_shape != model_shape:
                 raise ValueError(

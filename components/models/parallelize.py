@@ -26,7 +26,7 @@ from components.distributed.tp_plan import PlanReport, apply_tp_plan
 from components.models.build import build_causal_lm, meta_causal_lm
 from components.models.compile import apply_block_wrappers
 from components.models.derived_plan import derived_plan_note
-from components.models.families import plan_for, plan_is_derived
+from components.models.families import plan_for, plan_is_derived, unbuilt_patterns
 from components.models.load import materialize_pretrained
 from components.models.precision import precision_policy
 from components.moe import apply_expert_parallel
@@ -75,6 +75,11 @@ def build_parallel_model(
         )
         if plan_is_derived(spec.config):
             report.notes.append(derived_plan_note(spec.config, plan))
+        if unbuilt := unbuilt_patterns(spec.config, model):
+            report.notes.append(
+                f"the model's own plan names layers this config does not build, ignored: "
+                f"{', '.join(unbuilt)}"
+            )
         policy.cast_tp_inputs(model, data_parallel=dims.data_parallel > 1)
     if dims.ep > 1:  # the MoE mesh and its process groups exist only when experts are split
         moe_mesh = build_moe_mesh(mesh, dims, timeout)

@@ -34,9 +34,19 @@ from components.moe.collectives import (
     scatter_rows,
     sum_over_group,
 )
+from components.moe.structure import takes_routing
 
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
 DISPATCH_MODES = ("folded", "all_to_all")
+# transformers' experts flags (``use_experts_implementation``) whose other value this module's
+# forward does not compute: (attribute, the value it computes, what the other value means).
+_OTHER_FORMS = (
+    ("is_transposed", False, "transposed weights"),
+    ("has_bias", False, "biases"),
+    ("is_concatenated", True, "interleaved gate and up rows"),
+    ("has_gate", True, "no gate"),
+    ("has_post_expert_norm", False, "a norm after each expert"),
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -271,6 +281,21 @@ def _dispatched_forward(
     ]
 
 
+def _experts_problem(module: nn.Module) -> str | None:
+    """Why this experts module cannot be split by :class:`ExpertParallelExperts` (a phrase to follow
+    its name), or None."""
+    missing = [p for p in EXPERT_PARAMETERS if not hasattr(module, p)]
+    forms = [what for flag, plain, what in _OTHER_FORMS if getattr(module, flag, plain) != plain]
+    if missing:
+        return f"has no fused expert parameters {missing}: not a transformers 5 experts module"
+    unsupported = "expert parallelism of such experts is not supported yet; use ep=1"
+    if not takes_routing(module):
+        return f"({type(module).__name__}) takes its tokens already routed: {unsupported}"
+    if forms:
+        return f"({type(module).__name__}) has {', '.join(forms)}: {unsupported}"
+    return None
+
+
 def check_expert_parallel(
     model: nn.Module, patterns: list[str], num_experts: int, ep: int
 ) -> list[str]:
@@ -286,13 +311,13 @@ def check_expert_parallel(
             errors.append(
                 f"model.experts pattern {pattern!r} matches no module of {type(model).__name__}"
             )
+    found: dict[str, list[str]] = {}  # each problem once, naming the modules that have it
     for name in modules:
-        missing = [p for p in EXPERT_PARAMETERS if not hasattr(model.get_submodule(name), p)]
-        if missing:
-            errors.append(
-                f"{name} has no fused expert parameters {missing}: not a transformers 5 experts "
-                "module"
-            )
+        if (problem := _experts_problem(model.get_submodule(name))) is not None:
+            found.setdefault(problem, []).append(name)
+    for problem, names in found.items():
+        more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+        errors.append(f"{names[0]}{more} {problem}")
     if num_experts % ep:
         errors.append(f"ep ({ep}) must divide the number of experts ({num_experts})")
     return errors

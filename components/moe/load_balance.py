@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from components.moe.expert_parallel import expert_modules
+from components.moe.structure import experts_count, takes_routing
 
 
 def router_aux_loss_weight(config, micro_batches: int, dp: int) -> float:
@@ -108,11 +109,12 @@ class ExpertLoad:
     ) -> "ExpertLoad | None":
         """Count the expert choices of ``model`` (None for a model without experts). ``bias_rate``
         > 0 also balances the ``routers`` without an auxiliary loss (:class:`RoutingBias`)."""
-        num_experts = getattr(config, "num_experts", None) or getattr(
-            config, "num_local_experts", None
-        )
-        if not (patterns and num_experts):
+        names = [
+            n for n in expert_modules(model, patterns) if takes_routing(model.get_submodule(n))
+        ]
+        if not names:  # dense, or experts handed tokens already routed: no choices to count
             return None
+        num_experts = experts_count(model.get_submodule(names[0]))  # any family's, from structure
         bias = RoutingBias(model, list(routers), num_experts, bias_rate) if bias_rate > 0 else None
         return cls(model, patterns, num_experts, dp_group, bias)
 

@@ -6,50 +6,25 @@ what cannot be derived (GPT-OSS's sinks and experts) and a tokenizer past the em
 """
 
 import json
-import os
 import sys
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, GptOssConfig, StableLmConfig
+from transformers import GptOssConfig, StableLmConfig
 
-from components.data import (
-    DEFAULT_VOCAB_SIZE,
-    GeneratedSource,
-    StepBatches,
-    prepare_data,
-    train_tokenizer,
-)
+from components.data import DEFAULT_VOCAB_SIZE, train_tokenizer
 from tests import cli
-
-REPO = Path(__file__).resolve().parents[2]
-SEQ_LEN, BATCH, MICRO = 32, 4, 2
-COMMON = [
-    "model=pretrained",
-    "train.max_steps=3",
-    f"train.global_batch_size={BATCH}",
-    f"train.micro_batch_size={MICRO}",
-    f"train.seq_len={SEQ_LEN}",
-    "train.val_every=0",
-    "checkpoint.export=false",
-    "data.num_examples=64",
-]
-SIZES = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
+from tests.saved_models import (
+    BATCH,
+    COMMON,
+    MICRO,
+    REPO,
+    SEQ_LEN,
+    SIZES,
+    first_loss,
+    recipe,
+    save_model,
 )
-
-
-def save_model(folder: Path, config, tokenizer) -> Path:
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -73,20 +48,6 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     }
 
 
-def recipe(folders: dict[str, Path], model: str, output_dir: Path, *overrides: str):
-    command = [
-        sys.executable,
-        "recipes/finetune.py",
-        *COMMON,
-        f"model.pretrained_path={folders[model]}",
-        f"cache_dir={folders['cache']}",
-        f"output_dir={output_dir}",
-        *overrides,
-    ]
-    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return cli.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, env=environment)
-
-
 def losses(folders, output_dir: Path, *overrides: str) -> tuple[list[float], str]:
     result = recipe(folders, "stablelm", output_dir, *overrides)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -103,30 +64,8 @@ def test_stablelm_at_tp2_on_a_derived_plan_equals_tp1(folders, tmp_path, optim):
     assert len(tp1) == 3 and len(set(tp1)) == 3  # the steps train
     assert tp2 == pytest.approx(tp1, rel=1e-5, abs=1e-5)
     if optim == "sgd":
-        assert tp1[0] == pytest.approx(hf_first_loss(folders), abs=1e-6)
-
-
-def hf_first_loss(folders) -> float:
-    """The Hugging Face model's own loss (``labels=``) on the recipe's first global batch."""
-    folder = folders["stablelm"]
-    source = GeneratedSource(num_examples=64, val_fraction=0.02, seed=0)
-    prepared = prepare_data(
-        source,
-        folder,
-        seq_len=SEQ_LEN,
-        packing=False,
-        seed=0,
-        cache_root=folders["cache"],
-        num_proc=1,
-    )
-    batches = StepBatches.open(prepared.train, BATCH, MICRO, dp_size=1, dp_rank=0, seed=0)
-    step = batches.batches_for_step(0)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    with torch.no_grad():
-        return model(
-            input_ids=torch.cat([b.input_ids for b in step]),
-            labels=torch.cat([b.labels for b in step]),
-        ).loss.item()
+        reference = first_loss(folders["stablelm"], folders["cache"], SEQ_LEN, BATCH, MICRO)
+        assert tp1[0] == pytest.approx(reference, abs=1e-6)
 
 
 @pytest.mark.parametrize(

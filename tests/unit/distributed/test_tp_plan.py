@@ -22,7 +22,8 @@ def test_every_problem_is_listed_together():
         "'colwise_gather_output', 'embedding_rowwise', 'gather_sequence', 'local_heads', "
         "'mlp_input', "
         "'replicate', "
-        "'replicated_with_grad_allreduce', 'rowwise', 'sequence_parallel', 'vocab_parallel']",
+        "'replicated_with_grad_allreduce', 'rowwise', 'rowwise_split_input', 'sequence_parallel', "
+        "'vocab_parallel']",
         "tp (4) must divide num_attention_heads (6)",
         "tp (4) must divide num_key_value_heads (3)",
         "tp (4) must divide intermediate_size (130)",
@@ -47,7 +48,7 @@ def test_qwen3_marks_qk_norms_sum_and_llama_has_none():
     assert not any("q_norm" in pattern for pattern in FAMILIES["llama"].plan)
 
 
-def test_a_hf_plan_with_styles_we_do_not_have_is_refused_by_name():
+def test_a_hf_plan_of_gathered_then_split_projections_fits():
     config = Phi3Config(
         hidden_size=32,
         num_hidden_layers=1,
@@ -57,8 +58,9 @@ def test_a_hf_plan_with_styles_we_do_not_have_is_refused_by_name():
         vocab_size=64,
         pad_token_id=0,
     )
-    _, errors = check_plan(meta_causal_lm(config), config, plan_for(config), tp=2)
-    assert any("unknown tensor-parallel style 'rowwise_split_input'" in error for error in errors)
+    resolved, errors = check_plan(meta_causal_lm(config), config, plan_for(config), tp=2)
+    assert errors == []
+    assert resolved["model.layers.0.self_attn.o_proj"] == "rowwise_split_input"
 
 
 def test_unknown_model_type_without_a_hf_plan_is_an_error():

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from components.models import build_causal_lm, tiny_config
-from components.models.checkpoint import Checkpoint, StackedExperts, StoredTensor, find_source
+from components.models.checkpoint import Checkpoint, StackedExperts, StoredLayout, StoredTensor
 
 
 @pytest.fixture(scope="module")
@@ -19,8 +19,8 @@ def qwen3_moe(tmp_path_factory):
 def test_a_box_of_a_stored_tensor(qwen3_moe):
     model, folder = qwen3_moe
     with Checkpoint(folder) as checkpoint:
-        source = find_source(
-            checkpoint, "model.layers.1.self_attn.k_proj.weight", (32, 64), "qwen3_moe", {}
+        source = StoredLayout(checkpoint, model).source(
+            "model.layers.1.self_attn.k_proj.weight", {}
         )
         assert source == StoredTensor(key="model.layers.1.self_attn.k_proj.weight")
         box = source.read(checkpoint, (8, 16), (16, 32))
@@ -40,12 +40,8 @@ def test_a_box_of_fused_experts_from_per_expert_tensors(qwen3_moe, offset, size)
     model, folder = qwen3_moe
     fused = model.model.layers[0].mlp.experts.gate_up_proj
     with Checkpoint(folder) as checkpoint:
-        source = find_source(
-            checkpoint,
-            "model.layers.0.mlp.experts.gate_up_proj",
-            tuple(fused.shape),
-            "qwen3_moe",
-            {},
+        source = StoredLayout(checkpoint, model).source(
+            "model.layers.0.mlp.experts.gate_up_proj", {}
         )
         assert isinstance(source, StackedExperts) and source.shape(checkpoint) == (8, 128, 64)
         box = source.read(checkpoint, offset, size)
@@ -54,16 +50,16 @@ def test_a_box_of_fused_experts_from_per_expert_tensors(qwen3_moe, offset, size)
 
 
 def test_tied_partner_is_read_when_a_name_is_absent(qwen3_moe):
-    _, folder = qwen3_moe
+    model, folder = qwen3_moe
     with Checkpoint(folder) as checkpoint:
-        tied = {"model.extra.weight": "lm_head.weight"}
-        found = find_source(checkpoint, "model.extra.weight", (256, 64), None, tied)
+        layout = StoredLayout(checkpoint, model)
+        found = layout.source("model.extra.weight", {"model.extra.weight": "lm_head.weight"})
         assert found == StoredTensor(key="lm_head.weight")
         with pytest.raises(
             KeyError,
             match=r"model\.extra\.weight is not in the checkpoint .*looked for model\.extra",
         ):
-            find_source(checkpoint, "model.extra.weight", (256, 64), None, {})
+            layout.source("model.extra.weight", {})
 
 
 def test_boxes_are_read_without_a_mapping_exactly_as_safetensors_slices_them(tmp_path, monkeypatch):

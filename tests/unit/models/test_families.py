@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
+from transformers import Phi3Config, Qwen2MoeConfig
 
 from components.distributed.tp_plan import check_plan
 from components.models import meta_causal_lm, tiny_config
 from components.models.configs import MODEL_CONF_DIR, build_config
-from components.models.families import FAMILIES, moe_patterns, plan_for
+from components.models.families import FAMILIES, moe_patterns, plan_for, unbuilt_patterns
 
 TINY = OmegaConf.to_container(OmegaConf.load(MODEL_CONF_DIR / "llama.yaml").config)
 
@@ -67,16 +68,20 @@ def test_experts_and_routers_match_modules_and_only_moe_families_have_them(model
     for pattern in (*family.experts, *family.routers):
         assert fnmatch.filter(names, pattern), pattern
     is_moe = any(".experts" in name for name in names)
-    assert family.moe == is_moe == (family.per_expert_checkpoint is not None)
+    assert family.moe == is_moe
     assert bool(family.routers) == is_moe
 
 
 def test_null_patterns_are_the_familys_and_a_list_overrides_them():
     experts, routers = FAMILIES["mixtral"].experts, FAMILIES["mixtral"].routers
-    assert moe_patterns("mixtral", None, None) == (experts, routers)
-    assert moe_patterns("mixtral", ["model.layers.*.moe.e"], []) == (("model.layers.*.moe.e",), ())
-    assert moe_patterns("llama", None, None) == ((), ())
-    assert moe_patterns("phi3", None, None) == ((), ())  # not in the table: a dense model
+    mixtral = family_config("mixtral")
+    assert moe_patterns(mixtral, None, None) == (experts, routers)
+    assert moe_patterns(mixtral, ["model.layers.*.moe.e"], []) == (("model.layers.*.moe.e",), ())
+    assert moe_patterns(family_config("llama"), None, None) == ((), ())
+    phi3 = Phi3Config(
+        **{**TINY, "vocab_size": 256}, pad_token_id=0
+    )  # not in the table: dense, from structure
+    assert moe_patterns(phi3, None, None) == ((), ())
 
 
 def test_the_table_cannot_be_changed_in_place():
@@ -99,3 +104,20 @@ def test_reading_the_table_imports_no_model_code():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0 and result.stdout.strip() == "[]", result.stderr
+
+
+def test_a_models_own_plan_leaves_experts_to_ep_and_unbuilt_layer_kinds_out():
+    """Qwen2-MoE's own plan shards its experts (``packed_colwise``, ``moe_tp_experts``) and names a
+    dense MLP every layer of this config lacks: the experts are left to expert parallelism, the
+    dense MLP's patterns are listed for the plan report's note, and what is left fits."""
+    config = Qwen2MoeConfig(**{**TINY, "vocab_size": 256}, num_experts=4, moe_intermediate_size=32)
+    model = meta_causal_lm(config)
+    plan = plan_for(config, model=model)
+    assert not [pattern for pattern in plan if ".experts" in pattern]
+    assert unbuilt_patterns(config, model) == [
+        "model.layers.*.mlp.gate_proj",
+        "model.layers.*.mlp.up_proj",
+        "model.layers.*.mlp.down_proj",
+    ]
+    experts, routers = moe_patterns(config, None, None)
+    assert check_plan(model, config, plan, tp=2, moe_modules=(*experts, *routers))[1] == []

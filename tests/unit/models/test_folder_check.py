@@ -5,7 +5,9 @@ import json
 
 import pytest
 from safetensors.torch import load_file, save_file
+from transformers.core_model_loading import MergeModulelist, Transpose, WeightConverter
 
+import components.models.checkpoint as checkpoint_module
 from components.models import build_causal_lm, meta_causal_lm, tiny_config
 from components.models.checkpoint import INDEX_FILE, Checkpoint, index_errors
 from components.models.folder_check import check_model_folder
@@ -67,3 +69,30 @@ def test_a_tied_folder_without_lm_head_passes(tmp_path):
     build_causal_lm(config, seed=0).save_pretrained(tmp_path)
     assert "lm_head.weight" not in load_file(tmp_path / "model.safetensors")
     assert check_model_folder(tmp_path, meta_causal_lm(config)) == []
+
+
+def test_a_conversion_the_loader_cannot_slice_is_named_as_unsupported(tmp_path, monkeypatch):
+    """A per-expert layout that transformers converts with an operation we do not read by slices
+    (a transpose here, in place of qwen3_moe's own merge) is refused as unsupported, not as a
+    folder that lacks tensors."""
+    config = tiny_config("qwen3_moe")
+    build_causal_lm(config, seed=0).save_pretrained(tmp_path)
+    transposed = WeightConverter(
+        source_patterns="mlp.experts.*.down_proj.weight",
+        target_patterns="mlp.experts.down_proj",
+        operations=[MergeModulelist(dim=0), Transpose(1, 2)],
+    )
+    rules = checkpoint_module._conversions
+    monkeypatch.setattr(
+        checkpoint_module,
+        "_conversions",
+        lambda model: [r for r in rules(model) if "down_proj" not in str(r)] + [transposed],
+    )
+    errors = check_model_folder(tmp_path, meta_causal_lm(config))
+    assert errors == [
+        f"model folder {tmp_path}: model.layers.0.mlp.experts.down_proj is stored as "
+        "model.layers.0.mlp.experts.0.down_proj.weight (and 7 more), which transformers converts "
+        "with MergeModulelist(dim=0), Transpose: that checkpoint layout of model type "
+        "'qwen3_moe' is not supported yet (shardtune reads per-expert tensors merged by "
+        "MergeModulelist(dim=0), then Concatenate(dim=1))"
+    ]

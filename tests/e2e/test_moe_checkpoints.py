@@ -1,0 +1,109 @@
+"""MoE folders as transformers' own ``save_pretrained`` writes them (one tensor per expert), through
+the command line: Qwen2-MoE, OLMoE, DeepSeek-V3 and Granite-MoE load through transformers'
+checkpoint conversion rules, their experts and routers found from their structure. Each trains at
+tp=1 with the Hugging Face model's own first loss (1e-6) and at tp=2 ep=2 (with sp=true for two of
+them) equal to tp=1 (1e-5), reporting ``expert_imbalance``; an export reloads with
+``from_pretrained`` as the trained model.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+from transformers import (
+    AutoModelForCausalLM,
+    DeepseekV3Config,
+    GraniteMoeConfig,
+    OlmoeConfig,
+    Qwen2MoeConfig,
+)
+
+from components.data import DEFAULT_VOCAB_SIZE, train_tokenizer
+from tests.saved_models import (
+    BATCH,
+    MICRO,
+    SEQ_LEN,
+    SIZES,
+    first_loss,
+    recipe,
+    save_model,
+    validation_loss,
+)
+
+MOE = dict(SIZES, vocab_size=288, num_experts_per_tok=2)  # vocab even: split at tp=2
+CONFIGS = {
+    "qwen2_moe": lambda: Qwen2MoeConfig(
+        **MOE, num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=64
+    ),
+    "olmoe": lambda: OlmoeConfig(**MOE, num_experts=4),
+    "deepseek_v3": lambda: DeepseekV3Config(
+        **{**MOE, "num_key_value_heads": 4},  # its attention wants as many as heads
+        n_routed_experts=4,
+        moe_intermediate_size=32,
+        first_k_dense_replace=1,  # layer 0 dense, layer 1 MoE with a shared expert
+        n_group=2,
+        topk_group=1,
+        q_lora_rank=None,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+    ),
+    "granitemoe": lambda: GraniteMoeConfig(**MOE, num_local_experts=4),
+}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("moe")
+    tokenizer = train_tokenizer(["hello world", "tune"], DEFAULT_VOCAB_SIZE, root / "tokenizer")
+    assert len(tokenizer) <= MOE["vocab_size"]
+    saved = {name: save_model(root / name, config(), tokenizer) for name, config in CONFIGS.items()}
+    return {"cache": root / "cache", **saved}
+
+
+def run(folders, model: str, output_dir: Path, *overrides: str) -> list[dict]:
+    result = recipe(folders, model, output_dir, "optim=sgd", *overrides)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_save_pretrained_writes_one_tensor_per_expert(folders):
+    with safe_open(folders["qwen2_moe"] / "model.safetensors", "pt") as stored:
+        keys = set(stored.keys())
+    assert "model.layers.1.mlp.experts.3.up_proj.weight" in keys
+    assert "model.layers.1.mlp.experts.gate_up_proj" not in keys
+
+
+@pytest.mark.parametrize(
+    ("model", "split"),
+    [
+        ("qwen2_moe", "tp=2 ep=2"),
+        ("olmoe", "tp=2 ep=2 sp=true"),  # q/k/v gathered, then split (rowwise_split_input)
+        ("deepseek_v3", "tp=2 ep=2 sp=true"),  # its attention, not in its plan, on whole tokens
+        ("granitemoe", "tp=2 ep=2"),
+    ],
+)
+def test_a_saved_moe_trains_at_tp1_as_hf_and_split_as_tp1(folders, tmp_path, model, split):
+    tp1 = run(folders, model, tmp_path / "tp1", "tp=1")
+    split = run(folders, model, tmp_path / "split", *split.split())
+    losses = [record["loss"] for record in tp1]
+    assert len(set(losses)) == 3  # the steps train
+    assert [r["loss"] for r in split] == pytest.approx(losses, rel=1e-5, abs=1e-5)
+    assert all(r["expert_imbalance"] >= 1.0 for r in tp1 + split)
+    reference = first_loss(folders[model], folders["cache"], SEQ_LEN, BATCH, MICRO)
+    assert losses[0] == pytest.approx(reference, abs=1e-6)
+
+
+def test_the_export_of_a_tp2_run_reloads_as_the_trained_model(folders, tmp_path):
+    output = tmp_path / "run"
+    records = run(
+        folders, "qwen2_moe", output, "tp=2", "checkpoint.export=true", "train.val_every=3"
+    )
+    reference = first_loss(folders["qwen2_moe"], folders["cache"], SEQ_LEN, BATCH, MICRO)
+    assert records[0]["loss"] == pytest.approx(reference, abs=1e-5)  # tp=2, ep=1
+    _, info = AutoModelForCausalLM.from_pretrained(output / "hf", output_loading_info=True)
+    assert not any(info.values()), info  # nothing missing, unexpected or mismatched
+    reloaded = validation_loss(output / "hf", folders["cache"], SEQ_LEN)
+    assert reloaded == pytest.approx(records[-1]["val_loss"], rel=1e-5)

@@ -1,0 +1,67 @@
+"""Experts and routers are found from a model's structure for every transformers MoE family, and
+expert parallelism refuses, by name, the experts it does not compute."""
+
+import pytest
+from transformers import (
+    DeepseekV3Config,
+    GptOssConfig,
+    GraniteMoeConfig,
+    Llama4TextConfig,
+    OlmoeConfig,
+    Qwen2MoeConfig,
+)
+
+from components.models import meta_causal_lm, tiny_config
+from components.moe import check_expert_parallel
+from components.moe.structure import find_moe_modules
+
+SIZES = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    vocab_size=128,
+    head_dim=16,
+)
+MLP = ("model.layers.*.mlp.experts",), ("model.layers.*.mlp.gate",)
+
+
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        (Qwen2MoeConfig(**SIZES, num_experts=4, moe_intermediate_size=32), MLP),
+        (OlmoeConfig(**SIZES, num_experts=4), MLP),
+        (DeepseekV3Config(**SIZES, n_routed_experts=4, first_k_dense_replace=1, n_group=1), MLP),
+        (
+            GraniteMoeConfig(**SIZES, num_local_experts=4),
+            (
+                ("model.layers.*.block_sparse_moe.experts",),
+                ("model.layers.*.block_sparse_moe.router",),
+            ),
+        ),
+        (
+            GptOssConfig(**SIZES, num_local_experts=4),
+            (("model.layers.*.mlp.experts",), ("model.layers.*.mlp.router",)),
+        ),
+        (tiny_config("mixtral"), MLP),
+        (tiny_config("llama"), ((), ())),
+    ],
+    ids=lambda value: getattr(value, "model_type", ""),
+)
+def test_experts_and_routers_are_found_from_the_structure(config, expected):
+    assert find_moe_modules(meta_causal_lm(config)) == expected
+
+
+def test_experts_expert_parallelism_does_not_compute_are_refused_by_name():
+    gpt_oss = meta_causal_lm(GptOssConfig(**SIZES, num_local_experts=4))
+    assert check_expert_parallel(gpt_oss, ["model.layers.*.mlp.experts"], 4, 2) == [
+        "model.layers.0.mlp.experts (and 1 more) (GptOssExperts) has transposed weights, biases, "
+        "interleaved gate and up rows: expert parallelism of such experts is not supported yet; "
+        "use ep=1"
+    ]
+    llama4 = meta_causal_lm(Llama4TextConfig(**SIZES, num_local_experts=4))
+    assert check_expert_parallel(llama4, ["model.layers.*.feed_forward.experts"], 4, 2) == [
+        "model.layers.0.feed_forward.experts (and 1 more) (Llama4TextExperts) takes its tokens "
+        "already routed: expert parallelism of such experts is not supported yet; use ep=1"
+    ]
