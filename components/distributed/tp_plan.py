@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -72,6 +72,10 @@ class _LocalHeads(ParallelStyle):
         return module
 
 
+# Hugging Face style names that are one of ours under another name.
+_ALIASES = {"colwise_rep": "colwise_gather_output", "rowwise_rep": "rowwise_split_input"}
+
+
 def _style(name: str, sequence_parallel: bool) -> ParallelStyle | None:
     """The torch style for a style name; None for styles that only mark a replicated module.
 
@@ -107,12 +111,31 @@ def _style(name: str, sequence_parallel: bool) -> ParallelStyle | None:
         "colwise_gather_output": lambda: ColwiseParallel(
             input_layouts=tokens, output_layouts=Replicate()
         ),
+        # HF's: a Linear whose input is whole on every rank (after a colwise_gather_output, where
+        # the model slices or normalises the whole projection): each rank multiplies its slice of
+        # the input by its rows, the partial outputs are summed. The backward all-gathers the
+        # input's gradient slices, so what comes before sees the whole gradient, as at tp=1.
+        "rowwise_split_input": lambda: RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=tokens, use_local_output=local_output
+        ),
+        # HF's: a module whose output is partial over the TP ranks (a shared expert's sum of
+        # rowwise outputs computed locally), summed in the forward; its gradient is replicated.
+        "all_reduce": lambda: PrepareModuleOutput(
+            output_layouts=(Partial(),),
+            desired_output_layouts=(tokens,),
+            use_local_output=local_output,
+        ),
+        # HF's: an embedding sharded over the hidden dimension, the vectors gathered.
+        "embedding_colwise": lambda: ColwiseParallel(
+            input_layouts=Replicate(), output_layouts=tokens, use_local_output=local_output
+        ),
         "sequence_parallel": lambda: SequenceParallel(),
         "gather_sequence": lambda: _GatherSequence(),
         "local_heads": lambda: _LocalHeads(),
         "replicated_with_grad_allreduce": lambda: None,
         "replicate": lambda: None,
     }
+    name = _ALIASES.get(name, name)
     if name not in styles:
         raise ValueError(f"unknown tensor-parallel style {name!r}; known: {sorted(styles)}")
     return styles[name]()
@@ -145,20 +168,39 @@ class PlanReport:
         return "\n".join(lines)
 
 
-def _resolve(model: nn.Module, plan: dict[str, str]) -> tuple[dict[str, str], list[str]]:
-    """Expand patterns to module names; a pattern matching nothing is an error."""
+def _resolve(
+    model: nn.Module, plan: dict[str, str], config=None
+) -> tuple[dict[str, str], list[str], list[str]]:
+    """Expand patterns to module names: (resolved, errors, notes).
+
+    A pattern matching nothing is an error, unless it is one of the model's own
+    ``base_model_tp_plan`` (transformers writes one plan for every layer kind of an architecture,
+    dense and MoE layers, and a given configuration may have only some): then it is a note, as
+    long as some pattern of that plan matches.
+    """
     names = [name for name, _ in model.named_modules() if name]
+    own = {f"model.{p}" for p in (getattr(config, "base_model_tp_plan", None) or {})}
     resolved: dict[str, str] = {}
-    errors = []
+    unmatched = []
     for pattern, style in plan.items():
         matches = fnmatch.filter(names, pattern)
         if not matches:
-            errors.append(
-                f"plan pattern {pattern!r} ({style}) matches no module of {type(model).__name__}"
-            )
+            unmatched.append((pattern, style))
         for name in matches:
             resolved[name] = style
-    return resolved, errors
+    own_matched = any(fnmatch.filter(names, pattern) for pattern in own)
+    model_name = type(model).__name__
+    errors = [
+        f"plan pattern {pattern!r} ({style}) matches no module of {model_name}"
+        for pattern, style in unmatched
+        if pattern not in own or not own_matched
+    ]
+    notes = [
+        f"plan pattern {pattern!r} ({style}) ignored: {model_name} has no such layers"
+        for pattern, style in unmatched
+        if pattern in own and own_matched
+    ]
+    return resolved, errors, notes
 
 
 def _ancestors(name: str) -> list[str]:
@@ -194,7 +236,7 @@ def check_plan(
     replicated (a documented fallback, noted in the report) because uneven vocab shards would break
     the loss.
     """
-    resolved, errors = _resolve(model, plan)
+    resolved, errors, _ = _resolve(model, plan, config)
     for name, style in resolved.items():
         owner = next(
             (p for p in moe_modules if any(fnmatch.fnmatch(a, p) for a in _ancestors(name))), None
@@ -244,7 +286,7 @@ def apply_tp_plan(
     resolved, errors = check_plan(model, config, plan, tp, moe_modules)
     if errors:
         raise ValueError("; ".join(errors))
-    report = PlanReport()
+    report = PlanReport(notes=_resolve(model, plan, config)[2])
     vocab = config.vocab_size
     tied = getattr(config, "tie_word_embeddings", False)
     if vocab % tp:

@@ -106,9 +106,9 @@ def test_stablelm_at_tp2_on_a_derived_plan_equals_tp1(folders, tmp_path, optim):
         assert tp1[0] == pytest.approx(hf_first_loss(folders), abs=1e-6)
 
 
-def hf_first_loss(folders) -> float:
+def hf_first_loss(folders, model: str = "stablelm") -> float:
     """The Hugging Face model's own loss (``labels=``) on the recipe's first global batch."""
-    folder = folders["stablelm"]
+    folder = folders[model]
     source = GeneratedSource(num_examples=64, val_fraction=0.02, seed=0)
     prepared = prepare_data(
         source,
