@@ -76,7 +76,26 @@ class _LocalHeads(ParallelStyle):
 _ALIASES = {"colwise_rep": "colwise_gather_output", "rowwise_rep": "rowwise_split_input"}
 
 
-def _style(name: str, sequence_parallel: bool) -> ParallelStyle | None:
+class _MlaKvAProj(ParallelStyle):
+    """HF's ``mla_kv_a_proj``: MLA's replicated ``kv_a_proj_with_mqa``, whose output ends in the
+    rotary key part that goes to the attention of this rank's heads without passing a colwise
+    projection (the rest does, through ``kv_b_proj``, which sums its input's gradient). That
+    part's gradient is partial on each rank: summed over the TP ranks in the backward."""
+
+    def __init__(self, rope_dim: int):
+        self.rope_dim = rope_dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def hook(_module, _inputs, output):
+            passed, rope = output.split([output.shape[-1] - self.rope_dim, self.rope_dim], -1)
+            rope = DTensor.from_local(rope, device_mesh, [Replicate()], run_check=False)
+            return torch.cat([passed, rope.to_local(grad_placements=[Partial()])], dim=-1)
+
+        module.register_forward_hook(hook)
+        return module
+
+
+def _style(name: str, sequence_parallel: bool, config=None) -> ParallelStyle | None:
     """The torch style for a style name; None for styles that only mark a replicated module.
 
     Under sequence parallelism activations between blocks are DTensors sharded on the sequence
@@ -132,6 +151,7 @@ def _style(name: str, sequence_parallel: bool) -> ParallelStyle | None:
         "sequence_parallel": lambda: SequenceParallel(),
         "gather_sequence": lambda: _GatherSequence(),
         "local_heads": lambda: _LocalHeads(),
+        "mla_kv_a_proj": lambda: _MlaKvAProj(getattr(config, "qk_rope_head_dim", 0)),
         "replicated_with_grad_allreduce": lambda: None,
         "replicate": lambda: None,
     }
@@ -176,7 +196,7 @@ def _resolve(
     A pattern matching nothing is an error, unless it is one of the model's own
     ``base_model_tp_plan`` (transformers writes one plan for every layer kind of an architecture,
     dense and MoE layers, and a given configuration may have only some): then it is a note, as
-    long as some pattern of that plan matches.
+    long as some pattern of that plan matches. A pattern naming parameters is an error.
     """
     names = [name for name, _ in model.named_modules() if name]
     own = {f"model.{p}" for p in (getattr(config, "base_model_tp_plan", None) or {})}
@@ -189,18 +209,37 @@ def _resolve(
         for name in matches:
             resolved[name] = style
     own_matched = any(fnmatch.filter(names, pattern) for pattern in own)
+    parameters = [name for name, _ in model.named_parameters()]
     model_name = type(model).__name__
     errors = [
-        f"plan pattern {pattern!r} ({style}) matches no module of {model_name}"
+        f"plan pattern {pattern!r} ({style}) names parameters of {model_name}, not modules: "
+        "a style on a parameter is not supported"
+        if fnmatch.filter(parameters, pattern)
+        else f"plan pattern {pattern!r} ({style}) matches no module of {model_name}"
         for pattern, style in unmatched
-        if pattern not in own or not own_matched
+        if pattern not in own or not own_matched or fnmatch.filter(parameters, pattern)
     ]
     notes = [
         f"plan pattern {pattern!r} ({style}) ignored: {model_name} has no such layers"
         for pattern, style in unmatched
-        if pattern in own and own_matched
+        if pattern in own and own_matched and not fnmatch.filter(parameters, pattern)
     ]
-    return resolved, errors, notes
+    return _summed_already(resolved, notes), errors, notes
+
+
+_ROWWISE = ("rowwise", "rowwise_split_input", "rowwise_rep")
+
+
+def _summed_already(resolved: dict[str, str], notes: list[str]) -> dict[str, str]:
+    """``all_reduce`` sums a module's partial output; where a rowwise module inside it already
+    sums it (a shared expert's ``down_proj``), a second sum would multiply it by tp: the module
+    stays as is, noted."""
+    for name, style in resolved.items():
+        inner = [n for n, s in resolved.items() if n.startswith(f"{name}.") and s in _ROWWISE]
+        if style == "all_reduce" and inner:
+            resolved[name] = "replicate"
+            notes.append(f"{name}: all_reduce left out, its rowwise {inner[0]} sums the output")
+    return resolved
 
 
 def _ancestors(name: str) -> list[str]:
@@ -251,6 +290,8 @@ def check_plan(
             _style(style, False)
         except ValueError as error:
             errors.append(f"{name}: {error}")
+        if style == "mla_kv_a_proj" and not getattr(config, "qk_rope_head_dim", None):
+            errors.append(f"{name}: mla_kv_a_proj needs the config's qk_rope_head_dim")
         supported = getattr(model.get_submodule(name), "tp_styles", None)  # LoRA's
         if supported is not None and style not in supported:
             kind = type(model.get_submodule(name)).__name__
@@ -302,7 +343,7 @@ def apply_tp_plan(
         module = model.get_submodule(name)
         if style == "replicated_with_grad_allreduce":
             mark_tp_replica_gradient_reduction(module, "sum")
-        torch_style = _style(style, sequence_parallel)
+        torch_style = _style(style, sequence_parallel, config)
         # torch's SequenceParallel makes new parameters that require grad: a frozen one stays so
         frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
         if hasattr(module, "parallelize_tp"):  # a module that places its own extras (LoRA)
