@@ -305,6 +305,11 @@ def check_plan(
         errors.append(
             f"sequence parallelism needs tp ({tp}) to divide vocab_size ({vocab}); use sp=false"
         )
+    if "sequence_parallel" in resolved.values() and "mla_kv_a_proj" in resolved.values():
+        # MLA's low-rank projections are plain linears that cannot take sequence shards
+        errors.append(
+            "sequence parallelism with MLA attention (mla_kv_a_proj) is not supported; use sp=false"
+        )
     return resolved, errors
 
 

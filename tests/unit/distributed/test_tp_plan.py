@@ -1,7 +1,7 @@
 """Plan checks that need no process group: everything wrong is reported at once, before sharding."""
 
 import pytest
-from transformers import Phi3Config
+from transformers import MiniCPM3Config, Phi3Config
 
 from components.distributed.tp_plan import _resolve, check_plan
 from components.models import meta_causal_lm, tiny_config
@@ -122,3 +122,22 @@ def test_sequence_parallel_needs_the_vocabulary_sharded():
     assert (
         check_plan(meta_causal_lm(config), config, plan_for(config), tp=2)[1] == []
     )  # replicated fallback
+
+
+def test_mla_with_sequence_parallelism_is_refused():
+    config = MiniCPM3Config(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=64,
+        vocab_size=64,
+        q_lora_rank=16,
+        kv_lora_rank=8,
+        pad_token_id=0,
+    )
+    model = meta_causal_lm(config)
+    assert check_plan(model, config, plan_for(config, True, model), tp=2)[1] == [
+        "sequence parallelism with MLA attention (mla_kv_a_proj) is not supported; use sp=false"
+    ]
+    assert check_plan(model, config, plan_for(config, False, model), tp=2)[1] == []
