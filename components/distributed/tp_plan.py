@@ -2,8 +2,7 @@
 (one per family, ``components.models.families.plan_for``): ``fnmatch`` module-name patterns (``*``
 for a layer index) mapped to style names of HF's ``base_model_tp_plan``:
 
-- ``colwise`` / ``rowwise``: Megatron-style pairs; ``embedding_rowwise``: vocab-parallel embedding;
-  ``rowwise_split_input`` (HF's): rowwise on an input whole on every rank.
+- ``colwise`` / ``rowwise``: Megatron-style pairs; ``embedding_rowwise``: vocab-parallel embedding.
 - ``vocab_parallel`` (ours) / ``colwise_gather_output`` (HF's): an ``lm_head`` whose logits stay
   sharded over the vocabulary / are gathered.
 - ``sequence_parallel``: norms run on sequence shards.
@@ -11,6 +10,10 @@ for a layer index) mapped to style names of HF's ``base_model_tp_plan``:
   reshapes by ``self.num_heads``).
 - ``replicated_with_grad_allreduce`` (gradient ``sum``) / ``replicate`` (``mean``, the default):
   not sharded.
+- HF's ``rowwise_split_input`` (after a ``colwise_gather_output`` the model slices or normalises
+  whole), ``all_reduce``, ``embedding_colwise``, ``mla_kv_a_proj``; ``colwise_rep`` /
+  ``rowwise_rep`` are aliases. A pattern of the model's own plan for a layer kind it lacks is a
+  note.
 Everything is checked before any parameter is sharded, and all problems are reported together
 (each style in detail: docs/design-notes.md).
 """
@@ -24,11 +27,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -87,7 +91,30 @@ class _LocalHeads(ParallelStyle):
         return module
 
 
-def _style(name: str, sequence_parallel: bool) -> ParallelStyle | None:
+# Hugging Face style names that are one of ours under another name.
+_ALIASES = {"colwise_rep": "colwise_gather_output", "rowwise_rep": "rowwise_split_input"}
+
+
+class _MlaKvAProj(ParallelStyle):
+    """HF's ``mla_kv_a_proj``: MLA's replicated ``kv_a_proj_with_mqa``, whose output ends in the
+    rotary key part that goes to the attention of this rank's heads without passing a colwise
+    projection (the rest does, through ``kv_b_proj``, which sums its input's gradient). That
+    part's gradient is partial on each rank: summed over the TP ranks in the backward."""
+
+    def __init__(self, rope_dim: int):
+        self.rope_dim = rope_dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def hook(_module, _inputs, output):
+            passed, rope = output.split([output.shape[-1] - self.rope_dim, self.rope_dim], -1)
+            rope = DTensor.from_local(rope, device_mesh, [Replicate()], run_check=False)
+            return torch.cat([passed, rope.to_local(grad_placements=[Partial()])], dim=-1)
+
+        module.register_forward_hook(hook)
+        return module
+
+
+def _style(name: str, sequence_parallel: bool, config=None) -> ParallelStyle | None:
     """The torch style for a style name; None for styles that only mark a replicated module.
 
     Under sequence parallelism activations between blocks are DTensors sharded on the sequence
@@ -113,11 +140,6 @@ def _style(name: str, sequence_parallel: bool) -> ParallelStyle | None:
             input_layouts=(tokens,), desired_input_layouts=(Replicate(),), use_local_output=False
         ),
         "rowwise": lambda: RowwiseParallel(output_layouts=tokens, use_local_output=local_output),
-        # HF's: rowwise on an input whole on every rank (after colwise_gather_output), split here
-        # at no communication cost.
-        "rowwise_split_input": lambda: RowwiseParallel(
-            input_layouts=Replicate(), output_layouts=tokens, use_local_output=local_output
-        ),
         "embedding_rowwise": lambda: RowwiseParallel(
             input_layouts=Replicate(), output_layouts=tokens, use_local_output=local_output
         ),
@@ -127,12 +149,32 @@ def _style(name: str, sequence_parallel: bool) -> ParallelStyle | None:
         "colwise_gather_output": lambda: ColwiseParallel(
             input_layouts=tokens, output_layouts=Replicate()
         ),
+        # HF's: a Linear whose input is whole on every rank (after a colwise_gather_output, where
+        # the model slices or normalises the whole projection): each rank multiplies its slice of
+        # the input by its rows, the partial outputs are summed. The backward all-gathers the
+        # input's gradient slices, so what comes before sees the whole gradient, as at tp=1.
+        "rowwise_split_input": lambda: RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=tokens, use_local_output=local_output
+        ),
+        # HF's: a module whose output is partial over the TP ranks (a shared expert's sum of
+        # rowwise outputs computed locally), summed in the forward; its gradient is replicated.
+        "all_reduce": lambda: PrepareModuleOutput(
+            output_layouts=(Partial(),),
+            desired_output_layouts=(tokens,),
+            use_local_output=local_output,
+        ),
+        # HF's: an embedding sharded over the hidden dimension, the vectors gathered.
+        "embedding_colwise": lambda: ColwiseParallel(
+            input_layouts=Replicate(), output_layouts=tokens, use_local_output=local_output
+        ),
         "sequence_parallel": lambda: SequenceParallel(),
         "gather_sequence": lambda: _GatherSequence(),
         "local_heads": lambda: _LocalHeads(),
+        "mla_kv_a_proj": lambda: _MlaKvAProj(getattr(config, "qk_rope_head_dim", 0)),
         "replicated_with_grad_allreduce": lambda: None,
         "replicate": lambda: None,
     }
+    name = _ALIASES.get(name, name)
     if name not in styles:
         raise ValueError(f"unknown tensor-parallel style {name!r}; known: {sorted(styles)}")
     return styles[name]()
@@ -165,20 +207,58 @@ class PlanReport:
         return "\n".join(lines)
 
 
-def _resolve(model: nn.Module, plan: dict[str, str]) -> tuple[dict[str, str], list[str]]:
-    """Expand patterns to module names; a pattern matching nothing is an error."""
+def _resolve(
+    model: nn.Module, plan: dict[str, str], config=None
+) -> tuple[dict[str, str], list[str], list[str]]:
+    """Expand patterns to module names: (resolved, errors, notes).
+
+    A pattern matching nothing is an error, unless it is one of the model's own
+    ``base_model_tp_plan`` (transformers writes one plan for every layer kind of an architecture,
+    dense and MoE layers, and a given configuration may have only some): then it is a note, as
+    long as some pattern of that plan matches. A pattern naming parameters is an error.
+    """
     names = [name for name, _ in model.named_modules() if name]
+    own = {f"model.{p}" for p in (getattr(config, "base_model_tp_plan", None) or {})}
     resolved: dict[str, str] = {}
-    errors = []
+    unmatched = []
     for pattern, style in plan.items():
         matches = fnmatch.filter(names, pattern)
         if not matches:
-            errors.append(
-                f"plan pattern {pattern!r} ({style}) matches no module of {type(model).__name__}"
-            )
+            unmatched.append((pattern, style))
         for name in matches:
             resolved[name] = style
-    return resolved, errors
+    own_matched = any(fnmatch.filter(names, pattern) for pattern in own)
+    parameters = [name for name, _ in model.named_parameters()]
+    model_name = type(model).__name__
+    errors = [
+        f"plan pattern {pattern!r} ({style}) names parameters of {model_name}, not modules: "
+        "a style on a parameter is not supported"
+        if fnmatch.filter(parameters, pattern)
+        else f"plan pattern {pattern!r} ({style}) matches no module of {model_name}"
+        for pattern, style in unmatched
+        if pattern not in own or not own_matched or fnmatch.filter(parameters, pattern)
+    ]
+    notes = [
+        f"plan pattern {pattern!r} ({style}) ignored: {model_name} has no such layers"
+        for pattern, style in unmatched
+        if pattern in own and own_matched and not fnmatch.filter(parameters, pattern)
+    ]
+    return _summed_already(resolved, notes), errors, notes
+
+
+_ROWWISE = ("rowwise", "rowwise_split_input", "rowwise_rep")
+
+
+def _summed_already(resolved: dict[str, str], notes: list[str]) -> dict[str, str]:
+    """``all_reduce`` sums a module's partial output; where a rowwise module inside it already
+    sums it (a shared expert's ``down_proj``), a second sum would multiply it by tp: the module
+    stays as is, noted."""
+    for name, style in resolved.items():
+        inner = [n for n, s in resolved.items() if n.startswith(f"{name}.") and s in _ROWWISE]
+        if style == "all_reduce" and inner:
+            resolved[name] = "replicate"
+            notes.append(f"{name}: all_reduce left out, its rowwise {inner[0]} sums the output")
+    return resolved
 
 
 def _ancestors(name: str) -> list[str]:
@@ -214,7 +294,7 @@ def check_plan(
     replicated (a documented fallback, noted in the report) because uneven vocab shards would break
     the loss.
     """
-    resolved, errors = _resolve(model, plan)
+    resolved, errors, _ = _resolve(model, plan, config)
     for name, style in resolved.items():
         owner = next(
             (p for p in moe_modules if any(fnmatch.fnmatch(a, p) for a in _ancestors(name))), None
@@ -229,6 +309,8 @@ def check_plan(
             _style(style, False)
         except ValueError as error:
             errors.append(f"{name}: {error}")
+        if style == "mla_kv_a_proj" and not getattr(config, "qk_rope_head_dim", None):
+            errors.append(f"{name}: mla_kv_a_proj needs the config's qk_rope_head_dim")
         supported = getattr(model.get_submodule(name), "tp_styles", None)  # LoRA's
         if supported is not None and style not in supported:
             kind = type(model.get_submodule(name)).__name__
@@ -241,6 +323,11 @@ def check_plan(
         # it.
         errors.append(
             f"sequence parallelism needs tp ({tp}) to divide vocab_size ({vocab}); use sp=false"
+        )
+    if "sequence_parallel" in resolved.values() and "mla_kv_a_proj" in resolved.values():
+        # MLA's low-rank projections are plain linears that cannot take sequence shards
+        errors.append(
+            "sequence parallelism with MLA attention (mla_kv_a_proj) is not supported; use sp=false"
         )
     return resolved, errors
 
@@ -275,7 +362,7 @@ def apply_tp_plan(
     resolved, errors = check_plan(model, config, plan, tp, moe_modules)
     if errors:
         raise ValueError("; ".join(errors))
-    report = PlanReport()
+    report = PlanReport(notes=_resolve(model, plan, config)[2])
     vocab = config.vocab_size
     tied = getattr(config, "tie_word_embeddings", False)
     if vocab % tp:
@@ -294,7 +381,7 @@ def apply_tp_plan(
         if style == "replicated_with_grad_allreduce":
             mark_tp_replica_gradient_reduction(module, "sum")
         inside = any(name.startswith(f"{outer}.") for outer in gathered)  # on whole tokens
-        torch_style = _style(style, sequence_parallel and not inside)
+        torch_style = _style(style, sequence_parallel and not inside, config)
         # torch's SequenceParallel makes new parameters that require grad: a frozen one stays so
         frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
         if hasattr(module, "parallelize_tp"):  # a module that places its own extras (LoRA)

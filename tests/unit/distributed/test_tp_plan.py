@@ -1,9 +1,9 @@
 """Plan checks that need no process group: everything wrong is reported at once, before sharding."""
 
 import pytest
-from transformers import Phi3Config
+from transformers import MiniCPM3Config, Phi3Config
 
-from components.distributed.tp_plan import check_plan
+from components.distributed.tp_plan import _resolve, check_plan
 from components.models import meta_causal_lm, tiny_config
 from components.models.families import FAMILIES, plan_for
 
@@ -17,13 +17,11 @@ def test_every_problem_is_listed_together():
     assert errors == [
         "plan pattern 'model.layers.*.mlp.typo_proj' (colwise) matches no module of "
         "LlamaForCausalLM",
-        "model.norm: unknown tensor-parallel style 'diagonal'; known: ['attention_input', "
-        "'colwise', "
-        "'colwise_gather_output', 'embedding_rowwise', 'gather_sequence', 'local_heads', "
-        "'mlp_input', "
-        "'replicate', "
-        "'replicated_with_grad_allreduce', 'rowwise', 'rowwise_split_input', 'sequence_parallel', "
-        "'vocab_parallel']",
+        "model.norm: unknown tensor-parallel style 'diagonal'; known: ['all_reduce', "
+        "'attention_input', 'colwise', 'colwise_gather_output', 'embedding_colwise', "
+        "'embedding_rowwise', 'gather_sequence', 'local_heads', 'mla_kv_a_proj', 'mlp_input', "
+        "'replicate', 'replicated_with_grad_allreduce', 'rowwise', 'rowwise_split_input', "
+        "'sequence_parallel', 'vocab_parallel']",
         "tp (4) must divide num_attention_heads (6)",
         "tp (4) must divide num_key_value_heads (3)",
         "tp (4) must divide intermediate_size (130)",
@@ -48,8 +46,8 @@ def test_qwen3_marks_qk_norms_sum_and_llama_has_none():
     assert not any("q_norm" in pattern for pattern in FAMILIES["llama"].plan)
 
 
-def test_a_hf_plan_of_gathered_then_split_projections_fits():
-    config = Phi3Config(
+def phi3() -> Phi3Config:
+    return Phi3Config(
         hidden_size=32,
         num_hidden_layers=1,
         num_attention_heads=4,
@@ -58,6 +56,56 @@ def test_a_hf_plan_of_gathered_then_split_projections_fits():
         vocab_size=64,
         pad_token_id=0,
     )
+
+
+def test_a_hf_plan_with_a_style_we_do_not_have_is_refused_by_name():
+    config = phi3()
+    plan = plan_for(config) | {"model.layers.*.mlp.gate_up_proj": "packed_colwise"}
+    _, errors = check_plan(meta_causal_lm(config), config, plan, tp=2)
+    assert errors == [
+        "model.layers.0.mlp.gate_up_proj: unknown tensor-parallel style 'packed_colwise'; "
+        + errors[0].partition("; ")[2]
+    ]
+    assert check_plan(meta_causal_lm(config), config, plan_for(config), tp=2)[1] == []
+
+
+def test_own_plan_patterns_for_layer_kinds_the_model_lacks_are_notes():
+    config = phi3()
+    config.base_model_tp_plan = {
+        **config.base_model_tp_plan,
+        "layers.*.block_sparse_moe.experts": "moe_tp_experts",
+    }
+    model, plan = meta_causal_lm(config), plan_for(config)
+    _, errors, notes = _resolve(model, plan, config)
+    assert errors == []
+    assert notes == [
+        "plan pattern 'model.layers.*.block_sparse_moe.experts' (moe_tp_experts) ignored: "
+        "Phi3ForCausalLM has no such layers"
+    ]
+    # ours (or a user's) matching nothing is an error, as is an own plan matching nothing at all
+    typo = {"model.layers.*.mlp.typo_proj": "colwise"}
+    assert _resolve(model, plan | typo, config)[1] == [
+        "plan pattern 'model.layers.*.mlp.typo_proj' (colwise) matches no module of Phi3ForCausalLM"
+    ]
+    weight = {"model.layers.*.self_attn.qkv_proj.weight": "colwise"}
+    assert "names parameters of Phi3ForCausalLM" in _resolve(model, plan | weight, config)[1][0]
+    config.base_model_tp_plan = {"layers.*.feed_forward.w1": "colwise"}
+    assert len(_resolve(model, plan_for(config), config)[1]) == 1
+
+
+def test_all_reduce_over_a_rowwise_child_is_left_out():
+    config = tiny_config("llama")
+    plan = plan_for(config) | {"model.layers.*.mlp": "all_reduce"}
+    resolved, errors, notes = _resolve(meta_causal_lm(config), plan, config)
+    assert errors == [] and resolved["model.layers.0.mlp"] == "replicate"
+    assert notes[0] == (
+        "model.layers.0.mlp: all_reduce left out, its rowwise model.layers.0.mlp.down_proj sums "
+        "the output"
+    )
+
+
+def test_a_hf_plan_of_gathered_then_split_projections_fits():
+    config = phi3()
     resolved, errors = check_plan(meta_causal_lm(config), config, plan_for(config), tp=2)
     assert errors == []
     assert resolved["model.layers.0.self_attn.o_proj"] == "rowwise_split_input"
@@ -81,3 +129,22 @@ def test_sequence_parallel_needs_the_vocabulary_sharded():
     assert (
         check_plan(meta_causal_lm(config), config, plan_for(config), tp=2)[1] == []
     )  # replicated fallback
+
+
+def test_mla_with_sequence_parallelism_is_refused():
+    config = MiniCPM3Config(
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=64,
+        vocab_size=64,
+        q_lora_rank=16,
+        kv_lora_rank=8,
+        pad_token_id=0,
+    )
+    model = meta_causal_lm(config)
+    assert check_plan(model, config, plan_for(config, True, model), tp=2)[1] == [
+        "sequence parallelism with MLA attention (mla_kv_a_proj) is not supported; use sp=false"
+    ]
+    assert check_plan(model, config, plan_for(config, False, model), tp=2)[1] == []
