@@ -131,6 +131,7 @@ def check_sizes(
         dims = resolve_parallel_dims(world_size, **sizes)
     except ValueError as error:
         given = settings.nproc is not None or given_dp(settings) is not None
+        given = given or settings.dp_replicate > 1  # HSDP's sizes are the user's
         if started_by_launcher() or given or device_type == "cuda":
             return None, [Problem(key="nproc", message=str(error))]
         fits = math.lcm(settings.cp * settings.tp, settings.ep)  # the smallest world to start

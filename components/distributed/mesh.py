@@ -79,7 +79,7 @@ def resolve_parallel_dims(
     elif dp * inner != world_size:
         product = f"dp={dp} × {named} = {dp * inner}"
         errors.append(f"{product} does not match the world size {world_size}")
-    elif dp % dp_replicate:
+    if dp is not None and dp % dp_replicate:
         errors.append(f"dp={dp} is not divisible by dp_replicate={dp_replicate}")
     if world_size % ep:
         errors.append(f"world size {world_size} is not divisible by ep={ep}")
@@ -105,7 +105,7 @@ def _hybrid_dp(
                 f"dp={dp} does not match dp_replicate={dp_replicate} × dp_shard={dp_shard} = "
                 f"{product}: give dp or the pair, not both"
             )
-        dp = product
+        dp = product if dp is None else dp
     return dp, errors
 
 
