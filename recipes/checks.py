@@ -118,14 +118,20 @@ def check_sizes(
         world_size = settings.nproc
     else:
         inner = settings.cp * settings.tp
-        world_size = default_gpu_world(settings, gpus) if cuda else (settings.dp or 1) * inner
+        world_size = (
+            default_gpu_world(settings, gpus)
+            if cuda
+            else (given_dp(settings) or settings.dp_replicate) * inner
+        )
     if cuda and (found := gpu_count_problems(world_size, gpus)):
         return None, found
     sizes = dict(tp=settings.tp, dp=settings.dp, ep=settings.ep, cp=settings.cp)
+    sizes |= dict(dp_replicate=settings.dp_replicate, dp_shard=settings.dp_shard)
     try:
         dims = resolve_parallel_dims(world_size, **sizes)
     except ValueError as error:
-        given = settings.nproc is not None or settings.dp is not None
+        given = settings.nproc is not None or given_dp(settings) is not None
+        given = given or settings.dp_replicate > 1  # HSDP's sizes are the user's
         if started_by_launcher() or given or device_type == "cuda":
             return None, [Problem(key="nproc", message=str(error))]
         fits = math.lcm(settings.cp * settings.tp, settings.ep)  # the smallest world to start
@@ -156,13 +162,21 @@ def check_sizes(
     return dims, found + context_parallel_problems(settings, dims)
 
 
+def given_dp(settings: Config) -> int | None:
+    """The dp the settings fix: ``dp``, or ``dp_replicate × dp_shard`` when ``dp_shard`` is set;
+    None: inferred from the world."""
+    if settings.dp is not None or settings.dp_shard is None:
+        return settings.dp
+    return settings.dp_replicate * settings.dp_shard
+
+
 def default_gpu_world(settings: Config, gpus: int) -> int:
     """The default ``nproc`` on CUDA: ``dp × cp × tp`` when dp is set, else the most of the visible
     GPUs the layout and the batch fit (``cp × tp`` and ``ep`` divide it, ``global_batch_size``
     splits into dp micro-batches), with a note when that leaves GPUs idle."""
     inner, train = settings.cp * settings.tp, settings.train
-    if settings.dp is not None:
-        return settings.dp * inner
+    if given_dp(settings) is not None:
+        return given_dp(settings) * inner
     for world in range(gpus, 0, -1):
         dp, fits = world // inner, world % inner == 0 and world % settings.ep == 0
         if fits and train.global_batch_size % (train.micro_batch_size * dp) == 0:

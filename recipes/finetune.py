@@ -53,7 +53,7 @@ def set_up(plan: RunPlan) -> Run:
     from components.data.loader import open_splits
     from components.debug.faults import install_faults
     from components.distributed.context_parallel import ContextParallel
-    from components.distributed.mesh import build_device_mesh
+    from components.distributed.mesh import build_device_mesh, dp_mesh
     from components.distributed.tp_replicas import broadcast_tp_replicas
     from components.models.parallelize import build_parallel_model
     from components.models.precision import precision_policy
@@ -67,7 +67,7 @@ def set_up(plan: RunPlan) -> Run:
     train, optim, timeout, dims = plan.train, plan.optim, plan.collective_timeout, plan.dims
     device = join_world(plan.device_type, timeout, plan.cpu_threads, plan.seed, train.tf32)
     rank, mesh = dist.get_rank(), build_device_mesh(dims, plan.device_type, timeout)
-    shards = dict(dp_size=dims.dp, dp_rank=mesh["dp"].get_local_rank(), seed=plan.seed)
+    shards = dict(dp_size=dims.dp, dp_rank=dp_mesh(mesh).get_local_rank(), seed=plan.seed)
     splits = (plan.data.train, plan.data.val, train.global_batch_size, train.micro_batch_size)
     data, val_data = open_splits(*splits, **shards, pad_multiple=plan.pad_multiple)
     converted = functools.partial(convert, plan=plan)
@@ -79,7 +79,7 @@ def set_up(plan: RunPlan) -> Run:
     optimizer = target_class("optim", optim.target)(trained, **optim.options())  # no frozen state
     schedule = (plan.schedule.name, train.warmup_steps, train.max_steps, plan.schedule.options())
     scheduler = build_schedule(optimizer, *schedule)
-    watched = (model, plan.model.config, list(plan.model.experts), mesh["dp"].get_group())
+    watched = (model, plan.model.config, list(plan.model.experts), dp_mesh(mesh).get_group())
     experts = ExpertLoad.watch(*watched, plan.model.routers, plan.moe.routing_bias_rate)
     first_step = resume(plan.resume_from, model, optimizer, scheduler)  # the routing bias too
     precision = precision_policy(plan.model.precision)  # the same policy the model was built with

@@ -268,6 +268,12 @@ class Config(Section):
     cp: PositiveInt = key("a positive integer, e.g. cp=2")
     # data-parallel size; null: world size / (cp × tp)
     dp: PositiveInt | None = key("null (world size / tp) or a positive integer, e.g. dp=2")
+    # HSDP: FSDP replicates across dp_replicate groups, shards within dp_shard (dp = the product)
+    dp_replicate: PositiveInt = key("a positive integer, e.g. dp_replicate=2")
+    # HSDP's shard group size; null: dp / dp_replicate
+    dp_shard: PositiveInt | None = key(
+        "null (dp / dp_replicate) or a positive integer, e.g. dp_shard=2"
+    )
     # sequence parallelism on the TP ranks
     sp: bool = key("true or false")
     # expert-parallel size for MoE models

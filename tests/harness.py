@@ -186,3 +186,26 @@ def mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
             mesh_dim_names=names,
         )
     return _MESHES[key]
+
+
+def spec_for(
+    config,
+    sequence_parallel: bool = False,
+    precision: str = "fp32",
+    checkpointing: str = "none",
+    weights=None,
+):
+    """A dense model's ``ModelSpec`` as the recipe makes it (seed 0, no experts, no compile)."""
+    from components.models.parallelize import ModelSpec
+
+    return ModelSpec(
+        config=config,
+        weights=weights,
+        seed=0,
+        sequence_parallel=sequence_parallel,
+        experts=(),
+        routers=(),
+        precision=precision,
+        activation_checkpointing=checkpointing,
+        compile=False,
+    )

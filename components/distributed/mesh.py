@@ -1,5 +1,6 @@
 """The device mesh: ``("dp", "tp")`` with tp innermost (``("dp", "cp", "tp")`` with context
-parallelism), and the MoE view ``("ep_shard", "ep")``.
+parallelism; ``("dp_replicate", "dp_shard", "tp")`` with HSDP, ``dp`` its flattened pair), and the
+MoE view ``("ep_shard", "ep")``.
 
 Tensor parallelism talks the most, so its ranks are adjacent (innermost: on one node, on NVLink),
 then the cp ranks that split one sequence. The data-parallel view is :func:`data_parallel_mesh`:
@@ -27,6 +28,12 @@ class ParallelDims:
     tp: int
     ep: int = 1
     cp: int = 1
+    dp_replicate: int = 1  # HSDP: dp = dp_replicate × dp_shard; FSDP shards within dp_shard
+
+    @property
+    def dp_shard(self) -> int:
+        """The ranks FSDP shards the weights over inside one replica group."""
+        return self.dp // self.dp_replicate
 
     @property
     def data_parallel(self) -> int:
@@ -39,7 +46,13 @@ class ParallelDims:
 
 
 def resolve_parallel_dims(
-    world_size: int, tp: int = 1, dp: int | None = None, ep: int = 1, cp: int = 1
+    world_size: int,
+    tp: int = 1,
+    dp: int | None = None,
+    ep: int = 1,
+    cp: int = 1,
+    dp_replicate: int = 1,
+    dp_shard: int | None = None,
 ) -> ParallelDims:
     """Check the sizes and infer ``dp`` when it is None; every problem is reported at once.
 
@@ -49,6 +62,7 @@ def resolve_parallel_dims(
     """
     errors = []
     sizes = (("world size", world_size), ("tp", tp), ("dp", dp), ("ep", ep), ("cp", cp))
+    sizes += (("dp_replicate", dp_replicate), ("dp_shard", dp_shard))
     for name, value in sizes:
         if value is not None and (
             not isinstance(value, int) or isinstance(value, bool) or value < 1
@@ -56,6 +70,7 @@ def resolve_parallel_dims(
             errors.append(f"{name} must be a positive integer, got {value!r}")
     if errors:
         raise ValueError("; ".join(errors))
+    dp, errors = _hybrid_dp(dp, dp_replicate, dp_shard, cp)
     inner, named = cp * tp, f"tp={tp}" if cp == 1 else f"cp={cp} × tp={tp}"
     if world_size % inner:
         errors.append(f"world size {world_size} is not divisible by {named}")
@@ -64,11 +79,34 @@ def resolve_parallel_dims(
     elif dp * inner != world_size:
         product = f"dp={dp} × {named} = {dp * inner}"
         errors.append(f"{product} does not match the world size {world_size}")
+    if dp is not None and dp % dp_replicate:
+        errors.append(f"dp={dp} is not divisible by dp_replicate={dp_replicate}")
     if world_size % ep:
         errors.append(f"world size {world_size} is not divisible by ep={ep}")
     if errors:
         raise ValueError("; ".join(errors))
-    return ParallelDims(world_size=world_size, dp=dp, tp=tp, ep=ep, cp=cp)
+    return ParallelDims(
+        world_size=world_size, dp=dp, tp=tp, ep=ep, cp=cp, dp_replicate=dp_replicate
+    )
+
+
+def _hybrid_dp(
+    dp: int | None, dp_replicate: int, dp_shard: int | None, cp: int
+) -> tuple[int | None, list[str]]:
+    """``dp`` from the HSDP pair: ``dp_replicate × dp_shard`` when ``dp_shard`` is given (and ``dp``
+    agrees with it), else ``dp`` as given (None: inferred from the world, then split)."""
+    errors = []
+    if dp_replicate > 1 and cp > 1:
+        errors.append(f"dp_replicate={dp_replicate} with cp={cp} is not supported: HSDP needs cp=1")
+    if dp_shard is not None:
+        product = dp_replicate * dp_shard
+        if dp is not None and dp != product:
+            errors.append(
+                f"dp={dp} does not match dp_replicate={dp_replicate} × dp_shard={dp_shard} = "
+                f"{product}: give dp or the pair, not both"
+            )
+        dp = product if dp is None else dp
+    return dp, errors
 
 
 def build_device_mesh(
@@ -77,7 +115,15 @@ def build_device_mesh(
     """The ``("dp", "tp")`` mesh over all ranks, tp innermost (TP groups are adjacent ranks), or
     with ``dims.cp > 1`` ``("dp", "cp", "tp")`` and its flattened ``dp_cp`` (made here, at the same
     moment on every rank, as its process group must be); its groups time out after ``timeout``
-    (the run's ``collective_timeout_minutes``)."""
+    (the run's ``collective_timeout_minutes``). With ``dims.dp_replicate > 1`` (HSDP) the mesh is
+    ``("dp_replicate", "dp_shard", "tp")`` and :func:`dp_mesh` their flattened pair (the data
+    loader's rank and every sum over the batch, as ``mesh["dp"]`` without HSDP)."""
+    if dims.dp_replicate > 1:
+        shape = (dims.dp_replicate, dims.dp_shard, dims.tp)
+        names = ("dp_replicate", "dp_shard", "tp")
+        mesh = _with_timeout(init_device_mesh(device_type, shape, mesh_dim_names=names), timeout)
+        _with_timeout(dp_mesh(mesh), timeout)
+        return mesh
     if dims.cp == 1:
         shape, names = (dims.dp, dims.tp), ("dp", "tp")
         return _with_timeout(init_device_mesh(device_type, shape, mesh_dim_names=names), timeout)
@@ -87,13 +133,29 @@ def build_device_mesh(
     return mesh
 
 
+def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The ``dp`` ranks: ``mesh["dp"]``, or with HSDP the flattened ``dp_replicate × dp_shard``
+    (rank ``r * dp_shard + s``; made once, then torch's cached one)."""
+    if "dp_replicate" in (mesh.mesh_dim_names or ()):
+        return mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    return mesh["dp"]
+
+
 def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The ranks the weights are data parallel over: ``mesh["dp"]``, or with a ``cp`` dimension the
     flattened ``dp × cp`` (``dp_cp``; made once, then torch's cached one). FSDP shards over it, and
     every sum over the batch (the loss, the validation loss) reduces over it."""
     if "cp" not in (mesh.mesh_dim_names or ()):
-        return mesh["dp"]
+        return dp_mesh(mesh)
     return mesh["dp", "cp"]._flatten("dp_cp")
+
+
+def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP2 shards over: with HSDP the 2-D ``("dp_replicate", "dp_shard")`` (replicate
+    across dim 0, shard within dim 1), else :func:`data_parallel_mesh`."""
+    if "dp_replicate" in (mesh.mesh_dim_names or ()):
+        return mesh["dp_replicate", "dp_shard"]
+    return data_parallel_mesh(mesh)
 
 
 def build_moe_mesh(

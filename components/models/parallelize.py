@@ -21,7 +21,7 @@ from transformers import PretrainedConfig
 
 from components.distributed.context_parallel import enable_context_parallel
 from components.distributed.fsdp import shard_data_parallel
-from components.distributed.mesh import ParallelDims, build_moe_mesh, data_parallel_mesh
+from components.distributed.mesh import ParallelDims, build_moe_mesh, fsdp_mesh
 from components.distributed.tp_plan import PlanReport, apply_tp_plan
 from components.models.build import build_causal_lm, meta_causal_lm
 from components.models.compile import apply_block_wrappers
@@ -56,7 +56,8 @@ def build_parallel_model(
     timeout: timedelta | None = None,
     convert: Callable[[nn.Module], nn.Module] | None = None,
 ) -> tuple[nn.Module, PlanReport | None]:
-    """The model of this rank, sharded over ``mesh`` ("dp", "tp"; or "dp", "cp", "tp"), and the TP
+    """The model of this rank, sharded over ``mesh`` ("dp", "tp"; "dp", "cp", "tp"; or HSDP's
+    "dp_replicate", "dp_shard", "tp"), and the TP
     plan's report (None at tp=1); ``timeout``: of the MoE mesh's groups, as of ``mesh``'s. On the
     meta ``device`` (a dry run) every step runs but nothing gets storage. ``convert``: applied to
     the built model before it is parallelised (where LoRA adapters and FP8 linears plug in)."""
@@ -91,7 +92,7 @@ def build_parallel_model(
         materialize_pretrained(model, spec.weights, device=str(device))
     apply_block_wrappers(model, spec.activation_checkpointing, spec.compile)
     if dims.data_parallel > 1:  # the cp ranks hold the same weights: data parallel for FSDP
-        shard_data_parallel(model, data_parallel_mesh(mesh), mp_policy=policy.fsdp_policy())
+        shard_data_parallel(model, fsdp_mesh(mesh), mp_policy=policy.fsdp_policy())
     if dims.cp > 1:
         enable_context_parallel(model)
     return model, report

@@ -38,7 +38,8 @@ ROWS = ("params", "grads", "optimizer", "activations", "buffers", "runtime", "to
 def plan_layout(plan, step: Step, layout: Layout) -> MemoryEstimate:
     """Build ``plan``'s model for ``layout`` on the meta device over the fake world; price it."""
     world = plan.dims.world_size
-    dims = ParallelDims(world_size=world, dp=layout.dp, tp=layout.tp, ep=layout.ep, cp=layout.cp)
+    sizes = dict(dp=layout.dp, tp=layout.tp, ep=layout.ep, cp=layout.cp)
+    dims = ParallelDims(world_size=world, dp_replicate=layout.dp_replicate, **sizes)
     mesh = build_device_mesh(dims, "cpu")
     spec = replace(plan.model, activation_checkpointing=layout.activation_checkpointing)
     model, _ = build_parallel_model(
@@ -78,6 +79,8 @@ def _fits_the_world(plan, layout: Layout) -> bool:
         layout.dp * layout.cp * layout.tp == world
         and train.global_batch_size % (layout.micro_batch_size * layout.dp) == 0
         and (layout.cp == 1 or train.seq_len % sequence == 0)
+        and layout.dp % layout.dp_replicate == 0  # HSDP: dp_replicate groups of dp_shard
+        and (layout.dp_replicate == 1 or layout.cp == 1)
     )
 
 
@@ -105,6 +108,8 @@ def _candidates(plan, layout: Layout) -> list[tuple[str, Layout]]:
                 if "tp" in fields or "cp" in fields:
                     dp = world // (candidate.tp * candidate.cp)
                     candidate, words = replace(candidate, dp=dp), f"{words} dp={dp}"
+                    if layout.dp_replicate > 1:
+                        words += f" dp_shard={dp // layout.dp_replicate}"
                 if _fits_the_world(plan, candidate):
                     found.append((words, candidate))
     return found
@@ -161,6 +166,7 @@ def dry_run(plan, fail: Callable[[str], NoReturn]) -> dict:
         ep=dims.ep,
         micro_batch_size=train.micro_batch_size,
         cp=dims.cp,
+        dp_replicate=dims.dp_replicate,
         activation_checkpointing=checkpointing,
     )
     step = _step(plan)
@@ -203,8 +209,10 @@ def _write(output_dir: Path, result: dict) -> None:
 def format_plan(result: dict) -> str:
     """The printed table of a plan."""
     layout = result["layout"]
+    dp, replicas = layout["dp"], layout.get("dp_replicate", 1)
+    hsdp = f" (dp_replicate {replicas} × dp_shard {dp // replicas})" if replicas > 1 else ""
     lines = [
-        f"dry run: world {result['world_size']} = dp {layout['dp']} × cp {layout['cp']} "
+        f"dry run: world {result['world_size']} = dp {dp}{hsdp} × cp {layout['cp']} "
         f"× tp {layout['tp']} "
         f"(ep {layout['ep']}, sp {str(layout['sp']).lower()}), "
         f"micro-batch {layout['micro_batch_size']} "

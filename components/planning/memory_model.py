@@ -36,6 +36,7 @@ class Layout:
     ep: int
     micro_batch_size: int
     cp: int = 1  # context parallel: each row split over cp ranks; FSDP shards over dp × cp
+    dp_replicate: int = 1  # HSDP: FSDP shards over dp_shard = dp / dp_replicate (× cp) only
     activation_checkpointing: str  # none | full | selective
 
 
@@ -81,8 +82,14 @@ def optimizer_moments(target: str, options: dict) -> int:
 
 
 def _data_parallel(layout: Layout) -> int:
-    """The ranks FSDP shards the weights over: dp × cp (the cp ranks hold the same weights)."""
+    """The ranks the weights are data parallel over (FSDP is on above 1): dp × cp (the cp ranks
+    hold the same weights)."""
     return layout.dp * layout.cp
+
+
+def _sharding(layout: Layout) -> int:
+    """The ranks FSDP shards the weights over: :func:`_data_parallel` less HSDP's replicas."""
+    return _data_parallel(layout) // layout.dp_replicate
 
 
 def _masked(layout: Layout, step: Step) -> bool:
@@ -131,7 +138,7 @@ def _state(model: nn.Module, layout: Layout) -> dict[str, float]:
         "grad_bytes": sum(t.numel() * t.element_size() for _, t in trained),
         "element": element,
         "layer_grad_bytes": layer_trained * element,
-        "layer_numel": layer * _data_parallel(layout),  # FSDP all-gathers a layer over dp × cp
+        "layer_numel": layer * _sharding(layout),  # FSDP all-gathers a layer over its shards
         "matmul_numel": matmul if _data_parallel(layout) == 1 else 0,  # autocast: without FSDP
         "head_numel": head_weight.numel() if head_weight is not None else 0,
         "replicated_bytes": replicated,
@@ -236,7 +243,7 @@ def _buffers(config, layout: Layout, step: Step, state: dict, chunked: bool) -> 
         gathered = 2 if step.precision != "fp32" else 4
         fsdp = 2 * state["layer_numel"] * (gathered + 4)  # two layers' parameters, fp32 grads
         if step.global_batch_size > layout.micro_batch_size * layout.dp:  # micro-batches accumulate
-            unsharded = state["grad_bytes"] / state["element"] * _data_parallel(layout) * 4
+            unsharded = state["grad_bytes"] / state["element"] * _sharding(layout) * 4
     moments = state["grad_bytes"] * step.optimizer_moments / 2
     temporaries = moments if step.device_type == "cuda" else 2 * state["largest_bytes"]
     copies = state["matmul_numel"] - state["head_numel"] * chunked  # the chunked head casts its own

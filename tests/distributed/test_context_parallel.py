@@ -26,10 +26,10 @@ from components.distributed.tp_replicas import (
     synchronize_tp_replica_gradients,
 )
 from components.models import build_causal_lm, tiny_config
-from components.models.parallelize import ModelSpec, build_parallel_model
+from components.models.parallelize import build_parallel_model
 from components.models.precision import precision_policy
 from components.training.step import forward_backward
-from tests.harness import mesh
+from tests.harness import mesh, spec_for
 
 BATCH, SEQ, STEPS = 4, 32, 4
 OPTIMIZERS = {"sgd": (torch.optim.SGD, {"lr": 0.5}), "adamw": (torch.optim.AdamW, {"lr": 3e-3})}
@@ -52,20 +52,6 @@ def step_batch(vocab_size: int, step: int, packed: bool):
                 labels[row, start] = -100
                 start += length
     return tokens, labels, positions, int((labels[:, 1:] != -100).sum())
-
-
-def spec_for(config, sequence_parallel: bool, precision: str, checkpointing: str) -> ModelSpec:
-    return ModelSpec(
-        config=config,
-        weights=None,
-        seed=0,
-        sequence_parallel=sequence_parallel,
-        experts=(),
-        routers=(),
-        precision=precision,
-        activation_checkpointing=checkpointing,
-        compile=False,
-    )
 
 
 def reference_curve(config, optimizer: str, packed: bool, precision: str) -> list:

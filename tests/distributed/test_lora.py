@@ -10,9 +10,10 @@ from components.distributed.mesh import ParallelDims, build_device_mesh
 from components.distributed.tp_replicas import synchronize_tp_replica_gradients
 from components.models import build_causal_lm, tiny_config
 from components.models.lora import LoraOptions, apply_lora
-from components.models.parallelize import ModelSpec, build_parallel_model
+from components.models.parallelize import build_parallel_model
 from components.planning.memory_model import GIB, Layout, Step, estimate_memory
 from components.training.step import forward_backward
+from tests.harness import spec_for
 
 OPTIONS = LoraOptions(rank=4, alpha=8.0, dropout=0.0, target_modules=("*_proj",))
 CONFIG = tiny_config("llama", vocab_size=96)
@@ -26,17 +27,7 @@ def _adapted(model: torch.nn.Module) -> torch.nn.Module:
 def _build(world_size: int, weights=None):
     dims = ParallelDims(world_size=world_size, dp=1, tp=world_size)
     mesh = build_device_mesh(dims, "cpu")
-    spec = ModelSpec(
-        config=CONFIG,
-        weights=weights,
-        seed=0,
-        sequence_parallel=False,
-        experts=(),
-        routers=(),
-        precision="fp32",
-        activation_checkpointing="none",
-        compile=False,
-    )
+    spec = spec_for(CONFIG, weights=weights)
     model, report = build_parallel_model(spec, dims, mesh, torch.device("cpu"), convert=_adapted)
     return model, report, mesh
 

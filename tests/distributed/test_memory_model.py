@@ -26,12 +26,12 @@ from components.distributed.grads import clip_grad_norm_, finalize_dtensor_gradi
 from components.distributed.mesh import ParallelDims, build_device_mesh
 from components.distributed.tp_replicas import synchronize_tp_replica_gradients
 from components.models import tiny_config
-from components.models.parallelize import ModelSpec, build_parallel_model
+from components.models.parallelize import build_parallel_model
 from components.models.precision import precision_policy
 from components.planning.memory import current_memory_gib, peak_memory_gib, reset_peak_memory
 from components.planning.memory_model import Layout, Step, estimate_memory
 from components.training.step import forward_backward
-from tests.harness import RankPool
+from tests.harness import RankPool, spec_for
 
 SIZES = dict(
     hidden_size=256,
@@ -77,17 +77,7 @@ def measured_and_planned(rank, world_size, precision, checkpointing, cp=1) -> tu
     mesh = build_device_mesh(dims, "cpu")
     positions_limit = SEQ if cp == 1 else CP_SEQ  # the cp case's row is longer
     config = tiny_config("llama", **SIZES | {"max_position_embeddings": positions_limit})
-    spec = ModelSpec(
-        config=config,
-        weights=None,
-        seed=0,
-        sequence_parallel=False,
-        experts=(),
-        routers=(),
-        precision=precision,
-        activation_checkpointing=checkpointing,
-        compile=False,
-    )
+    spec = spec_for(config, precision=precision, checkpointing=checkpointing)
     model, _ = build_parallel_model(spec, dims, mesh, torch.device("cpu"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batch, seq = (BATCH, SEQ) if cp == 1 else (CP_BATCH, CP_SEQ)

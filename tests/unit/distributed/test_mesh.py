@@ -42,3 +42,29 @@ def test_cp_sits_between_dp_and_tp():
         resolve_parallel_dims(4, tp=2, dp=2, cp=2)
     with pytest.raises(ValueError, match="cp must be a positive integer, got 0"):
         resolve_parallel_dims(4, cp=0)
+
+
+def test_hsdp_splits_dp_into_replicas_of_shards():
+    dims = resolve_parallel_dims(8, tp=2, dp_replicate=2)  # dp_shard inferred from the world
+    assert (dims.dp, dims.dp_replicate, dims.dp_shard) == (4, 2, 2)
+    dims = resolve_parallel_dims(4, dp_replicate=2, dp_shard=2)
+    assert (dims.dp, dims.dp_shard, dims.data_parallel) == (4, 2, 4)
+    assert resolve_parallel_dims(4, dp=4, dp_replicate=1).dp_shard == 4
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"world_size": 6, "dp_replicate": 4}, "dp=6 is not divisible by dp_replicate=4"),
+        (
+            {"world_size": 4, "dp": 4, "dp_replicate": 2, "dp_shard": 1},
+            "dp=4 does not match dp_replicate=2 × dp_shard=1 = 2",
+        ),
+        ({"world_size": 8, "dp_replicate": 2, "dp_shard": 2}, "dp=4 × tp=1 = 4 does not match"),
+        ({"world_size": 8, "cp": 2, "dp_replicate": 2}, "dp_replicate=2 with cp=2 is not supp"),
+        ({"world_size": 4, "dp_shard": 0}, "dp_shard must be a positive integer, got 0"),
+    ],
+)
+def test_hsdp_sizes_that_do_not_fit_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_parallel_dims(**kwargs)

@@ -1,0 +1,41 @@
+"""HSDP's mesh on a fake world of 8 (meta device, nothing allocated): FSDP2 puts every weight on the
+2-D ``("dp_replicate", "dp_shard")`` mesh, replicated across dim 0 and sharded along dim 1, while
+the loader's and the loss's ``dp`` is the flattened pair; experts and TP stay on their own views."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import Replicate, Shard
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from components.distributed.mesh import (
+    build_device_mesh,
+    data_parallel_mesh,
+    dp_mesh,
+    resolve_parallel_dims,
+)
+from components.models import tiny_config
+from components.models.parallelize import build_parallel_model
+from tests.harness import spec_for
+
+
+@pytest.fixture
+def fake_world():
+    dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)
+    yield
+    dist.destroy_process_group()
+
+
+def test_fsdp_replicates_across_and_shards_within(fake_world):
+    dims = resolve_parallel_dims(8, tp=2, dp_replicate=2)
+    mesh = build_device_mesh(dims, "cpu")
+    assert mesh.mesh_dim_names == ("dp_replicate", "dp_shard", "tp")
+    assert (dp_mesh(mesh).size(), data_parallel_mesh(mesh).size()) == (4, 4)
+    assert dp_mesh(mesh).get_local_rank() == 2  # rank 5: replica 1, shard 0 → 1 × 2 + 0
+    spec = spec_for(tiny_config("llama"))
+    model, _ = build_parallel_model(spec, dims, mesh, torch.device("meta"))
+    norm = model.model.norm.weight  # TP-replicated: FSDP's 2-D mesh plus tp
+    assert norm.device_mesh.mesh_dim_names[:2] == ("dp_replicate", "dp_shard")
+    assert norm.placements[:2] == (Replicate(), Shard(0))
+    for parameter in model.parameters():
+        assert parameter.device_mesh.mesh_dim_names[:2] == ("dp_replicate", "dp_shard")
