@@ -8,14 +8,11 @@ for a layer index) mapped to style names of HF's ``base_model_tp_plan``:
 - ``sequence_parallel``: norms run on sequence shards.
 - ``local_heads`` (ours): an attention module's head counts become this rank's (for code that
   reshapes by ``self.num_heads``).
-- ``replicated_with_grad_allreduce`` (gradient ``sum``) / ``replicate`` (``mean``, the default):
-  not sharded.
-- HF's ``rowwise_split_input`` (after a ``colwise_gather_output`` the model slices or normalises
-  whole), ``all_reduce``, ``embedding_colwise``, ``mla_kv_a_proj``; ``colwise_rep`` /
-  ``rowwise_rep`` are aliases. A pattern of the model's own plan for a layer kind it lacks is a
-  note.
+- ``replicated_with_grad_allreduce`` (gradient ``sum``) / ``replicate`` (``mean``): not sharded.
+- HF's ``rowwise_split_input``, ``all_reduce``, ``embedding_colwise``, ``mla_kv_a_proj`` (aliases
+  ``colwise_rep``, ``rowwise_rep``); an own-plan pattern for a layer kind the model lacks: a note.
 Everything is checked before any parameter is sharded, and all problems are reported together
-(each style in detail: docs/design-notes.md).
+(each style in detail: docs/parallelism.md, docs/design-notes.md).
 """
 
 import fnmatch
