@@ -9,6 +9,7 @@ the clock: the timeout only bounds a hang.
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -97,7 +98,9 @@ def test_a_rank_killed_mid_run_restarts_and_continues_exactly(
     status, log = torchrun(output_dir, f"debug.fault={fault}")
     assert status == 0, log[-4000:]
     assert f"injected fault (debug.fault={fault}): SIGKILL {where}" in log, log[-4000:]
-    assert "(exitcode: -9)" in log  # torchrun saw the rank killed, and restarted the world
+    # torchrun saw a rank fail and restarted the world; which failure it observes first (the killed
+    # rank, exit -9, or its peer that lost the connection, exit 1) is a race between the two
+    assert re.search(r"failed \(exitcode: (-9|1)\) local_rank: [01]", log), log[-4000:]
     checkpoint = output_dir / "checkpoints" / f"step_{resumed_at:08d}"
     assert log.count("resumed from") == 1
     assert f"resumed from {checkpoint} at step {resumed_at}" in log
