@@ -7,19 +7,18 @@ Each configuration runs twice through the real command line, one after the other
 The shape is the issue's: a Llama built from its config with hidden 768, 8 layers, seq 1024,
 micro-batch 4 (no accumulation), tp 1 and 2 × activation checkpointing none and full × fp32 and
 bf16-mixed. The data is a JSONL file written here of records longer than ``seq_len``, so every row
-is full (the plan's tokens are micro-batch × seq_len). ``OMP_NUM_THREADS=1`` and glibc's
-defaults, as a user runs it (``--fixed-threshold``: glibc's mmap threshold fixed at 64 KiB,
-``MALLOC_MMAP_THRESHOLD_``, so the RSS is the live bytes). Every output under a temporary folder.
-Goal: predicted within 20 % of measured, every row.
+is full (the plan's tokens are micro-batch × seq_len). ``OMP_NUM_THREADS=1``, and glibc's mmap
+threshold fixed at 64 KiB (``MALLOC_MMAP_THRESHOLD_``; ``--default-malloc``: glibc's dynamic one,
+whose freed heap blocks stay resident and make the RSS creep up step by step, design-notes.md).
+Every output under a temporary folder. Goal: predicted within 20 % of measured, every row.
 
     .venv/bin/python bench/memory_model.py [--only 1:fp32:none,2:bf16-mixed:full] [--steps 3]
     .venv/bin/python bench/memory_model.py --speed 3 --steps 6 --only 1:fp32:none
 
-``--speed N``: what the step's ``malloc_trim`` costs in speed (``components.planning.memory``:
-each CPU step starts by handing freed heap pages back): per configuration, N runs of the recipe as
-it is and N with the trim made a no-op, alternating (which goes first alternates too); a run's
-figure is the median ``tokens_per_s`` of its steps after the first; printed: each side's median
-and trim ÷ no trim.
+``--speed N``: what the fixed threshold costs in speed, to decide whether CPU ranks should set it:
+per configuration, N runs with the fixed threshold and N with glibc's defaults, alternating (which
+goes first alternates too); a run's figure is the median ``tokens_per_s`` of its steps after the
+first; printed: each side's median and fixed ÷ default.
 """
 
 import argparse
@@ -86,19 +85,10 @@ def overrides(data: Path, tp: int, precision: str, checkpointing: str, steps: in
     ]
 
 
-# The recipe with each step's malloc_trim made a no-op (its ranks are forked, so they inherit it).
-NO_TRIM = (
-    "import runpy, sys; import components.planning.memory as memory; "
-    "memory._malloc_trim = lambda: None; sys.argv[0] = 'recipes/finetune.py'; "
-    "runpy.run_path('recipes/finetune.py', run_name='__main__')"
-)
-
-
-def recipe(arguments: list[str], log: Path, malloc: dict | None = None, trim: bool = True) -> None:
+def recipe(arguments: list[str], log: Path, malloc: dict | None = None) -> None:
     """Run the recipe's command line with one intra-op thread per rank; fail loudly."""
     environment = {**os.environ, "OMP_NUM_THREADS": "1", **(malloc or {})}
-    script = ["recipes/finetune.py"] if trim else ["-c", NO_TRIM]
-    command = [sys.executable, *script, *arguments]
+    command = [sys.executable, "recipes/finetune.py", *arguments]
     with log.open("w") as output:
         done = subprocess.run(command, cwd=REPO, env=environment, stdout=output, stderr=output)
     if done.returncode:
@@ -107,7 +97,7 @@ def recipe(arguments: list[str], log: Path, malloc: dict | None = None, trim: bo
         )
 
 
-def measure(folder: Path, data: Path, config: tuple, steps: int, malloc: dict, trim: bool) -> dict:
+def measure(folder: Path, data: Path, config: tuple, steps: int, malloc: dict) -> dict:
     """One configuration: the plan's per-rank figures, then the measured peaks of a real run."""
     tp, precision, checkpointing = config
     name = f"tp{tp}_{precision}_{checkpointing}"
@@ -116,7 +106,7 @@ def measure(folder: Path, data: Path, config: tuple, steps: int, malloc: dict, t
     recipe([*arguments, "dry_run=true", f"output_dir={plan_dir}"], folder / f"{name}_plan.log")
     plan = json.loads((plan_dir / "plan.json").read_text())
     started = time.perf_counter()
-    recipe([*arguments, f"output_dir={run_dir}"], folder / f"{name}_run.log", malloc, trim)
+    recipe([*arguments, f"output_dir={run_dir}"], folder / f"{name}_run.log", malloc)
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     peaks = [json.loads(line)["peak_memory_gib"] for line in lines]
     predicted, measured = plan["per_rank_gib"]["total"], max(peaks)
@@ -135,15 +125,15 @@ def measure(folder: Path, data: Path, config: tuple, steps: int, malloc: dict, t
 
 
 def speed(folder: Path, data: Path, config: tuple, steps: int, repetitions: int) -> dict:
-    """Median tokens/s (steps after the first) of ``repetitions`` runs with and without the step's
-    malloc_trim, alternated."""
-    rates: dict[str, list[float]] = {"trim": [], "no_trim": []}
+    """Median tokens/s (steps after the first) of ``repetitions`` runs per allocator, alternated."""
+    fixed = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
+    rates: dict[str, list[float]] = {"fixed": [], "default": []}
     for repetition in range(repetitions):
-        order = [("trim", True), ("no_trim", False)]
-        for name, trim in order if repetition % 2 == 0 else order[::-1]:
+        order = [("fixed", fixed), ("default", {})]
+        for name, malloc in order if repetition % 2 == 0 else order[::-1]:
             run_dir = folder / f"speed_{name}_{repetition}"
             arguments = [*overrides(data, *config, steps), f"output_dir={run_dir}"]
-            recipe(arguments, folder / f"speed_{name}_{repetition}.log", trim=trim)
+            recipe(arguments, folder / f"speed_{name}_{repetition}.log", malloc)
             lines = (run_dir / "metrics.jsonl").read_text().splitlines()
             per_step = [json.loads(line)["tokens_per_s"] for line in lines[1:]]
             rates[name].append(statistics.median(per_step))
@@ -176,18 +166,17 @@ def main() -> None:
     parser.add_argument("--only", help="tp:precision:checkpointing,... (default: all 8)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--json", type=Path, help="also write the rows here")
-    parser.add_argument("--fixed-threshold", action="store_true", help="mmap threshold 64 KiB")
-    parser.add_argument("--no-trim", action="store_true", help="each step's malloc_trim off")
+    parser.add_argument("--default-malloc", action="store_true", help="glibc's dynamic threshold")
     parser.add_argument("--speed", type=int, metavar="N", help="N speed runs per allocator")
     args = parser.parse_args()
-    malloc = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)} if args.fixed_threshold else {}
+    malloc = {} if args.default_malloc else {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
     configs = CONFIGS
     if args.only:
         wanted = [item.split(":") for item in args.only.split(",")]
         configs = [(int(tp), precision, mode) for tp, precision, mode in wanted]
     print(
         f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}; load average: {_load()}; "
-        f"allocator: {malloc or 'glibc defaults'}{', no malloc_trim' if args.no_trim else ''}"
+        f"allocator: {malloc or 'glibc defaults'}"
     )
     rows = []
     with tempfile.TemporaryDirectory(prefix="memory_model_") as temporary:
@@ -195,17 +184,16 @@ def main() -> None:
         write_records(folder / "records.jsonl")
         for config in configs if args.speed else []:
             result = speed(folder, folder / "records.jsonl", config, args.steps, args.speed)
-            trim, keep = result["median"]["trim"], result["median"]["no_trim"]
+            fixed, default = result["median"]["fixed"], result["median"]["default"]
             print(
-                f"  {config}: tokens/s trim {trim:.0f} no trim {keep:.0f}, trim / no trim "
-                f"{trim / keep:.3f} (runs {result['runs']}), load {_load()}",
+                f"  {config}: tokens/s fixed {fixed:.0f} default {default:.0f}, fixed / default "
+                f"{fixed / default:.3f} (runs {result['runs']}), load {_load()}",
                 flush=True,
             )
         if args.speed:
             return
         for config in configs:
-            data = folder / "records.jsonl"
-            rows.append(measure(folder, data, config, args.steps, malloc, not args.no_trim))
+            rows.append(measure(folder, folder / "records.jsonl", config, args.steps, malloc))
             row = rows[-1]
             print(
                 f"  {config}: predicted {row['predicted_gib']:.3f} measured "

@@ -8,16 +8,8 @@ true per-step peak, not a sampled one. It counts everything the process holds (t
 torch's libraries, allocator slack), not only tensors. Where that file cannot be written (not Linux,
 a locked-down /proc) the figure is ``ru_maxrss``: the peak since the process started, which cannot
 be reset; :func:`reset_peak_memory` then returns False so a caller can say so.
-
-glibc keeps a freed heap block resident until it is reused, so without more the RSS would carry
-every earlier step's leftovers and creep up step by step (its mmap threshold rises to 32 MiB, so
-nearly every tensor comes from the heap). The CPU reset first hands those freed pages back
-(``malloc_trim``), so a step's peak is that step's memory, what the memory model plans, at the
-price of faulting those pages in again once a step (BENCHMARKS.md: the memory model).
 """
 
-import ctypes
-import functools
 import resource
 import sys
 from pathlib import Path
@@ -39,8 +31,6 @@ def reset_peak_memory(device: torch.device | str) -> bool:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return True
-    if (trim := _malloc_trim()) is not None:
-        trim(0)  # freed heap pages leave the RSS: the peak starts from the live bytes
     try:
         _CLEAR_REFS.write_text("5")
         return True
@@ -64,12 +54,6 @@ def current_memory_gib(device: torch.device | str) -> float:
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device) / GIB
     return _status_kib("VmRSS") * 1024 / GIB if _STATUS.is_file() else _peak_rss_bytes() / GIB
-
-
-@functools.cache
-def _malloc_trim():
-    """glibc's ``malloc_trim``, or None under another C library (musl, macOS)."""
-    return getattr(ctypes.CDLL(None), "malloc_trim", None)
 
 
 def _peak_rss_bytes() -> int:
