@@ -7,12 +7,10 @@ own; at most one save is in flight. The publish (marker, rename, pruning;
 :func:`components.checkpoint.dcp.end_save`) runs on the training thread once every rank's write has
 finished, so a crash during an async save leaves the previous checkpoint whole.
 
-Once per step whether a rank was asked to stop and the state of each rank's save in flight are
-reduced over every rank (:meth:`CheckpointWriter.step_flags`, with the step's other values, then
-:meth:`CheckpointWriter.agree`; or :meth:`CheckpointWriter.after_step` on their own): every rank
-stops and publishes after the same step, and a save that failed on one rank fails the run on all.
-The training thread's time in the writer is the next step's ``checkpoint_stall_s``
-(:meth:`CheckpointWriter.take_stall`).
+Once per step every rank's stop request and save state are MAX-reduced with the step's other
+values (:meth:`CheckpointWriter.step_flags`, then :meth:`CheckpointWriter.agree`): every rank stops
+and publishes after the same step, and a save that failed on one rank fails the run on all. The
+training thread's time here is the next step's ``checkpoint_stall_s`` (:meth:`~.take_stall`).
 
 Design notes: docs/design-notes.md
 """
