@@ -27,7 +27,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from components.distributed.tp_replicas import mark_tp_replica_gradient_reduction
 from components.moe.expert_lora import ADAPTED_WEIGHTS, has_expert_adapters
-from components.moe.expert_parallel import experts_problem, expert_modules, run_whole_experts
+from components.moe.expert_parallel import expert_modules, experts_problem, run_whole_experts
 
 ADAPTERS = ("lora_A", "lora_B")
 TP_STYLES = ("colwise", "rowwise")

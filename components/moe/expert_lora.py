@@ -50,8 +50,7 @@ def expert_low_rank(
     if not has_expert_adapters(experts):
         return None
     pairs = [
-        (local(experts.lora_A[weight]), local(experts.lora_B[weight]))
-        for weight in ADAPTED_WEIGHTS
+        (local(experts.lora_A[weight]), local(experts.lora_B[weight])) for weight in ADAPTED_WEIGHTS
     ]
     return LowRank(gate_up=pairs[0], down=pairs[1], scaling=experts.lora_scaling)
 

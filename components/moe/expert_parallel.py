@@ -279,7 +279,9 @@ def run_whole_experts(
     dtype = hidden_states.dtype
     gate_up, down = (getattr(experts, name).to(dtype) for name in EXPERT_PARAMETERS)
     low_rank = expert_low_rank(experts, lambda tensor: tensor.to(dtype))
-    return _routed_to(experts, hidden_states, top_k_index, top_k_weights, 0, gate_up, down, low_rank)
+    return _routed_to(
+        experts, hidden_states, top_k_index, top_k_weights, 0, gate_up, down, low_rank
+    )
 
 
 def _own_block(layout: ExpertLayout, hidden_states, top_k_index, top_k_weights):
@@ -424,7 +426,9 @@ class ExpertParallelExperts(nn.Module):
         self.layout = layout
         self.act_fn = experts.act_fn
         for name in EXPERT_PARAMETERS:
-            self.register_parameter(name, _distributed(getattr(experts, name), moe_mesh, placements))
+            self.register_parameter(
+                name, _distributed(getattr(experts, name), moe_mesh, placements)
+            )
         if has_expert_adapters(experts):  # split by expert like the weights, whole on ep_shard
             self.lora_scaling, self.lora_seed = experts.lora_scaling, experts.lora_seed
             for adapter in ADAPTERS:

@@ -16,8 +16,6 @@ from components.models.lora import (
     adapted_parameters,
     adapter_state,
     apply_lora,
-    lora_modules,
-    targeted_experts,
     targeted_linears,
 )
 
