@@ -278,12 +278,13 @@ def adapter_state(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tenso
 
 def _peft_expert_adapters(name: str, module: nn.Module) -> dict[str, torch.Tensor]:
     """One experts module's adapters as PEFT saves ``target_parameters``: one ``ParamWrapper``
-    per weight, nested in the module's registration order (``gate_up_proj`` innermost, so under
-    ``<experts>.base_layer.``); A [E·r, in] with expert e's rows at e·r..e·r+r-1, B [out, r·E]
-    with expert e's column j at j·E + e."""
+    per weight, nested in the module's registration order (the first innermost: transformers'
+    ``gate_up_proj`` under ``<experts>.base_layer.``); A [E·r, in] with expert e's rows at
+    e·r..e·r+r-1, B [out, r·E] with expert e's column j at j·E + e."""
+    order = [n for n, _ in module.named_parameters(recurse=False) if n in ADAPTED_WEIGHTS]
     state = {}
-    for index, weight in enumerate(ADAPTED_WEIGHTS):
-        prefix = f"base_model.model.{name}." + "base_layer." * (len(ADAPTED_WEIGHTS) - 1 - index)
+    for index, weight in enumerate(order):
+        prefix = f"base_model.model.{name}." + "base_layer." * (len(order) - 1 - index)
         A, B = _whole(module.lora_A[weight]), _whole(module.lora_B[weight])  # [E,r,in] [E,out,r]
         state[f"{prefix}lora_A.weight"] = A.reshape(-1, A.shape[-1]).contiguous()
         state[f"{prefix}lora_B.weight"] = B.permute(1, 2, 0).reshape(B.shape[1], -1).contiguous()

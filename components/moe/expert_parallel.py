@@ -425,10 +425,9 @@ class ExpertParallelExperts(nn.Module):
         super().__init__()
         self.layout = layout
         self.act_fn = experts.act_fn
-        for name in EXPERT_PARAMETERS:
-            self.register_parameter(
-                name, _distributed(getattr(experts, name), moe_mesh, placements)
-            )
+        for name, full in experts.named_parameters(recurse=False):  # in the source's order
+            if name in EXPERT_PARAMETERS:
+                self.register_parameter(name, _distributed(full, moe_mesh, placements))
         if has_expert_adapters(experts):  # split by expert like the weights, whole on ep_shard
             self.lora_scaling, self.lora_seed = experts.lora_scaling, experts.lora_seed
             for adapter in ADAPTERS:
