@@ -33,7 +33,13 @@ class LowRank:
 
     def at(self, expert: int) -> "LowRank":
         """The adapters of one local expert (2-D A and B)."""
-        pick = tuple(tuple(t[expert] for t in pair) for pair in (self.gate_up, self.down))
+        return self._map(lambda tensor: tensor[expert])
+
+    def to(self, dtype: torch.dtype) -> "LowRank":
+        return self._map(lambda tensor: tensor.to(dtype))
+
+    def _map(self, change: Callable[[torch.Tensor], torch.Tensor]) -> "LowRank":
+        pick = [(change(A), change(B)) for A, B in (self.gate_up, self.down)]
         return LowRank(gate_up=pick[0], down=pick[1], scaling=self.scaling)
 
 
@@ -59,12 +65,13 @@ def adapted(
     linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     rows: torch.Tensor,
     weight: torch.Tensor,
-    pair: tuple[torch.Tensor, torch.Tensor] | None,
-    scaling: float,
+    low_rank: LowRank | None,
+    which: str,
 ) -> torch.Tensor:
-    """``linear(rows, weight)``, plus ``scaling · linear(linear(rows, A), B)`` with an adapter."""
+    """``linear(rows, weight)``, plus ``scaling · linear(linear(rows, A), B)`` with the adapter
+    ``which`` (``gate_up`` or ``down``) of ``low_rank`` when there is one."""
     output = linear(rows, weight)
-    if pair is None:
+    if low_rank is None:
         return output
-    A, B = pair
-    return output + linear(linear(rows, A), B) * scaling
+    A, B = getattr(low_rank, which)
+    return output + linear(linear(rows, A), B) * low_rank.scaling

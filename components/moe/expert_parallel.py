@@ -145,13 +145,10 @@ def _run_experts_loop(
         selected = torch.where(expert_of_row == local)[0]
         if selected.numel() == 0:
             continue
-        pairs, scaling = (None, None), None
-        if low_rank is not None:
-            lora = low_rank.at(local)
-            pairs, scaling = (lora.gate_up, lora.down), lora.scaling
-        up_rows = adapted(F.linear, rows[selected], gate_up[local], pairs[0], scaling)
+        lora = low_rank.at(local) if low_rank is not None else None
+        up_rows = adapted(F.linear, rows[selected], gate_up[local], lora, "gate_up")
         gate, up = up_rows.chunk(2, dim=-1)
-        result = adapted(F.linear, experts.act_fn(gate) * up, down[local], pairs[1], scaling)
+        result = adapted(F.linear, experts.act_fn(gate) * up, down[local], lora, "down")
         if weight_of_row is not None:
             result = result * weight_of_row[selected, None]
         output = output.index_add(0, selected, result.to(output.dtype))
@@ -230,13 +227,10 @@ def _run_experts_grouped(
     ids = torch.arange(gate_up.shape[0], device=rows.device, dtype=sorted_experts.dtype)
     offsets = torch.searchsorted(sorted_experts, ids, right=True, out_int32=True)
     linear = functools.partial(_grouped_linear, offsets=offsets)
-    pairs, scaling = (None, None), None
-    if low_rank is not None:
-        cast = lambda pair: tuple(t.to(dtype) for t in pair)  # noqa: E731
-        pairs, scaling = (cast(low_rank.gate_up), cast(low_rank.down)), low_rank.scaling
-    gate_up_rows = adapted(linear, rows[order].to(dtype), gate_up.to(dtype), pairs[0], scaling)
+    lora = low_rank.to(dtype) if low_rank is not None else None
+    gate_up_rows = adapted(linear, rows[order].to(dtype), gate_up.to(dtype), lora, "gate_up")
     gate, up = gate_up_rows.chunk(2, dim=-1)
-    result = adapted(linear, experts.act_fn(gate) * up, down.to(dtype), pairs[1], scaling)
+    result = adapted(linear, experts.act_fn(gate) * up, down.to(dtype), lora, "down")
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.shape[0], device=order.device)
     result = result[inverse]
