@@ -170,6 +170,9 @@ def expert_adapters_at_tp2_ep2(rank, world_size):
         parameter = getattr(experts, adapter)[weight]
         placed[f"{adapter}.{weight}"] = (parameter.placements, tuple(_local(parameter).shape))
     synced = [name for name, _, _ in unmarked_parameters([model]) if ".experts." in name]
+    at_ep1 = dataclasses.replace(dims, ep=1)  # the experts, and so their adapters, TP replicas
+    replicas, _ = build_parallel_model(spec, at_ep1, mesh, torch.device("cpu"), convert=_moe_lora)
+    reductions = [r for n, _, r in unmarked_parameters([replicas]) if ".experts.lora_" in n]
     ours = _steps(model, mesh, _sgd(model), 3)
     theirs = _steps(reference, None, _sgd(reference), 3)
     adamw = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
@@ -179,7 +182,7 @@ def expert_adapters_at_tp2_ep2(rank, world_size):
     measured = sum(t.numel() * t.element_size() for t in state)
     expected = 2 * sum(t.numel() * t.element_size() for t in adapters)  # AdamW's two moments
     planned = _planned_optimizer_bytes(model, MOE, tp=world_size, ep=world_size)
-    return placed, synced, ours, theirs, measured, (expected, planned)
+    return placed, (synced, reductions), ours, theirs, measured, (expected, planned)
 
 
 def test_expert_adapters_split_by_ep_train_like_one_process_with_sgd(ranks2):
@@ -191,7 +194,8 @@ def test_expert_adapters_split_by_ep_train_like_one_process_with_sgd(ranks2):
             "lora_B.gate_up_proj": (by_expert, (4, 128, 4)),
             "lora_B.down_proj": (by_expert, (4, 64, 4)),
         }
-        assert synced == []  # split by expert: never a TP replica
+        assert synced[0] == []  # split by expert: never a TP replica
+        assert synced[1] == ["mean"] * 2 * 2 * 2  # at ep=1 replicas, as the experts: A, B × 2 × 2
         for ours_values, their_values in zip(ours, theirs, strict=True):  # losses, grad norms
             assert ours_values == pytest.approx(their_values, rel=1e-5)
         assert (measured, measured) == expected  # the local adapters' alone, as planned
