@@ -1,6 +1,7 @@
 """LoRA (components/models/lora.py) against the peft library, the reference: the same tiny model,
 batches and optimizer give the same run, with per-expert adapters on an MoE model's experts too
-(peft's ``target_parameters``); the base stays frozen; targets are checked."""
+(peft's ``target_parameters``), whose export ``PeftModel`` loads to our logits; the base stays
+frozen; targets are checked."""
 
 import dataclasses
 
@@ -10,12 +11,14 @@ from omegaconf import OmegaConf
 from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
 from peft.utils import get_peft_model_state_dict
 
+from components.checkpoint.peft_export import adapter_config, export_peft_adapter
 from components.models import build_causal_lm, tiny_config
 from components.models.lora import (
     LoraOptions,
     adapted_parameters,
     adapter_state,
     apply_lora,
+    lora_modules,
     targeted_linears,
 )
 
@@ -93,6 +96,20 @@ def test_five_steps_equal_peft_lora_on_the_same_model_batches_and_optimizer(
     for name, ours_w in _peft_adapters(ours).items():
         assert ours_w.abs().sum() > 0, name  # every adapter trained, the experts' B too
         torch.testing.assert_close(ours_w, theirs[name], rtol=1e-5, atol=atol)
+
+
+def test_our_exported_expert_adapters_loaded_by_peft_give_our_logits(tmp_path):
+    ours, _ = _twins("qwen3_moe")
+    _losses(ours, torch.optim.AdamW, dict(lr=1e-2))
+    names = [name for name, _ in lora_modules(ours)]
+    config = adapter_config(4, 8.0, 0.0, names, None, adapted_parameters(ours))
+    export_peft_adapter(adapter_state(ours, torch.float32), config, tmp_path / "adapter")
+    base = build_causal_lm(tiny_config("qwen3_moe", vocab_size=96), seed=0)
+    loaded = PeftModel.from_pretrained(base, tmp_path / "adapter")
+    ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        expected, logits = ours(input_ids=ids).logits, loaded(input_ids=ids).logits
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_the_base_is_frozen_and_only_adapters_train():
