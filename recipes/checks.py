@@ -268,7 +268,8 @@ def resolve_model(
         folder_errors = check_model_folder(path, meta) + check_tokenizer_folder(path, rows)
         found += problems("model", folder_errors)
     if lora:  # the adapters' targets, on the converted model the TP plan then sees
-        found += problems("peft.target_modules", lora_problems(meta, settings.peft.target_modules))
+        experts, _ = moe_patterns(config, model.experts, model.routers)
+        found += lora_problems(meta, settings.peft, experts, model.name)
     if dims is not None:
         found += plan_problems(settings, dims, config, meta)
         try:
@@ -300,17 +301,26 @@ def config_problems(settings: Config, config, path: Path | None) -> list[Problem
     return found + problems("model", [f"{where}: {e}" for e in routing_errors(config, "")])
 
 
-def lora_problems(meta, target_modules: list[str]) -> list[str]:
-    """Why ``target_modules`` cannot adapt the meta ``model`` (none when it can); it is converted
-    in place on success."""
-    from components.models.lora import LoraOptions, apply_lora
+def lora_problems(meta, peft, experts: tuple[str, ...], model_name: str) -> list[Problem]:
+    """Why ``peft`` (``peft=lora``'s settings) cannot adapt the meta model, whose expert modules
+    ``experts`` names (none when it can); it is converted in place on success."""
+    from components.models.lora import LoraOptions, apply_lora, targeted_experts, targeted_linears
 
-    options = LoraOptions(rank=1, alpha=1.0, dropout=0.0, target_modules=tuple(target_modules))
-    try:
-        apply_lora(meta, options, seed=0)
-    except ValueError as error:
-        return [str(error)]
-    return []
+    patterns = tuple(peft.target_modules)
+    found = problems("peft.target_modules", targeted_linears(meta, patterns)[1])
+    if peft.experts and not experts:
+        message = (
+            f"peft.experts=true needs an MoE model: model={model_name} has no experts "
+            "(model.experts names none); use peft.experts=false"
+        )
+        found.append(Problem(key="peft.experts", message=message))
+    elif peft.experts:
+        found += problems("peft.experts", targeted_experts(meta, experts)[1])
+    if not found:
+        adapted = tuple(experts) if peft.experts else ()
+        shapes = dict(rank=1, alpha=1.0, dropout=0.0)
+        apply_lora(meta, LoraOptions(**shapes, target_modules=patterns, experts=adapted), seed=0)
+    return found
 
 
 def _model_folder(pretrained_path: str | None) -> Path:

@@ -18,13 +18,19 @@ def export(model: torch.nn.Module, plan: RunPlan) -> None:
 
     from components.checkpoint.export import export_dtype, export_hf
     from components.checkpoint.peft_export import adapter_config, export_peft_adapter
-    from components.models.lora import adapter_state, lora_modules, merge_adapters
+    from components.models.lora import (
+        adapted_parameters,
+        adapter_state,
+        lora_modules,
+        merge_adapters,
+    )
 
     source, base, peft = plan.model.weights, plan.settings.model.pretrained_path, plan.settings.peft
     dtype = export_dtype(plan.checkpoint.export_dtype, source)
     if (lora := plan.lora) is not None:
         names = [name for name, _ in lora_modules(model)]
-        config = adapter_config(lora.rank, lora.alpha, lora.dropout, names, base)
+        experts = adapted_parameters(model)
+        config = adapter_config(lora.rank, lora.alpha, lora.dropout, names, base, experts)
         export_peft_adapter(adapter_state(model, dtype), config, plan.output_dir / "adapter")
         if not peft.merge:
             return

@@ -80,8 +80,13 @@ class Settled:
         if peft.name != "lora":
             return None
         patterns = tuple(peft.target_modules)
+        experts = self.model.experts if peft.experts else ()  # the resolved expert patterns
         return LoraOptions(
-            rank=peft.rank, alpha=peft.alpha, dropout=peft.dropout, target_modules=patterns
+            rank=peft.rank,
+            alpha=peft.alpha,
+            dropout=peft.dropout,
+            target_modules=patterns,
+            experts=tuple(experts),
         )
 
     @property

@@ -210,10 +210,11 @@ class Peft(Section):
             for name in keys
             if getattr(self, name) is None
         ]
-        if self.experts:
+        if self.experts and self.dropout:  # PEFT's ParamWrapper refuses lora_dropout != 0
             found.append(
-                "peft.experts=true (adapters on MoE experts) is not supported yet: use "
-                "peft.experts=false (the attention and dense MLP projections)"
+                f"peft.dropout={show(self.dropout)} with peft.experts=true is not supported: "
+                "PEFT's adapters on expert weights (target_parameters) take no dropout, so the "
+                "export could not load; use peft.dropout=0.0 or peft.experts=false"
             )
         return found
 

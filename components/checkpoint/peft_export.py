@@ -20,10 +20,16 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 
 
 def adapter_config(
-    rank: int, alpha: float, dropout: float, target_modules: list[str], base_model: str | None
+    rank: int,
+    alpha: float,
+    dropout: float,
+    target_modules: list[str],
+    base_model: str | None,
+    target_parameters: list[str] = (),
 ) -> dict:
     """PEFT's LoraConfig as JSON; ``target_modules``: the adapted modules' exact names (PEFT
-    matches a name exactly or by its ending)."""
+    matches a name exactly or by its ending); ``target_parameters``: the MoE expert weights with
+    per-expert adapters, by full name (null when none)."""
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -39,6 +45,7 @@ def adapter_config(
         "init_lora_weights": True,
         "inference_mode": True,
         "modules_to_save": None,
+        "target_parameters": sorted(target_parameters) or None,
     }
 
 

@@ -5,10 +5,15 @@ parameter objects and names, plus ``lora_A``/``lora_B`` children, PEFT's names a
 freezes everything else. Under tensor parallelism an adapter is placed by its base layer's style
 (torchtitan's placement): colwise base -> A replicated (its gradient a partial sum over the TP
 ranks: marked ``"sum"``), B sharded by rows; rowwise base -> A sharded by columns, B replicated
-with identical gradients (``"mean"``), added after the base's reduction.
+with identical gradients (``"mean"``), added after the base's reduction. With
+``LoraOptions.experts`` each matched MoE experts module becomes a :class:`LoRAExperts`: per-expert
+adapters on its fused 3-D weights (``components/moe/expert_lora.py``), split by expert parallelism
+like the experts, TP replicas (``"mean"``) like them at ep=1, exported in PEFT's
+``target_parameters`` layout.
 """
 
 import fnmatch
+import functools
 import math
 import zlib
 from dataclasses import dataclass
@@ -21,6 +26,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from components.distributed.tp_replicas import mark_tp_replica_gradient_reduction
+from components.moe.expert_lora import ADAPTED_WEIGHTS, has_expert_adapters
+from components.moe.expert_parallel import expert_modules, experts_problem, run_whole_experts
 
 ADAPTERS = ("lora_A", "lora_B")
 TP_STYLES = ("colwise", "rowwise")
@@ -34,6 +41,7 @@ class LoraOptions:
     alpha: float
     dropout: float
     target_modules: tuple[str, ...]  # fnmatch patterns of module names ("*" for a layer index)
+    experts: tuple[str, ...] = ()  # patterns of MoE experts modules given per-expert adapters
 
     @property
     def scaling(self) -> float:
@@ -106,6 +114,72 @@ def _copy_local(parameter: torch.Tensor, full: torch.Tensor) -> None:
         parameter.copy_(full)
 
 
+class LoRAExperts(nn.Module):
+    """A transformers 5 fused experts module (``gate_up_proj``, ``down_proj``: [E, out, in]) with
+    per-expert adapters ``lora_A.<weight>`` [E, r, in] and ``lora_B.<weight>`` [E, out, r]
+    (``components/moe/expert_lora.py``). Made from a built experts module by :func:`apply_lora`
+    (the same parameters and names, its own weights frozen); at ep=1 its forward is a rank's
+    expert-parallel one over every expert, and expert parallelism replaces it as it does any
+    experts module, adapters included."""
+
+    lora_scaling: float
+    lora_seed: int
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        return run_whole_experts(self, hidden_states, top_k_index, top_k_weights)
+
+
+def _adapt_experts(module: nn.Module, options: LoraOptions, seed: int) -> None:
+    """Give the experts ``module`` per-expert adapters, in place (see :class:`LoRAExperts`)."""
+    shapes = {name: tuple(getattr(module, name).shape) for name in ADAPTED_WEIGHTS}
+    weight = getattr(module, ADAPTED_WEIGHTS[0])
+    empty = functools.partial(torch.empty, device=weight.device, dtype=weight.dtype)
+    module.__class__ = LoRAExperts  # same parameters, same names: the weights load as before
+    r = options.rank
+    module.lora_A = nn.ParameterDict({n: empty(e, r, i) for n, (e, _, i) in shapes.items()})
+    module.lora_B = nn.ParameterDict({n: empty(e, o, r) for n, (e, o, _) in shapes.items()})
+    for adapters in (module.lora_A, module.lora_B):  # TP replicas at ep=1, as the experts
+        mark_tp_replica_gradient_reduction(adapters, "mean")
+    module.lora_scaling, module.lora_seed = options.scaling, seed
+    if weight.device.type != "meta":
+        _reset_expert_adapters(module)
+
+
+@torch.no_grad()
+def _reset_expert_adapters(module: nn.Module) -> None:
+    """PEFT's init of each expert's adapters (as :meth:`LoRALinear.reset_adapter`), drawn from
+    the module's seed and the weight's name; each rank keeps its experts' part."""
+    for name in ADAPTED_WEIGHTS:
+        A, B = module.lora_A[name], module.lora_B[name]
+        generator = torch.Generator().manual_seed(module.lora_seed ^ zlib.crc32(name.encode()))
+        bound = 1.0 / math.sqrt(A.shape[-1])
+        _copy_local(A, torch.empty(tuple(A.shape)).uniform_(-bound, bound, generator=generator))
+        _copy_local(B, torch.zeros(tuple(B.shape)))
+
+
+def targeted_experts(model: nn.Module, patterns: tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """(names of the MoE experts modules ``patterns`` match, problems): an experts module whose
+    form the adapters' forward does not compute is a problem (each once), and so is no match."""
+    names = expert_modules(model, list(patterns))
+    found: dict[str, list[str]] = {}
+    unsupported = "LoRA on such experts is not supported: use peft.experts=false"
+    for name in names:
+        if (problem := experts_problem(model.get_submodule(name), unsupported)) is not None:
+            found.setdefault(problem, []).append(name)
+    problems = []
+    for problem, where in found.items():
+        more = f" (and {len(where) - 1} more)" if len(where) > 1 else ""
+        problems.append(f"peft.experts=true: {where[0]}{more} {problem}")
+    if not names:
+        problems.append(
+            f"peft.experts=true: the experts patterns {list(patterns)} match no module of "
+            f"{type(model).__name__}"
+        )
+    return names, problems
+
+
 def targeted_linears(model: nn.Module, patterns: tuple[str, ...]) -> tuple[list[str], list[str]]:
     """(names of the linear layers ``patterns`` match, problems): a matched module that is not an
     ``nn.Linear`` is a problem, and so is no match at all."""
@@ -136,9 +210,12 @@ def apply_lora(model: nn.Module, options: LoraOptions, seed: int) -> list[str]:
         ValueError: If the patterns match no linear layer, or match another kind of module.
     """
     names, problems = targeted_linears(model, options.target_modules)
-    if problems:
-        raise ValueError("; ".join(problems))
+    experts, expert_problems = targeted_experts(model, options.experts)
+    if problems or (options.experts and expert_problems):
+        raise ValueError("; ".join(problems + expert_problems))
     model.requires_grad_(False)
+    for name in experts if options.experts else ():
+        _adapt_experts(model.get_submodule(name), options, seed ^ zlib.crc32(name.encode()))
     for name in names:
         module = model.get_submodule(name)
         device, dtype = module.weight.device, module.weight.dtype
@@ -158,10 +235,13 @@ def reset_adapters(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, LoRALinear):
             module.reset_adapter()
+        elif has_expert_adapters(module):
+            _reset_expert_adapters(module)
 
 
 def is_adapter(name: str) -> bool:
-    """Whether the parameter ``name`` belongs to an adapter (not in a base checkpoint)."""
+    """Whether the parameter ``name`` belongs to an adapter (not in a base checkpoint): a
+    linear's ``<module>.lora_A.weight`` or an experts module's ``<experts>.lora_A.<weight>``."""
     return any(f".{adapter}." in f".{name}" for adapter in ADAPTERS)
 
 
@@ -170,17 +250,50 @@ def lora_modules(model: nn.Module) -> list[tuple[str, LoRALinear]]:
     return sorted((n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear))
 
 
+def lora_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The experts modules of ``model`` with per-expert adapters by name, sorted (a
+    :class:`LoRAExperts`, or what expert parallelism made of one)."""
+    return sorted((n, m) for n, m in model.named_modules() if has_expert_adapters(m))
+
+
+def adapted_parameters(model: nn.Module) -> list[str]:
+    """The expert weights that carry adapters, by full name (PEFT's ``target_parameters``)."""
+    return [f"{name}.{weight}" for name, _ in lora_experts(model) for weight in ADAPTED_WEIGHTS]
+
+
 def adapter_state(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Every adapter's whole weight as ``dtype`` under PEFT's saved names
-    (``base_model.model.<module>.lora_A.weight``). Collective when any is a DTensor: every rank
-    calls it and gets the same tensors."""
+    (``base_model.model.<module>.lora_A.weight``), expert adapters in PEFT's ``ParamWrapper``
+    layout (:func:`_peft_expert_adapters`). Collective when any is a DTensor: every rank calls it
+    and gets the same tensors."""
     state = {}
     for name, module in lora_modules(model):
         for adapter in ADAPTERS:
-            weight = getattr(module, adapter).weight.detach()
-            whole = weight.full_tensor() if isinstance(weight, DTensor) else weight
+            whole = _whole(getattr(module, adapter).weight)
             state[f"base_model.model.{name}.{adapter}.weight"] = whole.to(dtype).contiguous()
+    for name, module in lora_experts(model):
+        state |= {key: t.to(dtype) for key, t in _peft_expert_adapters(name, module).items()}
     return state
+
+
+def _peft_expert_adapters(name: str, module: nn.Module) -> dict[str, torch.Tensor]:
+    """One experts module's adapters as PEFT saves ``target_parameters``: one ``ParamWrapper``
+    per weight, nested in the module's registration order (the first innermost: transformers'
+    ``gate_up_proj`` under ``<experts>.base_layer.``); A [E·r, in] with expert e's rows at
+    e·r..e·r+r-1, B [out, r·E] with expert e's column j at j·E + e."""
+    order = [n for n, _ in module.named_parameters(recurse=False) if n in ADAPTED_WEIGHTS]
+    state = {}
+    for index, weight in enumerate(order):
+        prefix = f"base_model.model.{name}." + "base_layer." * (len(order) - 1 - index)
+        A, B = _whole(module.lora_A[weight]), _whole(module.lora_B[weight])  # [E,r,in] [E,out,r]
+        state[f"{prefix}lora_A.weight"] = A.reshape(-1, A.shape[-1]).contiguous()
+        state[f"{prefix}lora_B.weight"] = B.permute(1, 2, 0).reshape(B.shape[1], -1).contiguous()
+    return state
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    tensor = tensor.detach()
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 @torch.no_grad()
@@ -190,19 +303,26 @@ def merge_adapters(model: nn.Module) -> None:
     adapters out (HF's ``_keys_to_ignore_on_save``). Collective like
     :func:`adapter_state`; the base may be sharded by TP and FSDP."""
     for _, module in lora_modules(model):
-        A, B = (getattr(module, adapter).weight.detach() for adapter in ADAPTERS)
-        A, B = (w.full_tensor() if isinstance(w, DTensor) else w for w in (A, B))
-        delta = (B.float() @ A.float()) * module.scaling
-        weight = module.weight
-        if isinstance(weight, DTensor):
-            mesh, placements = weight.device_mesh, weight.placements
-            delta = distribute_tensor(delta, mesh, placements, src_data_rank=None).to_local()
-            weight = weight.to_local()
-        weight.copy_((weight.float() + delta).to(weight.dtype))
+        A, B = (_whole(getattr(module, adapter).weight) for adapter in ADAPTERS)
+        _fold(module.weight, (B.float() @ A.float()) * module.scaling)
         _local(module.lora_B.weight).zero_()
+    for _, module in lora_experts(model):
+        for name in ADAPTED_WEIGHTS:  # W_e += scaling · B_e·A_e for every expert e
+            A, B = _whole(module.lora_A[name]), _whole(module.lora_B[name])
+            _fold(getattr(module, name), torch.bmm(B.float(), A.float()) * module.lora_scaling)
+            _local(module.lora_B[name]).zero_()
     ignored = list(getattr(model, "_keys_to_ignore_on_save", None) or ())
     adapters = [name for name, _ in model.named_parameters() if is_adapter(name)]
     model._keys_to_ignore_on_save = ignored + adapters  # as save_pretrained: not exported
+
+
+def _fold(weight: torch.Tensor, delta: torch.Tensor) -> None:
+    """``weight += delta`` (the whole update, the same on every rank) on this rank's part."""
+    if isinstance(weight, DTensor):
+        mesh, placements = weight.device_mesh, weight.placements
+        delta = distribute_tensor(delta, mesh, placements, src_data_rank=None).to_local()
+        weight = weight.to_local()
+    weight.copy_((weight.float() + delta).to(weight.dtype))
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

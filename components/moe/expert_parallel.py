@@ -15,6 +15,7 @@ Design notes: docs/design-notes.md
 
 import dataclasses
 import fnmatch
+import functools
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,13 @@ from components.moe.collectives import (
     scale_gradient,
     scatter_rows,
     sum_over_group,
+)
+from components.moe.expert_lora import (
+    ADAPTERS,
+    LowRank,
+    adapted,
+    expert_low_rank,
+    has_expert_adapters,
 )
 from components.moe.structure import takes_routing
 
@@ -82,53 +90,65 @@ def expert_modules(model: nn.Module, patterns: list[str]) -> list[str]:
     return sorted({name for pattern in patterns for name in fnmatch.filter(names, pattern)})
 
 
-def _local_weights(experts: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _local_weights(
+    experts: nn.Module, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, LowRank | None]:
+    """This rank's ``gate_up_proj`` and ``down_proj`` in ``dtype`` (FSDP leaves experts in their
+    own dtype; they compute in the activations'), and their adapters (:mod:`expert_lora`), each
+    with the layout's gradient placements and scale. Adapters are never sharded over
+    ``ep_shard``: only the weights are gathered."""
     layout: ExpertLayout = experts.layout
-    weights = []
-    for name in EXPERT_PARAMETERS:
-        weight = getattr(experts, name)
-        if layout.sharded:  # all-gather over ep_shard; its backward reduce-scatters the gradient
+
+    def local(weight: torch.Tensor, gather: bool = False) -> torch.Tensor:
+        if gather:  # all-gather over ep_shard; its backward reduce-scatters the gradient
             weight = weight.redistribute(weight.device_mesh, (Replicate(), Shard(0)))
         local = weight.to_local(grad_placements=layout.gradient_placements)
         if layout.gradient_scale != 1.0:
             local = scale_gradient(local, layout.gradient_scale)
-        weights.append(
-            local.to(dtype)
-        )  # FSDP leaves experts in their own dtype; compute in the activations'
-    return weights[0], weights[1]
+        return local.to(dtype)
+
+    gate_up, down = (local(getattr(experts, name), layout.sharded) for name in EXPERT_PARAMETERS)
+    return gate_up, down, expert_low_rank(experts, local)
 
 
 def _run_experts(
-    experts: nn.Module, rows, expert_of_row, gate_up, down, weight_of_row=None
+    experts: nn.Module, rows, expert_of_row, gate_up, down, weight_of_row=None, low_rank=None
 ) -> torch.Tensor:
     """Each local expert on its rows (``expert_of_row`` in ``[0, len(gate_up))``), returned in the
-    rows' order and dtype, times ``weight_of_row`` when given.
+    rows' order and dtype, times ``weight_of_row`` when given; with ``low_rank`` (the local
+    experts' adapters, :class:`LowRank`) each expert weight gains its low-rank term.
 
     Grouped GEMM (:func:`_run_experts_grouped`) wherever :func:`grouped_mm_fits`; the per-expert
     loop (:func:`_run_experts_loop`) runs only where that predicate is false. No row at all: tied
     zeros."""
     if rows.shape[0] == 0:
-        return _tied_zeros(rows, gate_up, down)
-    if grouped_mm_fits(rows, gate_up, down):
-        return _run_experts_grouped(experts, rows, expert_of_row, gate_up, down, weight_of_row)
-    return _run_experts_loop(experts, rows, expert_of_row, gate_up, down, weight_of_row)
+        return _tied_zeros(rows, gate_up, down, low_rank)
+    run = _run_experts_grouped if grouped_mm_fits(rows, gate_up, down, low_rank) else None
+    run = run or _run_experts_loop
+    return run(experts, rows, expert_of_row, gate_up, down, weight_of_row, low_rank)
 
 
-def _tied_zeros(rows, gate_up, down) -> torch.Tensor:
-    """Zeros shaped like ``rows`` and tied to every local weight: every rank then runs each
-    backward collective, and idle experts get zero (not missing) gradients, as in one process."""
-    return rows * 0.0 + (gate_up.sum() + down.sum()) * 0.0
+def _tied_zeros(rows, gate_up, down, low_rank: LowRank | None = None) -> torch.Tensor:
+    """Zeros shaped like ``rows`` and tied to every local weight (and adapter): every rank then
+    runs each backward collective, and idle experts get zero (not missing) gradients, as in one
+    process."""
+    weights = (gate_up, down, *(low_rank.tensors() if low_rank is not None else ()))
+    return rows * 0.0 + sum(weight.sum() for weight in weights) * 0.0
 
 
-def _run_experts_loop(experts, rows, expert_of_row, gate_up, down, weight_of_row=None):
+def _run_experts_loop(
+    experts, rows, expert_of_row, gate_up, down, weight_of_row=None, low_rank=None
+):
     """One pair of matmuls per local expert, each behind a ``torch.where`` (a host sync on GPU)."""
-    output = _tied_zeros(rows, gate_up, down)
+    output = _tied_zeros(rows, gate_up, down, low_rank)
     for local in range(gate_up.shape[0]):
         selected = torch.where(expert_of_row == local)[0]
         if selected.numel() == 0:
             continue
-        gate, up = F.linear(rows[selected], gate_up[local]).chunk(2, dim=-1)
-        result = F.linear(experts.act_fn(gate) * up, down[local])
+        lora = low_rank.at(local) if low_rank is not None else None
+        up_rows = adapted(F.linear, rows[selected], gate_up[local], lora, "gate_up")
+        gate, up = up_rows.chunk(2, dim=-1)
+        result = adapted(F.linear, experts.act_fn(gate) * up, down[local], lora, "down")
         if weight_of_row is not None:
             result = result * weight_of_row[selected, None]
         output = output.index_add(0, selected, result.to(output.dtype))
@@ -146,12 +166,15 @@ def _compute_dtype(rows: torch.Tensor) -> torch.dtype:
     return rows.dtype
 
 
-def grouped_mm_fits(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
-    """Whether ``torch._grouped_mm`` can run these experts: the one place the loop is kept.
+def grouped_mm_fits(
+    rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, low_rank: LowRank | None = None
+) -> bool:
+    """Whether ``torch._grouped_mm`` can run these experts (and their adapters): the one place the
+    loop is kept.
 
     ``_grouped_mm`` has kernels on CPU (torch >= 2.9) and CUDA (SM80+), for fp32, bf16 and fp16;
-    each row stride (H and I) must be a multiple of 16 bytes and the weights 16-byte aligned.
-    Under ``torch.compile`` its meta function accepts bf16 only.
+    each row stride (H, I and an adapter's rank) must be a multiple of 16 bytes and the weights
+    16-byte aligned. Under ``torch.compile`` its meta function accepts bf16 only.
     """
     dtype, device = _compute_dtype(rows), gate_up.device
     compiling = torch.compiler.is_compiling()
@@ -162,9 +185,10 @@ def grouped_mm_fits(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tenso
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
         return False
     alignment = 16 // dtype.itemsize
-    if gate_up.shape[-1] % alignment or down.shape[-1] % alignment:  # H and I
+    weights = (gate_up, down, *(low_rank.tensors() if low_rank is not None else ()))
+    if any(weight.shape[-1] % alignment for weight in weights):  # H, I and the rank
         return False
-    return compiling or all(weight.data_ptr() % 16 == 0 for weight in (gate_up, down))
+    return compiling or all(weight.data_ptr() % 16 == 0 for weight in weights)
 
 
 class _ContiguousGradient(torch.autograd.Function):
@@ -186,7 +210,9 @@ def _grouped_linear(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Ten
     return _ContiguousGradient.apply(product)
 
 
-def _run_experts_grouped(experts, rows, expert_of_row, gate_up, down, weight_of_row=None):
+def _run_experts_grouped(
+    experts, rows, expert_of_row, gate_up, down, weight_of_row=None, low_rank=None
+):
     """All local experts in two grouped GEMMs: the rows sorted by expert once, each group's end
     found by a fixed-size ``searchsorted`` (no host sync), the results put back in row order.
 
@@ -200,9 +226,11 @@ def _run_experts_grouped(experts, rows, expert_of_row, gate_up, down, weight_of_
     sorted_experts = expert_of_row[order]
     ids = torch.arange(gate_up.shape[0], device=rows.device, dtype=sorted_experts.dtype)
     offsets = torch.searchsorted(sorted_experts, ids, right=True, out_int32=True)
-    gate_up_rows = _grouped_linear(rows[order].to(dtype), gate_up.to(dtype), offsets)
+    linear = functools.partial(_grouped_linear, offsets=offsets)
+    lora = low_rank.to(dtype) if low_rank is not None else None
+    gate_up_rows = adapted(linear, rows[order].to(dtype), gate_up.to(dtype), lora, "gate_up")
     gate, up = gate_up_rows.chunk(2, dim=-1)
-    result = _grouped_linear(experts.act_fn(gate) * up, down.to(dtype), offsets)
+    result = adapted(linear, experts.act_fn(gate) * up, down.to(dtype), lora, "down")
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.shape[0], device=order.device)
     result = result[inverse]
@@ -217,14 +245,37 @@ def _folded_forward(
     """This rank's experts on the (replicated) tokens routed to them, then the sum over the ep
     group."""
     layout: ExpertLayout = self.layout
-    gate_up, down = _local_weights(self, hidden_states.dtype)
+    gate_up, down, low_rank = _local_weights(self, hidden_states.dtype)
     hidden_states, top_k_weights = enter_group(hidden_states, top_k_weights, layout.group)
-    local = top_k_index - layout.first_expert
+    experts = (layout.first_expert, gate_up, down, low_rank)
+    output = _routed_to(self, hidden_states, top_k_index, top_k_weights, *experts)
+    return sum_over_group(output, layout.group)
+
+
+def _routed_to(self, hidden_states, top_k_index, top_k_weights, first, gate_up, down, low_rank):
+    """The sum over each token's choices of the local experts (numbered from ``first``) it chose,
+    weighted; zeros for a token that chose none of them."""
+    local = top_k_index - first
     token, slot = torch.where((local >= 0) & (local < len(gate_up)))
-    output = _run_experts(
-        self, hidden_states[token], local[token, slot], gate_up, down, top_k_weights[token, slot]
+    rows, weights = hidden_states[token], top_k_weights[token, slot]
+    output = _run_experts(self, rows, local[token, slot], gate_up, down, weights, low_rank)
+    return torch.zeros_like(hidden_states).index_add(0, token, output)
+
+
+def run_whole_experts(
+    experts: nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """The forward of an unsplit experts module (every expert here, ep=1) with per-expert
+    adapters (:mod:`expert_lora`): the same computation as a rank's share of the split one."""
+    dtype = hidden_states.dtype
+    gate_up, down = (getattr(experts, name).to(dtype) for name in EXPERT_PARAMETERS)
+    low_rank = expert_low_rank(experts, lambda tensor: tensor.to(dtype))
+    return _routed_to(
+        experts, hidden_states, top_k_index, top_k_weights, 0, gate_up, down, low_rank
     )
-    return sum_over_group(torch.zeros_like(hidden_states).index_add(0, token, output), layout.group)
 
 
 def _own_block(layout: ExpertLayout, hidden_states, top_k_index, top_k_weights):
@@ -254,7 +305,7 @@ def _dispatched_forward(
     """Send each (token, choice) to its expert's rank, compute there, bring the result back, weight
     and sum."""
     layout: ExpertLayout = self.layout
-    gate_up, down = _local_weights(self, hidden_states.dtype)
+    gate_up, down, low_rank = _local_weights(self, hidden_states.dtype)
     hidden, index, weights = _own_block(layout, hidden_states, top_k_index, top_k_weights)
     choices = index.reshape(-1)
     order = torch.argsort(choices, stable=True)
@@ -268,9 +319,8 @@ def _dispatched_forward(
     expert_of_row = exchange(
         expert - destination * layout.experts_per_rank, send, receive, layout.group
     )
-    results = all_to_all_rows(
-        _run_experts(self, received, expert_of_row, gate_up, down), receive, send, layout.group
-    )
+    computed = _run_experts(self, received, expert_of_row, gate_up, down, None, low_rank)
+    results = all_to_all_rows(computed, receive, send, layout.group)
     output = torch.zeros_like(hidden).index_add(
         0, token, results * weights[token, slot, None].to(results.dtype)
     )
@@ -281,14 +331,14 @@ def _dispatched_forward(
     ]
 
 
-def _experts_problem(module: nn.Module) -> str | None:
-    """Why this experts module cannot be split by :class:`ExpertParallelExperts` (a phrase to follow
-    its name), or None."""
+def experts_problem(module: nn.Module, unsupported: str) -> str | None:
+    """Why this experts module's forward is not the one this module computes (a phrase to follow
+    its name, ending in ``unsupported``), or None: what :class:`ExpertParallelExperts` and
+    per-expert adapters need."""
     missing = [p for p in EXPERT_PARAMETERS if not hasattr(module, p)]
     forms = [what for flag, plain, what in _OTHER_FORMS if getattr(module, flag, plain) != plain]
     if missing:
         return f"has no fused expert parameters {missing}: not a transformers 5 experts module"
-    unsupported = "expert parallelism of such experts is not supported yet; use ep=1"
     if not takes_routing(module):
         return f"({type(module).__name__}) takes its tokens already routed: {unsupported}"
     if forms:
@@ -313,7 +363,8 @@ def check_expert_parallel(
             )
     found: dict[str, list[str]] = {}  # each problem once, naming the modules that have it
     for name in modules:
-        if (problem := _experts_problem(model.get_submodule(name))) is not None:
+        unsupported = "expert parallelism of such experts is not supported yet; use ep=1"
+        if (problem := experts_problem(model.get_submodule(name), unsupported)) is not None:
             found.setdefault(problem, []).append(name)
     for problem, names in found.items():
         more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
@@ -361,16 +412,22 @@ class ExpertParallelExperts(nn.Module):
     """A Hugging Face fused experts module split by expert over the ep group: its parameters under
     the same names (``gate_up_proj``, ``down_proj``, now DTensors on the MoE mesh), its activation,
     and a forward that brings each token to its experts as ``layout`` says. It takes the HF
-    module's place in its MoE block, so checkpoints and plans see the same names."""
+    module's place in its MoE block, so checkpoints and plans see the same names. Per-expert
+    adapters (:mod:`expert_lora`) come along, split by expert like the weights."""
 
     def __init__(self, experts: nn.Module, moe_mesh: DeviceMesh, placements, layout: ExpertLayout):
         super().__init__()
         self.layout = layout
         self.act_fn = experts.act_fn
-        for name in EXPERT_PARAMETERS:
-            full = getattr(experts, name)
-            sharded = distribute_tensor(full.data, moe_mesh, placements)
-            self.register_parameter(name, nn.Parameter(sharded, requires_grad=full.requires_grad))
+        for name, full in experts.named_parameters(recurse=False):  # in the source's order
+            if name in EXPERT_PARAMETERS:
+                self.register_parameter(name, _distributed(full, moe_mesh, placements))
+        if has_expert_adapters(experts):  # split by expert like the weights, whole on ep_shard
+            self.lora_scaling, self.lora_seed = experts.lora_scaling, experts.lora_seed
+            for adapter in ADAPTERS:
+                whole = getattr(experts, adapter).items()
+                split = {n: _distributed(p, moe_mesh, (Replicate(), Shard(0))) for n, p in whole}
+                self.register_module(adapter, nn.ParameterDict(split))
         exclude_from_tp_replica_sync(self)
 
     def forward(
@@ -378,6 +435,11 @@ class ExpertParallelExperts(nn.Module):
     ) -> torch.Tensor:
         forward = _folded_forward if self.layout.mode == "folded" else _dispatched_forward
         return forward(self, hidden_states, top_k_index, top_k_weights)
+
+
+def _distributed(full: nn.Parameter, mesh: DeviceMesh, placements) -> nn.Parameter:
+    sharded = distribute_tensor(full.data, mesh, placements)
+    return nn.Parameter(sharded, requires_grad=full.requires_grad)
 
 
 def apply_expert_parallel(
@@ -400,7 +462,7 @@ def apply_expert_parallel(
     rank keeps its slice) or on the meta device (load afterwards with ``materialize_pretrained``).
     With ``ep == 1`` nothing changes: every rank holds every expert, computes it on the same tokens,
     and the experts are ordinary TP replicas (mean); transformers' own experts forward then runs
-    (its default is grouped_mm too).
+    (its default is grouped_mm too), or with adapters :func:`run_whole_experts`.
     """
     ep = moe_mesh["ep"].size()
     if ep == 1:

@@ -1,14 +1,23 @@
 """LoRA at tp=2 on gloo ranks: the adapters' placement and replica markers, the optimizer's state
 (the adapters' alone, as the memory model plans it, to the byte), and a model loaded from a folder
-on the meta device gets the same adapters as one built with its weights."""
+on the meta device gets the same adapters as one built with its weights. Per-expert adapters at
+tp=2 ep=2 are split by expert and train as in one process."""
 
+import dataclasses
+import itertools
+
+import pytest
 import torch
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from components.distributed.grads import clip_grad_norm_, finalize_dtensor_gradients
 from components.distributed.mesh import ParallelDims, build_device_mesh
-from components.distributed.tp_replicas import synchronize_tp_replica_gradients
+from components.distributed.tp_replicas import (
+    synchronize_tp_replica_gradients,
+    unmarked_parameters,
+)
 from components.models import build_causal_lm, tiny_config
+from components.models.families import FAMILIES
 from components.models.lora import LoraOptions, apply_lora
 from components.models.parallelize import build_parallel_model
 from components.planning.memory_model import GIB, Layout, Step, estimate_memory
@@ -56,9 +65,14 @@ def placements_state_and_plan(rank, world_size):
         for v in s.values()
     ]
     moments = sum(t.numel() * t.element_size() for t in local if t.dim() > 0)
-    layout = Layout(
-        tp=world_size, dp=1, ep=1, cp=1, micro_batch_size=2, activation_checkpointing="none"
-    )
+    planned = _planned_optimizer_bytes(model, CONFIG, tp=world_size, ep=1)
+    replicated = {k: v for k, v in report.replicated.items() if ".lora_" in k}
+    return placed, moments, planned, replicated, len(optimizer.state) == len(trained)
+
+
+def _planned_optimizer_bytes(model, config, tp: int, ep: int) -> float:
+    """The memory model's optimizer state per rank (AdamW, fp32), in bytes."""
+    layout = Layout(tp=tp, dp=1, ep=ep, cp=1, micro_batch_size=2, activation_checkpointing="none")
     step = Step(
         seq_len=16,
         global_batch_size=2,
@@ -70,9 +84,7 @@ def placements_state_and_plan(rank, world_size):
         loss_chunk_tokens=0,
         packing=False,
     )
-    planned = estimate_memory(model, CONFIG, layout, step).optimizer * GIB
-    replicated = {k: v for k, v in report.replicated.items() if ".lora_" in k}
-    return placed, moments, planned, replicated, len(optimizer.state) == len(trained)
+    return estimate_memory(model, config, layout, step).optimizer * GIB
 
 
 def test_adapters_are_placed_by_the_base_style_and_the_optimizer_holds_theirs_alone(ranks2):
@@ -111,3 +123,79 @@ def test_a_model_loaded_on_meta_gets_the_adapters_of_one_built_with_its_weights(
     build_causal_lm(CONFIG, seed=0).save_pretrained(tmp_path)
     results = ranks2.run(adapters_built_and_loaded, tmp_path)
     assert results == [([], True, 0), ([], True, 1)]
+
+
+MOE = tiny_config("qwen3_moe", vocab_size=96)
+MOE_EXPERTS, MOE_ROUTERS = FAMILIES["qwen3_moe"].experts, FAMILIES["qwen3_moe"].routers
+EXPERT_OPTIONS = dataclasses.replace(OPTIONS, target_modules=("*.q_proj",), experts=MOE_EXPERTS)
+
+
+def _moe_lora(model: torch.nn.Module) -> torch.nn.Module:
+    apply_lora(model, EXPERT_OPTIONS, seed=0)
+    return model
+
+
+def _steps(model, mesh, optimizer, steps: int) -> tuple[list[float], list[float]]:
+    """(losses, grad norms) of ``steps`` optimizer steps on fixed batches."""
+    losses, norms = [], []
+    for step in range(steps):
+        tokens = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(step))
+        loss = forward_backward(model, tokens, tokens.clone(), tokens.numel(), loss_chunk_tokens=0)
+        finalize_dtensor_gradients([model])
+        synchronize_tp_replica_gradients([model], mesh)
+        norms.append(clip_grad_norm_([model], 1e9).item())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss)
+    return losses, norms
+
+
+def _sgd(model) -> torch.optim.SGD:
+    return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def expert_adapters_at_tp2_ep2(rank, world_size):
+    reference = _moe_lora(build_causal_lm(MOE, seed=0))
+    dims = ParallelDims(world_size=world_size, dp=1, tp=world_size, ep=world_size)
+    mesh = build_device_mesh(dims, "cpu")
+    spec = dataclasses.replace(spec_for(MOE), experts=MOE_EXPERTS, routers=MOE_ROUTERS)
+    model, _ = build_parallel_model(spec, dims, mesh, torch.device("cpu"), convert=_moe_lora)
+    experts = model.model.layers[0].mlp.experts
+    placed = {}
+    for adapter, weight in itertools.product(("lora_A", "lora_B"), ("gate_up_proj", "down_proj")):
+        parameter = getattr(experts, adapter)[weight]
+        placed[f"{adapter}.{weight}"] = (parameter.placements, tuple(_local(parameter).shape))
+    synced = [name for name, _, _ in unmarked_parameters([model]) if ".experts." in name]
+    at_ep1 = dataclasses.replace(dims, ep=1)  # the experts, and so their adapters, TP replicas
+    replicas, _ = build_parallel_model(spec, at_ep1, mesh, torch.device("cpu"), convert=_moe_lora)
+    reductions = [r for n, _, r in unmarked_parameters([replicas]) if ".experts.lora_" in n]
+    ours = _steps(model, mesh, _sgd(model), 3)
+    theirs = _steps(reference, None, _sgd(reference), 3)
+    adamw = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    _steps(model, mesh, adamw, 1)
+    state = [_local(v) for s in adamw.state.values() for v in s.values() if v.dim() > 0]
+    adapters = [_local(p) for n, p in model.named_parameters() if ".lora_" in n]
+    measured = sum(t.numel() * t.element_size() for t in state)
+    expected = 2 * sum(t.numel() * t.element_size() for t in adapters)  # AdamW's two moments
+    planned = _planned_optimizer_bytes(model, MOE, tp=world_size, ep=world_size)
+    return placed, (synced, reductions), ours, theirs, measured, (expected, planned)
+
+
+def test_expert_adapters_split_by_ep_train_like_one_process_with_sgd(ranks2):
+    for placed, synced, ours, theirs, measured, expected in ranks2.run(expert_adapters_at_tp2_ep2):
+        by_expert = (Replicate(), Shard(0))  # ("ep_shard", "ep"): 4 of the 8 experts per rank
+        assert placed == {
+            "lora_A.gate_up_proj": (by_expert, (4, 4, 64)),
+            "lora_A.down_proj": (by_expert, (4, 4, 64)),
+            "lora_B.gate_up_proj": (by_expert, (4, 128, 4)),
+            "lora_B.down_proj": (by_expert, (4, 64, 4)),
+        }
+        assert synced[0] == []  # split by expert: never a TP replica
+        assert synced[1] == ["mean"] * 2 * 2 * 2  # at ep=1 replicas, as the experts: A, B × 2 × 2
+        for ours_values, their_values in zip(ours, theirs, strict=True):  # losses, grad norms
+            assert ours_values == pytest.approx(their_values, rel=1e-5)
+        assert (measured, measured) == expected  # the local adapters' alone, as planned

@@ -60,7 +60,10 @@ CASES: dict[str, tuple[list[str], str]] = {
         ["peft.rank=4"],
         "peft.rank=4 is read only with peft=lora: add peft=lora or remove it",
     ),
-    "LoRA on experts": (["peft=lora", "peft.experts=true"], "peft.experts=true (adapters on MoE"),
+    "LoRA on the experts of a dense model": (
+        ["peft=lora", "peft.experts=true"],
+        "peft.experts=true needs an MoE model: model=llama has no experts",
+    ),
     "LoRA targets matching nothing": (
         ["peft=lora", "peft.target_modules=[*.nothing]"],
         "peft.target_modules ['*.nothing'] match no linear layer of LlamaForCausalLM",

@@ -1,6 +1,7 @@
 """``peft=lora`` through the command line: tp=2 and dp=2 × tp=2 with sp equal the tp=1 run step by
-step; a resume at another tp equals the uninterrupted run; the optimizer holds the adapters' state
-alone; the adapter export loads with peft, and the merged export is base + alpha/r · B·A."""
+step, and so does qwen3_moe at tp=2 ep=2 with per-expert adapters (``peft.experts=true``); a resume
+at another tp equals the uninterrupted run; the optimizer holds the adapters' state alone; the
+adapter export loads with peft, and the merged export is base + alpha/r · B·A, experts included."""
 
 import json
 from pathlib import Path
@@ -18,20 +19,24 @@ from tests.e2e.test_recipe_training import metrics, recipe
 
 LORA = ["peft=lora", "peft.rank=4", "peft.alpha=8.0", "optim.lr=1e-2"]
 TP2 = ["tp=2", "checkpoint.export=true", "peft.merge=true"]
+MOE = ["model=qwen3_moe", "peft.experts=true", "train.max_steps=4"]
+MOE_TP2_EP2 = [*MOE, "tp=2", "ep=2", "checkpoint.export=true", "peft.merge=true"]
+TWINS = {"tp2": "tp1", "dp2_tp2_sp": "tp1", "moe_tp2_ep2": "moe_tp1"}  # run: its tp=1 twin
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("lora")
     layouts = {"tp1": ["tp=1"], "tp2": TP2, "dp2_tp2_sp": ["tp=2", "dp=2", "sp=true"]}
+    layouts |= {"moe_tp1": MOE, "moe_tp2_ep2": [*MOE_TP2_EP2, "checkpoint.every_steps=4"]}
     for name, overrides in layouts.items():
         recipe(root / name, *LORA, *overrides)
     return {name: root / name for name in layouts}
 
 
-@pytest.mark.parametrize("name", ["tp2", "dp2_tp2_sp"])
+@pytest.mark.parametrize("name", TWINS)
 def test_parallel_lora_runs_match_tp1_step_by_step(runs, name):
-    reference = metrics(runs["tp1"])
+    reference = metrics(runs[TWINS[name]])
     assert reference[-1]["loss"] < reference[0]["loss"]
     for ours, theirs in zip(metrics(runs[name]), reference, strict=True):
         assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
@@ -57,11 +62,52 @@ def test_resume_at_another_tp_equals_the_uninterrupted_run_with_adapter_state_al
         assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
 
 
-def test_adapter_export_loads_with_peft_and_the_merged_export_is_base_plus_scaled_ba(runs):
-    folder = runs["tp2"]
-    config = AutoConfig.from_pretrained(folder / "hf")
+def test_expert_adapters_are_in_the_checkpoint_and_hold_the_optimizer_state_alone(runs):
+    saved = FileSystemReader(checkpoint_path(runs["moe_tp2_ep2"] / "checkpoints", 4))
+    entries = saved.read_metadata().state_dict_metadata
+    adapters = {k: v.size for k, v in entries.items() if k.startswith("model.") and ".lora_" in k}
+    experts = {k: size for k, size in adapters.items() if ".mlp.experts.lora_" in k}
+    assert len(experts) == 2 * 2 * 2  # A and B of gate_up_proj and down_proj in 2 layers
+    assert all(size[0] == 8 for size in experts.values())  # whole: every expert's, 8
+    moments = [v.size for k, v in entries.items() if k.endswith(("exp_avg", "exp_avg_sq"))]
+    assert sum(s.numel() for s in moments) == 2 * sum(s.numel() for s in adapters.values())
+
+
+def _expert_delta(adapters: dict, prefix: str, experts: int) -> torch.Tensor:
+    """PEFT's ParamWrapper update of a [E, out, in] weight from its saved A [E·r, in] and B
+    [out, r·E] (peft/tuners/lora/layer.py, get_delta_weight): B_e·A_e for each expert e."""
+    A, B = adapters[f"{prefix}.lora_A.weight"], adapters[f"{prefix}.lora_B.weight"]
+    A, B = A.reshape(experts, -1, A.shape[-1]), B.reshape(B.shape[0], -1, experts)
+    return torch.einsum("o r e, e r i -> e o i", B, A)
+
+
+def _merged_is_base_plus_scaled_ba(folder: Path, merged: torch.nn.Module, config) -> None:
     adapters = load_file(folder / "adapter" / "adapter_model.safetensors")
-    assert json.loads((folder / "adapter" / "adapter_config.json").read_text())["r"] == 4
+    base = build_causal_lm(config, seed=0).state_dict()
+    exported, experts = merged.state_dict(), getattr(config, "num_experts", 0)
+    nested = {"gate_up_proj": "base_layer.", "down_proj": ""}  # PEFT's ParamWrapper nesting
+    for name, weight in base.items():
+        module, _, kind = name.rpartition(".")
+        prefix = f"base_model.model.{module}"
+        if kind in nested and f"{prefix}.{nested[kind]}lora_A.weight" in adapters:
+            delta = _expert_delta(adapters, f"{prefix}.{nested[kind]}".rstrip("."), experts)
+        elif f"{prefix}.lora_A.weight" in adapters and kind == "weight":
+            delta = adapters[f"{prefix}.lora_B.weight"] @ adapters[f"{prefix}.lora_A.weight"]
+        else:
+            assert torch.equal(exported[name], weight), name  # frozen: bitwise the source's
+            continue
+        assert delta.abs().sum() > 0, name  # trained
+        torch.testing.assert_close(exported[name], weight + 2.0 * delta, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["tp2", "moe_tp2_ep2"])
+def test_adapter_export_loads_with_peft_and_the_merged_export_is_base_plus_scaled_ba(runs, name):
+    folder = runs[name]
+    config = AutoConfig.from_pretrained(folder / "hf")
+    adapter_config = json.loads((folder / "adapter" / "adapter_config.json").read_text())
+    assert adapter_config["r"] == 4
+    if name.startswith("moe"):
+        assert len(adapter_config["target_parameters"]) == 2 * 2  # both weights, 2 layers
     ids = torch.arange(1, 40)[None]
     with torch.no_grad():
         loaded = PeftModel.from_pretrained(build_causal_lm(config, seed=0), folder / "adapter")
@@ -69,15 +115,7 @@ def test_adapter_export_loads_with_peft_and_the_merged_export_is_base_plus_scale
         torch.testing.assert_close(
             loaded(input_ids=ids).logits, merged(input_ids=ids).logits, rtol=1e-5, atol=1e-5
         )
-    base = build_causal_lm(config, seed=0).state_dict()
-    exported = merged.state_dict()
-    for name, weight in base.items():
-        prefix = f"base_model.model.{name.removesuffix('.weight')}"
-        if f"{prefix}.lora_A.weight" not in adapters:
-            assert torch.equal(exported[name], weight), name  # frozen: bitwise the source's
-            continue
-        delta = adapters[f"{prefix}.lora_B.weight"] @ adapters[f"{prefix}.lora_A.weight"]
-        torch.testing.assert_close(exported[name], weight + 2.0 * delta, rtol=1e-6, atol=1e-6)
+    _merged_is_base_plus_scaled_ba(folder, merged, config)
 
 
 def test_lora_on_a_pretrained_folder_loads_it_on_meta_and_names_it_in_the_adapter(runs, tmp_path):
