@@ -39,11 +39,14 @@ if TYPE_CHECKING:
 
 def convert(model: torch.nn.Module, plan: RunPlan) -> torch.nn.Module:
     """The built model, converted before it is parallelised: ``peft=lora`` freezes it and adds
-    adapters (where FP8 linears would plug in too); full fine-tuning keeps it as built."""
+    adapters; ``train.precision=fp8`` swaps the decoder's linear layers for float8 ones."""
+    from components.models.fp8 import convert_to_fp8
     from components.models.lora import apply_lora
 
     if (options := plan.lora) is not None:
         apply_lora(model, options, seed=plan.seed)
+    if plan.fp8 is not None:
+        convert_to_fp8(model, plan.fp8)
     return model
 
 
@@ -55,6 +58,7 @@ def set_up(plan: RunPlan) -> Run:
     from components.distributed.context_parallel import ContextParallel
     from components.distributed.mesh import build_device_mesh, dp_mesh
     from components.distributed.tp_replicas import broadcast_tp_replicas
+    from components.models.fp8 import fp8_scales_after_steps
     from components.models.parallelize import build_parallel_model
     from components.models.precision import precision_policy
     from components.moe import ExpertLoad, router_aux_loss_weight
@@ -77,6 +81,7 @@ def set_up(plan: RunPlan) -> Run:
     broadcast_tp_replicas([model], mesh)  # after parallelising and loading, before the optimizer
     trained = [parameter for parameter in model.parameters() if parameter.requires_grad]
     optimizer = target_class("optim", optim.target)(trained, **optim.options())  # no frozen state
+    fp8_scales_after_steps(optimizer, model, plan.fp8)  # fp8 under FSDP: one all-reduce a step
     schedule = (plan.schedule.name, train.warmup_steps, train.max_steps, plan.schedule.options())
     scheduler = build_schedule(optimizer, *schedule)
     watched = (model, plan.model.config, list(plan.model.experts), dp_mesh(mesh).get_group())
@@ -140,10 +145,8 @@ def train_step(run: Run, plan: RunPlan, step: int, step_fn: StepFn = forward_bac
     norm = (clip_grad_norm_([run.model], clip) if clip else grad_norm([run.model])).item()
     finite = math.isfinite(norm)  # the same number on every rank, so all ranks decide alike
     if not finite and plan.train.on_nonfinite == "stop":
-        raise FloatingPointError(
-            f"step {step + 1}: grad norm is {norm}; stopped before the update "
-            "(train.on_nonfinite=skip skips it)"
-        )
+        stopped = f"step {step + 1}: grad norm is {norm}; stopped before the update"
+        raise FloatingPointError(f"{stopped} (train.on_nonfinite=skip skips it)")
     lr = run.scheduler.get_last_lr()[0]
     if finite:
         run.optimizer.step()
@@ -170,9 +173,8 @@ def train_step(run: Run, plan: RunPlan, step: int, step_fn: StepFn = forward_bac
 def train(
     run: Run, plan: RunPlan, step_fn: StepFn = forward_backward_step
 ) -> tuple[str | None, int]:
-    """The steps after ``run.first_step`` up to ``max_steps`` (or ``stop_after``): metrics,
-    validation, saves. Returns the name of the signal that stopped the run early (with a checkpoint
-    of its step), or None; and how many steps were skipped as non-finite."""
+    """The steps after ``run.first_step`` up to ``plan.last_step``: metrics, validation, saves.
+    Returns the signal that stopped the run early (its step saved) or None; the steps skipped."""
     from components.distributed.replicas import check_replicas
     from components.runtime.checkpoints import stop_note, stop_signal
     from components.training.profiler import StepProfiler
@@ -203,8 +205,7 @@ def train(
     for output in (profiler, writer, log, tracker):  # the writer once its last save is published
         output.close()
     if stopped is not None:
-        note = stop_note(stopped, done, max_steps, writer.last_path)
-        say(note, file=sys.stderr, flush=True)
+        say(stop_note(stopped, done, max_steps, writer.last_path), file=sys.stderr, flush=True)
     return stopped, skipped
 
 

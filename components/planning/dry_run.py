@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from components.distributed.mesh import ParallelDims, build_device_mesh
+from components.models.fp8 import convert_to_fp8
 from components.models.lora import apply_lora
 from components.models.parallelize import build_parallel_model
 from components.planning.flops import flops_per_token
@@ -43,18 +44,23 @@ def plan_layout(plan, step: Step, layout: Layout) -> MemoryEstimate:
     mesh = build_device_mesh(dims, "cpu")
     spec = replace(plan.model, activation_checkpointing=layout.activation_checkpointing)
     model, _ = build_parallel_model(
-        spec, dims, mesh, torch.device("meta"), convert=_converter(plan)
+        spec, dims, mesh, torch.device("meta"), convert=_converter(plan, dims)
     )
     return estimate_memory(model, plan.model.config, layout, step)
 
 
-def _converter(plan) -> Callable[[torch.nn.Module], torch.nn.Module] | None:
-    """The recipe's conversion of the built model: ``peft=lora``'s adapters, or None."""
-    if (options := plan.lora) is None:
+def _converter(plan, dims: ParallelDims) -> Callable[[torch.nn.Module], torch.nn.Module] | None:
+    """The recipe's conversion of the built model: ``peft=lora``'s adapters, fp8's float8 linears
+    (all-gathered in fp8 when ``dims`` shard over dp); or None."""
+    options, fp8 = plan.lora, plan.fp8
+    if options is None and fp8 is None:
         return None
 
     def convert(model: torch.nn.Module) -> torch.nn.Module:
-        apply_lora(model, options, seed=plan.seed)
+        if options is not None:
+            apply_lora(model, options, seed=plan.seed)
+        if fp8 is not None:
+            convert_to_fp8(model, replace(fp8, data_parallel=dims.data_parallel > 1))
         return model
 
     return convert
@@ -144,6 +150,7 @@ def _step(plan) -> Step:
         runtime_gib=runtime,
         loss_chunk_tokens=train.loss_chunk_tokens,
         packing=train.packing,
+        fp8_recipe=train.fp8_recipe,
     )
 
 
