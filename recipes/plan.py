@@ -141,7 +141,9 @@ class RunPlan(Settled):
             return None
         excluded = (*self.model.experts, *self.model.routers)
         parallel = self.dims.data_parallel > 1  # FSDP over dp × cp (build_parallel_model)
-        return Fp8Options(recipe=self.train.fp8_recipe, data_parallel=parallel, excluded=excluded)
+        emulate = self.device_type == "cpu"  # its float8 matmul is a slow reference kernel
+        options = dict(recipe=self.train.fp8_recipe, data_parallel=parallel, emulate=emulate)
+        return Fp8Options(**options, excluded=excluded)
 
     @cached_property
     def flops_per_token(self) -> int:

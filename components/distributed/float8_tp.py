@@ -4,13 +4,15 @@ to fp8 *before* their collectives, so sequence parallelism all-gathers fp8 (one 
 shared by q/k/v or gate/up) and each projection's output gradient is cast once.
 
 torchao's styles take tensorwise scaling only; under ``rowwise`` the plain styles stay (bf16
-collectives, torchtitan's choice too).
+collectives, torchtitan's choice too). So they do on the CPU: gloo cannot move float8 tensors
+("Invalid scalar type" in the sequence-parallel all-gather).
 """
 
 import sys
 
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle
 
 
@@ -23,11 +25,15 @@ def _tensorwise(module: nn.Module) -> bool:
     return isinstance(module, Float8Linear) and tensorwise
 
 
-def float8_style(style: str, module: nn.Module, sequence_parallel: bool) -> ParallelStyle | None:
+def float8_style(
+    style: str, module: nn.Module, sequence_parallel: bool, mesh: DeviceMesh
+) -> ParallelStyle | None:
     """torchao's float8 version of the plan's ``style`` for ``module``, or None (the plain style
     stays): ``colwise``/``rowwise`` on a tensorwise float8 linear, ``attention_input``/``mlp_input``
-    on a module whose linears all are."""
+    on a module whose linears all are; never on a CPU ``mesh`` (gloo)."""
     if "torchao.float8.float8_linear" not in sys.modules:  # not imported: no float8 linear exists
+        return None
+    if mesh.device_type == "cpu":
         return None
     from torchao.float8.float8_tensor_parallel import (
         Float8ColwiseParallel,

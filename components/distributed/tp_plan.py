@@ -381,7 +381,8 @@ def apply_tp_plan(
             mark_tp_replica_gradient_reduction(module, "sum")
         inside = any(name.startswith(f"{outer}.") for outer in gathered)  # on whole tokens
         torch_style = _style(style, sequence_parallel and not inside, config)
-        torch_style = float8_style(style, module, sequence_parallel and not inside) or torch_style
+        spread = sequence_parallel and not inside
+        torch_style = float8_style(style, module, spread, tp_mesh) or torch_style
         # torch's SequenceParallel makes new parameters that require grad: a frozen one stays so
         frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
         if hasattr(module, "parallelize_tp"):  # a module that places its own extras (LoRA)
