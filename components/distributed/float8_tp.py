@@ -11,8 +11,8 @@ collectives, torchtitan's choice too). So they do on the CPU: gloo cannot move f
 import sys
 
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 

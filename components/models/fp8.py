@@ -135,4 +135,3 @@ def fp8_scales_after_steps(optimizer, model: nn.Module, options: Fp8Options | No
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     optimizer.register_step_post_hook(lambda *_: precompute_float8_dynamic_scale_for_fsdp(model))
-
