@@ -1,4 +1,4 @@
-"""shardtune's building blocks, one package per concern (docs/design-notes.md).
+"""shardtune's building blocks, one package per concern.
 
 Importing the package drops two warnings that torchao (the float8 training of
 ``train.precision=fp8``) gives whenever it is imported, which transformers does at its own import

@@ -2,8 +2,7 @@
 (one per family, ``components.models.families.plan_for``): ``fnmatch`` module-name patterns (``*``
 for a layer index) mapped to style names of HF's ``base_model_tp_plan``:
 
-- ``colwise`` / ``rowwise``: Megatron-style pairs (torchao's float8 ones on float8 linears,
-  ``float8_tp``); ``embedding_rowwise``: vocab-parallel embedding.
+- ``colwise`` / ``rowwise``: Megatron pairs (fp8: ``float8_tp``); ``embedding_rowwise``: by vocab.
 - ``vocab_parallel`` (ours) / ``colwise_gather_output`` (HF's): an ``lm_head`` whose logits stay
   sharded over the vocabulary / are gathered.
 - ``sequence_parallel``: norms run on sequence shards.

@@ -36,6 +36,7 @@ COMMON = [
     "train.val_every=0",
     "checkpoint.export=false",
     "data.num_examples=200",
+    "optim.lr=3e-4",  # at the default 3e-3 two sequences a step make the run chaotic (see BANDS)
 ]
 
 
@@ -62,17 +63,16 @@ def losses(folder: Path) -> list[float]:
 
 @pytest.fixture(scope="module")
 def curves(tmp_path_factory) -> dict[str, list[float]]:
-    """Every curve: one sweep of fp8 at tp 1 and 2 in both recipes, one of bf16-mixed and fp8 at
-    dp=2, and bf16-mixed at tp=1."""
+    """Five curves from three commands: fp8 at tp 1 and 2 (one sweep), bf16-mixed and rowwise fp8
+    at tp=1 (one sweep; bf16-mixed reads no recipe), fp8 at dp=2."""
     root = tmp_path_factory.mktemp("fp8")
-    layouts = ["tp=1,2", "sp=true", "train.fp8_recipe=tensorwise,rowwise"]
-    finetune(root / "fp8", "train.precision=fp8", *layouts, sweep=True)
-    finetune(root / "dp2", "dp=2", "train.precision=bf16-mixed,fp8", sweep=True)
-    finetune(root / "mixed", "train.precision=bf16-mixed")
-    jobs = ["fp8_tp1", "rowwise_tp1", "fp8_tp2_sp", "rowwise_tp2_sp"]  # tp varies slowest
-    found = {name: losses(root / "fp8" / str(number)) for number, name in enumerate(jobs)}
-    found |= {"mixed_dp2": losses(root / "dp2" / "0"), "fp8_dp2": losses(root / "dp2" / "1")}
-    return found | {"mixed_tp1": losses(root / "mixed")}
+    finetune(root / "tp", "tp=1,2", "sp=true", "train.precision=fp8", sweep=True)
+    precisions = ["train.precision=bf16-mixed,fp8", "train.fp8_recipe=rowwise"]
+    finetune(root / "tp1", *precisions, sweep=True)
+    finetune(root / "dp2", "dp=2", "train.precision=fp8")
+    found = {"fp8_tp1": losses(root / "tp" / "0"), "fp8_tp2_sp": losses(root / "tp" / "1")}
+    found |= {"mixed_tp1": losses(root / "tp1" / "0"), "rowwise_tp1": losses(root / "tp1" / "1")}
+    return found | {"fp8_dp2": losses(root / "dp2")}
 
 
 def worst_gap(ours: list[float], theirs: list[float]) -> float:
@@ -80,28 +80,18 @@ def worst_gap(ours: list[float], theirs: list[float]) -> float:
     return max(abs(a - b) / abs(b) for a, b in zip(ours, theirs, strict=True))
 
 
-@pytest.mark.parametrize(
-    "name, reference",
-    [
-        ("fp8_tp1", "mixed_tp1"),
-        ("fp8_tp2_sp", "mixed_tp1"),
-        ("fp8_dp2", "mixed_dp2"),
-        ("rowwise_tp1", "mixed_tp1"),
-        ("rowwise_tp2_sp", "mixed_tp1"),
-    ],
-)
-def test_fp8_follows_bf16_mixed(curves, name, reference):
-    gap = worst_gap(curves[name], curves[reference])
-    print(f"{name} vs {reference}: worst loss gap {gap:.2e}")
+@pytest.mark.parametrize("name", ["fp8_tp1", "fp8_tp2_sp", "fp8_dp2", "rowwise_tp1"])
+def test_fp8_follows_bf16_mixed(curves, name):
+    gap = worst_gap(curves[name], curves["mixed_tp1"])
+    print(f"{name} vs bf16-mixed: worst loss gap {gap:.2e}")
     assert 0 < gap <= 2e-2
 
 
-@pytest.mark.parametrize("recipe", ["fp8", "rowwise"])
-def test_fp8_at_tp2_equals_tp1(curves, recipe):
-    gap = worst_gap(curves[f"{recipe}_tp2_sp"], curves[f"{recipe}_tp1"])
-    print(f"{recipe} tp=2 vs tp=1: worst loss gap {gap:.2e}")
+def test_fp8_at_tp2_equals_tp1(curves):
+    gap = worst_gap(curves["fp8_tp2_sp"], curves["fp8_tp1"])
+    print(f"fp8 tp=2 vs tp=1: worst loss gap {gap:.2e}")
     assert gap <= 1e-2
 
 
 def test_the_loss_falls(curves):
-    assert curves["fp8_tp1"][-1] < 0.8 * curves["fp8_tp1"][0]
+    assert curves["fp8_tp1"][-1] < 0.6 * curves["fp8_tp1"][0]
