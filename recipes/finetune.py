@@ -56,7 +56,7 @@ def set_up(plan: RunPlan) -> Run:
     from components.data.loader import open_splits
     from components.debug.faults import install_faults
     from components.distributed.context_parallel import ContextParallel
-    from components.distributed.mesh import build_device_mesh, dp_mesh
+    from components.distributed.mesh import build_device_mesh, data_parallel_mesh, dp_mesh
     from components.distributed.tp_replicas import broadcast_tp_replicas
     from components.models.fp8 import fp8_scales_after_steps
     from components.models.parallelize import build_parallel_model
@@ -65,6 +65,7 @@ def set_up(plan: RunPlan) -> Run:
     from components.runtime.checkpoints import resume
     from components.runtime.launch import join_world
     from components.targets import target_class
+    from components.training.readout import StepReadout
     from components.training.schedule import build_schedule
     from recipes.plan import Run
 
@@ -95,7 +96,8 @@ def set_up(plan: RunPlan) -> Run:
     handles = dict(model=model, optimizer=optimizer, scheduler=scheduler)
     where = dict(rank=rank, device=device, mesh=mesh, cp=ContextParallel.of(mesh))
     steps = dict(data=data, val_data=val_data, first_step=first_step, compute=compute)
-    run = Run(**handles, **where, **steps, experts=experts, aux_loss_weight=aux)
+    readout = StepReadout(data_parallel_mesh(mesh).get_group(), device)  # the loss's dp × cp
+    run = Run(**handles, **where, **steps, experts=experts, aux_loss_weight=aux, readout=readout)
     if plan.fault is not None:  # a resilience drill (docs/fault-injection.md)
         where = dict(rank=rank, world_size=dist.get_world_size(), first_step=first_step)
         where |= dict(micro_batches_per_step=micro_batches)
@@ -107,7 +109,7 @@ def forward_backward_step(run: Run, plan: RunPlan, step: int) -> torch.Tensor:
     """The step function: forward and backward of step ``step``'s micro-batches, the summed loss
     (float64). A pipeline schedule replaces it (``train(..., step_fn=...)``)."""
     from components.distributed.fsdp import set_gradient_sync
-    from components.training.step import forward_backward  # its loss reads the models' TP plans
+    from components.training.step import forward_backward_on_device  # reads the models' TP plans
 
     micro_batches, labelled = run.data.batches_for_step(step), run.data.labels_in_step(step)
     loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)  # mesh groups: NCCL only
@@ -118,7 +120,7 @@ def forward_backward_step(run: Run, plan: RunPlan, step: int) -> torch.Tensor:
             run.experts.count_real(batch.real_mask())
         tensors = (batch.input_ids, batch.labels, labelled, batch.position_ids)
         options = (run.compute(), run.aux_loss_weight, plan.train.loss_chunk_tokens, run.cp)
-        loss_sum += forward_backward(run.model, *tensors, *options)
+        loss_sum += forward_backward_on_device(run.model, *tensors, *options)  # no read
     return loss_sum
 
 
@@ -127,12 +129,11 @@ StepFn = Callable[["Run", "RunPlan", int], torch.Tensor]
 
 def train_step(run: Run, plan: RunPlan, step: int, step_fn: StepFn = forward_backward_step) -> dict:
     """One optimizer step (0-based ``step``): ``step_fn``'s forward and backward, gradient
-    reductions, clip, update; its metrics."""
+    reductions, clip, update; its metrics. Two reads of the device: the norm, then the readout."""
     from components.distributed.grads import clip_grad_norm_, finalize_dtensor_gradients, grad_norm
-    from components.distributed.mesh import data_parallel_mesh
     from components.distributed.tp_replicas import synchronize_tp_replica_gradients
     from components.moe import load_metrics
-    from components.planning.memory import peak_memory_gib, reset_peak_memory
+    from components.planning.memory import reset_peak_memory
     from components.training.metrics import matmul_math, throughput
 
     started = time.perf_counter()
@@ -151,21 +152,20 @@ def train_step(run: Run, plan: RunPlan, step: int, step_fn: StepFn = forward_bac
     if finite:
         run.optimizer.step()
     run.scheduler.step()
-    dist.all_reduce(loss_sum, group=data_parallel_mesh(run.mesh).get_group())  # over dp × cp
-    peak = torch.tensor(peak_memory_gib(run.device), dtype=torch.float64, device=run.device)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)  # the busiest rank's
     expert_counts = run.experts.end_step() if run.experts else None  # moves the routing bias
+    stop = preemption.stop_requested() is not None  # agreed with the writer's flags, read once
+    loss_sum, peak, expert_rows = run.readout.read(loss_sum, stop, expert_counts)
     elapsed, tokens = time.perf_counter() - started, run.data.tokens_in_step(step)
     world, kind = dist.get_world_size(), matmul_math(plan.train.precision, plan.train.tf32)
     return {
         "step": step + 1,
-        "loss": (loss_sum / run.data.labels_in_step(step)).item(),
+        "loss": loss_sum / run.data.labels_in_step(step),
         "grad_norm": norm if finite else None,
         "lr": lr,
         "tokens": tokens,
         **throughput(tokens, elapsed, plan.flops_per_token, world, run.device, kind),  # MFU: kind's
-        "peak_memory_gib": peak.item(),
-        **(load_metrics(expert_counts, plan.moe.expert_load == "experts") if run.experts else {}),
+        "peak_memory_gib": peak,
+        **(load_metrics(expert_rows, plan.moe.expert_load == "experts") if run.experts else {}),
         **({} if finite else {"skipped": True}),
     }
 
@@ -180,6 +180,7 @@ def train(
     from components.training.profiler import StepProfiler
 
     log, tracker, writer = open_outputs(run, plan)
+    run.readout.writer = writer  # its stop and save flags are read with each step's values
     stopped, done, skipped = None, run.first_step, 0  # done: the last step done
     state, every = (run.model, run.optimizer, run.scheduler), plan.checkpoint.every_steps
     max_steps, check_every = plan.train.max_steps, plan.settings.debug.check_replicas_every

@@ -1,5 +1,5 @@
 """Write a LoRA adapter in PEFT's format: ``adapter_config.json`` and ``adapter_model.safetensors``
-(``peft.PeftModel.from_pretrained(base, folder)`` loads it). The tensors come whole, under PEFT's
+(``peft.PeftModel`` loads it onto the base model). The tensors come whole, under PEFT's
 names (``components.models.lora.adapter_state``); rank 0 writes and publishes the folder.
 
 Docs: docs/lora.md

@@ -7,10 +7,10 @@ own; at most one save is in flight. The publish (marker, rename, pruning;
 :func:`components.checkpoint.dcp.end_save`) runs on the training thread once every rank's write has
 finished, so a crash during an async save leaves the previous checkpoint whole.
 
-Once per step :meth:`CheckpointWriter.after_step` all-reduces whether a rank was asked to stop and
-the state of each rank's save in flight: every rank stops and publishes after the same step, and a
-save that failed on one rank fails the run on all. The training thread's time in the writer is
-the next step's ``checkpoint_stall_s`` (:meth:`CheckpointWriter.take_stall`).
+Once per step every rank's stop request and save state are MAX-reduced with the step's other
+values (:meth:`CheckpointWriter.step_flags`, then :meth:`CheckpointWriter.agree`): every rank stops
+and publishes after the same step, and a save that failed on one rank fails the run on all. The
+training thread's time here is the next step's ``checkpoint_stall_s`` (:meth:`~.take_stall`).
 
 Design notes: docs/design-notes.md
 """
@@ -61,6 +61,7 @@ class CheckpointWriter:
         self.asynchronous, self.before_commit = asynchronous, before_commit
         self.last_step: int | None = None  # the step of the latest save started
         self.last_path: Path | None = None  # the latest checkpoint published
+        self.stop_asked = False  # whether any rank was asked to stop, as last agreed
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self._group = dist.new_group(backend="gloo") if asynchronous and distributed else None
         self._pending: tuple[PendingSave, Future] | None = None
@@ -129,16 +130,27 @@ class CheckpointWriter:
         """True while an async save has not been published."""
         return self._pending is not None
 
+    def step_flags(self, stop_requested: bool) -> list[float]:
+        """This rank's flags after a step: [asked to stop, the state of its save in flight], to be
+        reduced by MAX over every rank (with the step's other values: one collective, one read)
+        and handed to :meth:`agree`."""
+        return [float(stop_requested), float(self._state(block=False))]
+
+    def agree(self, flags: list[float]) -> bool:
+        """Act on the flags every rank agreed (:meth:`step_flags`, MAX-reduced): publish the save in
+        flight if every rank has written it, fail if one failed; keep and return whether any rank
+        was asked to stop (``stop_asked``, the same on every rank)."""
+        self._settle(int(flags[1]))
+        self.stop_asked = bool(flags[0])
+        return self.stop_asked
+
     def after_step(self, stop_requested: bool) -> bool:
-        """Once per step on every rank: publish the save in flight if every rank has written it;
-        return True when any rank was asked to stop (the same answer on every rank)."""
-        flags = torch.tensor(
-            [float(stop_requested), float(self._state(block=False))], dtype=torch.float64
-        )
+        """Once per step on every rank, for a loop without a step readout: :meth:`step_flags`
+        all-reduced on their own, then :meth:`agree`."""
+        flags = torch.tensor(self.step_flags(stop_requested), dtype=torch.float64)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        self._settle(int(flags[1].item()))
-        return bool(flags[0].item())
+        return self.agree(flags.tolist())
 
     def wait(self) -> None:
         """Wait for the save in flight (if any) on every rank and publish it (collective)."""

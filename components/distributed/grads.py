@@ -159,16 +159,18 @@ def _norm_group_key(grad: torch.Tensor) -> tuple:
     sharded = tuple(
         dim for dim, p in enumerate(grad.placements) if not isinstance(p, Replicate)
     )  # strided too
-    return (mesh.mesh_dim_names, tuple(mesh.mesh.shape), sharded)
+    return (mesh.mesh_dim_names, tuple(mesh.shape), sharded)  # not .mesh: reads its ranks
 
 
-def _reduce_norms(norms: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-    """Combine per-tensor float64 norms into the group's max (inf) or sum of p-th powers, on the
-    CPU."""
+def _reduce_norms(
+    norms: list[torch.Tensor], norm_type: float, device: torch.device
+) -> torch.Tensor:
+    """Combine per-tensor float64 norms into the group's max (inf) or sum of p-th powers, on
+    ``device`` (the gradients'): nothing here waits for it."""
     if not norms:
-        return torch.zeros((), dtype=torch.float64)
+        return torch.zeros((), dtype=torch.float64, device=device)
     stacked = torch.stack(norms)
-    return (stacked.max() if norm_type == math.inf else stacked.pow(norm_type).sum()).cpu()
+    return stacked.max() if norm_type == math.inf else stacked.pow(norm_type).sum()
 
 
 def _local_norms(grads: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
@@ -182,15 +184,15 @@ def grad_norm(model_parts: list[nn.Module], norm_type: float = 2.0) -> torch.Ten
 
     ``norm_type`` is any p > 0 or ``inf``; each tensor's norm is accumulated in float64 (one
     ``torch._foreach_norm``) and so is the sum. Call after finalisation and the replica sync; the
-    result is a CPU float64 scalar.
+    result is a float64 scalar on the gradients' device, not read here (no host synchronisation).
     """
     norm_type = float(norm_type)
     trainable = _trainable_parameters(model_parts)
     grads = list(map(_grad, trainable))
+    device = local_tensor(trainable[0]).device if trainable else torch.device("cpu")
     if not _any_dtensor(trainable):  # plain tensors: full copies on every rank, nothing to reduce
-        total = _reduce_norms(
-            _local_norms([g for g in grads if g is not None], norm_type), norm_type
-        )
+        present = [g for g in grads if g is not None]
+        total = _reduce_norms(_local_norms(present, norm_type), norm_type, device)
         return total if norm_type == math.inf else total.pow(1.0 / norm_type)
     is_inf = norm_type == math.inf
     locals_: dict[tuple, list[torch.Tensor]] = {}
@@ -205,15 +207,15 @@ def grad_norm(model_parts: list[nn.Module], norm_type: float = 2.0) -> torch.Ten
             locals_.setdefault(key, []).append(local_tensor(grad).detach())
 
     op = dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM
-    totals = [torch.zeros((), dtype=torch.float64)]
+    totals = [torch.zeros((), dtype=torch.float64, device=device)]
     for key in sorted(meshes, key=repr):  # every rank reduces the same groups in the same order
-        value = _reduce_norms(_local_norms(locals_.get(key, []), norm_type), norm_type)
+        value = _reduce_norms(_local_norms(locals_.get(key, []), norm_type), norm_type, device)
         mesh = meshes[key]
         if mesh is not None and key[2]:
-            wire = value.reshape(1).to(mesh.device_type)
+            wire = value.reshape(1)  # on the device: the mesh's own backend reduces it
             for dim in key[2]:
                 dist.all_reduce(wire, op=op, group=mesh.get_group(dim))
-            value = wire.cpu().reshape(())
+            value = wire.reshape(())
         totals.append(value)
     stacked = torch.stack(totals)
     return stacked.max() if is_inf else stacked.sum().pow(1.0 / norm_type)
@@ -224,12 +226,20 @@ def clip_grad_norm_(
     model_parts: list[nn.Module], max_norm: float, norm_type: float = 2.0
 ) -> torch.Tensor:
     """Scale all gradients so their global norm is at most ``max_norm``; return the norm before
-    clipping."""
+    clipping (on the device, unread: the coefficient is computed and applied there, so clipping
+    never waits for the device).
+
+    The coefficient is ``max_norm / (norm + 1e-6)`` in float64, used where below 1 and 1 otherwise
+    (a non-finite norm's NaN too, as Python's ``min(1.0, nan)``); multiplying by 1 changes no
+    finite gradient, so an unclipped step's gradients are bit-for-bit the unscaled ones."""
     total = grad_norm(model_parts, norm_type)
-    coefficient = min(1.0, max_norm / (total.item() + 1e-6))
-    if coefficient < 1.0:
-        trainable = _trainable_parameters(model_parts)
-        grads = [local_tensor(g) for g in map(_grad, trainable) if g is not None]
-        if grads:
-            torch._foreach_mul_(grads, coefficient)
+    limit = torch.full((), max_norm, dtype=torch.float64, device=total.device)
+    ratio = limit / (total + 1e-6)  # a true division, as the float arithmetic it replaces
+    coefficient = torch.where(ratio < 1.0, ratio, torch.ones_like(ratio))
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for grad in map(_grad, _trainable_parameters(model_parts)):
+        if grad is not None:
+            by_dtype.setdefault(grad.dtype, []).append(local_tensor(grad))
+    for dtype, grads in by_dtype.items():  # cast first, as the Python number it replaces was
+        torch._foreach_mul_(grads, coefficient.to(dtype))
     return total

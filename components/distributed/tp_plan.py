@@ -228,19 +228,19 @@ def _resolve(
     own_matched = any(fnmatch.filter(names, pattern) for pattern in own)
     parameters = [name for name, _ in model.named_parameters()]
     model_name = type(model).__name__
-    errors = [
-        f"plan pattern {pattern!r} ({style}) names parameters of {model_name}, not modules: "
-        "a style on a parameter is not supported"
-        if fnmatch.filter(parameters, pattern)
-        else f"plan pattern {pattern!r} ({style}) matches no module of {model_name}"
-        for pattern, style in unmatched
-        if pattern not in own or not own_matched or fnmatch.filter(parameters, pattern)
-    ]
-    notes = [
-        f"plan pattern {pattern!r} ({style}) ignored: {model_name} has no such layers"
-        for pattern, style in unmatched
-        if pattern in own and own_matched and not fnmatch.filter(parameters, pattern)
-    ]
+    errors, notes = [], []
+    for pattern, style in unmatched:
+        if fnmatch.filter(parameters, pattern):
+            errors.append(
+                f"plan pattern {pattern!r} ({style}) names parameters of {model_name}, not "
+                "modules: a style on a parameter is not supported"
+            )
+        elif pattern in own and own_matched:
+            notes.append(
+                f"plan pattern {pattern!r} ({style}) ignored: {model_name} has no such layers"
+            )
+        else:
+            errors.append(f"plan pattern {pattern!r} ({style}) matches no module of {model_name}")
     return _summed_already(resolved, notes), errors, notes
 
 
@@ -292,7 +292,15 @@ def check_plan(
     replicated (a documented fallback, noted in the report) because uneven vocab shards would break
     the loss.
     """
-    resolved, errors, _ = _resolve(model, plan, config)
+    resolved, errors, _ = _checked(model, config, plan, tp, moe_modules, sizes)
+    return resolved, errors
+
+
+def _checked(
+    model: nn.Module, config, plan: dict[str, str], tp: int, moe_modules: tuple, sizes: bool
+) -> tuple[dict[str, str], list[str], list[str]]:
+    """:func:`check_plan`, with the resolution's notes: (resolved, errors, notes)."""
+    resolved, errors, notes = _resolve(model, plan, config)
     for name, style in resolved.items():
         owner = next(
             (p for p in moe_modules if any(fnmatch.fnmatch(a, p) for a in _ancestors(name))), None
@@ -327,7 +335,7 @@ def check_plan(
         errors.append(
             "sequence parallelism with MLA attention (mla_kv_a_proj) is not supported; use sp=false"
         )
-    return resolved, errors
+    return resolved, errors, notes
 
 
 def _vocabulary_modules(model: nn.Module) -> set[str]:
@@ -357,10 +365,10 @@ def apply_tp_plan(
             patterns that match nothing, unknown styles) before any parameter is touched.
     """
     tp = tp_mesh.size()
-    resolved, errors = check_plan(model, config, plan, tp, moe_modules)
+    resolved, errors, notes = _checked(model, config, plan, tp, moe_modules, sizes=True)
     if errors:
         raise ValueError("; ".join(errors))
-    report = PlanReport(notes=_resolve(model, plan, config)[2])
+    report = PlanReport(notes=notes)
     vocab = config.vocab_size
     tied = getattr(config, "tie_word_embeddings", False)
     if vocab % tp:

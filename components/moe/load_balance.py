@@ -158,16 +158,17 @@ class ExpertLoad:
         return counts
 
 
-def load_metrics(counts: torch.Tensor, per_expert: bool = False) -> dict[str, float]:
-    """A step's load (:meth:`ExpertLoad.end_step`) for the trackers: ``expert_imbalance`` (the worst
-    layer's max / mean tokens per expert), ``expert_imbalance/layer_N`` per layer, and with
-    ``per_expert`` each expert's share ``expert_load/layer_N/expert_E``."""
-    counts = counts.cpu().double()
-    layers = (counts.max(dim=1).values / counts.mean(dim=1).clamp_min(1e-12)).tolist()
+def load_metrics(counts: torch.Tensor | list[list[float]], per_expert: bool = False) -> dict:
+    """A step's load (:meth:`ExpertLoad.end_step`, or its rows as read with the step's other
+    values) for the trackers: ``expert_imbalance`` (the worst layer's max / mean tokens per
+    expert), ``expert_imbalance/layer_N`` per layer, and with ``per_expert`` each expert's share
+    ``expert_load/layer_N/expert_E``. Whole token counts: float64 sums are exact, in any order."""
+    rows = counts.tolist() if isinstance(counts, torch.Tensor) else counts
+    layers = [max(row) / max(sum(row) / len(row), 1e-12) for row in rows]
     record = {"expert_imbalance": max(layers, default=1.0)}
     record |= {f"expert_imbalance/layer_{n}": value for n, value in enumerate(layers)}
     if per_expert:
-        shares = counts / counts.sum(dim=1, keepdim=True).clamp_min(1.0)
-        for n, row in enumerate(shares.tolist()):
-            record |= {f"expert_load/layer_{n}/expert_{e}": x for e, x in enumerate(row)}
+        for n, row in enumerate(rows):
+            total = max(sum(row), 1.0)
+            record |= {f"expert_load/layer_{n}/expert_{e}": x / total for e, x in enumerate(row)}
     return record

@@ -32,8 +32,9 @@ def resume(
 
 def stop_signal(writer: CheckpointWriter, done: int, state: tuple) -> str | None:
     """The name of the signal that stops the run after step ``done`` (with a checkpoint of it, the
-    ``state`` of model, optimizer and scheduler), or None."""
-    if not writer.after_step(preemption.stop_requested() is not None):
+    ``state`` of model, optimizer and scheduler), or None: what the ranks agreed at the step's
+    end (``writer.stop_asked``, read with the step's other values)."""
+    if not writer.stop_asked:
         return None
     own = preemption.stop_requested()
     stopped = own.name if own is not None else "a signal to another rank"

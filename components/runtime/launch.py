@@ -120,6 +120,7 @@ class RankExit:
     traceback: str | None = None
     reported: bool = False  # the rank printed its own ``error:`` line (:func:`fail_once`)
     hang: bool = False  # the launcher found it made no progress (``error`` says how long, where)
+    ended: bool = False  # the launcher SIGKILLed it after another rank hung
 
     @property
     def stopped(self) -> bool:
@@ -133,7 +134,9 @@ class RankExit:
         SIGTERM."""
         if self.hang:
             return False
-        return self.stopped or any(word in self.error.lower() for word in _PEER_SYMPTOMS)
+        if self.ended or self.stopped:
+            return True
+        return any(word in self.error.lower() for word in _PEER_SYMPTOMS)
 
 
 def _write_atomically(path: Path, text: str) -> None:
@@ -215,6 +218,7 @@ class RankWatch:
         self._thread = threading.Thread(target=self._watch, name="rank-watch", daemon=True)
         self._hangs = None if hang_timeout_s is None else HangWatch(self.folder, hang_timeout_s)
         self._next_look, self._hung_attempts = 0.0, set()  # one hang reported per attempt
+        self._ended: dict[int, RankExit] = {}  # rank -> its SIGKILL after a hang (not a cause)
 
     def __enter__(self) -> "RankWatch":
         self._thread.start()
@@ -283,7 +287,9 @@ class RankWatch:
         self._hung_attempts.add(attempt)
         record = dict(error=hang.text, time=time.time(), traceback=hang.stack, hang=True)
         _write_atomically(self.folder / f"{hang.rank}.error.json", json.dumps(record))
-        for pid in running.values():  # a rank stuck in a kernel would ignore a SIGTERM
+        for rank, pid in running.items():  # a rank stuck in a kernel would ignore a SIGTERM
+            error = f"killed by SIGKILL (pid {pid}) after rank {hang.rank} hung"
+            self._ended[rank] = RankExit(rank=rank, error=error, time=time.time(), ended=True)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
@@ -317,6 +323,9 @@ class RankWatch:
         self.poll()
         found = {rank: exit_ for rank, exit_ in self._seen.items() if exit_ is not None}
         found.update(self._stopped)
+        for rank, ended in self._ended.items():  # the hang's consequences, however seen
+            if rank not in found or found[rank].error.startswith("killed by SIGKILL"):
+                found[rank] = ended
         for path in self.folder.glob("*.error.json"):
             record = json.loads(path.read_text())
             rank = int(path.name.split(".")[0])

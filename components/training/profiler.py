@@ -19,6 +19,7 @@ import torch
 
 HOST_SYNC = "aten::_local_scalar_dense"  # what item(), bool(), float() of a tensor run
 STEP_RANGE = "ProfilerStep#"
+OPTIMIZER_STEP = "Optimizer.step#"  # the range torch.optim puts around each optimizer's step
 MEMORY_HISTORY_ENTRIES = 100_000  # allocation events kept for the snapshot (torch's own example)
 
 
@@ -107,14 +108,29 @@ class StepProfiler:
         self._profile, self._range, self.last = None, None, -1  # done: never begins again
 
 
-def host_syncs_per_step(trace: Path) -> dict[int, int]:
+def host_syncs_per_step(trace: Path, apart: str | None = None) -> dict[int, int]:
     """Per profiled step (1-based, from its ``ProfilerStep#N`` range): how many times the host
-    waited for a tensor's value (``aten::_local_scalar_dense`` calls inside the range)."""
+    waited for a tensor's value (``aten::_local_scalar_dense`` calls inside the range); with
+    ``apart``, those inside ranges whose name starts with it not counted (``OPTIMIZER_STEP``:
+    torch's optimizers read their step counters, CPU tensors unless ``capturable``, so no device
+    wait)."""
     events = json.loads(trace.read_text())["traceEvents"]
-    spans = [
-        (int(event["name"][len(STEP_RANGE) :]), event["ts"], event["ts"] + event["dur"])
+
+    def spans(prefix: str) -> list[tuple[str, float, float]]:
+        return [
+            (event["name"], event["ts"], event["ts"] + event["dur"])
+            for event in events
+            if event.get("cat") == "user_annotation" and event["name"].startswith(prefix)
+        ]
+
+    skipped = spans(apart) if apart else []
+    syncs = [
+        event["ts"]
         for event in events
-        if event.get("cat") == "user_annotation" and event["name"].startswith(STEP_RANGE)
+        if event.get("name") == HOST_SYNC
+        and not any(start <= event["ts"] <= end for _, start, end in skipped)
     ]
-    syncs = [event["ts"] for event in events if event.get("name") == HOST_SYNC]
-    return {step: sum(start <= ts <= end for ts in syncs) for step, start, end in spans}
+    return {
+        int(name[len(STEP_RANGE) :]): sum(start <= ts <= end for ts in syncs)
+        for name, start, end in spans(STEP_RANGE)
+    }

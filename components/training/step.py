@@ -60,11 +60,12 @@ def _losses(
     return cross_entropy_sum(outputs.logits, labels, shifted), getattr(outputs, "aux_loss", None)
 
 
-def _value(loss: torch.Tensor) -> float:
-    return (loss.full_tensor() if isinstance(loss, DTensor) else loss).item()
+def _whole(loss: torch.Tensor) -> torch.Tensor:
+    """The loss as a plain tensor on this rank's device (a DTensor's full value), detached."""
+    return (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
 
 
-def forward_backward(
+def forward_backward_on_device(
     model: nn.Module,
     input_ids: torch.Tensor,
     labels: torch.Tensor,
@@ -74,9 +75,11 @@ def forward_backward(
     aux_loss_weight: float = 0.0,
     loss_chunk_tokens: int | None = LOSS_CHUNK_TOKENS,
     cp: ContextParallel | None = None,
-) -> float:
+) -> torch.Tensor:
     """Run one micro-batch and accumulate gradients; return its summed token loss (not normalised;
-    under ``cp`` this rank's tokens' part: the sum over the cp group is the micro-batch's).
+    under ``cp`` this rank's tokens' part: the sum over the cp group is the micro-batch's), a 0-dim
+    tensor on the model's device: reading it is the caller's choice (the recipe reads a step's
+    losses once, with its other metrics), so the micro-batch loop never waits for the device.
 
     The loss is divided by ``global_tokens`` (labelled tokens in the whole global batch, over every
     micro-batch and dp rank: ``StepBatches.labels_in_step``) before backward, so accumulated and
@@ -96,7 +99,14 @@ def forward_backward(
         if aux_loss_weight and aux_loss is not None:
             objectives.append(aux_loss * aux_loss_weight)
         torch.autograd.backward(objectives)
-    return _value(loss_sum)
+    return _whole(loss_sum)
+
+
+def forward_backward(*args, **kwargs) -> float:
+    """:func:`forward_backward_on_device` (the same arguments), its loss read on the host: a wait
+    for the device per call, for callers that want the number at once (tests, scripts); the recipe's
+    micro-batch loop keeps the tensor and reads a step's losses once."""
+    return forward_backward_on_device(*args, **kwargs).item()
 
 
 @torch.no_grad()
@@ -113,4 +123,4 @@ def evaluate_loss_sum(
     ``cp``: as in :func:`forward_backward`)."""
     tensors = (input_ids, labels, position_ids)
     with loss_parallel(), compute or nullcontext():
-        return _value(_losses(model, *tensors, loss_chunk_tokens, cp)[0])
+        return _whole(_losses(model, *tensors, loss_chunk_tokens, cp)[0]).item()

@@ -288,6 +288,11 @@ def test_the_rank_that_died_is_named_before_peers_that_lost_it():
     hung = "made no progress for 12 s (hang_timeout_s=10), at step 4"
     hang = RankExit(rank=2, error=hung, time=10.3, traceback="stack 2", hang=True)
     assert describe_rank_failure([failures[0], hang]) == (f"error: rank 2 {hung}", "stack 2")
+    # the ranks the launcher SIGKILLed on that hang are its consequences, even when torch elastic
+    # reaped one first and its record's time (whole seconds) reads earlier than the hang's
+    killed = "killed by SIGKILL (pid 9) after rank 2 hung"
+    ended = RankExit(rank=0, error=killed, time=10, ended=True)
+    assert describe_rank_failure([ended, hang]) == (f"error: rank 2 {hung}", "stack 2")
 
 
 def test_a_kill_during_a_checkpoint_save_resumes_from_the_previous_one(tmp_path):

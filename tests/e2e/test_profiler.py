@@ -10,12 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from components.training.profiler import host_syncs_per_step
+from components.training.profiler import HOST_SYNC, OPTIMIZER_STEP, host_syncs_per_step
 from tests import cli
 
 pytestmark = pytest.mark.timeout(900)
 
 REPO = Path(__file__).resolve().parents[2]
+OUR_READS, TRACED = 3, 1  # a step's reads of the device from our code, per rank (the test below)
 COMMON = [
     "train.max_steps=3",
     "train.warmup_steps=1",
@@ -27,9 +28,43 @@ COMMON = [
 ]
 
 
-def recipe(output_dir: Path, *overrides: str):
+# Imported by every Python process started with its folder on PYTHONPATH: logs each read of a
+# tensor's value on the host made from components/ or recipes/ inside the recipe's train_step, with
+# the pid and the step (0-based) of that train_step.
+READS_LOGGED = """
+import os, sys, torch
+
+def _step(frame):
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "train_step" and code.co_filename.endswith("finetune.py"):
+            return frame.f_locals.get("step")
+        frame = frame.f_back
+    return None
+
+def _logged(owner, name):
+    original = getattr(owner, name)
+    def read(*args, **kwargs):
+        caller, repo = sys._getframe(1), os.environ.get("COUNT_REPO")  # read late: a warm fork's
+        ours = repo and os.path.abspath(caller.f_code.co_filename).startswith(
+            (os.path.join(repo, "components") + os.sep, os.path.join(repo, "recipes") + os.sep)
+        )
+        if ours and (step := _step(caller)) is not None:
+            with open(os.environ["COUNT_LOG"], "a") as log:
+                where = f"{caller.f_code.co_filename}:{caller.f_lineno}"
+                log.write(f"{os.getpid()} {step} {name} {where}\\n")
+        return original(*args, **kwargs)
+    setattr(owner, name, read)
+
+for _name in ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__"):
+    _logged(torch.Tensor, _name)
+_logged(torch, "equal")
+"""
+
+
+def recipe(output_dir: Path, *overrides: str, environment: dict | None = None):
     command = [sys.executable, "recipes/finetune.py", *COMMON, f"output_dir={output_dir}"]
-    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", **(environment or {})}
     return cli.run(
         [*command, *overrides],
         cwd=REPO,
@@ -40,23 +75,78 @@ def recipe(output_dir: Path, *overrides: str):
     )
 
 
-def test_a_tp2_run_writes_one_trace_per_rank_of_the_asked_steps(tmp_path):
-    result = recipe(tmp_path, "tp=2", "profile.steps=[2,3]")
+def _ours(events: list[dict], step: int) -> int:
+    """Step ``step``'s host syncs among a trace's ``events`` whose nearest Python caller (past
+    built-ins and the READS_LOGGED wrapper) is our code (the others: torch's, transformers')"""
+    (span,) = [e for e in events if e.get("name") == f"ProfilerStep#{step}"]
+    frames = [e for e in events if e.get("cat") == "python_function"]
+    count = 0
+    for sync in events:
+        if sync.get("name") != HOST_SYNC or not 0 <= sync["ts"] - span["ts"] <= span["dur"]:
+            continue
+        around = [
+            frame
+            for frame in frames
+            if frame["tid"] == sync["tid"] and 0 <= sync["ts"] - frame["ts"] <= frame["dur"]
+        ]
+        around.sort(key=lambda frame: (frame["ts"], -frame["dur"]))  # outermost first
+        callers = [
+            frame["name"]
+            for frame in around
+            if not frame["name"].startswith("<built-in") and "sitecustomize" not in frame["name"]
+        ]
+        count += callers[-1].startswith((str(REPO), "recipes/"))
+    return count
+
+
+def _profiled(output_dir: Path, micro_batch_size: int) -> tuple[list[int], list[int]]:
+    """A tp=2 dp=2 run of 2 steps, step 2 profiled, with READS_LOGGED: per rank (sorted), step 2's
+    reads our code made, and its trace's host syncs from our code, once each trace is checked to
+    be Chrome trace JSON holding that step alone, the model and the update."""
+    site = output_dir.parent / "site"  # one for both runs: one warm interpreter (tests/cli.py)
+    if not site.exists():
+        site.mkdir()
+        (site / "sitecustomize.py").write_text(READS_LOGGED)
+    log = output_dir / "reads.log"
+    path = os.pathsep.join([str(site), *filter(None, [os.environ.get("PYTHONPATH")])])
+    counting = {"PYTHONPATH": path, "COUNT_REPO": str(REPO), "COUNT_LOG": str(log)}
+    overrides = ["tp=2", "dp=2", "train.max_steps=2", "profile.steps=[2,2]"]
+    overrides.append(f"train.micro_batch_size={micro_batch_size}")
+    result = recipe(output_dir, *overrides, environment=counting)
     assert result.returncode == 0, result.stderr[-4000:]
-    folder = tmp_path / "profile"
+    folder, traced = output_dir / "profile", []
     assert sorted(path.name for path in folder.iterdir()) == [
-        "rank0.pt.trace.json",
-        "rank1.pt.trace.json",
+        f"rank{rank}.pt.trace.json" for rank in range(4)
     ]
-    for rank in (0, 1):
+    for rank in range(4):
         trace = folder / f"rank{rank}.pt.trace.json"
-        events = json.loads(trace.read_text())["traceEvents"]
+        events = json.loads(trace.read_text())["traceEvents"]  # valid Chrome trace JSON
         steps = {e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")}
-        assert steps == {"ProfilerStep#2", "ProfilerStep#3"}, (rank, steps)
+        assert steps == {"ProfilerStep#2"}, (rank, steps)
         names = {event.get("name") for event in events}
         assert {"aten::mm", "Optimizer.step#AdamW.step"} <= names, rank  # the model and update
-        syncs = host_syncs_per_step(trace)
-        assert set(syncs) == {2, 3} and min(syncs.values()) >= 1, syncs  # the grad norm read
+        traced.append(_ours(events, 2))
+        if rank == 0:  # the trace's count leaves the optimizer's out and holds ours
+            assert host_syncs_per_step(trace, apart=OPTIMIZER_STEP)[2] >= traced[0]
+    lines = [line.split() for line in log.read_text().splitlines()]
+    pids = {line[0] for line in lines}
+    assert len(pids) == 4, lines  # step 1's reads, at least, on every rank
+    reads = sorted(sum(line[:2] == [pid, "1"] for line in lines) for pid in pids)
+    return reads, sorted(traced)
+
+
+def test_a_step_reads_the_device_the_same_times_whatever_its_accumulation(tmp_path):
+    """tp=2 dp=2, 8 sequences a step: 1 micro-batch of 4 per dp rank, then 4 of 1. Our code reads
+    the device OUR_READS times in step 2 on each rank either way: the grad norm before the update
+    (the non-finite decision), the replica sync's presence flags (before its all-reduce) and every
+    other value of the step at once after the update (``components/training/readout.py``). Of
+    those only ``item()`` runs ``aten::_local_scalar_dense`` on the CPU (``tolist`` and
+    ``torch.equal`` do not): TRACED in the trace. Not ours, not counted: AdamW's reads of its step
+    counters (CPU tensors, no device wait), and per micro-batch torch's vocab-parallel embedding
+    (2) and transformers' packed-sequence check (1)."""
+    once = _profiled(tmp_path / "once", micro_batch_size=4)
+    four_times = _profiled(tmp_path / "four", micro_batch_size=1)
+    assert once == four_times == ([OUR_READS] * 4, [TRACED] * 4), (once, four_times)
 
 
 @pytest.mark.parametrize(

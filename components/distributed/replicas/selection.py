@@ -5,10 +5,11 @@ module's ``REDUCTION_ATTR`` is ``"mean"`` (also when unmarked), ``"sum"`` or ``"
 subtree) and applies to its direct parameters; a parameter carrying ``MODEL_OWNED_ATTR`` is the
 model's own shard. :func:`is_tp_replicated` decides by placements and mesh coordinates, never by
 axis names alone. The order is (model part index, smallest fully qualified name), so collectives
-line up across ranks whatever order modules were registered in. Nothing here is cached: every
-function walks the model it is given.
+line up across ranks whatever order modules were registered in. Nothing here is cached but a
+rank's coordinate in a mesh: every function walks the model it is given.
 """
 
+import functools
 from typing import Literal
 
 import torch
@@ -68,21 +69,25 @@ def is_tp_replicated(
     if tp_axis_name in names:
         return isinstance(tensor.placements[names.index(tp_axis_name)], Replicate)
 
-    def coordinate(rank: int) -> list[int] | None:
-        found = (mesh.mesh == rank).nonzero()
-        return found[0].tolist() if len(found) else None
-
-    own = coordinate(current_rank)
+    own = _coordinate(mesh, current_rank)
     if own is None:
         return False
     for peer in tp_group_ranks:
-        peer_coordinate = coordinate(peer)
+        peer_coordinate = _coordinate(mesh, peer)
         if peer_coordinate is None:
             continue  # the peer is outside this mesh and holds its own physical copy
         for dim, (mine, theirs) in enumerate(zip(own, peer_coordinate, strict=True)):
             if mine != theirs and not isinstance(tensor.placements[dim], Replicate):
                 return False
     return True
+
+
+@functools.cache
+def _coordinate(mesh: DeviceMesh, rank: int) -> tuple[int, ...] | None:
+    """``rank``'s coordinate in ``mesh``, or None outside it; found once per mesh and rank (the
+    mesh's rank tensor is read on the host), not at every step's replica sync."""
+    found = (mesh.mesh == rank).nonzero()
+    return tuple(found[0].tolist()) if len(found) else None
 
 
 def _name(module_name: str, local_name: str) -> str:
