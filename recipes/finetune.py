@@ -38,16 +38,11 @@ if TYPE_CHECKING:
 
 
 def convert(model: torch.nn.Module, plan: RunPlan) -> torch.nn.Module:
-    """The built model, converted before it is parallelised: ``peft=lora`` freezes it and adds
-    adapters; ``train.precision=fp8`` swaps the decoder's linear layers for float8 ones."""
-    from components.models.fp8 import convert_to_fp8
-    from components.models.lora import apply_lora
+    """The built model, converted before it is parallelised: ``peft=lora``'s adapters, fp8's float8
+    linears (components/models/conversion.py); full fine-tuning in another precision keeps it."""
+    from components.models.conversion import convert_model
 
-    if (options := plan.lora) is not None:
-        apply_lora(model, options, seed=plan.seed)
-    if plan.fp8 is not None:
-        convert_to_fp8(model, plan.fp8)
-    return model
+    return convert_model(model, plan.lora, plan.fp8, plan.seed)
 
 
 def set_up(plan: RunPlan) -> Run:

@@ -4,11 +4,14 @@ to fp8 *before* their collectives, so sequence parallelism all-gathers fp8 (one 
 shared by q/k/v or gate/up) and each projection's output gradient is cast once.
 
 torchao's styles take tensorwise scaling only; under ``rowwise`` the plain styles stay (bf16
-collectives, torchtitan's choice too). So they do on the CPU: gloo cannot move float8 tensors
-("Invalid scalar type" in the sequence-parallel all-gather).
+collectives, torchtitan's choice too). Over gloo (the CPU) two of them cannot run under sequence
+parallelism: their collective is an all-gather of float8 bytes (``PrepareFloat8ModuleInput``'s of
+the block's input in forward, ``Float8RowwiseParallel``'s of the output gradient in backward), and
+gloo has no float8 type ("Invalid scalar type"; PyTorch maps float8 to bytes for NCCL alone,
+pytorch/pytorch#126556). There the plain styles stay for those two (the gathers in bf16, each
+projection casting its own input); ``Float8ColwiseParallel`` always, and all three without sequence
+parallelism, where their collectives are bf16 ones. On NCCL (CUDA) all three, everywhere.
 """
-
-import sys
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -30,10 +33,12 @@ def float8_style(
 ) -> ParallelStyle | None:
     """torchao's float8 version of the plan's ``style`` for ``module``, or None (the plain style
     stays): ``colwise``/``rowwise`` on a tensorwise float8 linear, ``attention_input``/``mlp_input``
-    on a module whose linears all are; never on a CPU ``mesh`` (gloo)."""
-    if "torchao.float8.float8_linear" not in sys.modules:  # not imported: no float8 linear exists
+    on a module whose linears all are; on a CPU ``mesh`` (gloo) under ``sequence_parallel`` only
+    ``colwise`` (the others would all-gather float8)."""
+    if style not in ("colwise", "rowwise", "attention_input", "mlp_input"):
         return None
-    if mesh.device_type == "cpu":
+    linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
+    if not linears or not all(map(_tensorwise, linears)):
         return None
     from torchao.float8.float8_tensor_parallel import (
         Float8ColwiseParallel,
@@ -41,19 +46,18 @@ def float8_style(
         PrepareFloat8ModuleInput,
     )
 
-    tokens = Shard(1) if sequence_parallel else Replicate()
-    linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
-    if style in ("attention_input", "mlp_input") and linears and all(map(_tensorwise, linears)):
-        if style == "mlp_input":
-            return PrepareFloat8ModuleInput(
-                input_layouts=(tokens,), desired_input_layouts=(Replicate(),)
-            )
-        return PrepareFloat8ModuleInput(
-            input_kwarg_layouts={"hidden_states": tokens},
-            desired_input_kwarg_layouts={"hidden_states": Replicate()},
-        )
-    if style == "colwise" and _tensorwise(module):
+    if style == "colwise":
         return Float8ColwiseParallel()
-    if style == "rowwise" and _tensorwise(module):
+    if sequence_parallel and mesh.device_type == "cpu":  # gloo cannot all-gather float8
+        return None
+    tokens = Shard(1) if sequence_parallel else Replicate()
+    if style == "rowwise":
         return Float8RowwiseParallel(output_layouts=tokens, use_local_output=not sequence_parallel)
-    return None
+    if style == "mlp_input":
+        return PrepareFloat8ModuleInput(
+            input_layouts=(tokens,), desired_input_layouts=(Replicate(),)
+        )
+    return PrepareFloat8ModuleInput(
+        input_kwarg_layouts={"hidden_states": tokens},
+        desired_input_kwarg_layouts={"hidden_states": Replicate()},
+    )

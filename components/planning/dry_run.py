@@ -13,6 +13,7 @@ smaller micro-batch, a larger tp, a larger cp (each on the same world: fewer dp 
 of them; each candidate is planned again the same way and reported only when that plan fits.
 """
 
+import functools
 import itertools
 import json
 import math
@@ -25,8 +26,7 @@ import torch
 import torch.distributed as dist
 
 from components.distributed.mesh import ParallelDims, build_device_mesh
-from components.models.fp8 import convert_to_fp8
-from components.models.lora import apply_lora
+from components.models.conversion import convert_model
 from components.models.parallelize import build_parallel_model
 from components.planning.flops import flops_per_token
 from components.planning.memory import current_memory_gib
@@ -50,20 +50,13 @@ def plan_layout(plan, step: Step, layout: Layout) -> MemoryEstimate:
 
 
 def _converter(plan, dims: ParallelDims) -> Callable[[torch.nn.Module], torch.nn.Module] | None:
-    """The recipe's conversion of the built model: ``peft=lora``'s adapters, fp8's float8 linears
-    (all-gathered in fp8 when ``dims`` shard over dp); or None."""
-    options, fp8 = plan.lora, plan.fp8
-    if options is None and fp8 is None:
+    """The recipe's conversion of the built model (``convert_model``), fp8's linears all-gathered
+    in fp8 when ``dims`` shard over dp; None when nothing converts."""
+    lora, fp8 = plan.lora, plan.fp8
+    if lora is None and fp8 is None:
         return None
-
-    def convert(model: torch.nn.Module) -> torch.nn.Module:
-        if options is not None:
-            apply_lora(model, options, seed=plan.seed)
-        if fp8 is not None:
-            convert_to_fp8(model, replace(fp8, data_parallel=dims.data_parallel > 1))
-        return model
-
-    return convert
+    fp8 = fp8 and replace(fp8, data_parallel=dims.data_parallel > 1)
+    return functools.partial(convert_model, lora=lora, fp8=fp8, seed=plan.seed)
 
 
 def _cp_sizes(plan, layout: Layout) -> list[int]:
