@@ -2,13 +2,14 @@
 ``nn.Linear`` layers, on top of ``bf16-mixed`` (fp32 master weights, gradients, optimizer state).
 
 Converted: every plain ``nn.Linear`` inside a decoder block; never the output head, the embedding,
-routers or experts (an MoE model is refused: its experts are grouped weights, and torchao 0.18's
-float8 training takes ``nn.Linear`` only). ``train.fp8_recipe``: ``tensorwise`` (one dynamic scale
-per tensor) or ``rowwise`` (one per row, powers of two). Under TP with tensorwise the plan's styles
-become torchao's float8 ones (``components.distributed.float8_tp``); under FSDP with tensorwise the
-weights are all-gathered in fp8, their scales computed in one all-reduce after each optimizer step.
-``torch._scaled_mm`` needs matmul dimensions that are multiples of 16: the layers' features (each
-rank's share under TP) are checked before any rank starts, and micro-batches are padded to it.
+routers or experts (an MoE model is refused: its experts are grouped weights, torchao 0.18's float8
+training takes ``nn.Linear`` only, its float8 grouped GEMM is a CUDA-only prototype).
+``train.fp8_recipe``: ``tensorwise`` (one dynamic scale per tensor) or ``rowwise`` (one per row,
+powers of two). Under TP with tensorwise the plan's styles become torchao's float8 ones
+(``components.distributed.float8_tp``); under FSDP with tensorwise the weights are all-gathered in
+fp8, their scales computed in one all-reduce after each optimizer step. ``torch._scaled_mm`` needs
+matmul dimensions that are multiples of 16: the layers' features (each rank's share under TP) are
+checked before any rank starts, and micro-batches are padded to it.
 
 Docs: docs/precision-and-memory.md
 """
@@ -91,8 +92,9 @@ def fp8_problems(model: nn.Module, is_moe: bool, lora: bool, device_type: str) -
     if is_moe:
         found.append(
             "train.precision=fp8 with an MoE model is not supported: torchao 0.18's float8 "
-            "training converts nn.Linear layers, and the experts are grouped weights; use "
-            "train.precision=bf16-mixed"
+            "training converts nn.Linear layers, and the experts are grouped weights (torchao's "
+            "float8 grouped GEMM, torchao.prototype.moe_training, is a prototype on "
+            "torch._scaled_grouped_mm, which has no CPU kernel); use train.precision=bf16-mixed"
         )
     if lora:
         found.append(

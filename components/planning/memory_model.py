@@ -157,8 +157,8 @@ def _autocast(layout: Layout, step: Step) -> bool:
 
 
 def _fp8_numel(model: nn.Module, layout: Layout) -> dict[str, float]:
-    """The float8 linears' weights (local elements): all of them, the largest, one layer's
-    unsharded over dp (what FSDP all-gathers)."""
+    """The float8 linears' weights (elements on this rank): all of them, the largest and one
+    layer's unsharded over dp (what a cast sees, what FSDP all-gathers)."""
     from torchao.float8.float8_linear import Float8Linear
 
     weights = [_local(m.weight).numel() for m in model.modules() if isinstance(m, Float8Linear)]
@@ -169,7 +169,7 @@ def _fp8_numel(model: nn.Module, layout: Layout) -> dict[str, float]:
     ]
     return {
         "fp8_numel": sum(weights),
-        "fp8_largest_numel": max(weights, default=0),
+        "fp8_largest_numel": max(weights, default=0) * _sharding(layout),
         "fp8_layer_numel": max(per_layer, default=0) * _sharding(layout),
     }
 
