@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from tests import cli
 
@@ -39,9 +40,9 @@ COMMON = [
 def finetune(output_dir: Path, *overrides: str, sweep: bool = False) -> None:
     """One run, or with ``sweep`` one ``--multirun`` sweep (its jobs in output_dir/0, /1, ...)."""
     flags = ["--multirun"] if sweep else []
-    command = [sys.executable, "recipes/finetune.py", *flags, *COMMON, f"output_dir={output_dir}"]
+    command = [sys.executable, "recipes/finetune.py", *flags, *COMMON, *overrides]
+    command.append(f"output_dir={output_dir}")
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command += overrides
     result = cli.run(
         command, cwd=REPO, capture_output=True, text=True, timeout=300, env=environment
     )
@@ -57,8 +58,8 @@ def losses(folder: Path) -> list[float]:
 
 @pytest.fixture(scope="module")
 def curves(tmp_path_factory) -> dict[str, list[float]]:
-    """Six curves from three commands: both recipes at tp 1 and 2 (one sweep, jobs in the order
-    tensorwise tp1, tp2, rowwise tp1, tp2), bf16-mixed, fp8 at dp=2."""
+    """Six curves from three commands: both recipes at tp 1 and 2 (one sweep), bf16-mixed, fp8 at
+    dp=2."""
     root = tmp_path_factory.mktemp("fp8")
     recipes = ["train.precision=fp8", "train.fp8_recipe=tensorwise,rowwise", "tp=1,2", "sp=true"]
     finetune(root / "mixed", "train.precision=bf16-mixed")
@@ -70,8 +71,12 @@ def curves(tmp_path_factory) -> dict[str, list[float]]:
         "train.precision=fp8",
         "train.activation_checkpointing=full",
     )
-    names = ["fp8_tp1", "fp8_tp2_sp", "rowwise_tp1", "rowwise_tp2_sp"]
-    found = {name: losses(root / "tp" / str(job)) for job, name in enumerate(names)}
+    found = {}
+    for job in (root / "tp").glob("[0-9]"):  # named by the config each job saved
+        config = OmegaConf.load(job / "config.yaml")
+        name = {"tensorwise": "fp8", "rowwise": "rowwise"}[config.train.fp8_recipe]
+        found[f"{name}_tp1" if config.tp == 1 else f"{name}_tp2_sp"] = losses(job)
+    assert len(found) == 4
     return found | {"mixed_tp1": losses(root / "mixed"), "fp8_dp2": losses(root / "dp2")}
 
 
