@@ -143,8 +143,10 @@ def train_step(run: Run, plan: RunPlan, step: int, step_fn: StepFn = forward_bac
     norm, loss_sum, peak, expert_rows = run.readout.read(norm, loss_sum, stop, expert_counts)
     finite = math.isfinite(norm)  # the same number on every rank, so all ranks decide alike
     if not finite and plan.train.on_nonfinite == "stop":
-        stopped = f"step {step + 1}: grad norm is {norm}; stopped before the update"
-        raise FloatingPointError(f"{stopped} (train.on_nonfinite=skip skips it)")
+        raise FloatingPointError(
+            f"step {step + 1}: grad norm is {norm}; stopped before the update "
+            "(train.on_nonfinite=skip skips it)"
+        )
     lr = run.scheduler.get_last_lr()[0]
     if finite:
         run.optimizer.step()
@@ -168,8 +170,9 @@ def train_step(run: Run, plan: RunPlan, step: int, step_fn: StepFn = forward_bac
 def train(
     run: Run, plan: RunPlan, step_fn: StepFn = forward_backward_step
 ) -> tuple[str | None, int]:
-    """The steps after ``run.first_step`` up to ``plan.last_step``: metrics, validation, saves.
-    Returns the signal that stopped the run early (its step saved) or None; the steps skipped."""
+    """The steps after ``run.first_step`` up to ``max_steps`` (or ``stop_after``): metrics,
+    validation, saves. Returns the name of the signal that stopped the run early (with a checkpoint
+    of its step), or None; and how many steps were skipped as non-finite."""
     from components.distributed.replicas import check_replicas
     from components.runtime.checkpoints import stop_note, stop_signal
     from components.training.profiler import StepProfiler
@@ -201,7 +204,8 @@ def train(
     for output in (profiler, writer, log, tracker):  # the writer once its last save is published
         output.close()
     if stopped is not None:
-        say(stop_note(stopped, done, max_steps, writer.last_path), file=sys.stderr, flush=True)
+        note = stop_note(stopped, done, max_steps, writer.last_path)
+        say(note, file=sys.stderr, flush=True)
     return stopped, skipped
 
 
