@@ -38,7 +38,9 @@ def float8_style(
     if style not in ("colwise", "rowwise", "attention_input", "mlp_input"):
         return None
     linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
-    if not linears or not all(map(_tensorwise, linears)):
+    if not linears or not all(type(m).__module__.startswith("torchao.") for m in linears):
+        return None  # no float8 linear (every run but fp8's): torchao is not imported here
+    if not all(map(_tensorwise, linears)):
         return None
     from torchao.float8.float8_tensor_parallel import (
         Float8ColwiseParallel,

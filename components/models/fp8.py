@@ -6,10 +6,11 @@ routers or experts (an MoE model is refused: its experts are grouped weights, to
 training takes ``nn.Linear`` only, its float8 grouped GEMM is a CUDA-only prototype).
 ``train.fp8_recipe``: ``tensorwise`` (one dynamic scale per tensor) or ``rowwise`` (one per row,
 powers of two). Under TP with tensorwise the plan's styles become torchao's float8 ones
-(``components.distributed.float8_tp``); under FSDP with tensorwise the weights are all-gathered in
-fp8, their scales computed in one all-reduce after each optimizer step. ``torch._scaled_mm`` needs
-matmul dimensions that are multiples of 16: the layers' features (each rank's share under TP) are
-checked before any rank starts, and micro-batches are padded to it.
+(``components.distributed.float8_tp``; over gloo with sp, colwise alone); under FSDP with
+tensorwise the weights are all-gathered in fp8, their scales computed in one all-reduce after each
+optimizer step. ``torch._scaled_mm`` needs matmul dimensions that are multiples of 16: the layers'
+features (each rank's share under TP) are checked before any rank starts, and micro-batches are
+padded to it.
 
 Docs: docs/precision-and-memory.md
 """
