@@ -262,7 +262,8 @@ def resolve_model(
     found = config_problems(settings, config, path)
     splits = dims is not None and (dims.tp > 1 or dims.ep > 1)
     lora = settings.peft.name == "lora" and not settings.peft.errors()
-    meta = meta_causal_lm(config) if path is not None or splits or lora else None  # shapes only
+    fp8 = settings.train.precision == "fp8"
+    meta = meta_causal_lm(config) if path is not None or splits or lora or fp8 else None  # shapes
     if path is not None:
         rows = meta.get_input_embeddings().num_embeddings
         folder_errors = check_model_folder(path, meta) + check_tokenizer_folder(path, rows)
@@ -272,6 +273,7 @@ def resolve_model(
         found += lora_problems(meta, settings.peft, experts, model.name)
     if dims is not None:
         found += plan_problems(settings, dims, config, meta)
+        found += fp8_problems(settings, dims, config, meta, device_type) if fp8 else []
         try:
             experts, _ = moe_patterns(config, model.experts, model.routers)
             check_compile(settings.train.compile, device_type, bool(experts), dims.tp, settings.sp)
@@ -363,6 +365,36 @@ def plan_problems(settings: Config, dims: ParallelDims, config, meta) -> list[Pr
     return found
 
 
+def fp8_problems(
+    settings: Config, dims: ParallelDims, config, meta, device_type: str
+) -> list[Problem]:
+    """``train.precision=fp8``: what the float8 linears cannot take here (an MoE model, LoRA, the
+    GPU), else each converted layer's matmul dimensions at this tp (with the TP plan's styles)."""
+    from components.distributed.tp_plan import check_plan
+    from components.models.families import plan_for
+    from components.models.fp8 import fp8_problems as refusals
+    from components.models.fp8 import fp8_shape_errors
+
+    experts, routers = moe_patterns(config, settings.model.experts, settings.model.routers)
+    lora = settings.peft.name == "lora"
+    if found := refusals(meta, bool(experts), lora, device_type):
+        return problems("train.precision", found)
+    styles = {}
+    if dims.tp > 1:
+        try:
+            plan = plan_for(config, settings.sp, meta)
+            styles = check_plan(meta, config, plan, dims.tp, (*experts, *routers), sizes=False)[0]
+        except ValueError:  # no plan: reported by plan_problems
+            pass
+    found = problems("train.precision", fp8_shape_errors(meta, dims.tp, styles))
+    if (seq_len := settings.train.seq_len) % (16 * dims.cp):  # a micro-batch's tokens, per cp rank
+        fits = max(16 * dims.cp, seq_len // (16 * dims.cp) * 16 * dims.cp)
+        why = f"train.seq_len ({seq_len}) must be a multiple of {16 * dims.cp}"
+        message = f"{why} with train.precision=fp8 (torch._scaled_mm): use train.seq_len={fits}"
+        found.append(Problem(key="train.seq_len", message=message))
+    return found
+
+
 def with_tp_suggestion(found: list[Problem], config) -> list[Problem]:
     """``found``, and when a problem is with ``tp``, one more naming the tp values that fit the
     model (those dividing its heads, KV heads and intermediate size)."""
@@ -435,6 +467,9 @@ def unread_keys(settings: Config, dims: ParallelDims) -> list[str]:
             "sp=true changes nothing at tp=1: sequence parallelism splits the norms' sequence over "
             "the TP ranks, and there is one"
         )
+    if settings.train.fp8_recipe != "tensorwise" and settings.train.precision != "fp8":
+        recipe = f"train.fp8_recipe={settings.train.fp8_recipe}"
+        unread.append(f"{recipe} is read with train.precision=fp8 only: this run has none")
     if settings.device_memory_gib is not None and not settings.dry_run:
         unread.append(
             f"device_memory_gib={settings.device_memory_gib:g} is read by dry_run=true only "
@@ -524,11 +559,14 @@ def check(
     )
 
 
-def pad_multiple(sequence_parallel: bool, dims: ParallelDims) -> int:
+def pad_multiple(sequence_parallel: bool, dims: ParallelDims, fp8: bool = False) -> int:
     """What a micro-batch's length is rounded up to: 8, and with sp an equal slice per TP rank, and
-    with cp 2 × cp equal chunks (with sp too, a cp rank's share in tp slices)."""
+    with cp 2 × cp equal chunks (with sp too, a cp rank's share in tp slices); with ``fp8`` each
+    rank's tokens a multiple of 16 (``torch._scaled_mm``'s inner dimension in the weight
+    gradient)."""
     tp = dims.tp if sequence_parallel else 1
-    return math.lcm(8 * tp, 2 * dims.cp if dims.cp > 1 else 1, dims.cp * tp)
+    tokens = 16 * dims.cp if fp8 else 1
+    return math.lcm(8 * tp, 2 * dims.cp if dims.cp > 1 else 1, dims.cp * tp, tokens)
 
 
 def _validated(cfg: DictConfig) -> tuple[Config | None, list[Problem]]:

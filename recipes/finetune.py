@@ -38,13 +38,11 @@ if TYPE_CHECKING:
 
 
 def convert(model: torch.nn.Module, plan: RunPlan) -> torch.nn.Module:
-    """The built model, converted before it is parallelised: ``peft=lora`` freezes it and adds
-    adapters (where FP8 linears would plug in too); full fine-tuning keeps it as built."""
-    from components.models.lora import apply_lora
+    """The built model, converted before it is parallelised: ``peft=lora``'s adapters, fp8's float8
+    linears (components/models/conversion.py); full fine-tuning in another precision keeps it."""
+    from components.models.conversion import convert_model
 
-    if (options := plan.lora) is not None:
-        apply_lora(model, options, seed=plan.seed)
-    return model
+    return convert_model(model, plan.lora, plan.fp8, plan.seed)
 
 
 def set_up(plan: RunPlan) -> Run:
@@ -54,6 +52,7 @@ def set_up(plan: RunPlan) -> Run:
     from components.distributed.context_parallel import ContextParallel
     from components.distributed.mesh import build_device_mesh, data_parallel_mesh, dp_mesh
     from components.distributed.tp_replicas import broadcast_tp_replicas
+    from components.models.fp8 import fp8_scales_after_steps
     from components.models.parallelize import build_parallel_model
     from components.models.precision import precision_policy
     from components.moe import ExpertLoad, router_aux_loss_weight
@@ -77,6 +76,7 @@ def set_up(plan: RunPlan) -> Run:
     broadcast_tp_replicas([model], mesh)  # after parallelising and loading, before the optimizer
     trained = [parameter for parameter in model.parameters() if parameter.requires_grad]
     optimizer = target_class("optim", optim.target)(trained, **optim.options())  # no frozen state
+    fp8_scales_after_steps(optimizer, model, plan.fp8)  # fp8 under FSDP: one all-reduce a step
     schedule = (plan.schedule.name, train.warmup_steps, train.max_steps, plan.schedule.options())
     scheduler = build_schedule(optimizer, *schedule)
     watched = (model, plan.model.config, list(plan.model.experts), dp_mesh(mesh).get_group())

@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # heavy (datasets, DTensor): the checks import them when they
     from components.data.sources import DataSource
     from components.debug.faults import Fault
     from components.distributed.context_parallel import ContextParallel
+    from components.models.fp8 import Fp8Options
     from components.models.lora import LoraOptions
     from components.models.parallelize import ModelSpec
     from components.moe import ExpertLoad
@@ -136,6 +137,19 @@ class RunPlan(Settled):
     run_id: str | None  # this run's id (checkpoints record it); None in a dry run
     # what checkpoints record and a resume must match (model shapes, optimizer, batch geometry)
     run_info: dict
+
+    @property
+    def fp8(self) -> Fp8Options | None:
+        """``train.precision=fp8``'s options as the model takes them; None in other precisions."""
+        from components.models.fp8 import Fp8Options
+
+        if self.train.precision != "fp8":
+            return None
+        excluded = (*self.model.experts, *self.model.routers)
+        parallel = self.dims.data_parallel > 1  # FSDP over dp × cp (build_parallel_model)
+        emulate = self.device_type == "cpu"  # its float8 matmul is a slow reference kernel
+        options = dict(recipe=self.train.fp8_recipe, data_parallel=parallel, emulate=emulate)
+        return Fp8Options(**options, excluded=excluded)
 
     @cached_property
     def flops_per_token(self) -> int:

@@ -48,7 +48,7 @@ def prepare(checked: Checked) -> tuple[RunPlan, OutputDirLock | None]:
         model=model_spec(settings, config, checked.model_path),
         tokenizer_dir=Path(tokenizer_dir),
         data=data,
-        pad_multiple=pad_multiple(settings.sp, dims),
+        pad_multiple=pad_multiple(settings.sp, dims, settings.train.precision == "fp8"),
         resume_from=resume_from,
         run_id=run_id,
         run_info=info,

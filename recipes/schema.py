@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from components.models.options import ACTIVATION_CHECKPOINTING, PRECISIONS
+from components.models.options import ACTIVATION_CHECKPOINTING, FP8_RECIPES, PRECISIONS
 from components.runtime.problems import show
 
 ON_NONFINITE = ("stop", "skip")
@@ -69,8 +69,11 @@ class Train(Section):
     warmup_steps: Count = key("0 or a positive number of steps, e.g. train.warmup_steps=5")
     # a non-finite grad norm stops the run, or skips the update
     on_nonfinite: Literal[ON_NONFINITE] = key(one_of(ON_NONFINITE))
-    # bf16-mixed: fp32 master weights, bf16 compute; bf16: everything bf16
+    # bf16-mixed: fp32 master weights, bf16 compute; bf16: everything bf16; fp8: bf16-mixed with
+    # the decoder's linear layers in torchao float8
     precision: Literal[PRECISIONS] = key(one_of(PRECISIONS))
+    # fp8's scaling: one scale per tensor, or per row (read with precision=fp8 only)
+    fp8_recipe: Literal[FP8_RECIPES] = key(one_of(FP8_RECIPES))
     # recompute decoder blocks in backward (selective: only the cheap ops)
     activation_checkpointing: Literal[ACTIVATION_CHECKPOINTING] = key(
         one_of(ACTIVATION_CHECKPOINTING)

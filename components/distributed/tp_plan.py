@@ -2,7 +2,7 @@
 (one per family, ``components.models.families.plan_for``): ``fnmatch`` module-name patterns (``*``
 for a layer index) mapped to style names of HF's ``base_model_tp_plan``:
 
-- ``colwise`` / ``rowwise``: Megatron-style pairs; ``embedding_rowwise``: vocab-parallel embedding.
+- ``colwise`` / ``rowwise``: Megatron pairs (fp8: ``float8_tp``); ``embedding_rowwise``: by vocab.
 - ``vocab_parallel`` (ours) / ``colwise_gather_output`` (HF's): an ``lm_head`` whose logits stay
   sharded over the vocabulary / are gathered.
 - ``sequence_parallel``: norms run on sequence shards.
@@ -35,6 +35,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from components.distributed.float8_tp import float8_style
 from components.distributed.tp_replicas import (
     mark_tp_replica_gradient_reduction,
     tp_replica_reduction,
@@ -387,6 +388,8 @@ def apply_tp_plan(
             mark_tp_replica_gradient_reduction(module, "sum")
         inside = any(name.startswith(f"{outer}.") for outer in gathered)  # on whole tokens
         torch_style = _style(style, sequence_parallel and not inside, config)
+        spread = sequence_parallel and not inside
+        torch_style = float8_style(style, module, spread, tp_mesh) or torch_style
         # torch's SequenceParallel makes new parameters that require grad: a frozen one stays so
         frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
         if hasattr(module, "parallelize_tp"):  # a module that places its own extras (LoRA)

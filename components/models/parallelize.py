@@ -42,7 +42,7 @@ class ModelSpec:
     sequence_parallel: bool
     experts: tuple[str, ...]  # module patterns of MoE experts and routers (left out of the TP plan)
     routers: tuple[str, ...]
-    precision: str  # fp32 | bf16-mixed | bf16 (components.models.precision)
+    precision: str  # fp32 | bf16-mixed | bf16 | fp8 (components.models.precision)
     activation_checkpointing: str  # none | full | selective
     compile: bool  # torch.compile each decoder block
     shard_experts: bool = False  # moe.shard_experts: expert weights also Shard(1) over ep_shard

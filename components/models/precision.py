@@ -10,6 +10,7 @@ activation gathers.
 - ``bf16``: parameters built (or loaded) in bf16, so gradients, compute and AdamW's moments are
   bf16: 8 bytes per parameter instead of 16, for the largest models, at the price of updates
   below bf16's resolution being rounded away. ``bf16-mixed`` is the choice when memory allows.
+- ``fp8``: ``bf16-mixed``, with the decoder's linear layers in float8 (``components.models.fp8``).
 
 Docs: docs/precision-and-memory.md
 """
@@ -37,7 +38,7 @@ class PrecisionPolicy:
 
     @property
     def mixed(self) -> bool:
-        """True when the compute dtype differs from the parameters' (bf16-mixed)."""
+        """True when the compute dtype differs from the parameters' (bf16-mixed, fp8)."""
         return self.compute_dtype != self.param_dtype
 
     def autocast(self, device_type: str, data_parallel: bool) -> AbstractContextManager:
@@ -119,7 +120,7 @@ def _device_type(args: tuple, kwargs: dict) -> str:
 
 
 def precision_policy(name: str) -> PrecisionPolicy:
-    """The policy for a ``train.precision`` value: ``fp32``, ``bf16-mixed`` or ``bf16``.
+    """The policy for a ``train.precision`` value: ``fp32``, ``bf16-mixed``, ``bf16`` or ``fp8``.
 
     Raises:
         ValueError: If ``name`` is not one of them.
@@ -128,6 +129,7 @@ def precision_policy(name: str) -> PrecisionPolicy:
         "fp32": (torch.float32, torch.float32),
         "bf16-mixed": (torch.float32, torch.bfloat16),
         "bf16": (torch.bfloat16, torch.bfloat16),
+        "fp8": (torch.float32, torch.bfloat16),  # the float8 linears convert their own matmuls
     }
     if name not in dtypes:
         raise ValueError(f"train.precision={name!r} is not one of {', '.join(PRECISIONS)}")

@@ -13,6 +13,7 @@ smaller micro-batch, a larger tp, a larger cp (each on the same world: fewer dp 
 of them; each candidate is planned again the same way and reported only when that plan fits.
 """
 
+import functools
 import itertools
 import json
 import math
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from components.distributed.mesh import ParallelDims, build_device_mesh
-from components.models.lora import apply_lora
+from components.models.conversion import convert_model
 from components.models.parallelize import build_parallel_model
 from components.planning.flops import flops_per_token
 from components.planning.memory import current_memory_gib
@@ -43,21 +44,19 @@ def plan_layout(plan, step: Step, layout: Layout) -> MemoryEstimate:
     mesh = build_device_mesh(dims, "cpu")
     spec = replace(plan.model, activation_checkpointing=layout.activation_checkpointing)
     model, _ = build_parallel_model(
-        spec, dims, mesh, torch.device("meta"), convert=_converter(plan)
+        spec, dims, mesh, torch.device("meta"), convert=_converter(plan, dims)
     )
     return estimate_memory(model, plan.model.config, layout, step)
 
 
-def _converter(plan) -> Callable[[torch.nn.Module], torch.nn.Module] | None:
-    """The recipe's conversion of the built model: ``peft=lora``'s adapters, or None."""
-    if (options := plan.lora) is None:
+def _converter(plan, dims: ParallelDims) -> Callable[[torch.nn.Module], torch.nn.Module] | None:
+    """The recipe's conversion of the built model (``convert_model``), fp8's linears all-gathered
+    in fp8 when ``dims`` shard over dp; None when nothing converts."""
+    lora, fp8 = plan.lora, plan.fp8
+    if lora is None and fp8 is None:
         return None
-
-    def convert(model: torch.nn.Module) -> torch.nn.Module:
-        apply_lora(model, options, seed=plan.seed)
-        return model
-
-    return convert
+    fp8 = fp8 and replace(fp8, data_parallel=dims.data_parallel > 1)
+    return functools.partial(convert_model, lora=lora, fp8=fp8, seed=plan.seed)
 
 
 def _cp_sizes(plan, layout: Layout) -> list[int]:
@@ -144,6 +143,7 @@ def _step(plan) -> Step:
         runtime_gib=runtime,
         loss_chunk_tokens=train.loss_chunk_tokens,
         packing=train.packing,
+        fp8_recipe=train.fp8_recipe,
     )
 
 

@@ -8,8 +8,8 @@ geometry.
   input and one layer recomputed at a time), plus the final norm's and the loss head's; with a mask
   (cp > 1, packed rows) each layer's K and V over the whole sequence, repeated to every head, and
   its float mask.
-- ``buffers``: the step's transients (logits, autocast copies, gradients in flight, FSDP's
-  unsharded layers, the replica sync's buffer, AdamW's temporaries).
+- ``buffers``: the step's transients (logits, autocast copies, fp8's float8 copies, gradients in
+  flight, FSDP's unsharded layers, the replica sync's buffer, AdamW's temporaries).
 - ``total``: the largest of the step's phases (``phases``), plus ``runtime``. Design notes:
   docs/design-notes.md
 """
@@ -46,13 +46,14 @@ class Step:
 
     seq_len: int
     global_batch_size: int
-    precision: str  # fp32 | bf16-mixed | bf16
+    precision: str  # fp32 | bf16-mixed | bf16 | fp8
     sequence_parallel: bool
     optimizer_moments: int  # 2 for Adam(W), 1 for SGD with momentum, 0 without
     device_type: str  # cuda | cpu: AdamW's temporaries, the runtime
     runtime_gib: float  # the process itself (CPU), 0 on CUDA
     loss_chunk_tokens: int  # train.loss_chunk_tokens: tokens per head + loss chunk; 0: unchunked
     packing: bool = False  # train.packing: transformers then builds a document mask (cp=1 too)
+    fp8_recipe: str = "tensorwise"  # with fp8: tensorwise all-gathers float8 weights under FSDP
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -146,9 +147,31 @@ def _state(model: nn.Module, layout: Layout) -> dict[str, float]:
     }
 
 
+_FP8_KEYS = ("fp8_numel", "fp8_largest_numel", "fp8_layer_numel")
+
+
 def _autocast(layout: Layout, step: Step) -> bool:
-    """fp32 weights and bf16 matmuls under ``torch.autocast``: bf16-mixed without FSDP."""
-    return step.precision == "bf16-mixed" and _data_parallel(layout) == 1
+    """fp32 weights and bf16 matmuls under ``torch.autocast``: bf16-mixed (or fp8, whose other
+    matmuls are bf16-mixed's) without FSDP."""
+    return step.precision in ("bf16-mixed", "fp8") and _data_parallel(layout) == 1
+
+
+def _fp8_numel(model: nn.Module, layout: Layout) -> dict[str, float]:
+    """The float8 linears' weights (elements on this rank): all of them, the largest and one
+    layer's unsharded over dp (what a cast sees, what FSDP all-gathers)."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    weights = [_local(m.weight).numel() for m in model.modules() if isinstance(m, Float8Linear)]
+    layers = getattr(getattr(model, "model", None), "layers", None) or []
+    per_layer = [
+        sum(_local(m.weight).numel() for m in block.modules() if isinstance(m, Float8Linear))
+        for block in layers
+    ]
+    return {
+        "fp8_numel": sum(weights),
+        "fp8_largest_numel": max(weights, default=0) * _sharding(layout),
+        "fp8_layer_numel": max(per_layer, default=0) * _sharding(layout),
+    }
 
 
 def _layer_rows(config, layout: Layout, step: Step, index: int) -> tuple[float, float, float]:
@@ -239,17 +262,26 @@ def _loss(config, layout: Layout, step: Step, state: dict, chunked: bool) -> dic
 
 def _buffers(config, layout: Layout, step: Step, state: dict, chunked: bool) -> dict[str, float]:
     fsdp = unsharded = 0.0
+    fp8 = step.precision == "fp8"
     if _data_parallel(layout) > 1:
         gathered = 2 if step.precision != "fp32" else 4
         fsdp = 2 * state["layer_numel"] * (gathered + 4)  # two layers' parameters, fp32 grads
+        if fp8 and step.fp8_recipe == "tensorwise":  # the float8 linears' weights gathered in fp8
+            fsdp -= 2 * state["fp8_layer_numel"] * (gathered - 1)
         if step.global_batch_size > layout.micro_batch_size * layout.dp:  # micro-batches accumulate
             unsharded = state["grad_bytes"] / state["element"] * _sharding(layout) * 4
     moments = state["grad_bytes"] * step.optimizer_moments / 2
     temporaries = moments if step.device_type == "cuda" else 2 * state["largest_bytes"]
     copies = state["matmul_numel"] - state["head_numel"] * chunked  # the chunked head casts its own
+    copies -= state["fp8_numel"] * (_data_parallel(layout) == 1)  # cast to fp8 by the layer itself
+    # fp8: a weight's float8 copy (1 byte) lives for one matmul; all-gathered in fp8 it is
+    # FSDP's unsharded weight itself
+    gathered_fp8 = fp8 and step.fp8_recipe == "tensorwise" and _data_parallel(layout) > 1
+    fp8_casts = state["fp8_largest_numel"] * (fp8 and not gathered_fp8)
     return {
         **_loss(config, layout, step, state, chunked),
         "autocast_weight_copies": 2 * copies * _autocast(layout, step),
+        "fp8_weight_casts": fp8_casts,
         "fsdp_layers": fsdp,
         "fsdp_unsharded_accumulated_grads": unsharded,
         "replica_sync": min(MAX_FLAT_BUFFER_BYTES, state["replicated_bytes"]) * (layout.tp > 1),
@@ -264,7 +296,8 @@ def _peak(grads: float, state: dict, act: dict, buf: dict, layout: Layout) -> di
     copies = buf["autocast_weight_copies"]  # in autocast's cache until the forward ends
     none = layout.activation_checkpointing == "none"
     saved_copies = copies if none else 0.0  # saved for backward only without checkpointing
-    in_flight = buf["block_backward"] + act["recompute"]  # one block's backward
+    # one block's backward
+    in_flight = buf["block_backward"] + act["recompute"] + buf["fp8_weight_casts"]
     layer_copies = copies / state["layers"] if state["layers"] and not none else 0.0
     # the bool mask: freed with the forward's inputs, or kept for the recompute by checkpointing
     mask = act["attention_mask"]
@@ -273,7 +306,7 @@ def _peak(grads: float, state: dict, act: dict, buf: dict, layout: Layout) -> di
     last_block = grads - state["layer_grad_bytes"] + in_flight + layer_copies + (not none) * mask
     last_block += kept / state["layers"] if state["layers"] else kept
     return {
-        "forward": kept + mask + copies + buf["logits"] + fsdp,
+        "forward": kept + mask + copies + buf["logits"] + fsdp + buf["fp8_weight_casts"],
         "head_backward": backward + buf["logits"] + buf["head_backward"] + fsdp,
         "first_block_backward": first_block + fsdp,
         "last_block_backward": last_block + fsdp,
@@ -286,6 +319,8 @@ def estimate_memory(model: nn.Module, config, layout: Layout, step: Step) -> Mem
     """Per-rank memory of a training step of ``model``, the parallel meta model of ``layout``."""
     state = _state(model, layout)
     state["layers"] = config.num_hidden_layers
+    fp8 = step.precision == "fp8"
+    state |= _fp8_numel(model, layout) if fp8 else dict.fromkeys(_FP8_KEYS, 0)
     params, grads = state["bytes"], state["grad_bytes"]  # grads: of the trained parameters
     optimizer = grads * step.optimizer_moments
     chunked = bool(step.loss_chunk_tokens) and chunks_head(model)

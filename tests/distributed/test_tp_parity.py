@@ -7,12 +7,16 @@ relative, gradients and weights 1e-5 absolute, grad norm 1e-6 relative); measure
 ~1e-7.
 """
 
+import unittest.mock
+
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
+from components.distributed import tp_plan
+from components.distributed.float8_tp import float8_style
 from components.distributed.fsdp import shard_data_parallel
 from components.distributed.grads import finalize_dtensor_gradients, grad_norm
 from components.distributed.mesh import resolve_parallel_dims
@@ -179,3 +183,95 @@ def test_tp4_matches_one_process(ranks4, family, sequence_parallel):
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_dp2_tp2_matches_one_process(ranks4, family):
     assert_parity(ranks4.run(check_parity, family, 2, False))
+
+
+def check_fp8_parity(rank, world_size, sequence_parallel):
+    """tp=2 against one process, both converted to float8 linears (tensorwise, emulated as on the
+    recipe's CPU): torchao's float8 TP styles (all three without sp; Float8ColwiseParallel alone
+    with sp over gloo, components/distributed/float8_tp.py)."""
+    from components.models.fp8 import Fp8Options, convert_to_fp8
+
+    config = tiny_config("llama")
+    dims = resolve_parallel_dims(world_size, tp=world_size)
+    device_mesh = mesh((dims.dp, dims.tp), ("dp", "tp"))
+    tokens, labels, global_tokens = global_batch(config.vocab_size)
+    options = Fp8Options(recipe="tensorwise", data_parallel=False, emulate=True)
+    reference, model = build_causal_lm(config, seed=0), build_causal_lm(config, seed=0)
+    for converted in (reference, model):
+        convert_to_fp8(converted, options)
+    reference_loss = forward_backward(reference, tokens, labels, global_tokens) / global_tokens
+    chosen = []  # the float8 styles the plan applied, recorded on their way
+
+    def recorded(*args):
+        chosen.append(type(style := float8_style(*args)).__name__)
+        return style
+
+    plan = plan_for(config, sequence_parallel)
+    with unittest.mock.patch.object(tp_plan, "float8_style", recorded):
+        apply_tp_plan(model, device_mesh["tp"], plan, config, sequence_parallel)
+    loss = forward_backward(model, tokens, labels, global_tokens) / global_tokens
+    finish(model, device_mesh)
+    named_reference = dict(reference.named_parameters())
+    grad_error = max(
+        ((full(p.grad) - named_reference[n].grad).norm() / named_reference[n].grad.norm()).item()
+        for n, p in model.named_parameters()
+    )
+    styles = sorted(set(chosen) - {"NoneType"})
+    return {"loss": loss, "reference": reference_loss, "grad_error": grad_error, "styles": styles}
+
+
+FLOAT8_STYLES = ["Float8ColwiseParallel", "Float8RowwiseParallel", "PrepareFloat8ModuleInput"]
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["plain", "sp"])
+def test_fp8_tp2_matches_one_fp8_process(ranks2, sequence_parallel):
+    """The same float8 casts both ways (tensorwise scales from DTensor-wide maxima, fp32 around the
+    emulated matmuls), so what is left is summation order: measured, the loss equal and the
+    gradients 5e-7 apart (relative norm); bands 1e-5 and 1e-4."""
+    for result in ranks2.run(check_fp8_parity, sequence_parallel):
+        assert result["styles"] == (FLOAT8_STYLES[:1] if sequence_parallel else FLOAT8_STYLES)
+        assert result["loss"] == pytest.approx(result["reference"], rel=1e-5)
+        assert result["grad_error"] < 1e-4
+
+
+def check_fp8_fsdp(rank, world_size):
+    """dp=2 against one process, both with float8 linears; FSDP2 all-gathers them in float8
+    (torchao's ``fsdp_pre_all_gather`` hands it e4m3 data; counted as FSDP calls it)."""
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    from components.models.fp8 import Fp8Options, convert_to_fp8
+
+    config = tiny_config("llama")
+    device_mesh = mesh((world_size,), ("dp",))
+    tokens, labels, global_tokens = global_batch(config.vocab_size)
+    reference, model = build_causal_lm(config, seed=0), build_causal_lm(config, seed=0)
+    convert_to_fp8(reference, Fp8Options(recipe="tensorwise", data_parallel=False, emulate=True))
+    convert_to_fp8(model, Fp8Options(recipe="tensorwise", data_parallel=True, emulate=True))
+    # the reference takes one dp rank's rows at a time too: each forward's activation scale is then
+    # that rank's (a tensorwise scale is the maximum of its own micro-batch)
+    shards = list(zip(tokens.chunk(world_size), labels.chunk(world_size), strict=True))
+    reference_loss = sum(forward_backward(reference, *shard, global_tokens) for shard in shards)
+    shard_data_parallel(model, device_mesh["dp"])
+    gathered = []
+    original = WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather
+
+    def counted(self, *args):
+        outputs = original(self, *args)
+        gathered.extend(output.dtype for output in outputs[0])
+        return outputs
+
+    with unittest.mock.patch.object(
+        WeightWithDynamicFloat8CastTensor, "fsdp_pre_all_gather", counted
+    ):
+        local = forward_backward(model, *shards[rank], global_tokens)
+    loss = torch.tensor(local, dtype=torch.float64)
+    dist.all_reduce(loss)
+    return {"loss": loss.item(), "reference": reference_loss, "gathered": gathered}
+
+
+def test_fp8_dp2_all_gathers_float8_and_matches_one_fp8_process(ranks2):
+    """7 linears a layer, 2 layers, gathered for forward and again for backward: 28 float8
+    gathers. The loss measured equal (the same casts, fp32 around the matmuls); band 1e-5."""
+    for result in ranks2.run(check_fp8_fsdp):
+        assert result["gathered"] == [torch.float8_e4m3fn] * 28
+        assert result["loss"] == pytest.approx(result["reference"], rel=1e-5)

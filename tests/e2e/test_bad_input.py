@@ -305,6 +305,20 @@ CASES: dict[str, tuple[list[str], str]] = {
         "debug.fault=perturb_replica@2 needs tp > 1: it acts on TP replicas, and at tp=1 there are "
         "none (the drill would change nothing); use e.g. tp=2",
     ),
+    "fp8 with an MoE model": (
+        ["model=qwen3_moe", "train.precision=fp8"],
+        "train.precision=fp8 with an MoE model is not supported: torchao 0.18's float8 training "
+        "converts nn.Linear layers, and the experts are grouped weights",
+    ),
+    "fp8 on a layer not a multiple of 16": (
+        ["train.precision=fp8", "model.config.intermediate_size=72"],
+        "train.precision=fp8 needs every matmul dimension a multiple of 16 (torch._scaled_mm), but "
+        "model.layers.0.mlp.gate_proj has out_features=72, and 5 more layers",
+    ),
+    "fp8 with a rank's share of a layer below 16": (
+        ["train.precision=fp8", "tp=4", "nproc=4"],
+        "model.layers.0.self_attn.k_proj has out_features=32 (8 per rank at tp=4), and 3 more",
+    ),
     "several problems at once": (
         ["tp=two", "optim.lr=0", "train.micro_batch_size=0"],
         "tp='two' is not valid: use a positive integer, e.g. tp=2; train.micro_batch_size=0 is "

@@ -332,7 +332,7 @@ def test_every_config_key_named_is_a_key_of_the_schema(page):
 
 WRONG = [
     "train.max_stepz=3", "model.config.hiden_size=8", "checkpoint.resume.auto", "sp=maybe",
-    "train.precision=fp8", "model=gpt4", "components.data.nowhere", "conf/model/gpt4.yaml",
+    "train.precision=fp4", "model=gpt4", "components.data.nowhere", "conf/model/gpt4.yaml",
     "replica_plan.py",
 ]  # fmt: skip
 

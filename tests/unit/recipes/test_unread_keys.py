@@ -60,3 +60,10 @@ def test_a_replica_check_with_no_copies_to_compare_is_noted(local):
         "experts copied over ep_shard)"
     ]
     assert unread(["debug.check_replicas_every=1", "model=qwen3_moe", "ep=2"], 4, ep=2) == []
+
+
+def test_a_fp8_recipe_without_fp8_is_noted(local):
+    assert unread(["train.fp8_recipe=rowwise", "train.precision=fp8"]) == []
+    assert unread(["train.fp8_recipe=rowwise"]) == [
+        "train.fp8_recipe=rowwise is read with train.precision=fp8 only: this run has none"
+    ]
