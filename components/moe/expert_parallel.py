@@ -15,6 +15,7 @@ Design notes: docs/design-notes.md
 
 import dataclasses
 import fnmatch
+import types
 
 import torch
 import torch.distributed as dist
@@ -37,13 +38,13 @@ from components.moe.collectives import (
 from components.moe.structure import takes_routing
 
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
+EXPERT_BIASES = ("gate_up_proj_bias", "down_proj_bias")  # GPT-OSS's (``has_bias``)
 DISPATCH_MODES = ("folded", "all_to_all")
 # transformers' experts flags (``use_experts_implementation``) whose other value this module's
 # forward does not compute: (attribute, the value it computes, what the other value means).
+# Transposed weights, biases and interleaved gate/up rows (GPT-OSS, its gate the module's own
+# ``_apply_gate``: a clamped SwiGLU) are computed.
 _OTHER_FORMS = (
-    ("is_transposed", False, "transposed weights"),
-    ("has_bias", False, "biases"),
-    ("is_concatenated", True, "interleaved gate and up rows"),
     ("has_gate", True, "no gate"),
     ("has_post_expert_norm", False, "a norm after each expert"),
 )
@@ -82,10 +83,12 @@ def expert_modules(model: nn.Module, patterns: list[str]) -> list[str]:
     return sorted({name for pattern in patterns for name in fnmatch.filter(names, pattern)})
 
 
-def _local_weights(experts: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _local_weights(experts: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """This rank's experts' ``gate_up_proj`` and ``down_proj`` (and, with biases, theirs), local,
+    in ``dtype``."""
     layout: ExpertLayout = experts.layout
     weights = []
-    for name in EXPERT_PARAMETERS:
+    for name in _parameter_names(experts):
         weight = getattr(experts, name)
         if layout.sharded:  # all-gather over ep_shard; its backward reduce-scatters the gradient
             weight = weight.redistribute(weight.device_mesh, (Replicate(), Shard(0)))
@@ -95,40 +98,62 @@ def _local_weights(experts: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor
         weights.append(
             local.to(dtype)
         )  # FSDP leaves experts in their own dtype; compute in the activations'
-    return weights[0], weights[1]
+    return tuple(weights)
+
+
+def _parameter_names(experts: nn.Module) -> tuple[str, ...]:
+    return EXPERT_PARAMETERS + (EXPERT_BIASES if getattr(experts, "has_bias", False) else ())
+
+
+def _linear(rows: torch.Tensor, weight: torch.Tensor, experts: nn.Module) -> torch.Tensor:
+    """One expert's projection: its weight stored [out, in], or [in, out] when the module's
+    weights are transposed (GPT-OSS)."""
+    return rows @ weight if getattr(experts, "is_transposed", False) else F.linear(rows, weight)
+
+
+def _gate(experts: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+    """The gated activation of the module's own ``_apply_gate`` (GPT-OSS: interleaved rows and a
+    clamped SwiGLU), else ``act_fn(gate) * up`` of concatenated halves."""
+    apply_gate = getattr(experts, "_apply_gate", None)
+    if apply_gate is not None:
+        return apply_gate(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return experts.act_fn(gate) * up
 
 
 def _run_experts(
-    experts: nn.Module, rows, expert_of_row, gate_up, down, weight_of_row=None
+    experts: nn.Module, rows, expert_of_row, gate_up, down, weight_of_row=None, biases=()
 ) -> torch.Tensor:
     """Each local expert on its rows (``expert_of_row`` in ``[0, len(gate_up))``), returned in the
-    rows' order and dtype, times ``weight_of_row`` when given.
+    rows' order and dtype, times ``weight_of_row`` when given; ``biases``: the local experts'
+    ``gate_up_proj_bias`` and ``down_proj_bias`` (GPT-OSS), or none.
 
     Grouped GEMM (:func:`_run_experts_grouped`) wherever :func:`grouped_mm_fits`; the per-expert
     loop (:func:`_run_experts_loop`) runs only where that predicate is false. No row at all: tied
     zeros."""
     if rows.shape[0] == 0:
-        return _tied_zeros(rows, gate_up, down)
-    if grouped_mm_fits(rows, gate_up, down):
-        return _run_experts_grouped(experts, rows, expert_of_row, gate_up, down, weight_of_row)
-    return _run_experts_loop(experts, rows, expert_of_row, gate_up, down, weight_of_row)
+        return _tied_zeros(rows, gate_up, down, *biases)
+    run = _run_experts_grouped if grouped_mm_fits(rows, gate_up, down) else _run_experts_loop
+    return run(experts, rows, expert_of_row, gate_up, down, weight_of_row, biases)
 
 
-def _tied_zeros(rows, gate_up, down) -> torch.Tensor:
+def _tied_zeros(rows, *weights) -> torch.Tensor:
     """Zeros shaped like ``rows`` and tied to every local weight: every rank then runs each
     backward collective, and idle experts get zero (not missing) gradients, as in one process."""
-    return rows * 0.0 + (gate_up.sum() + down.sum()) * 0.0
+    return rows * 0.0 + sum(weight.sum() for weight in weights) * 0.0
 
 
-def _run_experts_loop(experts, rows, expert_of_row, gate_up, down, weight_of_row=None):
+def _run_experts_loop(experts, rows, expert_of_row, gate_up, down, weight_of_row=None, biases=()):
     """One pair of matmuls per local expert, each behind a ``torch.where`` (a host sync on GPU)."""
-    output = _tied_zeros(rows, gate_up, down)
+    output = _tied_zeros(rows, gate_up, down, *biases)
     for local in range(gate_up.shape[0]):
         selected = torch.where(expert_of_row == local)[0]
         if selected.numel() == 0:
             continue
-        gate, up = F.linear(rows[selected], gate_up[local]).chunk(2, dim=-1)
-        result = F.linear(experts.act_fn(gate) * up, down[local])
+        gate_up_rows = _linear(rows[selected], gate_up[local], experts)
+        gate_up_rows = gate_up_rows + biases[0][local] if biases else gate_up_rows
+        result = _linear(_gate(experts, gate_up_rows), down[local], experts)
+        result = result + biases[1][local] if biases else result
         if weight_of_row is not None:
             result = result * weight_of_row[selected, None]
         output = output.index_add(0, selected, result.to(output.dtype))
@@ -162,7 +187,7 @@ def grouped_mm_fits(rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tenso
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
         return False
     alignment = 16 // dtype.itemsize
-    if gate_up.shape[-1] % alignment or down.shape[-1] % alignment:  # H and I
+    if any(size % alignment for size in (*gate_up.shape[1:], *down.shape[1:])):  # H and I
         return False
     return compiling or all(weight.data_ptr() % 16 == 0 for weight in (gate_up, down))
 
@@ -180,13 +205,19 @@ class _ContiguousGradient(torch.autograd.Function):
         return gradient.contiguous()
 
 
-def _grouped_linear(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor):
-    """``F.linear(rows of group e, weight[e])`` for every expert ``e``, in one ``_grouped_mm``."""
-    product = torch._grouped_mm(rows, weight.transpose(-2, -1), offs=offsets)
+def _grouped_linear(
+    rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, transposed: bool = False
+):
+    """``F.linear(rows of group e, weight[e])`` for every expert ``e`` (``rows @ weight[e]`` when
+    ``transposed``), in one ``_grouped_mm``."""
+    weight = weight if transposed else weight.transpose(-2, -1)
+    product = torch._grouped_mm(rows, weight, offs=offsets)
     return _ContiguousGradient.apply(product)
 
 
-def _run_experts_grouped(experts, rows, expert_of_row, gate_up, down, weight_of_row=None):
+def _run_experts_grouped(
+    experts, rows, expert_of_row, gate_up, down, weight_of_row=None, biases=()
+):
     """All local experts in two grouped GEMMs: the rows sorted by expert once, each group's end
     found by a fixed-size ``searchsorted`` (no host sync), the results put back in row order.
 
@@ -200,9 +231,11 @@ def _run_experts_grouped(experts, rows, expert_of_row, gate_up, down, weight_of_
     sorted_experts = expert_of_row[order]
     ids = torch.arange(gate_up.shape[0], device=rows.device, dtype=sorted_experts.dtype)
     offsets = torch.searchsorted(sorted_experts, ids, right=True, out_int32=True)
-    gate_up_rows = _grouped_linear(rows[order].to(dtype), gate_up.to(dtype), offsets)
-    gate, up = gate_up_rows.chunk(2, dim=-1)
-    result = _grouped_linear(experts.act_fn(gate) * up, down.to(dtype), offsets)
+    transposed = getattr(experts, "is_transposed", False)
+    gate_up_rows = _grouped_linear(rows[order].to(dtype), gate_up.to(dtype), offsets, transposed)
+    gate_up_rows = gate_up_rows + biases[0][sorted_experts] if biases else gate_up_rows
+    result = _grouped_linear(_gate(experts, gate_up_rows), down.to(dtype), offsets, transposed)
+    result = result + biases[1][sorted_experts] if biases else result
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.shape[0], device=order.device)
     result = result[inverse]
@@ -217,12 +250,13 @@ def _folded_forward(
     """This rank's experts on the (replicated) tokens routed to them, then the sum over the ep
     group."""
     layout: ExpertLayout = self.layout
-    gate_up, down = _local_weights(self, hidden_states.dtype)
+    gate_up, down, *biases = _local_weights(self, hidden_states.dtype)
     hidden_states, top_k_weights = enter_group(hidden_states, top_k_weights, layout.group)
     local = top_k_index - layout.first_expert
     token, slot = torch.where((local >= 0) & (local < len(gate_up)))
+    rows, expert_of_row = hidden_states[token], local[token, slot]
     output = _run_experts(
-        self, hidden_states[token], local[token, slot], gate_up, down, top_k_weights[token, slot]
+        self, rows, expert_of_row, gate_up, down, top_k_weights[token, slot], tuple(biases)
     )
     return sum_over_group(torch.zeros_like(hidden_states).index_add(0, token, output), layout.group)
 
@@ -254,7 +288,7 @@ def _dispatched_forward(
     """Send each (token, choice) to its expert's rank, compute there, bring the result back, weight
     and sum."""
     layout: ExpertLayout = self.layout
-    gate_up, down = _local_weights(self, hidden_states.dtype)
+    gate_up, down, *biases = _local_weights(self, hidden_states.dtype)
     hidden, index, weights = _own_block(layout, hidden_states, top_k_index, top_k_weights)
     choices = index.reshape(-1)
     order = torch.argsort(choices, stable=True)
@@ -268,9 +302,8 @@ def _dispatched_forward(
     expert_of_row = exchange(
         expert - destination * layout.experts_per_rank, send, receive, layout.group
     )
-    results = all_to_all_rows(
-        _run_experts(self, received, expert_of_row, gate_up, down), receive, send, layout.group
-    )
+    computed = _run_experts(self, received, expert_of_row, gate_up, down, biases=tuple(biases))
+    results = all_to_all_rows(computed, receive, send, layout.group)
     output = torch.zeros_like(hidden).index_add(
         0, token, results * weights[token, slot, None].to(results.dtype)
     )
@@ -366,8 +399,15 @@ class ExpertParallelExperts(nn.Module):
     def __init__(self, experts: nn.Module, moe_mesh: DeviceMesh, placements, layout: ExpertLayout):
         super().__init__()
         self.layout = layout
-        self.act_fn = experts.act_fn
-        for name in EXPERT_PARAMETERS:
+        self.act_fn = getattr(experts, "act_fn", None)
+        # The HF module's plain settings (GPT-OSS's clamp ``limit`` and ``alpha``, the form flags)
+        # and its gate, bound to this module: the HF module (its whole weights) is not kept.
+        for key, value in vars(experts).items():
+            if not key.startswith("_") and isinstance(value, int | float | bool | str):
+                setattr(self, key, value)
+        if hasattr(type(experts), "_apply_gate"):
+            self._apply_gate = types.MethodType(type(experts)._apply_gate, self)
+        for name in _parameter_names(experts):
             full = getattr(experts, name)
             sharded = distribute_tensor(full.data, moe_mesh, placements)
             self.register_parameter(name, nn.Parameter(sharded, requires_grad=full.requires_grad))
