@@ -118,6 +118,26 @@ class _MlaKvAProj(ParallelStyle):
         return module
 
 
+class _Owned(ParallelStyle):
+    """A style whose module's plain-tensor output is a tensor of its own, not the view of a
+    DTensor's storage that ``to_local`` returns: code that adds to it in place (Llama 4's MoE
+    block adds its routed experts to the shared expert's output with ``add_``) is then allowed."""
+
+    def __init__(self, style: ParallelStyle):
+        self.style = style
+        self.output_layouts = style.output_layouts  # read by LoRA's parallelize_tp
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = self.style._apply(module, device_mesh)
+        module.register_forward_hook(_own_output)
+        return module
+
+
+def _own_output(module: nn.Module, args: tuple, output):
+    made_by_to_local = "ToTorchTensor" in type(getattr(output, "grad_fn", None)).__name__
+    return output.clone() if made_by_to_local else output
+
+
 class _LocalParams(ParallelStyle):
     """HF's ``local_params``: the module's forward sees its sharded parameters as this rank's
     slices (attention sinks of this rank's heads, beside local q/k/v), their gradients those
@@ -190,7 +210,9 @@ def _style(name: str, sequence_parallel: bool, config=None) -> ParallelStyle | N
         "mlp_input": lambda: PrepareModuleInput(
             input_layouts=(tokens,), desired_input_layouts=(Replicate(),), use_local_output=False
         ),
-        "rowwise": lambda: RowwiseParallel(output_layouts=tokens, use_local_output=local_output),
+        "rowwise": lambda: _Owned(
+            RowwiseParallel(output_layouts=tokens, use_local_output=local_output)
+        ),
         "embedding_rowwise": lambda: RowwiseParallel(
             input_layouts=Replicate(), output_layouts=tokens, use_local_output=local_output
         ),

@@ -214,6 +214,16 @@ def unbuilt_patterns(config, model) -> list[str]:
     return [p for p in patterns if not _in_experts(config, p) and not fnmatch.filter(names, p)]
 
 
+def expert_entries(config) -> list[str]:
+    """The entries of the model's own plan for its experts (HF's tensor parallelism inside each
+    expert: ``moe_tp_experts``, ``packed_colwise``...), which :func:`plan_for` leaves out: expert
+    parallelism splits the experts instead, whole experts per rank."""
+    if config.model_type in FAMILIES:
+        return []
+    own = getattr(config, "base_model_tp_plan", None) or {}
+    return [f"{p} {s}" for p, s in own.items() if _in_experts(config, f"model.{p}")]
+
+
 def _in_experts(config, pattern: str) -> bool:
     """Whether a plan pattern names an experts module of the model, or something inside one."""
     experts, _ = moe_patterns(config, None, None)
