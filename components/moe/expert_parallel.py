@@ -314,26 +314,57 @@ def _dispatched_forward(
     ]
 
 
-def _experts_problem(module: nn.Module) -> str | None:
-    """Why this experts module cannot be split by :class:`ExpertParallelExperts` (a phrase to follow
-    its name), or None."""
+def _routed_compute(self, rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor):
+    """Llama 4's experts on rows already routed (every token once per local expert, scaled by its
+    score, grouped by expert): its own two ``bmm`` of transposed weights, gate and up halves."""
+    hidden = rows.view(gate_up.shape[0], -1, rows.shape[-1])
+    gate, up = torch.bmm(hidden, gate_up).chunk(2, dim=-1)
+    return torch.bmm(up * self.act_fn(gate), down).view(-1, down.shape[-1])
+
+
+def _routed_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Experts handed every token once per expert (Llama 4: rows grouped by expert): this rank's
+    experts' rows computed here. Folded: every rank of the ep group holds the same rows; its block
+    is taken and the blocks gathered back. All-to-all (tp = 1): each rank's rows of each expert
+    go to the expert's rank and come back."""
+    layout: ExpertLayout = self.layout
+    gate_up, down = _local_weights(self, hidden_states.dtype)
+    rank = layout.first_expert // layout.experts_per_rank
+    where = (layout.group, rank, layout.size)
+    if layout.mode == "folded":
+        own = _routed_compute(self, scatter_rows(hidden_states, *where), gate_up, down)
+        return gather_rows(own, *where)
+    rows_per_rank = hidden_states.shape[0] // layout.size  # this rank's tokens x local experts
+    counts = torch.tensor([rows_per_rank] * layout.size, device=hidden_states.device)
+    receive = exchange(counts, [1] * layout.size, [1] * layout.size, layout.group).tolist()
+    send = [rows_per_rank] * layout.size
+    received = all_to_all_rows(hidden_states, send, receive, layout.group)
+    computed = [_routed_compute(self, c, gate_up, down) for c in received.split(receive)]
+    return all_to_all_rows(torch.cat(computed), receive, send, layout.group)
+
+
+def _experts_problem(module: nn.Module, tp: int = 1) -> str | None:
+    """Why this experts module cannot be split by :class:`ExpertParallelExperts` at ``tp`` (a
+    phrase to follow its name), or None."""
     missing = [p for p in EXPERT_PARAMETERS if not hasattr(module, p)]
     forms = [what for flag, plain, what in _OTHER_FORMS if getattr(module, flag, plain) != plain]
     if missing:
         return f"has no fused expert parameters {missing}: not a transformers 5 experts module"
     unsupported = "expert parallelism of such experts is not supported yet; use ep=1"
-    if not takes_routing(module):
-        return f"({type(module).__name__}) takes its tokens already routed: {unsupported}"
+    if not takes_routing(module) and getattr(module, "has_bias", False):
+        return (
+            f"({type(module).__name__}) takes its tokens already routed, has biases: {unsupported}"
+        )
     if forms:
         return f"({type(module).__name__}) has {', '.join(forms)}: {unsupported}"
     return None
 
 
 def check_expert_parallel(
-    model: nn.Module, patterns: list[str], num_experts: int, ep: int
+    model: nn.Module, patterns: list[str], num_experts: int, ep: int, tp: int = 1
 ) -> list[str]:
-    """Every reason expert parallelism cannot run (empty when it can); ``ep`` dividing the world is
-    the mesh's check."""
+    """Every reason expert parallelism cannot run at ``ep`` and ``tp`` (empty when it can); ``ep``
+    dividing the world is the mesh's check."""
     errors = []
     if ep > 1 and not patterns:
         errors.append(f"ep={ep} needs an MoE model: model.experts names no expert modules")
@@ -346,7 +377,14 @@ def check_expert_parallel(
             )
     found: dict[str, list[str]] = {}  # each problem once, naming the modules that have it
     for name in modules:
-        if (problem := _experts_problem(model.get_submodule(name))) is not None:
+        module = model.get_submodule(name)
+        if (problem := _experts_problem(module)) is not None:
+            found.setdefault(problem, []).append(name)
+        elif ep > 1 and not takes_routing(module) and tp > 1 and tp % ep:
+            problem = (
+                f"({type(module).__name__}) takes its tokens already routed: split only where ep "
+                f"divides tp or at tp=1, not at ep={ep} tp={tp}"
+            )
             found.setdefault(problem, []).append(name)
     for problem, names in found.items():
         more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
@@ -399,6 +437,7 @@ class ExpertParallelExperts(nn.Module):
     def __init__(self, experts: nn.Module, moe_mesh: DeviceMesh, placements, layout: ExpertLayout):
         super().__init__()
         self.layout = layout
+        self.takes_routing = takes_routing(experts)  # else tokens already routed (Llama 4)
         self.act_fn = getattr(experts, "act_fn", None)
         # The HF module's plain settings (GPT-OSS's clamp ``limit`` and ``alpha``, the form flags)
         # and its gate, bound to this module: the HF module (its whole weights) is not kept.
@@ -414,8 +453,13 @@ class ExpertParallelExperts(nn.Module):
         exclude_from_tp_replica_sync(self)
 
     def forward(
-        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+        self,
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor | None = None,
+        top_k_weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if top_k_index is None:  # tokens already routed (Llama 4)
+            return _routed_forward(self, hidden_states)
         forward = _folded_forward if self.layout.mode == "folded" else _dispatched_forward
         return forward(self, hidden_states, top_k_index, top_k_weights)
 
