@@ -1,23 +1,15 @@
 """Tensor-parallel styles, and the one function that checks and applies any plan. Plans are data
-(one per family, ``components.models.families.plan_for``): ``fnmatch`` module-name patterns (``*``
-for a layer index) mapped to style names of HF's ``base_model_tp_plan``:
+(``components.models.families.plan_for``): ``fnmatch`` patterns (``*`` for a layer index) of
+module (or parameter) names mapped to style names of HF's ``base_model_tp_plan``:
 
-- ``colwise`` / ``rowwise``: Megatron-style pairs; ``embedding_rowwise``: vocab-parallel embedding.
-- ``vocab_parallel`` (ours) / ``colwise_gather_output`` (HF's): an ``lm_head`` whose logits stay
-  sharded over the vocabulary / are gathered.
-- ``sequence_parallel``: norms run on sequence shards.
-- ``local_heads`` (ours): an attention module's head counts become this rank's (for code that
-  reshapes by ``self.num_heads``).
+- ``colwise`` / ``rowwise`` (on a parameter: its first / last dimension), ``embedding_rowwise``,
+  ``vocab_parallel`` (ours) / ``colwise_gather_output``: Megatron-style pairs and the vocabulary.
+- ``sequence_parallel``; ``local_heads`` (ours: head counts made this rank's); ``local_params``
+  (sharded parameters such as attention sinks seen as local slices; replicated ones ``sum``).
 - ``replicated_with_grad_allreduce`` (gradient ``sum``) / ``replicate`` (``mean``): not sharded.
 - HF's ``rowwise_split_input``, ``all_reduce``, ``embedding_colwise``, ``mla_kv_a_proj`` (aliases
-  ``colwise_rep``, ``rowwise_rep``); an own-plan pattern for a layer kind the model lacks: a note.
-- A pattern naming a *parameter* (GPT-OSS's and Granite-SWA's attention ``sinks``): ``colwise``
-  shards it over its first dimension with the heads, ``rowwise`` over its last; its module then
-  runs on local tensors (HF's ``local_params``, added where the plan lacks it, with a note), and
-  that module's replicated parameters see only this rank's heads (gradient ``sum``).
-- HF's expert styles (``moe_tp_experts``, ``packed_colwise``, ``packed_rowwise``,
-  ``moe_identity_expert``) are translated, never applied: experts are split by expert parallelism
-  (``components.moe``), whole experts per rank, replicated over TP at ``ep=1`` (gradient ``mean``).
+  ``colwise_rep``, ``rowwise_rep``); HF's expert styles (``moe_tp_experts``, ``packed_*``,
+  ``moe_identity_expert``) are replaced by expert parallelism (``components.moe``).
 Everything is checked before any parameter is sharded, and all problems are reported together
 (each style in detail: docs/parallelism.md, docs/design-notes.md).
 """
@@ -249,14 +241,18 @@ def _style(name: str, sequence_parallel: bool, config=None) -> ParallelStyle | N
         "replicate": lambda: None,
     }
     name = _ALIASES.get(name, name)
+    _refuse_expert_style(name)
+    if name not in styles:
+        raise ValueError(f"unknown tensor-parallel style {name!r}; known: {sorted(styles)}")
+    return styles[name]()
+
+
+def _refuse_expert_style(name: str) -> None:
     if name in EXPERT_STYLES:
         raise ValueError(
             f"{name!r} is Hugging Face's tensor parallelism inside MoE experts, for experts only: "
             "experts are split by expert parallelism here (their plan entries are left out)"
         )
-    if name not in styles:
-        raise ValueError(f"unknown tensor-parallel style {name!r}; known: {sorted(styles)}")
-    return styles[name]()
 
 
 @dataclass(kw_only=True)
