@@ -210,6 +210,7 @@ def unbuilt_patterns(config, model) -> list[str]:
     if config.model_type in FAMILIES or not getattr(config, "base_model_tp_plan", None):
         return []
     names = [name for name, _ in model.named_modules() if name]
+    names += [name for name, _ in model.named_parameters()]  # a pattern may name parameters
     patterns = [f"model.{pattern}" for pattern in config.base_model_tp_plan]
     return [p for p in patterns if not _in_experts(config, p) and not fnmatch.filter(names, p)]
 
