@@ -5,7 +5,7 @@ module (or parameter) names mapped to style names of HF's ``base_model_tp_plan``
 - ``colwise`` / ``rowwise`` (on a parameter: its first / last dimension), ``embedding_rowwise``,
   ``vocab_parallel`` (ours) / ``colwise_gather_output``: Megatron-style pairs and the vocabulary.
 - ``sequence_parallel``; ``local_heads`` (ours: head counts made this rank's); ``local_params``
-  (sharded parameters such as attention sinks seen as local slices; replicated ones ``sum``).
+  (a module's sharded parameters, such as attention sinks, seen as this rank's slices).
 - ``replicated_with_grad_allreduce`` (gradient ``sum``) / ``replicate`` (``mean``): not sharded.
 - HF's ``rowwise_split_input``, ``all_reduce``, ``embedding_colwise``, ``mla_kv_a_proj`` (aliases
   ``colwise_rep``, ``rowwise_rep``); HF's expert styles (``moe_tp_experts``, ``packed_*``,
@@ -133,10 +133,9 @@ def _own_output(module: nn.Module, args: tuple, output):
 class _LocalParams(ParallelStyle):
     """HF's ``local_params``: the module's forward sees its sharded parameters as this rank's
     slices (attention sinks of this rank's heads, beside local q/k/v), their gradients those
-    slices'. Its replicated parameters serve this rank's heads only: gradient ``sum``."""
+    slices' (no reduction). Every direct parameter of such a module is sharded (``_resolve``)."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        mark_tp_replica_gradient_reduction(module, "sum")
         module.register_forward_pre_hook(_localize)
         module.register_forward_hook(_restore)
         return module
@@ -321,7 +320,9 @@ def _parameter_problems(
     resolved: dict[str, str], parameters: set[str], model_name: str
 ) -> tuple[list[str], list[str]]:
     """(errors, notes) of the entries naming parameters: a style that cannot shard one is an error;
-    the owner of a sharded one gets ``local_params`` where the plan has none (a note)."""
+    the owner of a sharded one gets ``local_params`` where the plan has none (a note). A
+    ``local_params`` module's parameter the plan does not shard is an error: on local tensors its
+    gradient may be partial over TP (this rank's heads) or whole, which the plan does not say."""
     errors, notes = [], []
     for name, style in sorted(resolved.items()):
         if name not in parameters:
@@ -340,6 +341,14 @@ def _parameter_problems(
         elif owner not in resolved:
             resolved[owner] = "local_params"
             notes.append(f"{owner}: local_params added, its parameter {name} is sharded")
+    for name in sorted(n for n, style in resolved.items() if style == "local_params"):
+        unsharded = [p for p in sorted(parameters) if p.rpartition(".")[0] == name]
+        unsharded = [p for p in unsharded if p not in resolved]
+        if unsharded:
+            errors.append(
+                f"{name} (local_params): the plan does not shard its parameter {unsharded[0]}, "
+                "whose gradient on local tensors it leaves undefined (partial or whole over TP)"
+            )
     return errors, notes
 
 

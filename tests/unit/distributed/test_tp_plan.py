@@ -86,6 +86,12 @@ def test_a_sharded_parameter_makes_its_module_local_and_other_styles_are_refused
         "plan shards the parameter model.layers.0.post_attention_layernorm.weight of "
         "Phi3ForCausalLM with 'packed_colwise': a parameter takes only ['colwise', 'rowwise']"
     ]
+    whole = {"model.layers.*.input_layernorm": "local_params"}
+    assert _resolve(model, plan | whole, config)[1] == [
+        "model.layers.0.input_layernorm (local_params): the plan does not shard its parameter "
+        "model.layers.0.input_layernorm.weight, whose gradient on local tensors it leaves "
+        "undefined (partial or whole over TP)"
+    ]
     weight = {"model.layers.*.self_attn.qkv_proj.weight": "colwise"}
     assert _resolve(model, plan | weight, config)[1] == [
         "plan shards the parameter model.layers.0.self_attn.qkv_proj.weight and gives its module "
