@@ -357,6 +357,12 @@ def _experts_problem(module: nn.Module, tp: int = 1) -> str | None:
         )
     if forms:
         return f"({type(module).__name__}) has {', '.join(forms)}: {unsupported}"
+    routed, rows = module.down_proj.shape[0], module.gate_up_proj.shape[0]
+    if rows != routed:  # LongCat's zero experts (HF's moe_identity_expert) beside the routed ones
+        return (
+            f"({type(module).__name__}) has {rows - routed} identity experts beside its {routed} "
+            f"routed ones: {unsupported}"
+        )
     return None
 
 

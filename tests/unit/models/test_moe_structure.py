@@ -7,6 +7,7 @@ from transformers import (
     GptOssConfig,
     GraniteMoeConfig,
     Llama4TextConfig,
+    LongcatFlashConfig,
     OlmoeConfig,
     Qwen2MoeConfig,
 )
@@ -63,4 +64,26 @@ def test_gpt_oss_and_llama4_experts_split_and_where_llama4s_cannot_is_refused_by
     assert check_expert_parallel(llama4, experts, 4, 4, tp=2) == [
         "model.layers.0.feed_forward.experts (and 1 more) (Llama4TextExperts) takes its tokens "
         "already routed: split only where ep divides tp or at tp=1, not at ep=4 tp=2"
+    ]
+
+
+def test_longcat_identity_experts_are_refused_by_name_at_ep2():
+    config = LongcatFlashConfig(
+        **{key: value for key, value in SIZES.items() if key != "num_hidden_layers"},
+        num_layers=1,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        moe_topk=2,
+        n_routed_experts=4,
+        zero_expert_num=2,
+        expert_ffn_hidden_size=32,
+        ffn_hidden_size=128,
+    )
+    model = meta_causal_lm(config)
+    assert check_expert_parallel(model, ["model.layers.*.mlp.experts"], 4, 2, tp=2) == [
+        "model.layers.0.mlp.experts (LongcatFlashExperts) has 2 identity experts beside its 4 "
+        "routed ones: expert parallelism of such experts is not supported yet; use ep=1"
     ]
