@@ -361,7 +361,9 @@ def plan_problems(settings: Config, dims: ParallelDims, config, meta) -> list[Pr
     if dims.ep > 1:
         modules = expert_modules(meta, list(experts))
         num_experts = experts_count(meta.get_submodule(modules[0])) if modules else 0
-        found += problems("ep", check_expert_parallel(meta, list(experts), num_experts, dims.ep))
+        found += problems(
+            "ep", check_expert_parallel(meta, list(experts), num_experts, dims.ep, dims.tp)
+        )
     return found
 
 

@@ -1,16 +1,16 @@
 """Tensor-parallel styles, and the one function that checks and applies any plan. Plans are data
-(one per family, ``components.models.families.plan_for``): ``fnmatch`` module-name patterns (``*``
-for a layer index) mapped to style names of HF's ``base_model_tp_plan``:
+(``components.models.families.plan_for``): ``fnmatch`` patterns (``*`` for a layer index) of
+module (or parameter) names mapped to style names of HF's ``base_model_tp_plan``:
 
-- ``colwise`` / ``rowwise``: Megatron pairs (fp8: ``float8_tp``); ``embedding_rowwise``: by vocab.
-- ``vocab_parallel`` (ours) / ``colwise_gather_output`` (HF's): an ``lm_head`` whose logits stay
-  sharded over the vocabulary / are gathered.
-- ``sequence_parallel``: norms run on sequence shards.
-- ``local_heads`` (ours): an attention module's head counts become this rank's (for code that
-  reshapes by ``self.num_heads``).
+- ``colwise`` / ``rowwise`` (on a parameter: its first / last dimension; fp8: ``float8_tp``),
+  ``embedding_rowwise``, ``vocab_parallel`` (ours) / ``colwise_gather_output``: Megatron-style
+  pairs and the vocabulary.
+- ``sequence_parallel``; ``local_heads`` (ours: head counts made this rank's); ``local_params``
+  (a module's sharded parameters, such as attention sinks, seen as this rank's slices).
 - ``replicated_with_grad_allreduce`` (gradient ``sum``) / ``replicate`` (``mean``): not sharded.
 - HF's ``rowwise_split_input``, ``all_reduce``, ``embedding_colwise``, ``mla_kv_a_proj`` (aliases
-  ``colwise_rep``, ``rowwise_rep``); an own-plan pattern for a layer kind the model lacks: a note.
+  ``colwise_rep``, ``rowwise_rep``); HF's expert styles (``moe_tp_experts``, ``packed_*``,
+  ``moe_identity_expert``) are replaced by expert parallelism (``components.moe``).
 Everything is checked before any parameter is sharded, and all problems are reported together
 (each style in detail: docs/parallelism.md, docs/design-notes.md).
 """
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -112,6 +112,72 @@ class _MlaKvAProj(ParallelStyle):
         return module
 
 
+class _Owned(ParallelStyle):
+    """A style whose module's plain-tensor output is a tensor of its own, not the view of a
+    DTensor's storage that ``to_local`` returns: code that adds to it in place (Llama 4's MoE
+    block adds its routed experts to the shared expert's output with ``add_``) is then allowed."""
+
+    def __init__(self, style: ParallelStyle):
+        self.style = style
+        self.output_layouts = style.output_layouts  # read by LoRA's parallelize_tp
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = self.style._apply(module, device_mesh)
+        module.register_forward_hook(_own_output)
+        return module
+
+
+def _own_output(module: nn.Module, args: tuple, output):
+    made_by_to_local = "ToTorchTensor" in type(getattr(output, "grad_fn", None)).__name__
+    return output.clone() if made_by_to_local else output
+
+
+class _LocalParams(ParallelStyle):
+    """HF's ``local_params``: the module's forward sees its sharded parameters as this rank's
+    slices (attention sinks of this rank's heads, beside local q/k/v), their gradients those
+    slices' (no reduction). Every direct parameter of such a module is sharded (``_resolve``)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.register_forward_pre_hook(_localize)
+        module.register_forward_hook(_restore)
+        return module
+
+
+def _localize(module: nn.Module, args: tuple) -> None:
+    shards = {n: p for n, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)}
+    module._tp_shards = shards
+    module._parameters.update({name: shard.to_local() for name, shard in shards.items()})
+
+
+def _restore(module: nn.Module, args: tuple, output):
+    module._parameters.update(module.__dict__.pop("_tp_shards", {}))
+    return output
+
+
+class _ShardParameter(ParallelStyle):
+    """A plan entry naming a parameter: that parameter of the module becomes a DTensor sharded on
+    ``dim`` (each rank reads only its slice when it loads)."""
+
+    def __init__(self, parameter: str, dim: int):
+        self.parameter, self.dim = parameter, dim
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        full = module._parameters[self.parameter]
+        shard = distribute_tensor(full.data, device_mesh, [Shard(self.dim)], src_data_rank=None)
+        module._parameters[self.parameter] = nn.Parameter(shard, requires_grad=full.requires_grad)
+        return module
+
+
+# HF's styles on a parameter, as the dimension they shard (of an ``ndim``-D parameter).
+_PARAMETER_STYLES = {
+    "colwise": lambda ndim: max(ndim - 2, 0),
+    "rowwise": lambda ndim: ndim - 1,
+}
+# HF's styles for experts (tensor parallelism inside every expert): the experts are split by
+# expert parallelism instead, so a plan's entries for them are left out (``models.families``).
+EXPERT_STYLES = ("moe_tp_experts", "packed_colwise", "packed_rowwise", "moe_identity_expert")
+
+
 def _style(name: str, sequence_parallel: bool, config=None) -> ParallelStyle | None:
     """The torch style for a style name; None for styles that only mark a replicated module.
 
@@ -137,7 +203,9 @@ def _style(name: str, sequence_parallel: bool, config=None) -> ParallelStyle | N
         "mlp_input": lambda: PrepareModuleInput(
             input_layouts=(tokens,), desired_input_layouts=(Replicate(),), use_local_output=False
         ),
-        "rowwise": lambda: RowwiseParallel(output_layouts=tokens, use_local_output=local_output),
+        "rowwise": lambda: _Owned(
+            RowwiseParallel(output_layouts=tokens, use_local_output=local_output)
+        ),
         "embedding_rowwise": lambda: RowwiseParallel(
             input_layouts=Replicate(), output_layouts=tokens, use_local_output=local_output
         ),
@@ -169,13 +237,23 @@ def _style(name: str, sequence_parallel: bool, config=None) -> ParallelStyle | N
         "gather_sequence": lambda: _GatherSequence(),
         "local_heads": lambda: _LocalHeads(),
         "mla_kv_a_proj": lambda: _MlaKvAProj(getattr(config, "qk_rope_head_dim", 0)),
+        "local_params": lambda: _LocalParams(),
         "replicated_with_grad_allreduce": lambda: None,
         "replicate": lambda: None,
     }
     name = _ALIASES.get(name, name)
+    _refuse_expert_style(name)
     if name not in styles:
         raise ValueError(f"unknown tensor-parallel style {name!r}; known: {sorted(styles)}")
     return styles[name]()
+
+
+def _refuse_expert_style(name: str) -> None:
+    if name in EXPERT_STYLES:
+        raise ValueError(
+            f"{name!r} is Hugging Face's tensor parallelism inside MoE experts, for experts only: "
+            "experts are split by expert parallelism here (their plan entries are left out)"
+        )
 
 
 @dataclass(kw_only=True)
@@ -213,35 +291,67 @@ def _resolve(
     A pattern matching nothing is an error, unless it is one of the model's own
     ``base_model_tp_plan`` (transformers writes one plan for every layer kind of an architecture,
     dense and MoE layers, and a given configuration may have only some): then it is a note, as
-    long as some pattern of that plan matches. A pattern naming parameters is an error.
+    long as some pattern of that plan matches. A pattern may name parameters (a style of
+    :data:`_PARAMETER_STYLES`); their modules then run on local tensors (``local_params``).
     """
     names = [name for name, _ in model.named_modules() if name]
+    parameters = [name for name, _ in model.named_parameters()]
     own = {f"model.{p}" for p in (getattr(config, "base_model_tp_plan", None) or {})}
     resolved: dict[str, str] = {}
     unmatched = []
     for pattern, style in plan.items():
-        matches = fnmatch.filter(names, pattern)
+        matches = fnmatch.filter(names, pattern) or fnmatch.filter(parameters, pattern)
         if not matches:
             unmatched.append((pattern, style))
         for name in matches:
             resolved[name] = style
     own_matched = any(fnmatch.filter(names, pattern) for pattern in own)
-    parameters = [name for name, _ in model.named_parameters()]
     model_name = type(model).__name__
-    errors, notes = [], []
+    errors, notes = _parameter_problems(resolved, set(parameters), model_name)
     for pattern, style in unmatched:
-        if fnmatch.filter(parameters, pattern):
-            errors.append(
-                f"plan pattern {pattern!r} ({style}) names parameters of {model_name}, not "
-                "modules: a style on a parameter is not supported"
-            )
-        elif pattern in own and own_matched:
+        if pattern in own and own_matched:
             notes.append(
                 f"plan pattern {pattern!r} ({style}) ignored: {model_name} has no such layers"
             )
         else:
             errors.append(f"plan pattern {pattern!r} ({style}) matches no module of {model_name}")
     return _summed_already(resolved, notes), errors, notes
+
+
+def _parameter_problems(
+    resolved: dict[str, str], parameters: set[str], model_name: str
+) -> tuple[list[str], list[str]]:
+    """(errors, notes) of the entries naming parameters: a style that cannot shard one is an error;
+    the owner of a sharded one gets ``local_params`` where the plan has none (a note). A
+    ``local_params`` module's parameter the plan does not shard is an error: on local tensors its
+    gradient may be partial over TP (this rank's heads) or whole, which the plan does not say."""
+    errors, notes = [], []
+    for name, style in sorted(resolved.items()):
+        if name not in parameters:
+            continue
+        owner = name.rpartition(".")[0]
+        if style not in _PARAMETER_STYLES:
+            errors.append(
+                f"plan shards the parameter {name} of {model_name} with {style!r}: a parameter "
+                f"takes only {sorted(_PARAMETER_STYLES)}"
+            )
+        elif resolved.get(owner, "local_params") != "local_params":
+            errors.append(
+                f"plan shards the parameter {name} and gives its module {owner} "
+                f"{resolved[owner]!r}: its module needs 'local_params'"
+            )
+        elif owner not in resolved:
+            resolved[owner] = "local_params"
+            notes.append(f"{owner}: local_params added, its parameter {name} is sharded")
+    for name in sorted(n for n, style in resolved.items() if style == "local_params"):
+        unsharded = [p for p in sorted(parameters) if p.rpartition(".")[0] == name]
+        unsharded = [p for p in unsharded if p not in resolved]
+        if unsharded:
+            errors.append(
+                f"{name} (local_params): the plan does not shard its parameter {unsharded[0]}, "
+                "whose gradient on local tensors it leaves undefined (partial or whole over TP)"
+            )
+    return errors, notes
 
 
 _ROWWISE = ("rowwise", "rowwise_split_input", "rowwise_rep")
@@ -310,7 +420,10 @@ def _checked(
                 f"plan shards {name} with {style!r}, but it is an MoE expert or router ({owner}); "
                 "remove it"
             )
+    parameters = {name for name, _ in model.named_parameters()}
     for name, style in resolved.items():
+        if name in parameters:  # checked by _resolve
+            continue
         try:
             _style(style, False)
         except ValueError as error:
@@ -382,7 +495,13 @@ def apply_tp_plan(
         }
 
     gathered = [name for name, style in resolved.items() if style == "gather_sequence"]
+    parameters = {name for name, _ in model.named_parameters()}
     for name, style in sorted(resolved.items()):
+        if name in parameters:
+            owner, _, attribute = name.rpartition(".")
+            dim = _PARAMETER_STYLES[style](model.get_parameter(name).dim())
+            parallelize_module(model.get_submodule(owner), tp_mesh, _ShardParameter(attribute, dim))
+            continue
         module = model.get_submodule(name)
         if style == "replicated_with_grad_allreduce":
             mark_tp_replica_gradient_reduction(module, "sum")

@@ -5,10 +5,13 @@ module that holds ``nn.Linear`` children is a sublayer (attention or MLP): its l
 hidden size are split by columns (``colwise``: q/k/v, gate/up), and its last linear that writes the
 hidden size from another width (or, when every linear reads the hidden size, its last one) by rows
 (``rowwise``: o_proj, down_proj). A sublayer's 1-D parameters of ``head_dim`` (a per-head q/k norm)
-are replicated with summed gradients, and a sublayer with head counts of its own
-(``self.num_heads``) gets ``local_heads``. The embedding and ``lm_head`` get the styles of every
-other plan. Anything else that holds parameters inside a sublayer (attention sinks, fused experts, a
-linear of another shape) cannot be placed: the derivation then lists those modules instead.
+are replicated with summed gradients, its own 1-D parameters of one value per attention head
+(GPT-OSS's ``sinks``) are sharded with the heads (``colwise`` on the parameter, the sublayer
+``local_params``), and a sublayer with head counts of its own (``self.num_heads``) gets
+``local_heads``. An MoE block (a sublayer holding experts: 3-D parameters) is left to expert
+parallelism, its router replicated. The embedding and ``lm_head`` get the styles of every other
+plan. Anything else that holds parameters inside a sublayer (a linear of another shape) cannot be
+placed: the derivation then lists those modules instead.
 """
 
 import fnmatch
@@ -25,8 +28,9 @@ def _blocks(model: nn.Module) -> tuple[str, nn.Module] | None:
     return (lists[0][0], lists[0][1][0]) if len(lists) == 1 else None
 
 
-def _sublayer(prefix: str, module: nn.Module, hidden: int, head_dim: int | None):
-    """(plan entries, modules it cannot place) of one attention or MLP sublayer."""
+def _sublayer(prefix: str, module: nn.Module, hidden: int, head_dim: int | None, heads=None):
+    """(plan entries, modules it cannot place) of one attention or MLP sublayer; ``heads``: the
+    number of attention heads, which a parameter of one value per head is sharded with."""
     linears = [(n, m) for n, m in module.named_children() if isinstance(m, nn.Linear)]
     writers = [n for n, m in linears if m.out_features == hidden and m.in_features != hidden]
     readers = [n for n, m in linears if m.in_features == hidden]
@@ -42,8 +46,14 @@ def _sublayer(prefix: str, module: nn.Module, hidden: int, head_dim: int | None)
             plan[pattern] = "replicated_with_grad_allreduce"
         elif any(True for _ in child.parameters()):
             unplaced.append(pattern)
-    unplaced += [f"{prefix} (its parameter {n})" for n, _ in module.named_parameters(recurse=False)]
+    for name, parameter in module.named_parameters(recurse=False):
+        if heads is not None and parameter.shape == (heads,):  # one per head: attention sinks
+            plan[f"{prefix}.{name}"], plan[prefix] = "colwise", "local_params"
+        else:
+            unplaced.append(f"{prefix} (its parameter {name})")
     if any(isinstance(getattr(module, count, None), int) for count in HEAD_COUNTS):
+        if plan.get(prefix) == "local_params":
+            unplaced.append(f"{prefix} (head counts of its own and per-head parameters)")
         plan[prefix] = "local_heads"
     if output is None:
         unplaced.append(f"{prefix} (no output projection to the hidden size)")
@@ -73,8 +83,10 @@ def derive_plan(model: nn.Module, config) -> dict[str, str]:
     unplaced: list[str] = []
     for name, child in block.named_children():
         prefix = f"{layers}.*.{name}"
+        if any(p.dim() == 3 for p in child.parameters()):  # an MoE block: expert parallelism's
+            continue
         if any(isinstance(m, nn.Linear) for m in child.children()):
-            entries, missing = _sublayer(prefix, child, hidden, head_dim)
+            entries, missing = _sublayer(prefix, child, hidden, head_dim, heads)
             plan |= entries
             unplaced += missing
         elif any(True for _ in child.parameters()) and not _is_norm(child):  # norms: replicated

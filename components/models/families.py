@@ -210,8 +210,19 @@ def unbuilt_patterns(config, model) -> list[str]:
     if config.model_type in FAMILIES or not getattr(config, "base_model_tp_plan", None):
         return []
     names = [name for name, _ in model.named_modules() if name]
+    names += [name for name, _ in model.named_parameters()]  # a pattern may name parameters
     patterns = [f"model.{pattern}" for pattern in config.base_model_tp_plan]
     return [p for p in patterns if not _in_experts(config, p) and not fnmatch.filter(names, p)]
+
+
+def expert_entries(config) -> list[str]:
+    """The entries of the model's own plan for its experts (HF's tensor parallelism inside each
+    expert: ``moe_tp_experts``, ``packed_colwise``...), which :func:`plan_for` leaves out: expert
+    parallelism splits the experts instead, whole experts per rank."""
+    if config.model_type in FAMILIES:
+        return []
+    own = getattr(config, "base_model_tp_plan", None) or {}
+    return [f"{p} {s}" for p, s in own.items() if _in_experts(config, f"model.{p}")]
 
 
 def _in_experts(config, pattern: str) -> bool:

@@ -166,7 +166,8 @@ def targeted_experts(model: nn.Module, patterns: tuple[str, ...]) -> tuple[list[
     found: dict[str, list[str]] = {}
     unsupported = "LoRA on such experts is not supported: use peft.experts=false"
     for name in names:
-        if (problem := experts_problem(model.get_submodule(name), unsupported)) is not None:
+        module = model.get_submodule(name)
+        if (problem := experts_problem(module, unsupported, adapters=True)) is not None:
             found.setdefault(problem, []).append(name)
     problems = []
     for problem, where in found.items():

@@ -26,7 +26,12 @@ from components.distributed.tp_plan import PlanReport, apply_tp_plan
 from components.models.build import build_causal_lm, meta_causal_lm
 from components.models.compile import apply_block_wrappers
 from components.models.derived_plan import derived_plan_note
-from components.models.families import plan_for, plan_is_derived, unbuilt_patterns
+from components.models.families import (
+    expert_entries,
+    plan_for,
+    plan_is_derived,
+    unbuilt_patterns,
+)
 from components.models.load import materialize_pretrained
 from components.models.precision import precision_policy
 from components.moe import apply_expert_parallel
@@ -76,6 +81,16 @@ def build_parallel_model(
         )
         if plan_is_derived(spec.config):
             report.notes.append(derived_plan_note(spec.config, plan))
+        if entries := expert_entries(spec.config):
+            where = (
+                f"whole experts split over ep={dims.ep}"
+                if dims.ep > 1
+                else "at ep=1 every expert on every TP rank, gradient mean"
+            )
+            report.notes.append(
+                f"the model's own plan for its experts ({', '.join(entries)}) is replaced by "
+                f"expert parallelism: {where}"
+            )
         if unbuilt := unbuilt_patterns(spec.config, model):
             report.notes.append(
                 f"the model's own plan names layers this config does not build, ignored: "

@@ -16,6 +16,7 @@ Design notes: docs/design-notes.md
 import dataclasses
 import fnmatch
 import functools
+import types
 
 import torch
 import torch.distributed as dist
@@ -45,15 +46,20 @@ from components.moe.expert_lora import (
 from components.moe.structure import takes_routing
 
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
+EXPERT_BIASES = ("gate_up_proj_bias", "down_proj_bias")  # GPT-OSS's (``has_bias``)
 DISPATCH_MODES = ("folded", "all_to_all")
 # transformers' experts flags (``use_experts_implementation``) whose other value this module's
 # forward does not compute: (attribute, the value it computes, what the other value means).
+# Transposed weights, biases and interleaved gate/up rows (GPT-OSS, its gate the module's own
+# ``_apply_gate``: a clamped SwiGLU) are computed.
 _OTHER_FORMS = (
+    ("has_gate", True, "no gate"),
+    ("has_post_expert_norm", False, "a norm after each expert"),
+)
+_ADAPTER_FORMS = (  # what the experts' forward computes, but not yet with per-expert adapters
     ("is_transposed", False, "transposed weights"),
     ("has_bias", False, "biases"),
     ("is_concatenated", True, "interleaved gate and up rows"),
-    ("has_gate", True, "no gate"),
-    ("has_post_expert_norm", False, "a norm after each expert"),
 )
 
 
@@ -90,13 +96,11 @@ def expert_modules(model: nn.Module, patterns: list[str]) -> list[str]:
     return sorted({name for pattern in patterns for name in fnmatch.filter(names, pattern)})
 
 
-def _local_weights(
-    experts: nn.Module, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor, LowRank | None]:
+def _local_weights(experts: nn.Module, dtype: torch.dtype) -> tuple:
     """This rank's ``gate_up_proj`` and ``down_proj`` in ``dtype`` (FSDP leaves experts in their
-    own dtype; they compute in the activations'), and their adapters (:mod:`expert_lora`), each
-    with the layout's gradient placements and scale. Adapters are never sharded over
-    ``ep_shard``: only the weights are gathered."""
+    own dtype; they compute in the activations'), their biases (GPT-OSS; else an empty tuple) and
+    their adapters (:mod:`expert_lora`, or None), each with the layout's gradient placements and
+    scale. Adapters are never sharded over ``ep_shard``: only the weights are gathered."""
     layout: ExpertLayout = experts.layout
 
     def local(weight: torch.Tensor, gather: bool = False) -> torch.Tensor:
@@ -107,48 +111,78 @@ def _local_weights(
             local = scale_gradient(local, layout.gradient_scale)
         return local.to(dtype)
 
-    gate_up, down = (local(getattr(experts, name), layout.sharded) for name in EXPERT_PARAMETERS)
-    return gate_up, down, expert_low_rank(experts, local)
+    gate_up, down, *biases = (local(getattr(experts, n), layout.sharded) for n in _names(experts))
+    return gate_up, down, tuple(biases), expert_low_rank(experts, local)
+
+
+def _names(experts: nn.Module) -> tuple[str, ...]:
+    return EXPERT_PARAMETERS + (EXPERT_BIASES if getattr(experts, "has_bias", False) else ())
+
+
+def _linear(rows: torch.Tensor, weight: torch.Tensor, experts: nn.Module) -> torch.Tensor:
+    """One expert's projection: its weight stored [out, in], or [in, out] when the module's
+    weights are transposed (GPT-OSS)."""
+    return rows @ weight if getattr(experts, "is_transposed", False) else F.linear(rows, weight)
+
+
+def _gate(experts: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+    """The gated activation of the module's own ``_apply_gate`` (GPT-OSS: interleaved rows and a
+    clamped SwiGLU), else ``act_fn(gate) * up`` of concatenated halves."""
+    apply_gate = getattr(experts, "_apply_gate", None)
+    if apply_gate is not None:
+        return apply_gate(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return experts.act_fn(gate) * up
 
 
 def _run_experts(
-    experts: nn.Module, rows, expert_of_row, gate_up, down, weight_of_row=None, low_rank=None
+    experts: nn.Module,
+    rows,
+    expert_of_row,
+    gate_up,
+    down,
+    weight_of_row=None,
+    low_rank=None,
+    biases=(),
 ) -> torch.Tensor:
     """Each local expert on its rows (``expert_of_row`` in ``[0, len(gate_up))``), returned in the
     rows' order and dtype, times ``weight_of_row`` when given; with ``low_rank`` (the local
-    experts' adapters, :class:`LowRank`) each expert weight gains its low-rank term.
+    experts' adapters, :class:`LowRank`) each expert weight gains its low-rank term; ``biases``:
+    the local experts' ``gate_up_proj_bias`` and ``down_proj_bias`` (GPT-OSS), or none.
 
     Grouped GEMM (:func:`_run_experts_grouped`) wherever :func:`grouped_mm_fits`; the per-expert
     loop (:func:`_run_experts_loop`) runs only where that predicate is false. No row at all: tied
     zeros."""
     if rows.shape[0] == 0:
-        return _tied_zeros(rows, gate_up, down, low_rank)
-    run = _run_experts_grouped if grouped_mm_fits(rows, gate_up, down, low_rank) else None
-    run = run or _run_experts_loop
-    return run(experts, rows, expert_of_row, gate_up, down, weight_of_row, low_rank)
+        return _tied_zeros(rows, gate_up, down, low_rank, biases)
+    fits = grouped_mm_fits(rows, gate_up, down, low_rank)
+    run = _run_experts_grouped if fits else _run_experts_loop
+    return run(experts, rows, expert_of_row, gate_up, down, weight_of_row, low_rank, biases)
 
 
-def _tied_zeros(rows, gate_up, down, low_rank: LowRank | None = None) -> torch.Tensor:
-    """Zeros shaped like ``rows`` and tied to every local weight (and adapter): every rank then
-    runs each backward collective, and idle experts get zero (not missing) gradients, as in one
-    process."""
-    weights = (gate_up, down, *(low_rank.tensors() if low_rank is not None else ()))
+def _tied_zeros(rows, gate_up, down, low_rank: LowRank | None = None, biases=()) -> torch.Tensor:
+    """Zeros shaped like ``rows`` and tied to every local weight (biases and adapters too): every
+    rank then runs each backward collective, and idle experts get zero (not missing) gradients,
+    as in one process."""
+    weights = (gate_up, down, *biases, *(low_rank.tensors() if low_rank is not None else ()))
     return rows * 0.0 + sum(weight.sum() for weight in weights) * 0.0
 
 
 def _run_experts_loop(
-    experts, rows, expert_of_row, gate_up, down, weight_of_row=None, low_rank=None
+    experts, rows, expert_of_row, gate_up, down, weight_of_row=None, low_rank=None, biases=()
 ):
     """One pair of matmuls per local expert, each behind a ``torch.where`` (a host sync on GPU)."""
-    output = _tied_zeros(rows, gate_up, down, low_rank)
+    output = _tied_zeros(rows, gate_up, down, low_rank, biases)
+    linear = functools.partial(_linear, experts=experts)
     for local in range(gate_up.shape[0]):
         selected = torch.where(expert_of_row == local)[0]
         if selected.numel() == 0:
             continue
         lora = low_rank.at(local) if low_rank is not None else None
-        up_rows = adapted(F.linear, rows[selected], gate_up[local], lora, "gate_up")
-        gate, up = up_rows.chunk(2, dim=-1)
-        result = adapted(F.linear, experts.act_fn(gate) * up, down[local], lora, "down")
+        gate_up_rows = adapted(linear, rows[selected], gate_up[local], lora, "gate_up")
+        gate_up_rows = gate_up_rows + biases[0][local] if biases else gate_up_rows
+        result = adapted(linear, _gate(experts, gate_up_rows), down[local], lora, "down")
+        result = result + biases[1][local] if biases else result
         if weight_of_row is not None:
             result = result * weight_of_row[selected, None]
         output = output.index_add(0, selected, result.to(output.dtype))
@@ -185,8 +219,10 @@ def grouped_mm_fits(
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
         return False
     alignment = 16 // dtype.itemsize
-    weights = (gate_up, down, *(low_rank.tensors() if low_rank is not None else ()))
-    if any(weight.shape[-1] % alignment for weight in weights):  # H, I and the rank
+    adapters = low_rank.tensors() if low_rank is not None else ()
+    weights = (gate_up, down, *adapters)
+    sizes = (*gate_up.shape[1:], *down.shape[1:], *(adapter.shape[-1] for adapter in adapters))
+    if any(size % alignment for size in sizes):  # H, I (either way round) and the rank
         return False
     return compiling or all(weight.data_ptr() % 16 == 0 for weight in weights)
 
@@ -204,14 +240,18 @@ class _ContiguousGradient(torch.autograd.Function):
         return gradient.contiguous()
 
 
-def _grouped_linear(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor):
-    """``F.linear(rows of group e, weight[e])`` for every expert ``e``, in one ``_grouped_mm``."""
-    product = torch._grouped_mm(rows, weight.transpose(-2, -1), offs=offsets)
+def _grouped_linear(
+    rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, transposed: bool = False
+):
+    """``F.linear(rows of group e, weight[e])`` for every expert ``e`` (``rows @ weight[e]`` when
+    ``transposed``), in one ``_grouped_mm``."""
+    weight = weight if transposed else weight.transpose(-2, -1)
+    product = torch._grouped_mm(rows, weight, offs=offsets)
     return _ContiguousGradient.apply(product)
 
 
 def _run_experts_grouped(
-    experts, rows, expert_of_row, gate_up, down, weight_of_row=None, low_rank=None
+    experts, rows, expert_of_row, gate_up, down, weight_of_row=None, low_rank=None, biases=()
 ):
     """All local experts in two grouped GEMMs: the rows sorted by expert once, each group's end
     found by a fixed-size ``searchsorted`` (no host sync), the results put back in row order.
@@ -227,10 +267,12 @@ def _run_experts_grouped(
     ids = torch.arange(gate_up.shape[0], device=rows.device, dtype=sorted_experts.dtype)
     offsets = torch.searchsorted(sorted_experts, ids, right=True, out_int32=True)
     linear = functools.partial(_grouped_linear, offsets=offsets)
+    linear = functools.partial(linear, transposed=getattr(experts, "is_transposed", False))
     lora = low_rank.to(dtype) if low_rank is not None else None
     gate_up_rows = adapted(linear, rows[order].to(dtype), gate_up.to(dtype), lora, "gate_up")
-    gate, up = gate_up_rows.chunk(2, dim=-1)
-    result = adapted(linear, experts.act_fn(gate) * up, down.to(dtype), lora, "down")
+    gate_up_rows = gate_up_rows + biases[0][sorted_experts] if biases else gate_up_rows
+    result = adapted(linear, _gate(experts, gate_up_rows), down.to(dtype), lora, "down")
+    result = result + biases[1][sorted_experts] if biases else result
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.shape[0], device=order.device)
     result = result[inverse]
@@ -245,20 +287,22 @@ def _folded_forward(
     """This rank's experts on the (replicated) tokens routed to them, then the sum over the ep
     group."""
     layout: ExpertLayout = self.layout
-    gate_up, down, low_rank = _local_weights(self, hidden_states.dtype)
+    gate_up, down, biases, low_rank = _local_weights(self, hidden_states.dtype)
     hidden_states, top_k_weights = enter_group(hidden_states, top_k_weights, layout.group)
-    experts = (layout.first_expert, gate_up, down, low_rank)
+    experts = (layout.first_expert, gate_up, down, low_rank, biases)
     output = _routed_to(self, hidden_states, top_k_index, top_k_weights, *experts)
     return sum_over_group(output, layout.group)
 
 
-def _routed_to(self, hidden_states, top_k_index, top_k_weights, first, gate_up, down, low_rank):
+def _routed_to(
+    self, hidden_states, top_k_index, top_k_weights, first, gate_up, down, low_rank, biases=()
+):
     """The sum over each token's choices of the local experts (numbered from ``first``) it chose,
     weighted; zeros for a token that chose none of them."""
     local = top_k_index - first
     token, slot = torch.where((local >= 0) & (local < len(gate_up)))
     rows, weights = hidden_states[token], top_k_weights[token, slot]
-    output = _run_experts(self, rows, local[token, slot], gate_up, down, weights, low_rank)
+    output = _run_experts(self, rows, local[token, slot], gate_up, down, weights, low_rank, biases)
     return torch.zeros_like(hidden_states).index_add(0, token, output)
 
 
@@ -305,7 +349,7 @@ def _dispatched_forward(
     """Send each (token, choice) to its expert's rank, compute there, bring the result back, weight
     and sum."""
     layout: ExpertLayout = self.layout
-    gate_up, down, low_rank = _local_weights(self, hidden_states.dtype)
+    gate_up, down, biases, low_rank = _local_weights(self, hidden_states.dtype)
     hidden, index, weights = _own_block(layout, hidden_states, top_k_index, top_k_weights)
     choices = index.reshape(-1)
     order = torch.argsort(choices, stable=True)
@@ -319,7 +363,7 @@ def _dispatched_forward(
     expert_of_row = exchange(
         expert - destination * layout.experts_per_rank, send, receive, layout.group
     )
-    computed = _run_experts(self, received, expert_of_row, gate_up, down, None, low_rank)
+    computed = _run_experts(self, received, expert_of_row, gate_up, down, None, low_rank, biases)
     results = all_to_all_rows(computed, receive, send, layout.group)
     output = torch.zeros_like(hidden).index_add(
         0, token, results * weights[token, slot, None].to(results.dtype)
@@ -331,26 +375,63 @@ def _dispatched_forward(
     ]
 
 
-def experts_problem(module: nn.Module, unsupported: str) -> str | None:
-    """Why this experts module's forward is not the one this module computes (a phrase to follow
-    its name, ending in ``unsupported``), or None: what :class:`ExpertParallelExperts` and
-    per-expert adapters need."""
+def _routed_compute(self, rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor):
+    """Llama 4's experts on rows already routed (every token once per local expert, scaled by its
+    score, grouped by expert): its own two ``bmm`` of transposed weights, gate and up halves."""
+    hidden = rows.view(gate_up.shape[0], -1, rows.shape[-1])
+    gate, up = torch.bmm(hidden, gate_up).chunk(2, dim=-1)
+    return torch.bmm(up * self.act_fn(gate), down).view(-1, down.shape[-1])
+
+
+def _routed_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Experts handed every token once per expert (Llama 4: rows grouped by expert): this rank's
+    experts' rows computed here. Folded: every rank of the ep group holds the same rows; its block
+    is taken and the blocks gathered back. All-to-all (tp = 1): each rank's rows of each expert
+    go to the expert's rank and come back."""
+    layout: ExpertLayout = self.layout
+    gate_up, down, _, _ = _local_weights(self, hidden_states.dtype)  # no biases, no adapters
+    rank = layout.first_expert // layout.experts_per_rank
+    where = (layout.group, rank, layout.size)
+    if layout.mode == "folded":
+        own = _routed_compute(self, scatter_rows(hidden_states, *where), gate_up, down)
+        return gather_rows(own, *where)
+    rows_per_rank = hidden_states.shape[0] // layout.size  # this rank's tokens x local experts
+    counts = torch.tensor([rows_per_rank] * layout.size, device=hidden_states.device)
+    receive = exchange(counts, [1] * layout.size, [1] * layout.size, layout.group).tolist()
+    send = [rows_per_rank] * layout.size
+    received = all_to_all_rows(hidden_states, send, receive, layout.group)
+    computed = [_routed_compute(self, c, gate_up, down) for c in received.split(receive)]
+    return all_to_all_rows(torch.cat(computed), receive, send, layout.group)
+
+
+def experts_problem(module: nn.Module, unsupported: str, adapters: bool = False) -> str | None:
+    """Why this experts module's forward is not the one :class:`ExpertParallelExperts` computes
+    (a phrase to follow its name, ending in ``unsupported``), or None. With ``adapters``: what
+    per-expert adapters need too (tokens routed to the module, plain weights and rows)."""
     missing = [p for p in EXPERT_PARAMETERS if not hasattr(module, p)]
-    forms = [what for flag, plain, what in _OTHER_FORMS if getattr(module, flag, plain) != plain]
+    other = _OTHER_FORMS + (_ADAPTER_FORMS if adapters else ())
+    forms = [what for flag, plain, what in other if getattr(module, flag, plain) != plain]
     if missing:
         return f"has no fused expert parameters {missing}: not a transformers 5 experts module"
-    if not takes_routing(module):
-        return f"({type(module).__name__}) takes its tokens already routed: {unsupported}"
+    if not takes_routing(module) and (adapters or getattr(module, "has_bias", False)):
+        what = "takes its tokens already routed" + ("" if adapters else ", has biases")
+        return f"({type(module).__name__}) {what}: {unsupported}"
     if forms:
         return f"({type(module).__name__}) has {', '.join(forms)}: {unsupported}"
+    routed, rows = module.down_proj.shape[0], module.gate_up_proj.shape[0]
+    if rows != routed:  # LongCat's zero experts (HF's moe_identity_expert) beside the routed ones
+        return (
+            f"({type(module).__name__}) has {rows - routed} identity experts beside its {routed} "
+            f"routed ones: {unsupported}"
+        )
     return None
 
 
 def check_expert_parallel(
-    model: nn.Module, patterns: list[str], num_experts: int, ep: int
+    model: nn.Module, patterns: list[str], num_experts: int, ep: int, tp: int = 1
 ) -> list[str]:
-    """Every reason expert parallelism cannot run (empty when it can); ``ep`` dividing the world is
-    the mesh's check."""
+    """Every reason expert parallelism cannot run at ``ep`` and ``tp`` (empty when it can); ``ep``
+    dividing the world is the mesh's check."""
     errors = []
     if ep > 1 and not patterns:
         errors.append(f"ep={ep} needs an MoE model: model.experts names no expert modules")
@@ -362,9 +443,16 @@ def check_expert_parallel(
                 f"model.experts pattern {pattern!r} matches no module of {type(model).__name__}"
             )
     found: dict[str, list[str]] = {}  # each problem once, naming the modules that have it
+    unsupported = "expert parallelism of such experts is not supported yet; use ep=1"
     for name in modules:
-        unsupported = "expert parallelism of such experts is not supported yet; use ep=1"
-        if (problem := experts_problem(model.get_submodule(name), unsupported)) is not None:
+        module = model.get_submodule(name)
+        if (problem := experts_problem(module, unsupported)) is not None:
+            found.setdefault(problem, []).append(name)
+        elif ep > 1 and not takes_routing(module) and tp > 1 and tp % ep:
+            problem = (
+                f"({type(module).__name__}) takes its tokens already routed: split only where ep "
+                f"divides tp or at tp=1, not at ep={ep} tp={tp}"
+            )
             found.setdefault(problem, []).append(name)
     for problem, names in found.items():
         more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
@@ -418,9 +506,18 @@ class ExpertParallelExperts(nn.Module):
     def __init__(self, experts: nn.Module, moe_mesh: DeviceMesh, placements, layout: ExpertLayout):
         super().__init__()
         self.layout = layout
-        self.act_fn = experts.act_fn
+        self.takes_routing = takes_routing(experts)  # else tokens already routed (Llama 4)
+        self.act_fn = getattr(experts, "act_fn", None)
+        # The HF module's plain settings (GPT-OSS's clamp ``limit`` and ``alpha``, the form flags)
+        # and its gate, bound to this module: the HF module (its whole weights) is not kept.
+        for key, value in vars(experts).items():
+            if not key.startswith("_") and isinstance(value, int | float | bool | str):
+                setattr(self, key, value)
+        if hasattr(type(experts), "_apply_gate"):
+            self._apply_gate = types.MethodType(type(experts)._apply_gate, self)
+        names = _names(experts)
         for name, full in experts.named_parameters(recurse=False):  # in the source's order
-            if name in EXPERT_PARAMETERS:
+            if name in names:
                 self.register_parameter(name, _distributed(full, moe_mesh, placements))
         if has_expert_adapters(experts):  # split by expert like the weights, whole on ep_shard
             self.lora_scaling, self.lora_seed = experts.lora_scaling, experts.lora_seed
@@ -431,8 +528,13 @@ class ExpertParallelExperts(nn.Module):
         exclude_from_tp_replica_sync(self)
 
     def forward(
-        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+        self,
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor | None = None,
+        top_k_weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if top_k_index is None:  # tokens already routed (Llama 4)
+            return _routed_forward(self, hidden_states)
         forward = _folded_forward if self.layout.mode == "folded" else _dispatched_forward
         return forward(self, hidden_states, top_k_index, top_k_weights)
 

@@ -77,6 +77,23 @@ def _choose_with_bias(router: nn.Module, args: tuple, output: tuple) -> tuple:
     return logits, weights.to(scores.dtype), chosen
 
 
+def _count_hook(model: nn.Module, name: str, routers: tuple[str, ...], count):
+    """Call ``count(module, (hidden, choices))`` with the expert choices of the experts ``name``:
+    from their arguments when they take the routing, else (Llama 4's, handed rows already routed)
+    from their block's router (of ``routers``): its top-k scores' experts."""
+    experts = model.get_submodule(name)
+    if takes_routing(experts):
+        return experts.register_forward_pre_hook(count)
+    block = name.rpartition(".")[0]
+    router = next(r for r in expert_modules(model, list(routers)) if r.rpartition(".")[0] == block)
+
+    def from_router(module: nn.Module, args: tuple, output) -> None:
+        scores = output[0] if isinstance(output, tuple) else output
+        count(module, (None, torch.topk(scores.detach(), module.top_k, dim=-1).indices))
+
+    return model.get_submodule(router).register_forward_hook(from_router)
+
+
 class ExpertLoad:
     """Tokens routed to each expert of each MoE layer since the last :meth:`end_step`."""
 
@@ -87,6 +104,7 @@ class ExpertLoad:
         num_experts: int,
         dp_group: dist.ProcessGroup | None,
         bias: RoutingBias | None = None,
+        routers: tuple[str, ...] = (),
     ):
         names = expert_modules(model, patterns)
         blocks = [name.rpartition(".")[0] for name in names]
@@ -99,7 +117,7 @@ class ExpertLoad:
             None  # flat real-token mask of the micro-batch being run; None: all
         )
         self.handles = [
-            model.get_submodule(name).register_forward_pre_hook(partial(self._count, row))
+            _count_hook(model, name, routers, partial(self._count, row))
             for row, name in enumerate(names)
         ]
 
@@ -109,14 +127,12 @@ class ExpertLoad:
     ) -> "ExpertLoad | None":
         """Count the expert choices of ``model`` (None for a model without experts). ``bias_rate``
         > 0 also balances the ``routers`` without an auxiliary loss (:class:`RoutingBias`)."""
-        names = [
-            n for n in expert_modules(model, patterns) if takes_routing(model.get_submodule(n))
-        ]
-        if not names:  # dense, or experts handed tokens already routed: no choices to count
+        names = expert_modules(model, patterns)
+        if not names:  # dense
             return None
         num_experts = experts_count(model.get_submodule(names[0]))  # any family's, from structure
         bias = RoutingBias(model, list(routers), num_experts, bias_rate) if bias_rate > 0 else None
-        return cls(model, patterns, num_experts, dp_group, bias)
+        return cls(model, patterns, num_experts, dp_group, bias, tuple(routers))
 
     def count_real(self, mask: torch.Tensor) -> None:
         """Count only the positions where ``mask`` ([rows, seq_len], the next micro-batch's) is

@@ -27,7 +27,9 @@ def experts_count(module: nn.Module) -> int:
 def takes_routing(module: nn.Module) -> bool:
     """Whether an experts module is called with the routing (``hidden_states, top_k_index,
     top_k_weights``), as transformers' experts interface is, rather than with tokens already routed
-    (Llama 4's ``experts(hidden_states)``)."""
+    (Llama 4's ``experts(hidden_states)``); an expert-parallel module says which it replaced."""
+    if hasattr(module, "takes_routing"):
+        return module.takes_routing
     return len(inspect.signature(module.forward).parameters) >= 3
 
 

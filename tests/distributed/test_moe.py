@@ -1,7 +1,8 @@
 """MoE: attention tensor-parallel, experts split by expert over the folded ep axis, routers
 replicated.
 
-The parallel model must train exactly like one process (loss 1e-5 relative, gathered gradients and
+Llama 4's experts, handed their rows already routed, likewise. The parallel model must train
+exactly like one process (loss 1e-5 relative, gathered gradients and
 weights after one SGD lr=1 step 1e-5, grad norm 1e-6 relative), expert gradients must never be
 touched by the replica sync, and after AdamW steps the replicas stay bitwise equal while experts
 differ.
@@ -13,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from transformers import Llama4TextConfig
 
 import components.moe.expert_parallel as expert_parallel
 from components.checkpoint.dcp import checkpoint_path, load_checkpoint, save_checkpoint
@@ -48,6 +50,29 @@ def test_tp2_ep2_matches_one_process(ranks2, family, tp, ep):
 @pytest.mark.parametrize(("tp", "ep"), [(4, 4), (4, 2)])
 def test_tp4_matches_one_process(ranks4, family, tp, ep):
     assert_parity(ranks4.run(check_moe_parity, family, tp, ep, False))
+
+
+def check_llama4_parity(rank, world_size, tp, ep):
+    config = Llama4TextConfig(
+        hidden_size=64,
+        intermediate_size=32,
+        intermediate_size_mlp=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=256,
+        num_local_experts=4,
+        interleave_moe_layer_step=2,
+    )
+    experts = ("model.layers.*.feed_forward.experts",)
+    return parity(world_size, config, tp, False, ep=ep, experts=experts)
+
+
+@pytest.mark.parametrize(("tp", "ep"), [(2, 2), (1, 2)])  # folded; all-to-all over dp ranks
+def test_llama4_experts_handed_routed_rows_match_one_process(ranks2, tp, ep):
+    # Llama 4's experts take every token once per expert, already scaled by the router.
+    assert_parity(ranks2.run(check_llama4_parity, tp, ep))
 
 
 def test_folding_at_ep_below_tp_matches_one_process(ranks4):

@@ -3,7 +3,10 @@ the command line: Qwen2-MoE, OLMoE, DeepSeek-V3 and Granite-MoE load through tra
 checkpoint conversion rules, their experts and routers found from their structure. Each trains at
 tp=1 with the Hugging Face model's own first loss (1e-6) and at tp=2 ep=2 (with sp=true for two of
 them) equal to tp=1 (1e-5), reporting ``expert_imbalance``; an export reloads with
-``from_pretrained`` as the trained model.
+``from_pretrained`` as the trained model. GPT-OSS (expert biases, clamped SwiGLU, attention sinks
+sharded with the heads, on a plan derived from its structure) and Llama 4 (top-1 router with a
+shared expert, experts handed tokens already routed, its own plan written for dense and MoE
+layers) do likewise at tp=1, tp=2 and tp=2 ep=2, the export of the last reloading as trained.
 """
 
 import json
@@ -14,7 +17,9 @@ from safetensors import safe_open
 from transformers import (
     AutoModelForCausalLM,
     DeepseekV3Config,
+    GptOssConfig,
     GraniteMoeConfig,
+    Llama4TextConfig,
     OlmoeConfig,
     Qwen2MoeConfig,
 )
@@ -51,6 +56,19 @@ CONFIGS = {
         v_head_dim=16,
     ),
     "granitemoe": lambda: GraniteMoeConfig(**MOE, num_local_experts=4),
+    "gpt_oss": lambda: GptOssConfig(
+        **MOE,
+        num_local_experts=4,
+        head_dim=16,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},  # YaRN warns at 128
+    ),
+    "llama4": lambda: Llama4TextConfig(
+        **{**MOE, "num_experts_per_tok": 1, "intermediate_size": 32},
+        num_local_experts=4,
+        head_dim=16,
+        intermediate_size_mlp=128,
+        interleave_moe_layer_step=2,  # layer 0 dense, layer 1 MoE
+    ),
 }
 
 
@@ -103,7 +121,34 @@ def test_the_export_of_a_tp2_run_reloads_as_the_trained_model(folders, tmp_path)
     )
     reference = first_loss(folders["qwen2_moe"], folders["cache"], SEQ_LEN, BATCH, MICRO)
     assert records[0]["loss"] == pytest.approx(reference, abs=1e-5)  # tp=2, ep=1
+    reloads_as_trained(folders, output, records)
+
+
+def reloads_as_trained(folders, output: Path, records: list[dict]) -> None:
     _, info = AutoModelForCausalLM.from_pretrained(output / "hf", output_loading_info=True)
     assert not any(info.values()), info  # nothing missing, unexpected or mismatched
     reloaded = validation_loss(output / "hf", folders["cache"], SEQ_LEN)
     assert reloaded == pytest.approx(records[-1]["val_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("model", ["gpt_oss", "llama4"])
+def test_gpt_oss_and_llama4_train_at_tp2_and_ep2_as_at_tp1_and_export(folders, tmp_path, model):
+    tp1 = run(folders, model, tmp_path / "tp1", "tp=1")
+    tp2 = run(folders, model, tmp_path / "tp2", "tp=2")
+    export = ("checkpoint.export=true", "train.val_every=3")
+    ep2 = run(folders, model, tmp_path / "ep2", "tp=2", "ep=2", *export)
+    losses = [record["loss"] for record in tp1]
+    assert len(set(losses)) == 3  # the steps train
+    for split in (tp2, ep2):
+        assert [r["loss"] for r in split] == pytest.approx(losses, rel=1e-5, abs=1e-5)
+    assert all(r["expert_imbalance"] >= 1.0 for r in tp1 + tp2 + ep2)
+    reference = first_loss(folders[model], folders["cache"], SEQ_LEN, BATCH, MICRO)
+    assert losses[0] == pytest.approx(reference, abs=1e-6)
+    reloads_as_trained(folders, tmp_path / "ep2", ep2)
+
+
+def test_llama4_experts_where_they_cannot_split_are_one_error_line(folders, tmp_path):
+    result = recipe(folders, "llama4", tmp_path / "run", "tp=2", "ep=4", "dp=2")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode != 0 and len(lines) == 1, result.stderr[-4000:]
+    assert lines[0].startswith("error: ") and "split only where ep divides tp" in lines[0]

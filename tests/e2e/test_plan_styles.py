@@ -1,6 +1,7 @@
 """Models whose own plan uses Hugging Face's ``colwise_gather_output`` + ``rowwise_split_input``
 pair (a fused ``qkv_proj``/``gate_up_proj`` sliced after it, or q/k norms over the whole
-projection: Phi-3, OLMo 2, GLM-4) or ``mla_kv_a_proj`` (MiniCPM3's MLA) at tp=2 train as at tp=1
+projection: Phi-3, OLMo 2, GLM-4), ``mla_kv_a_proj`` (MiniCPM3's MLA) or a style on a parameter with
+``local_params`` (Granite-SWA's attention sinks sharded with the heads) at tp=2 train as at tp=1
 (1e-5), whose first loss is the Hugging Face model's own (1e-6), through the command line on
 folders written by ``save_pretrained``.
 """
@@ -8,7 +9,7 @@ folders written by ``save_pretrained``.
 from pathlib import Path
 
 import pytest
-from transformers import Glm4Config, MiniCPM3Config, Olmo2Config, Phi3Config
+from transformers import Glm4Config, GraniteSWAConfig, MiniCPM3Config, Olmo2Config, Phi3Config
 
 from components.data import DEFAULT_VOCAB_SIZE, train_tokenizer
 from tests.e2e.test_sequence_parallel_norms import IDS, losses
@@ -20,6 +21,7 @@ CONFIGS = {
     "olmo2": lambda vocab: Olmo2Config(**SIZES, **IDS, vocab_size=vocab),
     "glm4": lambda vocab: Glm4Config(**SIZES, **IDS, head_dim=16, vocab_size=vocab),
     "minicpm3": lambda vocab: MiniCPM3Config(**SIZES, **MLA, **IDS, vocab_size=vocab),
+    "granite_swa": lambda vocab: GraniteSWAConfig(**SIZES, **IDS, vocab_size=vocab),
 }
 
 
@@ -36,7 +38,13 @@ def folders(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.mark.parametrize(
     ("model", "optim"),
-    [("phi3", "sgd"), ("olmo2", "adamw"), ("glm4", "adamw"), ("minicpm3", "sgd")],
+    [
+        ("phi3", "sgd"),
+        ("olmo2", "adamw"),
+        ("glm4", "adamw"),
+        ("minicpm3", "sgd"),
+        ("granite_swa", "adamw"),
+    ],
 )
 def test_tp2_on_the_models_own_plan_equals_tp1(folders, tmp_path, model, optim):
     tp1 = losses(folders, model, tmp_path / "tp1", "tp=1", f"optim={optim}")

@@ -19,7 +19,8 @@ def test_every_problem_is_listed_together():
         "LlamaForCausalLM",
         "model.norm: unknown tensor-parallel style 'diagonal'; known: ['all_reduce', "
         "'attention_input', 'colwise', 'colwise_gather_output', 'embedding_colwise', "
-        "'embedding_rowwise', 'gather_sequence', 'local_heads', 'mla_kv_a_proj', 'mlp_input', "
+        "'embedding_rowwise', 'gather_sequence', 'local_heads', 'local_params', 'mla_kv_a_proj', "
+        "'mlp_input', "
         "'replicate', 'replicated_with_grad_allreduce', 'rowwise', 'rowwise_split_input', "
         "'sequence_parallel', 'vocab_parallel']",
         "tp (4) must divide num_attention_heads (6)",
@@ -58,15 +59,45 @@ def phi3() -> Phi3Config:
     )
 
 
-def test_a_hf_plan_with_a_style_we_do_not_have_is_refused_by_name():
+def test_hf_expert_styles_outside_the_experts_are_refused_by_name():
     config = phi3()
     plan = plan_for(config) | {"model.layers.*.mlp.gate_up_proj": "packed_colwise"}
     _, errors = check_plan(meta_causal_lm(config), config, plan, tp=2)
     assert errors == [
-        "model.layers.0.mlp.gate_up_proj: unknown tensor-parallel style 'packed_colwise'; "
-        + errors[0].partition("; ")[2]
+        "model.layers.0.mlp.gate_up_proj: 'packed_colwise' is Hugging Face's tensor parallelism "
+        "inside MoE experts, for experts only: experts are split by expert parallelism here "
+        "(their plan entries are left out)"
     ]
     assert check_plan(meta_causal_lm(config), config, plan_for(config), tp=2)[1] == []
+
+
+def test_a_sharded_parameter_makes_its_module_local_and_other_styles_are_refused():
+    config = phi3()
+    model, plan = meta_causal_lm(config), plan_for(config)
+    bias = {"model.layers.*.post_attention_layernorm.weight": "colwise"}
+    resolved, errors, notes = _resolve(model, plan | bias, config)
+    assert errors == [] and resolved["model.layers.0.post_attention_layernorm"] == "local_params"
+    assert notes == [
+        "model.layers.0.post_attention_layernorm: local_params added, its parameter "
+        "model.layers.0.post_attention_layernorm.weight is sharded"
+    ]
+    packed = {"model.layers.*.post_attention_layernorm.weight": "packed_colwise"}
+    assert _resolve(model, plan | packed, config)[1] == [
+        "plan shards the parameter model.layers.0.post_attention_layernorm.weight of "
+        "Phi3ForCausalLM with 'packed_colwise': a parameter takes only ['colwise', 'rowwise']"
+    ]
+    whole = {"model.layers.*.input_layernorm": "local_params"}
+    assert _resolve(model, plan | whole, config)[1] == [
+        "model.layers.0.input_layernorm (local_params): the plan does not shard its parameter "
+        "model.layers.0.input_layernorm.weight, whose gradient on local tensors it leaves "
+        "undefined (partial or whole over TP)"
+    ]
+    weight = {"model.layers.*.self_attn.qkv_proj.weight": "colwise"}
+    assert _resolve(model, plan | weight, config)[1] == [
+        "plan shards the parameter model.layers.0.self_attn.qkv_proj.weight and gives its module "
+        "model.layers.0.self_attn.qkv_proj 'colwise_gather_output': its module needs "
+        "'local_params'"
+    ]
 
 
 def test_own_plan_patterns_for_layer_kinds_the_model_lacks_are_notes():
@@ -87,8 +118,6 @@ def test_own_plan_patterns_for_layer_kinds_the_model_lacks_are_notes():
     assert _resolve(model, plan | typo, config)[1] == [
         "plan pattern 'model.layers.*.mlp.typo_proj' (colwise) matches no module of Phi3ForCausalLM"
     ]
-    weight = {"model.layers.*.self_attn.qkv_proj.weight": "colwise"}
-    assert "names parameters of Phi3ForCausalLM" in _resolve(model, plan | weight, config)[1][0]
     config.base_model_tp_plan = {"layers.*.feed_forward.w1": "colwise"}
     assert len(_resolve(model, plan_for(config), config)[1]) == 1
 

@@ -4,10 +4,12 @@ fp32: outputs and every gradient (rows, both expert weights, routing weights) ag
 relative, experts that receive no rows get exact zero gradients on both paths, with per-expert
 LoRA adapters too. bf16 (pure, and
 autocast on fp32 weights) agrees within a bf16 band. Where grouped GEMM cannot run (fp64,
-unaligned sizes) the loop runs."""
+unaligned sizes) the loop runs. GPT-OSS's experts (transposed, biased, a clamped SwiGLU of
+interleaved rows) give its own module's outputs and gradients on both paths."""
 
 import pytest
 import torch
+from transformers import GptOssConfig
 
 from components.models import build_causal_lm, tiny_config
 from components.moe.expert_lora import LowRank
@@ -19,6 +21,15 @@ from components.moe.expert_parallel import (
 )
 
 IDLE = (1, 5)  # local experts that receive no rows
+GPT_OSS = dict(
+    hidden_size=64,
+    intermediate_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=64,
+)
 
 
 def experts_module(family="qwen3_moe"):
@@ -161,3 +172,39 @@ def test_grouped_matches_the_loop_with_per_expert_adapters():
         assert relative(g, ref) <= 1e-6
     for gradient in grouped_gradients[1:]:  # A and B of both weights
         assert gradient[list(IDLE)].abs().max() == 0 and gradient.abs().max() > 0
+
+
+@pytest.mark.parametrize("path", [_run_experts_grouped, _run_experts_loop])
+def test_gpt_oss_experts_biases_and_clamped_swiglu_are_its_own(path):
+    # Transposed weights, per-expert biases, interleaved gate/up rows and a SwiGLU clamped at a
+    # limit the rows reach: the module's own forward is the reference, gradients included.
+    config = GptOssConfig(**GPT_OSS, num_local_experts=8, swiglu_limit=0.5)
+    experts = build_causal_lm(config, seed=0).model.layers[0].mlp.experts
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(24, 64, generator=generator).requires_grad_()
+    index = torch.stack([torch.randperm(8, generator=generator)[:2] for _ in range(24)])
+    weights = torch.rand(24, 2, generator=generator).requires_grad_()
+    with torch.no_grad():
+        for parameter in experts.parameters():
+            parameter.normal_(0, 0.3, generator=generator)
+    leaves = (hidden, weights, *experts.parameters())
+    expected = experts(hidden, index, weights)
+    token, slot = torch.where(index >= 0)
+    biases = (experts.gate_up_proj_bias, experts.down_proj_bias)
+    rows = path(
+        experts,
+        hidden[token],
+        index[token, slot],
+        experts.gate_up_proj,
+        experts.down_proj,
+        weights[token, slot],
+        None,  # no adapters
+        biases,
+    )
+    output = torch.zeros_like(hidden).index_add(0, token, rows)
+    assert relative(output.detach(), expected.detach()) <= 1e-6
+    upstream = torch.randn(expected.shape, generator=generator)
+    ours = torch.autograd.grad((output * upstream).sum(), leaves)
+    theirs = torch.autograd.grad((expected * upstream).sum(), leaves)
+    for g, ref in zip(ours, theirs, strict=True):
+        assert relative(g, ref) <= 1e-5

@@ -1,5 +1,5 @@
 """Experts and routers are found from a model's structure for every transformers MoE family, and
-expert parallelism refuses, by name, the experts it does not compute."""
+expert parallelism splits GPT-OSS's and Llama 4's, refusing by name the shapes it cannot."""
 
 import pytest
 from transformers import (
@@ -7,6 +7,7 @@ from transformers import (
     GptOssConfig,
     GraniteMoeConfig,
     Llama4TextConfig,
+    LongcatFlashConfig,
     OlmoeConfig,
     Qwen2MoeConfig,
 )
@@ -53,15 +54,36 @@ def test_experts_and_routers_are_found_from_the_structure(config, expected):
     assert find_moe_modules(meta_causal_lm(config)) == expected
 
 
-def test_experts_expert_parallelism_does_not_compute_are_refused_by_name():
+def test_gpt_oss_and_llama4_experts_split_and_where_llama4s_cannot_is_refused_by_name():
     gpt_oss = meta_causal_lm(GptOssConfig(**SIZES, num_local_experts=4))
-    assert check_expert_parallel(gpt_oss, ["model.layers.*.mlp.experts"], 4, 2) == [
-        "model.layers.0.mlp.experts (and 1 more) (GptOssExperts) has transposed weights, biases, "
-        "interleaved gate and up rows: expert parallelism of such experts is not supported yet; "
-        "use ep=1"
-    ]
+    assert check_expert_parallel(gpt_oss, ["model.layers.*.mlp.experts"], 4, 2, tp=2) == []
     llama4 = meta_causal_lm(Llama4TextConfig(**SIZES, num_local_experts=4))
-    assert check_expert_parallel(llama4, ["model.layers.*.feed_forward.experts"], 4, 2) == [
+    experts = ["model.layers.*.feed_forward.experts"]
+    assert check_expert_parallel(llama4, experts, 4, 2, tp=2) == []  # folded
+    assert check_expert_parallel(llama4, experts, 4, 2, tp=1) == []  # all-to-all
+    assert check_expert_parallel(llama4, experts, 4, 4, tp=2) == [
         "model.layers.0.feed_forward.experts (and 1 more) (Llama4TextExperts) takes its tokens "
-        "already routed: expert parallelism of such experts is not supported yet; use ep=1"
+        "already routed: split only where ep divides tp or at tp=1, not at ep=4 tp=2"
+    ]
+
+
+def test_longcat_identity_experts_are_refused_by_name_at_ep2():
+    config = LongcatFlashConfig(
+        **{key: value for key, value in SIZES.items() if key != "num_hidden_layers"},
+        num_layers=1,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        moe_topk=2,
+        n_routed_experts=4,
+        zero_expert_num=2,
+        expert_ffn_hidden_size=32,
+        ffn_hidden_size=128,
+    )
+    model = meta_causal_lm(config)
+    assert check_expert_parallel(model, ["model.layers.*.mlp.experts"], 4, 2, tp=2) == [
+        "model.layers.0.mlp.experts (LongcatFlashExperts) has 2 identity experts beside its 4 "
+        "routed ones: expert parallelism of such experts is not supported yet; use ep=1"
     ]
