@@ -1,0 +1,184 @@
+"""Tiny random models of every causal-LM model type of the pinned transformers, built from each
+type's own config class shrunk to a few kilobytes of weights, written by ``save_pretrained``, and
+the recipe run on them through the command line at a few layouts, each result classified as
+works / refused (one ``error:`` line) / broken. ``bench/coverage.py`` sweeps every type with these;
+``tests/e2e/test_coverage.py`` runs a few.
+"""
+
+import json
+import math
+import subprocess
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from tests.saved_models import recipe
+
+VOCAB = 384  # components.data.DEFAULT_VOCAB_SIZE: the tokenizer the runs train, even for tp=2
+HIDDEN = ("hidden_size", "n_embd", "d_model", "dim", "embed_dim")
+HIDDEN += ("adapter_in_dim", "adapter_input_size")  # dots3_note's adapter
+LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+# Common config attribute names and the tiny value each takes (only where the type has the name).
+SHRINK = {
+    **dict.fromkeys(LAYER_COUNTS, 2),
+    **dict.fromkeys(("num_dense_layers", "first_k_dense_replace"), 1),  # one dense, one MoE
+    "num_kv_shared_layers": 0,
+    **dict.fromkeys(HIDDEN, 64),
+    **dict.fromkeys(("intermediate_size", "ffn_dim", "n_inner", "ffn_hidden_size"), 128),
+    **dict.fromkeys(("num_attention_heads", "n_head", "num_heads", "n_heads"), 4),
+    **dict.fromkeys(("num_key_value_heads", "n_kv_heads", "num_kv_heads"), 2),
+    **dict.fromkeys(("head_dim", "kv_channels", "attention_head_dim"), 16),
+    **dict.fromkeys(("max_position_embeddings", "n_positions", "n_ctx", "seq_length"), 128),
+    **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), 4),
+    **dict.fromkeys(("num_experts_per_tok", "moe_topk", "top_k", "moe_k"), 2),
+    **dict.fromkeys(("moe_intermediate_size", "expert_intermediate_size"), 32),
+    **dict.fromkeys(("shared_expert_intermediate_size",), 64),
+    **dict.fromkeys(("n_shared_experts", "num_shared_experts", "zero_expert_num"), 1),
+    **dict.fromkeys(("expert_ffn_hidden_size", "ffn_hidden_size_per_expert"), 32),
+    # multi-head latent attention (DeepSeek and its kin) and its sparse indexer
+    **dict(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16),
+    **dict(index_topk=16, index_head_dim=16, index_n_heads=2),
+    **dict(vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16),
+    "vocab_size": VOCAB,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "tie_word_embeddings": False,
+}
+EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+# What the generic names cannot know, per model type.
+ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+OVERRIDES: dict[str, dict] = {
+    "cohere_compass_text": {"rope_parameters": {"full_attention": ROPE}},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+    "blt": {"encoder_hash_byte_group_vocab": 512},
+}
+OVERRIDES["qwen4_exp_text"] = OVERRIDES["qwen4_exp.text_config"] = {
+    **dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=16),
+    **dict(indexer_compress_ratio=4, ngram_vocab_size_base=256, hc_lowrank=16, ple_embed_dim=64),
+    **dict(linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2),
+    **dict(linear_num_value_heads=4, split_ngram_parts=4),
+}
+LAYOUTS = {
+    "tp1": ["tp=1"],
+    "tp2": ["tp=2"],
+    "tp2_sp": ["tp=2", "sp=true"],
+    "tp2_ep2": ["tp=2", "ep=2"],
+}
+TOLERANCE = 1e-5  # relative, on every step's loss, against tp=1
+
+
+def causal_lm_types() -> list[str]:
+    """Every model type ``AutoModelForCausalLM`` maps, sorted."""
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def has_plan(model_type: str) -> bool:
+    """Whether the type's config class ships a ``base_model_tp_plan`` (its text config's, for a
+    composite config)."""
+    config_class = CONFIG_MAPPING[model_type]
+    if getattr(config_class, "base_model_tp_plan", None):
+        return True
+    text = getattr(config_class, "sub_configs", {}).get("text_config")
+    return bool(text and getattr(text, "base_model_tp_plan", None))
+
+
+def _shrunk(defaults: dict, model_type: str) -> dict:
+    values = {key: value for key, value in SHRINK.items() if key in defaults}
+    if defaults.get("q_lora_rank") is None:  # None: no query LoRA
+        values.pop("q_lora_rank", None)
+    heads = [defaults.get(key) for key in ("num_attention_heads", "num_key_value_heads")]
+    if "num_key_value_heads" in values and heads[1] in (None, heads[0]):
+        values["num_key_value_heads"] = SHRINK["num_attention_heads"]  # no grouped queries
+    layers = next((defaults[key] for key in LAYER_COUNTS if key in defaults), None)
+    for key, value in defaults.items():
+        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+            values[key] = 0.0  # dropout off: tp=2 must give tp=1's losses exactly
+        elif isinstance(value, list) and len(value) == layers and layers > 2:
+            different = [item for item in value if item != value[0]]  # keep both kinds of layer
+            values[key] = [value[0], (different or value[1:])[0]]
+        elif isinstance(value, dict) and value and all(str(k).isdigit() for k in value):
+            values[key] = {k: v for k, v in value.items() if int(k) < 2}  # per-layer settings
+    return values | OVERRIDES.get(model_type, {})
+
+
+def tiny_config(model_type: str) -> PretrainedConfig:
+    """The type's own config class with its sizes shrunk (sub-configs likewise) and dropout off."""
+    config_class = CONFIG_MAPPING[model_type]
+    defaults = config_class().to_dict()
+    values = _shrunk(defaults, model_type)
+    for name in getattr(config_class, "sub_configs", {}):
+        if isinstance(defaults.get(name), dict):
+            values[name] = defaults[name] | _shrunk(defaults[name], f"{model_type}.{name}")
+    return config_class(**values)
+
+
+def is_moe(config: PretrainedConfig) -> bool:
+    text = getattr(config, "text_config", None) or config
+    return any((getattr(text, name, 0) or 0) > 1 for name in EXPERT_COUNTS)
+
+
+def save_tiny_model(model_type: str, folder: Path, tokenizer) -> PretrainedConfig:
+    """A random tiny model of ``model_type`` (seed 0) and ``tokenizer``, saved in ``folder``."""
+    config = tiny_config(model_type)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return config
+
+
+@dataclass
+class Result:
+    """One layout's outcome: ``works``, ``refused`` (its one ``error:`` line) or ``broken`` (the
+    last line of a traceback, or the losses that differ from tp=1); ``losses`` when it ran."""
+
+    status: str
+    line: str = ""
+    losses: list[float] | None = None
+
+
+def run_layout(folder: Path, cache: Path, output_dir: Path, layout: str) -> Result:
+    """The recipe (a few steps of :data:`tests.saved_models.COMMON`) on ``folder`` at ``layout``."""
+    try:
+        result = recipe({"model": folder, "cache": cache}, "model", output_dir, *LAYOUTS[layout])
+    except subprocess.TimeoutExpired as timeout:
+        return Result("broken", f"no result within {timeout.timeout:.0f} s")
+    return classify(result.returncode, result.stderr, output_dir / "metrics.jsonl")
+
+
+def classify(returncode: int, stderr: str, metrics: Path) -> Result:
+    lines = stderr.strip().splitlines()
+    if returncode == 0 and metrics.exists():
+        losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+        if losses and all(math.isfinite(loss) for loss in losses):
+            return Result("works", losses=losses)
+        return Result("broken", f"losses {losses}", losses)
+    errors = [line for line in lines if line.startswith("error: ")]
+    if returncode != 0 and len(errors) == 1 and not any("Traceback" in ln for ln in lines):
+        return Result("refused", errors[0])
+    return Result("broken", lines[-1] if lines else f"exit status {returncode}, no output")
+
+
+def compare(reference: Result, result: Result) -> Result:
+    """``result`` as a twin of the tp=1 ``reference``: broken if its losses differ beyond
+    :data:`TOLERANCE` (relative)."""
+    if result.status != "works" or reference.status != "works":
+        return result
+    pairs = list(zip(reference.losses, result.losses, strict=False))
+    worst = max(abs(a - b) / max(abs(a), 1e-12) for a, b in pairs)
+    if len(reference.losses) != len(result.losses) or worst > TOLERANCE:
+        return Result("broken", f"losses differ from tp=1 by {worst:.2e}", result.losses)
+    return Result("works", f"within {worst:.1e} of tp=1", result.losses)
+
+
+def as_json(results: dict[str, Result]) -> dict:
+    return {layout: asdict(result) for layout, result in results.items()}
+
+
+def from_json(data: dict) -> dict[str, Result]:
+    return {layout: Result(**fields) for layout, fields in data.items()}
