@@ -41,6 +41,7 @@ SHRINK = {
     **dict.fromkeys(("expert_ffn_hidden_size", "ffn_hidden_size_per_expert"), 32),
     # multi-head latent attention (DeepSeek and its kin) and its sparse indexer
     **dict(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16),
+    **dict(n_group=2, topk_group=1),  # expert groups for group-limited routing
     **dict(index_topk=16, index_head_dim=16, index_n_heads=2),
     **dict(vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16),
     "vocab_size": VOCAB,
@@ -87,10 +88,14 @@ def has_plan(model_type: str) -> bool:
     return bool(text and getattr(text, "base_model_tp_plan", None))
 
 
-def _shrunk(defaults: dict, model_type: str) -> dict:
-    values = {key: value for key, value in SHRINK.items() if key in defaults}
+def _shrunk(config_class, defaults: dict, model_type: str) -> dict:
+    aliases = getattr(config_class, "attribute_map", {})  # e.g. num_experts_per_tok -> its name
+    named = {aliases.get(key, key): value for key, value in SHRINK.items()}
+    values = {key: value for key, value in named.items() if key in defaults}
     if defaults.get("q_lora_rank") is None:  # None: no query LoRA
         values.pop("q_lora_rank", None)
+    if "head_dim" in values and defaults.get("head_dim") == defaults.get("qk_rope_head_dim"):
+        values["head_dim"] = SHRINK["qk_rope_head_dim"]  # MLA: rotary over the rope part only
     heads = [defaults.get(key) for key in ("num_attention_heads", "num_key_value_heads")]
     if "num_key_value_heads" in values and heads[1] in (None, heads[0]):
         values["num_key_value_heads"] = SHRINK["num_attention_heads"]  # no grouped queries
@@ -110,10 +115,11 @@ def tiny_config(model_type: str) -> PretrainedConfig:
     """The type's own config class with its sizes shrunk (sub-configs likewise) and dropout off."""
     config_class = CONFIG_MAPPING[model_type]
     defaults = config_class().to_dict()
-    values = _shrunk(defaults, model_type)
-    for name in getattr(config_class, "sub_configs", {}):
+    values = _shrunk(config_class, defaults, model_type)
+    for name, sub_class in getattr(config_class, "sub_configs", {}).items():
         if isinstance(defaults.get(name), dict):
-            values[name] = defaults[name] | _shrunk(defaults[name], f"{model_type}.{name}")
+            sub = _shrunk(sub_class, defaults[name], f"{model_type}.{name}")
+            values[name] = defaults[name] | sub
     return config_class(**values)
 
 
