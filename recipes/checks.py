@@ -283,14 +283,15 @@ def config_problems(settings: Config, config, path: Path | None) -> list[Problem
     """What the model's config cannot run: ``train.seq_len`` beyond its positions, more experts per
     token than it has. ``path``: the folder whose ``config.json`` it is (None: ``model.config``)."""
     found = []
-    if settings.train.seq_len > config.max_position_embeddings:
+    positions = getattr(config.get_text_config(), "max_position_embeddings", None)  # composite's
+    if positions is not None and settings.train.seq_len > positions:
         found.append(
             Problem(
                 key="train.seq_len",
                 message=f"train.seq_len ({settings.train.seq_len}) exceeds the model's "
                 "max_position_embeddings "
-                f"(model.config.max_position_embeddings={config.max_position_embeddings}): use "
-                f"train.seq_len={config.max_position_embeddings} or less"
+                f"(model.config.max_position_embeddings={positions}): use "
+                f"train.seq_len={positions} or less"
                 + ("" if path else ", or raise model.config.max_position_embeddings"),
             )
         )
