@@ -45,8 +45,14 @@ def main() -> None:
         cached.write_text(json.dumps(entry, indent=1))
         cells = {layout: fields["status"] for layout, fields in entry["results"].items()}
         print(f"{model_type}: {entry['built'] or cells} ({time.perf_counter() - start:.0f} s)")
-        entries = [json.loads(path.read_text()) for path in sorted(root.glob("*.json"))]
-        arguments.output.write_text(render(entries, command, len(every)))
+        write_table(root, arguments.output, command, len(every))
+    write_table(root, arguments.output, command, len(every))
+
+
+def write_table(root: Path, output: Path, command: str, total: int) -> None:
+    """The table of every type cached under ``root``, to ``output``."""
+    entries = [json.loads(path.read_text()) for path in sorted(root.glob("*.json"))]
+    output.write_text(render(entries, command, total))
 
 
 if __name__ == "__main__":

@@ -8,9 +8,9 @@ works / refused (one ``error:`` line) / broken. ``bench/coverage.py`` sweeps eve
 import datetime
 import json
 import math
+import re
 import shutil
 import subprocess
-import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -207,7 +207,8 @@ def sweep_type(model_type: str, root: Path, tokenizer, layouts=tuple(LAYOUTS)) -
     try:
         entry["moe"] = is_moe(save_tiny_model(model_type, folder, tokenizer))
     except Exception as error:  # noqa: BLE001 - the table records why a type has no tiny model
-        entry["built"] = traceback.format_exception_only(error)[-1].strip().splitlines()[0]
+        said = [line for line in str(error).splitlines() if line.strip()] or [""]
+        entry["built"] = f"{type(error).__name__}: {said[0].strip()}"
         return entry | {"results": {}}
     results: dict[str, Result] = {}
     for layout in layouts:
@@ -229,16 +230,19 @@ def _cell(result: Result | None) -> str:
 
 
 def _note(entry: dict) -> str:
+    """Each refusal or failure line once, after the layouts that gave it; run folders as FOLDER."""
     if entry["built"]:
-        return f"no tiny model: {entry['built']}"
-    results = from_json(entry["results"])
-    lines = [
-        f"{HEADINGS[layout]}: {result.line}"
-        for layout, result in results.items()
-        if result.status in ("refused", "broken")
-    ]
-    unique = list(dict.fromkeys(lines))
-    return "; ".join(unique)[:400].replace("|", "\\|").replace("\n", " ")
+        return _cell_text(f"no tiny model: {entry['built']}")
+    layouts: dict[str, list[str]] = {}
+    for layout, result in from_json(entry["results"]).items():
+        if result.status in ("refused", "broken"):
+            layouts.setdefault(result.line, []).append(HEADINGS[layout])
+    return _cell_text("; ".join(f"{', '.join(names)}: {line}" for line, names in layouts.items()))
+
+
+def _cell_text(text: str) -> str:
+    text = re.sub(r"/\S*/models/[\w.-]+", "FOLDER", text)[:500]
+    return text.replace("|", "\\|").replace("`", "'").replace("\n", " ")
 
 
 def _totals(entries: list[dict], plan: bool) -> str:
