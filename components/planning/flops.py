@@ -105,6 +105,15 @@ def flops_per_token(config: Any, seq_len: int) -> int:
     return 6 * matmul_params_per_token(config) + attention_flops_per_token(config, seq_len)
 
 
+def known_flops_per_token(config: Any, seq_len: int) -> int | None:
+    """:func:`flops_per_token`, or None where the config lacks a size the count reads (GPT-2's
+    MLP width is ``n_inner=None``, Mamba has no attention heads): throughput then has no TFLOP/s."""
+    try:
+        return flops_per_token(config, seq_len)
+    except (AttributeError, TypeError):
+        return None
+
+
 def peak_tflops(device: torch.device | str, math: str = "bf16") -> float | None:
     """The device's dense peak for the matmuls' ``math`` (``bf16``, ``tf32`` or ``fp32``:
     :data:`PEAKS`); None on the CPU or another GPU."""

@@ -114,3 +114,13 @@ def test_a_composite_config_counts_its_text_model_and_per_layer_mlp_sizes():
     sizes = [[128, 256], [128, 128], [256, 256]]  # Gemma 3n: one MLP size per layer
     per_layer, *even = [Gemma3nTextConfig(**TINY_TEXT, intermediate_size=s) for s in sizes]
     assert flops_per_token(per_layer, 32) * 2 == sum(flops_per_token(c, 32) for c in even)
+
+
+def test_a_config_without_the_sizes_the_count_reads_has_no_flops_and_no_tflops():
+    from transformers import GPT2Config, MambaConfig
+
+    from components.planning.flops import known_flops_per_token
+
+    for config in (GPT2Config(n_inner=None), MambaConfig()):  # MLP width 4h implied; no heads
+        assert known_flops_per_token(config, 32) is None
+    assert throughput(1000, 2.0, None, 2, "cpu") == {"tokens_per_s": 500.0}
