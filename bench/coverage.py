@@ -35,7 +35,7 @@ def main() -> None:
         sys.exit(f"error: not causal-LM model types of transformers: {', '.join(unknown)}")
     root = arguments.results
     tokenizer = train_tokenizer(["hello world", "tune"], DEFAULT_VOCAB_SIZE, root / "tokenizer")
-    command = "python bench/coverage.py " + shlex.join(sys.argv[1:])
+    command = " ".join(["python bench/coverage.py", shlex.join(sys.argv[1:])]).strip()
     for model_type in chosen:
         cached = root / f"{model_type}.json"
         if cached.exists() and not arguments.rerun:
