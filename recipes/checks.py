@@ -262,7 +262,11 @@ def resolve_model(
     found = config_problems(settings, config, path)
     splits = dims is not None and (dims.tp > 1 or dims.ep > 1)
     lora = settings.peft.name == "lora" and not settings.peft.errors()
-    meta = meta_causal_lm(config) if path is not None or splits or lora else None  # shapes only
+    try:
+        meta = meta_causal_lm(config) if path is not None or splits or lora else None  # shapes
+    except ValueError as error:  # a config class AutoModelForCausalLM does not map (Emu3's)
+        said = str(error).split("Model type should be one of")[0].strip()  # not the long list
+        return path, config, [*found, Problem(key="model", message=f"transformers: {said}")]
     if path is not None:
         rows = meta.get_input_embeddings().num_embeddings
         folder_errors = check_model_folder(path, meta) + check_tokenizer_folder(path, rows)

@@ -253,7 +253,8 @@ def _totals(entries: list[dict], plan: bool) -> str:
         counts[status] = counts.get(status, 0) + 1
     parts = ", ".join(f"{count} {status}" for status, count in sorted(counts.items()))
     kind = "with a plan of their own" if plan else "without (or with only a text config's)"
-    return f"{len(group)} types {kind}, at tp=2: {parts}"
+    broken = [e for e in group if any(r["status"] == "broken" for r in e["results"].values())]
+    return f"{len(group)} types {kind}, at tp=2: {parts}; broken at some layout: {len(broken)}"
 
 
 def render(entries: list[dict], command: str, total: int) -> str:
