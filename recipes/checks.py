@@ -263,7 +263,11 @@ def resolve_model(
     splits = dims is not None and (dims.tp > 1 or dims.ep > 1)
     lora = settings.peft.name == "lora" and not settings.peft.errors()
     fp8 = settings.train.precision == "fp8"
-    meta = meta_causal_lm(config) if path is not None or splits or lora or fp8 else None  # shapes
+    try:
+        meta = meta_causal_lm(config) if path is not None or splits or lora or fp8 else None
+    except ValueError as error:  # a config class AutoModelForCausalLM does not map (Emu3's)
+        said = str(error).split("Model type should be one of")[0].strip()  # not the long list
+        return path, config, [*found, Problem(key="model", message=f"transformers: {said}")]
     if path is not None:
         rows = meta.get_input_embeddings().num_embeddings
         folder_errors = check_model_folder(path, meta) + check_tokenizer_folder(path, rows)
@@ -286,14 +290,15 @@ def config_problems(settings: Config, config, path: Path | None) -> list[Problem
     """What the model's config cannot run: ``train.seq_len`` beyond its positions, more experts per
     token than it has. ``path``: the folder whose ``config.json`` it is (None: ``model.config``)."""
     found = []
-    if settings.train.seq_len > config.max_position_embeddings:
+    positions = getattr(config.get_text_config(), "max_position_embeddings", None)  # composite's
+    if positions is not None and settings.train.seq_len > positions:
         found.append(
             Problem(
                 key="train.seq_len",
                 message=f"train.seq_len ({settings.train.seq_len}) exceeds the model's "
                 "max_position_embeddings "
-                f"(model.config.max_position_embeddings={config.max_position_embeddings}): use "
-                f"train.seq_len={config.max_position_embeddings} or less"
+                f"(model.config.max_position_embeddings={positions}): use "
+                f"train.seq_len={positions} or less"
                 + ("" if path else ", or raise model.config.max_position_embeddings"),
             )
         )

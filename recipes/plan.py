@@ -152,11 +152,12 @@ class RunPlan(Settled):
         return Fp8Options(**options, excluded=excluded)
 
     @cached_property
-    def flops_per_token(self) -> int:
-        """Model FLOPs of forward + backward per token at ``train.seq_len`` (for ``mfu``)."""
-        from components.planning.flops import flops_per_token
+    def flops_per_token(self) -> int | None:
+        """Model FLOPs of forward + backward per token at ``train.seq_len`` (for ``mfu``); None
+        where the config lacks the sizes the count reads."""
+        from components.planning.flops import known_flops_per_token
 
-        return flops_per_token(self.model.config, self.train.seq_len)
+        return known_flops_per_token(self.model.config, self.train.seq_len)
 
 
 @dataclass(kw_only=True)

@@ -64,19 +64,27 @@ def _prepared(folder: Path, cache: Path, seq_len: int, num_examples: int):
     )
 
 
+def first_batch(
+    folder: Path, cache: Path, seq_len: int, batch: int, micro: int, num_examples: int = 64
+) -> dict[str, torch.Tensor]:
+    """The recipe's first global batch as ``input_ids`` and ``labels``."""
+    prepared = _prepared(folder, cache, seq_len, num_examples)
+    step = StepBatches.open(prepared.train, batch, micro, dp_size=1, dp_rank=0, seed=0)
+    micro_batches = step.batches_for_step(0)
+    return {
+        "input_ids": torch.cat([b.input_ids for b in micro_batches]),
+        "labels": torch.cat([b.labels for b in micro_batches]),
+    }
+
+
 def first_loss(
     folder: Path, cache: Path, seq_len: int, batch: int, micro: int, num_examples: int = 64
 ) -> float:
     """``from_pretrained(folder)``'s loss (``labels=``) on the recipe's first global batch."""
-    prepared = _prepared(folder, cache, seq_len, num_examples)
-    step = StepBatches.open(prepared.train, batch, micro, dp_size=1, dp_rank=0, seed=0)
-    micro_batches = step.batches_for_step(0)
+    inputs = first_batch(folder, cache, seq_len, batch, micro, num_examples)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     with torch.no_grad():
-        return model(
-            input_ids=torch.cat([b.input_ids for b in micro_batches]),
-            labels=torch.cat([b.labels for b in micro_batches]),
-        ).loss.item()
+        return model(**inputs).loss.item()
 
 
 def validation_loss(folder: Path, cache: Path, seq_len: int, num_examples: int = 64) -> float:

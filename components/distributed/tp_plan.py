@@ -379,7 +379,8 @@ def tp_size_errors(config, tp: int) -> list[str]:
     errors = []
     for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         value = getattr(config, key, None)
-        if value is not None and value % tp:
+        sizes = value if isinstance(value, list | tuple) else [value]  # Gemma 3n's: per layer
+        if any(size is not None and size % tp for size in sizes):
             errors.append(f"tp ({tp}) must divide {key} ({value})")
     return errors
 

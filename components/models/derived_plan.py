@@ -71,9 +71,10 @@ def derive_plan(model: nn.Module, config) -> dict[str, str]:
     Raises:
         ValueError: naming every module the derivation cannot place.
     """
-    hidden = config.hidden_size
-    heads = getattr(config, "num_attention_heads", None)
-    head_dim = getattr(config, "head_dim", None) or (hidden // heads if heads else None)
+    text = config.get_text_config()  # an image-text model's decoder is its text model's
+    hidden = text.hidden_size
+    heads = getattr(text, "num_attention_heads", None)
+    head_dim = getattr(text, "head_dim", None) or (hidden // heads if heads else None)
     found = _blocks(model)
     what = f"model type {config.model_type!r} has no tensor-parallel plan"
     if found is None:

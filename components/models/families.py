@@ -193,14 +193,33 @@ def _own_plan(config, model=None) -> dict[str, str]:
     """The model's own plan (``base_model_tp_plan``) in our names, less its entries for the MoE
     experts (split by expert parallelism, as in every family of the table) and, given the
     ``model``, less its :func:`unbuilt_patterns`; the embedding and head as in every plan."""
+    base = _base_model_name(model)
     plan = {
-        f"model.{pattern}": style
+        f"{base}.{pattern}": style
         for pattern, style in config.base_model_tp_plan.items()
-        if not _in_experts(config, f"model.{pattern}")
+        if not _in_experts(config, f"{base}.{pattern}")
     }
     unbuilt = unbuilt_patterns(config, model) if model is not None else []
     plan = {pattern: style for pattern, style in plan.items() if pattern not in unbuilt}
-    return plan | {"model.embed_tokens": "embedding_rowwise", "lm_head": "vocab_parallel"}
+    return plan | _vocabulary_plan(model)
+
+
+def _base_model_name(model) -> str:
+    """Where the base model sits in the causal LM, which its ``base_model_tp_plan`` is relative to:
+    ``model`` in most, ``gpt_neox`` or ``backbone`` in some (its ``base_model_prefix``)."""
+    prefix = getattr(model, "base_model_prefix", "")
+    inner = getattr(model, prefix, None) if prefix else None
+    return prefix if hasattr(inner, "named_modules") else "model"  # a submodule, not a string
+
+
+def _vocabulary_plan(model) -> dict[str, str]:
+    """The embedding (rows) and the head (vocab-parallel), by the names the model gives them."""
+    if model is None:
+        return {"model.embed_tokens": "embedding_rowwise", "lm_head": "vocab_parallel"}
+    names = {id(module): name for name, module in model.named_modules()}
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    plan = {names[id(embedding)]: "embedding_rowwise"} if id(embedding) in names else {}
+    return plan | ({names[id(head)]: "vocab_parallel"} if id(head) in names else {})
 
 
 def unbuilt_patterns(config, model) -> list[str]:
@@ -211,7 +230,7 @@ def unbuilt_patterns(config, model) -> list[str]:
         return []
     names = [name for name, _ in model.named_modules() if name]
     names += [name for name, _ in model.named_parameters()]  # a pattern may name parameters
-    patterns = [f"model.{pattern}" for pattern in config.base_model_tp_plan]
+    patterns = [f"{_base_model_name(model)}.{pattern}" for pattern in config.base_model_tp_plan]
     return [p for p in patterns if not _in_experts(config, p) and not fnmatch.filter(names, p)]
 
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from transformers import AutoConfig, PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from components.models.checkpoint import Checkpoint, StoredLayout, TensorSource
 from components.models.folder_check import custom_code_errors
@@ -168,11 +168,11 @@ def _recompute_non_persistent_buffers(model: nn.Module) -> None:
             f"cannot recompute the non-persistent buffers of {owners[0][0]}: no _init_weights"
         )
     with torch.no_grad():
-        for _, module in owners:
+        for module_name, module in owners:
             for name in module._non_persistent_buffers_set:
                 if (buffer := module._buffers.get(name)) is not None and buffer.is_floating_point():
                     buffer.fill_(float("nan"))
-            init_weights(module)
+            _nearest_init_weights(model, module_name, init_weights)(module)
     for module_name, module in owners:
         for name in sorted(module._non_persistent_buffers_set):
             buffer = module._buffers.get(name)
@@ -203,3 +203,15 @@ def _fill_local_part(
     if local.numel() > 0 and not source.read_into(checkpoint, tuple(offset), local):
         # Else the slice is read, then copied (and converted): one slice held meanwhile.
         local.copy_(source.read(checkpoint, tuple(offset), tuple(size)))
+
+
+def _nearest_init_weights(model: nn.Module, module_name: str, default):
+    """The ``_init_weights`` of the innermost pretrained model holding ``module_name``, as
+    transformers' own initialisation calls it (Gemma 3n's text model reads its own
+    ``hidden_size``, which the causal LM around it lacks)."""
+    parts = module_name.split(".") if module_name else []
+    for end in range(len(parts), 0, -1):
+        holder = model.get_submodule(".".join(parts[:end]))
+        if isinstance(holder, PreTrainedModel):
+            return holder._init_weights
+    return default

@@ -22,6 +22,7 @@ from transformers import PretrainedConfig
 from components.distributed.context_parallel import enable_context_parallel
 from components.distributed.fsdp import shard_data_parallel
 from components.distributed.mesh import ParallelDims, build_moe_mesh, fsdp_mesh
+from components.distributed.tp_dropout import has_dropout, shard_dropout_masks
 from components.distributed.tp_plan import PlanReport, apply_tp_plan
 from components.models.build import build_causal_lm, meta_causal_lm
 from components.models.compile import apply_block_wrappers
@@ -97,6 +98,8 @@ def build_parallel_model(
                 f"{', '.join(unbuilt)}"
             )
         policy.cast_tp_inputs(model, data_parallel=dims.data_parallel > 1)
+        if has_dropout(model):
+            shard_dropout_masks(model, mesh["tp"], spec.sequence_parallel, device)
     if dims.ep > 1:  # the MoE mesh and its process groups exist only when experts are split
         moe_mesh = build_moe_mesh(mesh, dims, timeout)
         experts = list(spec.experts)

@@ -15,7 +15,10 @@ from torch import nn
 
 
 def _is_experts(module: nn.Module) -> bool:
-    """A module holding one matrix per expert: a 3-D parameter of its own."""
+    """A module holding one matrix per expert: a 3-D parameter of its own, not a convolution's
+    kernel (the short convolutions of Mamba and linear-attention layers)."""
+    if isinstance(module, nn.modules.conv._ConvNd):
+        return False
     return any(parameter.dim() == 3 for parameter in module.parameters(recurse=False))
 
 

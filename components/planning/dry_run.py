@@ -28,7 +28,7 @@ import torch.distributed as dist
 from components.distributed.mesh import ParallelDims, build_device_mesh
 from components.models.conversion import convert_model
 from components.models.parallelize import build_parallel_model
-from components.planning.flops import flops_per_token
+from components.planning.flops import known_flops_per_token
 from components.planning.memory import current_memory_gib
 from components.planning.memory_model import GIB, Layout, MemoryEstimate, Step, estimate_memory
 from components.planning.memory_model import optimizer_moments as moments_of
@@ -189,7 +189,7 @@ def dry_run(plan, fail: Callable[[str], NoReturn]) -> dict:
         "per_rank_gib": {row: getattr(estimate, row) for row in ROWS},
         "detail_gib": estimate.detail,
         "phases_gib": estimate.phases,
-        "flops_per_token": flops_per_token(plan.model.config, train.seq_len),
+        "flops_per_token": known_flops_per_token(plan.model.config, train.seq_len),
         "device_memory_gib": memory,
         "fits": fits,
         "suggestion": suggestion,
@@ -224,7 +224,8 @@ def format_plan(result: dict) -> str:
     detail = result["detail_gib"].items()
     lines += [f"    {name:<34}{value:>8.3f}" for name, value in detail if value]
     flops = result["flops_per_token"]
-    lines.append(f"flops_per_token {flops:.4g} (forward + backward, no recompute)")
+    known = f"{flops:.4g} (forward + backward, no recompute)" if flops else "unknown: no sizes"
+    lines.append(f"flops_per_token {known}")
     memory, fits = result["device_memory_gib"], result["fits"]
     if fits is None:
         lines.append("fits: unknown (set device_memory_gib=GIB to check a device's memory)")

@@ -75,7 +75,8 @@ def mlp_matmul_params(config: Any, index: int, active: bool = True) -> int:
     experts (``active``: only the ``num_experts_per_tok`` a token visits; else all of them)."""
     hidden = config.hidden_size
     if not is_sparse_layer(config, index):
-        return 3 * hidden * config.intermediate_size
+        size = config.intermediate_size  # Gemma 3n's: one per layer
+        return 3 * hidden * (size[index] if isinstance(size, list | tuple) else size)
     expert = 3 * hidden * _get(config, "moe_intermediate_size", "intermediate_size")
     experts = num_experts(config)
     used = _get(config, "num_experts_per_tok", default=experts) if active else experts
@@ -98,8 +99,19 @@ def attention_flops_per_token(config: Any, seq_len: int) -> int:
 
 
 def flops_per_token(config: Any, seq_len: int) -> int:
-    """Model FLOPs of forward + backward per token at ``seq_len`` (see the module docstring)."""
+    """Model FLOPs of forward + backward per token at ``seq_len`` (see the module docstring); a
+    composite config (an image-text model's) counts its text model."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
     return 6 * matmul_params_per_token(config) + attention_flops_per_token(config, seq_len)
+
+
+def known_flops_per_token(config: Any, seq_len: int) -> int | None:
+    """:func:`flops_per_token`, or None where the config lacks a size the count reads (GPT-2's
+    MLP width is ``n_inner=None``, Mamba has no attention heads): throughput then has no TFLOP/s."""
+    try:
+        return flops_per_token(config, seq_len)
+    except (AttributeError, TypeError):
+        return None
 
 
 def peak_tflops(device: torch.device | str, math: str = "bf16") -> float | None:

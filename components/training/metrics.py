@@ -18,12 +18,14 @@ def matmul_math(precision: str, tf32: bool) -> str:
 
 
 def throughput(
-    tokens: int, seconds: float, flops: float, world: int, device, math: str = "bf16"
+    tokens: int, seconds: float, flops: float | None, world: int, device, math: str = "bf16"
 ) -> dict[str, float]:
     """``tokens_per_s``; ``tflops``, the model TFLOP/s per rank: ``flops`` per token × the step's
-    ``tokens`` (the whole world's) / ``seconds`` / ``world`` (ranks); and, where the device's peak
-    for the matmuls' ``math`` is known (CUDA, ``components.planning.flops.PEAKS``), ``mfu``:
-    tflops / peak."""
+    ``tokens`` (the whole world's) / ``seconds`` / ``world`` (ranks), unless ``flops`` is None
+    (unknown for the model); and, where the device's peak for the matmuls' ``math`` is known
+    (CUDA, ``components.planning.flops.PEAKS``), ``mfu``: tflops / peak."""
+    if flops is None:
+        return {"tokens_per_s": tokens / seconds}
     tflops = flops * tokens / seconds / world / 1e12
     peak = peak_tflops(device, math)
     mfu = {"mfu": tflops / peak} if peak else {}

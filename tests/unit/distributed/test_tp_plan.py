@@ -1,9 +1,11 @@
 """Plan checks that need no process group: everything wrong is reported at once, before sharding."""
 
+from types import SimpleNamespace
+
 import pytest
 from transformers import MiniCPM3Config, Phi3Config
 
-from components.distributed.tp_plan import _resolve, check_plan
+from components.distributed.tp_plan import _resolve, check_plan, tp_size_errors
 from components.models import meta_causal_lm, tiny_config
 from components.models.families import FAMILIES, plan_for
 
@@ -177,3 +179,10 @@ def test_mla_with_sequence_parallelism_is_refused():
         "sequence parallelism with MLA attention (mla_kv_a_proj) is not supported; use sp=false"
     ]
     assert check_plan(model, config, plan_for(config, False, model), tp=2)[1] == []
+
+
+def test_tp_must_divide_every_layers_size_of_a_per_layer_list():
+    """Gemma 3n gives each layer its own ``intermediate_size``: tp must divide each."""
+    config = SimpleNamespace(num_attention_heads=4, intermediate_size=[128, 130])
+    assert tp_size_errors(config, 2) == []
+    assert tp_size_errors(config, 4) == ["tp (4) must divide intermediate_size ([128, 130])"]

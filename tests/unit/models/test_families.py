@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
-from transformers import Phi3Config, Qwen2MoeConfig
+from transformers import GPTNeoXConfig, Phi3Config, Qwen2MoeConfig
 
 from components.distributed.tp_plan import check_plan
 from components.models import meta_causal_lm, tiny_config
@@ -121,3 +121,14 @@ def test_a_models_own_plan_leaves_experts_to_ep_and_unbuilt_layer_kinds_out():
     ]
     experts, routers = moe_patterns(config, None, None)
     assert check_plan(model, config, plan, tp=2, moe_modules=(*experts, *routers))[1] == []
+
+
+def test_a_models_own_plan_is_placed_under_its_base_model_and_its_vocabulary_modules():
+    """GPT-NeoX's plan is relative to ``gpt_neox`` (its ``base_model_prefix``), and its embedding
+    is ``gpt_neox.embed_in``: the plan names it, and every pattern fits."""
+    config = GPTNeoXConfig(**{**TINY, "vocab_size": 256})
+    model = meta_causal_lm(config)
+    plan = plan_for(config, model=model)
+    assert plan["gpt_neox.layers.*.attention.query_key_value"] == "colwise"
+    assert plan["gpt_neox.embed_in"] == "embedding_rowwise" and plan["lm_head"] == "vocab_parallel"
+    assert check_plan(model, config, plan, tp=2)[1] == []

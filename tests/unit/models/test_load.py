@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, Gemma3nTextConfig, LlamaConfig
 
 from components.models import (
     build_causal_lm,
@@ -22,6 +22,20 @@ from components.models import (
 )
 from components.models.build import materialize_random
 
+SMALL_GEMMA3N = dict(
+    hidden_size=64,
+    intermediate_size=[128, 128],
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=256,
+    vocab_size_per_layer_input=256,
+    hidden_size_per_layer_input=16,
+    num_kv_shared_layers=0,
+    layer_types=["sliding_attention", "full_attention"],
+    activation_sparsity_pattern=[0.95, 0.0],
+)
 TOKENS = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
 
 
@@ -82,6 +96,17 @@ def test_meta_model_loads_like_from_pretrained(tmp_path, family):
     assert torch.equal(rotary.inv_freq, expected) and torch.equal(
         rotary.original_inv_freq, expected
     )
+
+
+def test_buffers_are_recomputed_by_the_init_weights_of_the_model_holding_them(tmp_path):
+    # Gemma 3n's text model initialises its scales from its own hidden_size, which the causal LM
+    # around it lacks: transformers calls the innermost pretrained model's _init_weights
+    config = Gemma3nTextConfig(**SMALL_GEMMA3N)
+    build_causal_lm(config, seed=11).save_pretrained(tmp_path)
+    model = loaded(tmp_path)
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path)
+    for name, buffer in reference.named_buffers():
+        assert torch.equal(model.get_buffer(name), buffer), name
 
 
 def test_moe_checkpoints_store_one_tensor_per_expert_and_fused_ones_load_too(tmp_path):

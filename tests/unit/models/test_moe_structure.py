@@ -6,10 +6,12 @@ from transformers import (
     DeepseekV3Config,
     GptOssConfig,
     GraniteMoeConfig,
+    JambaConfig,
     Llama4TextConfig,
     LongcatFlashConfig,
     OlmoeConfig,
     Qwen2MoeConfig,
+    Qwen3_5TextConfig,
 )
 
 from components.models import meta_causal_lm, tiny_config
@@ -47,6 +49,12 @@ MLP = ("model.layers.*.mlp.experts",), ("model.layers.*.mlp.gate",)
         ),
         (tiny_config("mixtral"), MLP),
         (tiny_config("llama"), ((), ())),
+        # a short convolution's 3-D kernel (Mamba, linear attention) is not experts
+        (
+            JambaConfig(**SIZES, num_experts=4, expert_layer_period=2, expert_layer_offset=1),
+            (("model.layers.*.feed_forward.experts",), ("model.layers.*.feed_forward.router",)),
+        ),
+        (Qwen3_5TextConfig(**SIZES, layer_types=["linear_attention", "full_attention"]), ((), ())),
     ],
     ids=lambda value: getattr(value, "model_type", ""),
 )

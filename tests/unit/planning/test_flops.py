@@ -24,6 +24,7 @@ from components.training.metrics import throughput
 
 SEQ_LEN = 256  # the tiny models' longest: attention is 40% of the FLOPs here
 BATCH = 2
+TINY_TEXT = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, head_dim=16)
 LLAMA_3_70B = dict(
     hidden_size=8192,
     num_hidden_layers=80,
@@ -102,3 +103,24 @@ def test_llama_3_70b_is_the_standard_formula():
     non_embedding = params - config.vocab_size * config.hidden_size  # lm_head is a matmul
     standard = 6 * non_embedding + 12 * 80 * 64 * 128 * 8192
     assert flops_per_token(config, 8192) == pytest.approx(standard, rel=1e-3)
+
+
+def test_a_composite_config_counts_its_text_model_and_per_layer_mlp_sizes():
+    from transformers import Gemma3Config, Gemma3nTextConfig, Gemma3TextConfig
+
+    text = Gemma3TextConfig(**TINY_TEXT, intermediate_size=128)
+    composite = Gemma3Config(text_config=text.to_dict())
+    assert flops_per_token(composite, 32) == flops_per_token(text, 32)
+    sizes = [[128, 256], [128, 128], [256, 256]]  # Gemma 3n: one MLP size per layer
+    per_layer, *even = [Gemma3nTextConfig(**TINY_TEXT, intermediate_size=s) for s in sizes]
+    assert flops_per_token(per_layer, 32) * 2 == sum(flops_per_token(c, 32) for c in even)
+
+
+def test_a_config_without_the_sizes_the_count_reads_has_no_flops_and_no_tflops():
+    from transformers import GPT2Config, MambaConfig
+
+    from components.planning.flops import known_flops_per_token
+
+    for config in (GPT2Config(n_inner=None), MambaConfig()):  # MLP width 4h implied; no heads
+        assert known_flops_per_token(config, 32) is None
+    assert throughput(1000, 2.0, None, 2, "cpu") == {"tokens_per_s": 500.0}

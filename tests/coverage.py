@@ -1,0 +1,290 @@
+"""Tiny random models of every causal-LM model type of the pinned transformers, built from each
+type's own config class shrunk to a few kilobytes of weights, written by ``save_pretrained``, and
+the recipe run on them through the command line at a few layouts, each result classified as
+works / refused (one ``error:`` line) / broken. ``bench/coverage.py`` sweeps every type with these;
+``tests/e2e/test_coverage.py`` runs a few.
+"""
+
+import datetime
+import json
+import math
+import re
+import shutil
+import subprocess
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from torch import nn
+from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from tests.saved_models import recipe
+
+VOCAB = 384  # components.data.DEFAULT_VOCAB_SIZE: the tokenizer the runs train, even for tp=2
+HIDDEN = ("hidden_size", "n_embd", "d_model", "dim", "embed_dim")
+HIDDEN += ("adapter_in_dim", "adapter_input_size")  # dots3_note's adapter
+LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+# Common config attribute names and the tiny value each takes (only where the type has the name).
+SHRINK = {
+    **dict.fromkeys(LAYER_COUNTS, 2),
+    **dict.fromkeys(("num_dense_layers", "first_k_dense_replace"), 1),  # one dense, one MoE
+    "num_kv_shared_layers": 0,
+    "zero_expert_num": 2,  # LongCat's identity experts: 6 in all, so ep=2 divides them
+    **dict.fromkeys(HIDDEN, 64),
+    **dict.fromkeys(("intermediate_size", "ffn_dim", "n_inner", "ffn_hidden_size"), 128),
+    **dict.fromkeys(("num_attention_heads", "n_head", "num_heads", "n_heads"), 4),
+    **dict.fromkeys(("num_key_value_heads", "n_kv_heads", "num_kv_heads"), 2),
+    **dict.fromkeys(("head_dim", "kv_channels", "attention_head_dim"), 16),
+    **dict.fromkeys(("max_position_embeddings", "n_positions", "n_ctx", "seq_length"), 128),
+    **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), 4),
+    **dict.fromkeys(("num_experts_per_tok", "moe_topk", "top_k", "moe_k"), 2),
+    **dict.fromkeys(("moe_intermediate_size", "expert_intermediate_size"), 32),
+    **dict.fromkeys(("shared_expert_intermediate_size",), 64),
+    **dict.fromkeys(("n_shared_experts", "num_shared_experts"), 1),
+    **dict.fromkeys(("expert_ffn_hidden_size", "ffn_hidden_size_per_expert"), 32),
+    # multi-head latent attention (DeepSeek and its kin) and its sparse indexer
+    **dict(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16),
+    **dict(n_group=2, topk_group=1),  # expert groups for group-limited routing
+    **dict(index_topk=16, index_head_dim=16, index_n_heads=2),
+    **dict(vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16),
+    "vocab_size": VOCAB,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    "tie_word_embeddings": False,
+}
+# What the generic names cannot know, per model type.
+ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+OVERRIDES: dict[str, dict] = {
+    "cohere_compass_text": {"rope_parameters": {"full_attention": ROPE}},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+    "blt": {"encoder_hash_byte_group_vocab": 512},
+}
+OVERRIDES["qwen4_exp_text"] = OVERRIDES["qwen4_exp.text_config"] = {
+    **dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=16),
+    **dict(indexer_compress_ratio=4, ngram_vocab_size_base=256, hc_lowrank=16, ple_embed_dim=64),
+    **dict(linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2),
+    **dict(linear_num_value_heads=4, split_ngram_parts=4),
+}
+LAYOUTS = {
+    "tp1": ["tp=1"],
+    "tp2": ["tp=2"],
+    "tp2_sp": ["tp=2", "sp=true"],
+    "tp2_ep2": ["tp=2", "ep=2"],
+}
+TOLERANCE = 1e-5  # relative, on every step's loss, against tp=1
+
+
+def causal_lm_types() -> list[str]:
+    """Every model type ``AutoModelForCausalLM`` maps, sorted."""
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def has_plan(model_type: str) -> str:
+    """``own`` where the type's config class ships a ``base_model_tp_plan``, ``text`` where only
+    its text config's does (an image-text model), else empty."""
+    config_class = CONFIG_MAPPING[model_type]
+    if getattr(config_class, "base_model_tp_plan", None):
+        return "own"
+    text = getattr(config_class, "sub_configs", {}).get("text_config")
+    return "text" if text and getattr(text, "base_model_tp_plan", None) else ""
+
+
+def _shrunk(config_class, defaults: dict, model_type: str) -> dict:
+    aliases = getattr(config_class, "attribute_map", {})  # e.g. num_experts_per_tok -> its name
+    named = {aliases.get(key, key): value for key, value in SHRINK.items()}
+    values = {key: value for key, value in named.items() if key in defaults}
+    if defaults.get("q_lora_rank") is None:  # None: no query LoRA
+        values.pop("q_lora_rank", None)
+    if "head_dim" in values and defaults.get("head_dim") == defaults.get("qk_rope_head_dim"):
+        values["head_dim"] = SHRINK["qk_rope_head_dim"]  # MLA: rotary over the rope part only
+    heads = [defaults.get(key) for key in ("num_attention_heads", "num_key_value_heads")]
+    if "num_key_value_heads" in values and heads[1] in (None, heads[0]):
+        values["num_key_value_heads"] = SHRINK["num_attention_heads"]  # no grouped queries
+    layers = next((defaults[key] for key in LAYER_COUNTS if key in defaults), None)
+    for key, value in defaults.items():
+        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+            values[key] = 0.0  # dropout off: tp=2 must give tp=1's losses exactly
+        elif isinstance(value, list) and len(value) == layers and layers > 2:
+            different = [item for item in value if item != value[0]]  # keep both kinds of layer
+            values[key] = [value[0], (different or value[1:])[0]]
+        elif isinstance(value, dict) and value and all(str(k).isdigit() for k in value):
+            values[key] = {k: v for k, v in value.items() if int(k) < 2}  # per-layer settings
+    return values | OVERRIDES.get(model_type, {})
+
+
+def tiny_config(model_type: str) -> PretrainedConfig:
+    """The type's own config class with its sizes shrunk (sub-configs likewise) and dropout off."""
+    config_class = CONFIG_MAPPING[model_type]
+    defaults = config_class().to_dict()
+    values = _shrunk(config_class, defaults, model_type)
+    for name, sub_class in getattr(config_class, "sub_configs", {}).items():
+        if isinstance(defaults.get(name), dict):
+            sub = _shrunk(sub_class, defaults[name], f"{model_type}.{name}")
+            values[name] = defaults[name] | sub
+    return config_class(**values)
+
+
+def is_moe(model: nn.Module) -> bool:
+    """Whether the model has experts (a module named ``experts``), not only a config that names
+    an expert count."""
+    return any(name.rpartition(".")[2] == "experts" for name, _ in model.named_modules())
+
+
+def save_tiny_model(model_type: str, folder: Path, tokenizer) -> nn.Module:
+    """A random tiny model of ``model_type`` (seed 0) and ``tokenizer``, saved in ``folder``."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type))
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return model
+
+
+@dataclass
+class Result:
+    """One layout's outcome: ``works``, ``refused`` (its one ``error:`` line) or ``broken`` (the
+    last line of a traceback, or the losses that differ from tp=1); ``losses`` when it ran."""
+
+    status: str
+    line: str = ""
+    losses: list[float] | None = None
+
+
+def run_layout(folder: Path, cache: Path, output_dir: Path, layout: str) -> Result:
+    """The recipe (a few steps of :data:`tests.saved_models.COMMON`) on ``folder`` at ``layout``."""
+    try:
+        result = recipe({"model": folder, "cache": cache}, "model", output_dir, *LAYOUTS[layout])
+    except subprocess.TimeoutExpired as timeout:
+        return Result("broken", f"no result within {timeout.timeout:.0f} s")
+    return classify(result.returncode, result.stderr, output_dir / "metrics.jsonl")
+
+
+def classify(returncode: int, stderr: str, metrics: Path) -> Result:
+    lines = stderr.strip().splitlines()
+    if returncode == 0 and metrics.exists():
+        losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+        if losses and all(math.isfinite(loss) for loss in losses):
+            return Result("works", losses=losses)
+        return Result("broken", f"losses {losses}", losses)
+    errors = [line for line in lines if line.startswith("error: ")]
+    if returncode != 0 and len(errors) == 1 and not any("Traceback" in ln for ln in lines):
+        return Result("refused", errors[0])
+    return Result("broken", lines[-1] if lines else f"exit status {returncode}, no output")
+
+
+def compare(reference: Result, result: Result) -> Result:
+    """``result`` as a twin of the tp=1 ``reference``: broken if its losses differ beyond
+    :data:`TOLERANCE` (relative)."""
+    if result.status != "works" or reference.status != "works":
+        return result
+    pairs = list(zip(reference.losses, result.losses, strict=False))
+    worst = max(abs(a - b) / max(abs(a), 1e-12) for a, b in pairs)
+    if len(reference.losses) != len(result.losses) or worst > TOLERANCE:
+        return Result("broken", f"losses differ from tp=1 by {worst:.2e}", result.losses)
+    return Result("works", f"within {worst:.1e} of tp=1", result.losses)
+
+
+def as_json(results: dict[str, Result]) -> dict:
+    return {layout: asdict(result) for layout, result in results.items()}
+
+
+def from_json(data: dict) -> dict[str, Result]:
+    return {layout: Result(**fields) for layout, fields in data.items()}
+
+
+HEADINGS = {"tp1": "tp=1", "tp2": "tp=2", "tp2_sp": "tp=2 sp", "tp2_ep2": "tp=2 ep=2"}
+
+
+def sweep_type(model_type: str, root: Path, tokenizer, layouts=tuple(LAYOUTS)) -> dict:
+    """Build ``model_type``'s tiny model under ``root`` and run the ``layouts`` that apply to it
+    (tp=2 ep=2 to MoE models; the others after tp=1 works); a JSON-ready entry of the table."""
+    entry = {"type": model_type, "plan": has_plan(model_type), "moe": False, "built": ""}
+    folder = root / "models" / model_type
+    shutil.rmtree(folder, ignore_errors=True)
+    try:
+        entry["moe"] = is_moe(save_tiny_model(model_type, folder, tokenizer))
+    except Exception as error:  # noqa: BLE001 - the table records why a type has no tiny model
+        said = [line for line in str(error).splitlines() if line.strip()] or [""]
+        entry["built"] = f"{type(error).__name__}: {said[0].strip()}"
+        return entry | {"results": {}}
+    results: dict[str, Result] = {}
+    for layout in layouts:
+        if layout == "tp2_ep2" and not entry["moe"]:
+            continue
+        if layout != "tp1" and results["tp1"].status != "works":
+            results[layout] = Result("skipped", "tp=1 does not work")
+            continue
+        output_dir = root / "runs" / model_type / layout
+        shutil.rmtree(output_dir, ignore_errors=True)
+        result = run_layout(folder, root / "cache", output_dir, layout)
+        results[layout] = result if layout == "tp1" else compare(results["tp1"], result)
+    shutil.rmtree(root / "runs" / model_type, ignore_errors=True)
+    return entry | {"results": as_json(results)}
+
+
+def _cell(result: Result | None) -> str:
+    return "—" if result is None else result.status
+
+
+def _note(entry: dict) -> str:
+    """Each refusal or failure line once, after the layouts that gave it; run folders as FOLDER."""
+    if entry["built"]:
+        return _cell_text(f"no tiny model: {entry['built']}")
+    layouts: dict[str, list[str]] = {}
+    for layout, result in from_json(entry["results"]).items():
+        if result.status in ("refused", "broken"):
+            layouts.setdefault(result.line, []).append(HEADINGS[layout])
+    return _cell_text("; ".join(f"{', '.join(names)}: {line}" for line, names in layouts.items()))
+
+
+def _cell_text(text: str) -> str:
+    text = re.sub(r"/\S*/models/[\w.-]+", "FOLDER", text)[:500]
+    return text.replace("|", "\\|").replace("`", "'").replace("\n", " ")
+
+
+def _totals(entries: list[dict], plan: bool) -> str:
+    group = [entry for entry in entries if (has_plan(entry["type"]) == "own") == plan]
+    counts: dict[str, int] = {}
+    for entry in group:
+        status = from_json(entry["results"]).get("tp2", Result("not built")).status
+        counts[status] = counts.get(status, 0) + 1
+    parts = ", ".join(f"{count} {status}" for status, count in sorted(counts.items()))
+    kind = "with a plan of their own" if plan else "without (or with only a text config's)"
+    broken = [e for e in group if any(r["status"] == "broken" for r in e["results"].values())]
+    return f"{len(group)} types {kind}, at tp=2: {parts}; broken at some layout: {len(broken)}"
+
+
+def render(entries: list[dict], command: str, total: int) -> str:
+    """The markdown page: how it was made, the totals, one row per type."""
+    today = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [
+        "# Model coverage",
+        "",
+        f"Measured {today} with transformers {transformers.__version__}: `{command}`",
+        f"({len(entries)} of the {total} causal-LM model types swept; each type's results are",
+        "cached from its last run, and `--rerun --only TYPE` runs it again).",
+        "",
+        "Each type's own config class, shrunk (2 layers, hidden 64, 4 heads, 4 experts, vocabulary",
+        "384, dropout off), a random model written by `save_pretrained`, 3 steps of the recipe",
+        "(`model=pretrained model.pretrained_path=FOLDER`). **works**: it trains, and at tp=2 its",
+        "losses equal tp=1's within 1e-5 (relative); **refused**: one `error:` line, no traceback;",
+        "**broken**: a traceback or different losses; **skipped**: tp=1 does not work; —: not MoE.",
+        "",
+        f"- {_totals(entries, True)}",
+        f"- {_totals(entries, False)}",
+        "",
+        "| type | plan | MoE | tp=1 | tp=2 | tp=2 sp | tp=2 ep=2 | why not |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for entry in entries:
+        results = from_json(entry["results"])
+        cells = [_cell(results.get(layout)) for layout in HEADINGS]
+        if entry["built"]:
+            cells = ["not built"] * 4
+        plan = {"own": "yes", "text": "text config's", "": "no"}[has_plan(entry["type"])]
+        flags = [plan, "yes" if entry["moe"] else "no"]
+        lines.append(f"| {entry['type']} | {' | '.join(flags + cells)} | {_note(entry)} |")
+    return "\n".join(lines) + "\n"
