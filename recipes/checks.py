@@ -117,7 +117,7 @@ def check_sizes(
     elif settings.nproc is not None:
         world_size = settings.nproc
     else:
-        inner = settings.cp * settings.tp
+        inner = settings.pp * settings.cp * settings.tp
         world_size = (
             default_gpu_world(settings, gpus)
             if cuda
@@ -126,7 +126,7 @@ def check_sizes(
     if cuda and (found := gpu_count_problems(world_size, gpus)):
         return None, found
     sizes = dict(tp=settings.tp, dp=settings.dp, ep=settings.ep, cp=settings.cp)
-    sizes |= dict(dp_replicate=settings.dp_replicate, dp_shard=settings.dp_shard)
+    sizes |= dict(dp_replicate=settings.dp_replicate, dp_shard=settings.dp_shard, pp=settings.pp)
     try:
         dims = resolve_parallel_dims(world_size, **sizes)
     except ValueError as error:
@@ -134,7 +134,7 @@ def check_sizes(
         given = given or settings.dp_replicate > 1  # HSDP's sizes are the user's
         if started_by_launcher() or given or device_type == "cuda":
             return None, [Problem(key="nproc", message=str(error))]
-        fits = math.lcm(settings.cp * settings.tp, settings.ep)  # the smallest world to start
+        fits = math.lcm(settings.pp * settings.cp * settings.tp, settings.ep)  # the least world
         how = f"start {fits} processes here with nproc={fits}, or use torchrun"
         return None, [Problem(key="nproc", message=f"{error}; {how}")]
     train, found = settings.train, []
@@ -174,7 +174,7 @@ def default_gpu_world(settings: Config, gpus: int) -> int:
     """The default ``nproc`` on CUDA: ``dp × cp × tp`` when dp is set, else the most of the visible
     GPUs the layout and the batch fit (``cp × tp`` and ``ep`` divide it, ``global_batch_size``
     splits into dp micro-batches), with a note when that leaves GPUs idle."""
-    inner, train = settings.cp * settings.tp, settings.train
+    inner, train = settings.pp * settings.cp * settings.tp, settings.train
     if given_dp(settings) is not None:
         return given_dp(settings) * inner
     for world in range(gpus, 0, -1):
@@ -514,9 +514,12 @@ def check(
     )
 
 
-def pad_multiple(sequence_parallel: bool, dims: ParallelDims) -> int:
+def pad_multiple(sequence_parallel: bool, dims: ParallelDims) -> int | None:
     """What a micro-batch's length is rounded up to: 8, and with sp an equal slice per TP rank, and
-    with cp 2 × cp equal chunks (with sp too, a cp rank's share in tp slices)."""
+    with cp 2 × cp equal chunks (with sp too, a cp rank's share in tp slices); with pp None, every
+    micro-batch ``train.seq_len`` long (the stages pass activations of one fixed shape)."""
+    if dims.pp > 1:
+        return None
     tp = dims.tp if sequence_parallel else 1
     return math.lcm(8 * tp, 2 * dims.cp if dims.cp > 1 else 1, dims.cp * tp)
 

@@ -1,0 +1,167 @@
+"""Pipeline parallelism over ``torch.distributed.pipelining``: a Hugging Face causal LM cut into
+stages at its decoder layers, one stage per rank of the mesh's ``pp`` dimension.
+
+The first stage holds the embedding, the last the final norm and ``lm_head``; the decoder layers are
+shared out with the embedding and the head each weighed as one more layer. A stage is the whole
+model with what it does not hold removed: its parameters keep their original names
+(``model.layers.5.mlp.up_proj.weight``), so TP plans, FSDP, DCP checkpoints and resumes across
+layouts see the names they always see. The step's micro-batches are the schedule's (GPipe or
+1F1B); the loss is each micro-batch's token sum over the global token count (grads are not scaled
+again by the number of micro-batches), computed on the last stage.
+"""
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from components.distributed.tp_plan import cross_entropy_sum
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}  # interleaved_1f1b: not yet
+
+
+def stage_layers(num_layers: int, stages: int) -> list[range]:
+    """The decoder layers of each of ``stages`` stages, in order: ``num_layers + 2`` units (the
+    embedding, the layers, the norm and head) shared out as evenly as they go, the first stages
+    taking one more when they do not divide; the embedding is the first stage's, the head the
+    last's.
+
+    Raises:
+        ValueError: fewer units than stages.
+    """
+    units = num_layers + 2
+    if units < stages:
+        raise ValueError(
+            f"{stages} pipeline stages need at least {stages - 2} decoder layers, the model has "
+            f"{num_layers}"
+        )
+    sizes = [units // stages + (stage < units % stages) for stage in range(stages)]
+    bounds = [sum(sizes[:stage]) for stage in range(stages + 1)]
+    return [
+        range(max(start - 1, 0), min(end - 1, num_layers))
+        for start, end in zip(bounds, bounds[1:], strict=False)
+    ]
+
+
+def keep_stage(model: nn.Module, layers: range, first: bool, last: bool) -> nn.Module:
+    """Remove from ``model`` (in place) what stage ``layers`` does not hold: the other decoder
+    layers, the embedding unless ``first``, the final norm and ``lm_head`` unless ``last`` (each
+    then an identity). The kept layers keep their indices as names; the model's own forward runs
+    the stage (``inputs_embeds`` in, and out of an identity head the hidden states)."""
+    decoder = model.get_decoder()
+    kept = nn.ModuleList()
+    for index in layers:
+        kept.add_module(str(index), decoder.layers[index])  # iterated, never indexed
+    decoder.layers = kept
+    if not first:
+        decoder.embed_tokens = None
+    if not last:
+        decoder.norm = nn.Identity()
+        model.lm_head = nn.Identity()
+    return model
+
+
+class StageModule(nn.Module):
+    """What a pipeline stage calls: the (kept) model's forward on token ids (the first stage) or
+    hidden states, with the step's ``position_ids``, under the precision's ``compute`` context; the
+    logits, or the hidden states for the next stage. Checkpoints save the model itself, never
+    this wrapper (whose names carry a ``model.`` prefix)."""
+
+    def __init__(self, model: nn.Module, first: bool, compute: Callable[[], AbstractContextManager]):
+        super().__init__()
+        self.model = model
+        self.inputs, self.compute = ("input_ids" if first else "inputs_embeds"), compute
+
+    def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        with self.compute():
+            outputs = self.model(
+                **{self.inputs: inputs}, position_ids=position_ids, use_cache=False
+            )
+        return outputs.logits
+
+
+class Pipeline:
+    """This rank's stage of a pipelined model and its schedule: :meth:`forward_backward` runs one
+    step's micro-batches through every stage and accumulates the gradients."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        stage: int,
+        stages: int,
+        group: ProcessGroup,
+        schedule: str,
+        micro_batches: int,
+        compute: Callable[[], AbstractContextManager],
+    ):
+        self.first, self.last, self.group = stage == 0, stage == stages - 1, group
+        self.compute, self.sums, self.global_tokens = compute, [], 1
+        self.micro_batches = micro_batches
+        device = next(model.parameters()).device
+        module = StageModule(model, self.first, compute)
+        self.stage = PipelineStage(module, stage, stages, device, group=group)
+        # the loss on every stage: torch reads "no loss" as "no backward"
+        self.schedule = SCHEDULES[schedule](
+            self.stage, micro_batches, self._loss, scale_grads=False
+        )
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """One micro-batch's loss (the last stage's): its token sum over the step's global count,
+        the sum kept for the step's readout."""
+        with self.compute():
+            loss_sum = cross_entropy_sum(logits, labels, False)
+        whole = loss_sum.full_tensor() if isinstance(loss_sum, DTensor) else loss_sum
+        self.sums.append(whole.detach().to(torch.float64))
+        return loss_sum / self.global_tokens
+
+    def forward_backward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        position_ids: torch.Tensor,
+        global_tokens: int,
+    ) -> torch.Tensor:
+        """One step: ``input_ids``, ``labels`` and ``position_ids`` are the step's micro-batches
+        stacked (the schedule splits them back, in order); ``global_tokens`` the labelled tokens
+        of the global batch. Returns the step's summed token loss (float64), the same on every
+        stage (one sum over the ``pp`` group)."""
+        self.sums, self.global_tokens = [], global_tokens
+        inputs = (input_ids,) if self.first else ()
+        target = labels if self.last else None
+        with loss_parallel():  # the backward of a vocab-parallel loss runs inside it too
+            self.schedule.step(*inputs, target=target, position_ids=position_ids)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=input_ids.device)
+        if self.sums:  # the first step's shape inference runs the loss once more, first
+            loss_sum += torch.stack(self.sums[-self.micro_batches :]).sum()
+        dist.all_reduce(loss_sum, group=self.group)  # the last stage's, on every stage
+        return loss_sum
+
+
+def keep_rank_stage(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """:func:`keep_stage` for this rank's stage: its coordinate on ``mesh["pp"]``."""
+    stage, stages = mesh["pp"].get_local_rank(), mesh["pp"].size()
+    layers = stage_layers(len(model.get_decoder().layers), stages)[stage]
+    return keep_stage(model, layers, first=stage == 0, last=stage == stages - 1)
+
+
+def build_pipeline(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    schedule: str,
+    micro_batches: int,
+    compute: Callable[[], AbstractContextManager],
+) -> Pipeline | None:
+    """This rank's :class:`Pipeline` over ``mesh["pp"]``, ``model`` its kept (and parallelised)
+    stage; None when the mesh has no ``pp`` dimension."""
+    if "pp" not in (mesh.mesh_dim_names or ()):
+        return None
+    pp = mesh["pp"]
+    where = (pp.get_local_rank(), pp.size(), pp.get_group())
+    return Pipeline(model, *where, schedule, micro_batches, compute)
