@@ -145,8 +145,8 @@ def train_step(run: Run, plan: RunPlan, step: int, step_fn: StepFn = forward_bac
     loss_sum = step_fn(run, plan, step)
     finalize_dtensor_gradients([run.model])
     synchronize_tp_replica_gradients([run.model], run.mesh)  # its plan and buffers are reused
-    clip, stages = plan.train.clip_grad_norm, dict(across=pipeline_group(run.mesh))  # pp: all
-    norm = clip_grad_norm_([run.model], clip, **stages) if clip else grad_norm([run.model], **stages)
+    clip, parts, stages = plan.train.clip_grad_norm, [run.model], pipeline_group(run.mesh)
+    norm = clip_grad_norm_(parts, clip, across=stages) if clip else grad_norm(parts, across=stages)
     norm = norm.item()
     finite = math.isfinite(norm)  # the same number on every rank, so all ranks decide alike
     if not finite and plan.train.on_nonfinite == "stop":
@@ -276,6 +276,7 @@ def finish(run: Run, plan: RunPlan, stopped: bool = False, skipped: int = 0) -> 
 def rank_main(plan: RunPlan) -> str | None:
     """What every rank runs, beating: set up, train, finish; the stop signal's name (``train``)."""
     from components.training.pipeline_step import pipelined_step
+
     preemption.install()  # first: a SIGTERM or SIGUSR1 from now on stops the run after a step
     beating = heartbeat.beating(plan.settings.hang_timeout_s)  # watched: launcher or torchrun peers
     with beating, disk_full_said_plainly(plan.output_dir, plan.train.max_steps):  # one line

@@ -10,6 +10,7 @@ layouts see the names they always see. The step's micro-batches are the schedule
 again by the number of micro-batches), computed on the last stage.
 """
 
+import fnmatch
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
@@ -74,7 +75,9 @@ class StageModule(nn.Module):
     logits, or the hidden states for the next stage. Checkpoints save the model itself, never
     this wrapper (whose names carry a ``model.`` prefix)."""
 
-    def __init__(self, model: nn.Module, first: bool, compute: Callable[[], AbstractContextManager]):
+    def __init__(
+        self, model: nn.Module, first: bool, compute: Callable[[], AbstractContextManager]
+    ):
         super().__init__()
         self.model = model
         self.inputs, self.compute = ("input_ids" if first else "inputs_embeds"), compute
@@ -165,3 +168,10 @@ def build_pipeline(
     pp = mesh["pp"]
     where = (pp.get_local_rank(), pp.size(), pp.get_group())
     return Pipeline(model, *where, schedule, micro_batches, compute)
+
+
+def stage_plan(plan: dict[str, str], model: nn.Module) -> dict[str, str]:
+    """The entries of a TP ``plan`` (pattern -> style) that name a module this stage holds: the
+    embedding's only on the first stage, the norm's and the head's only on the last."""
+    names = [name for name, module in model.named_modules() if not isinstance(module, nn.Identity)]
+    return {pattern: style for pattern, style in plan.items() if fnmatch.filter(names, pattern)}

@@ -22,6 +22,7 @@ from transformers import PretrainedConfig
 from components.distributed.context_parallel import enable_context_parallel
 from components.distributed.fsdp import shard_data_parallel
 from components.distributed.mesh import ParallelDims, build_moe_mesh, fsdp_mesh
+from components.distributed.pipeline import stage_plan
 from components.distributed.tp_plan import PlanReport, apply_tp_plan
 from components.models.build import build_causal_lm, meta_causal_lm
 from components.models.compile import apply_block_wrappers
@@ -70,6 +71,7 @@ def build_parallel_model(
     report = None
     if dims.tp > 1:
         plan = plan_for(spec.config, spec.sequence_parallel, model)
+        plan = stage_plan(plan, model) if dims.pp > 1 else plan  # this stage's modules' entries
         moe_modules = (*spec.experts, *spec.routers)
         report = apply_tp_plan(
             model, mesh["tp"], plan, spec.config, spec.sequence_parallel, moe_modules
