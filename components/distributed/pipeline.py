@@ -51,15 +51,25 @@ def stage_layers(num_layers: int, stages: int) -> list[range]:
     ]
 
 
+class StageLayers(nn.ModuleList):
+    """A stage's decoder layers, named by their indices in the whole model (``5``, ``6``), read by
+    position (``[0]`` is the stage's first)."""
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return super().__getitem__(index)
+        return list(self._modules.values())[index]
+
+
 def keep_stage(model: nn.Module, layers: range, first: bool, last: bool) -> nn.Module:
     """Remove from ``model`` (in place) what stage ``layers`` does not hold: the other decoder
     layers, the embedding unless ``first``, the final norm and ``lm_head`` unless ``last`` (each
     then an identity). The kept layers keep their indices as names; the model's own forward runs
     the stage (``inputs_embeds`` in, and out of an identity head the hidden states)."""
     decoder = model.get_decoder()
-    kept = nn.ModuleList()
+    kept = StageLayers()
     for index in layers:
-        kept.add_module(str(index), decoder.layers[index])  # iterated, never indexed
+        kept.add_module(str(index), decoder.layers[index])
     decoder.layers = kept
     if not first:
         decoder.embed_tokens = None
@@ -103,13 +113,16 @@ class Pipeline:
         schedule: str,
         micro_batches: int,
         compute: Callable[[], AbstractContextManager],
+        mesh: DeviceMesh,
     ):
         self.first, self.last, self.group = stage == 0, stage == stages - 1, group
         self.compute, self.sums, self.global_tokens = compute, [], 1
         self.micro_batches = micro_batches
         device = next(model.parameters()).device
         module = StageModule(model, self.first, compute)
-        self.stage = PipelineStage(module, stage, stages, device, group=group)
+        # a DTensor sent between stages (sequence-parallel activations) names its mesh by its dims
+        get_mesh = lambda names, _layout: mesh[names]  # noqa: E731
+        self.stage = PipelineStage(module, stage, stages, device, group=group, get_mesh=get_mesh)
         # the loss on every stage: torch reads "no loss" as "no backward"
         self.schedule = SCHEDULES[schedule](
             self.stage, micro_batches, self._loss, scale_grads=False
@@ -167,7 +180,7 @@ def build_pipeline(
         return None
     pp = mesh["pp"]
     where = (pp.get_local_rank(), pp.size(), pp.get_group())
-    return Pipeline(model, *where, schedule, micro_batches, compute)
+    return Pipeline(model, *where, schedule, micro_batches, compute, mesh)
 
 
 def stage_plan(plan: dict[str, str], model: nn.Module) -> dict[str, str]:
