@@ -270,7 +270,9 @@ def resolve_model(
     if lora:  # the adapters' targets, on the converted model the TP plan then sees
         found += problems("peft.target_modules", lora_problems(meta, settings.peft.target_modules))
     if dims is not None:
-        found += plan_problems(settings, dims, config, meta)
+        found += plan_problems(settings, dims, config, meta) + pipeline_problems(
+            settings, dims, config
+        )
         try:
             experts, _ = moe_patterns(config, model.experts, model.routers)
             check_compile(settings.train.compile, device_type, bool(experts), dims.tp, settings.sp)
@@ -350,6 +352,58 @@ def plan_problems(settings: Config, dims: ParallelDims, config, meta) -> list[Pr
         modules = expert_modules(meta, list(experts))
         num_experts = experts_count(meta.get_submodule(modules[0])) if modules else 0
         found += problems("ep", check_expert_parallel(meta, list(experts), num_experts, dims.ep))
+    return found
+
+
+def pipeline_problems(settings: Config, dims: ParallelDims, config) -> list[Problem]:
+    """What pipeline parallelism does not compose with yet, one problem each; and the stages it
+    needs: a layer or more each (the embedding and the head weighed as one), ``pp`` micro-batches
+    per step for 1F1B."""
+    if settings.pp_schedule == "interleaved_1f1b" or settings.pp_stages_per_rank > 1:
+        message = "pp_schedule=interleaved_1f1b (pp_stages_per_rank > 1) is not supported yet: use "
+        return [Problem(key="pp_schedule", message=message + "gpipe or 1f1b, one stage per rank")]
+    if dims.pp == 1:
+        return []
+    train, pp, model = settings.train, f"pp={dims.pp}", settings.model
+    refused = {  # key: (refused, what, what would work with pp)
+        "cp": (dims.cp > 1, f"cp={dims.cp}", "cp=1"),
+        "ep": (dims.ep > 1, f"ep={dims.ep}", "ep=1"),
+        "model": (
+            bool(moe_patterns(config, model.experts, model.routers)[0]),
+            "an MoE model",
+            "a dense model",
+        ),
+        "peft": (settings.peft.name != "none", f"peft={settings.peft.name}", "peft=none"),
+        "train.compile": (train.compile, "train.compile=true", "train.compile=false"),
+        "train.val_every": (
+            train.val_every > 0,
+            f"train.val_every={train.val_every}",
+            "train.val_every=0",
+        ),
+        "checkpoint.export": (
+            settings.checkpoint.export,
+            "checkpoint.export=true",
+            "checkpoint.export=false (export after resuming the checkpoint at pp=1)",
+        ),
+        "dry_run": (settings.dry_run, "dry_run=true", "dry_run=false"),
+        "model.config": (
+            config.tie_word_embeddings,
+            "tied embeddings",
+            "model.config.tie_word_embeddings=false",
+        ),
+    }
+    found = [
+        Problem(key=key, message=f"{pp} with {what} is not supported yet: use pp=1, or {instead}")
+        for key, (on, what, instead) in refused.items()
+        if on
+    ]
+    if config.num_hidden_layers + 2 < dims.pp:
+        message = f"{pp} needs {dims.pp - 2} decoder layers or more: the model has "
+        found.append(Problem(key="pp", message=message + f"{config.num_hidden_layers}"))
+    micro_batches = train.global_batch_size // (train.micro_batch_size * dims.dp)
+    if settings.pp_schedule == "1f1b" and micro_batches < dims.pp:
+        message = f"pp_schedule=1f1b needs {pp} micro-batches per step or more, this step has "
+        found.append(Problem(key="train.global_batch_size", message=message + f"{micro_batches}"))
     return found
 
 
