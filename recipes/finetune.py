@@ -31,24 +31,20 @@ from components.runtime.problems import fail, say  # say: rank 0's lines alone
 # functions that use it, so that --help and --cfg job take about the time of `import torch, hydra`;
 # the launcher imports it once before it forks the ranks (components/runtime/preload.py).
 if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
-
     from components.checkpoint.writer import CheckpointWriter
     from components.training.loggers import MetricsLogger
     from components.training.metrics import MetricsLog
     from recipes.plan import Run, RunPlan
 
 
-def convert(model: torch.nn.Module, plan: RunPlan, mesh: DeviceMesh) -> torch.nn.Module:
+def convert(model: torch.nn.Module, plan: RunPlan) -> torch.nn.Module:
     """The built model, converted before it is parallelised: ``peft=lora`` freezes it and adds
-    adapters (where FP8 linears would plug in too); with ``pp`` only this rank's pipeline stage is
-    kept, its names unchanged; full fine-tuning keeps it as built."""
-    from components.distributed.pipeline import keep_rank_stage
+    adapters (where FP8 linears would plug in too); full fine-tuning keeps it as built."""
     from components.models.lora import apply_lora
 
     if (options := plan.lora) is not None:
         apply_lora(model, options, seed=plan.seed)
-    return keep_rank_stage(model, mesh) if plan.dims.pp > 1 else model
+    return model
 
 
 def set_up(plan: RunPlan) -> Run:
@@ -76,7 +72,7 @@ def set_up(plan: RunPlan) -> Run:
     shards = dict(dp_size=dims.dp, dp_rank=dp_mesh(mesh).get_local_rank(), seed=plan.seed)
     splits = (plan.data.train, plan.data.val, train.global_batch_size, train.micro_batch_size)
     data, val_data = open_splits(*splits, **shards, pad_multiple=plan.pad_multiple)
-    converted = functools.partial(convert, plan=plan, mesh=mesh)
+    converted = functools.partial(convert, plan=plan)
     model, report = build_parallel_model(plan.model, dims, mesh, device, timeout, converted)
     if report is not None:
         say(report.format())
@@ -88,28 +84,25 @@ def set_up(plan: RunPlan) -> Run:
     watched = (model, plan.model.config, list(plan.model.experts), dp_mesh(mesh).get_group())
     experts = ExpertLoad.watch(*watched, plan.model.routers, plan.moe.routing_bias_rate)
     first_step = resume(plan.resume_from, model, optimizer, scheduler)  # the routing bias too
-    precision = precision_policy(plan.model.precision)  # the same policy the model was built with
-    data_parallel = dims.data_parallel > 1  # FSDP over dp × cp
+    precision, data_parallel = precision_policy(plan.model.precision), dims.data_parallel > 1
     compute = functools.partial(precision.autocast, device.type, data_parallel=data_parallel)
-    micro_batches = data.micro_batches_per_step
-    pipeline = build_pipeline(model, mesh, plan.settings.pp_schedule, micro_batches, compute)
-    aux = router_aux_loss_weight(plan.model.config, micro_batches, dims.dp)
-    handles = dict(model=model, optimizer=optimizer, scheduler=scheduler)
+    pipeline = build_pipeline(model, mesh, compute, data, plan.settings.pp_schedule)  # pp > 1
+    aux = router_aux_loss_weight(plan.model.config, data.micro_batches_per_step, dims.dp)
+    handles = dict(model=model, optimizer=optimizer, scheduler=scheduler, pipeline=pipeline)
     where = dict(rank=rank, device=device, mesh=mesh, cp=ContextParallel.of(mesh))
     steps = dict(data=data, val_data=val_data, first_step=first_step, compute=compute)
     readout = StepReadout(data_parallel_mesh(mesh).get_group(), device)  # the loss's dp × cp
-    steps |= dict(pipeline=pipeline)  # None without pp
     run = Run(**handles, **where, **steps, experts=experts, aux_loss_weight=aux, readout=readout)
     if plan.fault is not None:  # a resilience drill (docs/fault-injection.md)
         where = dict(rank=rank, world_size=dist.get_world_size(), first_step=first_step)
-        where |= dict(micro_batches_per_step=micro_batches)
+        where |= dict(micro_batches_per_step=data.micro_batches_per_step)
         run.before_commit = install_faults(plan.fault, model, optimizer, **where)
     return run
 
 
 def forward_backward_step(run: Run, plan: RunPlan, step: int) -> torch.Tensor:
     """The step function: forward and backward of step ``step``'s micro-batches, the summed loss
-    (float64). A pipeline schedule replaces it (``train(..., step_fn=...)``)."""
+    (float64). With pp the rank's pipeline replaces it (``train(..., step_fn=run.pipeline)``)."""
     from components.distributed.fsdp import set_gradient_sync
     from components.training.step import forward_backward_on_device  # reads the models' TP plans
 
@@ -133,7 +126,6 @@ def train_step(run: Run, plan: RunPlan, step: int, step_fn: StepFn = forward_bac
     """One optimizer step (0-based ``step``): ``step_fn``'s forward and backward, gradient
     reductions, clip, update; its metrics. Two reads of the device: the norm, then the readout."""
     from components.distributed.grads import clip_grad_norm_, finalize_dtensor_gradients, grad_norm
-    from components.distributed.mesh import pipeline_group
     from components.distributed.tp_replicas import synchronize_tp_replica_gradients
     from components.moe import load_metrics
     from components.planning.memory import reset_peak_memory
@@ -145,9 +137,8 @@ def train_step(run: Run, plan: RunPlan, step: int, step_fn: StepFn = forward_bac
     loss_sum = step_fn(run, plan, step)
     finalize_dtensor_gradients([run.model])
     synchronize_tp_replica_gradients([run.model], run.mesh)  # its plan and buffers are reused
-    clip, parts, stages = plan.train.clip_grad_norm, [run.model], pipeline_group(run.mesh)
-    norm = clip_grad_norm_(parts, clip, across=stages) if clip else grad_norm(parts, across=stages)
-    norm = norm.item()
+    clip, parts, pp = plan.train.clip_grad_norm, [run.model], run.pipeline and run.pipeline.group
+    norm = (clip_grad_norm_(parts, clip, across=pp) if clip else grad_norm(parts, across=pp)).item()
     finite = math.isfinite(norm)  # the same number on every rank, so all ranks decide alike
     if not finite and plan.train.on_nonfinite == "stop":
         raise FloatingPointError(
@@ -275,14 +266,11 @@ def finish(run: Run, plan: RunPlan, stopped: bool = False, skipped: int = 0) -> 
 
 def rank_main(plan: RunPlan) -> str | None:
     """What every rank runs, beating: set up, train, finish; the stop signal's name (``train``)."""
-    from components.training.pipeline_step import pipelined_step
-
     preemption.install()  # first: a SIGTERM or SIGUSR1 from now on stops the run after a step
     beating = heartbeat.beating(plan.settings.hang_timeout_s)  # watched: launcher or torchrun peers
     with beating, disk_full_said_plainly(plan.output_dir, plan.train.max_steps):  # one line
         run = set_up(plan)
-        step_fn = pipelined_step if run.pipeline is not None else forward_backward_step
-        stopped, skipped = train(run, plan, step_fn)
+        stopped, skipped = train(run, plan, run.pipeline or forward_backward_step)
         finish(run, plan, stopped is not None, skipped)
     return stopped
 

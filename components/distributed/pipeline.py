@@ -102,7 +102,8 @@ class StageModule(nn.Module):
 
 class Pipeline:
     """This rank's stage of a pipelined model and its schedule: :meth:`forward_backward` runs one
-    step's micro-batches through every stage and accumulates the gradients."""
+    step's micro-batches through every stage and accumulates the gradients; called as the recipe's
+    step function (``run``, ``plan``, ``step``), on ``run.data``'s batches of ``step``."""
 
     def __init__(
         self,
@@ -137,6 +138,15 @@ class Pipeline:
         self.sums.append(whole.detach().to(torch.float64))
         return loss_sum / self.global_tokens
 
+    def __call__(self, run, plan, step: int) -> torch.Tensor:
+        """The step function: step ``step``'s micro-batches of ``run.data`` (a ``StepBatches``),
+        stacked, through :meth:`forward_backward`. ``plan``: unused, the signature's."""
+        batches = run.data.batches_for_step(step)
+        names = ("input_ids", "labels", "position_ids")
+        stacked = [torch.cat([getattr(batch, name) for batch in batches]) for name in names]
+        tensors = [tensor.to(run.device) for tensor in stacked]
+        return self.forward_backward(*tensors, run.data.labels_in_step(step))
+
     def forward_backward(
         self,
         input_ids: torch.Tensor,
@@ -170,17 +180,18 @@ def keep_rank_stage(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
 def build_pipeline(
     model: nn.Module,
     mesh: DeviceMesh,
-    schedule: str,
-    micro_batches: int,
     compute: Callable[[], AbstractContextManager],
+    data,
+    schedule: str,
 ) -> Pipeline | None:
     """This rank's :class:`Pipeline` over ``mesh["pp"]``, ``model`` its kept (and parallelised)
-    stage; None when the mesh has no ``pp`` dimension."""
+    stage, ``data`` the run's ``StepBatches`` (their micro-batches per step are the schedule's);
+    None when the mesh has no ``pp`` dimension."""
     if "pp" not in (mesh.mesh_dim_names or ()):
         return None
     pp = mesh["pp"]
     where = (pp.get_local_rank(), pp.size(), pp.get_group())
-    return Pipeline(model, *where, schedule, micro_batches, compute, mesh)
+    return Pipeline(model, *where, schedule, data.micro_batches_per_step, compute, mesh)
 
 
 def stage_plan(plan: dict[str, str], model: nn.Module) -> dict[str, str]:

@@ -1,9 +1,10 @@
 """Build the model a rank trains, in the one fixed order every parallelism needs.
 
-    weights in the precision's dtype (seeded, or on the meta device) -> TP plan (+ bf16 casts ahead
-    of its gathers) -> expert parallelism -> load this rank's slices -> compile and activation
-    checkpointing per block -> FSDP over dp (dp × cp) with the precision's mixed-precision policy
-    -> with cp > 1, the context-parallel attention
+    weights in the precision's dtype (seeded, or on the meta device) -> converted (LoRA) -> with
+    pp, this rank's pipeline stage kept -> TP plan (+ bf16 casts ahead of its gathers) -> expert
+    parallelism -> load this rank's slices -> compile and activation checkpointing per block ->
+    FSDP over dp (dp × cp) with the precision's mixed-precision policy -> with cp > 1, the
+    context-parallel attention
 
 Each step is its own component (``tp_plan``, ``moe``, ``load``, ``fsdp``); this module only fixes
 their order, so the recipe makes one call.
@@ -22,7 +23,7 @@ from transformers import PretrainedConfig
 from components.distributed.context_parallel import enable_context_parallel
 from components.distributed.fsdp import shard_data_parallel
 from components.distributed.mesh import ParallelDims, build_moe_mesh, fsdp_mesh
-from components.distributed.pipeline import stage_plan
+from components.distributed.pipeline import keep_rank_stage, stage_plan
 from components.distributed.tp_plan import PlanReport, apply_tp_plan
 from components.models.build import build_causal_lm, meta_causal_lm
 from components.models.compile import apply_block_wrappers
@@ -68,6 +69,8 @@ def build_parallel_model(
     else:  # nothing allocated until each rank loads its own shards
         model = meta_causal_lm(spec.config, dtype=policy.param_dtype)
     model = convert(model) if convert is not None else model
+    if dims.pp > 1:  # this rank's pipeline stage alone, its parameters named as in the whole
+        model = keep_rank_stage(model, mesh)
     report = None
     if dims.tp > 1:
         plan = plan_for(spec.config, spec.sequence_parallel, model)
