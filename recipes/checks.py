@@ -383,7 +383,7 @@ def pipeline_problems(settings: Config, dims: ParallelDims, config) -> list[Prob
         "checkpoint.export": (
             settings.checkpoint.export,
             "checkpoint.export=true",
-            "checkpoint.export=false (export after resuming the checkpoint at pp=1)",
+            "checkpoint.export=false",
         ),
         "dry_run": (settings.dry_run, "dry_run=true", "dry_run=false"),
         "model.config": (
