@@ -358,22 +358,49 @@ def plan_problems(settings: Config, dims: ParallelDims, config, meta) -> list[Pr
 def pipeline_problems(settings: Config, dims: ParallelDims, config) -> list[Problem]:
     """What pipeline parallelism does not compose with yet, one problem each; and the stages it
     needs: a layer or more each (the embedding and the head weighed as one), ``pp`` micro-batches
-    per step for 1F1B."""
-    if settings.pp_schedule == "interleaved_1f1b" or settings.pp_stages_per_rank > 1:
-        message = "pp_schedule=interleaved_1f1b (pp_stages_per_rank > 1) is not supported yet: use "
-        return [Problem(key="pp_schedule", message=message + "gpipe or 1f1b, one stage per rank")]
+    per step for 1F1B, a whole number of rounds of ``pp`` for the interleaved schedule."""
+    interleaved, per_rank = settings.pp_schedule == "interleaved_1f1b", settings.pp_stages_per_rank
+    if interleaved != (per_rank > 1):
+        message = f"pp_schedule={settings.pp_schedule} with pp_stages_per_rank={per_rank}: use "
+        fix = "interleaved_1f1b with 2 stages per rank or more, or gpipe or 1f1b with 1"
+        return [Problem(key="pp_schedule", message=message + fix)]
     if dims.pp == 1:
         return []
-    train, pp, model = settings.train, f"pp={dims.pp}", settings.model
-    refused = {  # key: (refused, what, what would work with pp)
+    pp, train = f"pp={dims.pp}", settings.train
+    found = [
+        Problem(key=key, message=f"{pp} with {what} is not supported yet: use pp=1, or {instead}")
+        for key, (on, what, instead) in _pipeline_refusals(settings, dims, config).items()
+        if on
+    ]
+    stages = dims.pp * per_rank
+    if config.num_hidden_layers + 2 < stages:
+        message = (
+            f"{stages} pipeline stages need {stages - 2} decoder layers or more: the model has "
+        )
+        found.append(Problem(key="pp", message=message + f"{config.num_hidden_layers}"))
+    micro_batches = train.global_batch_size // (train.micro_batch_size * dims.dp)
+    fewer = settings.pp_schedule != "gpipe" and micro_batches < dims.pp
+    if fewer or (interleaved and micro_batches % dims.pp):
+        needs = f"a multiple of {pp}" if interleaved else f"{pp} or more"
+        message = f"pp_schedule={settings.pp_schedule} needs {needs} micro-batches per step, "
+        found.append(
+            Problem(
+                key="train.global_batch_size", message=message + f"this step has {micro_batches}"
+            )
+        )
+    return found
+
+
+def _pipeline_refusals(settings: Config, dims: ParallelDims, config) -> dict[str, tuple]:
+    """key: (refused with pp, what, what would work with pp)."""
+    train, model, peft = settings.train, settings.model, settings.peft.name
+    moe = bool(moe_patterns(config, model.experts, model.routers)[0])
+    interleaved = settings.pp_stages_per_rank > 1
+    return {
         "cp": (dims.cp > 1, f"cp={dims.cp}", "cp=1"),
         "ep": (dims.ep > 1, f"ep={dims.ep}", "ep=1"),
-        "model": (
-            bool(moe_patterns(config, model.experts, model.routers)[0]),
-            "an MoE model",
-            "a dense model",
-        ),
-        "peft": (settings.peft.name != "none", f"peft={settings.peft.name}", "peft=none"),
+        "model": (moe, "an MoE model", "a dense model"),
+        "peft": (peft != "none", f"peft={peft}", "peft=none"),
         "train.compile": (train.compile, "train.compile=true", "train.compile=false"),
         "train.val_every": (
             train.val_every > 0,
@@ -391,20 +418,8 @@ def pipeline_problems(settings: Config, dims: ParallelDims, config) -> list[Prob
             "tied embeddings",
             "model.config.tie_word_embeddings=false",
         ),
+        "dp": (interleaved and dims.dp > 1, f"interleaved stages and dp={dims.dp}", "dp=1"),
     }
-    found = [
-        Problem(key=key, message=f"{pp} with {what} is not supported yet: use pp=1, or {instead}")
-        for key, (on, what, instead) in refused.items()
-        if on
-    ]
-    if config.num_hidden_layers + 2 < dims.pp:
-        message = f"{pp} needs {dims.pp - 2} decoder layers or more: the model has "
-        found.append(Problem(key="pp", message=message + f"{config.num_hidden_layers}"))
-    micro_batches = train.global_batch_size // (train.micro_batch_size * dims.dp)
-    if settings.pp_schedule == "1f1b" and micro_batches < dims.pp:
-        message = f"pp_schedule=1f1b needs {pp} micro-batches per step or more, this step has "
-        found.append(Problem(key="train.global_batch_size", message=message + f"{micro_batches}"))
-    return found
 
 
 def with_tp_suggestion(found: list[Problem], config) -> list[Problem]:

@@ -86,7 +86,7 @@ def set_up(plan: RunPlan) -> Run:
     first_step = resume(plan.resume_from, model, optimizer, scheduler)  # the routing bias too
     precision, data_parallel = precision_policy(plan.model.precision), dims.data_parallel > 1
     compute = functools.partial(precision.autocast, device.type, data_parallel=data_parallel)
-    pipeline = build_pipeline(model, mesh, compute, data, plan.settings.pp_schedule)  # pp > 1
+    pipeline = build_pipeline(model, mesh, compute, data, *plan.pipeline)  # None at pp=1
     aux = router_aux_loss_weight(plan.model.config, data.micro_batches_per_step, dims.dp)
     handles = dict(model=model, optimizer=optimizer, scheduler=scheduler, pipeline=pipeline)
     where = dict(rank=rank, device=device, mesh=mesh, cp=ContextParallel.of(mesh))

@@ -86,6 +86,11 @@ class Settled:
         )
 
     @property
+    def pipeline(self) -> tuple[str, int]:
+        """The pipeline schedule and the stages each pp rank holds."""
+        return self.settings.pp_schedule, self.settings.pp_stages_per_rank
+
+    @property
     def seed(self) -> int:
         return self.settings.seed
 

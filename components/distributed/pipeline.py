@@ -10,6 +10,7 @@ layouts see the names they always see. The step's micro-batches are the schedule
 again by the number of micro-batches), computed on the last stage.
 """
 
+import copy
 import fnmatch
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -19,13 +20,19 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from components.distributed.tp_plan import cross_entropy_sum
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}  # interleaved_1f1b: not yet
+SINGLE = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}  # one stage per rank
+MULTI = {"interleaved_1f1b": ScheduleInterleaved1F1B}  # pp_stages_per_rank stages per rank
 
 
 def stage_layers(num_layers: int, stages: int) -> list[range]:
@@ -61,9 +68,9 @@ class StageLayers(nn.ModuleList):
         return list(self._modules.values())[index]
 
 
-def keep_stage(model: nn.Module, layers: range, first: bool, last: bool) -> nn.Module:
-    """Remove from ``model`` (in place) what stage ``layers`` does not hold: the other decoder
-    layers, the embedding unless ``first``, the final norm and ``lm_head`` unless ``last`` (each
+def keep_stage(model: nn.Module, layers: list[int], first: bool, last: bool) -> nn.Module:
+    """Remove from ``model`` (in place) what a rank's stages do not hold: the decoder layers not in
+    ``layers``, the embedding unless ``first``, the final norm and ``lm_head`` unless ``last`` (each
     then an identity). The kept layers keep their indices as names; the model's own forward runs
     the stage (``inputs_embeds`` in, and out of an identity head the hidden states)."""
     decoder = model.get_decoder()
@@ -107,8 +114,7 @@ class Pipeline:
 
     def __init__(
         self,
-        model: nn.Module,
-        stage: int,
+        modules: dict[int, nn.Module],
         stages: int,
         group: ProcessGroup,
         schedule: str,
@@ -116,18 +122,29 @@ class Pipeline:
         compute: Callable[[], AbstractContextManager],
         mesh: DeviceMesh,
     ):
-        self.first, self.last, self.group = stage == 0, stage == stages - 1, group
+        """``modules``: this rank's stages (index -> the module that runs it) of ``stages``."""
+        self.first, self.last, self.group = 0 in modules, stages - 1 in modules, group
         self.compute, self.sums, self.global_tokens = compute, [], 1
         self.micro_batches = micro_batches
-        device = next(model.parameters()).device
-        module = StageModule(model, self.first, compute)
         # a DTensor sent between stages (sequence-parallel activations) names its mesh by its dims
         get_mesh = lambda names, _layout: mesh[names]  # noqa: E731
-        self.stage = PipelineStage(module, stage, stages, device, group=group, get_mesh=get_mesh)
+        self.stages = [
+            PipelineStage(
+                StageModule(module, index == 0, compute),
+                index,
+                stages,
+                next(module.parameters()).device,
+                group=group,
+                get_mesh=get_mesh,
+            )
+            for index, module in modules.items()
+        ]
         # the loss on every stage: torch reads "no loss" as "no backward"
-        self.schedule = SCHEDULES[schedule](
-            self.stage, micro_batches, self._loss, scale_grads=False
-        )
+        if schedule in MULTI:
+            schedule_class, stages_ = MULTI[schedule], self.stages
+        else:
+            schedule_class, stages_ = SINGLE[schedule], self.stages[0]
+        self.schedule = schedule_class(stages_, micro_batches, self._loss, scale_grads=False)
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """One micro-batch's loss (the last stage's): its token sum over the step's global count,
@@ -170,11 +187,37 @@ class Pipeline:
         return loss_sum
 
 
-def keep_rank_stage(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """:func:`keep_stage` for this rank's stage: its coordinate on ``mesh["pp"]``."""
-    stage, stages = mesh["pp"].get_local_rank(), mesh["pp"].size()
-    layers = stage_layers(len(model.get_decoder().layers), stages)[stage]
-    return keep_stage(model, layers, first=stage == 0, last=stage == stages - 1)
+def rank_stages(rank: int, ranks: int, stages_per_rank: int) -> list[int]:
+    """The stages pipeline rank ``rank`` of ``ranks`` holds: ``rank``, ``rank + ranks``, ... (the
+    looped order of interleaved schedules)."""
+    return [rank + ranks * round_ for round_ in range(stages_per_rank)]
+
+
+def keep_rank_stage(model: nn.Module, mesh: DeviceMesh, stages_per_rank: int = 1) -> nn.Module:
+    """:func:`keep_stage` for this rank's stages (its coordinate on ``mesh["pp"]``)."""
+    rank, ranks = mesh["pp"].get_local_rank(), mesh["pp"].size()
+    stages, count = rank_stages(rank, ranks, stages_per_rank), ranks * stages_per_rank
+    cut = stage_layers(len(model.get_decoder().layers), count)
+    layers = [layer for stage in stages for layer in cut[stage]]
+    return keep_stage(model, layers, first=0 in stages, last=count - 1 in stages)
+
+
+def stage_view(model: nn.Module, layers: range, first: bool, last: bool) -> nn.Module:
+    """One of a rank's several stages: a shallow copy of the kept ``model`` (and its decoder) that
+    runs only ``layers`` (the embedding if ``first``, the norm and head if ``last``), its modules
+    and parameters the model's own, shared."""
+    decoder = model.get_decoder()
+    view, inner = copy.copy(model), copy.copy(decoder)
+    view._modules, inner._modules = dict(model._modules), dict(decoder._modules)
+    kept = StageLayers()
+    for index in layers:
+        kept.add_module(str(index), decoder.layers._modules[str(index)])
+    inner._modules["layers"] = kept
+    inner._modules["embed_tokens"] = decoder.embed_tokens if first else None
+    inner._modules["norm"] = decoder.norm if last else nn.Identity()
+    view._modules["lm_head"] = model.lm_head if last else nn.Identity()
+    view._modules[next(n for n, m in model.named_children() if m is decoder)] = inner
+    return view
 
 
 def build_pipeline(
@@ -183,15 +226,23 @@ def build_pipeline(
     compute: Callable[[], AbstractContextManager],
     data,
     schedule: str,
+    stages_per_rank: int = 1,
 ) -> Pipeline | None:
     """This rank's :class:`Pipeline` over ``mesh["pp"]``, ``model`` its kept (and parallelised)
-    stage, ``data`` the run's ``StepBatches`` (their micro-batches per step are the schedule's);
-    None when the mesh has no ``pp`` dimension."""
+    stages (each then run by a :func:`stage_view` of it when there are several), ``data`` the run's
+    ``StepBatches`` (their micro-batches per step are the schedule's); None when the mesh has no
+    ``pp`` dimension."""
     if "pp" not in (mesh.mesh_dim_names or ()):
         return None
     pp = mesh["pp"]
-    where = (pp.get_local_rank(), pp.size(), pp.get_group())
-    return Pipeline(model, *where, schedule, data.micro_batches_per_step, compute, mesh)
+    stages = rank_stages(pp.get_local_rank(), pp.size(), stages_per_rank)
+    count = pp.size() * stages_per_rank
+    modules = {stages[0]: model}
+    if stages_per_rank > 1:
+        cut = stage_layers(int(model.config.num_hidden_layers), count)
+        modules = {i: stage_view(model, cut[i], i == 0, i == count - 1) for i in stages}
+    where = (count, pp.get_group(), schedule, data.micro_batches_per_step, compute, mesh)
+    return Pipeline(modules, *where)
 
 
 def stage_plan(plan: dict[str, str], model: nn.Module) -> dict[str, str]:

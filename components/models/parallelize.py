@@ -48,6 +48,7 @@ class ModelSpec:
     activation_checkpointing: str  # none | full | selective
     compile: bool  # torch.compile each decoder block
     shard_experts: bool = False  # moe.shard_experts: expert weights also Shard(1) over ep_shard
+    pp_stages_per_rank: int = 1  # pipeline stages each pp rank holds (interleaved schedules: 2+)
 
 
 def build_parallel_model(
@@ -70,7 +71,7 @@ def build_parallel_model(
         model = meta_causal_lm(spec.config, dtype=policy.param_dtype)
     model = convert(model) if convert is not None else model
     if dims.pp > 1:  # this rank's pipeline stage alone, its parameters named as in the whole
-        model = keep_rank_stage(model, mesh)
+        model = keep_rank_stage(model, mesh, spec.pp_stages_per_rank)
     report = None
     if dims.tp > 1:
         plan = plan_for(spec.config, spec.sequence_parallel, model)

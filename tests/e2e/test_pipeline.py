@@ -1,7 +1,8 @@
 """Pipeline parallelism through the real command line, each layout against its one-process twin,
 fp32 on the CPU, losses and grad norms within 1e-5 relative over 4 steps (measured ~1e-7): pp=2
-GPipe with SGD on a tiny Qwen3; pp=2 1F1B with AdamW, pp=2 × tp=2 with sp (4 ranks) and pp=2 ×
-dp=2 (4 ranks) on a tiny Llama; and checkpoints across layouts, pp=2 → pp=1 and pp=1 → pp=2.
+GPipe with SGD on a tiny Qwen3; pp=2 × dp=2 1F1B with AdamW (4 ranks), pp=2 interleaved with 2
+stages per rank, pp=2 × tp=2 with sp (4 ranks) on a tiny Llama of 4 layers; and checkpoints across
+layouts, pp=2 × dp=2 → one process and one process → pp=2.
 
 The runs are made once (a module fixture) and shared by the tests.
 """
@@ -25,15 +26,16 @@ COMMON = [
     "data.num_examples=200",
 ]
 STEP_2 = "checkpoints/step_00000002"
+LLAMA = "model.config.num_hidden_layers=4"  # 4 stages' worth (the embedding and head weigh one)
 RUNS = {  # name -> overrides
     "qwen3_gpipe": ["model=qwen3", "optim=sgd", "pp=2", "pp_schedule=gpipe"],
     "qwen3_twin": ["model=qwen3", "optim=sgd"],
-    "1f1b": ["pp=2", "checkpoint.every_steps=2"],
-    "twin": ["checkpoint.every_steps=2"],
-    "tp_sp": ["pp=2", "tp=2", "sp=true"],
-    "dp": ["pp=2", "dp=2"],
-    "pp2_to_pp1": ["checkpoint.resume={out}/1f1b/" + STEP_2],
-    "pp1_to_pp2": ["pp=2", "checkpoint.resume={out}/twin/" + STEP_2],
+    "1f1b_dp": [LLAMA, "pp=2", "dp=2", "checkpoint.every_steps=2"],
+    "twin": [LLAMA, "checkpoint.every_steps=2"],
+    "interleaved": [LLAMA, "pp=2", "pp_schedule=interleaved_1f1b", "pp_stages_per_rank=2"],
+    "tp_sp": [LLAMA, "pp=2", "tp=2", "sp=true"],
+    "pp2_to_pp1": [LLAMA, "checkpoint.resume={out}/1f1b_dp/" + STEP_2],
+    "pp1_to_pp2": [LLAMA, "pp=2", "checkpoint.resume={out}/twin/" + STEP_2],
 }
 
 
@@ -72,7 +74,12 @@ def assert_same(ours, theirs, steps=(1, 2, 3, 4)) -> None:
 
 @pytest.mark.parametrize(
     ("layout", "twin"),
-    [("qwen3_gpipe", "qwen3_twin"), ("1f1b", "twin"), ("tp_sp", "twin"), ("dp", "twin")],
+    [
+        ("qwen3_gpipe", "qwen3_twin"),
+        ("1f1b_dp", "twin"),
+        ("interleaved", "twin"),
+        ("tp_sp", "twin"),
+    ],
 )
 def test_a_pipelined_run_trains_like_one_process(curves, layout, twin):
     assert_same(curves[layout], curves[twin])

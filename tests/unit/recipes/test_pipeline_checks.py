@@ -26,15 +26,35 @@ def problems_of(overrides: list[str], family: str = "llama", **sizes) -> list[st
         (["train.val_every=5"], "train.val_every: pp=2 with train.val_every=5 is not supported"),
         (["checkpoint.export=true"], "checkpoint.export: pp=2 with checkpoint.export=true is"),
         (["dry_run=true"], "dry_run: pp=2 with dry_run=true is not supported yet"),
-        (["pp=4", "pp_schedule=gpipe"], "pp: pp=4 needs 2 decoder layers or more: the model has 1"),
+        (["pp=4", "pp_schedule=gpipe"], "pp: 4 pipeline stages need 2 decoder layers or more"),
         (
             ["train.global_batch_size=8", "train.micro_batch_size=8"],
-            "train.global_batch_size: pp_schedule=1f1b needs pp=2 micro-batches per step or more, "
+            "train.global_batch_size: pp_schedule=1f1b needs pp=2 or more micro-batches per step, "
             "this step has 1",
         ),
         (
             ["pp_schedule=interleaved_1f1b"],
-            "pp_schedule: pp_schedule=interleaved_1f1b (pp_stages_per_rank > 1) is not supported",
+            "pp_schedule: pp_schedule=interleaved_1f1b with pp_stages_per_rank=1: use "
+            "interleaved_1f1b with 2 stages per rank or more, or gpipe or 1f1b with 1",
+        ),
+        (
+            [
+                "pp_schedule=interleaved_1f1b",
+                "pp_stages_per_rank=2",
+                "train.global_batch_size=12",
+                "train.micro_batch_size=4",
+            ],
+            "pp_schedule=interleaved_1f1b needs a multiple of pp=2 micro-batches per step, this "
+            "step has 3",
+        ),
+        (
+            [
+                "pp_schedule=interleaved_1f1b",
+                "pp_stages_per_rank=2",
+                "dp=2",
+                "train.micro_batch_size=2",
+            ],
+            "dp: pp=2 with interleaved stages and dp=2 is not supported yet: use pp=1, or dp=1",
         ),
     ],
 )
