@@ -2,7 +2,8 @@
 fp32 on the CPU, losses and grad norms within 1e-5 relative over 4 steps (measured ~1e-7): pp=2
 GPipe with SGD on a tiny Qwen3; pp=2 × dp=2 1F1B with AdamW (4 ranks), pp=2 interleaved with 2
 stages per rank, pp=2 × tp=2 with sp (4 ranks) on a tiny Llama of 4 layers; and checkpoints across
-layouts, pp=2 × dp=2 → one process and one process → pp=2.
+layouts, pp=2 × dp=2 → one process and one process → pp=2; and the Hugging Face export of the
+pipelined Qwen3 holds the same tensors as its twin's.
 
 The runs are made once (a module fixture) and shared by the tests.
 """
@@ -13,6 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from tests import cli
 
@@ -21,8 +24,7 @@ COMMON = [
     "train.max_steps=4",
     "train.global_batch_size=8",
     "train.micro_batch_size=2",  # 4 micro-batches per step, per dp rank: the pipeline's
-    "train.val_every=0",
-    "checkpoint.export=false",
+    "train.val_every=0",  # checkpoint.export=true: the HF export of every layout
     "data.num_examples=200",
 ]
 STEP_2 = "checkpoints/step_00000002"
@@ -55,12 +57,18 @@ def finetune(output_dir: Path, *overrides: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def curves(tmp_path_factory) -> dict[str, list[tuple[int, float, float]]]:
+def runs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("pipeline")
-    found = {}
     for name, overrides in RUNS.items():
         finetune(out / name, *(override.format(out=out) for override in overrides))
-        lines = (out / name / "metrics.jsonl").read_text().splitlines()
+    return out
+
+
+@pytest.fixture(scope="module")
+def curves(runs) -> dict[str, list[tuple[int, float, float]]]:
+    found = {}
+    for name in RUNS:
+        lines = (runs / name / "metrics.jsonl").read_text().splitlines()
         found[name] = [(r["step"], r["loss"], r["grad_norm"]) for r in map(json.loads, lines)]
     return found
 
@@ -88,3 +96,14 @@ def test_a_pipelined_run_trains_like_one_process(curves, layout, twin):
 @pytest.mark.parametrize("resumed", ["pp2_to_pp1", "pp1_to_pp2"])
 def test_a_checkpoint_resumes_at_another_pp(curves, resumed):
     assert_same(curves[resumed], curves["twin"][2:], steps=(3, 4))
+
+
+def test_the_export_of_a_pipelined_run_is_its_twins(runs):
+    def exported(name: str) -> dict[str, torch.Tensor]:
+        files = sorted((runs / name / "hf").glob("*.safetensors"))
+        return {key: value for file in files for key, value in load_file(file).items()}
+
+    ours, theirs = exported("qwen3_gpipe"), exported("qwen3_twin")  # SGD: no AdamW amplification
+    assert sorted(ours) == sorted(theirs)
+    for name, tensor in theirs.items():
+        assert torch.allclose(ours[name], tensor, rtol=0, atol=1e-5 * float(tensor.abs().max()))

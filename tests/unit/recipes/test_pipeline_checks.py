@@ -7,7 +7,7 @@ from components.models import tiny_config
 from recipes.checks import check_sizes, compose, pipeline_problems
 from recipes.schema import validate
 
-FITS = ["pp=2", "train.val_every=0", "checkpoint.export=false"]
+FITS = ["pp=2", "train.val_every=0"]
 
 
 def problems_of(overrides: list[str], family: str = "llama", **sizes) -> list[str]:
@@ -24,7 +24,6 @@ def problems_of(overrides: list[str], family: str = "llama", **sizes) -> list[st
         (["peft=lora"], "peft: pp=2 with peft=lora is not supported yet"),
         (["train.compile=true"], "train.compile: pp=2 with train.compile=true is not supported"),
         (["train.val_every=5"], "train.val_every: pp=2 with train.val_every=5 is not supported"),
-        (["checkpoint.export=true"], "checkpoint.export: pp=2 with checkpoint.export=true is"),
         (["dry_run=true"], "dry_run: pp=2 with dry_run=true is not supported yet"),
         (["pp=4", "pp_schedule=gpipe"], "pp: 4 pipeline stages need 2 decoder layers or more"),
         (
