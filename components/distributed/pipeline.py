@@ -20,19 +20,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-)
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from components.distributed.tp_plan import cross_entropy_sum
 
-SINGLE = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}  # one stage per rank
-MULTI = {"interleaved_1f1b": ScheduleInterleaved1F1B}  # pp_stages_per_rank stages per rank
+# torch.distributed.pipelining's schedule classes by name: one stage per rank, or several
+SINGLE = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+MULTI = {"interleaved_1f1b": "ScheduleInterleaved1F1B"}
 
 
 def stage_layers(num_layers: int, stages: int) -> list[range]:
@@ -123,13 +118,15 @@ class Pipeline:
         mesh: DeviceMesh,
     ):
         """``modules``: this rank's stages (index -> the module that runs it) of ``stages``."""
+        from torch.distributed import pipelining  # asks for CUDA when imported: in the ranks only
+
         self.first, self.last, self.group = 0 in modules, stages - 1 in modules, group
         self.compute, self.sums, self.global_tokens = compute, [], 1
         self.micro_batches = micro_batches
         # a DTensor sent between stages (sequence-parallel activations) names its mesh by its dims
         get_mesh = lambda names, _layout: mesh[names]  # noqa: E731
         self.stages = [
-            PipelineStage(
+            pipelining.PipelineStage(
                 StageModule(module, index == 0, compute),
                 index,
                 stages,
@@ -141,9 +138,9 @@ class Pipeline:
         ]
         # the loss on every stage: torch reads "no loss" as "no backward"
         if schedule in MULTI:
-            schedule_class, stages_ = MULTI[schedule], self.stages
+            schedule_class, stages_ = getattr(pipelining, MULTI[schedule]), self.stages
         else:
-            schedule_class, stages_ = SINGLE[schedule], self.stages[0]
+            schedule_class, stages_ = getattr(pipelining, SINGLE[schedule]), self.stages[0]
         self.schedule = schedule_class(stages_, micro_batches, self._loss, scale_grads=False)
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
