@@ -48,8 +48,7 @@ def convert(model: torch.nn.Module, plan: RunPlan) -> torch.nn.Module:
 
 
 def set_up(plan: RunPlan) -> Run:
-    """Everything a rank needs before its first step: mesh, data, model, optimizer, schedule,
-    resume."""
+    """Everything a rank needs before step 1: mesh, data, model, optimizer, schedule, resume."""
     from components.data.loader import open_splits
     from components.debug.faults import install_faults
     from components.distributed.context_parallel import ContextParallel
@@ -124,7 +123,7 @@ StepFn = Callable[["Run", "RunPlan", int], torch.Tensor]
 
 def train_step(run: Run, plan: RunPlan, step: int, step_fn: StepFn = forward_backward_step) -> dict:
     """One optimizer step (0-based ``step``): ``step_fn``'s forward and backward, gradient
-    reductions, clip, update; its metrics. Two reads of the device: the norm, then the readout."""
+    reductions, clip, update; its metrics. Reads the device twice: the replica sync, the readout."""
     from components.distributed.grads import clip_grad_norm_, finalize_dtensor_gradients, grad_norm
     from components.distributed.tp_replicas import synchronize_tp_replica_gradients
     from components.moe import load_metrics
@@ -138,7 +137,10 @@ def train_step(run: Run, plan: RunPlan, step: int, step_fn: StepFn = forward_bac
     finalize_dtensor_gradients([run.model])
     synchronize_tp_replica_gradients([run.model], run.mesh)  # its plan and buffers are reused
     clip, parts, pp = plan.train.clip_grad_norm, [run.model], run.pipeline and run.pipeline.group
-    norm = (clip_grad_norm_(parts, clip, across=pp) if clip else grad_norm(parts, across=pp)).item()
+    norm = clip_grad_norm_(parts, clip, across=pp) if clip else grad_norm(parts, across=pp)
+    expert_counts = run.experts.end_step() if run.experts else None  # moves the routing bias
+    stop = preemption.stop_requested() is not None  # agreed with the writer's flags, read once
+    norm, loss_sum, peak, expert_rows = run.readout.read(norm, loss_sum, stop, expert_counts)
     finite = math.isfinite(norm)  # the same number on every rank, so all ranks decide alike
     if not finite and plan.train.on_nonfinite == "stop":
         raise FloatingPointError(
@@ -149,9 +151,7 @@ def train_step(run: Run, plan: RunPlan, step: int, step_fn: StepFn = forward_bac
     if finite:
         run.optimizer.step()
     run.scheduler.step()
-    expert_counts = run.experts.end_step() if run.experts else None  # moves the routing bias
-    stop = preemption.stop_requested() is not None  # agreed with the writer's flags, read once
-    loss_sum, peak, expert_rows = run.readout.read(loss_sum, stop, expert_counts)
+    run.readout.after_update()  # the update's peak memory joins the next step's
     elapsed, tokens = time.perf_counter() - started, run.data.tokens_in_step(step)
     world, kind = dist.get_world_size(), matmul_math(plan.train.precision, plan.train.tf32)
     return {

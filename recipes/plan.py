@@ -163,6 +163,6 @@ class Run:
     experts: ExpertLoad | None  # tokens per expert of an MoE model, for the step's imbalance
     aux_loss_weight: float  # of an MoE model's load-balancing loss (0: its config has none)
     cp: ContextParallel | None  # this rank's context-parallel group (None at cp=1)
-    readout: StepReadout  # the step's values read on the host after the update, at once
+    readout: StepReadout  # the step's values read on the host before the update, at once
     pipeline: Pipeline | None = None  # this rank's pipeline stage and schedule (pp > 1)
     before_commit: Callable[[Path], None] | None = None  # the writer's callback (a drill's)

@@ -610,6 +610,15 @@ def join_world(
     return device
 
 
+def keep_cuda_unstarted() -> None:
+    """Let libraries the launcher imports ask ``torch.cuda.is_available()`` without starting CUDA
+    (torchao asks at import, through transformers' quantizers): by default torch answers through
+    the CUDA runtime, which starts CUDA, and no rank forked afterwards could start it again. With
+    ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` it answers from NVML (torch's own advice for processes
+    that fork); a value the user set is kept."""
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+
+
 def visible_gpus() -> int:
     """The GPUs this process may use (``CUDA_VISIBLE_DEVICES`` applied), counted without starting
     CUDA, which would make every rank forked afterwards fail ("Cannot re-initialize CUDA in forked

@@ -18,6 +18,7 @@ from components.runtime.exit_status import INTERRUPTED, INTERRUPTED_STATUS, STOP
 from components.runtime.launch import (
     ReportedExit,
     join_world,
+    keep_cuda_unstarted,
     launch_local,
     start_fresh_line,
     started_by_launcher,
@@ -126,6 +127,7 @@ def start(
     ``plan.settings.hang_timeout_s`` when nothing launched us); a plan with ``dry_run`` set goes to
     ``dry_run`` instead. What the functions of ``preload_from`` import is imported once, before the
     fork. The lock ``prepare`` took on the output folder is released once the ranks are done."""
+    keep_cuda_unstarted()  # before the checks import anything that asks torch.cuda
     plan, lock = prepared_plan(check, prepare)
     try:
         if plan.dry_run:

@@ -1,8 +1,11 @@
-"""A step's host readout: the values a training step must see on the host after its update (the
-loss, the busiest rank's peak memory, the stop and save flags, the MoE load) reduced in one
-collective on the device's own backend and read with one ``tolist``. With the grad norm, read once
-before the update (the non-finite decision), these are a step's reads of the device, whatever the
-gradient accumulation, layer count or expert count.
+"""A step's host readout: every value a training step must see on the host (the grad norm and so
+the non-finite decision, the loss, the busiest rank's peak memory, the stop and save flags, the
+MoE load) reduced in one collective on the device's own backend and read with one ``tolist``,
+before the update. With the replica sync's presence check (the spec's, before any gradient moves)
+these are a step's reads of the device, whatever the gradient accumulation, layer or expert count.
+
+A step's peak memory runs from the previous step's update through this step's gradients: the
+update's own peak is taken after it (a host call, no device wait) and joins the next step's.
 """
 
 import torch
@@ -21,29 +24,44 @@ class StepReadout:
         self.loss_ranks = torch.tensor(ranks, device=device)
         self.device = device
         self.writer = None  # the run's checkpoint writer, once there is one: its flags join in
+        self._update_peak = 0.0  # the previous step's update's peak (GiB), joins the next read
 
     def read(
-        self, loss_sum: torch.Tensor, stop_requested: bool, counts: torch.Tensor | None
-    ) -> tuple[float, float, list]:
-        """The step's values after its update, in one collective and one read: ``loss_sum``
-        summed over the loss group (dp × cp: each rank holds a part of the global batch), the
-        busiest rank's peak memory, the checkpoint writer's flags (``step_flags`` with
-        ``stop_requested``, the largest over every rank, handed to its ``agree``), and the MoE
-        load ``counts`` (already the same where they are read) as ``tolist`` gives them. Returns
-        the loss sum, the peak memory in GiB and the counts (or [])."""
+        self,
+        norm: torch.Tensor,
+        loss_sum: torch.Tensor,
+        stop_requested: bool,
+        counts: torch.Tensor | None,
+    ) -> tuple[float, float, float, list]:
+        """The step's values before its update, in one collective and one read: the grad
+        ``norm`` (already the same on every rank), ``loss_sum`` summed over the loss group (dp ×
+        cp: each rank holds a part of the global batch), the busiest rank's peak memory, the
+        checkpoint writer's flags (``step_flags`` with ``stop_requested``, the largest over every
+        rank, handed to its ``agree``), and the MoE load ``counts`` (already the same where they
+        are read) as ``tolist`` gives them. Returns the norm, the loss sum, the peak memory in GiB
+        and the counts (or [])."""
         writer = self.writer
         flags = writer.step_flags(stop_requested) if writer is not None else []
-        maxima = [peak_memory_gib(self.device), *flags]
-        loss, (peak, *agreed), rows = self.gather(loss_sum, maxima, counts)
+        maxima = [max(peak_memory_gib(self.device), self._update_peak), *flags]
+        kept = [norm.reshape(1)] + ([] if counts is None else [counts.flatten()])
+        kept = torch.cat([part.to(torch.float64) for part in kept])
+        loss, (peak, *agreed), (norm_value, *rest) = self.gather(loss_sum, maxima, kept)
         if writer is not None:
             writer.agree(agreed)  # publishes a save every rank has written; keeps the stop
-        return loss, peak, rows
+        if counts is not None and counts.dim() == 2:
+            columns = counts.shape[1]
+            rest = [rest[start : start + columns] for start in range(0, len(rest), columns)]
+        return norm_value, loss, peak, rest
+
+    def after_update(self) -> None:
+        """Note the update's peak (this step's since its start: a host call) for the next read."""
+        self._update_peak = peak_memory_gib(self.device)
 
     def gather(
         self, loss_sum: torch.Tensor, maxima: list[float], kept: torch.Tensor | None = None
     ) -> tuple[float, list[float], list]:
         """``loss_sum`` summed over the loss group's ranks, each of ``maxima`` (host numbers) the
-        largest over every rank, and ``kept`` as it is (in its shape, as ``tolist`` gives it).
+        largest over every rank, and ``kept`` as it is (flattened, as ``tolist`` gives it).
 
         One all-reduce of a (world × values) table, each rank's row its own and zeros elsewhere: a
         sum that is a gather, exactly, so sums and maxima come out of one collective. Then one
@@ -60,8 +78,4 @@ class StepReadout:
         if kept is not None:
             parts.append(kept.reshape(-1).to(torch.float64))
         values = torch.cat(parts).tolist()  # the read
-        rest = values[width:]
-        if kept is not None and kept.dim() == 2:
-            columns = kept.shape[1]
-            rest = [rest[start : start + columns] for start in range(0, len(rest), columns)]
-        return values[0], values[1:width], rest
+        return values[0], values[1:width], values[width:]

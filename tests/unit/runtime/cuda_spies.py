@@ -25,10 +25,11 @@ def _spy(name: str, result):
 
 
 def install_spies(gpus: int) -> None:
-    """CUDA built and present to NVML; any call that starts CUDA (or asks the runtime) is noted."""
+    """CUDA built and present to NVML; any call that starts CUDA (or asks the runtime) is noted.
+    ``torch.cuda.is_available`` is torch's own: libraries call it at import (torchao), and it
+    must answer from NVML here, not from the runtime."""
     torch._C._cuda_getDeviceCount = _spy("torch._C._cuda_getDeviceCount", gpus)
     torch._C._cuda_init = _spy("torch._C._cuda_init", None)
-    torch.cuda.is_available = _spy("torch.cuda.is_available", True)
     torch.cuda._lazy_init = _spy("torch.cuda._lazy_init", None)
     torch.cuda.init = _spy("torch.cuda.init", None)
     torch.cuda._device_count_nvml = lambda: gpus
