@@ -1,13 +1,14 @@
 """Pipeline parallelism over ``torch.distributed.pipelining``: a Hugging Face causal LM cut into
-stages at its decoder layers, one stage per rank of the mesh's ``pp`` dimension.
+stages at its decoder layers, one stage per rank of the mesh's ``pp`` dimension (or several, looped,
+under the interleaved schedule).
 
 The first stage holds the embedding, the last the final norm and ``lm_head``; the decoder layers are
 shared out with the embedding and the head each weighed as one more layer. A stage is the whole
 model with what it does not hold removed: its parameters keep their original names
 (``model.layers.5.mlp.up_proj.weight``), so TP plans, FSDP, DCP checkpoints and resumes across
-layouts see the names they always see. The step's micro-batches are the schedule's (GPipe or
-1F1B); the loss is each micro-batch's token sum over the global token count (grads are not scaled
-again by the number of micro-batches), computed on the last stage.
+layouts see the names they always see. The step's micro-batches are the schedule's (GPipe, 1F1B,
+interleaved 1F1B); the loss is each micro-batch's token sum over the global token count (grads
+are not scaled again by the number of micro-batches), computed on the last stage.
 """
 
 import copy
