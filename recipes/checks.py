@@ -117,7 +117,7 @@ def check_sizes(
     elif settings.nproc is not None:
         world_size = settings.nproc
     else:
-        inner = settings.cp * settings.tp
+        inner = settings.pp * settings.cp * settings.tp
         world_size = (
             default_gpu_world(settings, gpus)
             if cuda
@@ -126,7 +126,7 @@ def check_sizes(
     if cuda and (found := gpu_count_problems(world_size, gpus)):
         return None, found
     sizes = dict(tp=settings.tp, dp=settings.dp, ep=settings.ep, cp=settings.cp)
-    sizes |= dict(dp_replicate=settings.dp_replicate, dp_shard=settings.dp_shard)
+    sizes |= dict(dp_replicate=settings.dp_replicate, dp_shard=settings.dp_shard, pp=settings.pp)
     try:
         dims = resolve_parallel_dims(world_size, **sizes)
     except ValueError as error:
@@ -134,7 +134,7 @@ def check_sizes(
         given = given or settings.dp_replicate > 1  # HSDP's sizes are the user's
         if started_by_launcher() or given or device_type == "cuda":
             return None, [Problem(key="nproc", message=str(error))]
-        fits = math.lcm(settings.cp * settings.tp, settings.ep)  # the smallest world to start
+        fits = math.lcm(settings.pp * settings.cp * settings.tp, settings.ep)  # the least world
         how = f"start {fits} processes here with nproc={fits}, or use torchrun"
         return None, [Problem(key="nproc", message=f"{error}; {how}")]
     train, found = settings.train, []
@@ -174,7 +174,7 @@ def default_gpu_world(settings: Config, gpus: int) -> int:
     """The default ``nproc`` on CUDA: ``dp × cp × tp`` when dp is set, else the most of the visible
     GPUs the layout and the batch fit (``cp × tp`` and ``ep`` divide it, ``global_batch_size``
     splits into dp micro-batches), with a note when that leaves GPUs idle."""
-    inner, train = settings.cp * settings.tp, settings.train
+    inner, train = settings.pp * settings.cp * settings.tp, settings.train
     if given_dp(settings) is not None:
         return given_dp(settings) * inner
     for world in range(gpus, 0, -1):
@@ -276,7 +276,9 @@ def resolve_model(
         experts, _ = moe_patterns(config, model.experts, model.routers)
         found += lora_problems(meta, settings.peft, experts, model.name)
     if dims is not None:
-        found += plan_problems(settings, dims, config, meta)
+        found += plan_problems(settings, dims, config, meta) + pipeline_problems(
+            settings, dims, config
+        )
         found += fp8_problems(settings, dims, config, meta, device_type) if fp8 else []
         try:
             experts, _ = moe_patterns(config, model.experts, model.routers)
@@ -400,6 +402,68 @@ def fp8_problems(
         message = f"{why} with train.precision=fp8 (torch._scaled_mm): use train.seq_len={fits}"
         found.append(Problem(key="train.seq_len", message=message))
     return found
+
+
+def pipeline_problems(settings: Config, dims: ParallelDims, config) -> list[Problem]:
+    """What pipeline parallelism does not compose with yet, one problem each; and the stages it
+    needs: a layer or more each (the embedding and the head weighed as one), ``pp`` micro-batches
+    per step for 1F1B, a whole number of rounds of ``pp`` for the interleaved schedule."""
+    interleaved, per_rank = settings.pp_schedule == "interleaved_1f1b", settings.pp_stages_per_rank
+    if interleaved != (per_rank > 1):
+        message = f"pp_schedule={settings.pp_schedule} with pp_stages_per_rank={per_rank}: use "
+        fix = "interleaved_1f1b with 2 stages per rank or more, or gpipe or 1f1b with 1"
+        return [Problem(key="pp_schedule", message=message + fix)]
+    if dims.pp == 1:
+        return []
+    pp, train = f"pp={dims.pp}", settings.train
+    found = [
+        Problem(key=key, message=f"{pp} with {what} is not supported yet: use pp=1, or {instead}")
+        for key, (on, what, instead) in _pipeline_refusals(settings, dims, config).items()
+        if on
+    ]
+    stages = dims.pp * per_rank
+    if config.num_hidden_layers + 2 < stages:
+        message = (
+            f"{stages} pipeline stages need {stages - 2} decoder layers or more: the model has "
+        )
+        found.append(Problem(key="pp", message=message + f"{config.num_hidden_layers}"))
+    micro_batches = train.global_batch_size // (train.micro_batch_size * dims.dp)
+    fewer = settings.pp_schedule != "gpipe" and micro_batches < dims.pp
+    if fewer or (interleaved and micro_batches % dims.pp):
+        needs = f"a multiple of {pp}" if interleaved else f"{pp} or more"
+        message = f"pp_schedule={settings.pp_schedule} needs {needs} micro-batches per step, "
+        found.append(
+            Problem(
+                key="train.global_batch_size", message=message + f"this step has {micro_batches}"
+            )
+        )
+    return found
+
+
+def _pipeline_refusals(settings: Config, dims: ParallelDims, config) -> dict[str, tuple]:
+    """key: (refused with pp, what, what would work with pp)."""
+    train, model, peft = settings.train, settings.model, settings.peft.name
+    moe = bool(moe_patterns(config, model.experts, model.routers)[0])
+    interleaved = settings.pp_stages_per_rank > 1
+    return {
+        "cp": (dims.cp > 1, f"cp={dims.cp}", "cp=1"),
+        "ep": (dims.ep > 1, f"ep={dims.ep}", "ep=1"),
+        "model": (moe, "an MoE model", "a dense model"),
+        "peft": (peft != "none", f"peft={peft}", "peft=none"),
+        "train.compile": (train.compile, "train.compile=true", "train.compile=false"),
+        "train.val_every": (
+            train.val_every > 0,
+            f"train.val_every={train.val_every}",
+            "train.val_every=0",
+        ),
+        "dry_run": (settings.dry_run, "dry_run=true", "dry_run=false"),
+        "model.config": (
+            config.tie_word_embeddings,
+            "tied embeddings",
+            "model.config.tie_word_embeddings=false",
+        ),
+        "dp": (interleaved and dims.dp > 1, f"interleaved stages and dp={dims.dp}", "dp=1"),
+    }
 
 
 def with_tp_suggestion(found: list[Problem], config) -> list[Problem]:
@@ -566,11 +630,14 @@ def check(
     )
 
 
-def pad_multiple(sequence_parallel: bool, dims: ParallelDims, fp8: bool = False) -> int:
+def pad_multiple(sequence_parallel: bool, dims: ParallelDims, fp8: bool = False) -> int | None:
     """What a micro-batch's length is rounded up to: 8, and with sp an equal slice per TP rank, and
     with cp 2 × cp equal chunks (with sp too, a cp rank's share in tp slices); with ``fp8`` each
     rank's tokens a multiple of 16 (``torch._scaled_mm``'s inner dimension in the weight
-    gradient)."""
+    gradient); with pp None, every micro-batch ``train.seq_len`` long (the stages pass
+    activations of one fixed shape)."""
+    if dims.pp > 1:
+        return None
     tp = dims.tp if sequence_parallel else 1
     tokens = 16 * dims.cp if fp8 else 1
     return math.lcm(8 * tp, 2 * dims.cp if dims.cp > 1 else 1, dims.cp * tp, tokens)

@@ -51,6 +51,7 @@ def set_up(plan: RunPlan) -> Run:
     from components.debug.faults import install_faults
     from components.distributed.context_parallel import ContextParallel
     from components.distributed.mesh import build_device_mesh, data_parallel_mesh, dp_mesh
+    from components.distributed.pipeline import build_pipeline
     from components.distributed.tp_replicas import broadcast_tp_replicas
     from components.models.fp8 import fp8_scales_after_steps
     from components.models.parallelize import build_parallel_model
@@ -82,26 +83,25 @@ def set_up(plan: RunPlan) -> Run:
     watched = (model, plan.model.config, list(plan.model.experts), dp_mesh(mesh).get_group())
     experts = ExpertLoad.watch(*watched, plan.model.routers, plan.moe.routing_bias_rate)
     first_step = resume(plan.resume_from, model, optimizer, scheduler)  # the routing bias too
-    precision = precision_policy(plan.model.precision)  # the same policy the model was built with
-    data_parallel = dims.data_parallel > 1  # FSDP over dp × cp
+    precision, data_parallel = precision_policy(plan.model.precision), dims.data_parallel > 1
     compute = functools.partial(precision.autocast, device.type, data_parallel=data_parallel)
-    micro_batches = data.micro_batches_per_step
-    aux = router_aux_loss_weight(plan.model.config, micro_batches, dims.dp)
-    handles = dict(model=model, optimizer=optimizer, scheduler=scheduler)
+    pipeline = build_pipeline(model, mesh, compute, data, *plan.pipeline)  # None at pp=1
+    aux = router_aux_loss_weight(plan.model.config, data.micro_batches_per_step, dims.dp)
+    handles = dict(model=model, optimizer=optimizer, scheduler=scheduler, pipeline=pipeline)
     where = dict(rank=rank, device=device, mesh=mesh, cp=ContextParallel.of(mesh))
     steps = dict(data=data, val_data=val_data, first_step=first_step, compute=compute)
     readout = StepReadout(data_parallel_mesh(mesh).get_group(), device)  # the loss's dp × cp
     run = Run(**handles, **where, **steps, experts=experts, aux_loss_weight=aux, readout=readout)
     if plan.fault is not None:  # a resilience drill (docs/fault-injection.md)
         where = dict(rank=rank, world_size=dist.get_world_size(), first_step=first_step)
-        where |= dict(micro_batches_per_step=micro_batches)
+        where |= dict(micro_batches_per_step=data.micro_batches_per_step)
         run.before_commit = install_faults(plan.fault, model, optimizer, **where)
     return run
 
 
 def forward_backward_step(run: Run, plan: RunPlan, step: int) -> torch.Tensor:
     """The step function: forward and backward of step ``step``'s micro-batches, the summed loss
-    (float64). A pipeline schedule replaces it (``train(..., step_fn=...)``)."""
+    (float64). With pp the rank's pipeline replaces it (``train(..., step_fn=run.pipeline)``)."""
     from components.distributed.fsdp import set_gradient_sync
     from components.training.step import forward_backward_on_device  # reads the models' TP plans
 
@@ -136,8 +136,8 @@ def train_step(run: Run, plan: RunPlan, step: int, step_fn: StepFn = forward_bac
     loss_sum = step_fn(run, plan, step)
     finalize_dtensor_gradients([run.model])
     synchronize_tp_replica_gradients([run.model], run.mesh)  # its plan and buffers are reused
-    clip = plan.train.clip_grad_norm
-    norm = clip_grad_norm_([run.model], clip) if clip else grad_norm([run.model])
+    clip, parts, pp = plan.train.clip_grad_norm, [run.model], run.pipeline and run.pipeline.group
+    norm = clip_grad_norm_(parts, clip, across=pp) if clip else grad_norm(parts, across=pp)
     expert_counts = run.experts.end_step() if run.experts else None  # moves the routing bias
     stop = preemption.stop_requested() is not None  # agreed with the writer's flags, read once
     norm, loss_sum, peak, expert_rows = run.readout.read(norm, loss_sum, stop, expert_counts)
@@ -270,7 +270,7 @@ def rank_main(plan: RunPlan) -> str | None:
     beating = heartbeat.beating(plan.settings.hang_timeout_s)  # watched: launcher or torchrun peers
     with beating, disk_full_said_plainly(plan.output_dir, plan.train.max_steps):  # one line
         run = set_up(plan)
-        stopped, skipped = train(run, plan)
+        stopped, skipped = train(run, plan, run.pipeline or forward_backward_step)
         finish(run, plan, stopped is not None, skipped)
     return stopped
 

@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # heavy (datasets, DTensor): the checks import them when they
     from components.data.sources import DataSource
     from components.debug.faults import Fault
     from components.distributed.context_parallel import ContextParallel
+    from components.distributed.pipeline import Pipeline
     from components.models.fp8 import Fp8Options
     from components.models.lora import LoraOptions
     from components.models.parallelize import ModelSpec
@@ -91,6 +92,11 @@ class Settled:
         )
 
     @property
+    def pipeline(self) -> tuple[str, int]:
+        """The pipeline schedule and the stages each pp rank holds."""
+        return self.settings.pp_schedule, self.settings.pp_stages_per_rank
+
+    @property
     def seed(self) -> int:
         return self.settings.seed
 
@@ -132,7 +138,7 @@ class RunPlan(Settled):
     model: ModelSpec  # the Hugging Face config (vocabulary size included), weights, how to split
     tokenizer_dir: Path
     data: PreparedData  # the tokenized splits, prepared once, memory-mapped by the ranks
-    pad_multiple: int  # a micro-batch is padded to its longest row, rounded up to this multiple
+    pad_multiple: int | None  # a micro-batch padded to its longest row rounded up; None: seq_len
     resume_from: Path | None  # the checkpoint chosen before any rank started, or None
     run_id: str | None  # this run's id (checkpoints record it); None in a dry run
     # what checkpoints record and a resume must match (model shapes, optimizer, batch geometry)
@@ -178,4 +184,5 @@ class Run:
     aux_loss_weight: float  # of an MoE model's load-balancing loss (0: its config has none)
     cp: ContextParallel | None  # this rank's context-parallel group (None at cp=1)
     readout: StepReadout  # the step's values read on the host before the update, at once
+    pipeline: Pipeline | None = None  # this rank's pipeline stage and schedule (pp > 1)
     before_commit: Callable[[Path], None] | None = None  # the writer's callback (a drill's)

@@ -143,6 +143,7 @@ def model_spec(settings: Config, config, weights: Path | None) -> ModelSpec:
         activation_checkpointing=train.activation_checkpointing,
         compile=train.compile,
         shard_experts=settings.moe.shard_experts,
+        pp_stages_per_rank=settings.pp_stages_per_rank,
     )
 
 

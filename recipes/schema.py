@@ -27,6 +27,7 @@ ON_NONFINITE = ("stop", "skip")
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")  # components.checkpoint.export's names
 EXPERT_LOADS = ("layers", "experts")
 MODEL_SOURCES = ("smollm2",)
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")  # components/distributed/pipeline.py
 
 
 def one_of(values: tuple[str, ...], null: str | None = None) -> str:
@@ -278,6 +279,13 @@ class Config(Section):
     dp_shard: PositiveInt | None = key(
         "null (dp / dp_replicate) or a positive integer, e.g. dp_shard=2"
     )
+    # pipeline-parallel size: the decoder layers cut into pp stages, one per rank (world = pp × dp
+    # × cp × tp)
+    pp: PositiveInt = key("a positive integer, e.g. pp=2")
+    # how the step's micro-batches flow through the stages
+    pp_schedule: Literal[PIPELINE_SCHEDULES] = key(one_of(PIPELINE_SCHEDULES))
+    # model stages each pipeline rank holds (2 or more: interleaved_1f1b)
+    pp_stages_per_rank: PositiveInt = key("a positive integer, e.g. pp_stages_per_rank=2")
     # sequence parallelism on the TP ranks
     sp: bool = key("true or false")
     # expert-parallel size for MoE models

@@ -224,10 +224,36 @@ def _entries(
     ]
 
 
-def _plan_parts(entries: list[_Entry], world_size: int, max_shard_bytes: int) -> list[_Part]:
+def _every_ranks_entries(entries: list[_Entry]) -> tuple[list[_Entry], dict[str, set] | None]:
+    """Every rank's ``entries`` in one list (in rank order, each name once), and the ranks holding
+    each, from one exchange; None for the holders when every rank holds every tensor (no pipeline
+    stages: the model whole on each rank, or sharded over all of them)."""
+    rank, world = rank_and_world()
+    if world == 1:
+        return entries, None
+    every: list = [None] * world
+    dist.all_gather_object(every, entries)
+    union: dict[str, _Entry] = {}
+    holders: dict[str, set] = {}
+    for other, held in enumerate(every):
+        for entry in held:
+            union.setdefault(entry.name, entry)
+            holders.setdefault(entry.name, set()).add(other)
+    if all(len(ranks) == world for ranks in holders.values()):
+        return entries, None
+    return list(union.values()), holders
+
+
+def _plan_parts(
+    entries: list[_Entry],
+    world_size: int,
+    max_shard_bytes: int,
+    holders: dict[str, set] | None = None,
+) -> list[_Part]:
     """Which rank writes which tensor into which file; the same on every rank (no communication).
 
-    Largest tensor first, each to the rank with the fewest bytes so far (the lowest rank on a tie);
+    Largest tensor first, each to the rank with the fewest bytes so far (the lowest rank on a tie)
+    among the ranks that hold it (``holders``: name -> ranks; None: all of them);
     a rank's tensors keep the gather order and are split into files of at most ``max_shard_bytes``
     (a bigger tensor gets a file of its own). Files are numbered rank by rank; a lone file is
     ``model.safetensors``.
@@ -235,7 +261,9 @@ def _plan_parts(entries: list[_Entry], world_size: int, max_shard_bytes: int) ->
     owned: list[list[int]] = [[] for _ in range(world_size)]
     load = [0] * world_size
     for index in sorted(range(len(entries)), key=lambda i: (-entries[i].nbytes, i)):
-        rank = min(range(world_size), key=lambda r: (load[r], r))
+        name = entries[index].name
+        ranks = range(world_size) if holders is None else sorted(holders[name])
+        rank = min(ranks, key=lambda r: (load[r], r))
         owned[rank].append(index)
         load[rank] += entries[index].nbytes
     chunks: list[tuple[int, list[_Entry]]] = []
@@ -342,7 +370,7 @@ def _boxes(state: dict[str, torch.Tensor], entries: list[_Entry]) -> dict[str, l
     rank, world = rank_and_world()
     local = {}
     for entry in entries:
-        tensor = state[entry.name]
+        tensor = state.get(entry.name)  # None: another pipeline stage's
         if isinstance(tensor, DTensor) and tensor.ndim > 0:
             shape, offset = compute_local_shape_and_global_offset(
                 tensor.shape, tensor.device_mesh, tensor.placements
@@ -433,6 +461,8 @@ def _write_parts(
     writers: dict[int, _PartWriter] = {}
     failure: Exception | None = None
     for entry in entries:
+        if entry.name not in state:  # another pipeline stage's: its ranks exchange it
+            continue
         tensor = state[entry.name].detach()
         owner = owner_of[entry.name]
         if entry.name in boxes:
@@ -541,9 +571,9 @@ def export_hf(
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))
     ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or ())  # as save_pretrained
     state = {name: tensor for name, tensor in state.items() if name not in ignored}
-    entries = _entries(state, duplicates, dtype)
+    entries, holders = _every_ranks_entries(_entries(state, duplicates, dtype))
     rank, world = rank_and_world()
-    parts = _plan_parts(entries, world, parse_size_to_int(max_shard_size))
+    parts = _plan_parts(entries, world, parse_size_to_int(max_shard_size), holders)
     config = copy.deepcopy(config)
     config.dtype = dtype
     if not getattr(config, "architectures", None) and (architecture := _architecture(model)):

@@ -179,8 +179,12 @@ def _local_norms(grads: list[torch.Tensor], norm_type: float) -> list[torch.Tens
 
 
 @torch.no_grad()
-def grad_norm(model_parts: list[nn.Module], norm_type: float = 2.0) -> torch.Tensor:
+def grad_norm(
+    model_parts: list[nn.Module], norm_type: float = 2.0, across: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """The global gradient norm, equal on every rank, as if the whole model were on one device.
+    ``across``: the group of ranks that hold the other parts of the model (pipeline stages, each
+    parameter on one of them), over which the norms combine too.
 
     ``norm_type`` is any p > 0 or ``inf``; each tensor's norm is accumulated in float64 (one
     ``torch._foreach_norm``) and so is the sum. Call after finalisation and the replica sync; the
@@ -193,6 +197,7 @@ def grad_norm(model_parts: list[nn.Module], norm_type: float = 2.0) -> torch.Ten
     if not _any_dtensor(trainable):  # plain tensors: full copies on every rank, nothing to reduce
         present = [g for g in grads if g is not None]
         total = _reduce_norms(_local_norms(present, norm_type), norm_type, device)
+        total = _combined(total, norm_type, across)
         return total if norm_type == math.inf else total.pow(1.0 / norm_type)
     is_inf = norm_type == math.inf
     locals_: dict[tuple, list[torch.Tensor]] = {}
@@ -218,21 +223,36 @@ def grad_norm(model_parts: list[nn.Module], norm_type: float = 2.0) -> torch.Ten
             value = wire.reshape(())
         totals.append(value)
     stacked = torch.stack(totals)
-    return stacked.max() if is_inf else stacked.sum().pow(1.0 / norm_type)
+    total = _combined(stacked.max() if is_inf else stacked.sum(), norm_type, across)
+    return total if is_inf else total.pow(1.0 / norm_type)
+
+
+def _combined(total: torch.Tensor, norm_type: float, across: dist.ProcessGroup | None):
+    """This rank's max (inf) or sum of p-th powers combined with ``across``'s ranks' (None: as
+    it is)."""
+    if across is None:
+        return total
+    op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
+    wire = total.reshape(1).clone()
+    dist.all_reduce(wire, op=op, group=across)
+    return wire.reshape(())
 
 
 @torch.no_grad()
 def clip_grad_norm_(
-    model_parts: list[nn.Module], max_norm: float, norm_type: float = 2.0
+    model_parts: list[nn.Module],
+    max_norm: float,
+    norm_type: float = 2.0,
+    across: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Scale all gradients so their global norm is at most ``max_norm``; return the norm before
     clipping (on the device, unread: the coefficient is computed and applied there, so clipping
-    never waits for the device).
+    never waits for the device); ``across``: as in :func:`grad_norm`.
 
     The coefficient is ``max_norm / (norm + 1e-6)`` in float64, used where below 1 and 1 otherwise
     (a non-finite norm's NaN too, as Python's ``min(1.0, nan)``); multiplying by 1 changes no
     finite gradient, so an unclipped step's gradients are bit-for-bit the unscaled ones."""
-    total = grad_norm(model_parts, norm_type)
+    total = grad_norm(model_parts, norm_type, across)
     limit = torch.full((), max_norm, dtype=torch.float64, device=total.device)
     ratio = limit / (total + 1e-6)  # a true division, as the float arithmetic it replaces
     coefficient = torch.where(ratio < 1.0, ratio, torch.ones_like(ratio))

@@ -1,6 +1,6 @@
 """The device mesh: ``("dp", "tp")`` with tp innermost (``("dp", "cp", "tp")`` with context
-parallelism; ``("dp_replicate", "dp_shard", "tp")`` with HSDP, ``dp`` its flattened pair), and the
-MoE view ``("ep_shard", "ep")``.
+parallelism; ``("dp_replicate", "dp_shard", "tp")`` with HSDP, ``dp`` its flattened pair; ``pp``
+outermost with pipeline parallelism), and the MoE view ``("ep_shard", "ep")``.
 
 Tensor parallelism talks the most, so its ranks are adjacent (innermost: on one node, on NVLink),
 then the cp ranks that split one sequence. The data-parallel view is :func:`data_parallel_mesh`:
@@ -14,6 +14,7 @@ adjacent ranks (inside one TP group when ``ep`` divides ``tp``, else spanning se
 from dataclasses import dataclass
 from datetime import timedelta
 
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
@@ -29,6 +30,7 @@ class ParallelDims:
     ep: int = 1
     cp: int = 1
     dp_replicate: int = 1  # HSDP: dp = dp_replicate × dp_shard; FSDP shards within dp_shard
+    pp: int = 1  # pipeline stages' ranks, outermost: world = pp × dp × cp × tp
 
     @property
     def dp_shard(self) -> int:
@@ -53,6 +55,7 @@ def resolve_parallel_dims(
     cp: int = 1,
     dp_replicate: int = 1,
     dp_shard: int | None = None,
+    pp: int = 1,
 ) -> ParallelDims:
     """Check the sizes and infer ``dp`` when it is None; every problem is reported at once.
 
@@ -62,7 +65,7 @@ def resolve_parallel_dims(
     """
     errors = []
     sizes = (("world size", world_size), ("tp", tp), ("dp", dp), ("ep", ep), ("cp", cp))
-    sizes += (("dp_replicate", dp_replicate), ("dp_shard", dp_shard))
+    sizes += (("dp_replicate", dp_replicate), ("dp_shard", dp_shard), ("pp", pp))
     for name, value in sizes:
         if value is not None and (
             not isinstance(value, int) or isinstance(value, bool) or value < 1
@@ -72,6 +75,8 @@ def resolve_parallel_dims(
         raise ValueError("; ".join(errors))
     dp, errors = _hybrid_dp(dp, dp_replicate, dp_shard, cp)
     inner, named = cp * tp, f"tp={tp}" if cp == 1 else f"cp={cp} × tp={tp}"
+    if pp > 1:
+        inner, named = pp * inner, f"pp={pp} × {named}"
     if world_size % inner:
         errors.append(f"world size {world_size} is not divisible by {named}")
     elif dp is None:
@@ -86,7 +91,7 @@ def resolve_parallel_dims(
     if errors:
         raise ValueError("; ".join(errors))
     return ParallelDims(
-        world_size=world_size, dp=dp, tp=tp, ep=ep, cp=cp, dp_replicate=dp_replicate
+        world_size=world_size, dp=dp, tp=tp, ep=ep, cp=cp, dp_replicate=dp_replicate, pp=pp
     )
 
 
@@ -109,28 +114,42 @@ def _hybrid_dp(
     return dp, errors
 
 
+def mesh_layout(dims: ParallelDims) -> tuple[tuple[str, int], ...]:
+    """The mesh's dimensions as data, outermost first: ``pp`` (when > 1), then ``dp`` (with HSDP
+    ``dp_replicate``, ``dp_shard``), ``cp`` (when > 1), ``tp`` innermost (TP groups are adjacent
+    ranks)."""
+    pipeline = (("pp", dims.pp),) if dims.pp > 1 else ()
+    if dims.dp_replicate > 1:
+        data = (("dp_replicate", dims.dp_replicate), ("dp_shard", dims.dp_shard))
+    else:
+        data = (("dp", dims.dp),)
+    context = (("cp", dims.cp),) if dims.cp > 1 else ()
+    return (*pipeline, *data, *context, ("tp", dims.tp))
+
+
 def build_device_mesh(
     dims: ParallelDims, device_type: str, timeout: timedelta | None = None
 ) -> DeviceMesh:
-    """The ``("dp", "tp")`` mesh over all ranks, tp innermost (TP groups are adjacent ranks), or
-    with ``dims.cp > 1`` ``("dp", "cp", "tp")`` and its flattened ``dp_cp`` (made here, at the same
-    moment on every rank, as its process group must be); its groups time out after ``timeout``
-    (the run's ``collective_timeout_minutes``). With ``dims.dp_replicate > 1`` (HSDP) the mesh is
-    ``("dp_replicate", "dp_shard", "tp")`` and :func:`dp_mesh` their flattened pair (the data
-    loader's rank and every sum over the batch, as ``mesh["dp"]`` without HSDP)."""
-    if dims.dp_replicate > 1:
-        shape = (dims.dp_replicate, dims.dp_shard, dims.tp)
-        names = ("dp_replicate", "dp_shard", "tp")
-        mesh = _with_timeout(init_device_mesh(device_type, shape, mesh_dim_names=names), timeout)
-        _with_timeout(dp_mesh(mesh), timeout)
-        return mesh
-    if dims.cp == 1:
-        shape, names = (dims.dp, dims.tp), ("dp", "tp")
-        return _with_timeout(init_device_mesh(device_type, shape, mesh_dim_names=names), timeout)
-    shape, names = (dims.dp, dims.cp, dims.tp), ("dp", "cp", "tp")
+    """The mesh over all ranks, its dimensions :func:`mesh_layout`'s (``("dp", "tp")``;
+    ``("pp", "dp_replicate", "dp_shard", "cp", "tp")`` at most), and the flattened views made here,
+    at the same moment on every rank, as their process groups must be: :func:`dp_mesh` with HSDP,
+    :func:`data_parallel_mesh` with cp. Its groups time out after ``timeout`` (the run's
+    ``collective_timeout_minutes``)."""
+    layout = mesh_layout(dims)
+    shape, names = tuple(size for _, size in layout), tuple(name for name, _ in layout)
     mesh = _with_timeout(init_device_mesh(device_type, shape, mesh_dim_names=names), timeout)
-    _with_timeout(data_parallel_mesh(mesh), timeout)
+    if dims.dp_replicate > 1:
+        _with_timeout(dp_mesh(mesh), timeout)
+    if dims.cp > 1:
+        _with_timeout(data_parallel_mesh(mesh), timeout)
     return mesh
+
+
+def pipeline_group(mesh: DeviceMesh) -> ProcessGroup | None:
+    """The group of this rank's pipeline stages (``mesh["pp"]``), or None without one."""
+    if "pp" not in (mesh.mesh_dim_names or ()):
+        return None
+    return mesh["pp"].get_group()
 
 
 def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:

@@ -1,9 +1,10 @@
 """Build the model a rank trains, in the one fixed order every parallelism needs.
 
-    weights in the precision's dtype (seeded, or on the meta device) -> TP plan (+ bf16 casts ahead
-    of its gathers) -> expert parallelism -> load this rank's slices -> compile and activation
-    checkpointing per block -> FSDP over dp (dp × cp) with the precision's mixed-precision policy
-    -> with cp > 1, the context-parallel attention
+    weights in the precision's dtype (seeded, or on the meta device) -> converted (LoRA) -> with
+    pp, this rank's pipeline stage kept -> TP plan (+ bf16 casts ahead of its gathers) -> expert
+    parallelism -> load this rank's slices -> compile and activation checkpointing per block ->
+    FSDP over dp (dp × cp) with the precision's mixed-precision policy -> with cp > 1, the
+    context-parallel attention
 
 Each step is its own component (``tp_plan``, ``moe``, ``load``, ``fsdp``); this module only fixes
 their order, so the recipe makes one call.
@@ -22,6 +23,7 @@ from transformers import PretrainedConfig
 from components.distributed.context_parallel import enable_context_parallel
 from components.distributed.fsdp import shard_data_parallel
 from components.distributed.mesh import ParallelDims, build_moe_mesh, fsdp_mesh
+from components.distributed.pipeline import keep_rank_stage, stage_plan
 from components.distributed.tp_dropout import has_dropout, shard_dropout_masks
 from components.distributed.tp_plan import PlanReport, apply_tp_plan
 from components.models.build import build_causal_lm, meta_causal_lm
@@ -52,6 +54,7 @@ class ModelSpec:
     activation_checkpointing: str  # none | full | selective
     compile: bool  # torch.compile each decoder block
     shard_experts: bool = False  # moe.shard_experts: expert weights also Shard(1) over ep_shard
+    pp_stages_per_rank: int = 1  # pipeline stages each pp rank holds (interleaved schedules: 2+)
 
 
 def build_parallel_model(
@@ -73,9 +76,12 @@ def build_parallel_model(
     else:  # nothing allocated until each rank loads its own shards
         model = meta_causal_lm(spec.config, dtype=policy.param_dtype)
     model = convert(model) if convert is not None else model
+    if dims.pp > 1:  # this rank's pipeline stage alone, its parameters named as in the whole
+        model = keep_rank_stage(model, mesh, spec.pp_stages_per_rank)
     report = None
     if dims.tp > 1:
         plan = plan_for(spec.config, spec.sequence_parallel, model)
+        plan = stage_plan(plan, model) if dims.pp > 1 else plan  # this stage's modules' entries
         moe_modules = (*spec.experts, *spec.routers)
         report = apply_tp_plan(
             model, mesh["tp"], plan, spec.config, spec.sequence_parallel, moe_modules

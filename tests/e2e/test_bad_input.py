@@ -72,6 +72,7 @@ CASES: dict[str, tuple[list[str], str]] = {
         ["peft=lora", "peft.target_modules=[lm_head]", "tp=2"],
         "lm_head (LoRALinear) can be split only as ('colwise', 'rowwise'), not 'vocab_parallel'",
     ),
+    "pp with cp": (["pp=2", "cp=2"], "pp=2 with cp=2 is not supported yet: use pp=1, or cp=1"),
     "ep on one process": (
         ["model=qwen3_moe", "ep=2"],
         "world size 1 is not divisible by ep=2; start 2 processes here with nproc=2, or use "

@@ -1,0 +1,250 @@
+"""Pipeline parallelism over ``torch.distributed.pipelining``: a Hugging Face causal LM cut into
+stages at its decoder layers, one stage per rank of the mesh's ``pp`` dimension (or several, looped,
+under the interleaved schedule).
+
+The first stage holds the embedding, the last the final norm and ``lm_head``; the decoder layers are
+shared out with the embedding and the head each weighed as one more layer. A stage is the whole
+model with what it does not hold removed: its parameters keep their original names
+(``model.layers.5.mlp.up_proj.weight``), so TP plans, FSDP, DCP checkpoints and resumes across
+layouts see the names they always see. The step's micro-batches are the schedule's (GPipe, 1F1B,
+interleaved 1F1B); the loss is each micro-batch's token sum over the global token count (grads
+are not scaled again by the number of micro-batches), computed on the last stage.
+"""
+
+import copy
+import fnmatch
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from components.distributed.tp_plan import cross_entropy_sum
+
+# torch.distributed.pipelining's schedule classes by name: one stage per rank, or several
+SINGLE = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+MULTI = {"interleaved_1f1b": "ScheduleInterleaved1F1B"}
+
+
+def stage_layers(num_layers: int, stages: int) -> list[range]:
+    """The decoder layers of each of ``stages`` stages, in order: ``num_layers + 2`` units (the
+    embedding, the layers, the norm and head) shared out as evenly as they go, the first stages
+    taking one more when they do not divide; the embedding is the first stage's, the head the
+    last's.
+
+    Raises:
+        ValueError: fewer units than stages.
+    """
+    units = num_layers + 2
+    if units < stages:
+        raise ValueError(
+            f"{stages} pipeline stages need at least {stages - 2} decoder layers, the model has "
+            f"{num_layers}"
+        )
+    sizes = [units // stages + (stage < units % stages) for stage in range(stages)]
+    bounds = [sum(sizes[:stage]) for stage in range(stages + 1)]
+    return [
+        range(max(start - 1, 0), min(end - 1, num_layers))
+        for start, end in zip(bounds, bounds[1:], strict=False)
+    ]
+
+
+class StageLayers(nn.ModuleList):
+    """A stage's decoder layers, named by their indices in the whole model (``5``, ``6``), read by
+    position (``[0]`` is the stage's first)."""
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return super().__getitem__(index)
+        return list(self._modules.values())[index]
+
+
+def keep_stage(model: nn.Module, layers: list[int], first: bool, last: bool) -> nn.Module:
+    """Remove from ``model`` (in place) what a rank's stages do not hold: the decoder layers not in
+    ``layers``, the embedding unless ``first``, the final norm and ``lm_head`` unless ``last`` (each
+    then an identity). The kept layers keep their indices as names; the model's own forward runs
+    the stage (``inputs_embeds`` in, and out of an identity head the hidden states)."""
+    decoder = model.get_decoder()
+    kept = StageLayers()
+    for index in layers:
+        kept.add_module(str(index), decoder.layers[index])
+    decoder.layers = kept
+    if not first:
+        decoder.embed_tokens = None
+    if not last:
+        decoder.norm = nn.Identity()
+        model.lm_head = nn.Identity()
+    return model
+
+
+class StageModule(nn.Module):
+    """What a pipeline stage calls: the (kept) model's forward on token ids (the first stage) or
+    hidden states, with the step's ``position_ids``, under the precision's ``compute`` context; the
+    logits, or the hidden states for the next stage. Checkpoints save the model itself, never
+    this wrapper (whose names carry a ``model.`` prefix)."""
+
+    def __init__(
+        self, model: nn.Module, first: bool, compute: Callable[[], AbstractContextManager]
+    ):
+        super().__init__()
+        self.model = model
+        self.inputs, self.compute = ("input_ids" if first else "inputs_embeds"), compute
+
+    def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        with self.compute():
+            outputs = self.model(
+                **{self.inputs: inputs}, position_ids=position_ids, use_cache=False
+            )
+        return outputs.logits
+
+
+class Pipeline:
+    """This rank's stage of a pipelined model and its schedule: :meth:`forward_backward` runs one
+    step's micro-batches through every stage and accumulates the gradients; called as the recipe's
+    step function (``run``, ``plan``, ``step``), on ``run.data``'s batches of ``step``."""
+
+    def __init__(
+        self,
+        modules: dict[int, nn.Module],
+        stages: int,
+        group: ProcessGroup,
+        schedule: str,
+        micro_batches: int,
+        compute: Callable[[], AbstractContextManager],
+        mesh: DeviceMesh,
+    ):
+        """``modules``: this rank's stages (index -> the module that runs it) of ``stages``."""
+        from torch.distributed import pipelining  # asks for CUDA when imported: in the ranks only
+
+        self.first, self.last, self.group = 0 in modules, stages - 1 in modules, group
+        self.compute, self.sums, self.global_tokens = compute, [], 1
+        self.micro_batches = micro_batches
+        # a DTensor sent between stages (sequence-parallel activations) names its mesh by its dims
+        get_mesh = lambda names, _layout: mesh[names]  # noqa: E731
+        self.stages = [
+            pipelining.PipelineStage(
+                StageModule(module, index == 0, compute),
+                index,
+                stages,
+                next(module.parameters()).device,
+                group=group,
+                get_mesh=get_mesh,
+            )
+            for index, module in modules.items()
+        ]
+        # the loss on every stage: torch reads "no loss" as "no backward"
+        if schedule in MULTI:
+            schedule_class, stages_ = getattr(pipelining, MULTI[schedule]), self.stages
+        else:
+            schedule_class, stages_ = getattr(pipelining, SINGLE[schedule]), self.stages[0]
+        self.schedule = schedule_class(stages_, micro_batches, self._loss, scale_grads=False)
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """One micro-batch's loss (the last stage's): its token sum over the step's global count,
+        the sum kept for the step's readout."""
+        with self.compute():
+            loss_sum = cross_entropy_sum(logits, labels, False)
+        whole = loss_sum.full_tensor() if isinstance(loss_sum, DTensor) else loss_sum
+        self.sums.append(whole.detach().to(torch.float64))
+        return loss_sum / self.global_tokens
+
+    def __call__(self, run, plan, step: int) -> torch.Tensor:
+        """The step function: step ``step``'s micro-batches of ``run.data`` (a ``StepBatches``),
+        stacked, through :meth:`forward_backward`. ``plan``: unused, the signature's."""
+        batches = run.data.batches_for_step(step)
+        names = ("input_ids", "labels", "position_ids")
+        stacked = [torch.cat([getattr(batch, name) for batch in batches]) for name in names]
+        tensors = [tensor.to(run.device) for tensor in stacked]
+        return self.forward_backward(*tensors, run.data.labels_in_step(step))
+
+    def forward_backward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        position_ids: torch.Tensor,
+        global_tokens: int,
+    ) -> torch.Tensor:
+        """One step: ``input_ids``, ``labels`` and ``position_ids`` are the step's micro-batches
+        stacked (the schedule splits them back, in order); ``global_tokens`` the labelled tokens
+        of the global batch. Returns the step's summed token loss (float64), the same on every
+        stage (one sum over the ``pp`` group)."""
+        self.sums, self.global_tokens = [], global_tokens
+        inputs = (input_ids,) if self.first else ()
+        target = labels if self.last else None
+        with loss_parallel():  # the backward of a vocab-parallel loss runs inside it too
+            self.schedule.step(*inputs, target=target, position_ids=position_ids)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=input_ids.device)
+        if self.sums:  # the first step's shape inference runs the loss once more, first
+            loss_sum += torch.stack(self.sums[-self.micro_batches :]).sum()
+        dist.all_reduce(loss_sum, group=self.group)  # the last stage's, on every stage
+        return loss_sum
+
+
+def rank_stages(rank: int, ranks: int, stages_per_rank: int) -> list[int]:
+    """The stages pipeline rank ``rank`` of ``ranks`` holds: ``rank``, ``rank + ranks``, ... (the
+    looped order of interleaved schedules)."""
+    return [rank + ranks * round_ for round_ in range(stages_per_rank)]
+
+
+def keep_rank_stage(model: nn.Module, mesh: DeviceMesh, stages_per_rank: int = 1) -> nn.Module:
+    """:func:`keep_stage` for this rank's stages (its coordinate on ``mesh["pp"]``)."""
+    rank, ranks = mesh["pp"].get_local_rank(), mesh["pp"].size()
+    stages, count = rank_stages(rank, ranks, stages_per_rank), ranks * stages_per_rank
+    cut = stage_layers(len(model.get_decoder().layers), count)
+    layers = [layer for stage in stages for layer in cut[stage]]
+    return keep_stage(model, layers, first=0 in stages, last=count - 1 in stages)
+
+
+def stage_view(model: nn.Module, layers: range, first: bool, last: bool) -> nn.Module:
+    """One of a rank's several stages: a shallow copy of the kept ``model`` (and its decoder) that
+    runs only ``layers`` (the embedding if ``first``, the norm and head if ``last``), its modules
+    and parameters the model's own, shared."""
+    decoder = model.get_decoder()
+    view, inner = copy.copy(model), copy.copy(decoder)
+    view._modules, inner._modules = dict(model._modules), dict(decoder._modules)
+    kept = StageLayers()
+    for index in layers:
+        kept.add_module(str(index), decoder.layers._modules[str(index)])
+    inner._modules["layers"] = kept
+    inner._modules["embed_tokens"] = decoder.embed_tokens if first else None
+    inner._modules["norm"] = decoder.norm if last else nn.Identity()
+    view._modules["lm_head"] = model.lm_head if last else nn.Identity()
+    view._modules[next(n for n, m in model.named_children() if m is decoder)] = inner
+    return view
+
+
+def build_pipeline(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    compute: Callable[[], AbstractContextManager],
+    data,
+    schedule: str,
+    stages_per_rank: int = 1,
+) -> Pipeline | None:
+    """This rank's :class:`Pipeline` over ``mesh["pp"]``, ``model`` its kept (and parallelised)
+    stages (each then run by a :func:`stage_view` of it when there are several), ``data`` the run's
+    ``StepBatches`` (their micro-batches per step are the schedule's); None when the mesh has no
+    ``pp`` dimension."""
+    if "pp" not in (mesh.mesh_dim_names or ()):
+        return None
+    pp = mesh["pp"]
+    stages = rank_stages(pp.get_local_rank(), pp.size(), stages_per_rank)
+    count = pp.size() * stages_per_rank
+    modules = {stages[0]: model}
+    if stages_per_rank > 1:
+        cut = stage_layers(int(model.config.num_hidden_layers), count)
+        modules = {i: stage_view(model, cut[i], i == 0, i == count - 1) for i in stages}
+    where = (count, pp.get_group(), schedule, data.micro_batches_per_step, compute, mesh)
+    return Pipeline(modules, *where)
+
+
+def stage_plan(plan: dict[str, str], model: nn.Module) -> dict[str, str]:
+    """The entries of a TP ``plan`` (pattern -> style) that name a module this stage holds: the
+    embedding's only on the first stage, the norm's and the head's only on the last."""
+    names = [name for name, module in model.named_modules() if not isinstance(module, nn.Identity)]
+    return {pattern: style for pattern, style in plan.items() if fnmatch.filter(names, pattern)}

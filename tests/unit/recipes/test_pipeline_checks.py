@@ -1,0 +1,76 @@
+"""The pp keys' checks: each layout pipeline parallelism does not compose with yet is one problem
+that says so, before any rank starts; a layout that fits has none."""
+
+import pytest
+
+from components.models import tiny_config
+from recipes.checks import check_sizes, compose, pipeline_problems
+from recipes.schema import validate
+
+FITS = ["pp=2", "train.val_every=0"]
+
+
+def problems_of(overrides: list[str], family: str = "llama", **sizes) -> list[str]:
+    settings = validate(compose([f"model={family}", *overrides]))
+    dims, found = check_sizes(settings, "cpu")
+    found += pipeline_problems(settings, dims, tiny_config(family, **sizes))
+    return [f"{problem.key}: {problem.message}" for problem in found]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["cp=2"], "cp: pp=2 with cp=2 is not supported yet: use pp=1, or cp=1"),
+        (["peft=lora"], "peft: pp=2 with peft=lora is not supported yet"),
+        (["train.compile=true"], "train.compile: pp=2 with train.compile=true is not supported"),
+        (["train.val_every=5"], "train.val_every: pp=2 with train.val_every=5 is not supported"),
+        (["dry_run=true"], "dry_run: pp=2 with dry_run=true is not supported yet"),
+        (["pp=4", "pp_schedule=gpipe"], "pp: 4 pipeline stages need 2 decoder layers or more"),
+        (
+            ["train.global_batch_size=8", "train.micro_batch_size=8"],
+            "train.global_batch_size: pp_schedule=1f1b needs pp=2 or more micro-batches per step, "
+            "this step has 1",
+        ),
+        (
+            ["pp_schedule=interleaved_1f1b"],
+            "pp_schedule: pp_schedule=interleaved_1f1b with pp_stages_per_rank=1: use "
+            "interleaved_1f1b with 2 stages per rank or more, or gpipe or 1f1b with 1",
+        ),
+        (
+            [
+                "pp_schedule=interleaved_1f1b",
+                "pp_stages_per_rank=2",
+                "train.global_batch_size=12",
+                "train.micro_batch_size=4",
+            ],
+            "pp_schedule=interleaved_1f1b needs a multiple of pp=2 micro-batches per step, this "
+            "step has 3",
+        ),
+        (
+            [
+                "pp_schedule=interleaved_1f1b",
+                "pp_stages_per_rank=2",
+                "dp=2",
+                "train.micro_batch_size=2",
+            ],
+            "dp: pp=2 with interleaved stages and dp=2 is not supported yet: use pp=1, or dp=1",
+        ),
+    ],
+)
+def test_what_pp_does_not_compose_with_is_one_problem(overrides, expected):
+    layers = 1 if "pp=4" in overrides else 2
+    found = problems_of([*FITS, *overrides], num_hidden_layers=layers)
+    assert len(found) == 1 and expected in found[0], found
+
+
+def test_pp_refuses_moe_models_and_tied_embeddings():
+    (moe,) = problems_of(FITS, "qwen3_moe")
+    assert moe == "model: pp=2 with an MoE model is not supported yet: use pp=1, or a dense model"
+    (tied,) = problems_of(FITS, tie_word_embeddings=True)
+    assert "pp=2 with tied embeddings is not supported yet: use pp=1, or model.config.tie" in tied
+
+
+def test_layouts_that_fit_have_no_problem():
+    assert problems_of(FITS) == []
+    assert problems_of([*FITS, "pp_schedule=gpipe", "train.micro_batch_size=8"]) == []
+    assert problems_of([*FITS, "tp=2", "dp=2", "train.micro_batch_size=4"]) == []
