@@ -10,6 +10,11 @@ the command line, launching, restarts and exit statuses: ``components/runtime``.
 
 from __future__ import annotations  # the annotations below name classes imported only when needed
 
+from components.runtime.malloc import exec_with_malloc_settings
+
+if __name__ == "__main__":  # before torch is imported: glibc reads its malloc settings at exec
+    exec_with_malloc_settings()
+
 import functools
 import math
 import sys
