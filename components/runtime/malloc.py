@@ -1,20 +1,13 @@
 """glibc's malloc settings for the recipe's processes, so that a CPU rank's resident memory reads
-as its live bytes (docs/design-notes.md, the memory model; docs/benchmarks-history.md section 20).
+as its live bytes (why: docs/design-notes.md; measured: docs/benchmarks-history.md section 20).
 
-With glibc's defaults a CPU rank's peak RSS sits 0.4-0.8 GiB above its live bytes: the runtime's
-small objects (autograd nodes, tensor headers, Python's larger objects) are carved out of freed
-tensor blocks, and once freed they wait in the per-thread cache (tcache) and the fast bins, which
-never coalesce, so the blocks around them cannot merge and be reused by the next tensor. With both
-off (``tcache_count=0``, ``mxfast=0``) a freed small chunk coalesces at once. Setting a malloc
-tunable turns glibc's dynamic mmap threshold off, so the threshold is set to that rule's ceiling
-(32 MiB, where it settles in a training step anyway) and the trim threshold to 1 GiB, so the top of
-the heap stays resident from step to step instead of being returned and faulted in again.
-
-glibc reads ``GLIBC_TUNABLES`` once, when a process starts, so the recipe's command executes itself
-again, once, with them added (before torch is imported; forked ranks inherit the settings). A
-``GLIBC_TUNABLES`` that already sets any ``glibc.malloc`` tunable, or a ``MALLOC_*`` variable, is
-the user's choice and is left as it is (``GLIBC_TUNABLES=glibc.malloc.tcache_count=7``: glibc's
-defaults). Other C libraries (musl, macOS) are left alone.
+glibc's per-thread cache and fast bins off (freed small chunks coalesce at once instead of pinning
+freed tensor blocks), and, since setting a malloc tunable turns the dynamic mmap threshold off, the
+threshold at that rule's ceiling (32 MiB) and the trim threshold at 1 GiB. glibc reads
+``GLIBC_TUNABLES`` only when a process starts, so the recipe's command executes itself again, once,
+with them added, before torch is imported (forked ranks inherit them). A ``GLIBC_TUNABLES`` that
+sets any ``glibc.malloc`` tunable, or a ``MALLOC_*`` variable, is the user's choice and is kept
+(``GLIBC_TUNABLES=glibc.malloc.tcache_count=7``: glibc's defaults); other C libraries: left alone.
 """
 
 import os
