@@ -7,18 +7,20 @@ Each configuration runs twice through the real command line, one after the other
 The shape is the issue's: a Llama built from its config with hidden 768, 8 layers, seq 1024,
 micro-batch 4 (no accumulation), tp 1 and 2 × activation checkpointing none and full × fp32 and
 bf16-mixed. The data is a JSONL file written here of records longer than ``seq_len``, so every row
-is full (the plan's tokens are micro-batch × seq_len). ``OMP_NUM_THREADS=1``, and glibc's mmap
-threshold fixed at 64 KiB (``MALLOC_MMAP_THRESHOLD_``; ``--default-malloc``: glibc's dynamic one,
-whose freed heap blocks stay resident and make the RSS creep up step by step, design-notes.md).
-Every output under a temporary folder. Goal: predicted within 20 % of measured, every row.
+is full (the plan's tokens are micro-batch × seq_len). ``OMP_NUM_THREADS=1``; malloc as the recipe
+sets it (``components/runtime/malloc.py``: glibc's tcache and fast bins off, so the RSS reads as the
+live bytes); ``--malloc glibc``: glibc's own defaults (``GLIBC_TUNABLES`` naming a default value, so
+the recipe leaves them), whose freed heap blocks stay resident beside the live ones;
+``--malloc fixed``: glibc's mmap threshold fixed at 64 KiB (``MALLOC_MMAP_THRESHOLD_``), the live
+bytes exactly. Every output under a temporary folder. Goal: predicted within 20 % of measured,
+every row.
 
     .venv/bin/python bench/memory_model.py [--only 1:fp32:none,2:bf16-mixed:full] [--steps 3]
-    .venv/bin/python bench/memory_model.py --speed 3 --steps 6 --only 1:fp32:none
+    .venv/bin/python bench/memory_model.py --speed 3 --steps 6 --only 1:fp32:none [--malloc fixed]
 
-``--speed N``: what the fixed threshold costs in speed, to decide whether CPU ranks should set it:
-per configuration, N runs with the fixed threshold and N with glibc's defaults, alternating (which
-goes first alternates too); a run's figure is the median ``tokens_per_s`` of its steps after the
-first; printed: each side's median and fixed ÷ default.
+``--speed N``: what a malloc setting costs in speed (``--malloc``'s against glibc's defaults): per
+configuration, N runs of each, alternating (which goes first alternates too); a run's figure is the
+median ``tokens_per_s`` of its steps after the first; printed: each side's median and the ratio.
 """
 
 import argparse
@@ -49,7 +51,11 @@ CONFIGS = [
     for checkpointing in ("none", "full")
 ]
 TOLERANCE = 0.2
-MMAP_THRESHOLD = 64 * 1024  # bytes: every larger block is its own mapping, unmapped when freed
+MALLOC = {
+    "recipe": {},  # the recipe's own settings (components/runtime/malloc.py)
+    "glibc": {"GLIBC_TUNABLES": "glibc.malloc.tcache_count=7"},  # a default value: the recipe's off
+    "fixed": {"MALLOC_MMAP_THRESHOLD_": str(64 * 1024)},  # each larger block its own mapping
+}
 
 
 def write_records(path: Path, records: int = 48, words: int = 2500) -> None:
@@ -124,16 +130,15 @@ def measure(folder: Path, data: Path, config: tuple, steps: int, malloc: dict) -
     }
 
 
-def speed(folder: Path, data: Path, config: tuple, steps: int, repetitions: int) -> dict:
-    """Median tokens/s (steps after the first) of ``repetitions`` runs per allocator, alternated."""
-    fixed = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
-    rates: dict[str, list[float]] = {"fixed": [], "default": []}
-    for repetition in range(repetitions):
-        order = [("fixed", fixed), ("default", {})]
-        for name, malloc in order if repetition % 2 == 0 else order[::-1]:
+def speed(folder: Path, data: Path, config: tuple, steps: int, times: int, malloc: str) -> dict:
+    """Median tokens/s (steps after the first) of ``times`` runs per allocator, alternated."""
+    rates: dict[str, list[float]] = {malloc: [], "glibc": []}
+    for repetition in range(times):
+        order = [(malloc, MALLOC[malloc]), ("glibc", MALLOC["glibc"])]
+        for name, setting in order if repetition % 2 == 0 else order[::-1]:
             run_dir = folder / f"speed_{name}_{repetition}"
             arguments = [*overrides(data, *config, steps), f"output_dir={run_dir}"]
-            recipe(arguments, folder / f"speed_{name}_{repetition}.log", malloc)
+            recipe(arguments, folder / f"speed_{name}_{repetition}.log", setting)
             lines = (run_dir / "metrics.jsonl").read_text().splitlines()
             per_step = [json.loads(line)["tokens_per_s"] for line in lines[1:]]
             rates[name].append(statistics.median(per_step))
@@ -166,28 +171,29 @@ def main() -> None:
     parser.add_argument("--only", help="tp:precision:checkpointing,... (default: all 8)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--json", type=Path, help="also write the rows here")
-    parser.add_argument("--default-malloc", action="store_true", help="glibc's dynamic threshold")
+    parser.add_argument("--malloc", choices=sorted(MALLOC), default="recipe")
     parser.add_argument("--speed", type=int, metavar="N", help="N speed runs per allocator")
     args = parser.parse_args()
-    malloc = {} if args.default_malloc else {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
+    malloc = MALLOC[args.malloc]
     configs = CONFIGS
     if args.only:
         wanted = [item.split(":") for item in args.only.split(",")]
         configs = [(int(tp), precision, mode) for tp, precision, mode in wanted]
     print(
         f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}; load average: {_load()}; "
-        f"allocator: {malloc or 'glibc defaults'}"
+        f"malloc: {args.malloc} {malloc}"
     )
     rows = []
     with tempfile.TemporaryDirectory(prefix="memory_model_") as temporary:
         folder = Path(temporary)
         write_records(folder / "records.jsonl")
         for config in configs if args.speed else []:
-            result = speed(folder, folder / "records.jsonl", config, args.steps, args.speed)
-            fixed, default = result["median"]["fixed"], result["median"]["default"]
+            data = folder / "records.jsonl"
+            result = speed(folder, data, config, args.steps, args.speed, args.malloc)
+            chosen, glibc = result["median"][args.malloc], result["median"]["glibc"]
             print(
-                f"  {config}: tokens/s fixed {fixed:.0f} default {default:.0f}, fixed / default "
-                f"{fixed / default:.3f} (runs {result['runs']}), load {_load()}",
+                f"  {config}: tokens/s {args.malloc} {chosen:.0f} glibc {glibc:.0f}, ratio "
+                f"{chosen / glibc:.3f} (runs {result['runs']}), load {_load()}",
                 flush=True,
             )
         if args.speed:

@@ -10,6 +10,10 @@ the command line, launching, restarts and exit statuses: ``components/runtime``.
 
 from __future__ import annotations  # the annotations below name classes imported only when needed
 
+from components.runtime.malloc import exec_with_malloc_settings
+
+exec_with_malloc_settings(__name__)  # as a command, before torch: glibc reads them at exec
+
 import functools
 import math
 import sys
@@ -176,6 +180,7 @@ def train(
     from components.distributed.replicas import check_replicas
     from components.runtime.checkpoints import stop_note, stop_signal
     from components.training.profiler import StepProfiler
+    from components.training.validation import run_validation
 
     log, tracker, writer = open_outputs(run, plan)
     run.readout.writer = writer  # its stop and save flags are read with each step's values
@@ -189,7 +194,7 @@ def train(
             record = train_step(run, plan, step, step_fn) | writer.take_stall()  # the save before
         done, skipped = step + 1, skipped + bool(record.get("skipped"))
         if val_every and (done % val_every == 0 or done == max_steps) and run.val_data is not None:
-            record["val_loss"] = _validation_loss(run, plan)
+            record["val_loss"] = run_validation(run, plan.train.loss_chunk_tokens)
         log.log(record)
         tracker.log_metrics(record, record["step"])
         if check_every and done % check_every == 0:
@@ -224,16 +229,6 @@ def open_outputs(run: Run, plan: RunPlan) -> tuple[MetricsLog, MetricsLogger, Ch
     saves = dict(keep=plan.checkpoint.keep, asynchronous=plan.checkpoint.asynchronous)
     ids = dict(run_id=plan.run_id, run_info=plan.run_info, before_commit=run.before_commit)
     return log, tracker, CheckpointWriter(plan.checkpoints, **saves, **ids)
-
-
-def _validation_loss(run: Run, plan: RunPlan) -> float:
-    """The mean loss on the validation split, the same on every rank."""
-    from components.distributed.mesh import data_parallel_mesh
-    from components.training.validation import validation_loss
-
-    dp_group = data_parallel_mesh(run.mesh).get_group()  # dp × cp
-    where = (run.device, dp_group, run.compute(), plan.train.loss_chunk_tokens, run.cp)
-    return validation_loss(run.model, run.val_data, *where)
 
 
 def finish(run: Run, plan: RunPlan, stopped: bool = False, skipped: int = 0) -> None:

@@ -28,6 +28,7 @@ import threading
 import time
 from pathlib import Path
 
+from components.runtime.malloc import malloc_environment
 from tests.stacks import descendants, python_stacks
 
 REPO = Path(__file__).resolve().parents[1]
@@ -162,6 +163,7 @@ class WarmProcess:
     def __init__(self, command, *, cwd=None, env=None, stdin=None, stdout=None, stderr=None,
                  start_new_session=False, zygote: str | None = None):  # fmt: skip
         env = dict(os.environ if env is None else env)
+        env = malloc_environment(env) or env  # as the recipe would exec itself (no second start)
         self.args = command
         self.returncode: int | None = None
         self._sock = (_Zygote.at(zygote) if zygote else _zygote_for(env)).connect()
@@ -247,6 +249,7 @@ def warm_torchrun_environment(env: dict[str, str]) -> dict[str, str]:
     ``$PYTHON_EXEC -u script ...`` (its documented override), and ``tests/warm_python`` hands that
     command to the zygote of ``env`` (:func:`forward`), so a rank skips ~5 s of imports while
     torchrun's agent, rendezvous, restarts and signals stay the real ones."""
+    env = malloc_environment(env) or env  # the recipe's malloc settings: no exec in the worker
     zygote = _zygote_for(env)
     return env | {
         "PYTHON_EXEC": str(REPO / "tests" / "warm_python"),

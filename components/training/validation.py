@@ -36,3 +36,13 @@ def validation_loss(
     model.train()
     dist.all_reduce(totals, group=dp_group)
     return (totals[0] / totals[1]).item()
+
+
+def run_validation(run, loss_chunk_tokens: int | None) -> float:
+    """The mean loss on a recipe run's validation split (``run``: its model, ``val_data``,
+    device, mesh, compute context and cp), the same on every rank."""
+    from components.distributed.mesh import data_parallel_mesh
+
+    dp_group = data_parallel_mesh(run.mesh).get_group()  # dp × cp
+    where = (run.device, dp_group, run.compute(), loss_chunk_tokens, run.cp)
+    return validation_loss(run.model, run.val_data, *where)
