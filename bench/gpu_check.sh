@@ -16,7 +16,9 @@
 #     0.44B and a 0.93B Llama shape (the names of its old ~32k vocab; the tiny tokenizer's vocab
 #     gives 0.38B and 0.85B) at bf16-mixed and fp32 (TF32), activation checkpointing none and full:
 #     median tokens/s, TFLOP/s and MFU after the warm-up, peak memory against the plan.
-#  6. bench/checkpoint_async_recipe.py at the 0.93B shape, bf16-mixed: the step after an async save
+#  6. fp8 (torchao float8, tensorwise) against bf16-mixed at the 0.93B shape: the same line.
+#  7. Host syncs per step of the 0.93B bf16-mixed run from its profiler trace (one step profiled).
+#  8. bench/checkpoint_async_recipe.py at the 0.93B shape, bf16-mixed: the step after an async save
 #     against the others, a sync run beside it (the async-save stall).
 # Steps not started within GPU_CHECK_BUDGET_S seconds (420 on the GPU, none with --cpu) are
 # skipped, and every step ends by 120 s later, so the call returns inside its 10 minutes.
@@ -109,9 +111,10 @@ install_wheels() {  # the carried wheels into a folder of their own, first on PY
 plan_all() {  # a dry run of every throughput run, side by side; plan.json in $RUNS/NAME/plan
     local pids=() name size precision checkpointing
     for size in HALF ONE; do
-        for precision in bf16-mixed fp32; do
+        for precision in bf16-mixed fp32 fp8; do
             for checkpointing in none full; do
                 name=${size}_${precision}_${checkpointing}
+                [ "$precision" = fp8 ] && { [ "$size" = ONE ] && [ "$checkpointing" = none ] || continue; }
                 mapfile -t dims < <(shape "$size")
                 timeout "$STEP_LIMIT" "$PY" recipes/finetune.py dry_run=true "${dims[@]}" \
                     "${COMMON[@]}" \
@@ -138,6 +141,23 @@ throughput() {  # throughput SIZE LABEL PRECISION CHECKPOINTING: one packed run 
         "$RUNS/$name/run/metrics.jsonl" "$RUNS/$name/plan/plan.json" "$WARMUP" "$RECORDS" \
         | tee -a "$SUMMARY"
     rm -rf "$RUNS/$name/run"
+}
+
+host_syncs() {  # one profiled step of the 0.93B bf16-mixed run: its host syncs from the trace
+    local profiled=$((WARMUP + 1)) folder=$RUNS/profiled
+    mapfile -t dims < <(shape ONE)
+    timeout --kill-after=10 "$STEP_LIMIT" "$PY" recipes/finetune.py "${dims[@]}" "${COMMON[@]}" \
+        train.precision=bf16-mixed "train.max_steps=$profiled" "profile.steps=[$profiled,$profiled]" \
+        "output_dir=$folder" || return 1
+    "$PY" -c "import sys; from pathlib import Path
+from components.training.profiler import OPTIMIZER_STEP, host_syncs_per_step
+trace = Path(sys.argv[1]); step = int(sys.argv[2])
+print(f'line  host syncs per step ${LABELS[1]} bf16-mixed: {host_syncs_per_step(trace)[step]} in all,',
+      f'{host_syncs_per_step(trace, apart=OPTIMIZER_STEP)[step]} outside the optimizer step')" \
+        "$folder/profile/rank0.pt.trace.json" "$profiled" | tee -a "$SUMMARY"
+    local status=${PIPESTATUS[0]}
+    rm -rf "$folder"
+    return "$status"
 }
 
 async_save() {  # the async-save stall: bench/checkpoint_async_recipe.py's table into the summary
@@ -187,6 +207,8 @@ main() {
             done
         done
     done
+    throughput ONE "${LABELS[1]}" fp8 none
+    step "host syncs ${LABELS[1]}" "$LIMIT" host_syncs
     step "async save ${LABELS[1]}" $((LIMIT * 2)) async_save
     echo
     echo "=== summary ($SECONDS s)"
