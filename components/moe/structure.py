@@ -15,16 +15,19 @@ from torch import nn
 
 
 def _is_experts(module: nn.Module) -> bool:
-    """A module holding one matrix per expert: a 3-D parameter of its own, not a convolution's
-    kernel (the short convolutions of Mamba and linear-attention layers)."""
+    """A module holding one matrix per expert: a 3-D parameter of its own with two or more
+    matrices, not a convolution's kernel (the short convolutions of Mamba and linear-attention
+    layers) nor a single [1, 1, H] probe (SigLIP's attention-pooling head in Gemma 3's vision)."""
     if isinstance(module, nn.modules.conv._ConvNd):
         return False
-    return any(parameter.dim() == 3 for parameter in module.parameters(recurse=False))
+    return any(p.dim() == 3 and p.shape[0] > 1 for p in module.parameters(recurse=False))
 
 
 def experts_count(module: nn.Module) -> int:
     """How many experts an experts module holds (the first dimension of its 3-D parameters)."""
-    return next(p.shape[0] for p in module.parameters(recurse=False) if p.dim() == 3)
+    return next(
+        p.shape[0] for p in module.parameters(recurse=False) if p.dim() == 3 and p.shape[0] > 1
+    )
 
 
 def takes_routing(module: nn.Module) -> bool:
