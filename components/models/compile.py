@@ -9,7 +9,9 @@ the reverse.
 
 Refused, with an error that says what to change: compile with an MoE model (its expert dispatch is
 data dependent), and compile at tp > 1 without sequence parallelism (torch 2.13's AOT autograd fails
-in the embedding's redistribute; with ``sp=true`` the compiled blocks match eager tp=1).
+in the embedding's redistribute; with ``sp=true`` the compiled blocks match eager tp=1). Blocks that
+hold DTensors compile without AOT autograd's cache: torch 2.13 replays a cached wrapper that expects
+its inputs' tensor subclasses (``'Tensor' object has no attribute 'elem'``, or a SIGSEGV).
 
 Docs: docs/precision-and-memory.md
 """
@@ -18,6 +20,7 @@ import shutil
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from components.models.activation_checkpointing import apply_activation_checkpointing
 from components.models.build import decoder_blocks
@@ -68,6 +71,8 @@ def compile_blocks(model: nn.Module, backend: str = _DEFAULT_BACKEND) -> int:
     training; tests may use ``aot_eager``, which traces the same graphs without generating code).
     """
     blocks = decoder_blocks(model)
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        torch._functorch.config.enable_autograd_cache = False  # module docstring
     for block in blocks:
         # dynamic=False: every step has the same shapes (padded batches); a recompile per new shape
         # is fine.
