@@ -7,11 +7,10 @@ unshard/reshard) stay outside the compiled region and run eagerly. Every block h
 dynamo compiles once. With activation checkpointing the checkpoint wraps the compiled forward, not
 the reverse.
 
-Refused, with an error that says what to change: compile with an MoE model (its expert dispatch is
-data dependent), and compile at tp > 1 without sequence parallelism (torch 2.13's AOT autograd fails
-in the embedding's redistribute; with ``sp=true`` the compiled blocks match eager tp=1). Blocks that
-hold DTensors compile without AOT autograd's cache: torch 2.13 replays a cached wrapper that expects
-its inputs' tensor subclasses (``'Tensor' object has no attribute 'elem'``, or a SIGSEGV).
+Refused, with an error that says what to change: compile with an MoE model (data-dependent expert
+dispatch), and at tp > 1 without sequence parallelism (torch 2.13's AOT autograd fails in the
+embedding's redistribute). Blocks holding DTensors compile without AOT autograd's cache: torch 2.13
+replays a cached wrapper for other tensor subclasses (``no attribute 'elem'``, or a SIGSEGV).
 
 Docs: docs/precision-and-memory.md
 """

@@ -1,6 +1,7 @@
 """Pipeline parallelism through the real command line, each layout against its one-process twin,
 fp32 on the CPU, losses and grad norms within 1e-5 relative over 4 steps (measured ~1e-7): pp=2
-GPipe with SGD on a tiny Qwen3; pp=2 × dp=2 1F1B with AdamW (4 ranks), pp=2 interleaved with 2
+GPipe with SGD on a tiny Qwen3; pp=2 × dp=2 1F1B with AdamW (4 ranks), pp=4 1F1B with SGD (one
+stage per rank, the embedding and the head each on a stage of one layer), pp=2 interleaved with 2
 stages per rank, pp=2 × tp=2 with sp (4 ranks) on a tiny Llama of 4 layers; and checkpoints across
 layouts, pp=2 × dp=2 → one process and one process → pp=2; and the Hugging Face export of the
 pipelined Qwen3 holds the same tensors as its twin's.
@@ -33,6 +34,8 @@ RUNS = {  # name -> overrides
     "qwen3_gpipe": ["model=qwen3", "optim=sgd", "pp=2", "pp_schedule=gpipe"],
     "qwen3_twin": ["model=qwen3", "optim=sgd"],
     "1f1b_dp": [LLAMA, "pp=2", "dp=2", "checkpoint.every_steps=2"],
+    "1f1b_pp4": [LLAMA, "pp=4", "optim=sgd"],
+    "twin_sgd": [LLAMA, "optim=sgd"],
     "twin": [LLAMA, "checkpoint.every_steps=2"],
     "interleaved": [LLAMA, "pp=2", "pp_schedule=interleaved_1f1b", "pp_stages_per_rank=2"],
     "tp_sp": [LLAMA, "pp=2", "tp=2", "sp=true"],
@@ -85,6 +88,7 @@ def assert_same(ours, theirs, steps=(1, 2, 3, 4)) -> None:
     [
         ("qwen3_gpipe", "qwen3_twin"),
         ("1f1b_dp", "twin"),
+        ("1f1b_pp4", "twin_sgd"),
         ("interleaved", "twin"),
         ("tp_sp", "twin"),
     ],

@@ -1,4 +1,4 @@
-"""Regression recipes: does tp=2/4 (with sp, dp, ep) train the same model as tp=1, and as yesterday?
+"""Regression recipes: does tp=2/4 (with sp, dp, ep, cp, pp) train the same model as tp=1, as before?
 
     .venv/bin/python tests/regression/regress.py                  # run every recipe, compare, plot
     .venv/bin/python tests/regression/regress.py llama_tp1 llama_tp2_sp    # a subset
@@ -41,8 +41,8 @@ PARITY_TOLERANCE = {"loss": (0.0, 2e-6), "grad_norm": (0.0, 2e-6)}
 
 
 def twin(name: str) -> str | None:
-    """The tp=1 run a parallel run must match: same family, no parallelism."""
-    family = name.split("_tp")[0].split("_dp")[0]
+    """The tp=1 run a parallel run must match: same family, no parallelism (nor pp, dp, ep)."""
+    family = name.split("_tp")[0].split("_dp")[0].split("_pp")[0]
     reference = f"{family}_tp1"
     return None if name == reference else reference
 
