@@ -191,13 +191,22 @@ def rank_stages(rank: int, ranks: int, stages_per_rank: int) -> list[int]:
     return [rank + ranks * round_ for round_ in range(stages_per_rank)]
 
 
+def rank_share(
+    rank: int, ranks: int, stages_per_rank: int, num_layers: int
+) -> tuple[list[int], bool, bool]:
+    """What pipeline rank ``rank`` of ``ranks`` holds of a model of ``num_layers`` decoder layers:
+    its layers (of all its :func:`rank_stages`), whether it holds the embedding (the first stage)
+    and whether the norm and head (the last)."""
+    stages, count = rank_stages(rank, ranks, stages_per_rank), ranks * stages_per_rank
+    cut = stage_layers(num_layers, count)
+    return [layer for stage in stages for layer in cut[stage]], 0 in stages, count - 1 in stages
+
+
 def keep_rank_stage(model: nn.Module, mesh: DeviceMesh, stages_per_rank: int = 1) -> nn.Module:
     """:func:`keep_stage` for this rank's stages (its coordinate on ``mesh["pp"]``)."""
     rank, ranks = mesh["pp"].get_local_rank(), mesh["pp"].size()
-    stages, count = rank_stages(rank, ranks, stages_per_rank), ranks * stages_per_rank
-    cut = stage_layers(len(model.get_decoder().layers), count)
-    layers = [layer for stage in stages for layer in cut[stage]]
-    return keep_stage(model, layers, first=0 in stages, last=count - 1 in stages)
+    layers, first, last = rank_share(rank, ranks, stages_per_rank, len(model.get_decoder().layers))
+    return keep_stage(model, layers, first=first, last=last)
 
 
 def stage_view(model: nn.Module, layers: range, first: bool, last: bool) -> nn.Module:
