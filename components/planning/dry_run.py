@@ -163,8 +163,9 @@ def _pipeline_fits(plan, layout: Layout) -> bool:
 
 def _candidates(plan, layout: Layout) -> list[tuple[str, Layout]]:
     """Changes that lower the memory: single ones first (cheapest first), then pairs, then all. A
-    larger tp or cp keeps the world: dp shrinks (its new size is named with the change)."""
-    world = plan.dims.world_size
+    larger tp, cp or pp keeps the world: dp shrinks (its new size is named with the change); a tp
+    the attention heads and KV heads do not divide is not tried."""
+    world, config = plan.dims.world_size, plan.model.config
     changes = []
     if layout.activation_checkpointing != "full":
         full = {"activation_checkpointing": "full"}
@@ -172,8 +173,10 @@ def _candidates(plan, layout: Layout) -> list[tuple[str, Layout]]:
     micro = layout.micro_batch_size
     batches = [m for m in range(micro - 1, 0, -1) if micro % m == 0]
     changes.append([(f"train.micro_batch_size={m}", {"micro_batch_size": m}) for m in batches])
+    names = ("num_attention_heads", "num_key_value_heads")
+    heads = [size for name in names if (size := getattr(config, name, None))]
     tps = [t for t in range(layout.tp + 1, world + 1) if world % t == 0]
-    changes.append([(f"tp={t}", {"tp": t}) for t in tps])
+    changes.append([(f"tp={t}", {"tp": t}) for t in tps if all(h % t == 0 for h in heads)])
     changes.append([(f"cp={c}", {"cp": c}) for c in _cp_sizes(plan, layout)])
     pps = [p for p in range(layout.pp + 1, world + 1) if world % p == 0 and layout.cp == 1]
     changes.append([(f"pp={p}", {"pp": p}) for p in pps])
@@ -183,17 +186,26 @@ def _candidates(plan, layout: Layout) -> list[tuple[str, Layout]]:
     for count in range(1, len(changes) + 1):
         for group in itertools.combinations(changes, count):
             for picks in itertools.product(*group):
-                words = " ".join(word for word, _ in picks)
                 fields = {key: value for _, change in picks for key, value in change.items()}
                 candidate = replace(layout, **fields)
                 if fields.keys() & {"tp", "cp", "pp"}:
                     dp = world // (candidate.tp * candidate.cp * candidate.pp)
-                    candidate, words = replace(candidate, dp=dp), f"{words} dp={dp}"
-                if candidate.dp_replicate > 1 or "dp_replicate" in fields:
-                    words += f" dp_shard={candidate.dp // candidate.dp_replicate}"
+                    candidate = replace(candidate, dp=dp)
                 if _fits_the_world(plan, candidate):
-                    found.append((words, candidate))
+                    found.append((_words(picks, layout, candidate), candidate))
     return found
+
+
+def _words(picks: tuple, layout: Layout, candidate: Layout) -> str:
+    """A candidate as the overrides that make it: its changes, then dp, dp_replicate and dp_shard
+    where they moved."""
+    words = [word for word, change in picks if "dp_replicate" not in change]
+    dp, replicas = candidate.dp, candidate.dp_replicate
+    words += [f"dp={dp}"] * (dp != layout.dp)
+    words += [f"dp_replicate={replicas}"] * (replicas != layout.dp_replicate)
+    moved = dp != layout.dp or replicas != layout.dp_replicate
+    words += [f"dp_shard={dp // replicas}"] * (moved and (replicas > 1 or layout.dp_replicate > 1))
+    return " ".join(words)
 
 
 def _suggest(plan, step: Step, layout: Layout, memory_gib: float) -> tuple[dict | None, list]:
