@@ -176,8 +176,11 @@ class Pipeline:
         self.sums, self.global_tokens = [], global_tokens
         inputs = (input_ids,) if self.first else ()
         target = labels if self.last else None
+        # return_outputs=False: else the last stage keeps every micro-batch's logits to the end
         with loss_parallel():  # the backward of a vocab-parallel loss runs inside it too
-            self.schedule.step(*inputs, target=target, position_ids=position_ids)
+            self.schedule.step(
+                *inputs, target=target, position_ids=position_ids, return_outputs=False
+            )
         loss_sum = torch.zeros((), dtype=torch.float64, device=input_ids.device)
         if self.sums:  # the first step's shape inference runs the loss once more, first
             loss_sum += torch.stack(self.sums[-self.micro_batches :]).sum()
