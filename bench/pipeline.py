@@ -11,10 +11,11 @@ the recipe's stage modules), a Llama built from its config, fp32, rows of random
 row full), and AdamW.
 
 ``bubble``: hidden 256, 10 layers (12 units: stages of equal units at pp 2 and 4), vocabulary 4,096,
-one 256-token row per micro-batch. Each stage's ``forward_one_chunk`` and ``backward_one_chunk`` are
-timed: a rank's busy time; its bubble is ``1 - busy / step time`` (the schedule's ``step``), over
+one row of ``--seq`` tokens (512) per micro-batch. Each stage's ``forward_one_chunk`` and
+``backward_one_chunk`` are timed: a rank's busy time; its bubble is ``1 - busy / step time`` (the
+schedule's ``step``; send and receive waits, the loss and Python between chunks count as idle), over
 the steps after the first (which infers shapes). The formula is ``(pp - 1) / (m + pp - 1)`` for
-equal stages: the busiest rank is the one to compare; the loss (last stage) counts as idle. pp=4
+equal stages: the busiest rank is the one to compare. pp=4
 on 2 cores is oversubscribed: 4 ranks share 2 cores, so a chunk runs slower while another rank
 computes too and the busy time inflates (the bubble reads low).
 
@@ -48,7 +49,7 @@ import torch  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 BUBBLE = {"hidden_size": 256, "num_hidden_layers": 10, "intermediate_size": 768}
 BUBBLE |= {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32}
-BUBBLE |= {"vocab_size": 4096, "max_position_embeddings": 512}
+BUBBLE |= {"vocab_size": 4096, "max_position_embeddings": 4096}
 MEMORY = {"hidden_size": 768, "num_hidden_layers": 8, "intermediate_size": 2048}
 MEMORY |= {"num_attention_heads": 12, "num_key_value_heads": 4, "head_dim": 64}
 MEMORY |= {"vocab_size": 8192, "max_position_embeddings": 512}
@@ -86,18 +87,10 @@ def _rank(shape: dict, pp: int, schedule: str, m: int, rows: int, seq: int, plan
     torch.set_num_threads(1)
     dims = resolve_parallel_dims(pp, pp=pp)
     mesh = build_device_mesh(dims, "cpu")
-    spec = ModelSpec(
-        config=tiny_config("llama", **shape),
-        weights=None,
-        seed=0,
-        sequence_parallel=False,
-        experts=(),
-        routers=(),
-        precision="fp32",
-        activation_checkpointing=plan["ac"],
-        compile=False,
-        pp_stages_per_rank=PER_RANK.get(schedule, 1),
-    )
+    plain = dict(weights=None, seed=0, sequence_parallel=False, experts=(), routers=())
+    how = dict(precision="fp32", activation_checkpointing=plan["ac"], compile=False)
+    config = tiny_config("llama", **shape)
+    spec = ModelSpec(config=config, **plain, **how, pp_stages_per_rank=PER_RANK.get(schedule, 1))
     model, _ = build_parallel_model(spec, dims, mesh, torch.device("cpu"))
     data = SimpleNamespace(micro_batches_per_step=m)
     per_rank = PER_RANK.get(schedule, 1)
@@ -126,7 +119,7 @@ def _rank(shape: dict, pp: int, schedule: str, m: int, rows: int, seq: int, plan
     return {"steps": steps}
 
 
-def bubble(pps: list[int], ms: list[int], schedules: list[str], steps: int) -> list[dict]:
+def bubble(pps: list[int], ms: list[int], schedules: list[str], steps: int, seq: int) -> list[dict]:
     from components.planning.pipeline_schedule import bubble as formula
     from components.runtime.launch import launch_local
 
@@ -137,7 +130,7 @@ def bubble(pps: list[int], ms: list[int], schedules: list[str], steps: int) -> l
         for pp in pps:
             for m in ms:
                 setting = {"steps": steps, "ac": "none"}
-                ranks = launch_local(_rank, pp, BUBBLE, pp, schedule, m, 1, 256, setting)
+                ranks = launch_local(_rank, pp, BUBBLE, pp, schedule, m, 1, seq, setting)
                 per_rank = []
                 for rank in range(pp):
                     later = ranks[rank]["steps"][1:]
@@ -209,6 +202,7 @@ def main() -> None:
     parser.add_argument("--schedule", nargs="+", default=["1f1b", "gpipe"])
     parser.add_argument("--ac", nargs="+", default=["none", "full"])
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--seq", type=int, default=512, help="bubble: tokens per micro-batch")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()
     load = " ".join(f"{value:.2f}" for value in os.getloadavg())
@@ -217,7 +211,7 @@ def main() -> None:
         f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}; load average: {load}; {malloc}"
     )
     if args.what == "bubble":
-        rows = bubble(args.pp, args.micro_batches, args.schedule, args.steps + 1)
+        rows = bubble(args.pp, args.micro_batches, args.schedule, args.steps + 1, args.seq)
     else:
         rows = memory(args.ac, args.schedule, args.steps + 1)
     if args.json:
