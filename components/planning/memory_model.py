@@ -259,9 +259,14 @@ def _activations(config, layout: Layout, step: Step, stage: Stage) -> dict[str, 
     # backward
     block_output = _layer_rows(config, layout, step, 0)[1]
     output = block_output * (stage.pipelined and not stage.last)
+    # the last stage's logits and fp32 log-probabilities, kept for the micro-batch's backward (the
+    # one in hand is the buffers' ``logits``; GPipe holds every micro-batch's)
+    vocab = config.vocab_size / (layout.tp if config.vocab_size % layout.tp == 0 else 1)
+    logits = vocab * (compute + 4) * (stage.pipelined and stage.last)
     return {
         "layers": tokens * layers,
         "stage_output": tokens * output,
+        "logits_held": tokens * logits,
         "recompute": tokens * recompute,
         "embedding_and_norm": tokens * ends,
         # the bool mask [seq/cp, seq] per row, built once per forward and handed to every layer
@@ -329,7 +334,7 @@ def _peak(
     steady state)."""
     fsdp = buf["fsdp_layers"] + buf["fsdp_unsharded_accumulated_grads"]
     # saved by the forward, for backward: every micro-batch in flight's
-    kept = act["layers"] + act["embedding_and_norm"] + act["stage_output"]
+    kept = act["layers"] + act["embedding_and_norm"] + act["stage_output"] + act["logits_held"]
     one = kept / stage.in_flight  # one micro-batch's
     held = grads * stage.grads_held
     copies = buf["autocast_weight_copies"]  # in autocast's cache until the forward ends
@@ -370,6 +375,7 @@ def estimate_memory(
     act = _activations(config, layout, step, stage)
     for name in ("layers", "stage_output", "embedding_and_norm", "attention_mask"):
         act[name] *= stage.in_flight
+    act["logits_held"] *= stage.in_flight - 1
     buf = {**_buffers(config, layout, step, state, stage), "block_backward": act.pop("in_flight")}
     phases = _peak(grads, state, act, buf, layout, stage)
     peak = params + optimizer + max(phases.values())
