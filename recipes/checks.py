@@ -456,7 +456,6 @@ def _pipeline_refusals(settings: Config, dims: ParallelDims, config) -> dict[str
             f"train.val_every={train.val_every}",
             "train.val_every=0",
         ),
-        "dry_run": (settings.dry_run, "dry_run=true", "dry_run=false"),
         "model.config": (
             config.tie_word_embeddings,
             "tied embeddings",

@@ -176,8 +176,11 @@ class Pipeline:
         self.sums, self.global_tokens = [], global_tokens
         inputs = (input_ids,) if self.first else ()
         target = labels if self.last else None
+        # return_outputs=False: else the last stage keeps every micro-batch's logits to the end
         with loss_parallel():  # the backward of a vocab-parallel loss runs inside it too
-            self.schedule.step(*inputs, target=target, position_ids=position_ids)
+            self.schedule.step(
+                *inputs, target=target, position_ids=position_ids, return_outputs=False
+            )
         loss_sum = torch.zeros((), dtype=torch.float64, device=input_ids.device)
         if self.sums:  # the first step's shape inference runs the loss once more, first
             loss_sum += torch.stack(self.sums[-self.micro_batches :]).sum()
@@ -191,13 +194,22 @@ def rank_stages(rank: int, ranks: int, stages_per_rank: int) -> list[int]:
     return [rank + ranks * round_ for round_ in range(stages_per_rank)]
 
 
+def rank_share(
+    rank: int, ranks: int, stages_per_rank: int, num_layers: int
+) -> tuple[list[int], bool, bool]:
+    """What pipeline rank ``rank`` of ``ranks`` holds of a model of ``num_layers`` decoder layers:
+    its layers (of all its :func:`rank_stages`), whether it holds the embedding (the first stage)
+    and whether the norm and head (the last)."""
+    stages, count = rank_stages(rank, ranks, stages_per_rank), ranks * stages_per_rank
+    cut = stage_layers(num_layers, count)
+    return [layer for stage in stages for layer in cut[stage]], 0 in stages, count - 1 in stages
+
+
 def keep_rank_stage(model: nn.Module, mesh: DeviceMesh, stages_per_rank: int = 1) -> nn.Module:
     """:func:`keep_stage` for this rank's stages (its coordinate on ``mesh["pp"]``)."""
     rank, ranks = mesh["pp"].get_local_rank(), mesh["pp"].size()
-    stages, count = rank_stages(rank, ranks, stages_per_rank), ranks * stages_per_rank
-    cut = stage_layers(len(model.get_decoder().layers), count)
-    layers = [layer for stage in stages for layer in cut[stage]]
-    return keep_stage(model, layers, first=0 in stages, last=count - 1 in stages)
+    layers, first, last = rank_share(rank, ranks, stages_per_rank, len(model.get_decoder().layers))
+    return keep_stage(model, layers, first=first, last=last)
 
 
 def stage_view(model: nn.Module, layers: range, first: bool, last: bool) -> nn.Module:

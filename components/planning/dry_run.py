@@ -1,16 +1,16 @@
 """``dry_run=true``: the checked run plan, built for its layout on fake ranks, priced, and not run.
 
-Every check of the recipe has run (``recipes/checks.py``); then this process joins torch's fake
-process group (``torch.testing._internal.distributed.fake_pg``: every collective returns at once
-and moves nothing) as rank 0 of the requested world, and builds the model exactly as a rank would
-(``build_parallel_model``: TP plan, expert parallelism, activation checkpointing, FSDP over dp) on
-the meta device, so a plan, placement or shape error a launch would hit is raised here, for any
-world size, and nothing is allocated at full size. The local shards price the state; the batch
-geometry prices the rest (``components.planning.memory_model``). It prints a table and writes
-``${output_dir}/plan.json``; with ``device_memory_gib`` (or the visible GPU's memory) it says
-whether the layout fits, and if not the smallest change that does: activation checkpointing, a
-smaller micro-batch, a larger tp, a larger cp (each on the same world: fewer dp ranks), then pairs
-of them; each candidate is planned again the same way and reported only when that plan fits.
+After every check of the recipe, this process joins torch's fake process group (collectives return
+at once, move nothing) as a rank of the requested world and builds the model as that rank would
+(``build_parallel_model``) on the meta device: a plan, placement or shape error a launch would hit
+is raised here, for any world size, and nothing is allocated. The local shards and the batch
+geometry price it (``components.planning.memory_model``). With pp > 1 each pipeline rank is
+planned: the recipe's own cut (``pipeline.rank_share``) built on the fake rank at that pp coordinate
+(the others 0: FSDP's busiest), once per distinct share, priced with the micro-batches its schedule
+holds (``components.planning.pipeline_schedule``). It prints a table, writes plan.json; with
+``device_memory_gib`` it says whether the layout fits, and if not the smallest change that does
+(activation checkpointing, a smaller micro-batch, a larger tp, cp or pp on the same world, fewer
+HSDP replicas, then pairs), each candidate planned again (at most ``MAX_PLANNED``).
 """
 
 import functools
@@ -26,27 +26,87 @@ import torch
 import torch.distributed as dist
 
 from components.distributed.mesh import ParallelDims, build_device_mesh
+from components.distributed.pipeline import rank_share, rank_stages
 from components.models.conversion import convert_model
 from components.models.parallelize import build_parallel_model
 from components.planning.flops import known_flops_per_token
 from components.planning.memory import current_memory_gib
-from components.planning.memory_model import GIB, Layout, MemoryEstimate, Step, estimate_memory
+from components.planning.memory_model import (
+    GIB,
+    Layout,
+    MemoryEstimate,
+    Stage,
+    Step,
+    estimate_memory,
+)
 from components.planning.memory_model import optimizer_moments as moments_of
+from components.planning.pipeline_schedule import bubble, grads_held, in_flight
 
 ROWS = ("params", "grads", "optimizer", "activations", "buffers", "runtime", "total")
+MAX_PLANNED = 24  # candidates planned again at most: each builds the model (pp: a few of them)
 
 
-def plan_layout(plan, step: Step, layout: Layout) -> MemoryEstimate:
-    """Build ``plan``'s model for ``layout`` on the meta device over the fake world; price it."""
+def _on_fake_rank(world: int, rank: int) -> None:
+    """This process as ``rank`` of torch's fake process group of ``world`` ranks."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        if dist.get_rank() == rank:
+            return
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+
+
+def _build(plan, layout: Layout, rank: int) -> torch.nn.Module:
+    """``plan``'s model for ``layout`` as fake rank ``rank`` builds it, on the meta device."""
     world = plan.dims.world_size
-    sizes = dict(dp=layout.dp, tp=layout.tp, ep=layout.ep, cp=layout.cp)
+    _on_fake_rank(world, rank)
+    sizes = dict(dp=layout.dp, tp=layout.tp, ep=layout.ep, cp=layout.cp, pp=layout.pp)
     dims = ParallelDims(world_size=world, dp_replicate=layout.dp_replicate, **sizes)
     mesh = build_device_mesh(dims, "cpu")
     spec = replace(plan.model, activation_checkpointing=layout.activation_checkpointing)
     model, _ = build_parallel_model(
         spec, dims, mesh, torch.device("meta"), convert=_converter(plan, dims)
     )
-    return estimate_memory(model, plan.model.config, layout, step)
+    return model
+
+
+def micro_batches(step: Step, layout: Layout) -> int:
+    """The step's micro-batches per dp rank: the pipeline's."""
+    return step.global_batch_size // (layout.micro_batch_size * layout.dp)
+
+
+def plan_stages(plan, step: Step, layout: Layout) -> list[tuple[dict, MemoryEstimate]]:
+    """Each pipeline rank's share (its layers, whether it holds the embedding and the head, the
+    micro-batches it holds in flight) and its estimate. Ranks with as many layers and the same
+    ends hold the same state: one model is built for each such share."""
+    config, world, pp = plan.model.config, plan.dims.world_size, layout.pp
+    schedule, per_rank, m = step.pp_schedule, step.pp_stages_per_rank, micro_batches(step, layout)
+    models, stages = {}, []
+    for rank in range(pp):
+        layers, first, last = rank_share(rank, pp, per_rank, config.num_hidden_layers)
+        if (key := (len(layers), first, last)) not in models:
+            models[key] = _build(plan, layout, rank * (world // pp))  # its pp coordinate
+        flight = in_flight(schedule, pp, rank, m, per_rank)
+        held = grads_held(schedule, pp, rank, m, per_rank)
+        stage = Stage(layers=tuple(layers), first=first, last=last, in_flight=flight)
+        stage = replace(stage, grads_held=held, pipelined=True)
+        share = {"rank": rank, "stages": rank_stages(rank, pp, per_rank), "layers": len(layers)}
+        share |= {"embedding": first, "head": last, "in_flight": flight, "grads_held": held}
+        stages.append((share, estimate_memory(models[key], config, layout, step, stage)))
+    return stages
+
+
+def plan_layout(plan, step: Step, layout: Layout) -> MemoryEstimate:
+    """Build ``plan``'s model for ``layout`` on the meta device over the fake world; price it:
+    the busiest pipeline rank's with pp > 1."""
+    if layout.pp > 1:
+        return max((estimate for _, estimate in plan_stages(plan, step, layout)), key=_total)
+    return estimate_memory(_build(plan, layout, 0), plan.model.config, layout, step)
+
+
+def _total(estimate: MemoryEstimate) -> float:
+    return estimate.total
 
 
 def _converter(plan, dims: ParallelDims) -> Callable[[torch.nn.Module], torch.nn.Module] | None:
@@ -60,33 +120,52 @@ def _converter(plan, dims: ParallelDims) -> Callable[[torch.nn.Module], torch.nn
 
 
 def _cp_sizes(plan, layout: Layout) -> list[int]:
-    """The cp sizes above ``layout.cp`` that divide the world; none for an MoE model or under
-    ``train.compile`` (both refused with cp > 1)."""
+    """The cp sizes above ``layout.cp`` that divide the world; none for an MoE model, under
+    ``train.compile`` or with pp (each refused with cp > 1)."""
     world = plan.dims.world_size
-    if plan.model.experts or plan.model.compile:
+    if plan.model.experts or plan.model.compile or layout.pp > 1:
         return []
     return [c for c in range(layout.cp + 1, world + 1) if world % c == 0]
 
 
 def _fits_the_world(plan, layout: Layout) -> bool:
-    """dp × cp × tp is the world, the global batch splits over dp, and a row into 2·cp chunks
+    """pp × dp × cp × tp is the world, the global batch splits over dp, and a row into 2·cp chunks
     (with sp, a rank's share into tp slices too), as ``recipes/checks.py`` requires."""
     world, train = plan.dims.world_size, plan.train
     sp = plan.model.sequence_parallel
     sequence = math.lcm(2 * layout.cp, layout.cp * layout.tp if sp else 1)
     return (
-        layout.dp * layout.cp * layout.tp == world
+        layout.pp * layout.dp * layout.cp * layout.tp == world
         and train.global_batch_size % (layout.micro_batch_size * layout.dp) == 0
         and (layout.cp == 1 or train.seq_len % sequence == 0)
         and layout.dp % layout.dp_replicate == 0  # HSDP: dp_replicate groups of dp_shard
         and (layout.dp_replicate == 1 or layout.cp == 1)
+        and _pipeline_fits(plan, layout)
+    )
+
+
+def _pipeline_fits(plan, layout: Layout) -> bool:
+    """pp's own rules (``recipes/checks.py``): a layer or more per stage (the embedding and the
+    head weighed as one), ``pp`` micro-batches per step for 1F1B, whole rounds of ``pp``
+    interleaved (at dp=1), and no cp."""
+    if layout.pp == 1:
+        return True
+    schedule, per_rank = plan.pipeline
+    m = plan.train.global_batch_size // (layout.micro_batch_size * layout.dp)
+    interleaved = schedule == "interleaved_1f1b"
+    return (
+        plan.model.config.num_hidden_layers + 2 >= layout.pp * per_rank
+        and (schedule == "gpipe" or m >= layout.pp)
+        and (not interleaved or (m % layout.pp == 0 and layout.dp == 1))
+        and layout.cp == 1
     )
 
 
 def _candidates(plan, layout: Layout) -> list[tuple[str, Layout]]:
     """Changes that lower the memory: single ones first (cheapest first), then pairs, then all. A
-    larger tp or cp keeps the world: dp shrinks (its new size is named with the change)."""
-    world = plan.dims.world_size
+    larger tp, cp or pp keeps the world: dp shrinks (its new size is named with the change); a tp
+    the attention heads and KV heads do not divide is not tried."""
+    world, config = plan.dims.world_size, plan.model.config
     changes = []
     if layout.activation_checkpointing != "full":
         full = {"activation_checkpointing": "full"}
@@ -94,30 +173,46 @@ def _candidates(plan, layout: Layout) -> list[tuple[str, Layout]]:
     micro = layout.micro_batch_size
     batches = [m for m in range(micro - 1, 0, -1) if micro % m == 0]
     changes.append([(f"train.micro_batch_size={m}", {"micro_batch_size": m}) for m in batches])
+    names = ("num_attention_heads", "num_key_value_heads")
+    heads = [size for name in names if (size := getattr(config, name, None))]
     tps = [t for t in range(layout.tp + 1, world + 1) if world % t == 0]
-    changes.append([(f"tp={t}", {"tp": t}) for t in tps])
+    changes.append([(f"tp={t}", {"tp": t}) for t in tps if all(h % t == 0 for h in heads)])
     changes.append([(f"cp={c}", {"cp": c}) for c in _cp_sizes(plan, layout)])
+    pps = [p for p in range(layout.pp + 1, world + 1) if world % p == 0 and layout.cp == 1]
+    changes.append([(f"pp={p}", {"pp": p}) for p in pps])
+    replicas = [r for r in range(layout.dp_replicate - 1, 0, -1) if layout.dp % r == 0]
+    changes.append([(f"dp_replicate={r}", {"dp_replicate": r}) for r in replicas])
     found = []
     for count in range(1, len(changes) + 1):
         for group in itertools.combinations(changes, count):
             for picks in itertools.product(*group):
-                words = " ".join(word for word, _ in picks)
                 fields = {key: value for _, change in picks for key, value in change.items()}
                 candidate = replace(layout, **fields)
-                if "tp" in fields or "cp" in fields:
-                    dp = world // (candidate.tp * candidate.cp)
-                    candidate, words = replace(candidate, dp=dp), f"{words} dp={dp}"
-                    if layout.dp_replicate > 1:
-                        words += f" dp_shard={dp // layout.dp_replicate}"
+                if fields.keys() & {"tp", "cp", "pp"}:
+                    dp = world // (candidate.tp * candidate.cp * candidate.pp)
+                    candidate = replace(candidate, dp=dp)
                 if _fits_the_world(plan, candidate):
-                    found.append((words, candidate))
+                    found.append((_words(picks, layout, candidate), candidate))
     return found
 
 
+def _words(picks: tuple, layout: Layout, candidate: Layout) -> str:
+    """A candidate as the overrides that make it: its changes, then dp, dp_replicate and dp_shard
+    where they moved."""
+    words = [word for word, change in picks if "dp_replicate" not in change]
+    dp, replicas = candidate.dp, candidate.dp_replicate
+    words += [f"dp={dp}"] * (dp != layout.dp)
+    words += [f"dp_replicate={replicas}"] * (replicas != layout.dp_replicate)
+    moved = dp != layout.dp or replicas != layout.dp_replicate
+    words += [f"dp_shard={dp // replicas}"] * (moved and (replicas > 1 or layout.dp_replicate > 1))
+    return " ".join(words)
+
+
 def _suggest(plan, step: Step, layout: Layout, memory_gib: float) -> tuple[dict | None, list]:
-    """The first candidate whose plan fits in ``memory_gib``; every candidate planned on the way."""
+    """The first candidate whose plan fits in ``memory_gib``; every candidate planned on the way
+    (at most ``MAX_PLANNED``)."""
     tried = []
-    for words, candidate in _candidates(plan, layout):
+    for words, candidate in _candidates(plan, layout)[:MAX_PLANNED]:
         try:
             total = plan_layout(plan, step, candidate).total
         except ValueError as error:  # e.g. a tp the heads do not divide: not a layout at all
@@ -144,6 +239,8 @@ def _step(plan) -> Step:
         loss_chunk_tokens=train.loss_chunk_tokens,
         packing=train.packing,
         fp8_recipe=train.fp8_recipe,
+        pp_schedule=plan.pipeline[0],
+        pp_stages_per_rank=plan.pipeline[1],
     )
 
 
@@ -156,10 +253,7 @@ def _device_memory_gib(asked: float | None) -> float | None:
 def dry_run(plan, fail: Callable[[str], NoReturn]) -> dict:
     """Plan ``plan`` (a checked ``recipes.plan.RunPlan``) on fake ranks; print it, write plan.json.
     A layout that cannot be built (the error a launch would hit) goes to ``fail`` as one line."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     dims, train = plan.dims, plan.train
-    checkpointing = train.activation_checkpointing
     layout = Layout(
         tp=dims.tp,
         dp=dims.dp,
@@ -167,20 +261,23 @@ def dry_run(plan, fail: Callable[[str], NoReturn]) -> dict:
         micro_batch_size=train.micro_batch_size,
         cp=dims.cp,
         dp_replicate=dims.dp_replicate,
-        activation_checkpointing=checkpointing,
+        pp=dims.pp,
+        activation_checkpointing=train.activation_checkpointing,
     )
     step = _step(plan)
     memory = _device_memory_gib(plan.device_memory_gib)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=dims.world_size)
     try:
         try:
-            estimate = plan_layout(plan, step, layout)
+            stages = plan_stages(plan, step, layout) if layout.pp > 1 else []
+            busiest = (e for _, e in stages)
+            estimate = max(busiest, key=_total) if stages else plan_layout(plan, step, layout)
         except (ValueError, RuntimeError) as error:
             fail(f"dry run: the model cannot be built for this layout: {error}")
         fits = None if memory is None else estimate.total <= memory
         suggestion, tried = _suggest(plan, step, layout, memory) if fits is False else (None, [])
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
     result = {
         "world_size": dims.world_size,
         "layout": {**asdict(layout), "sp": plan.model.sequence_parallel},
@@ -190,6 +287,8 @@ def dry_run(plan, fail: Callable[[str], NoReturn]) -> dict:
         "detail_gib": estimate.detail,
         "phases_gib": estimate.phases,
         "flops_per_token": known_flops_per_token(plan.model.config, train.seq_len),
+        "pipeline": _pipeline(step, layout, stages) if stages else None,
+        "per_stage_gib": [_stage_row(share, e) for share, e in stages],
         "device_memory_gib": memory,
         "fits": fits,
         "suggestion": suggestion,
@@ -197,6 +296,24 @@ def dry_run(plan, fail: Callable[[str], NoReturn]) -> dict:
     }
     _write(plan.output_dir, result)
     return result
+
+
+def _pipeline(step: Step, layout: Layout, stages: list) -> dict:
+    """The schedule's figures: micro-batches per step, the bubble, the busiest pipeline rank."""
+    m, per_rank = micro_batches(step, layout), step.pp_stages_per_rank
+    worst = max(stages, key=lambda stage: stage[1].total)[0]["rank"]
+    return {
+        "pp": layout.pp,
+        "schedule": step.pp_schedule,
+        "stages_per_rank": per_rank,
+        "micro_batches": m,
+        "bubble": bubble(step.pp_schedule, layout.pp, m, per_rank),
+        "busiest_rank": worst,
+    }
+
+
+def _stage_row(share: dict, estimate: MemoryEstimate) -> dict:
+    return {**share, **{row: getattr(estimate, row) for row in ROWS}}
 
 
 def _write(output_dir: Path, result: dict) -> None:
@@ -211,8 +328,9 @@ def format_plan(result: dict) -> str:
     layout = result["layout"]
     dp, replicas = layout["dp"], layout.get("dp_replicate", 1)
     hsdp = f" (dp_replicate {replicas} × dp_shard {dp // replicas})" if replicas > 1 else ""
+    pp = f"pp {layout['pp']} × " if layout.get("pp", 1) > 1 else ""
     lines = [
-        f"dry run: world {result['world_size']} = dp {dp}{hsdp} × cp {layout['cp']} "
+        f"dry run: world {result['world_size']} = {pp}dp {dp}{hsdp} × cp {layout['cp']} "
         f"× tp {layout['tp']} "
         f"(ep {layout['ep']}, sp {str(layout['sp']).lower()}), "
         f"micro-batch {layout['micro_batch_size']} "
@@ -226,6 +344,8 @@ def format_plan(result: dict) -> str:
     flops = result["flops_per_token"]
     known = f"{flops:.4g} (forward + backward, no recompute)" if flops else "unknown: no sizes"
     lines.append(f"flops_per_token {known}")
+    if result.get("pipeline"):
+        lines += _format_stages(result)
     memory, fits = result["device_memory_gib"], result["fits"]
     if fits is None:
         lines.append("fits: unknown (set device_memory_gib=GIB to check a device's memory)")
@@ -241,3 +361,22 @@ def format_plan(result: dict) -> str:
     else:
         lines.append(f"does not fit in {memory:g} GiB per device, and no change tried fits")
     return "\n".join(lines)
+
+
+def _format_stages(result: dict) -> list[str]:
+    """The pipeline's lines: the schedule and its bubble, then one row per pipeline rank."""
+    pipeline = result["pipeline"]
+    interleaved = pipeline["stages_per_rank"] > 1
+    looped = f", {pipeline['stages_per_rank']} stages per rank" if interleaved else ""
+    lines = [
+        f"pipeline: {pipeline['schedule']}{looped}, {pipeline['micro_batches']} micro-batches per "
+        f"step, bubble {pipeline['bubble']:.1%}; per pipeline rank (GiB):",
+        "  rank  layers  holds            in flight" + "".join(f"{row:>12}" for row in ROWS),
+    ]
+    for row in result["per_stage_gib"]:
+        holds = "+".join(name for name in ("embedding", "head") if row[name]) or "-"
+        figures = "".join(f"{row[name]:>12.3f}" for name in ROWS)
+        lines.append(
+            f"  {row['rank']:>4}  {row['layers']:>6}  {holds:<15}{row['in_flight']:>10.3g}{figures}"
+        )
+    return lines

@@ -3,11 +3,11 @@ geometry.
 
 - ``params``, ``grads``, ``optimizer``: exact, this rank's local shards (built on the meta device),
   their gradients and AdamW's moments (or SGD's).
-- ``activations``: what autograd saves for backward in one micro-batch (this cp rank's
-  ``seq_len / cp`` tokens of each row), per decoder layer (``full`` checkpointing: each layer's
-  input and one layer recomputed at a time), plus the final norm's and the loss head's; with a mask
-  (cp > 1, packed rows) each layer's K and V over the whole sequence, repeated to every head, and
-  its float mask.
+- ``activations``: what autograd saves for backward in one micro-batch (``seq_len / cp`` tokens of
+  a row), per decoder layer (``full`` checkpointing: each layer's input and one layer recomputed
+  at a time), the final norm's and the head's; with a mask (cp > 1, packed rows) each layer's K and
+  V over the whole sequence, repeated to every head, and its float mask. A pipeline rank
+  (:class:`Stage`): its own layers, times the micro-batches in flight, and its output kept.
 - ``buffers``: the step's transients (logits, autocast copies, fp8's float8 copies, gradients in
   flight, FSDP's unsharded layers, the replica sync's buffer, AdamW's temporaries).
 - ``total``: the largest of the step's phases (``phases``), plus ``runtime``. Design notes:
@@ -37,6 +37,7 @@ class Layout:
     micro_batch_size: int
     cp: int = 1  # context parallel: each row split over cp ranks; FSDP shards over dp × cp
     dp_replicate: int = 1  # HSDP: FSDP shards over dp_shard = dp / dp_replicate (× cp) only
+    pp: int = 1  # pipeline ranks: the world is pp × dp × cp × tp
     activation_checkpointing: str  # none | full | selective
 
 
@@ -54,6 +55,25 @@ class Step:
     loss_chunk_tokens: int  # train.loss_chunk_tokens: tokens per head + loss chunk; 0: unchunked
     packing: bool = False  # train.packing: transformers then builds a document mask (cp=1 too)
     fp8_recipe: str = "tensorwise"  # with fp8: tensorwise all-gathers float8 weights under FSDP
+    pp_schedule: str = "1f1b"  # with pp > 1: gpipe | 1f1b | interleaved_1f1b
+    pp_stages_per_rank: int = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stage:
+    """One pipeline rank's share of the model and of the schedule."""
+
+    layers: tuple[int, ...]  # its decoder layers' indices in the whole model
+    first: bool  # holds the embedding
+    last: bool  # holds the final norm and lm_head
+    in_flight: float = 1.0  # micro-batches' activations held at once at its peak
+    grads_held: bool = False  # its gradients exist at that peak (1F1B's steady state)
+    pipelined: bool = False  # a stage of a pipeline (else the whole model of a pp=1 run)
+
+
+def whole_model(config) -> Stage:
+    """The whole model as one stage: pp=1."""
+    return Stage(layers=tuple(range(config.num_hidden_layers)), first=True, last=True)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,9 +147,9 @@ def _state(model: nn.Module, layout: Layout) -> dict[str, float]:
         (sum(_local(p).numel() for p in b.parameters() if p.requires_grad) for b in layers),
         default=0,
     )
-    embedding = model.get_input_embeddings().weight
-    head = model.get_output_embeddings()
-    head_weight = _local(head.weight) if head is not None else None
+    embedding = getattr(model.get_input_embeddings(), "weight", None)  # None off the first stage
+    head_weight = getattr(model.get_output_embeddings(), "weight", None)  # None off the last
+    head_weight = _local(head_weight) if head_weight is not None else None
     pairs = list(zip(params, local, strict=True))
     trained = [(p, t) for p, t in pairs if p.requires_grad]
     matmul = sum(t.numel() for p, t in pairs if t.dim() >= 2 and p is not embedding)
@@ -217,28 +237,41 @@ def _tokens(layout: Layout, step: Step) -> int:
     return layout.micro_batch_size * step.seq_len // layout.cp
 
 
-def _activations(config, layout: Layout, step: Step) -> dict[str, float]:
+def _activations(config, layout: Layout, step: Step, stage: Stage) -> dict[str, float]:
+    """One micro-batch's, through ``stage``'s layers."""
     tokens = _tokens(layout, step)
-    rows = [_layer_rows(config, layout, step, i) for i in range(config.num_hidden_layers)]
+    rows = [_layer_rows(config, layout, step, i) for i in stage.layers]
     mode = layout.activation_checkpointing
     if mode == "none":
         layers, recompute = sum(saved for saved, _, _ in rows), 0.0
     else:
         kept = 0.0 if mode == "full" else 0.5  # selective keeps the matmul and attention outputs
         layers = sum(block_input + kept * saved for saved, block_input, _ in rows)
-        recompute = max(saved for saved, _, _ in rows)  # one layer recomputed at a time in backward
+        recompute = max((saved for saved, _, _ in rows), default=0.0)  # one layer at a time
     compute = 4 if step.precision == "fp32" else 2
     residual = 4 if step.precision != "bf16" else 2
-    final_norm = 2 * config.hidden_size * residual / (layout.tp if step.sequence_parallel else 1)
+    shards = layout.tp if step.sequence_parallel else 1
+    final_norm = 2 * config.hidden_size * residual / shards
     # the head's input (whole sequence), the token ids (embedding, head), rotary's cos and sin
-    ends = final_norm + config.hidden_size * compute + 3 * 8 + 4 + 2 * 4 * head_dim(config)
+    ends = (final_norm + config.hidden_size * compute) * stage.last + 3 * 8 + 4
+    ends += 2 * 4 * head_dim(config)
+    # a pipeline stage's output (the next one's input, a block's), kept by torch's stage for its
+    # backward
+    block_output = _layer_rows(config, layout, step, 0)[1]
+    output = block_output * (stage.pipelined and not stage.last)
+    # the last stage's logits and fp32 log-probabilities, kept for the micro-batch's backward (the
+    # one in hand is the buffers' ``logits``; GPipe holds every micro-batch's)
+    vocab = config.vocab_size / (layout.tp if config.vocab_size % layout.tp == 0 else 1)
+    logits = vocab * (compute + 4) * (stage.pipelined and stage.last)
     return {
         "layers": tokens * layers,
+        "stage_output": tokens * output,
+        "logits_held": tokens * logits,
         "recompute": tokens * recompute,
         "embedding_and_norm": tokens * ends,
         # the bool mask [seq/cp, seq] per row, built once per forward and handed to every layer
         "attention_mask": tokens * step.seq_len * _masked(layout, step),
-        "in_flight": tokens * max(in_flight for _, _, in_flight in rows),
+        "in_flight": tokens * max((in_flight for _, _, in_flight in rows), default=0.0),
     }
 
 
@@ -246,8 +279,9 @@ def _loss(config, layout: Layout, step: Step, state: dict, chunked: bool) -> dic
     """The head and the loss: (the forward's transients, the backward's), bytes. Chunked: one chunk
     of logits (fp32, and its bf16 matmul output under bf16 compute), the head's weight cast to the
     compute dtype, and in backward the head's fp32 weight gradient and the hidden states' gradient;
-    unchunked: the micro-batch's logits, their fp32 copy and their gradient."""
-    tokens = _tokens(layout, step)
+    unchunked: the micro-batch's logits, their fp32 copy and their gradient. None without a head
+    (a pipeline stage before the last)."""
+    tokens = _tokens(layout, step) * (state["head_numel"] > 0)
     compute = 4 if step.precision == "fp32" else 2
     vocab = config.vocab_size / (layout.tp if config.vocab_size % layout.tp == 0 else 1)
     if not chunked:
@@ -260,7 +294,10 @@ def _loss(config, layout: Layout, step: Step, state: dict, chunked: bool) -> dic
     return {"logits": logits, "head_backward": gradients}
 
 
-def _buffers(config, layout: Layout, step: Step, state: dict, chunked: bool) -> dict[str, float]:
+def _buffers(config, layout: Layout, step: Step, state: dict, stage: Stage) -> dict[str, float]:
+    # the pipeline's loss is unchunked; its FSDP reduces each micro-batch's gradients
+    chunked = bool(step.loss_chunk_tokens) and state["chunks_head"] and not stage.pipelined
+    accumulates = step.global_batch_size > layout.micro_batch_size * layout.dp
     fsdp = unsharded = 0.0
     fp8 = step.precision == "fp8"
     if _data_parallel(layout) > 1:
@@ -268,7 +305,7 @@ def _buffers(config, layout: Layout, step: Step, state: dict, chunked: bool) -> 
         fsdp = 2 * state["layer_numel"] * (gathered + 4)  # two layers' parameters, fp32 grads
         if fp8 and step.fp8_recipe == "tensorwise":  # the float8 linears' weights gathered in fp8
             fsdp -= 2 * state["fp8_layer_numel"] * (gathered - 1)
-        if step.global_batch_size > layout.micro_batch_size * layout.dp:  # micro-batches accumulate
+        if accumulates and not stage.pipelined:  # micro-batches accumulate unsharded
             unsharded = state["grad_bytes"] / state["element"] * _sharding(layout) * 4
     moments = state["grad_bytes"] * step.optimizer_moments / 2
     temporaries = moments if step.device_type == "cuda" else 2 * state["largest_bytes"]
@@ -289,10 +326,17 @@ def _buffers(config, layout: Layout, step: Step, state: dict, chunked: bool) -> 
     }
 
 
-def _peak(grads: float, state: dict, act: dict, buf: dict, layout: Layout) -> dict[str, float]:
-    """Bytes above params + optimizer state at each phase of the step (its largest is the peak)."""
+def _peak(
+    grads: float, state: dict, act: dict, buf: dict, layout: Layout, stage: Stage
+) -> dict[str, float]:
+    """Bytes above params + optimizer state at each phase of the step (its largest is the peak):
+    a pipeline stage's with the micro-batches it holds at once (and its gradients, at 1F1B's
+    steady state)."""
     fsdp = buf["fsdp_layers"] + buf["fsdp_unsharded_accumulated_grads"]
-    kept = act["layers"] + act["embedding_and_norm"]  # saved by the forward, for backward
+    # saved by the forward, for backward: every micro-batch in flight's
+    kept = act["layers"] + act["embedding_and_norm"] + act["stage_output"] + act["logits_held"]
+    one = kept / stage.in_flight  # one micro-batch's
+    held = grads * stage.grads_held
     copies = buf["autocast_weight_copies"]  # in autocast's cache until the forward ends
     none = layout.activation_checkpointing == "none"
     saved_copies = copies if none else 0.0  # saved for backward only without checkpointing
@@ -302,12 +346,13 @@ def _peak(grads: float, state: dict, act: dict, buf: dict, layout: Layout) -> di
     # the bool mask: freed with the forward's inputs, or kept for the recompute by checkpointing
     mask = act["attention_mask"]
     backward = kept + saved_copies + (0.0 if none else mask)  # what the backward starts with
-    first_block = backward + buf["head_backward"] + in_flight + layer_copies
+    first_block = held + backward + buf["head_backward"] + in_flight + layer_copies
     last_block = grads - state["layer_grad_bytes"] + in_flight + layer_copies + (not none) * mask
-    last_block += kept / state["layers"] if state["layers"] else kept
+    last_block += (one / state["layers"] if state["layers"] else one) + kept - one
+    forward = held + kept + mask + copies + buf["logits"] + fsdp + buf["fp8_weight_casts"]
     return {
-        "forward": kept + mask + copies + buf["logits"] + fsdp + buf["fp8_weight_casts"],
-        "head_backward": backward + buf["logits"] + buf["head_backward"] + fsdp,
+        "forward": forward,
+        "head_backward": held + backward + buf["logits"] + buf["head_backward"] + fsdp,
         "first_block_backward": first_block + fsdp,
         "last_block_backward": last_block + fsdp,
         "after_backward": grads + buf["replica_sync"],
@@ -315,18 +360,24 @@ def _peak(grads: float, state: dict, act: dict, buf: dict, layout: Layout) -> di
     }
 
 
-def estimate_memory(model: nn.Module, config, layout: Layout, step: Step) -> MemoryEstimate:
-    """Per-rank memory of a training step of ``model``, the parallel meta model of ``layout``."""
+def estimate_memory(
+    model: nn.Module, config, layout: Layout, step: Step, stage: Stage | None = None
+) -> MemoryEstimate:
+    """Per-rank memory of a training step of ``model``, the parallel meta model of ``layout``:
+    the whole model, or with ``stage`` one pipeline rank's."""
+    stage = stage or whole_model(config)
     state = _state(model, layout)
-    state["layers"] = config.num_hidden_layers
+    state["layers"], state["chunks_head"] = len(stage.layers), chunks_head(model)
     fp8 = step.precision == "fp8"
     state |= _fp8_numel(model, layout) if fp8 else dict.fromkeys(_FP8_KEYS, 0)
     params, grads = state["bytes"], state["grad_bytes"]  # grads: of the trained parameters
     optimizer = grads * step.optimizer_moments
-    chunked = bool(step.loss_chunk_tokens) and chunks_head(model)
-    act = _activations(config, layout, step)
-    buf = {**_buffers(config, layout, step, state, chunked), "block_backward": act.pop("in_flight")}
-    phases = _peak(grads, state, act, buf, layout)
+    act = _activations(config, layout, step, stage)
+    for name in ("layers", "stage_output", "embedding_and_norm", "attention_mask"):
+        act[name] *= stage.in_flight
+    act["logits_held"] *= stage.in_flight - 1
+    buf = {**_buffers(config, layout, step, state, stage), "block_backward": act.pop("in_flight")}
+    phases = _peak(grads, state, act, buf, layout, stage)
     peak = params + optimizer + max(phases.values())
     gib = {name: value / GIB for name, value in {**act, **buf}.items()}
     return MemoryEstimate(

@@ -1,7 +1,8 @@
 """``dry_run=true`` through the real command line: a Llama-3-70B layout of 64 ranks planned on this
 machine (every check, the parallel model built on the meta device over fake ranks), its plan.json
 against the arithmetic, a layout that does not fit given a change that fits when planned again,
-and a cp=2 plan against the measured peak of the same run.
+a Llama-3.1-405B shape at pp=8 × tp=8 × dp=16 (1,024 ranks) planned per pipeline stage, and a cp=2
+plan against the measured peak of the same run.
 
 The child's peak RSS is read with ``os.wait4`` (that child's own rusage), not wall-clock time."""
 
@@ -29,13 +30,19 @@ LLAMA_3_70B = {
 }
 LAYOUT = ["tp=8", "dp=8", "sp=true", "train.seq_len=8192", "train.micro_batch_size=1"]
 LAYOUT += ["train.global_batch_size=8", "train.precision=bf16-mixed"]
+LLAMA_3_1_405B = LLAMA_3_70B | {"hidden_size": 16384, "num_hidden_layers": 126}
+LLAMA_3_1_405B |= {"intermediate_size": 53248, "num_attention_heads": 128}
+PIPELINE = ["pp=8", "tp=8", "dp=16", *LAYOUT[2:], "train.global_batch_size=256"]
+PIPELINE += ["train.val_every=0"]  # pp: no validation yet
 
 
-def dry_run(output_dir: Path, *overrides: str) -> tuple[dict, str, int]:
+def dry_run(
+    output_dir: Path, *overrides: str, shape: dict = LLAMA_3_70B, layout: list = LAYOUT
+) -> tuple[dict, str, int]:
     """(plan.json, stdout, the child's peak RSS in bytes) of a dry run that must exit 0."""
-    model = [f"model.config.{key}={value}" for key, value in LLAMA_3_70B.items()]
+    model = [f"model.config.{key}={value}" for key, value in shape.items()]
     command = [sys.executable, "recipes/finetune.py", "dry_run=true", f"output_dir={output_dir}"]
-    command += [*LAYOUT, *model, *overrides]
+    command += [*layout, *model, *overrides]
     out, err = (output_dir.parent / f"{output_dir.name}.{kind}" for kind in ("out", "err"))
     with out.open("w") as stdout, err.open("w") as stderr:
         child = subprocess.Popen(command, cwd=REPO, stdout=stdout, stderr=stderr)
@@ -78,6 +85,36 @@ def test_a_layout_that_does_not_fit_gets_the_smallest_change_and_that_change_fit
     planned = plan["suggestion"]["total_gib"] - plan["per_rank_gib"]["runtime"]
     replanned = again["per_rank_gib"]["total"] - again["per_rank_gib"]["runtime"]
     assert replanned == pytest.approx(planned, rel=1e-9)
+
+
+def test_llama_3_1_405b_at_pp8_tp8_dp16_is_planned_per_pipeline_stage(tmp_path):
+    """1,024 fake ranks, 16 micro-batches of one 8,192-token row per step, 1F1B: stage s holds
+    min(8 - s, 16) micro-batches' layer inputs (full checkpointing, sp: a 1/8 slice each)."""
+    full = "train.activation_checkpointing=full"
+    overrides = (full, "device_memory_gib=80")
+    plan, stdout, _ = dry_run(tmp_path / "plan", *overrides, shape=LLAMA_3_1_405B, layout=PIPELINE)
+    assert plan["world_size"] == 1024 and plan["layout"]["pp"] == 8
+    stages = plan["per_stage_gib"]
+    assert [stage["layers"] for stage in stages] == [15] + [16] * 6 + [15]  # 128 units over 8
+    assert [stage["in_flight"] for stage in stages] == [8, 7, 6, 5, 4, 3, 2, 1]
+    assert [(stage["embedding"], stage["head"]) for stage in stages] == (
+        [(True, False)] + [(False, False)] * 6 + [(False, True)]
+    )
+    hidden, kv, inner, vocab = 16384, 8 * 128, 53248, 128256
+    layer = 2 * hidden * hidden + 2 * hidden * kv + 3 * hidden * inner + 2 * hidden
+    parameters = 126 * layer + 2 * vocab * hidden + hidden  # ~405.9e9
+    state = sum(stage[row] for stage in stages for row in ("params", "grads", "optimizer"))
+    assert state * GIB == pytest.approx(parameters * 16 / (8 * 16), rel=1e-3)  # tp 8 × dp 16
+    assert plan["pipeline"]["busiest_rank"] == 0
+    assert plan["per_rank_gib"]["total"] == max(stage["total"] for stage in stages)
+    layer_inputs = 15 * 8 * 8192 * hidden * 2 / 8  # bf16, sequence-parallel over tp
+    assert plan["detail_gib"]["layers"] * GIB == pytest.approx(layer_inputs, rel=1e-9)
+    assert plan["pipeline"]["bubble"] == pytest.approx(7 / 23)  # (pp - 1) / (m + pp - 1)
+    attention = 12 * 126 * 128 * 128 * 8192
+    matmuls = 126 * (layer - 2 * hidden) + vocab * hidden  # lm_head, not the embedding or norms
+    assert plan["flops_per_token"] == 6 * matmuls + attention
+    assert plan["fits"] is True and "fits in 80 GiB per device" in stdout
+    assert "bubble 30.4%" in stdout
 
 
 # bench/context_parallel.py's Llama: hidden 512, 6 layers, 8 heads of 64, 4 KV heads

@@ -11,7 +11,9 @@ def plan_of(world: int, seq_len: int, experts: tuple = ()) -> SimpleNamespace:
     train = SimpleNamespace(global_batch_size=8, seq_len=seq_len)
     return SimpleNamespace(
         dims=SimpleNamespace(world_size=world),
-        model=SimpleNamespace(experts=experts, compile=False, sequence_parallel=False),
+        model=SimpleNamespace(
+            experts=experts, compile=False, sequence_parallel=False, config=SimpleNamespace()
+        ),
         train=train,
     )
 
@@ -32,3 +34,15 @@ def test_cp_is_suggested_only_where_the_row_splits_and_never_for_moe():
     assert "cp=4 dp=2" not in words and "cp=8 dp=1" not in words  # 20 % 8, 20 % 16
     moe = [word for word, _ in _candidates(plan_of(8, 4096, experts=("mlp.experts",)), LAYOUT)]
     assert not any("cp=" in word for word in moe) and "tp=2 dp=2" in moe
+
+
+def test_pp_and_fewer_hsdp_replicas_are_suggested_where_they_fit():
+    plan = plan_of(8, 4096)
+    plan.pipeline, plan.model.config = ("1f1b", 1), SimpleNamespace(num_hidden_layers=4)
+    hsdp = Layout(
+        tp=1, dp=8, ep=1, dp_replicate=2, micro_batch_size=1, activation_checkpointing="full"
+    )
+    words = [word for word, _ in _candidates(plan, hsdp)]
+    assert "pp=2 dp=4 dp_shard=2" in words and "dp_replicate=1 dp_shard=8" in words
+    assert "pp=4 dp=2 dp_shard=1" in words
+    assert not any("pp=8" in word for word in words)  # 8 stages of a 4-layer model (+2 units)
