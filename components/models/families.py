@@ -213,12 +213,16 @@ def _base_model_name(model) -> str:
 
 
 def _vocabulary_plan(model) -> dict[str, str]:
-    """The embedding (rows) and the head (vocab-parallel), by the names the model gives them."""
+    """The embedding (rows) and the head (vocab-parallel), by the names the model gives them. An
+    embedding that holds modules of its own (Inkling's norm after the lookup) stays replicated: a
+    split lookup's partial rows would pass its norm before they are summed."""
     if model is None:
         return {"model.embed_tokens": "embedding_rowwise", "lm_head": "vocab_parallel"}
     names = {id(module): name for name, module in model.named_modules()}
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
-    plan = {names[id(embedding)]: "embedding_rowwise"} if id(embedding) in names else {}
+    inner = embedding is not None and any(True for _ in embedding.children())
+    style = "replicate" if inner else "embedding_rowwise"
+    plan = {names[id(embedding)]: style} if id(embedding) in names else {}
     return plan | ({names[id(head)]: "vocab_parallel"} if id(head) in names else {})
 
 
