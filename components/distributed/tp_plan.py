@@ -240,6 +240,9 @@ def _style(name: str, sequence_parallel: bool, config=None) -> ParallelStyle | N
         "rowwise": lambda: _Owned(
             RowwiseParallel(output_layouts=tokens, use_local_output=local_output)
         ),
+        # Ours: a rowwise projection whose outputs are per head (Doge's dt_proj, one value per KV
+        # head from all heads' values), each rank keeping its heads' (a reduce-scatter).
+        "rowwise_local_heads": lambda: RowwiseParallel(output_layouts=Shard(-1)),
         "embedding_rowwise": lambda: RowwiseParallel(
             input_layouts=Replicate(), output_layouts=tokens, use_local_output=local_output
         ),

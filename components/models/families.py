@@ -201,7 +201,34 @@ def _own_plan(config, model=None) -> dict[str, str]:
     }
     unbuilt = unbuilt_patterns(config, model) if model is not None else []
     plan = {pattern: style for pattern, style in plan.items() if pattern not in unbuilt}
+    plan = _corrected(config, plan)
     return plan | _vocabulary_plan(model)
+
+
+# Where a model's own plan computes something else than the model at tp=1, its corrections.
+_OWN_PLAN_CORRECTIONS = {
+    # Doge's dt_proj mixes all KV heads' values into one value per KV head, scaled by ``A`` (one
+    # per KV head): summed rowwise, each rank keeps its heads' (its attention's mask), A sharded.
+    "doge": {
+        "model.layers.*.self_attn.dt_proj": "rowwise_local_heads",
+        "model.layers.*.self_attn.A": "colwise",
+    },
+}
+
+
+def _corrected(config, plan: dict[str, str]) -> dict[str, str]:
+    """The model's own plan with :data:`_OWN_PLAN_CORRECTIONS`, and Gemma 3n's MLPs with
+    activation sparsity left whole: they cut the gate at its mean plus a multiple of its standard
+    deviation over the intermediate size, which ``colwise`` splits (every other layer's MLP is
+    split as the plan says)."""
+    plan = plan | _OWN_PLAN_CORRECTIONS.get(config.model_type, {})
+    sparsity = getattr(config, "activation_sparsity_pattern", None) or []
+    if not any(value > 0 for value in sparsity):
+        return plan
+    mlp = {p: style for p, style in plan.items() if p.startswith("model.layers.*.mlp.")}
+    dense = [index for index, value in enumerate(sparsity) if not value > 0]
+    split = {p.replace("*", str(index), 1): s for p, s in mlp.items() for index in dense}
+    return {p: style for p, style in plan.items() if p not in mlp} | split
 
 
 def _base_model_name(model) -> str:

@@ -132,3 +132,23 @@ def test_a_models_own_plan_is_placed_under_its_base_model_and_its_vocabulary_mod
     assert plan["gpt_neox.layers.*.attention.query_key_value"] == "colwise"
     assert plan["gpt_neox.embed_in"] == "embedding_rowwise" and plan["lm_head"] == "vocab_parallel"
     assert check_plan(model, config, plan, tp=2)[1] == []
+
+
+def test_own_plans_that_compute_something_else_are_corrected():
+    """Doge's dt_proj gives one value per KV head from all of them: summed rowwise, each rank keeps
+    its heads' (with ``A``'s slice), as its attention needs. Gemma 3n's MLPs with activation
+    sparsity take statistics over the whole intermediate size: they stay whole, the others split."""
+    from tests.coverage import tiny_config as coverage_config
+
+    config = coverage_config("doge")
+    model = meta_causal_lm(config)
+    resolved, errors = check_plan(model, config, plan_for(config, model=model), tp=2)
+    assert errors == [] and resolved["model.layers.0.self_attn.A"] == "colwise"
+    assert resolved["model.layers.0.self_attn"] == "local_params"
+    assert resolved["model.layers.1.self_attn.dt_proj"] == "rowwise_local_heads"
+    config = coverage_config("gemma3n_text")
+    assert config.activation_sparsity_pattern == [0.95, 0.0]
+    model = meta_causal_lm(config)
+    resolved, errors = check_plan(model, config, plan_for(config, model=model), tp=2)
+    assert errors == [] and not [name for name in resolved if ".0.mlp" in name]
+    assert resolved["model.layers.1.mlp.gate_proj"] == "colwise"
