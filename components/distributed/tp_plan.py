@@ -212,20 +212,28 @@ _PARAMETER_STYLES = {
 EXPERT_STYLES = ("moe_tp_experts", "packed_colwise", "packed_rowwise", "moe_identity_expert")
 
 
+# Styles that do not depend on sequence parallelism or the config.
+_PLAIN_STYLES = {
+    "sequence_parallel": SequenceParallel,
+    "gather_sequence": _GatherSequence,
+    "local_heads": _LocalHeads,
+    "local_params": _LocalParams,
+    # ours: outputs per head from all heads (Doge's dt_proj), each rank keeps its heads'
+    "rowwise_local_heads": lambda: RowwiseParallel(output_layouts=Shard(-1)),
+}
+
+
 def _style(name: str, sequence_parallel: bool, config=None) -> ParallelStyle | None:
     """The torch style for a style name; None for styles that only mark a replicated module.
 
     Under sequence parallelism activations between blocks are DTensors sharded on the sequence
-    (``use_local_output=False``), so Hugging Face code that reads ``hidden_states.shape``
-    (positions, the causal mask, the attention reshape) sees the global length, with any attention
-    implementation.
-    """
+    (``use_local_output=False``): HF code that reads ``hidden_states.shape`` (positions, the causal
+    mask, the attention reshape) sees the global length, with any attention implementation."""
     tokens = Shard(1) if sequence_parallel else Replicate()
     local_output = not sequence_parallel  # under SP the outputs stay DTensors (see above)
     styles = {
         # Under SP the input arrives as a DTensor (gathered by the block's *_input style, or sharded
-        # by a norm), and a DTensor input is redistributed to Replicate whatever ``input_layouts``
-        # says.
+        # by a norm), redistributed to Replicate whatever ``input_layouts`` says.
         "colwise": lambda: ColwiseParallel(),
         # One gather (SP) or one backward all-reduce (plain) per block instead of one per
         # projection: the block's input becomes a Replicate DTensor that q/k/v (or gate/up) share.
@@ -240,9 +248,6 @@ def _style(name: str, sequence_parallel: bool, config=None) -> ParallelStyle | N
         "rowwise": lambda: _Owned(
             RowwiseParallel(output_layouts=tokens, use_local_output=local_output)
         ),
-        # Ours: a rowwise projection whose outputs are per head (Doge's dt_proj, one value per KV
-        # head from all heads' values), each rank keeping its heads' (a reduce-scatter).
-        "rowwise_local_heads": lambda: RowwiseParallel(output_layouts=Shard(-1)),
         "embedding_rowwise": lambda: RowwiseParallel(
             input_layouts=Replicate(), output_layouts=tokens, use_local_output=local_output
         ),
@@ -266,17 +271,14 @@ def _style(name: str, sequence_parallel: bool, config=None) -> ParallelStyle | N
             desired_output_layouts=(tokens,),
             use_local_output=local_output,
         ),
-        # HF's: an embedding sharded over the hidden dimension, the vectors gathered.
+        # HF's: an embedding sharded over the hidden dimension, the vectors gathered
         "embedding_colwise": lambda: ColwiseParallel(
             input_layouts=Replicate(), output_layouts=tokens, use_local_output=local_output
         ),
-        "sequence_parallel": lambda: SequenceParallel(),
-        "gather_sequence": lambda: _GatherSequence(),
-        "local_heads": lambda: _LocalHeads(),
         "mla_kv_a_proj": lambda: _MlaKvAProj(getattr(config, "qk_rope_head_dim", 0)),
-        "local_params": lambda: _LocalParams(),
         "local_params_all_reduce": lambda: _LocalParamsAllReduce(sequence_parallel),
         **dict.fromkeys(("replicated_with_grad_allreduce", "replicate"), lambda: None),
+        **_PLAIN_STYLES,
     }
     name = _ALIASES.get(name, name)
     _refuse_expert_style(name)

@@ -23,7 +23,8 @@ def test_every_problem_is_listed_together():
         "'attention_input', 'colwise', 'colwise_gather_output', 'embedding_colwise', "
         "'embedding_rowwise', 'gather_sequence', 'local_heads', 'local_params', "
         "'local_params_all_reduce', 'mla_kv_a_proj', 'mlp_input', "
-        "'replicate', 'replicated_with_grad_allreduce', 'rowwise', 'rowwise_split_input', "
+        "'replicate', 'replicated_with_grad_allreduce', 'rowwise', 'rowwise_local_heads', "
+        "'rowwise_split_input', "
         "'sequence_parallel', 'vocab_parallel']",
         "tp (4) must divide num_attention_heads (6)",
         "tp (4) must divide num_key_value_heads (3)",
