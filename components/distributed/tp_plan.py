@@ -188,6 +188,20 @@ def _summed_output(mesh: DeviceMesh, tokens, module: nn.Module, args: tuple, out
     return whole.to_local() if isinstance(tokens, Replicate) else whole
 
 
+class _ReplicatedParameters(ParallelStyle):
+    """Ours: a module whose own parameters meet sequence shards (Doge's residual scales on the
+    decoder block) under sequence parallelism: they become Replicate DTensors, whose gradients,
+    partial over the shards, are summed when they are finalised. Its children are untouched."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, parameter in list(module.named_parameters(recurse=False)):
+            whole = distribute_tensor(
+                parameter.data, device_mesh, [Replicate()], src_data_rank=None
+            )
+            module._parameters[name] = nn.Parameter(whole, requires_grad=parameter.requires_grad)
+        return module
+
+
 class _ShardParameter(ParallelStyle):
     """A plan entry naming a parameter: that parameter of the module becomes a DTensor sharded on
     ``dim`` (each rank reads only its slice when it loads)."""
@@ -218,6 +232,7 @@ _PLAIN_STYLES = {
     "gather_sequence": _GatherSequence,
     "local_heads": _LocalHeads,
     "local_params": _LocalParams,
+    "sequence_parallel_parameters": _ReplicatedParameters,
     # ours: outputs per head from all heads (Doge's dt_proj), each rank keeps its heads'
     "rowwise_local_heads": lambda: RowwiseParallel(output_layouts=Shard(-1)),
 }

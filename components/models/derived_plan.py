@@ -22,9 +22,12 @@ from components.distributed.tp_plan import HEAD_COUNTS
 
 
 def _blocks(model: nn.Module) -> tuple[str, nn.Module] | None:
-    """(name, the first block) of the model's decoder layers: its one ``nn.ModuleList``."""
+    """(name, the first block) of the model's decoder layers: its one ``nn.ModuleList``, or of
+    several (Gemma 3n's AltUp projections beside its layers) the one named ``layers``."""
     lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
     lists = [(n, m) for n, m in lists if "." not in n.removeprefix("model.")]
+    if len(lists) > 1:
+        lists = [(n, m) for n, m in lists if n.rpartition(".")[2] == "layers"]
     return (lists[0][0], lists[0][1][0]) if len(lists) == 1 else None
 
 
@@ -120,17 +123,21 @@ def derived_plan_note(config, plan: dict[str, str]) -> str:
 def sequence_parallel_norms(model: nn.Module) -> dict[str, str]:
     """Every norm on the residual stream, found from the structure: each block child made of 1-D
     parameters only (before, between and after the sublayers, however many: Gemma's four, Cohere's
-    one) and the final norm beside the layers, all ``sequence_parallel``; empty when the decoder
-    layers are not found."""
+    one; in any block, whatever its kind) and the final norm beside the layers, all
+    ``sequence_parallel``; empty when the decoder layers are not found."""
     found = _blocks(model)
     if found is None:
         return {}
-    layers, block = found
-    plan = {
-        f"{layers}.*.{name}": "sequence_parallel"
+    layers, _ = found
+    plan = {  # by name, each block's (a pattern's * would also match a norm inside a sublayer)
+        f"{layers}.{index}.{name}": "sequence_parallel"
+        for index, block in enumerate(model.get_submodule(layers))  # of every kind of layer
         for name, child in block.named_children()
         if _is_norm(child) and not any(isinstance(m, nn.Linear) for m in child.modules())
     }
+    for index, block in enumerate(model.get_submodule(layers)):  # its own, on the residual stream
+        if any(True for _ in block.parameters(recurse=False)):
+            plan[f"{layers}.{index}"] = "sequence_parallel_parameters"
     parent, _, _ = layers.rpartition(".")
     owner = model.get_submodule(parent) if parent else model
     embedding = model.get_input_embeddings()
@@ -140,10 +147,16 @@ def sequence_parallel_norms(model: nn.Module) -> dict[str, str]:
     return plan
 
 
+# Styles whose output goes back to the residual stream as sequence shards under SP.
+_TO_SHARDS = ("rowwise", "rowwise_split_input", "rowwise_rep", "all_reduce")
+
+
 def unplanned_sublayers(model: nn.Module, plan: dict[str, str]) -> list[str]:
     """The decoder blocks' sublayers (children with parameters, not norms) that no pattern of
-    ``plan`` names, neither them nor anything inside them, by name: under sequence parallelism
-    each must gather the sequence (``gather_sequence``) to run replicated on whole tokens."""
+    ``plan`` names, neither them nor anything inside them, or whose entries have no style that
+    hands back sequence shards (Qwen3-Next's linear attention, ``colwise_gather_output`` only), by
+    name: under sequence parallelism each must gather the sequence (``gather_sequence``) to run
+    on whole tokens."""
     found = _blocks(model)
     if found is None:
         return []
@@ -155,6 +168,28 @@ def unplanned_sublayers(model: nn.Module, plan: dict[str, str]) -> list[str]:
                 continue
             prefix = f"{layers}.{index}.{name}"
             names = [prefix, *(f"{prefix}.{inner}" for inner, _ in child.named_modules() if inner)]
-            if not any(fnmatch.filter(names, pattern) for pattern in plan):
+            styles = [style for pattern, style in plan.items() if fnmatch.filter(names, pattern)]
+            if not any(style in _TO_SHARDS for style in styles):
                 unplanned.append(prefix)
     return unplanned
+
+
+def beside_layers(model: nn.Module, plan: dict[str, str]) -> list[str]:
+    """The modules with parameters beside the decoder layers (children of their parent other than
+    the layers and the embedding) that no pattern of ``plan`` names: Gemma 3n's per-layer input
+    projections, which the model runs on the embedding's output. Under sequence parallelism that
+    output is a sequence shard these plain modules cannot take."""
+    found = _blocks(model)
+    if found is None:
+        return []
+    parent = found[0].rpartition(".")[0]
+    owner = model.get_submodule(parent) if parent else model
+    layers, embedding = model.get_submodule(found[0]), model.get_input_embeddings()
+    names = []
+    for name, child in owner.named_children():
+        if child is layers or child is embedding or not any(True for _ in child.parameters()):
+            continue
+        full = f"{parent}.{name}" if parent else name
+        if not any(fnmatch.fnmatch(full, pattern) for pattern in plan):
+            names.append(full)
+    return names

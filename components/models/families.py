@@ -174,7 +174,14 @@ def plan_for(config, sequence_parallel: bool = False, model=None) -> dict[str, s
         norms = sequence_parallel_norms(model)
         plan = {k: v for k, v in plan.items() if v != "sequence_parallel" or not norms} | norms
         if family is None:  # MoE blocks and unplanned sublayers run on whole tokens, by name
-            from components.models.derived_plan import unplanned_sublayers
+            from components.models.derived_plan import beside_layers, unplanned_sublayers
+
+            if beside := beside_layers(model, plan):
+                raise ValueError(
+                    f"sequence parallelism with {', '.join(beside)} (beside the decoder layers, "
+                    "run on the embedding's output, not split by the plan) is not supported; "
+                    "use sp=false"
+                )
 
             gathered = [*moe_blocks(config, model), *unplanned_sublayers(model, plan)]
             plan |= dict.fromkeys(gathered, "gather_sequence")

@@ -25,7 +25,7 @@ def test_every_problem_is_listed_together():
         "'local_params_all_reduce', 'mla_kv_a_proj', 'mlp_input', "
         "'replicate', 'replicated_with_grad_allreduce', 'rowwise', 'rowwise_local_heads', "
         "'rowwise_split_input', "
-        "'sequence_parallel', 'vocab_parallel']",
+        "'sequence_parallel', 'sequence_parallel_parameters', 'vocab_parallel']",
         "tp (4) must divide num_attention_heads (6)",
         "tp (4) must divide num_key_value_heads (3)",
         "tp (4) must divide intermediate_size (130)",

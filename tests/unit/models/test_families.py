@@ -152,3 +152,36 @@ def test_own_plans_that_compute_something_else_are_corrected():
     resolved, errors = check_plan(model, config, plan_for(config, model=model), tp=2)
     assert errors == [] and not [name for name in resolved if ".0.mlp" in name]
     assert resolved["model.layers.1.mlp.gate_proj"] == "colwise"
+
+
+def test_sequence_parallelism_is_placed_from_every_layer_kind_or_refused():
+    """Under sp: the norms of every kind of layer, by name (OLMo Hybrid's post-norms, not
+    Nemotron-H's gated norm inside its Mamba mixer); a sublayer that does not end rowwise runs on
+    whole tokens (Qwen3-Next's linear attention); a block's own parameters (Doge's residual scales)
+    become replicated DTensors; modules beside the layers on the embedding's output (Gemma 4's
+    per-layer inputs) are refused in one line."""
+    from tests.coverage import tiny_config as coverage_config
+
+    def sequence_plan(model_type: str) -> dict[str, str]:
+        config = coverage_config(model_type)
+        model = meta_causal_lm(config)
+        plan = plan_for(config, True, model)
+        assert check_plan(model, config, plan, tp=2)[1] == []
+        return plan
+
+    olmo = sequence_plan("olmo_hybrid")
+    assert olmo["model.layers.1.post_feedforward_layernorm"] == "sequence_parallel"
+    assert olmo["model.layers.0.linear_attn"] == "gather_sequence"
+    nemotron = sequence_plan("nemotron_h")
+    assert nemotron["model.layers.0.norm"] == "sequence_parallel"
+    assert not [name for name in nemotron if "mixer.norm" in name]
+    assert sequence_plan("qwen3_next")["model.layers.0.linear_attn"] == "gather_sequence"
+    assert sequence_plan("doge")["model.layers.1"] == "sequence_parallel_parameters"
+    config = coverage_config("gemma4_text")
+    with pytest.raises(ValueError) as refused:
+        plan_for(config, True, meta_causal_lm(config))
+    assert str(refused.value) == (
+        "sequence parallelism with model.embed_tokens_per_layer, model.per_layer_model_projection "
+        "(beside the decoder layers, run on the embedding's output, not split by the plan) is not "
+        "supported; use sp=false"
+    )
