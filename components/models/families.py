@@ -174,18 +174,34 @@ def plan_for(config, sequence_parallel: bool = False, model=None) -> dict[str, s
         norms = sequence_parallel_norms(model)
         plan = {k: v for k, v in plan.items() if v != "sequence_parallel" or not norms} | norms
         if family is None:  # MoE blocks and unplanned sublayers run on whole tokens, by name
-            from components.models.derived_plan import beside_layers, unplanned_sublayers
-
-            if beside := beside_layers(model, plan):
-                raise ValueError(
-                    f"sequence parallelism with {', '.join(beside)} (beside the decoder layers, "
-                    "run on the embedding's output, not split by the plan) is not supported; "
-                    "use sp=false"
-                )
-
-            gathered = [*moe_blocks(config, model), *unplanned_sublayers(model, plan)]
-            plan |= dict.fromkeys(gathered, "gather_sequence")
+            plan = _sequence_parallel_outside_table(config, model, plan, bool(norms))
     return plan
+
+
+def _sequence_parallel_outside_table(config, model, plan: dict[str, str], found: bool):
+    """``plan`` with every MoE block and unplanned sublayer gathering the sequence.
+
+    Raises:
+        ValueError: where the norms were ``found`` neither from the structure nor by their usual
+            names, or modules beside the decoder layers would meet sequence shards.
+    """
+    from components.models.derived_plan import beside_layers, unplanned_sublayers
+
+    names = [name for name, _ in model.named_modules()]
+    named = [p for p, s in plan.items() if s == "sequence_parallel" and fnmatch.filter(names, p)]
+    if not found and not named:
+        raise ValueError(
+            f"sequence parallelism with model type {config.model_type!r}: its decoder layers (one "
+            "nn.ModuleList) and so the norms on its residual stream were not found; use sp=false"
+        )
+    if beside := beside_layers(model, plan):
+        raise ValueError(
+            f"sequence parallelism with {', '.join(beside)} (modules beside the decoder layers "
+            "that the plan does not split, which would meet sequence shards) is not supported; "
+            "use sp=false"
+        )
+    gathered = [*moe_blocks(config, model), *unplanned_sublayers(model, plan)]
+    return plan | dict.fromkeys(gathered, "gather_sequence")
 
 
 def moe_blocks(config, model) -> list[str]:

@@ -182,6 +182,6 @@ def test_sequence_parallelism_is_placed_from_every_layer_kind_or_refused():
         plan_for(config, True, meta_causal_lm(config))
     assert str(refused.value) == (
         "sequence parallelism with model.embed_tokens_per_layer, model.per_layer_model_projection "
-        "(beside the decoder layers, run on the embedding's output, not split by the plan) is not "
-        "supported; use sp=false"
+        "(modules beside the decoder layers that the plan does not split, which would meet "
+        "sequence shards) is not supported; use sp=false"
     )
