@@ -38,6 +38,7 @@ SHRINK = {
     **dict.fromkeys(("num_attention_heads", "n_head", "num_heads", "n_heads"), 4),
     **dict.fromkeys(("num_key_value_heads", "n_kv_heads", "num_kv_heads"), 2),
     **dict.fromkeys(("head_dim", "kv_channels", "attention_head_dim"), 16),
+    "rotary_dim": 16,  # CodeGen's and GPT-J's rotary part of each 16-wide head
     **dict.fromkeys(("max_position_embeddings", "n_positions", "n_ctx", "seq_length"), 128),
     **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), 4),
     **dict.fromkeys(("num_experts_per_tok", "moe_topk", "top_k", "moe_k"), 2),
