@@ -2,16 +2,15 @@
 
 The decoder blocks are the items of the model's one ``nn.ModuleList``. In a block, every child
 module that holds ``nn.Linear`` children is a sublayer (attention or MLP): its linears that read the
-hidden size are split by columns (``colwise``: q/k/v, gate/up), and its last linear that writes the
-hidden size from another width (or, when every linear reads the hidden size, its last one) by rows
-(``rowwise``: o_proj, down_proj). A sublayer's 1-D parameters of ``head_dim`` (a per-head q/k norm)
-are replicated with summed gradients, its own 1-D parameters of one value per attention head
-(GPT-OSS's ``sinks``) are sharded with the heads (``colwise`` on the parameter, the sublayer
-``local_params``), and a sublayer with head counts of its own (``self.num_heads``) gets
-``local_heads``. An MoE block (a sublayer holding experts: 3-D parameters) is left to expert
-parallelism, its router replicated. The embedding and ``lm_head`` get the styles of every other
-plan. Anything else that holds parameters inside a sublayer (a linear of another shape) cannot be
-placed: the derivation then lists those modules instead.
+hidden size are split by columns (``colwise``: q/k/v, gate/up; not an MLP's wider than the output's
+input, fused and cut after it: ModernBERT's ``Wi``), and its last linear that writes the hidden
+size from another width (or, when every linear reads the hidden size, its last one) by rows
+(``rowwise``: o_proj, down_proj). Per-head q/k norms (1-D of ``head_dim``) are replicated with
+summed gradients, one value per attention head (GPT-OSS's ``sinks``) sharded with the heads
+(``colwise`` on the parameter, the sublayer ``local_params``), head counts of its own
+(``self.num_heads``) made local (``local_heads``). An MoE block (3-D parameters) is left to expert
+parallelism, its router replicated; the embedding and ``lm_head`` get every plan's styles. Anything
+else with parameters inside a sublayer cannot be placed: the derivation then lists those modules.
 """
 
 import fnmatch
@@ -39,10 +38,16 @@ def _sublayer(prefix: str, module: nn.Module, hidden: int, head_dim: int | None,
     readers = [n for n, m in linears if m.in_features == hidden]
     output = writers[-1] if writers else (readers[-1] if len(readers) > 1 else None)
     plan, unplaced = {}, []
+    heads_of_its_own = any(isinstance(getattr(module, c, None), int) for c in HEAD_COUNTS)
+    # an MLP's reader wider than the output's input is fused and cut after it (attention's fused
+    # q/k/v, such as Persimmon's, holds each head's q, k and v together: split by heads)
+    width = dict(linears)[output].in_features if output and not heads_of_its_own else None
     for name, child in module.named_children():
         pattern = f"{prefix}.{name}"
         if name == output:
             plan[pattern] = "rowwise"
+        elif name in readers and width is not None and child.out_features > width:
+            unplaced.append(f"{pattern} (wider than {output}'s input: fused, cut after it)")
         elif name in readers:
             plan[pattern] = "colwise"
         elif _is_head_norm(child, head_dim):
@@ -54,7 +59,7 @@ def _sublayer(prefix: str, module: nn.Module, hidden: int, head_dim: int | None,
             plan[f"{prefix}.{name}"], plan[prefix] = "colwise", "local_params"
         else:
             unplaced.append(f"{prefix} (its parameter {name})")
-    if any(isinstance(getattr(module, count, None), int) for count in HEAD_COUNTS):
+    if heads_of_its_own:
         if plan.get(prefix) == "local_params":
             unplaced.append(f"{prefix} (head counts of its own and per-head parameters)")
         plan[prefix] = "local_heads"

@@ -185,3 +185,17 @@ def test_sequence_parallelism_is_placed_from_every_layer_kind_or_refused():
         "(modules beside the decoder layers that the plan does not split, which would meet "
         "sequence shards) is not supported; use sp=false"
     )
+
+
+def test_a_derived_plan_does_not_split_an_mlps_fused_input_projection():
+    """ModernBERT's MLP reads the hidden size into ``Wi``, twice as wide as ``Wo``'s input, and cuts
+    it in two after it: split by columns, a rank would hold only halves of one kind. Persimmon's
+    fused q/k/v (each head's q, k and v together) is split by heads as before."""
+    from tests.coverage import tiny_config as coverage_config
+
+    config = coverage_config("modernbert-decoder")
+    with pytest.raises(ValueError, match=r"cannot place model\.layers\.\*\.mlp\.Wi \(wider than "):
+        plan_for(config, model=meta_causal_lm(config))
+    config = coverage_config("persimmon")
+    plan = plan_for(config, model=meta_causal_lm(config))
+    assert plan["model.layers.*.self_attn.query_key_value"] == "colwise"
