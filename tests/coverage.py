@@ -26,6 +26,7 @@ from tests.saved_models import recipe
 VOCAB = 384  # components.data.DEFAULT_VOCAB_SIZE: the tokenizer the runs train, even for tp=2
 HIDDEN = ("hidden_size", "n_embd", "d_model", "dim", "embed_dim")
 HIDDEN += ("adapter_in_dim", "adapter_input_size")  # dots3_note's adapter
+HIDDEN += ("hidden_size_global",)  # BLT's byte encoder and decoder meet its global model
 LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 # Common config attribute names and the tiny value each takes (only where the type has the name).
 SHRINK = {
@@ -63,6 +64,7 @@ OVERRIDES: dict[str, dict] = {
     "cohere_compass_text": {"rope_parameters": {"full_attention": ROPE}},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
     "blt": {"encoder_hash_byte_group_vocab": 512},
+    "xmod": {"default_language": "en_XX"},  # X-MOD's adapters need one when no lang_ids are given
 }
 OVERRIDES["qwen4_exp_text"] = OVERRIDES["qwen4_exp.text_config"] = {
     **dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=16),
