@@ -80,13 +80,15 @@ def derive_plan(model: nn.Module, config) -> dict[str, str]:
         ValueError: naming every module the derivation cannot place.
     """
     text = config.get_text_config()  # an image-text model's decoder is its text model's
-    hidden = text.hidden_size
+    hidden = getattr(text, "hidden_size", None)  # BLT's: one per sub-model, none of its own
     heads = getattr(text, "num_attention_heads", None)
-    head_dim = getattr(text, "head_dim", None) or (hidden // heads if heads else None)
     found = _blocks(model)
     what = f"model type {config.model_type!r} has no tensor-parallel plan"
     if found is None:
         raise ValueError(f"{what}, and its decoder layers (one nn.ModuleList) were not found")
+    if hidden is None:
+        raise ValueError(f"{what}, and its config has no hidden_size to derive one from")
+    head_dim = getattr(text, "head_dim", None) or (hidden // heads if heads else None)
     layers, block = found
     plan: dict[str, str] = {}
     unplaced: list[str] = []
