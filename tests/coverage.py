@@ -37,6 +37,7 @@ SHRINK = {
     **dict.fromkeys(HIDDEN, 64),
     **dict.fromkeys(("intermediate_size", "ffn_dim", "n_inner", "ffn_hidden_size"), 128),
     **dict.fromkeys(("num_attention_heads", "n_head", "num_heads", "n_heads"), 4),
+    **dict.fromkeys(("encoder_attention_heads", "decoder_attention_heads"), 4),
     **dict.fromkeys(("num_key_value_heads", "n_kv_heads", "num_kv_heads"), 2),
     **dict.fromkeys(("head_dim", "kv_channels", "attention_head_dim"), 16),
     "rotary_dim": 16,  # CodeGen's and GPT-J's rotary part of each 16-wide head
@@ -64,7 +65,9 @@ OVERRIDES: dict[str, dict] = {
     "cohere_compass_text": {"rope_parameters": {"full_attention": ROPE}},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
     "blt": {"encoder_hash_byte_group_vocab": 512},
-    "xmod": {"default_language": "en_XX"},  # X-MOD's adapters need one when no lang_ids are given
+    "xmod": {"default_language": "en_XX"},
+    "mamba2": {"head_dim": 32, "n_groups": 1},  # its 4 heads span hidden_size × expand (2)
+    "zaya": {"num_experts_per_tok": 1},  # the only top-k it supports
 }
 OVERRIDES["qwen4_exp_text"] = OVERRIDES["qwen4_exp.text_config"] = {
     **dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=16),

@@ -14,6 +14,7 @@ else with parameters inside a sublayer cannot be placed: the derivation then lis
 """
 
 import fnmatch
+import inspect
 
 from torch import nn
 
@@ -137,7 +138,7 @@ def sequence_parallel_norms(model: nn.Module) -> dict[str, str]:
         return {}
     layers, _ = found
     plan = {  # by name, each block's (a pattern's * would also match a norm inside a sublayer)
-        f"{layers}.{index}.{name}": "sequence_parallel"
+        f"{layers}.{index}.{name}": _norm_style(child)
         for index, block in enumerate(model.get_submodule(layers))  # of every kind of layer
         for name, child in block.named_children()
         if _is_norm(child) and not any(isinstance(m, nn.Linear) for m in child.modules())
@@ -147,11 +148,25 @@ def sequence_parallel_norms(model: nn.Module) -> dict[str, str]:
             plan[f"{layers}.{index}"] = "sequence_parallel_parameters"
     parent, _, _ = layers.rpartition(".")
     owner = model.get_submodule(parent) if parent else model
+    if parent and any(True for _ in owner.parameters(recurse=False)):  # Zaya's input scale and bias
+        plan[parent] = "sequence_parallel_parameters"
     embedding = model.get_input_embeddings()
     for name, child in owner.named_children():
         if child is not embedding and not isinstance(child, nn.ModuleList) and _is_norm(child):
-            plan[f"{parent}.{name}" if parent else name] = "sequence_parallel"
+            plan[f"{parent}.{name}" if parent else name] = _norm_style(child)
     return plan
+
+
+def _norm_style(module: nn.Module) -> str:
+    """``sequence_parallel`` for a norm of one input; a module of 1-D parameters that takes two
+    (Zaya's residual scaling of the hidden states and the residual) runs on both sequence shards
+    as DTensors, its parameters replicated (``sequence_parallel_parameters``)."""
+    required = [
+        p
+        for p in inspect.signature(module.forward).parameters.values()
+        if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    return "sequence_parallel" if len(required) <= 1 else "sequence_parallel_parameters"
 
 
 # Styles whose output goes back to the residual stream as sequence shards under SP.

@@ -157,8 +157,9 @@ def test_own_plans_that_compute_something_else_are_corrected():
 def test_sequence_parallelism_is_placed_from_every_layer_kind_or_refused():
     """Under sp: the norms of every kind of layer, by name (OLMo Hybrid's post-norms, not
     Nemotron-H's gated norm inside its Mamba mixer); a sublayer that does not end rowwise runs on
-    whole tokens (Qwen3-Next's linear attention); a block's own parameters (Doge's residual scales)
-    become replicated DTensors; modules beside the layers on the embedding's output (Gemma 4's
+    whole tokens (Qwen3-Next's linear attention); a block's or the model's own parameters (Doge's
+    residual scales, Zaya's input scale) and modules of 1-D parameters with two inputs become
+    replicated DTensors; modules beside the layers on the embedding's output (Gemma 4's
     per-layer inputs) are refused in one line."""
     from tests.coverage import tiny_config as coverage_config
 
@@ -177,6 +178,9 @@ def test_sequence_parallelism_is_placed_from_every_layer_kind_or_refused():
     assert not [name for name in nemotron if "mixer.norm" in name]
     assert sequence_plan("qwen3_next")["model.layers.0.linear_attn"] == "gather_sequence"
     assert sequence_plan("doge")["model.layers.1"] == "sequence_parallel_parameters"
+    zaya = sequence_plan("zaya")  # its model's input scale, its two-input residual scaling
+    assert zaya["model"] == "sequence_parallel_parameters"
+    assert zaya["model.layers.0.post_mlp_residual_scale"] == "sequence_parallel_parameters"
     config = coverage_config("gemma4_text")
     with pytest.raises(ValueError) as refused:
         plan_for(config, True, meta_causal_lm(config))
