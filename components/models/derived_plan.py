@@ -139,11 +139,11 @@ def sequence_parallel_norms(model: nn.Module) -> dict[str, str]:
     layers, _ = found
     plan = {  # by name, each block's (a pattern's * would also match a norm inside a sublayer)
         f"{layers}.{index}.{name}": _norm_style(child)
-        for index, block in enumerate(model.get_submodule(layers))  # of every kind of layer
+        for index, block in model.get_submodule(layers).named_children()  # of every kind of layer
         for name, child in block.named_children()
         if _is_norm(child) and not any(isinstance(m, nn.Linear) for m in child.modules())
     }
-    for index, block in enumerate(model.get_submodule(layers)):  # its own, on the residual stream
+    for index, block in model.get_submodule(layers).named_children():  # its own parameters
         if any(True for _ in block.parameters(recurse=False)):
             plan[f"{layers}.{index}"] = "sequence_parallel_parameters"
     parent, _, _ = layers.rpartition(".")
@@ -184,7 +184,7 @@ def unplanned_sublayers(model: nn.Module, plan: dict[str, str]) -> list[str]:
         return []
     layers = found[0]
     unplanned = []
-    for index, block in enumerate(model.get_submodule(layers)):
+    for index, block in model.get_submodule(layers).named_children():
         for name, child in block.named_children():
             if _is_norm(child) or not any(True for _ in child.parameters()):
                 continue

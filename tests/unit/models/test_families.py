@@ -203,3 +203,17 @@ def test_a_derived_plan_does_not_split_an_mlps_fused_input_projection():
     config = coverage_config("persimmon")
     plan = plan_for(config, model=meta_causal_lm(config))
     assert plan["model.layers.*.self_attn.query_key_value"] == "colwise"
+
+
+def test_a_pipeline_stages_sequence_parallel_norms_are_its_layers_by_their_names():
+    """A stage keeps its layers under their indices in the whole model (``1``, not ``0``)."""
+    from components.distributed.pipeline import keep_stage
+
+    model = keep_stage(meta_causal_lm(tiny_config("llama")), [1], first=False, last=True)
+    plan = plan_for(model.config, True, model)
+    norms = sorted(name for name, style in plan.items() if style == "sequence_parallel")
+    assert norms == [
+        "model.layers.1.input_layernorm",
+        "model.layers.1.post_attention_layernorm",
+        "model.norm",
+    ]
