@@ -60,7 +60,7 @@ def set_up(plan: RunPlan) -> Run:
     from components.models.fp8 import fp8_scales_after_steps
     from components.models.parallelize import build_parallel_model
     from components.models.precision import precision_policy
-    from components.moe import ExpertLoad, router_aux_loss_weight
+    from components.moe import ExpertLoad, router_aux_loss_weight, uncounted_experts
     from components.runtime.checkpoints import resume
     from components.runtime.launch import join_world
     from components.targets import target_class
@@ -86,6 +86,8 @@ def set_up(plan: RunPlan) -> Run:
     scheduler = build_schedule(optimizer, *schedule)
     watched = (model, plan.model.config, list(plan.model.experts), dp_mesh(mesh).get_group())
     experts = ExpertLoad.watch(*watched, plan.model.routers, plan.moe.routing_bias_rate)
+    if uncounted := uncounted_experts(model, list(plan.model.experts), plan.model.routers):
+        say(f"note: expert choices not counted (tokens come routed, no router beside): {uncounted}")
     first_step = resume(plan.resume_from, model, optimizer, scheduler)  # the routing bias too
     precision, data_parallel = precision_policy(plan.model.precision), dims.data_parallel > 1
     compute = functools.partial(precision.autocast, device.type, data_parallel=data_parallel)

@@ -6,7 +6,7 @@ module (or parameter) names mapped to style names of HF's ``base_model_tp_plan``
   ``embedding_rowwise``, ``vocab_parallel`` (ours) / ``colwise_gather_output``: Megatron-style
   pairs and the vocabulary.
 - ``sequence_parallel``; ``local_heads`` (ours: head counts made this rank's); ``local_params``
-  (a module's sharded parameters, such as attention sinks, seen as this rank's slices).
+  (sharded parameters seen as this rank's slices; ``all_reduce`` over them: summed outputs).
 - ``replicated_with_grad_allreduce`` (gradient ``sum``) / ``replicate`` (``mean``): not sharded.
 - HF's ``rowwise_split_input``, ``all_reduce``, ``embedding_colwise``, ``mla_kv_a_proj`` (aliases
   ``colwise_rep``, ``rowwise_rep``); HF's expert styles (``moe_tp_experts``, ``packed_*``,
@@ -154,6 +154,54 @@ def _restore(module: nn.Module, args: tuple, output):
     return output
 
 
+class _LocalParamsAllReduce(_LocalParams):
+    """HF's ``all_reduce`` on a module whose own parameters the plan shards (Inkling's shared
+    experts: 3-D gate/up split on their rows, down on its columns): the forward runs on this
+    rank's slices (``local_params``) and sums the partial outputs over the TP ranks; each tensor
+    input's gradient, partial on each rank (its slices' share), is summed in the backward."""
+
+    def __init__(self, sequence_parallel: bool):
+        self.tokens = Shard(1) if sequence_parallel else Replicate()
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = super()._apply(module, device_mesh)
+        module.register_forward_pre_hook(partial(_summed_backward, device_mesh), with_kwargs=True)
+        module.register_forward_hook(partial(_summed_output, device_mesh, self.tokens))
+        return module
+
+
+def _summed_backward(mesh: DeviceMesh, module: nn.Module, args: tuple, kwargs: dict):
+    def summed(value):
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+            return value
+        if not isinstance(value, DTensor):
+            value = DTensor.from_local(value, mesh, [Replicate()], run_check=False)
+        return value.redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+
+    return tuple(map(summed, args)), {key: summed(value) for key, value in kwargs.items()}
+
+
+def _summed_output(mesh: DeviceMesh, tokens, module: nn.Module, args: tuple, output):
+    whole = DTensor.from_local(output, mesh, [Partial()], run_check=False).redistribute(
+        mesh, [tokens]
+    )
+    return whole.to_local() if isinstance(tokens, Replicate) else whole
+
+
+class _ReplicatedParameters(ParallelStyle):
+    """Ours: a module whose own parameters meet sequence shards (Doge's residual scales on the
+    decoder block) under sequence parallelism: they become Replicate DTensors, whose gradients,
+    partial over the shards, are summed when they are finalised. Its children are untouched."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, parameter in list(module.named_parameters(recurse=False)):
+            whole = distribute_tensor(
+                parameter.data, device_mesh, [Replicate()], src_data_rank=None
+            )
+            module._parameters[name] = nn.Parameter(whole, requires_grad=parameter.requires_grad)
+        return module
+
+
 class _ShardParameter(ParallelStyle):
     """A plan entry naming a parameter: that parameter of the module becomes a DTensor sharded on
     ``dim`` (each rank reads only its slice when it loads)."""
@@ -178,20 +226,29 @@ _PARAMETER_STYLES = {
 EXPERT_STYLES = ("moe_tp_experts", "packed_colwise", "packed_rowwise", "moe_identity_expert")
 
 
+# Styles that do not depend on sequence parallelism or the config.
+_PLAIN_STYLES = {
+    "sequence_parallel": SequenceParallel,
+    "gather_sequence": _GatherSequence,
+    "local_heads": _LocalHeads,
+    "local_params": _LocalParams,
+    "sequence_parallel_parameters": _ReplicatedParameters,
+    # ours: outputs per head from all heads (Doge's dt_proj), each rank keeps its heads'
+    "rowwise_local_heads": lambda: RowwiseParallel(output_layouts=Shard(-1)),
+}
+
+
 def _style(name: str, sequence_parallel: bool, config=None) -> ParallelStyle | None:
     """The torch style for a style name; None for styles that only mark a replicated module.
 
     Under sequence parallelism activations between blocks are DTensors sharded on the sequence
-    (``use_local_output=False``), so Hugging Face code that reads ``hidden_states.shape``
-    (positions, the causal mask, the attention reshape) sees the global length, with any attention
-    implementation.
-    """
+    (``use_local_output=False``): HF code that reads ``hidden_states.shape`` (positions, the causal
+    mask, the attention reshape) sees the global length, with any attention implementation."""
     tokens = Shard(1) if sequence_parallel else Replicate()
     local_output = not sequence_parallel  # under SP the outputs stay DTensors (see above)
     styles = {
         # Under SP the input arrives as a DTensor (gathered by the block's *_input style, or sharded
-        # by a norm), and a DTensor input is redistributed to Replicate whatever ``input_layouts``
-        # says.
+        # by a norm), redistributed to Replicate whatever ``input_layouts`` says.
         "colwise": lambda: ColwiseParallel(),
         # One gather (SP) or one backward all-reduce (plain) per block instead of one per
         # projection: the block's input becomes a Replicate DTensor that q/k/v (or gate/up) share.
@@ -229,17 +286,14 @@ def _style(name: str, sequence_parallel: bool, config=None) -> ParallelStyle | N
             desired_output_layouts=(tokens,),
             use_local_output=local_output,
         ),
-        # HF's: an embedding sharded over the hidden dimension, the vectors gathered.
+        # HF's: an embedding sharded over the hidden dimension, the vectors gathered
         "embedding_colwise": lambda: ColwiseParallel(
             input_layouts=Replicate(), output_layouts=tokens, use_local_output=local_output
         ),
-        "sequence_parallel": lambda: SequenceParallel(),
-        "gather_sequence": lambda: _GatherSequence(),
-        "local_heads": lambda: _LocalHeads(),
         "mla_kv_a_proj": lambda: _MlaKvAProj(getattr(config, "qk_rope_head_dim", 0)),
-        "local_params": lambda: _LocalParams(),
-        "replicated_with_grad_allreduce": lambda: None,
-        "replicate": lambda: None,
+        "local_params_all_reduce": lambda: _LocalParamsAllReduce(sequence_parallel),
+        **dict.fromkeys(("replicated_with_grad_allreduce", "replicate"), lambda: None),
+        **_PLAIN_STYLES,
     }
     name = _ALIASES.get(name, name)
     _refuse_expert_style(name)
@@ -335,7 +389,9 @@ def _parameter_problems(
                 f"plan shards the parameter {name} of {model_name} with {style!r}: a parameter "
                 f"takes only {sorted(_PARAMETER_STYLES)}"
             )
-        elif resolved.get(owner, "local_params") != "local_params":
+        elif resolved.get(owner) == "all_reduce":  # its sharded parameters' partial sums
+            resolved[owner] = "local_params_all_reduce"
+        elif resolved.get(owner, "local_params") not in _LOCAL:
             errors.append(
                 f"plan shards the parameter {name} and gives its module {owner} "
                 f"{resolved[owner]!r}: its module needs 'local_params'"
@@ -343,7 +399,7 @@ def _parameter_problems(
         elif owner not in resolved:
             resolved[owner] = "local_params"
             notes.append(f"{owner}: local_params added, its parameter {name} is sharded")
-    for name in sorted(n for n, style in resolved.items() if style == "local_params"):
+    for name in sorted(n for n, style in resolved.items() if style in _LOCAL):
         unsharded = [p for p in sorted(parameters) if p.rpartition(".")[0] == name]
         unsharded = [p for p in unsharded if p not in resolved]
         if unsharded:
@@ -354,6 +410,7 @@ def _parameter_problems(
     return errors, notes
 
 
+_LOCAL = ("local_params", "local_params_all_reduce")
 _ROWWISE = ("rowwise", "rowwise_split_input", "rowwise_rep")
 
 
@@ -437,19 +494,34 @@ def _checked(
             errors.append(f"{name} ({kind}) can be split only as {supported}, not {style!r}")
     if sizes:
         errors += tp_size_errors(config, tp)
+    if "sequence_parallel" in resolved.values():
+        errors += _sequence_parallel_errors(model, config, resolved, tp)
+    return resolved, errors, notes
+
+
+def _sequence_parallel_errors(model: nn.Module, config, resolved: dict[str, str], tp: int):
+    """What a sequence-parallel plan cannot run: a replicated vocabulary or embedding (its whole
+    output would reach the norms as if it were this rank's sequence shard), MLA attention (its
+    low-rank projections are plain linears that cannot take sequence shards)."""
+    errors = []
     vocab = getattr(config, "vocab_size", None)
-    if vocab is not None and vocab % tp and "sequence_parallel" in resolved.values():
-        # The replicated-vocabulary fallback hands plain tensors to sequence-parallel norms: refuse
-        # it.
+    if vocab is not None and vocab % tp:
         errors.append(
             f"sequence parallelism needs tp ({tp}) to divide vocab_size ({vocab}); use sp=false"
         )
-    if "sequence_parallel" in resolved.values() and "mla_kv_a_proj" in resolved.values():
-        # MLA's low-rank projections are plain linears that cannot take sequence shards
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    replicated = [n for n, s in resolved.items() if s == "replicate"]
+    whole = [name for name in replicated if model.get_submodule(name) is embedding]
+    if whole:
+        errors.append(
+            f"sequence parallelism with a replicated embedding ({whole[0]}, not split: it holds "
+            "modules of its own, such as a norm after the lookup) is not supported; use sp=false"
+        )
+    if "mla_kv_a_proj" in resolved.values():
         errors.append(
             "sequence parallelism with MLA attention (mla_kv_a_proj) is not supported; use sp=false"
         )
-    return resolved, errors, notes
+    return errors
 
 
 def _vocabulary_modules(model: nn.Module) -> set[str]:

@@ -29,7 +29,9 @@ import torch
 from torch import nn
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import (
+    Chunk,
     Concatenate,
+    Interleave,
     MergeModulelist,
     WeightConverter,
     WeightRenaming,
@@ -272,6 +274,39 @@ def host_buffer(like: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Concatenated:
+    """A tensor stored as ``parts`` concatenated along the first dimension: transformers'
+    ``Concatenate(dim=0)`` (a convolution's q, k and v kernels stored apart), or one expert's gate
+    and up projections of a fused ``gate_up_proj``."""
+
+    parts: tuple[TensorSource, ...]
+
+    def describe(self) -> str:
+        return " + ".join(part.describe() for part in self.parts)
+
+    def shape(self, checkpoint: Checkpoint) -> Box:
+        shapes = [part.shape(checkpoint) for part in self.parts]
+        if any(len(shape) == 0 or shape[1:] != shapes[0][1:] for shape in shapes):
+            raise ValueError(f"{self.describe()}: cannot concatenate shapes {shapes} on their rows")
+        return (sum(shape[0] for shape in shapes), *shapes[0][1:])
+
+    def read_into(self, checkpoint: Checkpoint, offset: Box, out: torch.Tensor) -> bool:
+        return False  # assembled from several stored tensors
+
+    def read(self, checkpoint: Checkpoint, offset: Box, size: Box) -> torch.Tensor:
+        pieces, part_start = [], 0
+        for part in self.parts:
+            part_rows = part.shape(checkpoint)[0]
+            low = max(offset[0], part_start)
+            high = min(offset[0] + size[0], part_start + part_rows)
+            if low < high:
+                box = (low - part_start, *offset[1:]), (high - low, *size[1:])
+                pieces.append(part.read(checkpoint, *box))
+            part_start += part_rows
+        return torch.cat(pieces) if pieces else torch.empty(size)
+
+
+@dataclass(frozen=True, kw_only=True)
 class StackedExperts:
     """A fused (experts, rows, columns) parameter stored as 2-D tensors: ``keys[e]`` are expert e's
     parts, concatenated along the rows (gate then up for ``gate_up_proj``; one part for
@@ -300,25 +335,75 @@ class StackedExperts:
         return False  # assembled from several stored tensors
 
     def read(self, checkpoint: Checkpoint, offset: Box, size: Box) -> torch.Tensor:
-        (first_expert, first_row, first_column), (experts, rows, columns) = offset, size
-        stacked = []
-        for parts in self.keys[first_expert : first_expert + experts]:
-            pieces, part_start = [], 0
-            for key in parts:
-                part_rows = checkpoint.shape(key)[0]
-                low, high = (
-                    max(first_row, part_start),
-                    min(first_row + rows, part_start + part_rows),
+        first_expert, experts = offset[0], size[0]
+        return torch.stack(
+            [
+                Concatenated(parts=tuple(StoredTensor(key=key) for key in parts)).read(
+                    checkpoint, offset[1:], size[1:]
                 )
-                if low < high:
-                    pieces.append(
-                        checkpoint.read(
-                            key, (low - part_start, first_column), (high - low, columns)
-                        )
-                    )
-                part_start += part_rows
-            stacked.append(torch.cat(pieces))
-        return torch.stack(stacked)
+                for parts in self.keys[first_expert : first_expert + experts]
+            ]
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Chunked:
+    """Chunk ``index`` of ``count`` along the first dimension of the stored tensor ``key``, as
+    ``torch.chunk`` cuts it: transformers' ``Chunk(dim=0)`` (a fused q/k/v or gate/up projection
+    stored whole, split into the model's projections)."""
+
+    key: str
+    index: int
+    count: int
+
+    def describe(self) -> str:
+        return f"{self.key} (chunk {self.index} of {self.count})"
+
+    def _start_rows(self, checkpoint: Checkpoint) -> tuple[int, int]:
+        total = checkpoint.shape(self.key)[0]
+        each = -(-total // self.count)
+        start = min(self.index * each, total)
+        return start, min(each, total - start)
+
+    def shape(self, checkpoint: Checkpoint) -> Box:
+        return (self._start_rows(checkpoint)[1], *checkpoint.shape(self.key)[1:])
+
+    def read(self, checkpoint: Checkpoint, offset: Box, size: Box) -> torch.Tensor:
+        start = self._start_rows(checkpoint)[0]
+        return checkpoint.read(self.key, (start + offset[0], *offset[1:]), size)
+
+    def read_into(self, checkpoint: Checkpoint, offset: Box, out: torch.Tensor) -> bool:
+        start = self._start_rows(checkpoint)[0]
+        return StoredTensor(key=self.key).read_into(
+            checkpoint, (start + offset[0], *offset[1:]), out
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Interleaved:
+    """The stored tensor ``key`` reordered along ``dim`` by transformers' ``Interleave`` (gate
+    and up rows stored alternately, read as gate rows then up rows); a box is read whole along
+    ``dim`` and reordered by transformers' own operation."""
+
+    key: str
+    operation: Interleave
+
+    def describe(self) -> str:
+        return f"{self.key} ({self.operation!r})"
+
+    def shape(self, checkpoint: Checkpoint) -> Box:
+        return checkpoint.shape(self.key)
+
+    def read_into(self, checkpoint: Checkpoint, offset: Box, out: torch.Tensor) -> bool:
+        return False  # reordered after the read
+
+    def read(self, checkpoint: Checkpoint, offset: Box, size: Box) -> torch.Tensor:
+        dim = self.operation.dim
+        whole = checkpoint.shape(self.key)[dim]
+        box = [*offset[:dim], 0, *offset[dim + 1 :]], [*size[:dim], whole, *size[dim + 1 :]]
+        stored = checkpoint.read(self.key, *map(tuple, box))
+        converted = self.operation.convert({self.key: stored}, [self.key], [self.key])
+        return converted[self.key].narrow(dim, offset[dim], size[dim]).contiguous()
 
 
 class UnsupportedLayout(ValueError):
@@ -348,6 +433,17 @@ def _is_expert_merge(converter: WeightConverter, parts: int) -> bool:
     return merge and len(operations) == 2 and concatenate
 
 
+def _chunk_targets(converter: WeightConverter, target: str) -> list[str]:
+    """The model tensors a ``Chunk(dim=0)`` of one stored tensor makes (``target`` is the first,
+    named by ``rename_source_key``), each the next chunk; none for another converter."""
+    operations, targets = converter.operations, converter.target_patterns
+    if len(operations) != 1 or not isinstance(operations[0], Chunk) or operations[0].dim != 0:
+        return []
+    if operations[0].num_shards_attribute is not None or len(converter.source_patterns) != 1:
+        return []
+    return [target.replace(targets[0], other) for other in targets]
+
+
 class StoredLayout:
     """Where each tensor of one model is stored in ``checkpoint``: every stored name is renamed by
     transformers' conversion rules for the model, in the order and with the base-model prefix
@@ -363,6 +459,7 @@ class StoredLayout:
         prefix = getattr(model, "base_model_prefix", None) or None
         self._stored: dict[str, str] = {}
         self._converted: dict[str, tuple[WeightConverter, dict[str, list[str]]]] = {}
+        self._stored_chunks: dict[str, Chunked] = {}
         for key in sorted(checkpoint.keys(), key=dot_natural_key):
             target, pattern = rename_source_key(key, renamings, converters, prefix, names)
             if target not in names and key in names:  # as from_pretrained: kept under its name
@@ -371,6 +468,10 @@ class StoredLayout:
                 self._stored.setdefault(target, key)
                 continue
             converter = next(c for c in converters if pattern in c.source_patterns)
+            for index, chunk in enumerate(_chunk_targets(converter, target)):
+                self._stored_chunks[chunk] = Chunked(
+                    key=key, index=index, count=len(converter.target_patterns)
+                )
             self._converted.setdefault(target, (converter, defaultdict(list)))[1][pattern].append(
                 key
             )
@@ -386,6 +487,8 @@ class StoredLayout:
         """
         if name in self._stored:
             return StoredTensor(key=self._stored[name])
+        if name in self._stored_chunks:
+            return self._stored_chunks[name]
         if name in self._converted:
             return self._merged(name)
         tried = [name]
@@ -398,17 +501,24 @@ class StoredLayout:
             f"{name} is not in the checkpoint at {folder} (looked for {', '.join(tried)})"
         )
 
-    def _merged(self, name: str) -> "StackedExperts":
+    def _merged(self, name: str) -> TensorSource:
         converter, keys = self._converted[name]
         parts = [keys[pattern] for pattern in converter.source_patterns if pattern in keys]
         stored = " + ".join(f"{part[0]} (and {len(part) - 1} more)" for part in parts)
+        operation = converter.operations[0] if len(converter.operations) == 1 else None
+        whole = len(parts) == len(converter.source_patterns) and all(len(p) == 1 for p in parts)
+        if isinstance(operation, Concatenate) and operation.dim == 0 and whole:
+            return Concatenated(parts=tuple(StoredTensor(key=part[0]) for part in parts))
+        if isinstance(operation, Interleave) and whole and len(parts) == 1:
+            return Interleaved(key=parts[0][0], operation=operation)
         if not _is_expert_merge(converter, len(parts)):
             operations = ", ".join(map(repr, converter.operations))
             raise UnsupportedLayout(
                 f"{name} is stored as {stored}, which transformers converts with {operations}: "
                 f"that checkpoint layout of model type {self.model_type!r} is not supported yet "
                 "(shardtune reads per-expert tensors merged by MergeModulelist(dim=0), then "
-                "Concatenate(dim=1))"
+                "Concatenate(dim=1); tensors joined by Concatenate(dim=0); one tensor cut by "
+                "Chunk(dim=0) or reordered by Interleave)"
             )
         if len(parts) != len(converter.source_patterns) or len({len(p) for p in parts}) != 1:
             counts = " but ".join(

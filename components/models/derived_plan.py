@@ -2,19 +2,19 @@
 
 The decoder blocks are the items of the model's one ``nn.ModuleList``. In a block, every child
 module that holds ``nn.Linear`` children is a sublayer (attention or MLP): its linears that read the
-hidden size are split by columns (``colwise``: q/k/v, gate/up), and its last linear that writes the
-hidden size from another width (or, when every linear reads the hidden size, its last one) by rows
-(``rowwise``: o_proj, down_proj). A sublayer's 1-D parameters of ``head_dim`` (a per-head q/k norm)
-are replicated with summed gradients, its own 1-D parameters of one value per attention head
-(GPT-OSS's ``sinks``) are sharded with the heads (``colwise`` on the parameter, the sublayer
-``local_params``), and a sublayer with head counts of its own (``self.num_heads``) gets
-``local_heads``. An MoE block (a sublayer holding experts: 3-D parameters) is left to expert
-parallelism, its router replicated. The embedding and ``lm_head`` get the styles of every other
-plan. Anything else that holds parameters inside a sublayer (a linear of another shape) cannot be
-placed: the derivation then lists those modules instead.
+hidden size are split by columns (``colwise``: q/k/v, gate/up; not an MLP's wider than the output's
+input, fused and cut after it: ModernBERT's ``Wi``), and its last linear that writes the hidden
+size from another width (or, when every linear reads the hidden size, its last one) by rows
+(``rowwise``: o_proj, down_proj). Per-head q/k norms (1-D of ``head_dim``) are replicated with
+summed gradients, one value per attention head (GPT-OSS's ``sinks``) sharded with the heads
+(``colwise`` on the parameter, the sublayer ``local_params``), head counts of its own
+(``self.num_heads``) made local (``local_heads``). An MoE block (3-D parameters) is left to expert
+parallelism, its router replicated; the embedding and ``lm_head`` get every plan's styles. Anything
+else with parameters inside a sublayer cannot be placed: the derivation then lists those modules.
 """
 
 import fnmatch
+import inspect
 
 from torch import nn
 
@@ -22,9 +22,12 @@ from components.distributed.tp_plan import HEAD_COUNTS
 
 
 def _blocks(model: nn.Module) -> tuple[str, nn.Module] | None:
-    """(name, the first block) of the model's decoder layers: its one ``nn.ModuleList``."""
+    """(name, the first block) of the model's decoder layers: its one ``nn.ModuleList``, or of
+    several (Gemma 3n's AltUp projections beside its layers) the one named ``layers``."""
     lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
     lists = [(n, m) for n, m in lists if "." not in n.removeprefix("model.")]
+    if len(lists) > 1:
+        lists = [(n, m) for n, m in lists if n.rpartition(".")[2] == "layers"]
     return (lists[0][0], lists[0][1][0]) if len(lists) == 1 else None
 
 
@@ -36,10 +39,16 @@ def _sublayer(prefix: str, module: nn.Module, hidden: int, head_dim: int | None,
     readers = [n for n, m in linears if m.in_features == hidden]
     output = writers[-1] if writers else (readers[-1] if len(readers) > 1 else None)
     plan, unplaced = {}, []
+    heads_of_its_own = any(isinstance(getattr(module, c, None), int) for c in HEAD_COUNTS)
+    # an MLP's reader wider than the output's input is fused and cut after it (attention's fused
+    # q/k/v, such as Persimmon's, holds each head's q, k and v together: split by heads)
+    width = dict(linears)[output].in_features if output and not heads_of_its_own else None
     for name, child in module.named_children():
         pattern = f"{prefix}.{name}"
         if name == output:
             plan[pattern] = "rowwise"
+        elif name in readers and width is not None and child.out_features > width:
+            unplaced.append(f"{pattern} (wider than {output}'s input: fused, cut after it)")
         elif name in readers:
             plan[pattern] = "colwise"
         elif _is_head_norm(child, head_dim):
@@ -51,7 +60,7 @@ def _sublayer(prefix: str, module: nn.Module, hidden: int, head_dim: int | None,
             plan[f"{prefix}.{name}"], plan[prefix] = "colwise", "local_params"
         else:
             unplaced.append(f"{prefix} (its parameter {name})")
-    if any(isinstance(getattr(module, count, None), int) for count in HEAD_COUNTS):
+    if heads_of_its_own:
         if plan.get(prefix) == "local_params":
             unplaced.append(f"{prefix} (head counts of its own and per-head parameters)")
         plan[prefix] = "local_heads"
@@ -72,13 +81,15 @@ def derive_plan(model: nn.Module, config) -> dict[str, str]:
         ValueError: naming every module the derivation cannot place.
     """
     text = config.get_text_config()  # an image-text model's decoder is its text model's
-    hidden = text.hidden_size
+    hidden = getattr(text, "hidden_size", None)  # BLT's: one per sub-model, none of its own
     heads = getattr(text, "num_attention_heads", None)
-    head_dim = getattr(text, "head_dim", None) or (hidden // heads if heads else None)
     found = _blocks(model)
     what = f"model type {config.model_type!r} has no tensor-parallel plan"
     if found is None:
         raise ValueError(f"{what}, and its decoder layers (one nn.ModuleList) were not found")
+    if hidden is None:
+        raise ValueError(f"{what}, and its config has no hidden_size to derive one from")
+    head_dim = getattr(text, "head_dim", None) or (hidden // heads if heads else None)
     layers, block = found
     plan: dict[str, str] = {}
     unplaced: list[str] = []
@@ -120,41 +131,87 @@ def derived_plan_note(config, plan: dict[str, str]) -> str:
 def sequence_parallel_norms(model: nn.Module) -> dict[str, str]:
     """Every norm on the residual stream, found from the structure: each block child made of 1-D
     parameters only (before, between and after the sublayers, however many: Gemma's four, Cohere's
-    one) and the final norm beside the layers, all ``sequence_parallel``; empty when the decoder
-    layers are not found."""
+    one; in any block, whatever its kind) and the final norm beside the layers, all
+    ``sequence_parallel``; empty when the decoder layers are not found."""
     found = _blocks(model)
     if found is None:
         return {}
-    layers, block = found
-    plan = {
-        f"{layers}.*.{name}": "sequence_parallel"
+    layers, _ = found
+    plan = {  # by name, each block's (a pattern's * would also match a norm inside a sublayer)
+        f"{layers}.{index}.{name}": _norm_style(child)
+        for index, block in model.get_submodule(layers).named_children()  # of every kind of layer
         for name, child in block.named_children()
         if _is_norm(child) and not any(isinstance(m, nn.Linear) for m in child.modules())
     }
+    for index, block in model.get_submodule(layers).named_children():  # its own parameters
+        if any(True for _ in block.parameters(recurse=False)):
+            plan[f"{layers}.{index}"] = "sequence_parallel_parameters"
     parent, _, _ = layers.rpartition(".")
     owner = model.get_submodule(parent) if parent else model
+    if parent and any(True for _ in owner.parameters(recurse=False)):  # Zaya's input scale and bias
+        plan[parent] = "sequence_parallel_parameters"
     embedding = model.get_input_embeddings()
     for name, child in owner.named_children():
         if child is not embedding and not isinstance(child, nn.ModuleList) and _is_norm(child):
-            plan[f"{parent}.{name}" if parent else name] = "sequence_parallel"
+            plan[f"{parent}.{name}" if parent else name] = _norm_style(child)
     return plan
+
+
+def _norm_style(module: nn.Module) -> str:
+    """``sequence_parallel`` for a norm of one input; a module of 1-D parameters that takes two
+    (Zaya's residual scaling of the hidden states and the residual) runs on both sequence shards
+    as DTensors, its parameters replicated (``sequence_parallel_parameters``)."""
+    required = [
+        p
+        for p in inspect.signature(module.forward).parameters.values()
+        if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    return "sequence_parallel" if len(required) <= 1 else "sequence_parallel_parameters"
+
+
+# Styles whose output goes back to the residual stream as sequence shards under SP.
+_TO_SHARDS = ("rowwise", "rowwise_split_input", "rowwise_rep", "all_reduce")
 
 
 def unplanned_sublayers(model: nn.Module, plan: dict[str, str]) -> list[str]:
     """The decoder blocks' sublayers (children with parameters, not norms) that no pattern of
-    ``plan`` names, neither them nor anything inside them, by name: under sequence parallelism
-    each must gather the sequence (``gather_sequence``) to run replicated on whole tokens."""
+    ``plan`` names, neither them nor anything inside them, or whose entries have no style that
+    hands back sequence shards (Qwen3-Next's linear attention, ``colwise_gather_output`` only), by
+    name: under sequence parallelism each must gather the sequence (``gather_sequence``) to run
+    on whole tokens."""
     found = _blocks(model)
     if found is None:
         return []
     layers = found[0]
     unplanned = []
-    for index, block in enumerate(model.get_submodule(layers)):
+    for index, block in model.get_submodule(layers).named_children():
         for name, child in block.named_children():
             if _is_norm(child) or not any(True for _ in child.parameters()):
                 continue
             prefix = f"{layers}.{index}.{name}"
             names = [prefix, *(f"{prefix}.{inner}" for inner, _ in child.named_modules() if inner)]
-            if not any(fnmatch.filter(names, pattern) for pattern in plan):
+            styles = [style for pattern, style in plan.items() if fnmatch.filter(names, pattern)]
+            if not any(style in _TO_SHARDS for style in styles):
                 unplanned.append(prefix)
     return unplanned
+
+
+def beside_layers(model: nn.Module, plan: dict[str, str]) -> list[str]:
+    """The modules with parameters beside the decoder layers (children of their parent other than
+    the layers and the embedding) that no pattern of ``plan`` names: Gemma 3n's per-layer input
+    projections, which the model runs on the embedding's output. Under sequence parallelism that
+    output is a sequence shard these plain modules cannot take."""
+    found = _blocks(model)
+    if found is None:
+        return []
+    parent = found[0].rpartition(".")[0]
+    owner = model.get_submodule(parent) if parent else model
+    layers, embedding = model.get_submodule(found[0]), model.get_input_embeddings()
+    names = []
+    for name, child in owner.named_children():
+        if child is layers or child is embedding or not any(True for _ in child.parameters()):
+            continue
+        full = f"{parent}.{name}" if parent else name
+        if not any(fnmatch.fnmatch(full, pattern) for pattern in plan):
+            names.append(full)
+    return names

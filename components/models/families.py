@@ -174,11 +174,34 @@ def plan_for(config, sequence_parallel: bool = False, model=None) -> dict[str, s
         norms = sequence_parallel_norms(model)
         plan = {k: v for k, v in plan.items() if v != "sequence_parallel" or not norms} | norms
         if family is None:  # MoE blocks and unplanned sublayers run on whole tokens, by name
-            from components.models.derived_plan import unplanned_sublayers
-
-            gathered = [*moe_blocks(config, model), *unplanned_sublayers(model, plan)]
-            plan |= dict.fromkeys(gathered, "gather_sequence")
+            plan = _sequence_parallel_outside_table(config, model, plan, bool(norms))
     return plan
+
+
+def _sequence_parallel_outside_table(config, model, plan: dict[str, str], found: bool):
+    """``plan`` with every MoE block and unplanned sublayer gathering the sequence.
+
+    Raises:
+        ValueError: where the norms were ``found`` neither from the structure nor by their usual
+            names, or modules beside the decoder layers would meet sequence shards.
+    """
+    from components.models.derived_plan import beside_layers, unplanned_sublayers
+
+    names = [name for name, _ in model.named_modules()]
+    named = [p for p, s in plan.items() if s == "sequence_parallel" and fnmatch.filter(names, p)]
+    if not found and not named:
+        raise ValueError(
+            f"sequence parallelism with model type {config.model_type!r}: its decoder layers (one "
+            "nn.ModuleList) and so the norms on its residual stream were not found; use sp=false"
+        )
+    if beside := beside_layers(model, plan):
+        raise ValueError(
+            f"sequence parallelism with {', '.join(beside)} (modules beside the decoder layers "
+            "that the plan does not split, which would meet sequence shards) is not supported; "
+            "use sp=false"
+        )
+    gathered = [*moe_blocks(config, model), *unplanned_sublayers(model, plan)]
+    return plan | dict.fromkeys(gathered, "gather_sequence")
 
 
 def moe_blocks(config, model) -> list[str]:
@@ -201,7 +224,34 @@ def _own_plan(config, model=None) -> dict[str, str]:
     }
     unbuilt = unbuilt_patterns(config, model) if model is not None else []
     plan = {pattern: style for pattern, style in plan.items() if pattern not in unbuilt}
+    plan = _corrected(config, plan)
     return plan | _vocabulary_plan(model)
+
+
+# Where a model's own plan computes something else than the model at tp=1, its corrections.
+_OWN_PLAN_CORRECTIONS = {
+    # Doge's dt_proj mixes all KV heads' values into one value per KV head, scaled by ``A`` (one
+    # per KV head): summed rowwise, each rank keeps its heads' (its attention's mask), A sharded.
+    "doge": {
+        "model.layers.*.self_attn.dt_proj": "rowwise_local_heads",
+        "model.layers.*.self_attn.A": "colwise",
+    },
+}
+
+
+def _corrected(config, plan: dict[str, str]) -> dict[str, str]:
+    """The model's own plan with :data:`_OWN_PLAN_CORRECTIONS`, and Gemma 3n's MLPs with
+    activation sparsity left whole: they cut the gate at its mean plus a multiple of its standard
+    deviation over the intermediate size, which ``colwise`` splits (every other layer's MLP is
+    split as the plan says)."""
+    plan = plan | _OWN_PLAN_CORRECTIONS.get(config.model_type, {})
+    sparsity = getattr(config, "activation_sparsity_pattern", None) or []
+    if not any(value > 0 for value in sparsity):
+        return plan
+    mlp = {p: style for p, style in plan.items() if p.startswith("model.layers.*.mlp.")}
+    dense = [index for index, value in enumerate(sparsity) if not value > 0]
+    split = {p.replace("*", str(index), 1): s for p, s in mlp.items() for index in dense}
+    return {p: style for p, style in plan.items() if p not in mlp} | split
 
 
 def _base_model_name(model) -> str:
@@ -213,12 +263,16 @@ def _base_model_name(model) -> str:
 
 
 def _vocabulary_plan(model) -> dict[str, str]:
-    """The embedding (rows) and the head (vocab-parallel), by the names the model gives them."""
+    """The embedding (rows) and the head (vocab-parallel), by the names the model gives them. An
+    embedding that holds modules of its own (Inkling's norm after the lookup) stays replicated: a
+    split lookup's partial rows would pass its norm before they are summed."""
     if model is None:
         return {"model.embed_tokens": "embedding_rowwise", "lm_head": "vocab_parallel"}
     names = {id(module): name for name, module in model.named_modules()}
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
-    plan = {names[id(embedding)]: "embedding_rowwise"} if id(embedding) in names else {}
+    inner = embedding is not None and any(True for _ in embedding.children())
+    style = "replicate" if inner else "embedding_rowwise"
+    plan = {names[id(embedding)]: style} if id(embedding) in names else {}
     return plan | ({names[id(head)]: "vocab_parallel"} if id(head) in names else {})
 
 

@@ -173,14 +173,30 @@ def _recompute_non_persistent_buffers(model: nn.Module) -> None:
                 if (buffer := module._buffers.get(name)) is not None and buffer.is_floating_point():
                     buffer.fill_(float("nan"))
             _nearest_init_weights(model, module_name, init_weights)(module)
-    for module_name, module in owners:
-        for name in sorted(module._non_persistent_buffers_set):
-            buffer = module._buffers.get(name)
-            if buffer is not None and buffer.is_floating_point() and buffer.isnan().any():
-                raise ValueError(
-                    f"{module_name}.{name} is not in the checkpoint and _init_weights did not set "
-                    "it"
-                )
+        # Some are set by an ancestor's (Falcon-H1's model sets each Mamba mixer's mup_vector).
+        for ancestor in sorted({a for name, _ in _unset(owners) for a in _parents(name)}, key=len):
+            _nearest_init_weights(model, ancestor, init_weights)(model.get_submodule(ancestor))
+    if unset := _unset(owners):
+        raise ValueError(f"{unset[0][0]} is not in the checkpoint and _init_weights did not set it")
+
+
+def _unset(owners: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """(name, owner) of each floating non-persistent buffer of ``owners`` still NaN."""
+    return [
+        (f"{module_name}.{name}", module)
+        for module_name, module in owners
+        for name in sorted(module._non_persistent_buffers_set)
+        if (buffer := module._buffers.get(name)) is not None
+        and buffer.is_floating_point()
+        and buffer.isnan().any()
+    ]
+
+
+def _parents(name: str) -> list[str]:
+    """The modules above the buffer ``name`` (not its owner), outermost last: ``a.b.c.buf`` ->
+    ``a.b``, ``a``."""
+    parts = name.split(".")[:-2]
+    return [".".join(parts[:end]) for end in range(len(parts), 0, -1)]
 
 
 def _fill_local_part(

@@ -9,6 +9,7 @@ from components.moe.load_balance import (
     RoutingBias,
     load_metrics,
     router_aux_loss_weight,
+    uncounted_experts,
 )
 
 __all__ = [
@@ -20,4 +21,5 @@ __all__ = [
     "expert_modules",
     "load_metrics",
     "router_aux_loss_weight",
+    "uncounted_experts",
 ]

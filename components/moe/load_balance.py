@@ -84,14 +84,33 @@ def _count_hook(model: nn.Module, name: str, routers: tuple[str, ...], count):
     experts = model.get_submodule(name)
     if takes_routing(experts):
         return experts.register_forward_pre_hook(count)
-    block = name.rpartition(".")[0]
-    router = next(r for r in expert_modules(model, list(routers)) if r.rpartition(".")[0] == block)
+    router = _block_router(model, name, routers)
+    if router is None:  # see uncounted_experts
+        return None
 
     def from_router(module: nn.Module, args: tuple, output) -> None:
         scores = output[0] if isinstance(output, tuple) else output
         count(module, (None, torch.topk(scores.detach(), module.top_k, dim=-1).indices))
 
     return model.get_submodule(router).register_forward_hook(from_router)
+
+
+def _block_router(model: nn.Module, name: str, routers: tuple[str, ...]) -> str | None:
+    block = name.rpartition(".")[0]
+    found = [r for r in expert_modules(model, list(routers)) if r.rpartition(".")[0] == block]
+    return found[0] if found else None
+
+
+def uncounted_experts(model: nn.Module, patterns: list[str], routers: tuple[str, ...]) -> list[str]:
+    """The experts modules whose choices cannot be counted: handed tokens already routed, with no
+    router found beside them (JetMoE's ``input_linear``, called with per-expert token counts):
+    their layers have no ``expert_load`` and count in no ``expert_imbalance``."""
+    return [
+        name
+        for name in expert_modules(model, patterns)
+        if not takes_routing(model.get_submodule(name))
+        and _block_router(model, name, routers) is None
+    ]
 
 
 class ExpertLoad:
@@ -106,7 +125,8 @@ class ExpertLoad:
         bias: RoutingBias | None = None,
         routers: tuple[str, ...] = (),
     ):
-        names = expert_modules(model, patterns)
+        uncounted = uncounted_experts(model, patterns, routers)
+        names = [name for name in expert_modules(model, patterns) if name not in uncounted]
         blocks = [name.rpartition(".")[0] for name in names]
         if bias is not None and [name.rpartition(".")[0] for name in bias.names] != blocks:
             raise ValueError(f"routers {bias.names} are not one per experts module {names}")
@@ -128,8 +148,8 @@ class ExpertLoad:
         """Count the expert choices of ``model`` (None for a model without experts). ``bias_rate``
         > 0 also balances the ``routers`` without an auxiliary loss (:class:`RoutingBias`)."""
         names = expert_modules(model, patterns)
-        if not names:  # dense
-            return None
+        if not names or len(uncounted_experts(model, patterns, routers)) == len(names):
+            return None  # dense, or no choices to count
         num_experts = experts_count(model.get_submodule(names[0]))  # any family's, from structure
         bias = RoutingBias(model, list(routers), num_experts, bias_rate) if bias_rate > 0 else None
         return cls(model, patterns, num_experts, dp_group, bias, tuple(routers))

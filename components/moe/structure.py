@@ -17,8 +17,12 @@ from torch import nn
 def _is_experts(module: nn.Module) -> bool:
     """A module holding one matrix per expert: a 3-D parameter of its own with two or more
     matrices, not a convolution's kernel (the short convolutions of Mamba and linear-attention
-    layers) nor a single [1, 1, H] probe (SigLIP's attention-pooling head in Gemma 3's vision)."""
+    layers) nor a single [1, 1, H] probe (SigLIP's attention-pooling head in Gemma 3's vision), in
+    a class transformers names for experts (``Qwen3MoeExperts``, ``JetMoeParallelExperts``):
+    per-head matrices (Zamba's Mamba, RecurrentGemma's RG-LRU, XLNet's attention) are not."""
     if isinstance(module, nn.modules.conv._ConvNd):
+        return False
+    if "expert" not in type(module).__name__.lower():
         return False
     return any(p.dim() == 3 and p.shape[0] > 1 for p in module.parameters(recurse=False))
 

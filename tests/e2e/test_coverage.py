@@ -1,7 +1,8 @@
 """The coverage table's sweep (tests/coverage.py, which ``bench/coverage.py`` runs over every
 causal-LM model type of transformers) on two of them at tp=1 and tp=2, each a tiny model its own
 config class builds, shrunk and written by ``save_pretrained``: Llama trains at both; Gemma 3's
-image-text model (a composite config) trains its text at tp=1 and is refused at tp=2 in one line.
+image-text model (a composite config) trains its text at tp=1 and is refused at tp=2 in one line;
+Doge (its own plan corrected) trains at tp=2 and tp=2 sp=true as at tp=1.
 How a run is classified; and, opt-in
 (``pytest -m coverage``), the whole sweep held to the coverage goal.
 """
@@ -26,20 +27,35 @@ REFUSAL = (
 def entries(tmp_path_factory) -> list[dict]:
     root = tmp_path_factory.mktemp("coverage")
     tokenizer = train_tokenizer(["hello world", "tune"], DEFAULT_VOCAB_SIZE, root / "tokenizer")
-    return [sweep_type(name, root, tokenizer, ("tp1", "tp2")) for name in ("llama", "gemma3")]
+    llama_gemma3 = [
+        sweep_type(name, root, tokenizer, ("tp1", "tp2")) for name in ("llama", "gemma3")
+    ]
+    return [*llama_gemma3, sweep_type("doge", root, tokenizer, ("tp1", "tp2", "tp2_sp"))]
 
 
 def test_llama_trains_at_tp2_as_at_tp1_and_gemma3_image_text_is_refused_at_tp2(entries):
-    llama, gemma3 = (entry["results"] for entry in entries)
+    llama, gemma3, _ = (entry["results"] for entry in entries)
     assert not any(entry["built"] for entry in entries)
     assert llama["tp1"]["status"] == gemma3["tp1"]["status"] == "works"
     assert len(set(llama["tp1"]["losses"])) == len(set(gemma3["tp1"]["losses"])) == 3
     assert llama["tp2"]["status"] == "works"  # within 1e-5 of tp=1 (compare)
     assert llama["tp2"]["losses"] == pytest.approx(llama["tp1"]["losses"], rel=1e-5)
     assert gemma3["tp2"] == {"status": "refused", "line": REFUSAL, "losses": None}
-    table = render(entries, "python bench/coverage.py --only llama,gemma3", len(causal_lm_types()))
+    table = render(
+        entries[:2], "python bench/coverage.py --only llama,gemma3", len(causal_lm_types())
+    )
     assert "| llama | yes | no | works | works | — | — |  |" in table
     assert f"| gemma3 | text config's | no | works | refused | — | — | tp=2: {REFUSAL} |" in table
+
+
+def test_doge_trains_at_tp2_and_with_sequence_parallelism_as_at_tp1(entries):
+    """Doge's own plan, corrected (dt_proj's per-head outputs, this rank's heads kept), and under
+    sequence parallelism its blocks' own residual scales as replicated DTensors."""
+    doge = entries[2]["results"]
+    assert doge["tp1"]["status"] == "works" and len(set(doge["tp1"]["losses"])) == 3
+    for layout in ("tp2", "tp2_sp"):
+        assert doge[layout]["status"] == "works", doge[layout]["line"]
+        assert doge[layout]["losses"] == pytest.approx(doge["tp1"]["losses"], rel=1e-5)
 
 
 def test_a_run_is_works_refused_or_broken(tmp_path):

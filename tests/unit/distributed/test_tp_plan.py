@@ -21,10 +21,11 @@ def test_every_problem_is_listed_together():
         "LlamaForCausalLM",
         "model.norm: unknown tensor-parallel style 'diagonal'; known: ['all_reduce', "
         "'attention_input', 'colwise', 'colwise_gather_output', 'embedding_colwise', "
-        "'embedding_rowwise', 'gather_sequence', 'local_heads', 'local_params', 'mla_kv_a_proj', "
-        "'mlp_input', "
-        "'replicate', 'replicated_with_grad_allreduce', 'rowwise', 'rowwise_split_input', "
-        "'sequence_parallel', 'vocab_parallel']",
+        "'embedding_rowwise', 'gather_sequence', 'local_heads', 'local_params', "
+        "'local_params_all_reduce', 'mla_kv_a_proj', 'mlp_input', "
+        "'replicate', 'replicated_with_grad_allreduce', 'rowwise', 'rowwise_local_heads', "
+        "'rowwise_split_input', "
+        "'sequence_parallel', 'sequence_parallel_parameters', 'vocab_parallel']",
         "tp (4) must divide num_attention_heads (6)",
         "tp (4) must divide num_key_value_heads (3)",
         "tp (4) must divide intermediate_size (130)",
@@ -186,3 +187,26 @@ def test_tp_must_divide_every_layers_size_of_a_per_layer_list():
     config = SimpleNamespace(num_attention_heads=4, intermediate_size=[128, 130])
     assert tp_size_errors(config, 2) == []
     assert tp_size_errors(config, 4) == ["tp (4) must divide intermediate_size ([128, 130])"]
+
+
+def test_inkling_all_reduce_runs_on_its_sharded_parameters_and_its_normed_embedding_is_whole():
+    """Inkling's shared experts: 3-D parameters split by the plan under an ``all_reduce`` module,
+    which then runs on their slices and sums its output; its embedding holds a norm, so it is not
+    split, and sequence parallelism (which would take its whole output for a shard) is refused."""
+    from tests.coverage import tiny_config as coverage_config
+
+    config = coverage_config("inkling_text")
+    model = meta_causal_lm(config)
+    resolved, errors = check_plan(model, config, plan_for(config, False, model), tp=2)
+    assert errors == [] and resolved["model.embed_tokens"] == "replicate"
+    shared = {name: style for name, style in resolved.items() if ".1.mlp.shared_experts" in name}
+    assert shared == {
+        "model.layers.1.mlp.shared_experts": "local_params_all_reduce",
+        "model.layers.1.mlp.shared_experts.gate_proj": "colwise",
+        "model.layers.1.mlp.shared_experts.up_proj": "colwise",
+        "model.layers.1.mlp.shared_experts.down_proj": "rowwise",
+    }
+    assert check_plan(model, config, plan_for(config, True, model), tp=2)[1] == [
+        "sequence parallelism with a replicated embedding (model.embed_tokens, not split: it "
+        "holds modules of its own, such as a norm after the lookup) is not supported; use sp=false"
+    ]

@@ -5,7 +5,15 @@ import pytest
 import torch
 
 from components.models import build_causal_lm, tiny_config
-from components.models.checkpoint import Checkpoint, StackedExperts, StoredLayout, StoredTensor
+from components.models.checkpoint import (
+    Checkpoint,
+    Chunked,
+    Concatenated,
+    Interleaved,
+    StackedExperts,
+    StoredLayout,
+    StoredTensor,
+)
 
 
 @pytest.fixture(scope="module")
@@ -100,3 +108,35 @@ def test_boxes_are_read_without_a_mapping_exactly_as_safetensors_slices_them(tmp
         assert not StoredTensor(key="matrix").read_into(checkpoint, (5, 0), out.to(torch.float64))
         with pytest.raises(ValueError, match=r"matrix: box at \(30, 0\) of \(8, 24\) is outside"):
             checkpoint.read("matrix", (30, 0), (8, 24))
+
+
+@pytest.mark.parametrize(
+    ("model_type", "name", "kind"),
+    [
+        ("olmo_hybrid", "model.layers.0.linear_attn.conv1d.weight", Concatenated),  # q, k, v
+        ("hrm_text", "model.H_module.layers.0.self_attn.k_proj.weight", Chunked),  # gqkv_proj
+        ("inkling2_text", "model.layers.1.mlp.experts.gate_up_proj", Interleaved),  # w13
+    ],
+)
+def test_tensors_transformers_joins_cuts_or_reorders_are_read_by_boxes(
+    tmp_path, model_type, name, kind
+):
+    """Folders written by save_pretrained in layouts transformers converts on loading: every tensor
+    reads whole as the model holds it, and a box of the converted one as its slice."""
+    from components.data import DEFAULT_VOCAB_SIZE, train_tokenizer
+    from tests.coverage import save_tiny_model
+
+    tokenizer = train_tokenizer(["hello world"], DEFAULT_VOCAB_SIZE, tmp_path / "tokenizer")
+    model = save_tiny_model(model_type, tmp_path / "model", tokenizer)
+    with Checkpoint(tmp_path / "model") as checkpoint:
+        layout = StoredLayout(checkpoint, model)
+        for key, tensor in model.state_dict().items():
+            source = layout.source(key, {})
+            whole = source.read(checkpoint, (0,) * tensor.dim(), tuple(tensor.shape))
+            assert torch.equal(whole, tensor), key
+        source, tensor = layout.source(name, {}), model.get_parameter(name)
+        assert isinstance(source, kind) and source.shape(checkpoint) == tuple(tensor.shape)
+        offset = (1, *(0,) * (tensor.dim() - 1))
+        size = (tensor.shape[0] - 2, *tensor.shape[1:-1], tensor.shape[-1] // 2)
+        box = tuple(slice(o, o + n) for o, n in zip(offset, size, strict=True))
+        assert torch.equal(source.read(checkpoint, offset, size), tensor[box])

@@ -132,3 +132,88 @@ def test_a_models_own_plan_is_placed_under_its_base_model_and_its_vocabulary_mod
     assert plan["gpt_neox.layers.*.attention.query_key_value"] == "colwise"
     assert plan["gpt_neox.embed_in"] == "embedding_rowwise" and plan["lm_head"] == "vocab_parallel"
     assert check_plan(model, config, plan, tp=2)[1] == []
+
+
+def test_own_plans_that_compute_something_else_are_corrected():
+    """Doge's dt_proj gives one value per KV head from all of them: summed rowwise, each rank keeps
+    its heads' (with ``A``'s slice), as its attention needs. Gemma 3n's MLPs with activation
+    sparsity take statistics over the whole intermediate size: they stay whole, the others split."""
+    from tests.coverage import tiny_config as coverage_config
+
+    config = coverage_config("doge")
+    model = meta_causal_lm(config)
+    resolved, errors = check_plan(model, config, plan_for(config, model=model), tp=2)
+    assert errors == [] and resolved["model.layers.0.self_attn.A"] == "colwise"
+    assert resolved["model.layers.0.self_attn"] == "local_params"
+    assert resolved["model.layers.1.self_attn.dt_proj"] == "rowwise_local_heads"
+    config = coverage_config("gemma3n_text")
+    assert config.activation_sparsity_pattern == [0.95, 0.0]
+    model = meta_causal_lm(config)
+    resolved, errors = check_plan(model, config, plan_for(config, model=model), tp=2)
+    assert errors == [] and not [name for name in resolved if ".0.mlp" in name]
+    assert resolved["model.layers.1.mlp.gate_proj"] == "colwise"
+
+
+def test_sequence_parallelism_is_placed_from_every_layer_kind_or_refused():
+    """Under sp: the norms of every kind of layer, by name (OLMo Hybrid's post-norms, not
+    Nemotron-H's gated norm inside its Mamba mixer); a sublayer that does not end rowwise runs on
+    whole tokens (Qwen3-Next's linear attention); a block's or the model's own parameters (Doge's
+    residual scales, Zaya's input scale) and modules of 1-D parameters with two inputs become
+    replicated DTensors; modules beside the layers on the embedding's output (Gemma 4's
+    per-layer inputs) are refused in one line."""
+    from tests.coverage import tiny_config as coverage_config
+
+    def sequence_plan(model_type: str) -> dict[str, str]:
+        config = coverage_config(model_type)
+        model = meta_causal_lm(config)
+        plan = plan_for(config, True, model)
+        assert check_plan(model, config, plan, tp=2)[1] == []
+        return plan
+
+    olmo = sequence_plan("olmo_hybrid")
+    assert olmo["model.layers.1.post_feedforward_layernorm"] == "sequence_parallel"
+    assert olmo["model.layers.0.linear_attn"] == "gather_sequence"
+    nemotron = sequence_plan("nemotron_h")
+    assert nemotron["model.layers.0.norm"] == "sequence_parallel"
+    assert not [name for name in nemotron if "mixer.norm" in name]
+    assert sequence_plan("qwen3_next")["model.layers.0.linear_attn"] == "gather_sequence"
+    assert sequence_plan("doge")["model.layers.1"] == "sequence_parallel_parameters"
+    zaya = sequence_plan("zaya")  # its model's input scale, its two-input residual scaling
+    assert zaya["model"] == "sequence_parallel_parameters"
+    assert zaya["model.layers.0.post_mlp_residual_scale"] == "sequence_parallel_parameters"
+    config = coverage_config("gemma4_text")
+    with pytest.raises(ValueError) as refused:
+        plan_for(config, True, meta_causal_lm(config))
+    assert str(refused.value) == (
+        "sequence parallelism with model.embed_tokens_per_layer, model.per_layer_model_projection "
+        "(modules beside the decoder layers that the plan does not split, which would meet "
+        "sequence shards) is not supported; use sp=false"
+    )
+
+
+def test_a_derived_plan_does_not_split_an_mlps_fused_input_projection():
+    """ModernBERT's MLP reads the hidden size into ``Wi``, twice as wide as ``Wo``'s input, and cuts
+    it in two after it: split by columns, a rank would hold only halves of one kind. Persimmon's
+    fused q/k/v (each head's q, k and v together) is split by heads as before."""
+    from tests.coverage import tiny_config as coverage_config
+
+    config = coverage_config("modernbert-decoder")
+    with pytest.raises(ValueError, match=r"cannot place model\.layers\.\*\.mlp\.Wi \(wider than "):
+        plan_for(config, model=meta_causal_lm(config))
+    config = coverage_config("persimmon")
+    plan = plan_for(config, model=meta_causal_lm(config))
+    assert plan["model.layers.*.self_attn.query_key_value"] == "colwise"
+
+
+def test_a_pipeline_stages_sequence_parallel_norms_are_its_layers_by_their_names():
+    """A stage keeps its layers under their indices in the whole model (``1``, not ``0``)."""
+    from components.distributed.pipeline import keep_stage
+
+    model = keep_stage(meta_causal_lm(tiny_config("llama")), [1], first=False, last=True)
+    plan = plan_for(model.config, True, model)
+    norms = sorted(name for name, style in plan.items() if style == "sequence_parallel")
+    assert norms == [
+        "model.layers.1.input_layernorm",
+        "model.layers.1.post_attention_layernorm",
+        "model.norm",
+    ]

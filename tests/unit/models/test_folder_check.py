@@ -94,5 +94,6 @@ def test_a_conversion_the_loader_cannot_slice_is_named_as_unsupported(tmp_path, 
         "model.layers.0.mlp.experts.0.down_proj.weight (and 7 more), which transformers converts "
         "with MergeModulelist(dim=0), Transpose: that checkpoint layout of model type "
         "'qwen3_moe' is not supported yet (shardtune reads per-expert tensors merged by "
-        "MergeModulelist(dim=0), then Concatenate(dim=1))"
+        "MergeModulelist(dim=0), then Concatenate(dim=1); tensors joined by Concatenate(dim=0); "
+        "one tensor cut by Chunk(dim=0) or reordered by Interleave)"
     ]

@@ -109,6 +109,22 @@ def test_buffers_are_recomputed_by_the_init_weights_of_the_model_holding_them(tm
         assert torch.equal(model.get_buffer(name), buffer), name
 
 
+def test_buffers_an_ancestors_init_weights_sets_are_recomputed(tmp_path):
+    # Falcon-H1's model, not its Mamba mixer, sets each mixer's mup_vector
+    from components.data import DEFAULT_VOCAB_SIZE, train_tokenizer
+    from tests.coverage import save_tiny_model
+
+    tokenizer = train_tokenizer(["hello world"], DEFAULT_VOCAB_SIZE, tmp_path / "tokenizer")
+    save_tiny_model("falcon_h1", tmp_path / "model", tokenizer)
+    model = loaded(tmp_path / "model")
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    assert torch.equal(
+        model.model.layers[1].mamba.mup_vector, reference.model.layers[1].mamba.mup_vector
+    )
+    for name, buffer in reference.named_buffers():
+        assert torch.equal(model.get_buffer(name), buffer), name
+
+
 def test_moe_checkpoints_store_one_tensor_per_expert_and_fused_ones_load_too(tmp_path):
     # transformers 5 fuses experts in memory but save_pretrained writes them per expert (Mixtral
     # renamed).

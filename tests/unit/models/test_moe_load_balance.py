@@ -205,3 +205,28 @@ def test_the_bias_alone_spreads_a_peaked_router_out():
         forward_backward(model, tokens, labels, labelled)
         seen.append(imbalance(load))
     assert seen[0] > 2.0 and max(seen[-3:]) < 0.8 * seen[0], seen
+
+
+def test_experts_handed_routed_tokens_without_a_router_beside_them_are_not_counted():
+    """JetMoE's experts take tokens already routed, with per-expert counts, and its gating module
+    holds its linear one level down (no router found): they are named, not counted; a model whose
+    every experts module is such has no expert load to watch."""
+    from components.models import meta_causal_lm as meta
+    from components.models.families import moe_patterns
+    from components.moe import uncounted_experts
+    from tests.coverage import tiny_config as coverage_config
+
+    config = coverage_config("jetmoe")
+    model = meta(config)
+    experts, routers = moe_patterns(config, None, None)
+    assert uncounted_experts(model, list(experts), routers) == [
+        f"model.layers.{i}.{part}"
+        for i in (0, 1)
+        for part in (
+            "mlp.input_linear",
+            "mlp.output_linear",
+            "self_attention.experts.input_linear",
+            "self_attention.experts.output_linear",
+        )
+    ]
+    assert ExpertLoad.watch(model, config, list(experts), None, routers) is None

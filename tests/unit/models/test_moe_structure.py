@@ -17,6 +17,7 @@ from transformers import (
 from components.models import meta_causal_lm, tiny_config
 from components.moe import check_expert_parallel
 from components.moe.structure import find_moe_modules
+from tests.coverage import tiny_config as coverage_config
 
 SIZES = dict(
     hidden_size=64,
@@ -55,6 +56,8 @@ MLP = ("model.layers.*.mlp.experts",), ("model.layers.*.mlp.gate",)
             (("model.layers.*.feed_forward.experts",), ("model.layers.*.feed_forward.router",)),
         ),
         (Qwen3_5TextConfig(**SIZES, layer_types=["linear_attention", "full_attention"]), ((), ())),
+        # per-head 3-D parameters (Zamba's Mamba mixer: two heads) are not experts either
+        (coverage_config("zamba"), ((), ())),
     ],
     ids=lambda value: getattr(value, "model_type", ""),
 )
