@@ -1,4 +1,4 @@
-"""Regression recipes: does tp=2/4 (with sp, dp, ep, cp, pp) train the same model as tp=1, as before?
+"""Regression recipes: does tp=2/4 (with sp, dp, ep, cp, pp) train the model tp=1 trains, as before?
 
     .venv/bin/python tests/regression/regress.py                  # run every recipe, compare, plot
     .venv/bin/python tests/regression/regress.py llama_tp1 llama_tp2_sp    # a subset
