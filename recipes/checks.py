@@ -442,12 +442,21 @@ def pipeline_problems(settings: Config, dims: ParallelDims, config) -> list[Prob
 
 def _pipeline_refusals(settings: Config, dims: ParallelDims, config) -> dict[str, tuple]:
     """key: (refused with pp, what, what would work with pp)."""
-    train, model, peft = settings.train, settings.model, settings.peft.name
-    moe = bool(moe_patterns(config, model.experts, model.routers)[0])
     interleaved = settings.pp_stages_per_rank > 1
     return {
         "cp": (dims.cp > 1, f"cp={dims.cp}", "cp=1"),
         "ep": (dims.ep > 1, f"ep={dims.ep}", "ep=1"),
+        **pipeline_setting_refusals(settings, config),
+        "dp": (interleaved and dims.dp > 1, f"interleaved stages and dp={dims.dp}", "dp=1"),
+    }
+
+
+def pipeline_setting_refusals(settings: Config, config) -> dict[str, tuple]:
+    """What refuses pp > 1 whatever the layout (key: (refused, what, what would work)); the
+    dry run suggests a pp only where none holds (``RunPlan.pipelinable``)."""
+    train, model, peft = settings.train, settings.model, settings.peft.name
+    moe = bool(moe_patterns(config, model.experts, model.routers)[0])
+    return {
         "model": (moe, "an MoE model", "a dense model"),
         "peft": (peft != "none", f"peft={peft}", "peft=none"),
         "train.compile": (train.compile, "train.compile=true", "train.compile=false"),
@@ -461,7 +470,6 @@ def _pipeline_refusals(settings: Config, dims: ParallelDims, config) -> dict[str
             "tied embeddings",
             "model.config.tie_word_embeddings=false",
         ),
-        "dp": (interleaved and dims.dp > 1, f"interleaved stages and dp={dims.dp}", "dp=1"),
     }
 
 

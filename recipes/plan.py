@@ -140,6 +140,7 @@ class RunPlan(Settled):
     data: PreparedData  # the tokenized splits, prepared once, memory-mapped by the ranks
     pad_multiple: int | None  # a micro-batch padded to its longest row rounded up; None: seq_len
     resume_from: Path | None  # the checkpoint chosen before any rank started, or None
+    pipelinable: bool  # pp > 1 composes with the settings (the dry run suggests a pp only then)
     run_id: str | None  # this run's id (checkpoints record it); None in a dry run
     # what checkpoints record and a resume must match (model shapes, optimizer, batch geometry)
     run_info: dict

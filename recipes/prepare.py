@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from components.models.families import moe_patterns
 from components.runtime.output_dir import OutputDirLock
 from components.runtime.problems import ConfigError, Problem, say, show
-from recipes.checks import pad_multiple, plan_problems
+from recipes.checks import pad_multiple, pipeline_setting_refusals, plan_problems
 from recipes.plan import Checked, RunPlan, Settled
 from recipes.schema import Config
 
@@ -50,6 +50,7 @@ def prepare(checked: Checked) -> tuple[RunPlan, OutputDirLock | None]:
         data=data,
         pad_multiple=pad_multiple(settings.sp, dims, settings.train.precision == "fp8"),
         resume_from=resume_from,
+        pipelinable=not any(on for on, *_ in pipeline_setting_refusals(settings, config).values()),
         run_id=run_id,
         run_info=info,
     )

@@ -78,22 +78,21 @@ def micro_batches(step: Step, layout: Layout) -> int:
 
 def plan_stages(plan, step: Step, layout: Layout) -> list[tuple[dict, MemoryEstimate]]:
     """Each pipeline rank's share (its layers, whether it holds the embedding and the head, the
-    micro-batches it holds in flight) and its estimate. Ranks with as many layers and the same
-    ends hold the same state: one model is built for each such share."""
+    micro-batches it holds in flight) and its estimate, from one model built per rank (layers
+    may differ in size or kind, e.g. Gemma 3n's MLPs, LFM2's conv and attention layers)."""
     config, world, pp = plan.model.config, plan.dims.world_size, layout.pp
     schedule, per_rank, m = step.pp_schedule, step.pp_stages_per_rank, micro_batches(step, layout)
-    models, stages = {}, []
+    stages = []
     for rank in range(pp):
         layers, first, last = rank_share(rank, pp, per_rank, config.num_hidden_layers)
-        if (key := (len(layers), first, last)) not in models:
-            models[key] = _build(plan, layout, rank * (world // pp))  # its pp coordinate
+        model = _build(plan, layout, rank * (world // pp))  # the fake rank at its pp coordinate
         flight = in_flight(schedule, pp, rank, m, per_rank)
         held = grads_held(schedule, pp, rank, m, per_rank)
         stage = Stage(layers=tuple(layers), first=first, last=last, in_flight=flight)
         stage = replace(stage, grads_held=held, pipelined=True)
         share = {"rank": rank, "stages": rank_stages(rank, pp, per_rank), "layers": len(layers)}
         share |= {"embedding": first, "head": last, "in_flight": flight, "grads_held": held}
-        stages.append((share, estimate_memory(models[key], config, layout, step, stage)))
+        stages.append((share, estimate_memory(model, config, layout, step, stage)))
     return stages
 
 
@@ -178,7 +177,8 @@ def _candidates(plan, layout: Layout) -> list[tuple[str, Layout]]:
     tps = [t for t in range(layout.tp + 1, world + 1) if world % t == 0]
     changes.append([(f"tp={t}", {"tp": t}) for t in tps if all(h % t == 0 for h in heads)])
     changes.append([(f"cp={c}", {"cp": c}) for c in _cp_sizes(plan, layout)])
-    pps = [p for p in range(layout.pp + 1, world + 1) if world % p == 0 and layout.cp == 1]
+    pipelinable = plan.pipelinable and layout.cp == 1 and layout.ep == 1
+    pps = [p for p in range(layout.pp + 1, world + 1) if world % p == 0 and pipelinable]
     changes.append([(f"pp={p}", {"pp": p}) for p in pps])
     replicas = [r for r in range(layout.dp_replicate - 1, 0, -1) if layout.dp % r == 0]
     changes.append([(f"dp_replicate={r}", {"dp_replicate": r}) for r in replicas])

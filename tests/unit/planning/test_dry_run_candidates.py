@@ -1,5 +1,6 @@
 """The dry run's suggestion search with cp: a larger tp or cp keeps the world (dp shrinks), a cp
-the row cannot split into 2·cp chunks is never suggested, nor cp for an MoE model."""
+the row cannot split into 2·cp chunks is never suggested, nor cp for an MoE model; pp only where
+the settings let a run pipeline."""
 
 from types import SimpleNamespace
 
@@ -15,6 +16,7 @@ def plan_of(world: int, seq_len: int, experts: tuple = ()) -> SimpleNamespace:
             experts=experts, compile=False, sequence_parallel=False, config=SimpleNamespace()
         ),
         train=train,
+        pipelinable=True,
     )
 
 
@@ -46,3 +48,6 @@ def test_pp_and_fewer_hsdp_replicas_are_suggested_where_they_fit():
     assert "pp=2 dp=4 dp_shard=2" in words and "dp_replicate=1 dp_shard=8" in words
     assert "pp=4 dp=2 dp_shard=1" in words
     assert not any("pp=8" in word for word in words)  # 8 stages of a 4-layer model (+2 units)
+    plan.pipelinable = False  # e.g. validation on, tied embeddings (recipes/checks.py refuses pp)
+    words = [word for word, _ in _candidates(plan, hsdp)]
+    assert not any("pp=" in word for word in words) and "dp_replicate=1 dp_shard=8" in words
