@@ -268,6 +268,8 @@ def resolve_model(
     except ValueError as error:  # a config class AutoModelForCausalLM does not map (Emu3's)
         said = str(error).split("Model type should be one of")[0].strip()  # not the long list
         return path, config, [*found, Problem(key="model", message=f"transformers: {said}")]
+    except (AttributeError, TypeError, KeyError, IndexError, ImportError) as error:
+        return path, config, [*found, _unbuildable(config, error)]
     if path is not None:
         rows = meta.get_input_embeddings().num_embeddings
         folder_errors = check_model_folder(path, meta) + check_tokenizer_folder(path, rows)
@@ -438,6 +440,19 @@ def pipeline_problems(settings: Config, dims: ParallelDims, config) -> list[Prob
             )
         )
     return found
+
+
+def _unbuildable(config, error: Exception) -> Problem:
+    """transformers' own model class fails on this config (DBRX's attention config lacks the
+    ``rope_theta`` its model reads in transformers 5.23): that version's gap, not the folder's."""
+    import transformers
+
+    said = f"{type(error).__name__}: {error}".splitlines()[0]
+    return Problem(
+        key="model",
+        message=f"model type '{config.model_type}' is not supported with transformers "
+        f"{transformers.__version__}: its model class cannot be built from this config ({said})",
+    )
 
 
 def _pipeline_refusals(settings: Config, dims: ParallelDims, config) -> dict[str, tuple]:
