@@ -36,9 +36,8 @@ def expected_bytes(seq: int, cp: int) -> int:
     return SHAPE["num_hidden_layers"] * 2 * 2 * (cp - 1) * (seq // cp) * kv_dim * 4
 
 
-def planned_gib(overrides: list[str]) -> float:
-    """The memory model's peak per rank for a recipe run of ``overrides``: plan.json's ``total``
-    of ``dry_run=true`` (``components.planning``: the busiest rank, its runtime included)."""
+def dry_run_plan(overrides: list[str]) -> dict:
+    """plan.json of ``dry_run=true`` with ``overrides`` (the recipe's command line)."""
     with tempfile.TemporaryDirectory() as folder:
         command = [sys.executable, "recipes/finetune.py", *overrides, "dry_run=true"]
         command.append(f"output_dir={folder}")
@@ -46,7 +45,13 @@ def planned_gib(overrides: list[str]) -> float:
         result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=environment)
         if result.returncode:
             raise RuntimeError(result.stderr[-2000:])
-        return json.loads((Path(folder) / "plan.json").read_text())["per_rank_gib"]["total"]
+        return json.loads((Path(folder) / "plan.json").read_text())
+
+
+def planned_gib(overrides: list[str]) -> float:
+    """The memory model's peak per rank for a recipe run of ``overrides``: plan.json's ``total``
+    of ``dry_run=true`` (``components.planning``: the busiest rank, its runtime included)."""
+    return dry_run_plan(overrides)["per_rank_gib"]["total"]
 
 
 def recipe_overrides(cp: int, seq: int, ac: str) -> list[str]:

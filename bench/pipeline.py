@@ -35,9 +35,7 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 from contextlib import nullcontext  # noqa: E402
 from datetime import timedelta  # noqa: E402
@@ -45,6 +43,9 @@ from pathlib import Path  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
 import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from context_parallel import dry_run_plan  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 BUBBLE = {"hidden_size": 256, "num_hidden_layers": 10, "intermediate_size": 768}
@@ -149,18 +150,6 @@ def bubble(pps: list[int], ms: list[int], schedules: list[str], steps: int, seq:
     return rows
 
 
-def _plan(overrides: list[str]) -> dict:
-    """plan.json of ``dry_run=true`` with ``overrides`` (the recipe's command line)."""
-    with tempfile.TemporaryDirectory() as folder:
-        command = [sys.executable, "recipes/finetune.py", *overrides, "dry_run=true"]
-        command.append(f"output_dir={folder}")
-        environment = {**os.environ, "OMP_NUM_THREADS": "1"}
-        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=environment)
-        if done.returncode:
-            raise RuntimeError(done.stderr[-2000:])
-        return json.loads((Path(folder) / "plan.json").read_text())
-
-
 def memory(acs: list[str], schedules: list[str], steps: int) -> list[dict]:
     from components.runtime.launch import launch_local
 
@@ -177,7 +166,7 @@ def memory(acs: list[str], schedules: list[str], steps: int) -> list[dict]:
             overrides += [f"pp={pp}", f"pp_schedule={schedule}", f"train.seq_len={seq}"]
             overrides += [f"train.micro_batch_size={rows}", f"train.global_batch_size={m * rows}"]
             overrides += [f"train.activation_checkpointing={ac}", "train.val_every=0"]
-            plan = _plan(overrides)
+            plan = dry_run_plan(overrides)
             setting = {"steps": steps, "ac": ac}
             ranks = launch_local(_rank, pp, MEMORY, pp, schedule, m, rows, seq, setting)
             for stage in plan["per_stage_gib"]:
