@@ -2,11 +2,8 @@
 2-D ``("dp_replicate", "dp_shard")`` mesh, replicated across dim 0 and sharded along dim 1, while
 the loader's and the loss's ``dp`` is the flattened pair; experts and TP stay on their own views."""
 
-import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import Replicate, Shard
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from components.distributed.mesh import (
     build_device_mesh,
@@ -17,13 +14,6 @@ from components.distributed.mesh import (
 from components.models import tiny_config
 from components.models.parallelize import build_parallel_model
 from tests.harness import spec_for
-
-
-@pytest.fixture
-def fake_world():
-    dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)
-    yield
-    dist.destroy_process_group()
 
 
 def test_fsdp_replicates_across_and_shards_within(fake_world):

@@ -4,9 +4,7 @@ the stage's parameters named as in the whole model, TP and FSDP applied to it al
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from components.distributed.mesh import build_device_mesh, mesh_layout, resolve_parallel_dims
 from components.distributed.pipeline import stage_layers
@@ -29,13 +27,6 @@ def test_the_mesh_layout_is_data():
     assert mesh_layout(dims) == (("pp", 2), ("dp_replicate", 2), ("dp_shard", 2), ("tp", 2))
     with pytest.raises(ValueError, match="world size 6 is not divisible by pp=4 × tp=1"):
         resolve_parallel_dims(6, pp=4)
-
-
-@pytest.fixture
-def fake_world():
-    dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)
-    yield
-    dist.destroy_process_group()
 
 
 def test_a_stage_keeps_its_layers_names_and_parallelism(fake_world):
