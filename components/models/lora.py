@@ -26,10 +26,9 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
 from components.distributed.tp_replicas import mark_tp_replica_gradient_reduction
-from components.moe.expert_lora import ADAPTED_WEIGHTS, has_expert_adapters
+from components.moe.expert_lora import ADAPTED_WEIGHTS, ADAPTERS, has_expert_adapters
 from components.moe.expert_parallel import expert_modules, experts_problem, run_whole_experts
 
-ADAPTERS = ("lora_A", "lora_B")
 TP_STYLES = ("colwise", "rowwise")
 
 
@@ -211,11 +210,13 @@ def apply_lora(model: nn.Module, options: LoraOptions, seed: int) -> list[str]:
         ValueError: If the patterns match no linear layer, or match another kind of module.
     """
     names, problems = targeted_linears(model, options.target_modules)
-    experts, expert_problems = targeted_experts(model, options.experts)
-    if problems or (options.experts and expert_problems):
+    experts, expert_problems = (
+        targeted_experts(model, options.experts) if options.experts else ([], [])
+    )
+    if problems or expert_problems:
         raise ValueError("; ".join(problems + expert_problems))
     model.requires_grad_(False)
-    for name in experts if options.experts else ():
+    for name in experts:
         _adapt_experts(model.get_submodule(name), options, seed ^ zlib.crc32(name.encode()))
     for name in names:
         module = model.get_submodule(name)
