@@ -14,7 +14,6 @@ adjacent ranks (inside one TP group when ``ep`` divides ``tp``, else spanning se
 from dataclasses import dataclass
 from datetime import timedelta
 
-from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.distributed_c10d import _set_pg_timeout
 
@@ -143,13 +142,6 @@ def build_device_mesh(
     if dims.cp > 1:
         _with_timeout(data_parallel_mesh(mesh), timeout)
     return mesh
-
-
-def pipeline_group(mesh: DeviceMesh) -> ProcessGroup | None:
-    """The group of this rank's pipeline stages (``mesh["pp"]``), or None without one."""
-    if "pp" not in (mesh.mesh_dim_names or ()):
-        return None
-    return mesh["pp"].get_group()
 
 
 def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:

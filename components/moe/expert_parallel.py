@@ -37,6 +37,7 @@ from components.moe.collectives import (
     sum_over_group,
 )
 from components.moe.expert_lora import (
+    ADAPTED_WEIGHTS,
     ADAPTERS,
     LowRank,
     adapted,
@@ -45,7 +46,7 @@ from components.moe.expert_lora import (
 )
 from components.moe.structure import takes_routing
 
-EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
+EXPERT_PARAMETERS = ADAPTED_WEIGHTS  # the experts' weights, in registration order
 EXPERT_BIASES = ("gate_up_proj_bias", "down_proj_bias")  # GPT-OSS's (``has_bias``)
 DISPATCH_MODES = ("folded", "all_to_all")
 # transformers' experts flags (``use_experts_implementation``) whose other value this module's

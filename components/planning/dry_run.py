@@ -100,12 +100,13 @@ def plan_layout(plan, step: Step, layout: Layout) -> MemoryEstimate:
     """Build ``plan``'s model for ``layout`` on the meta device over the fake world; price it:
     the busiest pipeline rank's with pp > 1."""
     if layout.pp > 1:
-        return max((estimate for _, estimate in plan_stages(plan, step, layout)), key=_total)
+        return busiest(plan_stages(plan, step, layout))[1]
     return estimate_memory(_build(plan, layout, 0), plan.model.config, layout, step)
 
 
-def _total(estimate: MemoryEstimate) -> float:
-    return estimate.total
+def busiest(stages: list[tuple[dict, MemoryEstimate]]) -> tuple[dict, MemoryEstimate]:
+    """The pipeline rank (share, estimate) of ``plan_stages`` with the largest total."""
+    return max(stages, key=lambda stage: stage[1].total)
 
 
 def _converter(plan, dims: ParallelDims) -> Callable[[torch.nn.Module], torch.nn.Module] | None:
@@ -269,8 +270,7 @@ def dry_run(plan, fail: Callable[[str], NoReturn]) -> dict:
     try:
         try:
             stages = plan_stages(plan, step, layout) if layout.pp > 1 else []
-            busiest = (e for _, e in stages)
-            estimate = max(busiest, key=_total) if stages else plan_layout(plan, step, layout)
+            estimate = busiest(stages)[1] if stages else plan_layout(plan, step, layout)
         except (ValueError, RuntimeError) as error:
             fail(f"dry run: the model cannot be built for this layout: {error}")
         fits = None if memory is None else estimate.total <= memory
@@ -301,7 +301,7 @@ def dry_run(plan, fail: Callable[[str], NoReturn]) -> dict:
 def _pipeline(step: Step, layout: Layout, stages: list) -> dict:
     """The schedule's figures: micro-batches per step, the bubble, the busiest pipeline rank."""
     m, per_rank = micro_batches(step, layout), step.pp_stages_per_rank
-    worst = max(stages, key=lambda stage: stage[1].total)[0]["rank"]
+    worst = busiest(stages)[0]["rank"]
     return {
         "pp": layout.pp,
         "schedule": step.pp_schedule,

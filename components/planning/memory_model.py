@@ -141,7 +141,7 @@ def _state(model: nn.Module, layout: Layout) -> dict[str, float]:
     local = [_local(p) for p in params]
     total = sum(t.numel() * t.element_size() for t in local)
     element = local[0].element_size() if local else 4
-    layers = getattr(getattr(model, "model", None), "layers", None) or []
+    layers = _decoder_layers(model)
     layer = max((sum(_local(p).numel() for p in block.parameters()) for block in layers), default=0)
     layer_trained = max(
         (sum(_local(p).numel() for p in b.parameters() if p.requires_grad) for b in layers),
@@ -182,7 +182,7 @@ def _fp8_numel(model: nn.Module, layout: Layout) -> dict[str, float]:
     from torchao.float8.float8_linear import Float8Linear
 
     weights = [_local(m.weight).numel() for m in model.modules() if isinstance(m, Float8Linear)]
-    layers = getattr(getattr(model, "model", None), "layers", None) or []
+    layers = _decoder_layers(model)
     per_layer = [
         sum(_local(m.weight).numel() for m in block.modules() if isinstance(m, Float8Linear))
         for block in layers
@@ -261,7 +261,7 @@ def _activations(config, layout: Layout, step: Step, stage: Stage) -> dict[str, 
     output = block_output * (stage.pipelined and not stage.last)
     # the last stage's logits and fp32 log-probabilities, kept for the micro-batch's backward (the
     # one in hand is the buffers' ``logits``; GPipe holds every micro-batch's)
-    vocab = config.vocab_size / (layout.tp if config.vocab_size % layout.tp == 0 else 1)
+    vocab = _vocab_share(config, layout)
     logits = vocab * (compute + 4) * (stage.pipelined and stage.last)
     return {
         "layers": tokens * layers,
@@ -283,7 +283,7 @@ def _loss(config, layout: Layout, step: Step, state: dict, chunked: bool) -> dic
     (a pipeline stage before the last)."""
     tokens = _tokens(layout, step) * (state["head_numel"] > 0)
     compute = 4 if step.precision == "fp32" else 2
-    vocab = config.vocab_size / (layout.tp if config.vocab_size % layout.tp == 0 else 1)
+    vocab = _vocab_share(config, layout)
     if not chunked:
         logits = tokens * vocab * (compute + 4 + (4 if compute != 4 else 0))
         return {"logits": logits, "head_backward": 0.0}
@@ -391,3 +391,13 @@ def estimate_memory(
         detail=gib,
         phases={name: value / GIB for name, value in phases.items()},
     )
+
+
+def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """``model.model.layers`` (a pipeline stage's own), or none where the model has no such list."""
+    return getattr(getattr(model, "model", None), "layers", None) or []
+
+
+def _vocab_share(config, layout: Layout) -> float:
+    """The vocabulary a rank's logits hold: a tp-th where tp divides it (vocab-parallel head)."""
+    return config.vocab_size / (layout.tp if config.vocab_size % layout.tp == 0 else 1)
