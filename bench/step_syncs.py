@@ -1,10 +1,11 @@
 """A training step's host reads, collectives and CPU time: this checkout against another (before).
 
-    .venv/bin/python bench/step_syncs.py --before PATH [--rounds 3] [--steps 12]
+    .venv/bin/python bench/step_syncs.py --before PATH [--rounds 3] [--steps 12] [OVERRIDE ...]
 
 PATH is a checkout of the code to compare with (``git worktree add --detach PATH REF``); both run
 with this venv, each from its own folder. The recipe at tp=2 dp=2 (the tiny Llama of
-``tests/e2e/test_profiler.py``, 8 sequences a step in micro-batches of 4, AdamW, fp32):
+``tests/e2e/test_profiler.py``, 8 sequences a step in micro-batches of 4, AdamW, fp32), with any
+recipe overrides given after the options (``sp=true``, ``model=qwen3_moe``) for both checkouts:
 
 - reads: step 2 profiled (``profile.steps=[2,2]``) with that test's ``sitecustomize.py``, which
   logs every read of a tensor's value on the host made from ``components/`` or ``recipes/``; per
@@ -30,10 +31,11 @@ sys.path.insert(0, str(REPO))
 from tests.e2e.test_profiler import COMMON, READS_LOGGED  # noqa: E402  (the test's own method)
 
 LAYOUT = ["tp=2", "dp=2", "train.micro_batch_size=4"]
+OVERRIDES: list[str] = []  # the command line's, after the options
 
 
 def _recipe(checkout: Path, output: Path, extra: list[str], environment: dict) -> list[dict]:
-    arguments = [*COMMON, *LAYOUT, *extra, f"output_dir={output}"]
+    arguments = [*COMMON, *LAYOUT, *OVERRIDES, *extra, f"output_dir={output}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", **environment}
     paths = [environment.get("PYTHONPATH"), str(checkout)]
     env["PYTHONPATH"] = os.pathsep.join(filter(None, paths))
@@ -84,8 +86,11 @@ def main() -> None:
     parser.add_argument("--before", type=Path, required=True)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("overrides", nargs="*", help="recipe overrides for both checkouts")
     options = parser.parse_args()
+    OVERRIDES.extend(options.overrides)
     checkouts = {"before": options.before.resolve(), "after": REPO}
+    print(f"overrides: {' '.join(LAYOUT + OVERRIDES)}")
     print(f"load average at start: {os.getloadavg()[0]:.2f}")
     with tempfile.TemporaryDirectory() as folder:
         for name, checkout in checkouts.items():

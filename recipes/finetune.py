@@ -130,7 +130,7 @@ StepFn = Callable[["Run", "RunPlan", int], torch.Tensor]
 def train_step(run: Run, plan: RunPlan, step: int, step_fn: StepFn = forward_backward_step) -> dict:
     """One optimizer step (0-based ``step``): ``step_fn``'s forward and backward, gradient
     reductions, clip, update; its metrics. Reads the device twice: the replica sync, the readout."""
-    from components.distributed.grads import clip_grad_norm_, finalize_dtensor_gradients, grad_norm
+    from components.distributed.grads import clip_grad_norm_, grad_norm
     from components.distributed.tp_replicas import synchronize_tp_replica_gradients
     from components.moe import load_metrics
     from components.planning.memory import reset_peak_memory
@@ -140,7 +140,7 @@ def train_step(run: Run, plan: RunPlan, step: int, step_fn: StepFn = forward_bac
     reset_peak_memory(run.device)
     run.optimizer.zero_grad(set_to_none=True)
     loss_sum = step_fn(run, plan, step)
-    finalize_dtensor_gradients([run.model])
+    run.readout.finalize([run.model])  # reads the device at the first step only
     synchronize_tp_replica_gradients([run.model], run.mesh)  # its plan and buffers are reused
     clip, parts, pp = plan.train.clip_grad_norm, [run.model], run.pipeline and run.pipeline.group
     norm = clip_grad_norm_(parts, clip, across=pp) if clip else grad_norm(parts, across=pp)

@@ -1,8 +1,9 @@
 """A step's host readout: every value a training step must see on the host (the grad norm and so
 the non-finite decision, the loss, the busiest rank's peak memory, the stop and save flags, the
-MoE load) reduced in one collective on the device's own backend and read with one ``tolist``,
-before the update. With the replica sync's presence check (the spec's, before any gradient moves)
-these are a step's reads of the device, whatever the gradient accumulation, layer or expert count.
+MoE load, the gradient finalisation's checks) reduced in one collective on the device's own backend
+and read with one ``tolist``, before the update. With the replica sync's presence check (the
+spec's, before any gradient moves) these are a step's reads of the device, whatever the gradient
+accumulation, layer or expert count; the first step adds the finalisation's own check, once.
 
 A step's peak memory runs from the previous step's update through this step's gradients: the
 update's own peak is taken after it (a host call, no device wait) and joins the next step's.
@@ -11,6 +12,7 @@ update's own peak is taken after it (a host call, no device wait) and joins the 
 import torch
 import torch.distributed as dist
 
+from components.distributed.step_finalizer import StepFinalizer
 from components.planning.memory import peak_memory_gib
 
 
@@ -24,6 +26,7 @@ class StepReadout:
         self.loss_ranks = torch.tensor(ranks, device=device)
         self.device = device
         self.writer = None  # the run's checkpoint writer, once there is one: its flags join in
+        self.finalize = StepFinalizer()  # the step's gradient finalisation: its checks join in
         self._update_peak = 0.0  # the previous step's update's peak (GiB), joins the next read
 
     def read(
@@ -37,17 +40,19 @@ class StepReadout:
         ``norm`` (already the same on every rank), ``loss_sum`` summed over the loss group (dp ×
         cp: each rank holds a part of the global batch), the busiest rank's peak memory, the
         checkpoint writer's flags (``step_flags`` with ``stop_requested``, the largest over every
-        rank, handed to its ``agree``), and the MoE load ``counts`` (already the same where they
-        are read) as ``tolist`` gives them. Returns the norm, the loss sum, the peak memory in GiB
-        and the counts (or [])."""
+        rank, handed to its ``agree``), the finalisation's problems (raised on every rank) and
+        the MoE load ``counts`` (already the same where they are read) as ``tolist`` gives them.
+        Returns the norm, the loss sum, the peak memory in GiB and the counts (or [])."""
         writer = self.writer
         flags = writer.step_flags(stop_requested) if writer is not None else []
-        maxima = [max(peak_memory_gib(self.device), self._update_peak), *flags]
+        problems = self.finalize.problems()  # on the device: no read
+        maxima = [max(peak_memory_gib(self.device), self._update_peak), problems, *flags]
         kept = [norm.reshape(1)] + ([] if counts is None else [counts.flatten()])
         kept = torch.cat([part.to(torch.float64) for part in kept])
-        loss, (peak, *agreed), (norm_value, *rest) = self.gather(loss_sum, maxima, kept)
+        loss, (peak, problems, *agreed), (norm_value, *rest) = self.gather(loss_sum, maxima, kept)
         if writer is not None:
             writer.agree(agreed)  # publishes a save every rank has written; keeps the stop
+        self.finalize.verify(problems)  # raises on every rank, before the update
         if counts is not None and counts.dim() == 2:
             columns = counts.shape[1]
             rest = [rest[start : start + columns] for start in range(0, len(rest), columns)]
@@ -58,10 +63,11 @@ class StepReadout:
         self._update_peak = peak_memory_gib(self.device)
 
     def gather(
-        self, loss_sum: torch.Tensor, maxima: list[float], kept: torch.Tensor | None = None
+        self, loss_sum: torch.Tensor, maxima: list, kept: torch.Tensor | None = None
     ) -> tuple[float, list[float], list]:
-        """``loss_sum`` summed over the loss group's ranks, each of ``maxima`` (host numbers) the
-        largest over every rank, and ``kept`` as it is (flattened, as ``tolist`` gives it).
+        """``loss_sum`` summed over the loss group's ranks, each of ``maxima`` (host numbers or
+        device scalars) the largest over every rank, and ``kept`` as it is (flattened, as
+        ``tolist`` gives it).
 
         One all-reduce of a (world × values) table, each rank's row its own and zeros elsewhere: a
         sum that is a gather, exactly, so sums and maxima come out of one collective. Then one
@@ -70,7 +76,7 @@ class StepReadout:
         table = torch.zeros((self.world, width), dtype=torch.float64, device=self.device)
         table[self.rank, 0] = loss_sum  # on the device: no host read
         for column, value in enumerate(maxima, start=1):
-            table[self.rank, column] = value  # a fill with a host number: no copy, no wait
+            table[self.rank, column] = value  # a fill or a device copy: no wait
         if self.world > 1:
             dist.all_reduce(table)  # the default group: NCCL for CUDA tensors, gloo for the CPU's
         loss = table[:, 0].index_select(0, self.loss_ranks).sum()

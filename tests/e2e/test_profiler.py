@@ -99,7 +99,7 @@ def _ours(events: list[dict], step: int) -> int:
     return count
 
 
-def _profiled(output_dir: Path, micro_batch_size: int) -> tuple[list[int], list[int]]:
+def _profiled(output_dir: Path, micro_batch_size: int, sp: bool) -> tuple[list[int], list[int]]:
     """A tp=2 dp=2 run of 2 steps, step 2 profiled, with READS_LOGGED: per rank (sorted), step 2's
     reads our code made, and its trace's host syncs from our code, once each trace is checked to
     be Chrome trace JSON holding that step alone, the model and the update."""
@@ -110,7 +110,13 @@ def _profiled(output_dir: Path, micro_batch_size: int) -> tuple[list[int], list[
     log = output_dir / "reads.log"
     path = os.pathsep.join([str(site), *filter(None, [os.environ.get("PYTHONPATH")])])
     counting = {"PYTHONPATH": path, "COUNT_REPO": str(REPO), "COUNT_LOG": str(log)}
-    overrides = ["tp=2", "dp=2", "train.max_steps=2", "profile.steps=[2,2]"]
+    overrides = [
+        "tp=2",
+        "dp=2",
+        f"sp={str(sp).lower()}",
+        "train.max_steps=2",
+        "profile.steps=[2,2]",
+    ]
     overrides.append(f"train.micro_batch_size={micro_batch_size}")
     result = recipe(output_dir, *overrides, environment=counting)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -136,15 +142,17 @@ def _profiled(output_dir: Path, micro_batch_size: int) -> tuple[list[int], list[
 
 
 def test_a_step_reads_the_device_the_same_times_whatever_its_accumulation(tmp_path):
-    """tp=2 dp=2, 8 sequences a step: 1 micro-batch of 4 per dp rank, then 4 of 1. Our code reads
-    the device OUR_READS times in step 2 on each rank either way: the replica sync's presence flags
-    (before its all-reduce, as the spec says) and every other value of the step at once before the
-    update, the grad norm among them (``components/training/readout.py``). Neither is an ``item()``
+    """tp=2 dp=2, 8 sequences a step: 1 micro-batch of 4 per dp rank, then 4 of 1 with sequence
+    parallelism (its norms' Partial gradients finalised). Our code reads the device OUR_READS times
+    in step 2 on each rank either way: the replica sync's presence flags (before its all-reduce, as
+    the spec says) and every other value of the step at once before the update, the grad norm and
+    the finalisation's checks among them (``components/training/readout.py``; the finalisation
+    reads at step 1 only, ``components/distributed/step_finalizer.py``). Neither is an ``item()``
     (``tolist`` and ``torch.equal`` run no ``aten::_local_scalar_dense``): TRACED in the trace. Not
     ours, not counted: AdamW's reads of its step counters (CPU tensors, no device wait), and per
     micro-batch torch's vocab-parallel embedding (2) and transformers' packed-sequence check (1)."""
-    once = _profiled(tmp_path / "once", micro_batch_size=4)
-    four_times = _profiled(tmp_path / "four", micro_batch_size=1)
+    once = _profiled(tmp_path / "once", micro_batch_size=4, sp=False)
+    four_times = _profiled(tmp_path / "four", micro_batch_size=1, sp=True)
     assert once == four_times == ([OUR_READS] * 4, [TRACED] * 4), (once, four_times)
 
 
