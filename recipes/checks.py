@@ -278,10 +278,10 @@ def resolve_model(
         experts, _ = moe_patterns(config, model.experts, model.routers)
         found += lora_problems(meta, settings.peft, experts, model.name)
     if dims is not None:
-        found += plan_problems(settings, dims, config, meta) + pipeline_problems(
-            settings, dims, config
-        )
-        found += fp8_problems(settings, dims, config, meta, device_type) if fp8 else []
+        styles, plan_found = checked_plan(settings, dims, config, meta)  # the plan checked once
+        found += plan_problems(settings, dims, config, meta, plan_found)
+        found += pipeline_problems(settings, dims, config)
+        found += fp8_problems(settings, dims, config, meta, device_type, styles) if fp8 else []
         try:
             experts, _ = moe_patterns(config, model.experts, model.routers)
             check_compile(settings.train.compile, device_type, bool(experts), dims.tp, settings.sp)
@@ -344,11 +344,30 @@ def _model_folder(pretrained_path: str | None) -> Path:
     )  # a local folder, or a Hub id from the cache (or downloaded)
 
 
-def plan_problems(settings: Config, dims: ParallelDims, config, meta) -> list[Problem]:
-    """The TP plan (and the model sizes tp must divide, key ``tp``), then expert parallelism."""
-    from components.distributed.context_parallel import attention_problems
-    from components.distributed.tp_plan import check_plan, tp_size_errors
+def checked_plan(settings: Config, dims: ParallelDims, config, meta) -> tuple[dict, list[Problem]]:
+    """The TP plan at ``dims.tp`` checked on the meta model: (the style each module gets, its
+    problems); ({}, []) at tp=1."""
+    from components.distributed.tp_plan import check_plan
     from components.models.families import plan_for
+
+    if dims.tp == 1:
+        return {}, []
+    experts, routers = moe_patterns(config, settings.model.experts, settings.model.routers)
+    try:
+        plan = plan_for(config, settings.sp, meta)
+        styles, errors = check_plan(meta, config, plan, dims.tp, (*experts, *routers), sizes=False)
+    except ValueError as error:  # no plan, given or derived
+        return {}, [Problem(key="model", message=str(error))]
+    return styles, problems("model", errors)
+
+
+def plan_problems(
+    settings: Config, dims: ParallelDims, config, meta, plan_found: list[Problem] | None = None
+) -> list[Problem]:
+    """The TP plan's problems (``plan_found``, :func:`checked_plan`'s, else checked here) and the
+    model sizes tp must divide (key ``tp``), then expert parallelism."""
+    from components.distributed.context_parallel import attention_problems
+    from components.distributed.tp_plan import tp_size_errors
     from components.moe import check_expert_parallel, expert_modules
     from components.moe.structure import experts_count
 
@@ -360,12 +379,7 @@ def plan_problems(settings: Config, dims: ParallelDims, config, meta) -> list[Pr
         found.append(Problem(key="cp", message=moe))
     found += problems("cp", attention_problems(config, dims.cp))
     if dims.tp > 1:
-        moe = (*experts, *routers)
-        try:
-            plan = plan_for(config, settings.sp, meta)
-            found += problems("model", check_plan(meta, config, plan, dims.tp, moe, sizes=False)[1])
-        except ValueError as error:  # no plan, given or derived
-            found.append(Problem(key="model", message=str(error)))
+        found += checked_plan(settings, dims, config, meta)[1] if plan_found is None else plan_found
         found += with_tp_suggestion(problems("tp", tp_size_errors(config, dims.tp)), config)
     if dims.ep > 1:
         modules = expert_modules(meta, list(experts))
@@ -377,26 +391,18 @@ def plan_problems(settings: Config, dims: ParallelDims, config, meta) -> list[Pr
 
 
 def fp8_problems(
-    settings: Config, dims: ParallelDims, config, meta, device_type: str
+    settings: Config, dims: ParallelDims, config, meta, device_type: str, styles: dict
 ) -> list[Problem]:
     """``train.precision=fp8``: what the float8 linears cannot take here (an MoE model, LoRA, the
-    GPU), else each converted layer's matmul dimensions at this tp (with the TP plan's styles)."""
-    from components.distributed.tp_plan import check_plan
-    from components.models.families import plan_for
+    GPU), else each converted layer's matmul dimensions at this tp (with the TP plan's
+    ``styles``, :func:`checked_plan`'s)."""
     from components.models.fp8 import fp8_problems as refusals
     from components.models.fp8 import fp8_shape_errors
 
-    experts, routers = moe_patterns(config, settings.model.experts, settings.model.routers)
+    experts, _ = moe_patterns(config, settings.model.experts, settings.model.routers)
     lora = settings.peft.name == "lora"
     if found := refusals(meta, bool(experts), lora, device_type):
         return problems("train.precision", found)
-    styles = {}
-    if dims.tp > 1:
-        try:
-            plan = plan_for(config, settings.sp, meta)
-            styles = check_plan(meta, config, plan, dims.tp, (*experts, *routers), sizes=False)[0]
-        except ValueError:  # no plan: reported by plan_problems
-            pass
     found = problems("train.precision", fp8_shape_errors(meta, dims.tp, styles))
     if (seq_len := settings.train.seq_len) % (16 * dims.cp):  # a micro-batch's tokens, per cp rank
         fits = max(16 * dims.cp, seq_len // (16 * dims.cp) * 16 * dims.cp)
@@ -410,6 +416,8 @@ def pipeline_problems(settings: Config, dims: ParallelDims, config) -> list[Prob
     """What pipeline parallelism does not compose with yet, one problem each; and the stages it
     needs: a layer or more each (the embedding and the head weighed as one), ``pp`` micro-batches
     per step for 1F1B, a whole number of rounds of ``pp`` for the interleaved schedule."""
+    from components.planning.pipeline_schedule import layout_problems
+
     interleaved, per_rank = settings.pp_schedule == "interleaved_1f1b", settings.pp_stages_per_rank
     if interleaved != (per_rank > 1):
         message = f"pp_schedule={settings.pp_schedule} with pp_stages_per_rank={per_rank}: use "
@@ -423,23 +431,9 @@ def pipeline_problems(settings: Config, dims: ParallelDims, config) -> list[Prob
         for key, (on, what, instead) in _pipeline_refusals(settings, dims, config).items()
         if on
     ]
-    stages = dims.pp * per_rank
-    if config.num_hidden_layers + 2 < stages:
-        message = (
-            f"{stages} pipeline stages need {stages - 2} decoder layers or more: the model has "
-        )
-        found.append(Problem(key="pp", message=message + f"{config.num_hidden_layers}"))
     micro_batches = train.global_batch_size // (train.micro_batch_size * dims.dp)
-    fewer = settings.pp_schedule != "gpipe" and micro_batches < dims.pp
-    if fewer or (interleaved and micro_batches % dims.pp):
-        needs = f"a multiple of {pp}" if interleaved else f"{pp} or more"
-        message = f"pp_schedule={settings.pp_schedule} needs {needs} micro-batches per step, "
-        found.append(
-            Problem(
-                key="train.global_batch_size", message=message + f"this step has {micro_batches}"
-            )
-        )
-    return found
+    layout = (config.num_hidden_layers, dims.pp, per_rank, settings.pp_schedule, micro_batches)
+    return found + [Problem(key=k, message=m) for k, m in layout_problems(*layout).items()]
 
 
 def _unbuildable(config, error: Exception) -> Problem:

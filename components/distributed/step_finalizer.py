@@ -30,7 +30,7 @@ from components.distributed.grads import (
 from components.distributed.replicas.flat_buffers import wire_dtype
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class _Member:
     """A gradient learned at the first step: its parameter, placements and local shape."""
 
@@ -91,7 +91,8 @@ class StepFinalizer:
     def _member(entry: tuple[str, nn.Parameter]) -> _Member:
         name, parameter = entry
         grad = parameter.grad
-        return _Member(name, parameter, grad.placements, grad._local_tensor.shape)
+        placements, shape = grad.placements, grad._local_tensor.shape
+        return _Member(name=name, parameter=parameter, placements=placements, shape=shape)
 
     def _sum_as_learned(self, named: list[tuple[str, nn.Parameter]]) -> int:
         for name, parameter in named:

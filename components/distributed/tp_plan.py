@@ -194,12 +194,17 @@ class _ReplicatedParameters(ParallelStyle):
     partial over the shards, are summed when they are finalised. Its children are untouched."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        for name, parameter in list(module.named_parameters(recurse=False)):
-            whole = distribute_tensor(
-                parameter.data, device_mesh, [Replicate()], src_data_rank=None
-            )
-            module._parameters[name] = nn.Parameter(whole, requires_grad=parameter.requires_grad)
+        for name, _ in list(module.named_parameters(recurse=False)):
+            _distribute_parameter(module, name, device_mesh, Replicate())
         return module
+
+
+def _distribute_parameter(module: nn.Module, name: str, mesh: DeviceMesh, placement) -> None:
+    """Make the module's own parameter ``name`` a DTensor of ``placement`` on ``mesh`` (each rank
+    keeps its part of its own data: nothing is sent)."""
+    full = module._parameters[name]
+    local = distribute_tensor(full.data, mesh, [placement], src_data_rank=None)
+    module._parameters[name] = nn.Parameter(local, requires_grad=full.requires_grad)
 
 
 class _ShardParameter(ParallelStyle):
@@ -210,9 +215,7 @@ class _ShardParameter(ParallelStyle):
         self.parameter, self.dim = parameter, dim
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        full = module._parameters[self.parameter]
-        shard = distribute_tensor(full.data, device_mesh, [Shard(self.dim)], src_data_rank=None)
-        module._parameters[self.parameter] = nn.Parameter(shard, requires_grad=full.requires_grad)
+        _distribute_parameter(module, self.parameter, device_mesh, Shard(self.dim))
         return module
 
 

@@ -288,14 +288,15 @@ def unbuilt_patterns(config, model) -> list[str]:
     return [p for p in patterns if not _in_experts(config, p) and not fnmatch.filter(names, p)]
 
 
-def expert_entries(config) -> list[str]:
+def expert_entries(config, model=None) -> list[str]:
     """The entries of the model's own plan for its experts (HF's tensor parallelism inside each
     expert: ``moe_tp_experts``, ``packed_colwise``...), which :func:`plan_for` leaves out: expert
-    parallelism splits the experts instead, whole experts per rank."""
+    parallelism splits the experts instead, whole experts per rank. Named relative to ``model``'s
+    base model, as :func:`plan_for` reads them (``model`` when not given)."""
     if config.model_type in FAMILIES:
         return []
-    own = getattr(config, "base_model_tp_plan", None) or {}
-    return [f"{p} {s}" for p, s in own.items() if _in_experts(config, f"model.{p}")]
+    own, base = getattr(config, "base_model_tp_plan", None) or {}, _base_model_name(model)
+    return [f"{p} {s}" for p, s in own.items() if _in_experts(config, f"{base}.{p}")]
 
 
 def _in_experts(config, pattern: str) -> bool:

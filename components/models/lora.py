@@ -94,12 +94,16 @@ class LoRALinear(nn.Linear):
     def reset_adapter(self) -> None:
         """PEFT's init, drawn from this adapter's own seed (the same on every rank): A
         kaiming-uniform (bound 1/sqrt(in_features)), B zeros; each rank keeps its part."""
-        A, B = self.lora_A.weight, self.lora_B.weight
-        generator = torch.Generator().manual_seed(self.lora_seed)
-        bound = 1.0 / math.sqrt(A.shape[1])
-        full = torch.empty(tuple(A.shape)).uniform_(-bound, bound, generator=generator)
-        _copy_local(A, full)
-        _copy_local(B, torch.zeros(tuple(B.shape)))
+        _init_adapter(self.lora_A.weight, self.lora_B.weight, self.lora_seed)
+
+
+def _init_adapter(A: torch.Tensor, B: torch.Tensor, seed: int) -> None:
+    """PEFT's init from ``seed``: A kaiming-uniform (bound 1/sqrt of its last dimension, the
+    input features), B zeros; each rank copies its part of the global tensors."""
+    generator = torch.Generator().manual_seed(seed)
+    bound = 1.0 / math.sqrt(A.shape[-1])
+    _copy_local(A, torch.empty(tuple(A.shape)).uniform_(-bound, bound, generator=generator))
+    _copy_local(B, torch.zeros(tuple(B.shape)))
 
 
 def _copy_local(parameter: torch.Tensor, full: torch.Tensor) -> None:
@@ -151,11 +155,8 @@ def _reset_expert_adapters(module: nn.Module) -> None:
     """PEFT's init of each expert's adapters (as :meth:`LoRALinear.reset_adapter`), drawn from
     the module's seed and the weight's name; each rank keeps its experts' part."""
     for name in ADAPTED_WEIGHTS:
-        A, B = module.lora_A[name], module.lora_B[name]
-        generator = torch.Generator().manual_seed(module.lora_seed ^ zlib.crc32(name.encode()))
-        bound = 1.0 / math.sqrt(A.shape[-1])
-        _copy_local(A, torch.empty(tuple(A.shape)).uniform_(-bound, bound, generator=generator))
-        _copy_local(B, torch.zeros(tuple(B.shape)))
+        seed = module.lora_seed ^ zlib.crc32(name.encode())
+        _init_adapter(module.lora_A[name], module.lora_B[name], seed)
 
 
 def targeted_experts(model: nn.Module, patterns: tuple[str, ...]) -> tuple[list[str], list[str]]:

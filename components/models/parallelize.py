@@ -88,7 +88,7 @@ def build_parallel_model(
         )
         if plan_is_derived(spec.config):
             report.notes.append(derived_plan_note(spec.config, plan))
-        if entries := expert_entries(spec.config):
+        if entries := expert_entries(spec.config, model):
             where = (
                 f"whole experts split over ep={dims.ep}"
                 if dims.ep > 1

@@ -77,16 +77,13 @@ def _choose_with_bias(router: nn.Module, args: tuple, output: tuple) -> tuple:
     return logits, weights.to(scores.dtype), chosen
 
 
-def _count_hook(model: nn.Module, name: str, routers: tuple[str, ...], count):
+def _count_hook(model: nn.Module, name: str, router: str | None, count):
     """Call ``count(module, (hidden, choices))`` with the expert choices of the experts ``name``:
     from their arguments when they take the routing, else (Llama 4's, handed rows already routed)
-    from their block's router (of ``routers``): its top-k scores' experts."""
+    from their block's ``router``: its top-k scores' experts."""
     experts = model.get_submodule(name)
     if takes_routing(experts):
         return experts.register_forward_pre_hook(count)
-    router = _block_router(model, name, routers)
-    if router is None:  # see uncounted_experts
-        return None
 
     def from_router(module: nn.Module, args: tuple, output) -> None:
         scores = output[0] if isinstance(output, tuple) else output
@@ -95,21 +92,23 @@ def _count_hook(model: nn.Module, name: str, routers: tuple[str, ...], count):
     return model.get_submodule(router).register_forward_hook(from_router)
 
 
-def _block_router(model: nn.Module, name: str, routers: tuple[str, ...]) -> str | None:
-    block = name.rpartition(".")[0]
-    found = [r for r in expert_modules(model, list(routers)) if r.rpartition(".")[0] == block]
-    return found[0] if found else None
+def _block_routers(model: nn.Module, routers: tuple[str, ...]) -> dict[str, str]:
+    """The first router (of ``routers``) in each block, by the block's name: one scan."""
+    found: dict[str, str] = {}
+    for router in expert_modules(model, list(routers)):
+        found.setdefault(router.rpartition(".")[0], router)
+    return found
 
 
 def uncounted_experts(model: nn.Module, patterns: list[str], routers: tuple[str, ...]) -> list[str]:
     """The experts modules whose choices cannot be counted: handed tokens already routed, with no
     router found beside them (JetMoE's ``input_linear``, called with per-expert token counts):
     their layers have no ``expert_load`` and count in no ``expert_imbalance``."""
+    beside = _block_routers(model, routers)
     return [
         name
         for name in expert_modules(model, patterns)
-        if not takes_routing(model.get_submodule(name))
-        and _block_router(model, name, routers) is None
+        if not takes_routing(model.get_submodule(name)) and name.rpartition(".")[0] not in beside
     ]
 
 
@@ -136,9 +135,10 @@ class ExpertLoad:
         self.real: torch.Tensor | None = (
             None  # flat real-token mask of the micro-batch being run; None: all
         )
+        beside = _block_routers(model, routers)
         self.handles = [
-            _count_hook(model, name, routers, partial(self._count, row))
-            for row, name in enumerate(names)
+            _count_hook(model, name, beside.get(block), partial(self._count, row))
+            for row, (name, block) in enumerate(zip(names, blocks, strict=True))
         ]
 
     @classmethod

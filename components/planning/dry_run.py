@@ -40,7 +40,7 @@ from components.planning.memory_model import (
     estimate_memory,
 )
 from components.planning.memory_model import optimizer_moments as moments_of
-from components.planning.pipeline_schedule import bubble, grads_held, in_flight
+from components.planning.pipeline_schedule import bubble, grads_held, in_flight, layout_problems
 
 ROWS = ("params", "grads", "optimizer", "activations", "buffers", "runtime", "total")
 MAX_PLANNED = 24  # candidates planned again at most: each builds the model (pp: a few of them)
@@ -145,18 +145,16 @@ def _fits_the_world(plan, layout: Layout) -> bool:
 
 
 def _pipeline_fits(plan, layout: Layout) -> bool:
-    """pp's own rules (``recipes/checks.py``): a layer or more per stage (the embedding and the
-    head weighed as one), ``pp`` micro-batches per step for 1F1B, whole rounds of ``pp``
-    interleaved (at dp=1), and no cp."""
+    """pp's own rules (:func:`layout_problems`, as the recipe's checks ask), interleaved stages
+    at dp=1 only, and no cp (``recipes/checks.py``'s refusals)."""
     if layout.pp == 1:
         return True
     schedule, per_rank = plan.pipeline
     m = plan.train.global_batch_size // (layout.micro_batch_size * layout.dp)
-    interleaved = schedule == "interleaved_1f1b"
+    layers = plan.model.config.num_hidden_layers
     return (
-        plan.model.config.num_hidden_layers + 2 >= layout.pp * per_rank
-        and (schedule == "gpipe" or m >= layout.pp)
-        and (not interleaved or (m % layout.pp == 0 and layout.dp == 1))
+        not layout_problems(layers, layout.pp, per_rank, schedule, m)
+        and (schedule != "interleaved_1f1b" or layout.dp == 1)
         and layout.cp == 1
     )
 
