@@ -19,11 +19,14 @@ parallelism's loss curve overlaid and the largest deviation from tp=1 in the leg
 import argparse
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:  # run as a script (make regression)
+    sys.path.insert(0, str(REPO))
+from tests import cli  # noqa: E402  (each run starts from a warm interpreter: ~1 s, not ~5)
+
 GOLDEN = Path(__file__).resolve().parent / "golden"
 EXPERIMENTS = sorted(p.stem for p in (REPO / "conf" / "experiment" / "regression").glob("*.yaml"))
 FIELDS = ("loss", "grad_norm")
@@ -61,7 +64,7 @@ def run_recipe(name: str, output_root: Path, extra: list[str]) -> Path:
         *extra,
     ]
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=environment)
+    result = cli.run(command, cwd=REPO, capture_output=True, text=True, env=environment)
     if result.returncode != 0:
         raise RuntimeError(f"{name} failed:\n{result.stderr[-3000:]}")
     return output_dir
