@@ -88,7 +88,7 @@ def plan_stages(plan, step: Step, layout: Layout) -> list[tuple[dict, MemoryEsti
         model = _build(plan, layout, rank * (world // pp))  # the fake rank at its pp coordinate
         flight = in_flight(schedule, pp, rank, m, per_rank)
         held = grads_held(schedule, pp, rank, m, per_rank)
-        stage = Stage(layers=tuple(layers), first=first, last=last, in_flight=flight)
+        stage = Stage(layers=tuple(layers), last=last, in_flight=flight)
         stage = replace(stage, grads_held=held, pipelined=True)
         share = {"rank": rank, "stages": rank_stages(rank, pp, per_rank), "layers": len(layers)}
         share |= {"embedding": first, "head": last, "in_flight": flight, "grads_held": held}

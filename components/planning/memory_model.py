@@ -63,8 +63,7 @@ class Step:
 class Stage:
     """One pipeline rank's share of the model and of the schedule."""
 
-    layers: tuple[int, ...]  # its decoder layers' indices in the whole model
-    first: bool  # holds the embedding
+    layers: tuple[int, ...]  # its decoder layers' indices (its embedding: seen on its model)
     last: bool  # holds the final norm and lm_head
     in_flight: float = 1.0  # micro-batches' activations held at once at its peak
     grads_held: bool = False  # its gradients exist at that peak (1F1B's steady state)
@@ -73,7 +72,7 @@ class Stage:
 
 def whole_model(config) -> Stage:
     """The whole model as one stage: pp=1."""
-    return Stage(layers=tuple(range(config.num_hidden_layers)), first=True, last=True)
+    return Stage(layers=tuple(range(config.num_hidden_layers)), last=True)
 
 
 @dataclass(frozen=True, kw_only=True)

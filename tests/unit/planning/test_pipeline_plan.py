@@ -36,7 +36,7 @@ def test_a_stage_holds_its_layers_and_its_micro_batches_in_flight():
     layers, first, last = rank_share(0, 2, 1, 4)
     assert (layers, first, last) == ([0, 1], True, False)  # 3 of 6 units: the embedding is one
     model = keep_stage(meta_causal_lm(config), layers, first, last)
-    stage = Stage(layers=(0, 1), first=True, last=False, pipelined=True)
+    stage = Stage(layers=(0, 1), last=False, pipelined=True)
     one = estimate_memory(model, config, layout, step, stage)
     three = estimate_memory(model, config, layout, step, Stage(**{**vars(stage), "in_flight": 3}))
     assert one.detail["layers"] == pytest.approx(whole.detail["layers"] / 2)
