@@ -140,7 +140,11 @@ def test_the_default_output_dir_is_a_new_folder_per_run_so_a_second_run_is_not_r
 def test_torchrun_needs_an_explicit_output_dir(tmp_path):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1"]
     command = [*torchrun, str(REPO / "recipes/finetune.py"), "train.max_steps=1", *QUICK]
-    result = cli.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    environment = cli.warm_torchrun_environment(environment)  # its worker starts warm
+    result = cli.run(
+        command, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=environment
+    )
     assert result.returncode != 0
     assert "error: output_dir must be given under torchrun" in result.stderr
     assert not (tmp_path / "outputs").exists()
