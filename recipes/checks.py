@@ -271,6 +271,7 @@ def resolve_model(
     except (AttributeError, TypeError, KeyError, IndexError, ImportError) as error:
         return path, config, [*found, _unbuildable(config, error)]
     if path is not None:
+        meta = _causal(config, meta, path)
         rows = meta.get_input_embeddings().num_embeddings
         folder_errors = check_model_folder(path, meta) + check_tokenizer_folder(path, rows)
         found += problems("model", folder_errors)
@@ -288,6 +289,23 @@ def resolve_model(
         except ValueError as error:
             found.append(Problem(key="train.compile", message=str(error)))
     return path, config, found
+
+
+def _causal(config, meta, path: Path):
+    """The folder's model as a causal LM: the config flags without which its class attends to
+    later tokens turned on (a note), and the meta model built again if any was."""
+    from components.models import meta_causal_lm
+    from components.models.load import causal_flags
+
+    if not (flags := causal_flags(config, meta)):
+        return meta
+    said = ", ".join(f"{flag}=true" for flag in flags)
+    say(
+        f"note: model type '{config.model_type}' attends to later tokens unless its config sets "
+        f"{said} ({path / 'config.json'} does not): trained with {said}, as a causal LM must be; "
+        "the export's config.json says so"
+    )
+    return meta_causal_lm(config)
 
 
 def config_problems(settings: Config, config, path: Path | None) -> list[Problem]:

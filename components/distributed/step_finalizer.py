@@ -40,6 +40,12 @@ class _Member:
     shape: torch.Size
 
 
+def _order(named: list[tuple[str, nn.Parameter]]) -> list[tuple]:
+    """What a learned finalisation holds for: the same parameters (a rebuilt or re-made model is
+    learned again) in the same dtypes (a cast one too)."""
+    return [(id(parameter), parameter.dtype) for _, parameter in named]
+
+
 def _zeros(parameter: nn.Parameter, dtype: torch.dtype) -> DTensor:
     """A zero gradient in the parameter's placements (what a gradient not learned becomes)."""
     local = torch.zeros_like(parameter._local_tensor, dtype=dtype)
@@ -53,7 +59,7 @@ class StepFinalizer:
 
     def __init__(self) -> None:
         self._learned: dict[tuple, list[_Member]] | None = None  # None: learn at the next call
-        self._order: list[int] = []  # the trainable parameters learned from, by identity
+        self._order: list[tuple] = []  # the trainable parameters learned from: identity, dtype
         self._members: set[int] = set()
         self._present: dict[tuple, torch.Tensor] = {}  # per group: every gradient present
         self._counts: list[tuple[torch.Tensor, int, list[str]]] = []  # this step's, summed
@@ -64,16 +70,15 @@ class StepFinalizer:
         """Give every DTensor gradient its parameter's placements; return how many changed."""
         named = named_trainable(model_parts)
         self._counts, self._departed = [], []
-        if self._learned is None or [id(parameter) for _, parameter in named] != self._order:
+        if self._learned is None or _order(named) != self._order:
             return self._learn(model_parts, named)
         return self._sum_as_learned(named)
 
     def _learn(self, model_parts: list[nn.Module], named: list) -> int:
         """``finalize_dtensor_gradients`` itself (its presence check reads the device), keeping
         its groups; a step that redistributes a gradient is learned again at the next."""
-        self._order = [id(parameter) for _, parameter in named]
         if not any(isinstance(parameter, DTensor) for _, parameter in named):
-            self._learned, self._members = {}, set()
+            self._learned, self._members, self._order = {}, set(), _order(named)
             return 0
         check_partial_candidates_present(model_parts)
         groups, redistributed = sort_gradients(named)
@@ -85,6 +90,7 @@ class StepFinalizer:
             key: torch.ones(len(members), dtype=wire_dtype(key[2]), device=key[3])
             for key, members in learned.items()
         }
+        self._order = _order(named)  # last: a check that raised leaves nothing learned
         return changed
 
     @staticmethod
@@ -127,7 +133,7 @@ class StepFinalizer:
                 continue
             else:
                 self._departed.append(member.name)
-                member.parameter.grad = _zeros(member.parameter, dtype)
+                member.parameter.grad = _zeros(member.parameter, grad.dtype)
             locals_.append(torch.zeros(member.shape, dtype=dtype, device=device))
         sum_group(key, [*locals_, present])
         size = math.prod(mesh.size(dim) for dim in dims)
@@ -160,8 +166,8 @@ class StepFinalizer:
             found.append(f"Gradient presence differs across ranks: {', '.join(differing)}")
         if self._departed:
             found.append(
-                "gradient placements differ from the first step's, which finalisation learns "
-                f"them from (a parameter first used after it is not supported): "
-                f"{', '.join(self._departed)}"
+                "gradient placements, dtypes or shapes differ from the first step's, which "
+                "finalisation learns them from (a parameter first used after it is not "
+                f"supported): {', '.join(self._departed)}"
             )
         raise RuntimeError("; ".join(found) or "Gradients differ across ranks (on another rank)")

@@ -40,6 +40,28 @@ def load_config(pretrained_path: str | Path) -> PretrainedConfig:
     return AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
 
 
+def causal_flags(config: PretrainedConfig, model: nn.Module) -> list[str]:
+    """Turn on, in ``config``, the flags without which ``model``'s class (built from it) lets a
+    token attend to later ones, and return them: the recipe trains next-token prediction, which
+    such attention answers by looking. transformers' BERT-family ``*ForCausalLM`` classes (BERT,
+    RoBERTa, XLM-R, X-MOD, ELECTRA...) attend both ways unless ``is_decoder`` (their layers keep
+    it; their constructor warns "add ``is_decoder=True``"), XLM's unless ``causal`` (its model
+    keeps it). Build the model again from the changed config."""
+    modules = list(model.modules())
+    flags = []
+    if getattr(config, "is_decoder", None) is False and any(
+        hasattr(module, "is_decoder") for module in modules
+    ):
+        flags.append("is_decoder")
+    if getattr(config, "causal", None) is False and any(
+        getattr(module, "causal", None) is False for module in modules
+    ):
+        flags.append("causal")
+    for flag in flags:
+        setattr(config, flag, True)
+    return flags
+
+
 def materialize_pretrained(model: nn.Module, folder: str | Path, device: str = "cpu") -> None:
     """Give ``model`` storage on ``device`` and fill every parameter's rank-local part from the
     checkpoint.

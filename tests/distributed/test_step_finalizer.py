@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 from components.distributed.grads import finalize_dtensor_gradients, grad_norm
 from components.distributed.step_finalizer import StepFinalizer
+from components.training.readout import StepReadout
 from tests.distributed.common import Holder, recorded_collectives
 from tests.harness import mesh
 
@@ -103,18 +104,19 @@ def test_the_first_step_learns_and_later_steps_read_nothing(ranks2):
 
 
 def check_missing_later(rank, world_size):
+    """Through the step's readout: its one read carries the count, every rank raises."""
     tp = mesh((world_size,), ("tp",))
-    finalizer, model = StepFinalizer(), norms_model(tp, rank, step=0)
-    finalizer([model])
+    readout, model = StepReadout(None, torch.device("cpu")), norms_model(tp, rank, step=0)
+    readout.finalize([model])
     regrad(model, norms_model(tp, rank, step=1))
     if rank == 1:
         model.q_norm.weight.grad = None  # unused by this rank's forward at this step
     with counted_reads() as reads:
-        finalizer([model])
-        problems = finalizer.problems()
+        readout.finalize([model])
     summed = model.norm.weight.grad  # the others are summed as ever, on both ranks
+    zero = torch.zeros((), dtype=torch.float64)
     with pytest.raises(RuntimeError) as error:
-        finalizer.verify(largest(problems))
+        readout.read(zero, zero, False, None)
     return reads, str(error.value), summed.placements, summed.to_local().tolist()
 
 
@@ -123,6 +125,24 @@ def test_a_gradient_missing_on_one_rank_later_raises_on_every_rank_with_its_name
     for reads, message, placements, summed in ranks2.run(check_missing_later, timeout_s=20):
         assert (reads, message, placements) == expected
         assert summed == [20.0, 23.0, 26.0]  # (10, 11, 12) + (10, 12, 14)
+
+
+def check_missing_everywhere_later(rank, world_size):
+    tp = mesh((world_size,), ("tp",))
+    finalizer, model = StepFinalizer(), norms_model(tp, rank, step=0)
+    finalizer([model])
+    regrad(model, norms_model(tp, rank, step=1))
+    model.q_norm.weight.grad = None  # unused by every rank's forward at this step
+    changed = finalizer([model])
+    expected = norms_model(tp, rank, step=1)
+    expected.q_norm.weight.grad = None
+    finalize_dtensor_gradients([expected])
+    finalizer.verify(largest(finalizer.problems()))  # nothing amiss: no raise
+    return changed, model.q_norm.weight.grad is None, grads(model) == grads(expected)
+
+
+def test_a_gradient_missing_on_every_rank_later_stays_missing_and_is_no_problem(ranks2):
+    assert ranks2.run(check_missing_everywhere_later) == [(1, True, True)] * 2
 
 
 def check_unlearned_gradient(rank, world_size):
@@ -144,8 +164,8 @@ def check_unlearned_gradient(rank, world_size):
 
 def test_a_gradient_first_made_after_the_first_step_is_refused_on_every_rank(ranks2):
     message = (
-        "gradient placements differ from the first step's, which finalisation learns them from "
-        "(a parameter first used after it is not supported): late.weight"
+        "gradient placements, dtypes or shapes differ from the first step's, which finalisation "
+        "learns them from (a parameter first used after it is not supported): late.weight"
     )
     assert (
         ranks2.run(check_unlearned_gradient, timeout_s=20)
@@ -155,10 +175,11 @@ def test_a_gradient_first_made_after_the_first_step_is_refused_on_every_rank(ran
 
 def check_redistributed_is_learned_again(rank, world_size):
     tp = mesh((world_size,), ("tp",))
-    finalizer, reads = StepFinalizer(), []
-    for step in range(2):
-        model = norms_model(tp, rank, step)
-        model.wrong = Holder(distribute_tensor(torch.zeros(4), tp, [Shard(0)]))
+    finalizer, reads, model = StepFinalizer(), [], norms_model(tp, rank, step=0)
+    model.wrong = Holder(distribute_tensor(torch.zeros(4), tp, [Shard(0)]))
+    for step in range(2):  # the same parameters: only the redistribute makes it learn again
+        for name in ("norm", "q_norm", "sharded"):
+            regrad(getattr(model, name), getattr(norms_model(tp, rank, step), name))
         model.wrong.weight.grad = distribute_tensor(torch.arange(4.0), tp, [Replicate()])
         with counted_reads() as step_reads:
             finalizer([model])
