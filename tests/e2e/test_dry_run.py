@@ -130,7 +130,7 @@ def test_llama_3_1_405b_at_pp8_tp8_dp16_is_planned_per_pipeline_stage(tmp_path):
 # bench/context_parallel.py's Llama: hidden 512, 6 layers, 8 heads of 64, 4 KV heads
 CP_SHAPE = {"hidden_size": 512, "num_hidden_layers": 6, "num_attention_heads": 8, "head_dim": 64}
 CP_SHAPE |= {"num_key_value_heads": 4, "intermediate_size": 1536, "max_position_embeddings": 2048}
-CP_RUN = ["cp=2", "train.seq_len=2048", "train.packing=true", "data.num_examples=4000"]
+CP_RUN = ["cp=2", "train.seq_len=2048", "train.packing=true", "data.num_examples=400"]
 CP_RUN += ["train.global_batch_size=1", "train.micro_batch_size=1", "train.max_steps=3"]
 CP_RUN += ["train.val_every=0", "train.warmup_steps=0", "checkpoint.export=false"]
 
