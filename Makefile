@@ -33,7 +33,7 @@ run: install  ## fine-tune the tiny Llama (~1 minute on 2 CPU cores) into output
 
 # One pytest process (two xdist workers starved 4-rank runs past their timeouts). Recipe runs start
 # from a warm interpreter (tests/cli.py), which took the suite from 16:40 to about 8 minutes.
-test: install  ## the whole test suite, as CI runs it (~8 minutes on 2 cores)
+test: install  ## the whole test suite, as CI runs it (9-10 minutes on 2 cores)
 	$(PY) -m pytest -q
 
 # The developer's loop: unit and multi-process (gloo) tests; no recipe run through the command line.
@@ -45,7 +45,7 @@ bench: install  ## benchmarks (BENCHMARKS.md)
 
 # Every regression recipe (conf/experiment/regression/) against its golden curve and its tp=1 twin; plots in
 # outputs/regression/. Refresh the golden files with: $(PY) tests/regression/regress.py --update-golden
-regression: install  ## every regression recipe vs its golden curve and tp=1 twin (~5 minutes)
+regression: install  ## every regression recipe vs its golden curve and tp=1 twin (~1.5 minutes)
 	$(PY) tests/regression/regress.py
 
 lint: install  ## ruff check + ruff format --check + the import layers (lint-imports)
