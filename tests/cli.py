@@ -53,7 +53,7 @@ PRELOAD = (
     "components.runtime.cli",
     "components.runtime.ranks",
 )  # and what the recipe's functions import (components/runtime/preload.py), after these
-MAX_ZYGOTES = 4  # each holds ~1 GiB; the suite has five import-time environments
+MAX_ZYGOTES = 8  # each holds ~0.5 GiB; the suite has about seven import-time environments
 _ZYGOTES: dict[tuple, "_Zygote"] = {}
 _ZYGOTES_LOCK = threading.Lock()
 

@@ -70,9 +70,9 @@ def inductor_cache(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, inductor_cache) -> dict[str, list[dict]]:
-    """Every run once, three at a time (most of a run is its single-threaded start-up)."""
+    """Every run once, two at a time (most of a run is its single-threaded start-up)."""
     root = tmp_path_factory.mktemp("precision")
-    with ThreadPoolExecutor(3) as pool:
+    with ThreadPoolExecutor(2) as pool:
         results = pool.map(lambda name: recipe(root / name, *RUNS[name], env=inductor_cache), RUNS)
         return dict(zip(RUNS, results, strict=True))
 
