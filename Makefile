@@ -33,7 +33,7 @@ run: install  ## fine-tune the tiny Llama (~1 minute on 2 CPU cores) into output
 
 # One pytest process (two xdist workers starved 4-rank runs past their timeouts). Recipe runs start
 # from a warm interpreter (tests/cli.py), which took the suite from 16:40 to about 8 minutes.
-test: install  ## the whole test suite, as CI runs it (9-10 minutes on 2 cores)
+test: install  ## the whole test suite, as CI runs it (about 10 minutes on 2 cores)
 	$(PY) -m pytest -q
 
 # The developer's loop: unit and multi-process (gloo) tests; no recipe run through the command line.
