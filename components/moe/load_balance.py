@@ -105,11 +105,13 @@ def uncounted_experts(model: nn.Module, patterns: list[str], routers: tuple[str,
     router found beside them (JetMoE's ``input_linear``, called with per-expert token counts):
     their layers have no ``expert_load`` and count in no ``expert_imbalance``."""
     beside = _block_routers(model, routers)
-    return [
-        name
-        for name in expert_modules(model, patterns)
-        if not takes_routing(model.get_submodule(name)) and name.rpartition(".")[0] not in beside
-    ]
+    return [name for name in expert_modules(model, patterns) if not _counted(model, name, beside)]
+
+
+def _counted(model: nn.Module, name: str, beside: dict[str, str]) -> bool:
+    """Whether the experts ``name``'s choices can be counted: they take the routing, or a router
+    sits in their block (``beside``: :func:`_block_routers`)."""
+    return takes_routing(model.get_submodule(name)) or name.rpartition(".")[0] in beside
 
 
 class ExpertLoad:
@@ -124,8 +126,8 @@ class ExpertLoad:
         bias: RoutingBias | None = None,
         routers: tuple[str, ...] = (),
     ):
-        uncounted = uncounted_experts(model, patterns, routers)
-        names = [name for name in expert_modules(model, patterns) if name not in uncounted]
+        beside = _block_routers(model, routers)  # one scan for the counted and their hooks
+        names = [name for name in expert_modules(model, patterns) if _counted(model, name, beside)]
         blocks = [name.rpartition(".")[0] for name in names]
         if bias is not None and [name.rpartition(".")[0] for name in bias.names] != blocks:
             raise ValueError(f"routers {bias.names} are not one per experts module {names}")
@@ -135,7 +137,6 @@ class ExpertLoad:
         self.real: torch.Tensor | None = (
             None  # flat real-token mask of the micro-batch being run; None: all
         )
-        beside = _block_routers(model, routers)
         self.handles = [
             _count_hook(model, name, beside.get(block), partial(self._count, row))
             for row, (name, block) in enumerate(zip(names, blocks, strict=True))
