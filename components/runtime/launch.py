@@ -95,8 +95,12 @@ def end_launched_rank() -> NoReturn:
 
 
 class ReportedExit(SystemExit):
-    """A rank's exit whose ``error:`` line has been printed already (by rank 0): the launcher adds
-    nothing."""
+    """A rank's exit whose ``error:`` line rank 0 prints (``message``, when known): the launcher
+    adds nothing, unless rank 0 did not get to print it (it lost its peer first)."""
+
+    def __init__(self, code: int, message: str | None = None) -> None:
+        super().__init__(code)
+        self.message = message
 
 
 def fail_once(message: str) -> NoReturn:
@@ -106,7 +110,7 @@ def fail_once(message: str) -> NoReturn:
     if int(os.environ.get("RANK", "0")) == 0:
         start_fresh_line(sys.stderr)
         print(f"error: {message}", file=sys.stderr, flush=True)
-    raise ReportedExit(1)
+    raise ReportedExit(1, message)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,7 +122,8 @@ class RankExit:
     error: str
     time: float
     traceback: str | None = None
-    reported: bool = False  # the rank printed its own ``error:`` line (:func:`fail_once`)
+    reported: bool = False  # the rank ended through :func:`fail_once` (rank 0 prints the line)
+    message: str | None = None  # that ``error:`` line's message
     hang: bool = False  # the launcher found it made no progress (``error`` says how long, where)
     ended: bool = False  # the launcher SIGKILLed it after another rank hung
 
@@ -162,6 +167,7 @@ def _run_rank(folder: str, launcher_pid: int, entrypoint: Callable[..., Any], *a
             text = " ".join(f"{type(error).__name__}: {error}".split())
             record = {"error": text, "time": time.time(), "traceback": traceback.format_exc()}
             record["reported"] = isinstance(error, ReportedExit)
+            record["message"] = getattr(error, "message", None)
             _write_atomically(Path(folder, f"{rank}.error.json"), json.dumps(record))
         raise
 
@@ -335,6 +341,7 @@ class RankWatch:
                 time=record["time"],
                 traceback=record["traceback"],
                 reported=record.get("reported", False),
+                message=record.get("message"),
                 hang=record.get("hang", False),
             )
         return list(found.values())
@@ -529,9 +536,18 @@ def _launch_config(**options: Any) -> LaunchConfig:
 
 
 def _report_failure(failures: list[RankExit]) -> NoReturn:
-    """Print the failed rank's traceback and the ``error:`` line on a fresh line of stderr; exit
-    with 1."""
-    if not any(exit_.reported and exit_.rank == 0 for exit_ in failures):
+    """Print the failed rank's traceback and the ``error:`` line on a fresh line of stderr (nothing
+    when rank 0 printed a :func:`fail_once` line, that line when rank 0 lost its peer before it
+    could); exit with 1."""
+    rank_zero = next((exit_ for exit_ in failures if exit_.rank == 0), None)
+    said = [exit_.message for exit_ in failures if exit_.reported and exit_.message]
+    if rank_zero is not None and rank_zero.reported:
+        pass  # rank 0 printed the line
+    elif said and (rank_zero is None or rank_zero.consequence):
+        # rank 0 lost a peer that had left through fail_once before it could: say it for rank 0
+        start_fresh_line(sys.stderr)
+        print(f"error: {said[0]}", file=sys.stderr, flush=True)
+    else:
         line, callstack = describe_rank_failure(failures)
         start_fresh_line(sys.stderr)
         if callstack:  # a hung rank's: where its main thread waited when it was found

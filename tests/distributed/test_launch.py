@@ -11,6 +11,10 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
+from components.runtime.launch import RankExit, _report_failure
+
 REPO = Path(__file__).resolve().parents[2]
 # Generous bounds that only a real orphan or hang exceeds (no timing is asserted beyond them).
 GONE_WITHIN_S = 60
@@ -27,7 +31,9 @@ RANKS = textwrap.dedent(
         init_process_group("gloo", timedelta(seconds=3))
         rank = dist.get_rank()
         open(os.path.join(folder, f"{rank}.pid"), "w").write(str(os.getpid()))
-        if mode == "bad_input":
+        if mode == "bad_input":  # as the recipe: after its collectives, the group destroyed
+            dist.barrier()
+            dist.destroy_process_group()
             fail_once("train.seq_len=0 must be positive")
         for step in range(1_000_000):
             dist.all_reduce(torch.ones(1))
@@ -141,3 +147,23 @@ def test_bad_input_prints_one_line_from_rank_zero(tmp_path):
         stop_group(process)
     lines = (tmp_path / "stderr").read_text().strip().splitlines()
     assert lines == ["error: train.seq_len=0 must be positive"], lines
+
+
+def test_a_fail_once_line_rank_zero_could_not_print_is_printed_by_the_launcher(capsys):
+    """Rank 1 left through fail_once while rank 0 still waited on it (so rank 0 lost its peer):
+    the launcher prints the line rank 0 would have, and nothing else."""
+    said = RankExit(rank=1, error="ReportedExit: 1", time=2.0, reported=True, message="bad key")
+    lost = RankExit(rank=0, error="RuntimeError: Connection closed by peer", time=1.0)
+    with pytest.raises(SystemExit) as exit_:
+        _report_failure([lost, said])
+    assert exit_.value.code == 1
+    assert capsys.readouterr().err == "error: bad key\n"
+    printed = RankExit(rank=0, error="ReportedExit: 1", time=1.0, reported=True, message="bad key")
+    with pytest.raises(SystemExit):
+        _report_failure([printed, said])
+    assert capsys.readouterr().err == ""  # rank 0 printed it
+    crashed = RankExit(rank=0, error="ValueError: broken", time=1.0, traceback="tb")
+    with pytest.raises(SystemExit):
+        _report_failure([crashed, said])
+    last = capsys.readouterr().err.splitlines()[-1]  # rank 0's own failure is the cause
+    assert last.startswith("error: rank 0 failed: ValueError: broken"), last
