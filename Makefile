@@ -31,14 +31,16 @@ $(STAMP): pyproject.toml constraints.txt
 run: install  ## fine-tune the tiny Llama (~1 minute on 2 CPU cores) into outputs/llama/DATE_TIME
 	$(PY) recipes/finetune.py $(ARGS)  # a new outputs/llama/DATE_TIME each time: twice in a row just works
 
-# One pytest process (two xdist workers starved 4-rank runs past their timeouts). Recipe runs start
-# from a warm interpreter (tests/cli.py), which took the suite from 16:40 to about 8 minutes.
-test: install  ## the whole test suite, as CI runs it (about 10 minutes on 2 cores)
-	$(PY) -m pytest -q
+# Two pytest workers, a test file each at a time (--dist loadfile: a module's fixture runs once): one
+# worker alone left a third of 2 cores idle (single-process tests, waits for a hang), and two took
+# the suite from 9:00 to 7:00. Recipe runs start from a warm interpreter (tests/cli.py).
+TEST_WORKERS ?= 2
+test: install  ## the whole test suite, as CI runs it (about 7 minutes on 2 cores)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # The developer's loop: unit and multi-process (gloo) tests; no recipe run through the command line.
 test-fast: install  ## unit + distributed tests only (under 3 minutes)
-	$(PY) -m pytest -q tests/unit tests/distributed
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests/unit tests/distributed
 
 bench: install  ## benchmarks (BENCHMARKS.md)
 	$(PY) bench/run_all.py
