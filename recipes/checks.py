@@ -310,7 +310,8 @@ def _causal(config, meta, path: Path):
 
 def config_problems(settings: Config, config, path: Path | None) -> list[Problem]:
     """What the model's config cannot run: ``train.seq_len`` beyond its positions, more experts per
-    token than it has. ``path``: the folder whose ``config.json`` it is (None: ``model.config``)."""
+    token than it has, language adapters with no language to pick (X-MOD). ``path``: the folder
+    whose ``config.json`` it is (None: ``model.config``)."""
     found = []
     positions = getattr(config.get_text_config(), "max_position_embeddings", None)  # composite's
     if positions is not None and settings.train.seq_len > positions:
@@ -327,6 +328,15 @@ def config_problems(settings: Config, config, path: Path | None) -> list[Problem
     if path is None:
         return found + problems("model.config", routing_errors(config))
     where = path / "config.json"
+    languages = list(getattr(config, "languages", None) or [])
+    if languages and getattr(config, "default_language", None) not in languages:  # X-MOD
+        message = (
+            f"model type '{config.model_type}' picks its language adapters by language ids, "
+            "which the recipe does not pass (not supported), else by its config's "
+            f"default_language: {where} sets {config.default_language!r}, not one of its "
+            f"languages: set default_language to one of {', '.join(languages)}"
+        )
+        found.append(Problem(key="model", message=message))
     return found + problems("model", [f"{where}: {e}" for e in routing_errors(config, "")])
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import datasets
 import pytest
 from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from components.data import DEFAULT_VOCAB_SIZE, train_tokenizer
 from components.models import build_causal_lm, tiny_config
@@ -217,6 +218,12 @@ CASES: dict[str, tuple[list[str], str]] = {
         ["model=pretrained", "model.pretrained_path={root}/no_tokenizer"],
         "has no tokenizer that loads",
     ),
+    "an X-MOD folder without a default language": (
+        ["model=pretrained", "model.pretrained_path={root}/xmod_no_language"],
+        "picks its language adapters by language ids, which the recipe does not pass (not "
+        "supported), else by its config's default_language: {root}/xmod_no_language/config.json "
+        "sets None, not one of its languages: set default_language to one of en_XX, de_DE",
+    ),
     "an output_dir that cannot be created": (
         ["output_dir=/proc/shardtune"],
         "output_dir /proc/shardtune cannot be used",
@@ -356,6 +363,11 @@ def model_folders(root: Path) -> None:
             tokenizer.save_pretrained(root / name)
     (root / "no_weights" / "model.safetensors").unlink()
     untied_folders(root, tokenizer)
+    sizes = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    languages = dict(languages=["en_XX", "de_DE"], default_language=None)  # none to default to
+    xmod = AutoConfig.for_model("xmod", vocab_size=len(tokenizer), **sizes, **languages)
+    AutoModelForCausalLM.from_config(xmod).save_pretrained(root / "xmod_no_language")
+    tokenizer.save_pretrained(root / "xmod_no_language")
     weights = root / "truncated" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
 
