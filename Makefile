@@ -39,7 +39,7 @@ test: install  ## the whole test suite, as CI runs it (about 7 minutes on 2 core
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # The developer's loop: unit and multi-process (gloo) tests; no recipe run through the command line.
-test-fast: install  ## unit + distributed tests only (under 3 minutes)
+test-fast: install  ## unit + distributed tests only (about 2 minutes)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests/unit tests/distributed
 
 bench: install  ## benchmarks (BENCHMARKS.md)
