@@ -329,11 +329,12 @@ def config_problems(settings: Config, config, path: Path | None) -> list[Problem
         return found + problems("model.config", routing_errors(config))
     where = path / "config.json"
     languages = list(getattr(config, "languages", None) or [])
-    if languages and getattr(config, "default_language", None) not in languages:  # X-MOD
+    default = getattr(config, "default_language", "absent")  # X-MOD's pair of keys
+    if languages and default != "absent" and default not in languages:
         message = (
             f"model type '{config.model_type}' picks its language adapters by language ids, "
             "which the recipe does not pass (not supported), else by its config's "
-            f"default_language: {where} sets {config.default_language!r}, not one of its "
+            f"default_language: {where} sets {default!r}, not one of its "
             f"languages: set default_language to one of {', '.join(languages)}"
         )
         found.append(Problem(key="model", message=message))

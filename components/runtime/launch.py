@@ -95,19 +95,25 @@ def end_launched_rank() -> NoReturn:
 
 
 class ReportedExit(SystemExit):
-    """A rank's exit whose ``error:`` line rank 0 prints (``message``, when known): the launcher
-    adds nothing, unless rank 0 did not get to print it (it lost its peer first)."""
+    """A rank's exit for a reason every rank found alike (:func:`fail_once`): its ``error:`` line is
+    ``message``, printed once, by the launcher for ranks :func:`launch_local` started, else by rank
+    0; nothing else is added."""
 
     def __init__(self, code: int, message: str | None = None) -> None:
         super().__init__(code)
         self.message = message
 
 
+_LAUNCHER_SAYS = False  # True in a rank launch_local started: its launcher prints fail_once's line
+
+
 def fail_once(message: str) -> NoReturn:
-    """Stop every rank for bad input with one ``error: <message>`` line: rank 0 (``RANK``, 0 when
-    unset) prints it on a fresh line of stderr, every rank exits with status 1
-    (:class:`ReportedExit`)."""
-    if int(os.environ.get("RANK", "0")) == 0:
+    """Stop every rank for bad input with one ``error: <message>`` line on a fresh line of stderr:
+    every rank exits with status 1 (:class:`ReportedExit`), and the line is printed once, by the
+    launcher of ranks :func:`launch_local` started (after every rank has ended: a restart, or a
+    rank that lost a peer which left first, prints nothing more), else by rank 0 (``RANK``, 0 when
+    unset)."""
+    if not _LAUNCHER_SAYS and int(os.environ.get("RANK", "0")) == 0:
         start_fresh_line(sys.stderr)
         print(f"error: {message}", file=sys.stderr, flush=True)
     raise ReportedExit(1, message)
@@ -122,7 +128,7 @@ class RankExit:
     error: str
     time: float
     traceback: str | None = None
-    reported: bool = False  # the rank ended through :func:`fail_once` (rank 0 prints the line)
+    reported: bool = False  # the rank ended through :func:`fail_once`
     message: str | None = None  # that ``error:`` line's message
     hang: bool = False  # the launcher found it made no progress (``error`` says how long, where)
     ended: bool = False  # the launcher SIGKILLed it after another rank hung
@@ -153,7 +159,9 @@ def _write_atomically(path: Path, text: str) -> None:
 def _run_rank(folder: str, launcher_pid: int, entrypoint: Callable[..., Any], *args: Any) -> Any:
     """Each rank's entry: die with the launcher, note this rank's pid, run ``entrypoint``, and note
     the exception it raises."""
+    global _LAUNCHER_SAYS
     die_with_parent(launcher_pid)
+    _LAUNCHER_SAYS = True  # fail_once leaves its line to the launcher (_report_failure)
     tempfile.tempdir = None  # the launcher points it at its own folder (see _temporary_files_in)
     os.environ[RANKS_FOLDER] = folder  # for abort_when_a_peer_fails
     rank = int(os.environ["RANK"])
@@ -470,7 +478,7 @@ def launch_local(
     128 + the signal). A rank failure fails the whole launch: the other ranks are stopped within
     about a second, and (with ``exit_on_failure``) the failed rank's traceback is printed to stderr,
     then one ``error: rank N failed: ...`` line starting a fresh line, and the process exits with
-    status 1 (quietly when rank 0 already printed the line, :func:`fail_once`). Without
+    status 1 (or the one line of :func:`fail_once`, whose ranks leave it to the launcher). Without
     ``exit_on_failure`` the ``ChildFailedError`` propagates. Every rank dies with this process
     (:func:`die_with_parent`). With ``max_restarts``, a failure instead stops every rank and starts
     them all again (torch elastic's restart, as ``torchrun --max-restarts``), up to that many
@@ -536,25 +544,29 @@ def _launch_config(**options: Any) -> LaunchConfig:
 
 
 def _report_failure(failures: list[RankExit]) -> NoReturn:
-    """Print the failed rank's traceback and the ``error:`` line on a fresh line of stderr (nothing
-    when rank 0 printed a :func:`fail_once` line, that line when rank 0 lost its peer before it
-    could); exit with 1."""
-    rank_zero = next((exit_ for exit_ in failures if exit_.rank == 0), None)
-    said = [exit_.message for exit_ in failures if exit_.reported and exit_.message]
-    if rank_zero is not None and rank_zero.reported:
-        pass  # rank 0 printed the line
-    elif said and (rank_zero is None or rank_zero.consequence):
-        # rank 0 lost a peer that had left through fail_once before it could: say it for rank 0
-        start_fresh_line(sys.stderr)
-        print(f"error: {said[0]}", file=sys.stderr, flush=True)
-    else:
-        line, callstack = describe_rank_failure(failures)
-        start_fresh_line(sys.stderr)
-        if callstack:  # a hung rank's: where its main thread waited when it was found
-            hung = " made no progress " in line
-            what = "where the hung rank waited" if hung else "traceback of the failed rank"
-            print(f"{what}:\n{callstack.rstrip()}", file=sys.stderr)
-        print(line, file=sys.stderr, flush=True)
+    """Print the ``error:`` line on a fresh line of stderr, and exit with 1: :func:`fail_once`'s
+    message (the lowest rank's) when every failure is such an exit or a consequence of one, else
+    the failed rank's traceback and the line naming it."""
+    reported = sorted((exit_ for exit_ in failures if exit_.reported), key=lambda e: e.rank)
+    if reported and all(exit_.reported or exit_.consequence for exit_ in failures):
+        if reported[0].message is not None:  # None: a torchrun rank 0 said it (ranks.py)
+            start_fresh_line(sys.stderr)
+            print(f"error: {reported[0].message}", file=sys.stderr, flush=True)
+        raise SystemExit(1)
+    said = {exit_.rank: exit_.message for exit_ in reported if exit_.message}
+    failures = [  # a fail_once among other failures: named by its message, no traceback
+        dataclasses.replace(exit_, error=said[exit_.rank], traceback=None)
+        if exit_.rank in said
+        else exit_
+        for exit_ in failures
+    ]
+    line, callstack = describe_rank_failure(failures)
+    start_fresh_line(sys.stderr)
+    if callstack:  # a hung rank's: where its main thread waited when it was found
+        hung = " made no progress " in line
+        what = "where the hung rank waited" if hung else "traceback of the failed rank"
+        print(f"{what}:\n{callstack.rstrip()}", file=sys.stderr)
+    print(line, file=sys.stderr, flush=True)
     raise SystemExit(1)
 
 

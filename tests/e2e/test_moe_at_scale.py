@@ -42,7 +42,8 @@ COMMON = [
     "debug.check_replicas_every=1",
 ]
 OPTIMIZERS = {"sgd": ["optim=sgd", "optim.lr=0.5"], "adamw": ["optim=adamw"]}
-# (model, tp, ep, dp) of the runs the issue asks for: the sweeps below run these and no more.
+# (model, tp, ep, dp) of the runs the issue asks for: the sweeps below run these and their
+# one-process references, no more.
 SHAPES = [
     ("qwen3_moe", 2, 4, 2),
     ("qwen3_moe", 1, 2, 2),
