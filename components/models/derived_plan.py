@@ -11,7 +11,8 @@ summed gradients, one value per attention head (GPT-OSS's ``sinks``) sharded wit
 (``self.num_heads``) made local (``local_heads``). An MoE block (3-D parameters) is left to expert
 parallelism, its router replicated; the embedding and ``lm_head`` get every plan's styles. Anything
 else with parameters inside a sublayer cannot be placed: the derivation then lists those modules.
-"""
+A block's own linears (OPT's ``fc1``, ``fc2``) are its MLP; types measured to fail with what this
+derives (:data:`NOT_DERIVED`) are refused with the reason."""
 
 import fnmatch
 import inspect
@@ -20,15 +21,52 @@ from torch import nn
 
 from components.distributed.tp_plan import HEAD_COUNTS
 
+# Types whose derived plan splits what their forward then reads whole (measured by
+# bench/coverage.py: a traceback at tp=2), with the reason.
+_WHOLE_HEADS = "its fused q/k/v projection is laid out so that a split by rows cuts its heads"
+_HIDDEN_RESHAPE = "its attention reshapes to the whole hidden size, not its rank's heads"
+_IN_PLACE = "it modifies a split layer's output in place"
+NOT_DERIVED = {
+    "bloom": "its ALiBi biases are built for every head, not its rank's",
+    **dict.fromkeys(("codegen", "falcon", "gpt_bigcode"), _WHOLE_HEADS),
+    **dict.fromkeys(("mvp", "prophetnet", "trocr", "xglm"), _HIDDEN_RESHAPE),
+    **dict.fromkeys(("ctrl", "git"), _IN_PLACE),
+}
 
-def _blocks(model: nn.Module) -> tuple[str, nn.Module] | None:
-    """(name, the first block) of the model's decoder layers: its one ``nn.ModuleList``, or of
-    several (Gemma 3n's AltUp projections beside its layers) the one named ``layers``."""
+
+def _blocks(model: nn.Module, deeper: bool = False) -> tuple[str, nn.Module] | None:
+    """(name, the first block) of the model's decoder layers: its one ``nn.ModuleList`` beside the
+    embeddings, or of several (Gemma 3n's AltUp projections beside its layers) the one named
+    ``layers``; with ``deeper``, when there is none there, its one outermost list however deep
+    (OPT's ``model.decoder.layers``, BioGPT's ``biogpt.layers``)."""
     lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
-    lists = [(n, m) for n, m in lists if "." not in n.removeprefix("model.")]
+    near = [(n, m) for n, m in lists if "." not in n.removeprefix("model.")]
+    if near or not deeper:
+        return _the_layers(near)
+    outermost = [(n, m) for n, m in lists if not any(n.startswith(f"{o}.") for o, _ in lists)]
+    return _the_layers(outermost)
+
+
+def _the_layers(lists: list[tuple[str, nn.ModuleList]]) -> tuple[str, nn.Module] | None:
     if len(lists) > 1:
         lists = [(n, m) for n, m in lists if n.rpartition(".")[2] == "layers"]
     return (lists[0][0], lists[0][1][0]) if len(lists) == 1 else None
+
+
+def _block_mlp(prefix: str, block: nn.Module, hidden: int) -> tuple[dict[str, str], list[str]]:
+    """(plan entries, unplaced) of the linears that are the block's own children: an MLP without a
+    module of its own (OPT's and XGLM's ``fc1``, ``fc2``), split as one: the linears reading the
+    hidden size into the width the one writer reads, colwise, that writer rowwise."""
+    linears = [(n, m) for n, m in block.named_children() if isinstance(m, nn.Linear)]
+    writers = [(n, m) for n, m in linears if m.out_features == hidden and m.in_features != hidden]
+    if len(writers) == 1:
+        width = writers[0][1].in_features
+        readers = [n for n, m in linears if m.in_features == hidden and m.out_features == width]
+        if len(readers) + 1 == len(linears):
+            return {f"{prefix}.{n}": "colwise" for n in readers} | {
+                f"{prefix}.{writers[0][0]}": "rowwise"
+            }, []
+    return {}, [f"{prefix}.{n}" for n, _ in linears]
 
 
 def _sublayer(prefix: str, module: nn.Module, hidden: int, head_dim: int | None, heads=None):
@@ -83,8 +121,13 @@ def derive_plan(model: nn.Module, config) -> dict[str, str]:
     text = config.get_text_config()  # an image-text model's decoder is its text model's
     hidden = getattr(text, "hidden_size", None)  # BLT's: one per sub-model, none of its own
     heads = getattr(text, "num_attention_heads", None)
-    found = _blocks(model)
     what = f"model type {config.model_type!r} has no tensor-parallel plan"
+    if config.model_type in NOT_DERIVED:
+        raise ValueError(
+            f"{what}, and one derived from its structure does not train what tp=1 trains: "
+            f"{NOT_DERIVED[config.model_type]}; use tp=1"
+        )
+    found = _blocks(model, deeper=text is config)  # a composite's text model: by its name only
     if found is None:
         raise ValueError(f"{what}, and its decoder layers (one nn.ModuleList) were not found")
     if hidden is None:
@@ -97,12 +140,18 @@ def derive_plan(model: nn.Module, config) -> dict[str, str]:
         prefix = f"{layers}.*.{name}"
         if any(p.dim() == 3 for p in child.parameters()):  # an MoE block: expert parallelism's
             continue
+        if isinstance(child, nn.Linear):  # the block's own MLP: _block_mlp
+            continue
         if any(isinstance(m, nn.Linear) for m in child.children()):
             entries, missing = _sublayer(prefix, child, hidden, head_dim, heads)
             plan |= entries
             unplaced += missing
         elif any(True for _ in child.parameters()) and not _is_norm(child):  # norms: replicated
             unplaced.append(prefix)
+    if any(isinstance(child, nn.Linear) for child in block.children()):
+        entries, missing = _block_mlp(f"{layers}.*", block, hidden)
+        plan |= entries
+        unplaced += missing
     if unplaced:
         raise ValueError(
             f"{what}, and one derived from its structure cannot place {', '.join(unplaced)}: "

@@ -191,8 +191,9 @@ def _sequence_parallel_outside_table(config, model, plan: dict[str, str], found:
     named = [p for p, s in plan.items() if s == "sequence_parallel" and fnmatch.filter(names, p)]
     if not found and not named:
         raise ValueError(
-            f"sequence parallelism with model type {config.model_type!r}: its decoder layers (one "
-            "nn.ModuleList) and so the norms on its residual stream were not found; use sp=false"
+            f"sequence parallelism with model type {config.model_type!r}: the norms on its "
+            "residual stream were not found (its decoder layers are not one nn.ModuleList beside "
+            "its embeddings); use sp=false"
         )
     if beside := beside_layers(model, plan):
         raise ValueError(

@@ -1,6 +1,7 @@
 """Models without a table entry or a plan of their own, through the command line, on tiny random
 folders written by transformers' own ``save_pretrained``: StableLM trains at tp=2 on a plan derived
-from its structure, equal to tp=1 (1e-5) whose first loss is the Hugging Face model's own (1e-6);
+from its structure, equal to tp=1 (1e-5) whose first loss is the Hugging Face model's own (1e-6),
+and so does OPT (its layers deeper, its MLP the block's own linears);
 a tokenizer past the embedding is one ``error:`` line, before any rank starts. (GPT-OSS, whose plan
 is derived too, sinks and experts included: tests/e2e/test_moe_checkpoints.py.)
 """
@@ -10,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from transformers import StableLmConfig
+from transformers import OPTConfig, StableLmConfig
 
 from components.data import DEFAULT_VOCAB_SIZE, train_tokenizer
 from tests import cli
@@ -26,6 +27,16 @@ from tests.saved_models import (
     save_model,
 )
 
+# OPT's names for SIZES: its layers sit in model.decoder.layers, its MLP is the block's own fc1, fc2
+OPT_SIZES = dict(
+    hidden_size=SIZES["hidden_size"],
+    ffn_dim=SIZES["intermediate_size"],
+    num_hidden_layers=SIZES["num_hidden_layers"],
+    num_attention_heads=SIZES["num_attention_heads"],
+    word_embed_proj_dim=SIZES["hidden_size"],
+    max_position_embeddings=SIZES["max_position_embeddings"],
+)
+
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, Path]:
@@ -37,14 +48,21 @@ def folders(tmp_path_factory) -> dict[str, Path]:
         "stablelm": save_model(
             root / "stablelm", StableLmConfig(**SIZES, vocab_size=vocab), tokenizer
         ),
+        "opt": save_model(
+            root / "opt",
+            OPTConfig(**OPT_SIZES, vocab_size=vocab, dropout=0.0, attention_dropout=0.0),
+            tokenizer,
+        ),
         "small_vocab": save_model(
             root / "small_vocab", StableLmConfig(**SIZES, vocab_size=vocab // 2), tokenizer
         ),
     }
 
 
-def losses(folders, output_dir: Path, *overrides: str) -> tuple[list[float], str]:
-    result = recipe(folders, "stablelm", output_dir, *overrides)
+def losses(
+    folders, output_dir: Path, *overrides: str, model: str = "stablelm"
+) -> tuple[list[float], str]:
+    result = recipe(folders, model, output_dir, *overrides)
     assert result.returncode == 0, result.stderr[-4000:]
     lines = (output_dir / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line)["loss"] for line in lines], result.stdout
@@ -60,6 +78,22 @@ def test_stablelm_at_tp2_on_a_derived_plan_equals_tp1(folders, tmp_path, optim):
     assert tp2 == pytest.approx(tp1, rel=1e-5, abs=1e-5)
     if optim == "sgd":
         reference = first_loss(folders["stablelm"], folders["cache"], SEQ_LEN, BATCH, MICRO)
+        assert tp1[0] == pytest.approx(reference, abs=1e-6)
+
+
+@pytest.mark.parametrize("optim", ["sgd", "adamw"])
+def test_opt_at_tp2_on_a_plan_derived_from_its_decoder_and_block_mlp_equals_tp1(
+    folders, tmp_path, optim
+):
+    """OPT's layers are model.decoder.layers (not beside the embeddings) and its MLP is the block's
+    own fc1 and fc2: split colwise and rowwise, it trains what tp=1 trains."""
+    tp1, _ = losses(folders, tmp_path / "tp1", "tp=1", f"optim={optim}", model="opt")
+    tp2, printed = losses(folders, tmp_path / "tp2", "tp=2", f"optim={optim}", model="opt")
+    assert "model.decoder.layers.*.fc1 colwise, model.decoder.layers.*.fc2 rowwise" in printed
+    assert len(tp1) == 3 and len(set(tp1)) == 3  # the steps train
+    assert tp2 == pytest.approx(tp1, rel=1e-5, abs=1e-5)
+    if optim == "sgd":
+        reference = first_loss(folders["opt"], folders["cache"], SEQ_LEN, BATCH, MICRO)
         assert tp1[0] == pytest.approx(reference, abs=1e-6)
 
 

@@ -205,6 +205,26 @@ def test_a_derived_plan_does_not_split_an_mlps_fused_input_projection():
     assert plan["model.layers.*.self_attn.query_key_value"] == "colwise"
 
 
+def test_a_derived_plan_finds_deeper_layers_and_a_blocks_own_mlp_or_says_why_not():
+    """OPT's layers are ``model.decoder.layers`` and its MLP the block's own ``fc1``/``fc2``; a type
+    measured to fail on the derivation (bloom's ALiBi, XGLM's reshape) is refused with the reason;
+    sequence parallelism still looks for the layers beside the embeddings only."""
+    from tests.coverage import tiny_config as coverage_config
+
+    config = coverage_config("opt")
+    model = meta_causal_lm(config)
+    plan = plan_for(config, model=model)
+    assert plan["model.decoder.layers.*.fc1"] == "colwise"
+    assert plan["model.decoder.layers.*.fc2"] == "rowwise"
+    assert plan["model.decoder.layers.*.self_attn.out_proj"] == "rowwise"
+    with pytest.raises(ValueError, match="the norms on its residual stream were not found"):
+        plan_for(config, sequence_parallel=True, model=model)
+    for model_type, why in [("bloom", "ALiBi biases"), ("xglm", "reshapes to the whole hidden")]:
+        config = coverage_config(model_type)
+        with pytest.raises(ValueError, match=f"does not train what tp=1 trains: its .*{why}"):
+            plan_for(config, model=meta_causal_lm(config))
+
+
 def test_a_pipeline_stages_sequence_parallel_norms_are_its_layers_by_their_names():
     """A stage keeps its layers under their indices in the whole model (``1``, not ``0``)."""
     from components.distributed.pipeline import keep_stage
