@@ -281,7 +281,7 @@ def resolve_model(
     if dims is not None:
         styles, plan_found = checked_plan(settings, dims, config, meta)  # the plan checked once
         found += plan_problems(settings, dims, config, meta, plan_found)
-        found += pipeline_problems(settings, dims, config)
+        found += pipeline_problems(settings, dims, config, meta)
         found += fp8_problems(settings, dims, config, meta, device_type, styles) if fp8 else []
         try:
             experts, _ = moe_patterns(config, model.experts, model.routers)
@@ -441,10 +441,12 @@ def fp8_problems(
     return found
 
 
-def pipeline_problems(settings: Config, dims: ParallelDims, config) -> list[Problem]:
-    """What pipeline parallelism does not compose with yet, one problem each; and the stages it
-    needs: a layer or more each (the embedding and the head weighed as one), ``pp`` micro-batches
-    per step for 1F1B, a whole number of rounds of ``pp`` for the interleaved schedule."""
+def pipeline_problems(settings: Config, dims: ParallelDims, config, meta=None) -> list[Problem]:
+    """What pipeline parallelism does not compose with yet, one problem each, the meta model's
+    structure among them when given; and the stages it needs: a layer or more each (the embedding
+    and the head weighed as one), ``pp`` micro-batches per step for 1F1B, a whole number of rounds
+    of ``pp`` for the interleaved schedule."""
+    from components.distributed.pipeline import stage_structure_problem
     from components.planning.pipeline_schedule import layout_problems
 
     interleaved, per_rank = settings.pp_schedule == "interleaved_1f1b", settings.pp_stages_per_rank
@@ -460,6 +462,9 @@ def pipeline_problems(settings: Config, dims: ParallelDims, config) -> list[Prob
         for key, (on, what, instead) in _pipeline_refusals(settings, dims, config).items()
         if on
     ]
+    if meta is not None and (why := stage_structure_problem(meta)):
+        message = f"{pp} with model type '{config.model_type}' is not supported yet ({why})"
+        found.append(Problem(key="pp", message=f"{message}: use pp=1"))
     micro_batches = train.global_batch_size // (train.micro_batch_size * dims.dp)
     layout = (config.num_hidden_layers, dims.pp, per_rank, settings.pp_schedule, micro_batches)
     return found + [Problem(key=k, message=m) for k, m in layout_problems(*layout).items()]

@@ -31,6 +31,27 @@ SINGLE = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
 MULTI = {"interleaved_1f1b": "ScheduleInterleaved1F1B"}
 
 
+STAGE_PARTS = ("layers", "embed_tokens", "norm")  # what keep_stage shares out or drops
+
+
+def stage_structure_problem(model: nn.Module) -> str | None:
+    """Why ``model`` cannot be cut into stages (None when it can): its decoder (``get_decoder()``)
+    must hold its layers as ``layers``, and no parameters beside them, ``embed_tokens`` and
+    ``norm``, which every stage would otherwise run (OPT's ``embed_positions``, added again to
+    each stage's input)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if not isinstance(getattr(decoder, "layers", None), nn.ModuleList):
+        return "its decoder holds no layers list (layers)"
+    beside = [
+        name
+        for name, child in decoder.named_children()
+        if name not in STAGE_PARTS and any(True for _ in child.parameters())
+    ]
+    if beside:
+        return f"{', '.join(beside)} beside its decoder layers, embedding and final norm (norm)"
+    return None
+
+
 def stage_layers(num_layers: int, stages: int) -> list[range]:
     """The decoder layers of each of ``stages`` stages, in order: ``num_layers + 2`` units (the
     embedding, the layers, the norm and head) shared out as evenly as they go, the first stages

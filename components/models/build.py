@@ -83,14 +83,22 @@ def local_parameter_bytes(model: nn.Module) -> int:
 
 
 def decoder_blocks(model: nn.Module) -> list[nn.Module]:
-    """The decoder blocks of a Hugging Face causal LM (``model.model.layers``), in order.
+    """The decoder blocks of a Hugging Face causal LM, in order: ``model.model.layers``, else the
+    list a derived plan splits (``derived_plan.decoder_layer_list``: OPT's
+    ``model.decoder.layers``).
 
     Raises:
-        ValueError: If the model has no ``model.layers`` list.
+        ValueError: If neither is found.
     """
+    from components.models.derived_plan import decoder_layer_list, deeper_allowed
+
     layers = getattr(getattr(model, "model", None), "layers", None)
-    if not isinstance(layers, nn.ModuleList):
+    if isinstance(layers, nn.ModuleList):
+        return list(layers)
+    config = getattr(model, "config", None)
+    found = decoder_layer_list(model, config is not None and deeper_allowed(config))
+    if found is None:
         raise ValueError(
             f"{type(model).__name__} has no model.layers: cannot find its decoder blocks"
         )
-    return list(layers)
+    return list(found[1])

@@ -23,9 +23,9 @@ from components.distributed.tp_plan import HEAD_COUNTS
 
 # Types whose derived plan splits what their forward then reads whole (measured by
 # bench/coverage.py: a traceback at tp=2), with the reason.
-_WHOLE_HEADS = "its fused q/k/v projection is laid out so that a split by rows cuts its heads"
+_WHOLE_HEADS = "its fused q/k/v projection is laid out in groups a split by rows does not keep"
 _HIDDEN_RESHAPE = "its attention reshapes to the whole hidden size, not its rank's heads"
-_IN_PLACE = "it modifies a split layer's output in place"
+_IN_PLACE = "it modifies the split embedding's output in place"
 NOT_DERIVED = {
     "bloom": "its ALiBi biases are built for every head, not its rank's",
     **dict.fromkeys(("codegen", "falcon", "gpt_bigcode"), _WHOLE_HEADS),
@@ -34,23 +34,30 @@ NOT_DERIVED = {
 }
 
 
-def _blocks(model: nn.Module, deeper: bool = False) -> tuple[str, nn.Module] | None:
-    """(name, the first block) of the model's decoder layers: its one ``nn.ModuleList`` beside the
-    embeddings, or of several (Gemma 3n's AltUp projections beside its layers) the one named
-    ``layers``; with ``deeper``, when there is none there, its one outermost list however deep
-    (OPT's ``model.decoder.layers``, BioGPT's ``biogpt.layers``)."""
+def decoder_layer_list(model: nn.Module, deeper: bool = False) -> tuple[str, nn.ModuleList] | None:
+    """(name, list) of the model's decoder layers: its one ``nn.ModuleList`` beside the embeddings,
+    or of several (Gemma 3n's AltUp projections beside its layers) the one named ``layers``; with
+    ``deeper``, when there is none there, its one outermost list however deep (OPT's
+    ``model.decoder.layers``, BioGPT's ``biogpt.layers``). None when not found."""
     lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
     near = [(n, m) for n, m in lists if "." not in n.removeprefix("model.")]
-    if near or not deeper:
-        return _the_layers(near)
-    outermost = [(n, m) for n, m in lists if not any(n.startswith(f"{o}.") for o, _ in lists)]
-    return _the_layers(outermost)
+    if not near and deeper:
+        near = [(n, m) for n, m in lists if not any(n.startswith(f"{o}.") for o, _ in lists)]
+    if len(near) > 1:
+        near = [(n, m) for n, m in near if n.rpartition(".")[2] == "layers"]
+    return near[0] if len(near) == 1 else None
 
 
-def _the_layers(lists: list[tuple[str, nn.ModuleList]]) -> tuple[str, nn.Module] | None:
-    if len(lists) > 1:
-        lists = [(n, m) for n, m in lists if n.rpartition(".")[2] == "layers"]
-    return (lists[0][0], lists[0][1][0]) if len(lists) == 1 else None
+def deeper_allowed(config) -> bool:
+    """Whether the decoder layers may be looked for deeper than the embeddings: not in a composite
+    (image-text) model, whose text model's layers are found by their name only."""
+    return config.get_text_config() is config
+
+
+def _blocks(model: nn.Module, deeper: bool = False) -> tuple[str, nn.Module] | None:
+    """(name, the first block) of :func:`decoder_layer_list`."""
+    found = decoder_layer_list(model, deeper)
+    return None if found is None else (found[0], found[1][0])
 
 
 def _block_mlp(prefix: str, block: nn.Module, hidden: int) -> tuple[dict[str, str], list[str]]:
@@ -62,7 +69,7 @@ def _block_mlp(prefix: str, block: nn.Module, hidden: int) -> tuple[dict[str, st
     if len(writers) == 1:
         width = writers[0][1].in_features
         readers = [n for n, m in linears if m.in_features == hidden and m.out_features == width]
-        if len(readers) + 1 == len(linears):
+        if readers and len(readers) + 1 == len(linears):
             return {f"{prefix}.{n}": "colwise" for n in readers} | {
                 f"{prefix}.{writers[0][0]}": "rowwise"
             }, []
@@ -127,7 +134,7 @@ def derive_plan(model: nn.Module, config) -> dict[str, str]:
             f"{what}, and one derived from its structure does not train what tp=1 trains: "
             f"{NOT_DERIVED[config.model_type]}; use tp=1"
         )
-    found = _blocks(model, deeper=text is config)  # a composite's text model: by its name only
+    found = _blocks(model, deeper=deeper_allowed(config))
     if found is None:
         raise ValueError(f"{what}, and its decoder layers (one nn.ModuleList) were not found")
     if hidden is None:

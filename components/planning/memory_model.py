@@ -393,8 +393,13 @@ def estimate_memory(
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """``model.model.layers`` (a pipeline stage's own), or none where the model has no such list."""
-    return getattr(getattr(model, "model", None), "layers", None) or []
+    """The decoder blocks (a pipeline stage's own), or none where none are found."""
+    from components.models.build import decoder_blocks
+
+    try:
+        return decoder_blocks(model)
+    except ValueError:
+        return []
 
 
 def _vocab_share(config, layout: Layout) -> float:

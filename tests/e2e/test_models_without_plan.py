@@ -97,6 +97,16 @@ def test_opt_at_tp2_on_a_plan_derived_from_its_decoder_and_block_mlp_equals_tp1(
         assert tp1[0] == pytest.approx(reference, abs=1e-6)
 
 
+def test_opt_at_tp2_bf16_mixed_with_checkpointing_finds_its_blocks(folders, tmp_path):
+    """What looks for the decoder blocks (bf16-mixed's casts at tp > 1, activation checkpointing)
+    finds OPT's as the derived plan does: bf16-mixed tp=2 with every block recomputed follows tp=1
+    within bf16's band (tests/e2e/test_precision.py)."""
+    mixed = ("train.precision=bf16-mixed", "train.activation_checkpointing=full")
+    tp1, _ = losses(folders, tmp_path / "tp1", "tp=1", *mixed, model="opt")
+    tp2, _ = losses(folders, tmp_path / "tp2", "tp=2", *mixed, model="opt")
+    assert tp2 == pytest.approx(tp1, rel=1e-3)
+
+
 @pytest.mark.parametrize(
     ("model", "overrides", "expected"),
     [

@@ -74,3 +74,21 @@ def test_layouts_that_fit_have_no_problem():
     assert problems_of([*FITS, "pp_schedule=gpipe", "train.micro_batch_size=8"]) == []
     assert problems_of([*FITS, "tp=2", "dp=2", "train.micro_batch_size=4"]) == []
     assert problems_of([*FITS, "dry_run=true"]) == []  # a dry run plans pp (tests/e2e)
+
+
+def test_a_decoder_with_parameters_beside_its_layers_is_refused_with_pp():
+    """OPT's learned positions (``embed_positions``) and its ``final_layer_norm`` sit beside its
+    layers: kept on every stage, each stage would add the positions again. A Llama decoder holds
+    its layers, embedding and norm only (its rotary embedding has no parameters)."""
+    from components.models import meta_causal_lm
+    from tests.coverage import tiny_config as coverage_config
+
+    settings = validate(compose(["model=llama", *FITS]))
+    dims, _ = check_sizes(settings, "cpu")
+    opt, llama = coverage_config("opt"), tiny_config("llama")
+    found = pipeline_problems(settings, dims, opt, meta_causal_lm(opt))
+    assert [f"{problem.key}: {problem.message}" for problem in found] == [
+        "pp: pp=2 with model type 'opt' is not supported yet (embed_positions, final_layer_norm "
+        "beside its decoder layers, embedding and final norm (norm)): use pp=1"
+    ]
+    assert pipeline_problems(settings, dims, llama, meta_causal_lm(llama)) == []
