@@ -77,12 +77,17 @@ def _shard_output(mesh: DeviceMesh, module: nn.Module, args: tuple, output):
 HEAD_COUNTS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads")
 
 
+# The width of all heads together, which some attention code reshapes its output to (XGLM's).
+HEADS_WIDTH = ("embed_dim",)
+
+
 class _LocalHeads(ParallelStyle):
     """An attention module that reshapes by its own head counts (``self.num_heads``, not ``-1``)
-    over colwise q/k/v: each count becomes this rank's share."""
+    or the width of all its heads (``self.embed_dim``) over colwise q/k/v: each becomes this rank's
+    share."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        for name in HEAD_COUNTS:
+        for name in (*HEAD_COUNTS, *HEADS_WIDTH):
             value = getattr(module, name, None)
             if isinstance(value, int) and not isinstance(value, bool):
                 setattr(module, name, value // device_mesh.size())

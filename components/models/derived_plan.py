@@ -7,10 +7,10 @@ input, fused and cut after it: ModernBERT's ``Wi``), and its last linear that wr
 size from another width (or, when every linear reads the hidden size, its last one) by rows
 (``rowwise``: o_proj, down_proj). Per-head q/k norms (1-D of ``head_dim``) are replicated with
 summed gradients, one value per attention head (GPT-OSS's ``sinks``) sharded with the heads
-(``colwise`` on the parameter, the sublayer ``local_params``), head counts of its own
-(``self.num_heads``) made local (``local_heads``). An MoE block (3-D parameters) is left to expert
-parallelism, its router replicated; the embedding and ``lm_head`` get every plan's styles. Anything
-else with parameters inside a sublayer cannot be placed: the derivation then lists those modules.
+(``colwise`` on the parameter, the sublayer ``local_params``), head counts and width of its own
+(``self.num_heads``, ``self.embed_dim``) made local (``local_heads``). An MoE block (3-D
+parameters) is left to expert parallelism, its router replicated; the embedding and ``lm_head``
+get every plan's styles. Anything else with parameters inside a sublayer cannot be placed.
 A block's own linears (OPT's ``fc1``, ``fc2``) are its MLP; types measured to fail with what this
 derives (:data:`NOT_DERIVED`) are refused with the reason."""
 
@@ -24,12 +24,11 @@ from components.distributed.tp_plan import HEAD_COUNTS
 # Types whose derived plan splits what their forward then reads whole (measured by
 # bench/coverage.py: a traceback at tp=2), with the reason.
 _WHOLE_HEADS = "its fused q/k/v projection is laid out in groups a split by rows does not keep"
-_HIDDEN_RESHAPE = "its attention reshapes to the whole hidden size, not its rank's heads"
 _IN_PLACE = "it modifies the split embedding's output in place"
 NOT_DERIVED = {
     "bloom": "its ALiBi biases are built for every head, not its rank's",
+    **dict.fromkeys(("prophetnet", "trocr"), "its attention reshapes to its input's whole width"),
     **dict.fromkeys(("codegen", "falcon", "gpt_bigcode"), _WHOLE_HEADS),
-    **dict.fromkeys(("mvp", "prophetnet", "trocr", "xglm"), _HIDDEN_RESHAPE),
     **dict.fromkeys(("ctrl", "git"), _IN_PLACE),
 }
 
@@ -52,6 +51,13 @@ def deeper_allowed(config) -> bool:
     """Whether the decoder layers may be looked for deeper than the embeddings: not in a composite
     (image-text) model, whose text model's layers are found by their name only."""
     return config.get_text_config() is config
+
+
+# Types whose derived plan works at tp > 1 but not under sequence parallelism (measured likewise).
+NOT_SEQUENCE_PARALLEL = {
+    "xglm": "its sinusoidal positions (no parameters, beside the layers) are added whole to the "
+    "embedding's sequence shards",
+}
 
 
 def _blocks(model: nn.Module, deeper: bool = False) -> tuple[str, nn.Module] | None:

@@ -185,8 +185,17 @@ def _sequence_parallel_outside_table(config, model, plan: dict[str, str], found:
         ValueError: where the norms were ``found`` neither from the structure nor by their usual
             names, or modules beside the decoder layers would meet sequence shards.
     """
-    from components.models.derived_plan import beside_layers, unplanned_sublayers
+    from components.models.derived_plan import (
+        NOT_SEQUENCE_PARALLEL,
+        beside_layers,
+        unplanned_sublayers,
+    )
 
+    if why := NOT_SEQUENCE_PARALLEL.get(config.model_type):
+        raise ValueError(
+            f"sequence parallelism with model type {config.model_type!r} is not supported: {why}; "
+            "use sp=false"
+        )
     names = [name for name, _ in model.named_modules()]
     named = [p for p, s in plan.items() if s == "sequence_parallel" and fnmatch.filter(names, p)]
     if not found and not named:

@@ -207,8 +207,9 @@ def test_a_derived_plan_does_not_split_an_mlps_fused_input_projection():
 
 def test_a_derived_plan_finds_deeper_layers_and_a_blocks_own_mlp_or_says_why_not():
     """OPT's layers are ``model.decoder.layers`` and its MLP the block's own ``fc1``/``fc2``; a type
-    measured to fail on the derivation (bloom's ALiBi, XGLM's reshape) is refused with the reason;
-    sequence parallelism still looks for the layers beside the embeddings only."""
+    measured to fail on the derivation (bloom's ALiBi, TrOCR's reshape) is refused with the reason;
+    sequence parallelism still looks for the layers beside the embeddings only, and refuses XGLM
+    (its sinusoidal positions meet the sequence shards whole)."""
     from tests.coverage import tiny_config as coverage_config
 
     config = coverage_config("opt")
@@ -219,10 +220,16 @@ def test_a_derived_plan_finds_deeper_layers_and_a_blocks_own_mlp_or_says_why_not
     assert plan["model.decoder.layers.*.self_attn.out_proj"] == "rowwise"
     with pytest.raises(ValueError, match="the norms on its residual stream were not found"):
         plan_for(config, sequence_parallel=True, model=model)
-    for model_type, why in [("bloom", "ALiBi biases"), ("xglm", "reshapes to the whole hidden")]:
+    for model_type, why in [("bloom", "ALiBi biases"), ("trocr", "reshapes to its input's whole")]:
         config = coverage_config(model_type)
         with pytest.raises(ValueError, match=f"does not train what tp=1 trains: its .*{why}"):
             plan_for(config, model=meta_causal_lm(config))
+    config = coverage_config("xglm")  # its layers beside the embeddings, its MLP its own linears
+    model = meta_causal_lm(config)
+    plan = plan_for(config, model=model)
+    assert plan["model.layers.*.fc1"] == "colwise" and plan["model.layers.*.fc2"] == "rowwise"
+    with pytest.raises(ValueError, match="'xglm' is not supported: its sinusoidal positions"):
+        plan_for(config, sequence_parallel=True, model=model)
 
 
 def test_a_pipeline_stages_sequence_parallel_norms_are_its_layers_by_their_names():
