@@ -68,32 +68,25 @@ def losses(
     return [json.loads(line)["loss"] for line in lines], result.stdout
 
 
-@pytest.mark.parametrize("optim", ["sgd", "adamw"])
-def test_stablelm_at_tp2_on_a_derived_plan_equals_tp1(folders, tmp_path, optim):
-    tp1, _ = losses(folders, tmp_path / "tp1", "tp=1", f"optim={optim}")
-    tp2, printed = losses(folders, tmp_path / "tp2", "tp=2", f"optim={optim}")
-    assert "plan derived from the structure of 'stablelm'" in printed
-    assert "model.layers.*.self_attn.o_proj rowwise" in printed
-    assert len(tp1) == 3 and len(set(tp1)) == 3  # the steps train
-    assert tp2 == pytest.approx(tp1, rel=1e-5, abs=1e-5)
-    if optim == "sgd":
-        reference = first_loss(folders["stablelm"], folders["cache"], SEQ_LEN, BATCH, MICRO)
-        assert tp1[0] == pytest.approx(reference, abs=1e-6)
+# Each model's derived plan, as the plan report prints some of it: StableLM's layers sit beside the
+# embeddings; OPT's in model.decoder.layers, its MLP the block's own fc1 and fc2.
+DERIVED = {
+    "stablelm": "model.layers.*.self_attn.o_proj rowwise",
+    "opt": "model.decoder.layers.*.fc1 colwise, model.decoder.layers.*.fc2 rowwise",
+}
 
 
 @pytest.mark.parametrize("optim", ["sgd", "adamw"])
-def test_opt_at_tp2_on_a_plan_derived_from_its_decoder_and_block_mlp_equals_tp1(
-    folders, tmp_path, optim
-):
-    """OPT's layers are model.decoder.layers (not beside the embeddings) and its MLP is the block's
-    own fc1 and fc2: split colwise and rowwise, it trains what tp=1 trains."""
-    tp1, _ = losses(folders, tmp_path / "tp1", "tp=1", f"optim={optim}", model="opt")
-    tp2, printed = losses(folders, tmp_path / "tp2", "tp=2", f"optim={optim}", model="opt")
-    assert "model.decoder.layers.*.fc1 colwise, model.decoder.layers.*.fc2 rowwise" in printed
+@pytest.mark.parametrize("model", sorted(DERIVED))
+def test_at_tp2_on_a_derived_plan_equals_tp1(folders, tmp_path, model, optim):
+    tp1, _ = losses(folders, tmp_path / "tp1", "tp=1", f"optim={optim}", model=model)
+    tp2, printed = losses(folders, tmp_path / "tp2", "tp=2", f"optim={optim}", model=model)
+    assert f"plan derived from the structure of '{model}'" in printed
+    assert DERIVED[model] in printed
     assert len(tp1) == 3 and len(set(tp1)) == 3  # the steps train
     assert tp2 == pytest.approx(tp1, rel=1e-5, abs=1e-5)
     if optim == "sgd":
-        reference = first_loss(folders["opt"], folders["cache"], SEQ_LEN, BATCH, MICRO)
+        reference = first_loss(folders[model], folders["cache"], SEQ_LEN, BATCH, MICRO)
         assert tp1[0] == pytest.approx(reference, abs=1e-6)
 
 
