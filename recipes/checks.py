@@ -329,8 +329,8 @@ def config_problems(settings: Config, config, path: Path | None) -> list[Problem
         return found + problems("model.config", routing_errors(config))
     where = path / "config.json"
     languages = list(getattr(config, "languages", None) or [])
-    default = getattr(config, "default_language", "absent")  # X-MOD's pair of keys
-    if languages and default != "absent" and default not in languages:
+    default = getattr(config, "default_language", None)
+    if languages and hasattr(config, "default_language") and default not in languages:  # X-MOD
         message = (
             f"model type '{config.model_type}' picks its language adapters by language ids, "
             "which the recipe does not pass (not supported), else by its config's "
