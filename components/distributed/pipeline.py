@@ -13,6 +13,7 @@ are not scaled again by the number of micro-batches), computed on the last stage
 
 import copy
 import fnmatch
+import types
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
@@ -32,13 +33,18 @@ MULTI = {"interleaved_1f1b": "ScheduleInterleaved1F1B"}
 
 
 STAGE_PARTS = ("layers", "embed_tokens", "norm")  # what keep_stage shares out or drops
+# What a decoder's own forward multiplies its input embeddings by (Granite's and its MoE kin's),
+# and the value that makes it a no-op: the embeddings are scaled once, by the first stage.
+EMBEDDING_SCALES = {"embedding_multiplier": 1.0}
+NOT_PER_LAYER = ("architectures",)  # config lists that may have as many entries as layers
 
 
 def stage_structure_problem(model: nn.Module) -> str | None:
     """Why ``model`` cannot be cut into stages (None when it can): its decoder (``get_decoder()``)
     must hold its layers as ``layers``, and no parameters beside them, ``embed_tokens`` and
     ``norm``, which every stage would otherwise run (OPT's ``embed_positions``, added again to
-    each stage's input)."""
+    each stage's input); nor may it change a later stage's input otherwise
+    (:func:`embedding_side_problem`)."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     if not isinstance(getattr(decoder, "layers", None), nn.ModuleList):
         return "its decoder holds no layers list (layers)"
@@ -49,7 +55,67 @@ def stage_structure_problem(model: nn.Module) -> str | None:
     ]
     if beside:
         return f"{', '.join(beside)} beside its decoder layers, embedding and final norm (norm)"
+    return embedding_side_problem(model)
+
+
+def skip_embedding_scale(decoder: nn.Module) -> None:
+    """Make ``decoder`` (a stage's, not the first's) pass the hidden states it is handed to its
+    first layer as they are: its own scale of the input embeddings (:data:`EMBEDDING_SCALES`)
+    set to the value that does nothing (multiplying by 1.0 is exact)."""
+    for name, neutral in EMBEDDING_SCALES.items():
+        if hasattr(decoder, name):
+            setattr(decoder, name, neutral)
+
+
+def decoder_output(model: nn.Module, **inputs):
+    """A stage without the head: its decoder's output (``last_hidden_state``), without what the
+    model's own forward does after the head (Cohere's logit scale, Granite's logit scaling, Gemma
+    2's softcapping), which belongs to the last stage alone. Bound as such a stage's forward, so
+    the model's hooks (FSDP's) still run around it."""
+    return model.get_decoder()(**inputs)
+
+
+def end_at_hidden_states(model: nn.Module) -> None:
+    """Make ``model`` (a stage that does not hold the head) run :func:`decoder_output`."""
+    model.forward = types.MethodType(decoder_output, model)
+
+
+def embedding_side_problem(model: nn.Module) -> str | None:
+    """Why a stage after the first would change the hidden states it is handed before its first
+    layer (None when it would not): ``model``'s decoder (a meta model's is enough), its layers,
+    embedding and final norm removed and its embedding scale made neutral
+    (:func:`skip_embedding_scale`), run on random hidden states; what comes out must be what went
+    in, else every stage would apply it again."""
+    decoder = model.get_decoder()
+    stripped = copy.copy(decoder)
+    stripped._modules = dict(decoder._modules)
+    stripped._modules.update(layers=StageLayers(), embed_tokens=None, norm=nn.Identity())
+    probe = copy.deepcopy(stripped).to_empty(device="cpu")  # no layers: a few buffers at most
+    skip_embedding_scale(probe)
+    hidden = torch.randn(1, 4, int(decoder.config.hidden_size))
+    try:
+        with torch.no_grad():
+            out = probe(inputs_embeds=hidden, position_ids=torch.arange(4)[None], use_cache=False)
+    except Exception as error:  # noqa: BLE001 - the refusal says what the decoder raised
+        said = f"{type(error).__name__}: {error}".splitlines()[0]
+        return f"its decoder does not run on the hidden states of an earlier stage ({said})"
+    if not torch.equal(out.last_hidden_state, hidden):
+        return "its decoder's forward changes the input embeddings before its first layer"
     return None
+
+
+def stage_config(config, layers: list[int]):
+    """``config`` as a decoder running only ``layers`` must read it: a copy whose per-layer lists
+    (one entry per decoder layer: ``layer_types``, ``layer_rope_theta``, ...) hold those layers'
+    entries, in order, since a decoder's forward reads them by the layer's position in its list
+    (``config.layer_types[i]``: Gemma 2 and 3, Cohere 2 and some 50 more types). The layers
+    themselves keep the whole config: they read it by their own index."""
+    staged = copy.copy(config)
+    for name, value in vars(config).items():
+        per_layer = isinstance(value, list | tuple) and len(value) == config.num_hidden_layers
+        if per_layer and name not in NOT_PER_LAYER and not name.endswith("_token_id"):
+            setattr(staged, name, type(value)(value[index] for index in layers))
+    return staged
 
 
 def stage_layers(num_layers: int, stages: int) -> list[range]:
@@ -88,18 +154,22 @@ class StageLayers(nn.ModuleList):
 def keep_stage(model: nn.Module, layers: list[int], first: bool, last: bool) -> nn.Module:
     """Remove from ``model`` (in place) what a rank's stages do not hold: the decoder layers not in
     ``layers``, the embedding unless ``first``, the final norm and ``lm_head`` unless ``last`` (each
-    then an identity). The kept layers keep their indices as names; the model's own forward runs
-    the stage (``inputs_embeds`` in, and out of an identity head the hidden states)."""
+    then an identity). The kept layers keep their indices as names. The model's own forward runs
+    the last stage (``inputs_embeds`` in, the logits out); the others run the decoder alone
+    (:func:`end_at_hidden_states`), and those after the first skip its embedding scale."""
     decoder = model.get_decoder()
     kept = StageLayers()
     for index in layers:
         kept.add_module(str(index), decoder.layers[index])
     decoder.layers = kept
+    decoder.config = stage_config(model.config, layers)
     if not first:
         decoder.embed_tokens = None
+        skip_embedding_scale(decoder)
     if not last:
         decoder.norm = nn.Identity()
         model.lm_head = nn.Identity()
+        end_at_hidden_states(model)
     return model
 
 
@@ -110,10 +180,14 @@ class StageModule(nn.Module):
     this wrapper (whose names carry a ``model.`` prefix)."""
 
     def __init__(
-        self, model: nn.Module, first: bool, compute: Callable[[], AbstractContextManager]
+        self,
+        model: nn.Module,
+        first: bool,
+        last: bool,
+        compute: Callable[[], AbstractContextManager],
     ):
         super().__init__()
-        self.model = model
+        self.model, self.last = model, last
         self.inputs, self.compute = ("input_ids" if first else "inputs_embeds"), compute
 
     def forward(self, inputs: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
@@ -121,7 +195,7 @@ class StageModule(nn.Module):
             outputs = self.model(
                 **{self.inputs: inputs}, position_ids=position_ids, use_cache=False
             )
-        return outputs.logits
+        return outputs.logits if self.last else outputs.last_hidden_state
 
 
 class Pipeline:
@@ -149,7 +223,7 @@ class Pipeline:
         get_mesh = lambda names, _layout: mesh[names]  # noqa: E731
         self.stages = [
             pipelining.PipelineStage(
-                StageModule(module, index == 0, compute),
+                StageModule(module, index == 0, index == stages - 1, compute),
                 index,
                 stages,
                 next(module.parameters()).device,
@@ -240,14 +314,20 @@ def stage_view(model: nn.Module, layers: range, first: bool, last: bool) -> nn.M
     decoder = model.get_decoder()
     view, inner = copy.copy(model), copy.copy(decoder)
     view._modules, inner._modules = dict(model._modules), dict(decoder._modules)
+    view.__dict__.pop("forward", None)  # the kept model's own, bound to it (end_at_hidden_states)
     kept = StageLayers()
     for index in layers:
         kept.add_module(str(index), decoder.layers._modules[str(index)])
     inner._modules["layers"] = kept
+    inner.config = stage_config(model.config, list(layers))
     inner._modules["embed_tokens"] = decoder.embed_tokens if first else None
     inner._modules["norm"] = decoder.norm if last else nn.Identity()
     view._modules["lm_head"] = model.lm_head if last else nn.Identity()
     view._modules[next(n for n, m in model.named_children() if m is decoder)] = inner
+    if not first:
+        skip_embedding_scale(inner)
+    if not last:
+        end_at_hidden_states(view)
     return view
 
 

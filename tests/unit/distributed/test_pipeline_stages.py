@@ -45,3 +45,27 @@ def test_a_stage_keeps_its_layers_names_and_parallelism(fake_world):
     assert model.model.embed_tokens is None
     head = model.lm_head.weight
     assert isinstance(head, DTensor) and head.device_mesh.mesh_dim_names == ("dp", "tp")
+
+
+def test_a_stage_decoder_reads_its_own_layers_per_layer_settings():
+    """A decoder's forward reads per-layer settings by the layer's position in its list
+    (``config.layer_types[i]``): a stage's config holds its layers' entries, in order; the layers
+    and the model keep the whole config."""
+    from components.distributed.pipeline import stage_config
+    from components.models import meta_causal_lm
+    from tests.coverage import tiny_config as coverage_config
+
+    config = coverage_config("gemma3_text")
+    config.num_hidden_layers = 3
+    config.layer_types = ["sliding_attention", "sliding_attention", "full_attention"]
+    config.eos_token_id = [1, 2, 3]
+    staged = stage_config(config, [2])
+    assert staged.layer_types == ["full_attention"]
+    assert staged.eos_token_id == [1, 2, 3] and staged.hidden_size == config.hidden_size
+    assert config.layer_types[2] == "full_attention" and len(config.layer_types) == 3
+    model = meta_causal_lm(coverage_config("gemma3_text"))
+    from components.distributed.pipeline import keep_stage
+
+    keep_stage(model, [1], first=False, last=True)
+    assert model.model.config.layer_types == [model.config.layer_types[1]]
+    assert model.model.layers[0].self_attn.config is model.config

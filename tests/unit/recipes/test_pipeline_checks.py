@@ -92,3 +92,24 @@ def test_a_decoder_with_parameters_beside_its_layers_is_refused_with_pp():
         "beside its decoder layers, embedding and final norm (norm)): use pp=1"
     ]
     assert pipeline_problems(settings, dims, llama, meta_causal_lm(llama)) == []
+
+
+def test_a_decoder_that_changes_its_input_embeddings_is_refused_with_pp(monkeypatch):
+    """Granite's decoder multiplies the embeddings it is handed (``embedding_multiplier``), on every
+    stage: the stages after the first skip that scale. A scale the pipeline does not know of would
+    be applied again on every stage: refused, found by running the decoder without its layers."""
+    from components.distributed import pipeline
+    from components.models import meta_causal_lm
+    from tests.coverage import tiny_config as coverage_config
+
+    settings = validate(compose(["model=llama", *FITS]))
+    dims, _ = check_sizes(settings, "cpu")
+    granite = coverage_config("granite")
+    granite.embedding_multiplier = 3.0
+    assert pipeline_problems(settings, dims, granite, meta_causal_lm(granite)) == []
+    monkeypatch.setattr(pipeline, "EMBEDDING_SCALES", {})
+    found = pipeline_problems(settings, dims, granite, meta_causal_lm(granite))
+    assert [f"{problem.key}: {problem.message}" for problem in found] == [
+        "pp: pp=2 with model type 'granite' is not supported yet (its decoder's forward changes "
+        "the input embeddings before its first layer): use pp=1"
+    ]
