@@ -497,17 +497,11 @@ def _pipeline_refusals(settings: Config, dims: ParallelDims, config) -> dict[str
 def pipeline_setting_refusals(settings: Config, config) -> dict[str, tuple]:
     """What refuses pp > 1 whatever the layout (key: (refused, what, what would work)); the
     dry run suggests a pp only where none holds (``RunPlan.pipelinable``)."""
-    train, model, peft = settings.train, settings.model, settings.peft.name
+    train, model = settings.train, settings.model
     moe = bool(moe_patterns(config, model.experts, model.routers)[0])
     return {
         "model": (moe, "an MoE model", "a dense model"),
-        "peft": (peft != "none", f"peft={peft}", "peft=none"),
         "train.compile": (train.compile, "train.compile=true", "train.compile=false"),
-        "train.val_every": (
-            train.val_every > 0,
-            f"train.val_every={train.val_every}",
-            "train.val_every=0",
-        ),
         "model.config": (
             config.tie_word_embeddings,
             "tied embeddings",

@@ -11,13 +11,16 @@ if TYPE_CHECKING:
     from recipes.plan import RunPlan
 
 
-def export(model: torch.nn.Module, plan: RunPlan) -> None:
+def export(model: torch.nn.Module, plan: RunPlan, stages=None) -> None:
     """``hf/``: the trained model as a Hugging Face folder; with ``peft=lora`` ``adapter/`` in
-    PEFT's format instead, and with ``peft.merge=true`` ``hf/`` of the merged model too."""
+    PEFT's format instead, and with ``peft.merge=true`` ``hf/`` of the merged model too.
+    ``stages``: the ``pp`` group's process group (None without pipeline stages), whose ranks hold
+    the other stages' adapters."""
     from transformers import AutoTokenizer
 
     from components.checkpoint.export import export_dtype, export_hf
     from components.checkpoint.peft_export import adapter_config, export_peft_adapter
+    from components.distributed.pipeline import every_stage
     from components.models.lora import (
         adapted_parameters,
         adapter_state,
@@ -29,9 +32,11 @@ def export(model: torch.nn.Module, plan: RunPlan) -> None:
     dtype = export_dtype(plan.checkpoint.export_dtype, source)
     if (lora := plan.lora) is not None:
         names = [name for name, _ in lora_modules(model)]
-        experts = adapted_parameters(model)
+        experts, state = adapted_parameters(model), adapter_state(model, dtype)
+        if stages is not None:  # every stage's adapters, for rank 0 to write
+            names, experts, state = every_stage((names, experts, state), stages)
         config = adapter_config(lora.rank, lora.alpha, lora.dropout, names, base, experts)
-        export_peft_adapter(adapter_state(model, dtype), config, plan.output_dir / "adapter")
+        export_peft_adapter(state, config, plan.output_dir / "adapter")
         if not peft.merge:
             return
         merge_adapters(model)  # the same function, its adapters folded into the base

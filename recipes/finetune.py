@@ -248,7 +248,7 @@ def finish(run: Run, plan: RunPlan, stopped: bool = False, skipped: int = 0) -> 
     ended = (train.stop_after or train.max_steps) >= train.max_steps and not stopped
     fails, note = skipped_verdict(0 if stopped else skipped, plan.last_step - run.first_step)
     if plan.checkpoint.export and ended and not fails:
-        export(run.model, plan)
+        export(run.model, plan, run.pipeline and run.pipeline.group)
     if run.rank == 0 and (output_dir / "metrics.jsonl").exists():
         plot_loss_curve(output_dir / "metrics.jsonl", output_dir / "loss.png")
         if note and not fails:

@@ -282,6 +282,63 @@ class Pipeline:
         dist.all_reduce(loss_sum, group=self.group)  # the last stage's, on every stage
         return loss_sum
 
+    def evaluate(self, batches: list, rows: int, pad_id: int) -> torch.Tensor:
+        """The summed token loss (float64, the same on every stage) of ``batches``: this dp rank's
+        validation micro-batches (``input_ids``, ``labels``, ``position_ids``, every one
+        ``train.seq_len`` long), forward only, through the schedule in rounds of its micro-batches.
+        The stages exchange activations of the training shape, so a short micro-batch is filled to
+        ``rows`` rows and the last round to a whole one with unlabelled rows of ``pad_id``, which
+        add nothing to the loss."""
+        device = batches[0].input_ids.device
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        for start in range(0, len(batches), self.micro_batches):
+            chosen = batches[start : start + self.micro_batches]
+            filled = _filled_rows(chosen, rows * self.micro_batches, pad_id)
+            self.sums, self.global_tokens = [], 1
+            inputs = (filled["input_ids"],) if self.first else ()
+            target = filled["labels"] if self.last else None
+            with loss_parallel():
+                self.schedule.eval(*inputs, target=target, position_ids=filled["position_ids"])
+            if self.sums:
+                loss_sum += torch.stack(self.sums).sum()
+        dist.all_reduce(loss_sum, group=self.group)
+        return loss_sum
+
+
+def _filled_rows(batches: list, rows: int, pad_id: int) -> dict[str, torch.Tensor]:
+    """``batches``' tensors stacked and filled to ``rows`` rows: ``pad_id`` tokens, no labels
+    (-100), positions from 0."""
+    stacked = {
+        name: torch.cat([getattr(batch, name) for batch in batches])
+        for name in ("input_ids", "labels", "position_ids")
+    }
+    missing, width = rows - stacked["input_ids"].shape[0], stacked["input_ids"].shape[1]
+    if missing == 0:
+        return stacked
+    like = stacked["input_ids"]
+    fill = {
+        "input_ids": torch.full((missing, width), pad_id, dtype=like.dtype, device=like.device),
+        "labels": torch.full((missing, width), -100, dtype=like.dtype, device=like.device),
+        "position_ids": torch.arange(width, device=like.device).expand(missing, width),
+    }
+    return {name: torch.cat([stacked[name], fill[name].to(stacked[name].dtype)]) for name in fill}
+
+
+def every_stage(held: tuple[list, list, dict], group: ProcessGroup) -> tuple[list, list, dict]:
+    """What each rank of the ``pp`` ``group`` holds of something small (a LoRA adapter's module
+    names, expert weight names and whole tensors), joined: the lists concatenated in stage order,
+    the dicts merged, tensors on the CPU. Collective over ``group``."""
+    names, experts, state = held
+    mine = (names, experts, {key: tensor.cpu() for key, tensor in state.items()})
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    joined: tuple[list, list, dict] = ([], [], {})
+    for stage_names, stage_experts, stage_state in gathered:
+        joined[0].extend(stage_names)
+        joined[1].extend(stage_experts)
+        joined[2].update(stage_state)
+    return joined
+
 
 def rank_stages(rank: int, ranks: int, stages_per_rank: int) -> list[int]:
     """The stages pipeline rank ``rank`` of ``ranks`` holds: ``rank``, ``rank + ranks``, ... (the

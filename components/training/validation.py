@@ -44,5 +44,23 @@ def run_validation(run, loss_chunk_tokens: int | None) -> float:
     from components.distributed.mesh import data_parallel_mesh
 
     dp_group = data_parallel_mesh(run.mesh).get_group()  # dp × cp
+    if run.pipeline is not None:
+        return pipeline_validation_loss(run.pipeline, run.model, run.val_data, run.device, dp_group)
     where = (run.device, dp_group, run.compute(), loss_chunk_tokens, run.cp)
     return validation_loss(run.model, run.val_data, *where)
+
+
+def pipeline_validation_loss(
+    pipeline, model: nn.Module, batches: StepBatches, device: torch.device, dp_group
+) -> float:
+    """:func:`validation_loss` through a pipeline's stages (``pipeline``: this rank's
+    ``Pipeline``, ``model`` its kept stages): every validation row once, forward only, the same
+    mean on every rank."""
+    model.eval()
+    micro_batches = [batch.to(device) for batch in batches.all_batches()]
+    loss_sum = pipeline.evaluate(micro_batches, batches.micro_batch_size, batches.pad_id)
+    model.train()
+    tokens = float(sum(batch.labelled_tokens() for batch in micro_batches))
+    totals = torch.stack([loss_sum, torch.tensor(tokens, dtype=torch.float64, device=device)])
+    dist.all_reduce(totals, group=dp_group)
+    return (totals[0] / totals[1]).item()

@@ -2,7 +2,8 @@
 fp32 on the CPU, losses and grad norms within 1e-5 relative over 4 steps (measured ~1e-7): pp=2
 GPipe with SGD on a tiny Qwen3; pp=2 × dp=2 1F1B with AdamW (4 ranks), pp=4 1F1B with SGD (one
 stage per rank, the embedding and the head each on a stage of one layer), pp=2 interleaved with 2
-stages per rank, pp=2 × tp=2 with sp (4 ranks) on a tiny Llama of 4 layers; and checkpoints across
+stages per rank, pp=2 × tp=2 with sp (4 ranks), pp=2 with peft=lora on a tiny Llama of 4 layers,
+each with validation every 2 steps (its val_loss the twin's too); and checkpoints across
 layouts, pp=2 × dp=2 → one process and one process → pp=2; and the Hugging Face export of the
 pipelined Qwen3 holds the same tensors as its twin's.
 
@@ -25,7 +26,7 @@ COMMON = [
     "train.max_steps=4",
     "train.global_batch_size=8",
     "train.micro_batch_size=2",  # 4 micro-batches per step, per dp rank: the pipeline's
-    "train.val_every=0",  # checkpoint.export=true: the HF export of every layout
+    "train.val_every=2",  # validation through the stages
     "data.num_examples=200",
 ]
 STEP_2 = "checkpoints/step_00000002"
@@ -39,6 +40,8 @@ RUNS = {  # name -> overrides
     "twin": [LLAMA, "checkpoint.every_steps=2"],
     "interleaved": [LLAMA, "pp=2", "pp_schedule=interleaved_1f1b", "pp_stages_per_rank=2"],
     "tp_sp": [LLAMA, "pp=2", "tp=2", "sp=true"],
+    "lora": [LLAMA, "pp=2", "peft=lora", "optim=sgd", "optim.lr=0.1"],
+    "lora_twin": [LLAMA, "peft=lora", "optim=sgd", "optim.lr=0.1"],
     "pp2_to_pp1": [LLAMA, "checkpoint.resume={out}/1f1b_dp/" + STEP_2],
     "pp1_to_pp2": [LLAMA, "pp=2", "checkpoint.resume={out}/twin/" + STEP_2],
 }
@@ -91,15 +94,40 @@ def assert_same(ours, theirs, steps=(1, 2, 3, 4)) -> None:
         ("1f1b_pp4", "twin_sgd"),
         ("interleaved", "twin"),
         ("tp_sp", "twin"),
+        ("lora", "lora_twin"),
     ],
 )
 def test_a_pipelined_run_trains_like_one_process(curves, layout, twin):
     assert_same(curves[layout], curves[twin])
 
 
+def test_validation_through_the_stages_equals_one_process(runs):
+    """Every validation row once, forward only through the schedule in rounds of its micro-batches
+    (the last round filled with unlabelled rows), the same mean as one process's."""
+
+    def val_losses(name: str) -> list[float]:
+        records = map(json.loads, (runs / name / "metrics.jsonl").read_text().splitlines())
+        return [record["val_loss"] for record in records if "val_loss" in record]
+
+    for layout in ("qwen3_gpipe", "1f1b_dp", "interleaved", "tp_sp"):
+        twin = val_losses("qwen3_twin" if layout == "qwen3_gpipe" else "twin")
+        assert len(twin) == 2
+        assert val_losses(layout) == pytest.approx(twin, rel=1e-5), layout
+
+
 @pytest.mark.parametrize("resumed", ["pp2_to_pp1", "pp1_to_pp2"])
 def test_a_checkpoint_resumes_at_another_pp(curves, resumed):
     assert_same(curves[resumed], curves["twin"][2:], steps=(3, 4))
+
+
+def test_the_adapter_of_a_pipelined_lora_run_is_its_twins(runs):
+    """peft=lora at pp=2: each stage's adapters, written by a rank of the stage that holds them,
+    make the PEFT adapter one process writes."""
+    ours = load_file(runs / "lora" / "adapter" / "adapter_model.safetensors")
+    theirs = load_file(runs / "lora_twin" / "adapter" / "adapter_model.safetensors")
+    assert sorted(ours) == sorted(theirs) and any("lora_B" in name for name in theirs)
+    for name, tensor in theirs.items():
+        assert torch.allclose(ours[name], tensor, rtol=0, atol=1e-5 * float(tensor.abs().max()))
 
 
 def test_the_export_of_a_pipelined_run_is_its_twins(runs):
