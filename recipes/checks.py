@@ -502,11 +502,6 @@ def pipeline_setting_refusals(settings: Config, config) -> dict[str, tuple]:
     return {
         "model": (moe, "an MoE model", "a dense model"),
         "train.compile": (train.compile, "train.compile=true", "train.compile=false"),
-        "model.config": (
-            config.tie_word_embeddings,
-            "tied embeddings",
-            "model.config.tie_word_embeddings=false",
-        ),
     }
 
 

@@ -157,6 +157,8 @@ def train_step(run: Run, plan: RunPlan, step: int, step_fn: StepFn = forward_bac
     if finite:
         run.optimizer.step()
     run.scheduler.step()
+    if run.pipeline is not None:  # a tied embedding's two stages
+        run.pipeline.after_update()
     run.readout.after_update()  # the update's peak memory joins the next step's
     elapsed, tokens = time.perf_counter() - started, run.data.tokens_in_step(step)
     world, kind = dist.get_world_size(), matmul_math(plan.train.precision, plan.train.tf32)

@@ -65,7 +65,8 @@ def _tied_duplicates(model: nn.Module) -> set[str]:
     for name, parameter in model.named_parameters(remove_duplicate=False):
         if first.setdefault(parameter, name) != name:
             duplicates.add(name)
-    return duplicates
+    # a pipeline's last stage holds the head of a tie alone: the first stage writes the weight
+    return duplicates | set(getattr(model, "all_tied_weights_keys", None) or ())
 
 
 def _architecture(model: nn.Module) -> str | None:

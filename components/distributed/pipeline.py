@@ -212,13 +212,15 @@ class Pipeline:
         micro_batches: int,
         compute: Callable[[], AbstractContextManager],
         mesh: DeviceMesh,
+        tied: "TiedEmbedding | None" = None,
     ):
-        """``modules``: this rank's stages (index -> the module that runs it) of ``stages``."""
+        """``modules``: this rank's stages (index -> the module that runs it) of ``stages``;
+        ``tied``: the embedding the first and the last stage share, on their ranks."""
         from torch.distributed import pipelining  # asks for CUDA when imported: in the ranks only
 
         self.first, self.last, self.group = 0 in modules, stages - 1 in modules, group
         self.compute, self.sums, self.global_tokens = compute, [], 1
-        self.micro_batches = micro_batches
+        self.micro_batches, self.tied = micro_batches, tied
         # a DTensor sent between stages (sequence-parallel activations) names its mesh by its dims
         get_mesh = lambda names, _layout: mesh[names]  # noqa: E731
         self.stages = [
@@ -280,7 +282,15 @@ class Pipeline:
         if self.sums:  # the first step's shape inference runs the loss once more, first
             loss_sum += torch.stack(self.sums[-self.micro_batches :]).sum()
         dist.all_reduce(loss_sum, group=self.group)  # the last stage's, on every stage
+        if self.tied is not None:
+            self.tied.sum_gradient()
         return loss_sum
+
+    def after_update(self) -> None:
+        """After the optimizer step: the last stage's copy of a tied embedding takes the first's
+        updated weight."""
+        if self.tied is not None:
+            self.tied.share_weight()
 
     def evaluate(self, batches: list, rows: int, pad_id: int) -> torch.Tensor:
         """The summed token loss (float64, the same on every stage) of ``batches``: this dp rank's
@@ -338,6 +348,47 @@ def every_stage(held: tuple[list, list, dict], group: ProcessGroup) -> tuple[lis
         joined[1].extend(stage_experts)
         joined[2].update(stage_state)
     return joined
+
+
+class TiedEmbedding:
+    """The embedding a model ties to its head (``tie_word_embeddings``), held by the first stage
+    as ``embed_tokens.weight`` and by the last as ``lm_head.weight``: one weight, used twice. Its
+    gradient is the sum of both stages' parts, owned by the first stage (the last stage's copy
+    keeps none, so the grad norm counts it once and the optimizer leaves that copy alone), and the
+    first stage's weight is copied to the last after building and after each update. Each pair of
+    first and last ranks (the same coordinates on every other dimension) has a group of two."""
+
+    def __init__(self, weight: torch.Tensor, first: bool, group: ProcessGroup, source: int):
+        self.weight, self.first, self.group, self.source = weight, first, group, source
+        self.share_weight()
+
+    @staticmethod
+    def of(model: nn.Module, mesh: DeviceMesh, first: bool, last: bool) -> "TiedEmbedding | None":
+        """This rank's part of the model's tied embedding: None when it does not tie them or
+        this rank holds neither end (or both: one process, nothing to share)."""
+        if not getattr(model.config, "tie_word_embeddings", False) or first == last:
+            return None
+        ranks = mesh["pp"].mesh.tolist()  # this rank's pipeline, stage by stage
+        group = dist.new_group([ranks[0], ranks[-1]], use_local_synchronization=True)
+        weight = model.get_decoder().embed_tokens.weight if first else model.lm_head.weight
+        return TiedEmbedding(weight, first, group, ranks[0])
+
+    @torch.no_grad()
+    def sum_gradient(self) -> None:
+        grad, weight = self.weight.grad, self.weight
+        if isinstance(grad, DTensor) and grad.placements != weight.placements:
+            grad = grad.redistribute(weight.device_mesh, weight.placements)  # a vocab-parallel
+            weight.grad = grad  # embedding's gradient comes whole: its own rows, as the head's
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        dist.all_reduce(local, group=self.group)
+        if not self.first:
+            self.weight.grad = None
+
+    @torch.no_grad()
+    def share_weight(self) -> None:
+        weight = self.weight
+        local = weight.to_local() if isinstance(weight, DTensor) else weight
+        dist.broadcast(local, src=self.source, group=self.group)
 
 
 def rank_stages(rank: int, ranks: int, stages_per_rank: int) -> list[int]:
@@ -409,8 +460,10 @@ def build_pipeline(
     if stages_per_rank > 1:
         cut = stage_layers(int(model.config.num_hidden_layers), count)
         modules = {i: stage_view(model, cut[i], i == 0, i == count - 1) for i in stages}
+    first, last = stages[0] == 0, stages[-1] == count - 1
+    tied = TiedEmbedding.of(model, mesh, first, last)
     where = (count, pp.get_group(), schedule, data.micro_batches_per_step, compute, mesh)
-    return Pipeline(modules, *where)
+    return Pipeline(modules, *where, tied)
 
 
 def stage_plan(plan: dict[str, str], model: nn.Module) -> dict[str, str]:

@@ -598,8 +598,9 @@ def apply_tp_plan(
             parallelize_module(module, tp_mesh, torch_style)
         for parameter_name, parameter in module.named_parameters():
             parameter.requires_grad_(parameter_name not in frozen and parameter.requires_grad)
-    if tied and hasattr(model, "lm_head"):
-        model.lm_head.weight = model.get_input_embeddings().weight
+    embedding, head = model.get_input_embeddings(), getattr(model, "lm_head", None)
+    if tied and embedding is not None and hasattr(head, "weight"):  # both held: not a pp stage
+        head.weight = embedding.weight
 
     for name, parameter in model.named_parameters():
         if isinstance(parameter, DTensor) and any(

@@ -2,8 +2,9 @@
 fp32 on the CPU, losses and grad norms within 1e-5 relative over 4 steps (measured ~1e-7): pp=2
 GPipe with SGD on a tiny Qwen3; pp=2 × dp=2 1F1B with AdamW (4 ranks), pp=4 1F1B with SGD (one
 stage per rank, the embedding and the head each on a stage of one layer), pp=2 interleaved with 2
-stages per rank, pp=2 × tp=2 with sp (4 ranks), pp=2 with peft=lora on a tiny Llama of 4 layers,
-each with validation every 2 steps (its val_loss the twin's too); and checkpoints across
+stages per rank, pp=2 × tp=2 with sp (4 ranks), pp=2 with peft=lora and pp=2 with tied
+embeddings on a tiny Llama of 4 layers, each with validation every 2 steps (its val_loss the
+twin's too); and checkpoints across
 layouts, pp=2 × dp=2 → one process and one process → pp=2; and the Hugging Face export of the
 pipelined Qwen3 holds the same tensors as its twin's.
 
@@ -31,6 +32,7 @@ COMMON = [
 ]
 STEP_2 = "checkpoints/step_00000002"
 LLAMA = "model.config.num_hidden_layers=4"  # 4 stages' worth (the embedding and head weigh one)
+TIED = "model.config.tie_word_embeddings=true"  # the first and the last stage share the weight
 RUNS = {  # name -> overrides
     "qwen3_gpipe": ["model=qwen3", "optim=sgd", "pp=2", "pp_schedule=gpipe"],
     "qwen3_twin": ["model=qwen3", "optim=sgd"],
@@ -42,6 +44,8 @@ RUNS = {  # name -> overrides
     "tp_sp": [LLAMA, "pp=2", "tp=2", "sp=true"],
     "lora": [LLAMA, "pp=2", "peft=lora", "optim=sgd", "optim.lr=0.1"],
     "lora_twin": [LLAMA, "peft=lora", "optim=sgd", "optim.lr=0.1"],
+    "tied": [LLAMA, "pp=2", "optim=sgd", TIED],
+    "tied_twin": [LLAMA, "optim=sgd", TIED],
     "pp2_to_pp1": [LLAMA, "checkpoint.resume={out}/1f1b_dp/" + STEP_2],
     "pp1_to_pp2": [LLAMA, "pp=2", "checkpoint.resume={out}/twin/" + STEP_2],
 }
@@ -95,6 +99,7 @@ def assert_same(ours, theirs, steps=(1, 2, 3, 4)) -> None:
         ("interleaved", "twin"),
         ("tp_sp", "twin"),
         ("lora", "lora_twin"),
+        ("tied", "tied_twin"),
     ],
 )
 def test_a_pipelined_run_trains_like_one_process(curves, layout, twin):
@@ -135,7 +140,9 @@ def test_the_export_of_a_pipelined_run_is_its_twins(runs):
         files = sorted((runs / name / "hf").glob("*.safetensors"))
         return {key: value for file in files for key, value in load_file(file).items()}
 
-    ours, theirs = exported("qwen3_gpipe"), exported("qwen3_twin")  # SGD: no AdamW amplification
-    assert sorted(ours) == sorted(theirs)
-    for name, tensor in theirs.items():
-        assert torch.allclose(ours[name], tensor, rtol=0, atol=1e-5 * float(tensor.abs().max()))
+    for layout, twin in [("qwen3_gpipe", "qwen3_twin"), ("tied", "tied_twin")]:  # SGD both
+        ours, theirs = exported(layout), exported(twin)  # tied: the embedding written once
+        assert sorted(ours) == sorted(theirs)
+        for name, tensor in theirs.items():
+            scale = float(tensor.abs().max())
+            assert torch.allclose(ours[name], tensor, rtol=0, atol=1e-5 * scale)
