@@ -75,13 +75,24 @@ OVERRIDES["qwen4_exp_text"] = OVERRIDES["qwen4_exp.text_config"] = {
     **dict(linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2),
     **dict(linear_num_value_heads=4, split_ngram_parts=4),
 }
+LORA = ["peft=lora", "peft.target_modules=LINEARS"]  # every linear's name (lora_targets)
 LAYOUTS = {
     "tp1": ["tp=1"],
     "tp2": ["tp=2"],
     "tp2_sp": ["tp=2", "sp=true"],
     "tp2_ep2": ["tp=2", "ep=2"],
+    # the layouts that can be silently wrong, each against its reference (REFERENCES)
+    "pp2": ["pp=2"],
+    "cp2": ["cp=2"],
+    "lora_tp1": LORA,  # the LoRA column's reference, itself checked against tp=1 (first loss)
+    "lora": [*LORA, "tp=2"],
+    "fp8": ["train.precision=fp8"],
 }
+REFERENCES = {"lora": "lora_tp1"}  # a layout's reference run, when not tp=1
 TOLERANCE = 1e-5  # relative, on every step's loss, against tp=1
+# fp8 against fp32 at tp=1 (every step's loss, relative): the band docs/precision-and-memory.md
+# gives fp8 against bf16-mixed over 30 steps
+TOLERANCES = {"fp8": 2e-2}
 # Types whose training forward draws random numbers that no config turns off, and why: they run
 # every layout with packed rows, all train.seq_len long, so every layout draws on the same shapes
 # (sequence parallelism pads a micro-batch to a multiple of 8 × tp, not 8, and the extra padding
@@ -164,14 +175,26 @@ class Result:
     losses: list[float] | None = None
 
 
-def run_layout(folder: Path, cache: Path, output_dir: Path, layout: str) -> Result:
+def lora_targets(model: nn.Module) -> str:
+    """``peft.target_modules`` for every linear layer of ``model`` (``lm_head`` among them): each
+    linear's name as a pattern (``*.q_proj``, ``lm_head``), once."""
+    names = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    patterns = sorted(
+        {name if "." not in name else f"*.{name.rpartition('.')[2]}" for name in names}
+    )
+    return "[" + ",".join(patterns) + "]"
+
+
+def run_layout(
+    folder: Path, cache: Path, output_dir: Path, layout: str, linears: str = "[]"
+) -> Result:
     """The recipe (a few steps of :data:`tests.saved_models.COMMON`) on ``folder`` at ``layout``
-    (with packed rows for a :data:`STOCHASTIC` type, the folder's name)."""
+    (with packed rows for a :data:`STOCHASTIC` type, the folder's name; ``linears``: the
+    :func:`lora_targets` of the LoRA layouts)."""
     packed = ["train.packing=true"] if folder.name in STOCHASTIC else []
+    overrides = [override.replace("LINEARS", linears) for override in LAYOUTS[layout]]
     try:
-        result = recipe(
-            {"model": folder, "cache": cache}, "model", output_dir, *LAYOUTS[layout], *packed
-        )
+        result = recipe({"model": folder, "cache": cache}, "model", output_dir, *overrides, *packed)
     except subprocess.TimeoutExpired as timeout:
         return Result("broken", f"no result within {timeout.timeout:.0f} s")
     return classify(result.returncode, result.stderr, output_dir / "metrics.jsonl")
@@ -190,16 +213,31 @@ def classify(returncode: int, stderr: str, metrics: Path) -> Result:
     return Result("broken", lines[-1] if lines else f"exit status {returncode}, no output")
 
 
-def compare(reference: Result, result: Result) -> Result:
-    """``result`` as a twin of the tp=1 ``reference``: broken if its losses differ beyond
-    :data:`TOLERANCE` (relative)."""
+def compare(
+    reference: Result, result: Result, tolerance: float = TOLERANCE, steps: int | None = None
+) -> Result:
+    """``result`` as a twin of the ``reference`` run (tp=1's): broken if its losses (the first
+    ``steps``, None: all) differ beyond ``tolerance`` (relative)."""
     if result.status != "works" or reference.status != "works":
         return result
-    pairs = list(zip(reference.losses, result.losses, strict=False))
+    theirs, ours = reference.losses[:steps], result.losses[:steps]
+    pairs = list(zip(theirs, ours, strict=False))
     worst = max(abs(a - b) / max(abs(a), 1e-12) for a, b in pairs)
-    if len(reference.losses) != len(result.losses) or worst > TOLERANCE:
+    if len(theirs) != len(ours) or worst > tolerance:
         return Result("broken", f"losses differ from tp=1 by {worst:.2e}", result.losses)
     return Result("works", f"within {worst:.1e} of tp=1", result.losses)
+
+
+def judged(layout: str, results: dict[str, Result], result: Result) -> Result:
+    """``result`` of ``layout`` against its reference among ``results``: LoRA at tp=1 starts from
+    the base model (every B is zero), so its first loss is tp=1's; the LoRA column is LoRA at tp=2
+    against LoRA at tp=1; fp8 within its band of tp=1; any other layout tp=1's twin."""
+    if layout == "tp1":
+        return result
+    if layout == "lora_tp1":
+        return compare(results["tp1"], result, steps=1)
+    reference = results[REFERENCES.get(layout, "tp1")]
+    return compare(reference, result, TOLERANCES.get(layout, TOLERANCE))
 
 
 def as_json(results: dict[str, Result]) -> dict:
@@ -211,33 +249,46 @@ def from_json(data: dict) -> dict[str, Result]:
 
 
 HEADINGS = {"tp1": "tp=1", "tp2": "tp=2", "tp2_sp": "tp=2 sp", "tp2_ep2": "tp=2 ep=2"}
+HEADINGS |= {"pp2": "pp=2", "cp2": "cp=2", "lora": "LoRA tp=2", "fp8": "fp8"}
+HEADINGS_OF_RUNS = HEADINGS | {"lora_tp1": "LoRA tp=1"}  # the notes name the reference runs too
 
 
-def sweep_type(model_type: str, root: Path, tokenizer, layouts=tuple(LAYOUTS)) -> dict:
+def sweep_type(
+    model_type: str, root: Path, tokenizer, layouts=tuple(LAYOUTS), known: dict | None = None
+) -> dict:
     """Build ``model_type``'s tiny model under ``root`` and run the ``layouts`` that apply to it
-    (tp=2 ep=2 to MoE models; the others after tp=1 works); a JSON-ready entry of the table."""
+    (tp=2 ep=2 to MoE models; the others after tp=1, and their reference, works: tp=1 and the
+    reference run first when not among ``layouts``); a JSON-ready entry of the table, merged into
+    ``known`` (an earlier entry of the type), each layout's time of measurement in ``measured``."""
     entry = {"type": model_type, "plan": has_plan(model_type), "moe": False, "built": ""}
     folder = root / "models" / model_type
     shutil.rmtree(folder, ignore_errors=True)
     try:
-        entry["moe"] = is_moe(save_tiny_model(model_type, folder, tokenizer))
+        model = save_tiny_model(model_type, folder, tokenizer)
     except Exception as error:  # noqa: BLE001 - the table records why a type has no tiny model
         said = [line for line in str(error).splitlines() if line.strip()] or [""]
         entry["built"] = f"{type(error).__name__}: {said[0].strip()}"
         return entry | {"results": {}}
-    results: dict[str, Result] = {}
-    for layout in layouts:
+    entry["moe"], linears = is_moe(model), lora_targets(model)
+    known = known or {}
+    results, measured = from_json(known.get("results", {})), dict(known.get("measured", {}))
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    needed = {"tp1", *(REFERENCES.get(layout, "tp1") for layout in layouts), *layouts}
+    for layout in [name for name in LAYOUTS if name in needed]:  # references first
         if layout == "tp2_ep2" and not entry["moe"]:
             continue
-        if layout != "tp1" and results["tp1"].status != "works":
-            results[layout] = Result("skipped", "tp=1 does not work")
+        reference = results.get(REFERENCES.get(layout, "tp1"))
+        if layout != "tp1" and (reference is None or reference.status != "works"):
+            results[layout] = Result("skipped", f"{REFERENCES.get(layout, 'tp1')} does not work")
+            if layout in REFERENCES and reference is not None:
+                results[layout] = reference  # the LoRA column says why LoRA does not run
             continue
         output_dir = root / "runs" / model_type / layout
         shutil.rmtree(output_dir, ignore_errors=True)
-        result = run_layout(folder, root / "cache", output_dir, layout)
-        results[layout] = result if layout == "tp1" else compare(results["tp1"], result)
+        result = run_layout(folder, root / "cache", output_dir, layout, linears)
+        results[layout], measured[layout] = judged(layout, results, result), now
     shutil.rmtree(root / "runs" / model_type, ignore_errors=True)
-    return entry | {"results": as_json(results)}
+    return entry | {"results": as_json(results), "measured": measured}
 
 
 def _cell(result: Result | None) -> str:
@@ -251,7 +302,7 @@ def _note(entry: dict) -> str:
     layouts: dict[str, list[str]] = {}
     for layout, result in from_json(entry["results"]).items():
         if result.status in ("refused", "broken"):
-            layouts.setdefault(result.line, []).append(HEADINGS[layout])
+            layouts.setdefault(result.line, []).append(HEADINGS_OF_RUNS[layout])
     notes = [f"{', '.join(names)}: {line}" for line, names in layouts.items()]
     if entry["type"] in STOCHASTIC:
         notes.append(f"every layout with train.packing=true: {STOCHASTIC[entry['type']]}")
@@ -275,6 +326,58 @@ def _totals(entries: list[dict], plan: bool) -> str:
     return f"{len(group)} types {kind}, at tp=2: {parts}; broken at some layout: {len(broken)}"
 
 
+def entries_from_table(text: str, measured: str) -> list[dict]:
+    """The entries of a coverage page ``text`` written by :func:`render` (its statuses and
+    refusal lines, no losses), each layout marked ``measured`` at that time: what a sweep of new
+    columns starts from when the earlier results are not cached here."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| type |"))
+    headings = [cell.strip() for cell in lines[start].strip("|").split("|")][3:-1]
+    layouts = {heading: layout for layout, heading in HEADINGS_OF_RUNS.items()}
+    entries = []
+    for row in lines[start + 2 :]:
+        if not row.startswith("| "):
+            break
+        cells = [cell.strip() for cell in re.split(r"(?<!\\)\|", row.strip()[1:-1])]
+        name, _, moe, *statuses, note = cells
+        entry = {"type": name, "plan": has_plan(name), "moe": moe == "yes", "built": ""}
+        if statuses[0] == "not built":
+            entry["built"] = note.removeprefix("no tiny model: ")
+            entries.append(entry | {"results": {}})
+            continue
+        said = _notes_by_heading(note)
+        results = {
+            layouts[heading]: {"status": status, "line": said.get(heading, ""), "losses": None}
+            for heading, status in zip(headings, statuses, strict=True)
+            if status != "—"
+        }
+        entries.append(entry | {"results": results, "measured": dict.fromkeys(results, measured)})
+    return entries
+
+
+def _notes_by_heading(note: str) -> dict[str, str]:
+    """A row's notes (``tp=2, tp=2 sp: error: ...; ...``) as heading -> line."""
+    said = {}
+    for part in note.split("; "):
+        names, _, line = part.partition(": ")
+        headings = names.split(", ")
+        if all(heading in HEADINGS_OF_RUNS.values() for heading in headings):
+            said |= dict.fromkeys(headings, line.replace("\\|", "|"))
+    return said
+
+
+def _measured(entries: list[dict]) -> list[str]:
+    """When each column was measured: the first and last time over the types, per column."""
+    lines = ["When each column was measured (the first and the last type's run):", ""]
+    for layout, heading in HEADINGS.items():
+        times = sorted(
+            e.get("measured", {})[layout] for e in entries if layout in e.get("measured", {})
+        )
+        if times:
+            lines.append(f"- {heading}: {times[0]} to {times[-1]} ({len(times)} types)")
+    return lines
+
+
 def render(entries: list[dict], command: str, total: int) -> str:
     """The markdown page: how it was made, the totals, one row per type."""
     today = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
@@ -289,19 +392,26 @@ def render(entries: list[dict], command: str, total: int) -> str:
         "384, dropout off), a random model written by `save_pretrained`, 3 steps of the recipe",
         "(`model=pretrained model.pretrained_path=FOLDER`). **works**: it trains, and at tp=2 its",
         "losses equal tp=1's within 1e-5 (relative); **refused**: one `error:` line, no traceback;",
-        "**broken**: a traceback or different losses; **skipped**: tp=1 does not work; —: not MoE.",
+        "**broken**: a traceback or different losses; **skipped**: tp=1 does not work; —: not MoE",
+        "(tp=2 ep=2) or not run. The layouts that can be silently wrong: pp=2 and cp=2 against",
+        "tp=1 within 1e-5; LoRA tp=2 is `peft=lora` on every linear of the model (`lm_head`",
+        "among them) at tp=2 against the same at tp=1 within 1e-5, whose first loss is",
+        "tp=1's (every B starts at zero); fp8 is `train.precision=fp8` at tp=1 within 2e-2 of",
+        "tp=1's losses.",
         "",
         f"- {_totals(entries, True)}",
         f"- {_totals(entries, False)}",
         "",
-        "| type | plan | MoE | tp=1 | tp=2 | tp=2 sp | tp=2 ep=2 | why not |",
-        "|---|---|---|---|---|---|---|---|",
+        *_measured(entries),
+        "",
+        f"| type | plan | MoE | {' | '.join(HEADINGS.values())} | why not |",
+        "|---|---|---|" + "---|" * len(HEADINGS) + "---|",
     ]
     for entry in entries:
         results = from_json(entry["results"])
         cells = [_cell(results.get(layout)) for layout in HEADINGS]
         if entry["built"]:
-            cells = ["not built"] * 4
+            cells = ["not built"] * len(HEADINGS)
         plan = {"own": "yes", "text": "text config's", "": "no"}[has_plan(entry["type"])]
         flags = [plan, "yes" if entry["moe"] else "no"]
         lines.append(f"| {entry['type']} | {' | '.join(flags + cells)} | {_note(entry)} |")
