@@ -17,11 +17,12 @@ from pathlib import Path
 import torch
 import transformers
 from torch import nn
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from tests.saved_models import recipe
+from components.models.load import causal_flags
+from tests.saved_models import BATCH, MICRO, SEQ_LEN, first_batch, recipe
 
 VOCAB = 384  # components.data.DEFAULT_VOCAB_SIZE: the tokenizer the runs train, even for tp=2
 HIDDEN = ("hidden_size", "n_embd", "d_model", "dim", "embed_dim")
@@ -228,6 +229,31 @@ def compare(
     return Result("works", f"within {worst:.1e} of tp=1", result.losses)
 
 
+def own_first_loss(folder: Path, cache: Path) -> float:
+    """The Hugging Face model's own loss (``labels=``) on the recipe's first batch, built from
+    ``folder`` as the recipe builds it (with the flags that make it causal, ``causal_flags``)."""
+    config = AutoConfig.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    if causal_flags(config, model):
+        model = AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=torch.float32)
+    inputs = first_batch(folder, cache, SEQ_LEN, BATCH, MICRO)
+    with torch.no_grad():
+        return model(**inputs).loss.item()
+
+
+def checked_against_own(result: Result, folder: Path, cache: Path) -> Result:
+    """tp=1's ``result`` on ``folder``, broken if its first loss is not the Hugging Face model's
+    own within :data:`TOLERANCE` (types whose training forward samples are run packed: not
+    checked)."""
+    if result.status != "works" or folder.name in STOCHASTIC:
+        return result
+    own = own_first_loss(folder, cache)
+    if abs(result.losses[0] - own) > TOLERANCE * abs(own):
+        line = f"first loss {result.losses[0]:.6f}, the Hugging Face model's own {own:.6f}"
+        return Result("broken", line, result.losses)
+    return result
+
+
 def judged(layout: str, results: dict[str, Result], result: Result) -> Result:
     """``result`` of ``layout`` against its reference among ``results``: LoRA at tp=1 starts from
     the base model (every B is zero), so its first loss is tp=1's; the LoRA column is LoRA at tp=2
@@ -286,6 +312,8 @@ def sweep_type(
         output_dir = root / "runs" / model_type / layout
         shutil.rmtree(output_dir, ignore_errors=True)
         result = run_layout(folder, root / "cache", output_dir, layout, linears)
+        if layout == "tp1":
+            result = checked_against_own(result, folder, root / "cache")
         results[layout], measured[layout] = judged(layout, results, result), now
     shutil.rmtree(root / "runs" / model_type, ignore_errors=True)
     return entry | {"results": as_json(results), "measured": measured}
@@ -392,7 +420,8 @@ def render(entries: list[dict], command: str, total: int) -> str:
         "384, dropout off), a random model written by `save_pretrained`, 3 steps of the recipe",
         "(`model=pretrained model.pretrained_path=FOLDER`). **works**: it trains, and at tp=2 its",
         "losses equal tp=1's within 1e-5 (relative); **refused**: one `error:` line, no traceback;",
-        "**broken**: a traceback or different losses; **skipped**: tp=1 does not work; —: not MoE",
+        "**broken**: a traceback or different losses (or tp=1's first loss not the Hugging Face",
+        "model's own on the same batch); **skipped**: tp=1 does not work; —: not MoE",
         "(tp=2 ep=2) or not run. The layouts that can be silently wrong: pp=2 and cp=2 against",
         "tp=1 within 1e-5; LoRA tp=2 is `peft=lora` on every linear of the model (`lm_head`",
         "among them) at tp=2 against the same at tp=1 within 1e-5, whose first loss is",
