@@ -41,7 +41,7 @@ _PLAIN_HEAD_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixt
 
 
 @dataclass(frozen=True)
-class LowRank:
+class HeadAdapter:
     """An adapter's update to a head's logits: ``scaling · B·A·dropout(x)`` (PEFT's order). ``A``
     [rank, hidden] whole on every TP rank; ``B`` [vocab, rank] split over the vocabulary as the
     head's weight is (a ``Shard(0)`` DTensor under vocab-parallel TP)."""
@@ -58,7 +58,7 @@ class HeadWeights:
     low-rank update (None: a plain linear head)."""
 
     weight: torch.Tensor
-    low_rank: LowRank | None = None
+    adapter: HeadAdapter | None = None
 
 
 class _ChunkedHeadCrossEntropy(torch.autograd.Function):
@@ -121,9 +121,9 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
                 if needs_weight:
                     grad_weight += (grad_logits.T @ h).float()
                 if B is not None:  # logits += scaling · adapter_in @ B.T
-                    grad_low_rank = grad_logits * ctx.scaling
-                    grad_adapter[rows] = (grad_low_rank @ head.B).to(grad_adapter.dtype)
-                    grad_B += (grad_low_rank.T @ head.adapter_in[rows]).float()
+                    grad_update = grad_logits * ctx.scaling
+                    grad_adapter[rows] = (grad_update @ head.B).to(grad_adapter.dtype)
+                    grad_B += (grad_update.T @ head.adapter_in[rows]).float()
         grad_hidden = _scatter_rows(grad_picked, picked, ctx.rows)
         grad_adapter_in = None if B is None else _scatter_rows(grad_adapter, picked, ctx.rows)
         return (
@@ -174,9 +174,9 @@ def chunked_cross_entropy_sum(
     labels: torch.Tensor,
     chunk_tokens: int = LOSS_CHUNK_TOKENS,
     shifted: bool = False,
-    low_rank: LowRank | None = None,
+    adapter: HeadAdapter | None = None,
 ) -> torch.Tensor:
-    """Sum of next-token cross entropy of ``hidden @ weight.T`` (plus ``low_rank``'s update) over
+    """Sum of next-token cross entropy of ``hidden @ weight.T`` (plus ``adapter``'s update) over
     positions with a label (``-100`` ignored): what ``cross_entropy_sum(lm_head(hidden), labels)``
     computes, ``chunk_tokens`` at a time.
 
@@ -185,7 +185,7 @@ def chunked_cross_entropy_sum(
     tensor or a DTensor (``Shard(0)`` over the TP mesh: vocab-parallel; tied to the embedding or
     not, its gradient goes to that one parameter). ``labels`` [batch, seq] aligned with the inputs
     (or with ``shifted``, each position's target already: a context-parallel shard's).
-    ``low_rank``: an adapted head's update (:class:`LowRank`), its ``B`` split as ``weight`` is;
+    ``adapter``: an adapted head's update (:class:`HeadAdapter`), its ``B`` split as ``weight`` is;
     its dropout is drawn once over ``hidden`` [batch, seq, hidden], as the head's forward draws it.
     Returns a plain scalar, the same on every TP rank. Needs no ``loss_parallel()``.
     """
@@ -224,16 +224,16 @@ def chunked_cross_entropy_sum(
         replicated = DTensor.from_local(hidden, weight.device_mesh, [Replicate()], run_check=False)
         hidden = replicated.to_local(grad_placements=[Partial()])
     adapter_in, B = None, None
-    if low_rank is not None:  # A·dropout(x) for every token (rank-wide), B split as the weight
-        _check_split_alike(weight, low_rank.B)
-        adapter_in = F.linear(low_rank.dropout(hidden), _local(low_rank.A)).flatten(0, 1)
-        B = _local(low_rank.B)
+    if adapter is not None:  # A·dropout(x) for every token (rank-wide), B split as the weight
+        _check_split_alike(weight, adapter.B)
+        adapter_in = F.linear(adapter.dropout(hidden), _local(adapter.A)).flatten(0, 1)
+        B = _local(adapter.B)
     return _ChunkedHeadCrossEntropy.apply(
         hidden.flatten(0, 1),
         _local(weight),
         adapter_in,
         B,
-        None if low_rank is None else low_rank.scaling,
+        None if adapter is None else adapter.scaling,
         targets,
         chunk_tokens,
         (group, start),
@@ -259,14 +259,15 @@ def _check_split_alike(weight: torch.Tensor, B: torch.Tensor) -> None:
 def head_weights(head: nn.Module) -> HeadWeights | None:
     """What the chunked loss computes for ``head``, the model's ``lm_head`` (the one place a
     wrapped head is resolved): a plain ``nn.Linear``'s weight; an adapted linear's weight and
-    low-rank update (a module with a ``low_rank()`` method giving a :class:`LowRank`, LoRA's);
-    None for any other head (a float8 or quantised linear, a bias): its own forward must run."""
+    low-rank update (a linear with a ``head_adapter()`` method giving a :class:`HeadAdapter`:
+    LoRA's); None for any other head (a float8 or quantised linear, a bias): its own forward must
+    run, unchunked. A new conversion that wraps the head is resolved here, or stays unchunked."""
     if getattr(head, "bias", None) is not None:
         return None
     if type(head) is nn.Linear:
         return HeadWeights(head.weight)
-    low_rank = getattr(head, "low_rank", None)
-    if isinstance(head, nn.Linear) and callable(low_rank) and (update := low_rank()) is not None:
+    adapter = getattr(head, "head_adapter", None)
+    if isinstance(head, nn.Linear) and callable(adapter) and (update := adapter()) is not None:
         return HeadWeights(head.weight, update)
     return None
 

@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from components.distributed.chunked_loss import LowRank
+from components.distributed.chunked_loss import HeadAdapter
 from components.distributed.tp_replicas import mark_tp_replica_gradient_reduction
 from components.moe.expert_lora import ADAPTED_WEIGHTS, ADAPTERS, has_expert_adapters
 from components.moe.expert_parallel import expert_modules, experts_problem, run_whole_experts
@@ -100,12 +100,12 @@ class LoRALinear(nn.Linear):
         mark_tp_replica_gradient_reduction(replicated, "mean" if style == "rowwise" else "sum")
         self._tp = (mesh, style, tuple(getattr(torch_style, "output_layouts", (Replicate(),))))
 
-    def low_rank(self) -> LowRank | None:
+    def head_adapter(self) -> HeadAdapter | None:
         """The adapter's update as the chunked loss computes a head's (``lm_head``'s), chunk by
         chunk with the base weight; None when split rowwise (no head is)."""
         if self._tp is not None and self._tp[1] == "rowwise":
             return None
-        return LowRank(self.lora_A.weight, self.lora_B.weight, self.scaling, self.lora_dropout)
+        return HeadAdapter(self.lora_A.weight, self.lora_B.weight, self.scaling, self.lora_dropout)
 
     @torch.no_grad()
     def reset_adapter(self) -> None:

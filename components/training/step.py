@@ -57,7 +57,7 @@ def _losses(
             outputs = model(**inputs, use_cache=False)
         weights = head_weights(head)  # after the forward: FSDP's root holds the head unsharded
         loss = chunked_cross_entropy_sum(
-            outputs.logits, weights.weight, labels, chunk_tokens, shifted, weights.low_rank
+            outputs.logits, weights.weight, labels, chunk_tokens, shifted, weights.adapter
         )
         return loss, getattr(outputs, "aux_loss", None)
     outputs = model(**inputs, use_cache=False)
