@@ -1,21 +1,15 @@
 """A chunked, vocab-parallel cross entropy: the output projection and the loss, a chunk of tokens at
-a time.
-
-The head and the loss run over ``chunk_tokens`` tokens at a time and are recomputed in backward, so
-at most one chunk's logits exist (the unchunked path, ``lm_head`` then
+a time, so at most one chunk's logits exist (the unchunked path, ``lm_head`` then
 :func:`~components.distributed.tp_plan.cross_entropy_sum`, holds the micro-batch's fp32 logits).
-With tensor parallelism it stays vocab-parallel: each rank computes its vocabulary shard's logits
-(the ``Shard(0)`` ``lm_head`` weight of the ``vocab_parallel`` style), the log-sum-exp and the
-target logit are combined over the TP group with two all-reduces per chunk, and the hidden
-states' gradient is reduced as the ``lm_head``'s input layout does (all-reduce, or reduce-scatter
-under sequence parallelism). Only labelled tokens take part (``-100`` is ignored), shifted as
-``cross_entropy_sum`` does. It is exact: the same sums, in another floating-point order.
 
-The head is the one the model has: :func:`head_weights` resolves ``lm_head`` (the one place a
-wrapped head is read) into its weight and, for an adapted head (LoRA's), the adapter's low-rank
-update ``scaling · B·A·dropout(x)``, which each chunk adds to its logits; the adapter's ``B`` is
-split over the vocabulary as the weight is. A head of another kind (a float8 or quantised linear)
-is not chunked: its own forward runs, on the unchunked path.
+Under TP each rank computes its vocabulary shard's logits (the ``Shard(0)`` ``lm_head`` weight of
+the ``vocab_parallel`` style), the log-sum-exp and the target logit are combined over the TP group
+with two all-reduces per chunk, and the hidden states' gradient is reduced as the head's input
+layout does. Only labelled tokens take part (``-100`` ignored), shifted as ``cross_entropy_sum``
+does; the same sums, in another order. The head is the one the model has: :func:`head_weights`
+(the one place a wrapped head is resolved) gives its weight and, for an adapted head (LoRA's), the
+adapter's update ``scaling · B·A·dropout(x)``, added to each chunk's logits (``B`` split over the
+vocabulary as the weight); a head of another kind runs its own forward, unchunked.
 
 Design notes: docs/design-notes.md
 """
@@ -40,7 +34,7 @@ LOSS_CHUNK_TOKENS = 1024
 _PLAIN_HEAD_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class HeadAdapter:
     """An adapter's update to a head's logits: ``scaling · B·A·dropout(x)`` (PEFT's order). ``A``
     [rank, hidden] whole on every TP rank; ``B`` [vocab, rank] split over the vocabulary as the
@@ -52,7 +46,7 @@ class HeadAdapter:
     dropout: nn.Module
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class HeadWeights:
     """What the chunked loss multiplies the hidden states by: the head's weight, plus an adapter's
     low-rank update (None: a plain linear head)."""
@@ -265,10 +259,10 @@ def head_weights(head: nn.Module) -> HeadWeights | None:
     if getattr(head, "bias", None) is not None:
         return None
     if type(head) is nn.Linear:
-        return HeadWeights(head.weight)
+        return HeadWeights(weight=head.weight)
     adapter = getattr(head, "head_adapter", None)
     if isinstance(head, nn.Linear) and callable(adapter) and (update := adapter()) is not None:
-        return HeadWeights(head.weight, update)
+        return HeadWeights(weight=head.weight, adapter=update)
     return None
 
 

@@ -105,7 +105,8 @@ class LoRALinear(nn.Linear):
         chunk with the base weight; None when split rowwise (no head is)."""
         if self._tp is not None and self._tp[1] == "rowwise":
             return None
-        return HeadAdapter(self.lora_A.weight, self.lora_B.weight, self.scaling, self.lora_dropout)
+        A, B = self.lora_A.weight, self.lora_B.weight
+        return HeadAdapter(A=A, B=B, scaling=self.scaling, dropout=self.lora_dropout)
 
     @torch.no_grad()
     def reset_adapter(self) -> None:
