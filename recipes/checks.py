@@ -346,7 +346,7 @@ def lora_problems(meta, peft, experts: tuple[str, ...], model_name: str) -> list
     ``experts`` names (none when it can); it is converted in place on success."""
     from components.models.lora import LoraOptions, apply_lora, targeted_experts, targeted_linears
 
-    patterns = tuple(peft.target_modules)
+    patterns = None if peft.target_modules is None else tuple(peft.target_modules)
     found = problems("peft.target_modules", targeted_linears(meta, patterns)[1])
     if peft.experts and not experts:
         message = (

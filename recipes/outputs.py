@@ -86,12 +86,23 @@ def run_info(
         "seq_len": settings.train.seq_len,
         "packing": settings.train.packing,
         "seed": settings.seed,
-        "peft": settings.peft.model_dump(),  # adapters change the model and the optimizer state
+        "peft": peft_info(settings.peft),  # adapters change the model and the optimizer state
         "data.val_fraction": settings.data.model_dump().get("val_fraction"),
         **data,
         SETTINGS: resume_settings(settings),
     }
     return info, shapes
+
+
+def peft_info(peft) -> dict:
+    """``peft``'s settings as a checkpoint records them: ``target_modules=null`` as the patterns it
+    stands for, which the checkpoints of runs before null was the default recorded."""
+    from components.models.lora import PROJECTIONS
+
+    info = peft.model_dump()
+    if peft.name == "lora" and info["target_modules"] is None:
+        info["target_modules"] = list(PROJECTIONS)
+    return info
 
 
 SETTINGS = "settings"  # the run_info key of what a resume may change (not matched by resume)

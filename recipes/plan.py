@@ -81,7 +81,7 @@ class Settled:
         peft = self.settings.peft
         if peft.name != "lora":
             return None
-        patterns = tuple(peft.target_modules)
+        patterns = None if peft.target_modules is None else tuple(peft.target_modules)
         experts = self.model.experts if peft.experts else ()  # the resolved expert patterns
         return LoraOptions(
             rank=peft.rank,

@@ -190,7 +190,8 @@ class Peft(Section):
     dropout: Annotated[float, Field(ge=0, lt=1)] | None = key(
         "a number in [0, 1) with peft=lora, e.g. peft.dropout=0.05"
     )
-    # fnmatch patterns of the module names of the linear layers that get adapters
+    # fnmatch patterns of the module names of the linear layers that get adapters, each matching
+    # one or more; null with peft=lora: the attention and MLP projections the model has
     target_modules: Annotated[list[Text], Field(min_length=1)] | None = key(
         "a list of module name patterns with peft=lora, e.g. peft.target_modules=['*.q_proj']"
     )
@@ -212,7 +213,7 @@ class Peft(Section):
         found = [
             f"peft.{name} is null: peft=lora needs it"
             for name in keys
-            if getattr(self, name) is None
+            if getattr(self, name) is None and name != "target_modules"  # null: the projections
         ]
         if self.experts and self.dropout:  # PEFT's ParamWrapper refuses lora_dropout != 0
             found.append(

@@ -1,21 +1,22 @@
 """A chunked, vocab-parallel cross entropy: the output projection and the loss, a chunk of tokens at
-a time.
-
-The head and the loss run over ``chunk_tokens`` tokens at a time and are recomputed in backward, so
-at most one chunk's logits exist (the unchunked path, ``lm_head`` then
+a time, so at most one chunk's logits exist (the unchunked path, ``lm_head`` then
 :func:`~components.distributed.tp_plan.cross_entropy_sum`, holds the micro-batch's fp32 logits).
-With tensor parallelism it stays vocab-parallel: each rank computes its vocabulary shard's logits
-(the ``Shard(0)`` ``lm_head`` weight of the ``vocab_parallel`` style), the log-sum-exp and the
-target logit are combined over the TP group with two all-reduces per chunk, and the hidden
-states' gradient is reduced as the ``lm_head``'s input layout does (all-reduce, or reduce-scatter
-under sequence parallelism). Only labelled tokens take part (``-100`` is ignored), shifted as
-``cross_entropy_sum`` does. It is exact: the same sums, in another floating-point order.
+
+Under TP each rank computes its vocabulary shard's logits (the ``Shard(0)`` ``lm_head`` weight of
+the ``vocab_parallel`` style), the log-sum-exp and the target logit are combined over the TP group
+with two all-reduces per chunk, and the hidden states' gradient is reduced as the head's input
+layout does. Only labelled tokens take part (``-100`` ignored), shifted as ``cross_entropy_sum``
+does; the same sums, in another order. The head is the one the model has: :func:`head_weights`
+(the one place a wrapped head is resolved) gives its weight and, for an adapted head (LoRA's), the
+adapter's update ``scaling · B·A·dropout(x)``, added to each chunk's logits (``B`` split over the
+vocabulary as the weight); a head of another kind runs its own forward, unchunked.
 
 Design notes: docs/design-notes.md
 """
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -33,58 +34,124 @@ LOSS_CHUNK_TOKENS = 1024
 _PLAIN_HEAD_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 
 
+@dataclass(frozen=True, kw_only=True)
+class HeadAdapter:
+    """An adapter's update to a head's logits: ``scaling · B·A·dropout(x)`` (PEFT's order). ``A``
+    [rank, hidden] whole on every TP rank; ``B`` [vocab, rank] split over the vocabulary as the
+    head's weight is (a ``Shard(0)`` DTensor under vocab-parallel TP)."""
+
+    A: torch.Tensor
+    B: torch.Tensor
+    scaling: float
+    dropout: nn.Module
+
+
+@dataclass(frozen=True, kw_only=True)
+class HeadWeights:
+    """What the chunked loss multiplies the hidden states by: the head's weight, plus an adapter's
+    low-rank update (None: a plain linear head)."""
+
+    weight: torch.Tensor
+    adapter: HeadAdapter | None = None
+
+
 class _ChunkedHeadCrossEntropy(torch.autograd.Function):
-    """Sum of cross entropy of ``hidden @ weight.T`` over labelled tokens, chunk by chunk,
-    recomputed in backward. ``weight`` holds vocabulary rows ``start .. start + rows`` of
-    ``group``'s (None: all)."""
+    """Sum of cross entropy of ``hidden @ weight.T (+ scaling · adapter_in @ B.T)`` over labelled
+    tokens, chunk by chunk, recomputed in backward. ``shard`` (group, start): ``weight`` (and
+    ``B``) hold vocabulary rows ``start .. start + rows`` of ``group``'s (None: all);
+    ``adapter_in`` [tokens, rank] is the adapter's ``A·dropout(x)`` per token (None with ``B``:
+    no adapter)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk, group, start, compute_dtype):
+    def forward(ctx, hidden, weight, adapter_in, B, scaling, targets, chunk, shard, compute_dtype):
+        group, start = shard
         picked = (targets != -100).nonzero().squeeze(1)
         hidden_picked, local = (
             hidden.index_select(0, picked),
             targets.index_select(0, picked) - start,
         )
+        adapter_picked = None if adapter_in is None else adapter_in.index_select(0, picked)
         lse = torch.empty(picked.numel(), dtype=torch.float32, device=hidden.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         with torch.autocast(hidden.device.type, enabled=False):
-            w = weight.to(compute_dtype)
+            head = _Head(weight, adapter_picked, B, scaling, compute_dtype)
             for begin in range(0, picked.numel(), chunk):
-                logits = F.linear(hidden_picked[begin : begin + chunk].to(compute_dtype), w).float()
-                target = _target_logit(logits, local[begin : begin + chunk])
+                rows = slice(begin, begin + chunk)
+                logits = head.logits(hidden_picked[rows], rows).float()
+                target = _target_logit(logits, local[rows])
                 top = logits.amax(-1)
                 if group is not None:
                     dist.all_reduce(top, dist.ReduceOp.MAX, group=group)
                 sums = torch.stack([logits.sub_(top[:, None]).exp_().sum(-1), target])
                 if group is not None:
                     dist.all_reduce(sums, group=group)
-                lse[begin : begin + chunk] = top + sums[0].log()
-                total += (lse[begin : begin + chunk] - sums[1]).sum()
-        ctx.save_for_backward(hidden_picked, weight, local, picked, lse)
+                lse[rows] = top + sums[0].log()
+                total += (lse[rows] - sums[1]).sum()
+        ctx.save_for_backward(hidden_picked, weight, adapter_picked, B, local, picked, lse)
         ctx.chunk, ctx.compute_dtype, ctx.rows = chunk, compute_dtype, hidden.shape[0]
+        ctx.scaling, ctx.adapter_rows = scaling, None if adapter_in is None else adapter_in.shape
         return total
 
     @staticmethod
     def backward(ctx, grad_total):
-        hidden_picked, weight, local, picked, lse = ctx.saved_tensors
+        hidden_picked, weight, adapter_picked, B, local, picked, lse = ctx.saved_tensors
         chunk, compute_dtype = ctx.chunk, ctx.compute_dtype
+        needs_weight = ctx.needs_input_grad[1]  # a frozen base (LoRA's) takes none
         grad_picked = torch.empty_like(hidden_picked)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        grad_weight = _zeros_like(weight) if needs_weight else None
+        grad_adapter = None if B is None else torch.empty_like(adapter_picked)
+        grad_B = None if B is None else _zeros_like(B)
         with torch.autocast(hidden_picked.device.type, enabled=False):
-            w = weight.to(compute_dtype)
+            head = _Head(weight, adapter_picked, B, ctx.scaling, compute_dtype)
             for begin in range(0, picked.numel(), chunk):
-                h = hidden_picked[begin : begin + chunk].to(compute_dtype)
-                probs = F.linear(h, w).float().sub_(lse[begin : begin + chunk, None]).exp_()
-                ids = local[begin : begin + chunk]
+                rows = slice(begin, begin + chunk)
+                h = hidden_picked[rows].to(compute_dtype)
+                probs = head.logits(h, rows).float().sub_(lse[rows, None]).exp_()
+                ids = local[rows]
                 inside = ((ids >= 0) & (ids < probs.shape[1])).nonzero().squeeze(1)
                 probs[inside, ids[inside]] -= 1  # d loss / d logits = softmax - one-hot(target)
                 grad_logits = probs.mul_(grad_total).to(compute_dtype)
-                grad_picked[begin : begin + chunk] = (grad_logits @ w).to(grad_picked.dtype)
-                grad_weight += (grad_logits.T @ h).float()
-        grad_hidden = grad_picked.new_zeros(ctx.rows, grad_picked.shape[1]).index_copy_(
-            0, picked, grad_picked
+                grad_picked[rows] = (grad_logits @ head.w).to(grad_picked.dtype)
+                if needs_weight:
+                    grad_weight += (grad_logits.T @ h).float()
+                if B is not None:  # logits += scaling · adapter_in @ B.T
+                    grad_update = grad_logits * ctx.scaling
+                    grad_adapter[rows] = (grad_update @ head.B).to(grad_adapter.dtype)
+                    grad_B += (grad_update.T @ head.adapter_in[rows]).float()
+        grad_hidden = _scatter_rows(grad_picked, picked, ctx.rows)
+        grad_adapter_in = None if B is None else _scatter_rows(grad_adapter, picked, ctx.rows)
+        return (
+            grad_hidden,
+            None if grad_weight is None else grad_weight.to(weight.dtype),
+            grad_adapter_in,
+            None if grad_B is None else grad_B.to(B.dtype),
+            *[None] * 5,
         )
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None
+
+
+class _Head:
+    """A chunk's logits in ``compute_dtype``: ``h @ weight.T``, plus ``scaling · (adapter_in @
+    B.T)`` for an adapted head, as the adapter's own forward orders it."""
+
+    def __init__(self, weight, adapter_in, B, scaling, compute_dtype):
+        self.w, self.scaling = weight.to(compute_dtype), scaling
+        self.B = None if B is None else B.to(compute_dtype)
+        self.adapter_in = None if adapter_in is None else adapter_in.to(compute_dtype)
+
+    def logits(self, h: torch.Tensor, rows: slice) -> torch.Tensor:
+        logits = F.linear(h.to(self.w.dtype), self.w)
+        if self.B is None:
+            return logits
+        return logits + F.linear(self.adapter_in[rows], self.B) * self.scaling
+
+
+def _zeros_like(parameter: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(parameter.shape, dtype=torch.float32, device=parameter.device)
+
+
+def _scatter_rows(picked_rows: torch.Tensor, picked: torch.Tensor, rows: int) -> torch.Tensor:
+    """``picked_rows`` back at their token positions ``picked`` among ``rows``, zeros elsewhere."""
+    return picked_rows.new_zeros(rows, picked_rows.shape[1]).index_copy_(0, picked, picked_rows)
 
 
 def _target_logit(logits: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -101,23 +168,26 @@ def chunked_cross_entropy_sum(
     labels: torch.Tensor,
     chunk_tokens: int = LOSS_CHUNK_TOKENS,
     shifted: bool = False,
+    adapter: HeadAdapter | None = None,
 ) -> torch.Tensor:
-    """Sum of next-token cross entropy of ``hidden @ weight.T`` over positions with a label
-    (``-100`` ignored): what ``cross_entropy_sum(lm_head(hidden), labels)`` computes,
-    ``chunk_tokens`` at a time.
+    """Sum of next-token cross entropy of ``hidden @ weight.T`` (plus ``adapter``'s update) over
+    positions with a label (``-100`` ignored): what ``cross_entropy_sum(lm_head(hidden), labels)``
+    computes, ``chunk_tokens`` at a time.
 
     ``hidden`` [batch, seq, hidden]: a tensor, or under sequence parallelism a DTensor sharded on
     the sequence (``Shard(1)``), gathered here. ``weight`` [vocab, hidden]: ``lm_head.weight``, a
     tensor or a DTensor (``Shard(0)`` over the TP mesh: vocab-parallel; tied to the embedding or
     not, its gradient goes to that one parameter). ``labels`` [batch, seq] aligned with the inputs
     (or with ``shifted``, each position's target already: a context-parallel shard's).
+    ``adapter``: an adapted head's update (:class:`HeadAdapter`), its ``B`` split as ``weight`` is;
+    its dropout is drawn once over ``hidden`` [batch, seq, hidden], as the head's forward draws it.
     Returns a plain scalar, the same on every TP rank. Needs no ``loss_parallel()``.
     """
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
     # position t predicts labels[t + 1]
     targets = (labels if shifted else F.pad(labels[:, 1:], (0, 1), value=-100)).flatten()
-    group, start, local_weight = None, 0, weight
+    group, start = None, 0
     if isinstance(weight, DTensor):
         mesh = weight.device_mesh
         if mesh.size() > 1 and weight.placements == (Shard(0),):
@@ -129,7 +199,6 @@ def chunked_cross_entropy_sum(
                 mesh.get_group(),
                 mesh.get_local_rank() * (weight.shape[0] // mesh.size()),
             )
-        local_weight = weight.to_local()
     device = hidden.device.type
     autocast = torch.is_autocast_enabled(device)
     compute_dtype = (
@@ -148,20 +217,64 @@ def chunked_cross_entropy_sum(
     elif group is not None:  # plain TP: the gradient is partial over vocab shards, all-reduced
         replicated = DTensor.from_local(hidden, weight.device_mesh, [Replicate()], run_check=False)
         hidden = replicated.to_local(grad_placements=[Partial()])
-    flat = hidden.flatten(0, 1)
+    adapter_in, B = None, None
+    if adapter is not None:  # A·dropout(x) for every token (rank-wide), B split as the weight
+        _check_split_alike(weight, adapter.B)
+        adapter_in = F.linear(adapter.dropout(hidden), _local(adapter.A)).flatten(0, 1)
+        B = _local(adapter.B)
     return _ChunkedHeadCrossEntropy.apply(
-        flat, local_weight, targets, chunk_tokens, group, start, compute_dtype
+        hidden.flatten(0, 1),
+        _local(weight),
+        adapter_in,
+        B,
+        None if adapter is None else adapter.scaling,
+        targets,
+        chunk_tokens,
+        (group, start),
+        compute_dtype,
     )
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _check_split_alike(weight: torch.Tensor, B: torch.Tensor) -> None:
+    """An adapter's ``B`` must hold the vocabulary rows the head's weight holds on this rank."""
+    split = isinstance(weight, DTensor) and weight.placements == (Shard(0),)
+    if split != (isinstance(B, DTensor) and B.placements == (Shard(0),)):
+        raise ValueError(
+            "the head's adapter B must be split over the vocabulary as the head's weight is: "
+            f"weight {getattr(weight, 'placements', 'whole')}, "
+            f"B {getattr(B, 'placements', 'whole')}"
+        )
+
+
+def head_weights(head: nn.Module) -> HeadWeights | None:
+    """What the chunked loss computes for ``head``, the model's ``lm_head`` (the one place a
+    wrapped head is resolved): a plain ``nn.Linear``'s weight; an adapted linear's weight and
+    low-rank update (a linear with a ``head_adapter()`` method giving a :class:`HeadAdapter`:
+    LoRA's); None for any other head (a float8 or quantised linear, a bias): its own forward must
+    run, unchunked. A new conversion that wraps the head is resolved here, or stays unchunked."""
+    if getattr(head, "bias", None) is not None:
+        return None
+    if type(head) is nn.Linear:
+        return HeadWeights(weight=head.weight)
+    adapter = getattr(head, "head_adapter", None)
+    if isinstance(head, nn.Linear) and callable(adapter) and (update := adapter()) is not None:
+        return HeadWeights(weight=head.weight, adapter=update)
+    return None
 
 
 def chunks_head(model: nn.Module) -> bool:
     """Whether the chunked head applies to ``model``: a family whose forward is the decoder, then a
-    bias-free ``lm_head`` (``_PLAIN_HEAD_FAMILIES``); other models keep the unchunked path."""
+    bias-free ``lm_head`` (``_PLAIN_HEAD_FAMILIES``) that :func:`head_weights` resolves; other
+    models keep the unchunked path."""
     head = getattr(model, "lm_head", None)
     config = getattr(model, "config", None)
     return (
-        isinstance(head, nn.Linear)
-        and head.bias is None
+        isinstance(head, nn.Module)
+        and head_weights(head) is not None
         and getattr(config, "model_type", None) in _PLAIN_HEAD_FAMILIES
         and getattr(config, "final_logit_softcapping", None) is None
     )
@@ -177,9 +290,11 @@ def lm_head_skipped(model: nn.Module) -> Iterator[nn.Module]:
     and moves nothing; the second returns the kept hidden states as the head's output. The root
     forward runs, not ``model.model``: FSDP's root unshards the embedding, the final norm and
     ``lm_head`` in it (and keeps them unsharded for backward), and an MoE family adds its router
-    aux loss.
+    aux loss. The head runs in eval mode meanwhile, so the zero position draws no random numbers
+    (an adapter's dropout): the chunked loss draws them once, where the head's forward would.
     """
     head, kept = model.lm_head, []
+    modes = [(module, module.training) for module in head.modules()]
 
     def keep(module: nn.Module, args: tuple) -> tuple:
         kept.append(args[0])
@@ -189,11 +304,14 @@ def lm_head_skipped(model: nn.Module) -> Iterator[nn.Module]:
         head.register_forward_pre_hook(keep, prepend=True),
         head.register_forward_hook(lambda module, args, output: _whole(kept.pop())),
     ]
+    head.train(False)
     try:
         yield head
     finally:
         for handle in handles:
             handle.remove()
+        for module, training in modes:
+            module.training = training
 
 
 def _whole(hidden: torch.Tensor) -> torch.Tensor:

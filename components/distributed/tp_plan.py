@@ -592,7 +592,7 @@ def apply_tp_plan(
         torch_style = float8_style(style, module, spread, tp_mesh) or torch_style
         # torch's SequenceParallel makes new parameters that require grad: a frozen one stays so
         frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
-        if hasattr(module, "parallelize_tp"):  # a module that places its own extras (LoRA)
+        if hasattr(module, "parallelize_tp") and torch_style is not None:  # LoRA's adapters
             module.parallelize_tp(tp_mesh, style, torch_style)
         elif torch_style is not None:
             parallelize_module(module, tp_mesh, torch_style)

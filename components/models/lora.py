@@ -25,11 +25,20 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
+from components.distributed.chunked_loss import HeadAdapter
 from components.distributed.tp_replicas import mark_tp_replica_gradient_reduction
 from components.moe.expert_lora import ADAPTED_WEIGHTS, ADAPTERS, has_expert_adapters
 from components.moe.expert_parallel import expert_modules, experts_problem, run_whole_experts
 
-TP_STYLES = ("colwise", "rowwise")
+# The TP styles that split a linear's output features (B by rows, as the weight): colwise, and the
+# vocab-parallel head's (whose B then follows the vocabulary split); rowwise splits the input.
+COLWISE_STYLES = ("colwise", "vocab_parallel", "colwise_gather_output")
+TP_STYLES = (*COLWISE_STYLES, "rowwise")
+# peft.target_modules=null: the attention and MLP projections, each where the model has one (the
+# sparse MLPs of an MoE model have none: their experts take adapters with peft.experts=true)
+PROJECTIONS = tuple(f"*.self_attn.{name}_proj" for name in "qkvo") + tuple(
+    f"*.mlp.{name}_proj" for name in ("gate", "up", "down")
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,7 +48,8 @@ class LoraOptions:
     rank: int
     alpha: float
     dropout: float
-    target_modules: tuple[str, ...]  # fnmatch patterns of module names ("*" for a layer index)
+    # fnmatch patterns of module names ("*" for a layer index), each matching; None: PROJECTIONS
+    target_modules: tuple[str, ...] | None
     experts: tuple[str, ...] = ()  # patterns of MoE experts modules given per-expert adapters
 
     @property
@@ -61,7 +71,7 @@ class LoRALinear(nn.Linear):
         if self._tp is None:
             return base + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
         mesh, style, output_layouts = self._tp
-        if style == "colwise":  # x replicated: h whole on every rank, y this rank's output columns
+        if style != "rowwise":  # x replicated: h whole on every rank, y this rank's output columns
             local_x = x.to_local(grad_placements=(Partial(),)) if isinstance(x, DTensor) else x
             h = F.linear(self.lora_dropout(local_x), self.lora_A.weight)
             y = F.linear(h, self.lora_B.weight.to_local()) * self.scaling
@@ -87,8 +97,16 @@ class LoRALinear(nn.Linear):
             sharded, replicated, placement = self.lora_A, self.lora_B, Shard(1)
         weight = distribute_tensor(sharded.weight.detach(), mesh, (placement,), src_data_rank=None)
         sharded.weight = nn.Parameter(weight)
-        mark_tp_replica_gradient_reduction(replicated, "sum" if style == "colwise" else "mean")
+        mark_tp_replica_gradient_reduction(replicated, "mean" if style == "rowwise" else "sum")
         self._tp = (mesh, style, tuple(getattr(torch_style, "output_layouts", (Replicate(),))))
+
+    def head_adapter(self) -> HeadAdapter | None:
+        """The adapter's update as the chunked loss computes a head's (``lm_head``'s), chunk by
+        chunk with the base weight; None when split rowwise (no head is)."""
+        if self._tp is not None and self._tp[1] == "rowwise":
+            return None
+        A, B = self.lora_A.weight, self.lora_B.weight
+        return HeadAdapter(A=A, B=B, scaling=self.scaling, dropout=self.lora_dropout)
 
     @torch.no_grad()
     def reset_adapter(self) -> None:
@@ -181,25 +199,48 @@ def targeted_experts(model: nn.Module, patterns: tuple[str, ...]) -> tuple[list[
     return names, problems
 
 
-def targeted_linears(model: nn.Module, patterns: tuple[str, ...]) -> tuple[list[str], list[str]]:
-    """(names of the linear layers ``patterns`` match, problems): a matched module that is not an
-    ``nn.Linear`` is a problem, and so is no match at all."""
-    names, problems = [], []
+def targeted_linears(
+    model: nn.Module, patterns: tuple[str, ...] | None
+) -> tuple[list[str], list[str]]:
+    """(names of the linear layers ``patterns`` match, problems): a pattern that matches no module
+    (a typo) is a problem naming it, so is a matched module that is not an ``nn.Linear``, and so
+    is no linear layer at all. ``patterns`` None: :data:`PROJECTIONS`, each where the model has
+    it."""
+    given = patterns is not None
+    patterns = patterns if given else PROJECTIONS
+    names, problems, matched = [], [], set()
     for name, module in model.named_modules():
-        if name and any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns):
-            if type(module) in (nn.Linear, LoRALinear):
-                names.append(name)
-            else:
-                problems.append(
-                    f"peft.target_modules matches {name}, a {type(module).__name__}, "
-                    "not a linear layer: narrow the pattern"
-                )
-    if not names and not problems:
+        hits = {pattern for pattern in patterns if name and fnmatch.fnmatchcase(name, pattern)}
+        matched |= hits
+        if hits and type(module) in (nn.Linear, LoRALinear):
+            names.append(name)
+        elif hits:
+            problems.append(
+                f"peft.target_modules matches {name}, a {type(module).__name__}, "
+                "not a linear layer: narrow the pattern"
+            )
+    kind, examples = type(model).__name__, _example_linears(model)
+    if unmatched := [pattern for pattern in patterns if given and pattern not in matched]:
+        said = ", ".join(repr(pattern) for pattern in unmatched)
+        one = len(unmatched) == 1
         problems.append(
-            f"peft.target_modules {list(patterns)} match no linear layer of "
-            f"{type(model).__name__}: give module name patterns, e.g. '*.q_proj'"
+            f"peft.target_modules {'pattern' if one else 'patterns'} {said} "
+            f"{'matches' if one else 'match'} no module of {kind}: fix or remove "
+            f"{'it' if one else 'them'} (module names such as {examples})"
+        )
+    elif not names and not problems:
+        said = "" if given else "=null: the attention and MLP projections"
+        problems.append(
+            f"peft.target_modules{said} {list(patterns)} match no linear layer of {kind}: give "
+            f"module name patterns (module names such as {examples})"
         )
     return names, problems
+
+
+def _example_linears(model: nn.Module) -> str:
+    """The first linear layer's name in ``model`` and the last's (the head), as examples."""
+    linears = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    return ", ".join(f"'{name}'" for name in (linears[:1] + linears[-1:])) or "none: no linear"
 
 
 def apply_lora(model: nn.Module, options: LoraOptions, seed: int) -> list[str]:
@@ -208,7 +249,8 @@ def apply_lora(model: nn.Module, options: LoraOptions, seed: int) -> list[str]:
     (:func:`reset_adapters`).
 
     Raises:
-        ValueError: If the patterns match no linear layer, or match another kind of module.
+        ValueError: If a pattern matches no module, one matches another kind of module, or none
+            matches a linear layer.
     """
     names, problems = targeted_linears(model, options.target_modules)
     experts, expert_problems = (

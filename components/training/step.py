@@ -18,6 +18,7 @@ from components.distributed.chunked_loss import (
     LOSS_CHUNK_TOKENS,
     chunked_cross_entropy_sum,
     chunks_head,
+    head_weights,
     lm_head_skipped,
 )
 from components.distributed.context_parallel import ContextParallel
@@ -54,7 +55,10 @@ def _losses(
     if chunk_tokens and chunks_head(model):
         with lm_head_skipped(model) as head:
             outputs = model(**inputs, use_cache=False)
-        loss = chunked_cross_entropy_sum(outputs.logits, head.weight, labels, chunk_tokens, shifted)
+        weights = head_weights(head)  # after the forward: FSDP's root holds the head unsharded
+        loss = chunked_cross_entropy_sum(
+            outputs.logits, weights.weight, labels, chunk_tokens, shifted, weights.adapter
+        )
         return loss, getattr(outputs, "aux_loss", None)
     outputs = model(**inputs, use_cache=False)
     return cross_entropy_sum(outputs.logits, labels, shifted), getattr(outputs, "aux_loss", None)

@@ -1,6 +1,7 @@
 """The single-GPU lane (``pytest -m cuda``; deselected by default): the recipe at tp=1 on CUDA in
-fp32 (TF32 off, then on) and bf16-mixed against the same run on the CPU, a pretrained folder
-loaded onto the GPU, and an async save staged through pinned host buffers."""
+fp32 (TF32 off, then on) and bf16-mixed against the same run on the CPU, LoRA on lm_head under the
+chunked loss against the unchunked run, a pretrained folder loaded onto the GPU, and an async save
+staged through pinned host buffers."""
 
 import json
 import os
@@ -88,6 +89,17 @@ def test_bf16_mixed_trains_like_the_cpu_run(tmp_path, cpu_runs):
     records = recipe(tmp_path / "run", "train.precision=bf16-mixed")
     assert max(relative_gaps(records, cpu_runs["bf16-mixed"])) < 3e-2
     assert records[-1]["loss"] < records[0]["loss"]
+
+
+def test_an_adapted_lm_head_under_the_chunked_loss_equals_its_own_forward(tmp_path):
+    """LoRA on lm_head: the chunked loss (the default) adds the adapter's update chunk by chunk on
+    the GPU as on the CPU, equal to the head's own forward (``train.loss_chunk_tokens=0``)."""
+    lora = ["peft=lora", "peft.target_modules=[lm_head,*.q_proj]", "train.tf32=false"]
+    chunked = recipe(tmp_path / "chunked", *lora)
+    unchunked = recipe(tmp_path / "unchunked", *lora, "train.loss_chunk_tokens=0")
+    for ours, theirs in zip(chunked, unchunked, strict=True):
+        assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
+        assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

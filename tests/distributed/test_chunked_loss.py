@@ -4,7 +4,7 @@ Function level: the ``lm_head`` weight is a ``Shard(0)`` DTensor over the TP mes
 ``vocab_parallel`` style), the hidden states replicated (plain TP) or sequence-sharded (sp); the
 reference is the whole-vocab unchunked loss computed in one process. Model level: a tiny model
 parallelised by its plan trains one micro-batch chunked and unchunked (``cross_entropy_sum`` under
-``loss_parallel``), tied embeddings included.
+``loss_parallel``), tied embeddings included, and with a LoRA adapter on the head.
 """
 
 import pytest
@@ -17,6 +17,7 @@ from components.distributed.grads import finalize_dtensor_gradients
 from components.distributed.tp_plan import apply_tp_plan, cross_entropy_sum
 from components.models import build_causal_lm, tiny_config
 from components.models.families import plan_for
+from components.models.lora import LoraOptions, apply_lora, lora_modules
 from components.training.step import forward_backward
 from tests.harness import mesh
 from tests.unit.training.test_chunked_loss import TOLERANCE, batch, relative
@@ -59,13 +60,19 @@ def test_vocab_parallel_function_matches_unchunked(ranks2, sequence_parallel, ch
         assert max(errors.values()) <= TOLERANCE, errors
 
 
-def check_model(rank, world_size, family, overrides, sequence_parallel):
+def check_model(rank, world_size, family, overrides, sequence_parallel, lora=None):
     tp_mesh = mesh((world_size,), ("tp",))
     config = tiny_config(family, **overrides)
     tokens, labels = batch(config.vocab_size, seq=48)
     results = []
     for chunk in (8, None):
         model = build_causal_lm(config, seed=0)
+        if lora is not None:  # adapters, their B non-zero as after training
+            apply_lora(model, lora, seed=0)
+            generator = torch.Generator().manual_seed(3)
+            with torch.no_grad():
+                for _, module in lora_modules(model):
+                    module.lora_B.weight.normal_(std=0.05, generator=generator)
         plan = plan_for(config, sequence_parallel)
         apply_tp_plan(model, tp_mesh, plan, config, sequence_parallel)
         loss = forward_backward(
@@ -80,6 +87,10 @@ def check_model(rank, world_size, family, overrides, sequence_parallel):
     assert grads.keys() == reference.keys()
     errors = {name: relative(grad, reference[name]) for name, grad in grads.items()}
     worst = max(errors, key=errors.get)
+    if lora is not None:  # the head's adapter trains, its B split over the vocabulary
+        assert {"lm_head.lora_A.weight", "lm_head.lora_B.weight"} <= grads.keys()
+        assert all(".lora_" in name for name in grads)
+        assert model.lm_head.lora_B.weight.placements == model.lm_head.weight.placements
     return abs(loss - reference_loss) / abs(reference_loss), errors[worst], worst
 
 
@@ -96,5 +107,19 @@ def check_model(rank, world_size, family, overrides, sequence_parallel):
 def test_parallel_model_matches_unchunked(ranks2, family, overrides, sequence_parallel):
     for loss_error, grad_error, worst in ranks2.run(
         check_model, family, overrides, sequence_parallel
+    ):
+        assert loss_error <= TOLERANCE and grad_error <= TOLERANCE, (loss_error, grad_error, worst)
+
+
+HEAD_LORA = LoraOptions(rank=4, alpha=8.0, dropout=0.0, target_modules=("lm_head", "*.q_proj"))
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_an_adapted_vocab_parallel_head_matches_unchunked(ranks2, sequence_parallel):
+    """LoRA on the vocab-parallel lm_head: B split by vocabulary rows as the head's weight, the
+    chunked loss adds its update per chunk; loss and every adapter's gradient equal the head's own
+    forward's under loss_parallel."""
+    for loss_error, grad_error, worst in ranks2.run(
+        check_model, "llama", {}, sequence_parallel, HEAD_LORA
     ):
         assert loss_error <= TOLERANCE and grad_error <= TOLERANCE, (loss_error, grad_error, worst)

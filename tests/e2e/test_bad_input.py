@@ -65,13 +65,10 @@ CASES: dict[str, tuple[list[str], str]] = {
         ["peft=lora", "peft.experts=true"],
         "peft.experts=true needs an MoE model: model=llama has no experts",
     ),
-    "LoRA targets matching nothing": (
-        ["peft=lora", "peft.target_modules=[*.nothing]"],
-        "peft.target_modules ['*.nothing'] match no linear layer of LlamaForCausalLM",
-    ),
-    "LoRA on a vocab-parallel lm_head": (
-        ["peft=lora", "peft.target_modules=[lm_head]", "tp=2"],
-        "lm_head (LoRALinear) can be split only as ('colwise', 'rowwise'), not 'vocab_parallel'",
+    "a LoRA target matching nothing among others": (
+        ["peft=lora", "peft.target_modules=[*.q_proj,*.nothing]"],
+        "peft.target_modules pattern '*.nothing' matches no module of LlamaForCausalLM: fix or "
+        "remove it",
     ),
     "pp with cp": (["pp=2", "cp=2"], "pp=2 with cp=2 is not supported yet: use pp=1, or cp=1"),
     "ep on one process": (

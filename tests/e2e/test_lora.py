@@ -1,9 +1,13 @@
 """``peft=lora`` through the command line: tp=2 and dp=2 × tp=2 with sp equal the tp=1 run step by
 step, and so does qwen3_moe at tp=2 ep=2 with per-expert adapters (``peft.experts=true``); a resume
 at another tp equals the uninterrupted run; the optimizer holds the adapters' state alone; the
-adapter export loads with peft, and the merged export is base + alpha/r · B·A, experts included."""
+adapter export loads with peft, and the merged export is base + alpha/r · B·A, experts included.
+The dense runs adapt ``lm_head`` too: under the chunked loss (the default) it trains and equals the
+unchunked run (AdamW and SGD); a target pattern that matches nothing is one error line."""
 
 import json
+import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,27 +19,55 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from components.checkpoint.dcp import checkpoint_path
 from components.models import build_causal_lm
-from tests.e2e.test_recipe_training import metrics, recipe
+from tests import cli
+from tests.e2e.test_recipe_training import COMMON, REPO, metrics, recipe
 
-LORA = ["peft=lora", "peft.rank=4", "peft.alpha=8.0", "optim.lr=1e-2"]
+ADAPTERS = ["peft=lora", "peft.rank=4", "peft.alpha=8.0"]
+LORA = [*ADAPTERS, "optim.lr=1e-2"]
+WITH_HEAD = [*LORA, "peft.target_modules=[lm_head,*_proj]"]  # the head and every projection
+UNCHUNKED = "train.loss_chunk_tokens=0"  # the head's own forward, then the loss
+SGD = [*ADAPTERS, "optim=sgd", "peft.target_modules=[lm_head,*.q_proj]"]  # lr 0.1
+TYPO = "peft.target_modules=[*.q_proj,*.nothing]"
 TP2 = ["tp=2", "checkpoint.export=true", "peft.merge=true"]
 MOE = ["model=qwen3_moe", "peft.experts=true", "train.max_steps=4"]
 MOE_TP2_EP2 = [*MOE, "tp=2", "ep=2", "checkpoint.export=true", "peft.merge=true"]
-TWINS = {"tp2": "tp1", "dp2_tp2_sp": "tp1", "moe_tp2_ep2": "moe_tp1"}  # run: its tp=1 twin
+# run: its twin (tp=1, or the same run with the unchunked loss)
+TWINS = {"tp2": "tp1", "dp2_tp2_sp": "tp1", "moe_tp2_ep2": "moe_tp1", "tp1": "tp1_unchunked"}
+TWINS |= {"sgd": "sgd_unchunked"}
+
+
+def refused(output_dir: Path, *overrides: str) -> list[str]:
+    """The recipe's stderr lines for a run that must exit with status 2 before any rank starts."""
+    command = [sys.executable, "recipes/finetune.py", *COMMON, f"output_dir={output_dir}"]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = cli.run(
+        [*command, *overrides], cwd=REPO, capture_output=True, text=True, env=environment
+    )
+    assert result.returncode == 2, result.stderr[-4000:]
+    return result.stderr.strip().splitlines()
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("lora")
-    layouts = {"tp1": ["tp=1"], "tp2": TP2, "dp2_tp2_sp": ["tp=2", "dp=2", "sp=true"]}
-    layouts |= {"moe_tp1": MOE, "moe_tp2_ep2": [*MOE_TP2_EP2, "checkpoint.every_steps=4"]}
-    for name, overrides in layouts.items():
+    dense = {"tp1": ["tp=1"], "tp2": TP2, "dp2_tp2_sp": ["tp=2", "dp=2", "sp=true"]}
+    dense |= {"tp1_unchunked": [UNCHUNKED]}
+    for name, overrides in dense.items():
+        recipe(root / name, *WITH_HEAD, *overrides)
+    moe = {"moe_tp1": MOE, "moe_tp2_ep2": [*MOE_TP2_EP2, "checkpoint.every_steps=4"]}
+    for name, overrides in moe.items():
         recipe(root / name, *LORA, *overrides)
-    return {name: root / name for name in layouts}
+    (root / "sgd.typo").write_text("\n".join(refused(root / "sgd", *SGD[:-1], TYPO)))
+    recipe(root / "sgd", *SGD, "checkpoint.export=true")  # corrected, into the refused folder
+    recipe(root / "sgd_unchunked", *SGD, UNCHUNKED)
+    alone = [*LORA, "peft.target_modules=[lm_head]", "tp=2", "sp=true", "checkpoint.export=true"]
+    recipe(root / "head_alone", *alone)
+    return {name: root / name for name in [*dense, *moe, "sgd", "sgd_unchunked", "head_alone"]}
 
 
 @pytest.mark.parametrize("name", TWINS)
-def test_parallel_lora_runs_match_tp1_step_by_step(runs, name):
+def test_lora_runs_match_their_twin_step_by_step(runs, name):
+    """Each layout its tp=1 run; the chunked loss the unchunked one, with an adapter on lm_head."""
     reference = metrics(runs[TWINS[name]])
     assert reference[-1]["loss"] < reference[0]["loss"]
     for ours, theirs in zip(metrics(runs[name]), reference, strict=True):
@@ -43,9 +75,37 @@ def test_parallel_lora_runs_match_tp1_step_by_step(runs, name):
         assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
 
 
+def lm_head_B(folder: Path) -> torch.Tensor:
+    return load_file(folder / "adapter" / "adapter_model.safetensors")[
+        "base_model.model.lm_head.lora_B.weight"
+    ]
+
+
+@pytest.mark.parametrize("name", ["sgd", "tp2", "head_alone"])
+def test_an_adapter_on_lm_head_trains_under_the_chunked_loss(runs, name):
+    """B starts at zero: after 6 steps it is not, alone on the head at tp=2 with sp too (B split
+    over the vocabulary as the head), whose loss falls."""
+    assert lm_head_B(runs[name]).abs().amax() > 1e-4
+    if name == "head_alone":
+        config = json.loads((runs[name] / "adapter" / "adapter_config.json").read_text())
+        assert config["target_modules"] == ["lm_head"]
+        records = metrics(runs[name])
+        assert len(records) == 6 and records[-1]["loss"] < records[0]["loss"]
+
+
+def test_a_pattern_that_matches_nothing_is_one_error_line_and_the_corrected_rerun_trains(runs):
+    """The typo was refused into the folder the SGD run then trained in (the fixture's order)."""
+    lines = (runs["sgd"].parent / "sgd.typo").read_text().splitlines()
+    assert lines == [
+        "error: peft.target_modules pattern '*.nothing' matches no module of LlamaForCausalLM: fix "
+        "or remove it (module names such as 'model.layers.0.self_attn.q_proj', 'lm_head')"
+    ]
+    assert len(metrics(runs["sgd"])) == 6
+
+
 def test_resume_at_another_tp_equals_the_uninterrupted_run_with_adapter_state_alone(runs, tmp_path):
     interrupted = tmp_path / "interrupted"
-    recipe(interrupted, *LORA, "tp=2", "checkpoint.every_steps=3", "train.stop_after=3")
+    recipe(interrupted, *WITH_HEAD, "tp=2", "checkpoint.every_steps=3", "train.stop_after=3")
     saved = FileSystemReader(checkpoint_path(interrupted / "checkpoints", 3)).read_metadata()
     state = {k: v for k, v in saved.state_dict_metadata.items() if k.startswith("optim.state.")}
     saved_model = {k: v for k, v in saved.state_dict_metadata.items() if k.startswith("model.")}
@@ -56,7 +116,7 @@ def test_resume_at_another_tp_equals_the_uninterrupted_run_with_adapter_state_al
     assert numel == 2 * sum(v.size.numel() for v in adapters.values())  # AdamW's two moments
     assert len(adapters) < len(saved_model)  # the frozen base is saved too
 
-    resumed = recipe(interrupted, *LORA, "tp=1", "checkpoint.resume=auto")
+    resumed = recipe(interrupted, *WITH_HEAD, "tp=1", "checkpoint.resume=auto")
     uninterrupted = metrics(runs["tp1"])
     for ours, theirs in zip(resumed[3:], uninterrupted[3:], strict=True):
         assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
@@ -121,7 +181,7 @@ def test_adapter_export_loads_with_peft_and_the_merged_export_is_base_plus_scale
 def test_lora_on_a_pretrained_folder_loads_it_on_meta_and_names_it_in_the_adapter(runs, tmp_path):
     folder = runs["tp2"] / "hf"
     pretrained = ["model=pretrained", f"model.pretrained_path={folder}", "checkpoint.export=true"]
-    records = recipe(tmp_path / "pretrained", *LORA, *pretrained, "tp=2", "train.max_steps=2")
+    records = recipe(tmp_path / "pretrained", *WITH_HEAD, *pretrained, "tp=2", "train.max_steps=2")
     assert len(records) == 2
     config = json.loads((tmp_path / "pretrained" / "adapter" / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(folder)

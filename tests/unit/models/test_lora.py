@@ -23,9 +23,7 @@ from components.models.lora import (
 )
 
 PEFT_CONF = OmegaConf.load("conf/peft/lora.yaml")
-OPTIONS = LoraOptions(
-    rank=4, alpha=8.0, dropout=0.0, target_modules=tuple(PEFT_CONF.target_modules)
-)
+OPTIONS = LoraOptions(rank=4, alpha=8.0, dropout=0.0, target_modules=PEFT_CONF.target_modules)
 
 
 EXPERTS = dataclasses.replace(OPTIONS, experts=("model.layers.*.mlp.experts",))
@@ -129,4 +127,25 @@ def test_targets_that_are_not_linear_or_match_nothing_are_refused():
     model = build_causal_lm(tiny_config("llama", vocab_size=96), seed=0)
     assert targeted_linears(model, ("*.q_proj",))[1] == []
     assert "not a linear layer" in targeted_linears(model, ("*.self_attn",))[1][0]
-    assert "match no linear layer" in targeted_linears(model, ("*.nothing",))[1][0]
+    names, problems = targeted_linears(model, ("*.q_proj", "*.nothing"))  # a typo among matches
+    assert names == [f"model.layers.{i}.self_attn.q_proj" for i in range(2)]
+    assert problems == [
+        "peft.target_modules pattern '*.nothing' matches no module of LlamaForCausalLM: fix or "
+        "remove it (module names such as 'model.layers.0.self_attn.q_proj', 'lm_head')"
+    ]
+
+
+def test_null_targets_are_the_projections_the_model_has():
+    """The attention and MLP projections where the model has them: on an MoE model the attention
+    alone (its sparse MLPs have no gate_proj), with no problem for the patterns it lacks."""
+    dense = build_causal_lm(tiny_config("llama", vocab_size=96), seed=0)
+    moe = build_causal_lm(tiny_config("qwen3_moe", vocab_size=96), seed=0)
+    assert targeted_linears(dense, None) == (sorted_linears(dense, "_proj"), [])
+    assert targeted_linears(moe, None) == (sorted_linears(moe, "self_attn."), [])
+    (problem,) = targeted_linears(moe, ("*.mlp.gate_proj",))[1]  # given, it must match
+    assert problem.startswith("peft.target_modules pattern '*.mlp.gate_proj' matches no module")
+
+
+def sorted_linears(model: torch.nn.Module, part: str) -> list[str]:
+    linears = (n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear))
+    return [name for name in linears if part in name and "experts" not in name]

@@ -1,10 +1,11 @@
 """``peft.experts``'s checks, before any rank starts: what per-expert adapters cannot do is one
-problem each, naming what would work."""
+problem each, naming what would work; and what a checkpoint records of the peft settings."""
 
 from components.models import meta_causal_lm, tiny_config
 from components.models.families import FAMILIES
-from components.models.lora import LoRAExperts
+from components.models.lora import PROJECTIONS, LoRAExperts
 from recipes.checks import compose, lora_problems
+from recipes.outputs import peft_info
 from recipes.schema import validate
 
 EXPERTS = FAMILIES["qwen3_moe"].experts
@@ -44,3 +45,14 @@ def test_a_dense_model_or_experts_of_another_form_are_refused():
         "(Qwen3MoeExperts) has biases: LoRA on such experts is not supported: use "
         "peft.experts=false"
     ]
+
+
+def test_null_targets_are_checkpointed_as_the_patterns_they_stand_for():
+    """A run with the default ``peft.target_modules=null`` resumes a checkpoint whose run listed
+    the projections (the default before null), and records a list given as given."""
+    listed = validate(compose(["peft=lora", f"peft.target_modules=[{','.join(PROJECTIONS)}]"]))
+    default = validate(compose(["peft=lora"]))
+    assert default.peft.target_modules is None
+    assert peft_info(default.peft) == peft_info(listed.peft) == listed.peft.model_dump()
+    given = validate(compose(["peft=lora", "peft.target_modules=[lm_head]"])).peft
+    assert peft_info(given)["target_modules"] == ["lm_head"]

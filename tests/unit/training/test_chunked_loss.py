@@ -1,4 +1,5 @@
-"""The chunked head + loss equals the unchunked one at tp=1: losses, gradients within 1e-6 relative.
+"""The chunked head + loss equals the unchunked one at tp=1: losses, gradients within 1e-6 relative,
+with a LoRA adapter on the head too; a head of another kind keeps its own forward.
 
 The reference is what the recipe computed before: ``lm_head`` over the whole micro-batch, then
 ``cross_entropy_sum``. Chunks are small here so that every case spans several, some of them all
@@ -9,9 +10,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from components.distributed.chunked_loss import chunked_cross_entropy_sum
+from components.distributed.chunked_loss import (
+    chunked_cross_entropy_sum,
+    chunks_head,
+    head_weights,
+)
 from components.distributed.tp_plan import cross_entropy_sum
 from components.models import build_causal_lm, tiny_config
+from components.models.lora import LoraOptions, apply_lora, lora_modules
 from components.training.step import evaluate_loss_sum, forward_backward
 
 TOLERANCE = 1e-6
@@ -113,3 +119,61 @@ def test_evaluation_matches_unchunked():
     chunked = evaluate_loss_sum(model, tokens, labels, loss_chunk_tokens=8)
     unchunked = evaluate_loss_sum(model, tokens, labels, loss_chunk_tokens=0)
     assert abs(chunked - unchunked) <= TOLERANCE * chunked
+
+
+def lora_step(chunk: int | None, targets: tuple[str, ...], dropout: float, head=None):
+    """One micro-batch of a tiny Llama with adapters on ``targets`` (their B drawn non-zero, as
+    after training, so the update takes part in the logits), its loss and adapter gradients."""
+    model = build_causal_lm(tiny_config("llama"), seed=0)
+    options = LoraOptions(rank=4, alpha=8.0, dropout=dropout, target_modules=targets)
+    apply_lora(model, options, seed=0)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for _, module in lora_modules(model):
+            module.lora_B.weight.normal_(std=0.05, generator=generator)
+    if head is not None:
+        model.lm_head = head(model.lm_head)
+    tokens, labels = batch(model.config.vocab_size)
+    torch.manual_seed(5)  # the same dropout masks on both paths
+    loss = forward_backward(model, tokens, labels, 50, loss_chunk_tokens=chunk)
+    return loss, {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("targets", [("lm_head",), ("lm_head", "*.q_proj")])
+def test_an_adapted_head_takes_part_in_the_chunked_loss(targets, dropout):
+    """LoRA on ``lm_head``: the chunked loss adds the adapter's scaled B·A·dropout(x) to each
+    chunk's logits, so loss and gradients (the head's adapter's too) equal its own forward's; the
+    dropout masks too, drawn once where the head's forward draws them."""
+    loss, grads = lora_step(8, targets, dropout)
+    reference_loss, reference = lora_step(None, targets, dropout)
+    assert abs(loss - reference_loss) <= TOLERANCE * abs(reference_loss)
+    assert grads.keys() == reference.keys()
+    assert {"lm_head.lora_A.weight", "lm_head.lora_B.weight"} <= grads.keys()
+    assert all(".lora_" in name for name in grads)  # the frozen head weight takes no gradient
+    for name, grad in grads.items():
+        assert grad.abs().sum() > 0, name
+        assert relative(grad, reference[name]) <= TOLERANCE, name
+
+
+class _ScaledHead(torch.nn.Linear):
+    """A head another conversion wrapped (as torchao's Float8Linear subclasses nn.Linear): its
+    forward is not a plain projection, and the chunked loss knows nothing of it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * 2.0
+
+
+def scaled(head: torch.nn.Linear) -> torch.nn.Linear:
+    head.__class__ = _ScaledHead
+    return head
+
+
+def test_a_head_of_another_kind_runs_its_own_forward_unchunked():
+    model = build_causal_lm(tiny_config("llama"), seed=0)
+    assert head_weights(model.lm_head) is not None and chunks_head(model)
+    model.lm_head = scaled(model.lm_head)
+    assert head_weights(model.lm_head) is None and not chunks_head(model)
+    loss, _ = lora_step(8, ("*.q_proj",), 0.0, scaled)
+    assert loss == lora_step(None, ("*.q_proj",), 0.0, scaled)[0]
+    assert loss != lora_step(8, ("*.q_proj",), 0.0)[0]  # the doubled logits did count
