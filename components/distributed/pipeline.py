@@ -87,19 +87,21 @@ def embedding_side_problem(model: nn.Module) -> str | None:
     (:func:`skip_embedding_scale`), run on random hidden states; what comes out must be what went
     in, else every stage would apply it again."""
     decoder = model.get_decoder()
-    stripped = copy.copy(decoder)
-    stripped._modules = dict(decoder._modules)
-    stripped._modules.update(layers=StageLayers(), embed_tokens=None, norm=nn.Identity())
-    probe = copy.deepcopy(stripped).to_empty(device="cpu")  # no layers: a few buffers at most
-    skip_embedding_scale(probe)
-    hidden = torch.randn(1, 4, int(decoder.config.hidden_size))
+    width = model.get_input_embeddings().weight.shape[-1]
+    hidden = torch.randn(1, 4, width)
     try:
+        stripped = copy.copy(decoder)
+        stripped._modules = dict(decoder._modules)
+        stripped._modules.update(layers=StageLayers(), embed_tokens=None, norm=nn.Identity())
+        probe = copy.deepcopy(stripped).to_empty(device="cpu")  # no layers: a few buffers at most
+        skip_embedding_scale(probe)
         with torch.no_grad():
             out = probe(inputs_embeds=hidden, position_ids=torch.arange(4)[None], use_cache=False)
+        passed_on = out.last_hidden_state
     except Exception as error:  # noqa: BLE001 - the refusal says what the decoder raised
         said = f"{type(error).__name__}: {error}".splitlines()[0]
         return f"its decoder does not run on the hidden states of an earlier stage ({said})"
-    if not torch.equal(out.last_hidden_state, hidden):
+    if not torch.equal(passed_on, hidden):
         return "its decoder's forward changes the input embeddings before its first layer"
     return None
 
