@@ -22,7 +22,7 @@ from types import FrameType
 
 from torch.distributed.elastic.multiprocessing import SignalException
 
-from components.runtime.console import start_fresh_line
+from components.runtime.console import print_line
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 # The signals torch elastic's launcher turns into SignalException itself
@@ -53,13 +53,8 @@ def _handle(signum: int, frame: FrameType | None) -> None:
         return
     _requested.append(sigval)
     if forward is not None:
-        start_fresh_line(sys.stderr)  # after a progress bar's partial line
-        print(
-            f"note: {sigval.name}: the ranks finish their step and write a checkpoint of it "
-            "(a second signal stops at once)",
-            file=sys.stderr,
-            flush=True,
-        )
+        note = f"note: {sigval.name}: the ranks finish their step and write a checkpoint of it"
+        print_line(f"{note} (a second signal stops at once)", sys.stderr)
 
 
 def install(forward_to: Callable[[], Iterable[int]] | None = None) -> None:
