@@ -107,6 +107,12 @@ class ReportedExit(SystemExit):
 _LAUNCHER_SAYS = False  # True in a rank launch_local started: its launcher prints fail_once's line
 
 
+def under_torchrun() -> bool:
+    """True in a rank torchrun (or another launcher) started; False in the recipe's own launcher
+    and in the ranks :func:`launch_local` started, though torch elastic sets ``RANK`` there too."""
+    return started_by_launcher() and not _LAUNCHER_SAYS
+
+
 def fail_once(message: str) -> NoReturn:
     """Stop every rank for bad input with one ``error: <message>`` line on a fresh line of stderr:
     every rank exits with status 1 (:class:`ReportedExit`), and the line is printed once, by the
