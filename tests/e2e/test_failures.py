@@ -201,8 +201,10 @@ def torchrun() -> tuple[str, ...]:
     return ("-m", "torch.distributed.run", "--nproc_per_node=2", *rendezvous)
 
 
-# The last rank SIGSTOPs itself at step 4; its heartbeat stops, rank 0 waits in a collective.
-HANG = ["train.max_steps=1000", "debug.fault=stop@4", "hang_timeout_s=6"]
+# The last rank SIGSTOPs itself at step 4 (step 2 saved); its heartbeat stops, rank 0 waits in a
+# collective.
+HANG = ["train.max_steps=1000", "checkpoint.every_steps=2", "hang_timeout_s=6"]
+HANG += ["debug.fault=stop@4"]
 HANG_LINE = (
     r"error: rank 1 made no progress for \d+ s \(hang_timeout_s=6\), at step 4: its process is "
     r"stopped \(pid (\d+)\); rank 0 at step 4, micro-batch 1, waiting in \w+"
@@ -225,6 +227,11 @@ def test_a_stopped_rank_is_found_by_its_heartbeat_and_every_rank_ends(tmp_path, 
     assert_said_on_lines_of_their_own(output_dir.with_suffix(".err").read_bytes(), errors[0])
     assert not alive(int(found.group(1)))  # the stopped rank was killed, not left behind
     assert [record["step"] for record in metrics(output_dir)] == [1, 2, 3]
+    if launcher == "recipe":  # the rerun without the fault continues in the same folder
+        rerun = start_recipe(output_dir, *HANG[:-1], "checkpoint.resume=auto", "train.stop_after=4")
+        assert rerun.wait(timeout=150) == 0, stderr_of(output_dir)[-3000:]
+        assert [record["step"] for record in metrics(output_dir)] == [1, 2, 3, 4]
+        assert "resumed from" in output_dir.with_suffix(".out").read_text()
 
 
 # The launcher's report of a rank that raises, driven directly: launch_local on 2 ranks, rank 1
