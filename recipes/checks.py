@@ -585,6 +585,7 @@ def unread_keys(settings: Config, dims: ParallelDims) -> list[str]:
             f"device_memory_gib={settings.device_memory_gib:g} is read by dry_run=true only "
             "(whether the planned layout fits): this run trains on the device it has"
         )
+    unread += _unread_pipeline_keys(settings, dims)
     if settings.moe.shard_experts and dims.ep == 1:
         unread.append(
             "moe.shard_experts=true changes nothing at ep=1: the experts are not split by expert "
@@ -614,6 +615,19 @@ def unread_keys(settings: Config, dims: ParallelDims) -> list[str]:
                 f"{theirs}): pass --max-restarts={settings.max_restarts} to torchrun"
             )
     return unread
+
+
+def _unread_pipeline_keys(settings: Config, dims: ParallelDims) -> list[str]:
+    """``pp_schedule`` and ``pp_stages_per_rank`` away from their defaults (conf/config.yaml's) at
+    pp=1, which has no pipeline: one line each. A dry run reads them for a pp it suggests."""
+    if dims.pp > 1 or settings.dry_run:
+        return []
+    pipeline = (("pp_schedule", "1f1b"), ("pp_stages_per_rank", 1))
+    return [
+        f"{key}={value} is read with pp > 1 only: this run has pp=1"
+        for key, default in pipeline
+        if (value := getattr(settings, key)) != default
+    ]
 
 
 def _refuse(found: list[Problem]) -> None:

@@ -350,9 +350,9 @@ def _field_hint(loc: tuple) -> str:
     return (info.description or "") if info is not None else ""
 
 
-def describe(error: ValidationError) -> list[str]:
+def describe(error: ValidationError, given: dict | None = None) -> list[str]:
     """One line per wrong key (the first error of each location): the key, its value and what would
-    work."""
+    work; for an item of a list, the whole list as ``given`` holds it and which item is wrong."""
     lines, seen = [], set()
     for item in error.errors():
         loc = tuple(part for part in item["loc"] if isinstance(part, str))
@@ -377,8 +377,26 @@ def describe(error: ValidationError) -> list[str]:
                 f"{dotted} is missing from the config: add it back with +{dotted}=..., {hint}"
             )
         else:
-            lines.append(f"{dotted}={show(item['input'])} is not valid: use {hint or item['msg']}")
+            wrong = _not_valid(item, loc, given or {})
+            lines.append(f"{dotted}={wrong}: use {hint or item['msg']}")
     return lines
+
+
+def _not_valid(item: dict, loc: tuple, given: dict) -> str:
+    """ "VALUE is not valid" of a validation error ``item`` at key ``loc``, the value as written: a
+    wrong item of a list is shown in the list ``given`` holds, and named by its position
+    (``[0, 1] is not valid (its item 1 is 0: ...)``), not as if it were the key's whole value."""
+    path, shown = item["loc"], f"{show(item['input'])} is not valid"
+    if len(path) <= len(loc) or path[: len(loc)] != loc or not isinstance(path[len(loc)], int):
+        return shown
+    whole: Any = given
+    for part in loc:
+        whole = whole.get(part) if isinstance(whole, dict) else None
+    if not isinstance(whole, list):
+        return shown
+    why = item["msg"][:1].lower() + item["msg"][1:]
+    wrong = f"its item {path[len(loc)] + 1} is {show(item['input'])}: {why}"
+    return f"{show(whole)} is not valid ({wrong})"
 
 
 class SchemaError(ValueError):
@@ -430,4 +448,4 @@ def validate(cfg: DictConfig) -> Config:
     try:
         return Config.model_validate(container)
     except ValidationError as error:
-        raise SchemaError("; ".join(describe(error))) from None
+        raise SchemaError("; ".join(describe(error, container))) from None

@@ -213,6 +213,46 @@ def Popen(command, **kwargs):  # noqa: N802 - subprocess's name
     return subprocess.Popen(command, **kwargs)
 
 
+class PipedProcess:
+    """``Popen(command, **kwargs)`` with stdout and stderr pipes, as under ``| tee`` or in a Slurm
+    step, each copied into its file of ``paths`` (stdout's, stderr's) by a thread, byte for byte:
+    ``wait`` returns once the process has ended and every process holding a pipe has closed it,
+    its last bytes in the file. Anything else is the process's (``pid``, ``poll``, ...)."""
+
+    COPIED_WITHIN_S = 60  # after the process ends: its children (ranks) die with it
+
+    def __init__(self, command, paths: tuple[Path, Path], **kwargs):
+        pipes = [os.pipe() for _ in paths]
+        self._copies = [
+            threading.Thread(target=_copy, args=(read, path), daemon=True, name=f"copy {path}")
+            for (read, _), path in zip(pipes, paths, strict=True)
+        ]
+        try:
+            self.process = Popen(command, stdout=pipes[0][1], stderr=pipes[1][1], **kwargs)
+        finally:
+            for _, write in pipes:
+                os.close(write)
+        for copy in self._copies:
+            copy.start()
+
+    def wait(self, timeout: float | None = None) -> int:
+        returncode = self.process.wait(timeout)
+        for copy in self._copies:
+            copy.join(self.COPIED_WITHIN_S)
+            assert not copy.is_alive(), f"a process outlived {self.process.pid} holding its pipe"
+        return returncode
+
+    def __getattr__(self, name: str):
+        return getattr(self.process, name)
+
+
+def _copy(read: int, path: Path) -> None:
+    with open(read, "rb", buffering=0) as pipe, open(path, "wb") as copy:
+        while chunk := pipe.read(1 << 16):
+            copy.write(chunk)
+            copy.flush()
+
+
 def run(command, *, input=None, capture_output=False, text=False, timeout=None, **kwargs):  # noqa: A002
     """``subprocess.run``, warm for ``python script.py ...``: the same result and exceptions."""
     if not _is_warm_command(command, kwargs.get("env")):

@@ -11,7 +11,7 @@ from components.checkpoint.integrity import complete_checkpoints
 from components.checkpoint.writer import CheckpointWriter
 from components.runtime import preemption
 from components.runtime.exit_status import STOPPED_STATUS
-from components.runtime.launch import started_by_launcher
+from components.runtime.launch import under_torchrun
 from components.runtime.problems import say
 
 
@@ -67,7 +67,7 @@ def stop_note(stopped: str, done: int, max_steps: int, checkpoint: Path | None) 
     """The ``note:`` line of a run ``stopped`` by a signal after step ``done``, with the status it
     ends with: :data:`STOPPED_STATUS`, or 0 under torchrun, which would restart ranks that end
     otherwise (``components.runtime.ranks.run_ranks``)."""
-    torchrun = started_by_launcher()
+    torchrun = under_torchrun()
     status = "0 under torchrun, which would restart ranks that end otherwise" if torchrun else ""
     return (
         f"note: stopped by {stopped} after step {done} of {max_steps}: checkpoint {checkpoint}; "

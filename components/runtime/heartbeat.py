@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from components.processes import process_exists
-from components.runtime.console import start_fresh_line
+from components.runtime.console import print_line
 
 # The folder a local launcher shares with its ranks (their pids, errors and beats).
 RANKS_FOLDER = "SHARDTUNE_RANKS_FOLDER"
@@ -264,10 +264,10 @@ def _end_node(hang: Hang | None, folder: Path, interval: float) -> NoReturn:
     except FileExistsError:
         hang = None  # another rank found it first and says so
     if hang is not None:
-        start_fresh_line(sys.stderr)
+        line = f"error: rank {hang.rank} {hang.text}"
         if hang.stack:
-            print(f"where rank {hang.rank}'s main thread waited:\n{hang.stack}", file=sys.stderr)
-        print(f"error: rank {hang.rank} {hang.text}", file=sys.stderr, flush=True)
+            line = f"where rank {hang.rank}'s main thread waited:\n{hang.stack.rstrip()}\n{line}"
+        print_line(line, sys.stderr)
         time.sleep(interval + _ABORT_GRACE_S)
         for stopped in hang.silent:
             with contextlib.suppress(OSError):

@@ -43,7 +43,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from components.processes import die_with_parent
 from components.runtime import preemption
-from components.runtime.console import start_fresh_line
+from components.runtime.console import print_line
 from components.runtime.heartbeat import (
     NODE_FOLDER_PREFIX,
     RANKS_FOLDER,
@@ -107,6 +107,12 @@ class ReportedExit(SystemExit):
 _LAUNCHER_SAYS = False  # True in a rank launch_local started: its launcher prints fail_once's line
 
 
+def under_torchrun() -> bool:
+    """True in a rank torchrun (or another launcher) started; False in the recipe's own launcher
+    and in the ranks :func:`launch_local` started, though torch elastic sets ``RANK`` there too."""
+    return started_by_launcher() and not _LAUNCHER_SAYS
+
+
 def fail_once(message: str) -> NoReturn:
     """Stop every rank for bad input with one ``error: <message>`` line on a fresh line of stderr:
     every rank exits with status 1 (:class:`ReportedExit`), and the line is printed once, by the
@@ -114,8 +120,7 @@ def fail_once(message: str) -> NoReturn:
     rank that lost a peer which left first, prints nothing more), else by rank 0 (``RANK``, 0 when
     unset)."""
     if not _LAUNCHER_SAYS and int(os.environ.get("RANK", "0")) == 0:
-        start_fresh_line(sys.stderr)
-        print(f"error: {message}", file=sys.stderr, flush=True)
+        print_line(f"error: {message}", sys.stderr)
     raise ReportedExit(1, message)
 
 
@@ -522,12 +527,8 @@ def launch_local(
         ) as error:  # this launcher was asked to stop: torch elastic stopped every rank
             if not exit_on_failure:
                 raise
-            start_fresh_line(sys.stderr)
-            print(
-                f"error: stopped by {error.sigval.name}: every rank was terminated",
-                file=sys.stderr,
-                flush=True,
-            )
+            stopped = f"error: stopped by {error.sigval.name}: every rank was terminated"
+            print_line(stopped, sys.stderr)
             raise SystemExit(128 + int(error.sigval)) from None
     _report_failure(failures)
 
@@ -550,8 +551,7 @@ def _report_failure(failures: list[RankExit]) -> NoReturn:
     reported = sorted((exit_ for exit_ in failures if exit_.reported), key=lambda e: e.rank)
     if reported and all(exit_.reported or exit_.consequence for exit_ in failures):
         if reported[0].message is not None:  # None: a torchrun rank 0 said it (ranks.py)
-            start_fresh_line(sys.stderr)
-            print(f"error: {reported[0].message}", file=sys.stderr, flush=True)
+            print_line(f"error: {reported[0].message}", sys.stderr)
         raise SystemExit(1)
     said = {exit_.rank: exit_.message for exit_ in reported if exit_.message}
     failures = [  # a fail_once among other failures: named by its message, no traceback
@@ -561,12 +561,11 @@ def _report_failure(failures: list[RankExit]) -> NoReturn:
         for exit_ in failures
     ]
     line, callstack = describe_rank_failure(failures)
-    start_fresh_line(sys.stderr)
     if callstack:  # a hung rank's: where its main thread waited when it was found
         hung = " made no progress " in line
         what = "where the hung rank waited" if hung else "traceback of the failed rank"
-        print(f"{what}:\n{callstack.rstrip()}", file=sys.stderr)
-    print(line, file=sys.stderr, flush=True)
+        line = f"{what}:\n{callstack.rstrip()}\n{line}"
+    print_line(line, sys.stderr)
     raise SystemExit(1)
 
 

@@ -3,17 +3,18 @@ step.
 
 Every rank calls :func:`install` before its first step. The first such signal only records the
 request (:func:`stop_requested`); the training loop all-reduces it once per step (MAX over the
-ranks, so a signal that reached one rank stops every rank after the same step), writes a checkpoint
-of that step and ends. A second signal ends the process at once: the handler restores the default
-action and re-sends it.
+ranks: a signal to one rank stops every rank after the same step), checkpoints that step and ends.
+A second signal ends the process at once (the default action, re-sent).
 
-The recipe's own launcher (:func:`components.runtime.launch.launch_local`) installs the handler with
-``forward_to``: it passes the first signal on to its ranks and waits for them; a second one is
-passed on too (so the ranks end at once) and then raises torch elastic's ``SignalException`` in the
-launcher. A process forked from the launcher (a rank) inherits the handler and acts as a rank: it
-only records.
+The recipe's own launcher (:func:`components.runtime.launch.launch_local`) installs it with
+``forward_to``: it passes the first signal on to its ranks and waits for them; a second SIGKILLs
+them and raises torch elastic's ``SignalException`` in the launcher. A rank forked from it inherits
+the handler and only records, leaving a repeated signal to its launcher: a signal to the whole
+process group (``timeout``, ``kill -- -PGID``, Slurm signalling every process of a job step)
+reaches it twice, directly and passed on, as one request.
 """
 
+import contextlib
 import os
 import signal
 import sys
@@ -22,7 +23,7 @@ from types import FrameType
 
 from torch.distributed.elastic.multiprocessing import SignalException
 
-from components.runtime.console import start_fresh_line
+from components.runtime.console import print_line
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 # The signals torch elastic's launcher turns into SignalException itself
@@ -39,27 +40,23 @@ _forward: dict[
 def _handle(signum: int, frame: FrameType | None) -> None:
     sigval = signal.Signals(signum)
     forward = _forward.get(os.getpid())
-    if forward is not None:
+    if forward is not None:  # a launcher: the second signal ends its ranks at once
+        passed = signal.SIGKILL if _requested else signum
         for pid in forward():
-            try:
-                os.kill(pid, signum)
-            except ProcessLookupError:
-                pass
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, passed)
     if _requested:  # the second signal: end now
         if forward is not None:
             raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)
+        if os.getppid() in _forward:  # a rank of a launcher that passes signals on (see above)
+            return
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
         return
     _requested.append(sigval)
     if forward is not None:
-        start_fresh_line(sys.stderr)  # after a progress bar's partial line
-        print(
-            f"note: {sigval.name}: the ranks finish their step and write a checkpoint of it "
-            "(a second signal stops at once)",
-            file=sys.stderr,
-            flush=True,
-        )
+        note = f"note: {sigval.name}: the ranks finish their step and write a checkpoint of it"
+        print_line(f"{note} (a second signal stops at once)", sys.stderr)
 
 
 def install(forward_to: Callable[[], Iterable[int]] | None = None) -> None:

@@ -14,17 +14,17 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
+from components.runtime.console import print_line
 from components.runtime.exit_status import INTERRUPTED, INTERRUPTED_STATUS, STOPPED_STATUS
 from components.runtime.launch import (
     ReportedExit,
     join_world,
     keep_cuda_unstarted,
     launch_local,
-    start_fresh_line,
     started_by_launcher,
 )
 from components.runtime.preload import preload
-from components.runtime.problems import ConfigError, fail, say
+from components.runtime.problems import ConfigError, fail, is_rank_zero
 
 Plan = TypeVar("Plan")
 
@@ -38,8 +38,8 @@ def refusals() -> Iterator[None]:
     except ConfigError as error:
         fail(error.problems)
     except KeyboardInterrupt:
-        start_fresh_line(sys.stderr)
-        say(INTERRUPTED, file=sys.stderr, flush=True)
+        if is_rank_zero():  # under torchrun every rank is interrupted
+            print_line(INTERRUPTED, sys.stderr)
         raise SystemExit(INTERRUPTED_STATUS) from None
 
 

@@ -5,8 +5,8 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from components.runtime.launch import start_fresh_line
-from components.runtime.problems import say
+from components.runtime.console import print_line
+from components.runtime.problems import is_rank_zero, say
 
 
 @dataclass(kw_only=True)
@@ -36,8 +36,8 @@ class Sweep:
         if not self.jobs:
             return
         lines, status = sweep_summary(self.jobs)
-        start_fresh_line(sys.stderr)
-        say("\n".join(lines), file=sys.stderr, flush=True)
+        if is_rank_zero():
+            print_line("\n".join(lines), sys.stderr)
         if status:
             raise SystemExit(status)
 

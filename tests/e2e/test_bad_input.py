@@ -535,13 +535,15 @@ def output_dir_of(case: str, root: Path) -> Path:
 def test_a_corrected_rerun_into_a_refused_folder_trains_and_says_what_it_does_not_read(outcomes):
     """One short run stands for every case above (none claimed its folder): the FIFO's, with a data
     file. At cp=2 (FSDP over the cp ranks) ``nan_grad`` strikes and the step is skipped, the keys
-    this layout does not read are each noted once, and FSDP2 warns of no view tensor."""
+    this layout does not read (the pipeline's at pp=1 among them) are each noted once, and FSDP2
+    warns of no view tensor."""
     root = outcomes["a named pipe as data"].root
     folder = output_dir_of("a named pipe as data", root)
     data = ["data=jsonl", f"data.path={root / 'arithmetic.jsonl'}", "data.val_fraction=0"]
     small = ["train.max_steps=3", "train.val_every=0", "train.warmup_steps=1"]
     small += ["train.global_batch_size=4", "train.micro_batch_size=2", "checkpoint.export=false"]
-    unread = ["sp=true", "device_memory_gib=80"]
+    unread = ["sp=true", "device_memory_gib=80", "pp_schedule=interleaved_1f1b"]
+    unread += ["pp_stages_per_rank=2"]
     fault = ["debug.fault=nan_grad@2", "train.on_nonfinite=skip"]
     result = cli.run(
         [sys.executable, "recipes/finetune.py", *data, *small, "cp=2", *unread, *fault,
@@ -552,7 +554,10 @@ def test_a_corrected_rerun_into_a_refused_folder_trains_and_says_what_it_does_no
     notes = [line for line in result.stdout.splitlines() if line.startswith("note: ")]
     sp = "note: sp=true changes nothing at tp=1: sequence parallelism splits the norms' sequence"
     memory = "note: device_memory_gib=80 is read by dry_run=true only (whether the planned layout"
-    assert [sum(note.startswith(start) for note in notes) for start in (sp, memory)] == [1, 1]
+    schedule = "note: pp_schedule=interleaved_1f1b is read with pp > 1 only: this run has pp=1"
+    stages = "note: pp_stages_per_rank=2 is read with pp > 1 only: this run has pp=1"
+    starts = (sp, memory, schedule, stages)
+    assert [sum(note.startswith(start) for note in notes) for start in starts] == [1] * 4, notes
     records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     assert [record.get("skipped", False) for record in records] == [False, True, False]
     assert "view tensor" not in result.stderr and "Warning" not in result.stderr, result.stderr

@@ -44,9 +44,11 @@ def start_recipe(
     *overrides: str,
     env: dict[str, str] | None = None,
     launcher: tuple[str, ...] = (),
+    piped: bool = False,
 ) -> subprocess.Popen:
     """Start the recipe in its own session (process group), its output in files beside
-    ``output_dir``; ``launcher``: ``python -m`` arguments that start it (torchrun's)."""
+    ``output_dir``; ``launcher``: ``python -m`` arguments that start it (torchrun's); ``piped``:
+    its stdout and stderr are pipes (``| tee``, a Slurm step), copied into those files."""
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     # TMPDIR: what a killed launcher leaves in temporary folders (torch elastic's logs, the rank
     # watch's notes) stays under the test's own folder.
@@ -66,8 +68,10 @@ def start_recipe(
         f"output_dir={output_dir}",
         *overrides,
     ]
-    # Files, not pipes: nothing blocks on a full pipe. The child keeps its own copies of the
-    # descriptors.
+    if piped:  # a thread empties each pipe: nothing blocks on a full one
+        paths = (output_dir.with_suffix(".out"), output_dir.with_suffix(".err"))
+        return cli.PipedProcess(command, paths, cwd=REPO, env=environment, start_new_session=True)
+    # Files: nothing blocks on a full pipe. The child keeps its own copies of the descriptors.
     with (
         open(output_dir.with_suffix(".out"), "w") as out,
         open(output_dir.with_suffix(".err"), "w") as err,
@@ -79,6 +83,20 @@ def start_recipe(
 
 def stderr_of(output_dir: Path) -> str:
     return output_dir.with_suffix(".err").read_text()
+
+
+def assert_said_on_lines_of_their_own(output: bytes, *expected: str) -> None:
+    """Each ``error:``, ``note:`` and ``warning:`` in a run's ``output`` (its bytes as written)
+    starts a line, so ``grep '^error:'`` finds it: none is glued to a progress bar's partial line
+    (``... 3/100 [...]error: ...``); and each of ``expected`` starts one of them."""
+    text = output.decode(errors="replace")
+    said = list(re.finditer(r"(?<![\w-])(error|note|warning): ", text))
+    for found in said:
+        start = found.start()
+        assert start == 0 or text[start - 1] == "\n", repr(text[max(0, start - 160) : start + 80])
+    lines = [text[found.start() : text.find("\n", found.start())] for found in said]
+    for line in expected:
+        assert any(said.startswith(line) for said in lines), (line, lines)
 
 
 def run_recipe(output_dir: Path, *overrides: str) -> None:
@@ -160,15 +178,20 @@ def test_a_killed_rank_stops_the_run_and_is_named(tmp_path):
 
 
 def test_a_rank_that_raises_mid_run_stops_the_recipe_and_is_named(tmp_path):
+    """Through pipes (``| tee``), the launcher's lines start lines of their own."""
     output_dir = tmp_path / "run"
-    process = start_recipe(output_dir, "train.max_steps=1000", "debug.fault=raise@3")
+    process = start_recipe(output_dir, "train.max_steps=1000", "debug.fault=raise@3", piped=True)
     try:
         returncode = process.wait(timeout=120)
     finally:
         kill_group(process)
     assert returncode != 0
     last = stderr_of(output_dir).strip().splitlines()[-1]
-    assert last == "error: rank 1 failed: RuntimeError: injected fault (debug.fault=raise@3)", last
+    line = "error: rank 1 failed: RuntimeError: injected fault (debug.fault=raise@3)"
+    assert last == line, last
+    errors = output_dir.with_suffix(".err").read_bytes()
+    assert_said_on_lines_of_their_own(errors, line)
+    assert b"\ntraceback of the failed rank:\n" in errors
     assert [r["step"] for r in metrics(output_dir)] == [1, 2]
 
 
@@ -178,8 +201,10 @@ def torchrun() -> tuple[str, ...]:
     return ("-m", "torch.distributed.run", "--nproc_per_node=2", *rendezvous)
 
 
-# The last rank SIGSTOPs itself at step 4; its heartbeat stops, rank 0 waits in a collective.
-HANG = ["train.max_steps=1000", "debug.fault=stop@4", "hang_timeout_s=6"]
+# The last rank SIGSTOPs itself at step 4 (step 2 saved); its heartbeat stops, rank 0 waits in a
+# collective.
+HANG = ["train.max_steps=1000", "checkpoint.every_steps=2", "hang_timeout_s=6"]
+HANG += ["debug.fault=stop@4"]
 HANG_LINE = (
     r"error: rank 1 made no progress for \d+ s \(hang_timeout_s=6\), at step 4: its process is "
     r"stopped \(pid (\d+)\); rank 0 at step 4, micro-batch 1, waiting in \w+"
@@ -189,7 +214,9 @@ HANG_LINE = (
 @pytest.mark.parametrize("launcher", ["recipe", "torchrun"])
 def test_a_stopped_rank_is_found_by_its_heartbeat_and_every_rank_ends(tmp_path, launcher):
     output_dir = tmp_path / "run"
-    started = start_recipe(output_dir, *HANG, launcher=torchrun() if launcher == "torchrun" else ())
+    started = start_recipe(  # through pipes (``| tee``): the line starts a line of its own
+        output_dir, *HANG, launcher=torchrun() if launcher == "torchrun" else (), piped=True
+    )
     try:
         returncode = started.wait(timeout=150)  # the collective timeout is 10 minutes
     finally:
@@ -197,8 +224,14 @@ def test_a_stopped_rank_is_found_by_its_heartbeat_and_every_rank_ends(tmp_path, 
     assert returncode == 1
     errors = [line for line in stderr_of(output_dir).splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and (found := re.fullmatch(HANG_LINE, errors[0])), errors
+    assert_said_on_lines_of_their_own(output_dir.with_suffix(".err").read_bytes(), errors[0])
     assert not alive(int(found.group(1)))  # the stopped rank was killed, not left behind
     assert [record["step"] for record in metrics(output_dir)] == [1, 2, 3]
+    if launcher == "recipe":  # the rerun without the fault continues in the same folder
+        rerun = start_recipe(output_dir, *HANG[:-1], "checkpoint.resume=auto", "train.stop_after=4")
+        assert rerun.wait(timeout=150) == 0, stderr_of(output_dir)[-3000:]
+        assert [record["step"] for record in metrics(output_dir)] == [1, 2, 3, 4]
+        assert "resumed from" in output_dir.with_suffix(".out").read_text()
 
 
 # The launcher's report of a rank that raises, driven directly: launch_local on 2 ranks, rank 1

@@ -1,8 +1,9 @@
 """Preemption and async checkpoints through the command line (issue 24).
 
-A SIGTERM to the recipe's launcher, or a SIGUSR1 to one of its ranks, stops every rank after the
-same step with a checkpoint of it (here with ``checkpoint.every_steps=0``) and exit status 75;
-resume=auto then reproduces the uninterrupted losses exactly. A second signal ends the run at once.
+A SIGTERM to the recipe's process group (or its launcher), or a SIGUSR1 to one of its ranks, stops
+every rank after the same step with a checkpoint of it (here with ``checkpoint.every_steps=0``) and
+exit status 75; resume=auto then reproduces the uninterrupted losses exactly. A second signal ends
+the run at once.
 A run with ``checkpoint.async=true`` resumes exactly like a synchronous one. No assertion reads the
 clock: a run is waited for by its metrics lines, and the timeouts only bound a hang.
 """
@@ -20,7 +21,14 @@ from components.checkpoint.integrity import MARKER
 from components.runtime.exit_status import STOPPED_STATUS
 from components.runtime.launch import free_port
 from tests import cli
-from tests.e2e.test_failures import COMMON, REPO, run_recipe, start_recipe, stderr_of
+from tests.e2e.test_failures import (
+    COMMON,
+    REPO,
+    assert_said_on_lines_of_their_own,
+    run_recipe,
+    start_recipe,
+    stderr_of,
+)
 
 STEPS = 10
 RUN = [f"train.max_steps={STEPS}", "checkpoint.every_steps=0"]
@@ -71,15 +79,24 @@ def assert_stopped_with_checkpoint(process, output_dir: Path, signal_text: str) 
     return stopped_at
 
 
-def test_sigterm_to_the_launcher_checkpoints_the_step_and_resume_continues_exactly(
+def test_sigterm_to_the_process_group_checkpoints_the_step_and_resume_continues_exactly(
     tmp_path, uninterrupted
 ):
+    """What Slurm and ``timeout`` send: every process of the group (the launcher and each rank)
+    gets the SIGTERM, and each rank gets the launcher's copy too: one stop, not a second signal
+    ending the ranks at once. The notes, through pipes (``| tee``), start lines of their own and
+    say the status the run ends with."""
     output_dir = tmp_path / "run"
-    process = start_recipe(output_dir, *RUN)
+    process = start_recipe(output_dir, *RUN, piped=True)
     wait_for_step(process, output_dir, 4)
-    process.send_signal(signal.SIGTERM)
+    os.killpg(process.pid, signal.SIGTERM)
     stopped_at = assert_stopped_with_checkpoint(process, output_dir, "SIGTERM")
-    assert "note: SIGTERM: the ranks finish their step" in stderr_of(output_dir)
+    stop = f"note: stopped by SIGTERM after step {stopped_at} of {STEPS}: checkpoint "
+    said = ["note: SIGTERM: the ranks finish their step", stop]
+    errors = output_dir.with_suffix(".err").read_bytes()
+    assert_said_on_lines_of_their_own(errors, *said)
+    assert errors.count(b"note: stopped by SIGTERM") == 1 and b"error:" not in errors
+    assert errors.decode().strip().endswith("checkpoint.resume=auto continues (exit status 75)")
 
     run_recipe(output_dir, *RUN, "checkpoint.resume=auto")
     resumed = metrics(output_dir)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from components.runtime.output_dir import run_files
 from components.training.profiler import HOST_SYNC, OPTIMIZER_STEP, host_syncs_per_step
 from tests import cli
 
@@ -100,14 +101,36 @@ def _ours(events: list[dict], step: int) -> int:
     return count
 
 
+def counting(output_dir: Path) -> dict[str, str]:
+    """The environment of a run into ``output_dir`` whose reads READS_LOGGED logs: one site folder
+    for every run, so one warm interpreter (tests/cli.py)."""
+    site = output_dir.parent / "site"
+    path = os.pathsep.join([str(site), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return {"PYTHONPATH": path, "COUNT_REPO": str(REPO), "COUNT_LOG": str(output_dir / "reads.log")}
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory) -> dict:
+    """The two runs of :func:`_profiled` (1 micro-batch of 4 per dp rank; 4 of 1 with sp), the
+    first into the folder a request for step 0 was refused from (that refusal's result too)."""
+    root = tmp_path_factory.mktemp("profiled")
+    (root / "site").mkdir()
+    (root / "site" / "sitecustomize.py").write_text(READS_LOGGED)
+    with ThreadPoolExecutor(2) as pool:  # two at a time: much of a run is its start-up
+        four_times = pool.submit(_profiled, root / "four", micro_batch_size=1, sp=True)
+        step_0 = ["tp=2", "profile.steps=[0,2]"]
+        refused = recipe(root / "once", *step_0, environment=counting(root / "once"))
+        left = run_files(root / "once")
+        once = pool.submit(_profiled, root / "once", micro_batch_size=4, sp=False)
+        results = {"once": once.result(), "four_times": four_times.result()}
+    return results | {"refused": refused, "left": left, "folder": root / "once"}
+
+
 def _profiled(output_dir: Path, micro_batch_size: int, sp: bool) -> tuple[list[int], list[int]]:
     """A tp=2 dp=2 run of 2 steps, step 2 profiled, with READS_LOGGED: per rank (sorted), step 2's
     reads our code made, and its trace's host syncs from our code, once each trace is checked to
     be Chrome trace JSON holding that step alone, the model and the update."""
-    site = output_dir.parent / "site"  # one for both runs: one warm interpreter (tests/cli.py)
     log = output_dir / "reads.log"
-    path = os.pathsep.join([str(site), *filter(None, [os.environ.get("PYTHONPATH")])])
-    counting = {"PYTHONPATH": path, "COUNT_REPO": str(REPO), "COUNT_LOG": str(log)}
     overrides = [
         "tp=2",
         "dp=2",
@@ -116,7 +139,7 @@ def _profiled(output_dir: Path, micro_batch_size: int, sp: bool) -> tuple[list[i
         "profile.steps=[2,2]",
     ]
     overrides.append(f"train.micro_batch_size={micro_batch_size}")
-    result = recipe(output_dir, *overrides, environment=counting)
+    result = recipe(output_dir, *overrides, environment=counting(output_dir))
     assert result.returncode == 0, result.stderr[-4000:]
     folder, traced = output_dir / "profile", []
     assert sorted(path.name for path in folder.iterdir()) == [
@@ -139,7 +162,7 @@ def _profiled(output_dir: Path, micro_batch_size: int, sp: bool) -> tuple[list[i
     return reads, sorted(traced)
 
 
-def test_a_step_reads_the_device_the_same_times_whatever_its_accumulation(tmp_path):
+def test_a_step_reads_the_device_the_same_times_whatever_its_accumulation(profiled):
     """tp=2 dp=2, 8 sequences a step: 1 micro-batch of 4 per dp rank, then 4 of 1 with sequence
     parallelism (its norms' Partial gradients finalised). Our code reads the device OUR_READS times
     in step 2 on each rank either way: the replica sync's presence flags (before its all-reduce, as
@@ -149,13 +172,25 @@ def test_a_step_reads_the_device_the_same_times_whatever_its_accumulation(tmp_pa
     (``tolist`` and ``torch.equal`` run no ``aten::_local_scalar_dense``): TRACED in the trace. Not
     ours, not counted: AdamW's reads of its step counters (CPU tensors, no device wait), and per
     micro-batch torch's vocab-parallel embedding (2) and transformers' packed-sequence check (1)."""
-    (tmp_path / "site").mkdir()
-    (tmp_path / "site" / "sitecustomize.py").write_text(READS_LOGGED)
-    with ThreadPoolExecutor(2) as pool:  # two at a time: much of a run is its start-up
-        once = pool.submit(_profiled, tmp_path / "once", micro_batch_size=4, sp=False)
-        four_times = pool.submit(_profiled, tmp_path / "four", micro_batch_size=1, sp=True)
-        once, four_times = once.result(), four_times.result()
+    once, four_times = profiled["once"], profiled["four_times"]
     assert once == four_times == ([OUR_READS] * 4, [TRACED] * 4), (once, four_times)
+
+
+def test_step_0_is_refused_in_its_list_and_the_corrected_run_profiles_into_that_folder(profiled):
+    """``profile.steps=[0,2]`` is one line naming the list, the wrong step and what works, before
+    anything is claimed: the corrected run (``[2,2]``) then profiles into the same folder."""
+    refused = profiled["refused"]
+    lines = refused.stderr.strip().splitlines()
+    assert refused.returncode == 2 and len(lines) == 1, refused.stderr[-2000:]
+    assert lines[0] == (
+        "error: profile.steps=[0, 2] is not valid (its item 1 is 0: input should be greater than "
+        "or equal to 1): use null (off) or [FIRST, LAST], 1-based steps of the run, e.g. "
+        "profile.steps=[2,3]"
+    )
+    assert profiled["left"] == []  # nothing claimed: the corrected run is not "another run's"
+    folder = profiled["folder"]  # the corrected run's traces and reads are checked in _profiled
+    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    assert [record["step"] for record in records] == [1, 2]
 
 
 @pytest.mark.parametrize(
@@ -163,7 +198,6 @@ def test_a_step_reads_the_device_the_same_times_whatever_its_accumulation(tmp_pa
     [
         (["profile.steps=[2,4]"], "profile.steps=[2,4] goes past the run's last step (3)"),
         (["profile.steps=[3,2]"], "profile.steps=[3,2] is not a range"),
-        (["profile.steps=[0,2]"], "profile.steps=0 is not valid: use null (off) or [FIRST, LAST]"),
         pytest.param(
             ["profile.memory=true", "profile.steps=[1,2]"],
             "profile.memory=true is a CUDA memory snapshot: not supported on the CPU",

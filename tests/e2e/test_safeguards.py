@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from tests import cli
+from tests.e2e.test_failures import assert_said_on_lines_of_their_own
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = [
@@ -22,15 +23,23 @@ SMALL = [
 ]
 
 
+def command(output_dir: Path, *overrides: str) -> list[str]:
+    return [sys.executable, "recipes/finetune.py", *SMALL, f"output_dir={output_dir}", *overrides]
+
+
 def run(output_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
-    command = [
-        sys.executable,
-        "recipes/finetune.py",
-        *SMALL,
-        f"output_dir={output_dir}",
-        *overrides,
-    ]
-    return cli.run(command, cwd=REPO, capture_output=True, text=True, timeout=180)
+    return cli.run(
+        command(output_dir, *overrides), cwd=REPO, capture_output=True, text=True, timeout=180
+    )
+
+
+def run_piped(output_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """``run`` with stdout and stderr pipes (``| tee``, a Slurm step); its output as bytes."""
+    paths = (Path(f"{output_dir}.out"), Path(f"{output_dir}.err"))
+    process = cli.PipedProcess(command(output_dir, *overrides), paths, cwd=REPO)
+    returncode = process.wait(timeout=180)
+    out, err = (path.read_bytes() for path in paths)
+    return subprocess.CompletedProcess(process.args, returncode, out, err)
 
 
 def metrics(output_dir: Path) -> list[dict]:
@@ -74,11 +83,14 @@ def test_without_faults_every_replica_is_bitwise_identical_at_the_end(tmp_path):
 
 
 def test_a_run_with_most_steps_skipped_fails_without_exporting(tmp_path):
+    """Through pipes (``| tee``): its error line starts a line of its own."""
     # lr 1e38: after the first update every grad norm is non-finite, so 9 of 10 steps are skipped
     skip = ["train.on_nonfinite=skip", "optim.lr=1e38", "train.max_steps=10"]
-    result = run(tmp_path, *skip, "checkpoint.export=true")
-    assert result.returncode == 1, result.stderr[-2000:]
-    last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: 9 of 10 steps were skipped as non-finite"), result.stderr[-2000:]
-    assert "hf/ was not exported" in last and "done:" not in result.stdout
-    assert not (tmp_path / "hf").exists() and len(metrics(tmp_path)) == 10
+    result = run_piped(tmp_path / "run", *skip, "checkpoint.export=true")
+    stderr = result.stderr.decode()
+    assert result.returncode == 1, stderr[-2000:]
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("error: 9 of 10 steps were skipped as non-finite"), stderr[-2000:]
+    assert "hf/ was not exported" in last and b"done:" not in result.stdout
+    assert_said_on_lines_of_their_own(result.stderr, last)
+    assert not (tmp_path / "run" / "hf").exists() and len(metrics(tmp_path / "run")) == 10

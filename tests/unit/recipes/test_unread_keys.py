@@ -67,3 +67,16 @@ def test_a_fp8_recipe_without_fp8_is_noted(local):
     assert unread(["train.fp8_recipe=rowwise"]) == [
         "train.fp8_recipe=rowwise is read with train.precision=fp8 only: this run has none"
     ]
+
+
+def test_pipeline_keys_at_pp_1_are_noted_one_line_each(local):
+    assert unread(["pp_schedule=interleaved_1f1b", "pp_stages_per_rank=2"]) == [
+        "pp_schedule=interleaved_1f1b is read with pp > 1 only: this run has pp=1",
+        "pp_stages_per_rank=2 is read with pp > 1 only: this run has pp=1",
+    ]
+    assert unread(["pp_schedule=gpipe"], 2, tp=2) == [
+        "pp_schedule=gpipe is read with pp > 1 only: this run has pp=1"
+    ]
+    assert unread(["pp=2", "pp_schedule=gpipe"], 2, pp=2) == []
+    # a dry run may suggest a pp, and prices its schedule
+    assert unread(["dry_run=true", "pp_schedule=interleaved_1f1b", "pp_stages_per_rank=2"]) == []
