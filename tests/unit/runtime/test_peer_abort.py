@@ -50,7 +50,7 @@ def test_a_survivor_aborts_and_ends_once_its_launcher_notes_a_failed_peer(tmp_pa
 
 def _failing_rank(folder: str) -> None:
     (Path(folder) / "0.started.2").write_text("")  # a rank of the third attempt
-    (Path(folder) / "0.pid").write_text(str(os.getpid()))
+    launch._write_atomically(Path(folder) / "0.pid", str(os.getpid()))  # as ranks write it
     os._exit(3)
 
 
