@@ -1,9 +1,11 @@
-"""This process and its neighbours on the host: die with the parent, and whether a pid exists.
+"""This process and its neighbours on the host: die with the parent, whether a pid exists and
+whether it is alive.
 Below every layer: a rank's launcher and the data preparation's workers both use them."""
 
 import ctypes
 import os
 import signal
+from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1  # from <sys/prctl.h>
 
@@ -32,3 +34,15 @@ def process_exists(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists on this host and has not ended: a zombie (ended, not yet
+    reaped by its parent; Linux's ``/proc`` tells) counts as ended."""
+    if not process_exists(pid):
+        return False
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:  # no /proc here (alive, as far as can be told), or it was reaped just now
+        return process_exists(pid)
+    return fields[:1] != ["Z"]

@@ -239,6 +239,20 @@ def _state_dict(
     return {"model": model_state, "optim": optimizer_state}
 
 
+def _settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """The optimizer's settings (lr, momentum, weight decay, ...) per param group, without the
+    group's parameters: what every rank holds alike in any layout, where a pipeline stage's group
+    lists only that stage's parameters."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def _apply_settings(optimizer: torch.optim.Optimizer, settings: list[dict[str, Any]]) -> None:
+    """Put ``settings`` (one per param group, as :func:`_settings` gives them; a ``params`` entry,
+    which checkpoints before this layout-free form held, is ignored) into ``optimizer``'s groups."""
+    for group, setting in zip(optimizer.param_groups, settings, strict=True):
+        group.update({k: v for k, v in setting.items() if k != "params"})
+
+
 def _trainer_state_text(step, optimizer, scheduler, extra, world_size, run_id, run_info) -> str:
     stateless = not optimizer.state
     return dumps_state(
@@ -250,9 +264,9 @@ def _trainer_state_text(step, optimizer, scheduler, extra, world_size, run_id, r
             "run_info": dict(run_info or {}),
             "scheduler": None if scheduler is None else scheduler.state_dict(),
             "extra": dict(extra or {}),
-            # Without per-parameter state, the plain state dict is only hyperparameters (lr, ...):
-            # tiny.
-            "optimizer": optimizer.state_dict() if stateless else None,
+            # Without per-parameter state, the optimizer is only its settings (lr, ...): tiny, and
+            # without parameter indices, which differ between pipeline stages and layouts.
+            "optimizer": {"param_groups": _settings(optimizer)} if stateless else None,
         }
     )
 
@@ -407,7 +421,7 @@ def load_checkpoint(
     trainer_state = read_trainer_state(path)
     state = _state_dict(model, optimizer, model_only=trainer_state["optimizer"] is not None)
     # this run's optimizer settings (optim.lr, weight_decay, ...): the loaded groups carry the saved
-    settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    settings = _settings(optimizer)
     try:
         dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
     except (
@@ -427,10 +441,9 @@ def load_checkpoint(
         )
     else:
         set_model_state_dict(model, state["model"], options=_OPTIONS)
-        optimizer.load_state_dict(trainer_state["optimizer"])
+        _apply_settings(optimizer, trainer_state["optimizer"]["param_groups"])
     if scheduler is not None and trainer_state["scheduler"] is not None:
-        for group, setting in zip(optimizer.param_groups, settings, strict=True):
-            group.update(setting)
+        _apply_settings(optimizer, settings)
         _continue_schedule(scheduler, trainer_state["scheduler"])  # at its step, on this schedule
     _restore_rng(path, rank, world_size, trainer_state["world_size"])
     return {**trainer_state["extra"], "step": trainer_state["step"]}  # the cross-checked step

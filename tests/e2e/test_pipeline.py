@@ -4,9 +4,9 @@ GPipe with SGD on a tiny Qwen3; pp=2 × dp=2 1F1B with AdamW (4 ranks), pp=4 1F1
 stage per rank, the embedding and the head each on a stage of one layer), pp=2 interleaved with 2
 stages per rank, pp=2 × tp=2 with sp (4 ranks), pp=2 with peft=lora and pp=2 with tied
 embeddings on a tiny Llama of 4 layers, each with validation every 2 steps (its val_loss the
-twin's too); and checkpoints across
-layouts, pp=2 × dp=2 → one process and one process → pp=2; and the Hugging Face export of the
-pipelined Qwen3 holds the same tensors as its twin's.
+twin's too); checkpoints across layouts with AdamW and with SGD, pp=2 (× dp=2) → one process
+and one process → pp=2 × tp=2; and the Hugging Face export of the pipelined Qwen3 holds the
+same tensors as its twin's.
 
 The runs are made once (a module fixture) and shared by the tests.
 """
@@ -34,11 +34,17 @@ STEP_2 = "checkpoints/step_00000002"
 LLAMA = "model.config.num_hidden_layers=4"  # 4 stages' worth (the embedding and head weigh one)
 TIED = "model.config.tie_word_embeddings=true"  # the first and the last stage share the weight
 RUNS = {  # name -> overrides
-    "qwen3_gpipe": ["model=qwen3", "optim=sgd", "pp=2", "pp_schedule=gpipe"],
+    "qwen3_gpipe": [
+        "model=qwen3",
+        "optim=sgd",
+        "pp=2",
+        "pp_schedule=gpipe",
+        "checkpoint.every_steps=2",
+    ],
     "qwen3_twin": ["model=qwen3", "optim=sgd"],
     "1f1b_dp": [LLAMA, "pp=2", "dp=2", "checkpoint.every_steps=2"],
     "1f1b_pp4": [LLAMA, "pp=4", "optim=sgd"],
-    "twin_sgd": [LLAMA, "optim=sgd"],
+    "twin_sgd": [LLAMA, "optim=sgd", "checkpoint.every_steps=2"],
     "twin": [LLAMA, "checkpoint.every_steps=2"],
     "interleaved": [LLAMA, "pp=2", "pp_schedule=interleaved_1f1b", "pp_stages_per_rank=2"],
     "tp_sp": [LLAMA, "pp=2", "tp=2", "sp=true"],
@@ -47,7 +53,17 @@ RUNS = {  # name -> overrides
     "tied": [LLAMA, "pp=2", "optim=sgd", TIED],
     "tied_twin": [LLAMA, "optim=sgd", TIED],
     "pp2_to_pp1": [LLAMA, "checkpoint.resume={out}/1f1b_dp/" + STEP_2],
-    "pp1_to_pp2": [LLAMA, "pp=2", "checkpoint.resume={out}/twin/" + STEP_2],
+    "pp1_to_pp2_tp2": [LLAMA, "pp=2", "tp=2", "checkpoint.resume={out}/twin/" + STEP_2],
+    # SGD keeps no per-parameter state: only its settings travel, which a stage's optimizer
+    # must not tie to that stage's parameters
+    "sgd_pp2_to_pp1": ["model=qwen3", "optim=sgd", "checkpoint.resume={out}/qwen3_gpipe/" + STEP_2],
+    "sgd_pp1_to_pp2_tp2": [
+        LLAMA,
+        "optim=sgd",
+        "pp=2",
+        "tp=2",
+        "checkpoint.resume={out}/twin_sgd/" + STEP_2,
+    ],
 }
 
 
@@ -120,9 +136,17 @@ def test_validation_through_the_stages_equals_one_process(runs):
         assert val_losses(layout) == pytest.approx(twin, rel=1e-5), layout
 
 
-@pytest.mark.parametrize("resumed", ["pp2_to_pp1", "pp1_to_pp2"])
-def test_a_checkpoint_resumes_at_another_pp(curves, resumed):
-    assert_same(curves[resumed], curves["twin"][2:], steps=(3, 4))
+@pytest.mark.parametrize(
+    ("resumed", "twin"),
+    [
+        ("pp2_to_pp1", "twin"),
+        ("pp1_to_pp2_tp2", "twin"),
+        ("sgd_pp2_to_pp1", "qwen3_twin"),
+        ("sgd_pp1_to_pp2_tp2", "twin_sgd"),
+    ],
+)
+def test_a_checkpoint_resumes_at_another_pp(curves, resumed, twin):
+    assert_same(curves[resumed], curves[twin][2:], steps=(3, 4))
 
 
 def test_the_adapter_of_a_pipelined_lora_run_is_its_twins(runs):

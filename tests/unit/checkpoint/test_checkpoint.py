@@ -93,6 +93,25 @@ def test_resume_is_exact(tmp_path, steps_before_save, optimizer_name):
     assert ([step(*fresh) for _ in range(2)], draws()) == continued
 
 
+def test_a_stateless_optimizer_resumes_over_other_parameters(tmp_path):
+    """A pipeline stage's optimizer holds only its stage's parameters, and rank 0 writes the
+    optimizer of a stateless SGD: a stage's checkpoint loads into an optimizer over the whole
+    model (pp=2 to pp=1), and the whole's into a stage's, at the schedule's lr."""
+    model = build_causal_lm(CONFIG, seed=0)
+    stage = torch.optim.SGD(list(model.parameters())[:2], lr=0.5)
+    stage_scheduler = LambdaLR(stage, lambda step: min(1.0, (step + 1) / 4))
+    step(model, stage, stage_scheduler)
+    save_checkpoint(tmp_path, 1, model, stage, stage_scheduler)
+    whole = trainer(seed=1, optimizer_name="sgd")
+    assert load_checkpoint(checkpoint_path(tmp_path, 1), *whole) == {"step": 1}
+    assert whole[1].param_groups[0]["lr"] == stage.param_groups[0]["lr"] == 0.25
+    assert all(map(torch.equal, whole[0].state_dict().values(), model.state_dict().values()))
+    step(*whole)
+    save_checkpoint(tmp_path, 2, *whole)
+    load_checkpoint(checkpoint_path(tmp_path, 2), model, stage, stage_scheduler)
+    assert stage.param_groups[0]["lr"] == 0.375
+
+
 def test_latest_ignores_tmp_and_unmarked_folders(tmp_path):
     assert (
         find_resumable(tmp_path / "missing").path is None

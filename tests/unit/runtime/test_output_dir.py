@@ -4,6 +4,7 @@ the user's files."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 
 from components.checkpoint.dcp import publish_folder
 from components.checkpoint.manifest import foreign_files
+from components.processes import process_alive
 from components.runtime.output_dir import (
     RUN_FILE,
     OutputDirError,
@@ -54,6 +56,54 @@ def test_a_second_run_is_refused_naming_the_holder(tmp_path):
         assert json.loads(lock.path.read_text())["pid"] == os.getpid()
     with OutputDirLock(tmp_path / "run"):  # released on exit, so taken again
         pass
+
+
+# A launcher that takes the lock, forks a rank (which inherits it, as the recipe's forked ranks
+# do) that lingers for argv[2] seconds, and ends at once: a killed run whose rank is still exiting.
+LINGERING_RANK = """
+import os, sys, time
+from components.runtime.output_dir import lock_output_dir
+lock_output_dir(sys.argv[1])
+rank = os.fork()
+if rank == 0:
+    time.sleep(float(sys.argv[2]))
+    os._exit(0)
+print(rank, flush=True)
+"""
+
+
+def launcher_with_a_lingering_rank(folder: Path, linger_s: float) -> tuple[int, int]:
+    """(the ended launcher's pid, its rank's pid, still alive and holding the lock)."""
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LINGERING_RANK, str(folder), str(linger_s)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    rank = int(launcher.stdout.readline())
+    assert launcher.wait() == 0
+    assert process_alive(rank)
+    return launcher.pid, rank
+
+
+def test_a_lock_whose_launcher_ended_is_taken_once_its_ranks_exit(tmp_path):
+    launcher, rank = launcher_with_a_lingering_rank(tmp_path / "run", linger_s=1.0)
+    with OutputDirLock(tmp_path / "run") as lock:  # refused at once before: "in use by another run"
+        assert not process_alive(rank)
+        assert json.loads(lock.path.read_text())["pid"] == os.getpid() != launcher
+
+
+def test_a_lock_held_on_after_its_launcher_ended_is_refused_naming_it(tmp_path):
+    launcher, rank = launcher_with_a_lingering_rank(tmp_path / "run", linger_s=120.0)
+    try:
+        with pytest.raises(
+            OutputDirError,
+            match=rf"^output_dir {tmp_path / 'run'} is still held by processes of a run whose "
+            rf"launcher \(pid {launcher} on {os.uname().nodename}, started .*\) has ended",
+        ):
+            OutputDirLock(tmp_path / "run", ended_holder_wait_s=0.2).acquire()
+    finally:
+        os.kill(rank, signal.SIGKILL)
 
 
 def fill_with_a_run(folder: Path) -> None:
