@@ -85,6 +85,21 @@ def test_llama_3_70b_at_tp8_dp8_is_planned_on_this_machine(tmp_path):
     assert sorted(path.name for path in output_dir.iterdir()) == ["plan.json"]
 
 
+def test_the_plan_is_for_the_widest_micro_batch_the_data_makes(tmp_path):
+    """The embedded examples are a few dozen tokens: the recipe pads a micro-batch to its longest
+    row, so seq 512 is planned as that many positions, the same plan as a seq_len of exactly
+    that (apart from each process's own runtime)."""
+    plan, stdout, _ = dry_run(tmp_path / "long", shape={}, layout=["train.seq_len=512"])
+    positions = plan["batch_positions"]
+    assert plan["seq_len"] == 512 and 0 < positions < 512 and positions % 8 == 0
+    assert f"pads a micro-batch to {positions} positions at most" in stdout
+    again, _, _ = dry_run(tmp_path / "short", shape={}, layout=[f"train.seq_len={positions}"])
+    assert again["batch_positions"] == positions
+    for name, value in plan["per_rank_gib"].items():
+        if name not in ("runtime", "total"):
+            assert value == pytest.approx(again["per_rank_gib"][name], rel=1e-9), name
+
+
 def test_a_layout_that_does_not_fit_gets_the_smallest_change_and_that_change_fits(tmp_path):
     tight = ["train.micro_batch_size=2", "train.global_batch_size=16", "device_memory_gib=40"]
     tight.append(FULL_ROWS)
