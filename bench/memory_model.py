@@ -7,15 +7,18 @@ Each configuration runs twice through the real command line, one after the other
 The shape is the issue's: a Llama built from its config with hidden 768, 8 layers, seq 1024,
 micro-batch 4 (no accumulation), tp 1 and 2 × activation checkpointing none and full × fp32 and
 bf16-mixed. The data is a JSONL file written here of records longer than ``seq_len``, so every row
-is full (the plan's tokens are micro-batch × seq_len). ``OMP_NUM_THREADS=1``; malloc as the recipe
-sets it (``components/runtime/malloc.py``: glibc's tcache and fast bins off, so the RSS reads as the
-live bytes); ``--malloc glibc``: glibc's own defaults (``GLIBC_TUNABLES`` naming a default value, so
-the recipe leaves them), whose freed heap blocks stay resident beside the live ones;
-``--malloc fixed``: glibc's mmap threshold fixed at 64 KiB (``MALLOC_MMAP_THRESHOLD_``), the live
-bytes exactly. Every output under a temporary folder. Goal: predicted within 20 % of measured,
-every row.
+is full (the plan's tokens are micro-batch × seq_len); ``--data embedded``: the recipe's own
+embedded data instead (no ``data=`` override, as a first run has it), whose rows are a few dozen
+tokens, so the recipe pads a micro-batch to far fewer positions (the plan's ``batch_positions``).
+``OMP_NUM_THREADS=1``; malloc as the recipe sets it (``components/runtime/malloc.py``: glibc's
+tcache and fast bins off, so the RSS reads as the live bytes); ``--malloc glibc``: glibc's own
+defaults (``GLIBC_TUNABLES`` naming a default value, so the recipe leaves them), whose freed heap
+blocks stay resident beside the live ones; ``--malloc fixed``: glibc's mmap threshold fixed at
+64 KiB (``MALLOC_MMAP_THRESHOLD_``), the live bytes exactly. Every output under a temporary folder.
+Goal: predicted within 20 % of measured, every row.
 
     .venv/bin/python bench/memory_model.py [--only 1:fp32:none,2:bf16-mixed:full] [--steps 3]
+    .venv/bin/python bench/memory_model.py --data embedded --malloc glibc
     .venv/bin/python bench/memory_model.py --speed 3 --steps 6 --only 1:fp32:none [--malloc fixed]
 
 ``--speed N``: what a malloc setting costs in speed (``--malloc``'s against glibc's defaults): per
@@ -70,15 +73,17 @@ def write_records(path: Path, records: int = 48, words: int = 2500) -> None:
             file.write(json.dumps({"prompt": f"Continue {index}:", "response": text}) + "\n")
 
 
-def overrides(data: Path, tp: int, precision: str, checkpointing: str, steps: int) -> list[str]:
-    """The recipe's command-line overrides of one configuration (dry run and real run alike)."""
+def overrides(
+    data: Path | None, tp: int, precision: str, checkpointing: str, steps: int
+) -> list[str]:
+    """The recipe's command-line overrides of one configuration (dry run and real run alike);
+    ``data`` None: the embedded data."""
     model = [f"model.config.{key}={value}" for key, value in MODEL.items()]
     return [
         "model=llama",
         *model,
         f"tp={tp}",
-        "data=jsonl",
-        f"data.path={data}",
+        *(["data=jsonl", f"data.path={data}"] if data is not None else []),
         "train.seq_len=1024",
         "train.micro_batch_size=4",
         "train.global_batch_size=4",
@@ -103,13 +108,14 @@ def recipe(arguments: list[str], log: Path, malloc: dict | None = None) -> None:
         )
 
 
-def measure(folder: Path, data: Path, config: tuple, steps: int, malloc: dict) -> dict:
+def measure(folder: Path, data: Path | None, config: tuple, steps: int, malloc: dict) -> dict:
     """One configuration: the plan's per-rank figures, then the measured peaks of a real run."""
     tp, precision, checkpointing = config
     name = f"tp{tp}_{precision}_{checkpointing}"
     arguments = overrides(data, *config, steps)
     plan_dir, run_dir = folder / f"{name}_plan", folder / f"{name}_run"
-    recipe([*arguments, "dry_run=true", f"output_dir={plan_dir}"], folder / f"{name}_plan.log")
+    plan_arguments = [*arguments, "dry_run=true", f"output_dir={plan_dir}"]
+    recipe(plan_arguments, folder / f"{name}_plan.log", malloc)  # as a user would: both alike
     plan = json.loads((plan_dir / "plan.json").read_text())
     started = time.perf_counter()
     recipe([*arguments, f"output_dir={run_dir}"], folder / f"{name}_run.log", malloc)
@@ -122,6 +128,7 @@ def measure(folder: Path, data: Path, config: tuple, steps: int, malloc: dict) -
         "checkpointing": checkpointing,
         "predicted_gib": predicted,
         "measured_gib": measured,
+        "batch_positions": plan["batch_positions"],
         "ratio": predicted / measured,
         "peaks_per_step": peaks,
         "per_rank_gib": plan["per_rank_gib"],
@@ -130,7 +137,9 @@ def measure(folder: Path, data: Path, config: tuple, steps: int, malloc: dict) -
     }
 
 
-def speed(folder: Path, data: Path, config: tuple, steps: int, times: int, malloc: str) -> dict:
+def speed(
+    folder: Path, data: Path | None, config: tuple, steps: int, times: int, malloc: str
+) -> dict:
     """Median tokens/s (steps after the first) of ``times`` runs per allocator, alternated."""
     rates: dict[str, list[float]] = {malloc: [], "glibc": []}
     for repetition in range(times):
@@ -148,15 +157,16 @@ def speed(folder: Path, data: Path, config: tuple, steps: int, times: int, mallo
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| tp | precision | checkpointing | predicted GiB | measured GiB | predicted ÷ measured "
-        "| within 20 % |",
-        "|---|---|---|---|---|---|---|",
+        "| tp | precision | checkpointing | positions planned | predicted GiB | measured GiB "
+        "| predicted ÷ measured | within 20 % |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         verdict = "**PASS**" if abs(row["ratio"] - 1) <= TOLERANCE else "MISS"
         lines.append(
             f"| {row['tp']} | {row['precision']} | {row['checkpointing']} "
-            f"| {row['predicted_gib']:.3f} | {row['measured_gib']:.3f} | {row['ratio']:.3f} "
+            f"| {row['batch_positions']} | {row['predicted_gib']:.3f} "
+            f"| {row['measured_gib']:.3f} | {row['ratio']:.3f} "
             f"| {verdict} |"
         )
     return "\n".join(lines)
@@ -172,6 +182,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--json", type=Path, help="also write the rows here")
     parser.add_argument("--malloc", choices=sorted(MALLOC), default="recipe")
+    parser.add_argument("--data", choices=("long", "embedded"), default="long")
     parser.add_argument("--speed", type=int, metavar="N", help="N speed runs per allocator")
     args = parser.parse_args()
     malloc = MALLOC[args.malloc]
@@ -181,14 +192,14 @@ def main() -> None:
         configs = [(int(tp), precision, mode) for tp, precision, mode in wanted]
     print(
         f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}; load average: {_load()}; "
-        f"malloc: {args.malloc} {malloc}"
+        f"malloc: {args.malloc} {malloc}; data: {args.data}"
     )
     rows = []
     with tempfile.TemporaryDirectory(prefix="memory_model_") as temporary:
         folder = Path(temporary)
         write_records(folder / "records.jsonl")
+        data = folder / "records.jsonl" if args.data == "long" else None
         for config in configs if args.speed else []:
-            data = folder / "records.jsonl"
             result = speed(folder, data, config, args.steps, args.speed, args.malloc)
             chosen, glibc = result["median"][args.malloc], result["median"]["glibc"]
             print(
@@ -199,7 +210,7 @@ def main() -> None:
         if args.speed:
             return
         for config in configs:
-            rows.append(measure(folder, folder / "records.jsonl", config, args.steps, malloc))
+            rows.append(measure(folder, data, config, args.steps, malloc))
             row = rows[-1]
             print(
                 f"  {config}: predicted {row['predicted_gib']:.3f} measured "

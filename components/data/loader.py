@@ -293,10 +293,7 @@ class StepBatches:
     def _width(self, rows: list[int]) -> int:
         """Positions of a micro-batch of ``rows``: ``seq_len``, or its longest row rounded up to a
         multiple of ``pad_multiple`` (causal attention keeps every real token's result the same)."""
-        if self.pad_multiple is None:
-            return self.seq_len
-        longest = int(self.rows.tokens[rows].max())
-        return min(self.seq_len, -(-longest // self.pad_multiple) * self.pad_multiple)
+        return batch_width(int(self.rows.tokens[rows].max()), self.seq_len, self.pad_multiple)
 
     def indices_for_step(self, step: int) -> list[int]:
         """Row indices of the whole global batch of ``step`` (0-based), in order; dp parts are
@@ -350,6 +347,23 @@ class StepBatches:
                 "raise data.val_fraction or use more data"
             )
         return self._batches(list(range(self.dp_rank * part_size, (self.dp_rank + 1) * part_size)))
+
+
+def batch_width(longest: int, seq_len: int, pad_multiple: int | None) -> int:
+    """Positions of a micro-batch whose longest row has ``longest`` tokens: ``seq_len`` without
+    ``pad_multiple``, else ``longest`` rounded up to a multiple of it, at most ``seq_len``."""
+    if pad_multiple is None:
+        return seq_len
+    return min(seq_len, -(-longest // pad_multiple) * pad_multiple)
+
+
+def widest_batch(split: TokenizedSplit, pad_multiple: int | None) -> int:
+    """Positions of the widest micro-batch any step of ``split`` can make (its longest row's, as
+    :func:`batch_width` pads it): what the dry run plans a micro-batch's tokens for."""
+    with np.load(split.rows_file) as arrays:
+        rows = Rows.load_from(arrays, split.part)
+    longest = int(rows.tokens.max()) if len(rows.tokens) else split.seq_len
+    return batch_width(longest, split.seq_len, pad_multiple)
 
 
 def open_splits(

@@ -25,6 +25,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+from components.data.loader import widest_batch
 from components.distributed.mesh import ParallelDims, build_device_mesh
 from components.distributed.pipeline import rank_share, rank_stages
 from components.models.conversion import convert_model
@@ -228,7 +229,7 @@ def _step(plan) -> Step:
     runtime = current_memory_gib("cpu") if plan.device_type == "cpu" else 0.0
     moments = moments_of(plan.optim.target, plan.optim.options())
     return Step(
-        seq_len=train.seq_len,
+        seq_len=widest_batch(plan.data.train, plan.pad_multiple),
         global_batch_size=train.global_batch_size,
         precision=train.precision,
         sequence_parallel=plan.model.sequence_parallel,
@@ -280,6 +281,7 @@ def dry_run(plan, fail: Callable[[str], NoReturn]) -> dict:
         "world_size": dims.world_size,
         "layout": {**asdict(layout), "sp": plan.model.sequence_parallel},
         "seq_len": train.seq_len,
+        "batch_positions": step.seq_len,  # the widest micro-batch the data makes
         "precision": train.precision,
         "per_rank_gib": {row: getattr(estimate, row) for row in ROWS},
         "detail_gib": estimate.detail,
@@ -334,8 +336,14 @@ def format_plan(result: dict) -> str:
         f"micro-batch {layout['micro_batch_size']} "
         f"× seq {result['seq_len']}, {result['precision']}, activation checkpointing "
         f"{layout['activation_checkpointing']}",
-        "per rank (GiB, the busiest rank):",
     ]
+    positions = result["batch_positions"]
+    if positions < result["seq_len"]:
+        lines.append(
+            f"  the data's longest row pads a micro-batch to {positions} positions at most: "
+            "planned for that"
+        )
+    lines.append("per rank (GiB, the busiest rank):")
     lines += [f"  {row:<12}{result['per_rank_gib'][row]:>10.3f}" for row in ROWS]
     detail = result["detail_gib"].items()
     lines += [f"    {name:<34}{value:>8.3f}" for name, value in detail if value]

@@ -45,7 +45,7 @@ class Layout:
 class Step:
     """What does not change between layouts: the sequence, the precision and the optimizer."""
 
-    seq_len: int
+    seq_len: int  # positions of the widest micro-batch: train.seq_len, or the data's longest row's
     global_batch_size: int
     precision: str  # fp32 | bf16-mixed | bf16 | fp8
     sequence_parallel: bool

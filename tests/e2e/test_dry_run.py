@@ -30,6 +30,9 @@ LLAMA_3_70B = {
 }
 LAYOUT = ["tp=8", "dp=8", "sp=true", "train.seq_len=8192", "train.micro_batch_size=1"]
 LAYOUT += ["train.global_batch_size=8", "train.precision=bf16-mixed"]
+# the embedded data's examples are short: packed, its rows are 8,192 tokens, as a real job's (the
+# dry run plans for the widest micro-batch the data makes)
+FULL_ROWS = "train.packing=true"
 LLAMA_3_1_405B = LLAMA_3_70B | {"hidden_size": 16384, "num_hidden_layers": 126}
 LLAMA_3_1_405B |= {"intermediate_size": 53248, "num_attention_heads": 128}
 PIPELINE = ["pp=8", "tp=8", "dp=16", *LAYOUT[2:], "train.global_batch_size=256"]
@@ -66,7 +69,8 @@ def dry_run(
 def test_llama_3_70b_at_tp8_dp8_is_planned_on_this_machine(tmp_path):
     output_dir = tmp_path / "plan"
     full = "train.activation_checkpointing=full"
-    plan, stdout, peak_rss = dry_run(output_dir, full, "device_memory_gib=80", rss=True)
+    plan, stdout, peak_rss = dry_run(output_dir, full, FULL_ROWS, "device_memory_gib=80", rss=True)
+    assert plan["batch_positions"] == 8192
     assert peak_rss < 4 * GIB
     per_rank = plan["per_rank_gib"]
     assert set(per_rank) >= {"params", "grads", "optimizer", "activations", "buffers", "total"}
@@ -81,8 +85,24 @@ def test_llama_3_70b_at_tp8_dp8_is_planned_on_this_machine(tmp_path):
     assert sorted(path.name for path in output_dir.iterdir()) == ["plan.json"]
 
 
+def test_the_plan_is_for_the_widest_micro_batch_the_data_makes(tmp_path):
+    """The embedded examples are a few dozen tokens: the recipe pads a micro-batch to its longest
+    row, so seq 512 is planned as that many positions, the same plan as a seq_len of exactly
+    that (apart from each process's own runtime)."""
+    plan, stdout, _ = dry_run(tmp_path / "long", shape={}, layout=["train.seq_len=512"])
+    positions = plan["batch_positions"]
+    assert plan["seq_len"] == 512 and 0 < positions < 512 and positions % 8 == 0
+    assert f"pads a micro-batch to {positions} positions at most" in stdout
+    again, _, _ = dry_run(tmp_path / "short", shape={}, layout=[f"train.seq_len={positions}"])
+    assert again["batch_positions"] == positions
+    for name, value in plan["per_rank_gib"].items():
+        if name not in ("runtime", "total"):
+            assert value == pytest.approx(again["per_rank_gib"][name], rel=1e-9), name
+
+
 def test_a_layout_that_does_not_fit_gets_the_smallest_change_and_that_change_fits(tmp_path):
     tight = ["train.micro_batch_size=2", "train.global_batch_size=16", "device_memory_gib=40"]
+    tight.append(FULL_ROWS)
     plan, stdout, _ = dry_run(tmp_path / "tight", *tight)
     assert plan["fits"] is False
     change = plan["suggestion"]["change"]

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from components.data.generated import generate_examples
 from components.data.jsonl import DataError
-from components.data.loader import StepBatches
+from components.data.loader import StepBatches, widest_batch
 from components.data.prepare import (
     data_cache_dir,
     prepare_data,
@@ -87,6 +87,17 @@ def test_split_and_batches_are_those_of_the_records_in_memory(tokenizer_dir, tmp
         torch.equal(a.input_ids, b.input_ids)
         for a, b in zip(val_opened, val_memory.all_batches(), strict=True)
     )
+
+
+def test_widest_batch_is_the_widest_micro_batch_an_epoch_of_steps_makes(tokenizer_dir, tmp_path):
+    """What the dry run plans a micro-batch's positions for: with a pad multiple, the longest row
+    rounded up (here shorter than seq_len); without one, seq_len."""
+    prepared = prepare(SOURCE, tokenizer_dir, tmp_path)
+    opened = StepBatches.open(prepared.train, 4, 2, dp_size=1, dp_rank=0, seed=0, pad_multiple=8)
+    steps = range(opened.num_rows // 4 + 1)  # an epoch: every row in some micro-batch
+    widths = [b.input_ids.shape[1] for step in steps for b in opened.batches_for_step(step)]
+    assert widest_batch(prepared.train, 8) == max(widths) < 48
+    assert widest_batch(prepared.train, None) == 48
 
 
 def test_split_indices_are_seeded_disjoint_and_complete():
