@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from components.distributed.replicas.flat_buffers import local_tensor
 from components.distributed.tp_plan import cross_entropy_sum
 
 # torch.distributed.pipelining's schedule classes by name: one stage per rank, or several
@@ -82,19 +83,15 @@ def end_at_hidden_states(model: nn.Module) -> None:
 
 def embedding_side_problem(model: nn.Module) -> str | None:
     """Why a stage after the first would change the hidden states it is handed before its first
-    layer (None when it would not): ``model``'s decoder (a meta model's is enough), its layers,
-    embedding and final norm removed and its embedding scale made neutral
-    (:func:`skip_embedding_scale`), run on random hidden states; what comes out must be what went
-    in, else every stage would apply it again."""
-    decoder = model.get_decoder()
+    layer (None when it would not): ``model``'s decoder (a meta model's is enough) as a middle
+    stage without layers runs it (:func:`stage_view`: no embedding, no final norm, its embedding
+    scale neutral), on random hidden states; what comes out must be what went in, else every
+    stage would apply it again."""
     width = model.get_input_embeddings().weight.shape[-1]
     hidden = torch.randn(1, 4, width)
     try:
-        stripped = copy.copy(decoder)
-        stripped._modules = dict(decoder._modules)
-        stripped._modules.update(layers=StageLayers(), embed_tokens=None, norm=nn.Identity())
-        probe = copy.deepcopy(stripped).to_empty(device="cpu")  # no layers: a few buffers at most
-        skip_embedding_scale(probe)
+        stage = stage_view(model, range(0), first=False, last=False)  # a middle stage, no layers
+        probe = copy.deepcopy(stage.get_decoder()).to_empty(device="cpu")  # a few buffers at most
         with torch.no_grad():
             out = probe(inputs_embeds=hidden, position_ids=torch.arange(4)[None], use_cache=False)
         passed_on = out.last_hidden_state
@@ -164,15 +161,24 @@ def keep_stage(model: nn.Module, layers: list[int], first: bool, last: bool) -> 
     for index in layers:
         kept.add_module(str(index), decoder.layers[index])
     decoder.layers = kept
-    decoder.config = stage_config(model.config, layers)
     if not first:
         decoder.embed_tokens = None
-        skip_embedding_scale(decoder)
     if not last:
         decoder.norm = nn.Identity()
         model.lm_head = nn.Identity()
-        end_at_hidden_states(model)
+    _run_as_stage(model, decoder, layers, first, last)
     return model
+
+
+def _run_as_stage(model: nn.Module, decoder: nn.Module, layers, first: bool, last: bool) -> None:
+    """What makes ``model`` (or a view of it) with ``decoder`` compute its stage and no more: the
+    decoder reads its ``layers``' per-layer settings (:func:`stage_config`), skips its embedding
+    scale unless ``first``, and unless ``last`` the model ends at the hidden states."""
+    decoder.config = stage_config(model.config, list(layers))
+    if not first:
+        skip_embedding_scale(decoder)
+    if not last:
+        end_at_hidden_states(model)
 
 
 class StageModule(nn.Module):
@@ -255,10 +261,8 @@ class Pipeline:
     def __call__(self, run, plan, step: int) -> torch.Tensor:
         """The step function: step ``step``'s micro-batches of ``run.data`` (a ``StepBatches``),
         stacked, through :meth:`forward_backward`. ``plan``: unused, the signature's."""
-        batches = run.data.batches_for_step(step)
-        names = ("input_ids", "labels", "position_ids")
-        stacked = [torch.cat([getattr(batch, name) for batch in batches]) for name in names]
-        tensors = [tensor.to(run.device) for tensor in stacked]
+        stacked = _stacked(run.data.batches_for_step(step))
+        tensors = [tensor.to(run.device) for tensor in stacked.values()]
         return self.forward_backward(*tensors, run.data.labels_in_step(step))
 
     def forward_backward(
@@ -317,13 +321,17 @@ class Pipeline:
         return loss_sum
 
 
+def _stacked(batches: list) -> dict[str, torch.Tensor]:
+    """``batches``' ``input_ids``, ``labels`` and ``position_ids``, each stacked in order (the
+    schedule splits them back into micro-batches)."""
+    names = ("input_ids", "labels", "position_ids")
+    return {name: torch.cat([getattr(batch, name) for batch in batches]) for name in names}
+
+
 def _filled_rows(batches: list, rows: int, pad_id: int) -> dict[str, torch.Tensor]:
     """``batches``' tensors stacked and filled to ``rows`` rows: ``pad_id`` tokens, no labels
     (-100), positions from 0."""
-    stacked = {
-        name: torch.cat([getattr(batch, name) for batch in batches])
-        for name in ("input_ids", "labels", "position_ids")
-    }
+    stacked = _stacked(batches)
     missing, width = rows - stacked["input_ids"].shape[0], stacked["input_ids"].shape[1]
     if missing == 0:
         return stacked
@@ -377,20 +385,17 @@ class TiedEmbedding:
 
     @torch.no_grad()
     def sum_gradient(self) -> None:
-        grad, weight = self.weight.grad, self.weight
-        if isinstance(grad, DTensor) and grad.placements != weight.placements:
-            grad = grad.redistribute(weight.device_mesh, weight.placements)  # a vocab-parallel
-            weight.grad = grad  # embedding's gradient comes whole: its own rows, as the head's
-        local = grad.to_local() if isinstance(grad, DTensor) else grad
-        dist.all_reduce(local, group=self.group)
+        weight = self.weight
+        if isinstance(weight.grad, DTensor) and weight.grad.placements != weight.placements:
+            # a vocab-parallel embedding's gradient comes whole: its own rows, as the head's
+            weight.grad = weight.grad.redistribute(weight.device_mesh, weight.placements)
+        dist.all_reduce(local_tensor(weight.grad), group=self.group)
         if not self.first:
-            self.weight.grad = None
+            weight.grad = None
 
     @torch.no_grad()
     def share_weight(self) -> None:
-        weight = self.weight
-        local = weight.to_local() if isinstance(weight, DTensor) else weight
-        dist.broadcast(local, src=self.source, group=self.group)
+        dist.broadcast(local_tensor(self.weight), src=self.source, group=self.group)
 
 
 def rank_stages(rank: int, ranks: int, stages_per_rank: int) -> list[int]:
@@ -429,15 +434,11 @@ def stage_view(model: nn.Module, layers: range, first: bool, last: bool) -> nn.M
     for index in layers:
         kept.add_module(str(index), decoder.layers._modules[str(index)])
     inner._modules["layers"] = kept
-    inner.config = stage_config(model.config, list(layers))
     inner._modules["embed_tokens"] = decoder.embed_tokens if first else None
     inner._modules["norm"] = decoder.norm if last else nn.Identity()
     view._modules["lm_head"] = model.lm_head if last else nn.Identity()
     view._modules[next(n for n, m in model.named_children() if m is decoder)] = inner
-    if not first:
-        skip_embedding_scale(inner)
-    if not last:
-        end_at_hidden_states(view)
+    _run_as_stage(view, inner, layers, first, last)
     return view
 
 

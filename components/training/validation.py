@@ -34,6 +34,11 @@ def validation_loss(
         totals[0] += evaluate_loss_sum(model, *tensors, compute, loss_chunk_tokens, cp)
         totals[1] += batch.labelled_tokens() if cp is None or cp.rank == 0 else 0
     model.train()
+    return _mean_over(totals, dp_group)
+
+
+def _mean_over(totals: torch.Tensor, dp_group: dist.ProcessGroup) -> float:
+    """The loss sum over the token count (``totals``), each summed over ``dp_group`` first."""
     dist.all_reduce(totals, group=dp_group)
     return (totals[0] / totals[1]).item()
 
@@ -56,11 +61,10 @@ def pipeline_validation_loss(
     """:func:`validation_loss` through a pipeline's stages (``pipeline``: this rank's
     ``Pipeline``, ``model`` its kept stages): every validation row once, forward only, the same
     mean on every rank."""
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
     model.eval()
     micro_batches = [batch.to(device) for batch in batches.all_batches()]
-    loss_sum = pipeline.evaluate(micro_batches, batches.micro_batch_size, batches.pad_id)
+    totals[0] += pipeline.evaluate(micro_batches, batches.micro_batch_size, batches.pad_id)
     model.train()
-    tokens = float(sum(batch.labelled_tokens() for batch in micro_batches))
-    totals = torch.stack([loss_sum, torch.tensor(tokens, dtype=torch.float64, device=device)])
-    dist.all_reduce(totals, group=dp_group)
-    return (totals[0] / totals[1]).item()
+    totals[1] += sum(batch.labelled_tokens() for batch in micro_batches)
+    return _mean_over(totals, dp_group)
