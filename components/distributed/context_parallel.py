@@ -16,7 +16,8 @@ a model use it. Plain torch collectives: gloo and NCCL alike. Design notes: docs
 
 import copy
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -122,17 +123,40 @@ class CpShard:
     group: dist.ProcessGroup
 
     def model_inputs(self) -> dict:
-        """Keyword arguments of the model's forward. ``cp_group`` and ``cp_layout`` reach
-        :func:`context_parallel_attention` through the layers' kwargs; the attention mask is a
-        4D placeholder, which transformers passes on as given (each layer builds its own)."""
+        """Keyword arguments of the model's forward, run inside :func:`running`; the attention
+        mask is a 4D placeholder, which transformers passes on as given (each layer builds its
+        own)."""
         placeholder = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.input_ids.device)
         return {
             "input_ids": self.input_ids,
             "position_ids": self.position_ids,
             "attention_mask": placeholder,
-            "cp_group": self.group,
-            "cp_layout": self.layout,
         }
+
+
+# The shard whose forward and backward are running: a module global, not a context variable, so
+# that activations recomputed in the backward on an autograd device thread see it too.
+_RUNNING: list[CpShard] = []
+
+
+@contextmanager
+def running(shard: CpShard | None) -> Iterator[None]:
+    """Run ``shard``'s forward and backward in this block (None: no cp, nothing to do). Raises
+    RuntimeError if no attention layer computed it: the model's attention does not go through
+    transformers' attention interface, and each rank would have attended to its own tokens."""
+    if shard is None:
+        yield
+        return
+    _RUNNING.append(shard)
+    try:
+        yield
+    finally:
+        _RUNNING.pop()
+    if not shard.layout.masks:  # filled by the first layer that computed the shard
+        raise RuntimeError(
+            "context parallelism: no attention layer of the model went through transformers' "
+            "attention interface, so no rank saw the others' keys"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -208,19 +232,18 @@ def context_parallel_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
-    cp_group: dist.ProcessGroup | None = None,
-    cp_layout: CpLayout | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """This rank's queries over every cp rank's keys and values (gathered when ``cp_group`` is
-    given, with this layer's mask from ``cp_layout``; without them, the mask transformers built).
-    SDPA, or the model's own eager attention where the layer asks for what SDPA cannot do:
+    """This rank's queries over every cp rank's keys and values (gathered while a shard is
+    :func:`running`, with this layer's mask from its layout; without one, the mask transformers
+    built). SDPA, or the model's own eager attention where the layer asks for what SDPA cannot do:
     logit softcapping (``softcap``, Gemma 2) or attention sinks (``s_aux``, GPT-OSS)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if cp_group is not None:
-        key, value = gather_sequence(key, cp_group), gather_sequence(value, cp_group)
-        attention_mask = cp_layout.mask(module.config, module.layer_idx)
+    if _RUNNING:
+        shard = _RUNNING[-1]
+        key, value = gather_sequence(key, shard.group), gather_sequence(value, shard.group)
+        attention_mask = shard.layout.mask(module.config, module.layer_idx)
     if kwargs.get("softcap") is None and kwargs.get("s_aux") is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     eager = sys.modules[type(module).__module__].eager_attention_forward
@@ -230,13 +253,23 @@ def context_parallel_attention(
     return eager(module, query, key, value, attention_mask, **kwargs)
 
 
-def attention_problems(config, cp: int) -> list[str]:
-    """What context parallelism (``cp`` > 1) cannot run of this model's attention, one message
-    each: layers transformers builds no attention mask for (linear attention, unknown layer
-    types) and the bidirectional overlay of ``use_bidirectional_attention``, which its mask
-    functions do not describe."""
+def attention_problems(config, cp: int, model: nn.Module) -> list[str]:
+    """What context parallelism (``cp`` > 1) cannot run of ``model``'s attention (a meta model
+    will do), one message each: attention that does not go through transformers' attention
+    interface (its modeling module never reads ``ALL_ATTENTION_FUNCTIONS``: GPT-J, XGLM), layers
+    transformers builds no attention mask for (linear attention, unknown layer types) and the
+    bidirectional overlay of ``use_bidirectional_attention``, which its mask functions do not
+    describe."""
     if cp == 1:
         return []
+    modeling = sys.modules[type(model).__module__]
+    if not hasattr(modeling, "ALL_ATTENTION_FUNCTIONS"):
+        kind = config.model_type
+        return [
+            f"cp={cp} with model type '{kind}' is not supported: its attention does not go "
+            "through transformers' attention interface, which context parallelism replaces: "
+            "use cp=1"
+        ]
     functions = layer_mask_functions(config, torch.arange(4)[None])
     text, found = config.get_text_config(), []
     if functions is None or isinstance(functions, dict) and None in functions.values():

@@ -21,37 +21,42 @@ from components.distributed.chunked_loss import (
     head_weights,
     lm_head_skipped,
 )
-from components.distributed.context_parallel import ContextParallel
+from components.distributed.context_parallel import ContextParallel, CpShard, running
 from components.distributed.tp_plan import cross_entropy_sum
 
 
-def _losses(
-    model: nn.Module,
+def _model_inputs(
     input_ids: torch.Tensor,
     labels: torch.Tensor,
     position_ids: torch.Tensor | None,
-    chunk_tokens: int | None,
-    cp: ContextParallel | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The summed token loss (of this cp rank's tokens under ``cp``), and the model's
-    load-balancing loss when its config asks for one.
-
-    ``chunk_tokens`` > 0: the model's forward stops at the hidden states, and the head and the loss
-    run that many tokens at a time (``components.distributed.chunked_loss``) for the families it
-    applies to; 0 or None: the whole micro-batch's logits, then ``cross_entropy_sum``."""
+    cp: ContextParallel | None,
+) -> tuple[dict, torch.Tensor, CpShard | None]:
+    """The model's keyword arguments, the labels the loss reads, and this rank's :class:`CpShard`
+    under ``cp`` (its share of the tokens, its targets already shifted over the whole sequence)."""
     # Position ids are always explicit: under sequence parallelism the model sees a shard of the
     # sequence and would derive them from the shard's length. No attention mask: padding is on the
     # right and masked out of the labels, which causal attention allows, and a mask would hide
     # packed examples' boundaries.
-    # No cache: Hugging Face looks for restarting positions (packed examples) only when there is
-    # none.
     if position_ids is None:
         batch, seq = input_ids.shape
         position_ids = torch.arange(seq, device=input_ids.device).expand(batch, seq)
-    inputs, shifted = {"input_ids": input_ids, "position_ids": position_ids}, cp is not None
-    if cp is not None:  # this rank's share, its targets shifted over the whole sequence
-        shard = cp.shard(input_ids, labels, position_ids)
-        inputs, labels = shard.model_inputs(), shard.targets
+    if cp is None:
+        return {"input_ids": input_ids, "position_ids": position_ids}, labels, None
+    shard = cp.shard(input_ids, labels, position_ids)
+    return shard.model_inputs(), shard.targets, shard
+
+
+def _losses(
+    model: nn.Module, inputs: dict, labels: torch.Tensor, shifted: bool, chunk_tokens: int | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The summed token loss of ``labels`` (``shifted``: already the targets, as under cp), and the
+    model's load-balancing loss when its config asks for one.
+
+    ``chunk_tokens`` > 0: the model's forward stops at the hidden states, and the head and the loss
+    run that many tokens at a time (``components.distributed.chunked_loss``) for the families it
+    applies to; 0 or None: the whole micro-batch's logits, then ``cross_entropy_sum``."""
+    # No cache: Hugging Face looks for restarting positions (packed examples) only when there is
+    # none.
     if chunk_tokens and chunks_head(model):
         with lm_head_skipped(model) as head:
             outputs = model(**inputs, use_cache=False)
@@ -95,10 +100,11 @@ def forward_backward_on_device(
     and loss (``train.loss_chunk_tokens``; see ``_losses``). ``cp``: this rank's context-parallel
     group; the gradients are then summed over it as over dp (FSDP over dp × cp).
     """
-    tensors = (input_ids, labels, position_ids)
-    with loss_parallel():  # the backward of a vocab-parallel loss must run inside it too
+    inputs, labels, shard = _model_inputs(input_ids, labels, position_ids, cp)
+    # the backward of a vocab-parallel loss, and of a cp shard, must run inside them too
+    with loss_parallel(), running(shard):
         with compute or nullcontext():
-            loss_sum, aux_loss = _losses(model, *tensors, loss_chunk_tokens, cp)
+            loss_sum, aux_loss = _losses(model, inputs, labels, cp is not None, loss_chunk_tokens)
         objectives = [loss_sum / global_tokens]
         if aux_loss_weight and aux_loss is not None:
             objectives.append(aux_loss * aux_loss_weight)
@@ -125,6 +131,7 @@ def evaluate_loss_sum(
 ) -> float:
     """Summed token loss of one batch, without gradients (``compute``, ``loss_chunk_tokens``,
     ``cp``: as in :func:`forward_backward`)."""
-    tensors = (input_ids, labels, position_ids)
-    with loss_parallel(), compute or nullcontext():
-        return _whole(_losses(model, *tensors, loss_chunk_tokens, cp)[0]).item()
+    inputs, labels, shard = _model_inputs(input_ids, labels, position_ids, cp)
+    with loss_parallel(), running(shard), compute or nullcontext():
+        loss_sum = _losses(model, inputs, labels, cp is not None, loss_chunk_tokens)[0]
+    return _whole(loss_sum).item()

@@ -1,6 +1,7 @@
 """Context parallelism runs each layer's attention as the model's config asks: real tiny Gemma 3
 (layers alternating sliding window 8 and full), Gemma 2 (alternating, attention logit softcapping
-1.0, eager) and GPT-OSS (alternating, attention sinks, eager) train 3 steps at cp=2 on two gloo
+1.0, eager), GPT-OSS (alternating, attention sinks, eager) and Nemotron (whose decoder layers drop
+the keyword arguments the model's forward is given) train 3 steps at cp=2 on two gloo
 ranks exactly as in one process (loss and grad norm within 1e-5 relative, SGD and AdamW, fp32),
 on packed rows (seq 64) whose documents cross the cp chunks. GPT-OSS on unpacked rows: its forward
 builds its masks without the position ids, so in one process its packed documents attend to each
@@ -13,7 +14,13 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from transformers import AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, GptOssConfig
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
+    GptOssConfig,
+    NemotronConfig,
+)
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from components.distributed.context_parallel import (
@@ -29,11 +36,13 @@ from tests.harness import mesh
 BATCH, SEQ, STEPS, VOCAB = 2, 64, 3, 128
 SIZES = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "head_dim": 8}
 SIZES |= {"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": VOCAB}
+DENSE = dict(SIZES)  # every layer full attention
 SIZES |= {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]}
 CONFIGS = {
     "gemma3": lambda: Gemma3TextConfig(**SIZES, attn_implementation="sdpa"),
     "gemma2": lambda: Gemma2Config(**SIZES, attn_logit_softcapping=1.0),
     "gpt_oss": lambda: GptOssConfig(**SIZES, num_local_experts=2, num_experts_per_tok=1),
+    "nemotron": lambda: NemotronConfig(**DENSE, attn_implementation="sdpa"),
 }
 OPTIMIZERS = {"sgd": (torch.optim.SGD, {"lr": 0.5}), "adamw": (torch.optim.AdamW, {"lr": 3e-3})}
 

@@ -1,7 +1,10 @@
 """The cp key's checks: one problem per bad value, each naming what would work."""
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM, GPTJConfig, LlamaConfig
 
+from components.distributed.context_parallel import CpLayout, CpShard, attention_problems, running
 from components.distributed.mesh import resolve_parallel_dims
 from recipes.checks import check_sizes, compose, pad_multiple
 from recipes.schema import SchemaError, validate
@@ -51,3 +54,36 @@ def test_micro_batches_are_padded_to_whole_chunks():
     assert pad_multiple(False, resolve_parallel_dims(4, cp=4)) == 8
     assert pad_multiple(False, resolve_parallel_dims(3, cp=3)) == 24
     assert pad_multiple(True, resolve_parallel_dims(8, tp=2, cp=4)) == 16
+
+
+@pytest.mark.parametrize(("config", "refused"), [(GPTJConfig, True), (LlamaConfig, False)])
+def test_attention_outside_transformers_interface_is_refused(config, refused):
+    """GPT-J computes its attention itself: context parallelism, which replaces the interface's
+    function, would leave each rank attending to its own tokens only."""
+    small = config(n_layer=1, num_hidden_layers=1, vocab_size=64)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(small)
+    found = attention_problems(small, 2, model)
+    assert found == (
+        [
+            "cp=2 with model type 'gptj' is not supported: its attention does not go through "
+            "transformers' attention interface, which context parallelism replaces: use cp=1"
+        ]
+        if refused
+        else []
+    )
+
+
+def test_a_shard_no_attention_layer_computed_is_an_error():
+    positions = torch.arange(8)
+    layout = CpLayout(queries=positions[:4], keys=positions, position_ids=positions[None])
+    shard = CpShard(
+        input_ids=positions[None, :4],
+        targets=positions[None, :4],
+        position_ids=positions[None, :4],
+        layout=layout,
+        group=None,
+    )
+    with pytest.raises(RuntimeError, match="no attention layer of the model went through"):
+        with running(shard):
+            pass
