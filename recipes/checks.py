@@ -406,7 +406,7 @@ def plan_problems(
     if experts and dims.cp > 1:
         moe = f"cp={dims.cp} with an MoE model (model={model.name}) is not supported yet: use cp=1"
         found.append(Problem(key="cp", message=moe))
-    found += problems("cp", attention_problems(config, dims.cp, meta))
+    found += problems("cp", attention_problems(config, dims.cp))
     if dims.tp > 1:
         found += checked_plan(settings, dims, config, meta)[1] if plan_found is None else plan_found
         found += with_tp_suggestion(problems("tp", tp_size_errors(config, dims.tp)), config)

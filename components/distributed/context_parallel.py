@@ -253,17 +253,27 @@ def context_parallel_attention(
     return eager(module, query, key, value, attention_mask, **kwargs)
 
 
-def attention_problems(config, cp: int, model: nn.Module) -> list[str]:
-    """What context parallelism (``cp`` > 1) cannot run of ``model``'s attention (a meta model
-    will do), one message each: attention that does not go through transformers' attention
-    interface (its modeling module never reads ``ALL_ATTENTION_FUNCTIONS``: GPT-J, XGLM), layers
+def _uses_attention_interface(config) -> bool:
+    """Whether the causal LM class of ``config`` computes attention through transformers'
+    attention interface: its modeling module reads ``ALL_ATTENTION_FUNCTIONS`` (GPT-J's and XGLM's
+    do not). A config no causal LM class maps to: True (the model is refused elsewhere)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    return model_class is None or hasattr(
+        sys.modules[model_class.__module__], "ALL_ATTENTION_FUNCTIONS"
+    )
+
+
+def attention_problems(config, cp: int) -> list[str]:
+    """What context parallelism (``cp`` > 1) cannot run of this model's attention, one message
+    each: attention that does not go through transformers' attention interface (GPT-J, XGLM), layers
     transformers builds no attention mask for (linear attention, unknown layer types) and the
     bidirectional overlay of ``use_bidirectional_attention``, which its mask functions do not
     describe."""
     if cp == 1:
         return []
-    modeling = sys.modules[type(model).__module__]
-    if not hasattr(modeling, "ALL_ATTENTION_FUNCTIONS"):
+    if not _uses_attention_interface(config):
         kind = config.model_type
         return [
             f"cp={cp} with model type '{kind}' is not supported: its attention does not go "
