@@ -193,6 +193,11 @@ def test_a_rank_that_raises_mid_run_stops_the_recipe_and_is_named(tmp_path):
     assert_said_on_lines_of_their_own(errors, line)
     assert b"\ntraceback of the failed rank:\n" in errors
     assert [r["step"] for r in metrics(output_dir)] == [1, 2]
+    # The corrected rerun (no fault) into the same folder, with the choice the folder's refusal
+    # names for a run without a checkpoint: it replaces the failed run's files and trains.
+    rerun = start_recipe(output_dir, "train.max_steps=3", "overwrite_output_dir=true")
+    assert rerun.wait(timeout=150) == 0, stderr_of(output_dir)[-3000:]
+    assert [r["step"] for r in metrics(output_dir)] == [1, 2, 3]
 
 
 def torchrun() -> tuple[str, ...]:

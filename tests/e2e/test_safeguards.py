@@ -94,3 +94,11 @@ def test_a_run_with_most_steps_skipped_fails_without_exporting(tmp_path):
     assert "hf/ was not exported" in last and b"done:" not in result.stdout
     assert_said_on_lines_of_their_own(result.stderr, last)
     assert not (tmp_path / "run" / "hf").exists() and len(metrics(tmp_path / "run")) == 10
+    # The corrected rerun (the default learning rate) into the same folder replaces the failed
+    # run's files, trains every step and exports.
+    fixed = ["train.on_nonfinite=skip", "train.max_steps=10", "overwrite_output_dir=true"]
+    result = run(tmp_path / "run", *fixed, "checkpoint.export=true")
+    assert result.returncode == 0, result.stderr[-2000:]
+    records = metrics(tmp_path / "run")
+    assert len(records) == 10 and not any(record.get("skipped") for record in records)
+    assert list((tmp_path / "run" / "hf").glob("*.safetensors")), result.stdout[-2000:]
