@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 import transformers
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
@@ -246,15 +247,19 @@ def compare(
 
 
 def own_first_loss(folder: Path, cache: Path) -> float:
-    """The Hugging Face model's own loss (``labels=``) on the recipe's first batch, built from
-    ``folder`` as the recipe builds it (with the flags that make it causal, ``causal_flags``)."""
+    """The causal-LM loss of the Hugging Face model's own logits on the recipe's first batch (the
+    mean over labelled tokens, each position predicting the next), built from ``folder`` as the
+    recipe builds it (with the flags that make it causal, ``causal_flags``). Not the model's
+    ``labels=`` loss: BART's and BigBird-Pegasus's read the labels as already shifted."""
     config = AutoConfig.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     if causal_flags(config, model):
         model = AutoModelForCausalLM.from_pretrained(folder, config=config, dtype=torch.float32)
     inputs = first_batch(folder, cache, SEQ_LEN, BATCH, MICRO)
     with torch.no_grad():  # no cache, as in training (BART's decoder alone fails with one)
-        return model(**inputs, use_cache=False).loss.item()
+        logits = model(input_ids=inputs["input_ids"], use_cache=False).logits.float()
+    predicted, targets = logits[:, :-1].flatten(0, 1), inputs["labels"][:, 1:].flatten()
+    return F.cross_entropy(predicted, targets, ignore_index=-100).item()
 
 
 def checked_against_own(result: Result, folder: Path, cache: Path, output_dir: Path) -> Result:
