@@ -238,6 +238,7 @@ def resolve_model(
     from components.models import load_config, meta_causal_lm
     from components.models.compile import check_compile
     from components.models.folder_check import check_model_folder, check_tokenizer_folder
+    from components.models.load import position_ids_problems
 
     model = settings.model
     try:
@@ -260,6 +261,9 @@ def resolve_model(
     except (ValueError, OSError, RuntimeError) as error:
         return None, None, [Problem(key="model", message=str(error))]
     found = config_problems(settings, config, path)
+    cp = 1 if dims is None else dims.cp
+    found += problems("cp", position_ids_problems(config, cp, packing=False))
+    found += problems("train.packing", position_ids_problems(config, 1, settings.train.packing))
     splits = dims is not None and (dims.tp > 1 or dims.ep > 1)
     lora = settings.peft.name == "lora" and not settings.peft.errors()
     fp8 = settings.train.precision == "fp8"

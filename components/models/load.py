@@ -62,6 +62,34 @@ def causal_flags(config: PretrainedConfig, model: nn.Module) -> list[str]:
     return flags
 
 
+def position_ids_problems(config: PretrainedConfig, cp: int, packing: bool) -> list[str]:
+    """What a model whose causal LM's forward takes no ``position_ids`` (BART and its kin number
+    their tokens 0, 1, ... themselves; Mamba, RWKV, Bloom) cannot run: context parallelism (each
+    rank's tokens are its shard of the sequence, at positions of the whole) and packed rows (each
+    example's positions restart, which is how its attention is kept inside it). One message each;
+    a config no causal LM class maps to: none (it is refused elsewhere)."""
+    import inspect
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    if model_class is None or "position_ids" in inspect.signature(model_class.forward).parameters:
+        return []
+    kind, found = config.model_type, []
+    if cp > 1:
+        found.append(
+            f"cp={cp} with model type '{kind}' is not supported: its forward takes no position ids "
+            "and numbers a rank's share of the sequence from 0: use cp=1"
+        )
+    if packing:
+        found.append(
+            f"train.packing=true with model type '{kind}' is not supported: its forward takes no "
+            "position ids, so the examples packed in a row would attend to each other: use "
+            "train.packing=false"
+        )
+    return found
+
+
 def materialize_pretrained(model: nn.Module, folder: str | Path, device: str = "cpu") -> None:
     """Give ``model`` storage on ``device`` and fill every parameter's rank-local part from the
     checkpoint.

@@ -2,10 +2,11 @@
 
 import pytest
 import torch
-from transformers import GPTJConfig, LlamaConfig
+from transformers import BartConfig, GPTJConfig, LlamaConfig
 
 from components.distributed.context_parallel import CpLayout, CpShard, attention_problems, running
 from components.distributed.mesh import resolve_parallel_dims
+from components.models.load import position_ids_problems
 from recipes.checks import check_sizes, compose, pad_multiple
 from recipes.schema import SchemaError, validate
 
@@ -84,3 +85,17 @@ def test_a_shard_no_attention_layer_computed_is_an_error():
     with pytest.raises(RuntimeError, match="no attention layer of the model went through"):
         with running(shard):
             pass
+
+
+def test_a_model_that_numbers_its_own_positions_refuses_cp_and_packing():
+    """BART's causal LM takes no position ids: at cp=2 each rank would number its shard from 0
+    (measured before: 6.0e-2 from tp=1), and packed examples would attend to each other."""
+    assert position_ids_problems(BartConfig(), cp=2, packing=True) == [
+        "cp=2 with model type 'bart' is not supported: its forward takes no position ids and "
+        "numbers a rank's share of the sequence from 0: use cp=1",
+        "train.packing=true with model type 'bart' is not supported: its forward takes no "
+        "position ids, so the examples packed in a row would attend to each other: use "
+        "train.packing=false",
+    ]
+    assert position_ids_problems(BartConfig(), cp=1, packing=False) == []
+    assert position_ids_problems(LlamaConfig(), cp=2, packing=True) == []
