@@ -109,6 +109,11 @@ TIES = {
     "axk2": "its sparse-attention indexer keeps each query's top 16 keys by ReLU'd scores, "
     "which tie at 0 at the cut in 48 of layer 0's 64 rows"
 }
+# Types whose runs take longer than a recipe run's usual 300 s, the time they get, and why.
+TIMEOUTS = {
+    "bamba": (900, "its Mamba layers run transformers' reference scan without mamba_ssm's "
+              "kernels: 140 s a step under fp8 (its bf16 parts) on this CPU under load"),
+}  # fmt: skip
 WHOLE_BATCH = [f"train.micro_batch_size={BATCH}"]  # one forward per step: the model's own batch
 
 
@@ -212,7 +217,9 @@ def run_layout(
     overrides = [override.replace("LINEARS", linears) for override in LAYOUTS[layout]]
     overrides += [*packed, *extra]
     try:
-        result = recipe({"model": folder, "cache": cache}, "model", output_dir, *overrides)
+        folders = {"model": folder, "cache": cache}
+        timeout, _ = TIMEOUTS.get(folder.name, (300, ""))
+        result = recipe(folders, "model", output_dir, *overrides, timeout=timeout)
     except subprocess.TimeoutExpired as timeout:
         return Result("broken", f"no result within {timeout.timeout:.0f} s")
     return classify(result.returncode, result.stderr, output_dir / "metrics.jsonl")
@@ -366,6 +373,9 @@ def _note(entry: dict) -> str:
     notes = [f"{', '.join(names)}: {line}" for line, names in layouts.items()]
     if entry["type"] in STOCHASTIC:
         notes.append(f"every layout with train.packing=true: {STOCHASTIC[entry['type']]}")
+    if entry["type"] in TIMEOUTS:
+        seconds, why = TIMEOUTS[entry["type"]]
+        notes.append(f"each run given {seconds} s: {why}")
     if entry["type"] in TIES:
         whole = " ".join(WHOLE_BATCH)
         notes.append(f"tp=1 against its own loss with {whole}: {TIES[entry['type']]}")

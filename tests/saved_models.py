@@ -42,8 +42,11 @@ def save_model(folder: Path, config, tokenizer) -> Path:
     return folder
 
 
-def recipe(folders: dict[str, Path], model: str, output_dir: Path, *overrides: str):
-    """The recipe on ``folders[model]`` with :data:`COMMON` settings and ``folders["cache"]``."""
+def recipe(
+    folders: dict[str, Path], model: str, output_dir: Path, *overrides: str, timeout: float = 300
+):
+    """The recipe on ``folders[model]`` with :data:`COMMON` settings and ``folders["cache"]``,
+    within ``timeout`` seconds."""
     command = [
         sys.executable,
         "recipes/finetune.py",
@@ -54,7 +57,9 @@ def recipe(folders: dict[str, Path], model: str, output_dir: Path, *overrides: s
         *overrides,
     ]
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return cli.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, env=environment)
+    return cli.run(
+        command, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=environment
+    )
 
 
 def _prepared(folder: Path, cache: Path, seq_len: int, num_examples: int):
