@@ -276,6 +276,13 @@ def test_a_representative_command_line_runs_as_written(clone, page, start):
     run_page(clone, REPO / page, only=set(lines_of(page, start)))
 
 
+@pytest.mark.docs
+@pytest.mark.parametrize("page", PAGES, ids=page_id)
+def test_every_command_line_of_the_page_runs_as_written(clone, page):
+    """The page's lines in order, in the clone the pages before it left (README first)."""
+    run_page(clone, page)
+
+
 def test_a_bare_python_outside_the_venv_says_to_use_the_venv():
     """``python recipes/finetune.py`` with an interpreter that lacks the project: one line."""
     result = subprocess.run(
