@@ -22,7 +22,7 @@ A bare ``python`` or ``torchrun`` fails: outside the venv it is not the project'
 The user's own files a page names (``my.jsonl``, ``my_folder``, ``/path/to/hf_model``) are made
 here (:func:`users_files`).
 
-Every page's lines run under the opt-in marker ``docs`` (``pytest -m docs``: 52 lines, 7 minutes
+Every page's lines run under the opt-in marker ``docs`` (``pytest -m docs``: 52 lines, 7-9 minutes
 on 2 cores, too long for ``make test``). ``make test`` checks that every line is one the runner
 knows, written with the venv's programs (every make target through ``make -n``), and runs
 :data:`REPRESENTATIVE` after ``make run`` (35 s measured, the warm interpreter's start included).
