@@ -250,7 +250,7 @@ def resolve_model(
                     f"note: model.config of model={model.name} is not used: the folder's "
                     "config.json decides"
                 )
-            path = _model_folder(model.pretrained_path)
+            path = _model_folder(model.pretrained_path, settings.cache_dir)
             config = load_config(path)
         else:
             if errors := config_errors(model.family, model.config) + vocab_size_errors(
@@ -367,11 +367,11 @@ def lora_problems(meta, peft, experts: tuple[str, ...], model_name: str) -> list
     return found
 
 
-def _model_folder(pretrained_path: str | None) -> Path:
-    if pretrained_path is None:  # model.source=smollm2
+def _model_folder(pretrained_path: str | None, cache_dir: str) -> Path:
+    if pretrained_path is None:  # model.source=smollm2, converted into cache_dir
         from components.models.smollm2 import smollm2_folder
 
-        return smollm2_folder()
+        return smollm2_folder(Path(cache_dir).expanduser().absolute())
     return resolve_model_folder(
         pretrained_path
     )  # a local folder, or a Hub id from the cache (or downloaded)

@@ -10,13 +10,24 @@ the command line, launching, restarts and exit statuses: ``components/runtime``.
 
 from __future__ import annotations  # the annotations below name classes imported only when needed
 
+import sys
+from importlib.util import find_spec
+
+# A bare `python` (not the venv's) would end in a ModuleNotFoundError traceback: one line instead.
+if not all(find_spec(name) for name in ("components", "torch", "hydra")):  # found, not imported
+    print(
+        f"error: {sys.executable} has no shardtune installed: run the recipe with the project's "
+        "venv, .venv/bin/python recipes/finetune.py ... (after make install) or make run ARGS=...",
+        file=sys.stderr,
+    )
+    sys.exit(2)
+
 from components.runtime.malloc import exec_with_malloc_settings
 
 exec_with_malloc_settings(__name__)  # as a command, before torch: glibc reads them at exec
 
 import functools
 import math
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path

@@ -13,8 +13,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+import yaml
 from huggingface_hub.errors import StrictDataclassError
-from omegaconf import OmegaConf
 from transformers import PretrainedConfig
 
 from components.models.families import FAMILIES
@@ -88,7 +88,7 @@ def tiny_config(family: str, **overrides: Any) -> PretrainedConfig:
         raise ValueError(
             f"unknown model family {family!r}; known families: {', '.join(sorted(FAMILIES))}"
         )
-    sizes = OmegaConf.to_container(OmegaConf.load(MODEL_CONF_DIR / f"{family}.yaml").config)
+    sizes = yaml.safe_load((MODEL_CONF_DIR / f"{family}.yaml").read_text())["config"]
     sizes["vocab_size"] = sizes["vocab_size"] or TINY_VOCAB_SIZE  # null there: the tokenizer's
     return build_config(family, {**sizes, **overrides})
 

