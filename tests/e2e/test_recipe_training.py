@@ -127,11 +127,20 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(runs, tmp_path):
     at_tp4 = tmp_path / "at_tp4"
     shutil.copytree(interrupted, at_tp4)
 
-    resumed = recipe(interrupted, "tp=2", "checkpoint.resume=auto")
+    resumed = recipe(interrupted, "tp=2", "checkpoint.resume=auto", "checkpoint.every_steps=3")
     uninterrupted = metrics(runs["tp2"])
     assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
     assert losses(resumed)[3:] == losses(uninterrupted)[3:]  # exact on the CPU
     assert [r["grad_norm"] for r in resumed][3:] == [r["grad_norm"] for r in uninterrupted][3:]
+    # the same command again: the run is finished (its last checkpoint at max_steps), status 0
+    assert recipe(interrupted, "tp=2", "checkpoint.resume=auto") == resumed  # its step 6 saved
+    finished = f"note: checkpoint.resume=auto: the run in {interrupted} is already complete at step"
+    assert f"{finished} {STEPS}: nothing to train" in interrupted.with_suffix(".stdout").read_text()
+    # but a run that also wants hf/, which this one never wrote, is not done: refused, status 2
+    command = ["recipes/finetune.py", *COMMON, f"output_dir={interrupted}", "tp=2"]
+    command += ["checkpoint.resume=auto", "checkpoint.export=true"]
+    result = cli.run([sys.executable, *command], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 2 and "nothing to train" in result.stderr, result.stderr[-2000:]
 
     continued = recipe(at_tp4, "tp=4", "checkpoint.resume=auto")
     assert losses(continued)[3:] == pytest.approx(losses(uninterrupted)[3:], rel=1e-5)
