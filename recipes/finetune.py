@@ -304,4 +304,5 @@ def price(plan: RunPlan) -> None:
 if __name__ == "__main__":
     from components.runtime.cli import main
 
-    main(Path(__file__).resolve().parents[1] / "conf", launch, "recipes.checks:compose")
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    main(conf, launch, "recipes.checks:compose", "recipes.help:page")
