@@ -252,7 +252,7 @@ def finish(run: Run, plan: RunPlan, stopped: bool = False, skipped: int = 0) -> 
     if plan.checkpoint.export and ended and not fails:
         export(run.model, plan, run.pipeline and run.pipeline.group)
     if run.rank == 0 and (output_dir / "metrics.jsonl").exists():
-        plot_loss_curve(output_dir / "metrics.jsonl", output_dir / "loss.png", plot_title(plan))
+        plot_loss_curve(output_dir / "metrics.jsonl", output_dir / "loss.png", plan.title)
         if note and not fails:
             say(note, file=sys.stderr)
         if not fails:
@@ -261,14 +261,6 @@ def finish(run: Run, plan: RunPlan, stopped: bool = False, skipped: int = 0) -> 
     dist.destroy_process_group()
     if fails:
         fail_once(note)  # every rank exits 1; rank 0 prints the one error: line
-
-
-def plot_title(plan: RunPlan) -> str:
-    """``loss.png``'s title: the model, the degrees above 1, the run's length and folder."""
-    dims, names = plan.dims, ("pp", "dp", "cp", "tp", "ep")
-    layout = " ".join(f"{name}={getattr(dims, name)}" for name in names if getattr(dims, name) > 1)
-    model, steps = plan.settings.model.name, plan.train.max_steps
-    return f"{model}, {layout or 'one rank'}, {steps} steps: {plan.output_dir.name}"
 
 
 def rank_main(plan: RunPlan) -> str | None:

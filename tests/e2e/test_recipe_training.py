@@ -51,6 +51,7 @@ def recipe(output_dir: Path, *overrides: str, torchrun: int = 0) -> list[dict]:
     )
     assert result.returncode == 0, f"{' '.join(command)}\n{result.stderr[-4000:]}"
     output_dir.with_suffix(".stdout").write_text(result.stdout)  # what a log of the run holds
+    output_dir.with_suffix(".stderr").write_text(result.stderr)
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -89,7 +90,9 @@ def test_metrics_have_one_line_per_step_with_the_contract_fields(runs):
 
 def test_a_logged_run_prints_a_line_per_step_and_ends_with_its_summary(runs):
     """stdout is a file here, as in a log: no progress bar, a plain line per step, a summary of
-    what metrics.jsonl holds, then the done line naming the folder."""
+    what metrics.jsonl holds, then the done line naming the folder. stderr holds nothing: no bar,
+    no import noise (torchao's kernels, torch's pytree notes: tests/unit/test_quiet_imports.py)."""
+    assert runs["tp2"].with_suffix(".stderr").read_text() == ""
     records, lines = metrics(runs["tp2"]), runs["tp2"].with_suffix(".stdout").read_text()
     lines = lines.splitlines()
     steps = [line for line in lines if line.startswith("step ")]
