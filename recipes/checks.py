@@ -61,8 +61,11 @@ def compose(overrides: list[str]) -> DictConfig:
 def _append_advice(key: str, overrides: list[str], message: str) -> str | None:
     """For Hydra's "Could not override 'train.max_stpes'. To append to your config use
     +train.max_stpes=5": None (Hydra's advice stands) when that ``+`` override then passes the
-    checks; else what it would be refused with, and the known key of the closest name."""
-    given = [override.partition("=")[0] == key for override in overrides]
+    checks; else what it would be refused with, and the known key of the closest name. ``key``
+    is Hydra's: the first unknown part of the override's key (``trian`` of trian.max_steps=3)."""
+    names = [override.partition("=")[0] for override in overrides]
+    given = [name == key or name.startswith(f"{key}.") for name in names]
+    full = next((name for name, is_key in zip(names, given, strict=True) if is_key), key)
     appended = [f"+{o}" if is_key else o for o, is_key in zip(overrides, given, strict=True)]
     rest = [o for o, is_key in zip(overrides, given, strict=True) if not is_key]
     try:
@@ -72,11 +75,14 @@ def _append_advice(key: str, overrides: list[str], message: str) -> str | None:
     except (HydraException, OmegaConfBaseException):
         return None  # Hydra would refuse the + too: its own words
     refused = refused or _open_group_problems(settings)
-    if not (why := [problem.message for problem in refused if key in problem.message]):
+    named = dict.fromkeys([full, key])  # the checks name the key, or its unknown section
+    why = [problem.message for name in named for problem in refused if name in problem.message]
+    if not why:
         return None
-    close = difflib.get_close_matches(key, known, n=1, cutoff=0.75)
+    close = difflib.get_close_matches(full, known, n=1, cutoff=0.75)
     meant = f"; did you mean {close[0]}?" if close else ""
-    return f"Could not override '{key}', and +{key} is refused too: {why[0].splitlines()[0]}{meant}"
+    refusal = why[0].splitlines()[0]
+    return f"Could not override '{full}', and +{full} is refused too: {refusal}{meant}"
 
 
 def _open_group_problems(settings: Config) -> list[Problem]:

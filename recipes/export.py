@@ -1,14 +1,20 @@
 """The end of a run: the trained model exported, as ``hf/`` (a Hugging Face folder), or with
-``peft=lora`` as ``adapter/`` (PEFT's format) and, with ``peft.merge=true``, ``hf/`` merged."""
+``peft=lora`` as ``adapter/`` (PEFT's format) and, with ``peft.merge=true``, ``hf/`` merged.
+
+The adapter names its base (``base_model_name_or_path``), so that ``AutoPeftModelForCausalLM``
+loads it alone: the pretrained folder or Hub id, or, for a model built from its config (seeded
+random weights, frozen under LoRA), those weights written to ``base/``."""
 
 from __future__ import annotations  # the annotations name classes imported only when needed
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
 
     from recipes.plan import RunPlan
+    from recipes.schema import Peft
 
 
 def export(model: torch.nn.Module, plan: RunPlan, stages=None) -> None:
@@ -28,9 +34,11 @@ def export(model: torch.nn.Module, plan: RunPlan, stages=None) -> None:
         merge_adapters,
     )
 
-    source, base, peft = plan.model.weights, plan.settings.model.pretrained_path, plan.settings.peft
+    source, base, peft = plan.model.weights, base_model(plan), plan.settings.peft
     dtype = export_dtype(plan.checkpoint.export_dtype, source)
+    tokenizer = AutoTokenizer.from_pretrained(plan.tokenizer_dir, trust_remote_code=False)
     if (lora := plan.lora) is not None:
+        base = base or write_base(plan, tokenizer, dtype)
         names = [name for name, _ in lora_modules(model)]
         experts, state = adapted_parameters(model), adapter_state(model, dtype)
         if stages is not None:  # every stage's adapters, for rank 0 to write
@@ -40,14 +48,54 @@ def export(model: torch.nn.Module, plan: RunPlan, stages=None) -> None:
         if not peft.merge:
             return
         merge_adapters(model)  # the same function, its adapters folded into the base
-    tokenizer = AutoTokenizer.from_pretrained(plan.tokenizer_dir, trust_remote_code=False)
     card = dict(recipe="recipes/finetune.py", config_yaml=plan.config_yaml, base_model=base)
     files = dict(tokenizer=tokenizer, dtype=dtype, source_dir=source)
     export_hf(model, plan.model.config, plan.output_dir / "hf", **files, **card)
 
 
+def base_model(plan: RunPlan) -> str | None:
+    """The adapter's base: ``model.pretrained_path`` (a folder made absolute, a Hub id as given),
+    else the folder its weights came from (SmolLM2's conversion in the cache); None for a model
+    built from its config."""
+    given = plan.settings.model.pretrained_path
+    if given is not None:
+        folder = Path(given).expanduser()
+        return str(folder.absolute()) if folder.is_dir() else given
+    return str(plan.model.weights) if plan.model.weights is not None else None
+
+
+def write_base(plan: RunPlan, tokenizer, dtype: torch.dtype) -> str:
+    """``base/``: the frozen base of a model built from its config (the seeded weights every rank
+    built, in the run's parameter dtype, saved in ``dtype``) with the tokenizer; its absolute path.
+    Collective: rank 0 writes, every rank returns once it is published."""
+    from components.checkpoint.dcp import publish_folder, run_on_rank0
+    from components.models.build import build_causal_lm
+    from components.models.precision import precision_policy
+
+    folder = (plan.output_dir / "base").absolute()
+    tmp = folder.with_name("base.tmp")
+
+    def write() -> None:
+        param_dtype = precision_policy(plan.model.precision).param_dtype
+        model = build_causal_lm(plan.model.config, seed=plan.seed, dtype=param_dtype)
+        model.to(dtype).save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        publish_folder(tmp, folder)
+
+    run_on_rank0(write)
+    return str(folder)
+
+
+def exported_folders(peft: Peft) -> tuple[str, ...]:
+    """The folders :func:`export` writes for the ``peft`` settings (a written ``base/`` aside)."""
+    if peft.name != "lora":
+        return ("hf",)
+    return ("adapter", "hf") if peft.merge else ("adapter",)
+
+
 def export_folders(plan: RunPlan) -> tuple[str, ...]:
     """What :func:`export` writes, as the done line names it."""
-    if plan.lora is None:
-        return ("hf/",)
-    return ("adapter/", "hf/") if plan.settings.peft.merge else ("adapter/",)
+    written = list(exported_folders(plan.settings.peft))
+    if plan.lora is not None and base_model(plan) is None:
+        written.insert(1, "base")
+    return tuple(f"{folder}/" for folder in written)

@@ -263,7 +263,7 @@ def finish(run: Run, plan: RunPlan, stopped: bool = False, skipped: int = 0) -> 
     if plan.checkpoint.export and ended and not fails:
         export(run.model, plan, run.pipeline and run.pipeline.group)
     if run.rank == 0 and (output_dir / "metrics.jsonl").exists():
-        plot_loss_curve(output_dir / "metrics.jsonl", output_dir / "loss.png")
+        plot_loss_curve(output_dir / "metrics.jsonl", output_dir / "loss.png", plan.title)
         if note and not fails:
             say(note, file=sys.stderr)
         if not fails:
@@ -307,4 +307,5 @@ def price(plan: RunPlan) -> None:
 if __name__ == "__main__":
     from components.runtime.cli import main
 
-    main(Path(__file__).resolve().parents[1] / "conf", launch, "recipes.checks:compose")
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    main(conf, launch, "recipes.checks:compose", "recipes.help:page")

@@ -27,6 +27,7 @@ from components.checkpoint.integrity import (
     retire_checkpoints_after,
     state_dict_shapes,
 )
+from components.runtime.exit_status import AlreadyComplete
 from components.runtime.output_dir import (
     RUN_FILE,
     OutputDirError,
@@ -41,6 +42,7 @@ from components.runtime.output_dir import (
     write_whole,
 )
 from components.runtime.problems import Problem, say, show
+from recipes.export import exported_folders
 from recipes.schema import Config
 
 if TYPE_CHECKING:
@@ -189,6 +191,29 @@ def choose_checkpoint(
     return summary.path
 
 
+def finished(
+    settings: Config, output_dir: Path, info: dict[str, Any], shapes: dict[str, tuple[int, ...]]
+) -> bool:
+    """Whether ``checkpoint.resume=auto`` finds this run (``info``) already done in ``output_dir``:
+    its newest usable checkpoint is at ``train.max_steps``, matches this run in everything else a
+    resume matches, and the export the run writes is there (``checkpoint.export``)."""
+    if settings.checkpoint.resume != "auto":
+        return False
+    try:
+        newest = find_resumable(output_dir / "checkpoints").path
+        summary = check_checkpoint(newest) if newest is not None else None
+    except CheckpointError:
+        return False  # choose_checkpoint says why
+    if summary is None or summary.step != settings.train.max_steps:
+        return False
+    matched = {key: value for key, value in info.items() if key != SETTINGS}
+    beyond = summary.step + 1  # a run length that leaves steps: only the rest is judged here
+    if resume_problems(summary, matched, beyond, shapes):
+        return False
+    exports = exported_folders(settings.peft) if settings.checkpoint.export else ()
+    return all((output_dir / folder).is_dir() for folder in exports)
+
+
 def own_output_dir(
     settings: Config,
     output_dir: Path,
@@ -206,10 +231,18 @@ def own_output_dir(
     resume_from = None
     try:
         resume, max_steps = settings.checkpoint.resume, settings.train.max_steps
+        if finished(settings, output_dir, info, shapes):
+            raise AlreadyComplete(
+                f"checkpoint.resume=auto: the run in {output_dir} is already complete at step "
+                f"{max_steps}: nothing to train (a larger train.max_steps trains on)"
+            )
         resume_from = choose_checkpoint(resume, max_steps, output_dir / "checkpoints", info, shapes)
         if resume_from is not None and settings.checkpoint.resume != "auto":
             _check_foreign_resume(output_dir, resume_from, settings.overwrite_output_dir)
         record = _claim(settings, output_dir, resume_from, config_yaml)
+    except AlreadyComplete:
+        lock.release()
+        raise
     except (OutputDirError, OwnershipError) as error:
         lock.release()  # refused: no .lock is left in the folder
         raise (OwnershipError(str(error)) if isinstance(error, OutputDirError) else error) from None

@@ -158,6 +158,15 @@ class RunPlan(Settled):
         options = dict(recipe=self.train.fp8_recipe, data_parallel=parallel, emulate=emulate)
         return Fp8Options(**options, excluded=excluded)
 
+    @property
+    def title(self) -> str:
+        """The run in a line (``loss.png``'s title): the model, the degrees above 1, the run's
+        length and its folder."""
+        degrees = {name: getattr(self.dims, name) for name in ("pp", "dp", "cp", "tp", "ep")}
+        layout = " ".join(f"{name}={n}" for name, n in degrees.items() if n > 1) or "one rank"
+        model, steps = self.settings.model.name, self.train.max_steps
+        return f"{model}, {layout}, {steps} steps: {self.output_dir.name}"
+
     @cached_property
     def flops_per_token(self) -> int | None:
         """Model FLOPs of forward + backward per token at ``train.seq_len`` (for ``mfu``); None

@@ -40,6 +40,8 @@ def prepare(checked: Checked) -> tuple[RunPlan, OutputDirLock | None]:
     _refuse(found)
     data, found = prepare_run_data(settings, checked.source, tokenizer_dir, dims)
     _refuse(found)
+    if note := random_model_note(settings, checked):
+        say(note)
     info, shapes = run_info(settings, config, data.tokenizer_digest, checked.source)
     lock, resume_from, run_id = _claim_output_dir(settings, checked, info, shapes)
     settled = {field.name: getattr(checked, field.name) for field in fields(Settled)}
@@ -89,6 +91,20 @@ def _tokenizer_dir(
         if dims.tp > 1:
             return tokenizer_dir, plan_problems(settings, dims, config, meta_causal_lm(config))
     return tokenizer_dir, []
+
+
+def random_model_note(settings: Config, checked: Checked) -> str | None:
+    """The ``note:`` line of a user's data on a model built from its config (``model=llama``, the
+    default): random weights, so the run trains from scratch, not a fine-tune; None otherwise."""
+    from components.data.sources import GeneratedSource
+
+    if checked.model_path is not None or isinstance(checked.source, GeneratedSource):
+        return None
+    return (
+        f"note: model={settings.model.name} is built from its config with random weights (a tiny "
+        "model for trying layouts): this trains it from scratch on your data; to fine-tune a "
+        "pretrained model use model=smollm2 or model=pretrained model.pretrained_path=FOLDER_OR_ID"
+    )
 
 
 def prepare_run_data(

@@ -37,10 +37,14 @@ def one_of(values: tuple[str, ...], null: str | None = None) -> str:
     return f"null ({null}) or one of {listed}" if null else f"one of {listed}"
 
 
-def key(hint: str, **constraints: Any) -> Any:
+def key(hint: str, common: str | None = None, **constraints: Any) -> Any:
     """A required field whose ``hint`` says what would work, e.g. "a positive integer, e.g.
-    tp=2"."""
-    return Field(description=hint, **constraints)
+    tp=2"; ``common``: what the key sets, for a key most runs touch (``--help`` lists those)."""
+    extra = {COMMON: common} if common else None
+    return Field(description=hint, json_schema_extra=extra, **constraints)
+
+
+COMMON = "common"  # the json_schema_extra entry of a key most runs touch: what it sets
 
 
 PositiveInt = Annotated[int, Field(ge=1)]
@@ -53,38 +57,47 @@ class Section(BaseModel):
 
 
 class Train(Section):
-    max_steps: PositiveInt = key("a positive integer, e.g. train.max_steps=60")
+    max_steps: PositiveInt = key("a positive integer, e.g. train.max_steps=60", "optimizer steps")
     # end this invocation after this step (the schedule spans max_steps) with a checkpoint of it,
     # even with every_steps=0: resume=auto goes on
     stop_after: PositiveInt | None = key("null or a positive step number, e.g. train.stop_after=20")
-    # sequences per optimizer step
-    global_batch_size: PositiveInt = key("a positive integer, e.g. train.global_batch_size=16")
-    # sequences per forward pass per dp rank
-    micro_batch_size: PositiveInt = key("a positive integer, e.g. train.micro_batch_size=8")
-    seq_len: Annotated[int, Field(ge=2)] = key("an integer of at least 2, e.g. train.seq_len=48")
-    clip_grad_norm: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = key(
-        "null (no clipping) or a positive number, e.g. train.clip_grad_norm=1.0"
+    global_batch_size: PositiveInt = key(
+        "a positive integer, e.g. train.global_batch_size=16", "sequences per optimizer step"
     )
-    # steps between validation losses; 0: never
-    val_every: Count = key("0 (never) or a positive number of steps, e.g. train.val_every=20")
-    warmup_steps: Count = key("0 or a positive number of steps, e.g. train.warmup_steps=5")
+    micro_batch_size: PositiveInt = key(
+        "a positive integer, e.g. train.micro_batch_size=8",
+        "sequences per forward pass per dp rank (the rest accumulates)",
+    )
+    seq_len: Annotated[int, Field(ge=2)] = key(
+        "an integer of at least 2, e.g. train.seq_len=48", "tokens per sequence"
+    )
+    clip_grad_norm: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = key(
+        "null (no clipping) or a positive number, e.g. train.clip_grad_norm=1.0",
+        "the global grad norm is clipped to this",
+    )
+    val_every: Count = key(
+        "0 (never) or a positive number of steps, e.g. train.val_every=20",
+        "steps between validation losses (and after the last step); 0: never",
+    )
+    warmup_steps: Count = key(
+        "0 or a positive number of steps, e.g. train.warmup_steps=5", "learning-rate warmup steps"
+    )
     # a non-finite grad norm stops the run, or skips the update
     on_nonfinite: Literal[ON_NONFINITE] = key(one_of(ON_NONFINITE))
     # bf16-mixed: fp32 master weights, bf16 compute; bf16: everything bf16; fp8: bf16-mixed with
     # the decoder's linear layers in torchao float8
-    precision: Literal[PRECISIONS] = key(one_of(PRECISIONS))
+    precision: Literal[PRECISIONS] = key(one_of(PRECISIONS), "fp32, bf16-mixed, bf16 or fp8")
     # fp8's scaling: one scale per tensor, or per row (read with precision=fp8 only)
     fp8_recipe: Literal[FP8_RECIPES] = key(one_of(FP8_RECIPES))
-    # recompute decoder blocks in backward (selective: only the cheap ops)
     activation_checkpointing: Literal[ACTIVATION_CHECKPOINTING] = key(
-        one_of(ACTIVATION_CHECKPOINTING)
+        one_of(ACTIVATION_CHECKPOINTING),
+        "recompute decoder blocks in backward (selective: only the cheap ops)",
     )
     # torch.compile each decoder block
     compile: bool = key("true or false")
     # on CUDA, fp32 matmuls in TF32 on tensor cores; false: full fp32
     tf32: bool = key("true or false")
-    # several examples per row, no attention across them
-    packing: bool = key("true or false")
+    packing: bool = key("true or false", "several examples per row, no attention across them")
     # lm_head + loss over this many tokens at a time, recomputed in backward (never the whole micro-
     # batch's fp32 logits); 0 or null: all at once
     loss_chunk_tokens: Count | None = key(
@@ -94,16 +107,21 @@ class Train(Section):
 
 
 class Checkpoint(Section):
-    every_steps: Count = key("0 (off) or a positive number of steps, e.g. 20")
-    # auto: the latest in output_dir
-    resume: Text | None = key("auto, null or the path of a checkpoint folder")
+    every_steps: Count = key(
+        "0 (off) or a positive number of steps, e.g. 20", "steps between checkpoints; 0: none"
+    )
+    resume: Text | None = key(
+        "auto, null or the path of a checkpoint folder",
+        "auto: continue from the latest checkpoint in output_dir",
+    )
     # complete checkpoints kept
     keep: PositiveInt | None = key("null (keep all) or a positive integer, e.g. 2")
     # `async` is a Python keyword: the field is asynchronous, spelt async in the config.
     # true: write each checkpoint in the background while training goes on
     asynchronous: bool = Field(alias="async", description="true or false")
-    # write a Hugging Face folder to ${output_dir}/hf at the end
-    export: bool = key("true or false")
+    export: bool = key(
+        "true or false", "write a Hugging Face folder to ${output_dir}/hf at the end"
+    )
     # null: the source model's dtype (float32 for a model built from its config)
     export_dtype: Literal[EXPORT_DTYPES] | None = key(one_of(EXPORT_DTYPES, "the source's"))
 
@@ -158,7 +176,8 @@ class Model(Section):
     name: Text = key("a name, e.g. model.name=llama")
     family: Text | None = key("null or a model family, e.g. llama")
     pretrained_path: Text | None = key(
-        "null, a local Hugging Face model folder or a Hub id (owner/name)"
+        "null, a local Hugging Face model folder or a Hub id (owner/name)",
+        "with model=pretrained: the folder or Hub id of the model to fine-tune",
     )
     source: Literal[MODEL_SOURCES] | None = key(one_of(MODEL_SOURCES, "pretrained_path"))
     experts: list[Text] | None = key(  # null: the family's (components/models/families.py)
@@ -236,7 +255,7 @@ class Targeted(BaseModel):
 
 class Optim(Targeted):
     lr: Annotated[float, Field(gt=0, allow_inf_nan=False)] = key(
-        "a positive number, e.g. optim.lr=3e-3"
+        "a positive number, e.g. optim.lr=3e-3", "the peak learning rate"
     )
 
     def options(self) -> dict[str, Any]:
@@ -268,31 +287,35 @@ class Schedule(BaseModel):
 
 class Config(Section):
     seed: Annotated[int, Field(ge=0, lt=2**63)] = key("an integer in [0, 2**63), e.g. seed=0")
-    # tensor-parallel size
-    tp: PositiveInt = key("a positive integer, e.g. tp=2")
-    # context-parallel size: each sequence split over cp ranks (world = dp × cp × tp)
-    cp: PositiveInt = key("a positive integer, e.g. cp=2")
-    # data-parallel size; null: world size / (cp × tp)
-    dp: PositiveInt | None = key("null (world size / tp) or a positive integer, e.g. dp=2")
+    tp: PositiveInt = key("a positive integer, e.g. tp=2", "tensor-parallel size")
+    cp: PositiveInt = key(
+        "a positive integer, e.g. cp=2",
+        "context-parallel size: each sequence split over cp ranks",
+    )
+    dp: PositiveInt | None = key(
+        "null (world size / tp) or a positive integer, e.g. dp=2",
+        "data-parallel size (FSDP2); null: world size / (cp × tp)",
+    )
     # HSDP: FSDP replicates across dp_replicate groups, shards within dp_shard (dp = the product)
     dp_replicate: PositiveInt = key("a positive integer, e.g. dp_replicate=2")
     # HSDP's shard group size; null: dp / dp_replicate
     dp_shard: PositiveInt | None = key(
         "null (dp / dp_replicate) or a positive integer, e.g. dp_shard=2"
     )
-    # pipeline-parallel size: the decoder layers cut into pp stages, one per rank (world = pp × dp
-    # × cp × tp)
-    pp: PositiveInt = key("a positive integer, e.g. pp=2")
+    pp: PositiveInt = key(
+        "a positive integer, e.g. pp=2",
+        "pipeline-parallel size: the decoder layers cut into pp stages",
+    )
     # how the step's micro-batches flow through the stages
     pp_schedule: Literal[PIPELINE_SCHEDULES] = key(one_of(PIPELINE_SCHEDULES))
     # model stages each pipeline rank holds (2 or more: interleaved_1f1b)
     pp_stages_per_rank: PositiveInt = key("a positive integer, e.g. pp_stages_per_rank=2")
-    # sequence parallelism on the TP ranks
-    sp: bool = key("true or false")
-    # expert-parallel size for MoE models
-    ep: PositiveInt = key("a positive integer, e.g. ep=2")
-    # local processes when not under torchrun; null: dp × cp × tp on CPU, the visible GPUs on CUDA
-    nproc: PositiveInt | None = key("null (dp × cp × tp) or a positive integer, e.g. nproc=4")
+    sp: bool = key("true or false", "sequence parallelism on the TP ranks")
+    ep: PositiveInt = key("a positive integer, e.g. ep=2", "expert-parallel size for MoE models")
+    nproc: PositiveInt | None = key(
+        "null (dp × cp × tp) or a positive integer, e.g. nproc=4",
+        "local ranks without torchrun; null: dp × cp × tp on CPU, the GPUs on CUDA",
+    )
     # the recipe's own launcher: after a rank fails, restart every rank up to N times (torchrun:
     # --max-restarts); needs checkpoint.resume=auto
     max_restarts: Count = key("0 (none) or a positive number of restarts, e.g. max_restarts=1")
@@ -309,18 +332,22 @@ class Config(Section):
         "null (off: the collective timeout alone) or a number of seconds of at least 2, e.g. "
         "hang_timeout_s=300"
     )
-    output_dir: Text = key("a folder path, e.g. output_dir=outputs/run1")
+    output_dir: Text = key(
+        "a folder path, e.g. output_dir=outputs/run1",
+        "the run's folder (default: a new outputs/MODEL/DATE_TIME)",
+    )
     # true: a fresh run replaces another run's files in output_dir
     overwrite_output_dir: bool = key("true or false")
-    # true: check, plan the layout on fake ranks, write plan.json, exit
-    dry_run: bool = key("true or false")
+    dry_run: bool = key(
+        "true or false", "true: check, plan the layout on fake ranks, write plan.json, exit"
+    )
     # with dry_run: one device's memory, to say whether the plan fits
     device_memory_gib: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = key(
         "null (the visible device's) or a positive number of GiB, e.g. device_memory_gib=80"
     )
-    # tokenized data, trained tokenizers, converted models
     cache_dir: Text = key(
-        "a folder for tokenized data and converted models, e.g. cache_dir=~/.cache/shardtune"
+        "a folder for tokenized data and converted models, e.g. cache_dir=~/.cache/shardtune",
+        "tokenized data, trained tokenizers, converted models",
     )
     train: Train
     checkpoint: Checkpoint

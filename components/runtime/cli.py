@@ -14,6 +14,7 @@ from pathlib import Path
 import hydra
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
+from hydra._internal.utils import get_args_parser  # hydra.main's own parser of the command line
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException, MissingConfigException
 from hydra.types import RunMode
@@ -57,27 +58,52 @@ def composition_message(error: Exception, overrides: list[str], advise: Advise |
     return message
 
 
-def main(conf_dir: Path, launch: Launch, compose: str) -> None:
+def main(conf_dir: Path, launch: Launch, compose: str, describe: str) -> None:
     """The recipe's ``__main__``: read ``sys.argv``, compose (or hand over to Hydra), launch; under
     torchrun, end the rank as a local one ends (:func:`end_launched_rank`). ``compose`` names the
     recipe's composing function (``module:function``), imported only for plain overrides, so that
-    ``--help`` stays light."""
+    ``--help`` stays light; ``describe`` its ``--help`` page's (Hydra's is ``--hydra-help``)."""
     arguments = sys.argv[1:]
-    if any(argument.startswith("-") for argument in arguments):
+    if "--help" in arguments or "-h" in arguments:
+        print(_named(describe)())
+    elif any(argument.startswith("-") for argument in arguments):
+        _refuse_as_the_recipe(conf_dir, arguments, compose)
         sweep = Sweep()
         try:
             _hydra_entry(conf_dir, launch, sweep)()
         finally:  # a --multirun sweep: every job's status, and the sweep's
             sweep.end()
     else:
-        module, _, function = compose.partition(":")
-        composed = getattr(importlib.import_module(module), function)(arguments)
+        composed = _named(compose)(arguments)
         # only a run dir the user gave: the default is ${output_dir}, and its ${now:...} read a
         # moment later can name the next second's folder
         given = any(argument.startswith("hydra.run.dir=") for argument in arguments)
         launch(composed, None, composed.hydra.run.dir if given else None)
     if started_by_launcher():
         end_launched_rank()
+
+
+def _refuse_as_the_recipe(conf_dir: Path, arguments: list[str], compose: str) -> None:
+    """Before Hydra's own entry (``--cfg job``, ...): overrides that do not compose end as the
+    recipe's ``compose`` ends them, in one ``error:`` line (for a misspelt key, the known key of the
+    closest name), not as Hydra's page, whose advice (``+key=...``) the recipe then refuses. A
+    sweep (``--multirun``) or another config is Hydra's alone."""
+    given = get_args_parser().parse_args(arguments)
+    named = given.config_name not in (None, "config")
+    other_config = given.config_path or given.config_dir or named
+    if given.multirun or other_config:
+        return
+    try:
+        with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
+            hydra_compose(config_name="config", overrides=given.overrides, return_hydra_config=True)
+    except (HydraException, OmegaConfBaseException):
+        _named(compose)(given.overrides)  # its error: line, and exit 2
+
+
+def _named(function: str) -> Callable:
+    """The function ``module:function`` names, imported now."""
+    module, _, name = function.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def _hydra_entry(conf_dir: Path, launch: Launch, sweep: Sweep) -> Callable[[], None]:

@@ -17,6 +17,14 @@ INTERRUPTED = (
     "error: interrupted (Ctrl-C) before any rank started: nothing was trained or claimed, and the "
     "cache keeps only finished data (its scratch folder was removed)"
 )
+
+
+class AlreadyComplete(Exception):
+    """The run asked for is already done (``checkpoint.resume=auto`` on a finished run): nothing to
+    train, which is no failure. Its message is said as one ``note:`` line and the command exits 0
+    (``components.runtime.ranks.refusals``)."""
+
+
 # Free space below which a failed write is taken for a full disk (torch's checkpoint writer
 # reports one as "unexpected pos 704 vs 598", without the errno).
 FULL_BYTES = 64 * 2**20

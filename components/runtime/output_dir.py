@@ -41,6 +41,8 @@ RUN_FILES = (
     "config.yaml",
     "checkpoints",
     "hf",
+    "adapter",
+    "base",  # a LoRA adapter's base, for a model built from its config
     RUN_FILE,
 )
 

@@ -15,7 +15,12 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from components.runtime.console import print_line
-from components.runtime.exit_status import INTERRUPTED, INTERRUPTED_STATUS, STOPPED_STATUS
+from components.runtime.exit_status import (
+    INTERRUPTED,
+    INTERRUPTED_STATUS,
+    STOPPED_STATUS,
+    AlreadyComplete,
+)
 from components.runtime.launch import (
     ReportedExit,
     join_world,
@@ -24,7 +29,7 @@ from components.runtime.launch import (
     started_by_launcher,
 )
 from components.runtime.preload import preload
-from components.runtime.problems import ConfigError, fail, is_rank_zero
+from components.runtime.problems import ConfigError, fail, is_rank_zero, say
 
 Plan = TypeVar("Plan")
 
@@ -32,11 +37,15 @@ Plan = TypeVar("Plan")
 @contextmanager
 def refusals() -> Iterator[None]:
     """Checking and preparing, before any rank trains: problems end as one ``error:`` line (exit
-    2), Ctrl-C as one line and status 130, no traceback."""
+    2), a run already complete as one ``note:`` line (exit 0), Ctrl-C as one line and status 130,
+    no traceback."""
     try:
         yield
     except ConfigError as error:
         fail(error.problems)
+    except AlreadyComplete as done:
+        say(f"note: {done}")
+        raise SystemExit(0) from None
     except KeyboardInterrupt:
         if is_rank_zero():  # under torchrun every rank is interrupted
             print_line(INTERRUPTED, sys.stderr)
@@ -46,21 +55,21 @@ def refusals() -> Iterator[None]:
 def prepare_once(prepare: Callable[[], tuple[Plan, Any]]) -> tuple[Plan, Any]:
     """``prepare()``'s (plan, handle) in this process; under torchrun (the world joined) on rank 0
     only, whose plan every other rank receives (with a handle of None). When rank 0 fails, the
-    others exit quietly with status 2: rank 0 says why."""
+    others exit quietly with status 2 (0 when the run is already complete): rank 0 says why."""
     if not dist.is_initialized():
         return prepare()
     if dist.get_rank() == 0:
         try:
             plan, handle = prepare()
-        except BaseException:
-            dist.broadcast_object_list([None], src=0)
+        except BaseException as error:
+            dist.broadcast_object_list([0 if isinstance(error, AlreadyComplete) else 2], src=0)
             raise
         dist.broadcast_object_list([plan], src=0)
         return plan, handle
     received = [None]
     dist.broadcast_object_list(received, src=0)
-    if received[0] is None:
-        raise ReportedExit(2)
+    if isinstance(received[0], int):  # rank 0's exit status: no plan
+        raise ReportedExit(received[0])
     return received[0], None
 
 

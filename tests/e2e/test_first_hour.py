@@ -59,13 +59,31 @@ def test_help_and_the_composed_config_import_no_model_data_or_tokenizer_code():
     # nor what only ranks run: DTensor (and the sympy it loads), DCP, FSDP, the loss plot
     heavy += ("torch.distributed.tensor", "torch.distributed.checkpoint", "torch.distributed.fsdp")
     heavy += ("sympy", "matplotlib", "components.checkpoint", "components.distributed")
+    light = {"components.models", "components.models.options"}  # the schema's choices: no import
     for arguments in (["--help"], ["--cfg", "job"], ["--cfg", "job", "model=qwen3", "tp=2"]):
         result, modules = imported_modules(*arguments)
         assert result.returncode == 0, result.stderr[-3000:]
         assert "torch" in modules  # the measurement works: the recipe itself imports torch
         loaded = sorted(m for m in modules if m.split(".")[0] in heavy or m.startswith(heavy))
+        loaded = [module for module in loaded if module not in light]
         assert not loaded, f"{' '.join(arguments)} imported {loaded[:10]}"
-    assert "shardtune" in imported_modules("--help")[0].stdout
+        if arguments == ["--help"]:  # the recipe's page, not Hydra's: groups and common keys
+            help_lines = result.stdout.splitlines()
+    assert help_lines[0].startswith("shardtune") and "Hydra" not in help_lines[0]
+    assert "  model=      llama*, mixtral, pretrained, qwen3, qwen3_moe, smollm2" in help_lines
+    assert any(line.split()[:3] == ["tp", "tensor-parallel", "size"] for line in help_lines)
+    assert any(line.split()[:1] == ["train.max_steps"] for line in help_lines)
+
+
+def test_the_composed_config_refuses_a_misspelt_key_as_a_run_does_not_with_a_plus():
+    """``--cfg job trian.max_steps=3``: the recipe's one error line and the key it resembles, not
+    Hydra's "To append to your config use +trian.max_steps=3", which a run then refuses."""
+    printed = recipe("--cfg", "job", "trian.max_steps=3")
+    run = recipe("trian.max_steps=3")
+    assert printed.returncode == run.returncode == 2, printed.stderr[-3000:]
+    (line,) = printed.stderr.splitlines()
+    assert line == run.stderr.strip()  # the same line as the run's
+    assert line.endswith("did you mean train.max_steps?") and "To append" not in line
 
 
 def test_a_mistyped_key_or_a_bad_value_is_refused_without_model_data_or_rank_code():

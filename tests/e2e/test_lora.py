@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from peft import PeftModel
+from peft import AutoPeftModelForCausalLM, PeftModel
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -175,13 +175,27 @@ def test_adapter_export_loads_with_peft_and_the_merged_export_is_base_plus_scale
         torch.testing.assert_close(
             loaded(input_ids=ids).logits, merged(input_ids=ids).logits, rtol=1e-5, atol=1e-5
         )
+        # alone: built from its config, the base is the run's seeded weights, written to base/
+        assert adapter_config["base_model_name_or_path"] == str(folder / "base")
+        alone = AutoPeftModelForCausalLM.from_pretrained(folder / "adapter")
+        torch.testing.assert_close(
+            alone(input_ids=ids).logits, merged(input_ids=ids).logits, rtol=1e-5, atol=1e-5
+        )
     _merged_is_base_plus_scaled_ba(folder, merged, config)
 
 
 def test_lora_on_a_pretrained_folder_loads_it_on_meta_and_names_it_in_the_adapter(runs, tmp_path):
     folder = runs["tp2"] / "hf"
     pretrained = ["model=pretrained", f"model.pretrained_path={folder}", "checkpoint.export=true"]
-    records = recipe(tmp_path / "pretrained", *WITH_HEAD, *pretrained, "tp=2", "train.max_steps=2")
+    run = tmp_path / "pretrained"
+    records = recipe(run, *WITH_HEAD, *pretrained, "tp=2", "train.max_steps=2", "peft.merge=true")
     assert len(records) == 2
-    config = json.loads((tmp_path / "pretrained" / "adapter" / "adapter_config.json").read_text())
+    config = json.loads((run / "adapter" / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(folder)
+    assert not (run / "base").exists()  # the pretrained folder is the base
+    ids = torch.arange(1, 40)[None]
+    with torch.no_grad():
+        alone = AutoPeftModelForCausalLM.from_pretrained(run / "adapter")(input_ids=ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(run / "hf")(input_ids=ids).logits
+    torch.testing.assert_close(alone, merged, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(alone, AutoModelForCausalLM.from_pretrained(folder)(ids).logits)

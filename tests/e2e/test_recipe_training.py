@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from components.data import GeneratedSource, StepBatches, prepare_data
@@ -49,6 +50,8 @@ def recipe(output_dir: Path, *overrides: str, torchrun: int = 0) -> list[dict]:
         command, cwd=REPO, capture_output=True, text=True, timeout=300, env=environment
     )
     assert result.returncode == 0, f"{' '.join(command)}\n{result.stderr[-4000:]}"
+    output_dir.with_suffix(".stdout").write_text(result.stdout)  # what a log of the run holds
+    output_dir.with_suffix(".stderr").write_text(result.stderr)
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -81,7 +84,30 @@ def test_metrics_have_one_line_per_step_with_the_contract_fields(runs):
     for record in records:
         assert {"step", "loss", "grad_norm", "lr", "tokens", "tokens_per_s"} <= record.keys()
     assert "val_loss" in records[-1]
-    assert (runs["tp2"] / "loss.png").stat().st_size > 0
+    title = Image.open(runs["tp2"] / "loss.png").info["Title"]  # and its curves (unit test)
+    assert title == f"llama, tp=2, {STEPS} steps: tp2"
+
+
+def test_a_logged_run_prints_a_line_per_step_and_ends_with_its_summary(runs):
+    """stdout is a file here, as in a log: no progress bar, a plain line per step, a summary of
+    what metrics.jsonl holds, then the done line naming the folder. stderr holds nothing: no bar,
+    no import noise (torchao's kernels, torch's pytree notes: tests/unit/test_quiet_imports.py)."""
+    assert runs["tp2"].with_suffix(".stderr").read_text() == ""
+    records, lines = metrics(runs["tp2"]), runs["tp2"].with_suffix(".stdout").read_text()
+    lines = lines.splitlines()
+    steps = [line for line in lines if line.startswith("step ")]
+    assert [line.split()[:4] for line in steps] == [
+        ["step", str(r["step"]), "loss", f"{r['loss']:.4f}"] for r in records
+    ]
+    (summary,), done = [line for line in lines if line.startswith("summary: ")], lines[-1]
+    tokens = sum(record["tokens"] for record in records)
+    assert summary.startswith(f"summary: steps 1-{STEPS} of {STEPS}, {tokens:,} tokens in ")
+    last = records[-1]["val_loss"]  # validated once, at the last step
+    assert summary.endswith(
+        f"loss {records[0]['loss']:.4f} -> {records[-1]['loss']:.4f}; val_loss {last:.4f} at step "
+        f"{STEPS}, best {last:.4f} at step {STEPS}"
+    )
+    assert done == f"done: metrics, loss.png and hf/ in {runs['tp2']}"
 
 
 @pytest.mark.parametrize("name", ["tp2", "tp4", "dp2_tp2_sp"])
@@ -104,11 +130,20 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(runs, tmp_path):
     at_tp4 = tmp_path / "at_tp4"
     shutil.copytree(interrupted, at_tp4)
 
-    resumed = recipe(interrupted, "tp=2", "checkpoint.resume=auto")
+    resumed = recipe(interrupted, "tp=2", "checkpoint.resume=auto", "checkpoint.every_steps=3")
     uninterrupted = metrics(runs["tp2"])
     assert [r["step"] for r in resumed] == list(range(1, STEPS + 1))
     assert losses(resumed)[3:] == losses(uninterrupted)[3:]  # exact on the CPU
     assert [r["grad_norm"] for r in resumed][3:] == [r["grad_norm"] for r in uninterrupted][3:]
+    # the same command again: the run is finished (its last checkpoint at max_steps), status 0
+    assert recipe(interrupted, "tp=2", "checkpoint.resume=auto") == resumed  # its step 6 saved
+    finished = f"note: checkpoint.resume=auto: the run in {interrupted} is already complete at step"
+    assert f"{finished} {STEPS}: nothing to train" in interrupted.with_suffix(".stdout").read_text()
+    # but a run that also wants hf/, which this one never wrote, is not done: refused, status 2
+    command = ["recipes/finetune.py", *COMMON, f"output_dir={interrupted}", "tp=2"]
+    command += ["checkpoint.resume=auto", "checkpoint.export=true"]
+    result = cli.run([sys.executable, *command], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 2 and "nothing to train" in result.stderr, result.stderr[-2000:]
 
     continued = recipe(at_tp4, "tp=4", "checkpoint.resume=auto")
     assert losses(continued)[3:] == pytest.approx(losses(uninterrupted)[3:], rel=1e-5)

@@ -60,8 +60,14 @@ def test_tilde_paths_for_data_output_and_resume(tmp_path):
     # Hydra's override grammar needs ~ quoted: data.path='~/chat.jsonl' (in a shell:
     # "data.path='~/chat.jsonl'").
     data = ["data=jsonl", "data.path='~/chat.jsonl'"]
-    run([*data, "train.max_steps=2", "checkpoint.every_steps=2", "output_dir='~/first'"], tmp_path)
+    first = run(
+        [*data, "train.max_steps=2", "checkpoint.every_steps=2", "output_dir='~/first'"], tmp_path
+    )
     assert (tmp_path / "first" / "checkpoints" / "step_00000002").is_dir()
+    # the README's "your own data" line: the default model is random, and the run says so
+    (note,) = [line for line in first.stdout.splitlines() if "random weights" in line]
+    assert note.startswith("note: model=llama is built from its config with random weights")
+    assert "model=smollm2" in note
     resume = "checkpoint.resume='~/first/checkpoints/step_00000002'"
     result = run([*data, "train.max_steps=3", resume, "output_dir='~/second'"], tmp_path)
     assert f"resumed from {tmp_path}/first/checkpoints/step_00000002 at step 2" in result.stdout

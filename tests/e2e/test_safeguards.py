@@ -83,7 +83,8 @@ def test_without_faults_every_replica_is_bitwise_identical_at_the_end(tmp_path):
 
 
 def test_a_run_with_most_steps_skipped_fails_without_exporting(tmp_path):
-    """Through pipes (``| tee``): its error line starts a line of its own."""
+    """Through pipes (``| tee``): its error line starts a line of its own, and the log is plain
+    lines: one per step (no progress bar's carriage returns), then the summary."""
     # lr 1e38: after the first update every grad norm is non-finite, so 9 of 10 steps are skipped
     skip = ["train.on_nonfinite=skip", "optim.lr=1e38", "train.max_steps=10"]
     result = run_piped(tmp_path / "run", *skip, "checkpoint.export=true")
@@ -94,6 +95,14 @@ def test_a_run_with_most_steps_skipped_fails_without_exporting(tmp_path):
     assert "hf/ was not exported" in last and b"done:" not in result.stdout
     assert_said_on_lines_of_their_own(result.stderr, last)
     assert not (tmp_path / "run" / "hf").exists() and len(metrics(tmp_path / "run")) == 10
+    assert b"\r" not in result.stderr + result.stdout  # no progress bar in a pipe
+    out = result.stdout.decode().splitlines()
+    steps = [line for line in out if line.startswith("step ")]
+    assert [int(line.split()[1]) for line in steps] == list(range(1, 11))
+    assert all(" lr " in line and " grad_norm " in line and " tok/s " in line for line in steps)
+    assert sum("skipped (non-finite grad norm)" in line for line in steps) == 9
+    (summary,) = [line for line in out if line.startswith("summary: ")]
+    assert summary.startswith("summary: steps 1-10 of 10, ") and "no validation loss" in summary
     # The corrected rerun (the default learning rate) into the same folder replaces the failed
     # run's files, trains every step and exports.
     fixed = ["train.on_nonfinite=skip", "train.max_steps=10", "overwrite_output_dir=true"]

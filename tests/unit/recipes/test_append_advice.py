@@ -18,6 +18,7 @@ def error_of(overrides, capsys) -> str:
         (["train.max_stpes=5"], "train.max_stpes is not a known key"),
         (["optim.momentum=0.9"], "optim.momentum is not an option of torch.optim.AdamW"),
         (["model.config.hiden_size=3"], "did you mean model.config.hidden_size?"),
+        (["trian.max_steps=3"], "trian is not a known key: remove it"),  # a misspelt section
     ],
 )
 def test_advice_that_would_fail_is_not_given(overrides, expected, capsys):
@@ -30,6 +31,8 @@ def test_advice_that_would_fail_is_not_given(overrides, expected, capsys):
 def test_a_misspelt_key_gets_the_key_it_resembles(capsys):
     line = error_of(["train.seq_lne=4"], capsys)
     assert line.endswith("did you mean train.seq_len?"), line
+    line = error_of(["trian.max_steps=3"], capsys)
+    assert line.endswith("did you mean train.max_steps?"), line
 
 
 def test_advice_that_works_is_kept(capsys):
