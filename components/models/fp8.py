@@ -107,8 +107,17 @@ def fp8_problems(model: nn.Module, is_moe: bool, lora: bool, device_type: str) -
             "train.precision=fp8 needs a GPU with float8 matmuls (compute capability 8.9 or "
             f"later; this one is {capability[0]}.{capability[1]}): use train.precision=bf16-mixed"
         )
-    if not fp8_linears(model):
-        kind = type(model).__name__
+    kind = type(model).__name__
+    try:
+        linears = fp8_linears(model)
+    except ValueError:  # no decoder blocks found
+        return [
+            *found,
+            f"train.precision=fp8 with {kind} is not supported: fp8 converts the linears of the "
+            "decoder blocks, and its blocks were not found (no model.layers); use "
+            "train.precision=bf16-mixed",
+        ]
+    if not linears:
         found.append(f"train.precision=fp8 finds no linear layer in the blocks of {kind}")
     return found
 

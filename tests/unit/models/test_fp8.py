@@ -17,7 +17,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from components.models import build_causal_lm, tiny_config
-from components.models.fp8 import Fp8Options, convert_to_fp8, fp8_linears, fp8_shape_errors
+from components.models.fp8 import (
+    Fp8Options,
+    convert_to_fp8,
+    fp8_linears,
+    fp8_problems,
+    fp8_shape_errors,
+)
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -81,3 +87,19 @@ def test_a_converted_layer_is_within_fp8_rounding_of_bf16(recipe):
     assert 0.01 < errors["output"] <= 0.08
     assert 0.01 < errors["input gradient"] <= 0.12
     assert 0.01 < errors["weight gradient"] <= 0.12
+
+
+def test_a_model_whose_blocks_are_not_found_is_one_refusal():
+    """HRM's text model keeps its blocks outside ``model.layers`` (the coverage sweep's fp8 cell was
+    a traceback in a rank): refused, naming what fp8 converts."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.coverage import tiny_config as tiny_type_config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_type_config("hrm_text"))
+    assert fp8_problems(model, is_moe=False, lora=False, device_type="cpu") == [
+        "train.precision=fp8 with HrmTextForCausalLM is not supported: fp8 converts the linears "
+        "of the decoder blocks, and its blocks were not found (no model.layers); use "
+        "train.precision=bf16-mixed"
+    ]
