@@ -244,7 +244,7 @@ def resolve_model(
     from components.models import load_config, meta_causal_lm
     from components.models.compile import check_compile
     from components.models.folder_check import check_model_folder, check_tokenizer_folder
-    from components.models.load import position_ids_problems
+    from components.models.load import sequence_problems
 
     model = settings.model
     try:
@@ -268,8 +268,8 @@ def resolve_model(
         return None, None, [Problem(key="model", message=str(error))]
     found = config_problems(settings, config, path)
     cp = 1 if dims is None else dims.cp
-    found += problems("cp", position_ids_problems(config, cp, packing=False))
-    found += problems("train.packing", position_ids_problems(config, 1, settings.train.packing))
+    found += problems("cp", sequence_problems(config, cp, packing=False))
+    found += problems("train.packing", sequence_problems(config, 1, settings.train.packing))
     splits = dims is not None and (dims.tp > 1 or dims.ep > 1)
     lora = settings.peft.name == "lora" and not settings.peft.errors()
     fp8 = settings.train.precision == "fp8"
@@ -472,11 +472,17 @@ def pipeline_problems(settings: Config, dims: ParallelDims, config, meta=None) -
         for key, (on, what, instead) in _pipeline_refusals(settings, dims, config).items()
         if on
     ]
-    if meta is not None and (why := stage_structure_problem(meta)):
+    why = stage_structure_problem(meta) if meta is not None else ""
+    layers = getattr(config.get_text_config(), "num_hidden_layers", None)
+    if layers is None:  # BLT's: no one stack of decoder layers to cut into stages
+        why = why or "its config names no num_hidden_layers"
+    if why:
         message = f"{pp} with model type '{config.model_type}' is not supported yet ({why})"
         found.append(Problem(key="pp", message=f"{message}: use pp=1"))
+    if layers is None:
+        return found
     micro_batches = train.global_batch_size // (train.micro_batch_size * dims.dp)
-    layout = (config.num_hidden_layers, dims.pp, per_rank, settings.pp_schedule, micro_batches)
+    layout = (layers, dims.pp, per_rank, settings.pp_schedule, micro_batches)
     return found + [Problem(key=k, message=m) for k, m in layout_problems(*layout).items()]
 
 

@@ -62,20 +62,32 @@ def causal_flags(config: PretrainedConfig, model: nn.Module) -> list[str]:
     return flags
 
 
-def position_ids_problems(config: PretrainedConfig, cp: int, packing: bool) -> list[str]:
-    """What a model whose causal LM's forward takes no ``position_ids`` (BART and its kin number
-    their tokens 0, 1, ... themselves; Mamba, RWKV, Bloom) cannot run: context parallelism (each
-    rank's tokens are its shard of the sequence, at positions of the whole) and packed rows (each
-    example's positions restart, which is how its attention is kept inside it). One message each;
-    a config no causal LM class maps to: none (it is refused elsewhere)."""
+# Model types whose forward a sequence shard cannot run, and why (each a cp refusal).
+SEQUENCE_SHARD_REFUSALS = {
+    "blt": "its local encoder and decoder cross-attend between bytes and the patches made of them, "
+    "which a rank's share of the sequence does not keep",
+}
+
+
+def sequence_problems(config: PretrainedConfig, cp: int, packing: bool) -> list[str]:
+    """What this model type cannot run of context parallelism (each rank's tokens are its shard
+    of the sequence, at positions of the whole) and packed rows (each example's positions restart,
+    which is how its attention is kept inside it), one message each: a type of
+    :data:`SEQUENCE_SHARD_REFUSALS` at cp > 1, and a causal LM whose forward takes no
+    ``position_ids`` (BART and its kin number their tokens 0, 1, ... themselves; Mamba, RWKV,
+    Bloom) at cp > 1 or with packing. A config no causal LM class maps to: none (it is refused
+    elsewhere)."""
     import inspect
 
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+    kind, found = config.model_type, []
+    if cp > 1 and kind in SEQUENCE_SHARD_REFUSALS:
+        why = SEQUENCE_SHARD_REFUSALS[kind]
+        return [f"cp={cp} with model type '{kind}' is not supported: {why}: use cp=1"]
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
     if model_class is None or "position_ids" in inspect.signature(model_class.forward).parameters:
         return []
-    kind, found = config.model_type, []
     if cp > 1:
         found.append(
             f"cp={cp} with model type '{kind}' is not supported: its forward takes no position ids "

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-from transformers import BartConfig, GPTJConfig, LlamaConfig
+from transformers import BartConfig, BltConfig, GPTJConfig, LlamaConfig
 
 from components.distributed.context_parallel import CpLayout, CpShard, attention_problems, running
 from components.distributed.mesh import resolve_parallel_dims
-from components.models.load import position_ids_problems
+from components.models.load import sequence_problems
 from recipes.checks import check_sizes, compose, pad_multiple
 from recipes.schema import SchemaError, validate
 
@@ -90,12 +90,20 @@ def test_a_shard_no_attention_layer_computed_is_an_error():
 def test_a_model_that_numbers_its_own_positions_refuses_cp_and_packing():
     """BART's causal LM takes no position ids: at cp=2 each rank would number its shard from 0
     (measured before: 6.0e-2 from tp=1), and packed examples would attend to each other."""
-    assert position_ids_problems(BartConfig(), cp=2, packing=True) == [
+    assert sequence_problems(BartConfig(), cp=2, packing=True) == [
         "cp=2 with model type 'bart' is not supported: its forward takes no position ids and "
         "numbers a rank's share of the sequence from 0: use cp=1",
         "train.packing=true with model type 'bart' is not supported: its forward takes no "
         "position ids, so the examples packed in a row would attend to each other: use "
         "train.packing=false",
     ]
-    assert position_ids_problems(BartConfig(), cp=1, packing=False) == []
-    assert position_ids_problems(LlamaConfig(), cp=2, packing=True) == []
+    assert sequence_problems(BartConfig(), cp=1, packing=False) == []
+    assert sequence_problems(LlamaConfig(), cp=2, packing=True) == []
+
+
+def test_a_model_whose_forward_a_sequence_shard_cannot_run_refuses_cp():
+    """BLT cross-attends between bytes and their patches (at cp=2 a rank failed with a shape
+    mismatch in the coverage sweep): one line, from the models' table."""
+    (found,) = sequence_problems(BltConfig(), cp=2, packing=False)
+    assert found.startswith("cp=2 with model type 'blt' is not supported: its local encoder")
+    assert sequence_problems(BltConfig(), cp=1, packing=False) == []
