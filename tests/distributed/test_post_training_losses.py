@@ -3,7 +3,10 @@ answer tokens' log-probabilities (DPO's) and the distillation sums, the head's w
 ``Shard(0)`` DTensor over the TP mesh (``vocab_parallel``), the hidden states replicated (plain
 TP) or sequence-sharded (sp), a LoRA adapter on the head (its ``B`` split as the weight). The
 tp=1 run is the same function in one process on the whole weight. At tp=2 a spy on every op's
-output shows that no tensor of the vocabulary's whole width is made, forward or backward."""
+output shows that no tensor of the vocabulary's whole width is made, forward or backward. And
+distillation of real tiny models (a Llama student, LoRA on its head and q_proj, a wider, deeper
+Llama teacher), each parallelised by its plan, equals the tp=1 models' own whole logits under
+``F.cross_entropy`` and ``F.kl_div``."""
 
 import pytest
 import torch
@@ -16,15 +19,27 @@ from components.distributed.chunked_distillation import (
     chunked_distillation_sums,
     distillation_loss,
 )
-from components.distributed.chunked_loss import chunked_head, chunked_token_log_probs
+from components.distributed.chunked_loss import (
+    chunked_head,
+    chunked_token_log_probs,
+    head_weights,
+    lm_head_skipped,
+)
+from components.distributed.grads import finalize_dtensor_gradients
+from components.distributed.tp_plan import apply_tp_plan
+from components.distributed.tp_replicas import synchronize_tp_replica_gradients
+from components.models import build_causal_lm, tiny_config
+from components.models.families import plan_for
+from tests.distributed.test_chunked_loss import HEAD_LORA
 from tests.harness import mesh
-from tests.unit.training.test_chunked_loss import batch, relative
+from tests.unit.training.test_chunked_loss import batch, relative, with_trained_adapters
 from tests.unit.training.test_post_training_losses import (
     HIDDEN,
     RANK,
     TEACHER_HIDDEN,
     VOCAB,
     adapter_of,
+    reference_distillation,
 )
 
 TOLERANCE = 1e-5
@@ -186,3 +201,74 @@ def check_split_teacher_refused(rank, world_size):
 def test_a_teacher_head_split_otherwise_is_refused(ranks2):
     for message in ranks2.run(check_split_teacher_refused):
         assert message.startswith("the teacher's head must be split over the vocabulary as the")
+
+
+def distil_models(tp_mesh, sequence_parallel: bool, lora: bool):
+    """A tiny Llama student (LoRA on its head and q_proj, B non-zero as after training) and a
+    wider, deeper teacher of the same vocabulary; both parallelised by their plans on ``tp_mesh``
+    (None: tp=1, whole)."""
+    student_config = tiny_config("llama")
+    teacher_config = tiny_config(
+        "llama",
+        hidden_size=2 * student_config.hidden_size,
+        intermediate_size=2 * student_config.intermediate_size,
+        num_hidden_layers=student_config.num_hidden_layers + 1,
+    )
+    student = build_causal_lm(student_config, seed=0)
+    teacher = build_causal_lm(teacher_config, seed=1).requires_grad_(False)
+    if lora:
+        with_trained_adapters(student, HEAD_LORA)
+    if tp_mesh is not None:
+        for model, config in ((student, student_config), (teacher, teacher_config)):
+            apply_tp_plan(
+                model, tp_mesh, plan_for(config, sequence_parallel), config, sequence_parallel
+            )
+    return student, teacher
+
+
+def check_models(rank, world_size, sequence_parallel, lora, alpha, temperature):
+    """tp=2 chunked (the model's hidden states, its heads) against tp=1's own logits: the
+    whole-vocabulary reference (``F.cross_entropy`` and ``F.kl_div``), loss and every gradient."""
+    tp_mesh = mesh((world_size,), ("tp",))
+    student, teacher = distil_models(None, sequence_parallel, lora)
+    tokens, labels = batch(student.config.vocab_size, seq=48)
+    with torch.no_grad():
+        teacher_logits = teacher(input_ids=tokens, use_cache=False).logits
+    ce, kl = reference_distillation(
+        student(input_ids=tokens, use_cache=False).logits, teacher_logits, labels, temperature
+    )
+    tokens_labelled = int((labels[:, 1:] != -100).sum())
+    reference = distillation_loss(ce, kl, tokens_labelled, alpha, temperature)
+    reference.backward()
+    want = {name: p.grad for name, p in student.named_parameters() if p.grad is not None}
+
+    student, teacher = distil_models(tp_mesh, sequence_parallel, lora)
+    with torch.no_grad(), lm_head_skipped(teacher) as teacher_head:
+        teacher_hidden = teacher(input_ids=tokens, use_cache=False).logits
+    with lm_head_skipped(student) as head:
+        hidden = student(input_ids=tokens, use_cache=False).logits
+    weights = head_weights(head)
+    ce, kl = chunked_distillation_sums(
+        hidden, weights.weight, teacher_hidden, teacher_head.weight, labels, temperature, 8,
+        adapter=weights.adapter,
+    )  # fmt: skip
+    loss = distillation_loss(ce, kl, tokens_labelled, alpha, temperature)
+    loss.backward()
+    finalize_dtensor_gradients([student])  # then the adapters' A, partial per rank, summed
+    synchronize_tp_replica_gradients([student], tp_mesh)  # as the recipe's step does
+    got = {name: full(p.grad) for name, p in student.named_parameters() if p.grad is not None}
+    assert got.keys() == want.keys()
+    result = {name: relative(got[name], want[name]) for name in got}
+    result["loss"] = relative(loss.detach(), reference.detach())
+    return result
+
+
+@pytest.mark.parametrize(
+    "sequence_parallel, lora, alpha, temperature",
+    [(False, False, 0.5, 2.0), (True, True, 0.25, 1.5)],
+)
+def test_distilling_tp2_models_equals_tp1_whole_logits(
+    ranks2, sequence_parallel, lora, alpha, temperature
+):
+    for result in ranks2.run(check_models, sequence_parallel, lora, alpha, temperature):
+        assert max(result.values()) <= TOLERANCE, max(result.items(), key=lambda item: item[1])
