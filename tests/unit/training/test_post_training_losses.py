@@ -3,7 +3,8 @@ and gradients within 1e-6 relative, with a LoRA-adapted head too:
 
 - answer-token log-probabilities (chunked) against TRL's own ``selective_log_softmax``;
 - DPO (``sigmoid``, cDPO label smoothing, ``ipo``) on them against TRL 1.16's ``DPOTrainer``
-  formulas (``_compute_loss``; TRL has no loss function of its own to call), written out here;
+  formulas (``_compute_loss``; TRL has no loss function of its own to call), written out here, and
+  against a real ``DPOTrainer``'s ``compute_loss`` on a tiny Llama, loss and gradients;
 - knowledge distillation's CE and KL(teacher ‖ student) at temperature T against
   ``F.cross_entropy`` and ``F.kl_div`` on the full-vocabulary log-softmaxes (KL within 1e-5).
 """
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from trl.trainer.utils import selective_log_softmax
 
+from components.data.tokenizer import train_tokenizer
 from components.distributed.chunked_distillation import (
     chunked_distillation_sums,
     distillation_loss,
@@ -22,7 +24,9 @@ from components.distributed.chunked_loss import (
     HeadAdapter,
     chunked_head,
     chunked_token_log_probs,
+    lm_head_skipped,
 )
+from components.models import build_causal_lm, tiny_config
 from components.training.preference import DpoOptions, PairLogProbs, dpo_losses
 from tests.unit.training.test_chunked_loss import TOLERANCE, batch, relative
 
@@ -231,3 +235,78 @@ def test_distillation_refuses_another_vocabulary_and_bad_values():
         chunked_distillation_sums(hidden, weight, hidden, weight, labels, 0.0)
     with pytest.raises(ValueError, match=r"alpha must lie in \[0, 1\]"):
         distillation_loss(torch.tensor(1.0), torch.tensor(1.0), 1, 1.5, 1.0)
+
+
+PREFERENCES = [
+    {
+        "prompt": [{"role": "user", "content": "what colour is the sky"}],
+        "chosen": [{"role": "assistant", "content": "blue"}],
+        "rejected": [{"role": "assistant", "content": "green grass"}],
+    },
+    {
+        "prompt": [{"role": "user", "content": "grass?"}],
+        "chosen": [{"role": "assistant", "content": "green"}],
+        "rejected": [{"role": "assistant", "content": "the sky"}],
+    },
+]
+
+
+def trl_trainer(tmp_path, loss_type: str):
+    """TRL's ``DPOTrainer`` on a tiny Llama policy and another (seed 1) as its reference, with a
+    byte-level tokenizer trained here; and its first batch (chosen rows, then rejected). fp32
+    throughout: TRL's default ``bf16`` would run the reference under accelerate's autocast."""
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    texts = ["the sky is blue", "grass is green", "what colour is the sky"]
+    tokenizer = train_tokenizer(texts, 300, tmp_path / "tokenizer")
+    config = tiny_config("llama", vocab_size=300)
+    args = DPOConfig(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, report_to=[], beta=0.3,
+        loss_type=[loss_type], use_cpu=True, max_steps=1, save_strategy="no", bf16=False,
+    )  # fmt: skip
+    trainer = DPOTrainer(
+        model=build_causal_lm(config, seed=0),
+        ref_model=build_causal_lm(config, seed=1),
+        args=args,
+        train_dataset=Dataset.from_list(PREFERENCES),
+        processing_class=tokenizer,
+    )
+    return trainer, next(iter(trainer.get_train_dataloader()))
+
+
+def answer_log_probs(model, batch: dict, labels: torch.Tensor) -> torch.Tensor:
+    """Each row's summed log-probability of its labelled tokens, chunked (3 tokens at a time)."""
+    with lm_head_skipped(model) as head:
+        hidden = model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
+        ).logits
+    return chunked_token_log_probs(chunked_head(hidden, head.weight), labels, 3).sum(-1)
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+def test_dpo_equals_trl_dpo_trainer(tmp_path, loss_type):
+    """TRL's own ``DPOTrainer.compute_loss`` on its own batch, and its gradients, against
+    ``dpo_losses`` on the chunked answer log-probabilities of the same models and rows."""
+    trainer, batch = trl_trainer(tmp_path, loss_type)
+    policy, reference = trainer.model, trainer.ref_model
+    trl_loss = trainer.compute_loss(policy, batch)
+    trl_loss.backward()
+    want = {name: p.grad.clone() for name, p in policy.named_parameters()}
+    policy.zero_grad()
+
+    labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
+    counts = (batch["completion_mask"] == 1).sum(-1).float()
+    with torch.no_grad():
+        reference_logps = answer_log_probs(reference, batch, labels)
+
+    def pairs(values: torch.Tensor) -> PairLogProbs:
+        return PairLogProbs(chosen=values[:2], rejected=values[2:])
+
+    options = DpoOptions(beta=0.3, loss_type=loss_type)
+    policy_logps = answer_log_probs(policy, batch, labels)
+    loss = dpo_losses(pairs(policy_logps), pairs(reference_logps), options, pairs(counts))
+    loss.losses.mean().backward()
+    assert relative(loss.losses.mean().detach(), trl_loss.detach()) <= TOLERANCE
+    got = {name: p.grad for name, p in policy.named_parameters()}
+    assert max(relative(got[name], want[name]) for name in want) <= TOLERANCE
