@@ -55,26 +55,37 @@ class HeadWeights:
     adapter: HeadAdapter | None = None
 
 
-class _ChunkedHeadCrossEntropy(torch.autograd.Function):
-    """Sum of cross entropy of ``hidden @ weight.T (+ scaling · adapter_in @ B.T)`` over labelled
-    tokens, chunk by chunk, recomputed in backward. ``shard`` (group, start): ``weight`` (and
-    ``B``) hold vocabulary rows ``start .. start + rows`` of ``group``'s (None: all);
-    ``adapter_in`` [tokens, rank] is the adapter's ``A·dropout(x)`` per token (None with ``B``:
-    no adapter)."""
+@dataclass(frozen=True, kw_only=True)
+class ChunkSettings:
+    """How a chunked head function runs: ``chunk`` tokens at a time; ``shard`` (group, start):
+    the local weight holds vocabulary rows ``start ..`` of TP ``group``'s (None: all); logits in
+    ``compute_dtype``; an adapter's ``scaling`` (None: no adapter)."""
+
+    chunk: int
+    shard: tuple[dist.ProcessGroup | None, int]
+    compute_dtype: torch.dtype
+    scaling: float | None
+
+
+class _ChunkedHeadLogProbs(torch.autograd.Function):
+    """Log-probability of each picked token's target under ``hidden @ weight.T (+ scaling ·
+    adapter_in @ B.T)``, chunk by chunk, recomputed in backward, which takes a gradient per token.
+    ``picked`` [n]: the token rows that have a target; returns [n] fp32. ``weight`` (and ``B``)
+    hold the vocabulary rows ``settings.shard`` says; ``adapter_in`` [tokens, rank] is the
+    adapter's ``A·dropout(x)`` per token (None with ``B``: no adapter)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, adapter_in, B, scaling, targets, chunk, shard, compute_dtype):
-        group, start = shard
-        picked = (targets != -100).nonzero().squeeze(1)
+    def forward(ctx, hidden, weight, adapter_in, B, targets, picked, settings: ChunkSettings):
+        (group, start), chunk = settings.shard, settings.chunk
         hidden_picked, local = (
             hidden.index_select(0, picked),
             targets.index_select(0, picked) - start,
         )
         adapter_picked = None if adapter_in is None else adapter_in.index_select(0, picked)
         lse = torch.empty(picked.numel(), dtype=torch.float32, device=hidden.device)
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        logps = torch.empty_like(lse)
         with torch.autocast(hidden.device.type, enabled=False):
-            head = _Head(weight, adapter_picked, B, scaling, compute_dtype)
+            head = _Head(weight, adapter_picked, B, settings.scaling, settings.compute_dtype)
             for begin in range(0, picked.numel(), chunk):
                 rows = slice(begin, begin + chunk)
                 logits = head.logits(hidden_picked[rows], rows).float()
@@ -86,46 +97,60 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
                 if group is not None:
                     dist.all_reduce(sums, group=group)
                 lse[rows] = top + sums[0].log()
-                total += (lse[rows] - sums[1]).sum()
+                logps[rows] = sums[1] - lse[rows]
         ctx.save_for_backward(hidden_picked, weight, adapter_picked, B, local, picked, lse)
-        ctx.chunk, ctx.compute_dtype, ctx.rows = chunk, compute_dtype, hidden.shape[0]
-        ctx.scaling, ctx.adapter_rows = scaling, None if adapter_in is None else adapter_in.shape
-        return total
+        ctx.settings, ctx.rows = settings, hidden.shape[0]
+        return logps
 
     @staticmethod
-    def backward(ctx, grad_total):
+    def backward(ctx, grad_logps):
         hidden_picked, weight, adapter_picked, B, local, picked, lse = ctx.saved_tensors
-        chunk, compute_dtype = ctx.chunk, ctx.compute_dtype
-        needs_weight = ctx.needs_input_grad[1]  # a frozen base (LoRA's) takes none
-        grad_picked = torch.empty_like(hidden_picked)
-        grad_weight = _zeros_like(weight) if needs_weight else None
-        grad_adapter = None if B is None else torch.empty_like(adapter_picked)
-        grad_B = None if B is None else _zeros_like(B)
+        chunk, compute_dtype = ctx.settings.chunk, ctx.settings.compute_dtype
+        grads = HeadGradients(hidden_picked, weight, adapter_picked, B, ctx.needs_input_grad[1])
         with torch.autocast(hidden_picked.device.type, enabled=False):
-            head = _Head(weight, adapter_picked, B, ctx.scaling, compute_dtype)
+            head = _Head(weight, adapter_picked, B, ctx.settings.scaling, compute_dtype)
             for begin in range(0, picked.numel(), chunk):
                 rows = slice(begin, begin + chunk)
                 h = hidden_picked[rows].to(compute_dtype)
                 probs = head.logits(h, rows).float().sub_(lse[rows, None]).exp_()
                 ids = local[rows]
                 inside = ((ids >= 0) & (ids < probs.shape[1])).nonzero().squeeze(1)
-                probs[inside, ids[inside]] -= 1  # d loss / d logits = softmax - one-hot(target)
-                grad_logits = probs.mul_(grad_total).to(compute_dtype)
-                grad_picked[rows] = (grad_logits @ head.w).to(grad_picked.dtype)
-                if needs_weight:
-                    grad_weight += (grad_logits.T @ h).float()
-                if B is not None:  # logits += scaling · adapter_in @ B.T
-                    grad_update = grad_logits * ctx.scaling
-                    grad_adapter[rows] = (grad_update @ head.B).to(grad_adapter.dtype)
-                    grad_B += (grad_update.T @ head.adapter_in[rows]).float()
-        grad_hidden = _scatter_rows(grad_picked, picked, ctx.rows)
-        grad_adapter_in = None if B is None else _scatter_rows(grad_adapter, picked, ctx.rows)
+                probs[inside, ids[inside]] -= 1  # d -logp / d logits = softmax - one-hot(target)
+                grad_logits = probs.mul_(grad_logps[rows, None].neg()).to(compute_dtype)
+                grads.add(head, grad_logits, h, rows)
+        return (*grads.results(picked, ctx.rows), *[None] * 3)
+
+
+class HeadGradients:
+    """The gradients of a chunked head's inputs, accumulated chunk by chunk from the gradient of
+    its logits: the picked tokens' hidden states, the weight (unless frozen: LoRA's base), and an
+    adapter's ``adapter_in`` and ``B``."""
+
+    def __init__(self, hidden_picked, weight, adapter_picked, B, needs_weight: bool):
+        self.picked_hidden = torch.empty_like(hidden_picked)
+        self.weight = _zeros_like(weight) if needs_weight else None
+        self.adapter = None if B is None else torch.empty_like(adapter_picked)
+        self.B = None if B is None else _zeros_like(B)
+        self.dtypes = (weight.dtype, None if B is None else B.dtype)
+
+    def add(self, head: "_Head", grad_logits: torch.Tensor, h: torch.Tensor, rows: slice) -> None:
+        """One chunk's ``grad_logits`` [rows, vocab shard] (``compute_dtype``) for hidden ``h``."""
+        self.picked_hidden[rows] = (grad_logits @ head.w).to(self.picked_hidden.dtype)
+        if self.weight is not None:
+            self.weight += (grad_logits.T @ h).float()
+        if self.B is not None:  # logits += scaling · adapter_in @ B.T
+            grad_update = grad_logits * head.scaling
+            self.adapter[rows] = (grad_update @ head.B).to(self.adapter.dtype)
+            self.B += (grad_update.T @ head.adapter_in[rows]).float()
+
+    def results(self, picked: torch.Tensor, rows: int) -> tuple:
+        """(hidden, weight, adapter_in, B) gradients, the hidden ones at every token row."""
+        weight_dtype, B_dtype = self.dtypes
         return (
-            grad_hidden,
-            None if grad_weight is None else grad_weight.to(weight.dtype),
-            grad_adapter_in,
-            None if grad_B is None else grad_B.to(B.dtype),
-            *[None] * 5,
+            _scatter_rows(self.picked_hidden, picked, rows),
+            None if self.weight is None else self.weight.to(weight_dtype),
+            None if self.adapter is None else _scatter_rows(self.adapter, picked, rows),
+            None if self.B is None else self.B.to(B_dtype),
         )
 
 
@@ -162,31 +187,43 @@ def _target_logit(logits: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     return torch.where(inside, picked, torch.zeros_like(picked))
 
 
-def chunked_cross_entropy_sum(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    chunk_tokens: int = LOSS_CHUNK_TOKENS,
-    shifted: bool = False,
-    adapter: HeadAdapter | None = None,
-) -> torch.Tensor:
-    """Sum of next-token cross entropy of ``hidden @ weight.T`` (plus ``adapter``'s update) over
-    positions with a label (``-100`` ignored): what ``cross_entropy_sum(lm_head(hidden), labels)``
-    computes, ``chunk_tokens`` at a time.
+@dataclass(frozen=True, kw_only=True)
+class ChunkedHead:
+    """A head's inputs as the chunked functions take them, every token a row: ``hidden`` [tokens,
+    hidden] (gathered under sp, its gradient reduced as the head's input layout does), the local
+    ``weight`` (its vocabulary rows ``shard[1]..`` of TP group ``shard[0]``; (None, 0): all),
+    an adapter's ``adapter_in`` [tokens, rank] and local ``B`` and ``scaling`` (None: no
+    adapter), and the dtype the logits are computed in."""
 
-    ``hidden`` [batch, seq, hidden]: a tensor, or under sequence parallelism a DTensor sharded on
-    the sequence (``Shard(1)``), gathered here. ``weight`` [vocab, hidden]: ``lm_head.weight``, a
-    tensor or a DTensor (``Shard(0)`` over the TP mesh: vocab-parallel; tied to the embedding or
-    not, its gradient goes to that one parameter). ``labels`` [batch, seq] aligned with the inputs
-    (or with ``shifted``, each position's target already: a context-parallel shard's).
-    ``adapter``: an adapted head's update (:class:`HeadAdapter`), its ``B`` split as ``weight`` is;
-    its dropout is drawn once over ``hidden`` [batch, seq, hidden], as the head's forward draws it.
-    Returns a plain scalar, the same on every TP rank. Needs no ``loss_parallel()``.
-    """
-    if chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
-    # position t predicts labels[t + 1]
-    targets = (labels if shifted else F.pad(labels[:, 1:], (0, 1), value=-100)).flatten()
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    adapter_in: torch.Tensor | None
+    B: torch.Tensor | None
+    scaling: float | None
+    shard: tuple[dist.ProcessGroup | None, int]
+    compute_dtype: torch.dtype
+
+    @property
+    def inputs(self) -> tuple:
+        """(hidden, weight, adapter_in, B): what the autograd functions take first."""
+        return (self.hidden, self.weight, self.adapter_in, self.B)
+
+    def settings(self, chunk: int) -> ChunkSettings:
+        return ChunkSettings(
+            chunk=chunk, shard=self.shard, compute_dtype=self.compute_dtype, scaling=self.scaling
+        )
+
+
+def chunked_head(
+    hidden: torch.Tensor, weight: torch.Tensor, adapter: HeadAdapter | None = None
+) -> ChunkedHead:
+    """The head ``hidden @ weight.T`` (plus ``adapter``'s update) prepared for the chunked
+    functions: ``hidden`` [batch, seq, hidden] a tensor, or under sequence parallelism a DTensor
+    sharded on the sequence (``Shard(1)``), gathered here. ``weight`` [vocab, hidden]:
+    ``lm_head.weight``, a tensor or a DTensor (``Shard(0)`` over the TP mesh: vocab-parallel; tied
+    to the embedding or not, its gradient goes to that one parameter). ``adapter``: an adapted
+    head's update (:class:`HeadAdapter`), its ``B`` split as ``weight`` is; its dropout is drawn
+    once over ``hidden``, as the head's forward draws it."""
     group, start = None, 0
     if isinstance(weight, DTensor):
         mesh = weight.device_mesh
@@ -222,17 +259,77 @@ def chunked_cross_entropy_sum(
         _check_split_alike(weight, adapter.B)
         adapter_in = F.linear(adapter.dropout(hidden), _local(adapter.A)).flatten(0, 1)
         B = _local(adapter.B)
-    return _ChunkedHeadCrossEntropy.apply(
-        hidden.flatten(0, 1),
-        _local(weight),
-        adapter_in,
-        B,
-        None if adapter is None else adapter.scaling,
-        targets,
-        chunk_tokens,
-        (group, start),
-        compute_dtype,
+    return ChunkedHead(
+        hidden=hidden.flatten(0, 1),
+        weight=_local(weight),
+        adapter_in=adapter_in,
+        B=B,
+        scaling=None if adapter is None else adapter.scaling,
+        shard=(group, start),
+        compute_dtype=compute_dtype,
     )
+
+
+def next_token_targets(labels: torch.Tensor, shifted: bool = False) -> torch.Tensor:
+    """Each position's target, flat [batch · seq]: position t predicts ``labels[t + 1]`` (the last
+    none: ``-100``), or with ``shifted`` ``labels`` as they are (a context-parallel shard's)."""
+    return (labels if shifted else F.pad(labels[:, 1:], (0, 1), value=-100)).flatten()
+
+
+def _check_chunk(chunk_tokens: int) -> None:
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+
+
+def _picked_log_probs(
+    head: ChunkedHead, targets: torch.Tensor, chunk_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(picked, log-probs): the token rows with a target and their targets' log-probabilities."""
+    _check_chunk(chunk_tokens)
+    picked = (targets != -100).nonzero().squeeze(1)
+    logps = _ChunkedHeadLogProbs.apply(*head.inputs, targets, picked, head.settings(chunk_tokens))
+    return picked, logps
+
+
+def chunked_cross_entropy_sum(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_tokens: int = LOSS_CHUNK_TOKENS,
+    shifted: bool = False,
+    adapter: HeadAdapter | None = None,
+) -> torch.Tensor:
+    """Sum of next-token cross entropy of ``hidden @ weight.T`` (plus ``adapter``'s update) over
+    positions with a label (``-100`` ignored): what ``cross_entropy_sum(lm_head(hidden), labels)``
+    computes, ``chunk_tokens`` at a time.
+
+    ``hidden``, ``weight``, ``adapter`` as :func:`chunked_head` takes them. ``labels`` [batch, seq]
+    aligned with the inputs (or with ``shifted``, each position's target already: a
+    context-parallel shard's). Returns a plain scalar, the same on every TP rank. Needs no
+    ``loss_parallel()``.
+    """
+    head = chunked_head(hidden, weight, adapter)
+    _, logps = _picked_log_probs(head, next_token_targets(labels, shifted), chunk_tokens)
+    total = logps[:0].sum()  # summed chunk by chunk, as the loss has always been
+    for begin in range(0, logps.numel(), chunk_tokens):
+        total = total + logps[begin : begin + chunk_tokens].sum()
+    return -total
+
+
+def chunked_token_log_probs(
+    head: ChunkedHead, labels: torch.Tensor, chunk_tokens: int = LOSS_CHUNK_TOKENS
+) -> torch.Tensor:
+    """Each position's log-probability of its next-token label under ``head`` (the
+    :func:`chunked_head` of the hidden states, the head's weight and its adapter), [batch, seq]
+    fp32, 0 where there is none (``-100``): ``log_softmax`` of the logits at the label,
+    ``chunk_tokens`` labelled tokens at a time, the vocabulary split over TP as the weight is (no
+    rank holds the whole vocabulary's logits). Its sum over a row is the sequence's
+    log-probability of its labelled tokens (DPO's). ``labels`` [batch, seq] aligned with the
+    inputs; differentiable, each token's gradient its own."""
+    targets = next_token_targets(labels)
+    picked, logps = _picked_log_probs(head, targets, chunk_tokens)
+    every = logps.new_zeros(targets.numel()).index_copy(0, picked, logps)
+    return every.view(labels.shape)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -17,10 +17,15 @@ from components.distributed.grads import finalize_dtensor_gradients
 from components.distributed.tp_plan import apply_tp_plan, cross_entropy_sum
 from components.models import build_causal_lm, tiny_config
 from components.models.families import plan_for
-from components.models.lora import LoraOptions, apply_lora, lora_modules
+from components.models.lora import LoraOptions
 from components.training.step import forward_backward
 from tests.harness import mesh
-from tests.unit.training.test_chunked_loss import TOLERANCE, batch, relative
+from tests.unit.training.test_chunked_loss import (
+    TOLERANCE,
+    batch,
+    relative,
+    with_trained_adapters,
+)
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
@@ -68,11 +73,7 @@ def check_model(rank, world_size, family, overrides, sequence_parallel, lora=Non
     for chunk in (8, None):
         model = build_causal_lm(config, seed=0)
         if lora is not None:  # adapters, their B non-zero as after training
-            apply_lora(model, lora, seed=0)
-            generator = torch.Generator().manual_seed(3)
-            with torch.no_grad():
-                for _, module in lora_modules(model):
-                    module.lora_B.weight.normal_(std=0.05, generator=generator)
+            with_trained_adapters(model, lora)
         plan = plan_for(config, sequence_parallel)
         apply_tp_plan(model, tp_mesh, plan, config, sequence_parallel)
         loss = forward_backward(

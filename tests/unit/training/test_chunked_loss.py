@@ -121,16 +121,22 @@ def test_evaluation_matches_unchunked():
     assert abs(chunked - unchunked) <= TOLERANCE * chunked
 
 
-def lora_step(chunk: int | None, targets: tuple[str, ...], dropout: float, head=None):
-    """One micro-batch of a tiny Llama with adapters on ``targets`` (their B drawn non-zero, as
-    after training, so the update takes part in the logits), its loss and adapter gradients."""
-    model = build_causal_lm(tiny_config("llama"), seed=0)
-    options = LoraOptions(rank=4, alpha=8.0, dropout=dropout, target_modules=targets)
+def with_trained_adapters(model, options: LoraOptions) -> None:
+    """``options``' adapters on ``model`` (seed 0), their B drawn non-zero as after training, so
+    the update takes part in the logits."""
     apply_lora(model, options, seed=0)
     generator = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for _, module in lora_modules(model):
             module.lora_B.weight.normal_(std=0.05, generator=generator)
+
+
+def lora_step(chunk: int | None, targets: tuple[str, ...], dropout: float, head=None):
+    """One micro-batch of a tiny Llama with adapters on ``targets`` (their B drawn non-zero, as
+    after training, so the update takes part in the logits), its loss and adapter gradients."""
+    model = build_causal_lm(tiny_config("llama"), seed=0)
+    options = LoraOptions(rank=4, alpha=8.0, dropout=dropout, target_modules=targets)
+    with_trained_adapters(model, options)
     if head is not None:
         model.lm_head = head(model.lm_head)
     tokens, labels = batch(model.config.vocab_size)

@@ -1,0 +1,112 @@
+"""Direct Preference Optimization's loss on sequence log-probabilities: a policy against a frozen
+reference, over pairs of a chosen and a rejected answer to one prompt.
+
+The inputs are each answer's summed log-probability of its tokens (the labelled ones), the
+policy's and the reference's, from
+:func:`~components.distributed.chunked_loss.chunked_token_log_probs` summed over a row; the loss
+and the metrics follow TRL's ``DPOTrainer`` (``trl`` 1.16, ``_compute_loss``): with
+``Δ = (π_c − ref_c) − (π_r − ref_r)``,
+
+- ``sigmoid``: ``−log σ(β·Δ)``; with ``label_smoothing`` ε, conservative DPO (cDPO):
+  ``−(1 − ε)·log σ(β·Δ) − ε·log σ(−β·Δ)`` (TRL before 1.0 had it in ``sigmoid``; TRL 1.16's
+  ``sigmoid`` has no smoothing, its ``robust`` is another loss);
+- ``ipo``: ``(Δ_c/n_c − Δ_r/n_r − 1/(2β))²``, each answer's log-ratio averaged over its ``n``
+  labelled tokens, as TRL does (the IPO authors' normalisation).
+
+The loss of a batch is the mean over its pairs; the rewards are ``β·(π − ref)`` of each answer.
+
+Design notes: docs/design-notes.md
+"""
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+DPO_LOSS_TYPES = ("sigmoid", "ipo")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DpoOptions:
+    """``beta`` > 0; ``loss_type`` one of :data:`DPO_LOSS_TYPES`; ``label_smoothing`` ε in
+    [0, 0.5), ``sigmoid`` only (the assumed probability that a pair's preference is flipped)."""
+
+    beta: float = 0.1
+    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
+    label_smoothing: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.beta <= 0:
+            raise ValueError(f"beta must be positive, got {self.beta}")
+        if self.loss_type not in DPO_LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {DPO_LOSS_TYPES}, got {self.loss_type!r}")
+        if not 0.0 <= self.label_smoothing < 0.5:
+            raise ValueError(f"label_smoothing must lie in [0, 0.5), got {self.label_smoothing}")
+        if self.loss_type == "ipo" and self.label_smoothing:
+            raise ValueError("label_smoothing applies to loss_type sigmoid only, not ipo")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PairLogProbs:
+    """One model's summed answer log-probabilities, [pairs] each: of the ``chosen`` and the
+    ``rejected`` answers."""
+
+    chosen: torch.Tensor
+    rejected: torch.Tensor
+
+
+@dataclass(frozen=True, kw_only=True)
+class DpoLosses:
+    """Per pair: the ``losses`` (differentiable), the policy's and reference's log-probabilities and
+    the rewards ``β·(π − ref)`` (detached)."""
+
+    losses: torch.Tensor
+    policy: PairLogProbs
+    chosen_rewards: torch.Tensor
+    rejected_rewards: torch.Tensor
+
+    def metrics(self) -> dict[str, torch.Tensor]:
+        """TRL's metrics, per pair (their means over a step's pairs are what TRL logs):
+        ``rewards/chosen``, ``rewards/rejected``, ``rewards/margins``, ``rewards/accuracies``
+        (1 where the chosen answer's reward exceeds the rejected's), ``logps/chosen``,
+        ``logps/rejected``, and the ``loss``."""
+        return {
+            "loss": self.losses.detach(),
+            "rewards/chosen": self.chosen_rewards,
+            "rewards/rejected": self.rejected_rewards,
+            "rewards/margins": self.chosen_rewards - self.rejected_rewards,
+            "rewards/accuracies": (self.chosen_rewards > self.rejected_rewards).float(),
+            "logps/chosen": self.policy.chosen.detach(),
+            "logps/rejected": self.policy.rejected.detach(),
+        }
+
+
+def dpo_losses(
+    policy: PairLogProbs,
+    reference: PairLogProbs,
+    options: DpoOptions,
+    answer_tokens: PairLogProbs | None = None,
+) -> DpoLosses:
+    """Each pair's DPO loss (module docstring) of the ``policy``'s log-probabilities against the
+    ``reference``'s (detached here: the reference is frozen). ``answer_tokens``: each answer's
+    labelled-token count [pairs], which ``ipo`` needs."""
+    chosen_ratio = policy.chosen - reference.chosen.detach()
+    rejected_ratio = policy.rejected - reference.rejected.detach()
+    if options.loss_type == "sigmoid":
+        delta = options.beta * (chosen_ratio - rejected_ratio)
+        smoothing = options.label_smoothing
+        losses = -F.logsigmoid(delta) * (1 - smoothing) - F.logsigmoid(-delta) * smoothing
+    else:
+        if answer_tokens is None:
+            raise ValueError("loss_type ipo needs each answer's token count")
+        delta = chosen_ratio / answer_tokens.chosen.clamp(min=1) - rejected_ratio / (
+            answer_tokens.rejected.clamp(min=1)
+        )
+        losses = (delta - 1 / (2 * options.beta)) ** 2
+    return DpoLosses(
+        losses=losses,
+        policy=policy,
+        chosen_rewards=options.beta * chosen_ratio.detach(),
+        rejected_rewards=options.beta * rejected_ratio.detach(),
+    )
