@@ -244,7 +244,7 @@ def resolve_model(
     from components.models import load_config, meta_causal_lm
     from components.models.compile import check_compile
     from components.models.folder_check import check_model_folder, check_tokenizer_folder
-    from components.models.load import sequence_problems
+    from components.models.load import position_offset_problems, sequence_problems
 
     model = settings.model
     try:
@@ -270,6 +270,7 @@ def resolve_model(
     cp = 1 if dims is None else dims.cp
     found += problems("cp", sequence_problems(config, cp, packing=False))
     found += problems("train.packing", sequence_problems(config, 1, settings.train.packing))
+    found += problems("model", position_offset_problems(config))
     splits = dims is not None and (dims.tp > 1 or dims.ep > 1)
     lora = settings.peft.name == "lora" and not settings.peft.errors()
     fp8 = settings.train.precision == "fp8"
