@@ -110,10 +110,12 @@ TIES = {
     "which tie at 0 at the cut in 48 of layer 0's 64 rows"
 }
 # Types whose runs take longer than a recipe run's usual 300 s, the time they get, and why.
-TIMEOUTS = {
-    "bamba": (900, "its Mamba layers run transformers' reference scan without mamba_ssm's "
-              "kernels: 140 s a step under fp8 (its bf16 parts) on this CPU under load"),
-}  # fmt: skip
+MAMBA = "its Mamba layers run transformers' reference scan without mamba_ssm's kernels"
+TIMEOUTS = dict.fromkeys(
+    ("bamba", "falcon_h1", "falcon_mamba", "jamba", "mamba", "mamba2", "nemotron_h", "zamba",
+     "zamba2", "granitemoehybrid"),
+    (900, f"{MAMBA}: Bamba's fp8 run (its bf16 parts) took 140 s a step on this CPU under load"),
+)  # fmt: skip
 WHOLE_BATCH = [f"train.micro_batch_size={BATCH}"]  # one forward per step: the model's own batch
 
 
