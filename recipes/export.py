@@ -1,14 +1,14 @@
 """The end of a run: the trained model exported, as ``hf/`` (a Hugging Face folder), or with
 ``peft=lora`` as ``adapter/`` (PEFT's format) and, with ``peft.merge=true``, ``hf/`` merged."""
 
-from __future__ import annotations  # the annotations name classes imported only when needed
+import torch
+from transformers import AutoTokenizer
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    import torch
-
-    from recipes.plan import RunPlan
+from components.checkpoint.export import export_dtype, export_hf
+from components.checkpoint.peft_export import adapter_config, export_peft_adapter
+from components.distributed.pipeline import every_stage
+from components.models.lora import adapted_parameters, adapter_state, lora_modules, merge_adapters
+from recipes.plan import RunPlan
 
 
 def export(model: torch.nn.Module, plan: RunPlan, stages=None) -> None:
@@ -16,18 +16,6 @@ def export(model: torch.nn.Module, plan: RunPlan, stages=None) -> None:
     PEFT's format instead, and with ``peft.merge=true`` ``hf/`` of the merged model too.
     ``stages``: the ``pp`` group's process group (None without pipeline stages), whose ranks hold
     the other stages' adapters."""
-    from transformers import AutoTokenizer
-
-    from components.checkpoint.export import export_dtype, export_hf
-    from components.checkpoint.peft_export import adapter_config, export_peft_adapter
-    from components.distributed.pipeline import every_stage
-    from components.models.lora import (
-        adapted_parameters,
-        adapter_state,
-        lora_modules,
-        merge_adapters,
-    )
-
     source, base, peft = plan.model.weights, plan.settings.model.pretrained_path, plan.settings.peft
     dtype = export_dtype(plan.checkpoint.export_dtype, source)
     if (lora := plan.lora) is not None:
