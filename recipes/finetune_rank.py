@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from components.checkpoint.state import TrainState
 from components.checkpoint.writer import CheckpointWriter
 from components.data.loader import open_splits
 from components.debug.faults import install_faults
@@ -77,24 +78,36 @@ def set_up(plan: RunPlan) -> Run:
     trained = [parameter for parameter in model.parameters() if parameter.requires_grad]
     optimizer = target_class("optim", optim.target)(trained, **optim.options())  # no frozen state
     fp8_scales_after_steps(optimizer, model, plan.fp8)  # fp8 under FSDP: one all-reduce a step
-    schedule = (plan.schedule.name, train.warmup_steps, train.max_steps, plan.schedule.options())
-    scheduler = build_schedule(optimizer, *schedule)
+    warmup, max_steps, options = train.warmup_steps, train.max_steps, plan.schedule.options()
+    schedule = build_schedule(optimizer, plan.schedule.name, warmup, max_steps, options)
     watched = (model, plan.model.config, list(plan.model.experts), dp_mesh(mesh).get_group())
     experts = ExpertLoad.watch(*watched, plan.model.routers, plan.moe.routing_bias_rate)
     if uncounted := uncounted_experts(model, list(plan.model.experts), plan.model.routers):
         say(f"note: expert choices not counted (tokens come routed, no router beside): {uncounted}")
-    first_step = resume(plan.resume_from, model, optimizer, scheduler)  # the routing bias too
+    state = TrainState(model=model, optimizer=optimizer, schedule=schedule)
+    resume(plan.resume_from, state)  # every part of the state: the routing bias too, the step
     precision, data_parallel = precision_policy(plan.model.precision), dims.data_parallel > 1
     compute = functools.partial(precision.autocast, device.type, data_parallel=data_parallel)
     pipeline = build_pipeline(model, mesh, compute, data, *plan.pipeline)  # None at pp=1
-    aux = router_aux_loss_weight(plan.model.config, data.micro_batches_per_step, dims.dp)
-    handles = dict(model=model, optimizer=optimizer, scheduler=scheduler, pipeline=pipeline)
-    where = dict(rank=rank, device=device, mesh=mesh, cp=ContextParallel.of(mesh))
-    steps = dict(data=data, val_data=val_data, first_step=first_step, compute=compute)
-    readout = StepReadout(data_parallel_mesh(mesh).get_group(), device)  # the loss's dp × cp
-    run = Run(**handles, **where, **steps, experts=experts, aux_loss_weight=aux, readout=readout)
+    micro_batches = data.micro_batches_per_step
+    aux_loss_weight = router_aux_loss_weight(plan.model.config, micro_batches, dims.dp)
+    run = Run(
+        rank=rank,
+        device=device,
+        mesh=mesh,
+        state=state,
+        data=data,
+        val_data=val_data,
+        first_step=state.step,
+        compute=compute,
+        experts=experts,
+        aux_loss_weight=aux_loss_weight,
+        cp=ContextParallel.of(mesh),
+        readout=StepReadout(data_parallel_mesh(mesh).get_group(), device),  # the loss's dp × cp
+        pipeline=pipeline,
+    )
     if plan.fault is not None:  # a resilience drill (docs/fault-injection.md)
-        where = dict(rank=rank, world_size=dist.get_world_size(), first_step=first_step)
+        where = dict(rank=rank, world_size=dist.get_world_size(), first_step=state.step)
         where |= dict(micro_batches_per_step=data.micro_batches_per_step)
         run.before_commit = install_faults(plan.fault, model, optimizer, **where)
     return run
@@ -107,12 +120,14 @@ def forward_backward_step(run: Run, plan: RunPlan, step: int) -> torch.Tensor:
     loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)  # mesh groups: NCCL only
     for index, batch in enumerate(batch.to(run.device) for batch in micro_batches):
         heartbeat.progress(f"step {step + 1}, micro-batch {index + 1}")  # a mark: 0.2 µs
-        set_gradient_sync(run.model, index == len(micro_batches) - 1)  # dp reduce once per step
+        set_gradient_sync(
+            run.state.model, index == len(micro_batches) - 1
+        )  # dp reduce once per step
         if run.experts:  # the step's imbalance counts real tokens, not the padding
             run.experts.count_real(batch.real_mask())
         tensors = (batch.input_ids, batch.labels, labelled, batch.position_ids)
         options = (run.compute(), run.aux_loss_weight, plan.train.loss_chunk_tokens, run.cp)
-        loss_sum += forward_backward_on_device(run.model, *tensors, *options)  # no read
+        loss_sum += forward_backward_on_device(run.state.model, *tensors, *options)  # no read
     return loss_sum
 
 
@@ -124,11 +139,15 @@ def train_step(run: Run, plan: RunPlan, step: int, step_fn: StepFn = forward_bac
     reductions, clip, update; its metrics. Reads the device twice: the replica sync, the readout."""
     started = time.perf_counter()
     reset_peak_memory(run.device)
-    run.optimizer.zero_grad(set_to_none=True)
+    run.state.optimizer.zero_grad(set_to_none=True)
     loss_sum = step_fn(run, plan, step)
-    run.readout.finalize([run.model])  # reads the device at the first step only
-    synchronize_tp_replica_gradients([run.model], run.mesh)  # its plan and buffers are reused
-    clip, parts, pp = plan.train.clip_grad_norm, [run.model], run.pipeline and run.pipeline.group
+    run.readout.finalize([run.state.model])  # reads the device at the first step only
+    synchronize_tp_replica_gradients([run.state.model], run.mesh)  # its plan and buffers are reused
+    clip, parts, pp = (
+        plan.train.clip_grad_norm,
+        [run.state.model],
+        run.pipeline and run.pipeline.group,
+    )
     norm = clip_grad_norm_(parts, clip, across=pp) if clip else grad_norm(parts, across=pp)
     expert_counts = run.experts.end_step() if run.experts else None  # moves the routing bias
     stop = preemption.stop_requested() is not None  # agreed with the writer's flags, read once
@@ -139,10 +158,10 @@ def train_step(run: Run, plan: RunPlan, step: int, step_fn: StepFn = forward_bac
             f"step {step + 1}: grad norm is {norm}; stopped before the update "
             "(train.on_nonfinite=skip skips it)"
         )
-    lr = run.scheduler.get_last_lr()[0]
+    lr = run.state.schedule.get_last_lr()[0]
     if finite:
-        run.optimizer.step()
-    run.scheduler.step()
+        run.state.optimizer.step()
+    run.state.schedule.step()
     if run.pipeline is not None:  # a tied embedding's two stages
         run.pipeline.after_update()
     run.readout.after_update()  # the update's peak memory joins the next step's
@@ -164,37 +183,37 @@ def train_step(run: Run, plan: RunPlan, step: int, step_fn: StepFn = forward_bac
 def train(
     run: Run, plan: RunPlan, step_fn: StepFn = forward_backward_step
 ) -> tuple[str | None, int]:
-    """The steps after ``run.first_step`` up to ``max_steps`` (or ``stop_after``): metrics,
-    validation, saves. Returns the name of the signal that stopped the run early (with a checkpoint
-    of its step), or None; and how many steps were skipped as non-finite."""
+    """The steps after ``run.first_step`` up to ``max_steps`` (or ``stop_after``): metrics, and
+    validation, checkpoints and replica checks as the cadence says. Returns the name of the signal
+    that stopped the run early (with a checkpoint of its step), or None; and how many steps were
+    skipped as non-finite."""
     log, tracker, writer = open_outputs(run, plan)
     run.readout.writer = writer  # its stop and save flags are read with each step's values
-    stopped, done, skipped = None, run.first_step, 0  # done: the last step done
-    state, every = (run.model, run.optimizer, run.scheduler), plan.checkpoint.every_steps
-    max_steps, check_every = plan.train.max_steps, plan.settings.debug.check_replicas_every
-    val_every, profile = plan.train.val_every, plan.settings.profile  # val: after the last step too
-    profiler = StepProfiler(profile.steps, profile.memory, plan.output_dir, run.rank, done)
-    for step in range(run.first_step, plan.last_step):
+    state, cadence, stopped, skipped = run.state, plan.cadence, None, 0
+    profile = plan.settings.profile
+    profiler = StepProfiler(profile.steps, profile.memory, plan.output_dir, run.rank, state.step)
+    for step in cadence.steps(run.first_step):
         with heartbeat.watched(f"step {step + 1}", judged=step > run.first_step):  # 1st: compile
             record = train_step(run, plan, step, step_fn) | writer.take_stall()  # the save before
-        done, skipped = step + 1, skipped + bool(record.get("skipped"))
-        if val_every and (done % val_every == 0 or done == max_steps) and run.val_data is not None:
+        state.step, skipped = step + 1, skipped + bool(record.get("skipped"))
+        if cadence.validate(state.step):
             record["val_loss"] = run_validation(run, plan.train.loss_chunk_tokens)
         log.log(record)
         tracker.log_metrics(record, record["step"])
-        if check_every and done % check_every == 0:
-            check_replicas([run.model], run.mesh, done)
-        if every and done % every == 0:
-            writer.save(done, *state)
-        if (stopped := stop_signal(writer, done, state)) is not None:
+        if cadence.check_replicas(state.step):
+            check_replicas([state.model], run.mesh, state.step)
+        if cadence.save(state.step):
+            writer.save(state)
+        if (stopped := stop_signal(writer, state)) is not None:
             break
-        profiler.step(done)  # ProfilerStep#done: all the loop does for the step
-    if stopped is None and run.first_step < done < max_steps and writer.last_step != done:
-        writer.save(done, *state)  # train.stop_after, as a stop signal: the last step's checkpoint
+        profiler.step(state.step)  # ProfilerStep#N: all the loop does for the step
+    at_stop = cadence.save_at_stop(run.first_step, state.step)  # train.stop_after: a stop signal's
+    if stopped is None and at_stop and writer.last_step != state.step:
+        writer.save(state)
     for output in (profiler, writer, log, tracker):  # the writer once its last save is published
         output.close()
     if stopped is not None:
-        note = stop_note(stopped, done, max_steps, writer.last_path)
+        note = stop_note(stopped, state.step, plan.train.max_steps, writer.last_path)
         say(note, file=sys.stderr, flush=True)
     return stopped, skipped
 
@@ -217,11 +236,11 @@ def finish(run: Run, plan: RunPlan, stopped: bool = False, skipped: int = 0) -> 
     killed. Too many steps ``skipped`` as non-finite: no export, and one ``error:`` line."""
     output_dir, train = plan.output_dir, plan.train
     if not stopped:
-        write_drift_report([run.model], run.mesh, output_dir / "replica_drift.json", run.rank)
+        write_drift_report([run.state.model], run.mesh, output_dir / "replica_drift.json", run.rank)
     ended = (train.stop_after or train.max_steps) >= train.max_steps and not stopped
     fails, note = skipped_verdict(0 if stopped else skipped, plan.last_step - run.first_step)
     if plan.checkpoint.export and ended and not fails:
-        export(run.model, plan, run.pipeline and run.pipeline.group)
+        export(run.state.model, plan, run.pipeline and run.pipeline.group)
     if run.rank == 0 and (output_dir / "metrics.jsonl").exists():
         plot_loss_curve(output_dir / "metrics.jsonl", output_dir / "loss.png")
         if note and not fails:
