@@ -35,7 +35,7 @@ def main(arguments: list[str]) -> None:
     if hydra_options(arguments):
         hydra_command_line(CONF, run)
     else:
-        from recipes.checks import compose  # (imports after the command line: design-notes.md)
+        from recipes.checks import compose  # once the line is read: design-notes.md, imports
 
         cfg = compose(arguments)
         run(cfg, job_dir=None, hydra_run_dir=given_run_dir(arguments, cfg))

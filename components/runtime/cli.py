@@ -22,7 +22,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 from components.runtime.problems import Problem, fail
 from components.runtime.sweep import Sweep
 
-Run = Callable[[DictConfig, str | None, str | None], None]
+Job = Callable[[DictConfig, str | None, str | None], None]
 # (the key Hydra could not override, the overrides, its message) -> a better message, or None
 Advise = Callable[[str, list[str], str], str | None]
 
@@ -80,7 +80,7 @@ def given_run_dir(arguments: list[str], cfg: DictConfig) -> str | None:
     return cfg.hydra.run.dir if given else None
 
 
-def hydra_command_line(conf_dir: Path, run: Run) -> None:
+def hydra_command_line(conf_dir: Path, run: Job) -> None:
     """Hydra's own command line (``hydra.main``) over ``run``: its ``--help`` and ``--cfg``; with
     ``--multirun`` every job runs in its own folder, and the sweep ends with every job's status."""
     sweep = Sweep()
@@ -90,7 +90,7 @@ def hydra_command_line(conf_dir: Path, run: Run) -> None:
         sweep.end()
 
 
-def _hydra_entry(conf_dir: Path, run: Run, sweep: Sweep) -> Callable[[], None]:
+def _hydra_entry(conf_dir: Path, run: Job, sweep: Sweep) -> Callable[[], None]:
     """``hydra.main`` over ``run``: each sweep job writes to its own folder and is noted in
     ``sweep``; a plain run writes to ``output_dir`` or to a run dir the user gave."""
 

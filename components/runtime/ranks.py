@@ -31,9 +31,13 @@ def prepare_once(prepare: Callable[[Checked], tuple[Plan, Any]], checked: Checke
     so that the other ranks can wait for rank 0's plan. When rank 0 fails, the others exit quietly
     with status 2: rank 0 says why."""
     if started_by_launcher() and not checked.dry_run:
-        tf32 = checked.settings.train.tf32
-        join_world(checked.device_type, checked.collective_timeout, checked.cpu_threads,
-                   checked.seed, tf32)  # fmt: skip
+        join_world(
+            checked.device_type,
+            checked.collective_timeout,
+            checked.cpu_threads,
+            checked.seed,
+            checked.settings.train.tf32,
+        )
     if not dist.is_initialized():
         return prepare(checked)
     if dist.get_rank() == 0:
@@ -67,8 +71,9 @@ def run_ranks(
     if started_by_launcher():
         rank_main(plan)
         return
-    watch = dict(max_restarts=max_restarts, hang_timeout_s=hang_timeout_s)
-    results = launch_local(rank_main, world_size, plan, **watch)
+    results = launch_local(
+        rank_main, world_size, plan, max_restarts=max_restarts, hang_timeout_s=hang_timeout_s
+    )
     if any(results.values()):
         raise SystemExit(STOPPED_STATUS)
 
@@ -76,4 +81,6 @@ def run_ranks(
 def local_restart() -> int:
     """In a rank :func:`run_ranks` started here: which restart this is (0: the first attempt);
     0 under torchrun, where a restart runs the whole command again."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) if not under_torchrun() else 0
+    if under_torchrun():
+        return 0
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
