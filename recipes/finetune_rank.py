@@ -220,7 +220,6 @@ def train(
 
 def open_outputs(run: Run, plan: RunPlan) -> tuple[MetricsLog, MetricsLogger, CheckpointWriter]:
     """metrics.jsonl, the tracker (``logger=...``, on rank 0 only) and the checkpoint writer."""
-
     first, zero, logger, output_dir = run.first_step, run.rank == 0, plan.logger, plan.output_dir
     log = MetricsLog(output_dir / "metrics.jsonl", zero, first, plan.train.max_steps)
     hparams = yaml.safe_load(plan.config_yaml)
@@ -258,7 +257,7 @@ def rank_main(plan: RunPlan) -> str | None:
     A local rank restarted after a failure resumes from the last complete checkpoint."""
     if attempt := local_restart():
         plan = resume_again(plan, attempt)
-    preemption.install()  # first: a SIGTERM or SIGUSR1 from now on stops the run after a step
+    preemption.install()  # a SIGTERM or SIGUSR1 from now on stops the run after a step
     beating = heartbeat.beating(plan.settings.hang_timeout_s)  # watched: launcher or torchrun peers
     with beating, disk_full_said_plainly(plan.output_dir, plan.train.max_steps):  # one line
         run = set_up(plan)

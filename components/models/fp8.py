@@ -138,5 +138,4 @@ def fp8_scales_after_steps(optimizer, model: nn.Module, options: Fp8Options | No
     the next forward. A no-op otherwise."""
     if options is None or not options.fsdp_float8_all_gather:
         return
-
     optimizer.register_step_post_hook(lambda *_: precompute_float8_dynamic_scale_for_fsdp(model))
