@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from components.checkpoint.state import TrainState
 from components.checkpoint.writer import CheckpointWriter
 from components.runtime.launch import launch_local
 
@@ -88,7 +89,8 @@ def _rank(root: str, mib: int, reps: int, threads: int) -> dict[str, list[float]
                 continue
             number += 1
             writer = writers[kind]
-            save = functools.partial(writer.save, number, model, optimizer, None)
+            state = TrainState(model=model, optimizer=optimizer, schedule=None, step=number)
+            save = functools.partial(writer.save, state)
             times[f"{kind} blocks"].append(_timed(save))
             while writer.in_flight:
                 times["in flight"].append(_timed(step))

@@ -9,9 +9,9 @@ Variants, run in one gloo process group per world size, alternated (the order ro
 repetition):
 
 - ``ours``: ``synchronize_tp_replica_gradients([model], mesh)`` called every repetition on the
-  same model, as ``recipes/finetune.py`` calls it once per step (its plan and buffers are kept with
-  the model), gradients kept between calls (as with ``zero_grad(set_to_none=False)``): FP32
-  gradients are views of the persistent bucket, reduced in place.
+  same model, as ``recipes/finetune_rank.py`` calls it once per step (its plan and buffers are
+  kept with the model), gradients kept between calls (as with ``zero_grad(set_to_none=False)``):
+  FP32 gradients are views of the persistent bucket, reduced in place.
 - ``ours_fresh``: the same, but every call sees fresh gradient tensors (as after ``zero_grad()``,
   the default ``set_to_none=True``): they are packed and re-bound to the bucket. The fresh tensors
   are made before the timed region.

@@ -5,16 +5,20 @@ The adapter names its base (``base_model_name_or_path``), so that ``AutoPeftMode
 loads it alone: the pretrained folder or Hub id, or, for a model built from its config (seeded
 random weights, frozen under LoRA), those weights written to ``base/``."""
 
-from __future__ import annotations  # the annotations name classes imported only when needed
-
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    import torch
+import torch
+from transformers import AutoTokenizer
 
-    from recipes.plan import RunPlan
-    from recipes.schema import Peft
+from components.checkpoint.dcp import publish_folder, run_on_rank0
+from components.checkpoint.export import export_dtype, export_hf
+from components.checkpoint.peft_export import adapter_config, export_peft_adapter
+from components.distributed.pipeline import every_stage
+from components.models.build import build_causal_lm
+from components.models.lora import adapted_parameters, adapter_state, lora_modules, merge_adapters
+from components.models.precision import precision_policy
+from recipes.plan import RunPlan
+from recipes.schema import Peft
 
 
 def export(model: torch.nn.Module, plan: RunPlan, stages=None) -> None:
@@ -22,18 +26,6 @@ def export(model: torch.nn.Module, plan: RunPlan, stages=None) -> None:
     PEFT's format instead, and with ``peft.merge=true`` ``hf/`` of the merged model too.
     ``stages``: the ``pp`` group's process group (None without pipeline stages), whose ranks hold
     the other stages' adapters."""
-    from transformers import AutoTokenizer
-
-    from components.checkpoint.export import export_dtype, export_hf
-    from components.checkpoint.peft_export import adapter_config, export_peft_adapter
-    from components.distributed.pipeline import every_stage
-    from components.models.lora import (
-        adapted_parameters,
-        adapter_state,
-        lora_modules,
-        merge_adapters,
-    )
-
     source, base, peft = plan.model.weights, base_model(plan), plan.settings.peft
     dtype = export_dtype(plan.checkpoint.export_dtype, source)
     tokenizer = AutoTokenizer.from_pretrained(plan.tokenizer_dir, trust_remote_code=False)
@@ -68,10 +60,6 @@ def write_base(plan: RunPlan, tokenizer, dtype: torch.dtype) -> str:
     """``base/``: the frozen base of a model built from its config (the seeded weights every rank
     built, in the run's parameter dtype, saved in ``dtype``) with the tokenizer; its absolute path.
     Collective: rank 0 writes, every rank returns once it is published."""
-    from components.checkpoint.dcp import publish_folder, run_on_rank0
-    from components.models.build import build_causal_lm
-    from components.models.precision import precision_policy
-
     folder = (plan.output_dir / "base").absolute()
     tmp = folder.with_name("base.tmp")
 

@@ -1,14 +1,14 @@
 """Fine-tune a Hugging Face causal LM with tensor parallelism (DTensor), configured with Hydra:
 ``python recipes/finetune.py model=llama tp=4 train.max_steps=5``.
 
-The story of one run on each rank: set up (mesh, data, model built, converted, parallelised, TP
-replicas broadcast, optimizer, schedule, resume), train (per step: the step function, finalise
-DTensor grads, sync TP-replica grads, clip, update, metrics, validation, checkpoint), finish (drift
-report, export, loss curve). Checks and the run plan: ``recipes/checks.py``, ``recipes/prepare.py``;
-the command line, launching, restarts and exit statuses: ``components/runtime``.
+``main``: the config composed from the command line, checked (pure: every problem one ``error:``
+line before any rank starts), prepared once (model and data into the cache, the output folder
+claimed, the checkpoint to resume chosen), then the dry run or the ranks. What each rank runs (set
+up, train, finish) is ``recipes/finetune_rank.py``; the checks and the plan, ``recipes/checks.py``
+and ``recipes/prepare.py``; launching, restarts and exit statuses, ``components/runtime``.
 """
 
-from __future__ import annotations  # the annotations below name classes imported only when needed
+from __future__ import annotations  # Checked's module imports torch: named, not imported
 
 import sys
 from importlib.util import find_spec
@@ -22,290 +22,81 @@ if not all(find_spec(name) for name in ("components", "torch", "hydra")):  # fou
     )
     sys.exit(2)
 
-from components.runtime.malloc import exec_with_malloc_settings
-
-exec_with_malloc_settings(__name__)  # as a command, before torch: glibc reads them at exec
-
-import functools
-import math
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
 from omegaconf import DictConfig
 
-from components.runtime import heartbeat, preemption
-from components.runtime.exit_status import disk_full_said_plainly, skipped_verdict
-from components.runtime.launch import fail_once
-from components.runtime.problems import fail, say  # say: rank 0's lines alone
+from components.runtime.cli import (
+    given_run_dir,
+    hydra_command_line,
+    hydra_options,
+    prints_only,
+    refuse_as_the_recipe,
+)
+from components.runtime.malloc import exec_with_malloc_settings
+from components.runtime.problems import fail, refusals
+from components.runtime.startup import end_launched_rank, keep_cuda_unstarted, started_by_launcher
 
-# What ranks alone run (DTensor, DCP, FSDP, model, data and tokenizer code) is imported by the
-# functions that use it, so that --help and --cfg job take about the time of `import torch, hydra`;
-# the launcher imports it once before it forks the ranks (components/runtime/preload.py).
 if TYPE_CHECKING:
-    from components.checkpoint.writer import CheckpointWriter
-    from components.training.loggers import MetricsLogger
-    from components.training.metrics import MetricsLog
-    from recipes.plan import Run, RunPlan
+    from recipes.plan import Checked
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
 
 
-def convert(model: torch.nn.Module, plan: RunPlan) -> torch.nn.Module:
-    """The built model, converted before it is parallelised: ``peft=lora``'s adapters, fp8's float8
-    linears (components/models/conversion.py); full fine-tuning in another precision keeps it."""
-    from components.models.conversion import convert_model
+def main(arguments: list[str]) -> None:
+    """Compose, then run; ``--help`` is the recipe's own page; Hydra's own options (``--cfg job``,
+    ``--multirun``, ``--hydra-help``) go to Hydra, which runs each job of a sweep in its own
+    folder, once overrides that do not compose are refused as the recipe refuses them."""
+    if not prints_only(arguments):
+        exec_with_malloc_settings()  # before torch: the ranks it forks keep this malloc
+    if "--help" in arguments or "-h" in arguments:
+        from recipes.help import page  # the schema, for --help alone (design-notes.md, imports)
 
-    return convert_model(model, plan.lora, plan.fp8, plan.seed)
+        print(page())
+    elif hydra_options(arguments):
+        refuse_as_the_recipe(CONF, arguments, "recipes.checks:compose")  # a misspelt key: one line
+        hydra_command_line(CONF, run)
+    else:
+        from recipes.checks import compose  # once the line is read: design-notes.md, imports
 
-
-def set_up(plan: RunPlan) -> Run:
-    """Everything a rank needs before step 1: mesh, data, model, optimizer, schedule, resume."""
-    from components.data.loader import open_splits
-    from components.debug.faults import install_faults
-    from components.distributed.context_parallel import ContextParallel
-    from components.distributed.mesh import build_device_mesh, data_parallel_mesh, dp_mesh
-    from components.distributed.pipeline import build_pipeline
-    from components.distributed.tp_replicas import broadcast_tp_replicas
-    from components.models.fp8 import fp8_scales_after_steps
-    from components.models.parallelize import build_parallel_model
-    from components.models.precision import precision_policy
-    from components.moe import ExpertLoad, router_aux_loss_weight, uncounted_experts
-    from components.runtime.checkpoints import resume
-    from components.runtime.launch import join_world
-    from components.targets import target_class
-    from components.training.readout import StepReadout
-    from components.training.schedule import build_schedule
-    from recipes.plan import Run
-
-    train, optim, timeout, dims = plan.train, plan.optim, plan.collective_timeout, plan.dims
-    device = join_world(plan.device_type, timeout, plan.cpu_threads, plan.seed, train.tf32)
-    rank, mesh = dist.get_rank(), build_device_mesh(dims, plan.device_type, timeout)
-    shards = dict(dp_size=dims.dp, dp_rank=dp_mesh(mesh).get_local_rank(), seed=plan.seed)
-    splits = (plan.data.train, plan.data.val, train.global_batch_size, train.micro_batch_size)
-    data, val_data = open_splits(*splits, **shards, pad_multiple=plan.pad_multiple)
-    converted = functools.partial(convert, plan=plan)
-    model, report = build_parallel_model(plan.model, dims, mesh, device, timeout, converted)
-    if report is not None:
-        say(report.format())
-    broadcast_tp_replicas([model], mesh)  # after parallelising and loading, before the optimizer
-    trained = [parameter for parameter in model.parameters() if parameter.requires_grad]
-    optimizer = target_class("optim", optim.target)(trained, **optim.options())  # no frozen state
-    fp8_scales_after_steps(optimizer, model, plan.fp8)  # fp8 under FSDP: one all-reduce a step
-    schedule = (plan.schedule.name, train.warmup_steps, train.max_steps, plan.schedule.options())
-    scheduler = build_schedule(optimizer, *schedule)
-    watched = (model, plan.model.config, list(plan.model.experts), dp_mesh(mesh).get_group())
-    experts = ExpertLoad.watch(*watched, plan.model.routers, plan.moe.routing_bias_rate)
-    if uncounted := uncounted_experts(model, list(plan.model.experts), plan.model.routers):
-        say(f"note: expert choices not counted (tokens come routed, no router beside): {uncounted}")
-    first_step = resume(plan.resume_from, model, optimizer, scheduler)  # the routing bias too
-    precision, data_parallel = precision_policy(plan.model.precision), dims.data_parallel > 1
-    compute = functools.partial(precision.autocast, device.type, data_parallel=data_parallel)
-    pipeline = build_pipeline(model, mesh, compute, data, *plan.pipeline)  # None at pp=1
-    aux = router_aux_loss_weight(plan.model.config, data.micro_batches_per_step, dims.dp)
-    handles = dict(model=model, optimizer=optimizer, scheduler=scheduler, pipeline=pipeline)
-    where = dict(rank=rank, device=device, mesh=mesh, cp=ContextParallel.of(mesh))
-    steps = dict(data=data, val_data=val_data, first_step=first_step, compute=compute)
-    readout = StepReadout(data_parallel_mesh(mesh).get_group(), device)  # the loss's dp × cp
-    run = Run(**handles, **where, **steps, experts=experts, aux_loss_weight=aux, readout=readout)
-    if plan.fault is not None:  # a resilience drill (docs/fault-injection.md)
-        where = dict(rank=rank, world_size=dist.get_world_size(), first_step=first_step)
-        where |= dict(micro_batches_per_step=data.micro_batches_per_step)
-        run.before_commit = install_faults(plan.fault, model, optimizer, **where)
-    return run
+        cfg = compose(arguments)
+        run(cfg, job_dir=None, hydra_run_dir=given_run_dir(arguments, cfg))
+    if started_by_launcher():
+        end_launched_rank()  # under torchrun: as a forked local rank ends
 
 
-def forward_backward_step(run: Run, plan: RunPlan, step: int) -> torch.Tensor:
-    """The step function: forward and backward of step ``step``'s micro-batches, the summed loss
-    (float64). With pp the rank's pipeline replaces it (``train(..., step_fn=run.pipeline)``)."""
-    from components.distributed.fsdp import set_gradient_sync
-    from components.training.step import forward_backward_on_device  # reads the models' TP plans
+def run(cfg: DictConfig, job_dir: str | None, hydra_run_dir: str | None) -> None:
+    """Check (pure), prepare once, then the dry run or the ranks. ``job_dir``: a sweep job's own
+    folder; ``hydra_run_dir``: checked to agree with output_dir."""
+    keep_cuda_unstarted()  # before anything imported asks torch.cuda (torchao): ranks are forked
+    from recipes.checks import check  # (see main)
 
-    micro_batches, labelled = run.data.batches_for_step(step), run.data.labels_in_step(step)
-    loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)  # mesh groups: NCCL only
-    for index, batch in enumerate(batch.to(run.device) for batch in micro_batches):
-        heartbeat.progress(f"step {step + 1}, micro-batch {index + 1}")  # a mark: 0.2 µs
-        set_gradient_sync(run.model, index == len(micro_batches) - 1)  # dp reduce once per step
-        if run.experts:  # the step's imbalance counts real tokens, not the padding
-            run.experts.count_real(batch.real_mask())
-        tensors = (batch.input_ids, batch.labels, labelled, batch.position_ids)
-        options = (run.compute(), run.aux_loss_weight, plan.train.loss_chunk_tokens, run.cp)
-        loss_sum += forward_backward_on_device(run.model, *tensors, *options)  # no read
-    return loss_sum
+    with refusals():  # bad input: one error: line; Ctrl-C: one line
+        checked = check(cfg, job_dir, hydra_run_dir)
+    launch(checked)
 
 
-StepFn = Callable[["Run", "RunPlan", int], torch.Tensor]
+def launch(checked: Checked) -> None:
+    """Prepare once (here, or on rank 0 of a torchrun world), then the dry run (the layout priced
+    on fake ranks) or the ranks; the output folder's lock is released once they are done."""
+    from components.planning.dry_run import dry_run  # (after the checks: see main)
+    from components.runtime.ranks import prepare_once, run_ranks
+    from recipes.finetune_rank import rank_main
+    from recipes.prepare import prepare
 
-
-def train_step(run: Run, plan: RunPlan, step: int, step_fn: StepFn = forward_backward_step) -> dict:
-    """One optimizer step (0-based ``step``): ``step_fn``'s forward and backward, gradient
-    reductions, clip, update; its metrics. Reads the device twice: the replica sync, the readout."""
-    from components.distributed.grads import clip_grad_norm_, grad_norm
-    from components.distributed.tp_replicas import synchronize_tp_replica_gradients
-    from components.moe import load_metrics
-    from components.planning.memory import reset_peak_memory
-    from components.training.metrics import matmul_math, throughput
-
-    started = time.perf_counter()
-    reset_peak_memory(run.device)
-    run.optimizer.zero_grad(set_to_none=True)
-    loss_sum = step_fn(run, plan, step)
-    run.readout.finalize([run.model])  # reads the device at the first step only
-    synchronize_tp_replica_gradients([run.model], run.mesh)  # its plan and buffers are reused
-    clip, parts, pp = plan.train.clip_grad_norm, [run.model], run.pipeline and run.pipeline.group
-    norm = clip_grad_norm_(parts, clip, across=pp) if clip else grad_norm(parts, across=pp)
-    expert_counts = run.experts.end_step() if run.experts else None  # moves the routing bias
-    stop = preemption.stop_requested() is not None  # agreed with the writer's flags, read once
-    norm, loss_sum, peak, expert_rows = run.readout.read(norm, loss_sum, stop, expert_counts)
-    finite = math.isfinite(norm)  # the same number on every rank, so all ranks decide alike
-    if not finite and plan.train.on_nonfinite == "stop":
-        raise FloatingPointError(
-            f"step {step + 1}: grad norm is {norm}; stopped before the update "
-            "(train.on_nonfinite=skip skips it)"
-        )
-    lr = run.scheduler.get_last_lr()[0]
-    if finite:
-        run.optimizer.step()
-    run.scheduler.step()
-    if run.pipeline is not None:  # a tied embedding's two stages
-        run.pipeline.after_update()
-    run.readout.after_update()  # the update's peak memory joins the next step's
-    elapsed, tokens = time.perf_counter() - started, run.data.tokens_in_step(step)
-    world, kind = dist.get_world_size(), matmul_math(plan.train.precision, plan.train.tf32)
-    return {
-        "step": step + 1,
-        "loss": loss_sum / run.data.labels_in_step(step),
-        "grad_norm": norm if finite else None,
-        "lr": lr,
-        "tokens": tokens,
-        **throughput(tokens, elapsed, plan.flops_per_token, world, run.device, kind),  # MFU: kind's
-        "peak_memory_gib": peak,
-        **(load_metrics(expert_rows, plan.moe.expert_load == "experts") if run.experts else {}),
-        **({} if finite else {"skipped": True}),
-    }
-
-
-def train(
-    run: Run, plan: RunPlan, step_fn: StepFn = forward_backward_step
-) -> tuple[str | None, int]:
-    """The steps after ``run.first_step`` up to ``max_steps`` (or ``stop_after``): metrics,
-    validation, saves. Returns the name of the signal that stopped the run early (with a checkpoint
-    of its step), or None; and how many steps were skipped as non-finite."""
-    from components.distributed.replicas import check_replicas
-    from components.runtime.checkpoints import stop_note, stop_signal
-    from components.training.profiler import StepProfiler
-    from components.training.validation import run_validation
-
-    log, tracker, writer = open_outputs(run, plan)
-    run.readout.writer = writer  # its stop and save flags are read with each step's values
-    stopped, done, skipped = None, run.first_step, 0  # done: the last step done
-    state, every = (run.model, run.optimizer, run.scheduler), plan.checkpoint.every_steps
-    max_steps, check_every = plan.train.max_steps, plan.settings.debug.check_replicas_every
-    val_every, profile = plan.train.val_every, plan.settings.profile  # val: after the last step too
-    profiler = StepProfiler(profile.steps, profile.memory, plan.output_dir, run.rank, done)
-    for step in range(run.first_step, plan.last_step):
-        with heartbeat.watched(f"step {step + 1}", judged=step > run.first_step):  # 1st: compile
-            record = train_step(run, plan, step, step_fn) | writer.take_stall()  # the save before
-        done, skipped = step + 1, skipped + bool(record.get("skipped"))
-        if val_every and (done % val_every == 0 or done == max_steps) and run.val_data is not None:
-            record["val_loss"] = run_validation(run, plan.train.loss_chunk_tokens)
-        log.log(record)
-        tracker.log_metrics(record, record["step"])
-        if check_every and done % check_every == 0:
-            check_replicas([run.model], run.mesh, done)
-        if every and done % every == 0:
-            writer.save(done, *state)
-        if (stopped := stop_signal(writer, done, state)) is not None:
-            break
-        profiler.step(done)  # ProfilerStep#done: all the loop does for the step
-    if stopped is None and run.first_step < done < max_steps and writer.last_step != done:
-        writer.save(done, *state)  # train.stop_after, as a stop signal: the last step's checkpoint
-    for output in (profiler, writer, log, tracker):  # the writer once its last save is published
-        output.close()
-    if stopped is not None:
-        note = stop_note(stopped, done, max_steps, writer.last_path)
-        say(note, file=sys.stderr, flush=True)
-    return stopped, skipped
-
-
-def open_outputs(run: Run, plan: RunPlan) -> tuple[MetricsLog, MetricsLogger, CheckpointWriter]:
-    """metrics.jsonl, the tracker (``logger=...``, on rank 0 only) and the checkpoint writer."""
-    import yaml
-
-    from components.checkpoint.writer import CheckpointWriter
-    from components.training.loggers import open_logger
-    from components.training.metrics import MetricsLog
-
-    first, zero, logger, output_dir = run.first_step, run.rank == 0, plan.logger, plan.output_dir
-    log = MetricsLog(output_dir / "metrics.jsonl", zero, first, plan.train.max_steps)
-    hparams = yaml.safe_load(plan.config_yaml)
-    tracker = open_logger(logger.target, logger.options(), output_dir, first, hparams, zero)
-    saves = dict(keep=plan.checkpoint.keep, asynchronous=plan.checkpoint.asynchronous)
-    ids = dict(run_id=plan.run_id, run_info=plan.run_info, before_commit=run.before_commit)
-    return log, tracker, CheckpointWriter(plan.checkpoints, **saves, **ids)
-
-
-def finish(run: Run, plan: RunPlan, stopped: bool = False, skipped: int = 0) -> None:
-    """The replica drift report (any drift stops the run before export), the export and the loss
-    curve; after a stop signal (``stopped``) only the loss curve: the run is to be resumed, and soon
-    killed. Too many steps ``skipped`` as non-finite: no export, and one ``error:`` line."""
-    from components.distributed.replicas import write_drift_report
-    from components.runtime.checkpoints import done_line
-    from components.training.metrics import plot_loss_curve
-    from recipes.export import export, export_folders
-
-    output_dir, train = plan.output_dir, plan.train
-    if not stopped:
-        write_drift_report([run.model], run.mesh, output_dir / "replica_drift.json", run.rank)
-    ended = (train.stop_after or train.max_steps) >= train.max_steps and not stopped
-    fails, note = skipped_verdict(0 if stopped else skipped, plan.last_step - run.first_step)
-    if plan.checkpoint.export and ended and not fails:
-        export(run.model, plan, run.pipeline and run.pipeline.group)
-    if run.rank == 0 and (output_dir / "metrics.jsonl").exists():
-        plot_loss_curve(output_dir / "metrics.jsonl", output_dir / "loss.png", plan.title)
-        if note and not fails:
-            say(note, file=sys.stderr)
-        if not fails:
-            exported = plan.checkpoint.export and ended
-            say(done_line(output_dir, train.max_steps, ended, exported, export_folders(plan)))
-    dist.destroy_process_group()
-    if fails:
-        fail_once(note)  # every rank exits 1; rank 0 prints the one error: line
-
-
-def rank_main(plan: RunPlan) -> str | None:
-    """What every rank runs, beating: set up, train, finish; the stop signal's name (``train``)."""
-    preemption.install()  # first: a SIGTERM or SIGUSR1 from now on stops the run after a step
-    beating = heartbeat.beating(plan.settings.hang_timeout_s)  # watched: launcher or torchrun peers
-    with beating, disk_full_said_plainly(plan.output_dir, plan.train.max_steps):  # one line
-        run = set_up(plan)
-        stopped, skipped = train(run, plan, run.pipeline or forward_backward_step)
-        finish(run, plan, stopped is not None, skipped)
-    return stopped
-
-
-def launch(cfg: DictConfig, job_dir: str | None, hydra_run_dir: str | None) -> None:
-    """Check (pure), prepare once, then the ranks; ``dry_run``: the layout priced on fake ranks.
-    ``job_dir``: a sweep job's own folder; ``hydra_run_dir``: checked to agree with output_dir."""
-    from components.runtime.ranks import start
-    from recipes.checks import check
-    from recipes.prepare import prepare, resume_again
-
-    checked = functools.partial(check, cfg, job_dir, hydra_run_dir)
-    ways = dict(dry_run=price, on_restart=resume_again, preload_from=Path(__file__))
-    start(checked, prepare, rank_main, **ways)
-
-
-def price(plan: RunPlan) -> None:
-    """``dry_run=true``: the layout built on fake ranks and priced; nothing runs."""
-    from components.planning.dry_run import dry_run
-
-    dry_run(plan, fail)
+    with refusals():
+        plan, lock = prepare_once(prepare, checked)
+    try:
+        if plan.dry_run:
+            dry_run(plan, fail)
+        else:
+            settings, world_size = plan.settings, plan.dims.world_size
+            run_ranks(rank_main, plan, world_size, settings.max_restarts, settings.hang_timeout_s)
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 if __name__ == "__main__":
-    from components.runtime.cli import main
-
-    conf = Path(__file__).resolve().parents[1] / "conf"
-    main(conf, launch, "recipes.checks:compose", "recipes.help:page")
+    main(sys.argv[1:])

@@ -10,12 +10,10 @@ lock.
   run's files (``overwrite_output_dir=true`` replaces them, and only them).
 """
 
-from __future__ import annotations  # the annotations name classes imported only when needed
-
 import errno
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from components.checkpoint.integrity import (
     CheckpointError,
@@ -27,7 +25,10 @@ from components.checkpoint.integrity import (
     retire_checkpoints_after,
     state_dict_shapes,
 )
-from components.runtime.exit_status import AlreadyComplete
+from components.data.sources import DataSource
+from components.models import meta_causal_lm
+from components.models.lora import PROJECTIONS
+from components.runtime.exit_status import AlreadyComplete, disk_full
 from components.runtime.output_dir import (
     RUN_FILE,
     OutputDirError,
@@ -44,9 +45,6 @@ from components.runtime.output_dir import (
 from components.runtime.problems import Problem, say, show
 from recipes.export import exported_folders
 from recipes.schema import Config
-
-if TYPE_CHECKING:
-    from components.data.sources import DataSource
 
 
 class OwnershipError(ValueError):
@@ -72,8 +70,6 @@ def run_info(
     are the data (``source``: which, and its fingerprint), ``seed`` (the data order) and
     ``data.val_fraction`` (the split): a resume that changes them trains on another timeline's data,
     or validates on records it trained on."""
-    from components.models import meta_causal_lm
-
     shapes = state_dict_shapes(meta_causal_lm(model_config))
     data = {}
     if source is not None:
@@ -99,8 +95,6 @@ def run_info(
 def peft_info(peft) -> dict:
     """``peft``'s settings as a checkpoint records them: ``target_modules=null`` as the patterns it
     stands for, which the checkpoints of runs before null was the default recorded."""
-    from components.models.lora import PROJECTIONS
-
     info = peft.model_dump()
     if peft.name == "lora" and info["target_modules"] is None:
         info["target_modules"] = list(PROJECTIONS)
@@ -287,8 +281,6 @@ def _claim(
 def _unwritable(error: OSError, output_dir: Path, resume_from: Path | None) -> str:
     """Why ``output_dir`` could not be claimed, and what to do: on a full disk the space left and
     (resuming) the checkpoint that is kept."""
-    from components.runtime.exit_status import disk_full
-
     if resume_from is not None and (full := disk_full(error, output_dir)):
         return full
     cause = f"no space left on device in {output_dir}" if error.errno == errno.ENOSPC else None

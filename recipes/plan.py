@@ -18,12 +18,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from components.distributed.mesh import ParallelDims
+from components.training.cadence import Cadence
 from recipes.schema import Checkpoint, Config, Moe, Optim, Schedule, Targeted, Train
 
 if TYPE_CHECKING:  # heavy (datasets, DTensor): the checks import them when they need them
     import torch
     from torch.distributed.device_mesh import DeviceMesh
 
+    from components.checkpoint.state import TrainState
     from components.data import PreparedData, StepBatches
     from components.data.sources import DataSource
     from components.debug.faults import Fault
@@ -175,6 +177,19 @@ class RunPlan(Settled):
 
         return known_flops_per_token(self.model.config, self.train.seq_len)
 
+    @property
+    def cadence(self) -> Cadence:
+        """When the loop validates (never without held-out data), saves, checks the TP replicas and
+        stops."""
+        validate_every = self.train.val_every if self.data.val is not None else 0
+        return Cadence(
+            max_steps=self.train.max_steps,
+            last_step=self.last_step,
+            validate_every=validate_every,
+            save_every=self.checkpoint.every_steps,
+            check_replicas_every=self.settings.debug.check_replicas_every,
+        )
+
 
 @dataclass(kw_only=True)
 class Run:
@@ -183,12 +198,10 @@ class Run:
     rank: int
     device: torch.device
     mesh: DeviceMesh
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
+    state: TrainState  # what a checkpoint saves: model, optimizer, schedule, step
     data: StepBatches
     val_data: StepBatches | None
-    first_step: int  # steps already done (by the checkpoint resumed from)
+    first_step: int  # steps already done when this launch started (by the checkpoint resumed)
     compute: Callable[[], AbstractContextManager]  # the precision's forward context (autocast)
     experts: ExpertLoad | None  # tokens per expert of an MoE model, for the step's imbalance
     aux_loss_weight: float  # of an MoE model's load-balancing loss (0: its config has none)

@@ -6,34 +6,33 @@ Bad data shows only here (a record too long, a file that does not parse): it is 
 same ``error:`` line as the checks' problems, before the folder is claimed.
 """
 
-from __future__ import annotations  # the annotations name classes imported only when needed
-
 import copy
 import os
 import sys
 from dataclasses import fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from transformers import AutoTokenizer
+
+from components.data import DataError, PreparedData, cached_tokenizer, prepare_data
+from components.data.sources import DataSource, GeneratedSource
+from components.distributed.mesh import ParallelDims
+from components.models import meta_causal_lm
+from components.models.configs import vocab_size_for
 from components.models.families import moe_patterns
+from components.models.parallelize import ModelSpec
 from components.runtime.output_dir import OutputDirLock
 from components.runtime.problems import ConfigError, Problem, say, show
 from recipes.checks import pad_multiple, pipeline_setting_refusals, plan_problems
+from recipes.outputs import OwnershipError, choose_checkpoint, own_output_dir, run_info
 from recipes.plan import Checked, RunPlan, Settled
 from recipes.schema import Config
-
-if TYPE_CHECKING:
-    from components.data import PreparedData
-    from components.data.sources import DataSource
-    from components.distributed.mesh import ParallelDims
-    from components.models.parallelize import ModelSpec
 
 
 def prepare(checked: Checked) -> tuple[RunPlan, OutputDirLock | None]:
     """The plan of a checked run, and the lock on its ``output_dir`` (None in a dry run, which
     claims nothing). Raises ConfigError for data the checks could not see."""
-    from recipes.outputs import run_info
-
     settings, dims = checked.settings, checked.dims
     config = copy.deepcopy(checked.model_config)  # sized to the tokenizer here, never in place
     tokenizer_dir, found = _tokenizer_dir(settings, checked, config)
@@ -69,12 +68,6 @@ def _tokenizer_dir(
 ) -> tuple[Path | None, list[Problem]]:
     """The model's tokenizer folder, or one trained on the data, whose vocabulary then sizes the
     model's ``config`` (and is checked against the TP plan)."""
-    from transformers import AutoTokenizer
-
-    from components.data import DataError, cached_tokenizer
-    from components.models import meta_causal_lm
-    from components.models.configs import vocab_size_for
-
     model_path, dims = checked.model_path, checked.dims
     try:
         tokenizer_dir = model_path or cached_tokenizer(
@@ -96,8 +89,6 @@ def _tokenizer_dir(
 def random_model_note(settings: Config, checked: Checked) -> str | None:
     """The ``note:`` line of a user's data on a model built from its config (``model=llama``, the
     default): random weights, so the run trains from scratch, not a fine-tune; None otherwise."""
-    from components.data.sources import GeneratedSource
-
     if checked.model_path is not None or isinstance(checked.source, GeneratedSource):
         return None
     return (
@@ -111,8 +102,6 @@ def prepare_run_data(
     settings: Config, source: DataSource, tokenizer_dir: Path, dims: ParallelDims
 ) -> tuple[PreparedData | None, list[Problem]]:
     """Tokenize once (or reuse the cache) and check the splits."""
-    from components.data import DataError, prepare_data
-
     train, cache = settings.train, Path(settings.cache_dir).expanduser().absolute()
     try:
         prepared = prepare_data(
@@ -144,8 +133,6 @@ def prepare_run_data(
 
 
 def model_spec(settings: Config, config, weights: Path | None) -> ModelSpec:
-    from components.models.parallelize import ModelSpec
-
     model, train = settings.model, settings.train
     # model.experts or model.routers null: the family's patterns
     experts, routers = moe_patterns(config, model.experts, model.routers)
@@ -170,8 +157,6 @@ def _claim_output_dir(
     """(lock, checkpoint to resume from, run id): this process owns the output folder (locks it,
     writes its run.json and config.yaml, resumes from it); a dry run only chooses the checkpoint.
     The last step that can refuse the run: nothing after it leaves a claimed folder behind."""
-    from recipes.outputs import OwnershipError, choose_checkpoint, own_output_dir
-
     output = checked.output_dir
     try:
         if not settings.dry_run:
@@ -187,8 +172,6 @@ def _claim_output_dir(
 
 def resume_again(plan: RunPlan, attempt: int) -> RunPlan:
     """A restarted local rank's plan: the checkpoint chosen again, the last complete one."""
-    from recipes.outputs import choose_checkpoint
-
     resume, max_steps = plan.checkpoint.resume, plan.train.max_steps
     where = (resume, max_steps, plan.checkpoints, plan.run_info)
     resume_from = choose_checkpoint(*where, shapes=None)  # the same model as before

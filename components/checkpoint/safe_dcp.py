@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import FileSystemReader, Metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
 METADATA_FILE = ".metadata"
@@ -116,8 +117,6 @@ class SafeFileSystemReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         metadata = read_metadata(pathlib.Path(self._get_metadata_path(kwargs.get("rank"))))
         if getattr(metadata, "storage_meta", None) is None:
-            from torch.distributed.checkpoint.metadata import StorageMeta
-
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata

@@ -27,7 +27,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.optim.lr_scheduler import LRScheduler
 
 from components.checkpoint.dcp import (
     PendingSave,
@@ -36,6 +35,7 @@ from components.checkpoint.dcp import (
     set_rng_state,
     start_save,
 )
+from components.checkpoint.state import TrainState
 
 _WRITTEN, _WRITING, _FAILED = 0, 1, 2
 
@@ -86,17 +86,11 @@ class CheckpointWriter:
         stalled, self._stalled = self._stalled, 0.0
         return {"checkpoint_stall_s": stalled} if stalled else {}
 
-    def save(
-        self,
-        step: int,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        scheduler: LRScheduler | None,
-    ) -> None:
-        """Save ``step``: at once, or (async) start writing it once the previous save is
-        published."""
+    def save(self, state: TrainState) -> None:
+        """Save ``state`` at its step: at once, or (async) start writing it once the previous save
+        is published."""
         with self._stalling():
-            self._save(step, model, optimizer, scheduler)
+            self._save(state.step, state.model, state.optimizer, state.schedule)
 
     def _save(self, step: int, model: nn.Module, optimizer, scheduler) -> None:
         self.wait()

@@ -25,6 +25,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, create_masks_for_generate, sdpa_mask
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from components.distributed.collectives import all_gather_single, reduce_scatter_single
 
@@ -62,8 +66,6 @@ def layer_mask_functions(config, position_ids: torch.Tensor) -> Callable | dict 
     value) where transformers builds no attention mask (linear attention, unknown layer types).
     ``create_masks_for_generate`` chooses as the model does; its mask "interface" here hands the
     composed function back instead of a mask."""
-    from transformers.masking_utils import AttentionMaskInterface, create_masks_for_generate
-
     AttentionMaskInterface.register(MASK_FUNCTION, _return_mask_function)
     probe = copy.copy(config.get_text_config())
     probe._attn_implementation_internal = MASK_FUNCTION  # this copy only, not its sub-configs
@@ -238,8 +240,6 @@ def context_parallel_attention(
     :func:`running`, with this layer's mask from its layout; without one, the mask transformers
     built). SDPA, or the model's own eager attention where the layer asks for what SDPA cannot do:
     logit softcapping (``softcap``, Gemma 2) or attention sinks (``s_aux``, GPT-OSS)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     if _RUNNING:
         shard = _RUNNING[-1]
         key, value = gather_sequence(key, shard.group), gather_sequence(value, shard.group)
@@ -257,8 +257,6 @@ def _uses_attention_interface(config) -> bool:
     """Whether the causal LM class of ``config`` computes attention through transformers'
     attention interface: its modeling module reads ``ALL_ATTENTION_FUNCTIONS`` (GPT-J's and XGLM's
     do not). A config no causal LM class maps to: True (the model is refused elsewhere)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
     return model_class is None or hasattr(
         sys.modules[model_class.__module__], "ALL_ATTENTION_FUNCTIONS"
@@ -293,11 +291,7 @@ def attention_problems(config, cp: int) -> list[str]:
 def enable_context_parallel(model: nn.Module) -> None:
     """Register :func:`context_parallel_attention` (again: the same entry) and make ``model``'s
     attention layers call it. Its mask function is SDPA's: a forward without a :class:`CpShard`
-    (no ``cp_group``) is plain SDPA with the mask transformers builds, packed rows included.
-    transformers is imported here, not with the module: the recipe's start stays that of torch."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
+    (no ``cp_group``) is plain SDPA with the mask transformers builds, packed rows included."""
     AttentionInterface.register(ATTENTION, context_parallel_attention)
     AttentionMaskInterface.register(ATTENTION, sdpa_mask)
     model.set_attn_implementation(ATTENTION)

@@ -17,12 +17,16 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
+from torchao.float8.config import ScalingGranularity
+from torchao.float8.float8_linear import Float8Linear
+from torchao.float8.float8_tensor_parallel import (
+    Float8ColwiseParallel,
+    Float8RowwiseParallel,
+    PrepareFloat8ModuleInput,
+)
 
 
 def _tensorwise(module: nn.Module) -> bool:
-    from torchao.float8.config import ScalingGranularity
-    from torchao.float8.float8_linear import Float8Linear
-
     granularity = getattr(getattr(module, "config", None), "cast_config_input", None)
     tensorwise = getattr(granularity, "scaling_granularity", None) is ScalingGranularity.TENSORWISE
     return isinstance(module, Float8Linear) and tensorwise
@@ -39,15 +43,9 @@ def float8_style(
         return None
     linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
     if not linears or not all(type(m).__module__.startswith("torchao.") for m in linears):
-        return None  # no float8 linear (every run but fp8's): torchao is not imported here
+        return None  # no float8 linear: every run but fp8's
     if not all(map(_tensorwise, linears)):
         return None
-    from torchao.float8.float8_tensor_parallel import (
-        Float8ColwiseParallel,
-        Float8RowwiseParallel,
-        PrepareFloat8ModuleInput,
-    )
-
     if style == "colwise":
         return Float8ColwiseParallel()
     if sequence_parallel and mesh.device_type == "cpu":  # gloo cannot all-gather float8

@@ -6,6 +6,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
+from components.models.derived_plan import decoder_layer_list, deeper_allowed
+
 
 def build_causal_lm(
     config: PretrainedConfig, seed: int, dtype: torch.dtype = torch.float32
@@ -90,8 +92,6 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
     Raises:
         ValueError: If neither is found.
     """
-    from components.models.derived_plan import decoder_layer_list, deeper_allowed
-
     layers = getattr(getattr(model, "model", None), "layers", None)
     if isinstance(layers, nn.ModuleList):
         return list(layers)

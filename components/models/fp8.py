@@ -20,6 +20,11 @@ from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
+from torchao.float8 import (
+    Float8LinearConfig,
+    convert_to_float8_training,
+    precompute_float8_dynamic_scale_for_fsdp,
+)
 
 from components.models.build import decoder_blocks
 
@@ -125,8 +130,6 @@ def fp8_problems(model: nn.Module, is_moe: bool, lora: bool, device_type: str) -
 def convert_to_fp8(model: nn.Module, options: Fp8Options) -> list[str]:
     """Swap :func:`fp8_linears` for torchao's ``Float8Linear`` in place (same parameters, same
     names); return their names. Before the TP plan and FSDP, which see the converted layers."""
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
     config = Float8LinearConfig.from_recipe_name(options.recipe)
     if options.fsdp_float8_all_gather:
         config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)  # tensorwise's own
@@ -144,6 +147,4 @@ def fp8_scales_after_steps(optimizer, model: nn.Module, options: Fp8Options | No
     the next forward. A no-op otherwise."""
     if options is None or not options.fsdp_float8_all_gather:
         return
-    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
-
     optimizer.register_step_post_hook(lambda *_: precompute_float8_dynamic_scale_for_fsdp(model))

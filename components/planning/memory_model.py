@@ -19,9 +19,11 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torchao.float8.float8_linear import Float8Linear
 
 from components.distributed.chunked_loss import chunks_head
 from components.distributed.replicas.flat_buffers import MAX_FLAT_BUFFER_BYTES
+from components.models.build import decoder_blocks
 from components.planning.flops import head_dim, is_sparse_layer
 
 GIB = 1024**3
@@ -178,8 +180,6 @@ def _autocast(layout: Layout, step: Step) -> bool:
 def _fp8_numel(model: nn.Module, layout: Layout) -> dict[str, float]:
     """The float8 linears' weights (elements on this rank): all of them, the largest and one
     layer's unsharded over dp (what a cast sees, what FSDP all-gathers)."""
-    from torchao.float8.float8_linear import Float8Linear
-
     weights = [_local(m.weight).numel() for m in model.modules() if isinstance(m, Float8Linear)]
     layers = _decoder_layers(model)
     per_layer = [
@@ -394,8 +394,6 @@ def estimate_memory(
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The decoder blocks (a pipeline stage's own), or none where none are found."""
-    from components.models.build import decoder_blocks
-
     try:
         return decoder_blocks(model)
     except ValueError:

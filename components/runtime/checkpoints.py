@@ -4,10 +4,9 @@ writer), and the run's last line naming what it left."""
 
 from pathlib import Path
 
-import torch
-
 from components.checkpoint.dcp import load_checkpoint
 from components.checkpoint.integrity import complete_checkpoints
+from components.checkpoint.state import TrainState
 from components.checkpoint.writer import CheckpointWriter
 from components.runtime import preemption
 from components.runtime.exit_status import STOPPED_STATUS
@@ -15,31 +14,25 @@ from components.runtime.launch import under_torchrun
 from components.runtime.problems import say
 
 
-def resume(
-    checkpoint: Path | None,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-) -> int:
-    """The steps already done: 0 without a ``checkpoint``, else those of it, loaded into the model,
-    optimizer and scheduler (and said)."""
+def resume(checkpoint: Path | None, state: TrainState) -> None:
+    """``state`` as ``checkpoint`` saved it (model, optimizer, schedule, step: every part of it),
+    and said; without a ``checkpoint`` it stays as built, at step 0."""
     if checkpoint is None:
-        return 0
-    first_step = load_checkpoint(checkpoint, model, optimizer, scheduler)["step"]
-    say(f"resumed from {checkpoint} at step {first_step}")
-    return first_step
+        return
+    state.step = load_checkpoint(checkpoint, state.model, state.optimizer, state.schedule)["step"]
+    say(f"resumed from {checkpoint} at step {state.step}")
 
 
-def stop_signal(writer: CheckpointWriter, done: int, state: tuple) -> str | None:
-    """The name of the signal that stops the run after step ``done`` (with a checkpoint of it, the
-    ``state`` of model, optimizer and scheduler), or None: what the ranks agreed at the step's
-    end (``writer.stop_asked``, read with the step's other values)."""
+def stop_signal(writer: CheckpointWriter, state: TrainState) -> str | None:
+    """The name of the signal that stops the run after ``state.step`` (with a checkpoint of
+    ``state``), or None: what the ranks agreed at the step's end (``writer.stop_asked``, read with
+    the step's other values)."""
     if not writer.stop_asked:
         return None
     own = preemption.stop_requested()
     stopped = own.name if own is not None else "a signal to another rank"
-    if writer.last_step != done:  # a checkpoint of this step, even with every_steps=0
-        writer.save(done, *state)
+    if writer.last_step != state.step:  # a checkpoint of this step, even with every_steps=0
+        writer.save(state)
     return stopped
 
 

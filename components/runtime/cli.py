@@ -1,13 +1,13 @@
-"""The command line of a Hydra recipe: plain overrides are composed here, so that a composition
-error is one ``error:`` line; anything starting with ``-`` (``--multirun``, ``--cfg``, ``--help``)
-goes to ``hydra.main``, each sweep job into its own folder.
+"""The command line of a Hydra recipe: plain overrides are composed here
+(:func:`compose_config`), so that a composition error is one ``error:`` line; anything starting
+with ``-`` (``--multirun``, ``--cfg``, ``--hydra-help``) goes to ``hydra.main``
+(:func:`hydra_command_line`), each sweep job into its own folder.
 
-``launch(cfg, job_dir, hydra_run_dir)`` is the recipe's: ``job_dir`` is a sweep job's folder,
+``run(cfg, job_dir, hydra_run_dir)`` is the recipe's: ``job_dir`` is a sweep job's folder,
 ``hydra_run_dir`` a ``hydra.run.dir`` the user gave (checked to agree with ``output_dir``).
 """
 
 import importlib
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,11 +21,10 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-from components.runtime.launch import end_launched_rank, started_by_launcher
 from components.runtime.problems import Problem, fail
 from components.runtime.sweep import Sweep
 
-Launch = Callable[[DictConfig, str | None, str | None], None]
+Job = Callable[[DictConfig, str | None, str | None], None]
 # (the key Hydra could not override, the overrides, its message) -> a better message, or None
 Advise = Callable[[str, list[str], str], str | None]
 
@@ -58,32 +57,32 @@ def composition_message(error: Exception, overrides: list[str], advise: Advise |
     return message
 
 
-def main(conf_dir: Path, launch: Launch, compose: str, describe: str) -> None:
-    """The recipe's ``__main__``: read ``sys.argv``, compose (or hand over to Hydra), launch; under
-    torchrun, end the rank as a local one ends (:func:`end_launched_rank`). ``compose`` names the
-    recipe's composing function (``module:function``), imported only for plain overrides, so that
-    ``--help`` stays light; ``describe`` its ``--help`` page's (Hydra's is ``--hydra-help``)."""
-    arguments = sys.argv[1:]
-    if "--help" in arguments or "-h" in arguments:
-        print(_named(describe)())
-    elif any(argument.startswith("-") for argument in arguments):
-        _refuse_as_the_recipe(conf_dir, arguments, compose)
-        sweep = Sweep()
-        try:
-            _hydra_entry(conf_dir, launch, sweep)()
-        finally:  # a --multirun sweep: every job's status, and the sweep's
-            sweep.end()
-    else:
-        composed = _named(compose)(arguments)
-        # only a run dir the user gave: the default is ${output_dir}, and its ${now:...} read a
-        # moment later can name the next second's folder
-        given = any(argument.startswith("hydra.run.dir=") for argument in arguments)
-        launch(composed, None, composed.hydra.run.dir if given else None)
-    if started_by_launcher():
-        end_launched_rank()
+def hydra_options(arguments: list[str]) -> bool:
+    """Whether the command line holds an option of Hydra's own (``--hydra-help``, ``--cfg job``,
+    ``--multirun``, ...): those go to :func:`hydra_command_line`, plain overrides to
+    :func:`compose_config`."""
+    return any(argument.startswith("-") for argument in arguments)
 
 
-def _refuse_as_the_recipe(conf_dir: Path, arguments: list[str], compose: str) -> None:
+def prints_only(arguments: list[str]) -> bool:
+    """Whether Hydra answers this command line by printing alone (``--help``, ``--cfg``,
+    ``--info``, shell completion): no run, no rank."""
+    return any(argument.split("=")[0] in PRINTING_OPTIONS for argument in arguments)
+
+
+PRINTING_OPTIONS = ("--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i")
+PRINTING_OPTIONS += ("--shell-completion", "-sc", "--version", "--resolve", "-p", "--package")
+
+
+def given_run_dir(arguments: list[str], cfg: DictConfig) -> str | None:
+    """``hydra.run.dir`` when the user gave it (checked to agree with ``output_dir``), else None:
+    the default is ``${output_dir}``, and its ``${now:...}`` read a moment later can name the next
+    second's folder."""
+    given = any(argument.startswith("hydra.run.dir=") for argument in arguments)
+    return cfg.hydra.run.dir if given else None
+
+
+def refuse_as_the_recipe(conf_dir: Path, arguments: list[str], compose: str) -> None:
     """Before Hydra's own entry (``--cfg job``, ...): overrides that do not compose end as the
     recipe's ``compose`` ends them, in one ``error:`` line (for a misspelt key, the known key of the
     closest name), not as Hydra's page, whose advice (``+key=...``) the recipe then refuses. A
@@ -106,8 +105,18 @@ def _named(function: str) -> Callable:
     return getattr(importlib.import_module(module), name)
 
 
-def _hydra_entry(conf_dir: Path, launch: Launch, sweep: Sweep) -> Callable[[], None]:
-    """``hydra.main`` over ``launch``: each sweep job writes to its own folder and is noted in
+def hydra_command_line(conf_dir: Path, run: Job) -> None:
+    """Hydra's own command line (``hydra.main``) over ``run``: its ``--help`` and ``--cfg``; with
+    ``--multirun`` every job runs in its own folder, and the sweep ends with every job's status."""
+    sweep = Sweep()
+    try:
+        _hydra_entry(conf_dir, run, sweep)()
+    finally:
+        sweep.end()
+
+
+def _hydra_entry(conf_dir: Path, run: Job, sweep: Sweep) -> Callable[[], None]:
+    """``hydra.main`` over ``run``: each sweep job writes to its own folder and is noted in
     ``sweep``; a plain run writes to ``output_dir`` or to a run dir the user gave."""
 
     def task(cfg: DictConfig) -> None:
@@ -115,11 +124,11 @@ def _hydra_entry(conf_dir: Path, launch: Launch, sweep: Sweep) -> Callable[[], N
         run_dir_given = any(item.startswith("hydra.run.dir=") for item in job.overrides.hydra)
         if job.mode == RunMode.MULTIRUN:
             overrides = list(job.overrides.task)
-            sweep.run_job(job.job.num, overrides, lambda: launch(cfg, job.runtime.output_dir, None))
+            sweep.run_job(job.job.num, overrides, lambda: run(cfg, job.runtime.output_dir, None))
         elif not run_dir_given:  # output_dir (as Hydra resolved it: the same date and time)
-            launch(cfg, job.runtime.output_dir, None)
+            run(cfg, job.runtime.output_dir, None)
         else:
-            launch(cfg, None, job.run.dir)
+            run(cfg, None, job.run.dir)
 
-    task.__wrapped__ = launch  # Hydra names the job (and finds its file) by the recipe's function
+    task.__wrapped__ = run  # Hydra names the job (and finds its file) by the recipe's function
     return hydra.main(config_path=str(conf_dir), config_name="config", version_base="1.3")(task)

@@ -22,7 +22,7 @@ INTERRUPTED = (
 class AlreadyComplete(Exception):
     """The run asked for is already done (``checkpoint.resume=auto`` on a finished run): nothing to
     train, which is no failure. Its message is said as one ``note:`` line and the command exits 0
-    (``components.runtime.ranks.refusals``)."""
+    (``components.runtime.problems.refusals``)."""
 
 
 # Free space below which a failed write is taken for a full disk (torch's checkpoint writer

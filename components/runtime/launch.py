@@ -23,6 +23,7 @@ import re
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -50,6 +51,7 @@ from components.runtime.heartbeat import (
     HangWatch,
     remove_dead_folders,
 )
+from components.runtime.startup import started_by_launcher
 
 # Loggers that print torch elastic's own multi-line report of a failed worker (replaced by ours).
 _NOISY_LOGGERS = ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn")
@@ -74,24 +76,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def started_by_launcher() -> bool:
-    """True when torchrun (or any launcher that sets RANK/WORLD_SIZE/LOCAL_RANK) started this
-    process."""
-    return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
-
-
-def end_launched_rank() -> NoReturn:
-    """End a rank torchrun started, after its work, the way a forked local rank ends
-    (multiprocessing calls ``os._exit`` once the rank's function returns): flush the standard
-    streams and skip the interpreter's finalisation. There, under torchrun, a process group's C++
-    threads could be destroyed while still joinable: "terminate called without an active exception"
-    and SIGABRT after a finished run. Call it only when every file is closed and every
-    lock released."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 class ReportedExit(SystemExit):
@@ -637,15 +621,6 @@ def join_world(
     return device
 
 
-def keep_cuda_unstarted() -> None:
-    """Let libraries the launcher imports ask ``torch.cuda.is_available()`` without starting CUDA
-    (torchao asks at import, through transformers' quantizers): by default torch answers through
-    the CUDA runtime, which starts CUDA, and no rank forked afterwards could start it again. With
-    ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` it answers from NVML (torch's own advice for processes
-    that fork); a value the user set is kept."""
-    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
-
-
 def visible_gpus() -> int:
     """The GPUs this process may use (``CUDA_VISIBLE_DEVICES`` applied), counted without starting
     CUDA, which would make every rank forked afterwards fail ("Cannot re-initialize CUDA in forked
@@ -673,7 +648,6 @@ def _nvidia_driver_present() -> bool:
 
 def _gpus_counted_in_a_child() -> int:
     """``torch.cuda.device_count()`` in a fresh interpreter: CUDA starts there, not here."""
-    import subprocess
 
     code = "import torch; print(torch.cuda.device_count())"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)

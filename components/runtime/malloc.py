@@ -4,8 +4,11 @@ as its live bytes (why: docs/design-notes.md; measured: docs/benchmarks-history.
 glibc's per-thread cache and fast bins off (freed small chunks coalesce at once instead of pinning
 freed tensor blocks), and, since setting a malloc tunable turns the dynamic mmap threshold off, the
 threshold at that rule's ceiling (32 MiB) and the trim threshold at 1 GiB. glibc reads
-``GLIBC_TUNABLES`` only when a process starts, so the recipe's command executes itself again, once,
-with them added, before torch is imported (forked ranks inherit them). A ``GLIBC_TUNABLES`` that
+``GLIBC_TUNABLES`` only when a process starts, and the local launcher forks its CPU ranks (a fork
+keeps the launcher's imports; an exec would pay them again in every rank), so the ranks' malloc is
+the launcher's: a command that will start ranks executes itself again, once, with the tunables
+added, before its imports (``recipes/finetune.py``'s ``main``; ``--help`` and ``--cfg`` never do).
+Under torchrun each rank is such a command. A ``GLIBC_TUNABLES`` that
 sets any ``glibc.malloc`` tunable, or a ``MALLOC_*`` variable, is the user's choice and is kept
 (``GLIBC_TUNABLES=glibc.malloc.tcache_count=7``: glibc's defaults); other C libraries: left alone.
 """
@@ -33,11 +36,8 @@ def malloc_environment(environment: dict[str, str]) -> dict[str, str] | None:
     return {**environment, "GLIBC_TUNABLES": ":".join(filter(None, (given, *TUNABLES)))}
 
 
-def exec_with_malloc_settings(module_name: str = "__main__") -> None:
-    """Execute this command again with :data:`TUNABLES`, unless it needs none; call it first, from
-    the command's own module (``module_name`` ``__main__``: an import of it does nothing)."""
-    if module_name != "__main__":
-        return
+def exec_with_malloc_settings() -> None:
+    """Execute this command again with :data:`TUNABLES`, unless it needs none (or has them)."""
     environment = malloc_environment(dict(os.environ))
     if environment is not None:
         sys.stdout.flush()

@@ -9,9 +9,13 @@ This module imports nothing heavy: ``--help`` and the first ``error:`` line stay
 
 import os
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, NoReturn
+
+from components.runtime.console import print_line
+from components.runtime.exit_status import INTERRUPTED, INTERRUPTED_STATUS, AlreadyComplete
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,3 +70,21 @@ def show(value: Any) -> str:
     if isinstance(value, bool):
         return str(value).lower()
     return repr(value)
+
+
+@contextmanager
+def refusals() -> Iterator[None]:
+    """Checking and preparing, before any rank trains: problems end as one ``error:`` line (exit
+    2), a run already complete as one ``note:`` line (exit 0), Ctrl-C as one line and status 130,
+    no traceback."""
+    try:
+        yield
+    except ConfigError as error:
+        fail(error.problems)
+    except AlreadyComplete as done:
+        say(f"note: {done}")
+        raise SystemExit(0) from None
+    except KeyboardInterrupt:
+        if is_rank_zero():  # under torchrun every rank is interrupted
+            print_line(INTERRUPTED, sys.stderr)
+        raise SystemExit(INTERRUPTED_STATUS) from None

@@ -9,6 +9,7 @@ from torch import nn
 from components.data import StepBatches
 from components.distributed.chunked_loss import LOSS_CHUNK_TOKENS
 from components.distributed.context_parallel import ContextParallel
+from components.distributed.mesh import data_parallel_mesh
 from components.training.step import evaluate_loss_sum
 
 
@@ -46,13 +47,12 @@ def _mean_over(totals: torch.Tensor, dp_group: dist.ProcessGroup) -> float:
 def run_validation(run, loss_chunk_tokens: int | None) -> float:
     """The mean loss on a recipe run's validation split (``run``: its model, ``val_data``,
     device, mesh, compute context and cp), the same on every rank."""
-    from components.distributed.mesh import data_parallel_mesh
-
     dp_group = data_parallel_mesh(run.mesh).get_group()  # dp × cp
+    model = run.state.model
     if run.pipeline is not None:
-        return pipeline_validation_loss(run.pipeline, run.model, run.val_data, run.device, dp_group)
+        return pipeline_validation_loss(run.pipeline, model, run.val_data, run.device, dp_group)
     where = (run.device, dp_group, run.compute(), loss_chunk_tokens, run.cp)
-    return validation_loss(run.model, run.val_data, *where)
+    return validation_loss(model, run.val_data, *where)
 
 
 def pipeline_validation_loss(

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from components.checkpoint.dcp import load_checkpoint
+from components.checkpoint.state import TrainState
 from components.checkpoint.writer import CheckpointWriter
 from components.models import build_causal_lm, load_config, meta_causal_lm, tiny_config
 from components.models.load import materialize_pretrained
@@ -135,7 +136,7 @@ def test_an_async_save_stages_through_pinned_host_buffers(tmp_path, world):
         optimizer.step()
     keys = dict(keep=2, run_id="run", run_info=None)
     writer = CheckpointWriter(tmp_path / "checkpoints", **keys, asynchronous=True)
-    writer.save(2, model, optimizer, None)
+    writer.save(TrainState(model=model, optimizer=optimizer, schedule=None, step=2))
     buffers = list(writer._stager._state_dict_stager._cached_storage_mapping.values())
     assert buffers and all(buffer.is_pinned() for buffer in buffers)
     assert writer.take_stall()["checkpoint_stall_s"] > 0

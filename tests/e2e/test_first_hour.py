@@ -54,8 +54,9 @@ def imported_modules(*arguments: str) -> tuple[subprocess.CompletedProcess, set[
     return result, {parts[-1].strip() for parts in lines if len(parts) == 3}
 
 
-def test_help_and_the_composed_config_import_no_model_data_or_tokenizer_code():
-    heavy = ("transformers", "datasets", "tokenizers", "components.models", "components.data")
+def test_help_and_the_composed_config_import_no_torch_model_data_or_tokenizer_code():
+    heavy = ("torch", "transformers", "datasets", "tokenizers")  # the command line is Hydra's
+    heavy += ("components.models", "components.data")
     # nor what only ranks run: DTensor (and the sympy it loads), DCP, FSDP, the loss plot
     heavy += ("torch.distributed.tensor", "torch.distributed.checkpoint", "torch.distributed.fsdp")
     heavy += ("sympy", "matplotlib", "components.checkpoint", "components.distributed")
@@ -63,7 +64,7 @@ def test_help_and_the_composed_config_import_no_model_data_or_tokenizer_code():
     for arguments in (["--help"], ["--cfg", "job"], ["--cfg", "job", "model=qwen3", "tp=2"]):
         result, modules = imported_modules(*arguments)
         assert result.returncode == 0, result.stderr[-3000:]
-        assert "torch" in modules  # the measurement works: the recipe itself imports torch
+        assert "hydra" in modules  # the measurement works: the command line imports Hydra
         loaded = sorted(m for m in modules if m.split(".")[0] in heavy or m.startswith(heavy))
         loaded = [module for module in loaded if module not in light]
         assert not loaded, f"{' '.join(arguments)} imported {loaded[:10]}"

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 from components.checkpoint.dcp import load_checkpoint
+from components.checkpoint.state import TrainState
 from components.checkpoint.writer import CheckpointWriter
 
 
@@ -44,12 +45,12 @@ def test_every_async_save_refills_the_same_host_buffers(tmp_path, world):
     model, optimizer = trained(seed=0)
     keys = dict(keep=2, run_id="run", run_info=None)
     writer = CheckpointWriter(tmp_path / "checkpoints", **keys, asynchronous=True)
-    writer.save(1, model, optimizer, None)
+    writer.save(TrainState(model=model, optimizer=optimizer, schedule=None, step=1))
     stager, buffers = writer._stager, staged_storages(writer)
     assert len(buffers) >= len(list(model.parameters()))  # weights and Adam's moments
     writer.wait()
     step(model, optimizer)
-    writer.save(2, model, optimizer, None)
+    writer.save(TrainState(model=model, optimizer=optimizer, schedule=None, step=2))
     assert writer._stager is stager and staged_storages(writer) == buffers
     writer.close()
     assert writer._stager is None and writer.last_path.name.endswith("2")
@@ -65,7 +66,7 @@ def test_the_time_a_save_keeps_the_training_thread_is_taken_once(tmp_path, world
     keys = dict(keep=2, run_id="run", run_info=None)
     writer = CheckpointWriter(tmp_path / "checkpoints", **keys, asynchronous=asynchronous)
     assert writer.take_stall() == {}
-    writer.save(1, model, optimizer, None)
+    writer.save(TrainState(model=model, optimizer=optimizer, schedule=None, step=1))
     writer.wait()
     stall = writer.take_stall()
     assert list(stall) == ["checkpoint_stall_s"] and stall["checkpoint_stall_s"] > 0

@@ -57,9 +57,9 @@ def main(overrides: list[str]) -> None:
     launch.elastic_launch = launching
     multiprocessing.process.BaseProcess.start = fork
     from recipes.checks import compose
-    from recipes.finetune import launch as recipe_launch
+    from recipes.finetune import run
 
-    recipe_launch(compose(overrides), None, None)
+    run(compose(overrides), None, None)
     raise SystemExit("no rank was started")
 
 

@@ -47,3 +47,22 @@ def test_the_command_runs_again_with_them():
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout == f"{':'.join(TUNABLES)} ['a', 'b=1']\n"
+
+
+def imports_in_order(*arguments: str) -> list[str]:
+    """The modules ``python -X importtime recipes/finetune.py ARGUMENTS`` imported, in order, in
+    each process it became (the environment has no malloc setting of its own)."""
+    environment = {key: value for key, value in os.environ.items() if "MALLOC" not in key}
+    environment = {**environment, "PYTHONPATH": REPO, "GLIBC_TUNABLES": ""}
+    command = [sys.executable, "-X", "importtime", "recipes/finetune.py", *arguments]
+    done = subprocess.run(command, cwd=REPO, env=environment, capture_output=True, text=True)
+    lines = [line.split("|") for line in done.stderr.splitlines() if line.startswith("import time")]
+    return [parts[-1].strip() for parts in lines if len(parts) == 3]
+
+
+def test_a_run_executes_itself_once_before_torch_and_help_never():
+    run = imports_in_order("trian.max_steps=3")  # refused after the exec, before any rank
+    assert run.count("hydra") == 2 and "torch" in run
+    assert run.index("torch") > len(run) - 1 - run[::-1].index("hydra")  # after the exec
+    help_ = imports_in_order("--help")
+    assert help_.count("hydra") == 1 and "torch" not in help_

@@ -1,0 +1,266 @@
+"""What each rank of ``recipes/finetune.py`` runs: the story of one run, read top to bottom.
+
+Set up (mesh, data, model built, converted, parallelised, TP replicas broadcast, optimizer,
+schedule, resume), train (per step: the step function, finalise DTensor grads, sync TP-replica
+grads, clip, update, metrics; validation and checkpoints as the cadence says), finish (drift report,
+export, loss curve). The launcher imports this module before it forks the ranks, so each rank
+starts with every module here already imported.
+"""
+
+import functools
+import math
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import yaml
+
+from components.checkpoint.state import TrainState
+from components.checkpoint.writer import CheckpointWriter
+from components.data.loader import open_splits
+from components.debug.faults import install_faults
+from components.distributed.context_parallel import ContextParallel
+from components.distributed.fsdp import set_gradient_sync
+from components.distributed.grads import clip_grad_norm_, grad_norm
+from components.distributed.mesh import build_device_mesh, data_parallel_mesh, dp_mesh
+from components.distributed.pipeline import build_pipeline
+from components.distributed.replicas import check_replicas, write_drift_report
+from components.distributed.tp_replicas import (
+    broadcast_tp_replicas,
+    synchronize_tp_replica_gradients,
+)
+from components.models.conversion import convert_model
+from components.models.fp8 import fp8_scales_after_steps
+from components.models.parallelize import build_parallel_model
+from components.models.precision import precision_policy
+from components.moe import ExpertLoad, load_metrics, router_aux_loss_weight, uncounted_experts
+from components.planning.memory import reset_peak_memory
+from components.runtime import heartbeat, preemption
+from components.runtime.checkpoints import done_line, resume, stop_note, stop_signal
+from components.runtime.exit_status import disk_full_said_plainly, skipped_verdict
+from components.runtime.launch import fail_once, join_world
+from components.runtime.problems import say  # say: rank 0's lines alone
+from components.runtime.ranks import local_restart
+from components.targets import target_class
+from components.training.loggers import MetricsLogger, open_logger
+from components.training.metrics import MetricsLog, matmul_math, plot_loss_curve, throughput
+from components.training.profiler import StepProfiler
+from components.training.readout import StepReadout
+from components.training.schedule import build_schedule
+from components.training.step import forward_backward_on_device  # reads the models' TP plans
+from components.training.validation import run_validation
+from recipes.export import export, export_folders
+from recipes.plan import Run, RunPlan
+from recipes.prepare import resume_again
+
+
+def convert(model: torch.nn.Module, plan: RunPlan) -> torch.nn.Module:
+    """The built model, converted before it is parallelised: ``peft=lora``'s adapters, fp8's float8
+    linears (components/models/conversion.py); full fine-tuning in another precision keeps it."""
+    return convert_model(model, plan.lora, plan.fp8, plan.seed)
+
+
+def set_up(plan: RunPlan) -> Run:
+    """Everything a rank needs before step 1: mesh, data, model, optimizer, schedule, resume."""
+    train, optim, timeout, dims = plan.train, plan.optim, plan.collective_timeout, plan.dims
+    device = join_world(plan.device_type, timeout, plan.cpu_threads, plan.seed, train.tf32)
+    rank, mesh = dist.get_rank(), build_device_mesh(dims, plan.device_type, timeout)
+    shards = dict(dp_size=dims.dp, dp_rank=dp_mesh(mesh).get_local_rank(), seed=plan.seed)
+    splits = (plan.data.train, plan.data.val, train.global_batch_size, train.micro_batch_size)
+    data, val_data = open_splits(*splits, **shards, pad_multiple=plan.pad_multiple)
+    converted = functools.partial(convert, plan=plan)
+    model, report = build_parallel_model(plan.model, dims, mesh, device, timeout, converted)
+    if report is not None:
+        say(report.format())
+    broadcast_tp_replicas([model], mesh)  # after parallelising and loading, before the optimizer
+    trained = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    optimizer = target_class("optim", optim.target)(trained, **optim.options())  # no frozen state
+    fp8_scales_after_steps(optimizer, model, plan.fp8)  # fp8 under FSDP: one all-reduce a step
+    warmup, max_steps, options = train.warmup_steps, train.max_steps, plan.schedule.options()
+    schedule = build_schedule(optimizer, plan.schedule.name, warmup, max_steps, options)
+    watched = (model, plan.model.config, list(plan.model.experts), dp_mesh(mesh).get_group())
+    experts = ExpertLoad.watch(*watched, plan.model.routers, plan.moe.routing_bias_rate)
+    if uncounted := uncounted_experts(model, list(plan.model.experts), plan.model.routers):
+        say(f"note: expert choices not counted (tokens come routed, no router beside): {uncounted}")
+    state = TrainState(model=model, optimizer=optimizer, schedule=schedule)
+    resume(plan.resume_from, state)  # every part of the state: the routing bias too, the step
+    precision, data_parallel = precision_policy(plan.model.precision), dims.data_parallel > 1
+    compute = functools.partial(precision.autocast, device.type, data_parallel=data_parallel)
+    pipeline = build_pipeline(model, mesh, compute, data, *plan.pipeline)  # None at pp=1
+    micro_batches = data.micro_batches_per_step
+    aux_loss_weight = router_aux_loss_weight(plan.model.config, micro_batches, dims.dp)
+    run = Run(
+        rank=rank,
+        device=device,
+        mesh=mesh,
+        state=state,
+        data=data,
+        val_data=val_data,
+        first_step=state.step,
+        compute=compute,
+        experts=experts,
+        aux_loss_weight=aux_loss_weight,
+        cp=ContextParallel.of(mesh),
+        readout=StepReadout(data_parallel_mesh(mesh).get_group(), device),  # the loss's dp × cp
+        pipeline=pipeline,
+    )
+    if plan.fault is not None:  # a resilience drill (docs/fault-injection.md)
+        where = dict(rank=rank, world_size=dist.get_world_size(), first_step=state.step)
+        where |= dict(micro_batches_per_step=data.micro_batches_per_step)
+        run.before_commit = install_faults(plan.fault, model, optimizer, **where)
+    return run
+
+
+def forward_backward_step(run: Run, plan: RunPlan, step: int) -> torch.Tensor:
+    """The step function: forward and backward of step ``step``'s micro-batches, the summed loss
+    (float64). With pp the rank's pipeline replaces it (``train(..., step_fn=run.pipeline)``)."""
+    micro_batches, labelled = run.data.batches_for_step(step), run.data.labels_in_step(step)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)  # mesh groups: NCCL only
+    for index, batch in enumerate(batch.to(run.device) for batch in micro_batches):
+        heartbeat.progress(f"step {step + 1}, micro-batch {index + 1}")  # a mark: 0.2 µs
+        set_gradient_sync(
+            run.state.model, index == len(micro_batches) - 1
+        )  # dp reduce once per step
+        if run.experts:  # the step's imbalance counts real tokens, not the padding
+            run.experts.count_real(batch.real_mask())
+        tensors = (batch.input_ids, batch.labels, labelled, batch.position_ids)
+        options = (run.compute(), run.aux_loss_weight, plan.train.loss_chunk_tokens, run.cp)
+        loss_sum += forward_backward_on_device(run.state.model, *tensors, *options)  # no read
+    return loss_sum
+
+
+StepFn = Callable[["Run", "RunPlan", int], torch.Tensor]
+
+
+def train_step(run: Run, plan: RunPlan, step: int, step_fn: StepFn = forward_backward_step) -> dict:
+    """One optimizer step (0-based ``step``): ``step_fn``'s forward and backward, gradient
+    reductions, clip, update; its metrics. Reads the device twice: the replica sync, the readout."""
+    started = time.perf_counter()
+    reset_peak_memory(run.device)
+    run.state.optimizer.zero_grad(set_to_none=True)
+    loss_sum = step_fn(run, plan, step)
+    run.readout.finalize([run.state.model])  # reads the device at the first step only
+    synchronize_tp_replica_gradients([run.state.model], run.mesh)  # its plan and buffers are reused
+    clip, parts, pp = (
+        plan.train.clip_grad_norm,
+        [run.state.model],
+        run.pipeline and run.pipeline.group,
+    )
+    norm = clip_grad_norm_(parts, clip, across=pp) if clip else grad_norm(parts, across=pp)
+    expert_counts = run.experts.end_step() if run.experts else None  # moves the routing bias
+    stop = preemption.stop_requested() is not None  # agreed with the writer's flags, read once
+    norm, loss_sum, peak, expert_rows = run.readout.read(norm, loss_sum, stop, expert_counts)
+    finite = math.isfinite(norm)  # the same number on every rank, so all ranks decide alike
+    if not finite and plan.train.on_nonfinite == "stop":
+        raise FloatingPointError(
+            f"step {step + 1}: grad norm is {norm}; stopped before the update "
+            "(train.on_nonfinite=skip skips it)"
+        )
+    lr = run.state.schedule.get_last_lr()[0]
+    if finite:
+        run.state.optimizer.step()
+    run.state.schedule.step()
+    if run.pipeline is not None:  # a tied embedding's two stages
+        run.pipeline.after_update()
+    run.readout.after_update()  # the update's peak memory joins the next step's
+    elapsed, tokens = time.perf_counter() - started, run.data.tokens_in_step(step)
+    world, kind = dist.get_world_size(), matmul_math(plan.train.precision, plan.train.tf32)
+    return {
+        "step": step + 1,
+        "loss": loss_sum / run.data.labels_in_step(step),
+        "grad_norm": norm if finite else None,
+        "lr": lr,
+        "tokens": tokens,
+        **throughput(tokens, elapsed, plan.flops_per_token, world, run.device, kind),  # MFU: kind's
+        "peak_memory_gib": peak,
+        **(load_metrics(expert_rows, plan.moe.expert_load == "experts") if run.experts else {}),
+        **({} if finite else {"skipped": True}),
+    }
+
+
+def train(
+    run: Run, plan: RunPlan, step_fn: StepFn = forward_backward_step
+) -> tuple[str | None, int]:
+    """The steps after ``run.first_step`` up to ``max_steps`` (or ``stop_after``): metrics, and
+    validation, checkpoints and replica checks as the cadence says. Returns the name of the signal
+    that stopped the run early (with a checkpoint of its step), or None; and how many steps were
+    skipped as non-finite."""
+    log, tracker, writer = open_outputs(run, plan)
+    run.readout.writer = writer  # its stop and save flags are read with each step's values
+    state, cadence, stopped, skipped = run.state, plan.cadence, None, 0
+    profile = plan.settings.profile
+    profiler = StepProfiler(profile.steps, profile.memory, plan.output_dir, run.rank, state.step)
+    for step in cadence.steps(run.first_step):
+        with heartbeat.watched(f"step {step + 1}", judged=step > run.first_step):  # 1st: compile
+            record = train_step(run, plan, step, step_fn) | writer.take_stall()  # the save before
+        state.step, skipped = step + 1, skipped + bool(record.get("skipped"))
+        if cadence.validate(state.step):
+            record["val_loss"] = run_validation(run, plan.train.loss_chunk_tokens)
+        log.log(record)
+        tracker.log_metrics(record, record["step"])
+        if cadence.check_replicas(state.step):
+            check_replicas([state.model], run.mesh, state.step)
+        if cadence.save(state.step):
+            writer.save(state)
+        if (stopped := stop_signal(writer, state)) is not None:
+            break
+        profiler.step(state.step)  # ProfilerStep#N: all the loop does for the step
+    at_stop = cadence.save_at_stop(run.first_step, state.step)  # train.stop_after: a stop signal's
+    if stopped is None and at_stop and writer.last_step != state.step:
+        writer.save(state)
+    for output in (profiler, writer, log, tracker):  # the writer once its last save is published
+        output.close()
+    if stopped is not None:
+        note = stop_note(stopped, state.step, plan.train.max_steps, writer.last_path)
+        say(note, file=sys.stderr, flush=True)
+    return stopped, skipped
+
+
+def open_outputs(run: Run, plan: RunPlan) -> tuple[MetricsLog, MetricsLogger, CheckpointWriter]:
+    """metrics.jsonl, the tracker (``logger=...``, on rank 0 only) and the checkpoint writer."""
+    first, zero, logger, output_dir = run.first_step, run.rank == 0, plan.logger, plan.output_dir
+    log = MetricsLog(output_dir / "metrics.jsonl", zero, first, plan.train.max_steps)
+    hparams = yaml.safe_load(plan.config_yaml)
+    tracker = open_logger(logger.target, logger.options(), output_dir, first, hparams, zero)
+    saves = dict(keep=plan.checkpoint.keep, asynchronous=plan.checkpoint.asynchronous)
+    ids = dict(run_id=plan.run_id, run_info=plan.run_info, before_commit=run.before_commit)
+    return log, tracker, CheckpointWriter(plan.checkpoints, **saves, **ids)
+
+
+def finish(run: Run, plan: RunPlan, stopped: bool = False, skipped: int = 0) -> None:
+    """The replica drift report (any drift stops the run before export), the export and the loss
+    curve; after a stop signal (``stopped``) only the loss curve: the run is to be resumed, and soon
+    killed. Too many steps ``skipped`` as non-finite: no export, and one ``error:`` line."""
+    output_dir, train = plan.output_dir, plan.train
+    if not stopped:
+        write_drift_report([run.state.model], run.mesh, output_dir / "replica_drift.json", run.rank)
+    ended = (train.stop_after or train.max_steps) >= train.max_steps and not stopped
+    fails, note = skipped_verdict(0 if stopped else skipped, plan.last_step - run.first_step)
+    if plan.checkpoint.export and ended and not fails:
+        export(run.state.model, plan, run.pipeline and run.pipeline.group)
+    if run.rank == 0 and (output_dir / "metrics.jsonl").exists():
+        plot_loss_curve(output_dir / "metrics.jsonl", output_dir / "loss.png", plan.title)
+        if note and not fails:
+            say(note, file=sys.stderr)
+        if not fails:
+            exported = plan.checkpoint.export and ended
+            say(done_line(output_dir, train.max_steps, ended, exported, export_folders(plan)))
+    dist.destroy_process_group()
+    if fails:
+        fail_once(note)  # every rank exits 1; rank 0 prints the one error: line
+
+
+def rank_main(plan: RunPlan) -> str | None:
+    """What every rank runs, beating: set up, train, finish; the stop signal's name (``train``).
+    A local rank restarted after a failure resumes from the last complete checkpoint."""
+    if attempt := local_restart():
+        plan = resume_again(plan, attempt)
+    preemption.install()  # a SIGTERM or SIGUSR1 from now on stops the run after a step
+    beating = heartbeat.beating(plan.settings.hang_timeout_s)  # watched: launcher or torchrun peers
+    with beating, disk_full_said_plainly(plan.output_dir, plan.train.max_steps):  # one line
+        run = set_up(plan)
+        stopped, skipped = train(run, plan, run.pipeline or forward_backward_step)
+        finish(run, plan, stopped is not None, skipped)
+    return stopped
