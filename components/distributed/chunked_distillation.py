@@ -23,13 +23,13 @@ from torch.distributed.tensor import DTensor
 from components.distributed.chunked_loss import (
     LOSS_CHUNK_TOKENS,
     ChunkedHead,
+    ChunkLogits,
     ChunkSettings,
     HeadAdapter,
     HeadGradients,
-    _Head,
-    _target_logit,
     chunked_head,
     next_token_targets,
+    target_logit,
 )
 
 
@@ -61,13 +61,15 @@ class _ChunkedDistillation(torch.autograd.Function):
         kl = torch.empty(picked.numel(), dtype=torch.float32, device=hidden.device)
         ce = torch.zeros((), dtype=torch.float32, device=hidden.device)
         with torch.autocast(hidden.device.type, enabled=False):
-            student = _Head(weight, adapter_picked, B, settings.scaling, settings.compute_dtype)
-            teacher = _Head(teacher_weight, None, None, None, settings.teacher_dtype)
+            student = ChunkLogits(
+                weight, adapter_picked, B, settings.scaling, settings.compute_dtype
+            )
+            teacher = ChunkLogits(teacher_weight, None, None, None, settings.teacher_dtype)
             for begin in range(0, picked.numel(), chunk):
                 rows = slice(begin, begin + chunk)
                 s = student.logits(hidden_picked[rows], rows).float()
                 t = teacher.logits(teacher_picked[rows], rows).float()
-                target = _target_logit(s, local[rows])
+                target = target_logit(s, local[rows])
                 top = torch.stack([s.amax(-1), t.amax(-1)])
                 if group is not None:
                     dist.all_reduce(top, dist.ReduceOp.MAX, group=group)
@@ -104,8 +106,8 @@ class _ChunkedDistillation(torch.autograd.Function):
         temperature, compute_dtype = settings.temperature, settings.compute_dtype
         grads = HeadGradients(hidden_picked, weight, adapter_picked, B, ctx.needs_input_grad[1])
         with torch.autocast(hidden_picked.device.type, enabled=False):
-            student = _Head(weight, adapter_picked, B, settings.scaling, compute_dtype)
-            teacher = _Head(teacher_weight, None, None, None, settings.teacher_dtype)
+            student = ChunkLogits(weight, adapter_picked, B, settings.scaling, compute_dtype)
+            teacher = ChunkLogits(teacher_weight, None, None, None, settings.teacher_dtype)
             for begin in range(0, picked.numel(), settings.chunk):
                 rows = slice(begin, begin + settings.chunk)
                 h = hidden_picked[rows].to(compute_dtype)

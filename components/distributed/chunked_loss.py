@@ -85,11 +85,11 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
         lse = torch.empty(picked.numel(), dtype=torch.float32, device=hidden.device)
         logps = torch.empty_like(lse)
         with torch.autocast(hidden.device.type, enabled=False):
-            head = _Head(weight, adapter_picked, B, settings.scaling, settings.compute_dtype)
+            head = ChunkLogits(weight, adapter_picked, B, settings.scaling, settings.compute_dtype)
             for begin in range(0, picked.numel(), chunk):
                 rows = slice(begin, begin + chunk)
                 logits = head.logits(hidden_picked[rows], rows).float()
-                target = _target_logit(logits, local[rows])
+                target = target_logit(logits, local[rows])
                 top = logits.amax(-1)
                 if group is not None:
                     dist.all_reduce(top, dist.ReduceOp.MAX, group=group)
@@ -108,7 +108,7 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
         chunk, compute_dtype = ctx.settings.chunk, ctx.settings.compute_dtype
         grads = HeadGradients(hidden_picked, weight, adapter_picked, B, ctx.needs_input_grad[1])
         with torch.autocast(hidden_picked.device.type, enabled=False):
-            head = _Head(weight, adapter_picked, B, ctx.settings.scaling, compute_dtype)
+            head = ChunkLogits(weight, adapter_picked, B, ctx.settings.scaling, compute_dtype)
             for begin in range(0, picked.numel(), chunk):
                 rows = slice(begin, begin + chunk)
                 h = hidden_picked[rows].to(compute_dtype)
@@ -133,7 +133,9 @@ class HeadGradients:
         self.B = None if B is None else _zeros_like(B)
         self.dtypes = (weight.dtype, None if B is None else B.dtype)
 
-    def add(self, head: "_Head", grad_logits: torch.Tensor, h: torch.Tensor, rows: slice) -> None:
+    def add(
+        self, head: "ChunkLogits", grad_logits: torch.Tensor, h: torch.Tensor, rows: slice
+    ) -> None:
         """One chunk's ``grad_logits`` [rows, vocab shard] (``compute_dtype``) for hidden ``h``."""
         self.picked_hidden[rows] = (grad_logits @ head.w).to(self.picked_hidden.dtype)
         if self.weight is not None:
@@ -154,7 +156,7 @@ class HeadGradients:
         )
 
 
-class _Head:
+class ChunkLogits:
     """A chunk's logits in ``compute_dtype``: ``h @ weight.T``, plus ``scaling · (adapter_in @
     B.T)`` for an adapted head, as the adapter's own forward orders it."""
 
@@ -179,7 +181,7 @@ def _scatter_rows(picked_rows: torch.Tensor, picked: torch.Tensor, rows: int) ->
     return picked_rows.new_zeros(rows, picked_rows.shape[1]).index_copy_(0, picked, picked_rows)
 
 
-def _target_logit(logits: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+def target_logit(logits: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """Each row's logit at its target where this shard holds the target, else 0 (summed over
     shards)."""
     inside = (local >= 0) & (local < logits.shape[1])

@@ -9,6 +9,7 @@ on every rank.
 """
 
 import inspect
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -67,10 +68,6 @@ def causal_flags(config: PretrainedConfig, model: nn.Module) -> list[str]:
 def _takes_position_ids(config: PretrainedConfig) -> bool | None:
     """Whether the causal LM class ``config`` maps to takes ``position_ids`` in its forward (None:
     no class maps to it; it is refused elsewhere)."""
-    import inspect
-
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
     if model_class is None:
         return None
@@ -118,10 +115,6 @@ def position_offset_problems(config: PretrainedConfig) -> list[str]:
     ``create_position_ids_from_input_ids``): the recipe passes positions from 0, so every token
     would read the position embedding two rows before its own (measured on CamemBERT: first loss
     5.9313 against its own 5.9573). One message, until the offset is passed (not supported yet)."""
-    import sys
-
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
     if not _takes_position_ids(config):
         return []  # none passed (TrOCR numbers its own), or no class maps to it
     modeling = sys.modules[MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].__module__]

@@ -1,19 +1,13 @@
 """Direct Preference Optimization's loss on sequence log-probabilities: a policy against a frozen
 reference, over pairs of a chosen and a rejected answer to one prompt.
 
-The inputs are each answer's summed log-probability of its tokens (the labelled ones), the
-policy's and the reference's, from
-:func:`~components.distributed.chunked_loss.chunked_token_log_probs` summed over a row; the loss
-and the metrics follow TRL's ``DPOTrainer`` (``trl`` 1.16, ``_compute_loss``): with
-``Δ = (π_c − ref_c) − (π_r − ref_r)``,
-
-- ``sigmoid``: ``−log σ(β·Δ)``; with ``label_smoothing`` ε, conservative DPO (cDPO):
-  ``−(1 − ε)·log σ(β·Δ) − ε·log σ(−β·Δ)`` (TRL before 1.0 had it in ``sigmoid``; TRL 1.16's
-  ``sigmoid`` has no smoothing, its ``robust`` is another loss);
-- ``ipo``: ``(Δ_c/n_c − Δ_r/n_r − 1/(2β))²``, each answer's log-ratio averaged over its ``n``
-  labelled tokens, as TRL does (the IPO authors' normalisation).
-
-The loss of a batch is the mean over its pairs; the rewards are ``β·(π − ref)`` of each answer.
+The inputs are each answer's summed log-probability of its labelled tokens, the policy's and the
+reference's (:func:`~components.distributed.chunked_loss.chunked_token_log_probs` summed over a
+row); the loss and the metrics follow TRL 1.16's ``DPOTrainer._compute_loss``. With
+``Δ = (π_c − ref_c) − (π_r − ref_r)``: ``sigmoid`` is ``−log σ(β·Δ)`` (with ``label_smoothing`` ε,
+conservative DPO: ``−(1 − ε)·log σ(β·Δ) − ε·log σ(−β·Δ)``); ``ipo`` is
+``(Δ_c/n_c − Δ_r/n_r − 1/(2β))²``, each log-ratio averaged over its ``n`` labelled tokens as TRL
+does. A batch's loss is the mean over its pairs; the rewards are ``β·(π − ref)`` of each answer.
 
 Design notes: docs/design-notes.md
 """
