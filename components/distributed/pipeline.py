@@ -16,6 +16,7 @@ import fnmatch
 import types
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -90,17 +91,38 @@ def embedding_side_problem(model: nn.Module) -> str | None:
     width = model.get_input_embeddings().weight.shape[-1]
     hidden = torch.randn(1, 4, width)
     try:
-        stage = stage_view(model, range(0), first=False, last=False)  # a middle stage, no layers
-        probe = copy.deepcopy(stage.get_decoder()).to_empty(device="cpu")  # a few buffers at most
-        with torch.no_grad():
-            out = probe(inputs_embeds=hidden, position_ids=torch.arange(4)[None], use_cache=False)
-        passed_on = out.last_hidden_state
+        passed_on = _layerless_stage(model, last=False)(hidden)  # a middle stage
+        last = _layerless_stage(model, last=True)  # a last stage: its final norm runs once
+        final_norm_runs = []
+        last.decoder.norm.register_forward_hook(lambda *_: final_norm_runs.append(1))
+        last(hidden)
     except Exception as error:  # noqa: BLE001 - the refusal says what the decoder raised
         said = f"{type(error).__name__}: {error}".splitlines()[0]
         return f"its decoder does not run on the hidden states of an earlier stage ({said})"
     if not torch.equal(passed_on, hidden):
         return "its decoder's forward changes the input embeddings before its first layer"
+    if len(final_norm_runs) > 1:  # NanoChat's weightless RMSNorm: the middle stage cannot tell
+        return "its final norm also runs on the input embeddings, before its first layer"
     return None
+
+
+@dataclass
+class _LayerlessStage:
+    """A stage's decoder without layers (a copy, its few buffers allocated), run on hidden
+    states."""
+
+    decoder: nn.Module
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(hidden.shape[1])[None]
+        with torch.no_grad():
+            out = self.decoder(inputs_embeds=hidden, position_ids=positions, use_cache=False)
+        return out.last_hidden_state
+
+
+def _layerless_stage(model: nn.Module, last: bool) -> _LayerlessStage:
+    stage = stage_view(model, range(0), first=False, last=last)
+    return _LayerlessStage(copy.deepcopy(stage.get_decoder()).to_empty(device="cpu"))
 
 
 def stage_config(config, layers: list[int]):

@@ -111,3 +111,21 @@ def test_a_decoder_that_changes_its_input_embeddings_is_refused_with_pp(monkeypa
         "pp: pp=2 with model type 'granite' is not supported yet (its decoder's forward changes "
         "the input embeddings before its first layer): use pp=1"
     ]
+
+
+def test_a_final_norm_that_also_runs_on_the_embeddings_is_refused_with_pp():
+    """NanoChat's decoder runs its (weightless) final norm on the embeddings too: a first stage
+    without the norm would skip it, a last stage would apply it to an earlier stage's hidden states
+    (the coverage sweep: pp=2 2.7e-2 from tp=1). Its norm is idempotent, so the layerless middle
+    stage cannot tell: counted on a layerless last stage."""
+    from components.models import meta_causal_lm
+    from tests.coverage import tiny_config as coverage_config
+
+    settings = validate(compose(["model=llama", *FITS]))
+    dims, _ = check_sizes(settings, "cpu")
+    nanochat = coverage_config("nanochat")
+    found = pipeline_problems(settings, dims, nanochat, meta_causal_lm(nanochat))
+    assert [f"{problem.key}: {problem.message}" for problem in found] == [
+        "pp: pp=2 with model type 'nanochat' is not supported yet (its final norm also runs on "
+        "the input embeddings, before its first layer): use pp=1"
+    ]
