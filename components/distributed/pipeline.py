@@ -106,7 +106,7 @@ def embedding_side_problem(model: nn.Module) -> str | None:
     return None
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class _LayerlessStage:
     """A stage's decoder without layers (a copy, its few buffers allocated), run on hidden
     states."""
@@ -122,7 +122,7 @@ class _LayerlessStage:
 
 def _layerless_stage(model: nn.Module, last: bool) -> _LayerlessStage:
     stage = stage_view(model, range(0), first=False, last=last)
-    return _LayerlessStage(copy.deepcopy(stage.get_decoder()).to_empty(device="cpu"))
+    return _LayerlessStage(decoder=copy.deepcopy(stage.get_decoder()).to_empty(device="cpu"))
 
 
 def stage_config(config, layers: list[int]):

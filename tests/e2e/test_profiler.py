@@ -39,7 +39,7 @@ import os, sys, torch
 def _step(frame):
     while frame is not None:
         code = frame.f_code
-        if code.co_name == "train_step" and code.co_filename.endswith("finetune.py"):
+        if code.co_name == "train_step" and code.co_filename.endswith("finetune_rank.py"):
             return frame.f_locals.get("step")
         frame = frame.f_back
     return None
