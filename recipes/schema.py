@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from components.models.options import ACTIVATION_CHECKPOINTING, FP8_RECIPES, PRECISIONS
 from components.runtime.problems import show
+from components.training.options import DPO_LOSS_TYPES
 
 ON_NONFINITE = ("stop", "skip")
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")  # components.checkpoint.export's names
@@ -362,6 +363,37 @@ class Config(Section):
     peft: Peft
 
 
+class Dpo(Section):
+    """``recipes/dpo.py``'s loss (docs/dpo.md): a policy against a frozen reference on preference
+    pairs."""
+
+    # the loss's sharpness: rewards are beta × (policy − reference) answer log-probabilities
+    beta: Annotated[float, Field(gt=0, allow_inf_nan=False)] = key(
+        "a positive number, e.g. dpo.beta=0.1"
+    )
+    # sigmoid: DPO's −log σ(β·Δ); ipo: (Δ per answer token − 1/(2β))²
+    loss_type: Literal[DPO_LOSS_TYPES] = key(one_of(DPO_LOSS_TYPES))
+    # conservative DPO (sigmoid only): the assumed probability that a pair's labels are flipped
+    label_smoothing: Annotated[float, Field(ge=0, lt=0.5)] = key(
+        "a number in [0, 0.5), e.g. dpo.label_smoothing=0.1"
+    )
+
+    def errors(self) -> list[str]:
+        """Settings that do not go together."""
+        if self.loss_type == "ipo" and self.label_smoothing:
+            return [
+                f"dpo.label_smoothing={show(self.label_smoothing)} applies to "
+                "dpo.loss_type=sigmoid only: use dpo.label_smoothing=0.0 with ipo"
+            ]
+        return []
+
+
+class DpoConfig(Config):
+    """``recipes/dpo.py``'s config: every key of ``finetune.py``'s and the ``dpo`` section."""
+
+    dpo: Dpo
+
+
 def _field_hint(loc: tuple) -> str:
     """The ``description`` of the field at ``loc`` (what would work), or "" when there is none."""
     model: Any = Config
@@ -456,9 +488,9 @@ def _unset(container: Any, prefix: str = "") -> list[str]:
     return [prefix[:-1]] if container == "???" else []
 
 
-def validate(cfg: DictConfig) -> Config:
-    """The composed config (without its ``hydra`` node) checked against the schema, every problem at
-    once."""
+def validate(cfg: DictConfig, schema: type[Config] = Config) -> Config:
+    """The composed config (without its ``hydra`` node) checked against the ``schema`` (a recipe's:
+    ``Config`` or a subclass), every problem at once."""
     body = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
     try:
         container = OmegaConf.to_container(body, resolve=True, throw_on_missing=False)
@@ -473,6 +505,6 @@ def validate(cfg: DictConfig) -> Config:
             "; ".join(hints.get(key, f"{key} is not set (???): give it a value") for key in unset)
         )
     try:
-        return Config.model_validate(container)
+        return schema.model_validate(container)
     except ValidationError as error:
         raise SchemaError("; ".join(describe(error, container))) from None

@@ -35,8 +35,7 @@ from components.distributed.chunked_loss import (
     lm_head_skipped,
 )
 from components.models.lora import adapters_off
-
-DPO_LOSS_TYPES = ("sigmoid", "ipo")
+from components.training.options import DPO_LOSS_TYPES
 
 
 @dataclass(frozen=True, kw_only=True)
