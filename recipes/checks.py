@@ -12,7 +12,6 @@ the world; batch sizes and (with ``sp``) the sequence length that do not divide;
 from __future__ import annotations  # the annotations name classes imported only when needed
 
 import difflib
-import math
 import os
 import stat
 from pathlib import Path
@@ -25,7 +24,12 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from components.distributed.mesh import ParallelDims, resolve_parallel_dims
+from components.distributed.layout import (
+    Degrees,
+    LayoutError,
+    LayoutProblem,
+    ParallelDims,
+)
 from components.models.configs import (
     build_config,
     config_errors,
@@ -41,7 +45,7 @@ from components.runtime.problems import ConfigError, Problem, problems, say, sho
 from components.targets import check_target
 from components.training.loggers import check_logger_available, check_logger_options
 from components.training.optimizer import check_optimizer
-from recipes.plan import Checked
+from recipes.plan import Checked, model_facts, workload
 from recipes.schema import Config, SchemaError, validate
 
 if TYPE_CHECKING:
@@ -109,86 +113,44 @@ def _dotted_keys(tree: dict, prefix: str = "") -> list[str]:
 def check_sizes(
     settings: Config, device_type: str, gpus: int = 0
 ) -> tuple[ParallelDims | None, list[Problem]]:
-    """Parallel sizes that factor the world; batch sizes and (with sp) seq_len that divide; on CUDA
-    one visible GPU (of ``gpus``) for each local rank."""
+    """The layout's problems (``components/distributed/layout.py``) at the world size: torchrun's,
+    ``nproc``, or the layout's default; on CUDA one visible GPU (of ``gpus``) for each local
+    rank."""
     cuda = device_type == "cuda" and not settings.dry_run  # a dry run plans any layout
+    asked, work = degrees(settings), workload(settings)
     if started_by_launcher():
         world_size = int(os.environ["WORLD_SIZE"])
     elif settings.nproc is not None:
         world_size = settings.nproc
     else:
-        inner = settings.pp * settings.cp * settings.tp
-        world_size = (
-            default_gpu_world(settings, gpus)
-            if cuda
-            else (given_dp(settings) or settings.dp_replicate) * inner
-        )
+        world_size, note = asked.default_world(work, gpus if cuda else None)
+        if note:
+            say(note)
     if cuda and (found := gpu_count_problems(world_size, gpus)):
         return None, found
-    sizes = dict(tp=settings.tp, dp=settings.dp, ep=settings.ep, cp=settings.cp)
-    sizes |= dict(dp_replicate=settings.dp_replicate, dp_shard=settings.dp_shard, pp=settings.pp)
     try:
-        dims = resolve_parallel_dims(world_size, **sizes)
-    except ValueError as error:
-        given = settings.nproc is not None or given_dp(settings) is not None
-        given = given or settings.dp_replicate > 1  # HSDP's sizes are the user's
-        if started_by_launcher() or given or device_type == "cuda":
-            return None, [Problem(key="nproc", message=str(error))]
-        fits = math.lcm(settings.pp * settings.cp * settings.tp, settings.ep)  # the least world
-        how = f"start {fits} processes here with nproc={fits}, or use torchrun"
-        return None, [Problem(key="nproc", message=f"{error}; {how}")]
-    train, found = settings.train, []
-    if train.global_batch_size % (train.micro_batch_size * dims.dp):
-        fits = train.micro_batch_size * dims.dp
-        found.append(
-            Problem(
-                key="train.global_batch_size",
-                message=f"train.global_batch_size ({train.global_batch_size}) must be divisible by "
-                "train.micro_batch_size "
-                f"({train.micro_batch_size}) × dp ({dims.dp}): use a multiple of {fits}, e.g. "
-                f"train.global_batch_size={max(fits, train.global_batch_size // fits * fits)}",
-            )
-        )
-    if settings.sp and train.seq_len % dims.tp:
-        fits = max(dims.tp, train.seq_len // dims.tp * dims.tp)
-        found.append(
-            Problem(
-                key="train.seq_len",
-                message=f"train.seq_len ({train.seq_len}) must be divisible by tp ({dims.tp}) "
-                "with sp=true (each rank holds "
-                f"an equal slice of the sequence): use e.g. train.seq_len={fits}",
-            )
-        )
-    return dims, found + context_parallel_problems(settings, dims)
+        dims = asked.resolve(world_size)
+    except LayoutError as error:
+        found = problems("nproc", error.lines)
+        given = settings.nproc is not None or asked.fix_the_world
+        if not (started_by_launcher() or given or device_type == "cuda"):
+            fits = asked.least_world()
+            how = f"start {fits} processes here with nproc={fits}, or use torchrun"
+            found.append(Problem(key="nproc", message=how))
+        return None, found
+    return dims, layout_problems(dims.problems(work))
 
 
-def given_dp(settings: Config) -> int | None:
-    """The dp the settings fix: ``dp``, or ``dp_replicate × dp_shard`` when ``dp_shard`` is set;
-    None: inferred from the world."""
-    if settings.dp is not None or settings.dp_shard is None:
-        return settings.dp
-    return settings.dp_replicate * settings.dp_shard
+def degrees(settings: Config) -> Degrees:
+    """The degrees the settings ask for."""
+    sizes = dict(pp=settings.pp, dp=settings.dp, dp_replicate=settings.dp_replicate)
+    sizes |= dict(dp_shard=settings.dp_shard, cp=settings.cp, tp=settings.tp, ep=settings.ep)
+    return Degrees(**sizes, sp=settings.sp)
 
 
-def default_gpu_world(settings: Config, gpus: int) -> int:
-    """The default ``nproc`` on CUDA: ``dp × cp × tp`` when dp is set, else the most of the visible
-    GPUs the layout and the batch fit (``cp × tp`` and ``ep`` divide it, ``global_batch_size``
-    splits into dp micro-batches), with a note when that leaves GPUs idle."""
-    inner, train = settings.pp * settings.cp * settings.tp, settings.train
-    if given_dp(settings) is not None:
-        return given_dp(settings) * inner
-    for world in range(gpus, 0, -1):
-        dp, fits = world // inner, world % inner == 0 and world % settings.ep == 0
-        if fits and train.global_batch_size % (train.micro_batch_size * dp) == 0:
-            if world < gpus:
-                say(
-                    f"note: nproc={world} of the {gpus} visible GPUs: train.global_batch_size="
-                    f"{train.global_batch_size} with train.micro_batch_size="
-                    f"{train.micro_batch_size} splits over dp={dp} at most; for all {gpus}, set "
-                    "nproc and a global_batch_size that splits"
-                )
-            return world
-    return max(gpus, inner)  # nothing fits: too few GPUs for cp × tp, or the size checks say why
+def layout_problems(found: list[LayoutProblem]) -> list[Problem]:
+    """The layout's problems as the checks' problems."""
+    return [Problem(key=problem.key, message=problem.message) for problem in found]
 
 
 def gpu_count_problems(world_size: int, gpus: int) -> list[Problem]:
@@ -205,28 +167,6 @@ def gpu_count_problems(world_size: int, gpus: int) -> list[Problem]:
         "and tp to match), or torchrun across machines"
     )
     return [Problem(key=key, message=message)]
-
-
-def context_parallel_problems(settings: Config, dims: ParallelDims) -> list[Problem]:
-    """With cp > 1: ``train.seq_len`` must split into ``2·cp`` equal chunks (and, with sp, a rank's
-    share into tp slices); ``train.compile`` is not supported with cp yet."""
-    if dims.cp == 1:
-        return []
-    found, seq_len = [], settings.train.seq_len
-    multiple = math.lcm(2 * dims.cp, dims.cp * dims.tp if settings.sp else 1)
-    if seq_len % multiple:
-        why = f"2 × cp ({2 * dims.cp})" if multiple == 2 * dims.cp else f"{multiple}"
-        use = f"train.seq_len={max(multiple, seq_len // multiple * multiple)}"
-        split = ", split over tp with sp=true" if settings.sp else ""
-        message = (
-            f"train.seq_len ({seq_len}) must be divisible by {why} with cp={dims.cp} (each cp rank "
-            f"holds two of 2 × cp equal chunks{split}): use e.g. {use}"
-        )
-        found.append(Problem(key="train.seq_len", message=message))
-    if settings.train.compile:
-        message = f"train.compile=true with cp={dims.cp} is not supported yet: use cp=1"
-        found.append(Problem(key="train.compile", message=message))
-    return found
 
 
 def resolve_model(
@@ -403,9 +343,6 @@ def plan_problems(
     model, found = settings.model, []
     experts, routers = moe_patterns(config, model.experts, model.routers)
     found += [] if experts else problems("moe", settings.moe.dense_errors(model.name))
-    if experts and dims.cp > 1:
-        moe = f"cp={dims.cp} with an MoE model (model={model.name}) is not supported yet: use cp=1"
-        found.append(Problem(key="cp", message=moe))
     found += problems("cp", attention_problems(config, dims.cp))
     if dims.tp > 1:
         found += checked_plan(settings, dims, config, meta)[1] if plan_found is None else plan_found
@@ -433,41 +370,27 @@ def fp8_problems(
     if found := refusals(meta, bool(experts), lora, device_type):
         return problems("train.precision", found)
     found = problems("train.precision", fp8_shape_errors(meta, dims.tp, styles))
-    if (seq_len := settings.train.seq_len) % (16 * dims.cp):  # a micro-batch's tokens, per cp rank
-        fits = max(16 * dims.cp, seq_len // (16 * dims.cp) * 16 * dims.cp)
-        why = f"train.seq_len ({seq_len}) must be a multiple of {16 * dims.cp}"
-        message = f"{why} with train.precision=fp8 (torch._scaled_mm): use train.seq_len={fits}"
-        found.append(Problem(key="train.seq_len", message=message))
-    return found
+    return found + problems("train.seq_len", dims.fp8_problems(settings.train.seq_len))
 
 
 def pipeline_problems(settings: Config, dims: ParallelDims, config, meta=None) -> list[Problem]:
-    """What pipeline parallelism does not compose with yet, one problem each, the meta model's
-    structure among them when given; and the stages it needs: a layer or more each (the embedding
-    and the head weighed as one), ``pp`` micro-batches per step for 1F1B, a whole number of rounds
-    of ``pp`` for the interleaved schedule."""
+    """``pp_schedule`` and ``pp_stages_per_rank`` that disagree; else what the layout cannot run
+    of this model (``ParallelDims.model_problems``: experts with cp, what pipeline parallelism
+    does not compose with yet and the stages it needs), and the meta model's structure with
+    pp."""
     from components.distributed.pipeline import stage_structure_problem
-    from components.planning.pipeline_schedule import layout_problems
 
     interleaved, per_rank = settings.pp_schedule == "interleaved_1f1b", settings.pp_stages_per_rank
     if interleaved != (per_rank > 1):
         message = f"pp_schedule={settings.pp_schedule} with pp_stages_per_rank={per_rank}: use "
         fix = "interleaved_1f1b with 2 stages per rank or more, or gpipe or 1f1b with 1"
         return [Problem(key="pp_schedule", message=message + fix)]
-    if dims.pp == 1:
-        return []
-    pp, train = f"pp={dims.pp}", settings.train
-    found = [
-        Problem(key=key, message=f"{pp} with {what} is not supported yet: use pp=1, or {instead}")
-        for key, (on, what, instead) in _pipeline_refusals(settings, dims, config).items()
-        if on
-    ]
-    if meta is not None and (why := stage_structure_problem(meta)):
-        message = f"{pp} with model type '{config.model_type}' is not supported yet ({why})"
+    work, facts = workload(settings), model_facts(settings, config)
+    found = layout_problems(dims.model_problems(work, facts))
+    if dims.pp > 1 and meta is not None and (why := stage_structure_problem(meta)):
+        message = f"pp={dims.pp} with model type '{config.model_type}' is not supported yet ({why})"
         found.append(Problem(key="pp", message=f"{message}: use pp=1"))
-    micro_batches = train.global_batch_size // (train.micro_batch_size * dims.dp)
-    layout = (config.num_hidden_layers, dims.pp, per_rank, settings.pp_schedule, micro_batches)
-    return found + [Problem(key=k, message=m) for k, m in layout_problems(*layout).items()]
+    return found
 
 
 def _unbuildable(config, error: Exception) -> Problem:
@@ -481,28 +404,6 @@ def _unbuildable(config, error: Exception) -> Problem:
         message=f"model type '{config.model_type}' is not supported with transformers "
         f"{transformers.__version__}: its model class cannot be built from this config ({said})",
     )
-
-
-def _pipeline_refusals(settings: Config, dims: ParallelDims, config) -> dict[str, tuple]:
-    """key: (refused with pp, what, what would work with pp)."""
-    interleaved = settings.pp_stages_per_rank > 1
-    return {
-        "cp": (dims.cp > 1, f"cp={dims.cp}", "cp=1"),
-        "ep": (dims.ep > 1, f"ep={dims.ep}", "ep=1"),
-        **pipeline_setting_refusals(settings, config),
-        "dp": (interleaved and dims.dp > 1, f"interleaved stages and dp={dims.dp}", "dp=1"),
-    }
-
-
-def pipeline_setting_refusals(settings: Config, config) -> dict[str, tuple]:
-    """What refuses pp > 1 whatever the layout (key: (refused, what, what would work)); the
-    dry run suggests a pp only where none holds (``RunPlan.pipelinable``)."""
-    train, model = settings.train, settings.model
-    moe = bool(moe_patterns(config, model.experts, model.routers)[0])
-    return {
-        "model": (moe, "an MoE model", "a dense model"),
-        "train.compile": (train.compile, "train.compile=true", "train.compile=false"),
-    }
 
 
 def with_tp_suggestion(found: list[Problem], config) -> list[Problem]:
@@ -681,19 +582,6 @@ def check(
         fault=fault,
         config_yaml=_config_yaml(cfg, output),
     )
-
-
-def pad_multiple(sequence_parallel: bool, dims: ParallelDims, fp8: bool = False) -> int | None:
-    """What a micro-batch's length is rounded up to: 8, and with sp an equal slice per TP rank, and
-    with cp 2 × cp equal chunks (with sp too, a cp rank's share in tp slices); with ``fp8`` each
-    rank's tokens a multiple of 16 (``torch._scaled_mm``'s inner dimension in the weight
-    gradient); with pp None, every micro-batch ``train.seq_len`` long (the stages pass
-    activations of one fixed shape)."""
-    if dims.pp > 1:
-        return None
-    tp = dims.tp if sequence_parallel else 1
-    tokens = 16 * dims.cp if fp8 else 1
-    return math.lcm(8 * tp, 2 * dims.cp if dims.cp > 1 else 1, dims.cp * tp, tokens)
 
 
 def _validated(cfg: DictConfig) -> tuple[Config | None, list[Problem]]:

@@ -18,14 +18,14 @@ from typing import TYPE_CHECKING, Any
 from components.models.families import moe_patterns
 from components.runtime.output_dir import OutputDirLock
 from components.runtime.problems import ConfigError, Problem, say, show
-from recipes.checks import pad_multiple, pipeline_setting_refusals, plan_problems
+from recipes.checks import plan_problems
 from recipes.plan import Checked, RunPlan, Settled
 from recipes.schema import Config
 
 if TYPE_CHECKING:
     from components.data import PreparedData
     from components.data.sources import DataSource
-    from components.distributed.mesh import ParallelDims
+    from components.distributed.layout import ParallelDims
     from components.models.parallelize import ModelSpec
 
 
@@ -48,9 +48,8 @@ def prepare(checked: Checked) -> tuple[RunPlan, OutputDirLock | None]:
         model=model_spec(settings, config, checked.model_path),
         tokenizer_dir=Path(tokenizer_dir),
         data=data,
-        pad_multiple=pad_multiple(settings.sp, dims, settings.train.precision == "fp8"),
+        pad_multiple=dims.pad_multiple(fp8=settings.train.precision == "fp8"),
         resume_from=resume_from,
-        pipelinable=not any(on for on, *_ in pipeline_setting_refusals(settings, config).values()),
         run_id=run_id,
         run_info=info,
     )

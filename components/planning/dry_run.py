@@ -16,7 +16,6 @@ HSDP replicas, then pairs), each candidate planned again (at most ``MAX_PLANNED`
 import functools
 import itertools
 import json
-import math
 from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -26,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from components.data.loader import widest_batch
-from components.distributed.mesh import ParallelDims, build_device_mesh
+from components.distributed.layout import LayoutError, ParallelDims
 from components.distributed.pipeline import rank_share, rank_stages
 from components.models.conversion import convert_model
 from components.models.parallelize import build_parallel_model
@@ -41,7 +40,7 @@ from components.planning.memory_model import (
     estimate_memory,
 )
 from components.planning.memory_model import optimizer_moments as moments_of
-from components.planning.pipeline_schedule import bubble, grads_held, in_flight, layout_problems
+from components.planning.pipeline_schedule import bubble, grads_held, in_flight
 
 ROWS = ("params", "grads", "optimizer", "activations", "buffers", "runtime", "total")
 MAX_PLANNED = 24  # candidates planned again at most: each builds the model (pp: a few of them)
@@ -60,16 +59,21 @@ def _on_fake_rank(world: int, rank: int) -> None:
 
 def _build(plan, layout: Layout, rank: int) -> torch.nn.Module:
     """``plan``'s model for ``layout`` as fake rank ``rank`` builds it, on the meta device."""
-    world = plan.dims.world_size
-    _on_fake_rank(world, rank)
-    sizes = dict(dp=layout.dp, tp=layout.tp, ep=layout.ep, cp=layout.cp, pp=layout.pp)
-    dims = ParallelDims(world_size=world, dp_replicate=layout.dp_replicate, **sizes)
-    mesh = build_device_mesh(dims, "cpu")
+    dims = _dims(layout, plan.model.sequence_parallel)
+    _on_fake_rank(dims.world_size, rank)
     spec = replace(plan.model, activation_checkpointing=layout.activation_checkpointing)
+    meshes = dims.build_meshes("cpu")
     model, _ = build_parallel_model(
-        spec, dims, mesh, torch.device("meta"), convert=_converter(plan, dims)
+        spec, dims, meshes, torch.device("meta"), convert=_converter(plan, dims)
     )
     return model
+
+
+def _dims(layout: Layout, sp: bool) -> ParallelDims:
+    """The degrees of a priced layout."""
+    shard = layout.dp // layout.dp_replicate
+    sizes = dict(pp=layout.pp, dp_replicate=layout.dp_replicate, dp_shard=shard, cp=layout.cp)
+    return ParallelDims(**sizes, tp=layout.tp, ep=layout.ep, sp=sp)
 
 
 def micro_batches(step: Step, layout: Layout) -> int:
@@ -120,51 +124,12 @@ def _converter(plan, dims: ParallelDims) -> Callable[[torch.nn.Module], torch.nn
     return functools.partial(convert_model, lora=lora, fp8=fp8, seed=plan.seed)
 
 
-def _cp_sizes(plan, layout: Layout) -> list[int]:
-    """The cp sizes above ``layout.cp`` that divide the world; none for an MoE model, under
-    ``train.compile`` or with pp (each refused with cp > 1)."""
-    world = plan.dims.world_size
-    if plan.model.experts or plan.model.compile or layout.pp > 1:
-        return []
-    return [c for c in range(layout.cp + 1, world + 1) if world % c == 0]
-
-
-def _fits_the_world(plan, layout: Layout) -> bool:
-    """pp × dp × cp × tp is the world, the global batch splits over dp, and a row into 2·cp chunks
-    (with sp, a rank's share into tp slices too), as ``recipes/checks.py`` requires."""
-    world, train = plan.dims.world_size, plan.train
-    sp = plan.model.sequence_parallel
-    sequence = math.lcm(2 * layout.cp, layout.cp * layout.tp if sp else 1)
-    return (
-        layout.pp * layout.dp * layout.cp * layout.tp == world
-        and train.global_batch_size % (layout.micro_batch_size * layout.dp) == 0
-        and (layout.cp == 1 or train.seq_len % sequence == 0)
-        and layout.dp % layout.dp_replicate == 0  # HSDP: dp_replicate groups of dp_shard
-        and (layout.dp_replicate == 1 or layout.cp == 1)
-        and _pipeline_fits(plan, layout)
-    )
-
-
-def _pipeline_fits(plan, layout: Layout) -> bool:
-    """pp's own rules (:func:`layout_problems`, as the recipe's checks ask), interleaved stages
-    at dp=1 only, and no cp (``recipes/checks.py``'s refusals)."""
-    if layout.pp == 1:
-        return True
-    schedule, per_rank = plan.pipeline
-    m = plan.train.global_batch_size // (layout.micro_batch_size * layout.dp)
-    layers = plan.model.config.num_hidden_layers
-    return (
-        not layout_problems(layers, layout.pp, per_rank, schedule, m)
-        and (schedule != "interleaved_1f1b" or layout.dp == 1)
-        and layout.cp == 1
-    )
-
-
 def _candidates(plan, layout: Layout) -> list[tuple[str, Layout]]:
-    """Changes that lower the memory: single ones first (cheapest first), then pairs, then all. A
-    larger tp, cp or pp keeps the world: dp shrinks (its new size is named with the change); a tp
-    the attention heads and KV heads do not divide is not tried."""
-    world, config = plan.dims.world_size, plan.model.config
+    """Changes that lower the memory: single ones first (cheapest first), then pairs, then all,
+    each kept where the layout's rules (``components/distributed/layout.py``) let the run take it.
+    A larger tp, cp or pp keeps the world: dp shrinks (its new size is named with the change); a
+    tp the attention heads and KV heads do not divide is not tried."""
+    config, dims = plan.model.config, _dims(layout, plan.model.sequence_parallel)
     changes = []
     if layout.activation_checkpointing != "full":
         full = {"activation_checkpointing": "full"}
@@ -174,26 +139,31 @@ def _candidates(plan, layout: Layout) -> list[tuple[str, Layout]]:
     changes.append([(f"train.micro_batch_size={m}", {"micro_batch_size": m}) for m in batches])
     names = ("num_attention_heads", "num_key_value_heads")
     heads = [size for name in names if (size := getattr(config, name, None))]
-    tps = [t for t in range(layout.tp + 1, world + 1) if world % t == 0]
-    changes.append([(f"tp={t}", {"tp": t}) for t in tps if all(h % t == 0 for h in heads)])
-    changes.append([(f"cp={c}", {"cp": c}) for c in _cp_sizes(plan, layout)])
-    pipelinable = plan.pipelinable and layout.cp == 1 and layout.ep == 1
-    pps = [p for p in range(layout.pp + 1, world + 1) if world % p == 0 and pipelinable]
-    changes.append([(f"pp={p}", {"pp": p}) for p in pps])
-    replicas = [r for r in range(layout.dp_replicate - 1, 0, -1) if layout.dp % r == 0]
-    changes.append([(f"dp_replicate={r}", {"dp_replicate": r}) for r in replicas])
+    tps, *degrees = dims.changes()
+    changes.append([(word, tp) for word, tp in tps if all(h % tp["tp"] == 0 for h in heads)])
+    changes += degrees
     found = []
     for count in range(1, len(changes) + 1):
         for group in itertools.combinations(changes, count):
             for picks in itertools.product(*group):
                 fields = {key: value for _, change in picks for key, value in change.items()}
-                candidate = replace(layout, **fields)
-                if fields.keys() & {"tp", "cp", "pp"}:
-                    dp = world // (candidate.tp * candidate.cp * candidate.pp)
-                    candidate = replace(candidate, dp=dp)
-                if _fits_the_world(plan, candidate):
+                if candidate := _fitting(plan, dims, replace(layout, **fields)):
                     found.append((_words(picks, layout, candidate), candidate))
     return found
+
+
+def _fitting(plan, dims: ParallelDims, layout: Layout) -> Layout | None:
+    """``layout`` (its tp, cp, pp and dp_replicate changed from ``dims``'s), dp taking up the
+    rest of the world, when it fits the run; else None."""
+    degrees = dict(tp=layout.tp, cp=layout.cp, pp=layout.pp, dp_replicate=layout.dp_replicate)
+    try:
+        changed = dims.changed(**degrees)
+    except LayoutError:
+        return None
+    work = replace(plan.workload, micro_batch_size=layout.micro_batch_size)
+    if changed.all_problems(work, plan.model_facts):
+        return None
+    return replace(layout, dp=changed.dp)
 
 
 def _words(picks: tuple, layout: Layout, candidate: Layout) -> str:
@@ -225,22 +195,22 @@ def _suggest(plan, step: Step, layout: Layout, memory_gib: float) -> tuple[dict 
 
 
 def _step(plan) -> Step:
-    train = plan.train
+    """The priced step: the run's workload, its widest micro-batch, precision and optimizer."""
+    train, work = plan.train, plan.workload
     runtime = current_memory_gib("cpu") if plan.device_type == "cpu" else 0.0
-    moments = moments_of(plan.optim.target, plan.optim.options())
     return Step(
         seq_len=widest_batch(plan.data.train, plan.pad_multiple),
-        global_batch_size=train.global_batch_size,
+        global_batch_size=work.global_batch_size,
+        pp_schedule=work.pp_schedule,
+        pp_stages_per_rank=work.pp_stages_per_rank,
         precision=train.precision,
+        fp8_recipe=train.fp8_recipe,
         sequence_parallel=plan.model.sequence_parallel,
-        optimizer_moments=moments,
+        optimizer_moments=moments_of(plan.optim.target, plan.optim.options()),
         device_type=plan.device_type,
         runtime_gib=runtime,
         loss_chunk_tokens=train.loss_chunk_tokens,
         packing=train.packing,
-        fp8_recipe=train.fp8_recipe,
-        pp_schedule=plan.pipeline[0],
-        pp_stages_per_rank=plan.pipeline[1],
     )
 
 

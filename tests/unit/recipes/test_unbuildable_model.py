@@ -4,7 +4,7 @@ transformers version, not that the folder is broken."""
 
 import json
 
-from components.distributed.mesh import ParallelDims
+from components.distributed.layout import ParallelDims
 from recipes.checks import compose, resolve_model
 from recipes.schema import validate
 
@@ -14,7 +14,7 @@ DBRX = {"model_type": "dbrx", "architectures": ["DbrxForCausalLM"], "d_model": 6
 def test_a_model_transformers_cannot_build_is_one_problem(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**DBRX, "n_layers": 2, "vocab_size": 384}))
     settings = validate(compose(["model=pretrained", f"model.pretrained_path={tmp_path}", "tp=2"]))
-    _, _, found = resolve_model(settings, ParallelDims(world_size=2, dp=1, tp=2), "cpu")
+    _, _, found = resolve_model(settings, ParallelDims(tp=2), "cpu")
     (problem,) = [p for p in found if "dbrx" in p.message]
     assert problem.key == "model"
     assert problem.message.startswith("model type 'dbrx' is not supported with transformers 5.")
