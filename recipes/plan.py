@@ -17,8 +17,9 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from components.distributed.layout import ModelFacts, ParallelDims, Workload
+from components.distributed.layout import Degrees, ModelFacts, ParallelDims, Workload
 from components.models.families import moe_patterns
+from components.models.options import LoraTargets, ModelChoice, ModelUse
 from recipes.schema import Checkpoint, Config, Moe, Optim, Schedule, Targeted, Train
 
 if TYPE_CHECKING:  # heavy (datasets, DTensor): the checks import them when they need them
@@ -218,3 +219,32 @@ def model_facts(settings: Config, config: Any) -> ModelFacts:
     model = settings.model
     experts, _ = moe_patterns(config, model.experts, model.routers)
     return ModelFacts(name=model.name, moe=bool(experts), layers=config.num_hidden_layers)
+
+
+def degrees(settings: Config) -> Degrees:
+    """The degrees the settings ask for (``dp`` and ``dp_shard`` null: from the world)."""
+    sizes = dict(pp=settings.pp, dp=settings.dp, dp_replicate=settings.dp_replicate)
+    sizes |= dict(dp_shard=settings.dp_shard, cp=settings.cp, tp=settings.tp, ep=settings.ep)
+    return Degrees(**sizes, sp=settings.sp)
+
+
+def model_choice(settings: Config) -> ModelChoice:
+    """The ``model`` group as the model's checks read it (the same keys)."""
+    return ModelChoice(**settings.model.model_dump())
+
+
+def model_use(settings: Config, device_type: str) -> ModelUse:
+    """What the run asks of the model: its sequence, precision, compile, device and adapters
+    (none when ``peft``'s own keys are refused)."""
+    peft, train = settings.peft, settings.train
+    targets = None if peft.target_modules is None else tuple(peft.target_modules)
+    lora = LoraTargets(target_modules=targets, experts=bool(peft.experts))
+    return ModelUse(
+        seq_len=train.seq_len,
+        sequence_parallel=settings.sp,
+        precision=train.precision,
+        compile=train.compile,
+        device_type=device_type,
+        lora=lora if peft.name == "lora" and not peft.errors() else None,
+        peft_lora=peft.name == "lora",
+    )

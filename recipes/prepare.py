@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from components.models.families import moe_patterns
+from components.problems import Problem, show
 from components.runtime.output_dir import OutputDirLock
-from components.runtime.problems import ConfigError, Problem, say, show
-from recipes.checks import plan_problems
+from components.runtime.problems import ConfigError, say
 from recipes.plan import Checked, RunPlan, Settled
 from recipes.schema import Config
 
@@ -70,6 +70,7 @@ def _tokenizer_dir(
 
     from components.data import DataError, cached_tokenizer
     from components.models import meta_causal_lm
+    from components.models.checks import checked_plan, tp_problems
     from components.models.configs import vocab_size_for
 
     model_path, dims = checked.model_path, checked.dims
@@ -85,8 +86,12 @@ def _tokenizer_dir(
             config.vocab_size = vocab_size_for(settings.model.config["vocab_size"], len(tokenizer))
         except ValueError as error:
             return None, [Problem(key="model.config.vocab_size", message=str(error))]
-        if dims.tp > 1:
-            return tokenizer_dir, plan_problems(settings, dims, config, meta_causal_lm(config))
+        if dims.tp > 1:  # the vocabulary the TP plan splits is the tokenizer's now
+            model = settings.model
+            moe = moe_patterns(config, model.experts, model.routers)
+            meta, sp = meta_causal_lm(config), settings.sp
+            plan_found = checked_plan(config, meta, dims.tp, sp, moe)[1]
+            return tokenizer_dir, plan_found + tp_problems(config, dims.tp)
     return tokenizer_dir, []
 
 

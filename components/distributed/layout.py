@@ -16,10 +16,11 @@ ranks (inside one TP group when ``ep`` divides ``tp``, else spanning several dp 
 import math
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import NamedTuple
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.distributed_c10d import _set_pg_timeout
+
+from components.problems import Problem
 
 
 class LayoutError(ValueError):
@@ -28,11 +29,6 @@ class LayoutError(ValueError):
     def __init__(self, lines: list[str]) -> None:
         self.lines = lines
         super().__init__("; ".join(lines))
-
-
-class LayoutProblem(NamedTuple):
-    key: str  # the setting to change: ``train.seq_len``, ``cp``, ...
-    message: str  # the whole sentence: the value, the rule and what would work
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,7 +86,7 @@ class ParallelDims:
         """The groups of ``ep`` ranks that hold the same experts."""
         return self.world_size // self.ep
 
-    def problems(self, work: Workload) -> list[LayoutProblem]:
+    def problems(self, work: Workload) -> list[Problem]:
         """Why ``work`` cannot run on this layout, whatever the model: the global batch splits
         into micro-batches over dp, a row into tp slices with sp and into 2·cp chunks with cp."""
         found = []
@@ -102,17 +98,17 @@ class ParallelDims:
                 f"train.micro_batch_size ({work.micro_batch_size}) × dp ({self.dp}): use a "
                 f"multiple of {fits}, e.g. train.global_batch_size={example}"
             )
-            found.append(LayoutProblem("train.global_batch_size", message))
+            found.append(Problem(key="train.global_batch_size", message=message))
         if self.sp and work.seq_len % self.tp:
             fits = max(self.tp, work.seq_len // self.tp * self.tp)
             message = (
                 f"train.seq_len ({work.seq_len}) must be divisible by tp ({self.tp}) with sp=true "
                 f"(each rank holds an equal slice of the sequence): use e.g. train.seq_len={fits}"
             )
-            found.append(LayoutProblem("train.seq_len", message))
+            found.append(Problem(key="train.seq_len", message=message))
         return found + self._context_parallel_problems(work)
 
-    def _context_parallel_problems(self, work: Workload) -> list[LayoutProblem]:
+    def _context_parallel_problems(self, work: Workload) -> list[Problem]:
         """With cp > 1: ``seq_len`` splits into ``2·cp`` equal chunks (with sp a rank's share into
         tp slices); ``train.compile`` is not supported with cp yet."""
         if self.cp == 1:
@@ -126,10 +122,10 @@ class ParallelDims:
                 f"train.seq_len ({seq_len}) must be divisible by {why} with cp={self.cp} (each cp "
                 f"rank holds two of 2 × cp equal chunks{split}): use e.g. {use}"
             )
-            found.append(LayoutProblem("train.seq_len", message))
+            found.append(Problem(key="train.seq_len", message=message))
         if work.compile:
             message = f"train.compile=true with cp={self.cp} is not supported yet: use cp=1"
-            found.append(LayoutProblem("train.compile", message))
+            found.append(Problem(key="train.compile", message=message))
         return found
 
     def sequence_multiple(self) -> int:
@@ -137,7 +133,7 @@ class ParallelDims:
         rank two), with sp each rank's share in tp slices."""
         return math.lcm(2 * self.cp, self.cp * self.tp if self.sp else 1)
 
-    def model_problems(self, work: Workload, model: ModelFacts) -> list[LayoutProblem]:
+    def model_problems(self, work: Workload, model: ModelFacts) -> list[Problem]:
         """Why this layout cannot run ``model``: experts with cp; with pp what the pipeline does
         not compose with yet, and the stages it needs."""
         found = []
@@ -146,12 +142,14 @@ class ParallelDims:
                 f"cp={self.cp} with an MoE model (model={model.name}) is not supported yet: "
                 "use cp=1"
             )
-            found.append(LayoutProblem("cp", message))
+            found.append(Problem(key="cp", message=message))
         if self.pp == 1:
             return found
         pp = f"pp={self.pp}"
         found += [
-            LayoutProblem(key, f"{pp} with {what} is not supported yet: use pp=1, or {instead}")
+            Problem(
+                key=key, message=f"{pp} with {what} is not supported yet: use pp=1, or {instead}"
+            )
             for key, (on, what, instead) in self._pipeline_refusals(work, model).items()
             if on
         ]
@@ -176,7 +174,7 @@ class ParallelDims:
         stages = self.pp * work.pp_stages_per_rank
         if layers + 2 < stages:
             needs = f"{stages} pipeline stages need {stages - 2} decoder layers or more"
-            found.append(LayoutProblem("pp", f"{needs}: the model has {layers}"))
+            found.append(Problem(key="pp", message=f"{needs}: the model has {layers}"))
         interleaved = schedule == "interleaved_1f1b"
         if (schedule != "gpipe" and micro_batches < self.pp) or (
             interleaved and micro_batches % self.pp
@@ -186,17 +184,18 @@ class ParallelDims:
                 f"pp_schedule={schedule} needs {needs} micro-batches per step, this step has "
                 f"{micro_batches}"
             )
-            found.append(LayoutProblem("train.global_batch_size", message))
+            found.append(Problem(key="train.global_batch_size", message=message))
         return found
 
-    def fp8_problems(self, seq_len: int) -> list[str]:
+    def fp8_problems(self, seq_len: int) -> list[Problem]:
         """fp8's matmuls (``torch._scaled_mm``) take a multiple of 16 tokens per cp rank."""
         tokens = 16 * self.cp
         if seq_len % tokens == 0:
             return []
         fits = max(tokens, seq_len // tokens * tokens)
         why = f"train.seq_len ({seq_len}) must be a multiple of {tokens}"
-        return [f"{why} with train.precision=fp8 (torch._scaled_mm): use train.seq_len={fits}"]
+        message = f"{why} with train.precision=fp8 (torch._scaled_mm): use train.seq_len={fits}"
+        return [Problem(key="train.seq_len", message=message)]
 
     def pad_multiple(self, fp8: bool = False) -> int | None:
         """What a micro-batch's length is rounded up to: 8, and with sp an equal slice per TP
@@ -211,7 +210,7 @@ class ParallelDims:
         chunks = self.sequence_multiple() if self.cp > 1 else 1
         return math.lcm(8 * tp, chunks, tokens)
 
-    def all_problems(self, work: Workload, model: ModelFacts) -> list[LayoutProblem]:
+    def all_problems(self, work: Workload, model: ModelFacts) -> list[Problem]:
         """:meth:`problems` and :meth:`model_problems`: whether a layout fits a run at all."""
         return self.problems(work) + self.model_problems(work, model)
 

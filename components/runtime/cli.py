@@ -20,8 +20,9 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
+from components.problems import Problem
 from components.runtime.launch import end_launched_rank, started_by_launcher
-from components.runtime.problems import Problem, fail
+from components.runtime.problems import fail
 from components.runtime.sweep import Sweep
 
 Launch = Callable[[DictConfig, str | None, str | None], None]
