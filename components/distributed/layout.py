@@ -254,19 +254,20 @@ class ParallelDims:
         layout = self.mesh_layout()
         shape, names = tuple(size for _, size in layout), tuple(name for name, _ in layout)
         world = _with_timeout(init_device_mesh(device_type, shape, mesh_dim_names=names), timeout)
-        if self.dp_replicate > 1:
-            batch = _with_timeout(world["dp_replicate", "dp_shard"]._flatten("dp"), timeout)
-            fsdp = world["dp_replicate", "dp_shard"]
-        else:
-            batch = world["dp"]
+        hsdp = world["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else None
+        batch = world["dp"] if hsdp is None else _with_timeout(hsdp._flatten("dp"), timeout)
         loss = _with_timeout(world["dp", "cp"]._flatten("dp_cp"), timeout) if self.cp > 1 else batch
-        fsdp = fsdp if self.dp_replicate > 1 else loss
-        experts = None
-        if self.ep > 1:  # its process groups exist only when experts are split
-            flat = world._flatten("world")
-            unflattened = flat._unflatten(0, (self.ep_shard, self.ep), ("ep_shard", "ep"))
-            experts = _with_timeout(unflattened, timeout)
+        fsdp = loss if hsdp is None else hsdp
+        experts = self._experts_mesh(world, timeout) if self.ep > 1 else None
         return Meshes(world=world, batch=batch, loss=loss, fsdp=fsdp, experts=experts)
+
+    def _experts_mesh(self, world: DeviceMesh, timeout: timedelta | None) -> DeviceMesh:
+        """The ``("ep_shard", "ep")`` view of the same ranks, from the world mesh's root: ``ep``
+        adjacent ranks split the experts; its process groups exist only when ep > 1."""
+        flat = world._flatten("world")
+        return _with_timeout(
+            flat._unflatten(0, (self.ep_shard, self.ep), ("ep_shard", "ep")), timeout
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
