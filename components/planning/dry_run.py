@@ -17,7 +17,7 @@ import functools
 import itertools
 import json
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import NoReturn
 
@@ -43,6 +43,7 @@ from components.planning.memory_model import optimizer_moments as moments_of
 from components.planning.pipeline_schedule import bubble, grads_held, in_flight
 
 ROWS = ("params", "grads", "optimizer", "activations", "buffers", "runtime", "total")
+_STEP_FIELDS = ("micro_batch_size", "activation_checkpointing")  # a candidate's besides degrees
 MAX_PLANNED = 24  # candidates planned again at most: each builds the model (pp: a few of them)
 
 
@@ -59,7 +60,7 @@ def _on_fake_rank(world: int, rank: int) -> None:
 
 def _build(plan, layout: Layout, rank: int) -> torch.nn.Module:
     """``plan``'s model for ``layout`` as fake rank ``rank`` builds it, on the meta device."""
-    dims = _dims(layout, plan.model.sequence_parallel)
+    dims = layout.dims
     _on_fake_rank(dims.world_size, rank)
     spec = replace(plan.model, activation_checkpointing=layout.activation_checkpointing)
     meshes = dims.build_meshes("cpu")
@@ -69,23 +70,16 @@ def _build(plan, layout: Layout, rank: int) -> torch.nn.Module:
     return model
 
 
-def _dims(layout: Layout, sp: bool) -> ParallelDims:
-    """The degrees of a priced layout."""
-    shard = layout.dp // layout.dp_replicate
-    sizes = dict(pp=layout.pp, dp_replicate=layout.dp_replicate, dp_shard=shard, cp=layout.cp)
-    return ParallelDims(**sizes, tp=layout.tp, ep=layout.ep, sp=sp)
-
-
 def micro_batches(step: Step, layout: Layout) -> int:
     """The step's micro-batches per dp rank: the pipeline's."""
-    return step.global_batch_size // (layout.micro_batch_size * layout.dp)
+    return step.global_batch_size // (layout.micro_batch_size * layout.dims.dp)
 
 
 def plan_stages(plan, step: Step, layout: Layout) -> list[tuple[dict, MemoryEstimate]]:
     """Each pipeline rank's share (its layers, whether it holds the embedding and the head, the
     micro-batches it holds in flight) and its estimate, from one model built per rank (layers
     may differ in size or kind, e.g. Gemma 3n's MLPs, LFM2's conv and attention layers)."""
-    config, world, pp = plan.model.config, plan.dims.world_size, layout.pp
+    config, world, pp = plan.model.config, plan.dims.world_size, layout.dims.pp
     schedule, per_rank, m = step.pp_schedule, step.pp_stages_per_rank, micro_batches(step, layout)
     stages = []
     for rank in range(pp):
@@ -104,7 +98,7 @@ def plan_stages(plan, step: Step, layout: Layout) -> list[tuple[dict, MemoryEsti
 def plan_layout(plan, step: Step, layout: Layout) -> MemoryEstimate:
     """Build ``plan``'s model for ``layout`` on the meta device over the fake world; price it:
     the busiest pipeline rank's with pp > 1."""
-    if layout.pp > 1:
+    if layout.dims.pp > 1:
         return busiest(plan_stages(plan, step, layout))[1]
     return estimate_memory(_build(plan, layout, 0), plan.model.config, layout, step)
 
@@ -129,7 +123,7 @@ def _candidates(plan, layout: Layout) -> list[tuple[str, Layout]]:
     each kept where the layout's rules (``components/distributed/layout.py``) let the run take it.
     A larger tp, cp or pp keeps the world: dp shrinks (its new size is named with the change); a
     tp the attention heads and KV heads do not divide is not tried."""
-    config, dims = plan.model.config, _dims(layout, plan.model.sequence_parallel)
+    config, dims = plan.model.config, layout.dims
     changes = []
     if layout.activation_checkpointing != "full":
         full = {"activation_checkpointing": "full"}
@@ -147,34 +141,33 @@ def _candidates(plan, layout: Layout) -> list[tuple[str, Layout]]:
         for group in itertools.combinations(changes, count):
             for picks in itertools.product(*group):
                 fields = {key: value for _, change in picks for key, value in change.items()}
-                if candidate := _fitting(plan, dims, replace(layout, **fields)):
-                    found.append((_words(picks, layout, candidate), candidate))
+                if candidate := _fitting(plan, layout, fields):
+                    found.append((_words(picks, dims, candidate.dims), candidate))
     return found
 
 
-def _fitting(plan, dims: ParallelDims, layout: Layout) -> Layout | None:
-    """``layout`` (its tp, cp, pp and dp_replicate changed from ``dims``'s), dp taking up the
-    rest of the world, when it fits the run; else None."""
-    degrees = dict(tp=layout.tp, cp=layout.cp, pp=layout.pp, dp_replicate=layout.dp_replicate)
+def _fitting(plan, layout: Layout, fields: dict) -> Layout | None:
+    """``layout`` with ``fields`` changed (degrees, the micro-batch, activation checkpointing), dp
+    taking up the rest of the world, when it fits the run; else None."""
+    own = {key: fields.pop(key) for key in _STEP_FIELDS if key in fields}  # the rest: degrees
     try:
-        changed = dims.changed(**degrees)
+        dims = layout.dims.changed(**fields)
     except LayoutError:
         return None
-    work = replace(plan.workload, micro_batch_size=layout.micro_batch_size)
-    if changed.all_problems(work, plan.model_facts):
-        return None
-    return replace(layout, dp=changed.dp)
+    candidate = replace(layout, dims=dims, **own)
+    work = replace(plan.workload, micro_batch_size=candidate.micro_batch_size)
+    return None if dims.all_problems(work, plan.model_facts) else candidate
 
 
-def _words(picks: tuple, layout: Layout, candidate: Layout) -> str:
+def _words(picks: tuple, dims: ParallelDims, changed: ParallelDims) -> str:
     """A candidate as the overrides that make it: its changes, then dp, dp_replicate and dp_shard
     where they moved."""
     words = [word for word, change in picks if "dp_replicate" not in change]
-    dp, replicas = candidate.dp, candidate.dp_replicate
-    words += [f"dp={dp}"] * (dp != layout.dp)
-    words += [f"dp_replicate={replicas}"] * (replicas != layout.dp_replicate)
-    moved = dp != layout.dp or replicas != layout.dp_replicate
-    words += [f"dp_shard={dp // replicas}"] * (moved and (replicas > 1 or layout.dp_replicate > 1))
+    dp, replicas = changed.dp, changed.dp_replicate
+    words += [f"dp={dp}"] * (dp != dims.dp)
+    words += [f"dp_replicate={replicas}"] * (replicas != dims.dp_replicate)
+    moved = dp != dims.dp or replicas != dims.dp_replicate
+    words += [f"dp_shard={dp // replicas}"] * (moved and (replicas > 1 or dims.dp_replicate > 1))
     return " ".join(words)
 
 
@@ -224,21 +217,13 @@ def dry_run(plan, fail: Callable[[str], NoReturn]) -> dict:
     """Plan ``plan`` (a checked ``recipes.plan.RunPlan``) on fake ranks; print it, write plan.json.
     A layout that cannot be built (the error a launch would hit) goes to ``fail`` as one line."""
     dims, train = plan.dims, plan.train
-    layout = Layout(
-        tp=dims.tp,
-        dp=dims.dp,
-        ep=dims.ep,
-        micro_batch_size=train.micro_batch_size,
-        cp=dims.cp,
-        dp_replicate=dims.dp_replicate,
-        pp=dims.pp,
-        activation_checkpointing=train.activation_checkpointing,
-    )
+    ac, micro = train.activation_checkpointing, train.micro_batch_size
+    layout = Layout(dims=dims, micro_batch_size=micro, activation_checkpointing=ac)
     step = _step(plan)
     memory = _device_memory_gib(plan.device_memory_gib)
     try:
         try:
-            stages = plan_stages(plan, step, layout) if layout.pp > 1 else []
+            stages = plan_stages(plan, step, layout) if layout.dims.pp > 1 else []
             estimate = busiest(stages)[1] if stages else plan_layout(plan, step, layout)
         except (ValueError, RuntimeError) as error:
             fail(f"dry run: the model cannot be built for this layout: {error}")
@@ -249,7 +234,7 @@ def dry_run(plan, fail: Callable[[str], NoReturn]) -> dict:
             dist.destroy_process_group()
     result = {
         "world_size": dims.world_size,
-        "layout": {**asdict(layout), "sp": plan.model.sequence_parallel},
+        "layout": _layout_row(layout),
         "seq_len": train.seq_len,
         "batch_positions": step.seq_len,  # the widest micro-batch the data makes
         "precision": train.precision,
@@ -273,13 +258,22 @@ def _pipeline(step: Step, layout: Layout, stages: list) -> dict:
     m, per_rank = micro_batches(step, layout), step.pp_stages_per_rank
     worst = busiest(stages)[0]["rank"]
     return {
-        "pp": layout.pp,
+        "pp": layout.dims.pp,
         "schedule": step.pp_schedule,
         "stages_per_rank": per_rank,
         "micro_batches": m,
-        "bubble": bubble(step.pp_schedule, layout.pp, m, per_rank),
+        "bubble": bubble(step.pp_schedule, layout.dims.pp, m, per_rank),
         "busiest_rank": worst,
     }
+
+
+def _layout_row(layout: Layout) -> dict:
+    """plan.json's layout: the degrees (dp: HSDP's pair's product), the micro-batch, activation
+    checkpointing, sp."""
+    dims = layout.dims
+    row = {"tp": dims.tp, "dp": dims.dp, "ep": dims.ep, "micro_batch_size": layout.micro_batch_size}
+    row |= {"cp": dims.cp, "dp_replicate": dims.dp_replicate, "pp": dims.pp}
+    return row | {"activation_checkpointing": layout.activation_checkpointing, "sp": dims.sp}
 
 
 def _stage_row(share: dict, estimate: MemoryEstimate) -> dict:

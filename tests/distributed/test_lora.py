@@ -72,7 +72,8 @@ def placements_state_and_plan(rank, world_size):
 
 def _planned_optimizer_bytes(model, config, tp: int, ep: int) -> float:
     """The memory model's optimizer state per rank (AdamW, fp32), in bytes."""
-    layout = Layout(tp=tp, dp=1, ep=ep, cp=1, micro_batch_size=2, activation_checkpointing="none")
+    dims = ParallelDims(tp=tp, ep=ep)
+    layout = Layout(dims=dims, micro_batch_size=2, activation_checkpointing="none")
     step = Step(
         seq_len=16,
         global_batch_size=2,

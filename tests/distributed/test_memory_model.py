@@ -92,14 +92,7 @@ def measured_and_planned(rank, world_size, precision, checkpointing, cp=1) -> tu
         reset_peak_memory("cpu")
         _step(model, optimizer, mesh, compute, tokens, positions, ContextParallel.of(mesh))
     peak = peak_memory_gib("cpu") - before
-    layout = Layout(
-        tp=world_size // cp,
-        dp=1,
-        ep=1,
-        cp=cp,
-        micro_batch_size=batch,
-        activation_checkpointing=checkpointing,
-    )
+    layout = Layout(dims=dims, micro_batch_size=batch, activation_checkpointing=checkpointing)
     plan = Step(
         seq_len=seq,
         global_batch_size=batch,

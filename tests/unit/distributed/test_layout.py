@@ -6,7 +6,13 @@ from types import SimpleNamespace
 import pytest
 
 from components.distributed import layout
-from components.distributed.layout import Degrees, ModelFacts, Workload, resolve_parallel_dims
+from components.distributed.layout import (
+    Degrees,
+    ModelFacts,
+    ParallelDims,
+    Workload,
+    resolve_parallel_dims,
+)
 from components.planning.dry_run import _candidates
 from components.planning.memory_model import Layout
 from recipes.checks import check_sizes, compose
@@ -29,7 +35,9 @@ def suggested_by_the_dry_run() -> list[str]:
         workload=workload(settings),
         model_facts=ModelFacts(name="llama", moe=False, layers=2),
     )
-    at_cp1 = Layout(tp=1, dp=2, ep=1, micro_batch_size=1, activation_checkpointing="full")
+    at_cp1 = Layout(
+        dims=ParallelDims(dp_shard=2), micro_batch_size=1, activation_checkpointing="full"
+    )
     return [words for words, _ in _candidates(plan, at_cp1)]
 
 

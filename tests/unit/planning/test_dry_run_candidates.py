@@ -4,7 +4,7 @@ the settings let a run pipeline."""
 
 from types import SimpleNamespace
 
-from components.distributed.layout import ModelFacts, Workload
+from components.distributed.layout import ModelFacts, ParallelDims, Workload
 from components.planning.dry_run import _candidates
 from components.planning.memory_model import Layout
 
@@ -18,28 +18,34 @@ def plan_of(seq_len: int, moe: bool = False, compile: bool = False) -> SimpleNam
     )
 
 
-LAYOUT = Layout(tp=1, dp=4, ep=1, cp=2, micro_batch_size=2, activation_checkpointing="full")
+def layout(**degrees: int) -> Layout:
+    return Layout(dims=ParallelDims(**degrees), micro_batch_size=2, activation_checkpointing="full")
+
+
+LAYOUT = layout(dp_shard=4, cp=2)
 
 
 def test_a_larger_tp_or_cp_keeps_the_world():
     found = dict(_candidates(plan_of(4096), LAYOUT))
-    assert found["tp=2 dp=2"] == Layout(**{**vars(LAYOUT), "tp": 2, "dp": 2})
-    assert found["cp=4 dp=2"] == Layout(**{**vars(LAYOUT), "cp": 4, "dp": 2})
-    assert found["tp=2 cp=4 dp=1"].dp == 1
-    assert all(c.dp * c.cp * c.tp == 8 for c in found.values())
+    assert found["tp=2 dp=2"] == layout(dp_shard=2, cp=2, tp=2)
+    assert found["cp=4 dp=2"] == layout(dp_shard=2, cp=4)
+    assert found["tp=2 cp=4 dp=1"].dims.dp == 1
+    assert all(c.dims.world_size == 8 for c in found.values())
 
 
 def test_cp_is_suggested_only_where_the_row_splits_and_never_for_moe():
     words = [word for word, _ in _candidates(plan_of(20), LAYOUT)]
     assert "cp=4 dp=2" not in words and "cp=8 dp=1" not in words  # 20 % 8, 20 % 16
-    at_cp1 = Layout(**{**vars(LAYOUT), "cp": 1, "dp": 8})  # an MoE model runs at cp=1 only
+    at_cp1 = layout(dp_shard=8)  # an MoE model runs at cp=1 only
     moe = [word for word, _ in _candidates(plan_of(4096, moe=True), at_cp1)]
     assert not any("cp=" in word for word in moe) and "tp=2 dp=4" in moe
 
 
 def test_pp_and_fewer_hsdp_replicas_are_suggested_where_they_fit():
     hsdp = Layout(
-        tp=1, dp=8, ep=1, dp_replicate=2, micro_batch_size=1, activation_checkpointing="full"
+        dims=ParallelDims(dp_replicate=2, dp_shard=4),
+        micro_batch_size=1,
+        activation_checkpointing="full",
     )
     words = [word for word, _ in _candidates(plan_of(4096), hsdp)]
     assert "pp=2 dp=4 dp_shard=2" in words and "dp_replicate=1 dp_shard=8" in words

@@ -37,7 +37,7 @@ def detail(dp: int, precision: str, recipe: str = "tensorwise") -> dict:
     model, _ = build_parallel_model(
         spec, dims, dims.build_meshes("cpu"), torch.device("meta"), convert=convert
     )
-    layout = Layout(tp=1, dp=dp, ep=1, micro_batch_size=1, activation_checkpointing="none")
+    layout = Layout(dims=dims, micro_batch_size=1, activation_checkpointing="none")
     step = Step(
         seq_len=64, global_batch_size=dp, precision=precision, sequence_parallel=False,
         optimizer_moments=2, device_type="cuda", runtime_gib=0.0, loss_chunk_tokens=0,
