@@ -65,7 +65,6 @@ def set_up(plan: RunPlan) -> Run:
     from components.data.loader import open_splits
     from components.debug.faults import install_faults
     from components.distributed.context_parallel import ContextParallel
-    from components.distributed.mesh import build_device_mesh, data_parallel_mesh, dp_mesh
     from components.distributed.pipeline import build_pipeline
     from components.distributed.tp_replicas import broadcast_tp_replicas
     from components.models.fp8 import fp8_scales_after_steps
@@ -81,33 +80,33 @@ def set_up(plan: RunPlan) -> Run:
 
     train, optim, timeout, dims = plan.train, plan.optim, plan.collective_timeout, plan.dims
     device = join_world(plan.device_type, timeout, plan.cpu_threads, plan.seed, train.tf32)
-    rank, mesh = dist.get_rank(), build_device_mesh(dims, plan.device_type, timeout)
-    shards = dict(dp_size=dims.dp, dp_rank=dp_mesh(mesh).get_local_rank(), seed=plan.seed)
+    rank, meshes = dist.get_rank(), dims.build_meshes(plan.device_type, timeout)
+    shards = dict(dp_size=dims.dp, dp_rank=meshes.batch.get_local_rank(), seed=plan.seed)
     splits = (plan.data.train, plan.data.val, train.global_batch_size, train.micro_batch_size)
     data, val_data = open_splits(*splits, **shards, pad_multiple=plan.pad_multiple)
     converted = functools.partial(convert, plan=plan)
-    model, report = build_parallel_model(plan.model, dims, mesh, device, timeout, converted)
+    model, report = build_parallel_model(plan.model, dims, meshes, device, converted)
     if report is not None:
         say(report.format())
-    broadcast_tp_replicas([model], mesh)  # after parallelising and loading, before the optimizer
+    broadcast_tp_replicas([model], meshes.world)  # after parallelising and loading, before optim
     trained = [parameter for parameter in model.parameters() if parameter.requires_grad]
     optimizer = target_class("optim", optim.target)(trained, **optim.options())  # no frozen state
     fp8_scales_after_steps(optimizer, model, plan.fp8)  # fp8 under FSDP: one all-reduce a step
     schedule = (plan.schedule.name, train.warmup_steps, train.max_steps, plan.schedule.options())
     scheduler = build_schedule(optimizer, *schedule)
-    watched = (model, plan.model.config, list(plan.model.experts), dp_mesh(mesh).get_group())
+    watched = (model, plan.model.config, list(plan.model.experts), meshes.batch.get_group())
     experts = ExpertLoad.watch(*watched, plan.model.routers, plan.moe.routing_bias_rate)
     if uncounted := uncounted_experts(model, list(plan.model.experts), plan.model.routers):
         say(f"note: expert choices not counted (tokens come routed, no router beside): {uncounted}")
     first_step = resume(plan.resume_from, model, optimizer, scheduler)  # the routing bias too
     precision, data_parallel = precision_policy(plan.model.precision), dims.data_parallel > 1
     compute = functools.partial(precision.autocast, device.type, data_parallel=data_parallel)
-    pipeline = build_pipeline(model, mesh, compute, data, *plan.pipeline)  # None at pp=1
+    pipeline = build_pipeline(model, meshes.world, compute, data, *plan.pipeline)  # None at pp=1
     aux = router_aux_loss_weight(plan.model.config, data.micro_batches_per_step, dims.dp)
     handles = dict(model=model, optimizer=optimizer, scheduler=scheduler, pipeline=pipeline)
-    where = dict(rank=rank, device=device, mesh=mesh, cp=ContextParallel.of(mesh))
+    where = dict(rank=rank, device=device, meshes=meshes, cp=ContextParallel.of(meshes.world))
     steps = dict(data=data, val_data=val_data, first_step=first_step, compute=compute)
-    readout = StepReadout(data_parallel_mesh(mesh).get_group(), device)  # the loss's dp × cp
+    readout = StepReadout(meshes.loss.get_group(), device)  # the loss's dp × cp
     run = Run(**handles, **where, **steps, experts=experts, aux_loss_weight=aux, readout=readout)
     if plan.fault is not None:  # a resilience drill (docs/fault-injection.md)
         where = dict(rank=rank, world_size=dist.get_world_size(), first_step=first_step)
@@ -152,7 +151,7 @@ def train_step(run: Run, plan: RunPlan, step: int, step_fn: StepFn = forward_bac
     run.optimizer.zero_grad(set_to_none=True)
     loss_sum = step_fn(run, plan, step)
     run.readout.finalize([run.model])  # reads the device at the first step only
-    synchronize_tp_replica_gradients([run.model], run.mesh)  # its plan and buffers are reused
+    synchronize_tp_replica_gradients([run.model], run.meshes.world)  # plan, buffers reused
     clip, parts, pp = plan.train.clip_grad_norm, [run.model], run.pipeline and run.pipeline.group
     norm = clip_grad_norm_(parts, clip, across=pp) if clip else grad_norm(parts, across=pp)
     expert_counts = run.experts.end_step() if run.experts else None  # moves the routing bias
@@ -213,7 +212,7 @@ def train(
         log.log(record)
         tracker.log_metrics(record, record["step"])
         if check_every and done % check_every == 0:
-            check_replicas([run.model], run.mesh, done)
+            check_replicas([run.model], run.meshes.world, done)
         if every and done % every == 0:
             writer.save(done, *state)
         if (stopped := stop_signal(writer, done, state)) is not None:
@@ -257,7 +256,9 @@ def finish(run: Run, plan: RunPlan, stopped: bool = False, skipped: int = 0) -> 
 
     output_dir, train = plan.output_dir, plan.train
     if not stopped:
-        write_drift_report([run.model], run.mesh, output_dir / "replica_drift.json", run.rank)
+        write_drift_report(
+            [run.model], run.meshes.world, output_dir / "replica_drift.json", run.rank
+        )
     ended = (train.stop_after or train.max_steps) >= train.max_steps and not stopped
     fails, note = skipped_verdict(0 if stopped else skipped, plan.last_step - run.first_step)
     if plan.checkpoint.export and ended and not fails:

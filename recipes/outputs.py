@@ -27,6 +27,7 @@ from components.checkpoint.integrity import (
     retire_checkpoints_after,
     state_dict_shapes,
 )
+from components.problems import Problem, show
 from components.runtime.exit_status import AlreadyComplete
 from components.runtime.output_dir import (
     RUN_FILE,
@@ -41,7 +42,7 @@ from components.runtime.output_dir import (
     run_files,
     write_whole,
 )
-from components.runtime.problems import Problem, say, show
+from components.runtime.problems import say
 from recipes.export import exported_folders
 from recipes.schema import Config
 

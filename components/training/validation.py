@@ -46,9 +46,7 @@ def _mean_over(totals: torch.Tensor, dp_group: dist.ProcessGroup) -> float:
 def run_validation(run, loss_chunk_tokens: int | None) -> float:
     """The mean loss on a recipe run's validation split (``run``: its model, ``val_data``,
     device, mesh, compute context and cp), the same on every rank."""
-    from components.distributed.mesh import data_parallel_mesh
-
-    dp_group = data_parallel_mesh(run.mesh).get_group()  # dp × cp
+    dp_group = run.meshes.loss.get_group()  # dp × cp
     if run.pipeline is not None:
         return pipeline_validation_loss(run.pipeline, run.model, run.val_data, run.device, dp_group)
     where = (run.device, dp_group, run.compute(), loss_chunk_tokens, run.cp)

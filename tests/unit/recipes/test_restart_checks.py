@@ -4,7 +4,7 @@ and a note says so."""
 
 import pytest
 
-from components.distributed.mesh import resolve_parallel_dims
+from components.distributed.layout import resolve_parallel_dims
 from recipes.checks import compose, restart_problems, unread_keys
 from recipes.schema import validate
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from components.distributed.mesh import resolve_parallel_dims
+from components.distributed.layout import resolve_parallel_dims
 from recipes.checks import compose, unread_keys
 from recipes.schema import validate
 
