@@ -30,7 +30,8 @@ from components.runtime.output_dir import unused_folder
 from components.runtime.problems import ConfigError, say
 from components.targets import check_target
 from recipes.plan import Checked, degrees, model_choice, model_facts, model_use, workload
-from recipes.schema import Config, SchemaError, validate
+from recipes.schema import Config
+from recipes.validate import SchemaError, validate
 
 # Model, data and tokenizer modules (transformers, datasets, DTensor) are imported by the checks
 # that use them: a mistyped key or a bad value is refused in about the time of `import torch`.

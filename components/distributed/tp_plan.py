@@ -12,8 +12,7 @@ module (or parameter) names mapped to style names of HF's ``base_model_tp_plan``
 - HF's ``rowwise_split_input``, ``all_reduce``, ``embedding_colwise``, ``mla_kv_a_proj`` (aliases
   ``colwise_rep``, ``rowwise_rep``); HF's expert styles (``moe_tp_experts``, ``packed_*``,
   ``moe_identity_expert``) are replaced by expert parallelism (``components.moe``).
-Everything is checked before any parameter is sharded, and all problems are reported together
-(each style in detail: docs/parallelism.md, docs/design-notes.md).
+All checked before any parameter is sharded, all problems together (docs/design-notes.md).
 """
 
 import fnmatch

@@ -17,7 +17,7 @@ from components.planning.dry_run import _candidates
 from components.planning.memory_model import Layout
 from recipes.checks import check_sizes, compose
 from recipes.plan import workload
-from recipes.schema import validate
+from recipes.validate import validate
 
 OVERRIDES = ["cp=2", "train.seq_len=52"]  # 52 splits into 2 × cp = 4 chunks, not into 8
 

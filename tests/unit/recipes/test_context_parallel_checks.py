@@ -8,7 +8,7 @@ from components.distributed.context_parallel import CpLayout, CpShard, attention
 from components.distributed.layout import resolve_parallel_dims
 from components.models.load import position_ids_problems
 from recipes.checks import check_sizes, compose
-from recipes.schema import SchemaError, validate
+from recipes.validate import SchemaError, validate
 
 
 def problems_of(overrides: list[str]) -> list[str]:

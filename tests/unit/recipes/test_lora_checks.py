@@ -7,7 +7,7 @@ from components.models.families import FAMILIES
 from components.models.lora import PROJECTIONS, LoRAExperts
 from recipes.checks import compose
 from recipes.outputs import peft_info
-from recipes.schema import validate
+from recipes.validate import validate
 
 EXPERTS = FAMILIES["qwen3_moe"].experts
 

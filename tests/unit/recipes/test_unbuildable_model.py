@@ -8,7 +8,7 @@ from components.distributed.layout import ParallelDims
 from components.models.checks import check_model
 from recipes.checks import compose
 from recipes.plan import model_choice, model_use
-from recipes.schema import validate
+from recipes.validate import validate
 
 DBRX = {"model_type": "dbrx", "architectures": ["DbrxForCausalLM"], "d_model": 64, "n_heads": 4}
 
