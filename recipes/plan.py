@@ -173,6 +173,7 @@ class RunPlan(Settled):
         model, steps = self.settings.model.name, self.train.max_steps
         return f"{model}, {layout}, {steps} steps: {self.output_dir.name}"
 
+    @property
     def model_facts(self) -> ModelFacts:
         """What the layout rules read of the model."""
         return model_facts(self.settings, self.model.config)

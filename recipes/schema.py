@@ -15,17 +15,19 @@ their other keys are checked against the signature of the class the target names
 """
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from components.distributed.layout import ParallelDims
 from components.models.options import ACTIVATION_CHECKPOINTING, FP8_RECIPES, PRECISIONS
 from components.problems import Problem, problems, show
 from components.targets import check_target
 from components.training.loggers import check_logger_available, check_logger_options
 from components.training.optimizer import check_optimizer
+
+if TYPE_CHECKING:  # the layout imports DeviceMesh: --help and --cfg job stay light
+    from components.distributed.layout import ParallelDims
 
 ON_NONFINITE = ("stop", "skip")
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")  # components.checkpoint.export's names
@@ -434,7 +436,7 @@ class Config(Section):
         why = f"max_restarts={restarts} needs checkpoint.resume=auto (got {show(resume)}): "
         return [f"{why}restarted ranks continue from the last complete checkpoint in output_dir"]
 
-    def unread_keys(self, dims: ParallelDims) -> list[str]:
+    def unread_keys(self, dims: "ParallelDims") -> list[str]:
         """The keys set to something this run's layout ``dims`` never reads, each said (never
         silently ignored): they are harmless, and right in another layout (a sweep over tp, a dry
         run)."""
@@ -454,7 +456,7 @@ class Config(Section):
             )
         return unread + self._unread_pipeline_keys(dims) + self._unread_expert_keys(dims)
 
-    def _unread_pipeline_keys(self, dims: ParallelDims) -> list[str]:
+    def _unread_pipeline_keys(self, dims: "ParallelDims") -> list[str]:
         """``pp_schedule`` and ``pp_stages_per_rank`` away from their defaults (conf/config.yaml's)
         at pp=1, which has no pipeline: one line each. A dry run reads them for a pp it
         suggests."""
@@ -467,7 +469,7 @@ class Config(Section):
             if (value := getattr(self, key)) != default
         ]
 
-    def _unread_expert_keys(self, dims: ParallelDims) -> list[str]:
+    def _unread_expert_keys(self, dims: "ParallelDims") -> list[str]:
         """``moe.shard_experts`` with nothing to shard over; replica checks with nothing to
         compare."""
         unread = []
