@@ -22,15 +22,18 @@ if not all(find_spec(name) for name in ("components", "torch", "hydra")):  # fou
     )
     sys.exit(2)
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
 from components.runtime.cli import (
+    Job,
     given_run_dir,
     hydra_command_line,
     hydra_options,
+    named,
     prints_only,
     refuse_as_the_recipe,
 )
@@ -44,10 +47,31 @@ if TYPE_CHECKING:
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
 
-def main(arguments: list[str]) -> None:
+@dataclass(frozen=True, kw_only=True)
+class Recipe:
+    """What a recipe of this shape is made of, each named, imported once the command line is
+    read: its primary config (``conf/<config>.yaml``), the ``module:function`` composing it from
+    the command line, its schema (a class of ``recipes/schema.py``) and what each rank runs."""
+
+    config: str
+    compose: str
+    schema: str
+    rank_main: str
+
+
+FINETUNE = Recipe(
+    config="config",
+    compose="recipes.checks:compose",
+    schema="recipes.schema:Config",
+    rank_main="recipes.finetune_rank:rank_main",
+)
+
+
+def main(arguments: list[str], recipe: Recipe = FINETUNE, job: Job | None = None) -> None:
     """Compose, then run; ``--help`` is the recipe's own page; Hydra's own options (``--cfg job``,
     ``--multirun``, ``--hydra-help``) go to Hydra, which runs each job of a sweep in its own
-    folder, once overrides that do not compose are refused as the recipe refuses them."""
+    folder (``job``: the recipe's ``run``), once overrides that do not compose are refused as the
+    recipe refuses them."""
     if not prints_only(arguments):
         exec_with_malloc_settings()  # before torch: the ranks it forks keep this malloc
     if "--help" in arguments or "-h" in arguments:
@@ -55,35 +79,36 @@ def main(arguments: list[str]) -> None:
 
         print(page())
     elif hydra_options(arguments):
-        refuse_as_the_recipe(CONF, arguments, "recipes.checks:compose")  # a misspelt key: one line
-        hydra_command_line(CONF, run)
+        refuse_as_the_recipe(CONF, arguments, recipe.compose, recipe.config)  # a misspelt key
+        hydra_command_line(CONF, job or run, recipe.config)
     else:
-        from recipes.checks import compose  # once the line is read: design-notes.md, imports
-
-        cfg = compose(arguments)
-        run(cfg, job_dir=None, hydra_run_dir=given_run_dir(arguments, cfg))
+        cfg = named(recipe.compose)(arguments)  # once the line is read: design-notes.md, imports
+        (job or run)(cfg, job_dir=None, hydra_run_dir=given_run_dir(arguments, cfg))
     if started_by_launcher():
         end_launched_rank()  # under torchrun: as a forked local rank ends
 
 
-def run(cfg: DictConfig, job_dir: str | None, hydra_run_dir: str | None) -> None:
+def run(
+    cfg: DictConfig, job_dir: str | None, hydra_run_dir: str | None, recipe: Recipe = FINETUNE
+) -> None:
     """Check (pure), prepare once, then the dry run or the ranks. ``job_dir``: a sweep job's own
     folder; ``hydra_run_dir``: checked to agree with output_dir."""
     keep_cuda_unstarted()  # before anything imported asks torch.cuda (torchao): ranks are forked
     from recipes.checks import check  # (see main)
 
     with refusals():  # bad input: one error: line; Ctrl-C: one line
-        checked = check(cfg, job_dir, hydra_run_dir)
-    launch(checked)
+        checked = check(cfg, job_dir, hydra_run_dir, named(recipe.schema))
+    launch(checked, recipe)
 
 
-def launch(checked: Checked) -> None:
+def launch(checked: Checked, recipe: Recipe = FINETUNE) -> None:
     """Prepare once (here, or on rank 0 of a torchrun world), then the dry run (the layout priced
     on fake ranks) or the ranks; the output folder's lock is released once they are done."""
     from components.planning.dry_run import dry_run  # (after the checks: see main)
     from components.runtime.ranks import prepare_once, run_ranks
-    from recipes.finetune_rank import rank_main
     from recipes.prepare import prepare
+
+    rank_main = named(recipe.rank_main)
 
     with refusals():
         plan, lock = prepare_once(prepare, checked)

@@ -12,6 +12,7 @@ import math
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -131,11 +132,30 @@ def forward_backward_step(run: Run, plan: RunPlan, step: int) -> torch.Tensor:
 
 
 StepFn = Callable[["Run", "RunPlan", int], torch.Tensor]
+# the step's loss metrics from the step function's sums, as read on the host
+RecordFn = Callable[["Run", "RunPlan", int, Any], dict]
 
 
-def train_step(run: Run, plan: RunPlan, step: int, step_fn: StepFn = forward_backward_step) -> dict:
+def mean_token_loss(run: Run, plan: RunPlan, step: int, loss_sum: float) -> dict:
+    """Fine-tuning's step loss: the summed token loss over the global batch's labelled tokens."""
+    return {"loss": loss_sum / run.data.labels_in_step(step)}
+
+
+def finetune_steps(run: Run, plan: RunPlan) -> tuple[StepFn, RecordFn]:
+    """Fine-tuning's step function (with pp the rank's pipeline) and its loss metric."""
+    return run.pipeline or forward_backward_step, mean_token_loss
+
+
+def train_step(
+    run: Run,
+    plan: RunPlan,
+    step: int,
+    step_fn: StepFn = forward_backward_step,
+    loss_metrics: RecordFn = mean_token_loss,
+) -> dict:
     """One optimizer step (0-based ``step``): ``step_fn``'s forward and backward, gradient
-    reductions, clip, update; its metrics. Reads the device twice: the replica sync, the readout."""
+    reductions, clip, update; its metrics, the loss's by ``loss_metrics`` from ``step_fn``'s sums.
+    Reads the device twice: the replica sync, the readout."""
     started = time.perf_counter()
     reset_peak_memory(run.device)
     run.state.optimizer.zero_grad(set_to_none=True)
@@ -168,7 +188,7 @@ def train_step(run: Run, plan: RunPlan, step: int, step_fn: StepFn = forward_bac
     world, kind = dist.get_world_size(), matmul_math(plan.train.precision, plan.train.tf32)
     return {
         "step": step + 1,
-        "loss": loss_sum / run.data.labels_in_step(step),
+        **loss_metrics(run, plan, step, loss_sum),
         "grad_norm": norm if finite else None,
         "lr": lr,
         "tokens": tokens,
@@ -180,20 +200,24 @@ def train_step(run: Run, plan: RunPlan, step: int, step_fn: StepFn = forward_bac
 
 
 def train(
-    run: Run, plan: RunPlan, step_fn: StepFn = forward_backward_step
+    run: Run,
+    plan: RunPlan,
+    step_fn: StepFn = forward_backward_step,
+    loss_metrics: RecordFn = mean_token_loss,
 ) -> tuple[str | None, int]:
     """The steps after ``run.first_step`` up to ``max_steps`` (or ``stop_after``): metrics, and
     validation, checkpoints and replica checks as the cadence says. Returns the name of the signal
     that stopped the run early (with a checkpoint of its step), or None; and how many steps were
     skipped as non-finite."""
     log, tracker, writer = open_outputs(run, plan)
+    stepping = (step_fn, loss_metrics)
     run.readout.writer = writer  # its stop and save flags are read with each step's values
     state, cadence, stopped, skipped = run.state, plan.cadence, None, 0
     profile = plan.settings.profile
     profiler = StepProfiler(profile.steps, profile.memory, plan.output_dir, run.rank, state.step)
     for step in cadence.steps(run.first_step):
         with heartbeat.watched(f"step {step + 1}", judged=step > run.first_step):  # 1st: compile
-            record = train_step(run, plan, step, step_fn) | writer.take_stall()  # the save before
+            record = train_step(run, plan, step, *stepping) | writer.take_stall()  # the save before
         state.step, skipped = step + 1, skipped + bool(record.get("skipped"))
         if cadence.validate(state.step):
             record["val_loss"] = run_validation(run, plan.train.loss_chunk_tokens)
@@ -252,15 +276,19 @@ def finish(run: Run, plan: RunPlan, stopped: bool = False, skipped: int = 0) -> 
         fail_once(note)  # every rank exits 1; rank 0 prints the one error: line
 
 
-def rank_main(plan: RunPlan) -> str | None:
+StepsOf = Callable[[Run, RunPlan], tuple[StepFn, RecordFn]]
+
+
+def rank_main(plan: RunPlan, steps: StepsOf = finetune_steps) -> str | None:
     """What every rank runs, beating: set up, train, finish; the stop signal's name (``train``).
-    A local rank restarted after a failure resumes from the last complete checkpoint."""
+    A local rank restarted after a failure resumes from the last complete checkpoint. ``steps``:
+    the recipe's step function and loss metrics for the rank's run (fine-tuning's; DPO's)."""
     if attempt := local_restart():
         plan = resume_again(plan, attempt)
     preemption.install()  # a SIGTERM or SIGUSR1 from now on stops the run after a step
     beating = heartbeat.beating(plan.settings.hang_timeout_s)  # watched: launcher or torchrun peers
     with beating, disk_full_said_plainly(plan.output_dir, plan.train.max_steps):  # one line
         run = set_up(plan)
-        stopped, skipped = train(run, plan, run.pipeline or forward_backward_step)
+        stopped, skipped = train(run, plan, *steps(run, plan))
         finish(run, plan, stopped is not None, skipped)
     return stopped

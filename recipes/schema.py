@@ -15,7 +15,7 @@ their other keys are checked against the signature of the class the target names
 """
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -324,6 +324,9 @@ class Schedule(BaseModel):
 
 
 class Config(Section):
+    # the data's records are preference pairs (recipes/dpo.py's), else prompt and answer
+    preference_pairs: ClassVar[bool] = False
+
     seed: Annotated[int, Field(ge=0, lt=2**63)] = key("an integer in [0, 2**63), e.g. seed=0")
     tp: PositiveInt = key("a positive integer, e.g. tp=2", "tensor-parallel size")
     cp: PositiveInt = key(
@@ -520,4 +523,32 @@ class Dpo(Section):
 class DpoConfig(Config):
     """``recipes/dpo.py``'s config: every key of ``finetune.py``'s and the ``dpo`` section."""
 
+    preference_pairs: ClassVar[bool] = True
     dpo: Dpo
+
+    def option_problems(self, warmup: int, output: Path, device_type: str) -> tuple[list, Any]:
+        """Fine-tuning's, the ``dpo`` section's, and what ``dpo.py`` does not run."""
+        found, fault = super().option_problems(warmup, output, device_type)
+        return found + problems("dpo", self.dpo.errors()) + self.unsupported(), fault
+
+    def unsupported(self) -> list[Problem]:
+        """The settings ``dpo.py`` refuses, each one problem naming its key (docs/dpo.md)."""
+        train, peft = self.train, self.peft
+        refused = [  # (key, its value, refused, why)
+            ("cp", self.cp, self.cp > 1, "an answer's log-probability sums its whole sequence, "
+             "which context parallelism splits: use cp=1"),
+            ("pp", self.pp, self.pp > 1, "no pipeline schedule runs DPO's two forwards: use pp=1"),
+            ("train.packing", train.packing, train.packing, "a preference pair's two "
+             "conversations are rows of their own: use train.packing=false"),
+            ("train.val_every", train.val_every, train.val_every > 0, "dpo.py has no validation "
+             "loss: use train.val_every=0"),
+            ("peft.experts", peft.experts, bool(peft.experts), "adapters on experts cannot be "
+             "switched off for the reference: use peft.experts=false"),
+            ("dry_run", self.dry_run, self.dry_run, "the dry run does not price dpo.py's "
+             "reference model: run without dry_run=true"),
+        ]  # fmt: skip
+        return [
+            Problem(key=name, message=f"{name}={show(value)} is not run by dpo.py: {why}")
+            for name, value, on, why in refused
+            if on
+        ]
