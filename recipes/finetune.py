@@ -82,7 +82,8 @@ def main(arguments: list[str], recipe: Recipe = FINETUNE, job: Job | None = None
         refuse_as_the_recipe(CONF, arguments, recipe.compose, recipe.config)  # a misspelt key
         hydra_command_line(CONF, job or run, recipe.config)
     else:
-        cfg = named(recipe.compose)(arguments)  # once the line is read: design-notes.md, imports
+        compose = named(recipe.compose)  # once the line is read: design-notes.md, imports
+        cfg = compose(arguments)
         (job or run)(cfg, job_dir=None, hydra_run_dir=given_run_dir(arguments, cfg))
     if started_by_launcher():
         end_launched_rank()  # under torchrun: as a forked local rank ends
