@@ -24,6 +24,7 @@ except ModuleNotFoundError:  # a bare `python`: one line, not a traceback
 from omegaconf import DictConfig  # noqa: E402 - once the venv is known
 
 DPO = finetune.Recipe(
+    script="dpo.py",
     config="dpo",
     compose="recipes.checks:compose_dpo",
     schema="recipes.schema:DpoConfig",

@@ -50,9 +50,11 @@ CONF = Path(__file__).resolve().parents[1] / "conf"
 @dataclass(frozen=True, kw_only=True)
 class Recipe:
     """What a recipe of this shape is made of, each named, imported once the command line is
-    read: its primary config (``conf/<config>.yaml``), the ``module:function`` composing it from
-    the command line, its schema (a class of ``recipes/schema.py``) and what each rank runs."""
+    read: its file (``recipes/<script>``), its primary config (``conf/<config>.yaml``), the
+    ``module:function`` composing it from the command line, its schema (a class of
+    ``recipes/schema.py``) and what each rank runs."""
 
+    script: str
     config: str
     compose: str
     schema: str
@@ -60,6 +62,7 @@ class Recipe:
 
 
 FINETUNE = Recipe(
+    script="finetune.py",
     config="config",
     compose="recipes.checks:compose",
     schema="recipes.schema:Config",
@@ -77,7 +80,7 @@ def main(arguments: list[str], recipe: Recipe = FINETUNE, job: Job | None = None
     if "--help" in arguments or "-h" in arguments:
         from recipes.help import page  # the schema, for --help alone (design-notes.md, imports)
 
-        print(page())
+        print(page(script=recipe.script, name=recipe.config, schema=named(recipe.schema)))
     elif hydra_options(arguments):
         refuse_as_the_recipe(CONF, arguments, recipe.compose, recipe.config)  # a misspelt key
         hydra_command_line(CONF, job or run, recipe.config)

@@ -501,10 +501,10 @@ class Dpo(Section):
 
     # the loss's sharpness: rewards are beta × (policy − reference) answer log-probabilities
     beta: Annotated[float, Field(gt=0, allow_inf_nan=False)] = key(
-        "a positive number, e.g. dpo.beta=0.1"
+        "a positive number, e.g. dpo.beta=0.1", "DPO's beta: rewards are beta × log-prob ratios"
     )
     # sigmoid: DPO's −log σ(β·Δ); ipo: (Δ per answer token − 1/(2β))²
-    loss_type: Literal[DPO_LOSS_TYPES] = key(one_of(DPO_LOSS_TYPES))
+    loss_type: Literal[DPO_LOSS_TYPES] = key(one_of(DPO_LOSS_TYPES), "sigmoid (DPO) or ipo")
     # conservative DPO (sigmoid only): the assumed probability that a pair's labels are flipped
     label_smoothing: Annotated[float, Field(ge=0, lt=0.5)] = key(
         "a number in [0, 0.5), e.g. dpo.label_smoothing=0.1"

@@ -101,8 +101,8 @@ def refuse_as_the_recipe(
     advice (``+key=...``) the recipe then refuses. A sweep (``--multirun``) or another config is
     Hydra's alone."""
     given = get_args_parser().parse_args(arguments)
-    named = given.config_name not in (None, name)
-    other_config = given.config_path or given.config_dir or named
+    renamed = given.config_name not in (None, name)
+    other_config = given.config_path or given.config_dir or renamed
     if given.multirun or other_config:
         return
     try:
