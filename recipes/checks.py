@@ -163,6 +163,7 @@ def check(
         cpu_threads=cpu_threads_per_rank(settings.cpu_threads, local_ranks),
         model_path=checked.path,
         model_config=checked.config,
+        model_awaits_fetch=checked.awaits_fetch,
         source=source,
         fault=fault,
         config_yaml=_config_yaml(cfg, output),
