@@ -32,6 +32,7 @@ from components.models.fp8 import fp8_problems, fp8_shape_errors
 from components.models.hub import needs_download, resolve_model_folder
 from components.models.load import (
     causal_flags,
+    causal_problems,
     load_config,
     position_offset_problems,
     sequence_problems,
@@ -70,6 +71,7 @@ def check_model(choice: ModelChoice, use: ModelUse, dims: ParallelDims | None) -
     found += problems("cp", sequence_problems(config, cp, packing=False))
     found += problems("train.packing", sequence_problems(config, 1, use.packing))
     found += problems("model", position_offset_problems(config))
+    found += problems("model", causal_problems(config))
     splits = dims is not None and (dims.tp > 1 or dims.ep > 1)
     fp8 = use.precision == "fp8"
     try:
