@@ -10,13 +10,11 @@ Docs: docs/dpo.md
 """
 
 from dataclasses import replace
-from datetime import timedelta
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
-from components.distributed.mesh import ParallelDims
+from components.distributed.layout import Meshes, ParallelDims
 from components.distributed.tp_replicas import broadcast_tp_replicas
 from components.models.parallelize import ModelSpec, build_parallel_model
 
@@ -24,16 +22,15 @@ from components.models.parallelize import ModelSpec, build_parallel_model
 def build_frozen_model(
     spec: ModelSpec,
     dims: ParallelDims,
-    mesh: DeviceMesh,
+    meshes: Meshes,
     device: torch.device,
-    timeout: timedelta | None = None,
 ) -> nn.Module:
-    """The model ``spec`` describes (its config, weights and split), sharded over ``mesh`` as
+    """The model ``spec`` describes (its config, weights and split), sharded over ``meshes`` as
     ``dims`` says, loaded, and frozen (``requires_grad_(False)``, eval mode). On the meta
     ``device`` (a dry run) nothing gets storage."""
     forward_only = replace(spec, activation_checkpointing="none")
-    model, _ = build_parallel_model(forward_only, dims, mesh, device, timeout)
+    model, _ = build_parallel_model(forward_only, dims, meshes, device)
     if device.type != "meta":
-        broadcast_tp_replicas([model], mesh)
+        broadcast_tp_replicas([model], meshes.world)
     model.requires_grad_(False)
     return model.eval()
