@@ -10,6 +10,7 @@ The effects follow in ``recipes/prepare.py``, once.
 from __future__ import annotations  # the annotations name classes imported only when needed
 
 import difflib
+import functools
 import os
 from pathlib import Path
 
@@ -30,7 +31,7 @@ from components.runtime.output_dir import unused_folder
 from components.runtime.problems import ConfigError, say
 from components.targets import check_target
 from recipes.plan import Checked, degrees, model_choice, model_facts, model_use, workload
-from recipes.schema import Config
+from recipes.schema import SCHEMAS, Config
 from recipes.validate import SchemaError, validate
 
 # Model, data and tokenizer modules (transformers, datasets, DTensor) are imported by the checks
@@ -38,12 +39,16 @@ from recipes.validate import SchemaError, validate
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
-def compose(overrides: list[str]) -> DictConfig:
-    """The recipe's config composed from ``overrides`` (``conf/``), or one ``error:`` line."""
-    return compose_config(CONF_DIR, overrides, advise=_append_advice)
+def compose(overrides: list[str], config_name: str = "config") -> DictConfig:
+    """The recipe's config (``conf/config_name.yaml``: ``config``, ``distill``) composed from
+    ``overrides``, or one ``error:`` line."""
+    advise = functools.partial(_append_advice, config_name=config_name)
+    return compose_config(CONF_DIR, overrides, advise, config_name)
 
 
-def _append_advice(key: str, overrides: list[str], message: str) -> str | None:
+def _append_advice(
+    key: str, overrides: list[str], message: str, config_name: str = "config"
+) -> str | None:
     """For Hydra's "Could not override 'train.max_stpes'. To append to your config use
     +train.max_stpes=5": None (Hydra's advice stands) when that ``+`` override then passes the
     checks; else what it would be refused with, and the known key of the closest name. ``key``
@@ -55,8 +60,9 @@ def _append_advice(key: str, overrides: list[str], message: str) -> str | None:
     rest = [o for o, is_key in zip(overrides, given, strict=True) if not is_key]
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            settings, refused = _validated(hydra_compose(config_name="config", overrides=appended))
-            known = dotted_keys(OmegaConf.to_container(hydra_compose("config", overrides=rest)))
+            appended_cfg = hydra_compose(config_name=config_name, overrides=appended)
+            settings, refused = _validated(appended_cfg, SCHEMAS[config_name])
+            known = dotted_keys(OmegaConf.to_container(hydra_compose(config_name, overrides=rest)))
     except (HydraException, OmegaConfBaseException):
         return None  # Hydra would refuse the + too: its own words
     refused = refused or _open_group_problems(settings)
@@ -119,12 +125,16 @@ def check_sizes(
 
 
 def check(
-    cfg: DictConfig, output_dir: str | None = None, hydra_run_dir: str | None = None
+    cfg: DictConfig,
+    output_dir: str | None = None,
+    hydra_run_dir: str | None = None,
+    schema: type[Config] = Config,
 ) -> Checked:
     """Every check that needs no effect, all problems at once (ConfigError): config in, decisions
     out; nothing is written, tokenized or trained, and ``cfg`` is left as it was. ``output_dir`` is
-    a sweep job's folder; ``hydra_run_dir`` the run dir Hydra was given."""
-    settings, found = _validated(cfg)
+    a sweep job's folder; ``hydra_run_dir`` the run dir Hydra was given; ``schema`` the recipe's
+    (``recipes/schema.py``: ``Config``, or another recipe's with its own sections)."""
+    settings, found = _validated(cfg, schema)
     _refuse(found)
     from components.data.checks import checked_source  # after the schema: a bad key is fast
     from components.debug.faults import fault_layout_errors
@@ -221,10 +231,11 @@ def _notes(settings: Config, dims: ParallelDims, output: Path, per_run: bool, wa
         say(f"note: {unread}")
 
 
-def _validated(cfg: DictConfig) -> tuple[Config | None, list[Problem]]:
-    """The schema's reading of the composed config: interpolations, types, ranges, known keys."""
+def _validated(cfg: DictConfig, schema: type[Config] = Config) -> tuple[Config | None, list]:
+    """The ``schema``'s reading of the composed config: interpolations, types, ranges, known
+    keys."""
     try:
-        return validate(cfg), []
+        return validate(cfg, schema), []
     except SchemaError as error:
         return None, [Problem(key="config", message=str(error))]
 

@@ -22,12 +22,14 @@ if not all(find_spec(name) for name in ("components", "torch", "hydra")):  # fou
     )
     sys.exit(2)
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
 from components.runtime.cli import (
+    Job,
     given_run_dir,
     hydra_command_line,
     hydra_options,
@@ -39,29 +41,33 @@ from components.runtime.problems import fail, refusals
 from components.runtime.startup import end_launched_rank, keep_cuda_unstarted, started_by_launcher
 
 if TYPE_CHECKING:
-    from recipes.plan import Checked
+    from recipes.plan import Checked, RunPlan
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
 
-def main(arguments: list[str]) -> None:
-    """Compose, then run; ``--help`` is the recipe's own page; Hydra's own options (``--cfg job``,
-    ``--multirun``, ``--hydra-help``) go to Hydra, which runs each job of a sweep in its own
-    folder, once overrides that do not compose are refused as the recipe refuses them."""
+def main(arguments: list[str], config_name: str = "config", job: Job | None = None) -> None:
+    """Compose ``conf/config_name.yaml`` (another recipe's: ``distill``), then run ``job``
+    (default: this recipe's :func:`run`); ``--help`` is the recipe's own page; Hydra's own options
+    (``--cfg job``, ``--multirun``, ``--hydra-help``) go to Hydra, which runs each job of a sweep
+    in its own folder, once overrides that do not compose are refused as the recipe refuses
+    them."""
+    job = job or run
     if not prints_only(arguments):
         exec_with_malloc_settings()  # before torch: the ranks it forks keep this malloc
     if "--help" in arguments or "-h" in arguments:
         from recipes.help import page  # the schema, for --help alone (design-notes.md, imports)
 
-        print(page())
+        print(page(config_name=config_name))
     elif hydra_options(arguments):
-        refuse_as_the_recipe(CONF, arguments, "recipes.checks:compose")  # a misspelt key: one line
-        hydra_command_line(CONF, run)
+        composer = "recipes.checks:compose"  # a misspelt key: one line
+        refuse_as_the_recipe(CONF, arguments, composer, config_name)
+        hydra_command_line(CONF, job, config_name)
     else:
         from recipes.checks import compose  # once the line is read: design-notes.md, imports
 
-        cfg = compose(arguments)
-        run(cfg, job_dir=None, hydra_run_dir=given_run_dir(arguments, cfg))
+        cfg = compose(arguments, config_name)
+        job(cfg, job_dir=None, hydra_run_dir=given_run_dir(arguments, cfg))
     if started_by_launcher():
         end_launched_rank()  # under torchrun: as a forked local rank ends
 
@@ -77,13 +83,21 @@ def run(cfg: DictConfig, job_dir: str | None, hydra_run_dir: str | None) -> None
     launch(checked)
 
 
-def launch(checked: Checked) -> None:
+def launch(
+    checked: Checked,
+    prepare: Callable[[Checked], tuple] | None = None,
+    rank_main: Callable[[RunPlan], str | None] | None = None,
+) -> None:
     """Prepare once (here, or on rank 0 of a torchrun world), then the dry run (the layout priced
-    on fake ranks) or the ranks; the output folder's lock is released once they are done."""
+    on fake ranks) or the ranks; the output folder's lock is released once they are done.
+    ``prepare`` and ``rank_main``: another recipe's (default: fine-tuning's)."""
     from components.planning.dry_run import dry_run  # (after the checks: see main)
     from components.runtime.ranks import prepare_once, run_ranks
-    from recipes.finetune_rank import rank_main
-    from recipes.prepare import prepare
+    from recipes import finetune_rank
+    from recipes import prepare as preparation
+
+    prepare = prepare or preparation.prepare
+    rank_main = rank_main or finetune_rank.rank_main
 
     with refusals():
         plan, lock = prepare_once(prepare, checked)

@@ -11,7 +11,7 @@ import functools
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -19,7 +19,7 @@ import yaml
 
 from components.checkpoint.state import TrainState
 from components.checkpoint.writer import CheckpointWriter
-from components.data.loader import open_splits
+from components.data.loader import Batch, open_splits
 from components.debug.faults import install_faults
 from components.distributed.context_parallel import ContextParallel
 from components.distributed.fsdp import set_gradient_sync
@@ -51,7 +51,7 @@ from components.training.schedule import build_schedule
 from components.training.step import forward_backward_on_device  # reads the models' TP plans
 from components.training.validation import run_validation
 from recipes.export import export, export_folders
-from recipes.plan import Run, RunPlan
+from recipes.plan import Record, Run, RunPlan, StepFn, Steps
 from recipes.prepare import resume_again
 
 
@@ -112,30 +112,51 @@ def set_up(plan: RunPlan) -> Run:
     return run
 
 
+def step_micro_batches(run: Run, step: int) -> Iterator[Batch]:
+    """Step ``step``'s micro-batches on the device, for a step function's forward and backward:
+    each marked on the heartbeat, the dp gradient reduce on for the last alone, its real tokens
+    counted by an MoE model's expert load."""
+    micro_batches = run.data.batches_for_step(step)
+    for index, batch in enumerate(batch.to(run.device) for batch in micro_batches):
+        heartbeat.progress(f"step {step + 1}, micro-batch {index + 1}")  # a mark: 0.2 µs
+        set_gradient_sync(run.state.model, index == len(micro_batches) - 1)  # dp reduce once
+        if run.experts:  # the step's imbalance counts real tokens, not the padding
+            run.experts.count_real(batch.real_mask())
+        yield batch
+
+
 def forward_backward_step(run: Run, plan: RunPlan, step: int) -> torch.Tensor:
     """The step function: forward and backward of step ``step``'s micro-batches, the summed loss
     (float64). With pp the rank's pipeline replaces it (``train(..., step_fn=run.pipeline)``)."""
-    micro_batches, labelled = run.data.batches_for_step(step), run.data.labels_in_step(step)
+    labelled = run.data.labels_in_step(step)
     loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)  # mesh groups: NCCL only
-    for index, batch in enumerate(batch.to(run.device) for batch in micro_batches):
-        heartbeat.progress(f"step {step + 1}, micro-batch {index + 1}")  # a mark: 0.2 µs
-        set_gradient_sync(
-            run.state.model, index == len(micro_batches) - 1
-        )  # dp reduce once per step
-        if run.experts:  # the step's imbalance counts real tokens, not the padding
-            run.experts.count_real(batch.real_mask())
+    for batch in step_micro_batches(run, step):
         tensors = (batch.input_ids, batch.labels, labelled, batch.position_ids)
         options = (run.compute(), run.aux_loss_weight, plan.train.loss_chunk_tokens, run.cp)
         loss_sum += forward_backward_on_device(run.state.model, *tensors, *options)  # no read
     return loss_sum
 
 
-StepFn = Callable[["Run", "RunPlan", int], torch.Tensor]
+def loss_record(run: Run, plan: RunPlan, step: int, loss_sum: float) -> dict:
+    """Fine-tuning's metric of step ``step``: its summed loss over its labelled tokens."""
+    return {"loss": loss_sum / run.data.labels_in_step(step)}
 
 
-def train_step(run: Run, plan: RunPlan, step: int, step_fn: StepFn = forward_backward_step) -> dict:
+def fine_tuning_steps(run: Run, plan: RunPlan) -> Steps:
+    """Fine-tuning's steps: the micro-batches' cross entropy, or with pp the rank's pipeline."""
+    return Steps(step_fn=run.pipeline or forward_backward_step, record=loss_record)
+
+
+def train_step(
+    run: Run,
+    plan: RunPlan,
+    step: int,
+    step_fn: StepFn = forward_backward_step,
+    record_fn: Record = loss_record,
+) -> dict:
     """One optimizer step (0-based ``step``): ``step_fn``'s forward and backward, gradient
-    reductions, clip, update; its metrics. Reads the device twice: the replica sync, the readout."""
+    reductions, clip, update; its metrics (``record_fn``'s of the step's sums, then the step's
+    own). Reads the device twice: the replica sync, the readout."""
     started = time.perf_counter()
     reset_peak_memory(run.device)
     run.state.optimizer.zero_grad(set_to_none=True)
@@ -168,7 +189,7 @@ def train_step(run: Run, plan: RunPlan, step: int, step_fn: StepFn = forward_bac
     world, kind = dist.get_world_size(), matmul_math(plan.train.precision, plan.train.tf32)
     return {
         "step": step + 1,
-        "loss": loss_sum / run.data.labels_in_step(step),
+        **record_fn(run, plan, step, loss_sum),
         "grad_norm": norm if finite else None,
         "lr": lr,
         "tokens": tokens,
@@ -180,12 +201,15 @@ def train_step(run: Run, plan: RunPlan, step: int, step_fn: StepFn = forward_bac
 
 
 def train(
-    run: Run, plan: RunPlan, step_fn: StepFn = forward_backward_step
+    run: Run,
+    plan: RunPlan,
+    step_fn: StepFn = forward_backward_step,
+    record_fn: Record = loss_record,
 ) -> tuple[str | None, int]:
-    """The steps after ``run.first_step`` up to ``max_steps`` (or ``stop_after``): metrics, and
-    validation, checkpoints and replica checks as the cadence says. Returns the name of the signal
-    that stopped the run early (with a checkpoint of its step), or None; and how many steps were
-    skipped as non-finite."""
+    """The steps after ``run.first_step`` up to ``max_steps`` (or ``stop_after``): metrics
+    (``record_fn``'s of ``step_fn``'s sums, then the step's own), and validation, checkpoints and
+    replica checks as the cadence says. Returns the name of the signal that stopped the run early
+    (with a checkpoint of its step), or None; and how many steps were skipped as non-finite."""
     log, tracker, writer = open_outputs(run, plan)
     run.readout.writer = writer  # its stop and save flags are read with each step's values
     state, cadence, stopped, skipped = run.state, plan.cadence, None, 0
@@ -193,7 +217,9 @@ def train(
     profiler = StepProfiler(profile.steps, profile.memory, plan.output_dir, run.rank, state.step)
     for step in cadence.steps(run.first_step):
         with heartbeat.watched(f"step {step + 1}", judged=step > run.first_step):  # 1st: compile
-            record = train_step(run, plan, step, step_fn) | writer.take_stall()  # the save before
+            record = (
+                train_step(run, plan, step, step_fn, record_fn) | writer.take_stall()
+            )  # the save before
         state.step, skipped = step + 1, skipped + bool(record.get("skipped"))
         if cadence.validate(state.step):
             record["val_loss"] = run_validation(run, plan.train.loss_chunk_tokens)
@@ -252,15 +278,19 @@ def finish(run: Run, plan: RunPlan, stopped: bool = False, skipped: int = 0) -> 
         fail_once(note)  # every rank exits 1; rank 0 prints the one error: line
 
 
-def rank_main(plan: RunPlan) -> str | None:
+def rank_main(
+    plan: RunPlan, steps: Callable[[Run, RunPlan], Steps] = fine_tuning_steps
+) -> str | None:
     """What every rank runs, beating: set up, train, finish; the stop signal's name (``train``).
-    A local rank restarted after a failure resumes from the last complete checkpoint."""
+    A local rank restarted after a failure resumes from the last complete checkpoint. ``steps``:
+    the recipe's step function and metrics for the rank's run (another recipe's own loss)."""
     if attempt := local_restart():
         plan = resume_again(plan, attempt)
     preemption.install()  # a SIGTERM or SIGUSR1 from now on stops the run after a step
     beating = heartbeat.beating(plan.settings.hang_timeout_s)  # watched: launcher or torchrun peers
     with beating, disk_full_said_plainly(plan.output_dir, plan.train.max_steps):  # one line
         run = set_up(plan)
-        stopped, skipped = train(run, plan, run.pipeline or forward_backward_step)
+        chosen = steps(run, plan)
+        stopped, skipped = train(run, plan, chosen.step_fn, chosen.record)
         finish(run, plan, stopped is not None, skipped)
     return stopped

@@ -7,7 +7,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel
 
-from recipes.schema import COMMON, Config
+from recipes.schema import COMMON, SCHEMAS
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 USAGE = "usage: python recipes/finetune.py [GROUP=OPTION ...] [KEY=VALUE ...]"
@@ -17,10 +17,10 @@ FLAGS = """Flags:
   --hydra-help       Hydra's own options"""
 
 
-def page(conf_dir: Path = CONF_DIR) -> str:
-    """The whole ``--help`` page."""
-    config = yaml.safe_load((conf_dir / "config.yaml").read_text())
-    keys = common_keys(Config)
+def page(conf_dir: Path = CONF_DIR, config_name: str = "config") -> str:
+    """The whole ``--help`` page of the recipe whose primary config is ``config_name``."""
+    config = yaml.safe_load((conf_dir / "config.yaml").read_text())  # the groups' defaults
+    keys = common_keys(SCHEMAS[config_name])
     width = max(len(name) for name, _ in keys)
     lines = [config["hydra"]["help"]["header"].rstrip(), USAGE, ""]
     lines += ["Groups (GROUP=OPTION; * marks the default):", *group_lines(conf_dir, config), ""]

@@ -202,6 +202,23 @@ class RunPlan(Settled):
         )
 
 
+@dataclass(frozen=True, kw_only=True)
+class DistillChecked(Checked):
+    """``recipes/distill.py``'s checks: the student's (the ``model`` group) and the teacher as
+    checked: its folder (None: built from ``teacher.config``) and Hugging Face config."""
+
+    teacher_path: Path | None
+    teacher_config: Any  # a built teacher's vocabulary: the student's, set in preparation
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistillPlan(RunPlan):
+    """``recipes/distill.py``'s plan: fine-tuning's, and the frozen teacher to build on the
+    student's meshes (its own TP plan, the student's vocabulary)."""
+
+    teacher: ModelSpec
+
+
 @dataclass(kw_only=True)
 class Run:
     """One rank's handles: where it is, what it trains, and with what."""
@@ -220,6 +237,20 @@ class Run:
     readout: StepReadout  # the step's values read on the host before the update, at once
     pipeline: Pipeline | None = None  # this rank's pipeline stage and schedule (pp > 1)
     before_commit: Callable[[Path], None] | None = None  # the writer's callback (a drill's)
+
+
+StepFn = Callable[[Run, "RunPlan", int], "torch.Tensor"]  # the step's sums, on the device
+# the step's sums (summed over the loss's ranks, read once: a number, or a list) -> its metrics
+Record = Callable[[Run, "RunPlan", int, Any], dict]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Steps:
+    """A recipe's step function and the metrics it makes of the step's sums (what each rank's
+    ``train`` runs: ``recipes/finetune_rank.py``)."""
+
+    step_fn: StepFn
+    record: Record
 
 
 def workload(settings: Config) -> Workload:

@@ -15,7 +15,7 @@ their other keys are checked against the signature of the class the target names
 """
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -324,6 +324,8 @@ class Schedule(BaseModel):
 
 
 class Config(Section):
+    RECIPE: ClassVar[str] = "recipes/finetune.py"  # the recipe whose config this is (messages)
+
     seed: Annotated[int, Field(ge=0, lt=2**63)] = key("an integer in [0, 2**63), e.g. seed=0")
     tp: PositiveInt = key("a positive integer, e.g. tp=2", "tensor-parallel size")
     cp: PositiveInt = key(
@@ -520,4 +522,46 @@ class Dpo(Section):
 class DpoConfig(Config):
     """``recipes/dpo.py``'s config: every key of ``finetune.py``'s and the ``dpo`` section."""
 
+    RECIPE: ClassVar[str] = "recipes/dpo.py"
+
     dpo: Dpo
+
+
+class Teacher(Section):
+    """``recipes/distill.py``'s frozen teacher (docs/distillation.md): a Hugging Face folder or
+    Hub id, or a config built with seeded weights as ``model.config`` is; the student's
+    vocabulary, split on the student's meshes by its own TP plan."""
+
+    pretrained_path: Text | None = key(
+        "null (built from teacher.config) or a local Hugging Face model folder or a Hub id"
+    )
+    # the family teacher.config builds (its TP plan); null: the student's model.family
+    family: Text | None = key("null (the student's model.family) or a model family, e.g. llama")
+    config: dict[str, Any] = key(
+        "a mapping of Hugging Face config keys, e.g. teacher.config.hidden_size=256"
+    )
+
+
+class Distill(Section):
+    """``recipes/distill.py``'s loss: alpha · CE + (1 − alpha) · T² · KL(teacher ‖ student)."""
+
+    # the cross entropy's share of the loss; the KL term has the rest
+    alpha: Annotated[float, Field(ge=0, le=1)] = key("a number in [0, 1], e.g. distill.alpha=0.5")
+    # T: both models' softmaxes are taken of their logits / T in the KL
+    temperature: Annotated[float, Field(gt=0, allow_inf_nan=False)] = key(
+        "a positive number, e.g. distill.temperature=2.0"
+    )
+
+
+class DistillConfig(Config):
+    """``recipes/distill.py``'s config: every key of ``finetune.py``'s, the ``teacher`` and the
+    ``distill`` sections."""
+
+    RECIPE: ClassVar[str] = "recipes/distill.py"
+
+    teacher: Teacher
+    distill: Distill
+
+
+# each recipe's primary config (conf/NAME.yaml) and the schema it is checked against
+SCHEMAS: dict[str, type[Config]] = {"config": Config, "dpo": DpoConfig, "distill": DistillConfig}

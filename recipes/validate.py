@@ -51,8 +51,7 @@ def describe(
         hint = _field_hint(loc, schema)
         if item["type"] == "extra_forbidden":
             lines.append(
-                f"{dotted} is not a known key: remove it (see `python recipes/finetune.py --cfg "
-                "job`)"
+                f"{dotted} is not a known key: remove it (see `python {schema.RECIPE} --cfg job`)"
             )
         elif item["type"] == "missing":
             lines.append(
