@@ -38,7 +38,8 @@ def check_distillation(
         raise ConfigError(found)  # the teacher cannot be built to be checked
     choice = teacher_choice(settings)
     use = replace(model_use(settings, checked.device_type), lora=None, peft_lora=False)
-    teacher = check_teacher(choice, use, dims, student)
+    built_vocab = settings.model.config.get("vocab_size")  # a built student's; null: tokenizer's
+    teacher = check_teacher(choice, use, dims, student, built_vocab)
     for note in teacher.notes:
         say(note)
     found += teacher.problems + head_problems(checked.model_config, teacher.config)

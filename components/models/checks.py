@@ -277,16 +277,23 @@ def _unbuildable(config, error: Exception) -> Problem:
 
 
 def check_teacher(
-    choice: ModelChoice, use: ModelUse, dims: ParallelDims | None, student: CheckedModel
+    choice: ModelChoice,
+    use: ModelUse,
+    dims: ParallelDims | None,
+    student: CheckedModel,
+    student_vocab: int | None,
 ) -> CheckedModel:
     """A distillation teacher (``choice``: the ``teacher`` group, its family already resolved)
     checked as a model of its own for ``use`` at ``dims`` (its folder or config, its TP plan),
-    then its vocabulary against the ``student``'s; every problem and note named ``teacher.*``."""
+    then its vocabulary against the ``student``'s (a student built from its config: of
+    ``model.config.vocab_size``, ``student_vocab``; None: the tokenizer's); every problem and
+    note named ``teacher.*``."""
     checked = check_model(choice, use, dims)
     checked.problems = [_as_teacher(problem) for problem in checked.problems]
     checked.notes = [note.replace("model.config", "teacher.config") for note in checked.notes]
     if checked.config is not None and student.config is not None:
-        checked.problems += vocabulary_problems(student, checked, choice.config.get("vocab_size"))
+        vocabularies = (student_vocab, choice.config.get("vocab_size"))
+        checked.problems += vocabulary_problems(student, checked, *vocabularies)
     return checked
 
 
@@ -305,11 +312,15 @@ def _as_teacher(problem: Problem) -> Problem:
 
 
 def vocabulary_problems(
-    student: CheckedModel, teacher: CheckedModel, teacher_vocab: int | None
+    student: CheckedModel,
+    teacher: CheckedModel,
+    student_vocab: int | None,
+    teacher_vocab: int | None,
 ) -> list[Problem]:
     """The teacher's vocabulary must be the student's, token for token (the KL compares their
     distributions over it): a folder's tokenizer against the student's folder's, a built
-    teacher's ``vocab_size`` (``teacher_vocab``; None: the student's) against the student's."""
+    teacher's ``vocab_size`` (``teacher_vocab``; None: the student's) against the student's (its
+    folder's, or a built student's ``student_vocab``; None: its tokenizer's)."""
     if teacher.path is not None and student.path is None:
         return [
             Problem(
@@ -326,7 +337,7 @@ def vocabulary_problems(
         return _folder_vocabulary_problems(student, teacher)
     if teacher_vocab is None:
         return []
-    sizes = student.config.vocab_size if student.path is not None else None
+    sizes = student.config.vocab_size if student.path is not None else student_vocab
     if teacher_vocab == sizes:
         return []
     student_size = "the tokenizer's, sized in preparation" if sizes is None else str(sizes)
