@@ -31,7 +31,7 @@ from components.runtime.output_dir import unused_folder
 from components.runtime.problems import ConfigError, say
 from components.targets import check_target
 from recipes.plan import Checked, degrees, model_choice, model_facts, model_use, workload
-from recipes.schema import SCHEMAS, Config
+from recipes.schema import Config, DistillConfig, DpoConfig
 from recipes.validate import SchemaError, validate
 
 # Model, data and tokenizer modules (transformers, datasets, DTensor) are imported by the checks
@@ -39,15 +39,25 @@ from recipes.validate import SchemaError, validate
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
-def compose(overrides: list[str], config_name: str = "config") -> DictConfig:
-    """The recipe's config (``conf/config_name.yaml``: ``config``, ``distill``) composed from
-    ``overrides``, or one ``error:`` line."""
-    advise = functools.partial(_append_advice, config_name=config_name)
-    return compose_config(CONF_DIR, overrides, advise, config_name)
+def compose(overrides: list[str]) -> DictConfig:
+    """The recipe's config composed from ``overrides`` (``conf/``), or one ``error:`` line."""
+    return compose_config(CONF_DIR, overrides, advise=_append_advice)
+
+
+def compose_dpo(overrides: list[str]) -> DictConfig:
+    """``recipes/dpo.py``'s config (``conf/dpo.yaml``) composed from ``overrides``."""
+    advise = functools.partial(_append_advice, name="dpo", schema=DpoConfig)
+    return compose_config(CONF_DIR, overrides, advise=advise, name="dpo")
+
+
+def compose_distill(overrides: list[str]) -> DictConfig:
+    """``recipes/distill.py``'s config (``conf/distill.yaml``) composed from ``overrides``."""
+    advise = functools.partial(_append_advice, name="distill", schema=DistillConfig)
+    return compose_config(CONF_DIR, overrides, advise=advise, name="distill")
 
 
 def _append_advice(
-    key: str, overrides: list[str], message: str, config_name: str = "config"
+    key: str, overrides: list[str], message: str, name: str = "config", schema=Config
 ) -> str | None:
     """For Hydra's "Could not override 'train.max_stpes'. To append to your config use
     +train.max_stpes=5": None (Hydra's advice stands) when that ``+`` override then passes the
@@ -60,9 +70,9 @@ def _append_advice(
     rest = [o for o, is_key in zip(overrides, given, strict=True) if not is_key]
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            appended_cfg = hydra_compose(config_name=config_name, overrides=appended)
-            settings, refused = _validated(appended_cfg, SCHEMAS[config_name])
-            known = dotted_keys(OmegaConf.to_container(hydra_compose(config_name, overrides=rest)))
+            appended_config = hydra_compose(config_name=name, overrides=appended)
+            settings, refused = _validated(appended_config, schema)
+            known = dotted_keys(OmegaConf.to_container(hydra_compose(name, overrides=rest)))
     except (HydraException, OmegaConfBaseException):
         return None  # Hydra would refuse the + too: its own words
     refused = refused or _open_group_problems(settings)
@@ -133,7 +143,7 @@ def check(
     """Every check that needs no effect, all problems at once (ConfigError): config in, decisions
     out; nothing is written, tokenized or trained, and ``cfg`` is left as it was. ``output_dir`` is
     a sweep job's folder; ``hydra_run_dir`` the run dir Hydra was given; ``schema`` the recipe's
-    (``recipes/schema.py``: ``Config``, or another recipe's with its own sections)."""
+    (``Config``, ``DpoConfig``)."""
     settings, found = _validated(cfg, schema)
     _refuse(found)
     from components.data.checks import checked_source  # after the schema: a bad key is fast
@@ -158,7 +168,8 @@ def check(
     size_problems += problems("debug.fault", fault_layout_errors(fault, dims.tp)) if dims else []
     resume = explicit_checkpoint_errors(settings.checkpoint.resume)
     checked = model_problems(settings, dims, device_type)
-    source, data_problems = checked_source(settings.data.model_dump(by_alias=True))
+    data = settings.data.model_dump(by_alias=True)
+    source, data_problems = checked_source(data, settings.preference_pairs)
     found += size_problems + resume + check_output_dir(output) + checked.problems + data_problems
     _refuse(found + where_errors(output, hydra_run_dir, per_run, started_by_launcher()))
     _notes(settings, dims, output, per_run, warmup)
@@ -231,9 +242,10 @@ def _notes(settings: Config, dims: ParallelDims, output: Path, per_run: bool, wa
         say(f"note: {unread}")
 
 
-def _validated(cfg: DictConfig, schema: type[Config] = Config) -> tuple[Config | None, list]:
-    """The ``schema``'s reading of the composed config: interpolations, types, ranges, known
-    keys."""
+def _validated(
+    cfg: DictConfig, schema: type[Config] = Config
+) -> tuple[Config | None, list[Problem]]:
+    """The schema's reading of the composed config: interpolations, types, ranges, known keys."""
     try:
         return validate(cfg, schema), []
     except SchemaError as error:

@@ -26,15 +26,18 @@ from recipes.schema import DistillConfig
 
 
 def check_distillation(
-    cfg: DictConfig, job_dir: str | None, hydra_run_dir: str | None
+    cfg: DictConfig,
+    job_dir: str | None,
+    hydra_run_dir: str | None,
+    schema: type[DistillConfig] = DistillConfig,
 ) -> DistillChecked:
-    """Fine-tuning's checks of ``cfg`` against the distillation schema, then what distillation
-    does not run (:func:`layout_problems`) and the teacher (``components.models.checks``)."""
-    checked = check(cfg, job_dir, hydra_run_dir, DistillConfig)
+    """Fine-tuning's checks of ``cfg`` against the distillation ``schema`` (with what
+    distillation does not run: ``DistillConfig.unsupported``), then the teacher
+    (``components.models.checks``)."""
+    checked = check(cfg, job_dir, hydra_run_dir, schema)
     settings, dims = checked.settings, checked.dims
     student = CheckedModel(path=checked.model_path, config=checked.model_config)
-    found = layout_problems(settings, dims.pp, dims.cp)
-    if found := found + teacher_family_problems(settings):
+    if found := teacher_family_problems(settings):
         raise ConfigError(found)  # the teacher cannot be built to be checked
     choice = teacher_choice(settings)
     use = replace(model_use(settings, checked.device_type), lora=None, peft_lora=False)
@@ -70,28 +73,6 @@ def teacher_family_problems(settings: DistillConfig) -> list[Problem]:
         return []
     why = f"teacher.family is null and model={settings.model.name} names no family either"
     return [Problem(key="teacher.family", message=f"{why}: set teacher.family, e.g. llama")]
-
-
-def layout_problems(settings: DistillConfig, pp: int, cp: int) -> list[Problem]:
-    """What ``recipes/distill.py`` does not run yet, each refused in one line."""
-    refused = (
-        (pp > 1, f"pp={pp}", "the teacher has no pipeline stages of its own; use pp=1"),
-        (cp > 1, f"cp={cp}", "the teacher's forward is not split by context parallelism; use cp=1"),
-        (
-            settings.dry_run,
-            "dry_run=true",
-            "the dry run and the memory model would price the student alone, not its teacher; "
-            "run recipes/finetune.py's dry run for the student's layout",
-        ),
-    )
-    return [
-        Problem(
-            key=what.split("=")[0],
-            message=f"{what} is not supported by recipes/distill.py yet: {why}",
-        )
-        for on, what, why in refused
-        if on
-    ]
 
 
 def head_problems(student_config: Any, teacher_config: Any) -> list[Problem]:

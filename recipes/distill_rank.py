@@ -21,7 +21,7 @@ from components.training.distillation import (
     distill_forward_backward,
 )
 from recipes import finetune_rank
-from recipes.plan import DistillPlan, Run, Steps
+from recipes.plan import DistillPlan, Run
 
 
 def distill_options(run: Run, plan: DistillPlan) -> DistillStep:
@@ -57,10 +57,11 @@ def distill_record(run: Run, plan: DistillPlan, step: int, sums: list[float]) ->
     return {name: total / labelled for name, total in zip(DISTILL_METRICS, sums, strict=True)}
 
 
-def distill_steps(run: Run, plan: DistillPlan) -> Steps:
+def distill_steps(
+    run: Run, plan: DistillPlan
+) -> tuple[finetune_rank.StepFn, finetune_rank.RecordFn]:
     """Distillation's step function and metrics for ``run``, its teacher built on its meshes."""
-    step_fn = functools.partial(distill_step, distill=distill_options(run, plan))
-    return Steps(step_fn=step_fn, record=distill_record)
+    return functools.partial(distill_step, distill=distill_options(run, plan)), distill_record
 
 
 def rank_main(plan: DistillPlan) -> str | None:

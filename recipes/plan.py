@@ -239,20 +239,6 @@ class Run:
     before_commit: Callable[[Path], None] | None = None  # the writer's callback (a drill's)
 
 
-StepFn = Callable[[Run, "RunPlan", int], "torch.Tensor"]  # the step's sums, on the device
-# the step's sums (summed over the loss's ranks, read once: a number, or a list) -> its metrics
-Record = Callable[[Run, "RunPlan", int, Any], dict]
-
-
-@dataclass(frozen=True, kw_only=True)
-class Steps:
-    """A recipe's step function and the metrics it makes of the step's sums (what each rank's
-    ``train`` runs: ``recipes/finetune_rank.py``)."""
-
-    step_fn: StepFn
-    record: Record
-
-
 def workload(settings: Config) -> Workload:
     """What the layout splits and composes with, from the settings: the step's batch geometry,
     ``train.compile`` and the pipeline schedule."""

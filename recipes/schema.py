@@ -325,6 +325,8 @@ class Schedule(BaseModel):
 
 class Config(Section):
     RECIPE: ClassVar[str] = "recipes/finetune.py"  # the recipe whose config this is (messages)
+    # the data's records are preference pairs (recipes/dpo.py's), else prompt and answer
+    preference_pairs: ClassVar[bool] = False
 
     seed: Annotated[int, Field(ge=0, lt=2**63)] = key("an integer in [0, 2**63), e.g. seed=0")
     tp: PositiveInt = key("a positive integer, e.g. tp=2", "tensor-parallel size")
@@ -494,16 +496,26 @@ class Config(Section):
         return unread
 
 
+def refused_settings(script: str, refused: list[tuple[str, Any, bool, str]]) -> list[Problem]:
+    """One problem per setting a recipe ``script`` refuses, of ``refused``'s (key, its value,
+    refused, why), naming the key."""
+    return [
+        Problem(key=name, message=f"{name}={show(value)} is not run by {script}: {why}")
+        for name, value, on, why in refused
+        if on
+    ]
+
+
 class Dpo(Section):
     """``recipes/dpo.py``'s loss (docs/dpo.md): a policy against a frozen reference on preference
     pairs."""
 
     # the loss's sharpness: rewards are beta × (policy − reference) answer log-probabilities
     beta: Annotated[float, Field(gt=0, allow_inf_nan=False)] = key(
-        "a positive number, e.g. dpo.beta=0.1"
+        "a positive number, e.g. dpo.beta=0.1", "DPO's beta: rewards are beta × log-prob ratios"
     )
     # sigmoid: DPO's −log σ(β·Δ); ipo: (Δ per answer token − 1/(2β))²
-    loss_type: Literal[DPO_LOSS_TYPES] = key(one_of(DPO_LOSS_TYPES))
+    loss_type: Literal[DPO_LOSS_TYPES] = key(one_of(DPO_LOSS_TYPES), "sigmoid (DPO) or ipo")
     # conservative DPO (sigmoid only): the assumed probability that a pair's labels are flipped
     label_smoothing: Annotated[float, Field(ge=0, lt=0.5)] = key(
         "a number in [0, 0.5), e.g. dpo.label_smoothing=0.1"
@@ -523,8 +535,31 @@ class DpoConfig(Config):
     """``recipes/dpo.py``'s config: every key of ``finetune.py``'s and the ``dpo`` section."""
 
     RECIPE: ClassVar[str] = "recipes/dpo.py"
-
+    preference_pairs: ClassVar[bool] = True
     dpo: Dpo
+
+    def option_problems(self, warmup: int, output: Path, device_type: str) -> tuple[list, Any]:
+        """Fine-tuning's, the ``dpo`` section's, and what ``dpo.py`` does not run."""
+        found, fault = super().option_problems(warmup, output, device_type)
+        return found + problems("dpo", self.dpo.errors()) + self.unsupported(), fault
+
+    def unsupported(self) -> list[Problem]:
+        """The settings ``dpo.py`` refuses, each one problem naming its key (docs/dpo.md)."""
+        train, peft = self.train, self.peft
+        refused = [  # (key, its value, refused, why)
+            ("cp", self.cp, self.cp > 1, "an answer's log-probability sums its whole sequence, "
+             "which context parallelism splits: use cp=1"),
+            ("pp", self.pp, self.pp > 1, "no pipeline schedule runs DPO's two forwards: use pp=1"),
+            ("train.packing", train.packing, train.packing, "a preference pair's two "
+             "conversations are rows of their own: use train.packing=false"),
+            ("train.val_every", train.val_every, train.val_every > 0, "dpo.py has no validation "
+             "loss: use train.val_every=0"),
+            ("peft.experts", peft.experts, bool(peft.experts), "adapters on experts cannot be "
+             "switched off for the reference: use peft.experts=false"),
+            ("dry_run", self.dry_run, self.dry_run, "the dry run does not price dpo.py's "
+             "reference model: run without dry_run=true"),
+        ]  # fmt: skip
+        return refused_settings("dpo.py", refused)
 
 
 class Teacher(Section):
@@ -533,7 +568,8 @@ class Teacher(Section):
     vocabulary, split on the student's meshes by its own TP plan."""
 
     pretrained_path: Text | None = key(
-        "null (built from teacher.config) or a local Hugging Face model folder or a Hub id"
+        "null (built from teacher.config) or a local Hugging Face model folder or a Hub id",
+        "the teacher's folder or Hub id (null: built from teacher.config)",
     )
     # the family teacher.config builds (its TP plan); null: the student's model.family
     family: Text | None = key("null (the student's model.family) or a model family, e.g. llama")
@@ -546,10 +582,12 @@ class Distill(Section):
     """``recipes/distill.py``'s loss: alpha · CE + (1 − alpha) · T² · KL(teacher ‖ student)."""
 
     # the cross entropy's share of the loss; the KL term has the rest
-    alpha: Annotated[float, Field(ge=0, le=1)] = key("a number in [0, 1], e.g. distill.alpha=0.5")
+    alpha: Annotated[float, Field(ge=0, le=1)] = key(
+        "a number in [0, 1], e.g. distill.alpha=0.5", "the cross entropy's share of the loss"
+    )
     # T: both models' softmaxes are taken of their logits / T in the KL
     temperature: Annotated[float, Field(gt=0, allow_inf_nan=False)] = key(
-        "a positive number, e.g. distill.temperature=2.0"
+        "a positive number, e.g. distill.temperature=2.0", "the KL's softmax temperature T"
     )
 
 
@@ -562,6 +600,20 @@ class DistillConfig(Config):
     teacher: Teacher
     distill: Distill
 
+    def option_problems(self, warmup: int, output: Path, device_type: str) -> tuple[list, Any]:
+        """Fine-tuning's, and what ``distill.py`` does not run."""
+        found, fault = super().option_problems(warmup, output, device_type)
+        return found + self.unsupported(), fault
 
-# each recipe's primary config (conf/NAME.yaml) and the schema it is checked against
-SCHEMAS: dict[str, type[Config]] = {"config": Config, "dpo": DpoConfig, "distill": DistillConfig}
+    def unsupported(self) -> list[Problem]:
+        """The settings ``distill.py`` refuses, each one problem naming its key
+        (docs/distillation.md)."""
+        refused = [  # (key, its value, refused, why)
+            ("pp", self.pp, self.pp > 1, "the teacher has no pipeline stages of its own: use pp=1"),
+            ("cp", self.cp, self.cp > 1, "the teacher's forward is not split by context "
+             "parallelism: use cp=1"),
+            ("dry_run", self.dry_run, self.dry_run, "the dry run and the memory model would price "
+             "the student alone, not its teacher: run recipes/finetune.py's dry run for the "
+             "student's layout"),
+        ]  # fmt: skip
+        return refused_settings("distill.py", refused)

@@ -111,8 +111,8 @@ def _unset(container: Any, prefix: str = "") -> list[str]:
 
 
 def validate(cfg: DictConfig, schema: type[Config] = Config) -> Config:
-    """The composed config (without its ``hydra`` node) checked against the ``schema`` (a
-    recipe's: ``Config`` or a subclass), every problem at once."""
+    """The composed config (without its ``hydra`` node) checked against the ``schema`` (a recipe's:
+    ``Config`` or a subclass), every problem at once."""
     body = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
     try:
         container = OmegaConf.to_container(body, resolve=True, throw_on_missing=False)

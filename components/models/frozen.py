@@ -1,7 +1,7 @@
 """A frozen second model on the run's meshes: DPO's reference, distillation's teacher.
 
 It is built, split and loaded exactly as the trained model is (``build_parallel_model``: the TP
-plan of its family, expert parallelism, FSDP over dp, context parallelism), its TP replicas made
+plan of its family, expert parallelism, FSDP, context parallelism), its TP replicas made
 identical, then frozen: no parameter wants a gradient (so no optimizer ever holds state for it)
 and it runs in eval mode (no dropout). Only its forward runs, so it needs no activation
 checkpointing.
@@ -20,10 +20,7 @@ from components.models.parallelize import ModelSpec, build_parallel_model
 
 
 def build_frozen_model(
-    spec: ModelSpec,
-    dims: ParallelDims,
-    meshes: Meshes,
-    device: torch.device,
+    spec: ModelSpec, dims: ParallelDims, meshes: Meshes, device: torch.device
 ) -> nn.Module:
     """The model ``spec`` describes (its config, weights and split), sharded over ``meshes`` as
     ``dims`` says, loaded, and frozen (``requires_grad_(False)``, eval mode). On the meta

@@ -11,14 +11,14 @@ import pytest
 from components.data import DEFAULT_VOCAB_SIZE, train_tokenizer
 from components.models import tiny_config
 from components.runtime.problems import ConfigError
-from recipes.checks import compose
+from recipes.checks import compose_distill
 from recipes.distill_checks import check_distillation
 from tests.saved_models import save_model
 
 
 def refusals(tmp_path: Path, *overrides: str) -> list[str]:
     """The lines the checks refuse ``overrides`` with (none: they pass)."""
-    cfg = compose([f"output_dir={tmp_path / 'run'}", *overrides], "distill")
+    cfg = compose_distill([f"output_dir={tmp_path / 'run'}", *overrides])
     try:
         check_distillation(cfg, None, None)
     except ConfigError as error:
@@ -85,7 +85,6 @@ def test_a_teacher_that_does_not_split_at_the_layout_is_refused_as_the_teachers(
 def test_the_layouts_distillation_does_not_run_are_refused(tmp_path):
     said = refusals(tmp_path, "pp=2", "train.global_batch_size=16")
     assert said == [
-        "pp=2 is not supported by recipes/distill.py yet: the teacher has no pipeline stages of "
-        "its own; use pp=1"
+        "pp=2 is not run by distill.py: the teacher has no pipeline stages of its own: use pp=1"
     ]
-    assert refusals(tmp_path, "dry_run=true")[0].startswith("dry_run=true is not supported by")
+    assert refusals(tmp_path, "dry_run=true")[0].startswith("dry_run=true is not run by")
