@@ -1,8 +1,9 @@
 """``recipes/distill.py`` as a user runs it: the real command line in a subprocess, the default
 tiny Llama student and its tiny Llama teacher (twice its size), each layout against its tp=1
-twin: tp=2, dp=2 × tp=2 with sp, and a Qwen3-MoE student at tp=2 ep=2. fp32 on the CPU: a layout
-changes only the order of sums, so each step's loss, CE and KL agree within 1e-5 of the loss. One
-module fixture trains each configuration once; the metrics and the export are read from it."""
+twin: tp=2, dp=2 × tp=2 with sp, cp=2, and a Qwen3-MoE student at tp=2 ep=2. fp32 on the CPU: a
+layout changes only the order of sums, so each step's loss, CE and KL agree within 1e-5 of the
+loss. One module fixture trains each configuration once; the metrics and the export are read
+from it."""
 
 from pathlib import Path
 
@@ -18,6 +19,7 @@ RUNS = {
     "tp1": ["tp=1", "checkpoint.export=true"],
     "tp2": ["tp=2"],
     "dp2_tp2_sp": ["tp=2", "dp=2", "sp=true"],
+    "cp2": ["cp=2"],
     "moe_tp1": ["model=qwen3_moe", "tp=1"],
     "moe_tp2_ep2": ["model=qwen3_moe", "tp=2", "ep=2"],
 }
@@ -46,7 +48,8 @@ def agree(got: list[dict], want: list[dict]) -> float:
 
 
 @pytest.mark.parametrize(
-    ("name", "twin"), [("tp2", "tp1"), ("dp2_tp2_sp", "tp1"), ("moe_tp2_ep2", "moe_tp1")]
+    ("name", "twin"),
+    [("tp2", "tp1"), ("dp2_tp2_sp", "tp1"), ("cp2", "tp1"), ("moe_tp2_ep2", "moe_tp1")],
 )
 def test_each_layout_distils_as_its_tp1_twin(runs, name, twin):
     assert agree(runs[name], runs[twin]) <= 1e-5
