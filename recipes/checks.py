@@ -211,6 +211,8 @@ def model_problems(settings: Config, dims: ParallelDims | None, device_type: str
         return checked
     if not checked.experts:
         checked.problems += problems("moe", settings.moe.dense_errors(settings.model.name))
+    model_type = checked.config.model_type
+    checked.problems += problems("model", settings.model_errors(model_type, checked.experts))
     checked.problems += expert_parallel_problems(checked.meta, checked.experts, dims.ep, dims.tp)
     checked.problems += layout_model_problems(settings, dims, checked.config)
     return checked

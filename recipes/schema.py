@@ -421,6 +421,11 @@ class Config(Section):
         found += problems("profile", self.profile.errors(max_steps, device_type))
         return found + problems("peft", self.peft.errors()), fault
 
+    def model_errors(self, model_type: str, experts: tuple[str, ...]) -> list[str]:
+        """What the recipe cannot train of a model of ``model_type`` with ``experts`` (none:
+        ``finetune.py`` trains them all)."""
+        return []
+
     def pipeline_errors(self) -> list[str]:
         """``pp_schedule`` and ``pp_stages_per_rank`` that disagree (interleaved: 2 stages or more
         per rank)."""
@@ -542,6 +547,24 @@ class DpoConfig(Config):
         """Fine-tuning's, the ``dpo`` section's, and what ``dpo.py`` does not run."""
         found, fault = super().option_problems(warmup, output, device_type)
         return found + problems("dpo", self.dpo.errors()) + self.unsupported(), fault
+
+    def model_errors(self, model_type: str, experts: tuple[str, ...]) -> list[str]:
+        """An MoE model (its router's load-balancing loss and expert counts are not DPO's yet), or
+        one whose head the chunked log-probabilities do not compute."""
+        from components.distributed.chunked_loss import PLAIN_HEAD_FAMILIES  # torch: the checks'
+
+        found = []
+        if experts:
+            found.append(
+                f"model={self.model.name} has experts: dpo.py adds no router load-balancing loss "
+                "and counts no expert load yet: use a dense model"
+            )
+        if model_type not in PLAIN_HEAD_FAMILIES:
+            found.append(
+                f"model={self.model.name} is a {model_type} model: dpo.py computes the answers' "
+                f"log-probabilities from a plain lm_head of {', '.join(PLAIN_HEAD_FAMILIES)}"
+            )
+        return found
 
     def unsupported(self) -> list[Problem]:
         """The settings ``dpo.py`` refuses, each one problem naming its key (docs/dpo.md)."""

@@ -102,3 +102,17 @@ def test_what_dpo_does_not_run_is_one_error_line_before_any_rank(tmp_path):
         "rejected; its keys: 'chosen', 'prompt')"
     ]
     assert not (tmp_path / "run").exists()  # refused before the folder is claimed
+
+
+def test_resume_at_another_tp_equals_the_uninterrupted_run(runs, tmp_path):
+    """Stopped after step 2 at tp=2 (a checkpoint of the policy and its optimizer; the reference
+    is rebuilt from the starting weights), resumed at tp=1: steps 3 and 4 are the uninterrupted
+    run's."""
+    interrupted = tmp_path / "interrupted"
+    dpo(interrupted, "tp=2", "checkpoint.every_steps=2", "train.stop_after=2")
+    dpo(interrupted, "checkpoint.resume=auto")
+    resumed, uninterrupted = metrics(interrupted), metrics(runs["tp1"])
+    assert [step["step"] for step in resumed] == [1, 2, 3, 4]
+    for ours, theirs in zip(resumed[2:], uninterrupted[2:], strict=True):
+        for key in ("loss", "logps/chosen", "logps/rejected", "grad_norm"):
+            assert ours[key] == pytest.approx(theirs[key], rel=1e-5), key
