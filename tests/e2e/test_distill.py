@@ -15,6 +15,7 @@ from tests.e2e.test_recipe_training import recipe
 SCRIPT = "recipes/distill.py"
 STEPS = 4
 NAMES = ("loss", "ce_loss", "kd_loss")
+STEPS_AT_T2 = [f"train.max_steps={STEPS}", "distill.temperature=2.0"]
 RUNS = {
     "tp1": ["tp=1", "checkpoint.export=true"],
     "tp2": ["tp=2"],
@@ -28,18 +29,17 @@ RUNS = {
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, list[dict]]:
     root = tmp_path_factory.mktemp("distill")
-    steps = [f"train.max_steps={STEPS}", "distill.temperature=2.0"]
     return {
-        name: recipe(root / name, *steps, *overrides, script=SCRIPT)
+        name: recipe(root / name, *STEPS_AT_T2, *overrides, script=SCRIPT)
         for name, overrides in RUNS.items()
     } | {"root": root}
 
 
-def agree(got: list[dict], want: list[dict]) -> float:
+def agree(got: list[dict], want: list[dict], steps: tuple[int, ...] = (1, 2, 3, 4)) -> float:
     """The largest difference of the distillation metrics, step by step, relative to the step's
     loss: the KL of two near-uniform random models is a small difference of large sums (its
     fp32 rounding alone is ~1e-5 of itself), so each term is held to the loss's scale."""
-    assert [row["step"] for row in got] == [row["step"] for row in want] == [1, 2, 3, 4]
+    assert [row["step"] for row in got] == [row["step"] for row in want] == list(steps)
     return max(
         abs(a[name] - b[name]) / abs(b["loss"])
         for a, b in zip(got, want, strict=True)
@@ -66,3 +66,15 @@ def test_the_metrics_are_the_loss_and_its_two_terms(runs):
 def test_the_student_is_exported(runs):
     student = AutoModelForCausalLM.from_pretrained(Path(runs["root"]) / "tp1" / "hf")
     assert student.config.hidden_size == 64  # the student's, not the teacher's 128
+
+
+def test_resume_at_another_tp_equals_the_uninterrupted_run(runs, tmp_path):
+    """Stopped after step 2 at tp=2 (a checkpoint of the student and its optimizer; the teacher
+    is rebuilt from its config), resumed at tp=1: steps 3 and 4 are the uninterrupted run's."""
+    interrupted, steps = tmp_path / "interrupted", STEPS_AT_T2
+    recipe(
+        interrupted, *steps, "tp=2", "checkpoint.every_steps=2", "train.stop_after=2", script=SCRIPT
+    )
+    resumed = recipe(interrupted, *steps, "checkpoint.resume=auto", script=SCRIPT)
+    assert [row["step"] for row in resumed] == [1, 2, 3, 4]
+    assert agree(resumed[2:], runs["tp1"][2:], steps=(3, 4)) <= 1e-5
