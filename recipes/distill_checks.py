@@ -3,7 +3,9 @@ distillation schema (``recipes/schema.py``: ``teacher``, ``distill``), what dist
 run yet, the teacher as a model of its own (``components/models/checks.py``: its folder or config,
 its TP plan at the run's layout, its vocabulary against the student's), every problem one
 ``error:`` line before any rank starts; then fine-tuning's preparation and the teacher's spec.
-Imported once the command line is read (``recipes/distill.py``), as ``recipes/checks.py`` is.
+Imported once the command line is read (``recipes/distill.py``), as ``recipes/checks.py`` is;
+what the model checks and the preparation import comes after the schema has passed, so a misspelt
+key costs what it costs ``finetune.py``.
 """
 
 import copy
@@ -12,8 +14,6 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from components.distributed.chunked_loss import PLAIN_HEAD_FAMILIES
-from components.models.checks import CheckedModel, check_teacher
 from components.models.families import moe_patterns
 from components.models.options import ModelChoice
 from components.problems import Problem
@@ -21,7 +21,6 @@ from components.runtime.output_dir import OutputDirLock
 from components.runtime.problems import ConfigError, say
 from recipes.checks import check
 from recipes.plan import DistillChecked, DistillPlan, RunPlan, model_choice, model_use
-from recipes.prepare import model_spec, prepare
 from recipes.schema import DistillConfig
 
 
@@ -35,6 +34,8 @@ def check_distillation(
     distillation does not run: ``DistillConfig.unsupported``), then the teacher
     (``components.models.checks``)."""
     checked = check(cfg, job_dir, hydra_run_dir, schema)
+    from components.models.checks import CheckedModel, check_teacher  # once the schema passed
+
     settings, dims = checked.settings, checked.dims
     student = CheckedModel(path=checked.model_path, config=checked.model_config)
     if found := teacher_family_problems(settings):
@@ -78,6 +79,8 @@ def teacher_family_problems(settings: DistillConfig) -> list[Problem]:
 def head_problems(student_config: Any, teacher_config: Any) -> list[Problem]:
     """Both heads must be ones the chunked loss computes: a plain linear ``lm_head`` of a family
     whose forward ends in it (``PLAIN_HEAD_FAMILIES``), no soft-capped logits."""
+    from components.distributed.chunked_loss import PLAIN_HEAD_FAMILIES  # DTensor: after checks
+
     found = []
     for key, config in (("model", student_config), ("teacher", teacher_config)):
         capped = getattr(config, "final_logit_softcapping", None) is not None
@@ -94,6 +97,8 @@ def head_problems(student_config: Any, teacher_config: Any) -> list[Problem]:
 def prepare_distillation(checked: DistillChecked) -> tuple[DistillPlan, OutputDirLock | None]:
     """Fine-tuning's preparation (tokenizer, data, output folder, checkpoint), then the teacher's
     spec: its folder, or its config with the student's vocabulary."""
+    from recipes.prepare import model_spec, prepare  # datasets, tokenizers: after the checks
+
     plan, lock = prepare(checked)
     config = copy.deepcopy(checked.teacher_config)
     if checked.teacher_path is None:  # built: the student's vocabulary, the tokenizer's size
