@@ -426,6 +426,11 @@ class Config(Section):
         ``finetune.py`` trains them all)."""
         return []
 
+    def recipe_decisions(self) -> dict[str, Any]:
+        """``train`` keys the recipe decides whatever their value (none: ``finetune.py`` reads
+        them all as given)."""
+        return {}
+
     def pipeline_errors(self) -> list[str]:
         """``pp_schedule`` and ``pp_stages_per_rank`` that disagree (interleaved: 2 stages or more
         per rank)."""
@@ -566,6 +571,20 @@ class DpoConfig(Config):
             )
         return found
 
+    def recipe_decisions(self) -> dict[str, Any]:
+        """No validation: ``dpo.py`` has no validation loss (``unread_keys`` says so)."""
+        return {"val_every": 0}
+
+    def unread_keys(self, dims: "ParallelDims") -> list[str]:
+        """Fine-tuning's, and ``train.val_every``: dpo.py never validates."""
+        unread = super().unread_keys(dims)
+        if self.train.val_every:
+            unread.append(
+                f"train.val_every={self.train.val_every} is not read by dpo.py: it has no "
+                "validation loss yet"
+            )
+        return unread
+
     def unsupported(self) -> list[Problem]:
         """The settings ``dpo.py`` refuses, each one problem naming its key (docs/dpo.md)."""
         train, peft = self.train, self.peft
@@ -575,8 +594,6 @@ class DpoConfig(Config):
             ("pp", self.pp, self.pp > 1, "no pipeline schedule runs DPO's two forwards: use pp=1"),
             ("train.packing", train.packing, train.packing, "a preference pair's two "
              "conversations are rows of their own: use train.packing=false"),
-            ("train.val_every", train.val_every, train.val_every > 0, "dpo.py has no validation "
-             "loss: use train.val_every=0"),
             ("peft.experts", peft.experts, bool(peft.experts), "adapters on experts cannot be "
              "switched off for the reference: use peft.experts=false"),
             ("dry_run", self.dry_run, self.dry_run, "the dry run does not price dpo.py's "
