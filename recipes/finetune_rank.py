@@ -12,7 +12,6 @@ import math
 import sys
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -54,7 +53,7 @@ from components.training.schedule import build_schedule
 from components.training.step import forward_backward_on_device  # reads the models' TP plans
 from components.training.validation import run_validation
 from recipes.export import export, export_folders
-from recipes.plan import Run, RunPlan
+from recipes.plan import RecordFn, Run, RunPlan, StepFn
 from recipes.prepare import resume_again
 
 
@@ -140,11 +139,6 @@ def forward_backward_step(run: Run, plan: RunPlan, step: int) -> torch.Tensor:
         options = (run.compute(), run.aux_loss_weight, plan.train.loss_chunk_tokens, run.cp)
         loss_sum += forward_backward_on_device(run.state.model, *tensors, *options)  # no read
     return loss_sum
-
-
-StepFn = Callable[["Run", "RunPlan", int], torch.Tensor]
-# the step's loss metrics from the step function's sums, as read on the host
-RecordFn = Callable[["Run", "RunPlan", int, Any], dict]
 
 
 def mean_token_loss(run: Run, plan: RunPlan, step: int, loss_sum: float) -> dict:

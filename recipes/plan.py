@@ -244,6 +244,11 @@ class Run:
     before_commit: Callable[[Path], None] | None = None  # the writer's callback (a drill's)
 
 
+StepFn = Callable[[Run, "RunPlan", int], "torch.Tensor"]  # a step's forward and backward: its sums
+# the step's loss metrics from the step function's sums, as read on the host
+RecordFn = Callable[[Run, "RunPlan", int, Any], dict]
+
+
 def workload(settings: Config) -> Workload:
     """What the layout splits and composes with, from the settings: the step's batch geometry,
     ``train.compile`` and the pipeline schedule."""
