@@ -32,7 +32,7 @@ from components.runtime.problems import ConfigError, say
 from components.runtime.world import cpu_threads_per_rank, visible_gpus
 from components.targets import check_target
 from recipes.plan import Checked, degrees, model_choice, model_facts, model_use, workload
-from recipes.schema import Config, DpoConfig
+from recipes.schema import Config, DistillConfig, DpoConfig
 from recipes.validate import SchemaError, validate
 
 # Model, data and tokenizer modules (transformers, datasets, DTensor) are imported by the checks
@@ -49,6 +49,12 @@ def compose_dpo(overrides: list[str]) -> DictConfig:
     """``recipes/dpo.py``'s config (``conf/dpo.yaml``) composed from ``overrides``."""
     advise = functools.partial(_append_advice, name="dpo", schema=DpoConfig)
     return compose_config(CONF_DIR, overrides, advise=advise, name="dpo")
+
+
+def compose_distill(overrides: list[str]) -> DictConfig:
+    """``recipes/distill.py``'s config (``conf/distill.yaml``) composed from ``overrides``."""
+    advise = functools.partial(_append_advice, name="distill", schema=DistillConfig)
+    return compose_config(CONF_DIR, overrides, advise=advise, name="distill")
 
 
 def _append_advice(

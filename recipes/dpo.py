@@ -21,26 +21,7 @@ except ModuleNotFoundError:  # a bare `python`: one line, not a traceback
     )
     sys.exit(2)
 
-from omegaconf import DictConfig  # noqa: E402 - once the venv is known
-
-DPO = finetune.Recipe(
-    script="dpo.py",
-    config="dpo",
-    compose="recipes.checks:compose_dpo",
-    schema="recipes.schema:DpoConfig",
-    rank_main="recipes.dpo_rank:rank_main",
-)
-
-
-def main(arguments: list[str]) -> None:
-    """Compose ``conf/dpo.yaml`` with the command line, then run (``finetune.main``'s way)."""
-    finetune.main(arguments, DPO, run)
-
-
-def run(cfg: DictConfig, job_dir: str | None, hydra_run_dir: str | None) -> None:
-    """Check against DPO's schema, prepare once, then the ranks (``finetune.run``)."""
-    finetune.run(cfg, job_dir, hydra_run_dir, DPO)
-
+DPO = finetune.Recipe.of("dpo")  # conf/dpo.yaml, DpoConfig, recipes/dpo_rank.py
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    finetune.main(sys.argv[1:], DPO)

@@ -13,9 +13,7 @@ import functools
 
 import torch
 
-from components.distributed.fsdp import set_gradient_sync
 from components.models.frozen import build_frozen_model
-from components.runtime import heartbeat
 from components.training.preference import (
     DPO_METRICS,
     DpoOptions,
@@ -42,11 +40,8 @@ def dpo_step_options(run: Run, plan: RunPlan) -> DpoStep:
 def dpo_step(run: Run, plan: RunPlan, step: int, dpo: DpoStep) -> torch.Tensor:
     """The step function: every micro-batch of step ``step``'s pairs, forward (reference, then
     policy) and backward; the sums of :data:`DPO_METRICS` over this rank's pairs (float64)."""
-    micro_batches = run.data.batches_for_step(step)
     sums = torch.zeros(len(DPO_METRICS), dtype=torch.float64, device=run.device)
-    for index, batch in enumerate(batch.to(run.device) for batch in micro_batches):
-        heartbeat.progress(f"step {step + 1}, micro-batch {index + 1}")
-        set_gradient_sync(run.state.model, index == len(micro_batches) - 1)
+    for batch in finetune_rank.step_micro_batches(run, step):
         sums += dpo_forward_backward(run.state.model, batch, plan.train.global_batch_size, dpo)
     return sums
 

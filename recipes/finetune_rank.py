@@ -11,8 +11,7 @@ import functools
 import math
 import sys
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -20,13 +19,14 @@ import yaml
 
 from components.checkpoint.state import TrainState
 from components.checkpoint.writer import CheckpointWriter
-from components.data.loader import open_splits
+from components.data.loader import Batch, open_splits
 from components.debug.faults import install_faults
 from components.distributed.context_parallel import ContextParallel
 from components.distributed.fsdp import set_gradient_sync
 from components.distributed.grads import clip_grad_norm_, grad_norm
 from components.distributed.pipeline import build_pipeline
 from components.distributed.replicas import check_replicas, write_drift_report
+from components.distributed.step_finalizer import StepFinalizer
 from components.distributed.tp_replicas import (
     broadcast_tp_replicas,
     synchronize_tp_replica_gradients,
@@ -53,7 +53,7 @@ from components.training.schedule import build_schedule
 from components.training.step import forward_backward_on_device  # reads the models' TP plans
 from components.training.validation import run_validation
 from recipes.export import export, export_folders
-from recipes.plan import Run, RunPlan
+from recipes.plan import RecordFn, Run, RunPlan, StepFn
 from recipes.prepare import resume_again
 
 
@@ -92,6 +92,7 @@ def set_up(plan: RunPlan) -> Run:
     pipeline = build_pipeline(model, meshes.world, compute, data, *plan.pipeline)  # None at pp=1
     micro_batches = data.micro_batches_per_step
     aux_loss_weight = router_aux_loss_weight(plan.model.config, micro_batches, dims.dp)
+    finalizer = StepFinalizer()  # its checks join the readout's one read
     run = Run(
         rank=rank,
         device=device,
@@ -104,7 +105,8 @@ def set_up(plan: RunPlan) -> Run:
         experts=experts,
         aux_loss_weight=aux_loss_weight,
         cp=ContextParallel.of(meshes.world),
-        readout=StepReadout(meshes.loss.get_group(), device),  # the loss's dp × cp
+        finalize_gradients=finalizer,
+        readout=StepReadout(meshes.loss.get_group(), device, finalizer),  # the loss's dp × cp
         pipeline=pipeline,
     )
     if plan.fault is not None:  # a resilience drill (docs/fault-injection.md)
@@ -114,27 +116,29 @@ def set_up(plan: RunPlan) -> Run:
     return run
 
 
+def step_micro_batches(run: Run, step: int) -> Iterator[Batch]:
+    """Step ``step``'s micro-batches on the device, for a step function's forward and backward:
+    each marked on the heartbeat, the dp gradient reduce on for the last alone, its real tokens
+    counted by an MoE model's expert load."""
+    micro_batches = run.data.batches_for_step(step)
+    for index, batch in enumerate(batch.to(run.device) for batch in micro_batches):
+        heartbeat.progress(f"step {step + 1}, micro-batch {index + 1}")  # a mark: 0.2 µs
+        set_gradient_sync(run.state.model, index == len(micro_batches) - 1)  # dp reduce once
+        if run.experts:  # the step's imbalance counts real tokens, not the padding
+            run.experts.count_real(batch.real_mask())
+        yield batch
+
+
 def forward_backward_step(run: Run, plan: RunPlan, step: int) -> torch.Tensor:
     """The step function: forward and backward of step ``step``'s micro-batches, the summed loss
     (float64). With pp the rank's pipeline replaces it (``train(..., step_fn=run.pipeline)``)."""
-    micro_batches, labelled = run.data.batches_for_step(step), run.data.labels_in_step(step)
+    labelled = run.data.labels_in_step(step)
     loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)  # mesh groups: NCCL only
-    for index, batch in enumerate(batch.to(run.device) for batch in micro_batches):
-        heartbeat.progress(f"step {step + 1}, micro-batch {index + 1}")  # a mark: 0.2 µs
-        set_gradient_sync(
-            run.state.model, index == len(micro_batches) - 1
-        )  # dp reduce once per step
-        if run.experts:  # the step's imbalance counts real tokens, not the padding
-            run.experts.count_real(batch.real_mask())
+    for batch in step_micro_batches(run, step):
         tensors = (batch.input_ids, batch.labels, labelled, batch.position_ids)
         options = (run.compute(), run.aux_loss_weight, plan.train.loss_chunk_tokens, run.cp)
         loss_sum += forward_backward_on_device(run.state.model, *tensors, *options)  # no read
     return loss_sum
-
-
-StepFn = Callable[["Run", "RunPlan", int], torch.Tensor]
-# the step's loss metrics from the step function's sums, as read on the host
-RecordFn = Callable[["Run", "RunPlan", int, Any], dict]
 
 
 def mean_token_loss(run: Run, plan: RunPlan, step: int, loss_sum: float) -> dict:
@@ -161,13 +165,10 @@ def train_step(
     reset_peak_memory(run.device)
     run.state.optimizer.zero_grad(set_to_none=True)
     loss_sum = step_fn(run, plan, step)
-    run.readout.finalize([run.state.model])  # reads the device at the first step only
+    run.finalize_gradients([run.state.model])  # reads the device at the first step only
     synchronize_tp_replica_gradients([run.state.model], run.meshes.world)  # plan, buffers reused
-    clip, parts, pp = (
-        plan.train.clip_grad_norm,
-        [run.state.model],
-        run.pipeline and run.pipeline.group,
-    )
+    clip, parts = plan.train.clip_grad_norm, [run.state.model]
+    pp = run.pipeline and run.pipeline.group  # the grad norm's sum over the stages
     norm = clip_grad_norm_(parts, clip, across=pp) if clip else grad_norm(parts, across=pp)
     expert_counts = run.experts.end_step() if run.experts else None  # moves the routing bias
     stop = preemption.stop_requested() is not None  # agreed with the writer's flags, read once

@@ -16,7 +16,7 @@ from components.distributed.tp_plan import apply_tp_plan
 from components.models import build_causal_lm, tiny_config
 from components.models.families import plan_for
 from components.training.preference import DpoOptions, DpoStep, dpo_forward_backward
-from tests.distributed.test_post_training_losses import _Widths as _AllWidths
+from tests.distributed.test_post_training_losses import Widths as _AllWidths
 from tests.distributed.test_post_training_losses import full
 from tests.harness import mesh
 from tests.unit.training.test_chunked_loss import batch, relative

@@ -58,7 +58,7 @@ LINKED = (
     "constraints.txt",
 )
 RECIPE = "recipes/finetune.py"
-RECIPES = (RECIPE, "recipes/dpo.py")  # a line may run either
+RECIPES = (RECIPE, "recipes/dpo.py", "recipes/distill.py")  # a line may run any
 TINY_STEPS = 2
 TIMEOUT_S = 600
 # Lines that cannot run here, by a text they hold: why, and the test that covers them.
@@ -161,7 +161,7 @@ def kind(words: list[str]) -> str:
     if head == ".venv/bin/torchrun":
         assert set(RECIPES) & set(arguments), "torchrun runs a recipe"
         return "torchrun"
-    found = {"make": head == "make", "recipe": arguments[:1] in ([name] for name in RECIPES)}
+    found = {"make": head == "make", "recipe": bool(arguments) and arguments[0] in RECIPES}
     found |= {"pytest": arguments[:2] == ["-m", "pytest"], "python -c": arguments[:1] == ["-c"]}
     assert any(found.values()), f"no way to run {words} here: teach tests/e2e/{Path(__file__).name}"
     return next(name for name, matches in found.items() if matches)

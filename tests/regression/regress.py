@@ -51,9 +51,10 @@ def twin(name: str) -> str | None:
 
 
 def recipe_file(name: str) -> str:
-    """The recipe a regression recipe runs with: ``dpo_*``, ``recipes/dpo.py``; the others
-    ``recipes/finetune.py``."""
-    return "recipes/dpo.py" if name.startswith("dpo_") else "recipes/finetune.py"
+    """The recipe a regression recipe runs with: ``dpo_*``, ``recipes/dpo.py``; ``distill_*``,
+    ``recipes/distill.py``; the others ``recipes/finetune.py``."""
+    recipe = name.split("_")[0]
+    return f"recipes/{recipe}.py" if recipe in ("dpo", "distill") else "recipes/finetune.py"
 
 
 def run_recipe(name: str, output_root: Path, extra: list[str]) -> Path:
