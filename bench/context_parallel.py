@@ -121,7 +121,7 @@ def _counting(counts: dict, name: str):
 def _count_rank(seq: int) -> dict:
     """One forward and backward of one ``seq``-token row on this rank's share; bytes received."""
     from components.distributed.context_parallel import ContextParallel
-    from components.distributed.mesh import build_device_mesh, resolve_parallel_dims
+    from components.distributed.layout import resolve_parallel_dims
     from components.models import tiny_config
     from components.models.parallelize import ModelSpec, build_parallel_model
     from components.runtime.launch import init_process_group
@@ -131,7 +131,8 @@ def _count_rank(seq: int) -> dict:
     torch.set_num_threads(1)
     cp = dist.get_world_size()
     dims = resolve_parallel_dims(cp, cp=cp)
-    mesh = build_device_mesh(dims, "cpu")
+    meshes = dims.build_meshes("cpu")
+    mesh = meshes.world
     spec = ModelSpec(
         config=tiny_config("llama", **SHAPE),
         weights=None,
@@ -143,7 +144,7 @@ def _count_rank(seq: int) -> dict:
         activation_checkpointing="none",
         compile=False,
     )
-    model, _ = build_parallel_model(spec, dims, mesh, torch.device("cpu"))
+    model, _ = build_parallel_model(spec, dims, meshes, torch.device("cpu"))
     ids = torch.randint(0, 256, (1, seq), generator=torch.Generator().manual_seed(0))
     counts: dict = {}
     originals = {

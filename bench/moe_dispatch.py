@@ -10,9 +10,9 @@ the all-to-all path alone at the shapes only it can run (experts over data-paral
 Model: Qwen3-MoE from config (``SIZES``: hidden 256, 8 experts of intermediate 256, top-2, 2 layers,
 8 heads), seeded random weights (``build_causal_lm(..., seed=0)``), fp32; global batch ``BATCH`` ×
 ``SEQ`` tokens per step, split over dp. Per shape: ``apply_tp_plan`` when tp > 1 (experts and
-routers left to expert parallelism), ``apply_expert_parallel`` on the ``("ep_shard", "ep")`` mesh of
-``build_moe_mesh`` with the path forced, ``shard_data_parallel`` when dp > 1, AdamW. A step is the
-recipe's: ``forward_backward``, ``finalize_dtensor_gradients``,
+routers left to expert parallelism), ``apply_expert_parallel`` on the ``("ep_shard", "ep")`` mesh
+(``ParallelDims.build_meshes``' experts) with the path forced, ``shard_data_parallel`` when
+dp > 1, AdamW. A step is the recipe's: ``forward_backward``, ``finalize_dtensor_gradients``,
 ``synchronize_tp_replica_gradients``, ``optimizer.step()``.
 
 Time: one gloo process group per world size (``launch_local``), 1 thread per rank; at each shape one
@@ -58,7 +58,7 @@ import torch.distributed as dist
 import components.moe.collectives as moe_collectives
 from components.distributed.fsdp import shard_data_parallel
 from components.distributed.grads import finalize_dtensor_gradients
-from components.distributed.mesh import build_device_mesh, build_moe_mesh, resolve_parallel_dims
+from components.distributed.layout import resolve_parallel_dims
 from components.distributed.tp_plan import apply_tp_plan
 from components.distributed.tp_replicas import synchronize_tp_replica_gradients
 from components.models import build_causal_lm, tiny_config
@@ -192,11 +192,12 @@ def analytic(tp: int, ep: int, dp: int, path: str) -> dict[str, float]:
 def _build(world: int, tp: int, ep: int, path: str):
     cfg = config()
     dims = resolve_parallel_dims(world, tp=tp, ep=ep)
-    mesh = build_device_mesh(dims, "cpu")
+    meshes = dims.build_meshes("cpu")
+    mesh = meshes.world
     model = build_causal_lm(cfg, seed=0)
     if tp > 1:
         apply_tp_plan(model, mesh["tp"], plan_for(cfg), cfg, moe_modules=EXPERTS + ROUTERS)
-    moe_mesh = build_moe_mesh(mesh, dims)
+    moe_mesh = meshes.experts
     for name in apply_expert_parallel(model, moe_mesh, mesh["tp"], list(EXPERTS)):
         module = model.get_submodule(name)  # either path at this shape: the layout is data
         per_rank = module.layout.experts_per_rank

@@ -77,7 +77,7 @@ def _rank(shape: dict, pp: int, schedule: str, m: int, rows: int, seq: int, plan
     per step: busy seconds, step seconds, the peak RSS (GiB) and the RSS before it."""
     import torch.distributed as dist
 
-    from components.distributed.mesh import build_device_mesh, resolve_parallel_dims
+    from components.distributed.layout import resolve_parallel_dims
     from components.distributed.pipeline import build_pipeline
     from components.models import tiny_config
     from components.models.parallelize import ModelSpec, build_parallel_model
@@ -87,12 +87,13 @@ def _rank(shape: dict, pp: int, schedule: str, m: int, rows: int, seq: int, plan
     init_process_group("gloo", timedelta(minutes=10))
     torch.set_num_threads(1)
     dims = resolve_parallel_dims(pp, pp=pp)
-    mesh = build_device_mesh(dims, "cpu")
+    meshes = dims.build_meshes("cpu")
+    mesh = meshes.world
     plain = dict(weights=None, seed=0, sequence_parallel=False, experts=(), routers=())
     how = dict(precision="fp32", activation_checkpointing=plan["ac"], compile=False)
     config = tiny_config("llama", **shape)
     spec = ModelSpec(config=config, **plain, **how, pp_stages_per_rank=PER_RANK.get(schedule, 1))
-    model, _ = build_parallel_model(spec, dims, mesh, torch.device("cpu"))
+    model, _ = build_parallel_model(spec, dims, meshes, torch.device("cpu"))
     data = SimpleNamespace(micro_batches_per_step=m)
     per_rank = PER_RANK.get(schedule, 1)
     pipeline = build_pipeline(model, mesh, nullcontext, data, schedule, per_rank)

@@ -26,7 +26,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import loss_parallel
 
 from components.distributed.grads import clip_grad_norm_, finalize_dtensor_gradients
-from components.distributed.mesh import ParallelDims, build_device_mesh
+from components.distributed.layout import ParallelDims
 from components.distributed.tp_plan import apply_tp_plan, cross_entropy_sum
 from components.distributed.tp_replicas import (
     broadcast_tp_replicas,
@@ -125,7 +125,7 @@ def _loss_sum(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
 
 def _measure(sequence_parallel: bool) -> dict[str, dict[str, tuple[int, int]]]:
     """(count, bytes) per collective kind per phase, for one recipe step at tp=TP on this rank."""
-    mesh = build_device_mesh(ParallelDims(world_size=TP, dp=1, tp=TP), "cpu")
+    mesh = ParallelDims(tp=TP).build_meshes("cpu").world
     config = tiny_config("llama", vocab_size=384)
     model = build_causal_lm(config, seed=0)
     apply_tp_plan(model, mesh["tp"], plan_for(config, sequence_parallel), config, sequence_parallel)

@@ -1,22 +1,17 @@
-"""Every check that needs no effect, once per launch, before any rank starts: config in, problems
-out (``components/runtime/problems.py``), all at once; nothing written, tokenized or trained. The
-effects follow in ``recipes/prepare.py``, once.
-
-In order: Hydra composition (:func:`compose`); interpolations, every key's type, range and the set
-of known keys (``recipes/schema.py``); the optimizer's class and options; sizes that do not factor
-the world; batch sizes and (with ``sp``) the sequence length that do not divide;
-``checkpoint.resume``; ``output_dir``; the model (folder or config, plan divisibility, experts,
-``seq_len`` within its positions); the data source.
+"""The pre-flight: every check that needs no effect, once per launch, before any rank starts:
+config in, problems out (``components/problems.py``), all at once; nothing written, tokenized or
+trained. Each owner checks its own part and this module collects their lines: the schema's sections
+(``recipes/schema.py``), the layout (``components/distributed/layout.py``), the model
+(``components/models/checks.py``; experts ``components/moe/checks.py``), the data
+(``components/data/checks.py``), ``output_dir`` and ``checkpoint.resume`` (``components/runtime``).
+The effects follow in ``recipes/prepare.py``, once.
 """
 
 from __future__ import annotations  # the annotations name classes imported only when needed
 
 import difflib
-import math
 import os
-import stat
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import torch
 from hydra import compose as hydra_compose
@@ -25,28 +20,18 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from components.distributed.mesh import ParallelDims, resolve_parallel_dims
-from components.models.configs import (
-    build_config,
-    config_errors,
-    routing_errors,
-    vocab_size_errors,
-)
-from components.models.families import moe_patterns
-from components.models.hub import resolve_model_folder
-from components.runtime.cli import compose_config
+from components.distributed.layout import LayoutError, ParallelDims
+from components.models.configs import config_errors
+from components.problems import Problem, problems
+from components.runtime.cli import compose_config, dotted_keys
 from components.runtime.launch import cpu_threads_per_rank, started_by_launcher, visible_gpus
+from components.runtime.launch_checks import gpu_count_problems, torchrun_unread_keys
 from components.runtime.output_dir import unused_folder
-from components.runtime.problems import ConfigError, Problem, problems, say, show
+from components.runtime.problems import ConfigError, say
 from components.targets import check_target
-from components.training.loggers import check_logger_available, check_logger_options
-from components.training.optimizer import check_optimizer
-from recipes.plan import Checked
-from recipes.schema import Config, SchemaError, validate
-
-if TYPE_CHECKING:
-    from components.data.sources import DataSource
-    from components.debug.faults import Fault
+from recipes.plan import Checked, degrees, model_choice, model_facts, model_use, workload
+from recipes.schema import Config
+from recipes.validate import SchemaError, validate
 
 # Model, data and tokenizer modules (transformers, datasets, DTensor) are imported by the checks
 # that use them: a mistyped key or a bad value is refused in about the time of `import torch`.
@@ -71,7 +56,7 @@ def _append_advice(key: str, overrides: list[str], message: str) -> str | None:
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             settings, refused = _validated(hydra_compose(config_name="config", overrides=appended))
-            known = _dotted_keys(OmegaConf.to_container(hydra_compose("config", overrides=rest)))
+            known = dotted_keys(OmegaConf.to_container(hydra_compose("config", overrides=rest)))
     except (HydraException, OmegaConfBaseException):
         return None  # Hydra would refuse the + too: its own words
     refused = refused or _open_group_problems(settings)
@@ -102,473 +87,124 @@ def _open_group_problems(settings: Config) -> list[Problem]:
     return found
 
 
-def _dotted_keys(tree: dict, prefix: str = "") -> list[str]:
-    """Every key of a config as a dotted path, groups and leaves."""
-    keys = []
-    for name, value in tree.items():
-        keys.append(f"{prefix}{name}")
-        if isinstance(value, dict):
-            keys += _dotted_keys(value, f"{prefix}{name}.")
-    return keys
-
-
 def check_sizes(
     settings: Config, device_type: str, gpus: int = 0
 ) -> tuple[ParallelDims | None, list[Problem]]:
-    """Parallel sizes that factor the world; batch sizes and (with sp) seq_len that divide; on CUDA
-    one visible GPU (of ``gpus``) for each local rank."""
+    """The layout's problems (``components/distributed/layout.py``) at the world size: torchrun's,
+    ``nproc``, or the layout's default; on CUDA one visible GPU (of ``gpus``) for each local
+    rank."""
     cuda = device_type == "cuda" and not settings.dry_run  # a dry run plans any layout
+    asked, work = degrees(settings), workload(settings)
     if started_by_launcher():
         world_size = int(os.environ["WORLD_SIZE"])
     elif settings.nproc is not None:
         world_size = settings.nproc
     else:
-        inner = settings.pp * settings.cp * settings.tp
-        world_size = (
-            default_gpu_world(settings, gpus)
-            if cuda
-            else (given_dp(settings) or settings.dp_replicate) * inner
-        )
+        world_size, note = asked.default_world(work, gpus if cuda else None)
+        if note:
+            say(note)
     if cuda and (found := gpu_count_problems(world_size, gpus)):
         return None, found
-    sizes = dict(tp=settings.tp, dp=settings.dp, ep=settings.ep, cp=settings.cp)
-    sizes |= dict(dp_replicate=settings.dp_replicate, dp_shard=settings.dp_shard, pp=settings.pp)
     try:
-        dims = resolve_parallel_dims(world_size, **sizes)
-    except ValueError as error:
-        given = settings.nproc is not None or given_dp(settings) is not None
-        given = given or settings.dp_replicate > 1  # HSDP's sizes are the user's
-        if started_by_launcher() or given or device_type == "cuda":
-            return None, [Problem(key="nproc", message=str(error))]
-        fits = math.lcm(settings.pp * settings.cp * settings.tp, settings.ep)  # the least world
-        how = f"start {fits} processes here with nproc={fits}, or use torchrun"
-        return None, [Problem(key="nproc", message=f"{error}; {how}")]
-    train, found = settings.train, []
-    if train.global_batch_size % (train.micro_batch_size * dims.dp):
-        fits = train.micro_batch_size * dims.dp
-        found.append(
-            Problem(
-                key="train.global_batch_size",
-                message=f"train.global_batch_size ({train.global_batch_size}) must be divisible by "
-                "train.micro_batch_size "
-                f"({train.micro_batch_size}) × dp ({dims.dp}): use a multiple of {fits}, e.g. "
-                f"train.global_batch_size={max(fits, train.global_batch_size // fits * fits)}",
-            )
-        )
-    if settings.sp and train.seq_len % dims.tp:
-        fits = max(dims.tp, train.seq_len // dims.tp * dims.tp)
-        found.append(
-            Problem(
-                key="train.seq_len",
-                message=f"train.seq_len ({train.seq_len}) must be divisible by tp ({dims.tp}) "
-                "with sp=true (each rank holds "
-                f"an equal slice of the sequence): use e.g. train.seq_len={fits}",
-            )
-        )
-    return dims, found + context_parallel_problems(settings, dims)
+        dims = asked.resolve(world_size)
+    except LayoutError as error:
+        found = problems("nproc", error.lines)
+        given = settings.nproc is not None or asked.fix_the_world
+        if not (started_by_launcher() or given or device_type == "cuda"):
+            fits = asked.least_world()
+            how = f"start {fits} processes here with nproc={fits}, or use torchrun"
+            found.append(Problem(key="nproc", message=how))
+        return None, found
+    return dims, dims.problems(work)
 
 
-def given_dp(settings: Config) -> int | None:
-    """The dp the settings fix: ``dp``, or ``dp_replicate × dp_shard`` when ``dp_shard`` is set;
-    None: inferred from the world."""
-    if settings.dp is not None or settings.dp_shard is None:
-        return settings.dp
-    return settings.dp_replicate * settings.dp_shard
-
-
-def default_gpu_world(settings: Config, gpus: int) -> int:
-    """The default ``nproc`` on CUDA: ``dp × cp × tp`` when dp is set, else the most of the visible
-    GPUs the layout and the batch fit (``cp × tp`` and ``ep`` divide it, ``global_batch_size``
-    splits into dp micro-batches), with a note when that leaves GPUs idle."""
-    inner, train = settings.pp * settings.cp * settings.tp, settings.train
-    if given_dp(settings) is not None:
-        return given_dp(settings) * inner
-    for world in range(gpus, 0, -1):
-        dp, fits = world // inner, world % inner == 0 and world % settings.ep == 0
-        if fits and train.global_batch_size % (train.micro_batch_size * dp) == 0:
-            if world < gpus:
-                say(
-                    f"note: nproc={world} of the {gpus} visible GPUs: train.global_batch_size="
-                    f"{train.global_batch_size} with train.micro_batch_size="
-                    f"{train.micro_batch_size} splits over dp={dp} at most; for all {gpus}, set "
-                    "nproc and a global_batch_size that splits"
-                )
-            return world
-    return max(gpus, inner)  # nothing fits: too few GPUs for cp × tp, or the size checks say why
-
-
-def gpu_count_problems(world_size: int, gpus: int) -> list[Problem]:
-    """On CUDA every local rank has a GPU of its own (``LOCAL_RANK`` picks it)."""
-    local = int(os.environ["LOCAL_WORLD_SIZE"]) if started_by_launcher() else world_size
-    if local <= gpus:
-        return []
-    seen = os.environ.get("CUDA_VISIBLE_DEVICES")
-    where = f" (CUDA_VISIBLE_DEVICES={seen})" if seen is not None else ""
-    key = "nproc" if not started_by_launcher() else "LOCAL_WORLD_SIZE"
-    message = (
-        f"{local} ranks on this machine need a GPU each but {gpus} "
-        f"{'is' if gpus == 1 else 'are'} visible{where}: use nproc={gpus} or fewer (with dp, cp "
-        "and tp to match), or torchrun across machines"
+def check(
+    cfg: DictConfig, output_dir: str | None = None, hydra_run_dir: str | None = None
+) -> Checked:
+    """Every check that needs no effect, all problems at once (ConfigError): config in, decisions
+    out; nothing is written, tokenized or trained, and ``cfg`` is left as it was. ``output_dir`` is
+    a sweep job's folder; ``hydra_run_dir`` the run dir Hydra was given."""
+    settings, found = _validated(cfg)
+    _refuse(found)
+    from components.data.checks import checked_source  # after the schema: a bad key is fast
+    from components.debug.faults import fault_layout_errors
+    from components.runtime.output_checks import (
+        check_output_dir,
+        explicit_checkpoint_errors,
+        where_errors,
     )
-    return [Problem(key=key, message=message)]
 
-
-def context_parallel_problems(settings: Config, dims: ParallelDims) -> list[Problem]:
-    """With cp > 1: ``train.seq_len`` must split into ``2·cp`` equal chunks (and, with sp, a rank's
-    share into tp slices); ``train.compile`` is not supported with cp yet."""
-    if dims.cp == 1:
-        return []
-    found, seq_len = [], settings.train.seq_len
-    multiple = math.lcm(2 * dims.cp, dims.cp * dims.tp if settings.sp else 1)
-    if seq_len % multiple:
-        why = f"2 × cp ({2 * dims.cp})" if multiple == 2 * dims.cp else f"{multiple}"
-        use = f"train.seq_len={max(multiple, seq_len // multiple * multiple)}"
-        split = ", split over tp with sp=true" if settings.sp else ""
-        message = (
-            f"train.seq_len ({seq_len}) must be divisible by {why} with cp={dims.cp} (each cp rank "
-            f"holds two of 2 × cp equal chunks{split}): use e.g. {use}"
-        )
-        found.append(Problem(key="train.seq_len", message=message))
-    if settings.train.compile:
-        message = f"train.compile=true with cp={dims.cp} is not supported yet: use cp=1"
-        found.append(Problem(key="train.compile", message=message))
-    return found
-
-
-def resolve_model(
-    settings: Config, dims: ParallelDims | None, device_type: str
-) -> tuple[Path | None, Any, list[Problem]]:
-    """(weights folder or None, the model's HF config, problems): the folder or the config, then the
-    TP plan and expert parallelism at these sizes, all checked on one weightless (meta-device)
-    build."""
-    from components.models import load_config, meta_causal_lm
-    from components.models.compile import check_compile
-    from components.models.folder_check import check_model_folder, check_tokenizer_folder
-    from components.models.load import position_offset_problems, sequence_problems
-
-    model = settings.model
-    try:
-        if model.pretrained_path is not None or model.source is not None:
-            if (
-                model.config
-            ):  # the group's sizes (or a user's overrides) do not apply to a pretrained folder
-                say(
-                    f"note: model.config of model={model.name} is not used: the folder's "
-                    "config.json decides"
-                )
-            path = _model_folder(model.pretrained_path, settings.cache_dir)
-            config = load_config(path)
-        else:
-            if errors := config_errors(model.family, model.config) + vocab_size_errors(
-                model.config
-            ):
-                return None, None, problems("model.config", errors)
-            path, config = None, build_config(model.family, model.config)
-    except (ValueError, OSError, RuntimeError) as error:
-        return None, None, [Problem(key="model", message=str(error))]
-    found = config_problems(settings, config, path)
-    cp = 1 if dims is None else dims.cp
-    found += problems("cp", sequence_problems(config, cp, packing=False))
-    found += problems("train.packing", sequence_problems(config, 1, settings.train.packing))
-    found += problems("model", position_offset_problems(config))
-    splits = dims is not None and (dims.tp > 1 or dims.ep > 1)
-    lora = settings.peft.name == "lora" and not settings.peft.errors()
-    fp8 = settings.train.precision == "fp8"
-    try:
-        meta = meta_causal_lm(config) if path is not None or splits or lora or fp8 else None
-    except ValueError as error:  # a config class AutoModelForCausalLM does not map (Emu3's)
-        said = str(error).split("Model type should be one of")[0].strip()  # not the long list
-        return path, config, [*found, Problem(key="model", message=f"transformers: {said}")]
-    except (AttributeError, TypeError, KeyError, IndexError, ImportError) as error:
-        return path, config, [*found, _unbuildable(config, error)]
-    if path is not None:
-        meta = _causal(config, meta, path)
-        rows = meta.get_input_embeddings().num_embeddings
-        folder_errors = check_model_folder(path, meta) + check_tokenizer_folder(path, rows)
-        found += problems("model", folder_errors)
-    if lora:  # the adapters' targets, on the converted model the TP plan then sees
-        experts, _ = moe_patterns(config, model.experts, model.routers)
-        found += lora_problems(meta, settings.peft, experts, model.name)
-    if dims is not None:
-        styles, plan_found = checked_plan(settings, dims, config, meta)  # the plan checked once
-        found += plan_problems(settings, dims, config, meta, plan_found)
-        found += pipeline_problems(settings, dims, config, meta)
-        found += fp8_problems(settings, dims, config, meta, device_type, styles) if fp8 else []
-        try:
-            experts, _ = moe_patterns(config, model.experts, model.routers)
-            check_compile(settings.train.compile, device_type, bool(experts), dims.tp, settings.sp)
-        except ValueError as error:
-            found.append(Problem(key="train.compile", message=str(error)))
-    return path, config, found
-
-
-def _causal(config, meta, path: Path):
-    """The folder's model as a causal LM: the config flags without which its class attends to
-    later tokens turned on (a note), and the meta model built again if any was."""
-    from components.models import meta_causal_lm
-    from components.models.load import causal_flags
-
-    if not (flags := causal_flags(config, meta)):
-        return meta
-    said = ", ".join(f"{flag}=true" for flag in flags)
-    say(
-        f"note: model type '{config.model_type}' attends to later tokens unless its config sets "
-        f"{said} ({path / 'config.json'} does not): trained with {said}, as a causal LM must be; "
-        "the export's config.json says so"
-    )
-    return meta_causal_lm(config)
-
-
-def config_problems(settings: Config, config, path: Path | None) -> list[Problem]:
-    """What the model's config cannot run: ``train.seq_len`` beyond its positions, more experts per
-    token than it has, language adapters with no language to pick (X-MOD). ``path``: the folder
-    whose ``config.json`` it is (None: ``model.config``)."""
-    found = []
-    positions = getattr(config.get_text_config(), "max_position_embeddings", None)  # composite's
-    if positions is not None and settings.train.seq_len > positions:
-        found.append(
-            Problem(
-                key="train.seq_len",
-                message=f"train.seq_len ({settings.train.seq_len}) exceeds the model's "
-                "max_position_embeddings "
-                f"(model.config.max_position_embeddings={positions}): use "
-                f"train.seq_len={positions} or less"
-                + ("" if path else ", or raise model.config.max_position_embeddings"),
-            )
-        )
-    if path is None:
-        return found + problems("model.config", routing_errors(config))
-    where = path / "config.json"
-    languages = list(getattr(config, "languages", None) or [])
-    default = getattr(config, "default_language", None)
-    if languages and hasattr(config, "default_language") and default not in languages:  # X-MOD
-        message = (
-            f"model type '{config.model_type}' picks its language adapters by language ids, "
-            "which the recipe does not pass (not supported), else by its config's "
-            f"default_language: {where} sets {default!r}, not one of its "
-            f"languages: set default_language to one of {', '.join(languages)}"
-        )
-        found.append(Problem(key="model", message=message))
-    return found + problems("model", [f"{where}: {e}" for e in routing_errors(config, "")])
-
-
-def lora_problems(meta, peft, experts: tuple[str, ...], model_name: str) -> list[Problem]:
-    """Why ``peft`` (``peft=lora``'s settings) cannot adapt the meta model, whose expert modules
-    ``experts`` names (none when it can); it is converted in place on success."""
-    from components.models.lora import LoraOptions, apply_lora, targeted_experts, targeted_linears
-
-    patterns = None if peft.target_modules is None else tuple(peft.target_modules)
-    found = problems("peft.target_modules", targeted_linears(meta, patterns)[1])
-    if peft.experts and not experts:
-        message = (
-            f"peft.experts=true needs an MoE model: model={model_name} has no experts "
-            "(model.experts names none); use peft.experts=false"
-        )
-        found.append(Problem(key="peft.experts", message=message))
-    elif peft.experts:
-        found += problems("peft.experts", targeted_experts(meta, experts)[1])
-    if not found:
-        adapted = tuple(experts) if peft.experts else ()
-        shapes = dict(rank=1, alpha=1.0, dropout=0.0)
-        apply_lora(meta, LoraOptions(**shapes, target_modules=patterns, experts=adapted), seed=0)
-    return found
-
-
-def _model_folder(pretrained_path: str | None, cache_dir: str) -> Path:
-    if pretrained_path is None:  # model.source=smollm2, converted into cache_dir
-        from components.models.smollm2 import smollm2_folder
-
-        return smollm2_folder(Path(cache_dir).expanduser().absolute())
-    return resolve_model_folder(
-        pretrained_path
-    )  # a local folder, or a Hub id from the cache (or downloaded)
-
-
-def checked_plan(settings: Config, dims: ParallelDims, config, meta) -> tuple[dict, list[Problem]]:
-    """The TP plan at ``dims.tp`` checked on the meta model: (the style each module gets, its
-    problems); ({}, []) at tp=1."""
-    from components.distributed.tp_plan import check_plan
-    from components.models.families import plan_for
-
-    if dims.tp == 1:
-        return {}, []
-    experts, routers = moe_patterns(config, settings.model.experts, settings.model.routers)
-    try:
-        plan = plan_for(config, settings.sp, meta)
-        styles, errors = check_plan(meta, config, plan, dims.tp, (*experts, *routers), sizes=False)
-    except ValueError as error:  # no plan, given or derived
-        return {}, [Problem(key="model", message=str(error))]
-    return styles, problems("model", errors)
-
-
-def plan_problems(
-    settings: Config, dims: ParallelDims, config, meta, plan_found: list[Problem] | None = None
-) -> list[Problem]:
-    """The TP plan's problems (``plan_found``, :func:`checked_plan`'s, else checked here) and the
-    model sizes tp must divide (key ``tp``), then expert parallelism."""
-    from components.distributed.context_parallel import attention_problems
-    from components.distributed.tp_plan import tp_size_errors
-    from components.moe import check_expert_parallel, expert_modules
-    from components.moe.structure import experts_count
-
-    model, found = settings.model, []
-    experts, routers = moe_patterns(config, model.experts, model.routers)
-    found += [] if experts else problems("moe", settings.moe.dense_errors(model.name))
-    if experts and dims.cp > 1:
-        moe = f"cp={dims.cp} with an MoE model (model={model.name}) is not supported yet: use cp=1"
-        found.append(Problem(key="cp", message=moe))
-    found += problems("cp", attention_problems(config, dims.cp))
-    if dims.tp > 1:
-        found += checked_plan(settings, dims, config, meta)[1] if plan_found is None else plan_found
-        found += with_tp_suggestion(problems("tp", tp_size_errors(config, dims.tp)), config)
-    if dims.ep > 1:
-        modules = expert_modules(meta, list(experts))
-        num_experts = experts_count(meta.get_submodule(modules[0])) if modules else 0
-        found += problems(
-            "ep", check_expert_parallel(meta, list(experts), num_experts, dims.ep, dims.tp)
-        )
-    return found
-
-
-def fp8_problems(
-    settings: Config, dims: ParallelDims, config, meta, device_type: str, styles: dict
-) -> list[Problem]:
-    """``train.precision=fp8``: what the float8 linears cannot take here (an MoE model, LoRA, the
-    GPU), else each converted layer's matmul dimensions at this tp (with the TP plan's
-    ``styles``, :func:`checked_plan`'s)."""
-    from components.models.fp8 import fp8_problems as refusals
-    from components.models.fp8 import fp8_shape_errors
-
-    experts, _ = moe_patterns(config, settings.model.experts, settings.model.routers)
-    lora = settings.peft.name == "lora"
-    if found := refusals(meta, bool(experts), lora, device_type):
-        return problems("train.precision", found)
-    found = problems("train.precision", fp8_shape_errors(meta, dims.tp, styles))
-    if (seq_len := settings.train.seq_len) % (16 * dims.cp):  # a micro-batch's tokens, per cp rank
-        fits = max(16 * dims.cp, seq_len // (16 * dims.cp) * 16 * dims.cp)
-        why = f"train.seq_len ({seq_len}) must be a multiple of {16 * dims.cp}"
-        message = f"{why} with train.precision=fp8 (torch._scaled_mm): use train.seq_len={fits}"
-        found.append(Problem(key="train.seq_len", message=message))
-    return found
-
-
-def pipeline_problems(settings: Config, dims: ParallelDims, config, meta=None) -> list[Problem]:
-    """What pipeline parallelism does not compose with yet, one problem each, the meta model's
-    structure among them when given; and the stages it needs: a layer or more each (the embedding
-    and the head weighed as one), ``pp`` micro-batches per step for 1F1B, a whole number of rounds
-    of ``pp`` for the interleaved schedule."""
-    from components.distributed.pipeline import stage_structure_problem
-    from components.planning.pipeline_schedule import layout_problems
-
-    interleaved, per_rank = settings.pp_schedule == "interleaved_1f1b", settings.pp_stages_per_rank
-    if interleaved != (per_rank > 1):
-        message = f"pp_schedule={settings.pp_schedule} with pp_stages_per_rank={per_rank}: use "
-        fix = "interleaved_1f1b with 2 stages per rank or more, or gpipe or 1f1b with 1"
-        return [Problem(key="pp_schedule", message=message + fix)]
-    if dims.pp == 1:
-        return []
-    pp, train = f"pp={dims.pp}", settings.train
-    found = [
-        Problem(key=key, message=f"{pp} with {what} is not supported yet: use pp=1, or {instead}")
-        for key, (on, what, instead) in _pipeline_refusals(settings, dims, config).items()
-        if on
-    ]
-    why = stage_structure_problem(meta) if meta is not None else ""
-    layers = getattr(config.get_text_config(), "num_hidden_layers", None)
-    if layers is None:  # BLT's: no one stack of decoder layers to cut into stages
-        why = why or "its config names no num_hidden_layers"
-    if why:
-        message = f"{pp} with model type '{config.model_type}' is not supported yet ({why})"
-        found.append(Problem(key="pp", message=f"{message}: use pp=1"))
-    if layers is None:
-        return found
-    micro_batches = train.global_batch_size // (train.micro_batch_size * dims.dp)
-    layout = (layers, dims.pp, per_rank, settings.pp_schedule, micro_batches)
-    return found + [Problem(key=k, message=m) for k, m in layout_problems(*layout).items()]
-
-
-def _unbuildable(config, error: Exception) -> Problem:
-    """transformers' own model class fails on this config (DBRX's attention config lacks the
-    ``rope_theta`` its model reads in transformers 5.23): that version's gap, not the folder's."""
-    import transformers
-
-    said = f"{type(error).__name__}: {error}".splitlines()[0]
-    return Problem(
-        key="model",
-        message=f"model type '{config.model_type}' is not supported with transformers "
-        f"{transformers.__version__}: its model class cannot be built from this config ({said})",
+    train = settings.train
+    warmup = min(train.warmup_steps, train.max_steps)  # a longer one is cut to the run, with a note
+    output = Path(output_dir or settings.output_dir).expanduser().absolute()
+    per_run = "${now:" in str(OmegaConf.to_container(cfg, resolve=False)["output_dir"])
+    if per_run and output_dir is None:  # two runs in one second: the second gets DATE_TIME_2
+        output = unused_folder(output)
+    gpus = visible_gpus()  # NVML's count: CUDA starts in the ranks, never before the fork
+    device_type = "cuda" if gpus else "cpu"
+    found, fault = settings.option_problems(warmup, output, device_type)
+    found += restart_problems(settings)
+    dims, size_problems = check_sizes(settings, device_type, gpus)
+    size_problems += problems("debug.fault", fault_layout_errors(fault, dims.tp)) if dims else []
+    resume = explicit_checkpoint_errors(settings.checkpoint.resume)
+    checked = model_problems(settings, dims, device_type)
+    source, data_problems = checked_source(settings.data.model_dump(by_alias=True))
+    found += size_problems + resume + check_output_dir(output) + checked.problems + data_problems
+    _refuse(found + where_errors(output, hydra_run_dir, per_run, started_by_launcher()))
+    _notes(settings, dims, output, per_run, warmup)
+    decided = dict(warmup_steps=warmup, loss_chunk_tokens=train.loss_chunk_tokens or 0)
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dims.world_size))
+    return Checked(
+        settings=settings.model_copy(update=dict(train=train.model_copy(update=decided))),
+        output_dir=output,
+        dims=dims,
+        device_type=device_type,
+        cpu_threads=cpu_threads_per_rank(settings.cpu_threads, local_ranks),
+        model_path=checked.path,
+        model_config=checked.config,
+        source=source,
+        fault=fault,
+        config_yaml=_config_yaml(cfg, output),
     )
 
 
-def _pipeline_refusals(settings: Config, dims: ParallelDims, config) -> dict[str, tuple]:
-    """key: (refused with pp, what, what would work with pp)."""
-    interleaved = settings.pp_stages_per_rank > 1
-    return {
-        "cp": (dims.cp > 1, f"cp={dims.cp}", "cp=1"),
-        "ep": (dims.ep > 1, f"ep={dims.ep}", "ep=1"),
-        **pipeline_setting_refusals(settings, config),
-        "dp": (interleaved and dims.dp > 1, f"interleaved stages and dp={dims.dp}", "dp=1"),
-    }
+def restart_problems(settings: Config) -> list[Problem]:
+    """``max_restarts`` without ``checkpoint.resume=auto``; under torchrun, whose own
+    ``--max-restarts`` restarts the ranks, a note instead (a refusal would end in its report)."""
+    return [] if started_by_launcher() else problems("max_restarts", settings.restart_errors())
 
 
-def pipeline_setting_refusals(settings: Config, config) -> dict[str, tuple]:
-    """What refuses pp > 1 whatever the layout (key: (refused, what, what would work)); the
-    dry run suggests a pp only where none holds (``RunPlan.pipelinable``)."""
-    train, model = settings.train, settings.model
-    moe = bool(moe_patterns(config, model.experts, model.routers)[0])
-    return {
-        "model": (moe, "an MoE model", "a dense model"),
-        "train.compile": (train.compile, "train.compile=true", "train.compile=false"),
-    }
+def model_problems(settings: Config, dims: ParallelDims | None, device_type: str):
+    """The model checked (``components.models.checks``: a ``CheckedModel``, its notes printed),
+    its experts' split (``components.moe``), the ``moe`` keys a dense model does not read, and
+    what the layout cannot run of it (``ParallelDims.model_problems``)."""
+    from components.models.checks import check_model
+    from components.moe.checks import expert_parallel_problems
+
+    checked = check_model(model_choice(settings), model_use(settings, device_type), dims)
+    for note in checked.notes:
+        say(note)
+    if not checked.complete or dims is None:
+        return checked
+    if not checked.experts:
+        checked.problems += problems("moe", settings.moe.dense_errors(settings.model.name))
+    checked.problems += expert_parallel_problems(checked.meta, checked.experts, dims.ep, dims.tp)
+    checked.problems += layout_model_problems(settings, dims, checked.config)
+    return checked
 
 
-def with_tp_suggestion(found: list[Problem], config) -> list[Problem]:
-    """``found``, and when a problem is with ``tp``, one more naming the tp values that fit the
-    model (those dividing its heads, KV heads and intermediate size)."""
-    if not any(problem.key == "tp" for problem in found):
-        return found
-    keys = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
-    sizes = [size for key in keys if (size := getattr(config, key, 0))]
-    fits = [tp for tp in range(1, min(sizes) + 1) if all(size % tp == 0 for size in sizes)]
-    hint = f"tp values that fit this model: {', '.join(map(str, fits))}"
-    return [*found, Problem(key="tp", message=hint)]
+def layout_model_problems(settings: Config, dims: ParallelDims, config) -> list[Problem]:
+    """``pp_schedule`` and ``pp_stages_per_rank`` that disagree; else what the layout cannot run
+    of the model of ``config`` (``ParallelDims.model_problems``)."""
+    if pipeline := settings.pipeline_errors():  # the pipeline's rules read a schedule that fits
+        return problems("pp_schedule", pipeline)
+    return dims.model_problems(workload(settings), model_facts(settings, config))
 
 
-def data_source(settings: Config) -> tuple[DataSource | None, list[Problem]]:
-    """The ``data`` group as a source (its ``_target_`` picks the kind), a local ``path`` made
-    absolute."""
-    from components.data import DataError, build_source
-
-    group = settings.data.model_dump(by_alias=True)
-    path = Path(str(group.get("path"))).expanduser()
-    if "path" in group and (kind := _special_file(path)):
-        special = f"data.path={show(group['path'])} is {kind}, not a regular file"
-        return None, [Problem(key="data.path", message=f"{special}: give a data file or folder")]
-    if "path" in group and path.exists():
-        group["path"] = str(path.absolute())
-    elif "path" in group and group["path"].startswith(("~", ".", "/")):
-        missing = f"data.path={show(group['path'])} does not exist: give a data file or folder"
-        return None, [Problem(key="data.path", message=missing)]
-    try:
-        return build_source(group), []
-    except DataError as error:
-        return None, [Problem(key="data", message=str(error))]
-
-
-def _special_file(path: Path) -> str | None:
-    """What ``path`` is when it exists but is neither a file nor a folder (``/dev/zero``, a FIFO,
-    which a reader would read forever or wait on), else None."""
-    try:
-        mode = path.stat().st_mode
-    except OSError:
-        return None
-    kinds = (
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISFIFO, "a named pipe (FIFO)"),
-        (stat.S_ISSOCK, "a socket"),
-    )
-    return next((name for test, name in kinds if test(mode)), None)
+def unread_keys(settings: Config, dims: ParallelDims) -> list[str]:
+    """The keys this run never reads (``Config.unread_keys``), and under torchrun the recipe's
+    own launcher's."""
+    return settings.unread_keys(dims) + torchrun_unread_keys(settings.nproc, settings.max_restarts)
 
 
 def _notes(settings: Config, dims: ParallelDims, output: Path, per_run: bool, warmup: int) -> None:
@@ -585,134 +221,6 @@ def _notes(settings: Config, dims: ParallelDims, output: Path, per_run: bool, wa
         say(f"note: {unread}")
 
 
-def unread_keys(settings: Config, dims: ParallelDims) -> list[str]:
-    """The keys set to something this run's layout never reads, each said (never silently
-    ignored): they are harmless, and right in another layout (a sweep over tp, a dry run)."""
-    unread = []
-    if settings.sp and dims.tp == 1:
-        unread.append(
-            "sp=true changes nothing at tp=1: sequence parallelism splits the norms' sequence over "
-            "the TP ranks, and there is one"
-        )
-    if settings.train.fp8_recipe != "tensorwise" and settings.train.precision != "fp8":
-        recipe = f"train.fp8_recipe={settings.train.fp8_recipe}"
-        unread.append(f"{recipe} is read with train.precision=fp8 only: this run has none")
-    if settings.device_memory_gib is not None and not settings.dry_run:
-        unread.append(
-            f"device_memory_gib={settings.device_memory_gib:g} is read by dry_run=true only "
-            "(whether the planned layout fits): this run trains on the device it has"
-        )
-    unread += _unread_pipeline_keys(settings, dims)
-    if settings.moe.shard_experts and dims.ep == 1:
-        unread.append(
-            "moe.shard_experts=true changes nothing at ep=1: the experts are not split by expert "
-            "(with dp > 1, FSDP shards them like every other weight)"
-        )
-    elif settings.moe.shard_experts and dims.ep_shard == 1:
-        unread.append(
-            f"moe.shard_experts=true changes nothing at ep={dims.ep} on {dims.world_size} ranks: "
-            "each expert has one copy, with nothing to shard it over"
-        )
-    copies = dims.ep > 1 and dims.ep_shard > 1 and not settings.moe.shard_experts
-    if settings.debug.check_replicas_every and dims.tp == 1 and not copies:
-        unread.append(
-            f"debug.check_replicas_every={settings.debug.check_replicas_every} compares nothing "
-            "here: at tp=1 there are no TP replicas (nor experts copied over ep_shard)"
-        )
-    if started_by_launcher():
-        local = os.environ.get("LOCAL_WORLD_SIZE", "?")
-        if settings.nproc is not None:
-            started = f"torchrun started {local} ranks here (its --nproc-per-node)"
-            unread.append(f"nproc={settings.nproc} is not read under torchrun: {started}")
-        if settings.max_restarts:
-            theirs = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
-            unread.append(
-                f"max_restarts={settings.max_restarts} is the recipe's own launcher's and is not "
-                f"read under torchrun, which restarts the ranks itself (here --max-restarts="
-                f"{theirs}): pass --max-restarts={settings.max_restarts} to torchrun"
-            )
-    return unread
-
-
-def _unread_pipeline_keys(settings: Config, dims: ParallelDims) -> list[str]:
-    """``pp_schedule`` and ``pp_stages_per_rank`` away from their defaults (conf/config.yaml's) at
-    pp=1, which has no pipeline: one line each. A dry run reads them for a pp it suggests."""
-    if dims.pp > 1 or settings.dry_run:
-        return []
-    pipeline = (("pp_schedule", "1f1b"), ("pp_stages_per_rank", 1))
-    return [
-        f"{key}={value} is read with pp > 1 only: this run has pp=1"
-        for key, default in pipeline
-        if (value := getattr(settings, key)) != default
-    ]
-
-
-def _refuse(found: list[Problem]) -> None:
-    """Stop planning with ``found``, if any: :class:`ConfigError` carries them to ``fail``."""
-    if found:
-        raise ConfigError(found)
-
-
-def check(
-    cfg: DictConfig, output_dir: str | None = None, hydra_run_dir: str | None = None
-) -> Checked:
-    """Every check that needs no effect, all problems at once (ConfigError): config in, decisions
-    out; nothing is written, tokenized or trained, and ``cfg`` is left as it was. ``output_dir`` is
-    a sweep job's folder; ``hydra_run_dir`` the run dir Hydra was given."""
-    settings, found = _validated(cfg)
-    _refuse(found)
-    from components.runtime.output_checks import (  # after the schema: a bad key is refused fast
-        check_output_dir,
-        explicit_checkpoint_errors,
-        where_errors,
-    )
-
-    train = settings.train
-    warmup = min(train.warmup_steps, train.max_steps)  # a longer one is cut to the run, with a note
-    output = Path(output_dir or settings.output_dir).expanduser().absolute()
-    per_run = "${now:" in str(OmegaConf.to_container(cfg, resolve=False)["output_dir"])
-    if per_run and output_dir is None:  # two runs in one second: the second gets DATE_TIME_2
-        output = unused_folder(output)
-    gpus = visible_gpus()  # NVML's count: CUDA starts in the ranks, never before the fork
-    device_type = "cuda" if gpus else "cpu"
-    found, fault = _option_problems(settings, warmup, output, device_type)
-    dims, size_problems = check_sizes(settings, device_type, gpus)
-    size_problems += _fault_layout_problems(fault, dims)
-    resume = explicit_checkpoint_errors(settings.checkpoint.resume)
-    model_path, config, model_problems = resolve_model(settings, dims, device_type)
-    source, data_problems = data_source(settings)
-    found += size_problems + resume + check_output_dir(output) + model_problems + data_problems
-    _refuse(found + where_errors(output, hydra_run_dir, per_run, started_by_launcher()))
-    _notes(settings, dims, output, per_run, warmup)
-    decided = dict(warmup_steps=warmup, loss_chunk_tokens=train.loss_chunk_tokens or 0)
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dims.world_size))
-    return Checked(
-        settings=settings.model_copy(update=dict(train=train.model_copy(update=decided))),
-        output_dir=output,
-        dims=dims,
-        device_type=device_type,
-        cpu_threads=cpu_threads_per_rank(settings.cpu_threads, local_ranks),
-        model_path=model_path,
-        model_config=config,
-        source=source,
-        fault=fault,
-        config_yaml=_config_yaml(cfg, output),
-    )
-
-
-def pad_multiple(sequence_parallel: bool, dims: ParallelDims, fp8: bool = False) -> int | None:
-    """What a micro-batch's length is rounded up to: 8, and with sp an equal slice per TP rank, and
-    with cp 2 × cp equal chunks (with sp too, a cp rank's share in tp slices); with ``fp8`` each
-    rank's tokens a multiple of 16 (``torch._scaled_mm``'s inner dimension in the weight
-    gradient); with pp None, every micro-batch ``train.seq_len`` long (the stages pass
-    activations of one fixed shape)."""
-    if dims.pp > 1:
-        return None
-    tp = dims.tp if sequence_parallel else 1
-    tokens = 16 * dims.cp if fp8 else 1
-    return math.lcm(8 * tp, 2 * dims.cp if dims.cp > 1 else 1, dims.cp * tp, tokens)
-
-
 def _validated(cfg: DictConfig) -> tuple[Config | None, list[Problem]]:
     """The schema's reading of the composed config: interpolations, types, ranges, known keys."""
     try:
@@ -721,65 +229,10 @@ def _validated(cfg: DictConfig) -> tuple[Config | None, list[Problem]]:
         return None, [Problem(key="config", message=str(error))]
 
 
-def _option_problems(
-    settings: Config, warmup: int, output: Path, device_type: str
-) -> tuple[list[Problem], Fault | None]:
-    """(problems, the debug fault): the optimizer's class and options, the logger's (its values
-    too, for a run into ``output``), the schedule's, ``debug.fault`` and ``profile`` (on
-    ``device_type``'s backend), in that order."""
-    from components.debug.faults import fault_backend_errors, parse_fault
-    from components.training.profiler import profile_errors
-    from components.training.schedule import check_schedule
-
-    optim = settings.optim
-    errors = check_target("optim", optim.target, optim.options(), torch.optim.Optimizer, {"params"})
-    errors = errors or check_optimizer(optim.target, optim.options())  # its own checks: betas, ...
-    found = problems("optim", errors)
-    logger, train, schedule = settings.logger, settings.train, settings.schedule
-    missing = check_logger_available(logger.target)
-    fixed = {"output_dir", "first_step"}
-    found += problems(
-        "logger",
-        [missing]
-        if missing
-        else check_target("logger", logger.target, logger.options(), object, fixed)
-        or check_logger_options(logger.target, logger.options(), output),
-    )
-    found += problems(
-        "schedule", check_schedule(schedule.name, warmup, train.max_steps, schedule.options())
-    )
-    try:
-        fault = parse_fault(settings.debug.fault)
-    except ValueError as error:
-        fault, found = None, [*found, Problem(key="debug.fault", message=str(error))]
-    found += problems("debug.fault", fault_backend_errors(fault, device_type))
-    profile = settings.profile  # a range past stop_after is the resumed invocation's
-    asked = (profile.steps, profile.memory, train.max_steps, device_type)
-    found += problems("profile", profile_errors(*asked))
-    found += problems("peft", settings.peft.errors())
-    return found + restart_problems(settings), fault
-
-
-def _fault_layout_problems(fault: Fault | None, dims: ParallelDims | None) -> list[Problem]:
-    from components.debug.faults import fault_layout_errors
-
-    return problems("debug.fault", fault_layout_errors(fault, dims.tp)) if dims else []
-
-
-def restart_problems(settings: Config) -> list[Problem]:
-    """``max_restarts`` restarts the recipe's own launcher's ranks, which continue from the last
-    complete checkpoint: it needs ``checkpoint.resume=auto``. Under torchrun (whose own
-    ``--max-restarts`` restarts the ranks there) it is not read, and said so in a note: a refusal
-    there would end in torchrun's own failure report, once per restart."""
-    restarts = settings.max_restarts
-    if not restarts or started_by_launcher():
-        return []
-    if settings.checkpoint.resume != "auto":
-        resume = show(settings.checkpoint.resume)
-        why = f"max_restarts={restarts} needs checkpoint.resume=auto (got {resume}): restarted "
-        message = f"{why}ranks continue from the last complete checkpoint in output_dir"
-        return [Problem(key="max_restarts", message=message)]
-    return []
+def _refuse(found: list[Problem]) -> None:
+    """Stop planning with ``found``, if any: :class:`ConfigError` carries them to ``fail``."""
+    if found:
+        raise ConfigError(found)
 
 
 def _config_yaml(cfg: DictConfig, output: Path) -> str:

@@ -24,7 +24,6 @@ from components.debug.faults import install_faults
 from components.distributed.context_parallel import ContextParallel
 from components.distributed.fsdp import set_gradient_sync
 from components.distributed.grads import clip_grad_norm_, grad_norm
-from components.distributed.mesh import build_device_mesh, data_parallel_mesh, dp_mesh
 from components.distributed.pipeline import build_pipeline
 from components.distributed.replicas import check_replicas, write_drift_report
 from components.distributed.tp_replicas import (
@@ -66,21 +65,21 @@ def set_up(plan: RunPlan) -> Run:
     """Everything a rank needs before step 1: mesh, data, model, optimizer, schedule, resume."""
     train, optim, timeout, dims = plan.train, plan.optim, plan.collective_timeout, plan.dims
     device = join_world(plan.device_type, timeout, plan.cpu_threads, plan.seed, train.tf32)
-    rank, mesh = dist.get_rank(), build_device_mesh(dims, plan.device_type, timeout)
-    shards = dict(dp_size=dims.dp, dp_rank=dp_mesh(mesh).get_local_rank(), seed=plan.seed)
+    rank, meshes = dist.get_rank(), dims.build_meshes(plan.device_type, timeout)
+    shards = dict(dp_size=dims.dp, dp_rank=meshes.batch.get_local_rank(), seed=plan.seed)
     splits = (plan.data.train, plan.data.val, train.global_batch_size, train.micro_batch_size)
     data, val_data = open_splits(*splits, **shards, pad_multiple=plan.pad_multiple)
     converted = functools.partial(convert, plan=plan)
-    model, report = build_parallel_model(plan.model, dims, mesh, device, timeout, converted)
+    model, report = build_parallel_model(plan.model, dims, meshes, device, converted)
     if report is not None:
         say(report.format())
-    broadcast_tp_replicas([model], mesh)  # after parallelising and loading, before the optimizer
+    broadcast_tp_replicas([model], meshes.world)  # after parallelising and loading, before optim
     trained = [parameter for parameter in model.parameters() if parameter.requires_grad]
     optimizer = target_class("optim", optim.target)(trained, **optim.options())  # no frozen state
     fp8_scales_after_steps(optimizer, model, plan.fp8)  # fp8 under FSDP: one all-reduce a step
     warmup, max_steps, options = train.warmup_steps, train.max_steps, plan.schedule.options()
     schedule = build_schedule(optimizer, plan.schedule.name, warmup, max_steps, options)
-    watched = (model, plan.model.config, list(plan.model.experts), dp_mesh(mesh).get_group())
+    watched = (model, plan.model.config, list(plan.model.experts), meshes.batch.get_group())
     experts = ExpertLoad.watch(*watched, plan.model.routers, plan.moe.routing_bias_rate)
     if uncounted := uncounted_experts(model, list(plan.model.experts), plan.model.routers):
         say(f"note: expert choices not counted (tokens come routed, no router beside): {uncounted}")
@@ -88,13 +87,13 @@ def set_up(plan: RunPlan) -> Run:
     resume(plan.resume_from, state)  # every part of the state: the routing bias too, the step
     precision, data_parallel = precision_policy(plan.model.precision), dims.data_parallel > 1
     compute = functools.partial(precision.autocast, device.type, data_parallel=data_parallel)
-    pipeline = build_pipeline(model, mesh, compute, data, *plan.pipeline)  # None at pp=1
+    pipeline = build_pipeline(model, meshes.world, compute, data, *plan.pipeline)  # None at pp=1
     micro_batches = data.micro_batches_per_step
     aux_loss_weight = router_aux_loss_weight(plan.model.config, micro_batches, dims.dp)
     run = Run(
         rank=rank,
         device=device,
-        mesh=mesh,
+        meshes=meshes,
         state=state,
         data=data,
         val_data=val_data,
@@ -102,8 +101,8 @@ def set_up(plan: RunPlan) -> Run:
         compute=compute,
         experts=experts,
         aux_loss_weight=aux_loss_weight,
-        cp=ContextParallel.of(mesh),
-        readout=StepReadout(data_parallel_mesh(mesh).get_group(), device),  # the loss's dp × cp
+        cp=ContextParallel.of(meshes.world),
+        readout=StepReadout(meshes.loss.get_group(), device),  # the loss's dp × cp
         pipeline=pipeline,
     )
     if plan.fault is not None:  # a resilience drill (docs/fault-injection.md)
@@ -142,7 +141,7 @@ def train_step(run: Run, plan: RunPlan, step: int, step_fn: StepFn = forward_bac
     run.state.optimizer.zero_grad(set_to_none=True)
     loss_sum = step_fn(run, plan, step)
     run.readout.finalize([run.state.model])  # reads the device at the first step only
-    synchronize_tp_replica_gradients([run.state.model], run.mesh)  # its plan and buffers are reused
+    synchronize_tp_replica_gradients([run.state.model], run.meshes.world)  # plan, buffers reused
     clip, parts, pp = (
         plan.train.clip_grad_norm,
         [run.state.model],
@@ -201,7 +200,7 @@ def train(
         log.log(record)
         tracker.log_metrics(record, record["step"])
         if cadence.check_replicas(state.step):
-            check_replicas([state.model], run.mesh, state.step)
+            check_replicas([state.model], run.meshes.world, state.step)
         if cadence.save(state.step):
             writer.save(state)
         if (stopped := stop_signal(writer, state)) is not None:
@@ -235,7 +234,8 @@ def finish(run: Run, plan: RunPlan, stopped: bool = False, skipped: int = 0) -> 
     killed. Too many steps ``skipped`` as non-finite: no export, and one ``error:`` line."""
     output_dir, train = plan.output_dir, plan.train
     if not stopped:
-        write_drift_report([run.state.model], run.mesh, output_dir / "replica_drift.json", run.rank)
+        drift = output_dir / "replica_drift.json"
+        write_drift_report([run.state.model], run.meshes.world, drift, run.rank)
     ended = (train.stop_after or train.max_steps) >= train.max_steps and not stopped
     fails, note = skipped_verdict(0 if stopped else skipped, plan.last_step - run.first_step)
     if plan.checkpoint.export and ended and not fails:

@@ -28,6 +28,7 @@ from components.checkpoint.integrity import (
 from components.data.sources import DataSource
 from components.models import meta_causal_lm
 from components.models.lora import PROJECTIONS
+from components.problems import Problem, show
 from components.runtime.exit_status import AlreadyComplete, disk_full
 from components.runtime.output_dir import (
     RUN_FILE,
@@ -42,7 +43,7 @@ from components.runtime.output_dir import (
     run_files,
     write_whole,
 )
-from components.runtime.problems import Problem, say, show
+from components.runtime.problems import say
 from recipes.export import exported_folders
 from recipes.schema import Config
 

@@ -17,19 +17,21 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from components.distributed.mesh import ParallelDims
+from components.distributed.layout import Degrees, ModelFacts, ParallelDims, Workload
+from components.models.families import moe_patterns
+from components.models.options import LoraTargets, ModelChoice, ModelUse
 from components.training.cadence import Cadence
 from recipes.schema import Checkpoint, Config, Moe, Optim, Schedule, Targeted, Train
 
 if TYPE_CHECKING:  # heavy (datasets, DTensor): the checks import them when they need them
     import torch
-    from torch.distributed.device_mesh import DeviceMesh
 
     from components.checkpoint.state import TrainState
     from components.data import PreparedData, StepBatches
     from components.data.sources import DataSource
     from components.debug.faults import Fault
     from components.distributed.context_parallel import ContextParallel
+    from components.distributed.layout import Meshes
     from components.distributed.pipeline import Pipeline
     from components.models.fp8 import Fp8Options
     from components.models.lora import LoraOptions
@@ -74,6 +76,11 @@ class Settled:
     @property
     def moe(self) -> Moe:
         return self.settings.moe
+
+    @property
+    def workload(self) -> Workload:
+        """What the layout splits and composes with: the step's batch geometry and settings."""
+        return workload(self.settings)
 
     @property
     def lora(self) -> LoraOptions | None:
@@ -142,7 +149,6 @@ class RunPlan(Settled):
     data: PreparedData  # the tokenized splits, prepared once, memory-mapped by the ranks
     pad_multiple: int | None  # a micro-batch padded to its longest row rounded up; None: seq_len
     resume_from: Path | None  # the checkpoint chosen before any rank started, or None
-    pipelinable: bool  # pp > 1 composes with the settings (the dry run suggests a pp only then)
     run_id: str | None  # this run's id (checkpoints record it); None in a dry run
     # what checkpoints record and a resume must match (model shapes, optimizer, batch geometry)
     run_info: dict
@@ -168,6 +174,11 @@ class RunPlan(Settled):
         layout = " ".join(f"{name}={n}" for name, n in degrees.items() if n > 1) or "one rank"
         model, steps = self.settings.model.name, self.train.max_steps
         return f"{model}, {layout}, {steps} steps: {self.output_dir.name}"
+
+    @property
+    def model_facts(self) -> ModelFacts:
+        """What the layout rules read of the model."""
+        return model_facts(self.settings, self.model.config)
 
     @cached_property
     def flops_per_token(self) -> int | None:
@@ -197,7 +208,7 @@ class Run:
 
     rank: int
     device: torch.device
-    mesh: DeviceMesh
+    meshes: Meshes  # by purpose: the world's dimensions, the batch's, the loss's, FSDP's, experts'
     state: TrainState  # what a checkpoint saves: model, optimizer, schedule, step
     data: StepBatches
     val_data: StepBatches | None
@@ -209,3 +220,57 @@ class Run:
     readout: StepReadout  # the step's values read on the host before the update, at once
     pipeline: Pipeline | None = None  # this rank's pipeline stage and schedule (pp > 1)
     before_commit: Callable[[Path], None] | None = None  # the writer's callback (a drill's)
+
+
+def workload(settings: Config) -> Workload:
+    """What the layout splits and composes with, from the settings: the step's batch geometry,
+    ``train.compile`` and the pipeline schedule."""
+    train = settings.train
+    return Workload(
+        global_batch_size=train.global_batch_size,
+        micro_batch_size=train.micro_batch_size,
+        seq_len=train.seq_len,
+        compile=train.compile,
+        pp_schedule=settings.pp_schedule,
+        pp_stages_per_rank=settings.pp_stages_per_rank,
+    )
+
+
+def model_facts(settings: Config, config: Any) -> ModelFacts:
+    """What the layout rules read of the model of ``config`` (its Hugging Face config)."""
+    model = settings.model
+    experts, _ = moe_patterns(config, model.experts, model.routers)
+    layers = getattr(config.get_text_config(), "num_hidden_layers", None)  # BLT's config has none
+    return ModelFacts(name=model.name, moe=bool(experts), layers=layers)
+
+
+def degrees(settings: Config) -> Degrees:
+    """The degrees the settings ask for (``dp`` and ``dp_shard`` null: from the world)."""
+    sizes = dict(pp=settings.pp, dp=settings.dp, dp_replicate=settings.dp_replicate)
+    sizes |= dict(dp_shard=settings.dp_shard, cp=settings.cp, tp=settings.tp, ep=settings.ep)
+    return Degrees(**sizes, sp=settings.sp)
+
+
+def model_choice(settings: Config) -> ModelChoice:
+    """The ``model`` group as the model's checks read it (the same keys), and ``cache_dir``, where
+    ``model.source=smollm2`` is converted."""
+    cache_dir = Path(settings.cache_dir).expanduser().absolute()
+    return ModelChoice(**settings.model.model_dump(), cache_dir=cache_dir)
+
+
+def model_use(settings: Config, device_type: str) -> ModelUse:
+    """What the run asks of the model: its sequence, precision, compile, device and adapters
+    (none when ``peft``'s own keys are refused)."""
+    peft, train = settings.peft, settings.train
+    targets = None if peft.target_modules is None else tuple(peft.target_modules)
+    lora = LoraTargets(target_modules=targets, experts=bool(peft.experts))
+    return ModelUse(
+        seq_len=train.seq_len,
+        sequence_parallel=settings.sp,
+        precision=train.precision,
+        compile=train.compile,
+        device_type=device_type,
+        lora=lora if peft.name == "lora" and not peft.errors() else None,
+        peft_lora=peft.name == "lora",
+        packing=train.packing,
+    )

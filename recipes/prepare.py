@@ -17,14 +17,15 @@ from transformers import AutoTokenizer
 
 from components.data import DataError, PreparedData, cached_tokenizer, prepare_data
 from components.data.sources import DataSource, GeneratedSource
-from components.distributed.mesh import ParallelDims
+from components.distributed.layout import ParallelDims
 from components.models import meta_causal_lm
+from components.models.checks import checked_plan, tp_problems
 from components.models.configs import vocab_size_for
 from components.models.families import moe_patterns
 from components.models.parallelize import ModelSpec
+from components.problems import Problem, show
 from components.runtime.output_dir import OutputDirLock
-from components.runtime.problems import ConfigError, Problem, say, show
-from recipes.checks import pad_multiple, pipeline_setting_refusals, plan_problems
+from components.runtime.problems import ConfigError, say
 from recipes.outputs import OwnershipError, choose_checkpoint, own_output_dir, run_info
 from recipes.plan import Checked, RunPlan, Settled
 from recipes.schema import Config
@@ -49,9 +50,8 @@ def prepare(checked: Checked) -> tuple[RunPlan, OutputDirLock | None]:
         model=model_spec(settings, config, checked.model_path),
         tokenizer_dir=Path(tokenizer_dir),
         data=data,
-        pad_multiple=pad_multiple(settings.sp, dims, settings.train.precision == "fp8"),
+        pad_multiple=dims.pad_multiple(fp8=settings.train.precision == "fp8"),
         resume_from=resume_from,
-        pipelinable=not any(on for on, *_ in pipeline_setting_refusals(settings, config).values()),
         run_id=run_id,
         run_info=info,
     )
@@ -81,8 +81,12 @@ def _tokenizer_dir(
             config.vocab_size = vocab_size_for(settings.model.config["vocab_size"], len(tokenizer))
         except ValueError as error:
             return None, [Problem(key="model.config.vocab_size", message=str(error))]
-        if dims.tp > 1:
-            return tokenizer_dir, plan_problems(settings, dims, config, meta_causal_lm(config))
+        if dims.tp > 1:  # the vocabulary the TP plan splits is the tokenizer's now
+            model = settings.model
+            moe = moe_patterns(config, model.experts, model.routers)
+            meta, sp = meta_causal_lm(config), settings.sp
+            plan_found = checked_plan(config, meta, dims.tp, sp, moe)[1]
+            return tokenizer_dir, plan_found + tp_problems(config, dims.tp)
     return tokenizer_dir, []
 
 

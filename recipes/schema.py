@@ -14,14 +14,18 @@ their other keys are checked against the signature of the class the target names
 ``recipes/checks.py``).
 """
 
-from typing import Annotated, Any, Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from components.models.options import ACTIVATION_CHECKPOINTING, FP8_RECIPES, PRECISIONS
-from components.runtime.problems import show
+from components.problems import Problem, problems, show
+from components.targets import check_target
+from components.training.loggers import check_logger_available, check_logger_options
+
+if TYPE_CHECKING:  # the layout imports DeviceMesh: --help and --cfg job stay light
+    from components.distributed.layout import ParallelDims
 
 ON_NONFINITE = ("stop", "skip")
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")  # components.checkpoint.export's names
@@ -171,6 +175,13 @@ class Profile(Section):
     # on CUDA: a memory snapshot of the profiled steps beside the trace (PyTorch's memory viz)
     memory: bool = key("true or false")
 
+    def errors(self, max_steps: int, device_type: str) -> list[str]:
+        """The profiled range within the run (past ``train.stop_after``: the resumed one's), the
+        memory snapshot on CUDA."""
+        from components.training.profiler import profile_errors
+
+        return profile_errors(self.steps, self.memory, max_steps, device_type)
+
 
 class Model(Section):
     name: Text = key("a name, e.g. model.name=llama")
@@ -261,6 +272,26 @@ class Optim(Targeted):
     def options(self) -> dict[str, Any]:
         return {"lr": self.lr, **super().options()}
 
+    def errors(self) -> list[str]:
+        """The optimizer's class and its options, then the optimizer's own checks (betas, ...)."""
+        from components.training.optimizer import optimizer_errors  # torch: not for --help
+
+        return optimizer_errors(self.target, self.options())
+
+
+class Logger(Targeted):
+    """The metrics tracker: its class's options besides the run's own (``output_dir``, the first
+    step)."""
+
+    def errors(self, output: Path) -> list[str]:
+        """The tracker installed, its class and options, and their values for a run into
+        ``output``."""
+        if missing := check_logger_available(self.target):
+            return [missing]
+        fixed = {"output_dir", "first_step"}
+        errors = check_target("logger", self.target, self.options(), object, fixed)
+        return errors or check_logger_options(self.target, self.options(), output)
+
 
 class Data(Targeted):
     """Keys every data source has; the rest (path, split, columns, ...) are the source class's
@@ -283,6 +314,12 @@ class Schedule(BaseModel):
 
     def options(self) -> dict[str, Any]:
         return dict(self.model_extra or {})
+
+    def errors(self, warmup_steps: int, max_steps: int) -> list[str]:
+        """The schedule's name and options at this warm-up and length."""
+        from components.training.schedule import check_schedule
+
+        return check_schedule(self.name, warmup_steps, max_steps, self.options())
 
 
 class Config(Section):
@@ -358,121 +395,97 @@ class Config(Section):
     optim: Optim
     data: Data
     schedule: Schedule
-    logger: Targeted
+    logger: Logger
     peft: Peft
 
+    def option_problems(self, warmup: int, output: Path, device_type: str) -> tuple[list, Any]:
+        """(problems, the parsed ``debug.fault``): each section's own checks: the optimizer, the
+        logger (for a run into ``output``), the schedule (``warmup`` steps), ``debug.fault`` and
+        ``profile`` (on ``device_type``'s backend), ``peft``."""
+        from components.debug.faults import fault_backend_errors, parse_fault
 
-def _field_hint(loc: tuple) -> str:
-    """The ``description`` of the field at ``loc`` (what would work), or "" when there is none."""
-    model: Any = Config
-    info = None
-    for part in loc:
-        fields = getattr(model, "model_fields", None)
-        if not fields:
-            break
-        info = next((f for name, f in fields.items() if part in (name, f.alias)), None)
-        if info is None:
-            return ""
-        model = info.annotation
-    return (info.description or "") if info is not None else ""
-
-
-def describe(error: ValidationError, given: dict | None = None) -> list[str]:
-    """One line per wrong key (the first error of each location): the key, its value and what would
-    work; for an item of a list, the whole list as ``given`` holds it and which item is wrong."""
-    lines, seen = [], set()
-    for item in error.errors():
-        loc = tuple(part for part in item["loc"] if isinstance(part, str))
-        loc = loc[
-            : next(
-                (i for i, p in enumerate(loc) if p in ("int", "float", "str", "none", "bool")),
-                len(loc),
-            )
-        ]
-        dotted = ".".join(loc)
-        if dotted in seen:
-            continue
-        seen.add(dotted)
-        hint = _field_hint(loc)
-        if item["type"] == "extra_forbidden":
-            lines.append(
-                f"{dotted} is not a known key: remove it (see `python recipes/finetune.py --cfg "
-                "job`)"
-            )
-        elif item["type"] == "missing":
-            lines.append(
-                f"{dotted} is missing from the config: add it back with +{dotted}=..., {hint}"
-            )
-        else:
-            wrong = _not_valid(item, loc, given or {})
-            lines.append(f"{dotted}={wrong}: use {hint or item['msg']}")
-    return lines
-
-
-def _not_valid(item: dict, loc: tuple, given: dict) -> str:
-    """ "VALUE is not valid" of a validation error ``item`` at key ``loc``, the value as written: a
-    wrong item of a list is shown in the list ``given`` holds, and named by its position
-    (``[0, 1] is not valid (its item 1 is 0: ...)``), not as if it were the key's whole value."""
-    path, shown = item["loc"], f"{show(item['input'])} is not valid"
-    if len(path) <= len(loc) or path[: len(loc)] != loc or not isinstance(path[len(loc)], int):
-        return shown
-    whole: Any = given
-    for part in loc:
-        whole = whole.get(part) if isinstance(whole, dict) else None
-    if not isinstance(whole, list):
-        return shown
-    why = item["msg"][:1].lower() + item["msg"][1:]
-    wrong = f"its item {path[len(loc)] + 1} is {show(item['input'])}: {why}"
-    return f"{show(whole)} is not valid ({wrong})"
-
-
-class SchemaError(ValueError):
-    """The config does not fit the schema; the message names every wrong key."""
-
-
-def _unresolvable(cfg: DictConfig) -> str:
-    """Which key's ``${...}`` interpolation fails (OmegaConf.resolve does not say), with the
-    reason."""
-    pending = list(OmegaConf.to_container(cfg, resolve=False).items())
-    while pending:
-        key, value = pending.pop(0)
-        if isinstance(value, dict):
-            pending += [(f"{key}.{child}", item) for child, item in value.items()]
-            continue
+        max_steps = self.train.max_steps
+        found = problems("optim", self.optim.errors())
+        found += problems("logger", self.logger.errors(output))
+        found += problems("schedule", self.schedule.errors(warmup, max_steps))
         try:
-            OmegaConf.select(cfg, key, throw_on_resolution_failure=True)
-        except OmegaConfBaseException as failure:
-            reason = str(failure).splitlines()[0]
-            return f"{key}={show(value)} cannot be resolved ({reason}): fix the ${{...}} reference"
-    return "the config cannot be resolved: fix its ${...} references"
+            fault = parse_fault(self.debug.fault)
+        except ValueError as error:
+            fault, found = None, [*found, Problem(key="debug.fault", message=str(error))]
+        found += problems("debug.fault", fault_backend_errors(fault, device_type))
+        found += problems("profile", self.profile.errors(max_steps, device_type))
+        return found + problems("peft", self.peft.errors()), fault
 
+    def pipeline_errors(self) -> list[str]:
+        """``pp_schedule`` and ``pp_stages_per_rank`` that disagree (interleaved: 2 stages or more
+        per rank)."""
+        interleaved, per_rank = self.pp_schedule == "interleaved_1f1b", self.pp_stages_per_rank
+        if interleaved == (per_rank > 1):
+            return []
+        fix = "interleaved_1f1b with 2 stages per rank or more, or gpipe or 1f1b with 1"
+        return [f"pp_schedule={self.pp_schedule} with pp_stages_per_rank={per_rank}: use {fix}"]
 
-def _unset(container: Any, prefix: str = "") -> list[str]:
-    """Keys left at ``???``."""
-    if isinstance(container, dict):
+    def restart_errors(self) -> list[str]:
+        """``max_restarts`` restarts the recipe's own launcher's ranks, which continue from the
+        last complete checkpoint: it needs ``checkpoint.resume=auto``."""
+        restarts, resume = self.max_restarts, self.checkpoint.resume
+        if not restarts or resume == "auto":
+            return []
+        why = f"max_restarts={restarts} needs checkpoint.resume=auto (got {show(resume)}): "
+        return [f"{why}restarted ranks continue from the last complete checkpoint in output_dir"]
+
+    def unread_keys(self, dims: "ParallelDims") -> list[str]:
+        """The keys set to something this run's layout ``dims`` never reads, each said (never
+        silently ignored): they are harmless, and right in another layout (a sweep over tp, a dry
+        run)."""
+        unread = []
+        if self.sp and dims.tp == 1:
+            unread.append(
+                "sp=true changes nothing at tp=1: sequence parallelism splits the norms' sequence "
+                "over the TP ranks, and there is one"
+            )
+        if self.train.fp8_recipe != "tensorwise" and self.train.precision != "fp8":
+            recipe = f"train.fp8_recipe={self.train.fp8_recipe}"
+            unread.append(f"{recipe} is read with train.precision=fp8 only: this run has none")
+        if self.device_memory_gib is not None and not self.dry_run:
+            unread.append(
+                f"device_memory_gib={self.device_memory_gib:g} is read by dry_run=true only "
+                "(whether the planned layout fits): this run trains on the device it has"
+            )
+        return unread + self._unread_pipeline_keys(dims) + self._unread_expert_keys(dims)
+
+    def _unread_pipeline_keys(self, dims: "ParallelDims") -> list[str]:
+        """``pp_schedule`` and ``pp_stages_per_rank`` away from their defaults (conf/config.yaml's)
+        at pp=1, which has no pipeline: one line each. A dry run reads them for a pp it
+        suggests."""
+        if dims.pp > 1 or self.dry_run:
+            return []
+        pipeline = (("pp_schedule", "1f1b"), ("pp_stages_per_rank", 1))
         return [
-            key for name, value in container.items() for key in _unset(value, f"{prefix}{name}.")
+            f"{key}={value} is read with pp > 1 only: this run has pp=1"
+            for key, default in pipeline
+            if (value := getattr(self, key)) != default
         ]
-    return [prefix[:-1]] if container == "???" else []
 
-
-def validate(cfg: DictConfig) -> Config:
-    """The composed config (without its ``hydra`` node) checked against the schema, every problem at
-    once."""
-    body = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
-    try:
-        container = OmegaConf.to_container(body, resolve=True, throw_on_missing=False)
-    except OmegaConfBaseException as error:
-        raise SchemaError(_unresolvable(body)) from error
-    unset = _unset(container)
-    if unset:
-        hints = {
-            "data.path": "data.path is not set: data=jsonl needs data.path=/path/to/file.jsonl"
-        }
-        raise SchemaError(
-            "; ".join(hints.get(key, f"{key} is not set (???): give it a value") for key in unset)
-        )
-    try:
-        return Config.model_validate(container)
-    except ValidationError as error:
-        raise SchemaError("; ".join(describe(error, container))) from None
+    def _unread_expert_keys(self, dims: "ParallelDims") -> list[str]:
+        """``moe.shard_experts`` with nothing to shard over; replica checks with nothing to
+        compare."""
+        unread = []
+        if self.moe.shard_experts and dims.ep == 1:
+            unread.append(
+                "moe.shard_experts=true changes nothing at ep=1: the experts are not split by "
+                "expert (with dp > 1, FSDP shards them like every other weight)"
+            )
+        elif self.moe.shard_experts and dims.ep_shard == 1:
+            unread.append(
+                f"moe.shard_experts=true changes nothing at ep={dims.ep} on {dims.world_size} "
+                "ranks: each expert has one copy, with nothing to shard it over"
+            )
+        copies = dims.ep > 1 and dims.ep_shard > 1 and not self.moe.shard_experts
+        every = self.debug.check_replicas_every
+        if every and dims.tp == 1 and not copies:
+            unread.append(
+                f"debug.check_replicas_every={every} compares nothing here: at tp=1 there are no "
+                "TP replicas (nor experts copied over ep_shard)"
+            )
+        return unread

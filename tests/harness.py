@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from components.distributed.layout import Meshes, ParallelDims
 from components.runtime.launch import free_port
 from tests.stacks import python_stacks
 
@@ -161,6 +162,7 @@ class RankPool:
 
 
 _MESHES: dict[tuple, DeviceMesh] = {}
+_RUN_MESHES: dict[ParallelDims, Meshes] = {}
 
 
 def tiny_model_folder(root: Path) -> Path:
@@ -186,6 +188,13 @@ def mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
             mesh_dim_names=names,
         )
     return _MESHES[key]
+
+
+def meshes(dims: ParallelDims) -> Meshes:
+    """``dims.build_meshes("cpu")``, cached so a module's checks share their groups."""
+    if dims not in _RUN_MESHES:
+        _RUN_MESHES[dims] = dims.build_meshes("cpu")
+    return _RUN_MESHES[dims]
 
 
 def spec_for(

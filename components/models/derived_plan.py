@@ -19,7 +19,7 @@ import inspect
 
 from torch import nn
 
-from components.distributed.tp_plan import HEAD_COUNTS
+from components.distributed.tp_styles import HEAD_COUNTS
 
 # Types whose derived plan splits what their forward then reads whole (measured by
 # bench/coverage.py: a traceback at tp=2), with the reason.

@@ -319,3 +319,29 @@ def plan_is_derived(config) -> bool:
     """Whether :func:`plan_for` derives this model's plan from its structure (no family, no
     ``base_model_tp_plan``)."""
     return config.model_type not in FAMILIES and not getattr(config, "base_model_tp_plan", None)
+
+
+def _language_adapters(config, where) -> list[str]:
+    """X-MOD picks its language adapters by language ids, which the recipe does not pass, else
+    by its config's ``default_language``: that must be one of its languages."""
+    languages = list(getattr(config, "languages", None) or [])
+    default = getattr(config, "default_language", None)
+    if not languages or not hasattr(config, "default_language") or default in languages:
+        return []
+    return [
+        f"model type '{config.model_type}' picks its language adapters by language ids, which the "
+        "recipe does not pass (not supported), else by its config's default_language: "
+        f"{where} sets {default!r}, not one of its languages: set default_language to one of "
+        f"{', '.join(languages)}"
+    ]
+
+
+# What a model type's config must say for the recipe to run it, beyond every model's checks
+# (``components/models/checks.py``): model_type -> its errors, given the config and where it is.
+CONFIG_RULES = MappingProxyType({"xmod": _language_adapters})
+
+
+def config_rule_errors(config: "PretrainedConfig", where) -> list[str]:
+    """The errors of ``config`` by its model type's rule in :data:`CONFIG_RULES` (none without)."""
+    rule = CONFIG_RULES.get(config.model_type)
+    return rule(config, where) if rule is not None else []

@@ -1,7 +1,49 @@
 """The values a model's build options take, listed once: the config's schema offers them and the
-builders dispatch on them. Imports nothing, so a config is checked without loading a model."""
+builders dispatch on them; and what the model's checks read of a run (``components/models/
+checks.py``). Imports nothing heavy, so a config is checked without loading a model."""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 PRECISIONS = ("fp32", "bf16-mixed", "bf16", "fp8")  # train.precision (components.models.precision)
 FP8_RECIPES = ("tensorwise", "rowwise")  # train.fp8_recipe (components.models.fp8)
 # train.activation_checkpointing (components.models.activation_checkpointing)
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelChoice:
+    """The ``model`` group: where the model comes from, its family's sizes, its experts."""
+
+    name: str  # model=NAME, as messages name it
+    family: str | None
+    config: dict[str, Any]  # model.config: the family's sizes (not read for a folder)
+    pretrained_path: str | None = None  # a local folder or a Hub id
+    source: str | None = None  # a named source (smollm2)
+    experts: Sequence[str] | None = None  # module patterns; None: the family's
+    routers: Sequence[str] | None = None
+    cache_dir: Path | None = None  # where model.source=smollm2 is converted; None: the default
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraTargets:
+    """``peft=lora``'s targets: linear-layer patterns (None: the projections), and experts."""
+
+    target_modules: tuple[str, ...] | None
+    experts: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelUse:
+    """What the run asks of the model."""
+
+    seq_len: int
+    sequence_parallel: bool
+    precision: str
+    compile: bool
+    device_type: str
+    lora: LoraTargets | None  # None: no adapters (or peft's own keys are refused)
+    peft_lora: bool  # peft=lora, checked or not (fp8 refuses it either way)
+    packing: bool  # train.packing: examples packed in a row, their positions restarting

@@ -12,17 +12,15 @@ their order, so the recipe makes one call.
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from transformers import PretrainedConfig
 
 from components.distributed.context_parallel import enable_context_parallel
 from components.distributed.fsdp import shard_data_parallel
-from components.distributed.mesh import ParallelDims, build_moe_mesh, fsdp_mesh
+from components.distributed.layout import Meshes, ParallelDims
 from components.distributed.pipeline import keep_rank_stage, stage_plan
 from components.distributed.tp_dropout import has_dropout, shard_dropout_masks
 from components.distributed.tp_plan import PlanReport, apply_tp_plan
@@ -60,22 +58,22 @@ class ModelSpec:
 def build_parallel_model(
     spec: ModelSpec,
     dims: ParallelDims,
-    mesh: DeviceMesh,
+    meshes: Meshes,
     device: torch.device,
-    timeout: timedelta | None = None,
     convert: Callable[[nn.Module], nn.Module] | None = None,
 ) -> tuple[nn.Module, PlanReport | None]:
-    """The model of this rank, sharded over ``mesh`` ("dp", "tp"; "dp", "cp", "tp"; or HSDP's
-    "dp_replicate", "dp_shard", "tp"), and the TP
-    plan's report (None at tp=1); ``timeout``: of the MoE mesh's groups, as of ``mesh``'s. On the
-    meta ``device`` (a dry run) every step runs but nothing gets storage. ``convert``: applied to
-    the built model before it is parallelised (where LoRA adapters and FP8 linears plug in)."""
+    """The model of this rank, split over ``meshes`` (``dims.build_meshes``: TP over
+    ``meshes.world["tp"]``, experts over ``meshes.experts``, FSDP over ``meshes.fsdp``), and the
+    TP plan's report (None at tp=1). On the meta ``device`` (a dry run) every step runs but
+    nothing gets storage. ``convert``: applied to the built model before it is parallelised
+    (where LoRA adapters and FP8 linears plug in)."""
     policy = precision_policy(spec.precision)
     if spec.weights is None and device.type != "meta":
         model = build_causal_lm(spec.config, seed=spec.seed, dtype=policy.param_dtype).to(device)
     else:  # nothing allocated until each rank loads its own shards
         model = meta_causal_lm(spec.config, dtype=policy.param_dtype)
     model = convert(model) if convert is not None else model
+    mesh = meshes.world
     if dims.pp > 1:  # this rank's pipeline stage alone, its parameters named as in the whole
         model = keep_rank_stage(model, mesh, spec.pp_stages_per_rank)
     report = None
@@ -106,17 +104,16 @@ def build_parallel_model(
         policy.cast_tp_inputs(model, data_parallel=dims.data_parallel > 1)
         if has_dropout(model):
             shard_dropout_masks(model, mesh["tp"], spec.sequence_parallel, device)
-    if dims.ep > 1:  # the MoE mesh and its process groups exist only when experts are split
-        moe_mesh = build_moe_mesh(mesh, dims, timeout)
+    if dims.ep > 1:
         experts = list(spec.experts)
         apply_expert_parallel(
-            model, moe_mesh, mesh["tp"], experts, shard_experts=spec.shard_experts
+            model, meshes.experts, mesh["tp"], experts, shard_experts=spec.shard_experts
         )
     if spec.weights is not None and device.type != "meta":
         materialize_pretrained(model, spec.weights, device=str(device))
     apply_block_wrappers(model, spec.activation_checkpointing, spec.compile)
     if dims.data_parallel > 1:  # the cp ranks hold the same weights: data parallel for FSDP
-        shard_data_parallel(model, fsdp_mesh(mesh), mp_policy=policy.fsdp_policy())
+        shard_data_parallel(model, meshes.fsdp, mp_policy=policy.fsdp_policy())
     if dims.cp > 1:
         enable_context_parallel(model)
     return model, report

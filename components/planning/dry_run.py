@@ -16,9 +16,8 @@ HSDP replicas, then pairs), each candidate planned again (at most ``MAX_PLANNED`
 import functools
 import itertools
 import json
-import math
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import NoReturn
 
@@ -27,7 +26,7 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from components.data.loader import widest_batch
-from components.distributed.mesh import ParallelDims, build_device_mesh
+from components.distributed.layout import LayoutError, ParallelDims
 from components.distributed.pipeline import rank_share, rank_stages
 from components.models.conversion import convert_model
 from components.models.parallelize import build_parallel_model
@@ -42,9 +41,10 @@ from components.planning.memory_model import (
     estimate_memory,
 )
 from components.planning.memory_model import optimizer_moments as moments_of
-from components.planning.pipeline_schedule import bubble, grads_held, in_flight, layout_problems
+from components.planning.pipeline_schedule import bubble, grads_held, in_flight
 
 ROWS = ("params", "grads", "optimizer", "activations", "buffers", "runtime", "total")
+_STEP_FIELDS = ("micro_batch_size", "activation_checkpointing")  # a candidate's besides degrees
 MAX_PLANNED = 24  # candidates planned again at most: each builds the model (pp: a few of them)
 
 
@@ -59,28 +59,26 @@ def _on_fake_rank(world: int, rank: int) -> None:
 
 def _build(plan, layout: Layout, rank: int) -> torch.nn.Module:
     """``plan``'s model for ``layout`` as fake rank ``rank`` builds it, on the meta device."""
-    world = plan.dims.world_size
-    _on_fake_rank(world, rank)
-    sizes = dict(dp=layout.dp, tp=layout.tp, ep=layout.ep, cp=layout.cp, pp=layout.pp)
-    dims = ParallelDims(world_size=world, dp_replicate=layout.dp_replicate, **sizes)
-    mesh = build_device_mesh(dims, "cpu")
+    dims = layout.dims
+    _on_fake_rank(dims.world_size, rank)
     spec = replace(plan.model, activation_checkpointing=layout.activation_checkpointing)
+    meshes = dims.build_meshes("cpu")
     model, _ = build_parallel_model(
-        spec, dims, mesh, torch.device("meta"), convert=_converter(plan, dims)
+        spec, dims, meshes, torch.device("meta"), convert=_converter(plan, dims)
     )
     return model
 
 
 def micro_batches(step: Step, layout: Layout) -> int:
     """The step's micro-batches per dp rank: the pipeline's."""
-    return step.global_batch_size // (layout.micro_batch_size * layout.dp)
+    return step.global_batch_size // (layout.micro_batch_size * layout.dims.dp)
 
 
 def plan_stages(plan, step: Step, layout: Layout) -> list[tuple[dict, MemoryEstimate]]:
     """Each pipeline rank's share (its layers, whether it holds the embedding and the head, the
     micro-batches it holds in flight) and its estimate, from one model built per rank (layers
     may differ in size or kind, e.g. Gemma 3n's MLPs, LFM2's conv and attention layers)."""
-    config, world, pp = plan.model.config, plan.dims.world_size, layout.pp
+    config, world, pp = plan.model.config, plan.dims.world_size, layout.dims.pp
     schedule, per_rank, m = step.pp_schedule, step.pp_stages_per_rank, micro_batches(step, layout)
     stages = []
     for rank in range(pp):
@@ -99,7 +97,7 @@ def plan_stages(plan, step: Step, layout: Layout) -> list[tuple[dict, MemoryEsti
 def plan_layout(plan, step: Step, layout: Layout) -> MemoryEstimate:
     """Build ``plan``'s model for ``layout`` on the meta device over the fake world; price it:
     the busiest pipeline rank's with pp > 1."""
-    if layout.pp > 1:
+    if layout.dims.pp > 1:
         return busiest(plan_stages(plan, step, layout))[1]
     return estimate_memory(_build(plan, layout, 0), plan.model.config, layout, step)
 
@@ -119,51 +117,12 @@ def _converter(plan, dims: ParallelDims) -> Callable[[torch.nn.Module], torch.nn
     return functools.partial(convert_model, lora=lora, fp8=fp8, seed=plan.seed)
 
 
-def _cp_sizes(plan, layout: Layout) -> list[int]:
-    """The cp sizes above ``layout.cp`` that divide the world; none for an MoE model, under
-    ``train.compile`` or with pp (each refused with cp > 1)."""
-    world = plan.dims.world_size
-    if plan.model.experts or plan.model.compile or layout.pp > 1:
-        return []
-    return [c for c in range(layout.cp + 1, world + 1) if world % c == 0]
-
-
-def _fits_the_world(plan, layout: Layout) -> bool:
-    """pp × dp × cp × tp is the world, the global batch splits over dp, and a row into 2·cp chunks
-    (with sp, a rank's share into tp slices too), as ``recipes/checks.py`` requires."""
-    world, train = plan.dims.world_size, plan.train
-    sp = plan.model.sequence_parallel
-    sequence = math.lcm(2 * layout.cp, layout.cp * layout.tp if sp else 1)
-    return (
-        layout.pp * layout.dp * layout.cp * layout.tp == world
-        and train.global_batch_size % (layout.micro_batch_size * layout.dp) == 0
-        and (layout.cp == 1 or train.seq_len % sequence == 0)
-        and layout.dp % layout.dp_replicate == 0  # HSDP: dp_replicate groups of dp_shard
-        and (layout.dp_replicate == 1 or layout.cp == 1)
-        and _pipeline_fits(plan, layout)
-    )
-
-
-def _pipeline_fits(plan, layout: Layout) -> bool:
-    """pp's own rules (:func:`layout_problems`, as the recipe's checks ask), interleaved stages
-    at dp=1 only, and no cp (``recipes/checks.py``'s refusals)."""
-    if layout.pp == 1:
-        return True
-    schedule, per_rank = plan.pipeline
-    m = plan.train.global_batch_size // (layout.micro_batch_size * layout.dp)
-    layers = plan.model.config.num_hidden_layers
-    return (
-        not layout_problems(layers, layout.pp, per_rank, schedule, m)
-        and (schedule != "interleaved_1f1b" or layout.dp == 1)
-        and layout.cp == 1
-    )
-
-
 def _candidates(plan, layout: Layout) -> list[tuple[str, Layout]]:
-    """Changes that lower the memory: single ones first (cheapest first), then pairs, then all. A
-    larger tp, cp or pp keeps the world: dp shrinks (its new size is named with the change); a tp
-    the attention heads and KV heads do not divide is not tried."""
-    world, config = plan.dims.world_size, plan.model.config
+    """Changes that lower the memory: single ones first (cheapest first), then pairs, then all,
+    each kept where the layout's rules (``components/distributed/layout.py``) let the run take it.
+    A larger tp, cp or pp keeps the world: dp shrinks (its new size is named with the change); a
+    tp the attention heads and KV heads do not divide is not tried."""
+    config, dims = plan.model.config, layout.dims
     changes = []
     if layout.activation_checkpointing != "full":
         full = {"activation_checkpointing": "full"}
@@ -173,37 +132,41 @@ def _candidates(plan, layout: Layout) -> list[tuple[str, Layout]]:
     changes.append([(f"train.micro_batch_size={m}", {"micro_batch_size": m}) for m in batches])
     names = ("num_attention_heads", "num_key_value_heads")
     heads = [size for name in names if (size := getattr(config, name, None))]
-    tps = [t for t in range(layout.tp + 1, world + 1) if world % t == 0]
-    changes.append([(f"tp={t}", {"tp": t}) for t in tps if all(h % t == 0 for h in heads)])
-    changes.append([(f"cp={c}", {"cp": c}) for c in _cp_sizes(plan, layout)])
-    pipelinable = plan.pipelinable and layout.cp == 1 and layout.ep == 1
-    pps = [p for p in range(layout.pp + 1, world + 1) if world % p == 0 and pipelinable]
-    changes.append([(f"pp={p}", {"pp": p}) for p in pps])
-    replicas = [r for r in range(layout.dp_replicate - 1, 0, -1) if layout.dp % r == 0]
-    changes.append([(f"dp_replicate={r}", {"dp_replicate": r}) for r in replicas])
+    tps, *degrees = dims.changes()
+    changes.append([(word, tp) for word, tp in tps if all(h % tp["tp"] == 0 for h in heads)])
+    changes += degrees
     found = []
     for count in range(1, len(changes) + 1):
         for group in itertools.combinations(changes, count):
             for picks in itertools.product(*group):
                 fields = {key: value for _, change in picks for key, value in change.items()}
-                candidate = replace(layout, **fields)
-                if fields.keys() & {"tp", "cp", "pp"}:
-                    dp = world // (candidate.tp * candidate.cp * candidate.pp)
-                    candidate = replace(candidate, dp=dp)
-                if _fits_the_world(plan, candidate):
-                    found.append((_words(picks, layout, candidate), candidate))
+                if candidate := _fitting(plan, layout, fields):
+                    found.append((_words(picks, dims, candidate.dims), candidate))
     return found
 
 
-def _words(picks: tuple, layout: Layout, candidate: Layout) -> str:
+def _fitting(plan, layout: Layout, fields: dict) -> Layout | None:
+    """``layout`` with ``fields`` changed (degrees, the micro-batch, activation checkpointing), dp
+    taking up the rest of the world, when it fits the run; else None."""
+    own = {key: fields.pop(key) for key in _STEP_FIELDS if key in fields}  # the rest: degrees
+    try:
+        dims = layout.dims.changed(**fields)
+    except LayoutError:
+        return None
+    candidate = replace(layout, dims=dims, **own)
+    work = replace(plan.workload, micro_batch_size=candidate.micro_batch_size)
+    return None if dims.all_problems(work, plan.model_facts) else candidate
+
+
+def _words(picks: tuple, dims: ParallelDims, changed: ParallelDims) -> str:
     """A candidate as the overrides that make it: its changes, then dp, dp_replicate and dp_shard
     where they moved."""
     words = [word for word, change in picks if "dp_replicate" not in change]
-    dp, replicas = candidate.dp, candidate.dp_replicate
-    words += [f"dp={dp}"] * (dp != layout.dp)
-    words += [f"dp_replicate={replicas}"] * (replicas != layout.dp_replicate)
-    moved = dp != layout.dp or replicas != layout.dp_replicate
-    words += [f"dp_shard={dp // replicas}"] * (moved and (replicas > 1 or layout.dp_replicate > 1))
+    dp, replicas = changed.dp, changed.dp_replicate
+    words += [f"dp={dp}"] * (dp != dims.dp)
+    words += [f"dp_replicate={replicas}"] * (replicas != dims.dp_replicate)
+    moved = dp != dims.dp or replicas != dims.dp_replicate
+    words += [f"dp_shard={dp // replicas}"] * (moved and (replicas > 1 or dims.dp_replicate > 1))
     return " ".join(words)
 
 
@@ -224,22 +187,22 @@ def _suggest(plan, step: Step, layout: Layout, memory_gib: float) -> tuple[dict 
 
 
 def _step(plan) -> Step:
-    train = plan.train
+    """The priced step: the run's workload, its widest micro-batch, precision and optimizer."""
+    train, work = plan.train, plan.workload
     runtime = current_memory_gib("cpu") if plan.device_type == "cpu" else 0.0
-    moments = moments_of(plan.optim.target, plan.optim.options())
     return Step(
         seq_len=widest_batch(plan.data.train, plan.pad_multiple),
-        global_batch_size=train.global_batch_size,
+        global_batch_size=work.global_batch_size,
+        pp_schedule=work.pp_schedule,
+        pp_stages_per_rank=work.pp_stages_per_rank,
         precision=train.precision,
+        fp8_recipe=train.fp8_recipe,
         sequence_parallel=plan.model.sequence_parallel,
-        optimizer_moments=moments,
+        optimizer_moments=moments_of(plan.optim.target, plan.optim.options()),
         device_type=plan.device_type,
         runtime_gib=runtime,
         loss_chunk_tokens=train.loss_chunk_tokens,
         packing=train.packing,
-        fp8_recipe=train.fp8_recipe,
-        pp_schedule=plan.pipeline[0],
-        pp_stages_per_rank=plan.pipeline[1],
     )
 
 
@@ -253,21 +216,13 @@ def dry_run(plan, fail: Callable[[str], NoReturn]) -> dict:
     """Plan ``plan`` (a checked ``recipes.plan.RunPlan``) on fake ranks; print it, write plan.json.
     A layout that cannot be built (the error a launch would hit) goes to ``fail`` as one line."""
     dims, train = plan.dims, plan.train
-    layout = Layout(
-        tp=dims.tp,
-        dp=dims.dp,
-        ep=dims.ep,
-        micro_batch_size=train.micro_batch_size,
-        cp=dims.cp,
-        dp_replicate=dims.dp_replicate,
-        pp=dims.pp,
-        activation_checkpointing=train.activation_checkpointing,
-    )
+    ac, micro = train.activation_checkpointing, train.micro_batch_size
+    layout = Layout(dims=dims, micro_batch_size=micro, activation_checkpointing=ac)
     step = _step(plan)
     memory = _device_memory_gib(plan.device_memory_gib)
     try:
         try:
-            stages = plan_stages(plan, step, layout) if layout.pp > 1 else []
+            stages = plan_stages(plan, step, layout) if layout.dims.pp > 1 else []
             estimate = busiest(stages)[1] if stages else plan_layout(plan, step, layout)
         except (ValueError, RuntimeError) as error:
             fail(f"dry run: the model cannot be built for this layout: {error}")
@@ -278,7 +233,7 @@ def dry_run(plan, fail: Callable[[str], NoReturn]) -> dict:
             dist.destroy_process_group()
     result = {
         "world_size": dims.world_size,
-        "layout": {**asdict(layout), "sp": plan.model.sequence_parallel},
+        "layout": _layout_row(layout),
         "seq_len": train.seq_len,
         "batch_positions": step.seq_len,  # the widest micro-batch the data makes
         "precision": train.precision,
@@ -302,13 +257,22 @@ def _pipeline(step: Step, layout: Layout, stages: list) -> dict:
     m, per_rank = micro_batches(step, layout), step.pp_stages_per_rank
     worst = busiest(stages)[0]["rank"]
     return {
-        "pp": layout.pp,
+        "pp": layout.dims.pp,
         "schedule": step.pp_schedule,
         "stages_per_rank": per_rank,
         "micro_batches": m,
-        "bubble": bubble(step.pp_schedule, layout.pp, m, per_rank),
+        "bubble": bubble(step.pp_schedule, layout.dims.pp, m, per_rank),
         "busiest_rank": worst,
     }
+
+
+def _layout_row(layout: Layout) -> dict:
+    """plan.json's layout: the degrees (dp: HSDP's pair's product), the micro-batch, activation
+    checkpointing, sp."""
+    dims = layout.dims
+    row = {"tp": dims.tp, "dp": dims.dp, "ep": dims.ep, "micro_batch_size": layout.micro_batch_size}
+    row |= {"cp": dims.cp, "dp_replicate": dims.dp_replicate, "pp": dims.pp}
+    return row | {"activation_checkpointing": layout.activation_checkpointing, "sp": dims.sp}
 
 
 def _stage_row(share: dict, estimate: MemoryEstimate) -> dict:

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from torchao.float8.float8_linear import Float8Linear
 
 from components.distributed.chunked_loss import chunks_head
+from components.distributed.layout import ParallelDims
 from components.distributed.replicas.flat_buffers import MAX_FLAT_BUFFER_BYTES
 from components.models.build import decoder_blocks
 from components.planning.flops import head_dim, is_sparse_layer
@@ -31,15 +32,11 @@ GIB = 1024**3
 
 @dataclass(frozen=True, kw_only=True)
 class Layout:
-    """What a plan may change to make a run fit."""
+    """What a plan may change to make a run fit: the parallel layout's degrees, the micro-batch,
+    activation checkpointing."""
 
-    tp: int
-    dp: int
-    ep: int
+    dims: ParallelDims  # FSDP shards over dp_shard × cp; the world is pp × dp × cp × tp
     micro_batch_size: int
-    cp: int = 1  # context parallel: each row split over cp ranks; FSDP shards over dp × cp
-    dp_replicate: int = 1  # HSDP: FSDP shards over dp_shard = dp / dp_replicate (× cp) only
-    pp: int = 1  # pipeline ranks: the world is pp × dp × cp × tp
     activation_checkpointing: str  # none | full | selective
 
 
@@ -106,17 +103,17 @@ def optimizer_moments(target: str, options: dict) -> int:
 def _data_parallel(layout: Layout) -> int:
     """The ranks the weights are data parallel over (FSDP is on above 1): dp × cp (the cp ranks
     hold the same weights)."""
-    return layout.dp * layout.cp
+    return layout.dims.data_parallel
 
 
 def _sharding(layout: Layout) -> int:
     """The ranks FSDP shards the weights over: :func:`_data_parallel` less HSDP's replicas."""
-    return _data_parallel(layout) // layout.dp_replicate
+    return _data_parallel(layout) // layout.dims.dp_replicate
 
 
 def _masked(layout: Layout, step: Step) -> bool:
     """Whether attention gets a mask: cp's [seq/cp, seq] one, or transformers' over packed rows."""
-    return layout.cp > 1 or step.packing
+    return layout.dims.cp > 1 or step.packing
 
 
 def _local(parameter: torch.Tensor) -> torch.Tensor:
@@ -201,7 +198,7 @@ def _layer_rows(config, layout: Layout, step: Step, index: int) -> tuple[float, 
     rows per local token) repeated to every head (transformers' ``repeat_kv``; the gathered ones
     are not kept), and aten turns the bool mask into a float one of the compute dtype per layer,
     [seq/cp, seq], saved by the kernel; without one, sdpa's ``enable_gqa`` keeps the KV heads."""
-    tp, sp = layout.tp, step.sequence_parallel
+    tp, sp = layout.dims.tp, step.sequence_parallel
     compute = 4 if step.precision == "fp32" else 2
     autocast = _autocast(layout, step)  # fp32 weights, bf16 matmuls
     residual = 4 if step.precision == "fp32" or autocast else 2
@@ -211,7 +208,7 @@ def _layer_rows(config, layout: Layout, step: Step, index: int) -> tuple[float, 
     kv = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * dim
     norm_rows = hidden * residual * (2 / tp if sp else 2)  # input and normalised, per norm
     attention_in = hidden * compute * (3 if autocast_copies else 1)
-    masked, cp = _masked(layout, step), layout.cp
+    masked, cp = _masked(layout, step), layout.dims.cp
     keys = (q if masked else kv) * cp  # K's (and V's) row elements per local token
     mask = step.seq_len * compute if masked else 0  # the float mask's row, whole on every TP rank
     # sdpa keeps q (after rotary), k, v and its output (o_proj's input); fp32 log-sum-exp per head
@@ -219,8 +216,10 @@ def _layer_rows(config, layout: Layout, step: Step, index: int) -> tuple[float, 
     if is_sparse_layer(config, index):
         top_k = getattr(config, "num_experts_per_tok", 1)
         inner = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
-        mlp_in = hidden * compute * (1 + 2 * top_k / layout.ep)  # input; routed rows and outputs
-        inner_rows = inner * top_k / layout.ep
+        mlp_in = (
+            hidden * compute * (1 + 2 * top_k / layout.dims.ep)
+        )  # input; routed rows and outputs
+        inner_rows = inner * top_k / layout.dims.ep
     else:
         mlp_in = hidden * compute * (2 if autocast_copies else 1)
         inner_rows = config.intermediate_size / tp
@@ -233,7 +232,7 @@ def _layer_rows(config, layout: Layout, step: Step, index: int) -> tuple[float, 
 
 def _tokens(layout: Layout, step: Step) -> int:
     """Tokens of one micro-batch on this rank: cp splits every row."""
-    return layout.micro_batch_size * step.seq_len // layout.cp
+    return layout.micro_batch_size * step.seq_len // layout.dims.cp
 
 
 def _activations(config, layout: Layout, step: Step, stage: Stage) -> dict[str, float]:
@@ -249,7 +248,7 @@ def _activations(config, layout: Layout, step: Step, stage: Stage) -> dict[str, 
         recompute = max((saved for saved, _, _ in rows), default=0.0)  # one layer at a time
     compute = 4 if step.precision == "fp32" else 2
     residual = 4 if step.precision != "bf16" else 2
-    shards = layout.tp if step.sequence_parallel else 1
+    shards = layout.dims.tp if step.sequence_parallel else 1
     final_norm = 2 * config.hidden_size * residual / shards
     # the head's input (whole sequence), the token ids (embedding, head), rotary's cos and sin
     ends = (final_norm + config.hidden_size * compute) * stage.last + 3 * 8 + 4
@@ -296,7 +295,7 @@ def _loss(config, layout: Layout, step: Step, state: dict, chunked: bool) -> dic
 def _buffers(config, layout: Layout, step: Step, state: dict, stage: Stage) -> dict[str, float]:
     # the pipeline's loss is unchunked; its FSDP reduces each micro-batch's gradients
     chunked = bool(step.loss_chunk_tokens) and state["chunks_head"] and not stage.pipelined
-    accumulates = step.global_batch_size > layout.micro_batch_size * layout.dp
+    accumulates = step.global_batch_size > layout.micro_batch_size * layout.dims.dp
     fsdp = unsharded = 0.0
     fp8 = step.precision == "fp8"
     if _data_parallel(layout) > 1:
@@ -320,7 +319,8 @@ def _buffers(config, layout: Layout, step: Step, state: dict, stage: Stage) -> d
         "fp8_weight_casts": fp8_casts,
         "fsdp_layers": fsdp,
         "fsdp_unsharded_accumulated_grads": unsharded,
-        "replica_sync": min(MAX_FLAT_BUFFER_BYTES, state["replicated_bytes"]) * (layout.tp > 1),
+        "replica_sync": min(MAX_FLAT_BUFFER_BYTES, state["replicated_bytes"])
+        * (layout.dims.tp > 1),
         "optimizer_step": temporaries,
     }
 
@@ -402,4 +402,4 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 def _vocab_share(config, layout: Layout) -> float:
     """The vocabulary a rank's logits hold: a tp-th where tp divides it (vocab-parallel head)."""
-    return config.vocab_size / (layout.tp if config.vocab_size % layout.tp == 0 else 1)
+    return config.vocab_size / (layout.dims.tp if config.vocab_size % layout.dims.tp == 0 else 1)

@@ -54,27 +54,3 @@ def bubble(schedule: str, pp: int, micro_batches: int, stages_per_rank: int = 1)
     times faster)."""
     v = stages_per_rank if schedule == "interleaved_1f1b" else 1
     return (pp - 1) / (v * micro_batches + pp - 1)
-
-
-def layout_problems(
-    layers: int, pp: int, stages_per_rank: int, schedule: str, micro_batches: int
-) -> dict[str, str]:
-    """Why ``pp`` ranks of ``schedule`` cannot run a model of ``layers`` decoder layers at ``m``
-    micro-batches a step, by the key to change (none when they can): a layer or more per stage
-    (the embedding and the head weighed as one), ``pp`` micro-batches or more for the 1F1B
-    schedules, whole rounds of ``pp`` interleaved. The recipe's checks and the dry run's
-    suggestions both ask here."""
-    found, stages = {}, pp * stages_per_rank
-    if layers + 2 < stages:
-        found["pp"] = (
-            f"{stages} pipeline stages need {stages - 2} decoder layers or more: the model has "
-            f"{layers}"
-        )
-    interleaved = schedule == "interleaved_1f1b"
-    if (schedule != "gpipe" and micro_batches < pp) or (interleaved and micro_batches % pp):
-        needs = f"a multiple of pp={pp}" if interleaved else f"pp={pp} or more"
-        found["train.global_batch_size"] = (
-            f"pp_schedule={schedule} needs {needs} micro-batches per step, this step has "
-            f"{micro_batches}"
-        )
-    return found

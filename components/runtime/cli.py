@@ -21,12 +21,24 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
-from components.runtime.problems import Problem, fail
+from components.problems import Problem
+from components.runtime.problems import fail
 from components.runtime.sweep import Sweep
 
 Job = Callable[[DictConfig, str | None, str | None], None]
 # (the key Hydra could not override, the overrides, its message) -> a better message, or None
 Advise = Callable[[str, list[str], str], str | None]
+
+
+def dotted_keys(tree: dict, prefix: str = "") -> list[str]:
+    """Every key of a composed config (as a plain dict) as a dotted path, groups and leaves: the
+    names an unknown key's advice picks the closest of."""
+    keys = []
+    for name, value in tree.items():
+        keys.append(f"{prefix}{name}")
+        if isinstance(value, dict):
+            keys += dotted_keys(value, f"{prefix}{name}.")
+    return keys
 
 
 def compose_config(

@@ -7,8 +7,8 @@ import os
 from pathlib import Path
 
 from components.checkpoint.integrity import MARKER, complete_checkpoints
+from components.problems import Problem, problems, show
 from components.runtime.output_dir import nested_run_errors
-from components.runtime.problems import Problem, problems, show
 
 
 def where_errors(output: Path, run_dir: str | None, per_run: bool, torchrun: bool) -> list[Problem]:

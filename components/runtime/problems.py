@@ -3,30 +3,19 @@ and exits 2; :func:`say` is the recipe's only other output, from rank 0 alone.
 
 A problem names the key that failed (``tp``, ``train.seq_len``, ``data``, ...), so that what follows
 from it (the tp values that fit a model) is decided by the key, never by matching message text.
-Components return their own strings; the recipe's checks wrap them into problems at the boundary.
+Each owner returns its problems (``components/problems.py``); the recipe's pre-flight collects them.
 This module imports nothing heavy: ``--help`` and the first ``error:`` line stay fast.
 """
 
 import os
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import NoReturn
 
+from components.problems import Problem
 from components.runtime.console import print_line
 from components.runtime.exit_status import INTERRUPTED, INTERRUPTED_STATUS, AlreadyComplete
-
-
-@dataclass(frozen=True, kw_only=True)
-class Problem:
-    key: str  # the setting that cannot work: a config key, or the area (``model``, ``data``)
-    message: str  # the whole sentence: the key, its value and what would work
-
-
-def problems(key: str, messages: Iterable[str]) -> list[Problem]:
-    """A component's messages about ``key`` as problems."""
-    return [Problem(key=key, message=message) for message in messages]
 
 
 class ConfigError(ValueError):
@@ -61,15 +50,6 @@ def fail(found: Sequence[Problem] | str) -> NoReturn:
     the one exit status for bad input."""
     say(error_line(found), file=sys.stderr)
     sys.exit(2)
-
-
-def show(value: Any) -> str:
-    """A value as a Hydra override would spell it (null, true, 'text', [1, 2])."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    return repr(value)
 
 
 @contextmanager

@@ -10,7 +10,14 @@ from typing import Any
 
 import torch
 
-from components.targets import target_class
+from components.targets import check_target, target_class
+
+
+def optimizer_errors(target: str, options: Mapping[str, Any]) -> list[str]:
+    """Why ``optim``'s class cannot train (not a ``torch.optim.Optimizer`` taking these options as
+    keywords), or why it refuses their values."""
+    errors = check_target("optim", target, options, torch.optim.Optimizer, {"params"})
+    return errors or check_optimizer(target, options)
 
 
 def check_optimizer(target: str, options: Mapping[str, Any]) -> list[str]:

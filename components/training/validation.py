@@ -9,7 +9,6 @@ from torch import nn
 from components.data import StepBatches
 from components.distributed.chunked_loss import LOSS_CHUNK_TOKENS
 from components.distributed.context_parallel import ContextParallel
-from components.distributed.mesh import data_parallel_mesh
 from components.training.step import evaluate_loss_sum
 
 
@@ -47,7 +46,7 @@ def _mean_over(totals: torch.Tensor, dp_group: dist.ProcessGroup) -> float:
 def run_validation(run, loss_chunk_tokens: int | None) -> float:
     """The mean loss on a recipe run's validation split (``run``: its model, ``val_data``,
     device, mesh, compute context and cp), the same on every rank."""
-    dp_group = data_parallel_mesh(run.mesh).get_group()  # dp × cp
+    dp_group = run.meshes.loss.get_group()  # dp × cp
     model = run.state.model
     if run.pipeline is not None:
         return pipeline_validation_loss(run.pipeline, model, run.val_data, run.device, dp_group)

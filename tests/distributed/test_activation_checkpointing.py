@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor
 
 from components.distributed.fsdp import shard_data_parallel
 from components.distributed.grads import finalize_dtensor_gradients
-from components.distributed.mesh import resolve_parallel_dims
+from components.distributed.layout import resolve_parallel_dims
 from components.distributed.tp_plan import apply_tp_plan
 from components.models import build_causal_lm, tiny_config
 from components.models.activation_checkpointing import apply_activation_checkpointing

@@ -25,7 +25,7 @@ from components.checkpoint.export import INDEX_FILE, _tied_duplicates, export_hf
 from components.checkpoint.integrity import checkpoint_summary, find_resumable
 from components.distributed.fsdp import shard_data_parallel
 from components.distributed.grads import finalize_dtensor_gradients
-from components.distributed.mesh import resolve_parallel_dims
+from components.distributed.layout import resolve_parallel_dims
 from components.distributed.tp_plan import apply_tp_plan
 from components.distributed.tp_replicas import (
     broadcast_tp_replicas,

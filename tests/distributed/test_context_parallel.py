@@ -20,7 +20,7 @@ from components.distributed.context_parallel import (
     zigzag_indices,
 )
 from components.distributed.grads import finalize_dtensor_gradients, grad_norm
-from components.distributed.mesh import data_parallel_mesh, resolve_parallel_dims
+from components.distributed.layout import resolve_parallel_dims
 from components.distributed.tp_replicas import (
     broadcast_tp_replicas,
     synchronize_tp_replica_gradients,
@@ -29,7 +29,7 @@ from components.models import build_causal_lm, tiny_config
 from components.models.parallelize import build_parallel_model
 from components.models.precision import precision_policy
 from components.training.step import forward_backward
-from tests.harness import mesh, spec_for
+from tests.harness import meshes, spec_for
 
 BATCH, SEQ, STEPS = 4, 32, 4
 OPTIMIZERS = {"sgd": (torch.optim.SGD, {"lr": 0.5}), "adamw": (torch.optim.AdamW, {"lr": 3e-3})}
@@ -75,10 +75,11 @@ def check_cp(rank, world_size, family, layout, optimizer, packed=False, options=
     """Per-step (loss, grad norm) of the context-parallel run and of the cp=1 reference."""
     options = {"sp": False, "precision": "fp32", "checkpointing": "none", **(options or {})}
     dims = resolve_parallel_dims(world_size, tp=layout["tp"], cp=layout["cp"])
-    device_mesh = mesh((dims.dp, dims.cp, dims.tp), ("dp", "cp", "tp"))
+    run_meshes = meshes(dims)
+    device_mesh = run_meshes.world
     config = tiny_config(family)
     spec = spec_for(config, options["sp"], options["precision"], options["checkpointing"])
-    model, _ = build_parallel_model(spec, dims, device_mesh, torch.device("cpu"))
+    model, _ = build_parallel_model(spec, dims, run_meshes, torch.device("cpu"))
     broadcast_tp_replicas([model], device_mesh)
     make, kwargs = OPTIMIZERS[optimizer]
     optim = make(model.parameters(), **kwargs)
@@ -93,7 +94,7 @@ def check_cp(rank, world_size, family, layout, optimizer, packed=False, options=
         finalize_dtensor_gradients([model])
         synchronize_tp_replica_gradients([model], device_mesh)
         total = torch.tensor(loss, dtype=torch.float64)
-        dist.all_reduce(total, group=data_parallel_mesh(device_mesh).get_group())
+        dist.all_reduce(total, group=run_meshes.loss.get_group())
         curve.append((total.item() / labelled, grad_norm([model]).item()))
         optim.step()
     return curve, reference_curve(config, optimizer, packed, options["precision"])

@@ -11,7 +11,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from components.distributed.grads import clip_grad_norm_, finalize_dtensor_gradients
-from components.distributed.mesh import ParallelDims, build_device_mesh
+from components.distributed.layout import ParallelDims
 from components.distributed.tp_replicas import (
     synchronize_tp_replica_gradients,
     unmarked_parameters,
@@ -34,11 +34,11 @@ def _adapted(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _build(world_size: int, weights=None):
-    dims = ParallelDims(world_size=world_size, dp=1, tp=world_size)
-    mesh = build_device_mesh(dims, "cpu")
+    dims = ParallelDims(tp=world_size)
+    meshes = dims.build_meshes("cpu")
     spec = spec_for(CONFIG, weights=weights)
-    model, report = build_parallel_model(spec, dims, mesh, torch.device("cpu"), convert=_adapted)
-    return model, report, mesh
+    model, report = build_parallel_model(spec, dims, meshes, torch.device("cpu"), convert=_adapted)
+    return model, report, meshes.world
 
 
 def placements_state_and_plan(rank, world_size):
@@ -72,7 +72,8 @@ def placements_state_and_plan(rank, world_size):
 
 def _planned_optimizer_bytes(model, config, tp: int, ep: int) -> float:
     """The memory model's optimizer state per rank (AdamW, fp32), in bytes."""
-    layout = Layout(tp=tp, dp=1, ep=ep, cp=1, micro_batch_size=2, activation_checkpointing="none")
+    dims = ParallelDims(tp=tp, ep=ep)
+    layout = Layout(dims=dims, micro_batch_size=2, activation_checkpointing="none")
     step = Step(
         seq_len=16,
         global_batch_size=2,
@@ -160,10 +161,11 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 def expert_adapters_at_tp2_ep2(rank, world_size):
     reference = _moe_lora(build_causal_lm(MOE, seed=0))
-    dims = ParallelDims(world_size=world_size, dp=1, tp=world_size, ep=world_size)
-    mesh = build_device_mesh(dims, "cpu")
+    dims = ParallelDims(tp=world_size, ep=world_size)
+    meshes = dims.build_meshes("cpu")
+    mesh = meshes.world
     spec = dataclasses.replace(spec_for(MOE), experts=MOE_EXPERTS, routers=MOE_ROUTERS)
-    model, _ = build_parallel_model(spec, dims, mesh, torch.device("cpu"), convert=_moe_lora)
+    model, _ = build_parallel_model(spec, dims, meshes, torch.device("cpu"), convert=_moe_lora)
     experts = model.model.layers[0].mlp.experts
     placed = {}
     for adapter, weight in itertools.product(("lora_A", "lora_B"), ("gate_up_proj", "down_proj")):
@@ -171,7 +173,10 @@ def expert_adapters_at_tp2_ep2(rank, world_size):
         placed[f"{adapter}.{weight}"] = (parameter.placements, tuple(_local(parameter).shape))
     synced = [name for name, _, _ in unmarked_parameters([model]) if ".experts." in name]
     at_ep1 = dataclasses.replace(dims, ep=1)  # the experts, and so their adapters, TP replicas
-    replicas, _ = build_parallel_model(spec, at_ep1, mesh, torch.device("cpu"), convert=_moe_lora)
+    at_ep1_meshes = dataclasses.replace(meshes, experts=None)
+    replicas, _ = build_parallel_model(
+        spec, at_ep1, at_ep1_meshes, torch.device("cpu"), convert=_moe_lora
+    )
     reductions = [r for n, _, r in unmarked_parameters([replicas]) if ".experts.lora_" in n]
     ours = _steps(model, mesh, _sgd(model), 3)
     theirs = _steps(reference, None, _sgd(reference), 3)

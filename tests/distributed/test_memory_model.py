@@ -23,7 +23,7 @@ import torch
 
 from components.distributed.context_parallel import ContextParallel
 from components.distributed.grads import clip_grad_norm_, finalize_dtensor_gradients
-from components.distributed.mesh import ParallelDims, build_device_mesh
+from components.distributed.layout import ParallelDims
 from components.distributed.tp_replicas import synchronize_tp_replica_gradients
 from components.models import tiny_config
 from components.models.parallelize import build_parallel_model
@@ -76,12 +76,13 @@ def measured_and_planned(
     _fixed_mmap_threshold()
     gc.collect()
     before = current_memory_gib("cpu")
-    dims = ParallelDims(world_size=world_size, dp=1, tp=world_size // cp, cp=cp)
-    mesh = build_device_mesh(dims, "cpu")
+    dims = ParallelDims(tp=world_size // cp, cp=cp)
+    meshes = dims.build_meshes("cpu")
+    mesh = meshes.world
     positions_limit = SEQ if cp == 1 else CP_SEQ  # the cp case's row is longer
     config = tiny_config("llama", **SIZES | {"max_position_embeddings": positions_limit})
     spec = spec_for(config, precision=precision, checkpointing=checkpointing)
-    model, _ = build_parallel_model(spec, dims, mesh, torch.device("cpu"))
+    model, _ = build_parallel_model(spec, dims, meshes, torch.device("cpu"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     batch, seq = (BATCH, SEQ) if cp == 1 else (CP_BATCH, CP_SEQ)
     tokens = torch.randint(
@@ -94,14 +95,7 @@ def measured_and_planned(
         reset_peak_memory("cpu")
         _step(model, optimizer, mesh, compute, tokens, positions, ContextParallel.of(mesh))
     peak = peak_memory_gib("cpu") - before
-    layout = Layout(
-        tp=world_size // cp,
-        dp=1,
-        ep=1,
-        cp=cp,
-        micro_batch_size=batch,
-        activation_checkpointing=checkpointing,
-    )
+    layout = Layout(dims=dims, micro_batch_size=batch, activation_checkpointing=checkpointing)
     plan = Step(
         seq_len=seq,
         global_batch_size=batch,

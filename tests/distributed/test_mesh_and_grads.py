@@ -10,15 +10,15 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from components.distributed.grads import clip_grad_norm_, finalize_dtensor_gradients, grad_norm
-from components.distributed.mesh import build_device_mesh, build_moe_mesh, resolve_parallel_dims
+from components.distributed.layout import resolve_parallel_dims
 from tests.distributed.common import Holder, recorded_collectives
 from tests.harness import mesh
 
 
 def check_mesh_layout(rank, world_size, tp, ep):
     dims = resolve_parallel_dims(world_size, tp=tp, ep=ep)
-    device_mesh = build_device_mesh(dims, "cpu")
-    moe = build_moe_mesh(device_mesh, dims)
+    meshes = dims.build_meshes("cpu")
+    device_mesh, moe = meshes.world, meshes.experts
     return (
         device_mesh.mesh.tolist(),
         device_mesh["dp"].mesh.tolist(),
@@ -36,8 +36,8 @@ def test_tp_is_innermost_and_ep_folds_adjacent_ranks(ranks4):
 
 def check_mesh_timeouts(rank, world_size):
     dims = resolve_parallel_dims(world_size, tp=2, ep=2)
-    device_mesh = build_device_mesh(dims, "cpu", timedelta(seconds=123))
-    moe = build_moe_mesh(device_mesh, dims, timedelta(seconds=45))
+    meshes = dims.build_meshes("cpu", timedelta(seconds=123))
+    device_mesh, moe = meshes.world, meshes.experts
     backend = torch.device("cpu")
     return [
         mesh.get_group(dim)._get_backend(backend).options._timeout.total_seconds()
@@ -48,7 +48,7 @@ def check_mesh_timeouts(rank, world_size):
 
 def test_every_mesh_group_times_out_when_the_run_says(ranks4):
     # torch makes a mesh's groups with gloo's 30-minute default, not the world's timeout
-    assert ranks4.run(check_mesh_timeouts) == [[123.0, 123.0, 45.0, 45.0]] * 4
+    assert ranks4.run(check_mesh_timeouts) == [[123.0] * 4] * 4
 
 
 def check_finalize(rank, world_size):

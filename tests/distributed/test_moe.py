@@ -20,7 +20,7 @@ import components.moe.expert_parallel as expert_parallel
 from components.checkpoint.dcp import checkpoint_path, load_checkpoint, save_checkpoint
 from components.distributed.fsdp import shard_data_parallel
 from components.distributed.grads import grad_norm
-from components.distributed.mesh import resolve_parallel_dims
+from components.distributed.layout import resolve_parallel_dims
 from components.distributed.replicas.drift import replica_drift
 from components.distributed.tp_plan import apply_tp_plan, check_plan
 from components.distributed.tp_replicas import synchronize_tp_replica_gradients

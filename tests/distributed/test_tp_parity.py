@@ -19,7 +19,7 @@ from components.distributed import tp_plan
 from components.distributed.float8_tp import float8_style
 from components.distributed.fsdp import shard_data_parallel
 from components.distributed.grads import finalize_dtensor_gradients, grad_norm
-from components.distributed.mesh import resolve_parallel_dims
+from components.distributed.layout import resolve_parallel_dims
 from components.distributed.tp_plan import apply_tp_plan
 from components.distributed.tp_replicas import (
     _is_tp_replicated,

@@ -2,11 +2,11 @@
 
 import pytest
 
-from components.distributed.mesh import ParallelDims, resolve_parallel_dims
+from components.distributed.layout import ParallelDims, resolve_parallel_dims
 
 
 def test_dp_is_inferred_from_world_size_and_tp():
-    assert resolve_parallel_dims(8, tp=2) == ParallelDims(world_size=8, dp=4, tp=2, ep=1)
+    assert resolve_parallel_dims(8, tp=2) == ParallelDims(dp_shard=4, tp=2, ep=1)
     assert resolve_parallel_dims(4, tp=4, dp=1, ep=4).ep_shard == 1
     assert resolve_parallel_dims(4, tp=2, ep=2).ep_shard == 2
 

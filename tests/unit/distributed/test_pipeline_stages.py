@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from components.distributed.mesh import build_device_mesh, mesh_layout, resolve_parallel_dims
+from components.distributed.layout import resolve_parallel_dims
 from components.distributed.pipeline import stage_layers
 from components.models import tiny_config
 from components.models.parallelize import build_parallel_model
@@ -24,18 +24,19 @@ def test_stages_share_the_layers_with_the_embedding_and_head_weighed():
 
 def test_the_mesh_layout_is_data():
     dims = resolve_parallel_dims(16, tp=2, pp=2, dp_replicate=2)
-    assert mesh_layout(dims) == (("pp", 2), ("dp_replicate", 2), ("dp_shard", 2), ("tp", 2))
+    assert dims.mesh_layout() == (("pp", 2), ("dp_replicate", 2), ("dp_shard", 2), ("tp", 2))
     with pytest.raises(ValueError, match="world size 6 is not divisible by pp=4 × tp=1"):
         resolve_parallel_dims(6, pp=4)
 
 
 def test_a_stage_keeps_its_layers_names_and_parallelism(fake_world):
     dims = resolve_parallel_dims(8, tp=2, pp=2)
-    mesh = build_device_mesh(dims, "cpu")
+    meshes = dims.build_meshes("cpu")
+    mesh = meshes.world
     assert mesh.mesh_dim_names == ("pp", "dp", "tp")
     assert mesh["pp"].get_local_rank() == 1  # rank 5: the last of 2 stages
     spec = spec_for(tiny_config("llama", num_hidden_layers=4))
-    model, _ = build_parallel_model(spec, dims, mesh, torch.device("meta"))
+    model, _ = build_parallel_model(spec, dims, meshes, torch.device("meta"))
     names = [name for name, _ in model.named_parameters()]
     layers = sorted({name.split(".")[2] for name in names if name.startswith("model.layers.")})
     assert layers == ["2", "3"], layers  # the last 2 of 4 layers, under their own indices

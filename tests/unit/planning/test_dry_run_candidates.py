@@ -4,50 +4,53 @@ the settings let a run pipeline."""
 
 from types import SimpleNamespace
 
+from components.distributed.layout import ModelFacts, ParallelDims, Workload
 from components.planning.dry_run import _candidates
 from components.planning.memory_model import Layout
 
 
-def plan_of(world: int, seq_len: int, experts: tuple = ()) -> SimpleNamespace:
-    train = SimpleNamespace(global_batch_size=8, seq_len=seq_len)
+def plan_of(seq_len: int, moe: bool = False, compile: bool = False) -> SimpleNamespace:
+    work = Workload(global_batch_size=8, micro_batch_size=1, seq_len=seq_len, compile=compile)
     return SimpleNamespace(
-        dims=SimpleNamespace(world_size=world),
-        model=SimpleNamespace(
-            experts=experts, compile=False, sequence_parallel=False, config=SimpleNamespace()
-        ),
-        train=train,
-        pipelinable=True,
+        model=SimpleNamespace(sequence_parallel=False, config=SimpleNamespace()),
+        workload=work,
+        model_facts=ModelFacts(name="tiny", moe=moe, layers=4),
     )
 
 
-LAYOUT = Layout(tp=1, dp=4, ep=1, cp=2, micro_batch_size=2, activation_checkpointing="full")
+def layout(**degrees: int) -> Layout:
+    return Layout(dims=ParallelDims(**degrees), micro_batch_size=2, activation_checkpointing="full")
+
+
+LAYOUT = layout(dp_shard=4, cp=2)
 
 
 def test_a_larger_tp_or_cp_keeps_the_world():
-    found = dict(_candidates(plan_of(8, 4096), LAYOUT))
-    assert found["tp=2 dp=2"] == Layout(**{**vars(LAYOUT), "tp": 2, "dp": 2})
-    assert found["cp=4 dp=2"] == Layout(**{**vars(LAYOUT), "cp": 4, "dp": 2})
-    assert found["tp=2 cp=4 dp=1"].dp == 1
-    assert all(c.dp * c.cp * c.tp == 8 for c in found.values())
+    found = dict(_candidates(plan_of(4096), LAYOUT))
+    assert found["tp=2 dp=2"] == layout(dp_shard=2, cp=2, tp=2)
+    assert found["cp=4 dp=2"] == layout(dp_shard=2, cp=4)
+    assert found["tp=2 cp=4 dp=1"].dims.dp == 1
+    assert all(c.dims.world_size == 8 for c in found.values())
 
 
 def test_cp_is_suggested_only_where_the_row_splits_and_never_for_moe():
-    words = [word for word, _ in _candidates(plan_of(8, 20), LAYOUT)]
+    words = [word for word, _ in _candidates(plan_of(20), LAYOUT)]
     assert "cp=4 dp=2" not in words and "cp=8 dp=1" not in words  # 20 % 8, 20 % 16
-    moe = [word for word, _ in _candidates(plan_of(8, 4096, experts=("mlp.experts",)), LAYOUT)]
-    assert not any("cp=" in word for word in moe) and "tp=2 dp=2" in moe
+    at_cp1 = layout(dp_shard=8)  # an MoE model runs at cp=1 only
+    moe = [word for word, _ in _candidates(plan_of(4096, moe=True), at_cp1)]
+    assert not any("cp=" in word for word in moe) and "tp=2 dp=4" in moe
 
 
 def test_pp_and_fewer_hsdp_replicas_are_suggested_where_they_fit():
-    plan = plan_of(8, 4096)
-    plan.pipeline, plan.model.config = ("1f1b", 1), SimpleNamespace(num_hidden_layers=4)
     hsdp = Layout(
-        tp=1, dp=8, ep=1, dp_replicate=2, micro_batch_size=1, activation_checkpointing="full"
+        dims=ParallelDims(dp_replicate=2, dp_shard=4),
+        micro_batch_size=1,
+        activation_checkpointing="full",
     )
-    words = [word for word, _ in _candidates(plan, hsdp)]
+    words = [word for word, _ in _candidates(plan_of(4096), hsdp)]
     assert "pp=2 dp=4 dp_shard=2" in words and "dp_replicate=1 dp_shard=8" in words
     assert "pp=4 dp=2 dp_shard=1" in words
     assert not any("pp=8" in word for word in words)  # 8 stages of a 4-layer model (+2 units)
-    plan.pipelinable = False  # e.g. validation on, tied embeddings (recipes/checks.py refuses pp)
-    words = [word for word, _ in _candidates(plan, hsdp)]
-    assert not any("pp=" in word for word in words) and "dp_replicate=1 dp_shard=8" in words
+    compiled = [word for word, _ in _candidates(plan_of(4096, compile=True), hsdp)]
+    assert not any("pp=" in word for word in compiled)  # refused with train.compile=true
+    assert "dp_replicate=1 dp_shard=8" in compiled

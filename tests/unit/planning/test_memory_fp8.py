@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore as Store
 
-from components.distributed.mesh import build_device_mesh, resolve_parallel_dims
+from components.distributed.layout import resolve_parallel_dims
 from components.models import tiny_config
 from components.models.conversion import convert_model
 from components.models.fp8 import Fp8Options
@@ -35,9 +35,9 @@ def detail(dp: int, precision: str, recipe: str = "tensorwise") -> dict:
     convert = functools.partial(convert_model, lora=None, fp8=fp8, seed=0)
     spec = spec_for(CONFIG, precision=precision)
     model, _ = build_parallel_model(
-        spec, dims, build_device_mesh(dims, "cpu"), torch.device("meta"), convert=convert
+        spec, dims, dims.build_meshes("cpu"), torch.device("meta"), convert=convert
     )
-    layout = Layout(tp=1, dp=dp, ep=1, micro_batch_size=1, activation_checkpointing="none")
+    layout = Layout(dims=dims, micro_batch_size=1, activation_checkpointing="none")
     step = Step(
         seq_len=64, global_batch_size=dp, precision=precision, sequence_parallel=False,
         optimizer_moments=2, device_type="cuda", runtime_gib=0.0, loss_chunk_tokens=0,

@@ -4,6 +4,7 @@ the micro-batches in flight, its output kept, the logits only on the last)."""
 
 import pytest
 
+from components.distributed.layout import ParallelDims
 from components.distributed.pipeline import keep_stage, rank_share
 from components.models import tiny_config
 from components.models.build import meta_causal_lm
@@ -31,7 +32,7 @@ def test_a_stage_holds_its_layers_and_its_micro_batches_in_flight():
     sizes = dict(seq_len=64, global_batch_size=8, optimizer_moments=2, loss_chunk_tokens=0)
     fp32 = dict(precision="fp32", sequence_parallel=False, device_type="cpu", runtime_gib=0.0)
     step = Step(**sizes, **fp32)
-    layout = Layout(tp=1, dp=1, ep=1, micro_batch_size=2, pp=2, activation_checkpointing="none")
+    layout = Layout(dims=ParallelDims(pp=2), micro_batch_size=2, activation_checkpointing="none")
     whole = estimate_memory(meta_causal_lm(config), config, layout, step)
     layers, first, last = rank_share(0, 2, 1, 4)
     assert (layers, first, last) == ([0, 1], True, False)  # 3 of 6 units: the embedding is one

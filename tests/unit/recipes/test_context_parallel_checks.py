@@ -5,10 +5,10 @@ import torch
 from transformers import BartConfig, BltConfig, GPTJConfig, LlamaConfig
 
 from components.distributed.context_parallel import CpLayout, CpShard, attention_problems, running
-from components.distributed.mesh import resolve_parallel_dims
+from components.distributed.layout import resolve_parallel_dims
 from components.models.load import sequence_problems
-from recipes.checks import check_sizes, compose, pad_multiple
-from recipes.schema import SchemaError, validate
+from recipes.checks import check_sizes, compose
+from recipes.validate import SchemaError, validate
 
 
 def problems_of(overrides: list[str]) -> list[str]:
@@ -50,11 +50,11 @@ def test_cp_must_be_a_positive_integer():
 
 
 def test_micro_batches_are_padded_to_whole_chunks():
-    assert pad_multiple(False, resolve_parallel_dims(1)) == 8
-    assert pad_multiple(True, resolve_parallel_dims(4, tp=4)) == 32
-    assert pad_multiple(False, resolve_parallel_dims(4, cp=4)) == 8
-    assert pad_multiple(False, resolve_parallel_dims(3, cp=3)) == 24
-    assert pad_multiple(True, resolve_parallel_dims(8, tp=2, cp=4)) == 16
+    assert resolve_parallel_dims(1).pad_multiple() == 8
+    assert resolve_parallel_dims(4, tp=4, sp=True).pad_multiple() == 32
+    assert resolve_parallel_dims(4, cp=4).pad_multiple() == 8
+    assert resolve_parallel_dims(3, cp=3).pad_multiple() == 24
+    assert resolve_parallel_dims(8, tp=2, cp=4, sp=True).pad_multiple() == 16
 
 
 @pytest.mark.parametrize(("config", "refused"), [(GPTJConfig, True), (LlamaConfig, False)])

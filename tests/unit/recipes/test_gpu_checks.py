@@ -6,7 +6,7 @@ import pytest
 import components.runtime.launch as launch
 from components.debug.faults import fault_backend_errors, parse_fault
 from recipes.checks import check_sizes, compose
-from recipes.schema import validate
+from recipes.validate import validate
 
 
 def sizes_on(gpus: int, overrides: list[str]):

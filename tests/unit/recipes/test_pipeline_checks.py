@@ -4,8 +4,9 @@ that says so, before any rank starts; a layout that fits has none."""
 import pytest
 
 from components.models import tiny_config
-from recipes.checks import check_sizes, compose, pipeline_problems
-from recipes.schema import validate
+from components.models.checks import stage_problems
+from recipes.checks import check_sizes, compose, layout_model_problems
+from recipes.validate import validate
 
 FITS = ["pp=2", "train.val_every=0"]
 
@@ -13,7 +14,7 @@ FITS = ["pp=2", "train.val_every=0"]
 def problems_of(overrides: list[str], family: str = "llama", **sizes) -> list[str]:
     settings = validate(compose([f"model={family}", *overrides]))
     dims, found = check_sizes(settings, "cpu")
-    found += pipeline_problems(settings, dims, tiny_config(family, **sizes))
+    found += layout_model_problems(settings, dims, tiny_config(family, **sizes))
     return [f"{problem.key}: {problem.message}" for problem in found]
 
 
@@ -84,12 +85,12 @@ def test_a_decoder_with_parameters_beside_its_layers_is_refused_with_pp():
     settings = validate(compose(["model=llama", *FITS]))
     dims, _ = check_sizes(settings, "cpu")
     opt, llama = coverage_config("opt"), tiny_config("llama")
-    found = pipeline_problems(settings, dims, opt, meta_causal_lm(opt))
+    found = stage_problems(opt, meta_causal_lm(opt), dims.pp)
     assert [f"{problem.key}: {problem.message}" for problem in found] == [
         "pp: pp=2 with model type 'opt' is not supported yet (embed_positions, final_layer_norm "
         "beside its decoder layers, embedding and final norm (norm)): use pp=1"
     ]
-    assert pipeline_problems(settings, dims, llama, meta_causal_lm(llama)) == []
+    assert stage_problems(llama, meta_causal_lm(llama), dims.pp) == []
 
 
 def test_a_decoder_that_changes_its_input_embeddings_is_refused_with_pp(monkeypatch):
@@ -104,9 +105,9 @@ def test_a_decoder_that_changes_its_input_embeddings_is_refused_with_pp(monkeypa
     dims, _ = check_sizes(settings, "cpu")
     granite = coverage_config("granite")
     granite.embedding_multiplier = 3.0
-    assert pipeline_problems(settings, dims, granite, meta_causal_lm(granite)) == []
+    assert stage_problems(granite, meta_causal_lm(granite), dims.pp) == []
     monkeypatch.setattr(pipeline, "EMBEDDING_SCALES", {})
-    found = pipeline_problems(settings, dims, granite, meta_causal_lm(granite))
+    found = stage_problems(granite, meta_causal_lm(granite), dims.pp)
     assert [f"{problem.key}: {problem.message}" for problem in found] == [
         "pp: pp=2 with model type 'granite' is not supported yet (its decoder's forward changes "
         "the input embeddings before its first layer): use pp=1"
@@ -124,7 +125,7 @@ def test_a_final_norm_that_also_runs_on_the_embeddings_is_refused_with_pp():
     settings = validate(compose(["model=llama", *FITS]))
     dims, _ = check_sizes(settings, "cpu")
     nanochat = coverage_config("nanochat")
-    found = pipeline_problems(settings, dims, nanochat, meta_causal_lm(nanochat))
+    found = stage_problems(nanochat, meta_causal_lm(nanochat), dims.pp)
     assert [f"{problem.key}: {problem.message}" for problem in found] == [
         "pp: pp=2 with model type 'nanochat' is not supported yet (its final norm also runs on "
         "the input embeddings, before its first layer): use pp=1"

@@ -5,8 +5,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from components.runtime.problems import ConfigError, Problem, error_line, fail, problems, say
-from recipes.checks import with_tp_suggestion
+from components.models.checks import with_tp_suggestion
+from components.problems import Problem, problems
+from components.runtime.problems import ConfigError, error_line, fail, say
 
 
 def test_fail_prints_one_error_line_of_every_problem_and_exits_2(monkeypatch, capsys):

@@ -4,9 +4,9 @@ and a note says so."""
 
 import pytest
 
-from components.distributed.mesh import resolve_parallel_dims
+from components.distributed.layout import resolve_parallel_dims
 from recipes.checks import compose, restart_problems, unread_keys
-from recipes.schema import validate
+from recipes.validate import validate
 
 TORCHRUN = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
 

@@ -4,9 +4,11 @@ transformers version, not that the folder is broken."""
 
 import json
 
-from components.distributed.mesh import ParallelDims
-from recipes.checks import compose, resolve_model
-from recipes.schema import validate
+from components.distributed.layout import ParallelDims
+from components.models.checks import check_model
+from recipes.checks import compose
+from recipes.plan import model_choice, model_use
+from recipes.validate import validate
 
 DBRX = {"model_type": "dbrx", "architectures": ["DbrxForCausalLM"], "d_model": 64, "n_heads": 4}
 
@@ -14,7 +16,8 @@ DBRX = {"model_type": "dbrx", "architectures": ["DbrxForCausalLM"], "d_model": 6
 def test_a_model_transformers_cannot_build_is_one_problem(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**DBRX, "n_layers": 2, "vocab_size": 384}))
     settings = validate(compose(["model=pretrained", f"model.pretrained_path={tmp_path}", "tp=2"]))
-    _, _, found = resolve_model(settings, ParallelDims(world_size=2, dp=1, tp=2), "cpu")
+    use = model_use(settings, "cpu")
+    found = check_model(model_choice(settings), use, ParallelDims(tp=2)).problems
     (problem,) = [p for p in found if "dbrx" in p.message]
     assert problem.key == "model"
     assert problem.message.startswith("model type 'dbrx' is not supported with transformers 5.")

@@ -1,0 +1,276 @@
+"""The model's checks, before any weight is loaded: the folder or the config, what the config
+cannot run, the adapters' targets, the TP plan and the sizes tp must divide, fp8's layers, compile,
+a pipeline stage's structure, all on one weightless (meta-device) build.
+
+The model comes from the ``model`` group (:class:`ModelChoice`); what the run asks of it is
+:class:`ModelUse`. The parallel layout's own rules are ``components/distributed/layout.py``'s;
+expert parallelism's are ``components/moe``'s.
+"""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import transformers
+
+from components.distributed.context_parallel import attention_problems
+from components.distributed.layout import ParallelDims
+from components.distributed.pipeline import stage_structure_problem
+from components.distributed.tp_plan import check_plan, tp_size_errors
+from components.models.build import meta_causal_lm
+from components.models.compile import check_compile
+from components.models.configs import (
+    build_config,
+    config_errors,
+    routing_errors,
+    vocab_size_errors,
+)
+from components.models.families import config_rule_errors, moe_patterns, plan_for
+from components.models.folder_check import check_model_folder, check_tokenizer_folder
+from components.models.fp8 import fp8_problems, fp8_shape_errors
+from components.models.hub import resolve_model_folder
+from components.models.load import (
+    causal_flags,
+    load_config,
+    position_offset_problems,
+    sequence_problems,
+)
+from components.models.lora import LoraOptions, apply_lora, targeted_experts, targeted_linears
+from components.models.options import LoraTargets, ModelChoice, ModelUse
+from components.models.smollm2 import smollm2_folder
+from components.problems import Problem, problems
+
+
+@dataclass(kw_only=True)
+class CheckedModel:
+    """What the model checks found: the folder (None: built from its config), the config, the meta
+    model they built (None when nothing needed one), the problems and the notes to print;
+    ``complete``: every check ran (not stopped at a config or a model that cannot be built)."""
+
+    complete: bool = False
+    path: Path | None = None
+    config: Any = None
+    meta: Any = None
+    experts: tuple[str, ...] = ()
+    problems: list[Problem] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def check_model(choice: ModelChoice, use: ModelUse, dims: ParallelDims | None) -> CheckedModel:
+    """The model of ``choice`` checked for ``use`` at the layout ``dims`` (None: the sizes were
+    refused), all problems at once."""
+    checked = _config(choice)
+    if checked.config is None:
+        return checked
+    config, found = checked.config, checked.problems
+    found += config_problems(config, checked.path, use.seq_len)
+    cp = 1 if dims is None else dims.cp
+    found += problems("cp", sequence_problems(config, cp, packing=False))
+    found += problems("train.packing", sequence_problems(config, 1, use.packing))
+    found += problems("model", position_offset_problems(config))
+    splits = dims is not None and (dims.tp > 1 or dims.ep > 1)
+    fp8 = use.precision == "fp8"
+    try:
+        wanted = checked.path is not None or splits or use.lora is not None or fp8
+        meta = meta_causal_lm(config) if wanted else None
+    except ValueError as error:  # a config class AutoModelForCausalLM does not map
+        said = str(error).split("Model type should be one of")[0].strip()  # not the long list
+        found.append(Problem(key="model", message=f"transformers: {said}"))
+        return checked
+    except (AttributeError, TypeError, KeyError, IndexError, ImportError) as error:
+        found.append(_unbuildable(config, error))
+        return checked
+    experts, routers = moe_patterns(config, choice.experts, choice.routers)
+    checked.experts = tuple(experts)
+    if checked.path is not None:
+        meta = _causal(config, meta, checked)
+        rows = meta.get_input_embeddings().num_embeddings
+        folder = check_model_folder(checked.path, meta) + check_tokenizer_folder(checked.path, rows)
+        found += problems("model", folder)
+    if use.lora is not None:  # the adapters' targets, on the converted model the TP plan then sees
+        found += lora_problems(meta, use.lora, checked.experts, choice.name)
+    checked.meta = meta
+    if dims is not None:
+        found += _layout_problems(config, meta, use, dims, (tuple(experts), tuple(routers)))
+    checked.complete = True
+    return checked
+
+
+def _config(choice: ModelChoice) -> CheckedModel:
+    """The folder (a local one, the Hub's, SmolLM2's conversion) and its config, or the config
+    built from the family's sizes."""
+    checked = CheckedModel()
+    try:
+        if choice.pretrained_path is not None or choice.source is not None:
+            if choice.config:  # the group's sizes (or a user's overrides) do not apply
+                checked.notes.append(
+                    f"note: model.config of model={choice.name} is not used: the folder's "
+                    "config.json decides"
+                )
+            checked.path = _model_folder(choice.pretrained_path, choice.cache_dir)
+            checked.config = load_config(checked.path)
+        elif errors := config_errors(choice.family, choice.config) + vocab_size_errors(
+            choice.config
+        ):
+            checked.problems = problems("model.config", errors)
+        else:
+            checked.config = build_config(choice.family, choice.config)
+    except (ValueError, OSError, RuntimeError) as error:
+        checked.path, checked.config = None, None
+        checked.problems = [Problem(key="model", message=str(error))]
+    return checked
+
+
+def _model_folder(pretrained_path: str | None, cache_dir: Path | None) -> Path:
+    """A local folder, or a Hub id from the cache (or downloaded); None: SmolLM2's conversion,
+    into ``cache_dir``."""
+    if pretrained_path is None:  # model.source=smollm2
+        return smollm2_folder(cache_dir)
+    return resolve_model_folder(pretrained_path)
+
+
+def _causal(config, meta, checked: CheckedModel):
+    """The folder's model as a causal LM: the config flags without which its class attends to
+    later tokens turned on (a note), and the meta model built again if any was."""
+    if not (flags := causal_flags(config, meta)):
+        return meta
+    said = ", ".join(f"{flag}=true" for flag in flags)
+    checked.notes.append(
+        f"note: model type '{config.model_type}' attends to later tokens unless its config sets "
+        f"{said} ({checked.path / 'config.json'} does not): trained with {said}, as a causal LM "
+        "must be; the export's config.json says so"
+    )
+    return meta_causal_lm(config)
+
+
+def config_problems(config, path: Path | None, seq_len: int) -> list[Problem]:
+    """What the model's config cannot run: ``seq_len`` beyond its positions, more experts per
+    token than it has, and its model type's own rules (the families' table). ``path``: the folder
+    whose ``config.json`` it is (None: ``model.config``)."""
+    found = []
+    positions = getattr(config.get_text_config(), "max_position_embeddings", None)  # composite's
+    if positions is not None and seq_len > positions:
+        message = (
+            f"train.seq_len ({seq_len}) exceeds the model's max_position_embeddings "
+            f"(model.config.max_position_embeddings={positions}): use train.seq_len={positions} "
+            "or less" + ("" if path else ", or raise model.config.max_position_embeddings")
+        )
+        found.append(Problem(key="train.seq_len", message=message))
+    if path is None:
+        return found + problems("model.config", routing_errors(config))
+    where = path / "config.json"
+    found += problems("model", config_rule_errors(config, where))
+    return found + problems("model", [f"{where}: {e}" for e in routing_errors(config, "")])
+
+
+def lora_problems(
+    meta, lora: LoraTargets, experts: tuple[str, ...], model_name: str
+) -> list[Problem]:
+    """Why ``lora`` cannot adapt the meta model, whose expert modules ``experts`` names (none
+    when it can); it is converted in place on success."""
+    found = problems("peft.target_modules", targeted_linears(meta, lora.target_modules)[1])
+    if lora.experts and not experts:
+        message = (
+            f"peft.experts=true needs an MoE model: model={model_name} has no experts "
+            "(model.experts names none); use peft.experts=false"
+        )
+        found.append(Problem(key="peft.experts", message=message))
+    elif lora.experts:
+        found += problems("peft.experts", targeted_experts(meta, experts)[1])
+    if not found:
+        adapted = tuple(experts) if lora.experts else ()
+        patterns = lora.target_modules
+        options = LoraOptions(
+            rank=1, alpha=1.0, dropout=0.0, target_modules=patterns, experts=adapted
+        )
+        apply_lora(meta, options, seed=0)
+    return found
+
+
+def _layout_problems(
+    config, meta, use: ModelUse, dims: ParallelDims, moe: tuple[tuple, tuple]
+) -> list[Problem]:
+    """What this model cannot take at ``dims``: attention outside the interface with cp, the TP
+    plan and the sizes tp must divide, a pipeline stage's structure, fp8's layers, compile.
+    ``moe``: its expert and router patterns."""
+    experts, routers = moe
+    found = problems("cp", attention_problems(config, dims.cp))
+    styles, plan_found = checked_plan(config, meta, dims.tp, use.sequence_parallel, moe)
+    found += plan_found + tp_problems(config, dims.tp)
+    found += stage_problems(config, meta, dims.pp)
+    if use.precision == "fp8":
+        found += _fp8_problems(meta, use, dims, bool(experts), styles)
+    try:
+        check_compile(use.compile, use.device_type, bool(experts), dims.tp, dims.sp)
+    except ValueError as error:
+        found.append(Problem(key="train.compile", message=str(error)))
+    return found
+
+
+def stage_problems(config, meta, pp: int) -> list[Problem]:
+    """With pp > 1, what in the meta model's structure a pipeline stage cannot hold yet, or a
+    config that names no one stack of decoder layers to cut into stages (BLT's)."""
+    if pp == 1:
+        return []
+    why = stage_structure_problem(meta) if meta is not None else None
+    if getattr(config.get_text_config(), "num_hidden_layers", None) is None:
+        why = why or "its config names no num_hidden_layers"
+    if not why:
+        return []
+    message = f"pp={pp} with model type '{config.model_type}' is not supported yet ({why})"
+    return [Problem(key="pp", message=f"{message}: use pp=1")]
+
+
+def checked_plan(
+    config, meta, tp: int, sequence_parallel: bool, moe: tuple[tuple, tuple]
+) -> tuple[dict, list[Problem]]:
+    """The TP plan at ``tp`` checked on the meta model (``moe``: the expert and router patterns
+    it leaves to expert parallelism): (the style each module gets, its problems); ({}, []) at
+    tp=1."""
+    if tp == 1:
+        return {}, []
+    experts, routers = moe
+    try:
+        plan = plan_for(config, sequence_parallel, meta)
+        styles, errors = check_plan(meta, config, plan, tp, (*experts, *routers), sizes=False)
+    except ValueError as error:  # no plan, given or derived
+        return {}, [Problem(key="model", message=str(error))]
+    return styles, problems("model", errors)
+
+
+def tp_problems(config, tp: int) -> list[Problem]:
+    """The model sizes ``tp`` must divide, and with any refused the tp values that fit."""
+    return with_tp_suggestion(problems("tp", tp_size_errors(config, tp)), config) if tp > 1 else []
+
+
+def with_tp_suggestion(found: list[Problem], config) -> list[Problem]:
+    """``found``, and when a problem is with ``tp``, one more naming the tp values that fit the
+    model (those dividing its heads, KV heads and intermediate size)."""
+    if not any(problem.key == "tp" for problem in found):
+        return found
+    keys = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+    sizes = [size for key in keys if (size := getattr(config, key, 0))]
+    fits = [tp for tp in range(1, min(sizes) + 1) if all(size % tp == 0 for size in sizes)]
+    hint = f"tp values that fit this model: {', '.join(map(str, fits))}"
+    return [*found, Problem(key="tp", message=hint)]
+
+
+def _fp8_problems(meta, use: ModelUse, dims: ParallelDims, moe: bool, styles: dict) -> list:
+    """``train.precision=fp8``: what the float8 linears cannot take here (an MoE model, LoRA, the
+    GPU), else each converted layer's matmul dimensions at this tp (with the TP plan's
+    ``styles``) and the tokens per cp rank."""
+    if found := fp8_problems(meta, moe, use.peft_lora, use.device_type):
+        return problems("train.precision", found)
+    found = problems("train.precision", fp8_shape_errors(meta, dims.tp, styles))
+    return found + dims.fp8_problems(use.seq_len)
+
+
+def _unbuildable(config, error: Exception) -> Problem:
+    """transformers' own model class fails on this config (DBRX's attention config lacks the
+    ``rope_theta`` its model reads in transformers 5.23): that version's gap, not the folder's."""
+    said = f"{type(error).__name__}: {error}".splitlines()[0]
+    return Problem(
+        key="model",
+        message=f"model type '{config.model_type}' is not supported with transformers "
+        f"{transformers.__version__}: its model class cannot be built from this config ({said})",
+    )
