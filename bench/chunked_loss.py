@@ -33,7 +33,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 from components.distributed.chunked_loss import chunked_cross_entropy_sum
 from components.distributed.tp_plan import cross_entropy_sum
 from components.planning.memory import GIB, current_memory_gib, peak_memory_gib, reset_peak_memory
-from components.runtime.launch import init_process_group, launch_local
+from components.runtime.launch import launch_local
+from components.runtime.world import init_process_group
 
 
 def _inputs(args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -124,7 +124,7 @@ def _count_rank(seq: int) -> dict:
     from components.distributed.layout import resolve_parallel_dims
     from components.models import tiny_config
     from components.models.parallelize import ModelSpec, build_parallel_model
-    from components.runtime.launch import init_process_group
+    from components.runtime.world import init_process_group
     from components.training.step import forward_backward
 
     init_process_group("gloo", timedelta(minutes=10))

@@ -65,7 +65,8 @@ from components.models import build_causal_lm, tiny_config
 from components.models.families import FAMILIES, plan_for
 from components.moe import apply_expert_parallel
 from components.moe.expert_parallel import expert_layout
-from components.runtime.launch import init_process_group, launch_local
+from components.runtime.launch import launch_local
+from components.runtime.world import init_process_group
 from components.training.step import evaluate_loss_sum, forward_backward
 
 SIZES = {

@@ -82,7 +82,7 @@ def _rank(shape: dict, pp: int, schedule: str, m: int, rows: int, seq: int, plan
     from components.models import tiny_config
     from components.models.parallelize import ModelSpec, build_parallel_model
     from components.planning.memory import current_memory_gib, peak_memory_gib, reset_peak_memory
-    from components.runtime.launch import init_process_group
+    from components.runtime.world import init_process_group
 
     init_process_group("gloo", timedelta(minutes=10))
     torch.set_num_threads(1)

@@ -34,7 +34,8 @@ from components.models.compile import apply_block_wrappers
 from components.models.families import plan_for
 from components.models.precision import precision_policy
 from components.planning.memory import current_memory_gib, peak_memory_gib, reset_peak_memory
-from components.runtime.launch import init_process_group, launch_local
+from components.runtime.launch import launch_local
+from components.runtime.world import init_process_group
 
 GIB = 1024**3
 _M_MMAP_THRESHOLD = -3  # glibc mallopt parameter

@@ -51,7 +51,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from components.distributed.tp_replicas import synchronize_tp_replica_gradients
-from components.runtime.launch import init_process_group, launch_local
+from components.runtime.launch import launch_local
+from components.runtime.world import init_process_group
 
 MIB = 1024 * 1024
 WARMUP = 1

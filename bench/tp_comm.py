@@ -34,7 +34,8 @@ from components.distributed.tp_replicas import (
 )
 from components.models import build_causal_lm, tiny_config
 from components.models.families import plan_for
-from components.runtime.launch import init_process_group, launch_local
+from components.runtime.launch import launch_local
+from components.runtime.world import init_process_group
 
 TP = 2
 LAYERS = 2

@@ -24,10 +24,11 @@ from components.distributed.layout import LayoutError, ParallelDims
 from components.models.configs import config_errors
 from components.problems import Problem, problems
 from components.runtime.cli import compose_config, dotted_keys
-from components.runtime.launch import cpu_threads_per_rank, started_by_launcher, visible_gpus
+from components.runtime.launch import started_by_launcher
 from components.runtime.launch_checks import gpu_count_problems, torchrun_unread_keys
 from components.runtime.output_dir import unused_folder
 from components.runtime.problems import ConfigError, say
+from components.runtime.world import cpu_threads_per_rank, visible_gpus
 from components.targets import check_target
 from recipes.plan import Checked, degrees, model_choice, model_facts, model_use, workload
 from recipes.schema import Config
@@ -162,6 +163,7 @@ def check(
         cpu_threads=cpu_threads_per_rank(settings.cpu_threads, local_ranks),
         model_path=checked.path,
         model_config=checked.config,
+        model_awaits_fetch=checked.awaits_fetch,
         source=source,
         fault=fault,
         config_yaml=_config_yaml(cfg, output),

@@ -39,9 +39,10 @@ from components.planning.memory import reset_peak_memory
 from components.runtime import heartbeat, preemption
 from components.runtime.checkpoints import done_line, resume, stop_note, stop_signal
 from components.runtime.exit_status import disk_full_said_plainly, skipped_verdict
-from components.runtime.launch import fail_once, join_world
+from components.runtime.launch import fail_once
 from components.runtime.problems import say  # say: rank 0's lines alone
 from components.runtime.ranks import local_restart
+from components.runtime.world import join_world
 from components.targets import target_class
 from components.training.loggers import MetricsLogger, open_logger
 from components.training.metrics import MetricsLog, matmul_math, plot_loss_curve, throughput

@@ -138,6 +138,9 @@ class Checked(Settled):
     model_path: Path | None  # the weights' folder, or None: built from its config
     model_config: Any  # the Hugging Face config (its vocabulary not yet a trained tokenizer's)
     source: DataSource
+    model_awaits_fetch: bool = (
+        False  # a Hub download or SmolLM2's conversion: prepare's, then checked
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -19,21 +19,24 @@ from components.data import DataError, PreparedData, cached_tokenizer, prepare_d
 from components.data.sources import DataSource, GeneratedSource
 from components.distributed.layout import ParallelDims
 from components.models import meta_causal_lm
-from components.models.checks import checked_plan, tp_problems
+from components.models.checks import checked_plan, fetch_model_folder, tp_problems
 from components.models.configs import vocab_size_for
 from components.models.families import moe_patterns
 from components.models.parallelize import ModelSpec
 from components.problems import Problem, show
 from components.runtime.output_dir import OutputDirLock
 from components.runtime.problems import ConfigError, say
+from recipes.checks import model_problems
 from recipes.outputs import OwnershipError, choose_checkpoint, own_output_dir, run_info
-from recipes.plan import Checked, RunPlan, Settled
+from recipes.plan import Checked, RunPlan, Settled, model_choice
 from recipes.schema import Config
 
 
 def prepare(checked: Checked) -> tuple[RunPlan, OutputDirLock | None]:
     """The plan of a checked run, and the lock on its ``output_dir`` (None in a dry run, which
     claims nothing). Raises ConfigError for data the checks could not see."""
+    if checked.model_awaits_fetch:
+        checked = fetched_model(checked)
     settings, dims = checked.settings, checked.dims
     config = copy.deepcopy(checked.model_config)  # sized to the tokenizer here, never in place
     tokenizer_dir, found = _tokenizer_dir(settings, checked, config)
@@ -56,6 +59,21 @@ def prepare(checked: Checked) -> tuple[RunPlan, OutputDirLock | None]:
         run_info=info,
     )
     return plan, lock
+
+
+def fetched_model(checked: Checked) -> Checked:
+    """The model's folder downloaded from the Hub or converted (SmolLM2), the checks' effect, and
+    then checked as a folder at hand is (``recipes/checks.py``)."""
+    choice = model_choice(checked.settings)
+    try:
+        fetch_model_folder(choice)
+    except (ValueError, OSError, RuntimeError) as error:
+        raise ConfigError([Problem(key="model", message=str(error))]) from None
+    model = model_problems(checked.settings, checked.dims, checked.device_type)
+    _refuse(model.problems)
+    return replace(
+        checked, model_path=model.path, model_config=model.config, model_awaits_fetch=False
+    )
 
 
 def _refuse(found: list[Problem]) -> None:

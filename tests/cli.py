@@ -50,6 +50,7 @@ PRELOAD = (
     "components.models.load",
     "components.planning.dry_run",
     "components.runtime.launch",
+    "components.runtime.world",
     "components.runtime.cli",
     "components.runtime.ranks",
 )  # and what the recipe's functions import (components/runtime/preload.py), after these

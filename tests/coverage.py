@@ -30,14 +30,18 @@ HIDDEN = ("hidden_size", "n_embd", "d_model", "dim", "embed_dim")
 HIDDEN += ("adapter_in_dim", "adapter_input_size")  # dots3_note's adapter
 HIDDEN += ("hidden_size_global",)  # BLT's byte encoder and decoder meet its global model
 LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+# BART and its kin: their configs map num_hidden_layers to encoder_layers, and the causal LM runs
+# the decoder (Blenderbot's default: 24 layers, feed-forward 10240 wide)
+DECODER_LAYERS = ("decoder_layers",)
 # Common config attribute names and the tiny value each takes (only where the type has the name).
 SHRINK = {
-    **dict.fromkeys(LAYER_COUNTS, 2),
+    **dict.fromkeys((*LAYER_COUNTS, *DECODER_LAYERS), 2),
     **dict.fromkeys(("num_dense_layers", "first_k_dense_replace"), 1),  # one dense, one MoE
     "num_kv_shared_layers": 0,
     "zero_expert_num": 2,  # LongCat's identity experts: 6 in all, so ep=2 divides them
     **dict.fromkeys(HIDDEN, 64),
     **dict.fromkeys(("intermediate_size", "ffn_dim", "n_inner", "ffn_hidden_size"), 128),
+    **dict.fromkeys(("decoder_ffn_dim", "encoder_ffn_dim"), 128),
     **dict.fromkeys(("num_attention_heads", "n_head", "num_heads", "n_heads"), 4),
     **dict.fromkeys(("encoder_attention_heads", "decoder_attention_heads"), 4),
     **dict.fromkeys(("num_key_value_heads", "n_kv_heads", "num_kv_heads"), 2),

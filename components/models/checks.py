@@ -1,6 +1,7 @@
 """The model's checks, before any weight is loaded: the folder or the config, what the config
 cannot run, the adapters' targets, the TP plan and the sizes tp must divide, fp8's layers, compile,
-a pipeline stage's structure, all on one weightless (meta-device) build.
+a pipeline stage's structure, all on one weightless (meta-device) build. A folder still to be
+downloaded or converted (``awaits_fetch``) is the preparation's effect, and checked after it.
 
 The model comes from the ``model`` group (:class:`ModelChoice`); what the run asks of it is
 :class:`ModelUse`. The parallel layout's own rules are ``components/distributed/layout.py``'s;
@@ -28,16 +29,17 @@ from components.models.configs import (
 from components.models.families import config_rule_errors, moe_patterns, plan_for
 from components.models.folder_check import check_model_folder, check_tokenizer_folder
 from components.models.fp8 import fp8_problems, fp8_shape_errors
-from components.models.hub import resolve_model_folder
+from components.models.hub import needs_download, resolve_model_folder
 from components.models.load import (
     causal_flags,
+    causal_problems,
     load_config,
     position_offset_problems,
     sequence_problems,
 )
 from components.models.lora import LoraOptions, apply_lora, targeted_experts, targeted_linears
 from components.models.options import LoraTargets, ModelChoice, ModelUse
-from components.models.smollm2 import smollm2_folder
+from components.models.smollm2 import smollm2_converted, smollm2_folder
 from components.problems import Problem, problems
 
 
@@ -52,6 +54,7 @@ class CheckedModel:
     config: Any = None
     meta: Any = None
     experts: tuple[str, ...] = ()
+    awaits_fetch: bool = False  # the folder is yet to be downloaded or converted: checked then
     problems: list[Problem] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -68,6 +71,7 @@ def check_model(choice: ModelChoice, use: ModelUse, dims: ParallelDims | None) -
     found += problems("cp", sequence_problems(config, cp, packing=False))
     found += problems("train.packing", sequence_problems(config, 1, use.packing))
     found += problems("model", position_offset_problems(config))
+    found += problems("model", causal_problems(config))
     splits = dims is not None and (dims.tp > 1 or dims.ep > 1)
     fp8 = use.precision == "fp8"
     try:
@@ -101,13 +105,15 @@ def _config(choice: ModelChoice) -> CheckedModel:
     built from the family's sizes."""
     checked = CheckedModel()
     try:
-        if choice.pretrained_path is not None or choice.source is not None:
+        if awaits_fetch(choice):  # checked once the preparation has made the folder
+            checked.awaits_fetch = True
+        elif choice.pretrained_path is not None or choice.source is not None:
             if choice.config:  # the group's sizes (or a user's overrides) do not apply
                 checked.notes.append(
                     f"note: model.config of model={choice.name} is not used: the folder's "
                     "config.json decides"
                 )
-            checked.path = _model_folder(choice.pretrained_path, choice.cache_dir)
+            checked.path = fetch_model_folder(choice)  # no effect here: a folder there already
             checked.config = load_config(checked.path)
         elif errors := config_errors(choice.family, choice.config) + vocab_size_errors(
             choice.config
@@ -121,12 +127,20 @@ def _config(choice: ModelChoice) -> CheckedModel:
     return checked
 
 
-def _model_folder(pretrained_path: str | None, cache_dir: Path | None) -> Path:
-    """A local folder, or a Hub id from the cache (or downloaded); None: SmolLM2's conversion,
-    into ``cache_dir``."""
-    if pretrained_path is None:  # model.source=smollm2
-        return smollm2_folder(cache_dir)
-    return resolve_model_folder(pretrained_path)
+def awaits_fetch(choice: ModelChoice) -> bool:
+    """Whether the chosen folder is still to be made: a Hub id to download, SmolLM2 to convert
+    into ``cache_dir``. The checks leave that effect to the preparation, which checks it then."""
+    if choice.pretrained_path is None:  # model.source=smollm2
+        return choice.source is not None and not smollm2_converted(choice.cache_dir)
+    return needs_download(choice.pretrained_path)
+
+
+def fetch_model_folder(choice: ModelChoice) -> Path:
+    """The chosen model's folder: a local one, a Hub id from the cache or downloaded, SmolLM2's
+    conversion into ``cache_dir``. Raises ValueError or RuntimeError, one line."""
+    if choice.pretrained_path is None:  # model.source=smollm2
+        return smollm2_folder(choice.cache_dir)
+    return resolve_model_folder(choice.pretrained_path)
 
 
 def _causal(config, meta, checked: CheckedModel):

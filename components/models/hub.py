@@ -65,6 +65,15 @@ def _download(repo_id: str, cache_dir: Path | None, revision: str | None, key: s
     return Path(folder)
 
 
+def needs_download(path_or_id: str) -> bool:
+    """Whether resolving ``path_or_id`` would download (a Hub id not in the cache, the Hub online):
+    an effect, which the recipe's preparation takes, never its checks."""
+    if Path(path_or_id).expanduser().is_dir() or not looks_like_hub_id(path_or_id):
+        return False
+    cached = _cached_snapshot(path_or_id, None, None) is not None
+    return not cached and not constants.is_offline_mode()
+
+
 def resolve_model_folder(
     path_or_id: str,
     *,

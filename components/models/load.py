@@ -109,6 +109,27 @@ def sequence_problems(config: PretrainedConfig, cp: int, packing: bool) -> list[
     return found
 
 
+# Model types whose forward lets each token attend to later ones with no config flag that stops it
+# (``causal_flags`` turns on the flags of those that have one), and how: next-token prediction
+# through such a forward reads the answer, so they are refused.
+NOT_CAUSAL = {
+    "cpmant": "its forward marks every token as context (CpmAntModel.forward: context = 1), so "
+    "each attends to the whole row, later tokens included, and it reads token id 0 as padding on "
+    "the left of a row",
+}
+
+
+def causal_problems(config: PretrainedConfig) -> list[str]:
+    """A model type of :data:`NOT_CAUSAL`: one message saying what its forward does (measured on
+    CPM-Ant: changing a row's last token changes every earlier position's logits)."""
+    if (why := NOT_CAUSAL.get(config.model_type)) is None:
+        return []
+    return [
+        f"model type '{config.model_type}' is not a causal LM as transformers runs it: {why}; "
+        "next-token training through it would see the tokens it predicts: not supported"
+    ]
+
+
 def position_offset_problems(config: PretrainedConfig) -> list[str]:
     """A causal LM whose embeddings number positions from ``padding_idx + 1`` (RoBERTa's, and
     CamemBERT's, XLM-R's, X-MOD's, Data2Vec-text's: their modeling module's

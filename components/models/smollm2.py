@@ -39,6 +39,11 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("SHARDTUNE_CACHE") or Path.home() / ".cache" / "shardtune")
 
 
+def smollm2_converted(cache_dir: Path | None = None) -> bool:
+    """Whether the folder :func:`smollm2_folder` builds is already in ``cache_dir``."""
+    return _is_complete(Path(cache_dir or default_cache_dir()) / FOLDER_NAME)
+
+
 def smollm2_folder(cache_dir: Path | None = None) -> Path:
     """The local Hugging Face folder of SmolLM2-135M-Instruct (fp32), built on the first call,
     cached after.

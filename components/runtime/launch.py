@@ -14,7 +14,6 @@ Design notes: docs/design-notes.md
 """
 
 import contextlib
-import ctypes
 import dataclasses
 import json
 import logging
@@ -23,7 +22,6 @@ import re
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -32,12 +30,9 @@ import traceback
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, NoReturn
 
-import torch
-import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -66,6 +61,10 @@ _PEER_SYMPTOMS = (
     "peer",
     "abort",  # NCCL's communicators aborted by abort_when_a_peer_fails
 )
+# The file (PEER_FAILED.ATTEMPT) a local launcher writes into its ranks' folder when it sees one
+# of that attempt fail (:meth:`RankWatch.poll`); the attempt's other ranks then abort their NCCL
+# communicators and end.
+PEER_FAILED = "peer_failed"
 _WATCH_INTERVAL_S = 0.01
 _START_WAIT_S = 120.0
 _SOURCE_LOCATION = re.compile(r"\[[^\]\s]+\.(?:cc|cpp|h|hpp):\d+\] ")
@@ -139,7 +138,7 @@ class RankExit:
         return any(word in self.error.lower() for word in _PEER_SYMPTOMS)
 
 
-def _write_atomically(path: Path, text: str) -> None:
+def write_atomically(path: Path, text: str) -> None:
     private = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     private.write_text(text)
     os.replace(private, path)
@@ -155,7 +154,7 @@ def _run_rank(folder: str, launcher_pid: int, entrypoint: Callable[..., Any], *a
     os.environ[RANKS_FOLDER] = folder  # for abort_when_a_peer_fails
     rank = int(os.environ["RANK"])
     Path(folder, f"{rank}.error.json").unlink(missing_ok=True)  # an earlier attempt's (restarts)
-    _write_atomically(Path(folder, f"{rank}.pid"), str(os.getpid()))
+    write_atomically(Path(folder, f"{rank}.pid"), str(os.getpid()))
     _wait_until_every_local_rank_started(Path(folder))
     try:
         return entrypoint(*args)
@@ -165,7 +164,7 @@ def _run_rank(folder: str, launcher_pid: int, entrypoint: Callable[..., Any], *a
             record = {"error": text, "time": time.time(), "traceback": traceback.format_exc()}
             record["reported"] = isinstance(error, ReportedExit)
             record["message"] = getattr(error, "message", None)
-            _write_atomically(Path(folder, f"{rank}.error.json"), json.dumps(record))
+            write_atomically(Path(folder, f"{rank}.error.json"), json.dumps(record))
         raise
 
 
@@ -179,7 +178,7 @@ def _wait_until_every_local_rank_started(folder: Path) -> None:
     it). Once every rank exists no fork follows, so the lookups are safe. Gives up waiting after
     ``_START_WAIT_S`` (a rank that died before noting itself fails the launch anyway)."""
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    _write_atomically(folder / f"{os.environ['LOCAL_RANK']}.started.{attempt}", "")
+    write_atomically(folder / f"{os.environ['LOCAL_RANK']}.started.{attempt}", "")
     local_ranks = int(os.environ["LOCAL_WORLD_SIZE"])
     deadline = time.monotonic() + _START_WAIT_S
     while len(list(folder.glob(f"*.started.{attempt}"))) < local_ranks:
@@ -266,7 +265,7 @@ class RankWatch:
             else:
                 self._seen[rank] = _exit_of(rank, pid, info)
                 if self._seen[rank] is not None:  # the survivors' NCCL waits would not end
-                    _write_atomically(self.folder / f"{PEER_FAILED}.{self._attempt()}", str(rank))
+                    write_atomically(self.folder / f"{PEER_FAILED}.{self._attempt()}", str(rank))
         if (
             self._stopped and self._seen
         ):  # a peer has ended (failed, or already reaped by torch elastic)
@@ -289,7 +288,7 @@ class RankWatch:
             return
         self._hung_attempts.add(attempt)
         record = dict(error=hang.text, time=time.time(), traceback=hang.stack, hang=True)
-        _write_atomically(self.folder / f"{hang.rank}.error.json", json.dumps(record))
+        write_atomically(self.folder / f"{hang.rank}.error.json", json.dumps(record))
         for rank, pid in running.items():  # a rank stuck in a kernel would ignore a SIGTERM
             error = f"killed by SIGKILL (pid {pid}) after rank {hang.rank} hung"
             self._ended[rank] = RankExit(rank=rank, error=error, time=time.time(), ended=True)
@@ -551,146 +550,3 @@ def _report_failure(failures: list[RankExit]) -> NoReturn:
         line = f"{what}:\n{callstack.rstrip()}\n{line}"
     print_line(line, sys.stderr)
     raise SystemExit(1)
-
-
-def init_process_group(
-    backend: str, timeout: timedelta, device_id: torch.device | None = None
-) -> None:
-    """Join the world described by the launcher's environment; every collective gives up after
-    ``timeout`` instead of hanging forever when a peer has died or stopped. ``device_id``: this
-    rank's GPU (set as the current device first), which binds NCCL's communicators to it. The
-    process dies with its parent (the launcher, :func:`die_with_parent`)."""
-    die_with_parent()
-    store, rank, world_size = attempt_store(timeout)
-    bound = {} if device_id is None else {"device_id": device_id}
-    dist.init_process_group(
-        backend, store=store, rank=rank, world_size=world_size, timeout=timeout, **bound
-    )
-
-
-def attempt_store(timeout: timedelta) -> tuple[dist.Store, int, int]:
-    """(store, rank, world size) of the launcher's environment (``env://``), the store seen through
-    a prefix of its own per attempt. Torch elastic keeps one store for all attempts of a run and
-    torch names the default group's keys (``default_pg/...``) and every other group (``0``, ``1``,
-    ...) alike in each attempt, so without the prefix a restarted rank could read the address a
-    dead rank of the previous attempt had posted there (gloo: ``connectFullMesh failed ...
-    Connection refused``, or a connection to a stale port that hangs)."""
-    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
-    store.set_timeout(timeout)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return (
-        dist.PrefixStore(f"shardtune/attempt_{attempt}/world_{world_size}/", store),
-        rank,
-        world_size,
-    )
-
-
-def cpu_threads_per_rank(setting: int | None, local_ranks: int) -> int:
-    """Intra-op threads for each of ``local_ranks`` ranks on the CPU: ``setting``, else
-    ``OMP_NUM_THREADS`` as the launch saw it, else the cores shared by the local ranks (more threads
-    than cores only thrash)."""
-    if setting is not None:
-        return setting
-    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
-        return max(1, int(os.environ["OMP_NUM_THREADS"]))
-    return max(1, (os.cpu_count() or 1) // local_ranks)
-
-
-def join_world(
-    device_type: str, timeout: timedelta, cpu_threads: int, seed: int, tf32: bool = True
-) -> torch.device:
-    """Join the process group of the launcher's environment and return this rank's device: the GPU
-    named by ``LOCAL_RANK`` on CUDA (made current before the group exists; NCCL for its tensors,
-    gloo for the default group's CPU ones; fp32 matmuls in TF32 unless ``tf32`` is False), else the
-    CPU with ``cpu_threads`` intra-op threads. Seeds torch's RNG with ``seed``. Under torchrun the
-    group may exist already (joined to wait for rank 0's plan)."""
-    joined = dist.is_initialized()
-    if device_type == "cuda":
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-        torch.set_float32_matmul_precision("high" if tf32 else "highest")
-        if not joined:
-            abort_when_a_peer_fails()  # first: a peer may fail while this rank waits to join
-            init_process_group("cpu:gloo,cuda:nccl", timeout, device_id=device)
-    else:
-        if not joined:
-            init_process_group("gloo", timeout)
-        torch.set_num_threads(cpu_threads)
-        device = torch.device("cpu")
-    torch.manual_seed(seed)
-    return device
-
-
-def visible_gpus() -> int:
-    """The GPUs this process may use (``CUDA_VISIBLE_DEVICES`` applied), counted without starting
-    CUDA, which would make every rank forked afterwards fail ("Cannot re-initialize CUDA in forked
-    subprocess"): NVML counts them, as ``torch.cuda.device_count`` does before CUDA starts but
-    without its fall-back to the CUDA runtime; where NVML cannot (MIG UUIDs), a child process
-    counts. 0 without a CUDA build of torch or an NVIDIA driver."""
-    if not torch.cuda._is_compiled():
-        return 0
-    if torch.cuda.is_initialized():  # too late to keep CUDA out: its own count is safe now
-        return torch.cuda.device_count()
-    if not _nvidia_driver_present():
-        return 0
-    count = torch.cuda._device_count_nvml()
-    return count if count >= 0 else _gpus_counted_in_a_child()
-
-
-def _nvidia_driver_present() -> bool:
-    """Whether NVML's library (installed with the NVIDIA driver) loads."""
-    try:
-        ctypes.CDLL("libnvidia-ml.so.1")
-    except OSError:
-        return False
-    return True
-
-
-def _gpus_counted_in_a_child() -> int:
-    """``torch.cuda.device_count()`` in a fresh interpreter: CUDA starts there, not here."""
-
-    code = "import torch; print(torch.cuda.device_count())"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
-    return int(done.stdout.strip() or 0) if done.returncode == 0 else 0
-
-
-# The file (PEER_FAILED.ATTEMPT) a local launcher writes into its ranks' folder when it sees one
-# of that attempt fail (:meth:`RankWatch.poll`); the attempt's other ranks then abort their NCCL
-# communicators and end.
-PEER_FAILED = "peer_failed"
-_PEER_WATCH_S = 0.05
-
-
-def abort_when_a_peer_fails(abort: Callable[[], None] | None = None) -> threading.Thread | None:
-    """In a local launcher's rank: watch for its note that a peer failed, then ``abort`` (default:
-    every process group's communicators) and end this process. On NCCL a survivor blocks inside a
-    CUDA wait where no signal handler runs (torch elastic SIGKILLs it 30 s later, its error
-    unsaid); aborting makes that wait raise within a second. Gloo needs none: a lost peer's
-    connection closes. Returns the watch thread, or None outside a local launch."""
-    folder = os.environ.get(RANKS_FOLDER)
-    if folder is None:
-        return None
-    abort = abort or dist.distributed_c10d._abort_process_group
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # an earlier one's note is old
-    note = Path(folder, f"{PEER_FAILED}.{attempt}")
-    thread = threading.Thread(target=_watch_peers, args=(note, abort), name="peer-watch")
-    thread.daemon = True
-    thread.start()
-    return thread
-
-
-def _watch_peers(note: Path, abort: Callable[[], None]) -> None:
-    folder = note.parent
-    while not note.exists():
-        time.sleep(_PEER_WATCH_S)
-    rank = os.environ.get("RANK", "?")
-    record = {"error": "a peer rank failed: communicators aborted", "time": time.time()}
-    with contextlib.suppress(OSError):
-        _write_atomically(folder / f"{rank}.error.json", json.dumps(record | {"traceback": None}))
-    with contextlib.suppress(Exception):  # whatever the abort raises, this rank ends
-        abort()
-    time.sleep(_ABORT_GRACE_S)  # the main thread's wait raises and the rank unwinds, or:
-    os._exit(1)
-
-
-_ABORT_GRACE_S = 5.0

@@ -12,13 +12,9 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from components.runtime.exit_status import STOPPED_STATUS, AlreadyComplete
-from components.runtime.launch import (
-    ReportedExit,
-    join_world,
-    launch_local,
-    under_torchrun,
-)
+from components.runtime.launch import ReportedExit, launch_local, under_torchrun
 from components.runtime.startup import started_by_launcher
+from components.runtime.world import join_world
 
 Plan = TypeVar("Plan")
 Checked = Any  # what a recipe's checks return: its device, timeout, threads, seed, dry_run

@@ -19,7 +19,8 @@ from components.checkpoint.writer import CheckpointWriter
 from components.models import build_causal_lm, load_config, meta_causal_lm, tiny_config
 from components.models.load import materialize_pretrained
 from components.planning.flops import peak_tflops
-from components.runtime.launch import free_port, join_world
+from components.runtime.launch import free_port
+from components.runtime.world import join_world
 
 pytestmark = pytest.mark.cuda
 REPO = Path(__file__).resolve().parents[2]

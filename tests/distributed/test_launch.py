@@ -25,7 +25,8 @@ RANKS = textwrap.dedent(
     from datetime import timedelta
     import torch
     import torch.distributed as dist
-    from components.runtime.launch import fail_once, init_process_group, launch_local
+    from components.runtime.launch import fail_once, launch_local
+    from components.runtime.world import init_process_group
 
     def work(folder, mode):
         # 3 s: a SIGSTOPped peer's collective fails fast; bad input's barrier waits for a slow start

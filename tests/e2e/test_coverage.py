@@ -13,9 +13,21 @@ import subprocess
 import sys
 
 import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM
 
 from components.data import DEFAULT_VOCAB_SIZE, train_tokenizer
-from tests.coverage import Result, causal_lm_types, classify, compare, render, sweep_type
+from components.models.build import decoder_blocks
+from tests.coverage import (
+    Result,
+    causal_lm_types,
+    classify,
+    compare,
+    render,
+    sweep_type,
+    tiny_config,
+)
 from tests.saved_models import REPO
 
 REFUSAL = (
@@ -83,6 +95,17 @@ def test_the_layouts_that_can_be_silently_wrong_train_as_tp1_or_are_refused(entr
         assert lora["losses"] == pytest.approx(reference["losses"], rel=1e-5)
         assert results["fp8"]["losses"] == pytest.approx(results["tp1"]["losses"], rel=2e-2)
         assert results["fp8"]["losses"] != pytest.approx(results["tp1"]["losses"], rel=1e-6)
+
+
+def test_the_tiny_model_of_a_bart_kin_type_is_shrunk_where_its_causal_lm_runs():
+    """BART's kin map num_hidden_layers to encoder_layers, and their causal LM runs the decoder:
+    Blenderbot's went unshrunk (24 layers, feed-forward 10240 wide: its fp8 cell measured that)."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_config("blenderbot"))
+    blocks = decoder_blocks(model)
+    assert len(blocks) == 2
+    widths = {m.out_features for b in blocks for m in b.modules() if isinstance(m, nn.Linear)}
+    assert widths == {64, 128}
 
 
 def test_a_run_is_works_refused_or_broken(tmp_path):

@@ -247,7 +247,8 @@ RAISING_RANKS = textwrap.dedent(
     from datetime import timedelta
     import torch
     import torch.distributed as dist
-    from components.runtime.launch import init_process_group, launch_local
+    from components.runtime.launch import launch_local
+    from components.runtime.world import init_process_group
 
     def work():
         init_process_group("gloo", timedelta(minutes=5))

@@ -3,7 +3,7 @@ problem before any starts, and the default nproc is the most GPUs the run's batc
 
 import pytest
 
-import components.runtime.launch as launch
+import components.runtime.world as world
 from components.debug.faults import fault_backend_errors, parse_fault
 from recipes.checks import check_sizes, compose
 from recipes.validate import validate
@@ -49,19 +49,19 @@ def test_a_dry_run_plans_any_layout_whatever_the_gpus():
 
 
 def test_gpus_are_counted_without_cuda_when_torch_has_none():
-    assert launch.visible_gpus() == 0  # this CPU build: no NVML look-up at all
+    assert world.visible_gpus() == 0  # this CPU build: no NVML look-up at all
 
 
 def test_nvml_counts_the_gpus_where_it_can(monkeypatch):
-    monkeypatch.setattr(launch.torch.cuda, "_is_compiled", lambda: True)
-    monkeypatch.setattr(launch, "_nvidia_driver_present", lambda: True)
-    monkeypatch.setattr(launch.torch.cuda, "_device_count_nvml", lambda: 4)
-    assert launch.visible_gpus() == 4
-    monkeypatch.setattr(launch.torch.cuda, "_device_count_nvml", lambda: -1)  # MIG UUIDs
-    monkeypatch.setattr(launch, "_gpus_counted_in_a_child", lambda: 1)
-    assert launch.visible_gpus() == 1
-    monkeypatch.setattr(launch, "_nvidia_driver_present", lambda: False)
-    assert launch.visible_gpus() == 0
+    monkeypatch.setattr(world.torch.cuda, "_is_compiled", lambda: True)
+    monkeypatch.setattr(world, "_nvidia_driver_present", lambda: True)
+    monkeypatch.setattr(world.torch.cuda, "_device_count_nvml", lambda: 4)
+    assert world.visible_gpus() == 4
+    monkeypatch.setattr(world.torch.cuda, "_device_count_nvml", lambda: -1)  # MIG UUIDs
+    monkeypatch.setattr(world, "_gpus_counted_in_a_child", lambda: 1)
+    assert world.visible_gpus() == 1
+    monkeypatch.setattr(world, "_nvidia_driver_present", lambda: False)
+    assert world.visible_gpus() == 0
 
 
 def test_the_fault_that_needs_gloo_is_refused_on_cuda_only():

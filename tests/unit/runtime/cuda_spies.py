@@ -12,6 +12,7 @@ import torch
 import torch._dynamo  # noqa: F401 - before the spies (see above)
 
 import components.runtime.launch as launch
+import components.runtime.world as world
 
 CALLS: list[str] = []
 
@@ -33,7 +34,7 @@ def install_spies(gpus: int) -> None:
     torch.cuda._lazy_init = _spy("torch.cuda._lazy_init", None)
     torch.cuda.init = _spy("torch.cuda.init", None)
     torch.cuda._device_count_nvml = lambda: gpus
-    launch._nvidia_driver_present = lambda: True
+    world._nvidia_driver_present = lambda: True
 
 
 def main(overrides: list[str]) -> None:

@@ -6,7 +6,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from components.runtime.launch import attempt_store, free_port
+from components.runtime.launch import free_port
+from components.runtime.world import attempt_store
 
 
 def test_each_attempt_sees_only_its_own_keys(monkeypatch):

@@ -9,14 +9,14 @@ import os
 import time
 from pathlib import Path
 
-from components.runtime import launch
+from components.runtime import launch, world
 
 
 def _survivor(folder: str) -> None:
     """A rank blocked for good (as in a NCCL wait), with its peer watch on."""
     os.environ.update(launch_environment(folder))
-    launch._ABORT_GRACE_S = 0.2  # this rank's main thread never unwinds: no need to wait 5 s
-    launch.abort_when_a_peer_fails(abort=lambda: open(os.path.join(folder, "aborted"), "w").close())
+    world._ABORT_GRACE_S = 0.2  # this rank's main thread never unwinds: no need to wait 5 s
+    world.abort_when_a_peer_fails(abort=lambda: open(os.path.join(folder, "aborted"), "w").close())
     (Path(folder) / "watching").write_text("")
     time.sleep(600)
 
@@ -33,13 +33,13 @@ def wait_for(path, seconds: float = 60) -> bool:
 
 
 def test_a_survivor_aborts_and_ends_once_its_launcher_notes_a_failed_peer(tmp_path):
-    launch._write_atomically(tmp_path / f"{launch.PEER_FAILED}.0", "0")  # the first attempt's
+    launch.write_atomically(tmp_path / f"{launch.PEER_FAILED}.0", "0")  # the first attempt's
     rank = multiprocessing.get_context("fork").Process(target=_survivor, args=(str(tmp_path),))
     rank.start()
     assert wait_for(tmp_path / "watching")
     rank.join(timeout=0.5)
     assert rank.is_alive() and not (tmp_path / "aborted").exists()
-    launch._write_atomically(tmp_path / f"{launch.PEER_FAILED}.1", "0")  # this attempt's rank 0
+    launch.write_atomically(tmp_path / f"{launch.PEER_FAILED}.1", "0")  # this attempt's rank 0
     rank.join(timeout=120)
     assert rank.exitcode == 1 and (tmp_path / "aborted").exists()
     record = json.loads((tmp_path / "1.error.json").read_text())
@@ -50,7 +50,7 @@ def test_a_survivor_aborts_and_ends_once_its_launcher_notes_a_failed_peer(tmp_pa
 
 def _failing_rank(folder: str) -> None:
     (Path(folder) / "0.started.2").write_text("")  # a rank of the third attempt
-    launch._write_atomically(Path(folder) / "0.pid", str(os.getpid()))  # as ranks write it
+    launch.write_atomically(Path(folder) / "0.pid", str(os.getpid()))  # as ranks write it
     os._exit(3)
 
 
