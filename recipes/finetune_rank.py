@@ -26,6 +26,7 @@ from components.distributed.fsdp import set_gradient_sync
 from components.distributed.grads import clip_grad_norm_, grad_norm
 from components.distributed.pipeline import build_pipeline
 from components.distributed.replicas import check_replicas, write_drift_report
+from components.distributed.step_finalizer import StepFinalizer
 from components.distributed.tp_replicas import (
     broadcast_tp_replicas,
     synchronize_tp_replica_gradients,
@@ -91,6 +92,7 @@ def set_up(plan: RunPlan) -> Run:
     pipeline = build_pipeline(model, meshes.world, compute, data, *plan.pipeline)  # None at pp=1
     micro_batches = data.micro_batches_per_step
     aux_loss_weight = router_aux_loss_weight(plan.model.config, micro_batches, dims.dp)
+    finalizer = StepFinalizer()  # its checks join the readout's one read
     run = Run(
         rank=rank,
         device=device,
@@ -103,7 +105,8 @@ def set_up(plan: RunPlan) -> Run:
         experts=experts,
         aux_loss_weight=aux_loss_weight,
         cp=ContextParallel.of(meshes.world),
-        readout=StepReadout(meshes.loss.get_group(), device),  # the loss's dp × cp
+        finalize_gradients=finalizer,
+        readout=StepReadout(meshes.loss.get_group(), device, finalizer),  # the loss's dp × cp
         pipeline=pipeline,
     )
     if plan.fault is not None:  # a resilience drill (docs/fault-injection.md)
@@ -141,7 +144,7 @@ def train_step(run: Run, plan: RunPlan, step: int, step_fn: StepFn = forward_bac
     reset_peak_memory(run.device)
     run.state.optimizer.zero_grad(set_to_none=True)
     loss_sum = step_fn(run, plan, step)
-    run.readout.finalize([run.state.model])  # reads the device at the first step only
+    run.finalize_gradients([run.state.model])  # reads the device at the first step only
     synchronize_tp_replica_gradients([run.state.model], run.meshes.world)  # plan, buffers reused
     clip, parts, pp = (
         plan.train.clip_grad_norm,

@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # heavy (datasets, DTensor): the checks import them when they
     from components.distributed.context_parallel import ContextParallel
     from components.distributed.layout import Meshes
     from components.distributed.pipeline import Pipeline
+    from components.distributed.step_finalizer import StepFinalizer
     from components.models.fp8 import Fp8Options
     from components.models.lora import LoraOptions
     from components.models.parallelize import ModelSpec
@@ -220,6 +221,7 @@ class Run:
     experts: ExpertLoad | None  # tokens per expert of an MoE model, for the step's imbalance
     aux_loss_weight: float  # of an MoE model's load-balancing loss (0: its config has none)
     cp: ContextParallel | None  # this rank's context-parallel group (None at cp=1)
+    finalize_gradients: StepFinalizer  # each DTensor gradient given its parameter's placements
     readout: StepReadout  # the step's values read on the host before the update, at once
     pipeline: Pipeline | None = None  # this rank's pipeline stage and schedule (pp > 1)
     before_commit: Callable[[Path], None] | None = None  # the writer's callback (a drill's)

@@ -20,13 +20,15 @@ class StepReadout:
     """Made once per run: the loss group's ranks are looked up here, not per step (slicing a
     DeviceMesh reads its rank tensor on the host)."""
 
-    def __init__(self, loss_group: dist.ProcessGroup | None, device: torch.device) -> None:
+    def __init__(
+        self, loss_group: dist.ProcessGroup | None, device: torch.device, finalizer: StepFinalizer
+    ) -> None:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         ranks = dist.get_process_group_ranks(loss_group) if loss_group is not None else [self.rank]
         self.loss_ranks = torch.tensor(ranks, device=device)
         self.device = device
         self.writer = None  # the run's checkpoint writer, once there is one: its flags join in
-        self.finalize = StepFinalizer()  # the step's gradient finalisation: its checks join in
+        self.finalizer = finalizer  # the step's gradient finalisation: its checks join in
         self._update_peak = 0.0  # the previous step's update's peak (GiB), joins the next read
 
     def read(
@@ -45,14 +47,14 @@ class StepReadout:
         Returns the norm, the loss sum, the peak memory in GiB and the counts (or [])."""
         writer = self.writer
         flags = writer.step_flags(stop_requested) if writer is not None else []
-        problems = self.finalize.problems()  # on the device: no read
+        problems = self.finalizer.problems()  # on the device: no read
         maxima = [max(peak_memory_gib(self.device), self._update_peak), problems, *flags]
         kept = [norm.reshape(1)] + ([] if counts is None else [counts.flatten()])
         kept = torch.cat([part.to(torch.float64) for part in kept])
         loss, (peak, problems, *agreed), (norm_value, *rest) = self.gather(loss_sum, maxima, kept)
         if writer is not None:
             writer.agree(agreed)  # publishes a save every rank has written; keeps the stop
-        self.finalize.verify(problems)  # raises on every rank, before the update
+        self.finalizer.verify(problems)  # raises on every rank, before the update
         if counts is not None and counts.dim() == 2:
             columns = counts.shape[1]
             rest = [rest[start : start + columns] for start in range(0, len(rest), columns)]
