@@ -37,10 +37,11 @@ class StepReadout:
         loss_sum: torch.Tensor,
         stop_requested: bool,
         counts: torch.Tensor | None,
-    ) -> tuple[float, float, float, list]:
+    ) -> tuple[float, float | list[float], float, list]:
         """The step's values before its update, in one collective and one read: the grad
         ``norm`` (already the same on every rank), ``loss_sum`` summed over the loss group (dp ×
-        cp: each rank holds a part of the global batch), the busiest rank's peak memory, the
+        cp: each rank holds a part of the global batch; a 1-D tensor of several sums, DPO's
+        metrics, sums each and comes back a list), the busiest rank's peak memory, the
         checkpoint writer's flags (``step_flags`` with ``stop_requested``, the largest over every
         rank, handed to its ``agree``), the finalisation's problems (raised on every rank) and
         the MoE load ``counts`` (already the same where they are read) as ``tolist`` gives them.
@@ -66,24 +67,26 @@ class StepReadout:
 
     def gather(
         self, loss_sum: torch.Tensor, maxima: list, kept: torch.Tensor | None = None
-    ) -> tuple[float, list[float], list]:
-        """``loss_sum`` summed over the loss group's ranks, each of ``maxima`` (host numbers or
-        device scalars) the largest over every rank, and ``kept`` as it is (flattened, as
-        ``tolist`` gives it).
+    ) -> tuple[float | list[float], list[float], list]:
+        """``loss_sum`` summed over the loss group's ranks (a 0-dim tensor: a number; 1-D: a
+        list of sums), each of ``maxima`` (host numbers or device scalars) the largest over every
+        rank, and ``kept`` as it is (flattened, as ``tolist`` gives it).
 
         One all-reduce of a (world × values) table, each rank's row its own and zeros elsewhere: a
         sum that is a gather, exactly, so sums and maxima come out of one collective. Then one
         read of the device."""
-        width = 1 + len(maxima)
+        sums = loss_sum.numel()
+        width = sums + len(maxima)
         table = torch.zeros((self.world, width), dtype=torch.float64, device=self.device)
-        table[self.rank, 0] = loss_sum  # on the device: no host read
-        for column, value in enumerate(maxima, start=1):
+        table[self.rank, :sums] = loss_sum.reshape(sums)  # on the device: no host read
+        for column, value in enumerate(maxima, start=sums):
             table[self.rank, column] = value  # a fill or a device copy: no wait
         if self.world > 1:
             dist.all_reduce(table)  # the default group: NCCL for CUDA tensors, gloo for the CPU's
-        loss = table[:, 0].index_select(0, self.loss_ranks).sum()
-        parts = [loss.reshape(1), table[:, 1:].amax(dim=0)]
+        loss = table[:, :sums].index_select(0, self.loss_ranks).sum(dim=0)
+        parts = [loss, table[:, sums:].amax(dim=0)]
         if kept is not None:
             parts.append(kept.reshape(-1).to(torch.float64))
         values = torch.cat(parts).tolist()  # the read
-        return values[0], values[1:width], values[width:]
+        summed = values[0] if loss_sum.dim() == 0 else values[:sums]
+        return summed, values[sums:width], values[width:]
