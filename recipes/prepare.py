@@ -130,6 +130,7 @@ def prepare_run_data(
             source,
             tokenizer_dir,
             seq_len=train.seq_len,
+            loss_on=settings.data.loss_on,
             packing=train.packing,
             seed=settings.seed,
             cache_root=cache,

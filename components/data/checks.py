@@ -9,10 +9,14 @@ from components.data.jsonl import DataError
 from components.data.sources import DataSource, build_source
 from components.problems import Problem, show
 
+# Keys of the data group that say how records are labelled, not where they come from: the schema's
+# (recipes/schema.py), read by the preparation, no field of a source.
+LABELLING_KEYS = ("loss_on",)
+
 
 def checked_source(group: dict) -> tuple[DataSource | None, list[Problem]]:
     """The ``data`` group (its keys as given, ``_target_`` included) as a source, or why not."""
-    group = dict(group)
+    group = {key: value for key, value in group.items() if key not in LABELLING_KEYS}
     path = Path(str(group.get("path"))).expanduser()
     if "path" in group and (kind := _special_file(path)):
         special = f"data.path={show(group['path'])} is {kind}, not a regular file"

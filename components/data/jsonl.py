@@ -9,7 +9,8 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-ROLES = ("system", "user", "assistant")
+# "tool": a tool's result, which the model's chat template renders (its tool-calling format)
+ROLES = ("system", "user", "assistant", "tool")
 
 
 class DataError(ValueError):

@@ -23,7 +23,7 @@ import datasets
 import numpy as np
 import torch
 
-from components.data.collate import IGNORE_INDEX, record_error, tokenize_batch
+from components.data.collate import IGNORE_INDEX, Labelling, record_error, tokenize_batch
 from components.data.packing import Rows, build_rows
 
 
@@ -222,8 +222,7 @@ class StepBatches:
         global_batch_size: int,
         micro_batch_size: int,
         *,
-        tokenizer,
-        seq_len: int,
+        labelling: Labelling,
         dp_size: int,
         dp_rank: int,
         seed: int,
@@ -231,7 +230,7 @@ class StepBatches:
         pad_multiple: int | None = None,
     ) -> "StepBatches":
         """The loader of a few records tokenized in memory, all of them in order (tests,
-        benchmarks).
+        benchmarks), as ``labelling`` says.
 
         Raises:
             DataError: If a record cannot be trained on (named by its index).
@@ -239,18 +238,19 @@ class StepBatches:
         """
         if not records:
             raise ValueError("no records to batch: the dataset (or its validation split) is empty")
+        tokenizer, seq_len, loss_on = labelling.tokenizer, labelling.seq_len, labelling.loss_on
         raw = datasets.Dataset.from_list(records)
         tokens = raw.map(
             tokenize_batch,
             batched=True,
-            fn_kwargs={"tokenizer": tokenizer, "seq_len": seq_len},
+            fn_kwargs={"tokenizer": tokenizer, "seq_len": seq_len, "loss_on": loss_on},
             remove_columns=raw.column_names,
             keep_in_memory=True,
         )
         labelled = tokens.data.column("labelled").to_numpy()
         if len(labelled) and labelled.min() <= 0:
             index = int(np.flatnonzero(labelled <= 0)[0])
-            raise record_error(index, records[index], tokenizer, seq_len)
+            raise record_error(index, records[index], tokenizer, seq_len, loss_on)
         lengths = tokens.data.column("length").to_numpy()
         rows = build_rows(lengths, labelled, np.arange(len(records)), seq_len, packing)
         sizes = dict(

@@ -132,7 +132,13 @@ def remove_stale_scratch(folder: Path) -> None:
 
 
 def _tokenize(
-    source: DataSource, tokenizer, seq_len: int, num_proc: int, cache_root: Path, folder: Path
+    source: DataSource,
+    tokenizer,
+    seq_len: int,
+    loss_on: str,
+    num_proc: int,
+    cache_root: Path,
+    folder: Path,
 ) -> None:
     """Tokenize every record into ``folder/tokens`` (via a temporary folder renamed at the end).
 
@@ -151,7 +157,7 @@ def _tokenize(
             tokenize_batch,
             batched=True,
             batch_size=WRITER_BATCH_SIZE,  # map writes one Arrow record batch per call
-            fn_kwargs={"tokenizer": tokenizer, "seq_len": seq_len},
+            fn_kwargs={"tokenizer": tokenizer, "seq_len": seq_len, "loss_on": loss_on},
             remove_columns=raw.column_names,
             features=TOKENS,
             num_proc=processes if processes > 1 else None,
@@ -163,7 +169,7 @@ def _tokenize(
         bad = np.flatnonzero(labelled <= 0)
         if len(bad):
             index = int(bad[0])
-            raise record_error(index, raw[index], tokenizer, seq_len)
+            raise record_error(index, raw[index], tokenizer, seq_len, loss_on)
         del tokens
         (scratch / "meta.json").write_text(
             json.dumps({"num_examples": len(labelled), "seq_len": seq_len})
@@ -297,6 +303,7 @@ def prepare_data(
     tokenizer_dir: str | Path,
     *,
     seq_len: int,
+    loss_on: str,
     packing: bool,
     seed: int,
     cache_root: str | Path,
@@ -321,7 +328,7 @@ def prepare_data(
         raise DataError(str(error)) from None
     digest = tokenizer_digest(tokenizer)
     key = hashlib.sha256(
-        f"{FORMAT_VERSION}|{source.fingerprint()}|{digest}|{seq_len}".encode()
+        f"{FORMAT_VERSION}|{source.fingerprint()}|{digest}|{seq_len}|{loss_on}".encode()
     ).hexdigest()[:20]
     folder = writable_cache(cache_root) / key
     repaired = _tokens_damage(folder, seq_len) if folder.exists() else None
@@ -331,7 +338,7 @@ def prepare_data(
     reused = folder.exists()
     if not reused:
         remove_stale_scratch(folder.parent)
-        _tokenize(source, tokenizer, seq_len, num_proc, Path(cache_root), folder)
+        _tokenize(source, tokenizer, seq_len, loss_on, num_proc, Path(cache_root), folder)
     rows_file = _write_rows(folder, source.val_fraction, seed, packing, seq_len)
     count = json.loads((folder / "meta.json").read_text())["num_examples"]
     if why := _rows_damage(rows_file, count, source.val_fraction, seed):

@@ -75,7 +75,7 @@ def test_wrong_types(tmp_path):
         "messages": [{"role": "human", "content": "u"}, {"role": "assistant", "content": "a"}]
     }
     assert _error(tmp_path, [json.dumps(bad_role)]) == (
-        "line 1: messages[0] has role 'human'; use one of system, user, assistant"
+        "line 1: messages[0] has role 'human'; use one of system, user, assistant, tool"
     )
 
 
