@@ -37,6 +37,9 @@ from recipes.validate import SchemaError, validate
 # Model, data and tokenizer modules (transformers, datasets, DTensor) are imported by the checks
 # that use them: a mistyped key or a bad value is refused in about the time of `import torch`.
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+# data=mix: the kinds a source of data.sources may be, and the data group each kind's keys and
+# defaults come from (conf/data/NAME.yaml).
+MIX_KINDS = {"generated": "default", "jsonl": "jsonl", "hf": "hf"}
 
 
 def compose(overrides: list[str]) -> DictConfig:
@@ -149,7 +152,8 @@ def check(
     size_problems += problems("debug.fault", fault_layout_errors(fault, dims.tp)) if dims else []
     resume = explicit_checkpoint_errors(settings.checkpoint.resume)
     checked = model_problems(settings, dims, device_type)
-    source, data_problems = checked_source(settings.data.model_dump(by_alias=True))
+    data = settings.data.model_dump(by_alias=True)
+    source, data_problems = checked_source(data, mix_kinds(settings.seed))
     found += size_problems + resume + check_output_dir(output) + checked.problems + data_problems
     _refuse(found + where_errors(output, hydra_run_dir, per_run, started_by_launcher()))
     _notes(settings, dims, output, per_run, warmup)
@@ -168,6 +172,18 @@ def check(
         fault=fault,
         config_yaml=_config_yaml(cfg, output),
     )
+
+
+def mix_kinds(seed: int) -> dict[str, dict]:
+    """The data groups a mixture's sources may be, by kind, as ``conf/data/`` declares their keys
+    (``${seed}`` resolved), without the labelling keys, which are the mixture's."""
+    kinds = {}
+    for kind, name in MIX_KINDS.items():
+        group = OmegaConf.merge(
+            {"seed": seed}, {"group": OmegaConf.load(CONF_DIR / "data" / f"{name}.yaml")}
+        )
+        kinds[kind] = OmegaConf.to_container(group, resolve=True)["group"]
+    return kinds
 
 
 def restart_problems(settings: Config) -> list[Problem]:

@@ -19,7 +19,7 @@ import yaml
 
 from components.checkpoint.state import TrainState
 from components.checkpoint.writer import CheckpointWriter
-from components.data.loader import open_splits
+from components.data.loader import open_source_vals, open_splits
 from components.debug.faults import install_faults
 from components.distributed.context_parallel import ContextParallel
 from components.distributed.fsdp import set_gradient_sync
@@ -70,6 +70,8 @@ def set_up(plan: RunPlan) -> Run:
     shards = dict(dp_size=dims.dp, dp_rank=meshes.batch.get_local_rank(), seed=plan.seed)
     splits = (plan.data.train, plan.data.val, train.global_batch_size, train.micro_batch_size)
     data, val_data = open_splits(*splits, **shards, pad_multiple=plan.pad_multiple)
+    vals = (plan.data.val_sources, train.micro_batch_size)
+    val_sources = open_source_vals(*vals, **shards, pad_multiple=plan.pad_multiple)
     converted = functools.partial(convert, plan=plan)
     model, report = build_parallel_model(plan.model, dims, meshes, device, converted)
     if report is not None:
@@ -98,6 +100,7 @@ def set_up(plan: RunPlan) -> Run:
         state=state,
         data=data,
         val_data=val_data,
+        val_sources=val_sources,
         first_step=state.step,
         compute=compute,
         experts=experts,
@@ -111,6 +114,15 @@ def set_up(plan: RunPlan) -> Run:
         where |= dict(micro_batches_per_step=data.micro_batches_per_step)
         run.before_commit = install_faults(plan.fault, model, optimizer, **where)
     return run
+
+
+def validation_losses(run: Run, loss_chunk_tokens: int) -> dict[str, float]:
+    """``val_loss`` on the whole validation split, and ``val_loss/<name>`` on each source's of a
+    mixture."""
+    losses = {"val_loss": run_validation(run, run.val_data, loss_chunk_tokens)}
+    for name, batches in run.val_sources.items():
+        losses[f"val_loss/{name}"] = run_validation(run, batches, loss_chunk_tokens)
+    return losses
 
 
 def forward_backward_step(run: Run, plan: RunPlan, step: int) -> torch.Tensor:
@@ -197,7 +209,7 @@ def train(
             record = train_step(run, plan, step, step_fn) | writer.take_stall()  # the save before
         state.step, skipped = step + 1, skipped + bool(record.get("skipped"))
         if cadence.validate(state.step):
-            record["val_loss"] = run_validation(run, plan.train.loss_chunk_tokens)
+            record |= validation_losses(run, plan.train.loss_chunk_tokens)
         log.log(record)
         tracker.log_metrics(record, record["step"])
         if cadence.check_replicas(state.step):

@@ -25,7 +25,7 @@ from components.checkpoint.integrity import (
     retire_checkpoints_after,
     state_dict_shapes,
 )
-from components.data.sources import DataSource
+from components.data.sources import DataSource, MixSource
 from components.models import meta_causal_lm
 from components.models.lora import PROJECTIONS
 from components.problems import Problem, show
@@ -61,7 +61,10 @@ class OwnershipError(ValueError):
 
 
 def run_info(
-    settings: Config, model_config, tokenizer_digest: str, source: DataSource | None = None
+    settings: Config,
+    model_config,
+    tokenizer_digest: str,
+    source: DataSource | MixSource | None = None,
 ) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]]:
     """What a checkpoint of this run records, and what a resume must match (tp, dp and ep may
     change); and the model's tensor shapes, which that record holds as a fingerprint (hand them to
@@ -76,6 +79,8 @@ def run_info(
     if source is not None:
         path = getattr(source, "path", None)
         origin = f"data.path={path}" if path else "data=generated"
+        if isinstance(source, MixSource):
+            origin = "data=mix: " + ", ".join(f"{p.name} {p.weight!r}" for p in source.parts)
         data = {"data": {"source": origin, "fingerprint": source.fingerprint()}}
     info = {
         "model": model_fingerprint(shapes),

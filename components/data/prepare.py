@@ -21,7 +21,7 @@ import random
 import re
 import shutil
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import datasets
@@ -30,9 +30,9 @@ from transformers import AutoTokenizer
 
 from components.data.collate import check_template, record_error, tokenize_batch
 from components.data.jsonl import DataError
-from components.data.loader import TokenizedSplit, open_tokens, pad_id_of
+from components.data.loader import MixedSplit, TokenizedSplit, open_tokens, pad_id_of
 from components.data.packing import Rows, build_rows
-from components.data.sources import DataSource
+from components.data.sources import DataSource, MixSource
 from components.data.tokenizer import DEFAULT_VOCAB_SIZE, train_tokenizer
 from components.processes import die_with_parent, process_exists
 
@@ -60,12 +60,14 @@ class PreparedData:
     """The prepared data of a run (picklable, handed to every rank). ``val`` is None when none is
     held out."""
 
-    train: TokenizedSplit
-    val: TokenizedSplit | None
+    train: TokenizedSplit | MixedSplit
+    val: TokenizedSplit | MixedSplit | None
     folder: str
     reused: bool  # the tokenized records came from the cache
     tokenizer_digest: str  # of the tokenizer that made them (:func:`tokenizer_digest`)
     repaired: str | None = None  # what was damaged in the cache and made again, if anything
+    # a mixture's sources' validation splits by name (val_loss/<name>); empty for one source
+    val_sources: dict[str, TokenizedSplit] = field(default_factory=dict)
 
 
 def data_cache_dir(cache_root: str | Path) -> Path:
@@ -299,7 +301,7 @@ def _rows_damage(rows_file: Path, count: int, val_fraction: float, seed: int) ->
 
 
 def prepare_data(
-    source: DataSource,
+    source: DataSource | MixSource,
     tokenizer_dir: str | Path,
     *,
     seq_len: int,
@@ -320,6 +322,11 @@ def prepare_data(
         ValueError: For a ``val_fraction`` that leaves no training record.
     """
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # see the module docstring: ranks fork from here
+    options = dict(seq_len=seq_len, loss_on=loss_on, packing=packing, seed=seed)
+    if isinstance(source, MixSource):
+        return _prepare_mixture(
+            source, tokenizer_dir, **options, cache_root=cache_root, num_proc=num_proc
+        )
     datasets.disable_progress_bars()
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=False)
     try:
@@ -374,7 +381,28 @@ def prepare_data(
     )
 
 
-def cached_tokenizer(source: DataSource, cache_root: str | Path) -> Path:
+def _prepare_mixture(mix: MixSource, tokenizer_dir: str | Path, **options) -> PreparedData:
+    """Each source of ``mix`` prepared as one source is (its own cache folder, split and packing),
+    read as one training stream and as one validation split, and each validation split by name."""
+    prepared = [prepare_data(part.source, tokenizer_dir, **options) for part in mix.parts]
+    names = tuple(part.name for part in mix.parts)
+    vals = {name: data.val for name, data in zip(names, prepared, strict=True) if data.val}
+    weights = tuple(part.weight for part in mix.parts)
+    train = MixedSplit(names=names, weights=weights, parts=tuple(p.train for p in prepared))
+    val = MixedSplit(names=tuple(vals), weights=(1.0,) * len(vals), parts=tuple(vals.values()))
+    repaired = "; ".join(data.repaired for data in prepared if data.repaired)
+    return PreparedData(
+        train=train,
+        val=val if vals else None,
+        folder=", ".join(data.folder for data in prepared),
+        reused=all(data.reused for data in prepared),
+        tokenizer_digest=prepared[0].tokenizer_digest,
+        repaired=repaired or None,
+        val_sources=vals,
+    )
+
+
+def cached_tokenizer(source: DataSource | MixSource, cache_root: str | Path) -> Path:
     """The byte-level BPE trained on ``source``'s texts, cached by the source's fingerprint (for a
     model built from its config). Training is deterministic, so when torchrun ranks race each writes
     a private folder and the first rename wins."""
