@@ -80,6 +80,8 @@ def _mix_part(
         problems.append(f"{where}.weight={show(weight)}: give a number >= 0 (a share of the rows)")
     if kind not in kinds:
         problems.append(f"{where}.kind={show(kind)}: use one of {', '.join(kinds)}")
+    for key in sorted(set(entry) & set(LABELLING_KEYS)):
+        problems.append(f"{where}.{key}: the mixture's key, for every source: set data.{key}")
     if problems:
         found += [_mix_problem(message) for message in problems]
         return None
