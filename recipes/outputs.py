@@ -72,8 +72,8 @@ def run_info(
     part of it: a model built from its config gets a tokenizer trained on the data, whose ids change
     with the data (``data.num_examples``, ``seed``, an edited file) at the same vocabulary size. So
     are the data (``source``: which, and its fingerprint), ``seed`` (the data order) and
-    ``data.val_fraction`` (the split): a resume that changes them trains on another timeline's data,
-    or validates on records it trained on."""
+    ``data.val_fraction`` (the split) and ``data.loss_on`` (the labels): a resume that changes them
+    trains on another timeline's data, or validates on records it trained on."""
     shapes = state_dict_shapes(meta_causal_lm(model_config))
     data = {}
     if source is not None:
@@ -92,6 +92,7 @@ def run_info(
         "seed": settings.seed,
         "peft": peft_info(settings.peft),  # adapters change the model and the optimizer state
         "data.val_fraction": settings.data.model_dump().get("val_fraction"),
+        "data.loss_on": settings.data.loss_on,  # which tokens are trained
         **data,
         SETTINGS: resume_settings(settings),
     }
