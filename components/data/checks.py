@@ -7,7 +7,13 @@ import stat
 from pathlib import Path
 
 from components.data.jsonl import DataError
-from components.data.sources import DataSource, MixPart, MixSource, build_source
+from components.data.sources import (
+    DataSource,
+    MixPart,
+    MixSource,
+    build_source,
+    preference_source,
+)
 from components.problems import Problem, show
 
 # Keys of the data group that say how records are labelled, not where they come from: the schema's
@@ -21,14 +27,18 @@ MIX_KEYS = ("name", "weight", "kind")
 
 
 def checked_source(
-    group: dict, kinds: dict[str, dict]
+    group: dict, pairs: bool, kinds: dict[str, dict]
 ) -> tuple[DataSource | MixSource | None, list[Problem]]:
-    """The ``data`` group (its keys as given, ``_target_`` included) as a source, or why not.
-    ``kinds``: the groups a mixture's sources may be, by kind, with their keys' defaults."""
+    """The ``data`` group (its keys as given, ``_target_`` included) as a source, or why not;
+    ``pairs``: read as preference pairs (DPO's), else as prompt and answer records. ``kinds``: the
+    groups a mixture's sources may be, by kind, with their keys' defaults."""
     group = {key: value for key, value in group.items() if key not in LABELLING_KEYS}
+    if group.get("_target_") == MIX_TARGET and pairs:
+        refused = "data=mix mixes prompt and answer records: preference pairs are not mixed yet"
+        return None, [Problem(key="data", message=refused)]
     if group.get("_target_") == MIX_TARGET:
         return checked_mixture(group, kinds)
-    return _checked_single(group)
+    return _checked_single(group, pairs)
 
 
 def checked_mixture(group: dict, kinds: dict[str, dict]) -> tuple[MixSource | None, list[Problem]]:
@@ -94,7 +104,7 @@ def _mix_part(
         needs = f"{where} ({name}): kind {kind} needs {', '.join(missing)}"
         found.append(_mix_problem(f"{needs}, e.g. {{name:{name},kind:{kind},{missing[0]}:...}}"))
         return None
-    source, source_problems = _checked_single(merged)
+    source, source_problems = _checked_single(merged, pairs=False)
     found += [_mix_problem(f"{where} ({name}): {problem.message}") for problem in source_problems]
     return None if source is None else MixPart(name=name, weight=float(weight), source=source)
 
@@ -104,8 +114,9 @@ def _is_weight(weight) -> bool:
     return number and math.isfinite(weight) and weight >= 0
 
 
-def _checked_single(group: dict) -> tuple[DataSource | None, list[Problem]]:
-    """One source's group as a source, or why not."""
+def _checked_single(group: dict, pairs: bool) -> tuple[DataSource | None, list[Problem]]:
+    """One source's group as a source (of preference ``pairs``, or of prompts and answers), or
+    why not."""
     path = Path(str(group.get("path"))).expanduser()
     if "path" in group and (kind := _special_file(path)):
         special = f"data.path={show(group['path'])} is {kind}, not a regular file"
@@ -116,9 +127,20 @@ def _checked_single(group: dict) -> tuple[DataSource | None, list[Problem]]:
         missing = f"data.path={show(group['path'])} does not exist: give a data file or folder"
         return None, [Problem(key="data.path", message=missing)]
     try:
-        return build_source(group), []
+        source = build_source(group)
+        return (preference_source(source) if pairs else _answers(source)), []
     except DataError as error:
         return None, [Problem(key="data", message=str(error))]
+
+
+def _answers(source: DataSource) -> DataSource:
+    """``source``, when its records are a prompt and an answer (not preference pairs)."""
+    if source.examples_per_record > 1:
+        raise DataError(
+            "data=preference holds preference pairs, which recipes/dpo.py trains on: this recipe "
+            "trains on prompt and answer records (data=default, data=jsonl or data=hf)"
+        )
+    return source
 
 
 def _special_file(path: Path) -> str | None:

@@ -43,6 +43,15 @@ def _mean_over(totals: torch.Tensor, dp_group: dist.ProcessGroup) -> float:
     return (totals[0] / totals[1]).item()
 
 
+def validation_losses(run, loss_chunk_tokens: int) -> dict[str, float]:
+    """``val_loss`` on a recipe run's whole validation split, and ``val_loss/<name>`` on each
+    source's of a mixture (``run.val_sources``)."""
+    losses = {"val_loss": run_validation(run, run.val_data, loss_chunk_tokens)}
+    for name, batches in run.val_sources.items():
+        losses[f"val_loss/{name}"] = run_validation(run, batches, loss_chunk_tokens)
+    return losses
+
+
 def run_validation(run, batches: StepBatches, loss_chunk_tokens: int | None) -> float:
     """The mean loss on the validation ``batches`` of a recipe run (``run``: its model, device,
     mesh, compute context and cp): ``run.val_data``, or a mixture's source's; the same on every

@@ -148,7 +148,7 @@ def test_a_mixtures_sources_take_their_kinds_keys_and_the_mixtures_val_fraction(
             "val_fraction": 0.0,
         },
     ]
-    mix, found = checked_source({**MIX, "sources": sources}, KINDS)
+    mix, found = checked_source({**MIX, "sources": sources}, False, KINDS)
     assert found == []
     assert mix.parts == (
         MixPart(
@@ -172,7 +172,7 @@ def test_every_bad_source_is_a_problem_of_its_own():
         {"name": "d", "weight": 1, "kind": "generated", "colour": "red"},
         {"name": "d", "weight": 1, "kind": "generated"},
     ]
-    mix, found = checked_source({**MIX, "sources": sources}, KINDS)
+    mix, found = checked_source({**MIX, "sources": sources}, False, KINDS)
     assert mix is None and {problem.key for problem in found} == {"data.sources"}
     assert [problem.message for problem in found] == [
         "data.sources[0].weight=-1: give a number >= 0 (a share of the rows)",
@@ -182,12 +182,12 @@ def test_every_bad_source_is_a_problem_of_its_own():
     ]
     zero = [{"name": n, "weight": 0, "kind": "generated"} for n in ("a", "b")]
     twice = [{"name": "a", "weight": 1, "kind": "generated"}] * 2
-    assert [p.message for p in checked_source({**MIX, "sources": zero}, KINDS)[1]] == [
+    assert [p.message for p in checked_source({**MIX, "sources": zero}, False, KINDS)[1]] == [
         "data.sources: every weight is 0: give one a positive weight"
     ]
-    assert [p.message for p in checked_source({**MIX, "sources": twice}, KINDS)[1]] == [
+    assert [p.message for p in checked_source({**MIX, "sources": twice}, False, KINDS)[1]] == [
         "data.sources: 'a' names 2 sources: name each once"
     ]
-    assert checked_source({**MIX, "sources": []}, KINDS)[1][0].message.startswith(
+    assert checked_source({**MIX, "sources": []}, False, KINDS)[1][0].message.startswith(
         "data.sources=[] is not a list of sources: use e.g. data.sources='[{name:mine,"
     )
