@@ -69,6 +69,11 @@ class MixedSplit:
     def num_rows(self) -> int:
         return sum(part.num_rows for part in self.parts)
 
+    @property
+    def pairs(self) -> bool:
+        """Never: a mixture mixes prompt and answer records (components/data/checks.py)."""
+        return False
+
 
 class MixedOrder:
     """The rows of positions of a mixture's training stream: source ``s``'s ``k``-th row is row
