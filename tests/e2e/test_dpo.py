@@ -24,6 +24,7 @@ COMMON = [
 ]
 SGD = ["optim=sgd", "optim.lr=0.05"]
 LORA = ["peft=lora", "peft.rank=4", "peft.alpha=8.0", "optim.lr=1e-2"]
+LORA += ["peft.target_modules=[lm_head,*_proj]"]  # the head's adapter too, split over the vocab
 RUNS = {
     "tp1": [],
     "tp2": ["tp=2", "checkpoint.export=true"],

@@ -13,8 +13,14 @@ from components.data.collate import tokenize_example
 from components.data.loader import collate_rows
 from components.data.preference import pair_conversations
 from components.models import build_causal_lm, tiny_config
-from components.models.lora import LoraOptions, apply_lora, lora_modules
-from components.training.preference import DPO_METRICS, DpoOptions, DpoStep, dpo_forward_backward
+from components.models.lora import LoraOptions, adapters_off, apply_lora, lora_modules
+from components.training.preference import (
+    DPO_METRICS,
+    DpoOptions,
+    DpoStep,
+    answer_log_probs,
+    dpo_forward_backward,
+)
 from tests.unit.training.test_chunked_loss import relative
 from tests.unit.training.test_post_training_losses import PREFERENCES, trl_trainer
 
@@ -112,3 +118,21 @@ def test_lora_dpo_equals_trl_on_a_peft_model_with_its_adapters_off(tmp_path):
     batch = our_batch(trainer.processing_class, trl_batch["input_ids"].shape[1])
     trl = trl_losses(trainer, trl_batch, LR["sigmoid"])
     check(trl, our_losses(policy, None, batch, "sigmoid"))
+
+
+def test_adapters_off_is_the_base_model_head_included(tmp_path):
+    """TRL refuses an adapter on ``lm_head``; ours has one: switched off, the chunked head
+    computes the base weight's log-probabilities, the base model's exactly."""
+    trainer, _ = trl_trainer(tmp_path, "sigmoid")
+    batch = our_batch(trainer.processing_class, 24)
+    adapted = llama()
+    options = LoraOptions(rank=4, alpha=8.0, dropout=0.0, target_modules=("lm_head", "*_proj"))
+    apply_lora(adapted, options, seed=0)
+    for _, layer in lora_modules(adapted):
+        torch.nn.init.normal_(layer.lora_B.weight, std=0.05)
+    with torch.no_grad():
+        base = answer_log_probs(llama(), batch, 3)
+        adapted_on = answer_log_probs(adapted, batch, 3)
+        with adapters_off(adapted):
+            adapted_off = answer_log_probs(adapted, batch, 3)
+    assert torch.equal(adapted_off, base) and not torch.allclose(adapted_on, base)
