@@ -3,6 +3,7 @@ nothing else, under the chat templates of Llama 3, Qwen3, SmolLM2 and Gemma (the
 templates/, on a tiny byte-level BPE with each family's special tokens); a template that cannot be
 split turn by turn is one error naming the record."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from transformers import PreTrainedTokenizerFast
 
 from components.data.collate import IGNORE_INDEX, record_error, tokenize_batch, tokenize_example
+from components.data.sources import HFSource
 
 TEMPLATES = Path(__file__).parent / "templates"
 # family: (special tokens, added non-special tokens, bos, eos, the token closing an assistant turn)
@@ -168,3 +170,25 @@ def test_a_template_that_rewrites_earlier_turns_is_one_error_naming_the_record()
     error = str(record_error(1, records[1], tokenizer, 512, "all_assistant"))
     assert error.startswith("record 2: the chat template cannot be split turn by turn: ")
     assert "assistant message 2" in error and "\n" not in error
+
+
+def test_a_tool_call_read_by_data_hf_passes_through_the_template_and_is_trained(tmp_path):
+    call = {"type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "sunny"},
+        {"role": "assistant", "content": "Sunny."},
+    ]
+    (tmp_path / "calls.jsonl").write_text(json.dumps({"messages": messages}) + "\n")
+    where = dict(split="train", name=None, columns=None, num_examples=None, val_fraction=0.0)
+    records = HFSource(path=str(tmp_path / "calls.jsonl"), **where).load(tmp_path / "cache")
+    tokenizer = family_tokenizer("qwen3")
+    tokenized = tokenize_batch(records[:1], tokenizer, seq_len=512, loss_on="all_assistant")
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False)
+    assert tokenizer.decode(tokenized["input_ids"][0]) == rendered
+    kept = [label for label in tokenized["labels"][0] if label != IGNORE_INDEX]
+    assert tokenizer.decode(kept) == (
+        '<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>'
+        "Sunny.<|im_end|>"
+    )
