@@ -68,6 +68,7 @@ def child(size: int, cache_root: str, tokenizer_dir: str) -> None:
         source,
         tokenizer_dir,
         seq_len=SEQ_LEN,
+        loss_on="all_assistant",
         packing=False,
         seed=0,
         cache_root=cache_root,

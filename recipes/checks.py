@@ -21,7 +21,7 @@ from components.runtime.launch_checks import gpu_count_problems, torchrun_unread
 from components.runtime.output_dir import unused_folder
 from components.runtime.problems import ConfigError, say
 from components.runtime.world import cpu_threads_per_rank, visible_gpus
-from recipes.compose import validated
+from recipes.compose import mix_kinds, validated
 from recipes.plan import Checked, degrees, model_choice, model_facts, model_use, workload
 from recipes.schema import Config
 
@@ -95,7 +95,9 @@ def check(
     resume = explicit_checkpoint_errors(settings.checkpoint.resume)
     checked = model_problems(settings, dims, device_type)
     data = settings.data.model_dump(by_alias=True)
-    source, data_problems = checked_source(data, settings.preference_pairs)
+    source, data_problems = checked_source(
+        data, settings.preference_pairs, mix_kinds(settings.seed)
+    )
     found += size_problems + resume + check_output_dir(output) + checked.problems + data_problems
     _refuse(found + where_errors(output, hydra_run_dir, per_run, started_by_launcher()))
     _notes(settings, dims, output, per_run, warmup)

@@ -24,6 +24,9 @@ from recipes.schema import Config
 from recipes.validate import SchemaError, validate
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+# data=mix: the kinds a source of data.sources may be, and the data group each kind's keys and
+# defaults come from (conf/data/NAME.yaml).
+MIX_KINDS = {"generated": "default", "jsonl": "jsonl", "hf": "hf"}
 
 
 def compose(overrides: list[str]) -> DictConfig:
@@ -98,3 +101,15 @@ def validated(
         return validate(cfg, schema), []
     except SchemaError as error:
         return None, [Problem(key="config", message=str(error))]
+
+
+def mix_kinds(seed: int) -> dict[str, dict]:
+    """The data groups a mixture's sources may be, by kind, as ``conf/data/`` declares their keys
+    (``${seed}`` resolved), without the labelling keys, which are the mixture's."""
+    kinds = {}
+    for kind, name in MIX_KINDS.items():
+        group = OmegaConf.merge(
+            {"seed": seed}, {"group": OmegaConf.load(CONF_DIR / "data" / f"{name}.yaml")}
+        )
+        kinds[kind] = OmegaConf.to_container(group, resolve=True)["group"]
+    return kinds

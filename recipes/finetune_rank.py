@@ -19,7 +19,7 @@ import yaml
 
 from components.checkpoint.state import TrainState
 from components.checkpoint.writer import CheckpointWriter
-from components.data.loader import Batch, open_splits
+from components.data.loader import Batch, open_source_vals, open_splits
 from components.debug.faults import install_faults
 from components.distributed.context_parallel import ContextParallel
 from components.distributed.fsdp import set_gradient_sync
@@ -51,7 +51,7 @@ from components.training.profiler import StepProfiler
 from components.training.readout import StepReadout
 from components.training.schedule import build_schedule
 from components.training.step import forward_backward_on_device  # reads the models' TP plans
-from components.training.validation import run_validation
+from components.training.validation import validation_losses
 from recipes.export import export, export_folders
 from recipes.plan import RecordFn, Run, RunPlan, StepFn
 from recipes.prepare import resume_again
@@ -71,6 +71,8 @@ def set_up(plan: RunPlan) -> Run:
     shards = dict(dp_size=dims.dp, dp_rank=meshes.batch.get_local_rank(), seed=plan.seed)
     splits = (plan.data.train, plan.data.val, train.global_batch_size, train.micro_batch_size)
     data, val_data = open_splits(*splits, **shards, pad_multiple=plan.pad_multiple)
+    vals = (plan.data.val_sources, train.micro_batch_size)
+    val_sources = open_source_vals(*vals, **shards, pad_multiple=plan.pad_multiple)
     converted = functools.partial(convert, plan=plan)
     model, report = build_parallel_model(plan.model, dims, meshes, device, converted)
     if report is not None:
@@ -100,6 +102,7 @@ def set_up(plan: RunPlan) -> Run:
         state=state,
         data=data,
         val_data=val_data,
+        val_sources=val_sources,
         first_step=state.step,
         compute=compute,
         experts=experts,
@@ -222,7 +225,7 @@ def train(
             record = train_step(run, plan, step, *stepping) | writer.take_stall()  # the save before
         state.step, skipped = step + 1, skipped + bool(record.get("skipped"))
         if cadence.validate(state.step):
-            record["val_loss"] = run_validation(run, plan.train.loss_chunk_tokens)
+            record |= validation_losses(run, plan.train.loss_chunk_tokens)
         log.log(record)
         tracker.log_metrics(record, record["step"])
         if cadence.check_replicas(state.step):

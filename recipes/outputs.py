@@ -25,7 +25,7 @@ from components.checkpoint.integrity import (
     retire_checkpoints_after,
     state_dict_shapes,
 )
-from components.data.sources import DataSource
+from components.data.sources import DataSource, MixSource
 from components.models import meta_causal_lm
 from components.models.lora import PROJECTIONS
 from components.problems import Problem, show
@@ -61,7 +61,10 @@ class OwnershipError(ValueError):
 
 
 def run_info(
-    settings: Config, model_config, tokenizer_digest: str, source: DataSource | None = None
+    settings: Config,
+    model_config,
+    tokenizer_digest: str,
+    source: DataSource | MixSource | None = None,
 ) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]]:
     """What a checkpoint of this run records, and what a resume must match (tp, dp and ep may
     change); and the model's tensor shapes, which that record holds as a fingerprint (hand them to
@@ -69,13 +72,15 @@ def run_info(
     part of it: a model built from its config gets a tokenizer trained on the data, whose ids change
     with the data (``data.num_examples``, ``seed``, an edited file) at the same vocabulary size. So
     are the data (``source``: which, and its fingerprint), ``seed`` (the data order) and
-    ``data.val_fraction`` (the split): a resume that changes them trains on another timeline's data,
-    or validates on records it trained on."""
+    ``data.val_fraction`` (the split) and ``data.loss_on`` (the labels): a resume that changes them
+    trains on another timeline's data, or validates on records it trained on."""
     shapes = state_dict_shapes(meta_causal_lm(model_config))
     data = {}
     if source is not None:
         path = getattr(source, "path", None)
         origin = f"data.path={path}" if path else "data=generated"
+        if isinstance(source, MixSource):
+            origin = "data=mix: " + ", ".join(f"{p.name} {p.weight!r}" for p in source.parts)
         data = {"data": {"source": origin, "fingerprint": source.fingerprint()}}
     info = {
         "model": model_fingerprint(shapes),
@@ -87,6 +92,7 @@ def run_info(
         "seed": settings.seed,
         "peft": peft_info(settings.peft),  # adapters change the model and the optimizer state
         "data.val_fraction": settings.data.model_dump().get("val_fraction"),
+        "data.loss_on": settings.data.loss_on,  # which tokens are trained
         **data,
         SETTINGS: resume_settings(settings),
     }

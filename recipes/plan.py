@@ -233,6 +233,7 @@ class Run:
     state: TrainState  # what a checkpoint saves: model, optimizer, schedule, step
     data: StepBatches
     val_data: StepBatches | None
+    val_sources: dict[str, StepBatches]  # a mixture's sources' validation splits; {} for one source
     first_step: int  # steps already done when this launch started (by the checkpoint resumed)
     compute: Callable[[], AbstractContextManager]  # the precision's forward context (autocast)
     experts: ExpertLoad | None  # tokens per expert of an MoE model, for the step's imbalance

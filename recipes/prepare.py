@@ -16,7 +16,12 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from components.data import DataError, PreparedData, cached_tokenizer, prepare_data
-from components.data.sources import DataSource, EmbeddedPreferenceSource, GeneratedSource
+from components.data.sources import (
+    DataSource,
+    EmbeddedPreferenceSource,
+    GeneratedSource,
+    MixSource,
+)
 from components.distributed.layout import ParallelDims
 from components.models import meta_causal_lm
 from components.models.checks import checked_plan, fetch_model_folder, tp_problems
@@ -123,7 +128,7 @@ def random_model_note(settings: Config, checked: Checked) -> str | None:
 
 
 def prepare_run_data(
-    settings: Config, source: DataSource, tokenizer_dir: Path, dims: ParallelDims
+    settings: Config, source: DataSource | MixSource, tokenizer_dir: Path, dims: ParallelDims
 ) -> tuple[PreparedData | None, list[Problem]]:
     """Tokenize once (or reuse the cache) and check the splits."""
     train, cache = settings.train, Path(settings.cache_dir).expanduser().absolute()
@@ -132,6 +137,7 @@ def prepare_run_data(
             source,
             tokenizer_dir,
             seq_len=train.seq_len,
+            loss_on=settings.data.loss_on,
             packing=train.packing,
             seed=settings.seed,
             cache_root=cache,
@@ -140,12 +146,10 @@ def prepare_run_data(
     except (DataError, ValueError) as error:
         return None, [Problem(key="data", message=f"data: {error}")]
     val_rows = prepared.val.num_rows if prepared.val is not None else 0
-    if train.val_every and val_rows < dims.dp:
-        why = f"data.val_fraction={show(source.val_fraction)} holds out {val_rows} validation rows"
+    if train.val_every and (why := _too_few_val_rows(prepared, source, val_rows, dims.dp)):
         too_few = (
             f"train.val_every={train.val_every} needs validation rows for each of dp ({dims.dp}) "
-            f"ranks but {why}: "
-            "raise data.val_fraction or set train.val_every=0"
+            f"ranks but {why}: raise data.val_fraction or set train.val_every=0"
         )
         return None, [Problem(key="train.val_every", message=too_few)]
     if prepared.repaired:
@@ -154,6 +158,17 @@ def prepare_run_data(
     rows = f"{prepared.train.num_rows} training rows, {val_rows} validation rows"
     say(f"data: tokenized data {how}: {prepared.folder} ({rows})")
     return prepared, []
+
+
+def _too_few_val_rows(
+    prepared: PreparedData, source: DataSource | MixSource, val_rows: int, dp: int
+) -> str | None:
+    """What holds out fewer validation rows than ``dp`` (the data, or a mixture's source), or
+    None."""
+    if val_rows < dp:
+        return f"data.val_fraction={show(source.val_fraction)} holds out {val_rows} validation rows"
+    few = [f"{name} ({s.num_rows})" for name, s in prepared.val_sources.items() if s.num_rows < dp]
+    return f"data.sources {', '.join(few)} hold out fewer validation rows" if few else None
 
 
 def model_spec(settings: Config, config, weights: Path | None) -> ModelSpec:

@@ -31,6 +31,7 @@ ON_NONFINITE = ("stop", "skip")
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")  # components.checkpoint.export's names
 EXPERT_LOADS = ("layers", "experts")
 MODEL_SOURCES = ("smollm2",)
+LOSS_ON = ("all_assistant", "last_assistant")  # components/data/collate.py's two labellings
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")  # components/distributed/pipeline.py
 
 
@@ -301,6 +302,8 @@ class Data(Targeted):
         "null (all) or a positive integer, e.g. data.num_examples=400"
     )
     val_fraction: Annotated[float, Field(ge=0, lt=1)] = key("a number in [0, 1), e.g. 0.05")
+    # which assistant messages of a messages record are trained: every one, or the final one
+    loss_on: Literal[LOSS_ON] = key(one_of(LOSS_ON), "which assistant turns are trained")
 
 
 class Schedule(BaseModel):

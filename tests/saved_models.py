@@ -64,9 +64,8 @@ def recipe(
 
 def _prepared(folder: Path, cache: Path, seq_len: int, num_examples: int):
     source = GeneratedSource(num_examples=num_examples, val_fraction=0.02, seed=0)
-    return prepare_data(
-        source, folder, seq_len=seq_len, packing=False, seed=0, cache_root=cache, num_proc=1
-    )
+    options = dict(seq_len=seq_len, loss_on="all_assistant", packing=False, seed=0)
+    return prepare_data(source, folder, **options, cache_root=cache, num_proc=1)
 
 
 def first_batch(

@@ -352,7 +352,7 @@ def model_fingerprint(shapes: Mapping[str, Sequence[int]]) -> str:
 
 
 # run_info keys that checkpoints written before them lack: those are not refused for them.
-LATER_KEYS = ("seed", "data.val_fraction", "data", "peft")
+LATER_KEYS = ("seed", "data.val_fraction", "data", "peft", "data.loss_on")
 
 
 def resume_problems(

@@ -9,7 +9,8 @@ import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-ROLES = ("system", "user", "assistant")
+# "tool": a tool's result, which the model's chat template renders (its tool-calling format)
+ROLES = ("system", "user", "assistant", "tool")
 
 
 class DataError(ValueError):
@@ -51,7 +52,21 @@ def iter_jsonl(path: str | Path) -> Iterator[dict]:
         DataError: At the first bad line (``data.jsonl line 3: not valid JSON (...)``), or if the
             file does not exist.
     """
-    return iter_records(path, record_problem)
+    return iter_records(path, jsonl_record_problem)
+
+
+def jsonl_record_problem(record) -> str | None:
+    """:func:`record_problem`, and a message's ``tool_calls``, which a JSONL file's records would
+    lose (they keep ``role`` and ``content``): refused rather than trained without."""
+    if problem := record_problem(record):
+        return problem
+    for index, message in enumerate(record.get("messages") or []):
+        if message.get("tool_calls"):
+            return (
+                f"messages[{index}] has tool_calls, which data=jsonl does not read yet: write the "
+                "call in its content, or read the file with data=hf"
+            )
+    return None
 
 
 def iter_records(path: str | Path, problem_of: Callable[[object], str | None]) -> Iterator[dict]:

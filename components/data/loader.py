@@ -23,8 +23,9 @@ import datasets
 import numpy as np
 import torch
 
-from components.data.collate import IGNORE_INDEX, record_error, tokenize_batch
-from components.data.packing import Rows, build_rows
+from components.data.collate import IGNORE_INDEX, Labelling, record_error, tokenize_batch
+from components.data.mixture import integer_weights, interleave
+from components.data.packing import Rows, build_rows, concatenated_rows
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,6 +42,71 @@ class TokenizedSplit:
     num_examples: int
     num_rows: int
     pairs: bool = False  # each row a preference pair: its chosen and rejected conversations
+
+
+@dataclass(frozen=True, kw_only=True)
+class MixedSplit:
+    """One split of a mixture: each source's prepared split with its name and weight, read as one
+    stream (:mod:`components.data.mixture` says which source each position takes)."""
+
+    names: tuple[str, ...]
+    weights: tuple[float, ...]
+    parts: tuple[TokenizedSplit, ...]
+
+    @property
+    def seq_len(self) -> int:
+        return self.parts[0].seq_len
+
+    @property
+    def pad_id(self) -> int:
+        return self.parts[0].pad_id
+
+    @property
+    def num_examples(self) -> int:
+        return sum(part.num_examples for part in self.parts)
+
+    @property
+    def num_rows(self) -> int:
+        return sum(part.num_rows for part in self.parts)
+
+    @property
+    def pairs(self) -> bool:
+        """Never: a mixture mixes prompt and answer records (components/data/checks.py)."""
+        return False
+
+
+class MixedOrder:
+    """The rows of positions of a mixture's training stream: source ``s``'s ``k``-th row is row
+    ``k mod n_s`` of its ``k // n_s``-th epoch's seeded permutation (a source that runs out is
+    recycled), offset by the rows of the sources before it."""
+
+    def __init__(self, weights: list[float], sizes: list[int], seed: int):
+        self.weights = integer_weights(weights)
+        self.sizes, self.seed = sizes, seed
+        self.firsts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        self._permutation = lru_cache(maxsize=16)(shuffled_rows)
+
+    def rows(self, start: int, count: int) -> list[int]:
+        """The rows of positions ``start .. start + count - 1``."""
+        chosen = []
+        for source, k in interleave(self.weights, start, count):
+            size = self.sizes[source]
+            order = self._permutation(size, self.seed + k // size)
+            chosen.append(int(self.firsts[source] + order[k % size]))
+        return chosen
+
+    def sources(self, start: int, count: int) -> list[int]:
+        """The source of each position ``start .. start + count - 1``."""
+        return [source for source, _ in interleave(self.weights, start, count)]
+
+
+def shuffled_rows(num_rows: int, seed: int) -> np.ndarray:
+    """``random.Random(seed).shuffle`` of ``0 .. num_rows - 1`` (the order a list of them gets), in
+    an 8-byte-per-row array: a list of a million Python ints would cost ~40 MB per rank for a
+    moment."""
+    order = array.array("q", range(num_rows))
+    random.Random(seed).shuffle(order)
+    return np.frombuffer(order, dtype=np.int64)
 
 
 @dataclass(kw_only=True)
@@ -70,6 +136,18 @@ class Batch:
     def labelled_tokens(self) -> int:
         """Positions the loss counts: shifted labels that are not -100."""
         return int((self.labels[:, 1:] != IGNORE_INDEX).sum())
+
+
+def _opened(parts: tuple[TokenizedSplit, ...]) -> tuple[datasets.Dataset, Rows]:
+    """The tokens and rows of prepared splits, one after another (one split: as it is)."""
+    tokens, rows = [], []
+    for part in parts:
+        tokens.append(open_tokens(part.tokens_dir))
+        with np.load(part.rows_file) as arrays:
+            rows.append(Rows.load_from(arrays, part.part))
+    if len(parts) == 1:
+        return tokens[0], rows[0]
+    return datasets.concatenate_datasets(tokens), concatenated_rows(rows, [len(t) for t in tokens])
 
 
 def open_tokens(tokens_dir: str) -> datasets.Dataset:
@@ -192,6 +270,7 @@ class StepBatches:
         self.dp_size, self.dp_rank, self.seed = dp_size, dp_rank, seed
         self.pad_multiple = pad_multiple
         self._permutation = lru_cache(maxsize=2)(self._shuffle)
+        self.mixture: MixedOrder | None = None  # a mixture's order of sources (open, MixedSplit)
 
     @classmethod
     def open(
@@ -206,15 +285,19 @@ class StepBatches:
         pad_multiple: int | None = None,
     ) -> "StepBatches":
         """The loader of a prepared split, its tokens memory-mapped from the launcher's cache
-        folder."""
-        tokens = open_tokens(split.tokens_dir)
-        with np.load(split.rows_file) as arrays:
-            rows = Rows.load_from(arrays, split.part)
+        folder; a mixture's split is its sources' rows one after another, its training stream
+        interleaved by their weights (:class:`MixedOrder`)."""
+        parts = split.parts if isinstance(split, MixedSplit) else (split,)
+        tokens, rows = _opened(parts)
         sizes = dict(
             seq_len=split.seq_len, pad_id=split.pad_id, dp_size=dp_size, dp_rank=dp_rank, seed=seed
         )
         sizes["pad_multiple"] = pad_multiple
-        return cls(tokens, rows, global_batch_size, micro_batch_size, **sizes)
+        loader = cls(tokens, rows, global_batch_size, micro_batch_size, **sizes)
+        if isinstance(split, MixedSplit):
+            counts = [part.num_rows for part in split.parts]
+            loader.mixture = MixedOrder(list(split.weights), counts, seed)
+        return loader
 
     @classmethod
     def from_records(
@@ -223,8 +306,7 @@ class StepBatches:
         global_batch_size: int,
         micro_batch_size: int,
         *,
-        tokenizer,
-        seq_len: int,
+        labelling: Labelling,
         dp_size: int,
         dp_rank: int,
         seed: int,
@@ -232,7 +314,7 @@ class StepBatches:
         pad_multiple: int | None = None,
     ) -> "StepBatches":
         """The loader of a few records tokenized in memory, all of them in order (tests,
-        benchmarks).
+        benchmarks), as ``labelling`` says.
 
         Raises:
             DataError: If a record cannot be trained on (named by its index).
@@ -240,18 +322,19 @@ class StepBatches:
         """
         if not records:
             raise ValueError("no records to batch: the dataset (or its validation split) is empty")
+        tokenizer, seq_len, loss_on = labelling.tokenizer, labelling.seq_len, labelling.loss_on
         raw = datasets.Dataset.from_list(records)
         tokens = raw.map(
             tokenize_batch,
             batched=True,
-            fn_kwargs={"tokenizer": tokenizer, "seq_len": seq_len},
+            fn_kwargs={"tokenizer": tokenizer, "seq_len": seq_len, "loss_on": loss_on},
             remove_columns=raw.column_names,
             keep_in_memory=True,
         )
         labelled = tokens.data.column("labelled").to_numpy()
         if len(labelled) and labelled.min() <= 0:
             index = int(np.flatnonzero(labelled <= 0)[0])
-            raise record_error(index, records[index], tokenizer, seq_len)
+            raise record_error(index, records[index], tokenizer, seq_len, loss_on)
         lengths = tokens.data.column("length").to_numpy()
         rows = build_rows(lengths, labelled, np.arange(len(records)), seq_len, packing)
         sizes = dict(
@@ -274,11 +357,7 @@ class StepBatches:
         return self.global_batch_size // (self.micro_batch_size * self.dp_size)
 
     def _shuffle(self, epoch: int) -> np.ndarray:
-        # random.shuffle of 0..n-1 (the order a list of them gets), in an 8-byte-per-row array:
-        # a list of a million Python ints would cost ~40 MB per rank for a moment.
-        order = array.array("q", range(self.num_rows))
-        random.Random(self.seed + epoch).shuffle(order)
-        return np.frombuffer(order, dtype=np.int64)
+        return shuffled_rows(self.num_rows, self.seed + epoch)
 
     def _batches(self, rows: list[int]) -> list[Batch]:
         batches = []
@@ -301,8 +380,9 @@ class StepBatches:
         slices."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        size = self.num_rows
-        start = step * self.global_batch_size
+        size, start = self.num_rows, step * self.global_batch_size
+        if self.mixture is not None:
+            return self.mixture.rows(start, self.global_batch_size)
         return [
             int(self._permutation(p // size)[p % size])
             for p in range(start, start + self.global_batch_size)
@@ -382,9 +462,11 @@ def batch_width(longest: int, seq_len: int, pad_multiple: int | None) -> int:
     return min(seq_len, -(-longest // pad_multiple) * pad_multiple)
 
 
-def widest_batch(split: TokenizedSplit, pad_multiple: int | None) -> int:
+def widest_batch(split: TokenizedSplit | MixedSplit, pad_multiple: int | None) -> int:
     """Positions of the widest micro-batch any step of ``split`` can make (its longest row's, as
     :func:`batch_width` pads it): what the dry run plans a micro-batch's tokens for."""
+    if isinstance(split, MixedSplit):
+        return max(widest_batch(part, pad_multiple) for part in split.parts)
     with np.load(split.rows_file) as arrays:
         rows = Rows.load_from(arrays, split.part)
     longest = int(rows.tokens.max()) if len(rows.tokens) else split.seq_len
@@ -392,8 +474,8 @@ def widest_batch(split: TokenizedSplit, pad_multiple: int | None) -> int:
 
 
 def open_splits(
-    train: "TokenizedSplit",
-    val: "TokenizedSplit | None",
+    train: "TokenizedSplit | MixedSplit",
+    val: "TokenizedSplit | MixedSplit | None",
     global_batch_size: int,
     micro_batch_size: int,
     *,
@@ -412,3 +494,22 @@ def open_splits(
     if val is None:
         return train_batches, None
     return train_batches, batches.open(val, micro_batch_size * dp_size, micro_batch_size, **shards)
+
+
+def open_source_vals(
+    vals: dict[str, TokenizedSplit],
+    micro_batch_size: int,
+    *,
+    dp_size: int,
+    dp_rank: int,
+    seed: int,
+    pad_multiple: int | None = None,
+) -> dict[str, StepBatches]:
+    """A rank's validation loaders of a mixture's sources, by name (each as :func:`open_splits`
+    opens a validation split); empty for a single source."""
+    shards = dict(dp_size=dp_size, dp_rank=dp_rank, seed=seed, pad_multiple=pad_multiple)
+    per_step = micro_batch_size * dp_size
+    return {
+        name: StepBatches.open(split, per_step, micro_batch_size, **shards)
+        for name, split in vals.items()
+    }

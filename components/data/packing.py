@@ -58,6 +58,22 @@ def build_rows(
     return Rows(order=order, offsets=offsets, tokens=tokens, labelled=labels)
 
 
+def concatenated_rows(parts: list[Rows], examples: list[int]) -> Rows:
+    """The rows of several splits one after another, over their tokenized examples laid one after
+    another (``examples``: how many each split's tokens hold)."""
+    shifts = np.concatenate([[0], np.cumsum(examples)[:-1]]).astype(np.int64)
+    starts = np.concatenate([[0], np.cumsum([len(rows.order) for rows in parts])[:-1]])
+    orders = [rows.order + shift for rows, shift in zip(parts, shifts, strict=True)]
+    return Rows(
+        order=np.concatenate(orders),
+        offsets=np.concatenate(
+            [[0]] + [rows.offsets[1:] + start for rows, start in zip(parts, starts, strict=True)]
+        ).astype(np.int64),
+        tokens=np.concatenate([rows.tokens for rows in parts]),
+        labelled=np.concatenate([rows.labelled for rows in parts]),
+    )
+
+
 def row_offsets(lengths: np.ndarray, seq_len: int, packing: bool, group: int = 1) -> np.ndarray:
     """Row boundaries over examples of these token ``lengths``: row ``r`` holds examples
     ``offsets[r]`` .. ``offsets[r + 1] - 1``. Unpacked, ``offsets`` is ``0, group, 2·group, ...,

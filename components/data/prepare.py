@@ -21,7 +21,7 @@ import random
 import re
 import shutil
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import datasets
@@ -30,9 +30,9 @@ from transformers import AutoTokenizer
 
 from components.data.collate import check_template, record_error, tokenize_batch
 from components.data.jsonl import DataError
-from components.data.loader import TokenizedSplit, open_tokens, pad_id_of
+from components.data.loader import MixedSplit, TokenizedSplit, open_tokens, pad_id_of
 from components.data.packing import Rows, build_rows
-from components.data.sources import DataSource
+from components.data.sources import DataSource, MixSource
 from components.data.tokenizer import DEFAULT_VOCAB_SIZE, train_tokenizer
 from components.processes import die_with_parent, process_exists
 
@@ -60,12 +60,14 @@ class PreparedData:
     """The prepared data of a run (picklable, handed to every rank). ``val`` is None when none is
     held out."""
 
-    train: TokenizedSplit
-    val: TokenizedSplit | None
+    train: TokenizedSplit | MixedSplit
+    val: TokenizedSplit | MixedSplit | None
     folder: str
     reused: bool  # the tokenized records came from the cache
     tokenizer_digest: str  # of the tokenizer that made them (:func:`tokenizer_digest`)
     repaired: str | None = None  # what was damaged in the cache and made again, if anything
+    # a mixture's sources' validation splits by name (val_loss/<name>); empty for one source
+    val_sources: dict[str, TokenizedSplit] = field(default_factory=dict)
 
 
 def data_cache_dir(cache_root: str | Path) -> Path:
@@ -132,7 +134,13 @@ def remove_stale_scratch(folder: Path) -> None:
 
 
 def _tokenize(
-    source: DataSource, tokenizer, seq_len: int, num_proc: int, cache_root: Path, folder: Path
+    source: DataSource,
+    tokenizer,
+    seq_len: int,
+    loss_on: str,
+    num_proc: int,
+    cache_root: Path,
+    folder: Path,
 ) -> None:
     """Tokenize every record into ``folder/tokens`` (via a temporary folder renamed at the end).
 
@@ -151,7 +159,7 @@ def _tokenize(
             tokenize_batch,
             batched=True,
             batch_size=WRITER_BATCH_SIZE,  # map writes one Arrow record batch per call
-            fn_kwargs={"tokenizer": tokenizer, "seq_len": seq_len},
+            fn_kwargs={"tokenizer": tokenizer, "seq_len": seq_len, "loss_on": loss_on},
             remove_columns=raw.column_names,
             features=TOKENS,
             num_proc=processes if processes > 1 else None,
@@ -163,7 +171,7 @@ def _tokenize(
         bad = np.flatnonzero(labelled <= 0)
         if len(bad):
             index, group = int(bad[0]), source.examples_per_record
-            raise record_error(index, raw[index], tokenizer, seq_len, group)
+            raise record_error(index, raw[index], tokenizer, seq_len, loss_on, group)
         del tokens
         (scratch / "meta.json").write_text(
             json.dumps({"num_examples": len(labelled), "seq_len": seq_len})
@@ -307,11 +315,23 @@ def _rows_damage(
     return None
 
 
+def _chat_tokenizer(tokenizer_dir: str | Path):
+    """The tokenizer of ``tokenizer_dir``; DataError (one line) without a chat template that
+    renders a conversation."""
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=False)
+    try:
+        check_template(tokenizer)
+    except ValueError as error:
+        raise DataError(str(error)) from None
+    return tokenizer
+
+
 def prepare_data(
-    source: DataSource,
+    source: DataSource | MixSource,
     tokenizer_dir: str | Path,
     *,
     seq_len: int,
+    loss_on: str,
     packing: bool,
     seed: int,
     cache_root: str | Path,
@@ -328,15 +348,16 @@ def prepare_data(
         ValueError: For a ``val_fraction`` that leaves no training record.
     """
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # see the module docstring: ranks fork from here
+    options = dict(seq_len=seq_len, loss_on=loss_on, packing=packing, seed=seed)
+    if isinstance(source, MixSource):
+        return _prepare_mixture(
+            source, tokenizer_dir, **options, cache_root=cache_root, num_proc=num_proc
+        )
     datasets.disable_progress_bars()
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), trust_remote_code=False)
-    try:
-        check_template(tokenizer)
-    except ValueError as error:
-        raise DataError(str(error)) from None
+    tokenizer = _chat_tokenizer(tokenizer_dir)
     digest = tokenizer_digest(tokenizer)
     key = hashlib.sha256(
-        f"{FORMAT_VERSION}|{source.fingerprint()}|{digest}|{seq_len}".encode()
+        f"{FORMAT_VERSION}|{source.fingerprint()}|{digest}|{seq_len}|{loss_on}".encode()
     ).hexdigest()[:20]
     folder = writable_cache(cache_root) / key
     repaired = _tokens_damage(folder, seq_len) if folder.exists() else None
@@ -346,7 +367,7 @@ def prepare_data(
     reused = folder.exists()
     if not reused:
         remove_stale_scratch(folder.parent)
-        _tokenize(source, tokenizer, seq_len, num_proc, Path(cache_root), folder)
+        _tokenize(source, tokenizer, seq_len, loss_on, num_proc, Path(cache_root), folder)
     rows_of = (folder, source.val_fraction, seed, packing, seq_len, source.examples_per_record)
     rows_file = _write_rows(*rows_of)
     count = json.loads((folder / "meta.json").read_text())["num_examples"]
@@ -385,7 +406,28 @@ def prepare_data(
     )
 
 
-def cached_tokenizer(source: DataSource, cache_root: str | Path) -> Path:
+def _prepare_mixture(mix: MixSource, tokenizer_dir: str | Path, **options) -> PreparedData:
+    """Each source of ``mix`` prepared as one source is (its own cache folder, split and packing),
+    read as one training stream and as one validation split, and each validation split by name."""
+    prepared = [prepare_data(part.source, tokenizer_dir, **options) for part in mix.parts]
+    names = tuple(part.name for part in mix.parts)
+    vals = {name: data.val for name, data in zip(names, prepared, strict=True) if data.val}
+    weights = tuple(part.weight for part in mix.parts)
+    train = MixedSplit(names=names, weights=weights, parts=tuple(p.train for p in prepared))
+    val = MixedSplit(names=tuple(vals), weights=(1.0,) * len(vals), parts=tuple(vals.values()))
+    repaired = "; ".join(data.repaired for data in prepared if data.repaired)
+    return PreparedData(
+        train=train,
+        val=val if vals else None,
+        folder=", ".join(data.folder for data in prepared),
+        reused=all(data.reused for data in prepared),
+        tokenizer_digest=prepared[0].tokenizer_digest,
+        repaired=repaired or None,
+        val_sources=vals,
+    )
+
+
+def cached_tokenizer(source: DataSource | MixSource, cache_root: str | Path) -> Path:
     """The byte-level BPE trained on ``source``'s texts, cached by the source's fingerprint (for a
     model built from its config). Training is deterministic, so when torchrun ranks race each writes
     a private folder and the first rename wins."""

@@ -287,6 +287,41 @@ class HFSource:
         yield from _dataset_texts(self._dataset(cache_dir))
 
 
+@dataclass(frozen=True, kw_only=True)
+class MixPart:
+    """One source of a mixture: its name (``val_loss/<name>``), weight and records."""
+
+    name: str
+    weight: float
+    source: DataSource
+
+
+@dataclass(frozen=True, kw_only=True)
+class MixSource:
+    """Several sources read as one training stream, each in the share of its weight
+    (:mod:`components.data.mixture`), each with its own validation split. ``val_fraction`` and
+    ``num_examples`` are the defaults its sources were built with (``conf/data/mix.yaml``)."""
+
+    parts: tuple[MixPart, ...]
+    num_examples: int | None
+    val_fraction: float
+
+    def fingerprint(self) -> str:
+        return _digest("mix", [(p.name, p.weight, p.source.fingerprint()) for p in self.parts])
+
+    def texts(self, cache_dir: Path) -> Iterator[str]:
+        """The sources' texts taken in turn, one from each, so a capped tokenizer training sees
+        every source."""
+        readers, end = [part.source.texts(cache_dir) for part in self.parts], object()
+        while readers:
+            for reader in list(readers):
+                text = next(reader, end)
+                if text is end:
+                    readers.remove(reader)
+                else:
+                    yield text
+
+
 SOURCES = {
     f"{cls.__module__}.{cls.__name__}": cls
     for cls in (GeneratedSource, JsonlSource, HFSource, EmbeddedPreferenceSource)

@@ -33,8 +33,9 @@ METRIC_KEYS = (
     *("loss", "grad_norm", "lr", *_THROUGHPUT, "peak_memory_gib", "val_loss"),
     "expert_imbalance",  # MoE models: the worst layer's tokens per expert, max / mean
 )
-# ... and every key under these (MoE: expert_imbalance/layer_N, expert_load/layer_N/expert_E).
-METRIC_PREFIXES = ("expert_imbalance/", "expert_load/")
+# ... and every key under these (MoE: expert_imbalance/layer_N, expert_load/layer_N/expert_E; a
+# mixture of sources: val_loss/<source>).
+METRIC_PREFIXES = ("expert_imbalance/", "expert_load/", "val_loss/")
 _EXTRA = "pip install 'shardtune[loggers]'"
 # Logger class name -> (config group option, module it needs, what to install).
 _NEEDS = {

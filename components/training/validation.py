@@ -43,15 +43,25 @@ def _mean_over(totals: torch.Tensor, dp_group: dist.ProcessGroup) -> float:
     return (totals[0] / totals[1]).item()
 
 
-def run_validation(run, loss_chunk_tokens: int | None) -> float:
-    """The mean loss on a recipe run's validation split (``run``: its model, ``val_data``,
-    device, mesh, compute context and cp), the same on every rank."""
+def validation_losses(run, loss_chunk_tokens: int) -> dict[str, float]:
+    """``val_loss`` on a recipe run's whole validation split, and ``val_loss/<name>`` on each
+    source's of a mixture (``run.val_sources``)."""
+    losses = {"val_loss": run_validation(run, run.val_data, loss_chunk_tokens)}
+    for name, batches in run.val_sources.items():
+        losses[f"val_loss/{name}"] = run_validation(run, batches, loss_chunk_tokens)
+    return losses
+
+
+def run_validation(run, batches: StepBatches, loss_chunk_tokens: int | None) -> float:
+    """The mean loss on the validation ``batches`` of a recipe run (``run``: its model, device,
+    mesh, compute context and cp): ``run.val_data``, or a mixture's source's; the same on every
+    rank."""
     dp_group = run.meshes.loss.get_group()  # dp × cp
     model = run.state.model
     if run.pipeline is not None:
-        return pipeline_validation_loss(run.pipeline, model, run.val_data, run.device, dp_group)
+        return pipeline_validation_loss(run.pipeline, model, batches, run.device, dp_group)
     where = (run.device, dp_group, run.compute(), loss_chunk_tokens, run.cp)
-    return validation_loss(model, run.val_data, *where)
+    return validation_loss(model, batches, *where)
 
 
 def pipeline_validation_loss(

@@ -41,7 +41,7 @@ def prepared(tmp_path_factory):
     root = tmp_path_factory.mktemp("cache")
     tokenizer_dir = tmp_path_factory.mktemp("tokenizer")
     train_tokenizer(SOURCE.texts(source_cache_dir(root)), DEFAULT_VOCAB_SIZE, tokenizer_dir)
-    common = dict(seq_len=SEQ_LEN, seed=0, cache_root=root, num_proc=1)
+    common = dict(seq_len=SEQ_LEN, loss_on="all_assistant", seed=0, cache_root=root, num_proc=1)
     packed = prepare_data(SOURCE, tokenizer_dir, packing=True, **common)
     unpacked = prepare_data(SOURCE, tokenizer_dir, packing=False, **common)
     return packed, unpacked, len(AutoTokenizer.from_pretrained(tokenizer_dir))
@@ -143,6 +143,7 @@ def test_ranks_forked_after_preparing_data_with_worker_processes_do_not_hang(tmp
         SOURCE,
         tokenizer_dir,
         seq_len=SEQ_LEN,
+        loss_on="all_assistant",
         packing=True,
         seed=0,
         cache_root=tmp_path,

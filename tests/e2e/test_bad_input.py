@@ -158,6 +158,30 @@ CASES: dict[str, tuple[list[str], str]] = {
         ["data.val_fraction=0"],
         "train.val_every=20 needs validation rows",
     ),
+    "a negative weight in a mixture": (
+        ["data=mix", "data.sources=[{name:a,weight:-1,kind:generated},{name:b,weight:1,kind:hf}]"],
+        "data.sources[0].weight=-1: give a number >= 0 (a share of the rows); data.sources[1] (b): "
+        "kind hf needs path",
+    ),
+    "a mixture of weights 0": (
+        [
+            "data=mix",
+            "data.sources=[{name:a,weight:0,kind:generated},{name:b,weight:0,kind:generated}]",
+        ],
+        "data.sources: every weight is 0: give one a positive weight",
+    ),
+    "an unknown kind of source in a mixture": (
+        ["data=mix", "data.sources=[{name:a,weight:1,kind:parquet}]"],
+        "data.sources[0].kind='parquet': use one of generated, jsonl, hf",
+    ),
+    "a name given twice in a mixture": (
+        [
+            "data=mix",
+            "data.sources=[{name:a,weight:1,kind:generated},{name:a,weight:1,kind:generated}]",
+        ],
+        "data.sources: 'a' names 2 sources: name each once",
+    ),
+    "a mixture without sources": (["data=mix"], "data.sources is not set (???): give it a value"),
     "a key nothing reads": (["+train.grad_accum=2"], "train.grad_accum is not a known key"),
     "a dtype key nothing reads": (["+model.dtype=bfloat16"], "model.dtype is not a known key"),
     "a model config key the family lacks": (

@@ -102,6 +102,11 @@ def test_what_dpo_does_not_run_is_one_error_line_before_any_rank(tmp_path):
         f'error: data: {bad} line 2: a preference record needs "chosen" and "rejected" (missing '
         "rejected; its keys: 'chosen', 'prompt')"
     ]
+    mix = ["data=mix", "data.sources=[{name:a,weight:1,kind:generated}]"]
+    lines = dpo(tmp_path / "run", *mix, status=2).stderr.strip().splitlines()
+    assert lines == [
+        "error: data=mix mixes prompt and answer records: preference pairs are not mixed yet"
+    ]
     assert not (tmp_path / "run").exists()  # refused before the folder is claimed
 
 

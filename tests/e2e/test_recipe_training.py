@@ -161,7 +161,14 @@ def test_exported_folder_reloads_with_the_trained_weights(runs):
     # on the validation rows the launcher prepared (the same cache entry serves this call).
     source = GeneratedSource(num_examples=400, val_fraction=0.02, seed=0)
     prepared = prepare_data(
-        source, folder, seq_len=48, packing=False, seed=0, cache_root=CACHE, num_proc=1
+        source,
+        folder,
+        seq_len=48,
+        loss_on="all_assistant",
+        packing=False,
+        seed=0,
+        cache_root=CACHE,
+        num_proc=1,
     )
     batches = StepBatches.open(prepared.val, 4, 4, dp_size=1, dp_rank=0, seed=0)
     total, tokens = 0.0, 0

@@ -16,6 +16,7 @@ INFO = {
     "tokenizer": "t1",
     "seed": 0,
     "data.val_fraction": 0.1,
+    "data.loss_on": "all_assistant",
     "data": DATA,
 }
 
@@ -49,11 +50,13 @@ def test_another_seed_split_or_data_is_refused_naming_it():
         **INFO,
         "seed": 1,
         "data.val_fraction": 0.2,
+        "data.loss_on": "last_assistant",
         "data": {**DATA, "fingerprint": "f2"},
     }
     assert resume_problems(summary(), other, 8) == [
         "seed is 1 but the checkpoint was written with 0",
         "data.val_fraction is 0.2 but the checkpoint was written with 0.1",
+        "data.loss_on is 'last_assistant' but the checkpoint was written with 'all_assistant'",
         "the data (data.path=/d/a.jsonl) has changed since the checkpoint was trained on it",
     ]
     moved = {**INFO, "data": {"source": "data.path=/d/b.jsonl", "fingerprint": "f3"}}

@@ -21,7 +21,10 @@ def _kept(input_ids, labels):
 
 def test_prompt_response_masks_the_prompt_and_keeps_response_and_eos(tokenizer):
     input_ids, labels = tokenize_example(
-        {"prompt": "Reverse: abc", "response": "cba"}, tokenizer, seq_len=64
+        {"prompt": "Reverse: abc", "response": "cba"},
+        tokenizer,
+        seq_len=64,
+        loss_on="all_assistant",
     )
     assert len(input_ids) == len(labels)
     assert tokenizer.decode(input_ids) == "<|bos|><|user|>Reverse: abc<|assistant|>cba<|eos|>"
@@ -41,7 +44,7 @@ def test_messages_train_only_the_final_assistant_message(tokenizer):
             {"role": "assistant", "content": "AB"},
         ]
     }
-    input_ids, labels = tokenize_example(record, tokenizer, seq_len=64)
+    input_ids, labels = tokenize_example(record, tokenizer, seq_len=64, loss_on="last_assistant")
     assert tokenizer.decode(input_ids) == tokenizer.apply_chat_template(
         record["messages"], tokenize=False
     )
@@ -50,7 +53,7 @@ def test_messages_train_only_the_final_assistant_message(tokenizer):
 
 def test_the_prompt_part_ends_with_the_generation_prompt(tokenizer):
     record = {"prompt": "Next letter after c", "response": "d"}
-    input_ids, labels = tokenize_example(record, tokenizer, seq_len=64)
+    input_ids, labels = tokenize_example(record, tokenizer, seq_len=64, loss_on="all_assistant")
     masked = input_ids[: labels.count(IGNORE_INDEX)]
     messages = [{"role": "user", "content": record["prompt"]}]
     assert tokenizer.decode(masked) == tokenizer.apply_chat_template(
@@ -60,10 +63,10 @@ def test_the_prompt_part_ends_with_the_generation_prompt(tokenizer):
 
 def test_truncates_to_seq_len(tokenizer):
     full_ids, full_labels = tokenize_example(
-        {"prompt": "Repeat twice: abcd", "response": "abcd abcd"}, tokenizer, 64
+        {"prompt": "Repeat twice: abcd", "response": "abcd abcd"}, tokenizer, 64, "all_assistant"
     )
     input_ids, labels = tokenize_example(
-        {"prompt": "Repeat twice: abcd", "response": "abcd abcd"}, tokenizer, 8
+        {"prompt": "Repeat twice: abcd", "response": "abcd abcd"}, tokenizer, 8, "all_assistant"
     )
     assert (input_ids, labels) == (full_ids[:8], full_labels[:8])
 
@@ -77,9 +80,9 @@ def test_records_whose_answer_is_cut_off_are_reported(tokenizer):
         "prompt": [r["prompt"] for r in records],
         "response": [r["response"] for r in records],
     }
-    labelled = tokenize_batch(columns, tokenizer, seq_len=16)["labelled"]
+    labelled = tokenize_batch(columns, tokenizer, seq_len=16, loss_on="all_assistant")["labelled"]
     assert labelled[0] > 0 and labelled[1] == 0
-    error = record_error(1, records[1], tokenizer, seq_len=16)
+    error = record_error(1, records[1], tokenizer, seq_len=16, loss_on="all_assistant")
     assert isinstance(error, DataError)
     assert str(error).startswith("record 2 has no answer tokens within train.seq_len (16)")
 
@@ -89,4 +92,6 @@ def test_a_tokenizer_without_chat_template_is_an_error(tokenizer):
         chat_template = None
 
     with pytest.raises(ValueError, match="tokenizer NoTemplate has no chat_template"):
-        tokenize_example({"prompt": "p", "response": "r"}, NoTemplate(), seq_len=8)
+        tokenize_example(
+            {"prompt": "p", "response": "r"}, NoTemplate(), seq_len=8, loss_on="all_assistant"
+        )

@@ -56,6 +56,20 @@ def test_missing_keys(tmp_path):
     assert _error(tmp_path, lines) == 'line 5: needs "prompt" and "response" strings, or "messages"'
 
 
+def test_tool_calls_are_refused_rather_than_dropped(tmp_path):
+    call = {"type": "function", "function": {"name": "weather", "arguments": {"city": "Paris"}}}
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "sunny"},
+        {"role": "assistant", "content": "Sunny."},
+    ]
+    assert _error(tmp_path, [json.dumps({"messages": messages})]) == (
+        "line 1: messages[1] has tool_calls, which data=jsonl does not read yet: write the call "
+        "in its content, or read the file with data=hf"
+    )
+
+
 def test_wrong_types(tmp_path):
     assert _error(tmp_path, [json.dumps({"prompt": "p", "response": 5})]) == (
         'line 1: needs "prompt" and "response" strings, or "messages"'
@@ -75,7 +89,7 @@ def test_wrong_types(tmp_path):
         "messages": [{"role": "human", "content": "u"}, {"role": "assistant", "content": "a"}]
     }
     assert _error(tmp_path, [json.dumps(bad_role)]) == (
-        "line 1: messages[0] has role 'human'; use one of system, user, assistant"
+        "line 1: messages[0] has role 'human'; use one of system, user, assistant, tool"
     )
 
 

@@ -4,7 +4,7 @@ reproduces."""
 import pytest
 import torch
 
-from components.data.collate import tokenize_example
+from components.data.collate import Labelling, tokenize_example
 from components.data.generated import generate_examples
 from components.data.loader import StepBatches, collate_rows, pad_id_of
 from components.data.tokenizer import DEFAULT_VOCAB_SIZE, train_tokenizer, training_texts
@@ -27,8 +27,7 @@ def loader(tokenizer):
             RECORDS[:n],
             global_batch_size,
             micro_batch_size,
-            tokenizer=tokenizer,
-            seq_len=SEQ_LEN,
+            labelling=Labelling(tokenizer=tokenizer, seq_len=SEQ_LEN, loss_on="all_assistant"),
             dp_size=dp_size,
             dp_rank=dp_rank,
             seed=seed,
@@ -45,7 +44,7 @@ def _cat(batches) -> tuple[torch.Tensor, torch.Tensor]:
 def _unpacked(records, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
     """The records one per row, tokenized one by one: what the loader's rows must equal."""
     batch = collate_rows(
-        [[tokenize_example(r, tokenizer, SEQ_LEN)] for r in records],
+        [[tokenize_example(r, tokenizer, SEQ_LEN, "all_assistant")] for r in records],
         SEQ_LEN,
         tokenizer.pad_token_id,
     )

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from components.data.collate import Labelling
 from components.data.generated import generate_examples
 from components.data.loader import StepBatches, collate_rows
 from components.data.packing import build_rows, packing_efficiency, row_offsets
@@ -64,7 +65,12 @@ def chat_records(n: int, seed: int) -> list[dict]:
 def test_packing_short_chats_at_512_trains_many_times_more_real_tokens_per_step(tmp_path):
     records = chat_records(600, seed=0)
     tokenizer = train_tokenizer(training_texts(records), DEFAULT_VOCAB_SIZE, tmp_path)
-    common = dict(tokenizer=tokenizer, seq_len=512, dp_size=1, dp_rank=0, seed=0)
+    common = dict(
+        labelling=Labelling(tokenizer=tokenizer, seq_len=512, loss_on="all_assistant"),
+        dp_size=1,
+        dp_rank=0,
+        seed=0,
+    )
     unpacked = StepBatches.from_records(records, 8, 8, **common)
     packed = StepBatches.from_records(records, 8, 8, **common, packing=True)
     steps = range(min(unpacked.num_rows, packed.num_rows) // 8)

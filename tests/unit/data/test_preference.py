@@ -67,7 +67,8 @@ def test_prepared_pairs_stay_together_and_batch_chosen_then_rejected(tokenizer_d
     pairs = []
     for record in iter_pairs(30, seed=3):
         made = [
-            tokenize_example({"messages": m}, tokenizer, 48) for m in pair_conversations(record)
+            tokenize_example({"messages": m}, tokenizer, 48, "all_assistant")
+            for m in pair_conversations(record)
         ]
         pairs.append([(ids, [IGNORE_INDEX, *labels[1:]]) for ids, labels in made])
     batches = train.batches_for_step(0)

@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from components.data.collate import Labelling
 from components.data.generated import generate_examples
 from components.data.jsonl import DataError
 from components.data.loader import StepBatches, widest_batch
@@ -40,6 +41,7 @@ def prepare(source, tokenizer_dir, root, seq_len=48, packing=False, seed=0):
         source,
         tokenizer_dir,
         seq_len=seq_len,
+        loss_on="all_assistant",
         packing=packing,
         seed=seed,
         cache_root=root,
@@ -72,7 +74,13 @@ def test_split_and_batches_are_those_of_the_records_in_memory(tokenizer_dir, tmp
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     common = dict(dp_size=2, dp_rank=1, seed=3)
     opened = StepBatches.open(prepared.train, 8, 2, **common)
-    in_memory = StepBatches.from_records(train, 8, 2, tokenizer=tokenizer, seq_len=48, **common)
+    in_memory = StepBatches.from_records(
+        train,
+        8,
+        2,
+        labelling=Labelling(tokenizer=tokenizer, seq_len=48, loss_on="all_assistant"),
+        **common,
+    )
     for step in (0, 5, 20):  # 20 lies in the second epoch
         for a, b in zip(
             opened.batches_for_step(step), in_memory.batches_for_step(step), strict=True
@@ -81,7 +89,13 @@ def test_split_and_batches_are_those_of_the_records_in_memory(tokenizer_dir, tmp
         assert opened.labels_in_step(step) == in_memory.labels_in_step(step)
     val_opened = StepBatches.open(prepared.val, 2, 2, dp_size=1, dp_rank=0, seed=3).all_batches()
     val_memory = StepBatches.from_records(
-        val, 2, 2, tokenizer=tokenizer, seq_len=48, dp_size=1, dp_rank=0, seed=3
+        val,
+        2,
+        2,
+        labelling=Labelling(tokenizer=tokenizer, seq_len=48, loss_on="all_assistant"),
+        dp_size=1,
+        dp_rank=0,
+        seed=3,
     )
     assert all(
         torch.equal(a.input_ids, b.input_ids)

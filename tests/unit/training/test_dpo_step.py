@@ -40,7 +40,7 @@ def our_batch(tokenizer, width: int):
     """The records as the recipe makes them: two conversations each, tokenized as SFT does, the
     chosen rows then the rejected ones (``PairBatches``' layout)."""
     made = [
-        tokenize_example({"messages": messages}, tokenizer, 64)
+        tokenize_example({"messages": messages}, tokenizer, 64, "all_assistant")
         for messages in zip(*map(pair_conversations, PREFERENCES), strict=True)
         for messages in messages
     ]

@@ -13,6 +13,7 @@ import functools
 import pytest
 import torch
 
+from components.data.collate import Labelling
 from components.data.generated import generate_examples
 from components.data.loader import Batch, StepBatches
 from components.data.tokenizer import DEFAULT_VOCAB_SIZE, train_tokenizer, training_texts
@@ -37,7 +38,11 @@ def loader(tokenizer, packing: bool) -> StepBatches:
         RECORDS
     )  # every example in one micro-batch either way: the packed loader has fewer rows
     kwargs = dict(
-        tokenizer=tokenizer, seq_len=SEQ_LEN, dp_size=1, dp_rank=0, seed=0, packing=packing
+        labelling=Labelling(tokenizer=tokenizer, seq_len=SEQ_LEN, loss_on="all_assistant"),
+        dp_size=1,
+        dp_rank=0,
+        seed=0,
+        packing=packing,
     )
     unpacked = StepBatches.from_records(RECORDS, rows, rows, **{**kwargs, "packing": False})
     if not packing:
