@@ -39,6 +39,7 @@ from components.planning.memory_model import (
     Stage,
     Step,
     estimate_memory,
+    optimizer_state_bits,
 )
 from components.planning.memory_model import optimizer_moments as moments_of
 from components.planning.pipeline_schedule import bubble, grads_held, in_flight
@@ -190,6 +191,7 @@ def _step(plan) -> Step:
     """The priced step: the run's workload, its widest micro-batch, precision and optimizer."""
     train, work = plan.train, plan.workload
     runtime = current_memory_gib("cpu") if plan.device_type == "cpu" else 0.0
+    bits, block = optimizer_state_bits(plan.optim.target, plan.optim.options())
     return Step(
         seq_len=widest_batch(plan.data.train, plan.pad_multiple),
         global_batch_size=work.global_batch_size,
@@ -199,6 +201,8 @@ def _step(plan) -> Step:
         fp8_recipe=train.fp8_recipe,
         sequence_parallel=plan.model.sequence_parallel,
         optimizer_moments=moments_of(plan.optim.target, plan.optim.options()),
+        optimizer_bits=bits,
+        optimizer_block=block,
         device_type=plan.device_type,
         runtime_gib=runtime,
         loss_chunk_tokens=train.loss_chunk_tokens,
