@@ -334,6 +334,11 @@ CASES: dict[str, tuple[list[str], str]] = {
         "torchao.optim._AdamW keeps its state in the parameters' dtype, bf16 with "
         "train.precision=bf16 only (got train.precision=fp32)",
     ),
+    "CPU offload on the CPU": (
+        ["train.cpu_offload=true"],
+        "train.cpu_offload=true needs CUDA: on the CPU the parameters, gradients and optimizer "
+        "state are in host memory already",
+    ),
     "several problems at once": (
         ["tp=two", "optim.lr=0", "train.micro_batch_size=0"],
         "tp='two' is not valid: use a positive integer, e.g. tp=2; train.micro_batch_size=0 is "
