@@ -8,34 +8,16 @@ measured by hand and in tests/distributed/test_lowbit_optimizers.py (docs/precis
 """
 
 import json
-import os
-import sys
 from pathlib import Path
 
-from tests import cli
+from tests.e2e.test_trust import run  # its small batches, one command line
 
-REPO = Path(__file__).resolve().parents[2]
-COMMON = [
-    "optim=adamw4bit",
-    "train.max_steps=4",
-    "train.warmup_steps=1",
-    "train.seq_len=32",
-    "train.global_batch_size=8",
-    "train.micro_batch_size=8",
-    "train.val_every=0",
-    "checkpoint.export=false",
-    "data.num_examples=200",
-]
+LOWBIT = ["optim=adamw4bit", "train.max_steps=4", "checkpoint.export=false"]
 
 
 def finetune(output_dir: Path, *overrides: str) -> list[dict]:
-    command = [sys.executable, "recipes/finetune.py", *COMMON, *overrides]
-    command.append(f"output_dir={output_dir}")
-    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = cli.run(
-        command, cwd=REPO, capture_output=True, text=True, timeout=300, env=environment
-    )
-    assert result.returncode == 0, f"{' '.join(command)}\n{result.stderr[-4000:]}"
+    result = run(output_dir, *LOWBIT, *overrides)
+    assert result.returncode == 0, result.stderr[-4000:]
     lines = (output_dir / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
 
