@@ -10,6 +10,7 @@ The effects follow in ``recipes/prepare.py``, once.
 from __future__ import annotations  # the annotations name classes imported only when needed
 
 import difflib
+import functools
 import os
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from components.runtime.problems import ConfigError, say
 from components.runtime.world import cpu_threads_per_rank, visible_gpus
 from components.targets import check_target
 from recipes.plan import Checked, degrees, model_choice, model_facts, model_use, workload
-from recipes.schema import Config
+from recipes.schema import Config, DistillConfig, DpoConfig
 from recipes.validate import SchemaError, validate
 
 # Model, data and tokenizer modules (transformers, datasets, DTensor) are imported by the checks
@@ -44,7 +45,21 @@ def compose(overrides: list[str]) -> DictConfig:
     return compose_config(CONF_DIR, overrides, advise=_append_advice)
 
 
-def _append_advice(key: str, overrides: list[str], message: str) -> str | None:
+def compose_dpo(overrides: list[str]) -> DictConfig:
+    """``recipes/dpo.py``'s config (``conf/dpo.yaml``) composed from ``overrides``."""
+    advise = functools.partial(_append_advice, name="dpo", schema=DpoConfig)
+    return compose_config(CONF_DIR, overrides, advise=advise, name="dpo")
+
+
+def compose_distill(overrides: list[str]) -> DictConfig:
+    """``recipes/distill.py``'s config (``conf/distill.yaml``) composed from ``overrides``."""
+    advise = functools.partial(_append_advice, name="distill", schema=DistillConfig)
+    return compose_config(CONF_DIR, overrides, advise=advise, name="distill")
+
+
+def _append_advice(
+    key: str, overrides: list[str], message: str, name: str = "config", schema=Config
+) -> str | None:
     """For Hydra's "Could not override 'train.max_stpes'. To append to your config use
     +train.max_stpes=5": None (Hydra's advice stands) when that ``+`` override then passes the
     checks; else what it would be refused with, and the known key of the closest name. ``key``
@@ -56,8 +71,9 @@ def _append_advice(key: str, overrides: list[str], message: str) -> str | None:
     rest = [o for o, is_key in zip(overrides, given, strict=True) if not is_key]
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            settings, refused = _validated(hydra_compose(config_name="config", overrides=appended))
-            known = dotted_keys(OmegaConf.to_container(hydra_compose("config", overrides=rest)))
+            appended_config = hydra_compose(config_name=name, overrides=appended)
+            settings, refused = _validated(appended_config, schema)
+            known = dotted_keys(OmegaConf.to_container(hydra_compose(name, overrides=rest)))
     except (HydraException, OmegaConfBaseException):
         return None  # Hydra would refuse the + too: its own words
     refused = refused or _open_group_problems(settings)
@@ -120,12 +136,16 @@ def check_sizes(
 
 
 def check(
-    cfg: DictConfig, output_dir: str | None = None, hydra_run_dir: str | None = None
+    cfg: DictConfig,
+    output_dir: str | None = None,
+    hydra_run_dir: str | None = None,
+    schema: type[Config] = Config,
 ) -> Checked:
     """Every check that needs no effect, all problems at once (ConfigError): config in, decisions
     out; nothing is written, tokenized or trained, and ``cfg`` is left as it was. ``output_dir`` is
-    a sweep job's folder; ``hydra_run_dir`` the run dir Hydra was given."""
-    settings, found = _validated(cfg)
+    a sweep job's folder; ``hydra_run_dir`` the run dir Hydra was given; ``schema`` the recipe's
+    (``Config``, ``DpoConfig``)."""
+    settings, found = _validated(cfg, schema)
     _refuse(found)
     from components.data.checks import checked_source  # after the schema: a bad key is fast
     from components.debug.faults import fault_layout_errors
@@ -150,11 +170,13 @@ def check(
     size_problems += optim_layout_problems(settings, dims) if dims else []
     resume = explicit_checkpoint_errors(settings.checkpoint.resume)
     checked = model_problems(settings, dims, device_type)
-    source, data_problems = checked_source(settings.data.model_dump(by_alias=True))
+    data = settings.data.model_dump(by_alias=True)
+    source, data_problems = checked_source(data, settings.preference_pairs)
     found += size_problems + resume + check_output_dir(output) + checked.problems + data_problems
     _refuse(found + where_errors(output, hydra_run_dir, per_run, started_by_launcher()))
     _notes(settings, dims, output, per_run, warmup)
     decided = dict(warmup_steps=warmup, loss_chunk_tokens=train.loss_chunk_tokens or 0)
+    decided |= settings.recipe_decisions()
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dims.world_size))
     return Checked(
         settings=settings.model_copy(update=dict(train=train.model_copy(update=decided))),
@@ -201,6 +223,8 @@ def model_problems(settings: Config, dims: ParallelDims | None, device_type: str
         return checked
     if not checked.experts:
         checked.problems += problems("moe", settings.moe.dense_errors(settings.model.name))
+    model_type = checked.config.model_type
+    checked.problems += problems("model", settings.model_errors(model_type, checked.experts))
     checked.problems += expert_parallel_problems(checked.meta, checked.experts, dims.ep, dims.tp)
     checked.problems += layout_model_problems(settings, dims, checked.config)
     return checked
@@ -234,10 +258,12 @@ def _notes(settings: Config, dims: ParallelDims, output: Path, per_run: bool, wa
         say(f"note: {unread}")
 
 
-def _validated(cfg: DictConfig) -> tuple[Config | None, list[Problem]]:
+def _validated(
+    cfg: DictConfig, schema: type[Config] = Config
+) -> tuple[Config | None, list[Problem]]:
     """The schema's reading of the composed config: interpolations, types, ranges, known keys."""
     try:
-        return validate(cfg), []
+        return validate(cfg, schema), []
     except SchemaError as error:
         return None, [Problem(key="config", message=str(error))]
 

@@ -1,6 +1,7 @@
-"""``python recipes/finetune.py --help``: the config groups and their options (``conf/``), then
-the keys most runs touch, one line each, as the schema declares them (``recipes/schema.py``: each
-key declared with what it sets, ``common=``). Hydra's own page stays at ``--hydra-help``."""
+"""``python recipes/finetune.py --help`` (and ``dpo.py``'s): the config groups and their options
+(``conf/``, the recipe's defaults marked), then the keys most runs touch, one line each, as the
+recipe's schema declares them (``recipes/schema.py``: each key declared with what it sets,
+``common=``). Hydra's own page stays at ``--hydra-help``."""
 
 from pathlib import Path
 
@@ -10,19 +11,30 @@ from pydantic import BaseModel
 from recipes.schema import COMMON, Config
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
-USAGE = "usage: python recipes/finetune.py [GROUP=OPTION ...] [KEY=VALUE ...]"
+USAGE = "usage: python recipes/{script} [GROUP=OPTION ...] [KEY=VALUE ...]"
 FLAGS = """Flags:
   --cfg job          print the composed config (every key and its value) and exit
   --multirun K=A,B   one run per value, each in its own folder
   --hydra-help       Hydra's own options"""
 
 
-def page(conf_dir: Path = CONF_DIR) -> str:
-    """The whole ``--help`` page."""
+def page(
+    conf_dir: Path = CONF_DIR,
+    script: str = "finetune.py",
+    name: str = "config",
+    schema: type[BaseModel] = Config,
+) -> str:
+    """The whole ``--help`` page of the recipe ``script``, whose primary config is
+    ``conf/<name>.yaml`` (``conf/config.yaml``, or one that composes it and overrides groups) and
+    whose schema is ``schema``."""
     config = yaml.safe_load((conf_dir / "config.yaml").read_text())
-    keys = common_keys(Config)
+    own = yaml.safe_load((conf_dir / f"{name}.yaml").read_text()) if name != "config" else {}
+    for entry in own.get("defaults", []):  # `override data: preference`: the recipe's default
+        if isinstance(entry, dict):
+            config["defaults"] += [{k.removeprefix("override "): v for k, v in entry.items()}]
+    keys = common_keys(schema)
     width = max(len(name) for name, _ in keys)
-    lines = [config["hydra"]["help"]["header"].rstrip(), USAGE, ""]
+    lines = [config["hydra"]["help"]["header"].rstrip(), USAGE.format(script=script), ""]
     lines += ["Groups (GROUP=OPTION; * marks the default):", *group_lines(conf_dir, config), ""]
     lines += ["Keys most runs touch (KEY=VALUE; types and ranges: recipes/schema.py):"]
     lines += [f"  {name:<{width}}  {sets}" for name, sets in keys]

@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # heavy (datasets, DTensor): the checks import them when they
     from components.distributed.context_parallel import ContextParallel
     from components.distributed.layout import Meshes
     from components.distributed.pipeline import Pipeline
+    from components.distributed.step_finalizer import StepFinalizer
     from components.models.fp8 import Fp8Options
     from components.models.lora import LoraOptions
     from components.models.parallelize import ModelSpec
@@ -205,6 +206,23 @@ class RunPlan(Settled):
         )
 
 
+@dataclass(frozen=True, kw_only=True)
+class DistillChecked(Checked):
+    """``recipes/distill.py``'s checks: the student's (the ``model`` group) and the teacher as
+    checked: its folder (None: built from ``teacher.config``) and Hugging Face config."""
+
+    teacher_path: Path | None
+    teacher_config: Any  # a built teacher's vocabulary: the student's, set in preparation
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistillPlan(RunPlan):
+    """``recipes/distill.py``'s plan: fine-tuning's, and the frozen teacher to build on the
+    student's meshes (its own TP plan, the student's vocabulary)."""
+
+    teacher: ModelSpec
+
+
 @dataclass(kw_only=True)
 class Run:
     """One rank's handles: where it is, what it trains, and with what."""
@@ -220,9 +238,15 @@ class Run:
     experts: ExpertLoad | None  # tokens per expert of an MoE model, for the step's imbalance
     aux_loss_weight: float  # of an MoE model's load-balancing loss (0: its config has none)
     cp: ContextParallel | None  # this rank's context-parallel group (None at cp=1)
+    finalize_gradients: StepFinalizer  # each DTensor gradient given its parameter's placements
     readout: StepReadout  # the step's values read on the host before the update, at once
     pipeline: Pipeline | None = None  # this rank's pipeline stage and schedule (pp > 1)
     before_commit: Callable[[Path], None] | None = None  # the writer's callback (a drill's)
+
+
+StepFn = Callable[[Run, "RunPlan", int], "torch.Tensor"]  # a step's forward and backward: its sums
+# the step's loss metrics from the step function's sums, as read on the host
+RecordFn = Callable[[Run, "RunPlan", int, Any], dict]
 
 
 def workload(settings: Config) -> Workload:

@@ -16,7 +16,7 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from components.data import DataError, PreparedData, cached_tokenizer, prepare_data
-from components.data.sources import DataSource, GeneratedSource
+from components.data.sources import DataSource, EmbeddedPreferenceSource, GeneratedSource
 from components.distributed.layout import ParallelDims
 from components.models import meta_causal_lm
 from components.models.checks import checked_plan, fetch_model_folder, tp_problems
@@ -111,7 +111,9 @@ def _tokenizer_dir(
 def random_model_note(settings: Config, checked: Checked) -> str | None:
     """The ``note:`` line of a user's data on a model built from its config (``model=llama``, the
     default): random weights, so the run trains from scratch, not a fine-tune; None otherwise."""
-    if checked.model_path is not None or isinstance(checked.source, GeneratedSource):
+    if checked.model_path is not None or isinstance(
+        checked.source, GeneratedSource | EmbeddedPreferenceSource
+    ):
         return None
     return (
         f"note: model={settings.model.name} is built from its config with random weights (a tiny "

@@ -15,7 +15,7 @@ their other keys are checked against the signature of the class the target names
 """
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -23,6 +23,7 @@ from components.models.options import ACTIVATION_CHECKPOINTING, FP8_RECIPES, PRE
 from components.problems import Problem, problems, show
 from components.targets import check_target
 from components.training.loggers import check_logger_available, check_logger_options
+from components.training.options import DPO_LOSS_TYPES
 
 if TYPE_CHECKING:  # the layout imports DeviceMesh: --help and --cfg job stay light
     from components.distributed.layout import ParallelDims
@@ -342,6 +343,10 @@ class Schedule(BaseModel):
 
 
 class Config(Section):
+    RECIPE: ClassVar[str] = "recipes/finetune.py"  # the recipe whose config this is (messages)
+    # the data's records are preference pairs (recipes/dpo.py's), else prompt and answer
+    preference_pairs: ClassVar[bool] = False
+
     seed: Annotated[int, Field(ge=0, lt=2**63)] = key("an integer in [0, 2**63), e.g. seed=0")
     tp: PositiveInt = key("a positive integer, e.g. tp=2", "tensor-parallel size")
     cp: PositiveInt = key(
@@ -436,6 +441,16 @@ class Config(Section):
         found += problems("profile", self.profile.errors(max_steps, device_type))
         return found + problems("peft", self.peft.errors()), fault
 
+    def model_errors(self, model_type: str, experts: tuple[str, ...]) -> list[str]:
+        """What the recipe cannot train of a model of ``model_type`` with ``experts`` (none:
+        ``finetune.py`` trains them all)."""
+        return []
+
+    def recipe_decisions(self) -> dict[str, Any]:
+        """``train`` keys the recipe decides whatever their value (none: ``finetune.py`` reads
+        them all as given)."""
+        return {}
+
     def pipeline_errors(self) -> list[str]:
         """``pp_schedule`` and ``pp_stages_per_rank`` that disagree (interleaved: 2 stages or more
         per rank)."""
@@ -509,3 +524,154 @@ class Config(Section):
                 "TP replicas (nor experts copied over ep_shard)"
             )
         return unread
+
+
+def refused_settings(script: str, refused: list[tuple[str, Any, bool, str]]) -> list[Problem]:
+    """One problem per setting a recipe ``script`` refuses, of ``refused``'s (key, its value,
+    refused, why), naming the key."""
+    return [
+        Problem(key=name, message=f"{name}={show(value)} is not run by {script}: {why}")
+        for name, value, on, why in refused
+        if on
+    ]
+
+
+class Dpo(Section):
+    """``recipes/dpo.py``'s loss (docs/dpo.md): a policy against a frozen reference on preference
+    pairs."""
+
+    # the loss's sharpness: rewards are beta × (policy − reference) answer log-probabilities
+    beta: Annotated[float, Field(gt=0, allow_inf_nan=False)] = key(
+        "a positive number, e.g. dpo.beta=0.1", "DPO's beta: rewards are beta × log-prob ratios"
+    )
+    # sigmoid: DPO's −log σ(β·Δ); ipo: (Δ per answer token − 1/(2β))²
+    loss_type: Literal[DPO_LOSS_TYPES] = key(one_of(DPO_LOSS_TYPES), "sigmoid (DPO) or ipo")
+    # conservative DPO (sigmoid only): the assumed probability that a pair's labels are flipped
+    label_smoothing: Annotated[float, Field(ge=0, lt=0.5)] = key(
+        "a number in [0, 0.5), e.g. dpo.label_smoothing=0.1"
+    )
+
+    def errors(self) -> list[str]:
+        """Settings that do not go together."""
+        if self.loss_type == "ipo" and self.label_smoothing:
+            return [
+                f"dpo.label_smoothing={show(self.label_smoothing)} applies to "
+                "dpo.loss_type=sigmoid only: use dpo.label_smoothing=0.0 with ipo"
+            ]
+        return []
+
+
+class DpoConfig(Config):
+    """``recipes/dpo.py``'s config: every key of ``finetune.py``'s and the ``dpo`` section."""
+
+    RECIPE: ClassVar[str] = "recipes/dpo.py"
+    preference_pairs: ClassVar[bool] = True
+    dpo: Dpo
+
+    def option_problems(self, warmup: int, output: Path, device_type: str) -> tuple[list, Any]:
+        """Fine-tuning's, the ``dpo`` section's, and what ``dpo.py`` does not run."""
+        found, fault = super().option_problems(warmup, output, device_type)
+        return found + problems("dpo", self.dpo.errors()) + self.unsupported(), fault
+
+    def model_errors(self, model_type: str, experts: tuple[str, ...]) -> list[str]:
+        """An MoE model (its router's load-balancing loss and expert counts are not DPO's yet), or
+        one whose head the chunked log-probabilities do not compute."""
+        from components.distributed.chunked_loss import PLAIN_HEAD_FAMILIES  # torch: the checks'
+
+        found = []
+        if experts:
+            found.append(
+                f"model={self.model.name} has experts: dpo.py adds no router load-balancing loss "
+                "and counts no expert load yet: use a dense model"
+            )
+        if model_type not in PLAIN_HEAD_FAMILIES:
+            found.append(
+                f"model={self.model.name} is a {model_type} model: dpo.py computes the answers' "
+                f"log-probabilities from a plain lm_head of {', '.join(PLAIN_HEAD_FAMILIES)}"
+            )
+        return found
+
+    def recipe_decisions(self) -> dict[str, Any]:
+        """No validation: ``dpo.py`` has no validation loss (``unread_keys`` says so)."""
+        return {"val_every": 0}
+
+    def unread_keys(self, dims: "ParallelDims") -> list[str]:
+        """Fine-tuning's, and ``train.val_every``: dpo.py never validates."""
+        unread = super().unread_keys(dims)
+        if self.train.val_every:
+            unread.append(
+                f"train.val_every={self.train.val_every} is not read by dpo.py: it has no "
+                "validation loss yet"
+            )
+        return unread
+
+    def unsupported(self) -> list[Problem]:
+        """The settings ``dpo.py`` refuses, each one problem naming its key (docs/dpo.md)."""
+        train, peft = self.train, self.peft
+        refused = [  # (key, its value, refused, why)
+            ("cp", self.cp, self.cp > 1, "an answer's log-probability sums its whole sequence, "
+             "which context parallelism splits: use cp=1"),
+            ("pp", self.pp, self.pp > 1, "no pipeline schedule runs DPO's two forwards: use pp=1"),
+            ("train.packing", train.packing, train.packing, "a preference pair's two "
+             "conversations are rows of their own: use train.packing=false"),
+            ("peft.experts", peft.experts, bool(peft.experts), "adapters on experts cannot be "
+             "switched off for the reference: use peft.experts=false"),
+            ("dry_run", self.dry_run, self.dry_run, "the dry run does not price dpo.py's "
+             "reference model: run without dry_run=true"),
+        ]  # fmt: skip
+        return refused_settings("dpo.py", refused)
+
+
+class Teacher(Section):
+    """``recipes/distill.py``'s frozen teacher (docs/distillation.md): a Hugging Face folder or
+    Hub id, or a config built with seeded weights as ``model.config`` is; the student's
+    vocabulary, split on the student's meshes by its own TP plan."""
+
+    pretrained_path: Text | None = key(
+        "null (built from teacher.config) or a local Hugging Face model folder or a Hub id",
+        "the teacher's folder or Hub id (null: built from teacher.config)",
+    )
+    # the family teacher.config builds (its TP plan); null: the student's model.family
+    family: Text | None = key("null (the student's model.family) or a model family, e.g. llama")
+    config: dict[str, Any] = key(
+        "a mapping of Hugging Face config keys, e.g. teacher.config.hidden_size=256"
+    )
+
+
+class Distill(Section):
+    """``recipes/distill.py``'s loss: alpha · CE + (1 − alpha) · T² · KL(teacher ‖ student)."""
+
+    # the cross entropy's share of the loss; the KL term has the rest
+    alpha: Annotated[float, Field(ge=0, le=1)] = key(
+        "a number in [0, 1], e.g. distill.alpha=0.5", "the cross entropy's share of the loss"
+    )
+    # T: both models' softmaxes are taken of their logits / T in the KL
+    temperature: Annotated[float, Field(gt=0, allow_inf_nan=False)] = key(
+        "a positive number, e.g. distill.temperature=2.0", "the KL's softmax temperature T"
+    )
+
+
+class DistillConfig(Config):
+    """``recipes/distill.py``'s config: every key of ``finetune.py``'s, the ``teacher`` and the
+    ``distill`` sections."""
+
+    RECIPE: ClassVar[str] = "recipes/distill.py"
+
+    teacher: Teacher
+    distill: Distill
+
+    def option_problems(self, warmup: int, output: Path, device_type: str) -> tuple[list, Any]:
+        """Fine-tuning's, and what ``distill.py`` does not run."""
+        found, fault = super().option_problems(warmup, output, device_type)
+        return found + self.unsupported(), fault
+
+    def unsupported(self) -> list[Problem]:
+        """The settings ``distill.py`` refuses, each one problem naming its key
+        (docs/distillation.md)."""
+        refused = [  # (key, its value, refused, why)
+            ("pp", self.pp, self.pp > 1, "the teacher has no pipeline stages of its own: use pp=1"),
+            ("dry_run", self.dry_run, self.dry_run, "the dry run and the memory model would price "
+             "the student alone, not its teacher: run recipes/finetune.py's dry run for the "
+             "student's layout"),
+        ]  # fmt: skip
+        return refused_settings("distill.py", refused)

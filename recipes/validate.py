@@ -14,9 +14,10 @@ from components.problems import show
 from recipes.schema import Config
 
 
-def _field_hint(loc: tuple) -> str:
-    """The ``description`` of the field at ``loc`` (what would work), or "" when there is none."""
-    model: Any = Config
+def _field_hint(loc: tuple, schema: type[Config] = Config) -> str:
+    """The ``description`` of the field at ``loc`` of ``schema`` (what would work), or "" when
+    there is none."""
+    model: Any = schema
     info = None
     for part in loc:
         fields = getattr(model, "model_fields", None)
@@ -29,7 +30,9 @@ def _field_hint(loc: tuple) -> str:
     return (info.description or "") if info is not None else ""
 
 
-def describe(error: ValidationError, given: dict | None = None) -> list[str]:
+def describe(
+    error: ValidationError, given: dict | None = None, schema: type[Config] = Config
+) -> list[str]:
     """One line per wrong key (the first error of each location): the key, its value and what would
     work; for an item of a list, the whole list as ``given`` holds it and which item is wrong."""
     lines, seen = [], set()
@@ -45,11 +48,10 @@ def describe(error: ValidationError, given: dict | None = None) -> list[str]:
         if dotted in seen:
             continue
         seen.add(dotted)
-        hint = _field_hint(loc)
+        hint = _field_hint(loc, schema)
         if item["type"] == "extra_forbidden":
             lines.append(
-                f"{dotted} is not a known key: remove it (see `python recipes/finetune.py --cfg "
-                "job`)"
+                f"{dotted} is not a known key: remove it (see `python {schema.RECIPE} --cfg job`)"
             )
         elif item["type"] == "missing":
             lines.append(
@@ -108,9 +110,9 @@ def _unset(container: Any, prefix: str = "") -> list[str]:
     return [prefix[:-1]] if container == "???" else []
 
 
-def validate(cfg: DictConfig) -> Config:
-    """The composed config (without its ``hydra`` node) checked against the schema, every problem at
-    once."""
+def validate(cfg: DictConfig, schema: type[Config] = Config) -> Config:
+    """The composed config (without its ``hydra`` node) checked against the ``schema`` (a recipe's:
+    ``Config`` or a subclass), every problem at once."""
     body = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
     try:
         container = OmegaConf.to_container(body, resolve=True, throw_on_missing=False)
@@ -125,6 +127,6 @@ def validate(cfg: DictConfig) -> Config:
             "; ".join(hints.get(key, f"{key} is not set (???): give it a value") for key in unset)
         )
     try:
-        return Config.model_validate(container)
+        return schema.model_validate(container)
     except ValidationError as error:
-        raise SchemaError("; ".join(describe(error, container))) from None
+        raise SchemaError("; ".join(describe(error, container, schema))) from None

@@ -6,12 +6,13 @@ import stat
 from pathlib import Path
 
 from components.data.jsonl import DataError
-from components.data.sources import DataSource, build_source
+from components.data.sources import DataSource, build_source, preference_source
 from components.problems import Problem, show
 
 
-def checked_source(group: dict) -> tuple[DataSource | None, list[Problem]]:
-    """The ``data`` group (its keys as given, ``_target_`` included) as a source, or why not."""
+def checked_source(group: dict, pairs: bool = False) -> tuple[DataSource | None, list[Problem]]:
+    """The ``data`` group (its keys as given, ``_target_`` included) as a source, or why not;
+    ``pairs``: read as preference pairs (DPO's), else as prompt and answer records."""
     group = dict(group)
     path = Path(str(group.get("path"))).expanduser()
     if "path" in group and (kind := _special_file(path)):
@@ -23,9 +24,20 @@ def checked_source(group: dict) -> tuple[DataSource | None, list[Problem]]:
         missing = f"data.path={show(group['path'])} does not exist: give a data file or folder"
         return None, [Problem(key="data.path", message=missing)]
     try:
-        return build_source(group), []
+        source = build_source(group)
+        return (preference_source(source) if pairs else _answers(source)), []
     except DataError as error:
         return None, [Problem(key="data", message=str(error))]
+
+
+def _answers(source: DataSource) -> DataSource:
+    """``source``, when its records are a prompt and an answer (not preference pairs)."""
+    if source.examples_per_record > 1:
+        raise DataError(
+            "data=preference holds preference pairs, which recipes/dpo.py trains on: this recipe "
+            "trains on prompt and answer records (data=default, data=jsonl or data=hf)"
+        )
+    return source
 
 
 def _special_file(path: Path) -> str | None:

@@ -147,9 +147,11 @@ def tokenize_batch(batch: dict[str, list], tokenizer, seq_len: int) -> dict[str,
     return out
 
 
-def record_error(index: int, record: dict, tokenizer, seq_len: int) -> DataError:
-    """Why record ``index`` (0-based, marked by :func:`tokenize_batch`) cannot be trained on, as a
-    one-line DataError naming it 1-based (``record 1`` is the first, as JSONL errors say line 1)."""
+def record_error(index: int, record: dict, tokenizer, seq_len: int, group: int = 1) -> DataError:
+    """Why example ``index`` (0-based, marked by :func:`tokenize_batch`) cannot be trained on, as a
+    one-line DataError naming its record 1-based (``record 1`` is the first, as JSONL errors say
+    line 1); with ``group`` 2 (a preference record's chosen and rejected conversations) its
+    answer too."""
     problem = record_problem(record)
     if problem is None:
         try:
@@ -158,7 +160,13 @@ def record_error(index: int, record: dict, tokenizer, seq_len: int) -> DataError
             problem = str(error).splitlines()[0] if str(error) else type(error).__name__
         else:
             return DataError(
-                f"record {index + 1} has no answer tokens within train.seq_len ({seq_len}): raise "
-                "train.seq_len or shorten its prompt"
+                f"{_name(index, group)} has no answer tokens within train.seq_len ({seq_len}): "
+                "raise train.seq_len or shorten its prompt"
             )
-    return DataError(f"record {index + 1}: {problem}")
+    return DataError(f"{_name(index, group)}: {problem}")
+
+
+def _name(index: int, group: int) -> str:
+    if group == 1:
+        return f"record {index + 1}"
+    return f"record {index // group + 1} ({('chosen', 'rejected')[index % group]} answer)"

@@ -6,7 +6,7 @@ with ``data.jsonl line 9000: ...`` instead of in every rank's traceback partway 
 """
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 ROLES = ("system", "user", "assistant")
@@ -51,6 +51,16 @@ def iter_jsonl(path: str | Path) -> Iterator[dict]:
         DataError: At the first bad line (``data.jsonl line 3: not valid JSON (...)``), or if the
             file does not exist.
     """
+    return iter_records(path, record_problem)
+
+
+def iter_records(path: str | Path, problem_of: Callable[[object], str | None]) -> Iterator[dict]:
+    """Every record of a JSONL file in order, each parsed and checked by ``problem_of`` (what is
+    wrong with it, or None) as it is read; blank lines skipped.
+
+    Raises:
+        DataError: At the first bad line, naming it, or if the file does not exist.
+    """
     path = Path(path)
     if not path.is_file():
         raise DataError(f"data file not found: {path}")
@@ -66,7 +76,7 @@ def iter_jsonl(path: str | Path) -> Iterator[dict]:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
                 raise DataError(f"{path} line {number}: not valid JSON ({error.msg})") from None
-            problem = record_problem(record)
+            problem = problem_of(record)
             if problem:
                 raise DataError(f"{path} line {number}: {problem}")
             yield record

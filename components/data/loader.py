@@ -40,6 +40,7 @@ class TokenizedSplit:
     pad_id: int
     num_examples: int
     num_rows: int
+    pairs: bool = False  # each row a preference pair: its chosen and rejected conversations
 
 
 @dataclass(kw_only=True)
@@ -349,6 +350,30 @@ class StepBatches:
         return self._batches(list(range(self.dp_rank * part_size, (self.dp_rank + 1) * part_size)))
 
 
+class PairBatches(StepBatches):
+    """:class:`StepBatches` of preference pairs: a row is a pair, its chosen and rejected
+    conversations (``Rows`` of two examples each), and ``global_batch_size`` and
+    ``micro_batch_size`` count pairs. A micro-batch of ``n`` pairs is ``2n`` rows, the ``n``
+    chosen conversations then the ``n`` rejected ones, in the same order (TRL's layout), one
+    conversation a row."""
+
+    def _batches(self, rows: list[int]) -> list[Batch]:
+        batches = []
+        for start in range(0, len(rows), self.micro_batch_size):
+            chosen = rows[start : start + self.micro_batch_size]
+            spans = [(int(self.rows.offsets[r]), int(self.rows.offsets[r + 1])) for r in chosen]
+            if any(b - a != 2 for a, b in spans):
+                raise ValueError(
+                    "a preference row must hold two conversations, chosen and rejected"
+                )
+            examples = self.tokens[[int(self.rows.order[a + k]) for k in (0, 1) for a, _ in spans]]
+            conversations = list(zip(examples["input_ids"], examples["labels"], strict=True))
+            longest = max(len(ids) for ids, _ in conversations)
+            width = batch_width(longest, self.seq_len, self.pad_multiple)
+            batches.append(collate_rows([[one] for one in conversations], width, self.pad_id))
+        return batches
+
+
 def batch_width(longest: int, seq_len: int, pad_multiple: int | None) -> int:
     """Positions of a micro-batch whose longest row has ``longest`` tokens: ``seq_len`` without
     ``pad_multiple``, else ``longest`` rounded up to a multiple of it, at most ``seq_len``."""
@@ -379,12 +404,11 @@ def open_splits(
 ) -> tuple[StepBatches, StepBatches | None]:
     """A rank's loaders of the prepared splits: training batches of ``global_batch_size``, and
     validation (None when nothing was held out) in global batches of one micro-batch per dp rank;
-    each micro-batch padded to its longest row (a multiple of ``pad_multiple``) when that is
-    given."""
+    preference pairs (``train.pairs``) as :class:`PairBatches`; each micro-batch padded to its
+    longest row (a multiple of ``pad_multiple``) when that is given."""
     shards = dict(dp_size=dp_size, dp_rank=dp_rank, seed=seed, pad_multiple=pad_multiple)
-    train_batches = StepBatches.open(train, global_batch_size, micro_batch_size, **shards)
+    batches = PairBatches if train.pairs else StepBatches
+    train_batches = batches.open(train, global_batch_size, micro_batch_size, **shards)
     if val is None:
         return train_batches, None
-    return train_batches, StepBatches.open(
-        val, micro_batch_size * dp_size, micro_batch_size, **shards
-    )
+    return train_batches, batches.open(val, micro_batch_size * dp_size, micro_batch_size, **shards)

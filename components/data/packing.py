@@ -37,12 +37,18 @@ class Rows:
 
 
 def build_rows(
-    lengths: np.ndarray, labelled: np.ndarray, order: np.ndarray, seq_len: int, packing: bool
+    lengths: np.ndarray,
+    labelled: np.ndarray,
+    order: np.ndarray,
+    seq_len: int,
+    packing: bool,
+    group: int = 1,
 ) -> Rows:
     """The rows of the examples ``order`` (indices into per-example ``lengths`` and ``labelled``),
-    packed or one per row."""
+    packed or one per row; ``group`` > 1: each row the ``group`` consecutive examples of one record
+    (a preference pair's chosen and rejected conversations), never packed."""
     order = np.asarray(order, dtype=np.int64)
-    offsets = row_offsets(np.asarray(lengths)[order], seq_len, packing)
+    offsets = row_offsets(np.asarray(lengths)[order], seq_len, packing, group)
     starts = offsets[:-1]
     if not len(order):
         empty = np.zeros(0, dtype=np.int32)
@@ -52,20 +58,27 @@ def build_rows(
     return Rows(order=order, offsets=offsets, tokens=tokens, labelled=labels)
 
 
-def row_offsets(lengths: np.ndarray, seq_len: int, packing: bool) -> np.ndarray:
+def row_offsets(lengths: np.ndarray, seq_len: int, packing: bool, group: int = 1) -> np.ndarray:
     """Row boundaries over examples of these token ``lengths``: row ``r`` holds examples
-    ``offsets[r]`` .. ``offsets[r + 1] - 1``. Unpacked, ``offsets`` is ``0, 1, ..., len(lengths)``.
+    ``offsets[r]`` .. ``offsets[r + 1] - 1``. Unpacked, ``offsets`` is ``0, group, 2·group, ...,
+    len(lengths)``.
 
     Raises:
-        ValueError: If an example is longer than ``seq_len`` (tokenize with truncation to it).
+        ValueError: If an example is longer than ``seq_len`` (tokenize with truncation to it), or
+            grouped examples are to be packed or do not come in whole groups.
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     if len(lengths) and int(lengths.max()) > seq_len:
         raise ValueError(
             f"an example has {int(lengths.max())} tokens, more than seq_len ({seq_len})"
         )
+    if group > 1 and (packing or len(lengths) % group):
+        raise ValueError(
+            f"records of {group} examples are neither packed nor split: packing {packing}, "
+            f"{len(lengths)} examples"
+        )
     if not packing:
-        return np.arange(len(lengths) + 1, dtype=np.int64)
+        return np.arange(0, len(lengths) + 1, group, dtype=np.int64)
     starts, used = [], seq_len
     for index, length in enumerate(lengths.tolist()):
         if used + length > seq_len:

@@ -162,8 +162,8 @@ def _tokenize(
         labelled = tokens.data.column("labelled").to_numpy()
         bad = np.flatnonzero(labelled <= 0)
         if len(bad):
-            index = int(bad[0])
-            raise record_error(index, raw[index], tokenizer, seq_len)
+            index, group = int(bad[0]), source.examples_per_record
+            raise record_error(index, raw[index], tokenizer, seq_len, group)
         del tokens
         (scratch / "meta.json").write_text(
             json.dumps({"num_examples": len(labelled), "seq_len": seq_len})
@@ -191,6 +191,16 @@ def _interrupted(error: BaseException) -> bool:
     return False
 
 
+def grouped_split(
+    n: int, val_fraction: float, seed: int, group: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(train, val) example indices of ``n`` examples in records of ``group`` consecutive ones:
+    :func:`split_indices` of the records, each record's examples kept together."""
+    parts = split_indices(n // group, val_fraction, seed)
+    offsets = np.arange(group, dtype=np.int64)
+    return tuple((records[:, None] * group + offsets).ravel() for records in parts)
+
+
 def split_indices(n: int, val_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """(train, val) record indices, each ascending: ``random.Random(seed).sample`` holds out a
     ``val_fraction`` of ``range(n)`` (at least one record when ``val_fraction`` > 0, and at least
@@ -212,19 +222,21 @@ def split_indices(n: int, val_fraction: float, seed: int) -> tuple[np.ndarray, n
     return np.flatnonzero(~held_out), np.flatnonzero(held_out)
 
 
-def _write_rows(folder: Path, val_fraction: float, seed: int, packing: bool, seq_len: int) -> Path:
+def _write_rows(
+    folder: Path, val_fraction: float, seed: int, packing: bool, seq_len: int, group: int
+) -> Path:
     """The split and row boundaries for (val_fraction, seed, packing), written once beside the
-    tokens."""
+    tokens; ``group``: examples per record, kept in one row (a preference pair's two)."""
     rows_file = folder / f"rows-v{val_fraction!r}-s{seed}-{'packed' if packing else 'rows'}.npz"
     if rows_file.is_file():
         return rows_file
     table = open_tokens(str(folder / "tokens")).data
     lengths, labelled = table.column("length").to_numpy(), table.column("labelled").to_numpy()
     del table
-    train, val = split_indices(len(lengths), val_fraction, seed)
+    train, val = grouped_split(len(lengths), val_fraction, seed, group)
     arrays: dict[str, np.ndarray] = {}
-    build_rows(lengths, labelled, train, seq_len, packing).save_into(arrays, "train")
-    build_rows(lengths, labelled, val, seq_len, packing=False).save_into(
+    build_rows(lengths, labelled, train, seq_len, packing, group).save_into(arrays, "train")
+    build_rows(lengths, labelled, val, seq_len, False, group).save_into(
         arrays, "val"
     )  # validation per example
     private = rows_file.with_name(f"{rows_file.stem}.{os.getpid()}.tmp.npz")
@@ -269,7 +281,9 @@ def _tokens_damage(folder: Path, seq_len: int) -> str | None:
     return None
 
 
-def _rows_damage(rows_file: Path, count: int, val_fraction: float, seed: int) -> str | None:
+def _rows_damage(
+    rows_file: Path, count: int, val_fraction: float, seed: int, group: int
+) -> str | None:
     """Why the split and row boundaries in ``rows_file`` are not those of ``count`` records split by
     (``val_fraction``, ``seed``): another order, boundaries outside the order, sizes that differ.
     None when they are."""
@@ -278,7 +292,8 @@ def _rows_damage(rows_file: Path, count: int, val_fraction: float, seed: int) ->
             parts = {part: Rows.load_from(arrays, part) for part in ("train", "val")}
     except Exception as error:  # noqa: BLE001 - a damaged file raises any of several errors
         return f"{type(error).__name__}: {str(error).splitlines()[0][:160] if str(error) else ''}"
-    expected = dict(zip(("train", "val"), split_indices(count, val_fraction, seed), strict=True))
+    split = grouped_split(count, val_fraction, seed, group)
+    expected = dict(zip(("train", "val"), split, strict=True))
     for part, rows in parts.items():
         offsets, order = rows.offsets, rows.order
         if not np.array_equal(order, expected[part]):
@@ -332,12 +347,14 @@ def prepare_data(
     if not reused:
         remove_stale_scratch(folder.parent)
         _tokenize(source, tokenizer, seq_len, num_proc, Path(cache_root), folder)
-    rows_file = _write_rows(folder, source.val_fraction, seed, packing, seq_len)
+    rows_of = (folder, source.val_fraction, seed, packing, seq_len, source.examples_per_record)
+    rows_file = _write_rows(*rows_of)
     count = json.loads((folder / "meta.json").read_text())["num_examples"]
-    if why := _rows_damage(rows_file, count, source.val_fraction, seed):
+    split = (source.val_fraction, seed, source.examples_per_record)
+    if why := _rows_damage(rows_file, count, *split):
         repaired = f"the cached split {rows_file} was damaged ({why.strip()})"
         rows_file.unlink(missing_ok=True)
-        rows_file = _write_rows(folder, source.val_fraction, seed, packing, seq_len)
+        rows_file = _write_rows(*rows_of)
     with np.load(rows_file) as rows:
         counts = {
             part: (len(rows[f"{part}_order"]), len(rows[f"{part}_offsets"]) - 1)
@@ -355,6 +372,7 @@ def prepare_data(
             pad_id=pad_id,
             num_examples=examples,
             num_rows=num_rows,
+            pairs=source.examples_per_record == 2,
         )
 
     return PreparedData(

@@ -18,13 +18,14 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import datasets
 
-from components.data import generated
+from components.data import generated, preference
 from components.data.hf import load_split, map_columns
 from components.data.jsonl import DataError, iter_jsonl
+from components.data.preference import iter_pair_conversations, iter_preference_jsonl
 from components.data.tokenizer import training_texts
 from components.targets import TargetError, target_class
 
@@ -39,6 +40,9 @@ PROMPT_RESPONSE = datasets.Features(
 class DataSource(Protocol):
     num_examples: int | None
     val_fraction: float
+    # conversations each record becomes: 1, or 2 for a preference pair (chosen, then rejected),
+    # which the split and the batches keep together
+    examples_per_record: ClassVar[int]
 
     def fingerprint(self) -> str: ...
 
@@ -99,6 +103,7 @@ class GeneratedSource:
     num_examples: int
     val_fraction: float
     seed: int
+    examples_per_record: ClassVar[int] = 1
 
     def fingerprint(self) -> str:
         code = hashlib.sha256(Path(generated.__file__).read_bytes()).hexdigest()
@@ -146,6 +151,13 @@ class JsonlSource:
     path: str
     num_examples: int | None
     val_fraction: float
+    examples_per_record: ClassVar[int] = 1
+    kind: ClassVar[str] = "jsonl"
+
+    @staticmethod
+    def conversations(path: str) -> Iterator[dict]:
+        """The file's records as ``{"messages"}`` conversations, in order."""
+        return _normalized_jsonl(path)
 
     def fingerprint(self) -> str:
         path = Path(self.path).expanduser().resolve()
@@ -156,7 +168,7 @@ class JsonlSource:
             )
         if not path.is_file():
             raise DataError(f"data file not found: {self.path}")
-        return _digest("jsonl", str(path), _file_stats(path), self.num_examples)
+        return _digest(self.kind, str(path), _file_stats(path), self.num_examples)
 
     def load(self, cache_dir: Path) -> datasets.Dataset:
         """The records as a dataset in ``cache_dir`` (the file is read once; later calls reuse the
@@ -165,7 +177,7 @@ class JsonlSource:
         empty = DataError(f"{self.path} has no records: expected one JSON object per line")
         try:
             dataset = datasets.Dataset.from_generator(
-                _normalized_jsonl,
+                self.conversations,
                 features=MESSAGES,
                 gen_kwargs={"path": path},
                 cache_dir=str(cache_dir),
@@ -181,10 +193,54 @@ class JsonlSource:
             raise empty from error
         if len(dataset) == 0:
             raise empty
-        return _first(dataset, self.num_examples)
+        count = None if self.num_examples is None else self.num_examples * self.examples_per_record
+        return _first(dataset, count)
 
     def texts(self, cache_dir: Path) -> Iterator[str]:
         yield from _dataset_texts(self.load(cache_dir))
+
+
+@dataclass(frozen=True, kw_only=True)
+class PreferenceJsonlSource(JsonlSource):
+    """A JSONL file of preference records (:mod:`components.data.preference`), each two
+    conversations, chosen then rejected; ``num_examples``: the first records (pairs), or all."""
+
+    examples_per_record: ClassVar[int] = 2
+    kind: ClassVar[str] = "preference-jsonl"
+
+    @staticmethod
+    def conversations(path: str) -> Iterator[dict]:
+        return iter_preference_jsonl(path)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EmbeddedPreferenceSource:
+    """The embedded preference set (:func:`components.data.preference.iter_pairs`):
+    ``num_examples`` pairs, each two conversations, chosen then rejected."""
+
+    num_examples: int
+    val_fraction: float
+    seed: int
+    examples_per_record: ClassVar[int] = 2
+
+    def fingerprint(self) -> str:
+        code = [
+            hashlib.sha256(Path(module.__file__).read_bytes()).hexdigest()
+            for module in (generated, preference)
+        ]
+        return _digest("preference", self.num_examples, self.seed, code)
+
+    def load(self, cache_dir: Path) -> datasets.Dataset:
+        return datasets.Dataset.from_generator(
+            iter_pair_conversations,
+            features=MESSAGES,
+            gen_kwargs={"n": self.num_examples, "seed": self.seed},
+            cache_dir=str(cache_dir),
+            fingerprint=self.fingerprint(),
+        )
+
+    def texts(self, cache_dir: Path) -> Iterator[str]:
+        yield from training_texts(iter_pair_conversations(self.num_examples, self.seed))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -199,6 +255,7 @@ class HFSource:
     columns: dict[str, str] | None = field(hash=False)
     num_examples: int | None
     val_fraction: float
+    examples_per_record: ClassVar[int] = 1
 
     def _dataset(self, cache_dir: Path) -> datasets.Dataset:
         dataset = load_split(self.path, self.split, self.name, cache_dir)
@@ -231,8 +288,29 @@ class HFSource:
 
 
 SOURCES = {
-    f"{cls.__module__}.{cls.__name__}": cls for cls in (GeneratedSource, JsonlSource, HFSource)
+    f"{cls.__module__}.{cls.__name__}": cls
+    for cls in (GeneratedSource, JsonlSource, HFSource, EmbeddedPreferenceSource)
 }
+
+
+def preference_source(source: DataSource) -> DataSource:
+    """``source`` read as preference pairs (DPO's data): the embedded pairs as they are, a JSONL
+    file's records as preference records.
+
+    Raises:
+        DataError: One line, for a source whose records are not read as pairs.
+    """
+    if isinstance(source, EmbeddedPreferenceSource | PreferenceJsonlSource):
+        return source
+    if type(source) is JsonlSource:
+        return PreferenceJsonlSource(
+            path=source.path, num_examples=source.num_examples, val_fraction=source.val_fraction
+        )
+    name = {GeneratedSource: "default", HFSource: "hf"}.get(type(source), type(source).__name__)
+    raise DataError(
+        f"data={name} is not read as preference pairs: use data=preference (the embedded pairs) "
+        'or data=jsonl data.path=F ({"prompt", "chosen", "rejected"} records)'
+    )
 
 
 def build_source(group: dict) -> DataSource:

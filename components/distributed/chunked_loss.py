@@ -31,7 +31,7 @@ LOSS_CHUNK_TOKENS = 1024
 # Families whose causal-LM forward applies lm_head to the decoder's last hidden states and nothing
 # else (no soft-capping or scaling of the logits): the chunked head computes what their forward
 # would.
-_PLAIN_HEAD_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+PLAIN_HEAD_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -353,8 +353,9 @@ def head_weights(head: nn.Module) -> HeadWeights | None:
     """What the chunked loss computes for ``head``, the model's ``lm_head`` (the one place a
     wrapped head is resolved): a plain ``nn.Linear``'s weight; an adapted linear's weight and
     low-rank update (a linear with a ``head_adapter()`` method giving a :class:`HeadAdapter`:
-    LoRA's); None for any other head (a float8 or quantised linear, a bias): its own forward must
-    run, unchunked. A new conversion that wraps the head is resolved here, or stays unchunked."""
+    LoRA's), its weight alone while its ``adapter_on`` is False; None for any other head (a
+    float8 or quantised linear, a bias): its own forward must run, unchunked. A new conversion
+    that wraps the head is resolved here, or stays unchunked."""
     if getattr(head, "bias", None) is not None:
         return None
     if type(head) is nn.Linear:
@@ -362,19 +363,21 @@ def head_weights(head: nn.Module) -> HeadWeights | None:
     adapter = getattr(head, "head_adapter", None)
     if isinstance(head, nn.Linear) and callable(adapter) and (update := adapter()) is not None:
         return HeadWeights(weight=head.weight, adapter=update)
+    if isinstance(head, nn.Linear) and callable(adapter) and head.adapter_on is False:
+        return HeadWeights(weight=head.weight)  # the adapter switched off: the base alone
     return None
 
 
 def chunks_head(model: nn.Module) -> bool:
     """Whether the chunked head applies to ``model``: a family whose forward is the decoder, then a
-    bias-free ``lm_head`` (``_PLAIN_HEAD_FAMILIES``) that :func:`head_weights` resolves; other
+    bias-free ``lm_head`` (``PLAIN_HEAD_FAMILIES``) that :func:`head_weights` resolves; other
     models keep the unchunked path."""
     head = getattr(model, "lm_head", None)
     config = getattr(model, "config", None)
     return (
         isinstance(head, nn.Module)
         and head_weights(head) is not None
-        and getattr(config, "model_type", None) in _PLAIN_HEAD_FAMILIES
+        and getattr(config, "model_type", None) in PLAIN_HEAD_FAMILIES
         and getattr(config, "final_logit_softcapping", None) is None
     )
 

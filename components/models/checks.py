@@ -288,3 +288,94 @@ def _unbuildable(config, error: Exception) -> Problem:
         message=f"model type '{config.model_type}' is not supported with transformers "
         f"{transformers.__version__}: its model class cannot be built from this config ({said})",
     )
+
+
+def check_teacher(
+    choice: ModelChoice,
+    use: ModelUse,
+    dims: ParallelDims | None,
+    student: CheckedModel,
+    student_vocab: int | None,
+) -> CheckedModel:
+    """A distillation teacher (``choice``: the ``teacher`` group, its family already resolved)
+    checked as a model of its own for ``use`` at ``dims`` (its folder or config, its TP plan),
+    then its vocabulary against the ``student``'s (a student built from its config: of
+    ``model.config.vocab_size``, ``student_vocab``; None: the tokenizer's); every problem and
+    note named ``teacher.*``."""
+    checked = check_model(choice, use, dims)
+    checked.problems = [_as_teacher(problem) for problem in checked.problems]
+    checked.notes = [note.replace("model.config", "teacher.config") for note in checked.notes]
+    if checked.config is not None and student.config is not None:
+        vocabularies = (student_vocab, choice.config.get("vocab_size"))
+        checked.problems += vocabulary_problems(student, checked, *vocabularies)
+    return checked
+
+
+def _as_teacher(problem: Problem) -> Problem:
+    """A model check's problem said of the teacher: its key and ``model.config`` named
+    ``teacher``'s, the line marked as the teacher's."""
+    key = (
+        problem.key.replace("model", "teacher", 1)
+        if problem.key.startswith("model")
+        else problem.key
+    )
+    message = problem.message.replace("model.config", "teacher.config")
+    return Problem(
+        key=key, message=message if message.startswith("teacher") else f"teacher: {message}"
+    )
+
+
+def vocabulary_problems(
+    student: CheckedModel,
+    teacher: CheckedModel,
+    student_vocab: int | None,
+    teacher_vocab: int | None,
+) -> list[Problem]:
+    """The teacher's vocabulary must be the student's, token for token (the KL compares their
+    distributions over it): a folder's tokenizer against the student's folder's, a built
+    teacher's ``vocab_size`` (``teacher_vocab``; None: the student's) against the student's (its
+    folder's, or a built student's ``student_vocab``; None: its tokenizer's)."""
+    if teacher.path is not None and student.path is None:
+        return [
+            Problem(
+                key="teacher.pretrained_path",
+                message=f"teacher.pretrained_path={teacher.path} with a student built from "
+                "model.config is not supported: the student's tokenizer is trained on the data "
+                "only in preparation, so the teacher's vocabulary cannot be checked against it "
+                "before the run; give the student a folder of the teacher's tokenizer "
+                "(model=pretrained model.pretrained_path=...) or build the teacher from "
+                "teacher.config (teacher.pretrained_path=null)",
+            )
+        ]
+    if teacher.path is not None:
+        return _folder_vocabulary_problems(student, teacher)
+    if teacher_vocab is None:
+        return []
+    sizes = student.config.vocab_size if student.path is not None else student_vocab
+    if teacher_vocab == sizes:
+        return []
+    student_size = "the tokenizer's, sized in preparation" if sizes is None else str(sizes)
+    message = (
+        f"teacher.config.vocab_size={teacher_vocab} must be the student's vocabulary "
+        f"({student_size}): use teacher.config.vocab_size=null (the student's)"
+    )
+    return [Problem(key="teacher.config.vocab_size", message=message)]
+
+
+def _folder_vocabulary_problems(student: CheckedModel, teacher: CheckedModel) -> list[Problem]:
+    """Two folders: the same vocabulary size, the same token of every id."""
+    sizes = (student.config.vocab_size, teacher.config.vocab_size)
+    vocabularies = [
+        transformers.AutoTokenizer.from_pretrained(str(path), trust_remote_code=False).get_vocab()
+        for path in (student.path, teacher.path)
+    ]
+    if sizes[0] == sizes[1] and vocabularies[0] == vocabularies[1]:
+        return []
+    which = "sizes" if sizes[0] != sizes[1] else "tokens"
+    message = (
+        f"the teacher's vocabulary ({teacher.path}: {sizes[1]} rows, {len(vocabularies[1])} "
+        f"tokens) differs from the student's ({student.path}: {sizes[0]} rows, "
+        f"{len(vocabularies[0])} tokens) in its {which}: distillation compares the two models "
+        "token by token; use a teacher of the student's tokenizer"
+    )
+    return [Problem(key="teacher.pretrained_path", message=message)]

@@ -16,6 +16,8 @@ import fnmatch
 import functools
 import math
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -65,9 +67,12 @@ class LoRALinear(nn.Linear):
     lora_seed: int
     scaling: float
     _tp: tuple[DeviceMesh, str, tuple] | None  # (mesh, base style, output layouts) once TP'd
+    adapter_on = True  # False within adapters_off(): the base layer alone
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         base = F.linear(x, self.weight, self.bias)
+        if not self.adapter_on:  # the TP style's hooks place the base's output, as a plain layer's
+            return base
         if self._tp is None:
             return base + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
         mesh, style, output_layouts = self._tp
@@ -102,8 +107,10 @@ class LoRALinear(nn.Linear):
 
     def head_adapter(self) -> HeadAdapter | None:
         """The adapter's update as the chunked loss computes a head's (``lm_head``'s), chunk by
-        chunk with the base weight; None when split rowwise (no head is)."""
-        if self._tp is not None and self._tp[1] == "rowwise":
+        chunk with the base weight; None when split rowwise (no head is) or switched off (the
+        base alone: :func:`~components.distributed.chunked_loss.head_weights` reads
+        ``adapter_on``)."""
+        if (self._tp is not None and self._tp[1] == "rowwise") or not self.adapter_on:
             return None
         A, B = self.lora_A.weight, self.lora_B.weight
         return HeadAdapter(A=A, B=B, scaling=self.scaling, dropout=self.lora_dropout)
@@ -282,6 +289,23 @@ def reset_adapters(model: nn.Module) -> None:
             module.reset_adapter()
         elif has_expert_adapters(module):
             _reset_expert_adapters(module)
+
+
+@contextmanager
+def adapters_off(model: nn.Module) -> Iterator[nn.Module]:
+    """``model`` with every adapter switched off while the context lasts: its base model, in the
+    same memory (DPO's reference under ``peft=lora``, as PEFT's ``disable_adapter()``). Adapters
+    on MoE experts cannot be switched off: ValueError."""
+    if lora_experts(model):
+        raise ValueError("adapters on MoE experts (peft.experts=true) cannot be switched off")
+    layers = [module for _, module in lora_modules(model)]
+    for layer in layers:
+        layer.adapter_on = False
+    try:
+        yield model
+    finally:
+        for layer in layers:
+            layer.adapter_on = True
 
 
 def is_adapter(name: str) -> bool:

@@ -42,16 +42,14 @@ def dotted_keys(tree: dict, prefix: str = "") -> list[str]:
 
 
 def compose_config(
-    conf_dir: Path, overrides: list[str], advise: Advise | None = None
+    conf_dir: Path, overrides: list[str], advise: Advise | None = None, name: str = "config"
 ) -> DictConfig:
-    """Compose like ``hydra.main`` would (with the ``hydra`` node), or fail with one ``error:``
-    line: a missing group option lists the group's options; an override of an unknown key gets
-    ``advise``'s message when it has one."""
+    """Compose the primary config ``name`` (a recipe's) like ``hydra.main`` would (with the
+    ``hydra`` node), or fail with one ``error:`` line: a missing group option lists the group's
+    options; an override of an unknown key gets ``advise``'s message when it has one."""
     try:
         with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
-            return hydra_compose(
-                config_name="config", overrides=overrides, return_hydra_config=True
-            )
+            return hydra_compose(config_name=name, overrides=overrides, return_hydra_config=True)
     except (HydraException, OmegaConfBaseException) as error:
         fail([Problem(key="overrides", message=composition_message(error, overrides, advise))])
 
@@ -94,40 +92,44 @@ def given_run_dir(arguments: list[str], cfg: DictConfig) -> str | None:
     return cfg.hydra.run.dir if given else None
 
 
-def refuse_as_the_recipe(conf_dir: Path, arguments: list[str], compose: str) -> None:
-    """Before Hydra's own entry (``--cfg job``, ...): overrides that do not compose end as the
-    recipe's ``compose`` ends them, in one ``error:`` line (for a misspelt key, the known key of the
-    closest name), not as Hydra's page, whose advice (``+key=...``) the recipe then refuses. A
-    sweep (``--multirun``) or another config is Hydra's alone."""
+def refuse_as_the_recipe(
+    conf_dir: Path, arguments: list[str], compose: str, name: str = "config"
+) -> None:
+    """Before Hydra's own entry (``--cfg job``, ...): overrides that do not compose (with the
+    recipe's primary config ``name``) end as the recipe's ``compose`` ends them, in one ``error:``
+    line (for a misspelt key, the known key of the closest name), not as Hydra's page, whose
+    advice (``+key=...``) the recipe then refuses. A sweep (``--multirun``) or another config is
+    Hydra's alone."""
     given = get_args_parser().parse_args(arguments)
-    named = given.config_name not in (None, "config")
-    other_config = given.config_path or given.config_dir or named
+    renamed = given.config_name not in (None, name)
+    other_config = given.config_path or given.config_dir or renamed
     if given.multirun or other_config:
         return
     try:
         with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
-            hydra_compose(config_name="config", overrides=given.overrides, return_hydra_config=True)
+            hydra_compose(config_name=name, overrides=given.overrides, return_hydra_config=True)
     except (HydraException, OmegaConfBaseException):
-        _named(compose)(given.overrides)  # its error: line, and exit 2
+        named(compose)(given.overrides)  # its error: line, and exit 2
 
 
-def _named(function: str) -> Callable:
+def named(function: str) -> Callable:
     """The function ``module:function`` names, imported now."""
     module, _, name = function.partition(":")
     return getattr(importlib.import_module(module), name)
 
 
-def hydra_command_line(conf_dir: Path, run: Job) -> None:
-    """Hydra's own command line (``hydra.main``) over ``run``: its ``--help`` and ``--cfg``; with
-    ``--multirun`` every job runs in its own folder, and the sweep ends with every job's status."""
+def hydra_command_line(conf_dir: Path, run: Job, name: str = "config") -> None:
+    """Hydra's own command line (``hydra.main``) over ``run`` and the primary config ``name``: its
+    ``--help`` and ``--cfg``; with ``--multirun`` every job runs in its own folder, and the sweep
+    ends with every job's status."""
     sweep = Sweep()
     try:
-        _hydra_entry(conf_dir, run, sweep)()
+        _hydra_entry(conf_dir, run, sweep, name)()
     finally:
         sweep.end()
 
 
-def _hydra_entry(conf_dir: Path, run: Job, sweep: Sweep) -> Callable[[], None]:
+def _hydra_entry(conf_dir: Path, run: Job, sweep: Sweep, name: str) -> Callable[[], None]:
     """``hydra.main`` over ``run``: each sweep job writes to its own folder and is noted in
     ``sweep``; a plain run writes to ``output_dir`` or to a run dir the user gave."""
 
@@ -143,4 +145,4 @@ def _hydra_entry(conf_dir: Path, run: Job, sweep: Sweep) -> Callable[[], None]:
             run(cfg, None, job.run.dir)
 
     task.__wrapped__ = run  # Hydra names the job (and finds its file) by the recipe's function
-    return hydra.main(config_path=str(conf_dir), config_name="config", version_base="1.3")(task)
+    return hydra.main(config_path=str(conf_dir), config_name=name, version_base="1.3")(task)

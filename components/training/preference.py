@@ -9,16 +9,33 @@ conservative DPO: ``−(1 − ε)·log σ(β·Δ) − ε·log σ(−β·Δ)``); 
 ``(Δ_c/n_c − Δ_r/n_r − 1/(2β))²``, each log-ratio averaged over its ``n`` labelled tokens as TRL
 does. A batch's loss is the mean over its pairs; the rewards are ``β·(π − ref)`` of each answer.
 
+:func:`dpo_forward_backward` is DPO's micro-batch: both models' answer log-probabilities from the
+chunked, vocabulary-parallel head, the loss, backward.
+
 Design notes: docs/design-notes.md
 """
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-DPO_LOSS_TYPES = ("sigmoid", "ipo")
+from components.data.collate import IGNORE_INDEX
+from components.data.loader import Batch
+from components.distributed.chunked_loss import (
+    PLAIN_HEAD_FAMILIES,
+    chunked_head,
+    chunked_token_log_probs,
+    chunks_head,
+    head_weights,
+    lm_head_skipped,
+)
+from components.models.lora import adapters_off
+from components.training.options import DPO_LOSS_TYPES
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,3 +121,81 @@ def dpo_losses(
         chosen_rewards=options.beta * chosen_ratio.detach(),
         rejected_rewards=options.beta * rejected_ratio.detach(),
     )
+
+
+# A step's DPO sums, in this order: what dpo_forward_backward returns, the recipe's metrics' names.
+DPO_METRICS = (
+    "loss",
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/margins",
+    "rewards/accuracies",
+    "logps/chosen",
+    "logps/rejected",
+)
+
+
+def answer_log_probs(model: nn.Module, batch: Batch, chunk_tokens: int) -> torch.Tensor:
+    """Each row's summed log-probability of its labelled tokens [rows], fp32: the model's forward
+    up to the hidden states, then the chunked head (``chunk_tokens`` labelled tokens at a time,
+    the vocabulary split over TP as the head's weight: no rank holds the whole vocabulary's
+    logits).
+
+    Raises:
+        ValueError: For a model whose head the chunked loss does not compute (``chunks_head``).
+    """
+    if not chunks_head(model):
+        raise ValueError(
+            f"DPO needs a plain linear lm_head of a {', '.join(PLAIN_HEAD_FAMILIES)} model; "
+            f"this {type(model).__name__}'s head is not one"
+        )
+    with lm_head_skipped(model) as head:
+        outputs = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False)
+    weights = head_weights(head)  # after the forward: FSDP's root holds the head unsharded
+    hidden = chunked_head(outputs.logits, weights.weight, weights.adapter)
+    return chunked_token_log_probs(hidden, batch.labels, chunk_tokens).sum(-1)
+
+
+def _pairs(values: torch.Tensor) -> PairLogProbs:
+    chosen, rejected = values.chunk(2)  # the batch is [chosen rows, rejected rows]
+    return PairLogProbs(chosen=chosen, rejected=rejected)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DpoStep:
+    """How a DPO micro-batch runs: the loss's ``options``, the precision's ``compute`` context,
+    ``chunk_tokens`` of the head at a time, and the frozen ``reference`` (None: the policy with
+    its adapters switched off, ``peft=lora``)."""
+
+    options: DpoOptions
+    compute: Callable[[], AbstractContextManager]
+    chunk_tokens: int
+    reference: nn.Module | None
+
+
+def reference_log_probs(policy: nn.Module, batch: Batch, step: DpoStep) -> PairLogProbs:
+    """The reference's answer log-probabilities, without gradients: the frozen model's, or with
+    no reference model the policy's own with its adapters off (its base, no second copy)."""
+    with torch.no_grad(), step.compute():
+        if step.reference is not None:
+            return _pairs(answer_log_probs(step.reference, batch, step.chunk_tokens))
+        with adapters_off(policy):
+            return _pairs(answer_log_probs(policy, batch, step.chunk_tokens))
+
+
+def dpo_forward_backward(
+    policy: nn.Module, batch: Batch, pairs_in_step: int, step: DpoStep
+) -> torch.Tensor:
+    """One micro-batch of pairs (``batch``: its chosen rows, then its rejected rows): the
+    reference's and the policy's answer log-probabilities, the DPO loss of each pair, backward of
+    their sum over ``pairs_in_step`` (the global batch's pairs, every micro-batch and dp rank:
+    the summed gradients are the mean loss's). Returns the micro-batch's sums of
+    :data:`DPO_METRICS` [7] float64, on the device (not read)."""
+    reference = reference_log_probs(policy, batch, step)
+    with step.compute():
+        policy_logps = _pairs(answer_log_probs(policy, batch, step.chunk_tokens))
+        answer_tokens = _pairs((batch.labels[:, 1:] != IGNORE_INDEX).sum(-1))
+        losses = dpo_losses(policy_logps, reference, step.options, answer_tokens)
+    (losses.losses.sum() / pairs_in_step).backward()
+    metrics = losses.metrics()
+    return torch.stack([metrics[name].sum().double() for name in DPO_METRICS])

@@ -20,13 +20,15 @@ class StepReadout:
     """Made once per run: the loss group's ranks are looked up here, not per step (slicing a
     DeviceMesh reads its rank tensor on the host)."""
 
-    def __init__(self, loss_group: dist.ProcessGroup | None, device: torch.device) -> None:
+    def __init__(
+        self, loss_group: dist.ProcessGroup | None, device: torch.device, finalizer: StepFinalizer
+    ) -> None:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         ranks = dist.get_process_group_ranks(loss_group) if loss_group is not None else [self.rank]
         self.loss_ranks = torch.tensor(ranks, device=device)
         self.device = device
         self.writer = None  # the run's checkpoint writer, once there is one: its flags join in
-        self.finalize = StepFinalizer()  # the step's gradient finalisation: its checks join in
+        self.finalizer = finalizer  # the step's gradient finalisation: its checks join in
         self._update_peak = 0.0  # the previous step's update's peak (GiB), joins the next read
 
     def read(
@@ -35,24 +37,25 @@ class StepReadout:
         loss_sum: torch.Tensor,
         stop_requested: bool,
         counts: torch.Tensor | None,
-    ) -> tuple[float, float, float, list]:
+    ) -> tuple[float, float | list[float], float, list]:
         """The step's values before its update, in one collective and one read: the grad
         ``norm`` (already the same on every rank), ``loss_sum`` summed over the loss group (dp ×
-        cp: each rank holds a part of the global batch), the busiest rank's peak memory, the
+        cp: each rank holds a part of the global batch; a 1-D tensor of several sums, DPO's
+        metrics, sums each and comes back a list), the busiest rank's peak memory, the
         checkpoint writer's flags (``step_flags`` with ``stop_requested``, the largest over every
         rank, handed to its ``agree``), the finalisation's problems (raised on every rank) and
         the MoE load ``counts`` (already the same where they are read) as ``tolist`` gives them.
         Returns the norm, the loss sum, the peak memory in GiB and the counts (or [])."""
         writer = self.writer
         flags = writer.step_flags(stop_requested) if writer is not None else []
-        problems = self.finalize.problems()  # on the device: no read
+        problems = self.finalizer.problems()  # on the device: no read
         maxima = [max(peak_memory_gib(self.device), self._update_peak), problems, *flags]
         kept = [norm.reshape(1)] + ([] if counts is None else [counts.flatten()])
         kept = torch.cat([part.to(torch.float64) for part in kept])
         loss, (peak, problems, *agreed), (norm_value, *rest) = self.gather(loss_sum, maxima, kept)
         if writer is not None:
             writer.agree(agreed)  # publishes a save every rank has written; keeps the stop
-        self.finalize.verify(problems)  # raises on every rank, before the update
+        self.finalizer.verify(problems)  # raises on every rank, before the update
         if counts is not None and counts.dim() == 2:
             columns = counts.shape[1]
             rest = [rest[start : start + columns] for start in range(0, len(rest), columns)]
@@ -64,24 +67,26 @@ class StepReadout:
 
     def gather(
         self, loss_sum: torch.Tensor, maxima: list, kept: torch.Tensor | None = None
-    ) -> tuple[float, list[float], list]:
-        """``loss_sum`` summed over the loss group's ranks, each of ``maxima`` (host numbers or
-        device scalars) the largest over every rank, and ``kept`` as it is (flattened, as
-        ``tolist`` gives it).
+    ) -> tuple[float | list[float], list[float], list]:
+        """``loss_sum`` summed over the loss group's ranks (a 0-dim tensor: a number; 1-D: a
+        list of sums), each of ``maxima`` (host numbers or device scalars) the largest over every
+        rank, and ``kept`` as it is (flattened, as ``tolist`` gives it).
 
         One all-reduce of a (world × values) table, each rank's row its own and zeros elsewhere: a
         sum that is a gather, exactly, so sums and maxima come out of one collective. Then one
         read of the device."""
-        width = 1 + len(maxima)
+        sums = loss_sum.numel()
+        width = sums + len(maxima)
         table = torch.zeros((self.world, width), dtype=torch.float64, device=self.device)
-        table[self.rank, 0] = loss_sum  # on the device: no host read
-        for column, value in enumerate(maxima, start=1):
+        table[self.rank, :sums] = loss_sum.reshape(sums)  # on the device: no host read
+        for column, value in enumerate(maxima, start=sums):
             table[self.rank, column] = value  # a fill or a device copy: no wait
         if self.world > 1:
             dist.all_reduce(table)  # the default group: NCCL for CUDA tensors, gloo for the CPU's
-        loss = table[:, 0].index_select(0, self.loss_ranks).sum()
-        parts = [loss.reshape(1), table[:, 1:].amax(dim=0)]
+        loss = table[:, :sums].index_select(0, self.loss_ranks).sum(dim=0)
+        parts = [loss, table[:, sums:].amax(dim=0)]
         if kept is not None:
             parts.append(kept.reshape(-1).to(torch.float64))
         values = torch.cat(parts).tolist()  # the read
-        return values[0], values[1:width], values[width:]
+        summed = values[0] if loss_sum.dim() == 0 else values[:sums]
+        return summed, values[sums:width], values[width:]

@@ -8,6 +8,7 @@ given the whole micro-batch and computes its own share of it, and its own tokens
 """
 
 from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import torch
 from torch import nn
@@ -16,6 +17,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from components.distributed.chunked_loss import (
     LOSS_CHUNK_TOKENS,
+    HeadWeights,
     chunked_cross_entropy_sum,
     chunks_head,
     head_weights,
@@ -25,7 +27,7 @@ from components.distributed.context_parallel import ContextParallel, CpShard, ru
 from components.distributed.tp_plan import cross_entropy_sum
 
 
-def _model_inputs(
+def model_inputs(
     input_ids: torch.Tensor,
     labels: torch.Tensor,
     position_ids: torch.Tensor | None,
@@ -58,15 +60,22 @@ def _losses(
     # No cache: Hugging Face looks for restarting positions (packed examples) only when there is
     # none.
     if chunk_tokens and chunks_head(model):
-        with lm_head_skipped(model) as head:
-            outputs = model(**inputs, use_cache=False)
-        weights = head_weights(head)  # after the forward: FSDP's root holds the head unsharded
+        outputs, weights = last_hidden_states(model, inputs)
         loss = chunked_cross_entropy_sum(
             outputs.logits, weights.weight, labels, chunk_tokens, shifted, weights.adapter
         )
         return loss, getattr(outputs, "aux_loss", None)
     outputs = model(**inputs, use_cache=False)
     return cross_entropy_sum(outputs.logits, labels, shifted), getattr(outputs, "aux_loss", None)
+
+
+def last_hidden_states(model: nn.Module, inputs: dict) -> tuple[Any, HeadWeights]:
+    """``model``'s own forward on ``inputs`` up to its decoder's last hidden states (the outputs'
+    ``logits``; an MoE model's ``aux_loss`` beside them), and its head's weights for a chunked
+    loss (a model :func:`chunks_head` accepts)."""
+    with lm_head_skipped(model) as head:
+        outputs = model(**inputs, use_cache=False)
+    return outputs, head_weights(head)  # after the forward: FSDP's root holds the head unsharded
 
 
 def _whole(loss: torch.Tensor) -> torch.Tensor:
@@ -100,7 +109,7 @@ def forward_backward_on_device(
     and loss (``train.loss_chunk_tokens``; see ``_losses``). ``cp``: this rank's context-parallel
     group; the gradients are then summed over it as over dp (FSDP over dp × cp).
     """
-    inputs, labels, shard = _model_inputs(input_ids, labels, position_ids, cp)
+    inputs, labels, shard = model_inputs(input_ids, labels, position_ids, cp)
     # the backward of a vocab-parallel loss, and of a cp shard, must run inside them too
     with loss_parallel(), running(shard):
         with compute or nullcontext():
@@ -131,7 +140,7 @@ def evaluate_loss_sum(
 ) -> float:
     """Summed token loss of one batch, without gradients (``compute``, ``loss_chunk_tokens``,
     ``cp``: as in :func:`forward_backward`)."""
-    inputs, labels, shard = _model_inputs(input_ids, labels, position_ids, cp)
+    inputs, labels, shard = model_inputs(input_ids, labels, position_ids, cp)
     with loss_parallel(), running(shard), compute or nullcontext():
         loss_sum = _losses(model, inputs, labels, cp is not None, loss_chunk_tokens)[0]
     return _whole(loss_sum).item()

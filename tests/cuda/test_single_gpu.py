@@ -41,9 +41,12 @@ def a_gpu():
     assert torch.cuda.is_available(), "the cuda lane (pytest -m cuda) needs a GPU"
 
 
-def recipe(output_dir: Path, *overrides: str, cpu: bool = False) -> list[dict]:
-    """The recipe's records, run as a user runs it (on the CPU: no GPU visible)."""
-    command = [sys.executable, "recipes/finetune.py", *COMMON, f"output_dir={output_dir}"]
+def recipe(
+    output_dir: Path, *overrides: str, cpu: bool = False, script: str = "finetune.py"
+) -> list[dict]:
+    """The recipe's records (``recipes/<script>``), run as a user runs it (on the CPU: no GPU
+    visible)."""
+    command = [sys.executable, f"recipes/{script}", *COMMON, f"output_dir={output_dir}"]
     environment = {**os.environ, **({"CUDA_VISIBLE_DEVICES": ""} if cpu else {})}
     done = subprocess.run(
         [*command, *overrides],

@@ -74,9 +74,10 @@ def student(tp_mesh, sequence_parallel: bool, lora: bool) -> dict:
     return {"whole": whole, "split": split}
 
 
-class _Widths(TorchDispatchMode):
-    """The last dimension of every tensor an op makes while the mode is on (a logits tensor's is
-    the vocabulary it holds)."""
+class Widths(TorchDispatchMode):
+    """The last dimension of every tensor an op makes on this rank while the mode is on: a plain
+    tensor's, and a DTensor's local shard's (its global shape is a description; the shard is what
+    the rank holds). A logits tensor's is the vocabulary it holds."""
 
     def __init__(self):
         super().__init__()
@@ -85,17 +86,18 @@ class _Widths(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for tensor in tree_leaves(out):
-            if isinstance(tensor, torch.Tensor) and tensor.dim():
-                self.seen.add(tensor.shape[-1])
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            if isinstance(local, torch.Tensor) and local.dim():
+                self.seen.add(local.shape[-1])
         return out
 
 
 def run_split(name: str, run) -> tuple:
-    """``run()``, its forward and backward under a :class:`_Widths` spy for the split run; the
+    """``run()``, its forward and backward under a :class:`Widths` spy for the split run; the
     result and the widths seen (None for the whole run)."""
     if name == "whole":
         return run(), None
-    with _Widths() as spy:
+    with Widths() as spy:
         result = run()
     return result, spy.seen
 

@@ -106,13 +106,14 @@ def test_the_first_step_learns_and_later_steps_read_nothing(ranks2):
 def check_missing_later(rank, world_size):
     """Through the step's readout: its one read carries the count, every rank raises."""
     tp = mesh((world_size,), ("tp",))
-    readout, model = StepReadout(None, torch.device("cpu")), norms_model(tp, rank, step=0)
-    readout.finalize([model])
+    finalize = StepFinalizer()
+    readout, model = StepReadout(None, torch.device("cpu"), finalize), norms_model(tp, rank, step=0)
+    finalize([model])
     regrad(model, norms_model(tp, rank, step=1))
     if rank == 1:
         model.q_norm.weight.grad = None  # unused by this rank's forward at this step
     with counted_reads() as reads:
-        readout.finalize([model])
+        finalize([model])
     summed = model.norm.weight.grad  # the others are summed as ever, on both ranks
     zero = torch.zeros((), dtype=torch.float64)
     with pytest.raises(RuntimeError) as error:

@@ -58,6 +58,7 @@ LINKED = (
     "constraints.txt",
 )
 RECIPE = "recipes/finetune.py"
+RECIPES = (RECIPE, "recipes/dpo.py", "recipes/distill.py")  # a line may run any
 TINY_STEPS = 2
 TIMEOUT_S = 600
 # Lines that cannot run here, by a text they hold: why, and the test that covers them.
@@ -99,10 +100,16 @@ def environment(clone: Path) -> dict[str, str]:
 
 
 def users_files(clone: Path) -> None:
-    """What a user brings: a jsonl file, a folder ``datasets.load_dataset`` reads with other column
-    names, and a Hugging Face model folder (the hf/ of the clone's finished run)."""
+    """What a user brings: a jsonl file, one of preference pairs, a folder ``datasets.load_dataset``
+    reads with other column names, and a Hugging Face model folder (the hf/ of the clone's
+    finished run)."""
     records = [{"prompt": f"What is {i} plus {i}?", "response": f"{2 * i}."} for i in range(200)]
     (clone / "my.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    pairs = [
+        {"prompt": r["prompt"], "chosen": r["response"], "rejected": f"{2 * i + 1}."}
+        for i, r in enumerate(records)
+    ]
+    (clone / "my_pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
     (clone / "my_folder").mkdir()
     renamed = [{"instruction": r["prompt"], "output": r["response"]} for r in records]
     (clone / "my_folder" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in renamed))
@@ -152,9 +159,9 @@ def kind(words: list[str]) -> str:
         f"{head}: write .venv/bin/python or .venv/bin/torchrun (a bare one is not the venv's)"
     )
     if head == ".venv/bin/torchrun":
-        assert RECIPE in arguments, "torchrun runs the recipe"
+        assert set(RECIPES) & set(arguments), "torchrun runs a recipe"
         return "torchrun"
-    found = {"make": head == "make", "recipe": arguments[:1] == [RECIPE]}
+    found = {"make": head == "make", "recipe": bool(arguments) and arguments[0] in RECIPES}
     found |= {"pytest": arguments[:2] == ["-m", "pytest"], "python -c": arguments[:1] == ["-c"]}
     assert any(found.values()), f"no way to run {words} here: teach tests/e2e/{Path(__file__).name}"
     return next(name for name, matches in found.items() if matches)

@@ -36,13 +36,17 @@ COMMON = [
 ]
 
 
-def recipe(output_dir: Path, *overrides: str, torchrun: int = 0) -> list[dict]:
+def recipe(
+    output_dir: Path, *overrides: str, torchrun: int = 0, script: str = "recipes/finetune.py"
+) -> list[dict]:
+    """``script`` (a recipe sharing finetune.py's keys) run with :data:`COMMON` and
+    ``overrides`` into ``output_dir``; its metrics, one record per step."""
     launcher = (
         [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={torchrun}"]
         if torchrun
         else [sys.executable]
     )
-    command = [*launcher, "recipes/finetune.py", *COMMON, f"output_dir={output_dir}", *overrides]
+    command = [*launcher, script, *COMMON, f"output_dir={output_dir}", *overrides]
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
     if torchrun:  # a real torchrun whose workers start warm
         environment = cli.warm_torchrun_environment(environment)

@@ -50,6 +50,13 @@ def twin(name: str) -> str | None:
     return None if name == reference else reference
 
 
+def recipe_file(name: str) -> str:
+    """The recipe a regression recipe runs with: ``dpo_*``, ``recipes/dpo.py``; ``distill_*``,
+    ``recipes/distill.py``; the others ``recipes/finetune.py``."""
+    recipe = name.split("_")[0]
+    return f"recipes/{recipe}.py" if recipe in ("dpo", "distill") else "recipes/finetune.py"
+
+
 def run_recipe(name: str, output_root: Path, extra: list[str]) -> Path:
     output_dir = output_root / name
     recipe = f"experiment=regression/{name}"
@@ -57,7 +64,7 @@ def run_recipe(name: str, output_root: Path, extra: list[str]) -> Path:
     # otherwise).
     command = [
         sys.executable,
-        "recipes/finetune.py",
+        recipe_file(name),
         recipe,
         f"output_dir={output_dir}",
         "overwrite_output_dir=true",

@@ -205,7 +205,7 @@ def test_build_source_by_target_and_its_errors():
     assert built == JsonlSource(path="x.jsonl", num_examples=None, val_fraction=0.1)
     assert error_of(lambda: build_source({"_target_": "os.system"})).startswith(
         "data._target_='os.system' is not a data source: use one of "
-        "components.data.sources.GeneratedSource"
+        "components.data.sources.EmbeddedPreferenceSource, components.data.sources.GeneratedSource"
     )
     assert error_of(
         lambda: build_source(

@@ -251,10 +251,12 @@ PREFERENCES = [
 ]
 
 
-def trl_trainer(tmp_path, loss_type: str):
-    """TRL's ``DPOTrainer`` on a tiny Llama policy and another (seed 1) as its reference, with a
-    byte-level tokenizer trained here; and its first batch (chosen rows, then rejected). fp32
-    throughout: TRL's default ``bf16`` would run the reference under accelerate's autocast."""
+def trl_trainer(tmp_path, loss_type: str, beta=0.3, reference_seed=1, peft_config=None):
+    """TRL's ``DPOTrainer`` on a tiny Llama policy and another (seed ``reference_seed``) as its
+    reference, or with ``peft_config`` the policy made a PEFT model by TRL (no reference model:
+    the policy with its adapters off), with a byte-level tokenizer trained here; and its first
+    batch (chosen rows, then rejected). fp32 throughout: TRL's default ``bf16`` would run the
+    reference under accelerate's autocast."""
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 
@@ -262,12 +264,13 @@ def trl_trainer(tmp_path, loss_type: str):
     tokenizer = train_tokenizer(texts, 300, tmp_path / "tokenizer")
     config = tiny_config("llama", vocab_size=300)
     args = DPOConfig(
-        output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, report_to=[], beta=0.3,
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=2, report_to=[], beta=beta,
         loss_type=[loss_type], use_cpu=True, max_steps=1, save_strategy="no", bf16=False,
     )  # fmt: skip
     trainer = DPOTrainer(
         model=build_causal_lm(config, seed=0),
-        ref_model=build_causal_lm(config, seed=1),
+        ref_model=None if peft_config else build_causal_lm(config, seed=reference_seed),
+        peft_config=peft_config,
         args=args,
         train_dataset=Dataset.from_list(PREFERENCES),
         processing_class=tokenizer,

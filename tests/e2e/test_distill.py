@@ -1,0 +1,80 @@
+"""``recipes/distill.py`` as a user runs it: the real command line in a subprocess, the default
+tiny Llama student and its tiny Llama teacher (twice its size), each layout against its tp=1
+twin: tp=2, dp=2 × tp=2 with sp, cp=2, and a Qwen3-MoE student at tp=2 ep=2. fp32 on the CPU: a
+layout changes only the order of sums, so each step's loss, CE and KL agree within 1e-5 of the
+loss. One module fixture trains each configuration once; the metrics and the export are read
+from it."""
+
+from pathlib import Path
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+from tests.e2e.test_recipe_training import recipe
+
+SCRIPT = "recipes/distill.py"
+STEPS = 4
+NAMES = ("loss", "ce_loss", "kd_loss")
+STEPS_AT_T2 = [f"train.max_steps={STEPS}", "distill.temperature=2.0"]
+RUNS = {
+    "tp1": ["tp=1", "checkpoint.export=true"],
+    "tp2": ["tp=2"],
+    "dp2_tp2_sp": ["tp=2", "dp=2", "sp=true"],
+    "cp2": ["cp=2"],
+    "moe_tp1": ["model=qwen3_moe", "tp=1"],
+    "moe_tp2_ep2": ["model=qwen3_moe", "tp=2", "ep=2"],
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, list[dict]]:
+    root = tmp_path_factory.mktemp("distill")
+    return {
+        name: recipe(root / name, *STEPS_AT_T2, *overrides, script=SCRIPT)
+        for name, overrides in RUNS.items()
+    } | {"root": root}
+
+
+def agree(got: list[dict], want: list[dict], steps: tuple[int, ...] = (1, 2, 3, 4)) -> float:
+    """The largest difference of the distillation metrics, step by step, relative to the step's
+    loss: the KL of two near-uniform random models is a small difference of large sums (its
+    fp32 rounding alone is ~1e-5 of itself), so each term is held to the loss's scale."""
+    assert [row["step"] for row in got] == [row["step"] for row in want] == list(steps)
+    return max(
+        abs(a[name] - b[name]) / abs(b["loss"])
+        for a, b in zip(got, want, strict=True)
+        for name in NAMES
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "twin"),
+    [("tp2", "tp1"), ("dp2_tp2_sp", "tp1"), ("cp2", "tp1"), ("moe_tp2_ep2", "moe_tp1")],
+)
+def test_each_layout_distils_as_its_tp1_twin(runs, name, twin):
+    assert agree(runs[name], runs[twin]) <= 1e-5
+
+
+def test_the_metrics_are_the_loss_and_its_two_terms(runs):
+    first, last = runs["tp1"][0], runs["tp1"][-1]
+    assert first["loss"] == pytest.approx(
+        0.5 * first["ce_loss"] + 0.5 * 4.0 * first["kd_loss"], rel=1e-6
+    )
+    assert first["kd_loss"] > 0 and last["loss"] < first["loss"]
+
+
+def test_the_student_is_exported(runs):
+    student = AutoModelForCausalLM.from_pretrained(Path(runs["root"]) / "tp1" / "hf")
+    assert student.config.hidden_size == 64  # the student's, not the teacher's 128
+
+
+def test_resume_at_another_tp_equals_the_uninterrupted_run(runs, tmp_path):
+    """Stopped after step 2 at tp=2 (a checkpoint of the student and its optimizer; the teacher
+    is rebuilt from its config), resumed at tp=1: steps 3 and 4 are the uninterrupted run's."""
+    interrupted, steps = tmp_path / "interrupted", STEPS_AT_T2
+    recipe(
+        interrupted, *steps, "tp=2", "checkpoint.every_steps=2", "train.stop_after=2", script=SCRIPT
+    )
+    resumed = recipe(interrupted, *steps, "checkpoint.resume=auto", script=SCRIPT)
+    assert [row["step"] for row in resumed] == [1, 2, 3, 4]
+    assert agree(resumed[2:], runs["tp1"][2:], steps=(3, 4)) <= 1e-5

@@ -1,0 +1,119 @@
+"""``recipes/dpo.py`` through the command line, on the embedded preference pairs and the tiny
+Llama: tp=2, tp=2 with sp and dp=2 × tp=2 equal the tp=1 run step by step within 1e-5 (loss, grad
+norm and every DPO metric), with AdamW and with SGD, and with ``peft=lora`` (the reference: the
+policy's adapters off); the run trains (its reward margins grow), writes DPO's metrics and exports
+the policy; what DPO refuses is one ``error:`` line before any rank starts."""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+from components.training.preference import DPO_METRICS
+from tests import cli
+from tests.e2e.test_recipe_training import REPO, metrics
+
+COMMON = [
+    "train.max_steps=4",
+    "train.global_batch_size=4",
+    "train.micro_batch_size=2",
+    "data.num_examples=64",
+    "checkpoint.export=false",
+]
+SGD = ["optim=sgd", "optim.lr=0.05"]
+LORA = ["peft=lora", "peft.rank=4", "peft.alpha=8.0", "optim.lr=1e-2"]
+LORA += ["peft.target_modules=[lm_head,*_proj]"]  # the head's adapter too, split over the vocab
+RUNS = {
+    "tp1": [],
+    "tp2": ["tp=2", "checkpoint.export=true"],
+    "dp2_tp2_sp": ["tp=2", "dp=2", "sp=true"],
+    "ipo_sgd_tp1": [*SGD, "dpo.loss_type=ipo", "dpo.beta=0.5"],
+    "ipo_sgd_tp2": [*SGD, "dpo.loss_type=ipo", "dpo.beta=0.5", "tp=2"],
+    "lora_tp1": LORA,
+    "lora_tp2_sp": [*LORA, "tp=2", "sp=true"],
+}
+TWINS = {"tp2": "tp1", "dp2_tp2_sp": "tp1", "ipo_sgd_tp2": "ipo_sgd_tp1", "lora_tp2_sp": "lora_tp1"}
+
+
+def dpo(output_dir: Path, *overrides: str, status: int = 0):
+    command = [sys.executable, "recipes/dpo.py", *COMMON, f"output_dir={output_dir}", *overrides]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = cli.run(
+        command, cwd=REPO, capture_output=True, text=True, timeout=300, env=environment
+    )
+    assert result.returncode == status, f"{' '.join(command)}\n{result.stderr[-4000:]}"
+    return result
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("dpo")
+    for name, overrides in RUNS.items():
+        dpo(root / name, *overrides)
+    return {name: root / name for name in RUNS}
+
+
+@pytest.mark.parametrize("name", TWINS)
+def test_each_layout_equals_its_tp1_twin_step_by_step(runs, name):
+    """The loss, grad norm and log-probabilities within 1e-5 relative; the rewards, β × differences
+    of log-probabilities of about -20 that nearly cancel, within 1e-5 of those log-probabilities."""
+    reference = metrics(runs[TWINS[name]])
+    for ours, theirs in zip(metrics(runs[name]), reference, strict=True):
+        scale = abs(theirs["logps/chosen"]) + abs(theirs["logps/rejected"])
+        for key in (*DPO_METRICS, "grad_norm"):
+            within = dict(abs=1e-5 * scale) if key.startswith("rewards/") else dict(rel=1e-5)
+            assert ours[key] == pytest.approx(theirs[key], **within), key
+
+
+def test_dpo_trains_and_exports_the_policy(runs):
+    steps = metrics(runs["tp1"])
+    assert [step["step"] for step in steps] == [1, 2, 3, 4]
+    assert steps[0]["loss"] == pytest.approx(0.6931471805599453, rel=1e-6)  # policy = reference
+    assert steps[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-9)
+    assert steps[-1]["rewards/margins"] > 0 and steps[-1]["loss"] < steps[0]["loss"]
+    for step in steps:
+        assert step["rewards/margins"] == pytest.approx(
+            step["rewards/chosen"] - step["rewards/rejected"], abs=1e-6
+        )
+        assert 0 <= step["rewards/accuracies"] <= 1 and step["logps/chosen"] < 0
+    model = AutoModelForCausalLM.from_pretrained(runs["tp2"] / "hf")
+    assert model.config.model_type == "llama"
+
+
+def test_what_dpo_does_not_run_is_one_error_line_before_any_rank(tmp_path):
+    bad = tmp_path / "pairs.jsonl"
+    bad.write_text(
+        '{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "a", "chosen": "b"}\n'
+    )
+    refused = ["cp=2", "train.packing=true", "dpo.loss_type=ipo", "dpo.label_smoothing=0.1"]
+    lines = dpo(tmp_path / "run", *refused, status=2).stderr.strip().splitlines()
+    assert lines == [
+        "error: dpo.label_smoothing=0.1 applies to dpo.loss_type=sigmoid only: use "
+        "dpo.label_smoothing=0.0 with ipo; cp=2 is not run by dpo.py: an answer's "
+        "log-probability sums its whole sequence, which context parallelism splits: use cp=1; "
+        "train.packing=true is not run by dpo.py: a preference pair's two conversations are rows "
+        "of their own: use train.packing=false"
+    ]
+    data = ["data=jsonl", f"data.path={bad}"]
+    lines = dpo(tmp_path / "run", *data, status=2).stderr.strip().splitlines()
+    assert lines == [
+        f'error: data: {bad} line 2: a preference record needs "chosen" and "rejected" (missing '
+        "rejected; its keys: 'chosen', 'prompt')"
+    ]
+    assert not (tmp_path / "run").exists()  # refused before the folder is claimed
+
+
+def test_resume_at_another_tp_equals_the_uninterrupted_run(runs, tmp_path):
+    """Stopped after step 2 at tp=2 (a checkpoint of the policy and its optimizer; the reference
+    is rebuilt from the starting weights), resumed at tp=1: steps 3 and 4 are the uninterrupted
+    run's."""
+    interrupted = tmp_path / "interrupted"
+    dpo(interrupted, "tp=2", "checkpoint.every_steps=2", "train.stop_after=2")
+    dpo(interrupted, "checkpoint.resume=auto")
+    resumed, uninterrupted = metrics(interrupted), metrics(runs["tp1"])
+    assert [step["step"] for step in resumed] == [1, 2, 3, 4]
+    for ours, theirs in zip(resumed[2:], uninterrupted[2:], strict=True):
+        for key in ("loss", "logps/chosen", "logps/rejected", "grad_norm"):
+            assert ours[key] == pytest.approx(theirs[key], rel=1e-5), key

@@ -1,0 +1,99 @@
+"""Preference records: each a chosen and a rejected conversation whose labels are the answer's
+tokens as SFT labels them, prepared into the cache in pairs that the split and the batches keep
+together; a record without its answers is one line naming it."""
+
+import json
+
+import pytest
+from transformers import AutoTokenizer
+
+from components.data.collate import IGNORE_INDEX, tokenize_example
+from components.data.jsonl import DataError
+from components.data.loader import open_splits
+from components.data.preference import iter_pairs, pair_conversations, preference_problem
+from components.data.sources import EmbeddedPreferenceSource, JsonlSource, preference_source
+from tests.unit.data.test_prepare import prepare, tokenizer_dir  # noqa: F401 - the fixture
+
+EMBEDDED = EmbeddedPreferenceSource(num_examples=30, val_fraction=0.1, seed=3)
+
+
+def test_the_three_record_shapes_make_the_same_two_conversations():
+    user = [{"role": "user", "content": "Add 1 and 2"}]
+    answers = {"chosen": "3", "rejected": "4"}
+    strings = {"prompt": "Add 1 and 2", **answers}
+    turns = {name: [{"role": "assistant", "content": text}] for name, text in answers.items()}
+    implicit = {name: user + turns[name] for name in answers}
+    conversational = {"prompt": user, **turns}
+    expected = pair_conversations(strings)
+    assert expected == (implicit["chosen"], implicit["rejected"])
+    for record in (strings, implicit, conversational):
+        assert preference_problem(record) is None
+        assert pair_conversations(record) == expected
+
+
+@pytest.mark.parametrize(
+    ("record", "says"),
+    [
+        ({"prompt": "a", "response": "b"}, 'needs "chosen" and "rejected" (missing chosen and'),
+        ({"prompt": "a", "chosen": "b"}, "(missing rejected;"),
+        ({"chosen": "b", "rejected": "c"}, 'string "chosen" and "rejected" answers need a'),
+        ({"prompt": "a", "chosen": 3, "rejected": "c"}, '"chosen" must be a string or a'),
+    ],
+)
+def test_a_record_without_its_answers_is_named(record, says):
+    assert says in preference_problem(record)
+
+
+def test_implicit_prompts_must_agree():
+    record = {
+        "chosen": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+        "rejected": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "c"}],
+    }
+    assert "must answer the same messages" in preference_problem(record)
+
+
+def test_the_embedded_pairs_have_a_wrong_answer_rejected():
+    pairs = list(iter_pairs(50, seed=0))
+    assert len(pairs) == 50 and all(p["chosen"] != p["rejected"] for p in pairs)
+    assert pairs == list(iter_pairs(50, seed=0))
+
+
+def test_prepared_pairs_stay_together_and_batch_chosen_then_rejected(tokenizer_dir, tmp_path):  # noqa: F811
+    prepared = prepare(EMBEDDED, tokenizer_dir, tmp_path, seq_len=48)
+    assert prepared.train.pairs and prepared.train.num_rows == 27 and prepared.val.num_rows == 3
+    assert prepared.train.num_examples == 54
+    train, _ = open_splits(prepared.train, prepared.val, 4, 2, dp_size=1, dp_rank=0, seed=0)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    pairs = []
+    for record in iter_pairs(30, seed=3):
+        made = [
+            tokenize_example({"messages": m}, tokenizer, 48) for m in pair_conversations(record)
+        ]
+        pairs.append([(ids, [IGNORE_INDEX, *labels[1:]]) for ids, labels in made])
+    batches = train.batches_for_step(0)
+    labelled = sum(int((b.labels[:, 1:] != IGNORE_INDEX).sum()) for b in batches)
+    assert len(batches) == 2 and train.labels_in_step(0) == labelled
+    for batch in batches:
+        assert batch.input_ids.shape == (4, 48)  # 2 pairs: chosen, chosen, rejected, rejected
+        rows = [
+            (batch.input_ids[row, :n].tolist(), batch.labels[row, :n].tolist())
+            for row, n in enumerate(batch.real_tokens.tolist())
+        ]
+        for pair in range(2):
+            assert [rows[pair], rows[pair + 2]] in pairs
+
+
+def test_a_jsonl_record_without_rejected_is_one_line_naming_it(tokenizer_dir, tmp_path):  # noqa: F811
+    path = tmp_path / "pairs.jsonl"
+    lines = [{"prompt": "a", "chosen": "b", "rejected": "c"}, {"prompt": "a", "chosen": "b"}]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    source = preference_source(JsonlSource(path=str(path), num_examples=None, val_fraction=0.0))
+    with pytest.raises(DataError, match=r"pairs.jsonl line 2: a preference record needs "):
+        prepare(source, tokenizer_dir, tmp_path / "cache")
+
+
+def test_sft_data_is_refused_as_preference_pairs():
+    from components.data.sources import GeneratedSource
+
+    with pytest.raises(DataError, match=r"^data=default is not read as preference pairs: use "):
+        preference_source(GeneratedSource(num_examples=4, val_fraction=0.0, seed=0))

@@ -1,0 +1,90 @@
+"""``recipes/distill.py``'s checks, in process and pure: a teacher whose vocabulary differs from
+the student's (a size given, two folders whose tokenizers differ), a teacher that does not split
+at the layout, and the layouts distillation does not run yet are each refused with their own
+line naming the ``teacher.*`` key or the refused setting; a teacher of the student's tokenizer
+passes."""
+
+from pathlib import Path
+
+import pytest
+
+from components.data import DEFAULT_VOCAB_SIZE, train_tokenizer
+from components.models import tiny_config
+from components.runtime.problems import ConfigError
+from recipes.checks import compose_distill
+from recipes.distill_checks import check_distillation
+from tests.saved_models import save_model
+
+
+def refusals(tmp_path: Path, *overrides: str) -> list[str]:
+    """The lines the checks refuse ``overrides`` with (none: they pass)."""
+    cfg = compose_distill([f"output_dir={tmp_path / 'run'}", *overrides])
+    try:
+        check_distillation(cfg, None, None)
+    except ConfigError as error:
+        return [problem.message for problem in error.problems]
+    return []
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, Path]:
+    """Tiny Llama folders: two of one tokenizer (the teacher wider), one of another tokenizer."""
+    root = tmp_path_factory.mktemp("models")
+    one = train_tokenizer(["hello world", "fine tuning"], DEFAULT_VOCAB_SIZE, root / "one")
+    other = train_tokenizer(["other words", "distillation"], DEFAULT_VOCAB_SIZE, root / "other")
+    made = {}
+    for name, tokenizer, width in (
+        ("student", one, 64),
+        ("teacher", one, 128),
+        ("other", other, 128),
+    ):
+        config = tiny_config("llama", vocab_size=len(tokenizer), hidden_size=width)
+        made[name] = save_model(root / name, config, tokenizer)
+    return made
+
+
+def test_a_teacher_vocabulary_size_other_than_the_students_is_refused(tmp_path):
+    said = refusals(tmp_path, "teacher.config.vocab_size=300")
+    assert said == [
+        "teacher.config.vocab_size=300 must be the student's vocabulary (the tokenizer's, sized in "
+        "preparation): use teacher.config.vocab_size=null (the student's)"
+    ]
+    said = refusals(tmp_path, "model.config.vocab_size=400", "teacher.config.vocab_size=300")
+    assert said == [
+        "teacher.config.vocab_size=300 must be the student's vocabulary (400): use "
+        "teacher.config.vocab_size=null (the student's)"
+    ]
+
+
+def test_a_teacher_folder_of_another_tokenizer_is_refused(tmp_path, folders):
+    student = f"model.pretrained_path={folders['student']}"
+    assert (
+        refusals(
+            tmp_path, "model=pretrained", student, f"teacher.pretrained_path={folders['teacher']}"
+        )
+        == []
+    )
+    said = refusals(
+        tmp_path, "model=pretrained", student, f"teacher.pretrained_path={folders['other']}"
+    )
+    assert len(said) == 1 and said[0].startswith(f"the teacher's vocabulary ({folders['other']}")
+    assert "token by token" in said[0]
+
+
+def test_a_teacher_that_does_not_split_at_the_layout_is_refused_as_the_teachers(tmp_path):
+    said = refusals(
+        tmp_path,
+        "tp=4",
+        "teacher.config.num_attention_heads=4",
+        "teacher.config.num_key_value_heads=2",
+        "teacher.config.head_dim=32",
+    )
+    assert said and all(line.startswith("teacher") for line in said), said
+
+
+def test_the_layouts_distillation_does_not_run_are_refused(tmp_path):
+    said = refusals(tmp_path, "pp=2", "train.global_batch_size=16")
+    assert said == [
+        "pp=2 is not run by distill.py: the teacher has no pipeline stages of its own: use pp=1"
+    ]
+    assert refusals(tmp_path, "dry_run=true")[0].startswith("dry_run=true is not run by")
