@@ -27,7 +27,7 @@ BOUND = {"adamw": 1.0, "adamw8bit": 0.3, "adamw4bit": 0.2, "adamw_bf16": 0.55}
 TP = {"adamw8bit": 4}  # refused with dp > 1 at tp > 1 (components/training/optimizer.py); else 2
 
 
-def _optim(name: str) -> tuple[str, dict]:
+def conf_optim(name: str) -> tuple[str, dict]:
     """conf/optim/NAME.yaml's class and options, as the recipe reads them."""
     import yaml
 
@@ -53,7 +53,7 @@ def state_bytes(rank, world_size, name: str, tp: int) -> tuple[int, float]:
     config = tiny_config("llama", **SIZES)
     spec = spec_for(config, precision=precision)
     model, _ = build_parallel_model(spec, dims, meshes, torch.device("cpu"))
-    target, options = _optim(name)
+    target, options = conf_optim(name)
     optimizer = target_class("optim", target)(list(model.parameters()), **options)
     for parameter in model.parameters():
         parameter.grad = torch.full_like(parameter, 1e-3)
