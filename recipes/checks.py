@@ -31,8 +31,10 @@ from components.runtime.output_dir import unused_folder
 from components.runtime.problems import ConfigError, say
 from components.runtime.world import cpu_threads_per_rank, visible_gpus
 from components.targets import check_target
+from recipes.distill_schema import DistillConfig
+from recipes.dpo_schema import DpoConfig
 from recipes.plan import Checked, degrees, model_choice, model_facts, model_use, workload
-from recipes.schema import Config, DistillConfig, DpoConfig
+from recipes.schema import Config
 from recipes.validate import SchemaError, validate
 
 # Model, data and tokenizer modules (transformers, datasets, DTensor) are imported by the checks

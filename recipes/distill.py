@@ -3,13 +3,12 @@ vocabulary, on the same machinery as fine-tuning: ``python recipes/distill.py tp
 (docs/distillation.md).
 
 ``main`` is ``finetune.py``'s story with distillation's parts: the config composed from
-``conf/distill.yaml`` (``conf/config.yaml``'s groups and keys plus ``teacher.*`` and
-``distill.*``), checked against ``recipes.schema.DistillConfig`` and then the teacher as a model of
-its own (``recipes/distill_checks.py``: its folder or config, its TP plan, its vocabulary against
-the student's), every problem one ``error:`` line before any rank starts; prepared once as
-fine-tuning is, with the teacher's spec; then the ranks. What each rank runs (fine-tuning's set
-up, train and finish, with the frozen teacher and distillation's step) is
-``recipes/distill_rank.py``.
+``conf/distill.yaml`` (``conf/config.yaml``'s groups and keys plus ``teacher.*`` and ``distill.*``),
+checked against ``recipes.distill_schema.DistillConfig`` and then the teacher as a model of its own
+(``recipes/distill_checks.py``: its folder or config, its TP plan, its vocabulary against the
+student's), every problem one ``error:`` line before any rank starts; prepared once as fine-tuning
+is, with the teacher's spec; then the ranks. What each rank runs (fine-tuning's set up, train and
+finish, with the frozen teacher and distillation's step) is ``recipes/distill_rank.py``.
 """
 
 import sys

@@ -20,8 +20,8 @@ from components.problems import Problem
 from components.runtime.output_dir import OutputDirLock
 from components.runtime.problems import ConfigError, say
 from recipes.checks import check
+from recipes.distill_schema import DistillConfig
 from recipes.plan import DistillChecked, DistillPlan, RunPlan, model_choice, model_use
-from recipes.schema import DistillConfig
 
 
 def check_distillation(

@@ -3,7 +3,7 @@ same machinery as fine-tuning: ``python recipes/dpo.py tp=2 dpo.beta=0.1`` (docs
 
 ``main`` is ``finetune.py``'s story with DPO's parts: the config composed from ``conf/dpo.yaml``
 (``conf/config.yaml``'s groups and keys plus ``dpo.*``, the embedded preference pairs by default),
-checked against ``recipes.schema.DpoConfig`` (every problem one ``error:`` line before any rank
+checked against ``recipes.dpo_schema.DpoConfig`` (every problem one ``error:`` line before any rank
 starts), prepared once (the pairs tokenized into the cache, the output folder claimed, the
 checkpoint to resume chosen), then the ranks. What each rank runs (fine-tuning's set up, train and
 finish, with the frozen reference and DPO's step) is ``recipes/dpo_rank.py``.

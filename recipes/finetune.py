@@ -66,10 +66,10 @@ class Recipe:
     @classmethod
     def of(cls, name: str, **own: str) -> Recipe:
         """The recipe ``recipes/<name>.py`` by the project's names: ``conf/<name>.yaml``,
-        ``recipes.checks:compose_<name>``, ``recipes.schema:<Name>Config`` and
+        ``recipes.checks:compose_<name>``, ``recipes.<name>_schema:<Name>Config`` and
         ``recipes.<name>_rank:rank_main``; ``own``: any part of its own instead (its checks)."""
         names = dict(script=f"{name}.py", config=name, compose=f"recipes.checks:compose_{name}")
-        names |= dict(schema=f"recipes.schema:{name.capitalize()}Config")
+        names |= dict(schema=f"recipes.{name}_schema:{name.capitalize()}Config")
         return cls(**names, rank_main=f"recipes.{name}_rank:rank_main", **own)
 
 

@@ -1,0 +1,67 @@
+"""``recipes/distill.py``'s own keys (docs/distillation.md), declared once: the ``teacher`` and
+``distill`` sections, and the config that is fine-tuning's with them and what distillation refuses
+(``recipes/schema.py`` declares the rest).
+"""
+
+from pathlib import Path
+from typing import Annotated, Any, ClassVar
+
+from pydantic import Field
+
+from components.problems import Problem
+from recipes.schema import Config, Section, Text, key, refused_settings
+
+
+class Teacher(Section):
+    """``recipes/distill.py``'s frozen teacher (docs/distillation.md): a Hugging Face folder or
+    Hub id, or a config built with seeded weights as ``model.config`` is; the student's
+    vocabulary, split on the student's meshes by its own TP plan."""
+
+    pretrained_path: Text | None = key(
+        "null (built from teacher.config) or a local Hugging Face model folder or a Hub id",
+        "the teacher's folder or Hub id (null: built from teacher.config)",
+    )
+    # the family teacher.config builds (its TP plan); null: the student's model.family
+    family: Text | None = key("null (the student's model.family) or a model family, e.g. llama")
+    config: dict[str, Any] = key(
+        "a mapping of Hugging Face config keys, e.g. teacher.config.hidden_size=256"
+    )
+
+
+class Distill(Section):
+    """``recipes/distill.py``'s loss: alpha · CE + (1 − alpha) · T² · KL(teacher ‖ student)."""
+
+    # the cross entropy's share of the loss; the KL term has the rest
+    alpha: Annotated[float, Field(ge=0, le=1)] = key(
+        "a number in [0, 1], e.g. distill.alpha=0.5", "the cross entropy's share of the loss"
+    )
+    # T: both models' softmaxes are taken of their logits / T in the KL
+    temperature: Annotated[float, Field(gt=0, allow_inf_nan=False)] = key(
+        "a positive number, e.g. distill.temperature=2.0", "the KL's softmax temperature T"
+    )
+
+
+class DistillConfig(Config):
+    """``recipes/distill.py``'s config: every key of ``finetune.py``'s, the ``teacher`` and the
+    ``distill`` sections."""
+
+    RECIPE: ClassVar[str] = "recipes/distill.py"
+
+    teacher: Teacher
+    distill: Distill
+
+    def option_problems(self, warmup: int, output: Path, device_type: str) -> tuple[list, Any]:
+        """Fine-tuning's, and what ``distill.py`` does not run."""
+        found, fault = super().option_problems(warmup, output, device_type)
+        return found + self.unsupported(), fault
+
+    def unsupported(self) -> list[Problem]:
+        """The settings ``distill.py`` refuses, each one problem naming its key
+        (docs/distillation.md)."""
+        refused = [  # (key, its value, refused, why)
+            ("pp", self.pp, self.pp > 1, "the teacher has no pipeline stages of its own: use pp=1"),
+            ("dry_run", self.dry_run, self.dry_run, "the dry run and the memory model would price "
+             "the student alone, not its teacher: run recipes/finetune.py's dry run for the "
+             "student's layout"),
+        ]  # fmt: skip
+        return refused_settings("distill.py", refused)

@@ -1,0 +1,102 @@
+"""``recipes/dpo.py``'s own keys (docs/dpo.md), declared once: the ``dpo`` section (the loss),
+and the config that is fine-tuning's with it and what DPO refuses (``recipes/schema.py`` declares
+the rest).
+"""
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
+
+from pydantic import Field
+
+from components.problems import Problem, problems, show
+from components.training.options import DPO_LOSS_TYPES
+from recipes.schema import Config, Section, key, one_of, refused_settings
+
+if TYPE_CHECKING:
+    from components.distributed.layout import ParallelDims
+
+
+class Dpo(Section):
+    """``recipes/dpo.py``'s loss (docs/dpo.md): a policy against a frozen reference on preference
+    pairs."""
+
+    # the loss's sharpness: rewards are beta × (policy − reference) answer log-probabilities
+    beta: Annotated[float, Field(gt=0, allow_inf_nan=False)] = key(
+        "a positive number, e.g. dpo.beta=0.1", "DPO's beta: rewards are beta × log-prob ratios"
+    )
+    # sigmoid: DPO's −log σ(β·Δ); ipo: (Δ per answer token − 1/(2β))²
+    loss_type: Literal[DPO_LOSS_TYPES] = key(one_of(DPO_LOSS_TYPES), "sigmoid (DPO) or ipo")
+    # conservative DPO (sigmoid only): the assumed probability that a pair's labels are flipped
+    label_smoothing: Annotated[float, Field(ge=0, lt=0.5)] = key(
+        "a number in [0, 0.5), e.g. dpo.label_smoothing=0.1"
+    )
+
+    def errors(self) -> list[str]:
+        """Settings that do not go together."""
+        if self.loss_type == "ipo" and self.label_smoothing:
+            return [
+                f"dpo.label_smoothing={show(self.label_smoothing)} applies to "
+                "dpo.loss_type=sigmoid only: use dpo.label_smoothing=0.0 with ipo"
+            ]
+        return []
+
+
+class DpoConfig(Config):
+    """``recipes/dpo.py``'s config: every key of ``finetune.py``'s and the ``dpo`` section."""
+
+    RECIPE: ClassVar[str] = "recipes/dpo.py"
+    preference_pairs: ClassVar[bool] = True
+    dpo: Dpo
+
+    def option_problems(self, warmup: int, output: Path, device_type: str) -> tuple[list, Any]:
+        """Fine-tuning's, the ``dpo`` section's, and what ``dpo.py`` does not run."""
+        found, fault = super().option_problems(warmup, output, device_type)
+        return found + problems("dpo", self.dpo.errors()) + self.unsupported(), fault
+
+    def model_errors(self, model_type: str, experts: tuple[str, ...]) -> list[str]:
+        """An MoE model (its router's load-balancing loss and expert counts are not DPO's yet), or
+        one whose head the chunked log-probabilities do not compute."""
+        from components.distributed.chunked_loss import PLAIN_HEAD_FAMILIES  # torch: the checks'
+
+        found = []
+        if experts:
+            found.append(
+                f"model={self.model.name} has experts: dpo.py adds no router load-balancing loss "
+                "and counts no expert load yet: use a dense model"
+            )
+        if model_type not in PLAIN_HEAD_FAMILIES:
+            found.append(
+                f"model={self.model.name} is a {model_type} model: dpo.py computes the answers' "
+                f"log-probabilities from a plain lm_head of {', '.join(PLAIN_HEAD_FAMILIES)}"
+            )
+        return found
+
+    def recipe_decisions(self) -> dict[str, Any]:
+        """No validation: ``dpo.py`` has no validation loss (``unread_keys`` says so)."""
+        return {"val_every": 0}
+
+    def unread_keys(self, dims: "ParallelDims") -> list[str]:
+        """Fine-tuning's, and ``train.val_every``: dpo.py never validates."""
+        unread = super().unread_keys(dims)
+        if self.train.val_every:
+            unread.append(
+                f"train.val_every={self.train.val_every} is not read by dpo.py: it has no "
+                "validation loss yet"
+            )
+        return unread
+
+    def unsupported(self) -> list[Problem]:
+        """The settings ``dpo.py`` refuses, each one problem naming its key (docs/dpo.md)."""
+        train, peft = self.train, self.peft
+        refused = [  # (key, its value, refused, why)
+            ("cp", self.cp, self.cp > 1, "an answer's log-probability sums its whole sequence, "
+             "which context parallelism splits: use cp=1"),
+            ("pp", self.pp, self.pp > 1, "no pipeline schedule runs DPO's two forwards: use pp=1"),
+            ("train.packing", train.packing, train.packing, "a preference pair's two "
+             "conversations are rows of their own: use train.packing=false"),
+            ("peft.experts", peft.experts, bool(peft.experts), "adapters on experts cannot be "
+             "switched off for the reference: use peft.experts=false"),
+            ("dry_run", self.dry_run, self.dry_run, "the dry run does not price dpo.py's "
+             "reference model: run without dry_run=true"),
+        ]  # fmt: skip
+        return refused_settings("dpo.py", refused)
