@@ -9,101 +9,24 @@ The effects follow in ``recipes/prepare.py``, once.
 
 from __future__ import annotations  # the annotations name classes imported only when needed
 
-import difflib
-import functools
 import os
 from pathlib import Path
 
-import torch
-from hydra import compose as hydra_compose
-from hydra import initialize_config_dir
-from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
 from components.distributed.layout import LayoutError, ParallelDims
-from components.models.configs import config_errors
 from components.problems import Problem, problems
-from components.runtime.cli import compose_config, dotted_keys
 from components.runtime.launch import started_by_launcher
 from components.runtime.launch_checks import gpu_count_problems, torchrun_unread_keys
 from components.runtime.output_dir import unused_folder
 from components.runtime.problems import ConfigError, say
 from components.runtime.world import cpu_threads_per_rank, visible_gpus
-from components.targets import check_target
-from recipes.distill_schema import DistillConfig
-from recipes.dpo_schema import DpoConfig
+from recipes.compose import validated
 from recipes.plan import Checked, degrees, model_choice, model_facts, model_use, workload
 from recipes.schema import Config
-from recipes.validate import SchemaError, validate
 
 # Model, data and tokenizer modules (transformers, datasets, DTensor) are imported by the checks
 # that use them: a mistyped key or a bad value is refused in about the time of `import torch`.
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
-
-
-def compose(overrides: list[str]) -> DictConfig:
-    """The recipe's config composed from ``overrides`` (``conf/``), or one ``error:`` line."""
-    return compose_config(CONF_DIR, overrides, advise=_append_advice)
-
-
-def compose_dpo(overrides: list[str]) -> DictConfig:
-    """``recipes/dpo.py``'s config (``conf/dpo.yaml``) composed from ``overrides``."""
-    advise = functools.partial(_append_advice, name="dpo", schema=DpoConfig)
-    return compose_config(CONF_DIR, overrides, advise=advise, name="dpo")
-
-
-def compose_distill(overrides: list[str]) -> DictConfig:
-    """``recipes/distill.py``'s config (``conf/distill.yaml``) composed from ``overrides``."""
-    advise = functools.partial(_append_advice, name="distill", schema=DistillConfig)
-    return compose_config(CONF_DIR, overrides, advise=advise, name="distill")
-
-
-def _append_advice(
-    key: str, overrides: list[str], message: str, name: str = "config", schema=Config
-) -> str | None:
-    """For Hydra's "Could not override 'train.max_stpes'. To append to your config use
-    +train.max_stpes=5": None (Hydra's advice stands) when that ``+`` override then passes the
-    checks; else what it would be refused with, and the known key of the closest name. ``key``
-    is Hydra's: the first unknown part of the override's key (``trian`` of trian.max_steps=3)."""
-    names = [override.partition("=")[0] for override in overrides]
-    given = [name == key or name.startswith(f"{key}.") for name in names]
-    full = next((name for name, is_key in zip(names, given, strict=True) if is_key), key)
-    appended = [f"+{o}" if is_key else o for o, is_key in zip(overrides, given, strict=True)]
-    rest = [o for o, is_key in zip(overrides, given, strict=True) if not is_key]
-    try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            appended_config = hydra_compose(config_name=name, overrides=appended)
-            settings, refused = _validated(appended_config, schema)
-            known = dotted_keys(OmegaConf.to_container(hydra_compose(name, overrides=rest)))
-    except (HydraException, OmegaConfBaseException):
-        return None  # Hydra would refuse the + too: its own words
-    refused = refused or _open_group_problems(settings)
-    named = dict.fromkeys([full, key])  # the checks name the key, or its unknown section
-    why = [problem.message for name in named for problem in refused if name in problem.message]
-    if not why:
-        return None
-    close = difflib.get_close_matches(full, known, n=1, cutoff=0.75)
-    meant = f"; did you mean {close[0]}?" if close else ""
-    refusal = why[0].splitlines()[0]
-    return f"Could not override '{full}', and +{full} is refused too: {refusal}{meant}"
-
-
-def _open_group_problems(settings: Config) -> list[Problem]:
-    """The keys of the groups the schema leaves open (an optimizer's or logger's options, a model
-    family's config), as their own checks judge them."""
-    optim, logger, model = settings.optim, settings.logger, settings.model
-    fixed = {"output_dir", "first_step"}
-    found = problems(
-        "optim",
-        check_target("optim", optim.target, optim.options(), torch.optim.Optimizer, {"params"}),
-    )
-    found += problems(
-        "logger", check_target("logger", logger.target, logger.options(), object, fixed)
-    )
-    if model.pretrained_path is None and model.source is None:
-        found += problems("model.config", config_errors(model.family, model.config))
-    return found
 
 
 def check_sizes(
@@ -147,7 +70,7 @@ def check(
     out; nothing is written, tokenized or trained, and ``cfg`` is left as it was. ``output_dir`` is
     a sweep job's folder; ``hydra_run_dir`` the run dir Hydra was given; ``schema`` the recipe's
     (``Config``, ``DpoConfig``)."""
-    settings, found = _validated(cfg, schema)
+    settings, found = validated(cfg, schema)
     _refuse(found)
     from components.data.checks import checked_source  # after the schema: a bad key is fast
     from components.debug.faults import fault_layout_errors
@@ -258,16 +181,6 @@ def _notes(settings: Config, dims: ParallelDims, output: Path, per_run: bool, wa
         say(f"note: {cut}")
     for unread in unread_keys(settings, dims):
         say(f"note: {unread}")
-
-
-def _validated(
-    cfg: DictConfig, schema: type[Config] = Config
-) -> tuple[Config | None, list[Problem]]:
-    """The schema's reading of the composed config: interpolations, types, ranges, known keys."""
-    try:
-        return validate(cfg, schema), []
-    except SchemaError as error:
-        return None, [Problem(key="config", message=str(error))]
 
 
 def _refuse(found: list[Problem]) -> None:

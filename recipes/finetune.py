@@ -66,9 +66,9 @@ class Recipe:
     @classmethod
     def of(cls, name: str, **own: str) -> Recipe:
         """The recipe ``recipes/<name>.py`` by the project's names: ``conf/<name>.yaml``,
-        ``recipes.checks:compose_<name>``, ``recipes.<name>_schema:<Name>Config`` and
+        ``recipes.compose:compose_<name>``, ``recipes.<name>_schema:<Name>Config`` and
         ``recipes.<name>_rank:rank_main``; ``own``: any part of its own instead (its checks)."""
-        names = dict(script=f"{name}.py", config=name, compose=f"recipes.checks:compose_{name}")
+        names = dict(script=f"{name}.py", config=name, compose=f"recipes.compose:compose_{name}")
         names |= dict(schema=f"recipes.{name}_schema:{name.capitalize()}Config")
         return cls(**names, rank_main=f"recipes.{name}_rank:rank_main", **own)
 
@@ -76,7 +76,7 @@ class Recipe:
 FINETUNE = Recipe(
     script="finetune.py",
     config="config",
-    compose="recipes.checks:compose",
+    compose="recipes.compose:compose",
     schema="recipes.schema:Config",
     rank_main="recipes.finetune_rank:rank_main",
 )

@@ -395,14 +395,27 @@ def _run_script(script: str, module: bool = False) -> int:
     return code
 
 
-def _serve(address: str) -> None:
+def _preload_recipes() -> None:
+    """What the recipes' launches import before they fork: their functions' imports and the parts
+    each names (its composition, schema, checks, preparation and rank story)."""
     import importlib
+
+    from components.runtime.cli import named
+    from components.runtime.preload import preload
+    from recipes.distill import DISTILL
+    from recipes.dpo import DPO
+    from recipes.finetune import FINETUNE
 
     for name in PRELOAD:
         importlib.import_module(name)
-    from components.runtime.preload import preload  # what the launcher imports before it forks
-
     preload(REPO / "recipes" / "finetune.py")
+    for recipe in (FINETUNE, DPO, DISTILL):
+        for part in (recipe.compose, recipe.schema, recipe.check, recipe.prepare, recipe.rank_main):
+            named(part)
+
+
+def _serve(address: str) -> None:
+    _preload_recipes()
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(address)
     server.listen(16)

@@ -445,7 +445,8 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 CHECKS_ONLY = """
 import contextlib, io, json, sys
 from components.runtime.problems import ConfigError, fail
-from recipes.checks import check, compose
+from recipes.checks import check
+from recipes.compose import compose
 from recipes.prepare import prepare
 
 results = {}

@@ -80,7 +80,8 @@ def test_smollm2_starts_from_a_pretrained_loss(tp, tmp_path):
 def test_the_checks_leave_the_conversion_to_the_preparation(tmp_path, monkeypatch):
     """The checks have no effect: SmolLM2 not yet converted under ``cache_dir`` is left to the
     preparation (which converts, then checks the folder), and nothing is written while checking."""
-    from recipes.checks import check, compose
+    from recipes.checks import check
+    from recipes.compose import compose
 
     monkeypatch.setenv("SHARDTUNE_CACHE", str(tmp_path / "default-cache"))
     overrides = ["model=smollm2", f"cache_dir={tmp_path / 'chosen'}", f"output_dir={tmp_path}/out"]

@@ -15,7 +15,8 @@ from components.distributed.layout import (
 )
 from components.planning.dry_run import _candidates
 from components.planning.memory_model import Layout
-from recipes.checks import check_sizes, compose
+from recipes.checks import check_sizes
+from recipes.compose import compose
 from recipes.plan import workload
 from recipes.validate import validate
 

@@ -3,7 +3,7 @@ passes the checks; otherwise the error line says why it would be refused and the
 
 import pytest
 
-from recipes.checks import compose
+from recipes.compose import compose
 
 
 def error_of(overrides, capsys) -> str:

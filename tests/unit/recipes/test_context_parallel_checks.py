@@ -7,7 +7,8 @@ from transformers import BartConfig, BltConfig, GPTJConfig, LlamaConfig
 from components.distributed.context_parallel import CpLayout, CpShard, attention_problems, running
 from components.distributed.layout import resolve_parallel_dims
 from components.models.load import sequence_problems
-from recipes.checks import check_sizes, compose
+from recipes.checks import check_sizes
+from recipes.compose import compose
 from recipes.validate import SchemaError, validate
 
 

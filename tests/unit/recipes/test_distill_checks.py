@@ -11,7 +11,7 @@ import pytest
 from components.data import DEFAULT_VOCAB_SIZE, train_tokenizer
 from components.models import tiny_config
 from components.runtime.problems import ConfigError
-from recipes.checks import compose_distill
+from recipes.compose import compose_distill
 from recipes.distill_checks import check_distillation
 from tests.saved_models import save_model
 

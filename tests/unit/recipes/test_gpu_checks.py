@@ -5,7 +5,8 @@ import pytest
 
 import components.runtime.world as world
 from components.debug.faults import fault_backend_errors, parse_fault
-from recipes.checks import check_sizes, compose
+from recipes.checks import check_sizes
+from recipes.compose import compose
 from recipes.validate import validate
 
 

@@ -3,7 +3,7 @@ line each, each a key the composed config has, declared once in the schema (``co
 
 from omegaconf import OmegaConf
 
-from recipes.checks import CONF_DIR, compose
+from recipes.compose import CONF_DIR, compose
 from recipes.help import common_keys, page
 from recipes.schema import Config
 

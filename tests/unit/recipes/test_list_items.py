@@ -3,7 +3,7 @@ item were the key's whole value (``profile.steps=0`` for ``profile.steps=[0,1]``
 
 import pytest
 
-from recipes.checks import compose
+from recipes.compose import compose
 from recipes.validate import SchemaError, validate
 
 STEPS_HINT = "use null (off) or [FIRST, LAST], 1-based steps of the run, e.g. profile.steps=[2,3]"

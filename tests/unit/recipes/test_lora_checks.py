@@ -5,7 +5,7 @@ from components.models import meta_causal_lm, tiny_config
 from components.models.checks import LoraTargets, lora_problems
 from components.models.families import FAMILIES
 from components.models.lora import PROJECTIONS, LoRAExperts
-from recipes.checks import compose
+from recipes.compose import compose
 from recipes.outputs import peft_info
 from recipes.validate import validate
 

@@ -5,7 +5,8 @@ import pytest
 
 from components.models import tiny_config
 from components.models.checks import stage_problems
-from recipes.checks import check_sizes, compose, layout_model_problems
+from recipes.checks import check_sizes, layout_model_problems
+from recipes.compose import compose
 from recipes.validate import validate
 
 FITS = ["pp=2", "train.val_every=0"]

@@ -5,7 +5,8 @@ and a note says so."""
 import pytest
 
 from components.distributed.layout import resolve_parallel_dims
-from recipes.checks import compose, restart_problems, unread_keys
+from recipes.checks import restart_problems, unread_keys
+from recipes.compose import compose
 from recipes.validate import validate
 
 TORCHRUN = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}

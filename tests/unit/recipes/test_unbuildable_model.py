@@ -6,7 +6,7 @@ import json
 
 from components.distributed.layout import ParallelDims
 from components.models.checks import check_model
-from recipes.checks import compose
+from recipes.compose import compose
 from recipes.plan import model_choice, model_use
 from recipes.validate import validate
 

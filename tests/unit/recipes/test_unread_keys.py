@@ -3,7 +3,8 @@
 import pytest
 
 from components.distributed.layout import resolve_parallel_dims
-from recipes.checks import compose, unread_keys
+from recipes.checks import unread_keys
+from recipes.compose import compose
 from recipes.validate import validate
 
 TORCHRUN = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}

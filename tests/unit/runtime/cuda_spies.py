@@ -57,7 +57,7 @@ def main(overrides: list[str]) -> None:
 
     launch.elastic_launch = launching
     multiprocessing.process.BaseProcess.start = fork
-    from recipes.checks import compose
+    from recipes.compose import compose
     from recipes.finetune import run
 
     run(compose(overrides), None, None)
