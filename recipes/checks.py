@@ -92,6 +92,7 @@ def check(
     found += restart_problems(settings)
     dims, size_problems = check_sizes(settings, device_type, gpus)
     size_problems += problems("debug.fault", fault_layout_errors(fault, dims.tp)) if dims else []
+    size_problems += optim_layout_problems(settings, dims) if dims else []
     resume = explicit_checkpoint_errors(settings.checkpoint.resume)
     checked = model_problems(settings, dims, device_type)
     data = settings.data.model_dump(by_alias=True)
@@ -117,6 +118,16 @@ def check(
         fault=fault,
         config_yaml=_config_yaml(cfg, output),
     )
+
+
+def optim_layout_problems(settings: Config, dims: ParallelDims) -> list[Problem]:
+    """What the optimizer's class cannot run at this layout or precision
+    (``components/training/optimizer.py``)."""
+    from components.training.optimizer import optimizer_layout_errors, optimizer_precision_errors
+
+    target = settings.optim.target
+    errors = optimizer_layout_errors(target, dims.tp, dims.data_parallel)
+    return problems("optim", errors + optimizer_precision_errors(target, settings.train.precision))
 
 
 def restart_problems(settings: Config) -> list[Problem]:

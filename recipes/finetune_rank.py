@@ -182,7 +182,7 @@ def train_step(
             f"step {step + 1}: grad norm is {norm}; stopped before the update "
             "(train.on_nonfinite=skip skips it)"
         )
-    lr = run.state.schedule.get_last_lr()[0]
+    lr = float(run.state.schedule.get_last_lr()[0])  # torchao's optimizers: a host tensor
     if finite:
         run.state.optimizer.step()
     run.state.schedule.step()

@@ -109,6 +109,25 @@ class Train(Section):
         "0 or null (the whole micro-batch's logits at once) or a positive number of tokens, "
         "e.g. train.loss_chunk_tokens=1024"
     )
+    cpu_offload: bool = key(
+        "true or false",
+        "parameters, gradients and optimizer state in host memory (FSDP2's offload policy)",
+    )
+
+    def offload_errors(self, device_type: str) -> list[str]:
+        """``cpu_offload`` where it cannot run: on the CPU there is no device memory to spare; on
+        CUDA FSDP2's ``CPUOffloadPolicy`` is not wired into the model yet (issue 47)."""
+        if not self.cpu_offload:
+            return []
+        if device_type != "cuda":
+            return [
+                "train.cpu_offload=true needs CUDA: on the CPU the parameters, gradients and "
+                "optimizer state are in host memory already; remove it"
+            ]
+        return [
+            "train.cpu_offload=true is not supported yet: FSDP2's CPUOffloadPolicy is not wired "
+            "into the model on CUDA (issue 47); remove it, or plan the lever with dry_run=true"
+        ]
 
 
 class Checkpoint(Section):
@@ -413,6 +432,7 @@ class Config(Section):
 
         max_steps = self.train.max_steps
         found = problems("optim", self.optim.errors())
+        found += problems("train.cpu_offload", self.train.offload_errors(device_type))
         found += problems("logger", self.logger.errors(output))
         found += problems("schedule", self.schedule.errors(warmup, max_steps))
         try:

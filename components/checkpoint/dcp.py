@@ -253,6 +253,18 @@ def _apply_settings(optimizer: torch.optim.Optimizer, settings: list[dict[str, A
         group.update({k: v for k, v in setting.items() if k != "params"})
 
 
+def _numbers(state: Any) -> Any:
+    """``state`` with each one-value tensor as its number: torchao's optimizers keep their learning
+    rates as host tensors, which the schedule's state and the settings then hold too."""
+    if isinstance(state, torch.Tensor) and state.numel() == 1:
+        return state.item()
+    if isinstance(state, dict):
+        return {key: _numbers(value) for key, value in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(_numbers(value) for value in state)
+    return state
+
+
 def _trainer_state_text(step, optimizer, scheduler, extra, world_size, run_id, run_info) -> str:
     stateless = not optimizer.state
     return dumps_state(
@@ -262,11 +274,11 @@ def _trainer_state_text(step, optimizer, scheduler, extra, world_size, run_id, r
             "world_size": world_size,
             "run_id": run_id,
             "run_info": dict(run_info or {}),
-            "scheduler": None if scheduler is None else scheduler.state_dict(),
+            "scheduler": None if scheduler is None else _numbers(scheduler.state_dict()),
             "extra": dict(extra or {}),
             # Without per-parameter state, the optimizer is only its settings (lr, ...): tiny, and
             # without parameter indices, which differ between pipeline stages and layouts.
-            "optimizer": {"param_groups": _settings(optimizer)} if stateless else None,
+            "optimizer": {"param_groups": _numbers(_settings(optimizer))} if stateless else None,
         }
     )
 
@@ -466,6 +478,9 @@ def _continue_schedule(scheduler: LRScheduler, saved: dict[str, Any]) -> None:
     schedule = zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)
     rates = [base * factor(step) for base, factor in schedule]
     for group, rate in zip(scheduler.optimizer.param_groups, rates, strict=True):
-        group["lr"] = rate
+        if isinstance(group["lr"], torch.Tensor):  # torchao's optimizers step with a tensor lr
+            group["lr"].fill_(rate)
+        else:
+            group["lr"] = rate
     scheduler.last_epoch, scheduler._step_count = step, saved["_step_count"]
     scheduler._last_lr = rates

@@ -39,6 +39,7 @@ from components.planning.memory_model import (
     Stage,
     Step,
     estimate_memory,
+    optimizer_state_bits,
 )
 from components.planning.memory_model import optimizer_moments as moments_of
 from components.planning.pipeline_schedule import bubble, grads_held, in_flight
@@ -186,10 +187,34 @@ def _suggest(plan, step: Step, layout: Layout, memory_gib: float) -> tuple[dict 
     return None, tried
 
 
+# The optimizer-state levers (conf/optim/): bits per moment value and values per scale; adamw8bit
+# is refused with TP and FSDP at once (components/training/optimizer.py)
+_STATE_LEVERS = {"optim=adamw8bit": (8, 256), "optim=adamw4bit": (4, 128)}
+
+
+def _state_levers(plan, step: Step, layout: Layout) -> list[dict]:
+    """AdamW's state in 8 or 4 bits, each planned again at this layout: the memory per rank each
+    gives (none for another optimizer, or one already quantized)."""
+    if (
+        step.optimizer_moments != 2
+        or step.optimizer_bits
+        or plan.optim.target != "torch.optim.AdamW"
+    ):
+        return []
+    dims, levers = layout.dims, []
+    for words, (bits, block) in _STATE_LEVERS.items():
+        if bits == 8 and dims.tp > 1 and dims.data_parallel > 1:
+            continue
+        lowered = replace(step, optimizer_bits=bits, optimizer_block=block)
+        levers.append({"change": words, "total_gib": plan_layout(plan, lowered, layout).total})
+    return levers
+
+
 def _step(plan) -> Step:
     """The priced step: the run's workload, its widest micro-batch, precision and optimizer."""
     train, work = plan.train, plan.workload
     runtime = current_memory_gib("cpu") if plan.device_type == "cpu" else 0.0
+    bits, block = optimizer_state_bits(plan.optim.target, plan.optim.options())
     return Step(
         seq_len=widest_batch(plan.data.train, plan.pad_multiple),
         global_batch_size=work.global_batch_size,
@@ -199,6 +224,8 @@ def _step(plan) -> Step:
         fp8_recipe=train.fp8_recipe,
         sequence_parallel=plan.model.sequence_parallel,
         optimizer_moments=moments_of(plan.optim.target, plan.optim.options()),
+        optimizer_bits=bits,
+        optimizer_block=block,
         device_type=plan.device_type,
         runtime_gib=runtime,
         loss_chunk_tokens=train.loss_chunk_tokens,
@@ -228,6 +255,7 @@ def dry_run(plan, fail: Callable[[str], NoReturn]) -> dict:
             fail(f"dry run: the model cannot be built for this layout: {error}")
         fits = None if memory is None else estimate.total <= memory
         suggestion, tried = _suggest(plan, step, layout, memory) if fits is False else (None, [])
+        levers = _state_levers(plan, step, layout) if fits is False and not stages else []
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -247,6 +275,7 @@ def dry_run(plan, fail: Callable[[str], NoReturn]) -> dict:
         "fits": fits,
         "suggestion": suggestion,
         "tried": tried,
+        "optimizer_levers": levers,
     }
     _write(plan.output_dir, result)
     return result
@@ -329,6 +358,9 @@ def format_plan(result: dict) -> str:
         )
     else:
         lines.append(f"does not fit in {memory:g} GiB per device, and no change tried fits")
+    for lever in result["optimizer_levers"]:
+        fits_too = "fits" if lever["total_gib"] <= memory else "does not fit"
+        lines.append(f"  {lever['change']}: {lever['total_gib']:.2f} GiB per rank ({fits_too})")
     return "\n".join(lines)
 
 

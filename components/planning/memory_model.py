@@ -49,6 +49,10 @@ class Step:
     precision: str  # fp32 | bf16-mixed | bf16 | fp8
     sequence_parallel: bool
     optimizer_moments: int  # 2 for Adam(W), 1 for SGD with momentum, 0 without
+    # torchao's AdamW8bit / AdamW4bit: bits per moment value, values per fp32 scale; 0: the
+    # parameter's dtype (torch's optimizers; torchao's _AdamW, bf16 with bf16 parameters)
+    optimizer_bits: int = 0
+    optimizer_block: int = 0
     device_type: str  # cuda | cpu: AdamW's temporaries, the runtime
     runtime_gib: float  # the process itself (CPU), 0 on CUDA
     loss_chunk_tokens: int  # train.loss_chunk_tokens: tokens per head + loss chunk; 0: unchunked
@@ -100,6 +104,26 @@ def optimizer_moments(target: str, options: dict) -> int:
     return 1 if name in ("adagrad", "rmsprop", "adafactor") else 2  # Adam, AdamW, ... : two moments
 
 
+QUANTIZED_STATE = {"AdamW8bit": 8, "AdamW4bit": 4}  # torchao.optim's classes: bits per value
+QUANTIZED_MIN_NUMEL = 4096  # torchao (as bitsandbytes) quantizes a shard this large or larger
+
+
+def optimizer_state_bits(target: str, options: dict) -> tuple[int, int]:
+    """(bits per moment value, values per scale) of the optimizer class ``target`` (a dotted
+    path): torchao's low-bit AdamW's, or (0, 0) for a moment in the parameter's dtype."""
+    bits = QUANTIZED_STATE.get(target.rpartition(".")[2], 0)
+    return (bits, options["block_size"]) if bits else (0, 0)
+
+
+def moment_bytes(local: torch.Tensor, bits: int, block: int) -> int:
+    """Bytes of one optimizer moment of the local shard ``local``: quantized (codes, an fp32 scale
+    per ``block`` values, the fp32 code table) when torchao quantizes it, a tensor like it else."""
+    numel = local.numel()
+    if not bits or numel < QUANTIZED_MIN_NUMEL or numel % block:
+        return numel * local.element_size()
+    return numel * bits // 8 + numel // block * 4 + 2**bits * 4
+
+
 def _data_parallel(layout: Layout) -> int:
     """The ranks the weights are data parallel over (FSDP is on above 1): dp × cp (the cp ranks
     hold the same weights)."""
@@ -130,7 +154,7 @@ def _tp_replicated(parameter: torch.Tensor) -> bool:
     return not parameter.placements[names.index("tp")].is_shard()
 
 
-def _state(model: nn.Module, layout: Layout) -> dict[str, float]:
+def _state(model: nn.Module, layout: Layout, step: Step) -> dict[str, float]:
     """Bytes of the local shards: all of them, one decoder layer's (unsharded over dp: its numel),
     the matmul weights (autocast copies) and ``lm_head``'s; and of the trained ones alone (a frozen
     base has no gradients and no optimizer state): all, one layer's, the TP-replicated ones (the
@@ -155,6 +179,9 @@ def _state(model: nn.Module, layout: Layout) -> dict[str, float]:
     return {
         "bytes": total,
         "grad_bytes": sum(t.numel() * t.element_size() for _, t in trained),
+        "moment_bytes": sum(
+            moment_bytes(t, step.optimizer_bits, step.optimizer_block) for _, t in trained
+        ),
         "element": element,
         "layer_grad_bytes": layer_trained * element,
         "layer_numel": layer * _sharding(layout),  # FSDP all-gathers a layer over its shards
@@ -365,12 +392,12 @@ def estimate_memory(
     """Per-rank memory of a training step of ``model``, the parallel meta model of ``layout``:
     the whole model, or with ``stage`` one pipeline rank's."""
     stage = stage or whole_model(config)
-    state = _state(model, layout)
+    state = _state(model, layout, step)
     state["layers"], state["chunks_head"] = len(stage.layers), chunks_head(model)
     fp8 = step.precision == "fp8"
     state |= _fp8_numel(model, layout) if fp8 else dict.fromkeys(_FP8_KEYS, 0)
     params, grads = state["bytes"], state["grad_bytes"]  # grads: of the trained parameters
-    optimizer = grads * step.optimizer_moments
+    optimizer = state["moment_bytes"] * step.optimizer_moments
     act = _activations(config, layout, step, stage)
     for name in ("layers", "stage_output", "embedding_and_norm", "attention_mask"):
         act[name] *= stage.in_flight

@@ -30,3 +30,28 @@ def check_optimizer(target: str, options: Mapping[str, Any]) -> list[str]:
         shown = " ".join(f"optim.{key}={value}" for key, value in sorted(options.items()))
         return [f"{target} refuses {shown}: {error}; change that option"]
     return []
+
+
+def optimizer_layout_errors(target: str, tp: int, data_parallel: int) -> list[str]:
+    """What ``optim``'s class cannot run at this layout: torchao 0.18's ``AdamW8bit`` fails in its
+    compiled step (a shape assertion) on parameters sharded by both TP and FSDP, measured here at
+    tp=2 dp=2; at tp or dp alone it runs."""
+    if target.rpartition(".")[2] != "AdamW8bit" or tp == 1 or data_parallel == 1:
+        return []
+    return [
+        f"{target} at tp={tp} with dp={data_parallel} (FSDP over TP shards): torchao 0.18's "
+        "8-bit state fails in its compiled step on such parameters; use tp or dp alone, or "
+        "optim=adamw4bit"
+    ]
+
+
+def optimizer_precision_errors(target: str, precision: str) -> list[str]:
+    """torchao's ``_AdamW`` (``optim=adamw_bf16``) keeps its moments in the parameters' dtype: bf16
+    with ``train.precision=bf16`` only; in another precision it would be AdamW in fp32, not what
+    was asked."""
+    if target.rpartition(".")[2] != "_AdamW" or precision == "bf16":
+        return []
+    return [
+        f"{target} keeps its state in the parameters' dtype, bf16 with train.precision=bf16 only "
+        f"(got train.precision={precision}): add train.precision=bf16"
+    ]

@@ -348,6 +348,21 @@ CASES: dict[str, tuple[list[str], str]] = {
         ["train.precision=fp8", "tp=4", "nproc=4"],
         "model.layers.0.self_attn.k_proj has out_features=32 (8 per rank at tp=4), and 3 more",
     ),
+    "8-bit AdamW over FSDP and TP at once": (
+        ["optim=adamw8bit", "tp=2", "dp=2"],
+        "torchao.optim.AdamW8bit at tp=2 with dp=2 (FSDP over TP shards): torchao 0.18's 8-bit "
+        "state fails in its compiled step",
+    ),
+    "bf16 AdamW states on fp32 parameters": (
+        ["optim=adamw_bf16"],
+        "torchao.optim._AdamW keeps its state in the parameters' dtype, bf16 with "
+        "train.precision=bf16 only (got train.precision=fp32)",
+    ),
+    "CPU offload on the CPU": (
+        ["train.cpu_offload=true"],
+        "train.cpu_offload=true needs CUDA: on the CPU the parameters, gradients and optimizer "
+        "state are in host memory already",
+    ),
     "several problems at once": (
         ["tp=two", "optim.lr=0", "train.micro_batch_size=0"],
         "tp='two' is not valid: use a positive integer, e.g. tp=2; train.micro_batch_size=0 is "

@@ -1,8 +1,9 @@
 """``dry_run=true`` through the real command line: a Llama-3-70B layout of 64 ranks planned on this
 machine (every check, the parallel model built on the meta device over fake ranks), its plan.json
-against the arithmetic, a layout that does not fit given a change that fits when planned again,
-a Llama-3.1-405B shape at pp=8 × tp=8 × dp=16 (1,024 ranks) planned per pipeline stage, and a cp=2
-plan against the measured peak of the same run.
+against the arithmetic, a layout that does not fit given a change that fits when planned again
+(and the optimizer-state lever's memory per rank, as planning with it gives), a Llama-3.1-405B
+shape at pp=8 × tp=8 × dp=16 (1,024 ranks) planned per pipeline stage, and a cp=2 plan against
+the measured peak of the same run.
 
 The child's peak RSS is read with ``os.wait4`` (that child's own rusage), not wall-clock time."""
 
@@ -115,6 +116,17 @@ def test_a_layout_that_does_not_fit_gets_the_smallest_change_and_that_change_fit
     planned = plan["suggestion"]["total_gib"] - plan["per_rank_gib"]["runtime"]
     replanned = again["per_rank_gib"]["total"] - again["per_rank_gib"]["runtime"]
     assert replanned == pytest.approx(planned, rel=1e-9)
+    # the optimizer-state lever (8-bit is refused at tp and dp together): less per rank, and what
+    # planning with it gives
+    [lever] = plan["optimizer_levers"]
+    assert lever["change"] == "optim=adamw4bit"
+    assert lever["total_gib"] < plan["per_rank_gib"]["total"]
+    assert f"  optim=adamw4bit: {lever['total_gib']:.2f} GiB per rank" in stdout
+    quantized, _, _ = dry_run(tmp_path / "quantized", *tight, "optim=adamw4bit")
+    replanned = quantized["per_rank_gib"]["total"] - quantized["per_rank_gib"]["runtime"]
+    assert replanned == pytest.approx(
+        lever["total_gib"] - plan["per_rank_gib"]["runtime"], rel=1e-9
+    )
 
 
 def test_llama_3_1_405b_at_pp8_tp8_dp16_is_planned_per_pipeline_stage(tmp_path):
