@@ -279,7 +279,7 @@ def test_a_rank_that_raises_is_named_with_its_error_and_traceback():
         result.stderr
     )
     assert (
-        'File "<string>", line 13, in work' in result.stderr
+        'File "<string>", line 14, in work' in result.stderr
     )  # the rank's traceback, above the line
     assert (
         "ChildFailedError" not in result.stderr and "=====" not in result.stderr
