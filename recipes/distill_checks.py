@@ -34,13 +34,14 @@ def check_distillation(
     distillation does not run: ``DistillConfig.unsupported``), then the teacher
     (``components.models.checks``)."""
     checked = check(cfg, job_dir, hydra_run_dir, schema)
-    from components.models.checks import CheckedModel, check_teacher  # once the schema passed
+    from components.models.checks import CheckedModel, awaits_fetch, check_teacher  # schema passed
 
     settings, dims = checked.settings, checked.dims
     student = CheckedModel(path=checked.model_path, config=checked.model_config)
-    if found := teacher_family_problems(settings):
-        raise ConfigError(found)  # the teacher cannot be built to be checked
     choice = teacher_choice(settings)
+    unfetched = {"model": checked.model_awaits_fetch, "teacher": awaits_fetch(choice)}
+    if found := teacher_family_problems(settings) + unfetched_problems(unfetched):
+        raise ConfigError(found)  # the teacher cannot be built, or checked against the student
     use = replace(model_use(settings, checked.device_type), lora=None, peft_lora=False)
     built_vocab = settings.model.config.get("vocab_size")  # a built student's; null: tokenizer's
     teacher = check_teacher(choice, use, dims, student, built_vocab)
@@ -74,6 +75,23 @@ def teacher_family_problems(settings: DistillConfig) -> list[Problem]:
         return []
     why = f"teacher.family is null and model={settings.model.name} names no family either"
     return [Problem(key="teacher.family", message=f"{why}: set teacher.family, e.g. llama")]
+
+
+def unfetched_problems(unfetched: dict[str, bool]) -> list[Problem]:
+    """A student or teacher folder still to be downloaded from the Hub or converted (SmolLM2):
+    the teacher is checked against the student's folder before any effect, which fine-tuning's
+    preparation alone takes (``recipes/prepare.py``), so distillation refuses it for now."""
+    return [
+        Problem(
+            key=key,
+            message=f"{key}: recipes/distill.py does not download from the Hugging Face Hub or "
+            "convert SmolLM2 yet, and this model is not in the cache: fetch it first (`hf download "
+            "OWNER/NAME`, or one recipes/finetune.py run with it as the model), or give a local "
+            "folder",
+        )
+        for key, waiting in unfetched.items()
+        if waiting
+    ]
 
 
 def head_problems(student_config: Any, teacher_config: Any) -> list[Problem]:

@@ -88,3 +88,14 @@ def test_the_layouts_distillation_does_not_run_are_refused(tmp_path):
         "pp=2 is not run by distill.py: the teacher has no pipeline stages of its own: use pp=1"
     ]
     assert refusals(tmp_path, "dry_run=true")[0].startswith("dry_run=true is not run by")
+
+
+def test_a_teacher_still_to_be_downloaded_is_refused_in_one_line(tmp_path):
+    """The checks have no effect: a Hub id not in the cache would be fetched by the preparation,
+    before which the teacher cannot be checked against the student; distill.py says so."""
+    found = refusals(tmp_path, "teacher.pretrained_path=shardtune-tests/not-in-any-cache")
+    assert found == [
+        "teacher: recipes/distill.py does not download from the Hugging Face Hub or convert "
+        "SmolLM2 yet, and this model is not in the cache: fetch it first (`hf download "
+        "OWNER/NAME`, or one recipes/finetune.py run with it as the model), or give a local folder"
+    ]
