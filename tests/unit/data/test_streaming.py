@@ -1,0 +1,108 @@
+"""data.streaming: a streamed epoch's rows are the cached path's rows (same order, same tokens), a
+position resumes the rows exactly, and dp ranks read distinct records."""
+
+import itertools
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from transformers import AutoTokenizer
+
+from components.data.collate import Labelling
+from components.data.generated import generate_examples
+from components.data.loader import open_tokens
+from components.data.packing import Rows
+from components.data.prepare import prepare_data
+from components.data.sources import GeneratedSource, HFSource
+from components.data.streaming import StreamedSource, StreamPosition, stream_rows
+from components.data.tokenizer import DEFAULT_VOCAB_SIZE, train_tokenizer
+
+SEQ_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tokenizer")
+    texts = GeneratedSource(num_examples=120, val_fraction=0.0, seed=2).texts(folder)
+    train_tokenizer(texts, DEFAULT_VOCAB_SIZE, folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    """Three Parquet shards of 30 distinct records in all, in small row groups."""
+    folder = tmp_path_factory.mktemp("shards")
+    records = [
+        {"prompt": f"{index}. {record['prompt']}", "response": record["response"]}
+        for index, record in enumerate(generate_examples(30, seed=5))
+    ]
+    for shard in range(3):
+        part = records[shard * 10 : (shard + 1) * 10]
+        table = pa.table({key: [record[key] for record in part] for key in ("prompt", "response")})
+        pq.write_table(table, folder / f"part-{shard}.parquet", row_group_size=4)
+    return folder
+
+
+def streamed(path, tokenizer_dir, packing, dp=(1, 0), position=None):
+    source = StreamedSource(path=str(path), split="train", name=None, columns=(), num_examples=None)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    labelling = Labelling(tokenizer=tokenizer, seq_len=SEQ_LEN, loss_on="all_assistant")
+
+    def open_epoch(epoch):
+        stream = source.open(dp_size=dp[0], dp_rank=dp[1])
+        stream.set_epoch(epoch)
+        return stream
+
+    return stream_rows(position or StreamPosition(), open_epoch, labelling, packing)
+
+
+def first_epoch(rows):
+    taken = []
+    for row, position in rows:
+        taken.append((row, position))
+        if position.epoch == 1:
+            return taken
+    raise AssertionError("the stream ended")
+
+
+def cached_rows(path, tokenizer_dir, root, packing):
+    where = dict(path=str(path), split="train", name=None, columns=None)
+    source = HFSource(**where, num_examples=None, val_fraction=0.0)
+    labels = dict(seq_len=SEQ_LEN, loss_on="all_assistant", packing=packing, seed=0)
+    prepared = prepare_data(source, tokenizer_dir, **labels, cache_root=root, num_proc=1)
+    tokens = open_tokens(prepared.train.tokens_dir)
+    with np.load(prepared.train.rows_file) as arrays:
+        rows = Rows.load_from(arrays, "train")
+    assert np.array_equal(rows.order, np.arange(30))  # nothing held out, in the file's order
+    spans = zip(rows.offsets[:-1], rows.offsets[1:], strict=True)
+    return [
+        [(tokens[int(i)]["input_ids"], tokens[int(i)]["labels"]) for i in rows.order[a:b]]
+        for a, b in spans
+    ]
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_a_streamed_epoch_is_the_cached_rows_in_order(shards, tokenizer_dir, tmp_path, packing):
+    rows = [row for row, _ in first_epoch(streamed(shards, tokenizer_dir, packing))]
+    cached = cached_rows(shards, tokenizer_dir, tmp_path, packing)
+    assert [[(ids, labels) for ids, labels, _ in row] for row in rows] == cached
+    assert len(cached) < 30 if packing else len(cached) == 30  # packed: rows of several
+
+
+def test_a_position_resumes_the_rows_exactly(shards, tokenizer_dir):
+    whole = list(itertools.islice(streamed(shards, tokenizer_dir, True), 40))  # over 2 epochs
+    for stop in (3, len(first_epoch(streamed(shards, tokenizer_dir, True))), 25):
+        position = StreamPosition.of_json(whole[stop - 1][1].as_json())
+        again = itertools.islice(streamed(shards, tokenizer_dir, True, position=position), 10)
+        assert [row for row, _ in again] == [row for row, _ in whole[stop : stop + 10]]
+
+
+def test_dp_ranks_read_distinct_records_that_cover_the_stream(shards, tokenizer_dir):
+    def ids(dp):
+        rows = first_epoch(streamed(shards, tokenizer_dir, False, dp=dp))
+        return [tuple(row[0][0]) for row, _ in rows]
+
+    whole, first, second = ids((1, 0)), ids((2, 0)), ids((2, 1))
+    assert len(set(whole)) == 30 and not set(first) & set(second)
+    assert sorted(first + second) == sorted(whole)
