@@ -16,10 +16,12 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 import yaml
+from torch.distributed.device_mesh import DeviceMesh
 
 from components.checkpoint.state import TrainState
 from components.checkpoint.writer import CheckpointWriter
-from components.data.loader import Batch, open_source_vals, open_splits
+from components.data.loader import Batch, StepBatches, open_source_vals, open_splits
+from components.data.streaming import StreamBatches, StreamedSplit
 from components.debug.faults import install_faults
 from components.distributed.context_parallel import ContextParallel
 from components.distributed.fsdp import set_gradient_sync
@@ -68,11 +70,7 @@ def set_up(plan: RunPlan) -> Run:
     train, optim, timeout, dims = plan.train, plan.optim, plan.collective_timeout, plan.dims
     device = join_world(plan.device_type, timeout, plan.cpu_threads, plan.seed, train.tf32)
     rank, meshes = dist.get_rank(), dims.build_meshes(plan.device_type, timeout)
-    shards = dict(dp_size=dims.dp, dp_rank=meshes.batch.get_local_rank(), seed=plan.seed)
-    splits = (plan.data.train, plan.data.val, train.global_batch_size, train.micro_batch_size)
-    data, val_data = open_splits(*splits, **shards, pad_multiple=plan.pad_multiple)
-    vals = (plan.data.val_sources, train.micro_batch_size)
-    val_sources = open_source_vals(*vals, **shards, pad_multiple=plan.pad_multiple)
+    data, val_data, val_sources = open_data(plan, meshes.batch)
     converted = functools.partial(convert, plan=plan)
     model, report = build_parallel_model(plan.model, dims, meshes, device, converted)
     if report is not None:
@@ -87,7 +85,8 @@ def set_up(plan: RunPlan) -> Run:
     experts = ExpertLoad.watch(*watched, plan.model.routers, plan.moe.routing_bias_rate)
     if uncounted := uncounted_experts(model, list(plan.model.experts), plan.model.routers):
         say(f"note: expert choices not counted (tokens come routed, no router beside): {uncounted}")
-    state = TrainState(model=model, optimizer=optimizer, schedule=schedule)
+    stream = data if isinstance(data, StreamBatches) else None  # its position: the checkpoint's
+    state = TrainState(model=model, optimizer=optimizer, schedule=schedule, stream=stream)
     resume(plan.resume_from, state)  # every part of the state: the routing bias too, the step
     precision, data_parallel = precision_policy(plan.model.precision), dims.data_parallel > 1
     compute = functools.partial(precision.autocast, device.type, data_parallel=data_parallel)
@@ -117,6 +116,25 @@ def set_up(plan: RunPlan) -> Run:
         where |= dict(micro_batches_per_step=data.micro_batches_per_step)
         run.before_commit = install_faults(plan.fault, model, optimizer, **where)
     return run
+
+
+def open_data(
+    plan: RunPlan, batch: DeviceMesh
+) -> tuple[StepBatches | StreamBatches, StepBatches | None, dict[str, StepBatches]]:
+    """The rank's loaders: training, validation (None when nothing is held out) and a mixture's
+    sources' validation by name, each reading this rank's part of the ``batch`` mesh's rows; a
+    streamed source's training rows from its worker (no validation)."""
+    train, pad_multiple, dp_rank = plan.train, plan.pad_multiple, batch.get_local_rank()
+    sizes = (train.global_batch_size, train.micro_batch_size)
+    if isinstance(plan.data.train, StreamedSplit):
+        where = dict(dp_size=plan.dims.dp, dp_rank=dp_rank, group=batch.get_group())
+        return StreamBatches(plan.data.train, *sizes, **where, pad_multiple=pad_multiple), None, {}
+    shards = dict(dp_size=plan.dims.dp, dp_rank=dp_rank, seed=plan.seed)
+    data, val_data = open_splits(
+        plan.data.train, plan.data.val, *sizes, **shards, pad_multiple=pad_multiple
+    )
+    vals = (plan.data.val_sources, train.micro_batch_size)
+    return data, val_data, open_source_vals(*vals, **shards, pad_multiple=pad_multiple)
 
 
 def step_micro_batches(run: Run, step: int) -> Iterator[Batch]:

@@ -78,8 +78,8 @@ class StreamedSource:
         except DataError:
             raise
         except Exception as error:  # datasets raises many kinds: one line naming the path
-            first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-            raise DataError(f"data.path={self.path!r} cannot be streamed: {first}") from None
+            why = _first_line(error)
+            raise DataError(f"data.path={self.path!r} cannot be streamed: {why}") from None
         if self.num_examples is not None:
             stream = stream.take(self.num_examples)
         return split_dataset_by_node(stream, rank=dp_rank, world_size=dp_size)
@@ -153,6 +153,29 @@ def example_of(record: dict, labelling: Labelling, index: int) -> Example:
         tokenizer, seq_len, loss_on = labelling.tokenizer, labelling.seq_len, labelling.loss_on
         raise DataError(f"the stream's {record_error(index, record, tokenizer, seq_len, loss_on)}")
     return out["input_ids"][0], out["labels"][0], out["labelled"][0]
+
+
+def first_example(source: StreamedSource, labelling: Labelling) -> Example:
+    """The source's first record tokenized: whether it can be streamed at all.
+
+    Raises:
+        DataError: One line, for a source that cannot be read or has no records, or a first record
+            that cannot be trained on.
+    """
+    records = iter(source.open(dp_size=1, dp_rank=0))
+    try:
+        first = next(records, None)
+    except Exception as error:  # datasets and pyarrow raise many kinds: one line naming the path
+        why = _first_line(error)
+        raise DataError(f"data.path={source.path!r} cannot be streamed: {why}") from None
+    if first is None:
+        raise DataError(f"data.path={source.path!r} has no records to stream")
+    return example_of(first, labelling, 0)
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def stream_rows(
