@@ -77,6 +77,8 @@ class StreamedSource:
             stream = map_columns(_stream_of(self), dict(self.columns), self.path)
         except DataError:
             raise
+        except StopIteration:  # an empty file's columns, read from its first record
+            raise DataError(f"data.path={self.path!r} has no records to stream") from None
         except Exception as error:  # datasets raises many kinds: one line naming the path
             why = _first_line(error)
             raise DataError(f"data.path={self.path!r} cannot be streamed: {why}") from None
@@ -275,7 +277,15 @@ class _StepStream(torch.utils.data.IterableDataset):
         self.split, self.shard, self.rows = split, shard, rows
         self.position, self.pad_multiple = position, pad_multiple
 
-    def __iter__(self) -> Iterator[StepItem]:
+    def __iter__(self) -> Iterator[StepItem | str]:
+        """The steps, or after the last one a record that cannot be trained on: its one line
+        (which the rank raises as a DataError, not torch's wrapped traceback)."""
+        try:
+            yield from self._steps()
+        except DataError as error:
+            yield str(error)
+
+    def _steps(self) -> Iterator[StepItem]:
         split, (dp_size, dp_rank) = self.split, self.shard
         tokenizer = AutoTokenizer.from_pretrained(split.tokenizer_dir, trust_remote_code=False)
         labelling = Labelling(tokenizer=tokenizer, seq_len=split.seq_len, loss_on=split.loss_on)
@@ -336,6 +346,8 @@ class StreamBatches:
         if self._items is None:
             self._items = iter(self._loader())
         item = next(self._items)
+        if isinstance(item, str):  # the worker's one line about a record
+            raise DataError(item)
         counts = torch.tensor([item.labelled, item.tokens], dtype=torch.int64)
         if self.dp_size > 1:
             dist.all_reduce(counts, group=self.group)

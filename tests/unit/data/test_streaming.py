@@ -9,14 +9,18 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
+from components.data.checks import checked_source
 from components.data.collate import Labelling
 from components.data.generated import generate_examples
+from components.data.jsonl import DataError
 from components.data.loader import open_tokens
 from components.data.packing import Rows
 from components.data.prepare import prepare_data
 from components.data.sources import GeneratedSource, HFSource
 from components.data.streaming import StreamedSource, StreamPosition, stream_rows
 from components.data.tokenizer import DEFAULT_VOCAB_SIZE, train_tokenizer
+from recipes.compose import compose, mix_kinds
+from recipes.validate import validate
 
 SEQ_LEN = 64
 
@@ -106,3 +110,68 @@ def test_dp_ranks_read_distinct_records_that_cover_the_stream(shards, tokenizer_
     whole, first, second = ids((1, 0)), ids((2, 0)), ids((2, 1))
     assert len(set(whole)) == 30 and not set(first) & set(second)
     assert sorted(first + second) == sorted(whole)
+
+
+def streaming_problems(*overrides: str) -> list[str]:
+    """The problems of ``data.streaming=true`` with ``overrides``, as the checks find them."""
+    settings = validate(compose(["data.streaming=true", *overrides]))
+    found = settings.data.streaming_errors(settings.train.val_every)
+    data = settings.data.model_dump(by_alias=True)
+    found += [problem.message for problem in checked_source(data, False, mix_kinds(0))[1]]
+    return found
+
+
+def test_what_cannot_stream_is_one_line_each(tmp_path):
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text('{"prompt": "a", "response": "b"}\n')
+    fix = "use data=hf data.path=FILE_FOLDER_OR_HUB_ID, or data.streaming=false"
+    only = "only a datasets source is (data=jsonl's file, data=default's generated set: no)"
+    mix = "data=mix", "data.sources=[{name:a,weight:1,kind:generated}]", "data.val_fraction=0"
+    assert streaming_problems(*mix, "train.val_every=0") == [
+        f"data.streaming=true: a mixture is not streamed yet (its sources are tokenized into the "
+        f"cache): {fix}"
+    ]
+    assert streaming_problems("data=jsonl", f"data.path={chats}", "train.val_every=0") == [
+        f"data.streaming=true: {only}: {fix}"
+    ]
+    assert streaming_problems("train.val_every=0", "data.val_fraction=0") == [
+        f"data.streaming=true: {only}: {fix}"
+    ]
+    assert streaming_problems("data=hf", f"data.path={chats}") == [
+        "data.streaming=true holds out no validation split (a stream's size is not known before "
+        "it is read): set data.val_fraction=0 and train.val_every=0"
+    ]
+    assert streaming_problems("data=hf", f"data.path={chats}", "data.val_fraction=0") == [
+        "data.streaming=true holds out no validation split (a stream's size is not known before "
+        "it is read): set train.val_every=0"
+    ]
+    ok = "data=hf", f"data.path={chats}", "data.val_fraction=0", "train.val_every=0"
+    assert streaming_problems(*ok) == []
+
+
+def test_a_stream_that_cannot_be_read_is_refused_before_any_rank(shards, tokenizer_dir, tmp_path):
+    def refusal(path, columns=(), **written):
+        for name, text in written.items():
+            (tmp_path / name).write_text(text)
+        source = StreamedSource(
+            path=str(path), split="train", name=None, columns=columns, num_examples=None
+        )
+        options = dict(seq_len=SEQ_LEN, loss_on="all_assistant", packing=True, seed=0)
+        with pytest.raises(DataError) as raised:
+            prepare_data(source, tokenizer_dir, **options, cache_root=tmp_path, num_proc=1)
+        return str(raised.value)
+
+    assert refusal(tmp_path / "a.txt", **{"a.txt": "x"}) == (
+        f"data.path='{tmp_path / 'a.txt'}' has suffix '.txt': use .arrow, .csv, .json, .jsonl, "
+        ".parquet"
+    )
+    assert refusal(shards, columns=(("prompt", "q"), ("response", "a"))) == (
+        f"data.columns prompt='q', response='a': no such column in {shards}; its columns are "
+        "prompt, response"
+    )
+    empty = refusal(tmp_path / "e.jsonl", **{"e.jsonl": ""})
+    assert empty == f"data.path='{tmp_path / 'e.jsonl'}' has no records to stream"
+    user_last = '{"messages": [{"role": "user", "content": "a"}]}\n'
+    assert refusal(tmp_path / "b.jsonl", **{"b.jsonl": user_last}) == (
+        "the stream's record 1: the last message must be from the assistant (it is from the user)"
+    )
