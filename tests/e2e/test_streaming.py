@@ -50,10 +50,7 @@ def test_a_stream_resumes_exactly_at_its_dp_and_is_refused_at_another(tmp_path):
     refused = finetune(parted, *at_one)
     assert refused.returncode != 0
     (line,) = refused.stderr.strip().splitlines()
-    assert (
-        line.startswith("error: ")
-        and (
-            "dp (a stream resumes at the dp it was read at) is 1 but the checkpoint was written with 2"
-        )
-        in line
+    refusal = (
+        "dp (a stream resumes at the dp it was read at) is 1 but the checkpoint was written with 2"
     )
+    assert line.startswith("error: ") and refusal in line
