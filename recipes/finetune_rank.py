@@ -16,12 +16,11 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 import yaml
-from torch.distributed.device_mesh import DeviceMesh
 
 from components.checkpoint.state import TrainState
 from components.checkpoint.writer import CheckpointWriter
-from components.data.loader import Batch, StepBatches, open_source_vals, open_splits
-from components.data.streaming import StreamBatches, StreamedSplit
+from components.data.loader import Batch
+from components.data.streaming import StreamBatches, open_loaders
 from components.debug.faults import install_faults
 from components.distributed.context_parallel import ContextParallel
 from components.distributed.fsdp import set_gradient_sync
@@ -70,7 +69,10 @@ def set_up(plan: RunPlan) -> Run:
     train, optim, timeout, dims = plan.train, plan.optim, plan.collective_timeout, plan.dims
     device = join_world(plan.device_type, timeout, plan.cpu_threads, plan.seed, train.tf32)
     rank, meshes = dist.get_rank(), dims.build_meshes(plan.device_type, timeout)
-    data, val_data, val_sources = open_data(plan, meshes.batch)
+    sizes = dict(dp_size=dims.dp, dp_rank=meshes.batch.get_local_rank(), seed=plan.seed)
+    splits = (plan.data.train, plan.data.val, plan.data.val_sources, train.global_batch_size)
+    sizes |= dict(group=meshes.batch.get_group(), pad_multiple=plan.pad_multiple)
+    data, val_data, val_sources = open_loaders(*splits, train.micro_batch_size, **sizes)
     converted = functools.partial(convert, plan=plan)
     model, report = build_parallel_model(plan.model, dims, meshes, device, converted)
     if report is not None:
@@ -116,25 +118,6 @@ def set_up(plan: RunPlan) -> Run:
         where |= dict(micro_batches_per_step=data.micro_batches_per_step)
         run.before_commit = install_faults(plan.fault, model, optimizer, **where)
     return run
-
-
-def open_data(
-    plan: RunPlan, batch: DeviceMesh
-) -> tuple[StepBatches | StreamBatches, StepBatches | None, dict[str, StepBatches]]:
-    """The rank's loaders: training, validation (None when nothing is held out) and a mixture's
-    sources' validation by name, each reading this rank's part of the ``batch`` mesh's rows; a
-    streamed source's training rows from its worker (no validation)."""
-    train, pad_multiple, dp_rank = plan.train, plan.pad_multiple, batch.get_local_rank()
-    sizes = (train.global_batch_size, train.micro_batch_size)
-    if isinstance(plan.data.train, StreamedSplit):
-        where = dict(dp_size=plan.dims.dp, dp_rank=dp_rank, group=batch.get_group())
-        return StreamBatches(plan.data.train, *sizes, **where, pad_multiple=pad_multiple), None, {}
-    shards = dict(dp_size=plan.dims.dp, dp_rank=dp_rank, seed=plan.seed)
-    data, val_data = open_splits(
-        plan.data.train, plan.data.val, *sizes, **shards, pad_multiple=pad_multiple
-    )
-    vals = (plan.data.val_sources, train.micro_batch_size)
-    return data, val_data, open_source_vals(*vals, **shards, pad_multiple=pad_multiple)
 
 
 def step_micro_batches(run: Run, step: int) -> Iterator[Batch]:

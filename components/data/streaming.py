@@ -31,7 +31,16 @@ from transformers import AutoTokenizer
 from components.data.collate import Labelling, record_error, tokenize_batch
 from components.data.hf import BUILDERS, map_columns
 from components.data.jsonl import DataError
-from components.data.loader import Batch, batch_width, collate_rows
+from components.data.loader import (
+    Batch,
+    MixedSplit,
+    StepBatches,
+    TokenizedSplit,
+    batch_width,
+    collate_rows,
+    open_source_vals,
+    open_splits,
+)
 from components.data.tokenizer import training_texts
 from components.processes import die_with_parent
 
@@ -399,3 +408,29 @@ class StreamBatches:
         if saved["dp"] != self.dp_size:
             raise ValueError(f"a stream saved at dp={saved['dp']} resumes at that dp only")
         self.position = StreamPosition.of_json(saved["positions"][self.dp_rank])
+
+
+def open_loaders(
+    train: TokenizedSplit | MixedSplit | StreamedSplit,
+    val: TokenizedSplit | MixedSplit | None,
+    val_sources: dict[str, TokenizedSplit],
+    global_batch_size: int,
+    micro_batch_size: int,
+    *,
+    dp_size: int,
+    dp_rank: int,
+    seed: int,
+    group: dist.ProcessGroup | None,
+    pad_multiple: int | None = None,
+) -> tuple[StepBatches | StreamBatches, StepBatches | None, dict[str, StepBatches]]:
+    """A rank's loaders of the prepared data: training, validation (None when nothing is held out)
+    and a mixture's sources' validation by name (:func:`open_splits`, :func:`open_source_vals`);
+    a streamed source's training rows from its worker, its dp ranks' counts summed over ``group``
+    (no validation)."""
+    sizes = (global_batch_size, micro_batch_size)
+    if isinstance(train, StreamedSplit):
+        where = dict(dp_size=dp_size, dp_rank=dp_rank, group=group, pad_multiple=pad_multiple)
+        return StreamBatches(train, *sizes, **where), None, {}
+    shards = dict(dp_size=dp_size, dp_rank=dp_rank, seed=seed, pad_multiple=pad_multiple)
+    data, val_data = open_splits(train, val, *sizes, **shards)
+    return data, val_data, open_source_vals(val_sources, micro_batch_size, **shards)
