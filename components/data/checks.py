@@ -55,7 +55,7 @@ def _streamed(group: dict, pairs: bool) -> tuple[StreamedSource | None, list[Pro
     elif group.get("_target_") == MIX_TARGET:
         refused = "a mixture is not streamed yet (its sources are tokenized into the cache)"
     elif group.get("_target_") != f"{HFSource.__module__}.{HFSource.__name__}":
-        refused = "only a datasets source is (data=jsonl's file, data=default's generated set: no)"
+        refused = "only a datasets source is streamed, not data=jsonl's file or data=default's set"
     if refused:
         fix = "use data=hf data.path=FILE_FOLDER_OR_HUB_ID, or data.streaming=false"
         message = f"data.streaming=true: {refused}: {fix}"

@@ -30,7 +30,7 @@ from transformers import AutoTokenizer
 
 from components.data.collate import Labelling, record_error, tokenize_batch
 from components.data.hf import BUILDERS, map_columns
-from components.data.jsonl import DataError
+from components.data.jsonl import DataError, record_problem
 from components.data.loader import (
     Batch,
     MixedSplit,
@@ -72,9 +72,11 @@ class StreamedSource:
         return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
 
     def texts(self, cache_dir: Path) -> Iterator[str]:
-        """The records' strings in order, lazily (a tokenizer trained on them reads the first)."""
+        """The records' strings in order, lazily (a tokenizer trained on them reads the first); a
+        malformed record is passed over here, and named when the stream reaches it."""
         for record in self.open(dp_size=1, dp_rank=0):
-            yield from training_texts([record])
+            if record_problem(record) is None:
+                yield from training_texts([record])
 
     def open(self, *, dp_size: int, dp_rank: int) -> datasets.IterableDataset:
         """dp rank ``dp_rank``'s part of the records, as ``prompt``/``response`` or ``messages``.

@@ -13,11 +13,18 @@ from components.data.checks import checked_source
 from components.data.collate import Labelling
 from components.data.generated import generate_examples
 from components.data.jsonl import DataError
-from components.data.loader import open_tokens
+from components.data.loader import open_tokens, pad_id_of
 from components.data.packing import Rows
 from components.data.prepare import prepare_data
 from components.data.sources import GeneratedSource, HFSource
-from components.data.streaming import StreamedSource, StreamPosition, stream_rows
+from components.data.streaming import (
+    StreamBatches,
+    StreamedSource,
+    StreamedSplit,
+    StreamPosition,
+    example_of,
+    stream_rows,
+)
 from components.data.tokenizer import DEFAULT_VOCAB_SIZE, train_tokenizer
 from recipes.compose import compose, mix_kinds
 from recipes.validate import validate
@@ -125,7 +132,7 @@ def test_what_cannot_stream_is_one_line_each(tmp_path):
     chats = tmp_path / "chats.jsonl"
     chats.write_text('{"prompt": "a", "response": "b"}\n')
     fix = "use data=hf data.path=FILE_FOLDER_OR_HUB_ID, or data.streaming=false"
-    only = "only a datasets source is (data=jsonl's file, data=default's generated set: no)"
+    only = "only a datasets source is streamed, not data=jsonl's file or data=default's set"
     mix = "data=mix", "data.sources=[{name:a,weight:1,kind:generated}]", "data.val_fraction=0"
     assert streaming_problems(*mix, "train.val_every=0") == [
         f"data.streaming=true: a mixture is not streamed yet (its sources are tokenized into the "
@@ -174,4 +181,42 @@ def test_a_stream_that_cannot_be_read_is_refused_before_any_rank(shards, tokeniz
     user_last = '{"messages": [{"role": "user", "content": "a"}]}\n'
     assert refusal(tmp_path / "b.jsonl", **{"b.jsonl": user_last}) == (
         "the stream's record 1: the last message must be from the assistant (it is from the user)"
+    )
+
+
+def test_a_worker_reads_the_steps_and_names_a_bad_record_in_one_line(tokenizer_dir, tmp_path):
+    """StreamBatches at dp=1: each step's micro-batches hold the next rows of the stream, and a
+    record the worker cannot train on stops the rank with its one line."""
+    records = [{"prompt": f"Add {i} and 1", "response": str(i + 1)} for i in range(12)]
+    records[9] = {"prompt": "Add 9 and 1", "response": None}
+    table = pa.table({key: [record[key] for record in records] for key in ("prompt", "response")})
+    pq.write_table(table, tmp_path / "bad.parquet")
+    source = StreamedSource(
+        path=str(tmp_path / "bad.parquet"), split="train", name=None, columns=(), num_examples=None
+    )
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    rows = dict(
+        seq_len=SEQ_LEN, loss_on="all_assistant", packing=False, pad_id=pad_id_of(tokenizer)
+    )
+    split = StreamedSplit(source=source, tokenizer_dir=str(tokenizer_dir), **rows)
+    loader = StreamBatches(split, 4, 2, dp_size=1, dp_rank=0, group=None)
+    labelling = Labelling(tokenizer=tokenizer, seq_len=SEQ_LEN, loss_on="all_assistant")
+    examples = [example_of(record, labelling, index) for index, record in enumerate(records[:8])]
+    for step in (0, 1):
+        batches = loader.batches_for_step(step)
+        assert len(batches) == loader.micro_batches_per_step == 2
+        expected = examples[step * 4 : step * 4 + 4]
+        ids = [
+            row[: int(n)].tolist()
+            for b in batches
+            for row, n in zip(b.input_ids, b.real_tokens, strict=True)
+        ]
+        assert ids == [example[0] for example in expected]
+        assert loader.labels_in_step(step) == sum(example[2] for example in expected)
+        assert loader.tokens_in_step(step) == sum(len(example[0]) for example in expected)
+    assert StreamPosition.of_json(loader.state_dict()["positions"][0]).records == 9
+    with pytest.raises(DataError) as raised:
+        loader.batches_for_step(2)
+    assert str(raised.value) == (
+        'the stream\'s record 10: needs "prompt" and "response" strings, or "messages"'
     )
