@@ -138,10 +138,13 @@ def test_compiled_flex_attention_forward_equals_sdpa_with_its_dense_mask(
     torch.testing.assert_close(logits, dense_logits, **TOLERANCE)
 
 
+def checked_model(overrides: list[str]):
+    """The model checks of a run composed from ``overrides`` on this CPU."""
+    return model_problems(validate(compose(overrides)), None, "cpu")
+
+
 def run_problems(overrides: list[str]) -> list[str]:
-    """The model checks' problems of a run composed from ``overrides`` on this CPU."""
-    settings = validate(compose(overrides))
-    found = model_problems(settings, None, "cpu").problems
+    found = checked_model(overrides).problems
     return [f"{problem.key}: {problem.message}" for problem in found]
 
 
@@ -179,9 +182,13 @@ def test_a_kernel_this_run_cannot_use_is_one_problem(overrides, expected):
     assert len(found) == 1 and found[0].startswith(expected), found
 
 
-def test_eager_and_a_pretrained_models_default_are_no_problem():
-    assert run_problems(["model.attn_implementation=eager"]) == []
-    assert run_problems(["model.attn_implementation=null"]) == []
+def test_the_kernel_chosen_is_the_one_the_built_model_runs():
+    checked = checked_model(["model.attn_implementation=eager"])
+    assert checked.problems == []
+    assert build_causal_lm(checked.config, seed=0).config._attn_implementation == "eager"
+    default = checked_model(["model.attn_implementation=null"])
+    assert default.problems == [] and default.config._attn_implementation is None
+    assert build_causal_lm(default.config, seed=0).config._attn_implementation == "sdpa"
 
 
 def test_what_a_kernel_cannot_run_is_said_whatever_the_machine():
