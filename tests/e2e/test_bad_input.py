@@ -59,7 +59,7 @@ CASES: dict[str, tuple[list[str], str]] = {
     ),
     "a LoRA key without peft=lora": (
         ["peft.rank=4"],
-        "peft.rank=4 is read only with peft=lora: add peft=lora or remove it",
+        "peft.rank=4 is read only with peft=lora or peft=qlora: add one or remove it",
     ),
     "LoRA on the experts of a dense model": (
         ["peft=lora", "peft.experts=true"],
