@@ -1,10 +1,10 @@
 """QLoRA: LoRA (``components/models/lora.py``) on a base whose adapted linears' weights are stored
 as NF4 (torchao's ``NF4Tensor``), dequantized on the fly in forward and in backward (docs/lora.md).
 
-A weight [out, in] is quantized in tiles of :data:`TILE_ROWS` rows × :data:`NF4_BLOCK` input
-features: each tile row is one NF4 block (an absmax scale per 64 values, QLoRA's block), and a
-tile's 8 scales share one double-quantization scale (the mean of all scales is the whole
-tensor's). Row shards (colwise TP) and column shards (rowwise TP) are then sets of whole tiles, so
+A weight [out, in] is quantized in tiles of :data:`TILE` × :data:`TILE` values: each tile holds
+2 × 2 NF4 blocks of :data:`SIDE` × :data:`SIDE` (64 values per absmax scale, QLoRA's count), and
+its 4 scales share one double-quantization scale (the mean of all scales is the whole tensor's).
+Row shards (colwise TP) and column shards (rowwise TP) are then sets of whole tiles, so
 :func:`quantize_nf4` quantizes the whole tensor once and keeps this rank's tiles: the numbers do not
 depend on tp. The output head keeps its dtype (the chunked loss reads its weight; tied heads are
 the embedding), and so do the MoE experts' 3-D weights.
@@ -20,14 +20,29 @@ from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, S
 
 from components.models.lora import LoRALinear, lora_modules
 
-NF4_BLOCK = 64  # values per NF4 scale, along a row (QLoRA's block size)
-TILE_ROWS = 8  # rows per tile: the blocks whose scales share one double-quantization scale
+SIDE = 8  # an NF4 block: SIDE × SIDE values (64, QLoRA's block size) share an absmax scale
+TILE = 2 * SIDE  # a tile: TILE × TILE values, 4 blocks whose scales share one scale
+BLOCK, PER_TILE = SIDE * SIDE, TILE * TILE
+
+
+def _tiled(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [rows, cols] as [tiles, TILE²]: tiles row-major, in each its blocks row-major,
+    in each block its values row-major."""
+    rows, cols = weight.shape
+    blocks = weight.reshape(rows // TILE, 2, SIDE, cols // TILE, 2, SIDE)
+    return blocks.permute(0, 3, 1, 4, 2, 5).reshape(-1, PER_TILE)
+
+
+def _untiled(tiles: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """The reverse of :func:`_tiled`."""
+    blocks = tiles.reshape(rows // TILE, cols // TILE, 2, 2, SIDE, SIDE)
+    return blocks.permute(0, 2, 4, 1, 3, 5).reshape(rows, cols)
 
 
 @dataclass(frozen=True, kw_only=True)
 class NF4Weight:
-    """This rank's tiles of a weight (an ``NF4Tensor`` of [tiles, 8 · 64] in tile order) and the
-    shape they make, [rows, cols]."""
+    """This rank's tiles of a weight (an ``NF4Tensor`` [tiles, TILE²] in tile order) and the shape
+    they make, [rows, cols]."""
 
     data: torch.Tensor
     rows: int
@@ -35,9 +50,7 @@ class NF4Weight:
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight [rows, cols] in ``dtype``."""
-        tiles = self.data.get_original_weight()
-        grid = (self.rows // TILE_ROWS, self.cols // NF4_BLOCK, TILE_ROWS, NF4_BLOCK)
-        return tiles.view(grid).permute(0, 2, 1, 3).reshape(self.rows, self.cols).to(dtype)
+        return _untiled(self.data.get_original_weight(), self.rows, self.cols).to(dtype)
 
     @property
     def nbytes(self) -> int:
@@ -50,12 +63,12 @@ class NF4Weight:
 
 def nf4_problem(name: str, rows: int, cols: int) -> str | None:
     """Why the local weight [rows, cols] of the linear ``name`` cannot be stored in whole tiles."""
-    if cols % NF4_BLOCK == 0 and rows % TILE_ROWS == 0:
+    if rows % TILE == 0 and cols % TILE == 0:
         return None
     return (
-        f"peft=qlora stores {name}'s weight in tiles of {TILE_ROWS} rows × {NF4_BLOCK} input "
-        f"features, and this rank's part of it is [{rows}, {cols}]: use a tp that leaves "
-        f"multiples of them, or leave {name} out of peft.target_modules"
+        f"peft=qlora stores {name}'s weight in NF4 tiles of {TILE} × {TILE}, and this rank's part "
+        f"of it is [{rows}, {cols}]: use a tp that leaves multiples of {TILE}, or leave {name} "
+        "out of peft.target_modules"
     )
 
 
@@ -65,11 +78,9 @@ def quantize_nf4(
     """``whole`` [out, in] quantized in tiles, and part ``index`` of ``parts`` along dimension
     ``split`` (0: rows, 1: columns; None: the whole) kept. ``table``: the NF4 code table to share
     (None: this tensor's own)."""
-    out, features = whole.shape
-    grid = (out // TILE_ROWS, features // NF4_BLOCK)
-    tiles = whole.detach().reshape(grid[0], TILE_ROWS, grid[1], NF4_BLOCK).permute(0, 2, 1, 3)
-    nf4 = to_nf4(tiles.reshape(-1, TILE_ROWS * NF4_BLOCK), NF4_BLOCK, TILE_ROWS)
-    rows, cols = out, features
+    rows, cols = whole.shape
+    grid = (rows // TILE, cols // TILE)
+    nf4 = to_nf4(_tiled(whole.detach()), BLOCK, PER_TILE // BLOCK)
     order = torch.arange(grid[0] * grid[1], device=whole.device).view(grid)
     if split is not None:
         order = order.chunk(parts, dim=split)[index]
@@ -80,14 +91,14 @@ def quantize_nf4(
 
 def _tiles(nf4: NF4Tensor, kept: torch.Tensor, table: torch.Tensor) -> NF4Tensor:
     """A new ``NF4Tensor`` of the tiles ``kept`` of ``nf4`` (with the whole tensor's scale mean)."""
-    per_tile = TILE_ROWS * NF4_BLOCK
-    data = nf4.quantized_data.view(-1, per_tile // 2)[kept].flatten()
-    scalers = nf4.quantized_scalers.view(-1, TILE_ROWS)[kept].flatten()
+    blocks = PER_TILE // BLOCK  # per tile
+    data = nf4.quantized_data.view(-1, PER_TILE // 2)[kept].flatten()  # two codes a byte
+    scalers = nf4.quantized_scalers.view(-1, blocks)[kept].flatten()
     factor = nf4.quantization_factor[kept].contiguous()
-    shape = torch.Size((len(kept), per_tile))
-    meta = SubclassTensorArgs(shape, (per_tile, 1), 0, nf4.dtype, nf4.device, False)
+    shape = torch.Size((len(kept), PER_TILE))
+    meta = SubclassTensorArgs(shape, (PER_TILE, 1), 0, nf4.dtype, nf4.device, False)
     scales = (scalers, factor, nf4.scaler_mean)
-    return NF4Tensor(meta, NF4_BLOCK, len(kept) * TILE_ROWS, TILE_ROWS, *scales, data, table)
+    return NF4Tensor(meta, BLOCK, len(kept) * blocks, blocks, *scales, data, table)
 
 
 class NF4Linear(torch.autograd.Function):

@@ -26,12 +26,26 @@ OPTIONS = LoraOptions(rank=4, alpha=8.0, dropout=0.0, target_modules=None)
 
 
 def round_trip(weight: torch.Tensor) -> torch.Tensor:
-    """dequantize(quantize(w)) written from the layout's definition: tiles of 8 rows × 64
-    features, each tile row an NF4 block, each tile's 8 scales one double-quantization block."""
-    out, features = weight.shape
-    tiles = weight.reshape(out // 8, 8, features // 64, 64).permute(0, 2, 1, 3)
-    nf4 = to_nf4(tiles.reshape(-1, 512), 64, 8).get_original_weight()
-    return nf4.reshape(out // 8, features // 64, 8, 64).permute(0, 2, 1, 3).reshape(out, features)
+    """dequantize(quantize(w)) written from the layout's definition: tiles of 16 × 16, each of
+    2 × 2 NF4 blocks of 8 × 8 values, each tile's 4 scales one double-quantization block."""
+    rows, cols = weight.shape
+    blocks = torch.stack(
+        [
+            weight[r : r + 8, c : c + 8].flatten()
+            for R in range(0, rows, 16)
+            for C in range(0, cols, 16)
+            for r in (R, R + 8)
+            for c in (C, C + 8)
+        ]
+    )
+    values = iter(to_nf4(blocks.reshape(-1, 256), 64, 4).get_original_weight().reshape(-1, 64))
+    out = torch.empty_like(weight)
+    for R in range(0, rows, 16):
+        for C in range(0, cols, 16):
+            for r in (R, R + 8):
+                for c in (C, C + 8):
+                    out[r : r + 8, c : c + 8] = next(values).view(8, 8)
+    return out
 
 
 def _twins() -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -101,13 +115,14 @@ def test_tiles_that_a_split_would_cut_are_refused():
     apply_lora(model, OPTIONS, seed=0)
     layer = "model.layers.0"
     styles = {f"{layer}.self_attn.k_proj": "colwise", f"{layer}.mlp.down_proj": "rowwise"}
+    styles[f"{layer}.self_attn.o_proj"] = "rowwise"
     assert nf4_problems(model, styles, 2) == []
-    found = nf4_problems(model, styles, 8)  # k_proj: 32 rows / 8; down_proj: 128 features / 8
+    found = nf4_problems(model, styles, 8)  # down_proj's 128 features / 8 are whole tiles
     assert found == [
-        f"peft=qlora stores model.layers.0.{name}'s weight in tiles of 8 rows × 64 input features, "
-        f"and this rank's part of it is {shape}: use a tp that leaves multiples of them, or leave "
-        f"model.layers.0.{name} out of peft.target_modules"
-        for name, shape in (("mlp.down_proj", "[64, 16]"), ("self_attn.k_proj", "[4, 64]"))
+        f"peft=qlora stores {layer}.{name}'s weight in NF4 tiles of 16 × 16, and this rank's "
+        f"part of it is {shape}: use a tp that leaves multiples of 16, or leave {layer}.{name} "
+        "out of peft.target_modules"
+        for name, shape in (("self_attn.k_proj", "[4, 64]"), ("self_attn.o_proj", "[64, 8]"))
     ]
 
 
