@@ -135,7 +135,8 @@ class QLoRALinear(LoRALinear):
 
 
 def quantizable(model: nn.Module) -> list[tuple[str, LoRALinear]]:
-    """The adapted linears whose base :func:`quantize_base` stores as NF4: all but the head."""
+    """The adapted linears whose base :func:`quantize_base` stores as NF4 (or has stored): all
+    but the head."""
     head = model.get_output_embeddings()
     return [(name, module) for name, module in lora_modules(model) if module is not head]
 
@@ -192,6 +193,22 @@ def dequantize_base(model: nn.Module) -> None:
         module.__class__ = LoRALinear
         del module.nf4_weight
         module.weight = nn.Parameter(local, requires_grad=False)
+
+
+def local_shape(module: LoRALinear) -> tuple[int, int]:
+    """This rank's [rows, cols] of the adapted linear ``module``'s weight, as TP splits it."""
+    rows, cols = module.out_features, module.in_features
+    if module._tp is None:
+        return rows, cols
+    mesh, style, _ = module._tp
+    return (rows, cols // mesh.size()) if style == "rowwise" else (rows // mesh.size(), cols)
+
+
+def stored_bytes(rows: int, cols: int, element: int) -> int:
+    """Bytes of a [rows, cols] weight of ``element``-byte values stored in NF4 tiles: half a byte
+    a value, an int8 scale per block, a scale per tile and the scales' mean in its dtype."""
+    values = rows * cols
+    return values // 2 + values // BLOCK + (values // PER_TILE + 1) * element
 
 
 def nf4_bytes(model: nn.Module) -> tuple[int, int]:
