@@ -107,7 +107,7 @@ def peft_info(peft) -> dict:
     """``peft``'s settings as a checkpoint records them: ``target_modules=null`` as the patterns it
     stands for, which the checkpoints of runs before null was the default recorded."""
     info = peft.model_dump()
-    if peft.name == "lora" and info["target_modules"] is None:
+    if peft.adapters and info["target_modules"] is None:
         info["target_modules"] = list(PROJECTIONS)
     return info
 

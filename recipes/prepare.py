@@ -191,6 +191,7 @@ def model_spec(settings: Config, config, weights: Path | None) -> ModelSpec:
         compile=train.compile,
         shard_experts=settings.moe.shard_experts,
         pp_stages_per_rank=settings.pp_stages_per_rank,
+        nf4_base=settings.peft.name == "qlora",
     )
 
 

@@ -232,12 +232,14 @@ class Model(Section):
     )
 
 
-PEFT_METHODS = ("none", "lora")
+PEFT_METHODS = ("none", "lora", "qlora")
+ADAPTER_METHODS = ("lora", "qlora")  # the methods that train adapters, with the same keys
 
 
 class Peft(Section):
     """Parameter-efficient fine-tuning (docs/lora.md): ``peft=none`` trains every weight, its other
-    keys null; ``peft=lora`` trains low-rank adapters on a frozen base."""
+    keys null; ``peft=lora`` trains low-rank adapters on a frozen base; ``peft=qlora`` the same
+    adapters on a base whose adapted linears are stored in NF4."""
 
     name: Literal[PEFT_METHODS] = key(one_of(PEFT_METHODS))
     # LoRA's r: the adapters' inner size
@@ -260,18 +262,23 @@ class Peft(Section):
     # the export also writes base + adapters merged as a Hugging Face folder
     merge: bool | None = key("true or false with peft=lora")
 
+    @property
+    def adapters(self) -> bool:
+        """Whether the method trains adapters (``lora``, ``qlora``): every key below is read."""
+        return self.name in ADAPTER_METHODS
+
     def errors(self) -> list[str]:
         """Keys set that the chosen method does not read, or left null that it needs."""
         keys = [name for name in type(self).model_fields if name != "name"]
-        if self.name == "none":
+        if not self.adapters:
             return [
-                f"peft.{name}={show(getattr(self, name))} is read only with peft=lora: add "
-                f"peft=lora or remove it"
+                f"peft.{name}={show(getattr(self, name))} is read only with peft=lora or "
+                f"peft=qlora: add one or remove it"
                 for name in keys
                 if getattr(self, name) is not None
             ]
         found = [
-            f"peft.{name} is null: peft=lora needs it"
+            f"peft.{name} is null: peft={self.name} needs it"
             for name in keys
             if getattr(self, name) is None and name != "target_modules"  # null: the projections
         ]
