@@ -96,7 +96,5 @@ class DpoConfig(Config):
              "conversations are rows of their own: use train.packing=false"),
             ("peft.experts", peft.experts, bool(peft.experts), "adapters on experts cannot be "
              "switched off for the reference: use peft.experts=false"),
-            ("dry_run", self.dry_run, self.dry_run, "the dry run does not price dpo.py's "
-             "reference model: run without dry_run=true"),
         ]  # fmt: skip
         return refused_settings("dpo.py", refused)

@@ -42,6 +42,17 @@ if TYPE_CHECKING:  # heavy (datasets, DTensor): the checks import them when they
 
 
 @dataclass(frozen=True, kw_only=True)
+class FrozenModel:
+    """A frozen model a recipe runs forward beside the trained one, as the dry run prices it:
+    DPO's reference or distillation's teacher (``components/models/frozen.py``). ``spec`` None:
+    the trained model itself with its adapters off (peft=lora's reference, no second copy);
+    ``keeps_hidden``: its last hidden states live through the trained model's step (the KL's)."""
+
+    spec: ModelSpec | None
+    keeps_hidden: bool
+
+
+@dataclass(frozen=True, kw_only=True)
 class Settled:
     """The validated settings (train.* decided: warmup_steps cut to max_steps, with a note:, and
     loss_chunk_tokens 0 for off) and what follows from them alone."""
@@ -180,6 +191,16 @@ class RunPlan(Settled):
         return f"{model}, {layout}, {steps} steps: {self.output_dir.name}"
 
     @property
+    def rows_per_sample(self) -> int:
+        """Rows of a micro-batch per sample: 2 for preference pairs (chosen, rejected), else 1."""
+        return 2 if self.settings.preference_pairs else 1
+
+    @property
+    def frozen(self) -> FrozenModel | None:
+        """The frozen model run forward beside the trained one (none: fine-tuning)."""
+        return None
+
+    @property
     def model_facts(self) -> ModelFacts:
         """What the layout rules read of the model."""
         return model_facts(self.settings, self.model.config)
@@ -207,6 +228,19 @@ class RunPlan(Settled):
 
 
 @dataclass(frozen=True, kw_only=True)
+class DpoPlan(RunPlan):
+    """``recipes/dpo.py``'s plan: fine-tuning's, and the frozen reference to build on the
+    policy's meshes: the policy's starting weights' spec, or None with ``peft=lora`` (the policy
+    with its adapters off)."""
+
+    reference: ModelSpec | None
+
+    @property
+    def frozen(self) -> FrozenModel:
+        return FrozenModel(spec=self.reference, keeps_hidden=False)
+
+
+@dataclass(frozen=True, kw_only=True)
 class DistillChecked(Checked):
     """``recipes/distill.py``'s checks: the student's (the ``model`` group) and the teacher as
     checked: its folder (None: built from ``teacher.config``) and Hugging Face config."""
@@ -221,6 +255,10 @@ class DistillPlan(RunPlan):
     student's meshes (its own TP plan, the student's vocabulary)."""
 
     teacher: ModelSpec
+
+    @property
+    def frozen(self) -> FrozenModel:
+        return FrozenModel(spec=self.teacher, keeps_hidden=True)
 
 
 @dataclass(kw_only=True)

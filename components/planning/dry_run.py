@@ -29,11 +29,13 @@ from components.data.loader import widest_batch
 from components.distributed.layout import LayoutError, ParallelDims
 from components.distributed.pipeline import rank_share, rank_stages
 from components.models.conversion import convert_model
+from components.models.frozen import build_frozen_model
 from components.models.parallelize import build_parallel_model
 from components.planning.flops import known_flops_per_token
 from components.planning.memory import current_memory_gib
 from components.planning.memory_model import (
     GIB,
+    Frozen,
     Layout,
     MemoryEstimate,
     Stage,
@@ -44,7 +46,8 @@ from components.planning.memory_model import (
 from components.planning.memory_model import optimizer_moments as moments_of
 from components.planning.pipeline_schedule import bubble, grads_held, in_flight
 
-ROWS = ("params", "grads", "optimizer", "activations", "buffers", "runtime", "total")
+ROWS = ("params", "grads", "optimizer", "frozen", "activations", "buffers", "runtime", "total")
+STAGE_ROWS = tuple(row for row in ROWS if row != "frozen")  # pp: no recipe with a frozen model
 _STEP_FIELDS = ("micro_batch_size", "activation_checkpointing")  # a candidate's besides degrees
 MAX_PLANNED = 24  # candidates planned again at most: each builds the model (pp: a few of them)
 
@@ -96,11 +99,27 @@ def plan_stages(plan, step: Step, layout: Layout) -> list[tuple[dict, MemoryEsti
 
 
 def plan_layout(plan, step: Step, layout: Layout) -> MemoryEstimate:
-    """Build ``plan``'s model for ``layout`` on the meta device over the fake world; price it:
-    the busiest pipeline rank's with pp > 1."""
+    """Build ``plan``'s model for ``layout`` on the meta device over the fake world, and its
+    frozen model beside it (DPO's reference, distillation's teacher); price them: the busiest
+    pipeline rank's with pp > 1 (no recipe with a frozen model runs pp)."""
     if layout.dims.pp > 1:
         return busiest(plan_stages(plan, step, layout))[1]
-    return estimate_memory(_build(plan, layout, 0), plan.model.config, layout, step)
+    model, config = _build(plan, layout, 0), plan.model.config
+    return estimate_memory(model, config, layout, step, frozen=_frozen(plan, layout))
+
+
+def _frozen(plan, layout: Layout) -> Frozen | None:
+    """``plan``'s frozen model (``plan.frozen``) built for ``layout`` on the meta device, as the
+    recipe builds it (``build_frozen_model``: its own TP plan, FSDP); None without one. Without a
+    spec it is the trained model itself with its adapters off: no weights of its own."""
+    frozen = plan.frozen
+    if frozen is None:
+        return None
+    if frozen.spec is None:
+        return Frozen(model=None, config=plan.model.config, keeps_hidden=frozen.keeps_hidden)
+    meshes, meta = layout.dims.build_meshes("cpu"), torch.device("meta")
+    model = build_frozen_model(frozen.spec, layout.dims, meshes, meta)
+    return Frozen(model=model, config=frozen.spec.config, keeps_hidden=frozen.keeps_hidden)
 
 
 def busiest(stages: list[tuple[dict, MemoryEstimate]]) -> tuple[dict, MemoryEstimate]:
@@ -223,6 +242,7 @@ def _step(plan) -> Step:
         precision=train.precision,
         fp8_recipe=train.fp8_recipe,
         sequence_parallel=plan.model.sequence_parallel,
+        rows_per_sample=plan.rows_per_sample,
         optimizer_moments=moments_of(plan.optim.target, plan.optim.options()),
         optimizer_bits=bits,
         optimizer_block=block,
@@ -305,7 +325,7 @@ def _layout_row(layout: Layout) -> dict:
 
 
 def _stage_row(share: dict, estimate: MemoryEstimate) -> dict:
-    return {**share, **{row: getattr(estimate, row) for row in ROWS}}
+    return {**share, **{row: getattr(estimate, row) for row in STAGE_ROWS}}
 
 
 def _write(output_dir: Path, result: dict) -> None:
@@ -336,7 +356,10 @@ def format_plan(result: dict) -> str:
             "planned for that"
         )
     lines.append("per rank (GiB, the busiest rank):")
-    lines += [f"  {row:<12}{result['per_rank_gib'][row]:>10.3f}" for row in ROWS]
+    per_rank = result["per_rank_gib"]
+    lines += [
+        f"  {row:<12}{per_rank[row]:>10.3f}" for row in ROWS if row != "frozen" or per_rank[row]
+    ]
     detail = result["detail_gib"].items()
     lines += [f"    {name:<34}{value:>8.3f}" for name, value in detail if value]
     flops = result["flops_per_token"]
@@ -372,11 +395,11 @@ def _format_stages(result: dict) -> list[str]:
     lines = [
         f"pipeline: {pipeline['schedule']}{looped}, {pipeline['micro_batches']} micro-batches per "
         f"step, bubble {pipeline['bubble']:.1%}; per pipeline rank (GiB):",
-        "  rank  layers  holds            in flight" + "".join(f"{row:>12}" for row in ROWS),
+        "  rank  layers  holds            in flight" + "".join(f"{row:>12}" for row in STAGE_ROWS),
     ]
     for row in result["per_stage_gib"]:
         holds = "+".join(name for name in ("embedding", "head") if row[name]) or "-"
-        figures = "".join(f"{row[name]:>12.3f}" for name in ROWS)
+        figures = "".join(f"{row[name]:>12.3f}" for name in STAGE_ROWS)
         lines.append(
             f"  {row['rank']:>4}  {row['layers']:>6}  {holds:<15}{row['in_flight']:>10.3g}{figures}"
         )

@@ -46,12 +46,13 @@ def dry_run(
     shape: dict = LLAMA_3_70B,
     layout: list = LAYOUT,
     rss: bool = False,
+    recipe: str = "finetune",
 ) -> tuple[dict, str, int | None]:
-    """(plan.json, stdout, the child's peak RSS in bytes if ``rss``, else None) of a dry run
-    that must exit 0. The RSS needs a fresh interpreter of our own; else it starts warm
-    (tests/cli.py)."""
+    """(plan.json, stdout, the child's peak RSS in bytes if ``rss``, else None) of a dry run of
+    ``recipes/<recipe>.py`` that must exit 0. The RSS needs a fresh interpreter of our own; else
+    it starts warm (tests/cli.py)."""
     model = [f"model.config.{key}={value}" for key, value in shape.items()]
-    command = [sys.executable, "recipes/finetune.py", "dry_run=true", f"output_dir={output_dir}"]
+    command = [sys.executable, f"recipes/{recipe}.py", "dry_run=true", f"output_dir={output_dir}"]
     command += [*layout, *model, *overrides]
     if not rss:
         done = cli.run(command, cwd=REPO, capture_output=True, text=True)
@@ -157,6 +158,48 @@ def test_llama_3_1_405b_at_pp8_tp8_dp16_is_planned_per_pipeline_stage(tmp_path):
     assert plan["flops_per_token"] == 6 * matmuls + attention
     assert plan["fits"] is True and "fits in 80 GiB per device" in stdout
     assert "bubble 30.4%" in stdout
+
+
+LLAMA_3_8B = LLAMA_3_70B | {"hidden_size": 4096, "num_hidden_layers": 32}
+LLAMA_3_8B |= {"intermediate_size": 14336, "num_attention_heads": 32}
+POST_TRAINING = ["tp=8", "dp=8", "train.micro_batch_size=1", "train.global_batch_size=8"]
+POST_TRAINING += ["train.precision=bf16-mixed", "device_memory_gib=80"]
+
+
+def llama_parameters(shape: dict) -> int:
+    """A Llama's parameters: its layers, embedding and untied head, final norm."""
+    hidden, inner, vocab = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
+    q, kv = shape["num_attention_heads"] * 128, shape["num_key_value_heads"] * 128
+    layer = 2 * hidden * q + 2 * hidden * kv + 3 * hidden * inner + 2 * hidden
+    return shape["num_hidden_layers"] * layer + 2 * vocab * hidden + hidden
+
+
+def test_dpo_at_an_8b_policy_prices_its_reference_beside_it(tmp_path):
+    """The reference is the policy's starting weights sharded by the same plan (tp 8 × FSDP over
+    dp 8): its bytes are the policy's, with no gradients or optimizer state, and in the total."""
+    plan, stdout, _ = dry_run(tmp_path, shape=LLAMA_3_8B, layout=POST_TRAINING, recipe="dpo")
+    per_rank = plan["per_rank_gib"]
+    assert per_rank["params"] * GIB == pytest.approx(llama_parameters(LLAMA_3_8B) * 4 / 64, 1e-3)
+    assert per_rank["frozen"] == per_rank["params"]  # fp32 (bf16-mixed), sharded alike
+    state = per_rank["params"] + per_rank["frozen"] + per_rank["optimizer"]
+    assert per_rank["total"] > state + per_rank["runtime"]
+    assert plan["phases_gib"]["frozen_forward"] > 0
+    assert f"  {'frozen':<12}{per_rank['frozen']:>10.3f}\n" in stdout
+
+
+def test_distillation_prices_a_70b_teacher_beside_an_8b_student(tmp_path):
+    """The teacher is built from its own config with its own TP plan, on the student's meshes:
+    its weights (8.8 × the student's), its forward and the hidden states the KL reads."""
+    teacher = [f"teacher.config.{key}={value}" for key, value in LLAMA_3_70B.items()]
+    plan, _, _ = dry_run(
+        tmp_path, *teacher, shape=LLAMA_3_8B, layout=POST_TRAINING, recipe="distill"
+    )
+    per_rank, detail = plan["per_rank_gib"], plan["detail_gib"]
+    assert per_rank["frozen"] * GIB == pytest.approx(llama_parameters(LLAMA_3_70B) * 4 / 64, 1e-3)
+    assert per_rank["params"] * GIB == pytest.approx(llama_parameters(LLAMA_3_8B) * 4 / 64, 1e-3)
+    assert detail["teacher_hidden"] > 0 and detail["teacher_logits"] > 0
+    state = per_rank["params"] + per_rank["frozen"] + per_rank["optimizer"]
+    assert per_rank["total"] > state + per_rank["runtime"]
 
 
 # bench/context_parallel.py's Llama: hidden 512, 6 layers, 8 heads of 64, 4 KV heads
