@@ -29,7 +29,7 @@ def dpo_step_options(run: Run, plan: DpoPlan) -> DpoStep:
     """The loss's options, and the reference (``plan.reference``) built frozen on the policy's
     meshes; None with ``peft=lora`` (the policy with its adapters off)."""
     dpo, train = plan.settings.dpo, plan.train
-    options = DpoOptions(**dpo.model_dump())
+    options = DpoOptions(**dpo.model_dump(exclude={"reference_path"}))
     reference = None
     if plan.reference is not None:
         reference = build_frozen_model(plan.reference, plan.dims, run.meshes, run.device)

@@ -228,6 +228,15 @@ class RunPlan(Settled):
 
 
 @dataclass(frozen=True, kw_only=True)
+class DpoChecked(Checked):
+    """``recipes/dpo.py``'s checks: fine-tuning's, and ``dpo.reference_path`` as checked: its
+    folder and Hugging Face config (both None: the reference is the policy's starting weights)."""
+
+    reference_path: Path | None
+    reference_config: Any
+
+
+@dataclass(frozen=True, kw_only=True)
 class DpoPlan(RunPlan):
     """``recipes/dpo.py``'s plan: fine-tuning's, and the frozen reference to build on the
     policy's meshes: the policy's starting weights' spec, or None with ``peft=lora`` (the policy
