@@ -9,7 +9,7 @@ once there); the plan adds only what was decided from them.
 
 from __future__ import annotations  # the field types are only read by a type checker
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -17,11 +17,15 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from omegaconf import OmegaConf
+
 from components.distributed.layout import Degrees, ModelFacts, ParallelDims, Workload
 from components.models.families import moe_patterns
 from components.models.options import LoraTargets, ModelChoice, ModelUse
 from components.training.cadence import Cadence
-from recipes.schema import Checkpoint, Config, Moe, Optim, Schedule, Targeted, Train
+from recipes.schema import Checkpoint, Config, Moe, Optim, Peft, Schedule, Targeted, Train
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
 
 if TYPE_CHECKING:  # heavy (datasets, DTensor): the checks import them when they need them
     import torch
@@ -97,20 +101,19 @@ class Settled:
     @property
     def lora(self) -> LoraOptions | None:
         """``peft=lora``'s options as the model takes them; None for full fine-tuning."""
-        from components.models.lora import LoraOptions
-
         peft = self.settings.peft
         if peft.name != "lora":
             return None
-        patterns = None if peft.target_modules is None else tuple(peft.target_modules)
-        experts = self.model.experts if peft.experts else ()  # the resolved expert patterns
-        return LoraOptions(
-            rank=peft.rank,
-            alpha=peft.alpha,
-            dropout=peft.dropout,
-            target_modules=patterns,
-            experts=tuple(experts),
-        )
+        return lora_options(peft, self.model.experts if peft.experts else ())
+
+    @property
+    def lora_lever(self) -> LoraOptions | None:
+        """LoRA's options as ``peft=lora`` runs by default (``conf/peft/lora.yaml``'s values):
+        the dry run's lever for a full fine-tuning run; None for a run with adapters already."""
+        if self.settings.peft.name != "none":
+            return None
+        values = OmegaConf.to_container(OmegaConf.load(CONF / "peft" / "lora.yaml"))
+        return lora_options(type(self.settings.peft)(**values), ())
 
     @property
     def pipeline(self) -> tuple[str, int]:
@@ -295,6 +298,21 @@ class Run:
 StepFn = Callable[[Run, "RunPlan", int], "torch.Tensor"]  # a step's forward and backward: its sums
 # the step's loss metrics from the step function's sums, as read on the host
 RecordFn = Callable[[Run, "RunPlan", int, Any], dict]
+
+
+def lora_options(peft: Peft, experts: Sequence[str]) -> LoraOptions:
+    """The ``peft`` section of ``peft=lora`` as the model takes it, ``experts`` the resolved
+    patterns of the experts that get adapters (none without ``peft.experts``)."""
+    from components.models.lora import LoraOptions  # DTensor, transformers: design-notes.md
+
+    patterns = None if peft.target_modules is None else tuple(peft.target_modules)
+    return LoraOptions(
+        rank=peft.rank,
+        alpha=peft.alpha,
+        dropout=peft.dropout,
+        target_modules=patterns,
+        experts=tuple(experts),
+    )
 
 
 def workload(settings: Config) -> Workload:

@@ -17,7 +17,7 @@ import functools
 import itertools
 import json
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NoReturn
 
@@ -30,6 +30,7 @@ from components.distributed.layout import LayoutError, ParallelDims
 from components.distributed.pipeline import rank_share, rank_stages
 from components.models.conversion import convert_model
 from components.models.frozen import build_frozen_model
+from components.models.lora import LoraOptions
 from components.models.parallelize import build_parallel_model
 from components.planning.flops import known_flops_per_token
 from components.planning.memory import current_memory_gib
@@ -61,15 +62,25 @@ def _on_fake_rank(world: int, rank: int) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
 
 
-def _build(plan, layout: Layout, rank: int) -> torch.nn.Module:
-    """``plan``'s model for ``layout`` as fake rank ``rank`` builds it, on the meta device."""
+@dataclass(frozen=True, kw_only=True)
+class Lever:
+    """A change of the trained model a plan prices beside the run's own: LoRA adapters on its
+    frozen base, in ``precision``."""
+
+    lora: LoraOptions
+    precision: str
+
+
+def _build(plan, layout: Layout, rank: int, lever: Lever | None = None) -> torch.nn.Module:
+    """``plan``'s model for ``layout`` as fake rank ``rank`` builds it, on the meta device (with
+    ``lever``: converted and in the precision it says)."""
     dims = layout.dims
     _on_fake_rank(dims.world_size, rank)
     spec = replace(plan.model, activation_checkpointing=layout.activation_checkpointing)
+    spec = replace(spec, precision=lever.precision) if lever else spec
     meshes = dims.build_meshes("cpu")
-    model, _ = build_parallel_model(
-        spec, dims, meshes, torch.device("meta"), convert=_converter(plan, dims)
-    )
+    convert = _converter(plan, dims, lever.lora if lever else plan.lora)
+    model, _ = build_parallel_model(spec, dims, meshes, torch.device("meta"), convert=convert)
     return model
 
 
@@ -98,24 +109,26 @@ def plan_stages(plan, step: Step, layout: Layout) -> list[tuple[dict, MemoryEsti
     return stages
 
 
-def plan_layout(plan, step: Step, layout: Layout) -> MemoryEstimate:
-    """Build ``plan``'s model for ``layout`` on the meta device over the fake world, and its
-    frozen model beside it (DPO's reference, distillation's teacher); price them: the busiest
-    pipeline rank's with pp > 1 (no recipe with a frozen model runs pp)."""
+def plan_layout(plan, step: Step, layout: Layout, lever: Lever | None = None) -> MemoryEstimate:
+    """Build ``plan``'s model for ``layout`` on the meta device over the fake world (changed by
+    ``lever``), and its frozen model beside it (DPO's reference, distillation's teacher); price
+    them: the busiest pipeline rank's with pp > 1 (no recipe with a frozen model runs pp)."""
     if layout.dims.pp > 1:
         return busiest(plan_stages(plan, step, layout))[1]
-    model, config = _build(plan, layout, 0), plan.model.config
-    return estimate_memory(model, config, layout, step, frozen=_frozen(plan, layout))
+    model, config = _build(plan, layout, 0, lever), plan.model.config
+    step = replace(step, precision=lever.precision) if lever else step
+    return estimate_memory(model, config, layout, step, frozen=_frozen(plan, layout, lever))
 
 
-def _frozen(plan, layout: Layout) -> Frozen | None:
+def _frozen(plan, layout: Layout, lever: Lever | None = None) -> Frozen | None:
     """``plan``'s frozen model (``plan.frozen``) built for ``layout`` on the meta device, as the
     recipe builds it (``build_frozen_model``: its own TP plan, FSDP); None without one. Without a
-    spec it is the trained model itself with its adapters off: no weights of its own."""
+    spec (or the trained model's own under a LoRA ``lever``) it is the trained model itself with
+    its adapters off: no weights of its own."""
     frozen = plan.frozen
     if frozen is None:
         return None
-    if frozen.spec is None:
+    if frozen.spec is None or (lever and frozen.spec == plan.model):
         return Frozen(model=None, config=plan.model.config, keeps_hidden=frozen.keeps_hidden)
     meshes, meta = layout.dims.build_meshes("cpu"), torch.device("meta")
     model = build_frozen_model(frozen.spec, layout.dims, meshes, meta)
@@ -127,10 +140,12 @@ def busiest(stages: list[tuple[dict, MemoryEstimate]]) -> tuple[dict, MemoryEsti
     return max(stages, key=lambda stage: stage[1].total)
 
 
-def _converter(plan, dims: ParallelDims) -> Callable[[torch.nn.Module], torch.nn.Module] | None:
-    """The recipe's conversion of the built model (``convert_model``), fp8's linears all-gathered
-    in fp8 when ``dims`` shard over dp; None when nothing converts."""
-    lora, fp8 = plan.lora, plan.fp8
+def _converter(
+    plan, dims: ParallelDims, lora: LoraOptions | None
+) -> Callable[[torch.nn.Module], torch.nn.Module] | None:
+    """The recipe's conversion of the built model (``convert_model``) with ``lora``'s adapters,
+    fp8's linears all-gathered in fp8 when ``dims`` shard over dp; None when nothing converts."""
+    fp8 = plan.fp8
     if lora is None and fp8 is None:
         return None
     fp8 = fp8 and replace(fp8, data_parallel=dims.data_parallel > 1)
@@ -229,6 +244,24 @@ def _state_levers(plan, step: Step, layout: Layout) -> list[dict]:
     return levers
 
 
+def _peft_levers(plan, step: Step, layout: Layout) -> list[dict]:
+    """LoRA adapters on the frozen base (``peft=lora`` as it runs by default), at the run's
+    precision and, where that keeps fp32 weights, in bf16 (``train.precision=bf16``: the base at
+    2 bytes a weight), each planned again at this layout: the memory per rank each gives (none
+    for a run with adapters already, or fp8's)."""
+    lora = plan.lora_lever
+    if lora is None or plan.fp8 is not None:
+        return []
+    changes = {"peft=lora": step.precision, "peft=lora train.precision=bf16": "bf16"}
+    levers = []
+    for words, precision in changes.items():
+        if precision == step.precision and levers:
+            continue  # the run is in bf16 already
+        total = plan_layout(plan, step, layout, Lever(lora=lora, precision=precision)).total
+        levers.append({"change": words, "total_gib": total})
+    return levers
+
+
 def _step(plan) -> Step:
     """The priced step: the run's workload, its widest micro-batch, precision and optimizer."""
     train, work = plan.train, plan.workload
@@ -276,6 +309,7 @@ def dry_run(plan, fail: Callable[[str], NoReturn]) -> dict:
         fits = None if memory is None else estimate.total <= memory
         suggestion, tried = _suggest(plan, step, layout, memory) if fits is False else (None, [])
         levers = _state_levers(plan, step, layout) if fits is False and not stages else []
+        peft = _peft_levers(plan, step, layout) if fits is False and not stages else []
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -296,6 +330,7 @@ def dry_run(plan, fail: Callable[[str], NoReturn]) -> dict:
         "suggestion": suggestion,
         "tried": tried,
         "optimizer_levers": levers,
+        "peft_levers": peft,
     }
     _write(plan.output_dir, result)
     return result
@@ -381,7 +416,7 @@ def format_plan(result: dict) -> str:
         )
     else:
         lines.append(f"does not fit in {memory:g} GiB per device, and no change tried fits")
-    for lever in result["optimizer_levers"]:
+    for lever in result["optimizer_levers"] + result["peft_levers"]:
         fits_too = "fits" if lever["total_gib"] <= memory else "does not fit"
         lines.append(f"  {lever['change']}: {lever['total_gib']:.2f} GiB per rank ({fits_too})")
     return "\n".join(lines)
