@@ -19,7 +19,12 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from components.models.options import ACTIVATION_CHECKPOINTING, FP8_RECIPES, PRECISIONS
+from components.models.options import (
+    ACTIVATION_CHECKPOINTING,
+    ATTENTION_IMPLEMENTATIONS,
+    FP8_RECIPES,
+    PRECISIONS,
+)
 from components.problems import Problem, problems, show
 from components.targets import check_target
 from components.training.loggers import check_logger_available, check_logger_options
@@ -219,6 +224,11 @@ class Model(Section):
     )
     config: dict[str, Any] = key(
         "a mapping of Hugging Face config keys, e.g. model.config.hidden_size=512"
+    )
+    # the attention kernel; packed rows reach flash_attention_2/3 and flex_attention as sequence
+    # boundaries (docs/data.md)
+    attn_implementation: Literal[ATTENTION_IMPLEMENTATIONS] | None = key(
+        one_of(ATTENTION_IMPLEMENTATIONS, "transformers' default: sdpa, else eager")
     )
 
 
