@@ -50,7 +50,9 @@ def check_reference(checked: Checked, folder: Path):
 
     if found := folder_problems(checked, folder):
         raise ConfigError(found)
-    choice = ModelChoice(name=KEY, family=None, config={}, pretrained_path=str(folder))
+    attention = checked.settings.model.attn_implementation  # the policy's kernel, as its spec's
+    choice = ModelChoice(name=KEY, family=None, config={}, attn_implementation=attention)
+    choice = replace(choice, pretrained_path=str(folder))
     use = replace(model_use(checked.settings, checked.device_type), lora=None, peft_lora=False)
     reference = check_model(choice, use, checked.dims)
     found = [
