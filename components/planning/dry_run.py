@@ -249,7 +249,7 @@ def _peft_levers(plan, step: Step, layout: Layout) -> list[dict]:
     """LoRA adapters on the frozen base (``peft=lora`` as it runs by default), at the run's
     precision and, where that keeps fp32 weights, in bf16 (``train.precision=bf16``: the base at
     2 bytes a weight), each planned again at this layout: the memory per rank each gives (none
-    for a run with adapters already, or fp8's)."""
+    for a run with adapters already, or fp8's). Asked when no change of the layout fits."""
     lora = plan.lora_lever
     if lora is None or plan.fp8 is not None:
         return []
@@ -311,7 +311,8 @@ def dry_run(plan, fail: Callable[[str], NoReturn]) -> dict:
         fits = None if memory is None else estimate.total <= memory
         suggestion, tried = _suggest(plan, step, layout, memory) if fits is False else (None, [])
         levers = _state_levers(plan, step, layout) if fits is False and not stages else []
-        peft = _peft_levers(plan, step, layout) if fits is False and not stages else []
+        unfit = fits is False and suggestion is None and not stages  # no layout change fits
+        peft = _peft_levers(plan, step, layout) if unfit else []
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -128,12 +128,7 @@ def test_a_layout_that_does_not_fit_gets_the_smallest_change_and_that_change_fit
     assert replanned == pytest.approx(
         lever["total_gib"] - plan["per_rank_gib"]["runtime"], rel=1e-9
     )
-    # the PEFT levers: LoRA on the frozen base at the run's precision (fp32 weights under
-    # bf16-mixed), then in bf16; each less per rank than the one before
-    lora, bf16 = plan["peft_levers"]
-    assert [lora["change"], bf16["change"]] == ["peft=lora", "peft=lora train.precision=bf16"]
-    assert bf16["total_gib"] < lora["total_gib"] < plan["per_rank_gib"]["total"]
-    assert f"  peft=lora train.precision=bf16: {bf16['total_gib']:.2f} GiB per rank" in stdout
+    assert plan["peft_levers"] == []  # asked only when no change of the layout fits
 
 
 def test_llama_3_1_405b_at_pp8_tp8_dp16_is_planned_per_pipeline_stage(tmp_path):
@@ -216,23 +211,41 @@ TINY_RUN += ["train.global_batch_size=1", "train.max_steps=2", "train.val_every=
 TINY_RUN += ["checkpoint.export=false", "train.warmup_steps=0"]
 
 
-@pytest.mark.memory  # opt-in: a bf16 run on the CPU and three dry runs
+TINY_SHAPE = [f"model.config.{key}={value}" for key, value in TINY.items()]
+
+
+def tiny_plan(output_dir: Path) -> tuple[dict, str]:
+    """The plan of full fine-tuning at tp=2 of the :data:`TINY` Llama in 0.6 GiB per device."""
+    layout = TINY_RUN + TINY_SHAPE
+    plan, stdout, _ = dry_run(output_dir, "device_memory_gib=0.6", shape={}, layout=layout)
+    return plan, stdout
+
+
+def test_a_layout_no_change_fits_is_told_the_peft_levers_with_their_memory(tmp_path):
+    """As a 70B model on 2 GPUs of 80 GiB (docs/planning.md), at a tiny shape: full fine-tuning
+    does not fit and no change of the layout does; LoRA on the frozen base at the run's precision
+    (fp32) is less per rank, and in bf16 less again, and fits, each printed with its memory."""
+    plan, stdout = tiny_plan(tmp_path)
+    assert plan["fits"] is False and plan["suggestion"] is None
+    lora, bf16 = plan["peft_levers"]
+    assert [lora["change"], bf16["change"]] == ["peft=lora", "peft=lora train.precision=bf16"]
+    assert bf16["total_gib"] < lora["total_gib"] < plan["per_rank_gib"]["total"]
+    assert bf16["total_gib"] <= 0.6  # (the runtime, this process's, is in each total)
+    line = f"  peft=lora train.precision=bf16: {bf16['total_gib']:.2f} GiB per rank (fits)"
+    assert line in stdout
+
+
+@pytest.mark.memory  # opt-in: a bf16 run on the CPU and two more dry runs
 @pytest.mark.timeout(600)
 def test_the_peft_lever_a_plan_names_fits_as_predicted_when_run(tmp_path):
-    """The acceptance of a 70B model on 2 GPUs of 80 GiB (docs/planning.md), at a tiny shape on
-    this machine: full fine-tuning at tp=2 does not fit the device memory given, the plan names
-    LoRA in bf16 with its memory per rank; planned again it is that figure, and run (glibc's mmap
-    threshold fixed, so the RSS is the live bytes) its measured peak is within 20 % of it and
-    within the device memory."""
+    """The plan of :func:`tiny_plan` names LoRA in bf16 with its memory per rank; planned again
+    it is that figure, and run (glibc's mmap threshold fixed, so the RSS is the live bytes) its
+    measured peak is within 20 % of it and within the device memory."""
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
-    shape = [f"model.config.{key}={value}" for key, value in TINY.items()]
-    plan, _, _ = dry_run(
-        tmp_path / "full", "device_memory_gib=0.6", shape={}, layout=TINY_RUN + shape
-    )
-    assert plan["fits"] is False
+    plan, _ = tiny_plan(tmp_path / "full")
     lever = {one["change"]: one["total_gib"] for one in plan["peft_levers"]}
     planned = lever["peft=lora train.precision=bf16"]
-    assert planned <= 0.6 < plan["per_rank_gib"]["total"]
+    shape = TINY_SHAPE
     overrides = [*TINY_RUN, *shape, "peft=lora", "train.precision=bf16"]
     again, _, _ = dry_run(tmp_path / "again", shape={}, layout=overrides)
     runtime = plan["per_rank_gib"]["runtime"]
