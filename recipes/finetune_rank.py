@@ -30,6 +30,7 @@ from components.distributed.step_finalizer import StepFinalizer
 from components.distributed.tp_replicas import (
     broadcast_tp_replicas,
     synchronize_tp_replica_gradients,
+    zero_tp_replica_gradients,
 )
 from components.models.conversion import convert_model
 from components.models.fp8 import fp8_scales_after_steps
@@ -167,6 +168,7 @@ def train_step(
     started = time.perf_counter()
     reset_peak_memory(run.device)
     run.state.optimizer.zero_grad(set_to_none=True)
+    zero_tp_replica_gradients([run.state.model], run.meshes.world)  # backward fills the buckets
     loss_sum = step_fn(run, plan, step)
     run.finalize_gradients([run.state.model])  # reads the device at the first step only
     synchronize_tp_replica_gradients([run.state.model], run.meshes.world)  # plan, buffers reused

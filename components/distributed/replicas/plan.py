@@ -185,6 +185,13 @@ class Plan:
         moved = [shapes[i] for i in self._dtensor_indices] != self._full_local_shapes
         return None if moved else self.full
 
+    def fits(self) -> bool:
+        """Every parameter still has the dtype, device and shape of its slot in the persistent
+        buckets (a cast or moved model does not)."""
+        parameters = self.parameters
+        kinds = (list(map(_dtype, parameters)), list(map(_device, parameters)))
+        return kinds == self._full_kinds and list(map(_size, parameters)) == self._full_plain_shapes
+
     def precheck_flags(self, grads: list) -> torch.Tensor:
         """Per candidate [present, eligible, sparse], as one int32 tensor built at once."""
         if (
@@ -269,6 +276,40 @@ class _PlanSlot:
 
 
 _PLAN_ATTR = "_tp_replica_plan"
+
+
+def _kept_plan(model_parts: list[nn.Module]) -> Plan | None:
+    """The plan kept with these model parts, as it is (not checked against them)."""
+    slot = model_parts[0].__dict__.get(_PLAN_ATTR) if model_parts else None
+    return None if slot is None else slot.plan
+
+
+def bind_gradients(
+    model_parts: list[nn.Module], device_mesh: DeviceMesh | None, tp_axis_name: str
+) -> int:
+    """Make the zeroed slots of the kept plan's buckets the replicas' gradients (see
+    ``BucketLayout.bind``); 0, binding nothing, without a plan for these parts and this mesh whose
+    buckets are all gradient views, or when a parameter no longer fits its slot."""
+    plan = _kept_plan(model_parts)
+    if (
+        plan is None
+        or plan.full is None
+        or plan.device_mesh is not device_mesh
+        or plan.tp_axis_name != tp_axis_name
+        or len(model_parts) != len(plan.parts)
+        or not all(map(is_, model_parts, (part() for part in plan.parts)))
+        or not plan.fits()
+    ):
+        return 0
+    return plan.full.bind(plan.parameters)
+
+
+def release_untouched_gradients(model_parts: list[nn.Module]) -> None:
+    """Give ``None`` back to the bound gradients the backward did not reach (see
+    ``BucketLayout.release_untouched``); nothing if none were bound."""
+    plan = _kept_plan(model_parts)
+    if plan is not None and plan.full is not None:
+        plan.full.release_untouched()
 
 
 def cached_plan(
