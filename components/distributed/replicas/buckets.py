@@ -2,9 +2,9 @@
 
 :class:`BucketLayout` cuts gradients into buckets by (reduction, device, dtype) and the byte bound
 and owns their buffers, bounded together by ``max_bytes``: FP32 (wire-dtype) buckets of plain
-gradients whose gradients *become views* of the bucket after the first reduction (DDP's
-``gradient_as_bucket_view``: while the caller keeps the gradients, the next reduction runs in
-place), and one shared staging buffer, reused bucket after bucket, for the rest (bf16/fp16 upcast to
+gradients whose slots become the gradients (DDP's ``gradient_as_bucket_view``: bound before a
+backward by :meth:`BucketLayout.bind`, or handed out by a reduction), so the next reduction runs in
+place, and one shared staging buffer, reused bucket after bucket, for the rest (bf16/fp16 upcast to
 FP32, DTensor gradients). "In place" is decided by data pointer, so a gradient given other storage
 (``grad.data = ...``, ``model.to(...)``) is packed again; gradients that are not yet the bucket's
 slices get the result copied into them and are then re-bound, except slices of another tensor (a
