@@ -205,3 +205,23 @@ def test_bound_buckets_take_the_backward_and_the_sync_copies_nothing(ranks2):
         assert presence == "Gradient presence differs across TP replicas: c.weight"
         # four SGD updates of lr 0.5 (c three): exactly equal on both ranks
         assert parameters == [[-3.0] * 4, [-12.0] * 2, [-6.75] * 4]
+
+
+def check_bind_after_a_cast(rank, world_size):
+    model = nn.Module()
+    model.a = Holder(torch.zeros(4))
+    device_mesh = mesh((world_size,), ("tp",))
+    bound = []
+    for cast in (False, False, True, False):
+        if cast:
+            model.double()  # new storage of another dtype: the slots no longer fit until rebuilt
+        model.zero_grad(set_to_none=True)
+        bound.append(zero_tp_replica_gradients([model], device_mesh))
+        (model.a.weight * (rank + 1)).sum().backward()
+        synchronize_tp_replica_gradients([model], device_mesh)
+    return bound, model.a.weight.grad.dtype, model.a.weight.grad.tolist()
+
+
+def test_a_cast_model_is_not_bound_until_its_buckets_follow(ranks2):
+    for bound, dtype, grad in ranks2.run(check_bind_after_a_cast):
+        assert (bound, dtype, grad) == ([0, 1, 0, 1], torch.float64, [1.5] * 4)
