@@ -183,11 +183,13 @@ def _step(
     model: nn.Module,
     bind: Callable[[], object] | None,
     sync: Callable[[], object],
+    ours: Callable[[], object],
     backward_s: list[float],
 ) -> float:
     """One recipe step on ``model``: zero_grad(set_to_none=True), ``bind`` (if any), a backward,
     ``sync``; returns this rank's seconds of ``bind`` and ``sync`` (the backward's go to
-    ``backward_s``)."""
+    ``backward_s``). A ``sync`` other than ``ours`` is followed by ``ours``, untimed, so the next
+    variant finds the gradients where a sync leaves them."""
     scale = float(dist.get_rank() + 1)
     model.zero_grad(set_to_none=True)
     dist.barrier()
@@ -202,7 +204,10 @@ def _step(
     dist.barrier()
     started = time.perf_counter()
     sync()
-    return timed + time.perf_counter() - started
+    timed += time.perf_counter() - started
+    if sync is not ours:  # untimed: leave the gradients in the buckets, as every other step does
+        ours()
+    return timed
 
 
 def _variants(
@@ -224,9 +229,11 @@ def _variants(
     return {
         "ours": ours,
         "ours_fresh": ours,
-        "ours_step": lambda: _step(model, bind, ours, backward["ours_step"]),
-        "fresh_step": lambda: _step(model, None, ours, backward["fresh_step"]),
-        "check_floor_step": lambda: _step(model, None, check_floor, backward["check_floor_step"]),
+        "ours_step": lambda: _step(model, bind, ours, ours, backward["ours_step"]),
+        "fresh_step": lambda: _step(model, None, ours, ours, backward["fresh_step"]),
+        "check_floor_step": lambda: _step(
+            model, None, check_floor, ours, backward["check_floor_step"]
+        ),
         "automodel": lambda: automodel.synchronize_tp_replica_gradients([model], mesh),
         "per_tensor": lambda: per_tensor(model, world),
         "floor": lambda: dist.all_reduce(floor),
