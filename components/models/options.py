@@ -11,6 +11,10 @@ PRECISIONS = ("fp32", "bf16-mixed", "bf16", "fp8")  # train.precision (component
 FP8_RECIPES = ("tensorwise", "rowwise")  # train.fp8_recipe (components.models.fp8)
 # train.activation_checkpointing (components.models.activation_checkpointing)
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
+# model.attn_implementation (components.models.attention); PACKED_NATIVE take packed rows as
+# sequence boundaries (cumulative lengths, a block mask), never as a dense sequence × sequence mask
+PACKED_NATIVE = ("flash_attention_2", "flash_attention_3", "flex_attention")
+ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", *PACKED_NATIVE)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -20,6 +24,7 @@ class ModelChoice:
     name: str  # model=NAME, as messages name it
     family: str | None
     config: dict[str, Any]  # model.config: the family's sizes (not read for a folder)
+    attn_implementation: str | None  # None: transformers' default (sdpa, else eager)
     pretrained_path: str | None = None  # a local folder or a Hub id
     source: str | None = None  # a named source (smollm2)
     experts: Sequence[str] | None = None  # module patterns; None: the family's

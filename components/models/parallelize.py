@@ -4,7 +4,7 @@
     pp, this rank's pipeline stage kept -> TP plan (+ bf16 casts ahead of its gathers) -> expert
     parallelism -> load this rank's slices -> compile and activation checkpointing per block ->
     FSDP over dp (dp × cp) with the precision's mixed-precision policy -> with cp > 1, the
-    context-parallel attention
+    context-parallel attention -> with a flash kernel, the rows' sequence boundaries passed on
 
 Each step is its own component (``tp_plan``, ``moe``, ``load``, ``fsdp``); this module only fixes
 their order, so the recipe makes one call.
@@ -24,6 +24,7 @@ from components.distributed.layout import Meshes, ParallelDims
 from components.distributed.pipeline import keep_rank_stage, stage_plan
 from components.distributed.tp_dropout import has_dropout, shard_dropout_masks
 from components.distributed.tp_plan import PlanReport, apply_tp_plan
+from components.models.attention import pass_sequence_boundaries
 from components.models.build import build_causal_lm, meta_causal_lm
 from components.models.compile import apply_block_wrappers
 from components.models.derived_plan import derived_plan_note
@@ -116,4 +117,5 @@ def build_parallel_model(
         shard_data_parallel(model, meshes.fsdp, mp_policy=policy.fsdp_policy())
     if dims.cp > 1:
         enable_context_parallel(model)
+    pass_sequence_boundaries(model)  # a flash kernel: each forward passes its rows' sequences
     return model, report

@@ -29,6 +29,7 @@ from components.data.loader import widest_batch
 from components.distributed.layout import LayoutError, ParallelDims
 from components.distributed.pipeline import rank_share, rank_stages
 from components.models.conversion import convert_model
+from components.models.options import PACKED_NATIVE
 from components.models.parallelize import build_parallel_model
 from components.planning.flops import known_flops_per_token
 from components.planning.memory import current_memory_gib
@@ -229,7 +230,8 @@ def _step(plan) -> Step:
         device_type=plan.device_type,
         runtime_gib=runtime,
         loss_chunk_tokens=train.loss_chunk_tokens,
-        packing=train.packing,
+        # a dense mask over packed rows: sdpa's and eager's, not a packed-native kernel's
+        packing=train.packing and plan.model.config._attn_implementation not in PACKED_NATIVE,
     )
 
 

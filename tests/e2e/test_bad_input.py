@@ -57,6 +57,11 @@ CASES: dict[str, tuple[list[str], str]] = {
         ["model=qwen3_moe", "ep=3", "nproc=3"],
         "ep (3) must divide the number of experts (8)",
     ),
+    "a flash kernel under cp": (
+        ["model.attn_implementation=flash_attention_3", "cp=2"],
+        "model.attn_implementation=flash_attention_3 with cp=2 is not supported: context "
+        "parallelism computes attention itself",
+    ),
     "a LoRA key without peft=lora": (
         ["peft.rank=4"],
         "peft.rank=4 is read only with peft=lora: add peft=lora or remove it",
