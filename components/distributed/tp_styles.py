@@ -127,6 +127,29 @@ def _own_output(module: nn.Module, args: tuple, output):
     return output.clone() if output.requires_grad else output
 
 
+class _Gathered(ParallelStyle):
+    """A column-wise projection under sequence parallelism whose input may come as sequence shards
+    (a plan without ``attention_input``/``mlp_input``, as Gemma 3's own): the shards are gathered
+    explicitly before the projection. Left to the matmul's sharding propagation, the gather
+    worked eagerly but was a data-dependent graph break under torch.compile."""
+
+    def __init__(self, style: ParallelStyle):
+        self.style = style
+        self.output_layouts = style.output_layouts  # read by LoRA's parallelize_tp
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = self.style._apply(module, device_mesh)
+        module.register_forward_pre_hook(_replicated_input, prepend=True)
+        return module
+
+
+def _replicated_input(module: nn.Module, args: tuple):
+    first, *rest = args
+    if isinstance(first, DTensor) and any(not p.is_replicate() for p in first.placements):
+        first = first.redistribute(first.device_mesh, [Replicate()] * first.device_mesh.ndim)
+    return (first, *rest)
+
+
 def _settled_output(module: nn.Module, args: tuple, output):
     return output.clone()  # a DTensor's clone waits for its collective: a plain local tensor
 
@@ -251,7 +274,7 @@ def torch_style_of(name: str, sequence_parallel: bool, config=None) -> ParallelS
     styles = {
         # Under SP the input arrives as a DTensor (gathered by the block's *_input style, or sharded
         # by a norm), redistributed to Replicate whatever ``input_layouts`` says.
-        "colwise": lambda: ColwiseParallel(),
+        "colwise": lambda: _Gathered(ColwiseParallel()) if sequence_parallel else ColwiseParallel(),
         # One gather (SP) or one backward all-reduce (plain) per block instead of one per
         # projection: the block's input becomes a Replicate DTensor that q/k/v (or gate/up) share.
         "attention_input": lambda: PrepareModuleInput(
