@@ -6,6 +6,7 @@
 #
 #   bash bench/gpu_check.sh          # on the GPU machine: PY defaults to python3
 #   bash bench/gpu_check.sh --cpu    # the same steps on this CPU at tiny shapes (PY: .venv's)
+#   bash bench/gpu_check.sh --packed # step 1 and step 7 alone (with --cpu second: on this CPU)
 #
 # Steps, each timed and limited, each run even if an earlier one failed (the summary says which):
 #  1. bench/gpu_env.py: versions against pyproject's ranges, torch's devices.
@@ -17,15 +18,20 @@
 #     gives 0.38B and 0.85B) at bf16-mixed and fp32 (TF32), activation checkpointing none and full:
 #     median tokens/s, TFLOP/s and MFU after the warm-up, peak memory against the plan.
 #  6. fp8 (torchao float8, tensorwise) against bf16-mixed at the 0.93B shape: the same line.
-#  7. Host syncs per step of the 0.93B bf16-mixed run from its profiler trace (one step profiled).
-#  8. bench/checkpoint_async_recipe.py at the 0.93B shape, bf16-mixed: the step after an async save
+#  7. Packed 8k-token rows (2 a micro-batch) of the 0.44B shape at bf16-mixed with each attention
+#     kernel, sdpa (a dense mask) and the packed-native flash_attention_2, flash_attention_3,
+#     flex_attention (sequence boundaries): tokens/s and peak memory; a kernel the machine cannot
+#     run is one SKIP line, the recipe's own refusal.
+#  8. Host syncs per step of the 0.93B bf16-mixed run from its profiler trace (one step profiled).
+#  9. bench/checkpoint_async_recipe.py at the 0.93B shape, bf16-mixed: the step after an async save
 #     against the others, a sync run beside it (the async-save stall).
 # Steps not started within GPU_CHECK_BUDGET_S seconds (420 on the GPU, none with --cpu) are
 # skipped, and every step ends by 120 s later, so the call returns inside its 10 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 REPO=$PWD
-CPU=false
+CPU=false PACKED_ONLY=false
+[ "${1:-}" = "--packed" ] && { PACKED_ONLY=true; shift; }
 [ "${1:-}" = "--cpu" ] && CPU=true
 OUT_DIR=${OUT:-outputs/gpu_check}
 mkdir -p "$OUT_DIR"
@@ -48,6 +54,7 @@ if $CPU; then  # tiny shapes, few steps: every step of the device's run, in minu
          num_key_value_heads=2 head_dim=24 max_position_embeddings=256)
     ASYNC=(--steps 5 --every 2)
     LABELS=(0.44B-slot-tiny 0.93B-slot-tiny)
+    LONG=256 EXAMPLES=4000  # step 7's packed rows, and examples enough to fill them
 else
     PY=${PY:-python3}
     BUDGET=${GPU_CHECK_BUDGET_S:-420}
@@ -60,6 +67,7 @@ else
          num_key_value_heads=8 head_dim=128 max_position_embeddings=2048)
     ASYNC=(--steps 10 --every 4)
     LABELS=(0.44B 0.93B)
+    LONG=8192 EXAMPLES=20000  # ~40 tokens an example: 12 steps of 4 rows without a second epoch
 fi
 COMMON=(nproc=1 tp=1 "train.seq_len=$SEQ" train.packing=true train.val_every=0
         checkpoint.export=false "train.max_steps=$STEPS" overwrite_output_dir=true)
@@ -143,6 +151,34 @@ throughput() {  # throughput SIZE LABEL PRECISION CHECKPOINTING: one packed run 
     rm -rf "$RUNS/$name/run"
 }
 
+packed_attention() {  # packed_attention KERNEL: packed LONG-token rows with that attention kernel
+    local kernel=$1 name=packed_$1 refused
+    local label="${LABELS[0]} packed $LONG-token rows bf16-mixed $kernel"
+    mapfile -t dims < <(shape HALF | grep -v max_position_embeddings)
+    local args=("${dims[@]}" "model.config.max_position_embeddings=$LONG" nproc=1 tp=1
+                train.packing=true "train.seq_len=$LONG" train.micro_batch_size=2
+                train.global_batch_size=4 "data.num_examples=$EXAMPLES" train.val_every=0
+                checkpoint.export=false "train.max_steps=$STEPS" overwrite_output_dir=true
+                train.precision=bf16-mixed "model.attn_implementation=$kernel")
+    refused=$(timeout "$LIMIT" "$PY" recipes/finetune.py "${args[@]}" dry_run=true \
+        "output_dir=$RUNS/$name/plan" 2>&1 | grep -m1 "^error: .*attn_implementation")
+    if [ -n "$refused" ]; then  # not installed, or not on this device: said, not failed
+        echo "SKIP $label: ${refused#error: }" | tee -a "$SUMMARY"
+        return 0
+    fi
+    step "$label" "$LIMIT" "$PY" recipes/finetune.py "${args[@]}" "output_dir=$RUNS/$name/run"
+    "$PY" bench/gpu_run_line.py "$label" "$RUNS/$name/run/metrics.jsonl" \
+        "$RUNS/$name/plan/plan.json" "$WARMUP" "$RECORDS" | tee -a "$SUMMARY"
+    rm -rf "$RUNS/$name"
+}
+
+packed_kernels() {  # step 7: sdpa, then each packed-native kernel
+    local kernel
+    for kernel in sdpa flash_attention_2 flash_attention_3 flex_attention; do
+        packed_attention "$kernel"
+    done
+}
+
 host_syncs() {  # one profiled step of the 0.93B bf16-mixed run: its host syncs from the trace
     local profiled=$((WARMUP + 1)) folder=$RUNS/profiled
     mapfile -t dims < <(shape ONE)
@@ -191,6 +227,11 @@ main() {
         echo "error: torch sees no CUDA device (run with --cpu on a CPU)" | tee -a "$SUMMARY"
         return 1
     fi
+    if $PACKED_ONLY; then
+        packed_kernels
+        report
+        return
+    fi
     local run_args=(train.max_steps=20 "output_dir=$RUNS/make_run" overwrite_output_dir=true)
     local make=(make run "PY=$PY" "ARGS=${run_args[*]}")
     command -v make > /dev/null || make=("$PY" recipes/finetune.py "${run_args[@]}")  # no make
@@ -208,8 +249,13 @@ main() {
         done
     done
     throughput ONE "${LABELS[1]}" fp8 none
+    packed_kernels
     step "host syncs ${LABELS[1]}" "$LIMIT" host_syncs
     step "async save ${LABELS[1]}" $((LIMIT * 2)) async_save
+    report
+}
+
+report() {  # the summary, and the steps that failed
     echo
     echo "=== summary ($SECONDS s)"
     cat "$SUMMARY"

@@ -56,13 +56,15 @@ def check_distillation(
 
 def teacher_choice(settings: DistillConfig) -> ModelChoice:
     """The ``teacher`` group as the model checks read a model: built from ``teacher.config`` of
-    ``teacher.family`` (null: the student's), or from its folder."""
+    ``teacher.family`` (null: the student's), or from its folder; its attention transformers'
+    default (SDPA where its class has it, packed rows as a dense mask)."""
     teacher, family = settings.teacher, settings.teacher.family or settings.model.family
     cache_dir = model_choice(settings).cache_dir
     return ModelChoice(
         name="teacher",
         family=family,
         config=teacher.config,
+        attn_implementation=None,  # transformers' default (sdpa): the teacher runs forward only
         pretrained_path=teacher.pretrained_path,
         cache_dir=cache_dir,
     )

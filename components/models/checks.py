@@ -18,6 +18,7 @@ from components.distributed.context_parallel import attention_problems
 from components.distributed.layout import ParallelDims
 from components.distributed.pipeline import stage_structure_problem
 from components.distributed.tp_plan import check_plan, tp_size_errors
+from components.models.attention import attention_choice_problems, set_attention
 from components.models.build import meta_causal_lm
 from components.models.compile import check_compile
 from components.models.configs import (
@@ -39,6 +40,7 @@ from components.models.load import (
 )
 from components.models.lora import LoraOptions, apply_lora, targeted_experts, targeted_linears
 from components.models.options import LoraTargets, ModelChoice, ModelUse
+from components.models.qlora import nf4_problems
 from components.models.smollm2 import smollm2_converted, smollm2_folder
 from components.problems import Problem, problems
 
@@ -68,6 +70,7 @@ def check_model(choice: ModelChoice, use: ModelUse, dims: ParallelDims | None) -
     config, found = checked.config, checked.problems
     found += config_problems(config, checked.path, use.seq_len)
     cp = 1 if dims is None else dims.cp
+    found += kernel_problems(choice, use, cp, config)
     found += problems("cp", sequence_problems(config, cp, packing=False))
     found += problems("train.packing", sequence_problems(config, 1, use.packing))
     found += problems("model", position_offset_problems(config))
@@ -125,6 +128,25 @@ def _config(choice: ModelChoice) -> CheckedModel:
         checked.path, checked.config = None, None
         checked.problems = [Problem(key="model", message=str(error))]
     return checked
+
+
+def kernel_problems(choice: ModelChoice, use: ModelUse, cp: int, config) -> list[Problem]:
+    """``model.attn_implementation`` checked for this run at context parallel size ``cp``, then
+    set on ``config`` (left as it is when refused: a kernel not installed would fail the build
+    too); ``model.config.attn_implementation``, a second key for it, refused."""
+    chosen = choice.attn_implementation
+    found = attention_choice_problems(chosen, config, use.device_type, use.precision, cp)
+    if not found:
+        set_attention(config, chosen)
+    refused = problems("model.attn_implementation", found)
+    if "attn_implementation" in choice.config:
+        given = choice.config["attn_implementation"]
+        message = (
+            f"model.config.attn_implementation={given} is refused: the attention kernel is set "
+            f"once, by model.attn_implementation; use model.attn_implementation={given}"
+        )
+        refused.append(Problem(key="model.config.attn_implementation", message=message))
+    return refused
 
 
 def awaits_fetch(choice: ModelChoice) -> bool:
@@ -212,6 +234,8 @@ def _layout_problems(
     styles, plan_found = checked_plan(config, meta, dims.tp, use.sequence_parallel, moe)
     found += plan_found + tp_problems(config, dims.tp)
     found += stage_problems(config, meta, dims.pp)
+    if use.nf4_base and use.lora is not None:  # the adapters were placed: their bases' tiles
+        found += problems("peft", nf4_problems(meta, styles, dims.tp))
     if use.precision == "fp8":
         found += _fp8_problems(meta, use, dims, bool(experts), styles)
     try:

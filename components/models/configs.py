@@ -82,13 +82,14 @@ def build_config(family: str, sizes: dict[str, Any]) -> PretrainedConfig:
 
 
 def tiny_config(family: str, **overrides: Any) -> PretrainedConfig:
-    """The tiny config of ``conf/model/<family>.yaml`` (the recipe's default sizes); ``overrides``
-    win."""
+    """The tiny config of ``conf/model/<family>.yaml`` (the recipe's default sizes and attention
+    kernel); ``overrides`` win."""
     if family not in FAMILIES:
         raise ValueError(
             f"unknown model family {family!r}; known families: {', '.join(sorted(FAMILIES))}"
         )
-    sizes = yaml.safe_load((MODEL_CONF_DIR / f"{family}.yaml").read_text())["config"]
+    group = yaml.safe_load((MODEL_CONF_DIR / f"{family}.yaml").read_text())
+    sizes = {**group["config"], "attn_implementation": group["attn_implementation"]}
     sizes["vocab_size"] = sizes["vocab_size"] or TINY_VOCAB_SIZE  # null there: the tokenizer's
     return build_config(family, {**sizes, **overrides})
 

@@ -11,6 +11,10 @@ PRECISIONS = ("fp32", "bf16-mixed", "bf16", "fp8")  # train.precision (component
 FP8_RECIPES = ("tensorwise", "rowwise")  # train.fp8_recipe (components.models.fp8)
 # train.activation_checkpointing (components.models.activation_checkpointing)
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
+# model.attn_implementation (components.models.attention); PACKED_NATIVE take packed rows as
+# sequence boundaries (cumulative lengths, a block mask), never as a dense sequence × sequence mask
+PACKED_NATIVE = ("flash_attention_2", "flash_attention_3", "flex_attention")
+ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", *PACKED_NATIVE)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -20,6 +24,7 @@ class ModelChoice:
     name: str  # model=NAME, as messages name it
     family: str | None
     config: dict[str, Any]  # model.config: the family's sizes (not read for a folder)
+    attn_implementation: str | None  # None: transformers' default (sdpa, else eager)
     pretrained_path: str | None = None  # a local folder or a Hub id
     source: str | None = None  # a named source (smollm2)
     experts: Sequence[str] | None = None  # module patterns; None: the family's
@@ -45,5 +50,6 @@ class ModelUse:
     compile: bool
     device_type: str
     lora: LoraTargets | None  # None: no adapters (or peft's own keys are refused)
-    peft_lora: bool  # peft=lora, checked or not (fp8 refuses it either way)
+    peft_lora: bool  # peft=lora or qlora, checked or not (fp8 refuses it either way)
+    nf4_base: bool = False  # peft=qlora: the adapted linears' base stored in NF4
     packing: bool  # train.packing: examples packed in a row, their positions restarting
