@@ -22,16 +22,13 @@ from components.checkpoint.writer import CheckpointWriter
 from components.data.loader import Batch
 from components.data.streaming import StreamBatches, open_loaders
 from components.debug.faults import install_faults
+from components.distributed import tp_replicas
 from components.distributed.context_parallel import ContextParallel
 from components.distributed.fsdp import set_gradient_sync
 from components.distributed.grads import clip_grad_norm_, grad_norm
 from components.distributed.pipeline import build_pipeline
 from components.distributed.replicas import check_replicas, write_drift_report
 from components.distributed.step_finalizer import StepFinalizer
-from components.distributed.tp_replicas import (
-    broadcast_tp_replicas,
-    synchronize_tp_replica_gradients,
-)
 from components.models.conversion import convert_model
 from components.models.fp8 import fp8_scales_after_steps
 from components.models.parallelize import build_parallel_model
@@ -78,7 +75,7 @@ def set_up(plan: RunPlan) -> Run:
     model, report = build_parallel_model(plan.model, dims, meshes, device, converted)
     if report is not None:
         say(report.format())
-    broadcast_tp_replicas([model], meshes.world)  # after parallelising and loading, before optim
+    tp_replicas.broadcast_tp_replicas([model], meshes.world)  # loaded, before the optimizer
     trained = [parameter for parameter in model.parameters() if parameter.requires_grad]
     optimizer = target_class("optim", optim.target)(trained, **optim.options())  # no frozen state
     fp8_scales_after_steps(optimizer, model, plan.fp8)  # fp8 under FSDP: one all-reduce a step
@@ -169,9 +166,10 @@ def train_step(
     started = time.perf_counter()
     reset_peak_memory(run.device)
     run.state.optimizer.zero_grad(set_to_none=True)
+    tp_replicas.zero_tp_replica_gradients([run.state.model], run.meshes.world)  # into the buckets
     loss_sum = step_fn(run, plan, step)
     run.finalize_gradients([run.state.model])  # reads the device at the first step only
-    synchronize_tp_replica_gradients([run.state.model], run.meshes.world)  # plan, buffers reused
+    tp_replicas.synchronize_tp_replica_gradients([run.state.model], run.meshes.world)  # in place
     clip, parts = plan.train.clip_grad_norm, [run.state.model]
     pp = run.pipeline and run.pipeline.group  # the grad norm's sum over the stages
     norm = clip_grad_norm_(parts, clip, across=pp) if clip else grad_norm(parts, across=pp)
