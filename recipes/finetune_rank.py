@@ -11,7 +11,7 @@ import functools
 import math
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,7 @@ from components.runtime.problems import say  # say: rank 0's lines alone
 from components.runtime.ranks import local_restart
 from components.runtime.world import join_world
 from components.targets import target_class
+from components.training.compile_counts import CompileCounts
 from components.training.loggers import MetricsLogger, open_logger
 from components.training.metrics import MetricsLog, matmul_math, plot_loss_curve, throughput
 from components.training.profiler import StepProfiler
@@ -51,7 +52,7 @@ from components.training.schedule import build_schedule
 from components.training.step import forward_backward_on_device  # reads the models' TP plans
 from components.training.validation import validation_losses
 from recipes.export import export, export_folders
-from recipes.plan import RecordFn, Run, RunPlan, StepFn
+from recipes.plan import RecordFn, Run, RunPlan, StepFn, StepsOf
 from recipes.prepare import resume_again
 
 
@@ -219,9 +220,11 @@ def train(
     state, cadence, stopped, skipped = run.state, plan.cadence, None, 0
     profile = plan.settings.profile
     profiler = StepProfiler(profile.steps, profile.memory, plan.output_dir, run.rank, state.step)
+    compiled = CompileCounts.start(say if plan.model.compile else None)  # Dynamo's, in the steps
     for step in cadence.steps(run.first_step):
         with heartbeat.watched(f"step {step + 1}", judged=step > run.first_step):  # 1st: compile
-            record = train_step(run, plan, step, *stepping) | writer.take_stall()  # the save before
+            with compiled.step(step + 1):  # a graph break, a recompilation: a note: line, once
+                record = train_step(run, plan, step, *stepping) | writer.take_stall()  # save before
         state.step, skipped = step + 1, skipped + bool(record.get("skipped"))
         if cadence.validate(state.step):
             record |= validation_losses(run, plan.train.loss_chunk_tokens)
@@ -278,9 +281,6 @@ def finish(run: Run, plan: RunPlan, stopped: bool = False, skipped: int = 0) -> 
     dist.destroy_process_group()
     if fails:
         fail_once(note)  # every rank exits 1; rank 0 prints the one error: line
-
-
-StepsOf = Callable[[Run, RunPlan], tuple[StepFn, RecordFn]]
 
 
 def rank_main(plan: RunPlan, steps: StepsOf = finetune_steps) -> str | None:

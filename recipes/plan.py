@@ -299,6 +299,8 @@ class Run:
 StepFn = Callable[[Run, "RunPlan", int], "torch.Tensor"]  # a step's forward and backward: its sums
 # the step's loss metrics from the step function's sums, as read on the host
 RecordFn = Callable[[Run, "RunPlan", int, Any], dict]
+# a recipe's step function and loss metrics for a rank's run (fine-tuning's, DPO's, distillation's)
+StepsOf = Callable[[Run, "RunPlan"], tuple[StepFn, RecordFn]]
 
 
 def lora_options(peft: Peft, experts: Sequence[str]) -> LoraOptions:

@@ -239,7 +239,7 @@ def _layout_problems(
     if use.precision == "fp8":
         found += _fp8_problems(meta, use, dims, bool(experts), styles)
     try:
-        check_compile(use.compile, use.device_type, bool(experts), dims.tp, dims.sp)
+        check_compile(use.compile, use.device_type, bool(experts), dims.ep)
     except ValueError as error:
         found.append(Problem(key="train.compile", message=str(error)))
     return found
