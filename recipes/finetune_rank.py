@@ -42,10 +42,10 @@ from components.runtime.launch import fail_once
 from components.runtime.problems import say  # say: rank 0's lines alone
 from components.runtime.ranks import local_restart
 from components.runtime.world import join_world
-from components.targets import target_class
 from components.training.compile_counts import CompileCounts
 from components.training.loggers import MetricsLogger, open_logger
 from components.training.metrics import MetricsLog, matmul_math, plot_loss_curve, throughput
+from components.training.optimizer import build_optimizer
 from components.training.profiler import StepProfiler
 from components.training.readout import StepReadout
 from components.training.schedule import build_schedule
@@ -77,7 +77,7 @@ def set_up(plan: RunPlan) -> Run:
         say(report.format())
     tp_replicas.broadcast_tp_replicas([model], meshes.world)  # loaded, before the optimizer
     trained = [parameter for parameter in model.parameters() if parameter.requires_grad]
-    optimizer = target_class("optim", optim.target)(trained, **optim.options())  # no frozen state
+    optimizer = build_optimizer(optim.target, trained, optim.options())  # no frozen state
     fp8_scales_after_steps(optimizer, model, plan.fp8)  # fp8 under FSDP: one all-reduce a step
     warmup, max_steps, options = train.warmup_steps, train.max_steps, plan.schedule.options()
     schedule = build_schedule(optimizer, plan.schedule.name, warmup, max_steps, options)
