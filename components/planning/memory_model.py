@@ -1,6 +1,5 @@
 """Per-rank memory of a training step, from the parallel model's local shards and the batch
 geometry.
-
 - ``params``, ``grads``, ``optimizer``: exact, this rank's local shards (built on the meta device),
   their gradients and AdamW's moments (or SGD's).
 - ``activations``: what autograd saves for backward in one micro-batch (``seq_len / cp`` tokens of
@@ -10,11 +9,14 @@ geometry.
   (:class:`Stage`): its own layers, times the micro-batches in flight, and its output kept.
 - ``buffers``: the step's transients (logits, autocast copies, fp8's float8 copies, gradients in
   flight, FSDP's unsharded layers, the replica sync's buffer, AdamW's temporaries).
+- ``frozen``: a frozen model's shards (DPO's reference, distillation's teacher: :class:`Frozen`);
+  its no_grad forward a phase of its own, a teacher's hidden states and logit chunks in the step's.
 - ``total``: the largest of the step's phases (``phases``), plus ``runtime``. Design notes:
   docs/design-notes.md
 """
 
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,6 +27,7 @@ from components.distributed.chunked_loss import chunks_head
 from components.distributed.layout import ParallelDims
 from components.distributed.replicas.flat_buffers import MAX_FLAT_BUFFER_BYTES
 from components.models.build import decoder_blocks
+from components.models.qlora import local_shape, quantizable, stored_bytes
 from components.planning.flops import head_dim, is_sparse_layer
 
 GIB = 1024**3
@@ -58,8 +61,23 @@ class Step:
     loss_chunk_tokens: int  # train.loss_chunk_tokens: tokens per head + loss chunk; 0: unchunked
     packing: bool = False  # train.packing: transformers then builds a document mask (cp=1 too)
     fp8_recipe: str = "tensorwise"  # with fp8: tensorwise all-gathers float8 weights under FSDP
+    nf4_base: bool = False  # peft=qlora: the adapted linears' weights in NF4, outside FSDP
     pp_schedule: str = "1f1b"  # with pp > 1: gpipe | 1f1b | interleaved_1f1b
     pp_stages_per_rank: int = 1
+    rows_per_sample: int = 1  # rows a micro-batch holds per sample: DPO's pairs are 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class Frozen:
+    """A frozen model run forward under ``no_grad`` before the trained one on each micro-batch:
+    DPO's reference (``model`` None: the trained model itself with its adapters off, peft=lora,
+    no weights of its own) or distillation's teacher, whose last hidden states live on through
+    the trained model's step (``keeps_hidden``: the KL reads them chunk by chunk, forward and
+    backward). ``model``: its parallel meta model; ``config``: its Hugging Face config."""
+
+    model: nn.Module | None
+    config: Any
+    keeps_hidden: bool
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,6 +103,7 @@ class MemoryEstimate:
     params: float
     grads: float
     optimizer: float
+    frozen: float  # a frozen second model's weights (:class:`Frozen`), 0 without one
     activations: float
     buffers: float
     runtime: float
@@ -154,27 +173,52 @@ def _tp_replicated(parameter: torch.Tensor) -> bool:
     return not parameter.placements[names.index("tp")].is_shard()
 
 
+def _nf4_weights(model: nn.Module, step: Step) -> dict[int, tuple[int, int]]:
+    """With ``peft=qlora``: the NF4 weights, each (this rank's values, bytes held), by ``id`` of
+    the parameter they stand for on the meta model (of the module once quantized); FSDP leaves
+    them whole on every dp rank."""
+    if not step.nf4_base:
+        return {}
+    found = {}
+    for _, module in quantizable(model):
+        rows, cols = local_shape(module)
+        weight = getattr(module, "weight", None)  # None: quantized, the module's NF4 weight
+        element = (weight if weight is not None else module.nf4_weight.data).element_size()
+        found[id(weight if weight is not None else module)] = (
+            rows * cols,
+            stored_bytes(rows, cols, element),
+        )
+    return found
+
+
 def _state(model: nn.Module, layout: Layout, step: Step) -> dict[str, float]:
-    """Bytes of the local shards: all of them, one decoder layer's (unsharded over dp: its numel),
-    the matmul weights (autocast copies) and ``lm_head``'s; and of the trained ones alone (a frozen
-    base has no gradients and no optimizer state): all, one layer's, the TP-replicated ones (the
-    replica sync) and the largest tensor."""
+    """Bytes of the local shards: all of them (NF4 weights as stored), one decoder layer's
+    (unsharded over dp: its numel), the matmul weights (autocast copies) and ``lm_head``'s; and of
+    the trained ones alone (a frozen base has no gradients and no optimizer state): all, one
+    layer's, the TP-replicated ones (the replica sync) and the largest tensor."""
     params = list(model.parameters())
     local = [_local(p) for p in params]
-    total = sum(t.numel() * t.element_size() for t in local)
+    nf4 = _nf4_weights(model, step)
+    pairs = list(zip(params, local, strict=True))
+    total = sum(t.numel() * t.element_size() for p, t in pairs if id(p) not in nf4)
+    total += sum(held for _, held in nf4.values())
     element = local[0].element_size() if local else 4
     layers = _decoder_layers(model)
-    layer = max((sum(_local(p).numel() for p in block.parameters()) for block in layers), default=0)
+    layer = max(
+        (sum(_local(p).numel() for p in b.parameters() if id(p) not in nf4) for b in layers),
+        default=0,
+    )
     layer_trained = max(
         (sum(_local(p).numel() for p in b.parameters() if p.requires_grad) for b in layers),
         default=0,
     )
     embedding = getattr(model.get_input_embeddings(), "weight", None)  # None off the first stage
-    head_weight = getattr(model.get_output_embeddings(), "weight", None)  # None off the last
-    head_weight = _local(head_weight) if head_weight is not None else None
-    pairs = list(zip(params, local, strict=True))
+    head = getattr(model.get_output_embeddings(), "weight", None)  # None off the last
+    head_weight = _local(head) if head is not None else None
     trained = [(p, t) for p, t in pairs if p.requires_grad]
-    matmul = sum(t.numel() for p, t in pairs if t.dim() >= 2 and p is not embedding)
+    matmul = sum(
+        t.numel() for p, t in pairs if t.dim() >= 2 and p is not embedding and id(p) not in nf4
+    )
     replicated = sum(t.numel() * t.element_size() for p, t in trained if _tp_replicated(p))
     return {
         "bytes": total,
@@ -187,12 +231,15 @@ def _state(model: nn.Module, layout: Layout, step: Step) -> dict[str, float]:
         "layer_numel": layer * _sharding(layout),  # FSDP all-gathers a layer over its shards
         "matmul_numel": matmul if _data_parallel(layout) == 1 else 0,  # autocast: without FSDP
         "head_numel": head_weight.numel() if head_weight is not None else 0,
+        "head_trained": head is not None and head.requires_grad,  # frozen under LoRA
         "replicated_bytes": replicated,
         "largest_bytes": max((t.numel() * t.element_size() for _, t in trained), default=0),
+        "nf4_largest_numel": max((numel for numel, _ in nf4.values()), default=0),
     }
 
 
 _FP8_KEYS = ("fp8_numel", "fp8_largest_numel", "fp8_layer_numel")
+_FROZEN_KEYS = ("frozen_weights", "frozen_forward", "teacher_hidden", "teacher_logits")
 
 
 def _autocast(layout: Layout, step: Step) -> bool:
@@ -259,7 +306,7 @@ def _layer_rows(config, layout: Layout, step: Step, index: int) -> tuple[float, 
 
 def _tokens(layout: Layout, step: Step) -> int:
     """Tokens of one micro-batch on this rank: cp splits every row."""
-    return layout.micro_batch_size * step.seq_len // layout.dims.cp
+    return layout.micro_batch_size * step.rows_per_sample * step.seq_len // layout.dims.cp
 
 
 def _activations(config, layout: Layout, step: Step, stage: Stage) -> dict[str, float]:
@@ -303,7 +350,8 @@ def _activations(config, layout: Layout, step: Step, stage: Stage) -> dict[str, 
 def _loss(config, layout: Layout, step: Step, state: dict, chunked: bool) -> dict[str, float]:
     """The head and the loss: (the forward's transients, the backward's), bytes. Chunked: one chunk
     of logits (fp32, and its bf16 matmul output under bf16 compute), the head's weight cast to the
-    compute dtype, and in backward the head's fp32 weight gradient and the hidden states' gradient;
+    compute dtype, and in backward the head's fp32 weight gradient (when it trains) and the hidden
+    states' gradient;
     unchunked: the micro-batch's logits, their fp32 copy and their gradient. None without a head
     (a pipeline stage before the last)."""
     tokens = _tokens(layout, step) * (state["head_numel"] > 0)
@@ -315,7 +363,8 @@ def _loss(config, layout: Layout, step: Step, state: dict, chunked: bool) -> dic
     rows = min(tokens, step.loss_chunk_tokens)
     cast = state["head_numel"] * compute * (compute != state["element"])
     logits = rows * vocab * (4 + (compute if compute != 4 else 0)) + cast
-    gradients = state["head_numel"] * 4 + 2 * tokens * config.hidden_size * compute
+    gradients = state["head_numel"] * 4 * state["head_trained"]  # its weight's, when trained
+    gradients += 2 * tokens * config.hidden_size * compute
     return {"logits": logits, "head_backward": gradients}
 
 
@@ -344,6 +393,9 @@ def _buffers(config, layout: Layout, step: Step, state: dict, stage: Stage) -> d
         **_loss(config, layout, step, state, chunked),
         "autocast_weight_copies": 2 * copies * _autocast(layout, step),
         "fp8_weight_casts": fp8_casts,
+        # QLoRA: the largest NF4 weight dequantized for one matmul, and its untiled copy (torchao's
+        # int64 codes, 8 bytes a value, are freed before the matmul allocates its output)
+        "nf4_dequantize": state["nf4_largest_numel"] * 2 * state["element"],
         "fsdp_layers": fsdp,
         "fsdp_unsharded_accumulated_grads": unsharded,
         "replica_sync": min(MAX_FLAT_BUFFER_BYTES, state["replicated_bytes"])
@@ -352,12 +404,36 @@ def _buffers(config, layout: Layout, step: Step, state: dict, stage: Stage) -> d
     }
 
 
+def _frozen(frozen: Frozen, layout: Layout, step: Step, trained: dict) -> dict[str, float]:
+    """Bytes of a frozen model's share of the step (:class:`Frozen`): its weights; its no_grad
+    forward's working set (its widest layer's input and transients, FSDP's two unsharded layers,
+    the reference's head chunk: nothing is saved for a backward); a teacher's last hidden states
+    and the teacher's side of each KL chunk (its fp32 logits, shifted and exponentiated copies),
+    which live through the trained model's forward and the head's backward. ``trained``: the
+    trained model's :func:`_state`, the reference of peft=lora (its own layers, gathered)."""
+    config, tokens = frozen.config, _tokens(layout, step)
+    state = trained if frozen.model is None else _state(frozen.model, layout, step)
+    rows = [_layer_rows(config, layout, step, i) for i in range(config.num_hidden_layers)]
+    working = tokens * max(block_input + in_flight for _, block_input, in_flight in rows)
+    compute = 4 if step.precision == "fp32" else 2
+    fsdp = 2 * state["layer_numel"] * compute * (_data_parallel(layout) > 1)
+    chunk = min(tokens, step.loss_chunk_tokens or tokens) * _vocab_share(config, layout)
+    teacher = frozen.keeps_hidden
+    return {
+        "frozen_weights": 0 if frozen.model is None else state["bytes"],
+        "frozen_forward": working + fsdp + chunk * (4 + compute) * (not teacher),
+        "teacher_hidden": tokens * config.hidden_size * compute * teacher,
+        "teacher_logits": chunk * 4 * 3 * teacher,
+    }
+
+
 def _peak(
     grads: float, state: dict, act: dict, buf: dict, layout: Layout, stage: Stage
 ) -> dict[str, float]:
     """Bytes above params + optimizer state at each phase of the step (its largest is the peak):
     a pipeline stage's with the micro-batches it holds at once (and its gradients, at 1F1B's
-    steady state)."""
+    steady state); a frozen model's forward (:func:`_frozen`, its terms in ``buf``) before the
+    trained one's, after the gradients of the micro-batches before it."""
     fsdp = buf["fsdp_layers"] + buf["fsdp_unsharded_accumulated_grads"]
     # saved by the forward, for backward: every micro-batch in flight's
     kept = act["layers"] + act["embedding_and_norm"] + act["stage_output"] + act["logits_held"]
@@ -368,6 +444,7 @@ def _peak(
     saved_copies = copies if none else 0.0  # saved for backward only without checkpointing
     # one block's backward
     in_flight = buf["block_backward"] + act["recompute"] + buf["fp8_weight_casts"]
+    in_flight += buf["nf4_dequantize"]
     layer_copies = copies / state["layers"] if state["layers"] and not none else 0.0
     # the bool mask: freed with the forward's inputs, or kept for the recompute by checkpointing
     mask = act["attention_mask"]
@@ -376,9 +453,13 @@ def _peak(
     last_block = grads - state["layer_grad_bytes"] + in_flight + layer_copies + (not none) * mask
     last_block += (one / state["layers"] if state["layers"] else one) + kept - one
     forward = held + kept + mask + copies + buf["logits"] + fsdp + buf["fp8_weight_casts"]
+    forward += buf["nf4_dequantize"]
+    teacher = buf["teacher_hidden"] + buf["teacher_logits"]  # the KL's, through the head's backward
+    frozen = buf["frozen_forward"] + (held or grads * state["accumulates"])
     return {
-        "forward": forward,
-        "head_backward": held + backward + buf["logits"] + buf["head_backward"] + fsdp,
+        **({"frozen_forward": frozen} if buf["frozen_forward"] else {}),
+        "forward": forward + teacher,
+        "head_backward": held + backward + buf["logits"] + buf["head_backward"] + fsdp + teacher,
         "first_block_backward": first_block + fsdp,
         "last_block_backward": last_block + fsdp,
         "after_backward": grads + buf["replica_sync"],
@@ -387,13 +468,20 @@ def _peak(
 
 
 def estimate_memory(
-    model: nn.Module, config, layout: Layout, step: Step, stage: Stage | None = None
+    model: nn.Module,
+    config,
+    layout: Layout,
+    step: Step,
+    stage: Stage | None = None,
+    frozen: Frozen | None = None,
 ) -> MemoryEstimate:
     """Per-rank memory of a training step of ``model``, the parallel meta model of ``layout``:
-    the whole model, or with ``stage`` one pipeline rank's."""
+    the whole model, or with ``stage`` one pipeline rank's; with ``frozen``, a frozen model run
+    forward beside it (DPO's reference, distillation's teacher)."""
     stage = stage or whole_model(config)
     state = _state(model, layout, step)
     state["layers"], state["chunks_head"] = len(stage.layers), chunks_head(model)
+    state["accumulates"] = step.global_batch_size > layout.micro_batch_size * layout.dims.dp
     fp8 = step.precision == "fp8"
     state |= _fp8_numel(model, layout) if fp8 else dict.fromkeys(_FP8_KEYS, 0)
     params, grads = state["bytes"], state["grad_bytes"]  # grads: of the trained parameters
@@ -403,13 +491,16 @@ def estimate_memory(
         act[name] *= stage.in_flight
     act["logits_held"] *= stage.in_flight - 1
     buf = {**_buffers(config, layout, step, state, stage), "block_backward": act.pop("in_flight")}
+    buf |= _frozen(frozen, layout, step, state) if frozen else dict.fromkeys(_FROZEN_KEYS, 0)
+    weights = buf.pop("frozen_weights")
     phases = _peak(grads, state, act, buf, layout, stage)
-    peak = params + optimizer + max(phases.values())
+    peak = params + weights + optimizer + max(phases.values())
     gib = {name: value / GIB for name, value in {**act, **buf}.items()}
     return MemoryEstimate(
         params=params / GIB,
         grads=grads / GIB,
         optimizer=optimizer / GIB,
+        frozen=weights / GIB,
         activations=sum(act.values()) / GIB,
         buffers=sum(buf.values()) / GIB,
         runtime=step.runtime_gib,

@@ -53,7 +53,7 @@ def _peft_adapters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return adapter_state(model, torch.float32)
 
 
-def _losses(model: torch.nn.Module, optimizer_class, options: dict) -> list[float]:
+def adapter_losses(model: torch.nn.Module, optimizer_class, options: dict) -> list[float]:
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = optimizer_class(trained, **options)
     ids = torch.randint(0, 96, (4, 16), generator=torch.Generator().manual_seed(1))
@@ -81,8 +81,8 @@ def test_five_steps_equal_peft_lora_on_the_same_model_batches_and_optimizer(
     family, optimizer_class, options
 ):
     ours, reference = _twins(family)
-    ours_losses = _losses(ours, optimizer_class, options)
-    reference_losses = _losses(reference, optimizer_class, options)
+    ours_losses = adapter_losses(ours, optimizer_class, options)
+    reference_losses = adapter_losses(reference, optimizer_class, options)
     assert ours_losses == pytest.approx(reference_losses, rel=1e-5)
     assert ours_losses[-1] < ours_losses[0]  # it trains
     theirs = _peft_adapters(reference)
@@ -98,7 +98,7 @@ def test_five_steps_equal_peft_lora_on_the_same_model_batches_and_optimizer(
 
 def test_our_exported_expert_adapters_loaded_by_peft_give_our_logits(tmp_path):
     ours, _ = _twins("qwen3_moe")
-    _losses(ours, torch.optim.AdamW, dict(lr=1e-2))
+    adapter_losses(ours, torch.optim.AdamW, dict(lr=1e-2))
     names = [name for name, _ in lora_modules(ours)]
     config = adapter_config(4, 8.0, 0.0, names, None, adapted_parameters(ours))
     export_peft_adapter(adapter_state(ours, torch.float32), config, tmp_path / "adapter")
@@ -116,7 +116,7 @@ def test_the_base_is_frozen_and_only_adapters_train():
     trained = sorted(n for n, p in ours.named_parameters() if p.requires_grad)
     assert trained and all(".lora_A." in n or ".lora_B." in n for n in trained)
     assert len(trained) == 2 * 7 * 2  # A and B on 7 projections in each of 2 layers
-    _losses(ours, torch.optim.AdamW, dict(lr=1e-2))
+    adapter_losses(ours, torch.optim.AdamW, dict(lr=1e-2))
     for name, parameter in ours.named_parameters():
         if name in base:
             assert torch.equal(parameter, base[name]), name
