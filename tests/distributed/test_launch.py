@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from components.runtime.launch import RankExit, _report_failure
+from tests import cli
 
 REPO = Path(__file__).resolve().parents[2]
 # Generous bounds that only a real orphan or hang exceeds (no timing is asserted beyond them).
@@ -52,14 +53,17 @@ RANKS = textwrap.dedent(
 
 
 def start(tmp_path: Path, mode: str) -> tuple[subprocess.Popen, Path]:
-    """The launcher in its own session, stderr to a file, TMPDIR inside the test's folder."""
+    """The launcher in its own session, stderr to a file, TMPDIR inside the test's folder; a
+    script, so its interpreter starts warm (tests/cli.py)."""
     notes = tmp_path / "pids"
     notes.mkdir()
     (tmp_path / "tmp").mkdir()
+    script = tmp_path / "ranks.py"
+    script.write_text(RANKS)
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path / "tmp")}
     with open(tmp_path / "stderr", "w") as err:
-        process = subprocess.Popen(
-            [sys.executable, "-c", RANKS, str(notes), mode],
+        process = cli.Popen(
+            [sys.executable, str(script), str(notes), mode],
             cwd=REPO,
             env=environment,
             stderr=err,
