@@ -53,7 +53,7 @@ def _peft_adapters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return adapter_state(model, torch.float32)
 
 
-def _losses(model: torch.nn.Module, optimizer_class, options: dict) -> list[float]:
+def adapter_losses(model: torch.nn.Module, optimizer_class, options: dict) -> list[float]:
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = optimizer_class(trained, **options)
     ids = torch.randint(0, 96, (4, 16), generator=torch.Generator().manual_seed(1))
@@ -100,8 +100,8 @@ def trained(runs: dict[str, Run], name: str) -> Run:
         runs[name] = Run(
             ours=ours,
             reference=reference,
-            ours_losses=_losses(ours, optimizer_class, options),
-            reference_losses=_losses(reference, optimizer_class, options),
+            ours_losses=adapter_losses(ours, optimizer_class, options),
+            reference_losses=adapter_losses(reference, optimizer_class, options),
             base=base,
         )
     return runs[name]
