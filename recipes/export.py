@@ -1,5 +1,6 @@
 """The end of a run: the trained model exported, as ``hf/`` (a Hugging Face folder), or with
-``peft=lora`` as ``adapter/`` (PEFT's format) and, with ``peft.merge=true``, ``hf/`` merged.
+``peft=lora`` (or ``qlora``) as ``adapter/`` (PEFT's format) and, with ``peft.merge=true``,
+``hf/`` merged (QLoRA's: the dequantized base's).
 
 The adapter names its base (``base_model_name_or_path``), so that ``AutoPeftModelForCausalLM``
 loads it alone: the pretrained folder or Hub id, or, for a model built from its config (seeded
@@ -17,6 +18,7 @@ from components.distributed.pipeline import every_stage
 from components.models.build import build_causal_lm
 from components.models.lora import adapted_parameters, adapter_state, lora_modules, merge_adapters
 from components.models.precision import precision_policy
+from components.models.qlora import dequantize_base
 from recipes.plan import RunPlan
 from recipes.schema import Peft
 
@@ -39,6 +41,8 @@ def export(model: torch.nn.Module, plan: RunPlan, stages=None) -> None:
         export_peft_adapter(state, config, plan.output_dir / "adapter")
         if not peft.merge:
             return
+        if peft.name == "qlora":  # the NF4 base dequantized into its dtype, to merge into
+            dequantize_base(model)
         merge_adapters(model)  # the same function, its adapters folded into the base
     card = dict(recipe="recipes/finetune.py", config_yaml=plan.config_yaml, base_model=base)
     files = dict(tokenizer=tokenizer, dtype=dtype, source_dir=source)
@@ -76,7 +80,7 @@ def write_base(plan: RunPlan, tokenizer, dtype: torch.dtype) -> str:
 
 def exported_folders(peft: Peft) -> tuple[str, ...]:
     """The folders :func:`export` writes for the ``peft`` settings (a written ``base/`` aside)."""
-    if peft.name != "lora":
+    if not peft.adapters:
         return ("hf",)
     return ("adapter", "hf") if peft.merge else ("adapter",)
 

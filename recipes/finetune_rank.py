@@ -19,7 +19,8 @@ import yaml
 
 from components.checkpoint.state import TrainState
 from components.checkpoint.writer import CheckpointWriter
-from components.data.loader import Batch, open_source_vals, open_splits
+from components.data.loader import Batch
+from components.data.streaming import StreamBatches, open_loaders
 from components.debug.faults import install_faults
 from components.distributed.context_parallel import ContextParallel
 from components.distributed.fsdp import set_gradient_sync
@@ -68,11 +69,10 @@ def set_up(plan: RunPlan) -> Run:
     train, optim, timeout, dims = plan.train, plan.optim, plan.collective_timeout, plan.dims
     device = join_world(plan.device_type, timeout, plan.cpu_threads, plan.seed, train.tf32)
     rank, meshes = dist.get_rank(), dims.build_meshes(plan.device_type, timeout)
-    shards = dict(dp_size=dims.dp, dp_rank=meshes.batch.get_local_rank(), seed=plan.seed)
-    splits = (plan.data.train, plan.data.val, train.global_batch_size, train.micro_batch_size)
-    data, val_data = open_splits(*splits, **shards, pad_multiple=plan.pad_multiple)
-    vals = (plan.data.val_sources, train.micro_batch_size)
-    val_sources = open_source_vals(*vals, **shards, pad_multiple=plan.pad_multiple)
+    sizes = dict(dp_size=dims.dp, dp_rank=meshes.batch.get_local_rank(), seed=plan.seed)
+    splits = (plan.data.train, plan.data.val, plan.data.val_sources, train.global_batch_size)
+    sizes |= dict(group=meshes.batch.get_group(), pad_multiple=plan.pad_multiple)
+    data, val_data, val_sources = open_loaders(*splits, train.micro_batch_size, **sizes)
     converted = functools.partial(convert, plan=plan)
     model, report = build_parallel_model(plan.model, dims, meshes, device, converted)
     if report is not None:
@@ -87,7 +87,8 @@ def set_up(plan: RunPlan) -> Run:
     experts = ExpertLoad.watch(*watched, plan.model.routers, plan.moe.routing_bias_rate)
     if uncounted := uncounted_experts(model, list(plan.model.experts), plan.model.routers):
         say(f"note: expert choices not counted (tokens come routed, no router beside): {uncounted}")
-    state = TrainState(model=model, optimizer=optimizer, schedule=schedule)
+    stream = data if isinstance(data, StreamBatches) else None  # its position: the checkpoint's
+    state = TrainState(model=model, optimizer=optimizer, schedule=schedule, stream=stream)
     resume(plan.resume_from, state)  # every part of the state: the routing bias too, the step
     precision, data_parallel = precision_policy(plan.model.precision), dims.data_parallel > 1
     compute = functools.partial(precision.autocast, device.type, data_parallel=data_parallel)

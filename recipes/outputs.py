@@ -26,6 +26,7 @@ from components.checkpoint.integrity import (
     state_dict_shapes,
 )
 from components.data.sources import DataSource, MixSource
+from components.data.streaming import StreamedSource
 from components.models import meta_causal_lm
 from components.models.lora import PROJECTIONS
 from components.problems import Problem, show
@@ -64,7 +65,8 @@ def run_info(
     settings: Config,
     model_config,
     tokenizer_digest: str,
-    source: DataSource | MixSource | None = None,
+    source: DataSource | MixSource | StreamedSource | None = None,
+    dp: int = 1,
 ) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]]:
     """What a checkpoint of this run records, and what a resume must match (tp, dp and ep may
     change); and the model's tensor shapes, which that record holds as a fingerprint (hand them to
@@ -73,7 +75,8 @@ def run_info(
     with the data (``data.num_examples``, ``seed``, an edited file) at the same vocabulary size. So
     are the data (``source``: which, and its fingerprint), ``seed`` (the data order) and
     ``data.val_fraction`` (the split) and ``data.loss_on`` (the labels): a resume that changes them
-    trains on another timeline's data, or validates on records it trained on."""
+    trains on another timeline's data, or validates on records it trained on. A streamed source's
+    ``dp`` too: each dp rank's position in the stream is its own (components/data/streaming.py)."""
     shapes = state_dict_shapes(meta_causal_lm(model_config))
     data = {}
     if source is not None:
@@ -94,6 +97,7 @@ def run_info(
         "data.val_fraction": settings.data.model_dump().get("val_fraction"),
         "data.loss_on": settings.data.loss_on,  # which tokens are trained
         **data,
+        **({STREAM_DP: dp} if isinstance(source, StreamedSource) else {}),
         SETTINGS: resume_settings(settings),
     }
     return info, shapes
@@ -103,11 +107,12 @@ def peft_info(peft) -> dict:
     """``peft``'s settings as a checkpoint records them: ``target_modules=null`` as the patterns it
     stands for, which the checkpoints of runs before null was the default recorded."""
     info = peft.model_dump()
-    if peft.name == "lora" and info["target_modules"] is None:
+    if peft.adapters and info["target_modules"] is None:
         info["target_modules"] = list(PROJECTIONS)
     return info
 
 
+STREAM_DP = "dp (a stream resumes at the dp it was read at)"  # the run_info key of a stream's dp
 SETTINGS = "settings"  # the run_info key of what a resume may change (not matched by resume)
 _UNSET = "unset"  # a setting one side does not give
 # optimizer options whose change a resume refuses: the state they need is not in the checkpoint

@@ -85,11 +85,12 @@ class Settled:
 
     @property
     def lora(self) -> LoraOptions | None:
-        """``peft=lora``'s options as the model takes them; None for full fine-tuning."""
+        """``peft=lora``'s (and ``qlora``'s) options as the model takes them; None for full
+        fine-tuning."""
         from components.models.lora import LoraOptions
 
         peft = self.settings.peft
-        if peft.name != "lora":
+        if not peft.adapters:
             return None
         patterns = None if peft.target_modules is None else tuple(peft.target_modules)
         experts = self.model.experts if peft.experts else ()  # the resolved expert patterns
@@ -298,7 +299,8 @@ def model_use(settings: Config, device_type: str) -> ModelUse:
         precision=train.precision,
         compile=train.compile,
         device_type=device_type,
-        lora=lora if peft.name == "lora" and not peft.errors() else None,
-        peft_lora=peft.name == "lora",
+        lora=lora if peft.adapters and not peft.errors() else None,
+        peft_lora=peft.adapters,
+        nf4_base=peft.name == "qlora",
         packing=train.packing,
     )

@@ -22,6 +22,7 @@ from components.data.sources import (
     GeneratedSource,
     MixSource,
 )
+from components.data.streaming import StreamedSplit
 from components.distributed.layout import ParallelDims
 from components.models import meta_causal_lm
 from components.models.checks import checked_plan, fetch_model_folder, tp_problems
@@ -50,7 +51,7 @@ def prepare(checked: Checked) -> tuple[RunPlan, OutputDirLock | None]:
     _refuse(found)
     if note := random_model_note(settings, checked):
         say(note)
-    info, shapes = run_info(settings, config, data.tokenizer_digest, checked.source)
+    info, shapes = run_info(settings, config, data.tokenizer_digest, checked.source, dims.dp)
     lock, resume_from, run_id = _claim_output_dir(settings, checked, info, shapes)
     settled = {field.name: getattr(checked, field.name) for field in fields(Settled)}
     plan = RunPlan(
@@ -145,6 +146,9 @@ def prepare_run_data(
         )
     except (DataError, ValueError) as error:
         return None, [Problem(key="data", message=f"data: {error}")]
+    if isinstance(prepared.train, StreamedSplit):  # no validation: the checks saw to it
+        say(f"data: {prepared.folder}: tokenized and packed as it is read")
+        return prepared, []
     val_rows = prepared.val.num_rows if prepared.val is not None else 0
     if train.val_every and (why := _too_few_val_rows(prepared, source, val_rows, dims.dp)):
         too_few = (
@@ -187,6 +191,7 @@ def model_spec(settings: Config, config, weights: Path | None) -> ModelSpec:
         compile=train.compile,
         shard_experts=settings.moe.shard_experts,
         pp_stages_per_rank=settings.pp_stages_per_rank,
+        nf4_base=settings.peft.name == "qlora",
     )
 
 

@@ -232,12 +232,14 @@ class Model(Section):
     )
 
 
-PEFT_METHODS = ("none", "lora")
+PEFT_METHODS = ("none", "lora", "qlora")
+ADAPTER_METHODS = ("lora", "qlora")  # the methods that train adapters, with the same keys
 
 
 class Peft(Section):
     """Parameter-efficient fine-tuning (docs/lora.md): ``peft=none`` trains every weight, its other
-    keys null; ``peft=lora`` trains low-rank adapters on a frozen base."""
+    keys null; ``peft=lora`` trains low-rank adapters on a frozen base; ``peft=qlora`` the same
+    adapters on a base whose adapted linears are stored in NF4."""
 
     name: Literal[PEFT_METHODS] = key(one_of(PEFT_METHODS))
     # LoRA's r: the adapters' inner size
@@ -260,18 +262,23 @@ class Peft(Section):
     # the export also writes base + adapters merged as a Hugging Face folder
     merge: bool | None = key("true or false with peft=lora")
 
+    @property
+    def adapters(self) -> bool:
+        """Whether the method trains adapters (``lora``, ``qlora``): every key below is read."""
+        return self.name in ADAPTER_METHODS
+
     def errors(self) -> list[str]:
         """Keys set that the chosen method does not read, or left null that it needs."""
         keys = [name for name in type(self).model_fields if name != "name"]
-        if self.name == "none":
+        if not self.adapters:
             return [
-                f"peft.{name}={show(getattr(self, name))} is read only with peft=lora: add "
-                f"peft=lora or remove it"
+                f"peft.{name}={show(getattr(self, name))} is read only with peft=lora or "
+                f"peft=qlora: add one or remove it"
                 for name in keys
                 if getattr(self, name) is not None
             ]
         found = [
-            f"peft.{name} is null: peft=lora needs it"
+            f"peft.{name} is null: peft={self.name} needs it"
             for name in keys
             if getattr(self, name) is None and name != "target_modules"  # null: the projections
         ]
@@ -333,6 +340,20 @@ class Data(Targeted):
     val_fraction: Annotated[float, Field(ge=0, lt=1)] = key("a number in [0, 1), e.g. 0.05")
     # which assistant messages of a messages record are trained: every one, or the final one
     loss_on: Literal[LOSS_ON] = key(one_of(LOSS_ON), "which assistant turns are trained")
+    # a data=hf source read as a stream, tokenized and packed on the fly (components/data/streaming)
+    streaming: bool = key("true or false, e.g. data.streaming=true")
+
+    def streaming_errors(self, val_every: int) -> list[str]:
+        """What a streamed ``data=hf`` source cannot do: hold out a validation split (the size of
+        a stream is not known before it is read), so validate (``val_every``). Other sources are
+        refused by the data checks."""
+        if not self.streaming or not self.target.endswith(".HFSource"):
+            return []
+        held_out = {"data.val_fraction=0": self.val_fraction > 0, "train.val_every=0": val_every}
+        if not (keys := [key for key, given in held_out.items() if given]):
+            return []
+        why = "holds out no validation split (a stream's size is not known before it is read)"
+        return [f"data.streaming=true {why}: set {' and '.join(keys)}"]
 
 
 class Schedule(BaseModel):
@@ -451,6 +472,7 @@ class Config(Section):
             fault, found = None, [*found, Problem(key="debug.fault", message=str(error))]
         found += problems("debug.fault", fault_backend_errors(fault, device_type))
         found += problems("profile", self.profile.errors(max_steps, device_type))
+        found += problems("data.streaming", self.data.streaming_errors(self.train.val_every))
         return found + problems("peft", self.peft.errors()), fault
 
     def model_errors(self, model_type: str, experts: tuple[str, ...]) -> list[str]:

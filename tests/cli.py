@@ -53,6 +53,11 @@ PRELOAD = (
     "components.runtime.world",
     "components.runtime.cli",
     "components.runtime.ranks",
+    # the tiny families' classes, which the checks' meta model imports in nearly every run
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.qwen3.modeling_qwen3",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe",
+    "transformers.models.mixtral.modeling_mixtral",
 )  # and what the recipe's functions import (components/runtime/preload.py), after these
 MAX_ZYGOTES = 8  # each holds ~0.5 GiB; the suite has about seven import-time environments
 _ZYGOTES: dict[tuple, "_Zygote"] = {}
@@ -412,6 +417,9 @@ def _preload_recipes() -> None:
     for recipe in (FINETUNE, DPO, DISTILL):
         for part in (recipe.compose, recipe.schema, recipe.check, recipe.prepare, recipe.rank_main):
             named(part)
+        # Hydra's first composition builds its override parser and config repository (pure
+        # Python, no threads): once here instead of in every child.
+        named(recipe.compose)([])
 
 
 def _serve(address: str) -> None:

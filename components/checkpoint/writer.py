@@ -90,9 +90,10 @@ class CheckpointWriter:
         """Save ``state`` at its step: at once, or (async) start writing it once the previous save
         is published."""
         with self._stalling():
-            self._save(state.step, state.model, state.optimizer, state.schedule)
+            extra = None if state.stream is None else {"data": state.stream.state_dict()}
+            self._save(state.step, state.model, state.optimizer, state.schedule, extra)
 
-    def _save(self, step: int, model: nn.Module, optimizer, scheduler) -> None:
+    def _save(self, step: int, model: nn.Module, optimizer, scheduler, extra: dict | None) -> None:
         self.wait()
         if self.asynchronous and self._stager is None:
             self._stager = host_stager(next(model.parameters()).device.type)
@@ -105,11 +106,12 @@ class CheckpointWriter:
                 model,
                 optimizer,
                 scheduler,
+                extra,
                 **ids,
                 before_commit=self.before_commit,
             )
             return
-        pending, state = start_save(self.root, step, model, optimizer, scheduler, None, **ids)
+        pending, state = start_save(self.root, step, model, optimizer, scheduler, extra, **ids)
         response = dcp.async_save(
             state, checkpoint_id=pending.tmp, process_group=self._group, async_stager=self._stager
         )

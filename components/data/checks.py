@@ -9,16 +9,18 @@ from pathlib import Path
 from components.data.jsonl import DataError
 from components.data.sources import (
     DataSource,
+    HFSource,
     MixPart,
     MixSource,
     build_source,
     preference_source,
 )
+from components.data.streaming import StreamedSource
 from components.problems import Problem, show
 
-# Keys of the data group that say how records are labelled, not where they come from: the schema's
-# (recipes/schema.py), read by the preparation, no field of a source.
-LABELLING_KEYS = ("loss_on",)
+# Keys of the data group that say how records are read and labelled, not where they come from: the
+# schema's (recipes/schema.py), read by the preparation, no field of a source.
+LABELLING_KEYS = ("loss_on", "streaming")
 
 
 MIX_TARGET = f"{MixSource.__module__}.{MixSource.__name__}"
@@ -32,13 +34,38 @@ def checked_source(
     """The ``data`` group (its keys as given, ``_target_`` included) as a source, or why not;
     ``pairs``: read as preference pairs (DPO's), else as prompt and answer records. ``kinds``: the
     groups a mixture's sources may be, by kind, with their keys' defaults."""
+    streaming = group.get("streaming", False)
     group = {key: value for key, value in group.items() if key not in LABELLING_KEYS}
+    if streaming:
+        return _streamed(group, pairs)
     if group.get("_target_") == MIX_TARGET and pairs:
         refused = "data=mix mixes prompt and answer records: preference pairs are not mixed yet"
         return None, [Problem(key="data", message=refused)]
     if group.get("_target_") == MIX_TARGET:
         return checked_mixture(group, kinds)
     return _checked_single(group, pairs)
+
+
+def _streamed(group: dict, pairs: bool) -> tuple[StreamedSource | None, list[Problem]]:
+    """``data.streaming=true``: the ``data=hf`` source of ``group`` read as a stream, or one line
+    saying what is not streamed."""
+    refused = None
+    if pairs:
+        refused = "preference pairs are tokenized into the cache, not streamed"
+    elif group.get("_target_") == MIX_TARGET:
+        refused = "a mixture is not streamed yet (its sources are tokenized into the cache)"
+    elif group.get("_target_") != f"{HFSource.__module__}.{HFSource.__name__}":
+        refused = "only a datasets source is streamed, not data=jsonl's file or data=default's set"
+    if refused:
+        fix = "use data=hf data.path=FILE_FOLDER_OR_HUB_ID, or data.streaming=false"
+        message = f"data.streaming=true: {refused}: {fix}"
+        return None, [Problem(key="data.streaming", message=message)]
+    source, found = _checked_single(group, pairs=False)
+    if source is None:
+        return None, found
+    where = dict(path=source.path, split=source.split, name=source.name)
+    columns = tuple(sorted((source.columns or {}).items()))
+    return StreamedSource(**where, columns=columns, num_examples=source.num_examples), []
 
 
 def checked_mixture(group: dict, kinds: dict[str, dict]) -> tuple[MixSource | None, list[Problem]]:

@@ -112,8 +112,8 @@ def load_split(path: str, split: str, name: str | None, cache_dir: Path) -> data
 
 
 def map_columns(
-    dataset: datasets.Dataset, columns: dict[str, str] | None, path: str
-) -> datasets.Dataset:
+    dataset: datasets.Dataset | datasets.IterableDataset, columns: dict[str, str] | None, path: str
+) -> datasets.Dataset | datasets.IterableDataset:
     """Rename the source's columns onto ``prompt``/``response`` or ``messages`` and drop every other
     column.
 
@@ -123,7 +123,8 @@ def map_columns(
     Raises:
         DataError: If the mapping targets anything else, or names a column the source does not have.
     """
-    have = list(dataset.column_names)
+    # a stream of JSON records knows its columns once the first is read
+    have = list(dataset.column_names or next(iter(dataset), {}))
     if not columns:
         columns = (
             {"messages": "messages"}
@@ -148,7 +149,7 @@ def map_columns(
     renames = {theirs: ours for ours, theirs in columns.items() if theirs != ours}
     dataset = dataset.rename_columns(renames) if renames else dataset
     for column in ("prompt", "response"):  # a csv answer column of numbers is read as integers
-        feature = dataset.features.get(column)
+        feature = (dataset.features or {}).get(column)
         if isinstance(feature, datasets.Value) and feature.dtype not in ("string", "large_string"):
             dataset = dataset.cast_column(column, datasets.Value("string"))
     return dataset

@@ -467,6 +467,8 @@ def widest_batch(split: TokenizedSplit | MixedSplit, pad_multiple: int | None) -
     :func:`batch_width` pads it): what the dry run plans a micro-batch's tokens for."""
     if isinstance(split, MixedSplit):
         return max(widest_batch(part, pad_multiple) for part in split.parts)
+    if not isinstance(split, TokenizedSplit):  # a stream's rows are not known before it is read
+        return split.seq_len
     with np.load(split.rows_file) as arrays:
         rows = Rows.load_from(arrays, split.part)
     longest = int(rows.tokens.max()) if len(rows.tokens) else split.seq_len

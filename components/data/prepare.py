@@ -28,11 +28,12 @@ import datasets
 import numpy as np
 from transformers import AutoTokenizer
 
-from components.data.collate import check_template, record_error, tokenize_batch
+from components.data.collate import Labelling, check_template, record_error, tokenize_batch
 from components.data.jsonl import DataError
 from components.data.loader import MixedSplit, TokenizedSplit, open_tokens, pad_id_of
 from components.data.packing import Rows, build_rows
 from components.data.sources import DataSource, MixSource
+from components.data.streaming import StreamedSource, StreamedSplit, first_example
 from components.data.tokenizer import DEFAULT_VOCAB_SIZE, train_tokenizer
 from components.processes import die_with_parent, process_exists
 
@@ -60,7 +61,7 @@ class PreparedData:
     """The prepared data of a run (picklable, handed to every rank). ``val`` is None when none is
     held out."""
 
-    train: TokenizedSplit | MixedSplit
+    train: TokenizedSplit | MixedSplit | StreamedSplit
     val: TokenizedSplit | MixedSplit | None
     folder: str
     reused: bool  # the tokenized records came from the cache
@@ -327,7 +328,7 @@ def _chat_tokenizer(tokenizer_dir: str | Path):
 
 
 def prepare_data(
-    source: DataSource | MixSource,
+    source: DataSource | MixSource | StreamedSource,
     tokenizer_dir: str | Path,
     *,
     seq_len: int,
@@ -349,6 +350,9 @@ def prepare_data(
     """
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # see the module docstring: ranks fork from here
     options = dict(seq_len=seq_len, loss_on=loss_on, packing=packing, seed=seed)
+    if isinstance(source, StreamedSource):
+        rows = dict(seq_len=seq_len, loss_on=loss_on, packing=packing)
+        return _prepare_stream(source, tokenizer_dir, **rows)
     if isinstance(source, MixSource):
         return _prepare_mixture(
             source, tokenizer_dir, **options, cache_root=cache_root, num_proc=num_proc
@@ -403,6 +407,24 @@ def prepare_data(
         reused=reused,
         tokenizer_digest=digest,
         repaired=repaired,
+    )
+
+
+def _prepare_stream(
+    source: StreamedSource, tokenizer_dir: str | Path, *, seq_len: int, loss_on: str, packing: bool
+) -> PreparedData:
+    """A streamed source: nothing tokenized ahead, no cache; its first record is read and tokenized
+    here, so a path, split, column mapping, template or record that cannot be used is one line
+    before any rank starts."""
+    tokenizer = _chat_tokenizer(tokenizer_dir)
+    first_example(source, Labelling(tokenizer=tokenizer, seq_len=seq_len, loss_on=loss_on))
+    rows = dict(seq_len=seq_len, loss_on=loss_on, packing=packing, pad_id=pad_id_of(tokenizer))
+    return PreparedData(
+        train=StreamedSplit(source=source, tokenizer_dir=str(tokenizer_dir), **rows),
+        val=None,
+        folder=f"streamed from {source.path}, no cache",
+        reused=False,
+        tokenizer_digest=tokenizer_digest(tokenizer),
     )
 
 

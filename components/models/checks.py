@@ -40,6 +40,7 @@ from components.models.load import (
 )
 from components.models.lora import LoraOptions, apply_lora, targeted_experts, targeted_linears
 from components.models.options import LoraTargets, ModelChoice, ModelUse
+from components.models.qlora import nf4_problems
 from components.models.smollm2 import smollm2_converted, smollm2_folder
 from components.problems import Problem, problems
 
@@ -233,6 +234,8 @@ def _layout_problems(
     styles, plan_found = checked_plan(config, meta, dims.tp, use.sequence_parallel, moe)
     found += plan_found + tp_problems(config, dims.tp)
     found += stage_problems(config, meta, dims.pp)
+    if use.nf4_base and use.lora is not None:  # the adapters were placed: their bases' tiles
+        found += problems("peft", nf4_problems(meta, styles, dims.tp))
     if use.precision == "fp8":
         found += _fp8_problems(meta, use, dims, bool(experts), styles)
     try:

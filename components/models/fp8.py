@@ -104,8 +104,8 @@ def fp8_problems(model: nn.Module, is_moe: bool, lora: bool, device_type: str) -
         )
     if lora:
         found.append(
-            "train.precision=fp8 with peft=lora is not supported (the frozen base would need "
-            "float8 linears with adapters): use train.precision=bf16-mixed"
+            "train.precision=fp8 with peft=lora or peft=qlora is not supported (the frozen base "
+            "would need float8 linears with adapters): use train.precision=bf16-mixed"
         )
     if device_type == "cuda" and (capability := torch.cuda.get_device_capability()) < (8, 9):
         found.append(

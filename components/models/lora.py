@@ -69,8 +69,12 @@ class LoRALinear(nn.Linear):
     _tp: tuple[DeviceMesh, str, tuple] | None  # (mesh, base style, output layouts) once TP'd
     adapter_on = True  # False within adapters_off(): the base layer alone
 
+    def base_output(self, x: torch.Tensor) -> torch.Tensor:
+        """The frozen base layer's output (QLoRA's NF4 base overrides it)."""
+        return F.linear(x, self.weight, self.bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        base = F.linear(x, self.weight, self.bias)
+        base = self.base_output(x)
         if not self.adapter_on:  # the TP style's hooks place the base's output, as a plain layer's
             return base
         if self._tp is None:

@@ -50,5 +50,6 @@ class ModelUse:
     compile: bool
     device_type: str
     lora: LoraTargets | None  # None: no adapters (or peft's own keys are refused)
-    peft_lora: bool  # peft=lora, checked or not (fp8 refuses it either way)
+    peft_lora: bool  # peft=lora or qlora, checked or not (fp8 refuses it either way)
+    nf4_base: bool = False  # peft=qlora: the adapted linears' base stored in NF4
     packing: bool  # train.packing: examples packed in a row, their positions restarting

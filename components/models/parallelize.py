@@ -2,9 +2,10 @@
 
     weights in the precision's dtype (seeded, or on the meta device) -> converted (LoRA) -> with
     pp, this rank's pipeline stage kept -> TP plan (+ bf16 casts ahead of its gathers) -> expert
-    parallelism -> load this rank's slices -> compile and activation checkpointing per block ->
-    FSDP over dp (dp × cp) with the precision's mixed-precision policy -> with cp > 1, the
-    context-parallel attention -> with a flash kernel, the rows' sequence boundaries passed on
+    parallelism -> load this rank's slices -> QLoRA's NF4 base -> compile and activation
+    checkpointing per block -> FSDP over dp (dp × cp) with the precision's mixed-precision
+    policy -> with cp > 1, the context-parallel attention -> with a flash kernel, the rows'
+    sequence boundaries passed on
 
 Each step is its own component (``tp_plan``, ``moe``, ``load``, ``fsdp``); this module only fixes
 their order, so the recipe makes one call.
@@ -36,6 +37,7 @@ from components.models.families import (
 )
 from components.models.load import materialize_pretrained
 from components.models.precision import precision_policy
+from components.models.qlora import quantize_base
 from components.moe import apply_expert_parallel
 
 
@@ -54,6 +56,7 @@ class ModelSpec:
     compile: bool  # torch.compile each decoder block
     shard_experts: bool = False  # moe.shard_experts: expert weights also Shard(1) over ep_shard
     pp_stages_per_rank: int = 1  # pipeline stages each pp rank holds (interleaved schedules: 2+)
+    nf4_base: bool = False  # peft=qlora: the adapted linears' weights stored in NF4 once loaded
 
 
 def build_parallel_model(
@@ -110,8 +113,8 @@ def build_parallel_model(
         apply_expert_parallel(
             model, meshes.experts, mesh["tp"], experts, shard_experts=spec.shard_experts
         )
-    if spec.weights is not None and device.type != "meta":
-        materialize_pretrained(model, spec.weights, device=str(device))
+    if device.type != "meta":
+        _load(model, spec, device)
     apply_block_wrappers(model, spec.activation_checkpointing, spec.compile)
     if dims.data_parallel > 1:  # the cp ranks hold the same weights: data parallel for FSDP
         shard_data_parallel(model, meshes.fsdp, mp_policy=policy.fsdp_policy())
@@ -119,3 +122,12 @@ def build_parallel_model(
         enable_context_parallel(model)
     pass_sequence_boundaries(model)  # a flash kernel: each forward passes its rows' sequences
     return model, report
+
+
+def _load(model: nn.Module, spec: ModelSpec, device: torch.device) -> None:
+    """This rank's slices of the pretrained weights (seeded ones are there already), then with
+    ``peft=qlora`` the adapted linears' base quantized to NF4 (components/models/qlora.py)."""
+    if spec.weights is not None:
+        materialize_pretrained(model, spec.weights, device=str(device))
+    if spec.nf4_base:
+        quantize_base(model)

@@ -10,7 +10,8 @@ planned: the recipe's own cut (``pipeline.rank_share``) built on the fake rank a
 holds (``components.planning.pipeline_schedule``). It prints a table, writes plan.json; with
 ``device_memory_gib`` it says whether the layout fits, and if not the smallest change that does
 (activation checkpointing, a smaller micro-batch, a larger tp, cp or pp on the same world, fewer
-HSDP replicas, then pairs), each candidate planned again (at most ``MAX_PLANNED``).
+HSDP replicas, then pairs), each candidate planned again (at most ``MAX_PLANNED``), and the levers'
+memory per rank (optimizer states in fewer bits, ``peft=qlora``).
 """
 
 import functools
@@ -29,6 +30,7 @@ from components.data.loader import widest_batch
 from components.distributed.layout import LayoutError, ParallelDims
 from components.distributed.pipeline import rank_share, rank_stages
 from components.models.conversion import convert_model
+from components.models.lora import LoraOptions
 from components.models.options import PACKED_NATIVE
 from components.models.parallelize import build_parallel_model
 from components.planning.flops import known_flops_per_token
@@ -59,15 +61,15 @@ def _on_fake_rank(world: int, rank: int) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
 
 
-def _build(plan, layout: Layout, rank: int) -> torch.nn.Module:
-    """``plan``'s model for ``layout`` as fake rank ``rank`` builds it, on the meta device."""
+def _build(plan, layout: Layout, rank: int, convert: Callable | None = None) -> torch.nn.Module:
+    """``plan``'s model for ``layout`` as fake rank ``rank`` builds it, on the meta device
+    (``convert``: another conversion than the recipe's)."""
     dims = layout.dims
     _on_fake_rank(dims.world_size, rank)
     spec = replace(plan.model, activation_checkpointing=layout.activation_checkpointing)
     meshes = dims.build_meshes("cpu")
-    model, _ = build_parallel_model(
-        spec, dims, meshes, torch.device("meta"), convert=_converter(plan, dims)
-    )
+    convert = convert or _converter(plan, dims)
+    model, _ = build_parallel_model(spec, dims, meshes, torch.device("meta"), convert=convert)
     return model
 
 
@@ -211,6 +213,27 @@ def _state_levers(plan, step: Step, layout: Layout) -> list[dict]:
     return levers
 
 
+# peft=qlora as a lever for a run without adapters: conf/peft/qlora.yaml's (rank 8, alpha 16, the
+# attention and MLP projections)
+QLORA_LEVER = LoraOptions(rank=8, alpha=16.0, dropout=0.0, target_modules=None)
+
+
+def _peft_levers(plan, step: Step, layout: Layout) -> list[dict]:
+    """``peft=qlora`` planned at this layout (the run's adapters, or :data:`QLORA_LEVER`): the
+    memory per rank it gives; none for a QLoRA run already, or in fp8 (which refuses it)."""
+    if plan.model.nf4_base or step.precision == "fp8":
+        return []
+    convert = functools.partial(convert_model, lora=plan.lora or QLORA_LEVER, fp8=None, seed=0)
+    model = _build(plan, layout, 0, convert)
+    nf4 = replace(step, nf4_base=True)
+    return [
+        {
+            "change": "peft=qlora",
+            "total_gib": estimate_memory(model, plan.model.config, layout, nf4).total,
+        }
+    ]
+
+
 def _step(plan) -> Step:
     """The priced step: the run's workload, its widest micro-batch, precision and optimizer."""
     train, work = plan.train, plan.workload
@@ -232,6 +255,7 @@ def _step(plan) -> Step:
         loss_chunk_tokens=train.loss_chunk_tokens,
         # a dense mask over packed rows: sdpa's and eager's, not a packed-native kernel's
         packing=train.packing and plan.model.config._attn_implementation not in PACKED_NATIVE,
+        nf4_base=plan.model.nf4_base,
     )
 
 
@@ -258,6 +282,7 @@ def dry_run(plan, fail: Callable[[str], NoReturn]) -> dict:
         fits = None if memory is None else estimate.total <= memory
         suggestion, tried = _suggest(plan, step, layout, memory) if fits is False else (None, [])
         levers = _state_levers(plan, step, layout) if fits is False and not stages else []
+        peft_levers = _peft_levers(plan, step, layout) if fits is False and not stages else []
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -278,6 +303,7 @@ def dry_run(plan, fail: Callable[[str], NoReturn]) -> dict:
         "suggestion": suggestion,
         "tried": tried,
         "optimizer_levers": levers,
+        "peft_levers": peft_levers,
     }
     _write(plan.output_dir, result)
     return result
@@ -360,7 +386,7 @@ def format_plan(result: dict) -> str:
         )
     else:
         lines.append(f"does not fit in {memory:g} GiB per device, and no change tried fits")
-    for lever in result["optimizer_levers"]:
+    for lever in result["optimizer_levers"] + result["peft_levers"]:
         fits_too = "fits" if lever["total_gib"] <= memory else "does not fit"
         lines.append(f"  {lever['change']}: {lever['total_gib']:.2f} GiB per rank ({fits_too})")
     return "\n".join(lines)

@@ -25,6 +25,7 @@ from components.distributed.chunked_loss import chunks_head
 from components.distributed.layout import ParallelDims
 from components.distributed.replicas.flat_buffers import MAX_FLAT_BUFFER_BYTES
 from components.models.build import decoder_blocks
+from components.models.qlora import local_shape, quantizable, stored_bytes
 from components.planning.flops import head_dim, is_sparse_layer
 
 GIB = 1024**3
@@ -58,6 +59,7 @@ class Step:
     loss_chunk_tokens: int  # train.loss_chunk_tokens: tokens per head + loss chunk; 0: unchunked
     packing: bool = False  # train.packing: transformers then builds a document mask (cp=1 too)
     fp8_recipe: str = "tensorwise"  # with fp8: tensorwise all-gathers float8 weights under FSDP
+    nf4_base: bool = False  # peft=qlora: the adapted linears' weights in NF4, outside FSDP
     pp_schedule: str = "1f1b"  # with pp > 1: gpipe | 1f1b | interleaved_1f1b
     pp_stages_per_rank: int = 1
 
@@ -154,27 +156,52 @@ def _tp_replicated(parameter: torch.Tensor) -> bool:
     return not parameter.placements[names.index("tp")].is_shard()
 
 
+def _nf4_weights(model: nn.Module, step: Step) -> dict[int, tuple[int, int]]:
+    """With ``peft=qlora``: the NF4 weights, each (this rank's values, bytes held), by ``id`` of
+    the parameter they stand for on the meta model (of the module once quantized); FSDP leaves
+    them whole on every dp rank."""
+    if not step.nf4_base:
+        return {}
+    found = {}
+    for _, module in quantizable(model):
+        rows, cols = local_shape(module)
+        weight = getattr(module, "weight", None)  # None: quantized, the module's NF4 weight
+        element = (weight if weight is not None else module.nf4_weight.data).element_size()
+        found[id(weight if weight is not None else module)] = (
+            rows * cols,
+            stored_bytes(rows, cols, element),
+        )
+    return found
+
+
 def _state(model: nn.Module, layout: Layout, step: Step) -> dict[str, float]:
-    """Bytes of the local shards: all of them, one decoder layer's (unsharded over dp: its numel),
-    the matmul weights (autocast copies) and ``lm_head``'s; and of the trained ones alone (a frozen
-    base has no gradients and no optimizer state): all, one layer's, the TP-replicated ones (the
-    replica sync) and the largest tensor."""
+    """Bytes of the local shards: all of them (NF4 weights as stored), one decoder layer's
+    (unsharded over dp: its numel), the matmul weights (autocast copies) and ``lm_head``'s; and of
+    the trained ones alone (a frozen base has no gradients and no optimizer state): all, one
+    layer's, the TP-replicated ones (the replica sync) and the largest tensor."""
     params = list(model.parameters())
     local = [_local(p) for p in params]
-    total = sum(t.numel() * t.element_size() for t in local)
+    nf4 = _nf4_weights(model, step)
+    pairs = list(zip(params, local, strict=True))
+    total = sum(t.numel() * t.element_size() for p, t in pairs if id(p) not in nf4)
+    total += sum(held for _, held in nf4.values())
     element = local[0].element_size() if local else 4
     layers = _decoder_layers(model)
-    layer = max((sum(_local(p).numel() for p in block.parameters()) for block in layers), default=0)
+    layer = max(
+        (sum(_local(p).numel() for p in b.parameters() if id(p) not in nf4) for b in layers),
+        default=0,
+    )
     layer_trained = max(
         (sum(_local(p).numel() for p in b.parameters() if p.requires_grad) for b in layers),
         default=0,
     )
     embedding = getattr(model.get_input_embeddings(), "weight", None)  # None off the first stage
-    head_weight = getattr(model.get_output_embeddings(), "weight", None)  # None off the last
-    head_weight = _local(head_weight) if head_weight is not None else None
-    pairs = list(zip(params, local, strict=True))
+    head = getattr(model.get_output_embeddings(), "weight", None)  # None off the last
+    head_weight = _local(head) if head is not None else None
     trained = [(p, t) for p, t in pairs if p.requires_grad]
-    matmul = sum(t.numel() for p, t in pairs if t.dim() >= 2 and p is not embedding)
+    matmul = sum(
+        t.numel() for p, t in pairs if t.dim() >= 2 and p is not embedding and id(p) not in nf4
+    )
     replicated = sum(t.numel() * t.element_size() for p, t in trained if _tp_replicated(p))
     return {
         "bytes": total,
@@ -187,8 +214,10 @@ def _state(model: nn.Module, layout: Layout, step: Step) -> dict[str, float]:
         "layer_numel": layer * _sharding(layout),  # FSDP all-gathers a layer over its shards
         "matmul_numel": matmul if _data_parallel(layout) == 1 else 0,  # autocast: without FSDP
         "head_numel": head_weight.numel() if head_weight is not None else 0,
+        "head_trained": head is not None and head.requires_grad,  # frozen under LoRA
         "replicated_bytes": replicated,
         "largest_bytes": max((t.numel() * t.element_size() for _, t in trained), default=0),
+        "nf4_largest_numel": max((numel for numel, _ in nf4.values()), default=0),
     }
 
 
@@ -303,7 +332,8 @@ def _activations(config, layout: Layout, step: Step, stage: Stage) -> dict[str, 
 def _loss(config, layout: Layout, step: Step, state: dict, chunked: bool) -> dict[str, float]:
     """The head and the loss: (the forward's transients, the backward's), bytes. Chunked: one chunk
     of logits (fp32, and its bf16 matmul output under bf16 compute), the head's weight cast to the
-    compute dtype, and in backward the head's fp32 weight gradient and the hidden states' gradient;
+    compute dtype, and in backward the head's fp32 weight gradient (when it trains) and the hidden
+    states' gradient;
     unchunked: the micro-batch's logits, their fp32 copy and their gradient. None without a head
     (a pipeline stage before the last)."""
     tokens = _tokens(layout, step) * (state["head_numel"] > 0)
@@ -315,7 +345,8 @@ def _loss(config, layout: Layout, step: Step, state: dict, chunked: bool) -> dic
     rows = min(tokens, step.loss_chunk_tokens)
     cast = state["head_numel"] * compute * (compute != state["element"])
     logits = rows * vocab * (4 + (compute if compute != 4 else 0)) + cast
-    gradients = state["head_numel"] * 4 + 2 * tokens * config.hidden_size * compute
+    gradients = state["head_numel"] * 4 * state["head_trained"]  # its weight's, when trained
+    gradients += 2 * tokens * config.hidden_size * compute
     return {"logits": logits, "head_backward": gradients}
 
 
@@ -344,6 +375,9 @@ def _buffers(config, layout: Layout, step: Step, state: dict, stage: Stage) -> d
         **_loss(config, layout, step, state, chunked),
         "autocast_weight_copies": 2 * copies * _autocast(layout, step),
         "fp8_weight_casts": fp8_casts,
+        # QLoRA: the largest NF4 weight dequantized for one matmul, and its untiled copy (torchao's
+        # int64 codes, 8 bytes a value, are freed before the matmul allocates its output)
+        "nf4_dequantize": state["nf4_largest_numel"] * 2 * state["element"],
         "fsdp_layers": fsdp,
         "fsdp_unsharded_accumulated_grads": unsharded,
         "replica_sync": min(MAX_FLAT_BUFFER_BYTES, state["replicated_bytes"])
@@ -368,6 +402,7 @@ def _peak(
     saved_copies = copies if none else 0.0  # saved for backward only without checkpointing
     # one block's backward
     in_flight = buf["block_backward"] + act["recompute"] + buf["fp8_weight_casts"]
+    in_flight += buf["nf4_dequantize"]
     layer_copies = copies / state["layers"] if state["layers"] and not none else 0.0
     # the bool mask: freed with the forward's inputs, or kept for the recompute by checkpointing
     mask = act["attention_mask"]
@@ -376,6 +411,7 @@ def _peak(
     last_block = grads - state["layer_grad_bytes"] + in_flight + layer_copies + (not none) * mask
     last_block += (one / state["layers"] if state["layers"] else one) + kept - one
     forward = held + kept + mask + copies + buf["logits"] + fsdp + buf["fp8_weight_casts"]
+    forward += buf["nf4_dequantize"]
     return {
         "forward": forward,
         "head_backward": held + backward + buf["logits"] + buf["head_backward"] + fsdp,

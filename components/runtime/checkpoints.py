@@ -19,7 +19,10 @@ def resume(checkpoint: Path | None, state: TrainState) -> None:
     and said; without a ``checkpoint`` it stays as built, at step 0."""
     if checkpoint is None:
         return
-    state.step = load_checkpoint(checkpoint, state.model, state.optimizer, state.schedule)["step"]
+    loaded = load_checkpoint(checkpoint, state.model, state.optimizer, state.schedule)
+    state.step = loaded["step"]
+    if state.stream is not None:  # a streamed loader's position (data.streaming)
+        state.stream.load_state_dict(loaded["data"])
     say(f"resumed from {checkpoint} at step {state.step}")
 
 

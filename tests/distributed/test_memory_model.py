@@ -16,6 +16,8 @@ threshold freed heap blocks stay resident and the RSS creeps up step by step (do
 
 import ctypes
 import ctypes.util
+import dataclasses
+import functools
 import gc
 
 import pytest
@@ -26,6 +28,8 @@ from components.distributed.grads import clip_grad_norm_, finalize_dtensor_gradi
 from components.distributed.layout import ParallelDims
 from components.distributed.tp_replicas import synchronize_tp_replica_gradients
 from components.models import tiny_config
+from components.models.conversion import convert_model
+from components.models.lora import LoraOptions
 from components.models.parallelize import build_parallel_model
 from components.models.precision import precision_policy
 from components.planning.memory import current_memory_gib, peak_memory_gib, reset_peak_memory
@@ -48,6 +52,7 @@ SIZES = dict(
 BATCH, SEQ, CHUNK = 2, 512, 256
 CP_BATCH, CP_SEQ = 1, 2048  # cp=2: one row of two documents
 M_MMAP_THRESHOLD = -3  # glibc's malloc.h
+QLORA = LoraOptions(rank=8, alpha=16.0, dropout=0.0, target_modules=None)  # conf/peft/qlora.yaml
 
 
 def _fixed_mmap_threshold() -> None:
@@ -70,12 +75,13 @@ def _step(model, optimizer, mesh, compute, tokens, positions, cp) -> None:
 
 
 def measured_and_planned(
-    rank, world_size, precision, checkpointing, cp=1, steps=2, optim="adamw"
+    rank, world_size, precision, checkpointing, cp=1, steps=2, optim="adamw", qlora=False
 ) -> tuple[float, float]:
     """(the last step's peak RSS above the rank's RSS before the model, the planned total without
     runtime), GiB. ``cp`` > 1: the ranks split a packed row of ``CP_SEQ`` tokens. ``steps``: 2 to
     measure (AdamW's state exists from the first), 1 for a warm-up. ``optim``: conf/optim/'s AdamW
-    variant (adamw, adamw8bit, adamw4bit, adamw_bf16)."""
+    variant (adamw, adamw8bit, adamw4bit, adamw_bf16). ``qlora``: ``peft=qlora``'s adapters on
+    an NF4 base."""
     _fixed_mmap_threshold()
     gc.collect()
     before = current_memory_gib("cpu")
@@ -85,9 +91,12 @@ def measured_and_planned(
     positions_limit = SEQ if cp == 1 else CP_SEQ  # the cp case's row is longer
     config = tiny_config("llama", **SIZES | {"max_position_embeddings": positions_limit})
     spec = spec_for(config, precision=precision, checkpointing=checkpointing)
-    model, _ = build_parallel_model(spec, dims, meshes, torch.device("cpu"))
+    spec = dataclasses.replace(spec, nf4_base=qlora)
+    adapters = functools.partial(convert_model, lora=QLORA, fp8=None, seed=0) if qlora else None
+    model, _ = build_parallel_model(spec, dims, meshes, torch.device("cpu"), adapters)
     target, options = conf_optim(optim)
-    optimizer = target_class("optim", target)(model.parameters(), **options)
+    trained = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    optimizer = target_class("optim", target)(trained, **options)
     bits, block = optimizer_state_bits(target, options)
     batch, seq = (BATCH, SEQ) if cp == 1 else (CP_BATCH, CP_SEQ)
     tokens = torch.randint(
@@ -113,6 +122,7 @@ def measured_and_planned(
         runtime_gib=0.0,
         loss_chunk_tokens=CHUNK,
         packing=cp > 1,
+        nf4_base=qlora,
     )
     return peak, estimate_memory(model, config, layout, plan).total
 
@@ -132,12 +142,13 @@ class WarmRanks:
         self.warm: set[tuple[str, str]] = set()
 
     def measure(
-        self, precision: str, checkpointing: str, optim: str = "adamw"
+        self, precision: str, checkpointing: str, optim: str = "adamw", qlora: bool = False
     ) -> list[tuple[float, float]]:
         if (precision, optim) not in self.warm:  # torchao's optimizers: their compiled step too
             self.pool.run(measured_and_planned, precision, "none", self.cp, 1, optim)
             self.warm.add((precision, optim))
-        return self.pool.run(measured_and_planned, precision, checkpointing, self.cp, 2, optim)
+        case = (precision, checkpointing, self.cp, 2, optim, qlora)
+        return self.pool.run(measured_and_planned, *case)
 
 
 # `make test` measures each precision and each checkpointing at tp=1 (bf16-mixed without, fp32
@@ -185,6 +196,16 @@ def test_planned_total_is_within_20_percent_of_the_measured_peak_with_lowbit_sta
 ):
     [(measured, planned)] = ranks1.measure(precision, "none", optim)
     print(f"tp=1 {optim} {precision}: planned {planned:.3f} GiB, measured {measured:.3f}")
+    assert planned == pytest.approx(measured, rel=0.2), (planned, measured)
+
+
+@pytest.mark.parametrize("checkpointing", [pytest.param("none", marks=pytest.mark.memory), "full"])
+def test_planned_total_is_within_20_percent_of_the_measured_peak_with_qlora(ranks1, checkpointing):
+    """peft=qlora (fp32, after fp32's warm-up): the NF4 base, the adapters' state and gradients,
+    one weight dequantized at a time (measured: planned 13 % above without checkpointing, 17 %
+    with, 2026-12-04: the activations are modelled as full fine-tuning's)."""
+    [(measured, planned)] = ranks1.measure("fp32", checkpointing, qlora=True)
+    print(f"tp=1 qlora fp32 {checkpointing}: planned {planned:.3f} GiB, measured {measured:.3f}")
     assert planned == pytest.approx(measured, rel=0.2), (planned, measured)
 
 

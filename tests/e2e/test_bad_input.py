@@ -64,7 +64,7 @@ CASES: dict[str, tuple[list[str], str]] = {
     ),
     "a LoRA key without peft=lora": (
         ["peft.rank=4"],
-        "peft.rank=4 is read only with peft=lora: add peft=lora or remove it",
+        "peft.rank=4 is read only with peft=lora or peft=qlora: add one or remove it",
     ),
     "LoRA on the experts of a dense model": (
         ["peft=lora", "peft.experts=true"],
@@ -74,6 +74,15 @@ CASES: dict[str, tuple[list[str], str]] = {
         ["peft=lora", "peft.target_modules=[*.q_proj,*.nothing]"],
         "peft.target_modules pattern '*.nothing' matches no module of LlamaForCausalLM: fix or "
         "remove it",
+    ),
+    "QLoRA tiles a split would cut": (
+        ["peft=qlora", "tp=4", "peft.target_modules=[*.k_proj]"],
+        "peft=qlora stores model.layers.0.self_attn.k_proj's weight in NF4 tiles of 16 × 16, and "
+        "this rank's part of it is [8, 64]: use a tp that leaves multiples of 16",
+    ),
+    "QLoRA with fp8": (
+        ["peft=qlora", "train.precision=fp8"],
+        "train.precision=fp8 with peft=lora or peft=qlora is not supported",
     ),
     "pp with cp": (["pp=2", "cp=2"], "pp=2 with cp=2 is not supported yet: use pp=1, or cp=1"),
     "ep on one process": (

@@ -127,6 +127,13 @@ def test_a_layout_that_does_not_fit_gets_the_smallest_change_and_that_change_fit
     assert replanned == pytest.approx(
         lever["total_gib"] - plan["per_rank_gib"]["runtime"], rel=1e-9
     )
+    # QLoRA's lever: the frozen NF4 base, the adapters' gradients and state alone (the activations
+    # of 2 × 8,192 tokens without checkpointing stay: it does not fit either)
+    [qlora] = plan["peft_levers"]
+    per_rank = plan["per_rank_gib"]
+    assert qlora["change"] == "peft=qlora"
+    assert qlora["total_gib"] < per_rank["total"] - per_rank["optimizer"]
+    assert f"  peft=qlora: {qlora['total_gib']:.2f} GiB per rank (does not fit)" in stdout
 
 
 def test_llama_3_1_405b_at_pp8_tp8_dp16_is_planned_per_pipeline_stage(tmp_path):

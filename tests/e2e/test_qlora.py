@@ -1,0 +1,65 @@
+"""``peft=qlora`` through the command line: tp=2, and dp=2 × tp=2 with sp, equal the tp=1 run step
+by step (the NF4 tiles do not depend on tp), and so does qwen3_moe at tp=2 ep=2 with per-expert
+adapters; the adapter is exported in PEFT's format, and the merged export is the NF4 round trip of
+the base plus alpha/r · B·A in the base's dtype, the other weights bitwise the base's."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from tests.e2e.test_lora import assert_same_run
+from tests.e2e.test_recipe_training import recipe
+from tests.unit.models.test_qlora import round_trip
+
+QLORA = ["peft=qlora", "optim.lr=1e-2", "train.max_steps=4"]
+EXPORT = ["checkpoint.export=true", "peft.merge=true"]
+MOE = ["model=qwen3_moe", "peft.experts=true"]
+RUNS = {
+    "tp1": ["tp=1"],
+    "tp2": ["tp=2", *EXPORT],
+    "dp2_tp2_sp": ["tp=2", "dp=2", "sp=true"],
+    "moe_tp1": MOE,
+    "moe_tp2_ep2": [*MOE, "tp=2", "ep=2", *EXPORT],
+}
+TWINS = {"tp2": "tp1", "dp2_tp2_sp": "tp1", "moe_tp2_ep2": "moe_tp1"}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("qlora")
+    for name, overrides in RUNS.items():
+        recipe(root / name, *QLORA, *overrides)
+    return {name: root / name for name in RUNS}
+
+
+@pytest.mark.parametrize("name", TWINS)
+def test_qlora_runs_match_their_tp1_twin_step_by_step(runs, name):
+    assert_same_run(runs[name], runs[TWINS[name]])
+
+
+@pytest.mark.parametrize("name", ["tp2", "moe_tp2_ep2"])
+def test_the_merged_export_is_the_nf4_base_plus_scaled_ba(runs, name):
+    folder = runs[name]
+    config = json.loads((folder / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 8 and config["base_model_name_or_path"] == str(folder / "base")
+    adapters = load_file(folder / "adapter" / "adapter_model.safetensors")
+    base = AutoModelForCausalLM.from_pretrained(folder / "base").state_dict()
+    merged = AutoModelForCausalLM.from_pretrained(folder / "hf")
+    assert merged.dtype == torch.float32  # the base's
+    exported, adapted = merged.state_dict(), 0
+    for key, weight in base.items():
+        prefix = f"base_model.model.{key.removesuffix('.weight')}"
+        if f"{prefix}.lora_A.weight" not in adapters:
+            if ".experts." not in key:  # the experts' merge (unquantized): tests/e2e/test_lora.py
+                assert torch.equal(exported[key], weight), key  # untrained
+            continue
+        delta = adapters[f"{prefix}.lora_B.weight"] @ adapters[f"{prefix}.lora_A.weight"]
+        assert delta.abs().sum() > 0, key
+        expected = round_trip(weight) + 2.0 * delta  # alpha 16 / rank 8
+        torch.testing.assert_close(exported[key], expected, rtol=1e-6, atol=1e-6)
+        adapted += 1
+    assert adapted == (2 * 7 if name == "tp2" else 2 * 4)  # the dense projections, 2 layers
