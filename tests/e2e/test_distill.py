@@ -2,8 +2,8 @@
 tiny Llama student and its tiny Llama teacher (twice its size), each layout against its tp=1
 twin: tp=2, dp=2 × tp=2 with sp, cp=2, and a Qwen3-MoE student at tp=2 ep=2. fp32 on the CPU: a
 layout changes only the order of sums, so each step's loss, CE and KL agree within 1e-5 of the
-loss. One module fixture trains each configuration once; the metrics, the export and a checkpoint
-are read from it."""
+loss. One module fixture trains each configuration once; the metrics and the export are read
+from it."""
 
 from pathlib import Path
 
@@ -18,7 +18,7 @@ NAMES = ("loss", "ce_loss", "kd_loss")
 STEPS_AT_T2 = [f"train.max_steps={STEPS}", "distill.temperature=2.0"]
 RUNS = {
     "tp1": ["tp=1", "checkpoint.export=true"],
-    "tp2": ["tp=2", "checkpoint.every_steps=2"],  # its step 2 resumes at tp=1 (the last test)
+    "tp2": ["tp=2"],
     "dp2_tp2_sp": ["tp=2", "dp=2", "sp=true"],
     "cp2": ["cp=2"],
     "moe_tp1": ["model=qwen3_moe", "tp=1"],
@@ -69,9 +69,12 @@ def test_the_student_is_exported(runs):
 
 
 def test_resume_at_another_tp_equals_the_uninterrupted_run(runs, tmp_path):
-    """The tp=2 run's checkpoint of step 2 (the student and its optimizer; the teacher is rebuilt
-    from its config) resumed at tp=1: steps 3 and 4 are the uninterrupted tp=1 run's."""
-    step_2 = Path(runs["root"]) / "tp2" / "checkpoints" / "step_00000002"
-    resume = (f"checkpoint.resume={step_2}", "tp=1")
-    resumed = recipe(tmp_path / "resumed", *STEPS_AT_T2, *resume, script=SCRIPT)
-    assert agree(resumed, runs["tp1"][2:], steps=(3, 4)) <= 1e-5
+    """Stopped after step 2 at tp=2 (a checkpoint of the student and its optimizer; the teacher
+    is rebuilt from its config), resumed at tp=1: steps 3 and 4 are the uninterrupted run's."""
+    interrupted, steps = tmp_path / "interrupted", STEPS_AT_T2
+    recipe(
+        interrupted, *steps, "tp=2", "checkpoint.every_steps=2", "train.stop_after=2", script=SCRIPT
+    )
+    resumed = recipe(interrupted, *steps, "checkpoint.resume=auto", script=SCRIPT)
+    assert [row["step"] for row in resumed] == [1, 2, 3, 4]
+    assert agree(resumed[2:], runs["tp1"][2:], steps=(3, 4)) <= 1e-5
