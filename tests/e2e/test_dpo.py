@@ -27,7 +27,7 @@ LORA = ["peft=lora", "peft.rank=4", "peft.alpha=8.0", "optim.lr=1e-2"]
 LORA += ["peft.target_modules=[lm_head,*_proj]"]  # the head's adapter too, split over the vocab
 RUNS = {
     "tp1": [],
-    "tp2": ["tp=2", "checkpoint.export=true", "checkpoint.every_steps=2"],  # resumed at tp=1
+    "tp2": ["tp=2", "checkpoint.export=true"],
     "dp2_tp2_sp": ["tp=2", "dp=2", "sp=true"],
     "ipo_sgd_tp1": [*SGD, "dpo.loss_type=ipo", "dpo.beta=0.5"],
     "ipo_sgd_tp2": [*SGD, "dpo.loss_type=ipo", "dpo.beta=0.5", "tp=2"],
@@ -111,12 +111,14 @@ def test_what_dpo_does_not_run_is_one_error_line_before_any_rank(tmp_path):
 
 
 def test_resume_at_another_tp_equals_the_uninterrupted_run(runs, tmp_path):
-    """The tp=2 run's checkpoint of step 2 (the policy and its optimizer; the reference is rebuilt
-    from the starting weights) resumed at tp=1: steps 3 and 4 are the uninterrupted tp=1 run's."""
-    step_2 = runs["tp2"] / "checkpoints" / "step_00000002"
-    dpo(tmp_path / "resumed", f"checkpoint.resume={step_2}", "tp=1")
-    resumed, uninterrupted = metrics(tmp_path / "resumed"), metrics(runs["tp1"])
-    assert [step["step"] for step in resumed] == [3, 4]
-    for ours, theirs in zip(resumed, uninterrupted[2:], strict=True):
+    """Stopped after step 2 at tp=2 (a checkpoint of the policy and its optimizer; the reference
+    is rebuilt from the starting weights), resumed at tp=1: steps 3 and 4 are the uninterrupted
+    run's."""
+    interrupted = tmp_path / "interrupted"
+    dpo(interrupted, "tp=2", "checkpoint.every_steps=2", "train.stop_after=2")
+    dpo(interrupted, "checkpoint.resume=auto")
+    resumed, uninterrupted = metrics(interrupted), metrics(runs["tp1"])
+    assert [step["step"] for step in resumed] == [1, 2, 3, 4]
+    for ours, theirs in zip(resumed[2:], uninterrupted[2:], strict=True):
         for key in ("loss", "logps/chosen", "logps/rejected", "grad_norm"):
             assert ours[key] == pytest.approx(theirs[key], rel=1e-5), key
