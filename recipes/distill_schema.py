@@ -60,8 +60,5 @@ class DistillConfig(Config):
         (docs/distillation.md)."""
         refused = [  # (key, its value, refused, why)
             ("pp", self.pp, self.pp > 1, "the teacher has no pipeline stages of its own: use pp=1"),
-            ("dry_run", self.dry_run, self.dry_run, "the dry run and the memory model would price "
-             "the student alone, not its teacher: run recipes/finetune.py's dry run for the "
-             "student's layout"),
         ]  # fmt: skip
         return refused_settings("distill.py", refused)

@@ -21,7 +21,11 @@ except ModuleNotFoundError:  # a bare `python`: one line, not a traceback
     )
     sys.exit(2)
 
-DPO = finetune.Recipe.of("dpo")  # conf/dpo.yaml, DpoConfig, recipes/dpo_rank.py
+DPO = finetune.Recipe.of(
+    "dpo",  # conf/dpo.yaml, DpoConfig, recipes/dpo_rank.py; the reference's checks and spec:
+    check="recipes.dpo_checks:check_dpo",
+    prepare="recipes.dpo_checks:prepare_dpo",
+)
 
 if __name__ == "__main__":
     finetune.main(sys.argv[1:], DPO)

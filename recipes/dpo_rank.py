@@ -22,22 +22,22 @@ from components.training.preference import (
 )
 from recipes import finetune_rank
 from recipes.finetune_rank import RecordFn, StepFn
-from recipes.plan import Run, RunPlan
+from recipes.plan import DpoPlan, Run
 
 
-def dpo_step_options(run: Run, plan: RunPlan) -> DpoStep:
-    """The loss's options, and the reference: a frozen copy of the policy's starting weights, on
-    the policy's meshes; None with ``peft=lora`` (the policy with its adapters off)."""
+def dpo_step_options(run: Run, plan: DpoPlan) -> DpoStep:
+    """The loss's options, and the reference (``plan.reference``) built frozen on the policy's
+    meshes; None with ``peft=lora`` (the policy with its adapters off)."""
     dpo, train = plan.settings.dpo, plan.train
-    options = DpoOptions(**dpo.model_dump())
+    options = DpoOptions(**dpo.model_dump(exclude={"reference_path"}))
     reference = None
-    if plan.lora is None:
-        reference = build_frozen_model(plan.model, plan.dims, run.meshes, run.device)
+    if plan.reference is not None:
+        reference = build_frozen_model(plan.reference, plan.dims, run.meshes, run.device)
     chunk = train.loss_chunk_tokens or train.seq_len * train.micro_batch_size * 2  # 0: one chunk
     return DpoStep(options=options, compute=run.compute, chunk_tokens=chunk, reference=reference)
 
 
-def dpo_step(run: Run, plan: RunPlan, step: int, dpo: DpoStep) -> torch.Tensor:
+def dpo_step(run: Run, plan: DpoPlan, step: int, dpo: DpoStep) -> torch.Tensor:
     """The step function: every micro-batch of step ``step``'s pairs, forward (reference, then
     policy) and backward; the sums of :data:`DPO_METRICS` over this rank's pairs (float64)."""
     sums = torch.zeros(len(DPO_METRICS), dtype=torch.float64, device=run.device)
@@ -46,17 +46,17 @@ def dpo_step(run: Run, plan: RunPlan, step: int, dpo: DpoStep) -> torch.Tensor:
     return sums
 
 
-def dpo_metrics(run: Run, plan: RunPlan, step: int, sums: list[float]) -> dict:
+def dpo_metrics(run: Run, plan: DpoPlan, step: int, sums: list[float]) -> dict:
     """The step's DPO metrics: each sum over the global batch's pairs, their mean."""
     pairs = plan.train.global_batch_size
     return {name: total / pairs for name, total in zip(DPO_METRICS, sums, strict=True)}
 
 
-def dpo_steps(run: Run, plan: RunPlan) -> tuple[StepFn, RecordFn]:
+def dpo_steps(run: Run, plan: DpoPlan) -> tuple[StepFn, RecordFn]:
     """DPO's step function and metrics for ``run``, its reference built on ``run``'s meshes."""
     return functools.partial(dpo_step, dpo=dpo_step_options(run, plan)), dpo_metrics
 
 
-def rank_main(plan: RunPlan) -> str | None:
+def rank_main(plan: DpoPlan) -> str | None:
     """Fine-tuning's rank story (``finetune_rank.rank_main``) with DPO's step and metrics."""
     return finetune_rank.rank_main(plan, steps=dpo_steps)

@@ -10,7 +10,7 @@ from pydantic import Field
 
 from components.problems import Problem, problems, show
 from components.training.options import DPO_LOSS_TYPES
-from recipes.schema import Config, Section, key, one_of, refused_settings
+from recipes.schema import Config, Section, Text, key, one_of, refused_settings
 
 if TYPE_CHECKING:
     from components.distributed.layout import ParallelDims
@@ -29,6 +29,13 @@ class Dpo(Section):
     # conservative DPO (sigmoid only): the assumed probability that a pair's labels are flipped
     label_smoothing: Annotated[float, Field(ge=0, lt=0.5)] = key(
         "a number in [0, 0.5), e.g. dpo.label_smoothing=0.1"
+    )
+
+    # the frozen reference: null, the policy's starting weights; or a folder of its architecture
+    reference_path: Text | None = key(
+        "null (the policy's starting weights) or a local Hugging Face model folder of the "
+        "policy's architecture and vocabulary",
+        "the frozen reference's folder (null: the policy's starting weights)",
     )
 
     def errors(self) -> list[str]:
@@ -96,7 +103,5 @@ class DpoConfig(Config):
              "conversations are rows of their own: use train.packing=false"),
             ("peft.experts", peft.experts, bool(peft.experts), "adapters on experts cannot be "
              "switched off for the reference: use peft.experts=false"),
-            ("dry_run", self.dry_run, self.dry_run, "the dry run does not price dpo.py's "
-             "reference model: run without dry_run=true"),
         ]  # fmt: skip
         return refused_settings("dpo.py", refused)

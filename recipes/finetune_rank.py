@@ -11,7 +11,7 @@ import functools
 import math
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -22,16 +22,13 @@ from components.checkpoint.writer import CheckpointWriter
 from components.data.loader import Batch
 from components.data.streaming import StreamBatches, open_loaders
 from components.debug.faults import install_faults
+from components.distributed import tp_replicas
 from components.distributed.context_parallel import ContextParallel
 from components.distributed.fsdp import set_gradient_sync
 from components.distributed.grads import clip_grad_norm_, grad_norm
 from components.distributed.pipeline import build_pipeline
 from components.distributed.replicas import check_replicas, write_drift_report
 from components.distributed.step_finalizer import StepFinalizer
-from components.distributed.tp_replicas import (
-    broadcast_tp_replicas,
-    synchronize_tp_replica_gradients,
-)
 from components.models.conversion import convert_model
 from components.models.fp8 import fp8_scales_after_steps
 from components.models.parallelize import build_parallel_model
@@ -46,6 +43,7 @@ from components.runtime.problems import say  # say: rank 0's lines alone
 from components.runtime.ranks import local_restart
 from components.runtime.world import join_world
 from components.targets import target_class
+from components.training.compile_counts import CompileCounts
 from components.training.loggers import MetricsLogger, open_logger
 from components.training.metrics import MetricsLog, matmul_math, plot_loss_curve, throughput
 from components.training.profiler import StepProfiler
@@ -54,7 +52,7 @@ from components.training.schedule import build_schedule
 from components.training.step import forward_backward_on_device  # reads the models' TP plans
 from components.training.validation import validation_losses
 from recipes.export import export, export_folders
-from recipes.plan import RecordFn, Run, RunPlan, StepFn
+from recipes.plan import RecordFn, Run, RunPlan, StepFn, StepsOf
 from recipes.prepare import resume_again
 
 
@@ -77,7 +75,7 @@ def set_up(plan: RunPlan) -> Run:
     model, report = build_parallel_model(plan.model, dims, meshes, device, converted)
     if report is not None:
         say(report.format())
-    broadcast_tp_replicas([model], meshes.world)  # after parallelising and loading, before optim
+    tp_replicas.broadcast_tp_replicas([model], meshes.world)  # loaded, before the optimizer
     trained = [parameter for parameter in model.parameters() if parameter.requires_grad]
     optimizer = target_class("optim", optim.target)(trained, **optim.options())  # no frozen state
     fp8_scales_after_steps(optimizer, model, plan.fp8)  # fp8 under FSDP: one all-reduce a step
@@ -168,9 +166,10 @@ def train_step(
     started = time.perf_counter()
     reset_peak_memory(run.device)
     run.state.optimizer.zero_grad(set_to_none=True)
+    tp_replicas.zero_tp_replica_gradients([run.state.model], run.meshes.world)  # into the buckets
     loss_sum = step_fn(run, plan, step)
     run.finalize_gradients([run.state.model])  # reads the device at the first step only
-    synchronize_tp_replica_gradients([run.state.model], run.meshes.world)  # plan, buffers reused
+    tp_replicas.synchronize_tp_replica_gradients([run.state.model], run.meshes.world)  # in place
     clip, parts = plan.train.clip_grad_norm, [run.state.model]
     pp = run.pipeline and run.pipeline.group  # the grad norm's sum over the stages
     norm = clip_grad_norm_(parts, clip, across=pp) if clip else grad_norm(parts, across=pp)
@@ -221,9 +220,11 @@ def train(
     state, cadence, stopped, skipped = run.state, plan.cadence, None, 0
     profile = plan.settings.profile
     profiler = StepProfiler(profile.steps, profile.memory, plan.output_dir, run.rank, state.step)
+    compiled = CompileCounts.start(say if plan.model.compile else None)  # Dynamo's, in the steps
     for step in cadence.steps(run.first_step):
         with heartbeat.watched(f"step {step + 1}", judged=step > run.first_step):  # 1st: compile
-            record = train_step(run, plan, step, *stepping) | writer.take_stall()  # the save before
+            with compiled.step(step + 1):  # a graph break, a recompilation: a note: line, once
+                record = train_step(run, plan, step, *stepping) | writer.take_stall()  # save before
         state.step, skipped = step + 1, skipped + bool(record.get("skipped"))
         if cadence.validate(state.step):
             record |= validation_losses(run, plan.train.loss_chunk_tokens)
@@ -280,9 +281,6 @@ def finish(run: Run, plan: RunPlan, stopped: bool = False, skipped: int = 0) -> 
     dist.destroy_process_group()
     if fails:
         fail_once(note)  # every rank exits 1; rank 0 prints the one error: line
-
-
-StepsOf = Callable[[Run, RunPlan], tuple[StepFn, RecordFn]]
 
 
 def rank_main(plan: RunPlan, steps: StepsOf = finetune_steps) -> str | None:

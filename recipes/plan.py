@@ -9,7 +9,7 @@ once there); the plan adds only what was decided from them.
 
 from __future__ import annotations  # the field types are only read by a type checker
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -17,11 +17,15 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from omegaconf import OmegaConf
+
 from components.distributed.layout import Degrees, ModelFacts, ParallelDims, Workload
 from components.models.families import moe_patterns
 from components.models.options import LoraTargets, ModelChoice, ModelUse
 from components.training.cadence import Cadence
-from recipes.schema import Checkpoint, Config, Moe, Optim, Schedule, Targeted, Train
+from recipes.schema import Checkpoint, Config, Moe, Optim, Peft, Schedule, Targeted, Train
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
 
 if TYPE_CHECKING:  # heavy (datasets, DTensor): the checks import them when they need them
     import torch
@@ -39,6 +43,17 @@ if TYPE_CHECKING:  # heavy (datasets, DTensor): the checks import them when they
     from components.models.parallelize import ModelSpec
     from components.moe import ExpertLoad
     from components.training.readout import StepReadout
+
+
+@dataclass(frozen=True, kw_only=True)
+class FrozenModel:
+    """A frozen model a recipe runs forward beside the trained one, as the dry run prices it:
+    DPO's reference or distillation's teacher (``components/models/frozen.py``). ``spec`` None:
+    the trained model itself with its adapters off (peft=lora's reference, no second copy);
+    ``keeps_hidden``: its last hidden states live through the trained model's step (the KL's)."""
+
+    spec: ModelSpec | None
+    keeps_hidden: bool
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,20 +102,19 @@ class Settled:
     def lora(self) -> LoraOptions | None:
         """``peft=lora``'s (and ``qlora``'s) options as the model takes them; None for full
         fine-tuning."""
-        from components.models.lora import LoraOptions
-
         peft = self.settings.peft
         if not peft.adapters:
             return None
-        patterns = None if peft.target_modules is None else tuple(peft.target_modules)
-        experts = self.model.experts if peft.experts else ()  # the resolved expert patterns
-        return LoraOptions(
-            rank=peft.rank,
-            alpha=peft.alpha,
-            dropout=peft.dropout,
-            target_modules=patterns,
-            experts=tuple(experts),
-        )
+        return lora_options(peft, self.model.experts if peft.experts else ())
+
+    @property
+    def lora_lever(self) -> LoraOptions | None:
+        """LoRA's options as ``peft=lora`` runs by default (``conf/peft/lora.yaml``'s values):
+        the dry run's lever for a full fine-tuning run; None for a run with adapters already."""
+        if self.settings.peft.name != "none":
+            return None
+        values = OmegaConf.to_container(OmegaConf.load(CONF / "peft" / "lora.yaml"))
+        return lora_options(type(self.settings.peft)(**values), ())
 
     @property
     def pipeline(self) -> tuple[str, int]:
@@ -181,6 +195,16 @@ class RunPlan(Settled):
         return f"{model}, {layout}, {steps} steps: {self.output_dir.name}"
 
     @property
+    def rows_per_sample(self) -> int:
+        """Rows of a micro-batch per sample: 2 for preference pairs (chosen, rejected), else 1."""
+        return 2 if self.settings.preference_pairs else 1
+
+    @property
+    def frozen(self) -> FrozenModel | None:
+        """The frozen model run forward beside the trained one (none: fine-tuning)."""
+        return None
+
+    @property
     def model_facts(self) -> ModelFacts:
         """What the layout rules read of the model."""
         return model_facts(self.settings, self.model.config)
@@ -208,6 +232,28 @@ class RunPlan(Settled):
 
 
 @dataclass(frozen=True, kw_only=True)
+class DpoChecked(Checked):
+    """``recipes/dpo.py``'s checks: fine-tuning's, and ``dpo.reference_path`` as checked: its
+    folder and Hugging Face config (both None: the reference is the policy's starting weights)."""
+
+    reference_path: Path | None
+    reference_config: Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class DpoPlan(RunPlan):
+    """``recipes/dpo.py``'s plan: fine-tuning's, and the frozen reference to build on the
+    policy's meshes: the policy's starting weights' spec, or None with ``peft=lora`` (the policy
+    with its adapters off)."""
+
+    reference: ModelSpec | None
+
+    @property
+    def frozen(self) -> FrozenModel:
+        return FrozenModel(spec=self.reference, keeps_hidden=False)
+
+
+@dataclass(frozen=True, kw_only=True)
 class DistillChecked(Checked):
     """``recipes/distill.py``'s checks: the student's (the ``model`` group) and the teacher as
     checked: its folder (None: built from ``teacher.config``) and Hugging Face config."""
@@ -222,6 +268,10 @@ class DistillPlan(RunPlan):
     student's meshes (its own TP plan, the student's vocabulary)."""
 
     teacher: ModelSpec
+
+    @property
+    def frozen(self) -> FrozenModel:
+        return FrozenModel(spec=self.teacher, keeps_hidden=True)
 
 
 @dataclass(kw_only=True)
@@ -249,6 +299,23 @@ class Run:
 StepFn = Callable[[Run, "RunPlan", int], "torch.Tensor"]  # a step's forward and backward: its sums
 # the step's loss metrics from the step function's sums, as read on the host
 RecordFn = Callable[[Run, "RunPlan", int, Any], dict]
+# a recipe's step function and loss metrics for a rank's run (fine-tuning's, DPO's, distillation's)
+StepsOf = Callable[[Run, "RunPlan"], tuple[StepFn, RecordFn]]
+
+
+def lora_options(peft: Peft, experts: Sequence[str]) -> LoraOptions:
+    """The ``peft`` section of ``peft=lora`` as the model takes it, ``experts`` the resolved
+    patterns of the experts that get adapters (none without ``peft.experts``)."""
+    from components.models.lora import LoraOptions  # DTensor, transformers: design-notes.md
+
+    patterns = None if peft.target_modules is None else tuple(peft.target_modules)
+    return LoraOptions(
+        rank=peft.rank,
+        alpha=peft.alpha,
+        dropout=peft.dropout,
+        target_modules=patterns,
+        experts=tuple(experts),
+    )
 
 
 def workload(settings: Config) -> Workload:

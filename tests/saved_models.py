@@ -34,12 +34,35 @@ SIZES = dict(
 )
 
 
-def save_model(folder: Path, config, tokenizer) -> Path:
-    """A random model of ``config`` (seed 0) and ``tokenizer``, saved in ``folder``."""
-    torch.manual_seed(0)
+def save_model(folder: Path, config, tokenizer, seed: int = 0) -> Path:
+    """A random model of ``config`` (its weights by ``seed``) and ``tokenizer``, saved in
+    ``folder``."""
+    torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def reference_folders(root: Path) -> dict[str, Path]:
+    """Tiny model folders for ``dpo.reference_path``: a Llama ``policy`` and a ``reference`` of
+    its shape and tokenizer with other weights (seed 1); a Llama of ``another_tokenizer`` and a
+    ``qwen3`` model of the policy's tokenizer."""
+    from components.data import DEFAULT_VOCAB_SIZE, train_tokenizer
+    from components.models import tiny_config
+
+    texts = ["what is the answer", "fine tuning", "other words"]
+    one = train_tokenizer(texts[:2], DEFAULT_VOCAB_SIZE, root / "one")
+    other = train_tokenizer(texts[1:], DEFAULT_VOCAB_SIZE, root / "other")
+    made = {}
+    for name, family, tokenizer, seed in (
+        ("policy", "llama", one, 0),
+        ("reference", "llama", one, 1),
+        ("another_tokenizer", "llama", other, 1),
+        ("qwen3", "qwen3", one, 1),
+    ):
+        config = tiny_config(family, vocab_size=len(tokenizer), **SIZES)
+        made[name] = save_model(root / name, config, tokenizer, seed)
+    return made
 
 
 def recipe(

@@ -28,7 +28,9 @@ from components.distributed.replicas.flat_buffers import bounded_chunks, local_t
 from components.distributed.replicas.plan import (
     Plan,
     TpGroup,
+    bind_gradients,
     cached_plan,
+    release_untouched_gradients,
     tp_group,
     tp_replicated_parameters,
 )
@@ -52,6 +54,7 @@ __all__ = [
     "tp_replica_reduction",
     "tp_replicated_parameters",
     "unmarked_parameters",
+    "zero_tp_replica_gradients",
 ]
 
 _TP_REPLICA_GRAD_REDUCTION_ATTR = REDUCTION_ATTR
@@ -212,6 +215,27 @@ def broadcast_tp_replicas(
 
 
 @torch.no_grad()
+def zero_tp_replica_gradients(
+    model_parts: list[torch.nn.Module], device_mesh: DeviceMesh | None, tp_axis_name: str = "tp"
+) -> int:
+    """Give the trainable TP replicas zeroed slots of the sync's persistent buckets as gradients.
+
+    Not in the spec: the recipe's step calls it after ``optimizer.zero_grad(set_to_none=True)``
+    and before the backward, so autograd accumulates the replicas' gradients straight into the
+    buckets (DDP's ``gradient_as_bucket_view``) and the next
+    :func:`synchronize_tp_replica_gradients` on the same parts and mesh is the pre-check and one
+    all-reduce per bucket, with no copy. That sync gives ``None`` back to every bound gradient the
+    backward did not reach, so a parameter without a gradient still has none. It binds nothing
+    (returns 0) before a first sync has built the buckets, when a bucket stages its gradients
+    (bf16/fp16, DTensor, another device) or when a parameter no longer fits its slot; a gradient
+    replaced after it is packed by the sync as before.
+
+    Returns: Number of gradients bound on this rank.
+    """
+    return bind_gradients(model_parts, device_mesh, tp_axis_name)
+
+
+@torch.no_grad()
 def synchronize_tp_replica_gradients(
     model_parts: list[torch.nn.Module], device_mesh: DeviceMesh | None, tp_axis_name: str = "tp"
 ) -> int:
@@ -241,6 +265,7 @@ def synchronize_tp_replica_gradients(
             has a sparse gradient that cannot be flattened without changing its representation.
             Every rank of the TP group raises together, before any gradient is changed.
     """
+    release_untouched_gradients(model_parts)  # bound by zero_tp_replica_gradients, not reached
     plan = cached_plan(model_parts, device_mesh, tp_axis_name, _MAX_FLAT_BUFFER_BYTES)
     if plan is None or not plan.parameters:
         return 0

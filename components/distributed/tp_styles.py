@@ -100,7 +100,38 @@ class _MlaKvAProj(ParallelStyle):
 class _Owned(ParallelStyle):
     """A style whose module's plain-tensor output is a tensor of its own, not the view of a
     DTensor's storage that ``to_local`` returns: code that adds to it in place (Llama 4's MoE
-    block adds its routed experts to the shared expert's output with ``add_``) is then allowed."""
+    block adds its routed experts to the shared expert's output with ``add_``) is then allowed.
+
+    ``settle`` (the embedding's): every output, DTensor or not, is copied, so the first decoder
+    block's input is neither ``to_local``'s view (AOT autograd, torch 2.13, then hands a compiled
+    block's input gradient to the redistribute before ``to_local`` as a plain tensor, which fails)
+    nor a DTensor over a pending collective (an ``AsyncCollectiveTensor``, which a compiled block
+    guards on: the next block, fed a compiled block's plain output, would compile again)."""
+
+    def __init__(self, style: ParallelStyle, settle: bool = False):
+        self.style, self.settle = style, settle
+        self.output_layouts = style.output_layouts  # read by LoRA's parallelize_tp
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = self.style._apply(module, device_mesh)
+        if self.settle:
+            module.register_forward_hook(_settled_output)
+        elif self.style.use_local_output:  # else the output is a DTensor, not a view of one
+            module.register_forward_hook(_own_output)
+        return module
+
+
+def _own_output(module: nn.Module, args: tuple, output):
+    # A local output that requires grad is ``to_local``'s view (its ``grad_fn`` says so too, but
+    # reading ``grad_fn`` is a graph break under torch.compile; ``requires_grad`` is not).
+    return output.clone() if output.requires_grad else output
+
+
+class _Gathered(ParallelStyle):
+    """A column-wise projection under sequence parallelism whose input may come as sequence shards
+    (a plan without ``attention_input``/``mlp_input``, as Gemma 3's own): the shards are gathered
+    explicitly before the projection. Left to the matmul's sharding propagation, the gather
+    worked eagerly but was a data-dependent graph break under torch.compile."""
 
     def __init__(self, style: ParallelStyle):
         self.style = style
@@ -108,13 +139,19 @@ class _Owned(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         module = self.style._apply(module, device_mesh)
-        module.register_forward_hook(_own_output)
+        module.register_forward_pre_hook(_replicated_input, prepend=True)
         return module
 
 
-def _own_output(module: nn.Module, args: tuple, output):
-    made_by_to_local = "ToTorchTensor" in type(getattr(output, "grad_fn", None)).__name__
-    return output.clone() if made_by_to_local else output
+def _replicated_input(module: nn.Module, args: tuple):
+    first, *rest = args
+    if isinstance(first, DTensor) and any(not p.is_replicate() for p in first.placements):
+        first = first.redistribute(first.device_mesh, [Replicate()] * first.device_mesh.ndim)
+    return (first, *rest)
+
+
+def _settled_output(module: nn.Module, args: tuple, output):
+    return output.clone()  # a DTensor's clone waits for its collective: a plain local tensor
 
 
 class _LocalParams(ParallelStyle):
@@ -237,7 +274,7 @@ def torch_style_of(name: str, sequence_parallel: bool, config=None) -> ParallelS
     styles = {
         # Under SP the input arrives as a DTensor (gathered by the block's *_input style, or sharded
         # by a norm), redistributed to Replicate whatever ``input_layouts`` says.
-        "colwise": lambda: ColwiseParallel(),
+        "colwise": lambda: _Gathered(ColwiseParallel()) if sequence_parallel else ColwiseParallel(),
         # One gather (SP) or one backward all-reduce (plain) per block instead of one per
         # projection: the block's input becomes a Replicate DTensor that q/k/v (or gate/up) share.
         "attention_input": lambda: PrepareModuleInput(
@@ -251,8 +288,11 @@ def torch_style_of(name: str, sequence_parallel: bool, config=None) -> ParallelS
         "rowwise": lambda: _Owned(
             RowwiseParallel(output_layouts=tokens, use_local_output=local_output)
         ),
-        "embedding_rowwise": lambda: RowwiseParallel(
-            input_layouts=Replicate(), output_layouts=tokens, use_local_output=local_output
+        "embedding_rowwise": lambda: _Owned(
+            RowwiseParallel(
+                input_layouts=Replicate(), output_layouts=tokens, use_local_output=local_output
+            ),
+            settle=True,
         ),
         "vocab_parallel": lambda: ColwiseParallel(
             input_layouts=tokens, output_layouts=Shard(-1), use_local_output=False

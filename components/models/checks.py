@@ -239,7 +239,7 @@ def _layout_problems(
     if use.precision == "fp8":
         found += _fp8_problems(meta, use, dims, bool(experts), styles)
     try:
-        check_compile(use.compile, use.device_type, bool(experts), dims.tp, dims.sp)
+        check_compile(use.compile, use.device_type, bool(experts), dims.ep)
     except ValueError as error:
         found.append(Problem(key="train.compile", message=str(error)))
     return found
@@ -386,16 +386,29 @@ def vocabulary_problems(
     return [Problem(key="teacher.config.vocab_size", message=message)]
 
 
+def vocabulary_difference(first: CheckedModel, second: CheckedModel) -> str | None:
+    """What differs between two folders' vocabularies: ``sizes`` (their configs' vocab_size),
+    ``tokens`` (their tokenizers' token of some id), or None: nothing."""
+    if first.config.vocab_size != second.config.vocab_size:
+        return "sizes"
+    first_tokens, second_tokens = (_tokens(model.path) for model in (first, second))
+    return None if first_tokens == second_tokens else "tokens"
+
+
+def _tokens(folder: Path) -> dict[str, int]:
+    """The folder's tokenizer's vocabulary: each token's id."""
+    return transformers.AutoTokenizer.from_pretrained(
+        str(folder), trust_remote_code=False
+    ).get_vocab()
+
+
 def _folder_vocabulary_problems(student: CheckedModel, teacher: CheckedModel) -> list[Problem]:
     """Two folders: the same vocabulary size, the same token of every id."""
     sizes = (student.config.vocab_size, teacher.config.vocab_size)
-    vocabularies = [
-        transformers.AutoTokenizer.from_pretrained(str(path), trust_remote_code=False).get_vocab()
-        for path in (student.path, teacher.path)
-    ]
-    if sizes[0] == sizes[1] and vocabularies[0] == vocabularies[1]:
+    which = vocabulary_difference(student, teacher)
+    if which is None:
         return []
-    which = "sizes" if sizes[0] != sizes[1] else "tokens"
+    vocabularies = [_tokens(model.path) for model in (student, teacher)]
     message = (
         f"the teacher's vocabulary ({teacher.path}: {sizes[1]} rows, {len(vocabularies[1])} "
         f"tokens) differs from the student's ({student.path}: {sizes[0]} rows, "

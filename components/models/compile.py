@@ -2,15 +2,14 @@
 in order.
 
 Each block's ``forward`` is replaced by its compiled version in place (no ``OptimizedModule``
-wrapper), so parameter names do not change; hooks on the block (the TP plan's input layouts, FSDP2's
-unshard/reshard) stay outside the compiled region and run eagerly. Every block has the same code, so
-dynamo compiles once. With activation checkpointing the checkpoint wraps the compiled forward, not
-the reverse.
+wrapper), so parameter names do not change; hooks on the block (FSDP2's) run eagerly outside the
+compiled region, the TP plan's hooks on its sublayers inside it. Every block has the same code, so
+dynamo compiles once. With activation checkpointing the checkpoint wraps the compiled forward.
 
-Refused, with an error that says what to change: compile with an MoE model (data-dependent expert
-dispatch), and at tp > 1 without sequence parallelism (torch 2.13's AOT autograd fails in the
-embedding's redistribute). Blocks holding DTensors compile without AOT autograd's cache: torch 2.13
-replays a cached wrapper for other tensor subclasses (``no attribute 'elem'``, or a SIGSEGV).
+Refused, with an error that says what to change: an MoE model at ep > 1 (the expert-parallel
+dispatch sizes each expert's rows at run time: Dynamo breaks there and recompiles per size).
+Blocks holding DTensors compile without AOT autograd's cache: torch 2.13 replays a cached wrapper
+for other tensor subclasses (``no attribute 'elem'``, or a SIGSEGV).
 
 Docs: docs/precision-and-memory.md
 """
@@ -31,30 +30,23 @@ def check_compile(
     compile_blocks: bool,
     device_type: str,
     is_moe: bool,
-    tp: int,
-    sequence_parallel: bool,
+    ep: int,
     backend: str = _DEFAULT_BACKEND,
 ) -> None:
     """Raise before anything is built if ``train.compile`` cannot work here (see the module
     docstring).
 
     Raises:
-        ValueError: compile on an MoE model, at tp > 1 without sequence parallelism, or with
-            inductor on the CPU without a C compiler (``cc``).
+        ValueError: compile on an MoE model at ep > 1, or with inductor on the CPU without a C
+            compiler (``cc``).
     """
     if not compile_blocks:
         return
-    if tp > 1 and not sequence_parallel:
+    if is_moe and ep > 1:
         raise ValueError(
-            f"train.compile=true at tp={tp} needs sp=true (torch 2.13 cannot compile the backward "
-            "of a "
-            "plain tensor-parallel block): set sp=true or train.compile=false"
-        )
-    if is_moe:
-        raise ValueError(
-            "train.compile=true is not supported with MoE models (data-dependent expert dispatch "
-            "and the "
-            "expert-parallel all-reduce do not compile): use train.compile=false"
+            f"train.compile=true with an MoE model at ep={ep} is not supported: expert "
+            "parallelism's dispatch sizes each expert's rows at run time, where Dynamo breaks the "
+            "graph and recompiles per size; use ep=1 or train.compile=false"
         )
     if backend == "inductor" and device_type == "cpu" and shutil.which("cc") is None:
         raise ValueError(

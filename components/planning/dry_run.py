@@ -18,7 +18,7 @@ import functools
 import itertools
 import json
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NoReturn
 
@@ -30,6 +30,7 @@ from components.data.loader import widest_batch
 from components.distributed.layout import LayoutError, ParallelDims
 from components.distributed.pipeline import rank_share, rank_stages
 from components.models.conversion import convert_model
+from components.models.frozen import build_frozen_model
 from components.models.lora import LoraOptions
 from components.models.options import PACKED_NATIVE
 from components.models.parallelize import build_parallel_model
@@ -37,6 +38,7 @@ from components.planning.flops import known_flops_per_token
 from components.planning.memory import current_memory_gib
 from components.planning.memory_model import (
     GIB,
+    Frozen,
     Layout,
     MemoryEstimate,
     Stage,
@@ -47,7 +49,8 @@ from components.planning.memory_model import (
 from components.planning.memory_model import optimizer_moments as moments_of
 from components.planning.pipeline_schedule import bubble, grads_held, in_flight
 
-ROWS = ("params", "grads", "optimizer", "activations", "buffers", "runtime", "total")
+ROWS = ("params", "grads", "optimizer", "frozen", "activations", "buffers", "runtime", "total")
+STAGE_ROWS = tuple(row for row in ROWS if row != "frozen")  # pp: no recipe with a frozen model
 _STEP_FIELDS = ("micro_batch_size", "activation_checkpointing")  # a candidate's besides degrees
 MAX_PLANNED = 24  # candidates planned again at most: each builds the model (pp: a few of them)
 
@@ -61,14 +64,25 @@ def _on_fake_rank(world: int, rank: int) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
 
 
-def _build(plan, layout: Layout, rank: int, convert: Callable | None = None) -> torch.nn.Module:
-    """``plan``'s model for ``layout`` as fake rank ``rank`` builds it, on the meta device
-    (``convert``: another conversion than the recipe's)."""
+@dataclass(frozen=True, kw_only=True)
+class Lever:
+    """A change of the trained model a plan prices beside the run's own: LoRA adapters on its
+    frozen base, in ``precision`` (and with ``nf4_base``, that base in NF4)."""
+
+    lora: LoraOptions
+    precision: str
+    nf4_base: bool = False  # peft=qlora: the adapted linears' weights in NF4
+
+
+def _build(plan, layout: Layout, rank: int, lever: Lever | None = None) -> torch.nn.Module:
+    """``plan``'s model for ``layout`` as fake rank ``rank`` builds it, on the meta device (with
+    ``lever``: converted and in the precision it says)."""
     dims = layout.dims
     _on_fake_rank(dims.world_size, rank)
     spec = replace(plan.model, activation_checkpointing=layout.activation_checkpointing)
+    spec = replace(spec, precision=lever.precision) if lever else spec
     meshes = dims.build_meshes("cpu")
-    convert = convert or _converter(plan, dims)
+    convert = _converter(plan, dims, lever.lora if lever else plan.lora)
     model, _ = build_parallel_model(spec, dims, meshes, torch.device("meta"), convert=convert)
     return model
 
@@ -98,12 +112,30 @@ def plan_stages(plan, step: Step, layout: Layout) -> list[tuple[dict, MemoryEsti
     return stages
 
 
-def plan_layout(plan, step: Step, layout: Layout) -> MemoryEstimate:
-    """Build ``plan``'s model for ``layout`` on the meta device over the fake world; price it:
-    the busiest pipeline rank's with pp > 1."""
+def plan_layout(plan, step: Step, layout: Layout, lever: Lever | None = None) -> MemoryEstimate:
+    """Build ``plan``'s model for ``layout`` on the meta device over the fake world (changed by
+    ``lever``), and its frozen model beside it (DPO's reference, distillation's teacher); price
+    them: the busiest pipeline rank's with pp > 1 (no recipe with a frozen model runs pp)."""
     if layout.dims.pp > 1:
         return busiest(plan_stages(plan, step, layout))[1]
-    return estimate_memory(_build(plan, layout, 0), plan.model.config, layout, step)
+    model, config = _build(plan, layout, 0, lever), plan.model.config
+    step = replace(step, precision=lever.precision, nf4_base=lever.nf4_base) if lever else step
+    return estimate_memory(model, config, layout, step, frozen=_frozen(plan, layout, lever))
+
+
+def _frozen(plan, layout: Layout, lever: Lever | None = None) -> Frozen | None:
+    """``plan``'s frozen model (``plan.frozen``) built for ``layout`` on the meta device, as the
+    recipe builds it (``build_frozen_model``: its own TP plan, FSDP); None without one. Without a
+    spec (or the trained model's own under a LoRA ``lever``) it is the trained model itself with
+    its adapters off: no weights of its own."""
+    frozen = plan.frozen
+    if frozen is None:
+        return None
+    if frozen.spec is None or (lever and frozen.spec == plan.model):
+        return Frozen(model=None, config=plan.model.config, keeps_hidden=frozen.keeps_hidden)
+    meshes, meta = layout.dims.build_meshes("cpu"), torch.device("meta")
+    model = build_frozen_model(frozen.spec, layout.dims, meshes, meta)
+    return Frozen(model=model, config=frozen.spec.config, keeps_hidden=frozen.keeps_hidden)
 
 
 def busiest(stages: list[tuple[dict, MemoryEstimate]]) -> tuple[dict, MemoryEstimate]:
@@ -111,10 +143,12 @@ def busiest(stages: list[tuple[dict, MemoryEstimate]]) -> tuple[dict, MemoryEsti
     return max(stages, key=lambda stage: stage[1].total)
 
 
-def _converter(plan, dims: ParallelDims) -> Callable[[torch.nn.Module], torch.nn.Module] | None:
-    """The recipe's conversion of the built model (``convert_model``), fp8's linears all-gathered
-    in fp8 when ``dims`` shard over dp; None when nothing converts."""
-    lora, fp8 = plan.lora, plan.fp8
+def _converter(
+    plan, dims: ParallelDims, lora: LoraOptions | None
+) -> Callable[[torch.nn.Module], torch.nn.Module] | None:
+    """The recipe's conversion of the built model (``convert_model``) with ``lora``'s adapters,
+    fp8's linears all-gathered in fp8 when ``dims`` shard over dp; None when nothing converts."""
+    fp8 = plan.fp8
     if lora is None and fp8 is None:
         return None
     fp8 = fp8 and replace(fp8, data_parallel=dims.data_parallel > 1)
@@ -219,19 +253,28 @@ QLORA_LEVER = LoraOptions(rank=8, alpha=16.0, dropout=0.0, target_modules=None)
 
 
 def _peft_levers(plan, step: Step, layout: Layout) -> list[dict]:
-    """``peft=qlora`` planned at this layout (the run's adapters, or :data:`QLORA_LEVER`): the
-    memory per rank it gives; none for a QLoRA run already, or in fp8 (which refuses it)."""
-    if plan.model.nf4_base or step.precision == "fp8":
+    """LoRA adapters on the frozen base (``peft=lora`` as it runs by default), at the run's
+    precision and, where that keeps fp32 weights, in bf16 (``train.precision=bf16``: the base at
+    2 bytes a weight), and ``peft=qlora`` (the run's adapters or :data:`QLORA_LEVER` on an NF4
+    base), each planned again at this layout: the memory per rank each gives (none in fp8, which
+    refuses adapters' levers; LoRA's none for a run with adapters already, QLoRA's none for a
+    QLoRA run). Asked when no change of the layout fits."""
+    if plan.fp8 is not None:
         return []
-    convert = functools.partial(convert_model, lora=plan.lora or QLORA_LEVER, fp8=None, seed=0)
-    model = _build(plan, layout, 0, convert)
-    nf4 = replace(step, nf4_base=True)
-    return [
-        {
-            "change": "peft=qlora",
-            "total_gib": estimate_memory(model, plan.model.config, layout, nf4).total,
-        }
-    ]
+    levers = []
+    lora = plan.lora_lever
+    changes = {"peft=lora": step.precision, "peft=lora train.precision=bf16": "bf16"}
+    for words, precision in changes.items() if lora is not None else ():
+        if precision == step.precision and levers:
+            continue  # the run is in bf16 already
+        total = plan_layout(plan, step, layout, Lever(lora=lora, precision=precision)).total
+        levers.append({"change": words, "total_gib": total})
+    if not plan.model.nf4_base:
+        qlora = Lever(lora=plan.lora or QLORA_LEVER, precision=step.precision, nf4_base=True)
+        levers.append(
+            {"change": "peft=qlora", "total_gib": plan_layout(plan, step, layout, qlora).total}
+        )
+    return levers
 
 
 def _step(plan) -> Step:
@@ -247,6 +290,7 @@ def _step(plan) -> Step:
         precision=train.precision,
         fp8_recipe=train.fp8_recipe,
         sequence_parallel=plan.model.sequence_parallel,
+        rows_per_sample=plan.rows_per_sample,
         optimizer_moments=moments_of(plan.optim.target, plan.optim.options()),
         optimizer_bits=bits,
         optimizer_block=block,
@@ -282,7 +326,8 @@ def dry_run(plan, fail: Callable[[str], NoReturn]) -> dict:
         fits = None if memory is None else estimate.total <= memory
         suggestion, tried = _suggest(plan, step, layout, memory) if fits is False else (None, [])
         levers = _state_levers(plan, step, layout) if fits is False and not stages else []
-        peft_levers = _peft_levers(plan, step, layout) if fits is False and not stages else []
+        unfit = fits is False and suggestion is None and not stages  # no layout change fits
+        peft = _peft_levers(plan, step, layout) if unfit else []
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -303,7 +348,7 @@ def dry_run(plan, fail: Callable[[str], NoReturn]) -> dict:
         "suggestion": suggestion,
         "tried": tried,
         "optimizer_levers": levers,
-        "peft_levers": peft_levers,
+        "peft_levers": peft,
     }
     _write(plan.output_dir, result)
     return result
@@ -333,7 +378,7 @@ def _layout_row(layout: Layout) -> dict:
 
 
 def _stage_row(share: dict, estimate: MemoryEstimate) -> dict:
-    return {**share, **{row: getattr(estimate, row) for row in ROWS}}
+    return {**share, **{row: getattr(estimate, row) for row in STAGE_ROWS}}
 
 
 def _write(output_dir: Path, result: dict) -> None:
@@ -364,7 +409,10 @@ def format_plan(result: dict) -> str:
             "planned for that"
         )
     lines.append("per rank (GiB, the busiest rank):")
-    lines += [f"  {row:<12}{result['per_rank_gib'][row]:>10.3f}" for row in ROWS]
+    per_rank = result["per_rank_gib"]
+    lines += [
+        f"  {row:<12}{per_rank[row]:>10.3f}" for row in ROWS if row != "frozen" or per_rank[row]
+    ]
     detail = result["detail_gib"].items()
     lines += [f"    {name:<34}{value:>8.3f}" for name, value in detail if value]
     flops = result["flops_per_token"]
@@ -400,11 +448,11 @@ def _format_stages(result: dict) -> list[str]:
     lines = [
         f"pipeline: {pipeline['schedule']}{looped}, {pipeline['micro_batches']} micro-batches per "
         f"step, bubble {pipeline['bubble']:.1%}; per pipeline rank (GiB):",
-        "  rank  layers  holds            in flight" + "".join(f"{row:>12}" for row in ROWS),
+        "  rank  layers  holds            in flight" + "".join(f"{row:>12}" for row in STAGE_ROWS),
     ]
     for row in result["per_stage_gib"]:
         holds = "+".join(name for name in ("embedding", "head") if row[name]) or "-"
-        figures = "".join(f"{row[name]:>12.3f}" for name in ROWS)
+        figures = "".join(f"{row[name]:>12.3f}" for name in STAGE_ROWS)
         lines.append(
             f"  {row['rank']:>4}  {row['layers']:>6}  {holds:<15}{row['in_flight']:>10.3g}{figures}"
         )

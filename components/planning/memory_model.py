@@ -1,6 +1,5 @@
 """Per-rank memory of a training step, from the parallel model's local shards and the batch
 geometry.
-
 - ``params``, ``grads``, ``optimizer``: exact, this rank's local shards (built on the meta device),
   their gradients and AdamW's moments (or SGD's).
 - ``activations``: what autograd saves for backward in one micro-batch (``seq_len / cp`` tokens of
@@ -10,11 +9,14 @@ geometry.
   (:class:`Stage`): its own layers, times the micro-batches in flight, and its output kept.
 - ``buffers``: the step's transients (logits, autocast copies, fp8's float8 copies, gradients in
   flight, FSDP's unsharded layers, the replica sync's buffer, AdamW's temporaries).
+- ``frozen``: a frozen model's shards (DPO's reference, distillation's teacher: :class:`Frozen`);
+  its no_grad forward a phase of its own, a teacher's hidden states and logit chunks in the step's.
 - ``total``: the largest of the step's phases (``phases``), plus ``runtime``. Design notes:
   docs/design-notes.md
 """
 
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -62,6 +64,20 @@ class Step:
     nf4_base: bool = False  # peft=qlora: the adapted linears' weights in NF4, outside FSDP
     pp_schedule: str = "1f1b"  # with pp > 1: gpipe | 1f1b | interleaved_1f1b
     pp_stages_per_rank: int = 1
+    rows_per_sample: int = 1  # rows a micro-batch holds per sample: DPO's pairs are 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class Frozen:
+    """A frozen model run forward under ``no_grad`` before the trained one on each micro-batch:
+    DPO's reference (``model`` None: the trained model itself with its adapters off, peft=lora,
+    no weights of its own) or distillation's teacher, whose last hidden states live on through
+    the trained model's step (``keeps_hidden``: the KL reads them chunk by chunk, forward and
+    backward). ``model``: its parallel meta model; ``config``: its Hugging Face config."""
+
+    model: nn.Module | None
+    config: Any
+    keeps_hidden: bool
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,6 +103,7 @@ class MemoryEstimate:
     params: float
     grads: float
     optimizer: float
+    frozen: float  # a frozen second model's weights (:class:`Frozen`), 0 without one
     activations: float
     buffers: float
     runtime: float
@@ -222,6 +239,7 @@ def _state(model: nn.Module, layout: Layout, step: Step) -> dict[str, float]:
 
 
 _FP8_KEYS = ("fp8_numel", "fp8_largest_numel", "fp8_layer_numel")
+_FROZEN_KEYS = ("frozen_weights", "frozen_forward", "teacher_hidden", "teacher_logits")
 
 
 def _autocast(layout: Layout, step: Step) -> bool:
@@ -288,7 +306,7 @@ def _layer_rows(config, layout: Layout, step: Step, index: int) -> tuple[float, 
 
 def _tokens(layout: Layout, step: Step) -> int:
     """Tokens of one micro-batch on this rank: cp splits every row."""
-    return layout.micro_batch_size * step.seq_len // layout.dims.cp
+    return layout.micro_batch_size * step.rows_per_sample * step.seq_len // layout.dims.cp
 
 
 def _activations(config, layout: Layout, step: Step, stage: Stage) -> dict[str, float]:
@@ -386,12 +404,36 @@ def _buffers(config, layout: Layout, step: Step, state: dict, stage: Stage) -> d
     }
 
 
+def _frozen(frozen: Frozen, layout: Layout, step: Step, trained: dict) -> dict[str, float]:
+    """Bytes of a frozen model's share of the step (:class:`Frozen`): its weights; its no_grad
+    forward's working set (its widest layer's input and transients, FSDP's two unsharded layers,
+    the reference's head chunk: nothing is saved for a backward); a teacher's last hidden states
+    and the teacher's side of each KL chunk (its fp32 logits, shifted and exponentiated copies),
+    which live through the trained model's forward and the head's backward. ``trained``: the
+    trained model's :func:`_state`, the reference of peft=lora (its own layers, gathered)."""
+    config, tokens = frozen.config, _tokens(layout, step)
+    state = trained if frozen.model is None else _state(frozen.model, layout, step)
+    rows = [_layer_rows(config, layout, step, i) for i in range(config.num_hidden_layers)]
+    working = tokens * max(block_input + in_flight for _, block_input, in_flight in rows)
+    compute = 4 if step.precision == "fp32" else 2
+    fsdp = 2 * state["layer_numel"] * compute * (_data_parallel(layout) > 1)
+    chunk = min(tokens, step.loss_chunk_tokens or tokens) * _vocab_share(config, layout)
+    teacher = frozen.keeps_hidden
+    return {
+        "frozen_weights": 0 if frozen.model is None else state["bytes"],
+        "frozen_forward": working + fsdp + chunk * (4 + compute) * (not teacher),
+        "teacher_hidden": tokens * config.hidden_size * compute * teacher,
+        "teacher_logits": chunk * 4 * 3 * teacher,
+    }
+
+
 def _peak(
     grads: float, state: dict, act: dict, buf: dict, layout: Layout, stage: Stage
 ) -> dict[str, float]:
     """Bytes above params + optimizer state at each phase of the step (its largest is the peak):
     a pipeline stage's with the micro-batches it holds at once (and its gradients, at 1F1B's
-    steady state)."""
+    steady state); a frozen model's forward (:func:`_frozen`, its terms in ``buf``) before the
+    trained one's, after the gradients of the micro-batches before it."""
     fsdp = buf["fsdp_layers"] + buf["fsdp_unsharded_accumulated_grads"]
     # saved by the forward, for backward: every micro-batch in flight's
     kept = act["layers"] + act["embedding_and_norm"] + act["stage_output"] + act["logits_held"]
@@ -412,9 +454,12 @@ def _peak(
     last_block += (one / state["layers"] if state["layers"] else one) + kept - one
     forward = held + kept + mask + copies + buf["logits"] + fsdp + buf["fp8_weight_casts"]
     forward += buf["nf4_dequantize"]
+    teacher = buf["teacher_hidden"] + buf["teacher_logits"]  # the KL's, through the head's backward
+    frozen = buf["frozen_forward"] + (held or grads * state["accumulates"])
     return {
-        "forward": forward,
-        "head_backward": held + backward + buf["logits"] + buf["head_backward"] + fsdp,
+        **({"frozen_forward": frozen} if buf["frozen_forward"] else {}),
+        "forward": forward + teacher,
+        "head_backward": held + backward + buf["logits"] + buf["head_backward"] + fsdp + teacher,
         "first_block_backward": first_block + fsdp,
         "last_block_backward": last_block + fsdp,
         "after_backward": grads + buf["replica_sync"],
@@ -423,13 +468,20 @@ def _peak(
 
 
 def estimate_memory(
-    model: nn.Module, config, layout: Layout, step: Step, stage: Stage | None = None
+    model: nn.Module,
+    config,
+    layout: Layout,
+    step: Step,
+    stage: Stage | None = None,
+    frozen: Frozen | None = None,
 ) -> MemoryEstimate:
     """Per-rank memory of a training step of ``model``, the parallel meta model of ``layout``:
-    the whole model, or with ``stage`` one pipeline rank's."""
+    the whole model, or with ``stage`` one pipeline rank's; with ``frozen``, a frozen model run
+    forward beside it (DPO's reference, distillation's teacher)."""
     stage = stage or whole_model(config)
     state = _state(model, layout, step)
     state["layers"], state["chunks_head"] = len(stage.layers), chunks_head(model)
+    state["accumulates"] = step.global_batch_size > layout.micro_batch_size * layout.dims.dp
     fp8 = step.precision == "fp8"
     state |= _fp8_numel(model, layout) if fp8 else dict.fromkeys(_FP8_KEYS, 0)
     params, grads = state["bytes"], state["grad_bytes"]  # grads: of the trained parameters
@@ -439,13 +491,16 @@ def estimate_memory(
         act[name] *= stage.in_flight
     act["logits_held"] *= stage.in_flight - 1
     buf = {**_buffers(config, layout, step, state, stage), "block_backward": act.pop("in_flight")}
+    buf |= _frozen(frozen, layout, step, state) if frozen else dict.fromkeys(_FROZEN_KEYS, 0)
+    weights = buf.pop("frozen_weights")
     phases = _peak(grads, state, act, buf, layout, stage)
-    peak = params + optimizer + max(phases.values())
+    peak = params + weights + optimizer + max(phases.values())
     gib = {name: value / GIB for name, value in {**act, **buf}.items()}
     return MemoryEstimate(
         params=params / GIB,
         grads=grads / GIB,
         optimizer=optimizer / GIB,
+        frozen=weights / GIB,
         activations=sum(act.values()) / GIB,
         buffers=sum(buf.values()) / GIB,
         runtime=step.runtime_gib,

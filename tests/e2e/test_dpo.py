@@ -2,8 +2,11 @@
 Llama: tp=2, tp=2 with sp and dp=2 × tp=2 equal the tp=1 run step by step within 1e-5 (loss, grad
 norm and every DPO metric), with AdamW and with SGD, and with ``peft=lora`` (the reference: the
 policy's adapters off); the run trains (its reward margins grow), writes DPO's metrics and exports
-the policy; what DPO refuses is one ``error:`` line before any rank starts."""
+the policy; what DPO refuses is one ``error:`` line before any rank starts; a reference folder
+(``dpo.reference_path``) other than the policy's start gives the first step's rewards and loss a
+plain computation gives from that folder's own log-probabilities, at tp=2."""
 
+import math
 import os
 import sys
 from pathlib import Path
@@ -14,6 +17,7 @@ from transformers import AutoModelForCausalLM
 from components.training.preference import DPO_METRICS
 from tests import cli
 from tests.e2e.test_recipe_training import REPO, metrics
+from tests.saved_models import reference_folders
 
 COMMON = [
     "train.max_steps=4",
@@ -122,3 +126,30 @@ def test_resume_at_another_tp_equals_the_uninterrupted_run(runs, tmp_path):
     for ours, theirs in zip(resumed[2:], uninterrupted[2:], strict=True):
         for key in ("loss", "logps/chosen", "logps/rejected", "grad_norm"):
             assert ours[key] == pytest.approx(theirs[key], rel=1e-5), key
+
+
+PATHS = (("model.pretrained_path", "policy"), ("dpo.reference_path", "reference"))
+
+
+def test_a_reference_folder_gives_the_first_step_of_a_plain_computation_at_tp2(tmp_path):
+    """One pair, one step: the policy (a folder) against ``dpo.reference_path`` (a folder of its
+    shape and tokenizer, other weights) at tp=2; that folder's own answer log-probabilities come
+    from a tp=1 run with it as the policy (its own reference: loss log 2). The rewards are β × the
+    differences and the loss −log σ(β·Δ), as TRL's ``DPOTrainer(ref_model=...)`` computes them."""
+    folders = reference_folders(tmp_path / "models")
+    one_pair = ["model=pretrained", "train.max_steps=1", "train.global_batch_size=1"]
+    one_pair += ["train.micro_batch_size=1", "train.warmup_steps=0", "dpo.beta=1.0"]
+    reference = f"dpo.reference_path={folders['reference']}"
+    dpo(
+        tmp_path / "tp2", *one_pair, f"model.pretrained_path={folders['policy']}", reference, "tp=2"
+    )
+    dpo(tmp_path / "own", *one_pair, f"model.pretrained_path={folders['reference']}")
+    [ours], [its_own] = metrics(tmp_path / "tp2"), metrics(tmp_path / "own")
+    chosen = ours["logps/chosen"] - its_own["logps/chosen"]  # β = 1
+    rejected = ours["logps/rejected"] - its_own["logps/rejected"]
+    scale = abs(ours["logps/chosen"]) + abs(ours["logps/rejected"])
+    assert ours["rewards/chosen"] == pytest.approx(chosen, abs=1e-5 * scale)
+    assert ours["rewards/rejected"] == pytest.approx(rejected, abs=1e-5 * scale)
+    plain = -math.log(1 / (1 + math.exp(-(chosen - rejected))))  # −log σ(β·Δ)
+    assert ours["loss"] == pytest.approx(plain, rel=1e-5)
+    assert abs(ours["loss"] - math.log(2)) > 1e-3  # not the policy's own start as reference

@@ -59,6 +59,7 @@ def recipe(output_dir: Path, *overrides: str, env: dict | None = None) -> list[d
         command, cwd=REPO, capture_output=True, text=True, timeout=900, env=environment
     )
     assert result.returncode == 0, f"{' '.join(command)}\n{result.stderr[-3000:]}"
+    (output_dir / "stdout.txt").write_text(result.stdout)  # the run's lines, for its notes
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -113,3 +114,5 @@ def test_compile_at_tp2_matches_eager_tp1_from_a_cold_and_a_warm_cache(
     warm = recipe(tmp_path / "warm", *COMPILED, env=inductor_cache)
     for name, compiled in [("cold", runs["compiled_cold"]), ("warm", warm)]:
         assert max(gaps(compiled, runs["fp32_tp1"], "loss")) <= 1e-4, name
+    # inductor's blocks, as the recipe compiles them: no graph break, no recompilation (a note)
+    assert "note: train.compile" not in (tmp_path / "warm" / "stdout.txt").read_text()

@@ -2,9 +2,9 @@
 
 :class:`BucketLayout` cuts gradients into buckets by (reduction, device, dtype) and the byte bound
 and owns their buffers, bounded together by ``max_bytes``: FP32 (wire-dtype) buckets of plain
-gradients whose gradients *become views* of the bucket after the first reduction (DDP's
-``gradient_as_bucket_view``: while the caller keeps the gradients, the next reduction runs in
-place), and one shared staging buffer, reused bucket after bucket, for the rest (bf16/fp16 upcast to
+gradients whose slots become the gradients (DDP's ``gradient_as_bucket_view``: bound before a
+backward by :meth:`BucketLayout.bind`, or handed out by a reduction), so the next reduction runs in
+place, and one shared staging buffer, reused bucket after bucket, for the rest (bf16/fp16 upcast to
 FP32, DTensor gradients). "In place" is decided by data pointer, so a gradient given other storage
 (``grad.data = ...``, ``model.to(...)``) is packed again; gradients that are not yet the bucket's
 slices get the result copied into them and are then re-bound, except slices of another tensor (a
@@ -16,15 +16,20 @@ hands out (:meth:`BucketLayout.exchange`), so every collective goes through that
 from collections import deque
 from collections.abc import Iterator
 from itertools import repeat
-from operator import attrgetter, eq, itemgetter
+from operator import attrgetter, eq, is_, itemgetter
 
 import torch
 from torch import nn
 
-from components.distributed.replicas.flat_buffers import bounded_chunks, flat_views, wire_dtype
+from components.distributed.replicas.flat_buffers import (
+    bounded_chunks,
+    flat_aliases,
+    flat_views,
+    wire_dtype,
+)
 
-_requires_grad = attrgetter("requires_grad")
 _grad = attrgetter("grad")
+_version = attrgetter("_version")
 _consume = deque(maxlen=0).extend  # runs an iterator for its side effects
 
 _data_ptr = torch.Tensor.data_ptr
@@ -129,6 +134,11 @@ class BucketLayout:
         self.slot_pointers: list[int | None] = [None] * self.size
         self.views_in_order: list[torch.Tensor | None] | None = None
         self.spans: list[tuple[int, int]] = []  # address ranges of the view buckets' buffers
+        # bind(): the slots as aliases (by candidate), the parameters they were bound to and each
+        # alias's version then (None: nothing bound since the last release)
+        self.bound: list[torch.Tensor] | None = None
+        self._bound_to: list[nn.Parameter] = []
+        self._bound_versions: list[int] | None = None
         if persistent:
             self._assign_buffers(plain, max_bytes)
 
@@ -191,6 +201,41 @@ class BucketLayout:
             self.views_in_order is not None
             and _pointers(map(_grad, parameters)) == self.slot_pointers
         )
+
+    def bind(self, parameters: list[nn.Parameter]) -> int:
+        """Zero every bucket and make its slots the gradients of ``parameters`` (every candidate, in
+        order), so a backward accumulates into the buckets; the number bound (0 unless every bucket
+        is gradient views). The slots are aliases, not views (:func:`flat_aliases`): each one's
+        version tells :meth:`release_untouched` whether a gradient was accumulated into it."""
+        if self.views_in_order is None:
+            return 0
+        if self.bound is None or _pointers(self.bound) != self.slot_pointers:
+            self.bound = [None] * self.size  # made once; again if one was given other storage
+            for bucket in self.buckets:
+                aliases = flat_aliases(bucket.flat, bucket.shapes)
+                for index, alias in zip(bucket.indices, aliases, strict=True):
+                    self.bound[index] = alias
+        for bucket in self.buckets:
+            bucket.flat.zero_()
+        _consume(map(setattr, parameters, repeat("grad"), self.bound))
+        self._bound_to, self._bound_versions = parameters, list(map(_version, self.bound))
+        return self.size
+
+    def release_untouched(self) -> None:
+        """After the backward that followed :meth:`bind`: a parameter whose gradient is still its
+        bound slot, with nothing accumulated into it, gets ``None`` back (what ``zero_grad()`` left
+        it), so a parameter the backward did not reach still has no gradient."""
+        if self._bound_versions is None:
+            return
+        parameters, versions = self._bound_to, self._bound_versions
+        self._bound_to, self._bound_versions = [], None
+        now = list(map(_version, self.bound))
+        if not any(map(eq, now, versions)):  # every slot was accumulated into: the usual step
+            return
+        bound = map(is_, map(_grad, parameters), self.bound)
+        for parameter, same, before, after in zip(parameters, bound, versions, now, strict=True):
+            if same and before == after:
+                parameter.grad = None
 
     def exchange(
         self,

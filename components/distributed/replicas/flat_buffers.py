@@ -61,6 +61,17 @@ def flat_views(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tenso
     return views
 
 
+def flat_aliases(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
+    """Tensors over the same consecutive slots of ``flat``'s storage as :func:`flat_views`, made
+    with ``set_`` instead of as views: each keeps a version counter of its own (a view shares its
+    base's), so an in-place accumulation into one of them shows on that one alone."""
+    storage, offset, aliases = flat.untyped_storage(), flat.storage_offset(), []
+    for shape in shapes:
+        aliases.append(flat.new_empty(0).set_(storage, offset, shape))
+        offset += shape.numel()
+    return aliases
+
+
 def pack(
     tensors: list[torch.Tensor], dtype: torch.dtype, device: str | torch.device
 ) -> torch.Tensor:

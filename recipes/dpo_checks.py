@@ -1,0 +1,127 @@
+"""``recipes/dpo.py``'s checks and preparation, on fine-tuning's: ``dpo.reference_path``, a frozen
+reference of its own, checked as a model (its folder, its TP plan at the run's layout), then
+against the policy (the same architecture, the same vocabulary token for token), every problem
+one ``error:`` line before any rank starts; then fine-tuning's preparation and the reference's
+spec: that folder's, the policy's starting weights, or none with ``peft=lora`` (the policy with
+its adapters off). Imported once the command line is read (``recipes/dpo.py``); the model checks
+and the preparation after the schema has passed, so a misspelt key costs what it costs
+``finetune.py``.
+"""
+
+import copy
+from dataclasses import fields, replace
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from components.models.options import ModelChoice
+from components.problems import Problem
+from components.runtime.output_dir import OutputDirLock
+from components.runtime.problems import ConfigError
+from recipes.checks import check
+from recipes.dpo_schema import DpoConfig
+from recipes.plan import Checked, DpoChecked, DpoPlan, RunPlan, model_use
+
+KEY = "dpo.reference_path"
+
+
+def check_dpo(
+    cfg: DictConfig,
+    job_dir: str | None,
+    hydra_run_dir: str | None,
+    schema: type[DpoConfig] = DpoConfig,
+) -> DpoChecked:
+    """Fine-tuning's checks of ``cfg`` against the DPO ``schema``, then the reference folder
+    ``dpo.reference_path`` names, if any (:func:`check_reference`)."""
+    checked = check(cfg, job_dir, hydra_run_dir, schema)
+    base = {field.name: getattr(checked, field.name) for field in fields(checked)}
+    path = checked.settings.dpo.reference_path
+    if path is None:
+        return DpoChecked(**base, reference_path=None, reference_config=None)
+    reference = check_reference(checked, Path(path).expanduser().absolute())
+    return DpoChecked(**base, reference_path=reference.path, reference_config=reference.config)
+
+
+def check_reference(checked: Checked, folder: Path):
+    """The reference ``folder`` as a model of its own at the run's layout (no adapters), then
+    against the policy's folder: the same model type, the same vocabulary. Raises ConfigError
+    with every problem found (``components.models.checks.CheckedModel`` when there is none)."""
+    from components.models.checks import check_model, vocabulary_difference  # schema passed
+
+    if found := folder_problems(checked, folder):
+        raise ConfigError(found)
+    attention = checked.settings.model.attn_implementation  # the policy's kernel, as its spec's
+    choice = ModelChoice(name=KEY, family=None, config={}, attn_implementation=attention)
+    choice = replace(choice, pretrained_path=str(folder))
+    use = replace(model_use(checked.settings, checked.device_type), lora=None, peft_lora=False)
+    reference = check_model(choice, use, checked.dims)
+    found = [
+        Problem(key=KEY, message=f"{KEY}: {problem.message}") for problem in reference.problems
+    ]
+    if reference.config is None:
+        raise ConfigError(found)
+    policy_type, own_type = checked.model_config.model_type, reference.config.model_type
+    if own_type != policy_type:
+        message = f"the reference is a {own_type} model and the policy a {policy_type} one"
+        found.append(_mismatch(folder, message))
+    elif which := vocabulary_difference(_policy(checked), reference):
+        found.append(_mismatch(folder, f"their vocabularies' {which} differ"))
+    if found:
+        raise ConfigError(found)
+    return reference
+
+
+def folder_problems(checked: Checked, folder: Path) -> list[Problem]:
+    """The reference must be a local model folder, and the policy one too: a policy built from
+    ``model.config`` gets its tokenizer in preparation, so the vocabularies cannot be compared
+    before the run; a policy still to be fetched is compared only after preparation."""
+    if not (folder / "config.json").is_file():
+        return [
+            Problem(
+                key=KEY,
+                message=f"{KEY}={folder} is not a Hugging Face model folder (no config.json): "
+                "give a local folder (a Hub id is not downloaded for the reference)",
+            )
+        ]
+    if checked.model_path is not None:
+        return []
+    why = (
+        "is still to be fetched from the Hub (or SmolLM2 converted): fetch it first"
+        if checked.model_awaits_fetch
+        else "is built from model.config, its tokenizer trained only in preparation: give "
+        "the policy a folder (model=pretrained model.pretrained_path=...)"
+    )
+    message = (
+        f"{KEY}={folder} is checked against the policy's vocabulary before the run, but the "
+        f"policy (model={checked.settings.model.name}) {why}"
+    )
+    return [Problem(key=KEY, message=message)]
+
+
+def _mismatch(folder: Path, what: str) -> Problem:
+    message = (
+        f"{KEY}={folder}: {what}: the reference must be of the policy's architecture and "
+        "vocabulary (DPO compares their log-probabilities token by token)"
+    )
+    return Problem(key=KEY, message=message)
+
+
+def _policy(checked: Checked):
+    from components.models.checks import CheckedModel  # (see check_reference)
+
+    return CheckedModel(path=checked.model_path, config=checked.model_config)
+
+
+def prepare_dpo(checked: DpoChecked) -> tuple[DpoPlan, OutputDirLock | None]:
+    """Fine-tuning's preparation (tokenizer, data, output folder, checkpoint), then the
+    reference's spec: its folder's, the policy's own (its starting weights), or None with
+    ``peft=lora`` (the policy with its adapters off)."""
+    from recipes.prepare import model_spec, prepare  # datasets, tokenizers: after the checks
+
+    plan, lock = prepare(checked)
+    reference = None if plan.lora is not None else plan.model
+    if checked.reference_path is not None:
+        config = copy.deepcopy(checked.reference_config)
+        reference = model_spec(plan.settings, config, checked.reference_path)
+    base = {field.name: getattr(plan, field.name) for field in fields(RunPlan)}
+    return DpoPlan(**base, reference=reference), lock

@@ -1,0 +1,61 @@
+"""``recipes/dpo.py``'s checks of ``dpo.reference_path``, in process and pure: a folder of the
+policy's architecture and tokenizer passes; another model type, another tokenizer, a path that
+is no model folder, and a policy built from ``model.config`` (whose tokenizer exists only after
+preparation) are each one line naming the key."""
+
+from pathlib import Path
+
+import pytest
+
+from recipes.compose import compose_dpo
+from recipes.dpo_checks import check_dpo
+from tests.saved_models import reference_folders
+from tests.unit.recipes.test_distill_checks import refusals_of
+
+
+def refusals(tmp_path: Path, *overrides: str) -> list[str]:
+    """The lines the DPO checks refuse ``overrides`` with (none: they pass)."""
+    return refusals_of(compose_dpo, check_dpo, tmp_path, *overrides)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, Path]:
+    return reference_folders(tmp_path_factory.mktemp("models"))
+
+
+def policy_and(folders: dict[str, Path], reference: str) -> list[str]:
+    policy = ["model=pretrained", f"model.pretrained_path={folders['policy']}"]
+    return [*policy, f"dpo.reference_path={folders.get(reference, reference)}"]
+
+
+def test_a_reference_of_the_policys_architecture_and_vocabulary_passes(tmp_path, folders):
+    cfg = compose_dpo([f"output_dir={tmp_path / 'run'}", *policy_and(folders, "reference")])
+    checked = check_dpo(cfg, None, None)
+    assert checked.reference_path == folders["reference"]
+    assert checked.reference_config.model_type == "llama"
+
+
+def test_a_reference_of_another_model_type_is_refused(tmp_path, folders):
+    assert refusals(tmp_path, *policy_and(folders, "qwen3")) == [
+        f"dpo.reference_path={folders['qwen3']}: the reference is a qwen3 model and the policy a "
+        "llama one: the reference must be of the policy's architecture and vocabulary (DPO "
+        "compares their log-probabilities token by token)"
+    ]
+
+
+def test_a_reference_of_another_tokenizer_is_refused(tmp_path, folders):
+    [said] = refusals(tmp_path, *policy_and(folders, "another_tokenizer"))
+    assert said.startswith(
+        f"dpo.reference_path={folders['another_tokenizer']}: their vocabularies'"
+    )
+
+
+def test_no_model_folder_and_a_built_policy_are_refused(tmp_path, folders):
+    missing = tmp_path / "nothing"
+    assert refusals(tmp_path, *policy_and(folders, str(missing))) == [
+        f"dpo.reference_path={missing} is not a Hugging Face model folder (no config.json): give "
+        "a local folder (a Hub id is not downloaded for the reference)"
+    ]
+    [said] = refusals(tmp_path, f"dpo.reference_path={folders['reference']}")
+    assert said.startswith(f"dpo.reference_path={folders['reference']} is checked against")
+    assert "the policy (model=llama) is built from model.config" in said
