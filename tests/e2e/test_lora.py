@@ -28,7 +28,7 @@ WITH_HEAD = [*LORA, "peft.target_modules=[lm_head,*_proj]"]  # the head and ever
 UNCHUNKED = "train.loss_chunk_tokens=0"  # the head's own forward, then the loss
 SGD = [*ADAPTERS, "optim=sgd", "peft.target_modules=[lm_head,*.q_proj]"]  # lr 0.1
 TYPO = "peft.target_modules=[*.q_proj,*.nothing]"
-TP2 = ["tp=2", "checkpoint.export=true", "peft.merge=true"]
+TP2 = ["tp=2", "checkpoint.export=true", "peft.merge=true", "checkpoint.every_steps=3"]
 MOE = ["model=qwen3_moe", "peft.experts=true", "train.max_steps=4"]
 MOE_TP2_EP2 = [*MOE, "tp=2", "ep=2", "checkpoint.export=true", "peft.merge=true"]
 # run: its twin (tp=1, or the same run with the unchunked loss)
@@ -109,9 +109,10 @@ def test_a_pattern_that_matches_nothing_is_one_error_line_and_the_corrected_reru
 
 
 def test_resume_at_another_tp_equals_the_uninterrupted_run_with_adapter_state_alone(runs, tmp_path):
-    interrupted = tmp_path / "interrupted"
-    recipe(interrupted, *WITH_HEAD, "tp=2", "checkpoint.every_steps=3", "train.stop_after=3")
-    saved = FileSystemReader(checkpoint_path(interrupted / "checkpoints", 3)).read_metadata()
+    """The tp=2 run's checkpoint of step 3 holds the optimizer state of the adapters alone, and
+    resumed at tp=1 its steps 4 to 6 are the uninterrupted tp=1 run's."""
+    step_3 = checkpoint_path(runs["tp2"] / "checkpoints", 3)
+    saved = FileSystemReader(step_3).read_metadata()
     state = {k: v for k, v in saved.state_dict_metadata.items() if k.startswith("optim.state.")}
     saved_model = {k: v for k, v in saved.state_dict_metadata.items() if k.startswith("model.")}
     adapters = {k: v for k, v in saved_model.items() if ".lora_" in k}
@@ -121,9 +122,11 @@ def test_resume_at_another_tp_equals_the_uninterrupted_run_with_adapter_state_al
     assert numel == 2 * sum(v.size.numel() for v in adapters.values())  # AdamW's two moments
     assert len(adapters) < len(saved_model)  # the frozen base is saved too
 
-    resumed = recipe(interrupted, *WITH_HEAD, "tp=1", "checkpoint.resume=auto")
+    resume = ("tp=1", "peft.merge=true", f"checkpoint.resume={step_3}")  # as it was written
+    resumed = recipe(tmp_path / "resumed", *WITH_HEAD, *resume)
+    assert [record["step"] for record in resumed] == [4, 5, 6]
     uninterrupted = metrics(runs["tp1"])
-    for ours, theirs in zip(resumed[3:], uninterrupted[3:], strict=True):
+    for ours, theirs in zip(resumed, uninterrupted[3:], strict=True):
         assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
 
 

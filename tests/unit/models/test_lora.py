@@ -67,23 +67,52 @@ def adapter_losses(model: torch.nn.Module, optimizer_class, options: dict) -> li
     return losses
 
 
-@pytest.mark.parametrize(
-    "family, optimizer_class, options",
-    [
-        ("llama", torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.01)),
-        ("llama", torch.optim.SGD, dict(lr=0.5)),
-        ("qwen3_moe", torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.01)),
-        ("qwen3_moe", torch.optim.SGD, dict(lr=0.5)),
-    ],
-    ids=["adamw", "sgd", "experts-adamw", "experts-sgd"],
-)
-def test_five_steps_equal_peft_lora_on_the_same_model_batches_and_optimizer(
-    family, optimizer_class, options
-):
-    ours, reference = _twins(family)
-    ours_losses = adapter_losses(ours, optimizer_class, options)
-    reference_losses = adapter_losses(reference, optimizer_class, options)
-    assert ours_losses == pytest.approx(reference_losses, rel=1e-5)
+ADAMW = (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.01))
+SGD = (torch.optim.SGD, dict(lr=0.5))
+RUNS = {"adamw": ("llama", *ADAMW), "sgd": ("llama", *SGD)}
+RUNS |= {"experts-adamw": ("qwen3_moe", *ADAMW), "experts-sgd": ("qwen3_moe", *SGD)}
+
+
+@dataclasses.dataclass(kw_only=True)
+class Run:
+    """Our LoRA model and peft's after the same five steps, with their losses, and our base's
+    weights before them."""
+
+    ours: torch.nn.Module
+    reference: torch.nn.Module
+    ours_losses: list[float]
+    reference_losses: list[float]
+    base: dict[str, torch.Tensor]
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, Run]:
+    """Each of :data:`RUNS` trained once, on first use: the parity cases, the export and the frozen
+    base read the same runs."""
+    return {}
+
+
+def trained(runs: dict[str, Run], name: str) -> Run:
+    if name not in runs:
+        family, optimizer_class, options = RUNS[name]
+        ours, reference = _twins(family)
+        base = {n: p.detach().clone() for n, p in ours.named_parameters() if not p.requires_grad}
+        runs[name] = Run(
+            ours=ours,
+            reference=reference,
+            ours_losses=adapter_losses(ours, optimizer_class, options),
+            reference_losses=adapter_losses(reference, optimizer_class, options),
+            base=base,
+        )
+    return runs[name]
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_five_steps_equal_peft_lora_on_the_same_model_batches_and_optimizer(runs, name):
+    run = trained(runs, name)
+    ours, reference, ours_losses = run.ours, run.reference, run.ours_losses
+    family, optimizer_class, _ = RUNS[name]
+    assert ours_losses == pytest.approx(run.reference_losses, rel=1e-5)
     assert ours_losses[-1] < ours_losses[0]  # it trains
     theirs = _peft_adapters(reference)
     # peft forms each expert's W + s·B·A before multiplying, we add s·(x·Aᵀ)·Bᵀ: other roundings.
@@ -91,14 +120,13 @@ def test_five_steps_equal_peft_lora_on_the_same_model_batches_and_optimizer(
     # reach): the losses agree to 1e-5, the weights to ~2e-5 (SGD's to 1e-7)
     experts_adamw = family == "qwen3_moe" and optimizer_class is torch.optim.AdamW
     atol = 5e-5 if experts_adamw else 1e-7
-    for name, ours_w in _peft_adapters(ours).items():
-        assert ours_w.abs().sum() > 0, name  # every adapter trained, the experts' B too
-        torch.testing.assert_close(ours_w, theirs[name], rtol=1e-5, atol=atol)
+    for key, ours_w in _peft_adapters(ours).items():
+        assert ours_w.abs().sum() > 0, key  # every adapter trained, the experts' B too
+        torch.testing.assert_close(ours_w, theirs[key], rtol=1e-5, atol=atol)
 
 
-def test_our_exported_expert_adapters_loaded_by_peft_give_our_logits(tmp_path):
-    ours, _ = _twins("qwen3_moe")
-    adapter_losses(ours, torch.optim.AdamW, dict(lr=1e-2))
+def test_our_exported_expert_adapters_loaded_by_peft_give_our_logits(runs, tmp_path):
+    ours = trained(runs, "experts-adamw").ours
     names = [name for name, _ in lora_modules(ours)]
     config = adapter_config(4, 8.0, 0.0, names, None, adapted_parameters(ours))
     export_peft_adapter(adapter_state(ours, torch.float32), config, tmp_path / "adapter")
@@ -110,16 +138,15 @@ def test_our_exported_expert_adapters_loaded_by_peft_give_our_logits(tmp_path):
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_the_base_is_frozen_and_only_adapters_train():
-    ours, _ = _twins()
-    base = {n: p.detach().clone() for n, p in ours.named_parameters() if not p.requires_grad}
-    trained = sorted(n for n, p in ours.named_parameters() if p.requires_grad)
-    assert trained and all(".lora_A." in n or ".lora_B." in n for n in trained)
-    assert len(trained) == 2 * 7 * 2  # A and B on 7 projections in each of 2 layers
-    adapter_losses(ours, torch.optim.AdamW, dict(lr=1e-2))
-    for name, parameter in ours.named_parameters():
-        if name in base:
-            assert torch.equal(parameter, base[name]), name
+def test_the_base_is_frozen_and_only_adapters_train(runs):
+    run = trained(runs, "adamw")  # five steps of AdamW, weight decay among them
+    names = sorted(n for n, p in run.ours.named_parameters() if p.requires_grad)
+    assert names and all(".lora_A." in n or ".lora_B." in n for n in names)
+    assert len(names) == 2 * 7 * 2  # A and B on 7 projections in each of 2 layers
+    assert run.base  # the frozen weights, as they were before the steps
+    for name, parameter in run.ours.named_parameters():
+        if name in run.base:
+            assert torch.equal(parameter, run.base[name]), name
             assert parameter.grad is None, name
 
 
