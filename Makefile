@@ -13,7 +13,7 @@ DEPS := $(if $(filter $(VENV)/bin/python,$(PY)),$(STAMP))
 # test module) on each start.
 export PYTHONDONTWRITEBYTECODE :=
 
-.PHONY: help install run test test-fast bench regression lint format clean
+.PHONY: help install run test test-fast test-sweeps bench regression lint format clean
 
 help:  ## list the targets (the default)
 	@awk -F ':.*## ' '/^[a-z-]+:.*## / {printf "  make %-11s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -41,6 +41,11 @@ test: install  ## the whole test suite, as CI runs it (about 7 minutes on 2 core
 # The developer's loop: unit and multi-process (gloo) tests; no recipe run through the command line.
 test-fast: install  ## unit + distributed tests only (about 2 minutes)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests/unit tests/distributed
+
+# The opt-in matrices make test samples: each parity test's further families and layouts (sweep), the
+# memory model's measured peaks (memory) and the compiled blocks (compile).
+test-sweeps: install  ## every parity matrix in full, beyond make test's representative cases
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m 'sweep or memory or compile'
 
 bench: install  ## benchmarks (BENCHMARKS.md)
 	$(PY) bench/run_all.py
