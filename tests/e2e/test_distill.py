@@ -3,7 +3,8 @@ tiny Llama student and its tiny Llama teacher (twice its size), each layout agai
 twin: tp=2, dp=2 × tp=2 with sp, cp=2, and a Qwen3-MoE student at tp=2 ep=2. fp32 on the CPU: a
 layout changes only the order of sums, so each step's loss, CE and KL agree within 1e-5 of the
 loss. One module fixture trains each configuration once; the metrics and the export are read
-from it."""
+from it. make test runs cp=2 and the MoE student at tp=2 ep=2 (the vocabulary split by tp as well);
+plain tp=2 and the 4-rank dp=2 × tp=2 sp run under ``-m sweep`` only."""
 
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from tests.e2e.test_recipe_training import recipe
+from tests.selection import selected_params
 
 SCRIPT = "recipes/distill.py"
 STEPS = 4
@@ -27,11 +29,14 @@ RUNS = {
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, list[dict]]:
+def runs(request, tmp_path_factory) -> dict[str, list[dict]]:
+    """tp=1 (exported) and each selected layout with its twin."""
     root = tmp_path_factory.mktemp("distill")
+    names = {"tp1", *selected_params(request, "name"), *selected_params(request, "twin")}
     return {
         name: recipe(root / name, *STEPS_AT_T2, *overrides, script=SCRIPT)
         for name, overrides in RUNS.items()
+        if name in names
     } | {"root": root}
 
 
@@ -49,7 +54,12 @@ def agree(got: list[dict], want: list[dict], steps: tuple[int, ...] = (1, 2, 3, 
 
 @pytest.mark.parametrize(
     ("name", "twin"),
-    [("tp2", "tp1"), ("dp2_tp2_sp", "tp1"), ("cp2", "tp1"), ("moe_tp2_ep2", "moe_tp1")],
+    [
+        ("cp2", "tp1"),
+        ("moe_tp2_ep2", "moe_tp1"),
+        pytest.param("tp2", "tp1", marks=pytest.mark.sweep),
+        pytest.param("dp2_tp2_sp", "tp1", marks=pytest.mark.sweep),
+    ],
 )
 def test_each_layout_distils_as_its_tp1_twin(runs, name, twin):
     assert agree(runs[name], runs[twin]) <= 1e-5

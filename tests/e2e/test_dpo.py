@@ -4,7 +4,9 @@ norm and every DPO metric), with AdamW and with SGD, and with ``peft=lora`` (the
 policy's adapters off); the run trains (its reward margins grow), writes DPO's metrics and exports
 the policy; what DPO refuses is one ``error:`` line before any rank starts; a reference folder
 (``dpo.reference_path``) other than the policy's start gives the first step's rewards and loss a
-plain computation gives from that folder's own log-probabilities, at tp=2."""
+plain computation gives from that folder's own log-probabilities, at tp=2. make test runs the
+SGD (ipo, full fine-tuning, exported) and the AdamW (LoRA, tp=2 sp) twins; tp=2 and the 4-rank
+dp=2 × tp=2 sp AdamW twins run under ``-m sweep`` only. No run validates (train.val_every=0)."""
 
 import math
 import os
@@ -18,12 +20,14 @@ from components.training.preference import DPO_METRICS
 from tests import cli
 from tests.e2e.test_recipe_training import REPO, metrics
 from tests.saved_models import reference_folders
+from tests.selection import selected_params
 
 COMMON = [
     "train.max_steps=4",
     "train.global_batch_size=4",
     "train.micro_batch_size=2",
     "data.num_examples=64",
+    "train.val_every=0",
     "checkpoint.export=false",
 ]
 SGD = ["optim=sgd", "optim.lr=0.05"]
@@ -31,14 +35,15 @@ LORA = ["peft=lora", "peft.rank=4", "peft.alpha=8.0", "optim.lr=1e-2"]
 LORA += ["peft.target_modules=[lm_head,*_proj]"]  # the head's adapter too, split over the vocab
 RUNS = {
     "tp1": [],
-    "tp2": ["tp=2", "checkpoint.export=true"],
+    "tp2": ["tp=2"],
     "dp2_tp2_sp": ["tp=2", "dp=2", "sp=true"],
     "ipo_sgd_tp1": [*SGD, "dpo.loss_type=ipo", "dpo.beta=0.5"],
-    "ipo_sgd_tp2": [*SGD, "dpo.loss_type=ipo", "dpo.beta=0.5", "tp=2"],
+    "ipo_sgd_tp2": [*SGD, "dpo.loss_type=ipo", "dpo.beta=0.5", "tp=2", "checkpoint.export=true"],
     "lora_tp1": LORA,
     "lora_tp2_sp": [*LORA, "tp=2", "sp=true"],
 }
 TWINS = {"tp2": "tp1", "dp2_tp2_sp": "tp1", "ipo_sgd_tp2": "ipo_sgd_tp1", "lora_tp2_sp": "lora_tp1"}
+SWEEP = {"tp2", "dp2_tp2_sp"}  # AdamW as lora_tp2_sp, full fine-tuning at tp=2 as ipo_sgd_tp2
 
 
 def dpo(output_dir: Path, *overrides: str, status: int = 0):
@@ -52,14 +57,24 @@ def dpo(output_dir: Path, *overrides: str, status: int = 0):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Path]:
+def runs(request, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("dpo")
-    for name, overrides in RUNS.items():
-        dpo(root / name, *overrides)
-    return {name: root / name for name in RUNS}
+    skipped = SWEEP - set(selected_params(request, "name"))
+    names = [name for name in RUNS if name not in skipped]
+    for name in names:
+        dpo(root / name, *RUNS[name])
+    return {name: root / name for name in names}
 
 
-@pytest.mark.parametrize("name", TWINS)
+@pytest.mark.parametrize(
+    "name",
+    [
+        "ipo_sgd_tp2",
+        "lora_tp2_sp",
+        pytest.param("tp2", marks=pytest.mark.sweep),
+        pytest.param("dp2_tp2_sp", marks=pytest.mark.sweep),
+    ],
+)
 def test_each_layout_equals_its_tp1_twin_step_by_step(runs, name):
     """The loss, grad norm and log-probabilities within 1e-5 relative; the rewards, β × differences
     of log-probabilities of about -20 that nearly cancel, within 1e-5 of those log-probabilities."""
@@ -82,7 +97,7 @@ def test_dpo_trains_and_exports_the_policy(runs):
             step["rewards/chosen"] - step["rewards/rejected"], abs=1e-6
         )
         assert 0 <= step["rewards/accuracies"] <= 1 and step["logps/chosen"] < 0
-    model = AutoModelForCausalLM.from_pretrained(runs["tp2"] / "hf")
+    model = AutoModelForCausalLM.from_pretrained(runs["ipo_sgd_tp2"] / "hf")
     assert model.config.model_type == "llama"
 
 
