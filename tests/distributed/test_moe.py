@@ -6,6 +6,10 @@ exactly like one process (loss 1e-5 relative, gathered gradients and
 weights after one SGD lr=1 step 1e-5, grad norm 1e-6 relative), expert gradients must never be
 touched by the replica sync, and after AdamW steps the replicas stay bitwise equal while experts
 differ.
+
+Each matrix of layouts, families and precisions keeps in make test the case that composes the most
+(both dispatch modes and both families stay covered); its further cases, the same code paths at
+other sizes or on the other family, are opt-in with ``-m sweep``.
 """
 
 from pathlib import Path
@@ -32,6 +36,7 @@ from tests.distributed.test_tp_parity import assert_parity, finish, global_batch
 from tests.harness import mesh
 
 EXPERTS, ROUTERS = FAMILIES["qwen3_moe"].experts, FAMILIES["qwen3_moe"].routers  # = mixtral's
+SWEEP = pytest.mark.sweep  # a matrix's further cases: opt-in with -m sweep
 
 
 def check_moe_parity(rank, world_size, family, tp, ep, sequence_parallel, mode=None):
@@ -40,14 +45,21 @@ def check_moe_parity(rank, world_size, family, tp, ep, sequence_parallel, mode=N
     )
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", pytest.param("mixtral", marks=SWEEP)])
 @pytest.mark.parametrize(("tp", "ep"), [(2, 2)])
 def test_tp2_ep2_matches_one_process(ranks2, family, tp, ep):
     assert_parity(ranks2.run(check_moe_parity, family, tp, ep, False))
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
-@pytest.mark.parametrize(("tp", "ep"), [(4, 4), (4, 2)])
+@pytest.mark.parametrize(
+    ("family", "tp", "ep"),
+    [
+        ("mixtral", 4, 2),  # ep < tp: all-to-all inside the TP group
+        pytest.param("mixtral", 4, 4, marks=SWEEP),
+        pytest.param("qwen3_moe", 4, 2, marks=SWEEP),
+        pytest.param("qwen3_moe", 4, 4, marks=SWEEP),
+    ],
+)
 def test_tp4_matches_one_process(ranks4, family, tp, ep):
     assert_parity(ranks4.run(check_moe_parity, family, tp, ep, False))
 
@@ -69,7 +81,8 @@ def check_llama4_parity(rank, world_size, tp, ep):
     return parity(world_size, config, tp, False, ep=ep, experts=experts)
 
 
-@pytest.mark.parametrize(("tp", "ep"), [(2, 2), (1, 2)])  # folded; all-to-all over dp ranks
+# tp=1: all-to-all over dp ranks; tp=2 (-m sweep): folded
+@pytest.mark.parametrize(("tp", "ep"), [(1, 2), pytest.param(2, 2, marks=SWEEP)])
 def test_llama4_experts_handed_routed_rows_match_one_process(ranks2, tp, ep):
     # Llama 4's experts take every token once per expert, already scaled by the router.
     assert_parity(ranks2.run(check_llama4_parity, tp, ep))
@@ -130,11 +143,11 @@ def expert_copy_drift(family, world_size, tp, ep) -> tuple[float, int]:
 @pytest.mark.parametrize(
     ("family", "tp", "ep", "mode"),
     [
-        ("qwen3_moe", 2, 4, "all_to_all"),
-        ("qwen3_moe", 1, 2, "all_to_all"),
-        ("qwen3_moe", 1, 4, "all_to_all"),
-        ("qwen3_moe", 2, 2, "folded"),
-        ("mixtral", 2, 4, "all_to_all"),
+        ("qwen3_moe", 1, 2, "all_to_all"),  # all-to-all, FSDP and ep_shard copies
+        pytest.param("qwen3_moe", 2, 4, "all_to_all", marks=SWEEP),
+        pytest.param("qwen3_moe", 1, 4, "all_to_all", marks=SWEEP),
+        pytest.param("qwen3_moe", 2, 2, "folded", marks=SWEEP),
+        pytest.param("mixtral", 2, 4, "all_to_all", marks=SWEEP),
     ],
 )
 def test_experts_over_data_parallel_ranks_match_one_process(ranks4, family, tp, ep, mode):
@@ -449,12 +462,22 @@ def grouped_against_loop(rank, world_size, tp, ep, precision):
     }
 
 
-BANDS = [("fp32", 1e-6), ("bf16-mixed", 2e-2), ("bf16", 2e-2)]
+FOLDED, ALL_TO_ALL = (2, 2, "folded"), (1, 2, "all_to_all")
 
 
-# Both dispatch paths under each precision: grouped GEMM runs where the loop ran, and agrees.
-@pytest.mark.parametrize(("tp", "ep", "mode"), [(2, 2, "folded"), (1, 2, "all_to_all")])
-@pytest.mark.parametrize(("precision", "band"), BANDS)
+# Both dispatch paths under each precision: grouped GEMM runs where the loop ran, and agrees. Each
+# precision runs once in make test, on alternating paths.
+@pytest.mark.parametrize(
+    ("tp", "ep", "mode", "precision", "band"),
+    [
+        (*FOLDED, "fp32", 1e-6),
+        (*ALL_TO_ALL, "bf16-mixed", 2e-2),
+        (*FOLDED, "bf16", 2e-2),
+        pytest.param(*ALL_TO_ALL, "fp32", 1e-6, marks=SWEEP),
+        pytest.param(*FOLDED, "bf16-mixed", 2e-2, marks=SWEEP),
+        pytest.param(*ALL_TO_ALL, "bf16", 2e-2, marks=SWEEP),
+    ],
+)
 def test_grouped_experts_match_the_loop_on_both_paths(ranks2, tp, ep, mode, precision, band):
     for result in ranks2.run(grouped_against_loop, tp, ep, precision):
         assert result["mode"] == mode and result["count"] == 4  # 2 layers x 2 fused tensors
@@ -500,7 +523,7 @@ def sharded_against_replicated(rank, world_size, tp, ep):
 
 
 # ep_shard = 2 on both paths: the folded one (tp = ep = 2, dp = 2) and the all-to-all one (tp = 1).
-@pytest.mark.parametrize(("tp", "ep"), [(2, 2), (1, 2)])
+@pytest.mark.parametrize(("tp", "ep"), [(2, 2), pytest.param(1, 2, marks=SWEEP)])
 def test_experts_sharded_over_ep_shard_train_like_replicated_at_half_the_bytes(ranks4, tp, ep):
     for result in ranks4.run(sharded_against_replicated, tp, ep):
         sharded, replicated = result["losses"]
@@ -554,7 +577,8 @@ def biased_routing_steps(rank, world_size, tp, ep):
     return losses, reference_losses, same, bias[0].abs().sum()
 
 
-@pytest.mark.parametrize(("tp", "ep"), [(2, 2), (1, 2)])
+# dp = 2 at tp = 1: the bias follows counts summed over dp ranks
+@pytest.mark.parametrize(("tp", "ep"), [(1, 2), pytest.param(2, 2, marks=SWEEP)])
 def test_the_routing_bias_trains_like_one_process(ranks2, tp, ep):
     for losses, reference_losses, same_bias, moved in ranks2.run(biased_routing_steps, tp, ep):
         assert losses == pytest.approx(reference_losses, rel=1e-5)

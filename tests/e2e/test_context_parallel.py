@@ -3,6 +3,11 @@
 qwen3 at tp2 with sp and at tp1 cp4, and packed llama at tp1 and tp2 with sp, a cp=2
 checkpoint resumes at cp=1 and a cp=1 one at cp=2 (DCP reshards: the weights are replicated over
 cp) and each goes on as the cp=1 run did, and an MoE model with cp > 1 is one ``error:`` line.
+
+By default the most composed layout of each optimizer runs (qwen3 tp2 sp cp2 with AdamW, packed
+tp2 sp cp2 with SGD) and the cp=1 checkpoint resumed at cp=2; the other layouts (plain cp2, packed
+cp2, tp2 cp2, cp4) and the resume at cp=1 run under ``-m sweep``. The module fixture runs only
+the selected cases' runs.
 """
 
 import json
@@ -15,6 +20,7 @@ import pytest
 import yaml
 
 from tests import cli
+from tests.selection import selected_params
 
 pytestmark = pytest.mark.timeout(600)  # the module fixture's runs count against the first test
 
@@ -43,6 +49,10 @@ TWINS = {
     "qwen3_cp4": "qwen3_cp1",
     "packed_tp2_sp_cp2": "packed_cp1",
 }
+SWEEP = ("cp2", "packed_cp2", "tp2_cp2", "qwen3_cp4")  # the paths of the composed ones again
+# Each resumed run: (the run whose step-2 checkpoint it resumes, its cp); cp1's steps 3 and 4 are
+# its reference.
+RESUMES = {"resumed_cp1": ("cp2", "cp=1"), "resumed_cp2": ("cp1", "cp=2")}
 
 
 def recipe(output_dir: Path, *overrides: str, ok: bool = True):
@@ -65,17 +75,21 @@ def recipe(output_dir: Path, *overrides: str, ok: bool = True):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
-    """Every run once, two at a time, then each cp run's step-2 checkpoint resumed at the other
-    cp."""
+def runs(request, tmp_path_factory) -> dict:
+    """The selected tests' runs once, two at a time, then the selected resumes of a cp run's
+    step-2 checkpoint at the other cp."""
     root = tmp_path_factory.mktemp("cp")
+    twins = selected_params(request, "name")
+    resumes = selected_params(request, "resumed")
+    needed = {*twins, *(TWINS[name] for name in twins), *(RESUMES[name][0] for name in resumes)}
+    needed |= {"cp1"} if resumes else set()
+    names = [name for name in RUNS if name in needed]
     with ThreadPoolExecutor(2) as pool:
-        results = pool.map(lambda name: recipe(root / name, *RUNS[name]), RUNS)
-        done = dict(zip(RUNS, results, strict=True))
-        resumes = {"resumed_cp1": ("cp2", "cp=1"), "resumed_cp2": ("cp1", "cp=2")}
+        results = pool.map(lambda name: recipe(root / name, *RUNS[name]), names)
+        done = dict(zip(names, results, strict=True))
 
         def resume(name: str) -> list[dict]:
-            source, cp = resumes[name]
+            source, cp = RESUMES[name]
             checkpoint = root / source / "checkpoints" / "step_00000002"
             return recipe(root / name, cp, f"checkpoint.resume={checkpoint}")
 
@@ -93,7 +107,10 @@ def worst_gap(ours: list[dict], theirs: list[dict]) -> float:
     )
 
 
-@pytest.mark.parametrize("name", TWINS)
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(name, marks=pytest.mark.sweep) if name in SWEEP else name for name in TWINS],
+)
 def test_cp_trains_what_cp1_trains(runs, name):
     reference = runs[TWINS[name]]
     assert [record["step"] for record in runs[name]] == [1, 2, 3, 4]
@@ -102,12 +119,14 @@ def test_cp_trains_what_cp1_trains(runs, name):
     assert worst_gap(runs[name], reference) <= 1e-5
 
 
-@pytest.mark.parametrize("name", ["resumed_cp1", "resumed_cp2"])
-def test_a_checkpoint_resumes_at_the_other_cp(runs, name):
-    resumed = runs[name]
-    assert [record["step"] for record in resumed] == [3, 4]
-    print(f"{name}: worst gap {worst_gap(resumed, runs['cp1'][2:]):.1e}")
-    assert worst_gap(resumed, runs["cp1"][2:]) <= 1e-5
+@pytest.mark.parametrize(
+    "resumed", [pytest.param("resumed_cp1", marks=pytest.mark.sweep), "resumed_cp2"]
+)
+def test_a_checkpoint_resumes_at_the_other_cp(runs, resumed):
+    curve = runs[resumed]
+    assert [record["step"] for record in curve] == [3, 4]
+    print(f"{resumed}: worst gap {worst_gap(curve, runs['cp1'][2:]):.1e}")
+    assert worst_gap(curve, runs["cp1"][2:]) <= 1e-5
 
 
 def test_moe_with_cp_is_one_error_line(tmp_path):

@@ -1,12 +1,12 @@
-"""The ``moe.*`` keys through the real command line (Qwen3-MoE, fp32, CPU).
+"""The ``moe.*`` keys through the real command line (Qwen3-MoE, fp32, CPU), all in make test.
 
 ``moe.shard_experts=true`` at ``tp=1 ep=2 dp=4`` (ep_shard = 2: each expert's weights split over the
-two copies of its ep group) trains the same 4 steps as the replicated run, and its checkpoint
-resumes at ``moe.shard_experts=false`` (resharded) to the same losses. ``moe.routing_bias_rate``
-spreads the routing out: at a tiny learning rate (the router barely moves, so the load is the
-bias's doing) the worst layer's imbalance of steps 2-8 drops well below the unbiased run's
-(measured: mean 2.0 against 2.9). The bias is training state: a biased run stopped mid-run and
-resumed from its checkpoint trains exactly as the uninterrupted one.
+two copies of its ep group) trains the same 4 steps as replicated experts at ``tp=1 ep=2 dp=2``
+(1e-6: only sum order differs), and its checkpoint resumes there (resharded) to the same losses.
+``moe.routing_bias_rate`` spreads the routing out: at a tiny learning rate (the router barely moves,
+so the load is the bias's doing) the worst layer's imbalance of steps 2-8 drops well below the
+unbiased run's (measured: mean 2.0 against 2.9). The bias is training state: a biased run stopped
+mid-run and resumed from its checkpoint trains exactly as the uninterrupted one.
 """
 
 import json
@@ -27,7 +27,9 @@ COMMON = [
     "checkpoint.export=false",
     "data.num_examples=200",
 ]
-SHARDED = ["tp=1", "ep=2", "dp=4", "train.max_steps=4", "debug.check_replicas_every=1"]
+STEPS = ["train.max_steps=4", "debug.check_replicas_every=1"]
+SHARDED = ["tp=1", "ep=2", "dp=4", "moe.shard_experts=true"]  # ep_shard = 2
+REPLICATED = ["tp=1", "ep=2", "dp=2", "moe.shard_experts=false"]  # ep_shard = 1: experts whole
 
 
 def finetune(*overrides: str, sweep: bool = False) -> None:
@@ -50,20 +52,18 @@ def close(a: list[float], b: list[float], rel: float = 1e-6) -> bool:
 
 
 def test_sharded_experts_train_and_resume_like_replicated_ones(tmp_path):
-    out = tmp_path / "sweep"
-    shard = "moe.shard_experts=true,false"
-    finetune(*SHARDED, shard, "checkpoint.every_steps=2", f"output_dir={out}", sweep=True)
-    sharded, replicated = records(out / "0"), records(out / "1")
-    losses = [record["loss"] for record in sharded]
+    sharded = tmp_path / "sharded"
+    finetune(*SHARDED, *STEPS, "checkpoint.every_steps=2", f"output_dir={sharded}")
+    losses = [record["loss"] for record in records(sharded)]
     assert len(losses) == 4
-    assert close(losses, [record["loss"] for record in replicated])
-    assert all("expert_imbalance/layer_0" in record for record in sharded)
-    step_2 = out / "0" / "checkpoints" / "step_00000002"
-    resumed = tmp_path / "resumed"
-    finetune(
-        *SHARDED, "moe.shard_experts=false", f"checkpoint.resume={step_2}", f"output_dir={resumed}"
-    )
-    assert close([record["loss"] for record in records(resumed)], losses[2:])
+    assert all("expert_imbalance/layer_0" in record for record in records(sharded))
+    # one sweep on 2 ranks: replicated from the start (job 0) and from the sharded step 2 (job 1)
+    step_2 = sharded / "checkpoints" / "step_00000002"
+    out = tmp_path / "replicated"
+    resume = f"checkpoint.resume=null,{step_2}"
+    finetune(*REPLICATED, *STEPS, resume, f"output_dir={out}", sweep=True)
+    assert close([record["loss"] for record in records(out / "0")], losses)
+    assert close([record["loss"] for record in records(out / "1")], losses[2:])
 
 
 def test_the_routing_bias_spreads_the_load(tmp_path):

@@ -8,7 +8,9 @@ twin's too); checkpoints across layouts with AdamW and with SGD, pp=2 (× dp=2) 
 and one process → pp=2 × tp=2; and the Hugging Face export of the pipelined Qwen3 holds the
 same tensors as its twin's.
 
-The runs are made once (a module fixture) and shared by the tests.
+The runs are made once (a module fixture) and shared by the tests; the fixture makes only the
+selected tests' runs. pp=4 and the resumes into pp=2 × tp=2 (4 ranks each; pp=4's four stages are
+interleaved's, pp × tp is tp_sp's) run under ``-m sweep``; the rest by default.
 """
 
 import json
@@ -21,6 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests import cli
+from tests.selection import selected_params
 
 REPO = Path(__file__).resolve().parents[2]
 COMMON = [
@@ -67,6 +70,17 @@ RUNS = {  # name -> overrides
 }
 
 
+LAYOUTS = [  # (pipelined run, its one-process twin)
+    ("qwen3_gpipe", "qwen3_twin"),
+    ("1f1b_dp", "twin"),
+    pytest.param("1f1b_pp4", "twin_sgd", marks=pytest.mark.sweep),
+    ("interleaved", "twin"),
+    ("tp_sp", "twin"),
+    ("lora", "lora_twin"),
+    ("tied", "tied_twin"),
+]
+
+
 def finetune(output_dir: Path, *overrides: str) -> None:
     command = [
         sys.executable,
@@ -82,11 +96,22 @@ def finetune(output_dir: Path, *overrides: str) -> None:
     assert result.returncode == 0, f"{' '.join(command)}\n{result.stderr[-4000:]}"
 
 
+def resumed_from(name: str) -> list[str]:
+    """The run whose checkpoint run ``name`` resumes, if any."""
+    prefix = "checkpoint.resume={out}/"
+    return [o.removeprefix(prefix).split("/")[0] for o in RUNS[name] if o.startswith(prefix)]
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Path:
+def runs(request, tmp_path_factory) -> Path:
+    """The selected tests' runs (and the runs their resumes start from), in ``RUNS``' order."""
     out = tmp_path_factory.mktemp("pipeline")
+    named = {*selected_params(request, "layout"), *selected_params(request, "twin")}
+    named |= set(selected_params(request, "resumed"))
+    needed = named | {source for name in named for source in resumed_from(name)}
     for name, overrides in RUNS.items():
-        finetune(out / name, *(override.format(out=out) for override in overrides))
+        if name in needed:
+            finetune(out / name, *(override.format(out=out) for override in overrides))
     return out
 
 
@@ -94,6 +119,8 @@ def runs(tmp_path_factory) -> Path:
 def curves(runs) -> dict[str, list[tuple[int, float, float]]]:
     found = {}
     for name in RUNS:
+        if not (runs / name).exists():
+            continue
         lines = (runs / name / "metrics.jsonl").read_text().splitlines()
         found[name] = [(r["step"], r["loss"], r["grad_norm"]) for r in map(json.loads, lines)]
     return found
@@ -106,23 +133,13 @@ def assert_same(ours, theirs, steps=(1, 2, 3, 4)) -> None:
         assert norm == pytest.approx(want_norm, rel=1e-5)
 
 
-@pytest.mark.parametrize(
-    ("layout", "twin"),
-    [
-        ("qwen3_gpipe", "qwen3_twin"),
-        ("1f1b_dp", "twin"),
-        ("1f1b_pp4", "twin_sgd"),
-        ("interleaved", "twin"),
-        ("tp_sp", "twin"),
-        ("lora", "lora_twin"),
-        ("tied", "tied_twin"),
-    ],
-)
+@pytest.mark.parametrize(("layout", "twin"), LAYOUTS)
 def test_a_pipelined_run_trains_like_one_process(curves, layout, twin):
     assert_same(curves[layout], curves[twin])
 
 
-def test_validation_through_the_stages_equals_one_process(runs):
+@pytest.mark.parametrize(("layout", "twin"), LAYOUTS)
+def test_validation_through_the_stages_equals_one_process(runs, layout, twin):
     """Every validation row once, forward only through the schedule in rounds of its micro-batches
     (the last round filled with unlabelled rows), the same mean as one process's."""
 
@@ -130,43 +147,44 @@ def test_validation_through_the_stages_equals_one_process(runs):
         records = map(json.loads, (runs / name / "metrics.jsonl").read_text().splitlines())
         return [record["val_loss"] for record in records if "val_loss" in record]
 
-    for layout in ("qwen3_gpipe", "1f1b_dp", "interleaved", "tp_sp"):
-        twin = val_losses("qwen3_twin" if layout == "qwen3_gpipe" else "twin")
-        assert len(twin) == 2
-        assert val_losses(layout) == pytest.approx(twin, rel=1e-5), layout
+    assert len(val_losses(twin)) == 2
+    assert val_losses(layout) == pytest.approx(val_losses(twin), rel=1e-5)
 
 
 @pytest.mark.parametrize(
     ("resumed", "twin"),
     [
         ("pp2_to_pp1", "twin"),
-        ("pp1_to_pp2_tp2", "twin"),
+        pytest.param("pp1_to_pp2_tp2", "twin", marks=pytest.mark.sweep),
         ("sgd_pp2_to_pp1", "qwen3_twin"),
-        ("sgd_pp1_to_pp2_tp2", "twin_sgd"),
+        pytest.param("sgd_pp1_to_pp2_tp2", "twin_sgd", marks=pytest.mark.sweep),
     ],
 )
 def test_a_checkpoint_resumes_at_another_pp(curves, resumed, twin):
     assert_same(curves[resumed], curves[twin][2:], steps=(3, 4))
 
 
-def test_the_adapter_of_a_pipelined_lora_run_is_its_twins(runs):
+@pytest.mark.parametrize(("layout", "twin"), [("lora", "lora_twin")])
+def test_the_adapter_of_a_pipelined_lora_run_is_its_twins(runs, layout, twin):
     """peft=lora at pp=2: each stage's adapters, written by a rank of the stage that holds them,
     make the PEFT adapter one process writes."""
-    ours = load_file(runs / "lora" / "adapter" / "adapter_model.safetensors")
-    theirs = load_file(runs / "lora_twin" / "adapter" / "adapter_model.safetensors")
+    ours = load_file(runs / layout / "adapter" / "adapter_model.safetensors")
+    theirs = load_file(runs / twin / "adapter" / "adapter_model.safetensors")
     assert sorted(ours) == sorted(theirs) and any("lora_B" in name for name in theirs)
     for name, tensor in theirs.items():
         assert torch.allclose(ours[name], tensor, rtol=0, atol=1e-5 * float(tensor.abs().max()))
 
 
-def test_the_export_of_a_pipelined_run_is_its_twins(runs):
+@pytest.mark.parametrize(  # SGD both; tied: the embedding written once
+    ("layout", "twin"), [("qwen3_gpipe", "qwen3_twin"), ("tied", "tied_twin")]
+)
+def test_the_export_of_a_pipelined_run_is_its_twins(runs, layout, twin):
     def exported(name: str) -> dict[str, torch.Tensor]:
         files = sorted((runs / name / "hf").glob("*.safetensors"))
         return {key: value for file in files for key, value in load_file(file).items()}
 
-    for layout, twin in [("qwen3_gpipe", "qwen3_twin"), ("tied", "tied_twin")]:  # SGD both
-        ours, theirs = exported(layout), exported(twin)  # tied: the embedding written once
-        assert sorted(ours) == sorted(theirs)
-        for name, tensor in theirs.items():
-            scale = float(tensor.abs().max())
-            assert torch.allclose(ours[name], tensor, rtol=0, atol=1e-5 * scale)
+    ours, theirs = exported(layout), exported(twin)
+    assert sorted(ours) == sorted(theirs)
+    for name, tensor in theirs.items():
+        scale = float(tensor.abs().max())
+        assert torch.allclose(ours[name], tensor, rtol=0, atol=1e-5 * scale)

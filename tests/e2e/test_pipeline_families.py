@@ -6,6 +6,10 @@ its own config class with those settings away from their defaults (a sliding win
 the rows, so the kinds differ), written by ``save_pretrained``, trained through the command line at
 pp=2 and at pp=1 with SGD: losses and grad norms within 1e-5 over 3 steps; pp=1's first loss is
 the Hugging Face model's own. Granite-MoE is refused at pp=2 in one line (an MoE model).
+
+By default one family per kind of post-processing runs: Cohere 2 (logit scaling, layer kinds),
+Granite (embedding multiplier) and Gemma 3 (softcapping, layer kinds, rotary bases); Llama, Cohere
+and Gemma 2, which repeat those paths, run under ``-m sweep``.
 """
 
 import json
@@ -15,6 +19,7 @@ import pytest
 from components.data import DEFAULT_VOCAB_SIZE, train_tokenizer
 from tests.coverage import tiny_config
 from tests.saved_models import BATCH, MICRO, SEQ_LEN, first_loss, recipe, save_model
+from tests.selection import selected_params
 
 SETTINGS = {  # model type -> its forward's settings, away from their defaults
     "llama": {},
@@ -25,6 +30,7 @@ SETTINGS = {  # model type -> its forward's settings, away from their defaults
     "gemma3_text": {"final_logit_softcapping": 2.0, "sliding_window": 8},
 }
 MOE = "granitemoe"
+SWEEP = ("llama", "cohere", "gemma2")  # their paths again: plain, logit scaling, softcapping
 
 
 def tiny_folder(model_type: str, root, tokenizer):
@@ -35,10 +41,11 @@ def tiny_folder(model_type: str, root, tokenizer):
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory):
+def folders(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline_families")
     tokenizer = train_tokenizer(["hello world", "tune"], DEFAULT_VOCAB_SIZE, root / "tokenizer")
-    found = {name: tiny_folder(name, root, tokenizer) for name in [*SETTINGS, MOE]}
+    types = [*selected_params(request, "model_type"), MOE]
+    found = {name: tiny_folder(name, root, tokenizer) for name in types}
     return found | {"cache": root / "cache", "runs": root / "runs"}
 
 
@@ -50,7 +57,10 @@ def curve(folders, model_type: str, *layout: str) -> list[tuple[float, float]]:
     return [(record["loss"], record["grad_norm"]) for record in records]
 
 
-@pytest.mark.parametrize("model_type", list(SETTINGS))
+@pytest.mark.parametrize(
+    "model_type",
+    [pytest.param(name, marks=pytest.mark.sweep) if name in SWEEP else name for name in SETTINGS],
+)
 def test_pp2_trains_the_model_pp1_trains(folders, model_type):
     whole, staged = curve(folders, model_type, "pp=1"), curve(folders, model_type, "pp=2")
     assert len(whole) == len(staged) == 3
