@@ -9,14 +9,24 @@ A parity matrix keeps its representative cases in ``make test`` and marks the re
 import pytest
 
 
+def _selected_items(request: pytest.FixtureRequest) -> list[pytest.Item]:
+    """This session's selected tests of the requesting module."""
+    return [item for item in request.session.items if item.module is request.module]
+
+
+def is_selected(request: pytest.FixtureRequest, test) -> bool:
+    """Whether test function ``test`` of the requesting module survived deselection."""
+    return any(item.name == test.__name__ for item in _selected_items(request))
+
+
 def selected_params(request: pytest.FixtureRequest, name: str) -> list:
     """The values of parameter ``name`` among this session's selected tests of the requesting
     module, in collection order without repeats (deselected items are no longer in
     ``session.items``)."""
     values = []
-    for item in request.session.items:
+    for item in _selected_items(request):
         callspec = getattr(item, "callspec", None)
-        if item.module is not request.module or callspec is None or name not in callspec.params:
+        if callspec is None or name not in callspec.params:
             continue
         if callspec.params[name] not in values:
             values.append(callspec.params[name])

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from tests import cli
-from tests.selection import selected_params
+from tests.selection import is_selected, selected_params
 
 # the module fixture's sweeps (4-rank runs) count against the first test: minutes when a second
 # pytest worker shares the 2 cores and the cache starts empty
@@ -86,8 +86,7 @@ def wanted_runs(request: pytest.FixtureRequest) -> dict[str, set[tuple]]:
     selected shapes for each selected optimizer, and the resume test's written run."""
     shapes = selected_params(request, "shape")
     wanted = {optimizer: set(shapes) for optimizer in selected_params(request, "optimizer")}
-    resume = test_a_checkpoint_written_at_tp2_ep4_dp2_resumes_at_tp1_ep2_dp2.__name__
-    if any(item.module is request.module and item.name == resume for item in request.session.items):
+    if is_selected(request, test_a_checkpoint_written_at_tp2_ep4_dp2_resumes_at_tp1_ep2_dp2):
         wanted.setdefault("adamw", set()).add(WRITTEN)
     return wanted
 
