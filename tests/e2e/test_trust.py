@@ -87,8 +87,10 @@ def test_a_fresh_run_never_adopts_another_runs_files(trained, tmp_path):
 def test_a_second_run_into_a_folder_in_use_is_refused_naming_the_holder(tmp_path):
     folder = tmp_path / "busy"
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # the holder stops itself (SIGSTOP) at step 2: alive and holding the folder, it spends no CPU
+    # while the second run is refused
     first = cli.Popen(
-        command(folder, "train.max_steps=100000"),
+        command(folder, "train.max_steps=100000", "debug.fault=stop@2"),
         cwd=REPO,
         env=environment,
         start_new_session=True,
@@ -226,7 +228,7 @@ def test_code_in_a_model_folder_never_runs_and_nothing_asks(tmp_path, where):
         text=True,
         timeout=600,
         input="y\n",
-        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     line = error_line(result)
     assert result.stderr.strip().splitlines() == [line], result.stderr
