@@ -496,4 +496,5 @@ def size_of(folder: Path) -> int:
 
 def full_disk_run(*overrides: str) -> subprocess.CompletedProcess:
     command = [sys.executable, "recipes/finetune.py", *overrides]
-    return cli.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}  # the module's other runs' zygote
+    return cli.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, env=environment)
