@@ -1,9 +1,9 @@
 """``run`` and ``Popen`` as in :mod:`subprocess`; ``python script.py ...`` from a warm interpreter.
 
 A recipe run through a fresh interpreter spends ~5 s importing torch, transformers, datasets and
-Hydra before it reads its first argument, and the e2e suite runs ~100 of them. A *zygote* (one per
-test session and import-time environment) imports those once and forks a child per command. The
-child takes the command's arguments, working folder, environment, standard streams and session,
+Hydra before it reads its first argument; the suite runs ~300. A *zygote* (one per test session,
+which its xdist workers share, and import-time environment) imports those once and forks a child
+per command. The child takes the command's arguments, folder, environment, streams and session,
 runs the script as ``__main__`` (``runpy.run_path``, as ``python script.py`` does), then its
 atexit handlers, and exits with the script's status: the caller sees its pid, signals and status as
 a subprocess's. Variables read only after start-up (``LATE_ENVIRONMENT``) may differ from the
@@ -15,6 +15,9 @@ The zygote only imports, never runs torch work: a fork cannot inherit an OpenMP 
 store thread's resolver lock.
 """
 
+import contextlib
+import fcntl
+import hashlib
 import os
 import pickle
 import select
@@ -99,25 +102,38 @@ def _read_exactly(sock: socket.socket, size: int) -> bytes:
 
 
 class _Zygote:
-    """One warm interpreter (``python -m tests.cli``) listening on a Unix socket."""
+    """One warm interpreter (``python -m tests.cli``) listening on a Unix socket. It ends when this
+    process closes its stdin (the test session ended) or, shared by a session's pytest-xdist
+    workers (:func:`_zygote_for`), when the session's controller process ends."""
 
-    def __init__(self, env: dict[str, str]):
-        self.folder = tempfile.mkdtemp(prefix="shardtune-zygote-")
-        self.address = os.path.join(self.folder, "socket")
+    def __init__(self, env: dict[str, str], address: str | None = None, die_with: int = 0):
+        self.folder = None if address else tempfile.mkdtemp(prefix="shardtune-zygote-")
+        self.address = address or os.path.join(self.folder, "socket")
+        self.shared = bool(die_with)
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "tests.cli", self.address],
+            [sys.executable, "-m", "tests.cli", self.address, str(die_with)],
             cwd=REPO,
             env=env,
             stdin=subprocess.PIPE,  # the zygote ends when this pipe closes (with the test session)
             stdout=subprocess.DEVNULL,
         )
+        self.pid = self.process.pid
 
     @classmethod
-    def at(cls, address: str) -> "_Zygote":
-        """A running zygote's client side, by its socket's address (no process of ours)."""
+    def at(cls, address: str, pid: int | None = None) -> "_Zygote":
+        """A running zygote's client side, by its socket's address (no process of ours), and its
+        process id where known (so that a client need not wait for a zygote that ended)."""
         zygote = cls.__new__(cls)
-        zygote.address, zygote.process = address, None
+        zygote.address = address
+        zygote.process = None
+        zygote.pid = pid
+        zygote.shared = True
         return zygote
+
+    def ended(self) -> bool:
+        if self.process is not None:
+            return self.process.poll() is not None
+        return self.pid is not None and not os.path.exists(f"/proc/{self.pid}")
 
     def connect(self) -> socket.socket:
         deadline = time.monotonic() + 120
@@ -128,14 +144,15 @@ class _Zygote:
                 return sock
             except (FileNotFoundError, ConnectionRefusedError):
                 sock.close()
-                ended = self.process is not None and self.process.poll() is not None
-                if ended or time.monotonic() > deadline:
+                if self.ended() or time.monotonic() > deadline:
                     raise RuntimeError("the test zygote did not start") from None
                 time.sleep(0.05)
 
     def close(self) -> None:
-        self.process.stdin.close()
-        self.process.wait(timeout=30)
+        """End a zygote of this process's own (a shared one ends with the session)."""
+        if not self.shared:
+            self.process.stdin.close()
+            self.process.wait(timeout=30)
 
 
 def _zygote_for(env: dict[str, str]) -> _Zygote:
@@ -146,9 +163,30 @@ def _zygote_for(env: dict[str, str]) -> _Zygote:
         if key not in _ZYGOTES:
             if len(_ZYGOTES) >= MAX_ZYGOTES:
                 _ZYGOTES.pop(next(iter(_ZYGOTES))).close()
-            _ZYGOTES[key] = _Zygote({k: v for k, v in key})
+            _ZYGOTES[key] = _session_zygote(key)
         _ZYGOTES[key] = _ZYGOTES.pop(key)  # the most recently used last
         return _ZYGOTES[key]
+
+
+def _session_zygote(key: tuple) -> _Zygote:
+    """A zygote of this process's own; under pytest-xdist, the one this session's workers share
+    for ``key`` (the first worker to ask starts it, under a file lock; the others connect to its
+    socket): one ~9 CPU-s start per environment instead of one per worker."""
+    env = dict(key)
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if not run or "PYTEST_XDIST_WORKER" not in os.environ:
+        return _Zygote(env)
+    folder = Path(tempfile.gettempdir()) / f"shardtune-zygotes-{run}"
+    folder.mkdir(exist_ok=True)
+    name = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
+    address, started = str(folder / f"{name}.socket"), folder / f"{name}.pid"
+    with open(folder / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if started.exists():
+            return _Zygote.at(address, int(started.read_text()))
+        zygote = _Zygote(env, address, die_with=os.getppid())  # the xdist controller
+        started.write_text(str(zygote.pid))
+        return zygote
 
 
 def _descriptor(stream, inherited: int, opened: list) -> int:
@@ -422,15 +460,23 @@ def _preload_recipes() -> None:
         named(recipe.compose)([])
 
 
-def _serve(address: str) -> None:
+def _serve(address: str, die_with: int) -> None:
+    """Fork a child per request on ``address`` until stdin closes or process ``die_with`` (when
+    not 0) ends."""
+    ended = os.pidfd_open(die_with) if die_with else sys.stdin.fileno()
     _preload_recipes()
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(address)
     server.listen(16)
     waiting: dict[int, socket.socket] = {}
     while True:
-        readable = select.select([server, sys.stdin], [], [], 0.02)[0]
-        if sys.stdin in readable and not os.read(sys.stdin.fileno(), 1):
+        readable = select.select([server, ended], [], [], 0.02)[0]
+        if ended in readable and (die_with or not os.read(ended, 1)):
+            if die_with:  # the session's files (_session_zygote)
+                for suffix in (".socket", ".pid", ".lock"):
+                    Path(address).with_suffix(suffix).unlink(missing_ok=True)
+                with contextlib.suppress(OSError):  # the last zygote of the session
+                    Path(address).parent.rmdir()
             return  # the test session ended
         if server in readable:
             conn, _ = server.accept()
@@ -460,4 +506,4 @@ def _serve(address: str) -> None:
 
 
 if __name__ == "__main__":
-    _serve(sys.argv[1])
+    _serve(sys.argv[1], int(sys.argv[2]))

@@ -5,6 +5,7 @@ non-negative ``weight_decay``, ...): built on a throwaway parameter here, a bad 
 ``error:`` line in the checks instead of a traceback on every rank after the folder was claimed.
 """
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,14 +18,31 @@ from components.targets import check_target, target_class
 def build_optimizer(
     target: str, params: list[torch.nn.Parameter], options: Mapping[str, Any]
 ) -> torch.optim.Optimizer:
-    """``target(params, **options)``. Over DTensor parameters AOT autograd's cache is off first:
+    """``target(params, **options)``, with ``foreach`` chosen where torch's default cannot work
+    (:func:`foreach_choice`). Over DTensor parameters AOT autograd's cache is off first:
     torchao's low-bit optimizers compile their step, and torch 2.13 replays a cached wrapper that
     was compiled for other DTensor layouts (measured: "wrong number of dimensions" in AdamW4bit's
     step at tp=2 dp=2 once earlier runs had filled the cache), as for compiled blocks
     (components/models/compile.py)."""
     if any(isinstance(param, DTensor) for param in params):
         torch._functorch.config.enable_autograd_cache = False
-    return target_class("optim", target, base=torch.optim.Optimizer)(params, **options)
+    optimizer_class = target_class("optim", target, base=torch.optim.Optimizer)
+    return optimizer_class(params, **options, **foreach_choice(optimizer_class, params, options))
+
+
+def foreach_choice(
+    optimizer_class: type, params: list[torch.nn.Parameter], options: Mapping[str, Any]
+) -> dict[str, bool]:
+    """``{"foreach": False}`` where the parameters mix DTensors and plain tensors (TP's sharded
+    weights beside the replicas it leaves whole, without FSDP) and the user left ``foreach`` to
+    torch: on CUDA torch then takes its foreach path, whose DTensor ops refuse a list holding plain
+    tensors ("got mixed torch.Tensor and DTensor") at the first step; the per-tensor path computes
+    the same update. Otherwise nothing (torch's default: foreach on CUDA, per tensor on the CPU)."""
+    takes_foreach = "foreach" in inspect.signature(optimizer_class.__init__).parameters
+    kinds = {isinstance(param, DTensor) for param in params}
+    if takes_foreach and "foreach" not in options and len(kinds) == 2:
+        return {"foreach": False}
+    return {}
 
 
 def optimizer_errors(target: str, options: Mapping[str, Any]) -> list[str]:
