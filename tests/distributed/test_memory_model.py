@@ -1,22 +1,17 @@
 """The memory model (``components.planning.memory_model``) against a measured training step on a
-gloo rank (tp=1): a Llama small enough for the suite (hidden 256, 4 layers, MLP 1024, vocab 4096,
-2 × 512 tokens, chunked loss of 256 tokens) whose state, activations and chunk logits are most of
-the step's memory. The rank builds the model as the recipe does (``build_parallel_model``), runs
-the recipe's step twice (AdamW's state exists from the first), and compares the second step's peak
-RSS above its RSS before the model was built with the planned ``total`` without ``runtime``:
-within 20 %, issue 25's band (BENCHMARKS.md: the issue's shape, tp 1 and 2, via the command line).
-The same at cp=2 on two ranks, one row of 2,048 tokens packed from two documents, where the cp terms
-(each layer's [1,024, 2,048] float mask, K and V over the whole row repeated to every head) are a
-fifth of the step's memory.
-
-The same for the post-training recipes' steps beside their frozen model (built as the recipe
-builds it, ``build_frozen_model``): DPO's reference (one pair of two 128-token rows, SGD) and
-distillation's teacher (twice the student's width and depth), whose weights, no_grad forward and
-hidden states the model prices (``Frozen``): without them the plan falls out of the band.
+gloo rank (tp=1): a Llama (hidden 256, 4 layers, MLP 1024, vocab 4096, 2 × 512 tokens, chunked loss
+of 256 tokens) whose state, activations and chunk logits are most of the step's memory, built as the
+recipe builds it. The rank runs the recipe's step twice, the first on 64-token rows (it creates
+AdamW's state; measured peaks the same to 0.001 GiB as after a full first step, 2026-12-04), and
+compares the second step's peak RSS above its RSS before the model with the planned ``total``
+without ``runtime``: within 20 %, issue 25's band. The same at cp=2 on two ranks (one row of 2,048
+tokens, two documents: the cp terms are a fifth of the step), and beside the post-training recipes'
+frozen models (``Frozen``): DPO's reference and distillation's teacher (twice the width and depth).
+By default: tp=1 bf16-mixed and fp32 with full checkpointing, cp=2 fp32, DPO and distillation; the
+rest of the matrix, the low-bit optimizers and QLoRA under ``-m memory``.
 
 glibc's mmap threshold is fixed at 64 KiB in the rank (``mallopt``), so a freed tensor leaves the
-RSS at once and the figure is the live bytes, as the model counts them; with glibc's dynamic
-threshold freed heap blocks stay resident and the RSS creeps up step by step (docs/design-notes.md).
+RSS at once and the figure is the live bytes, as the model counts them (docs/design-notes.md).
 """
 
 import ctypes
@@ -91,6 +86,12 @@ def _step(model, optimizer, mesh, compute, tokens, positions, cp) -> None:
     optimizer.step()
 
 
+def _positions(tokens: torch.Tensor, cp: int) -> torch.Tensor | None:
+    """None at cp=1; at cp > 1 a packed row of two documents, positions restarting halfway."""
+    batch, seq = tokens.shape
+    return None if cp == 1 else torch.arange(seq // 2).repeat(2).expand(batch, seq)
+
+
 def measured_and_planned(
     rank,
     world_size,
@@ -104,7 +105,8 @@ def measured_and_planned(
 ) -> tuple[float, float]:
     """(the last step's peak RSS above the rank's RSS before the model, the planned total without
     runtime), GiB. ``cp`` > 1: the ranks split a packed row of ``CP_SEQ`` tokens. ``steps``: 2 to
-    measure (AdamW's state exists from the first), 1 for a warm-up. ``optim``: conf/optim/'s AdamW
+    measure (AdamW's state exists from the first, run on ``WARM_UP_SEQ``-token rows: only the
+    last step is measured), 1 for a warm-up. ``optim``: conf/optim/'s AdamW
     variant (adamw, adamw8bit, adamw4bit, adamw_bf16). ``qlora``: ``peft=qlora``'s adapters on
     an NF4 base. ``seq``: the tokens of each row at cp=1 (a warm-up's shorter rows)."""
     _fixed_mmap_threshold()
@@ -127,12 +129,14 @@ def measured_and_planned(
     tokens = torch.randint(
         0, SIZES["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(0)
     )
-    positions = None if cp == 1 else torch.arange(seq // 2).repeat(2).expand(batch, seq)
     policy = precision_policy(precision)
     compute = policy.autocast("cpu", data_parallel=cp > 1)
-    for _ in range(steps):
+    for step in range(steps):
+        # only the last step is measured: the ones before it create AdamW's state on short rows
+        rows = tokens if step == steps - 1 else tokens[:, :WARM_UP_SEQ]
         reset_peak_memory("cpu")
-        _step(model, optimizer, mesh, compute, tokens, positions, ContextParallel.of(mesh))
+        positions = _positions(rows, cp)
+        _step(model, optimizer, mesh, compute, rows, positions, ContextParallel.of(mesh))
     peak = peak_memory_gib("cpu") - before
     layout = Layout(dims=dims, micro_batch_size=batch, activation_checkpointing=checkpointing)
     plan = Step(
@@ -205,10 +209,11 @@ def measured_and_planned_beside_frozen(rank, world_size, recipe, steps=2) -> tup
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, SIZES["vocab_size"], (rows, seq), generator=generator)
     compute = functools.partial(precision_policy("fp32").autocast, "cpu", data_parallel=False)
-    for _ in range(steps):
+    for step in range(steps):  # as measured_and_planned's: the steps before the last on short rows
         reset_peak_memory("cpu")
         optimizer.zero_grad(set_to_none=True)
-        _frozen_step(recipe, model, frozen, tokens, compute)
+        sample = tokens if step == steps - 1 else tokens[:, :WARM_UP_SEQ]
+        _frozen_step(recipe, model, frozen, sample, compute)
         finalize_dtensor_gradients([model])
         synchronize_tp_replica_gradients([model], meshes.world)
         clip_grad_norm_([model], 1.0)

@@ -1,8 +1,9 @@
 """Bad input exits non-zero with one ``error:`` line on stderr, before any rank starts (how fast is
 bench's job).
 
-A module fixture runs the cases (see THROUGH_THE_COMMAND_LINE below) and each case then gets its own
-assertion.
+A module fixture runs the selected cases (see THROUGH_THE_COMMAND_LINE below) and each case then
+gets its own assertion. Every case runs in ``make test`` (no ``sweep`` cases); one case selected
+alone (``-k``) runs alone, where it once waited for all of them.
 """
 
 import json
@@ -22,6 +23,7 @@ from components.data import DEFAULT_VOCAB_SIZE, train_tokenizer
 from components.models import build_causal_lm, tiny_config
 from components.runtime.output_dir import run_files
 from tests import cli
+from tests.selection import is_selected, selected_params
 
 # The module fixture runs every case (~40 processes of ~5 s of imports each, two at a time) inside
 # the first test's set-up: give it room on a loaded machine.
@@ -464,8 +466,8 @@ def inputs(root: Path) -> None:
 
 # These run as `python recipes/finetune.py ...`, each its own process, as a user runs them. The rest
 # run the same two calls (compose, then the checks, printing through the same `fail`) one after
-# another in a single process, so the ~5 s start-up of torch and transformers is paid once instead
-# of once per case.
+# another in a single process, a script started warm like the recipe (tests/cli.py), so the ~5 s
+# start-up of torch and transformers is paid by no case.
 THROUGH_THE_COMMAND_LINE = [
     "unknown model",
     "misspelt key",
@@ -479,6 +481,7 @@ THROUGH_THE_COMMAND_LINE = [
     "output_dir is a file",
     "betas out of range",
 ]
+FIFO = "a named pipe as data"  # the case whose refused folder the corrected rerun writes into
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 CHECKS_ONLY = """
 import contextlib, io, json, sys
@@ -533,8 +536,10 @@ def run_case(name: str, root: Path) -> Outcome:
 
 def run_checks_only(names: list[str], root: Path) -> dict[str, Outcome]:
     cases = json.dumps({name: overrides_of(name, root) for name in names})
+    script = root / "checks_only.py"  # a script, not `python -c`: it starts warm
+    script.write_text(CHECKS_ONLY)
     result = cli.run(
-        [sys.executable, "-c", CHECKS_ONLY, cases],
+        [sys.executable, str(script), cases],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -549,18 +554,21 @@ def run_checks_only(names: list[str], root: Path) -> dict[str, Outcome]:
 
 
 @pytest.fixture(scope="module")
-def outcomes(tmp_path_factory) -> dict[str, Outcome]:
+def outcomes(request, tmp_path_factory) -> dict[str, Outcome]:
+    """The selected cases' outcomes, and the FIFO case's when the corrected rerun (into its
+    refused folder) is selected."""
     root = tmp_path_factory.mktemp("bad_input")
     inputs(root)
-    rest = [name for name in CASES if name not in THROUGH_THE_COMMAND_LINE]
+    names = selected_params(request, "case")
+    rerun = test_a_corrected_rerun_into_a_refused_folder_trains_and_says_what_it_does_not_read
+    if is_selected(request, rerun) and FIFO not in names:
+        names.append(FIFO)
+    through = [name for name in THROUGH_THE_COMMAND_LINE if name in names]
+    rest = [name for name in names if name not in THROUGH_THE_COMMAND_LINE]
     with ThreadPoolExecutor(2) as pool:
         checks_only = pool.submit(run_checks_only, rest, root)
         found = dict(
-            zip(
-                THROUGH_THE_COMMAND_LINE,
-                pool.map(lambda name: run_case(name, root), THROUGH_THE_COMMAND_LINE),
-                strict=True,
-            )
+            zip(through, pool.map(lambda name: run_case(name, root), through), strict=True)
         )
         return {**found, **checks_only.result()}
 
@@ -591,8 +599,8 @@ def test_a_corrected_rerun_into_a_refused_folder_trains_and_says_what_it_does_no
     file. At cp=2 (FSDP over the cp ranks) ``nan_grad`` strikes and the step is skipped, the keys
     this layout does not read (the pipeline's at pp=1 among them) are each noted once, and FSDP2
     warns of no view tensor."""
-    root = outcomes["a named pipe as data"].root
-    folder = output_dir_of("a named pipe as data", root)
+    root = outcomes[FIFO].root
+    folder = output_dir_of(FIFO, root)
     data = ["data=jsonl", f"data.path={root / 'arithmetic.jsonl'}", "data.val_fraction=0"]
     small = ["train.max_steps=3", "train.val_every=0", "train.warmup_steps=1"]
     small += ["train.global_batch_size=4", "train.micro_batch_size=2", "checkpoint.export=false"]

@@ -1,13 +1,13 @@
 """Context parallelism through the real command line: ``cp=2`` (and 4) trains what ``cp=1`` trains
 (loss, grad norm and validation loss within 1e-5 relative over 4 fp32 steps) for llama at tp1/tp2,
-qwen3 at tp2 with sp and at tp1 cp4, and packed llama at tp1 and tp2 with sp, a cp=2
-checkpoint resumes at cp=1 and a cp=1 one at cp=2 (DCP reshards: the weights are replicated over
-cp) and each goes on as the cp=1 run did, and an MoE model with cp > 1 is one ``error:`` line.
+qwen3 at tp2 with sp and at tp1 cp4, and packed llama at tp1 and tp2 with sp; a cp=2 checkpoint
+resumes at cp=1 and a cp=1 one at cp=2 (DCP reshards: the weights are replicated over cp) and each
+goes on as its cp=1 run did; an MoE model with cp > 1 is one ``error:`` line.
 
-By default the most composed layout of each optimizer runs (qwen3 tp2 sp cp2 with AdamW, packed
-tp2 sp cp2 with SGD) and the cp=1 checkpoint resumed at cp=2; the other layouts (plain cp2, packed
-cp2, tp2 cp2, cp4) and the resume at cp=1 run under ``-m sweep``. The module fixture runs only
-the selected cases' runs.
+By default: the most composed layout with AdamW (qwen3 tp2 sp cp2), packed rows with SGD on 2 ranks
+(packed cp2; packed rows at tp2 sp cp2 are tests/distributed/test_context_parallel.py's in make
+test) and qwen3's cp=1 AdamW checkpoint resumed at cp=2. Under ``-m sweep``: plain cp2, packed tp2
+sp cp2, tp2 cp2, cp4 and the resume at cp=1. The module fixture runs only the selected cases' runs.
 """
 
 import json
@@ -34,7 +34,7 @@ RUNS = {
     "packed_cp2": ["train.packing=true", "optim=sgd", "optim.lr=0.5", "cp=2"],
     "tp2_cp2": ["tp=2", "cp=2"],
     "qwen3_tp2_sp_cp2": ["model=qwen3", "tp=2", "sp=true", "cp=2"],
-    "qwen3_cp1": ["model=qwen3"],
+    "qwen3_cp1": ["model=qwen3", "checkpoint.every_steps=2"],
     "qwen3_cp4": ["model=qwen3", "cp=4"],
     "packed_tp2_sp_cp2": ["train.packing=true", "optim=sgd", "optim.lr=0.5", "tp=2", "sp=true"]
     + ["cp=2"],
@@ -49,10 +49,13 @@ TWINS = {
     "qwen3_cp4": "qwen3_cp1",
     "packed_tp2_sp_cp2": "packed_cp1",
 }
-SWEEP = ("cp2", "packed_cp2", "tp2_cp2", "qwen3_cp4")  # the paths of the composed ones again
-# Each resumed run: (the run whose step-2 checkpoint it resumes, its cp); cp1's steps 3 and 4 are
-# its reference.
-RESUMES = {"resumed_cp1": ("cp2", "cp=1"), "resumed_cp2": ("cp1", "cp=2")}
+SWEEP = ("cp2", "packed_tp2_sp_cp2", "tp2_cp2", "qwen3_cp4")  # the paths of the others again
+# Each resumed run: (the run whose step-2 checkpoint it resumes, its overrides, the cp=1 run whose
+# steps 3 and 4 are its reference).
+RESUMES = {
+    "resumed_cp1": ("cp2", ["cp=1"], "cp1"),
+    "resumed_cp2": ("qwen3_cp1", ["model=qwen3", "cp=2"], "qwen3_cp1"),
+}
 
 
 def recipe(output_dir: Path, *overrides: str, ok: bool = True):
@@ -81,17 +84,17 @@ def runs(request, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("cp")
     twins = selected_params(request, "name")
     resumes = selected_params(request, "resumed")
-    needed = {*twins, *(TWINS[name] for name in twins), *(RESUMES[name][0] for name in resumes)}
-    needed |= {"cp1"} if resumes else set()
+    needed = {*twins, *(TWINS[name] for name in twins)}
+    needed |= {run for name in resumes for run in (RESUMES[name][0], RESUMES[name][2])}
     names = [name for name in RUNS if name in needed]
     with ThreadPoolExecutor(2) as pool:
         results = pool.map(lambda name: recipe(root / name, *RUNS[name]), names)
         done = dict(zip(names, results, strict=True))
 
         def resume(name: str) -> list[dict]:
-            source, cp = RESUMES[name]
+            source, overrides, _ = RESUMES[name]
             checkpoint = root / source / "checkpoints" / "step_00000002"
-            return recipe(root / name, cp, f"checkpoint.resume={checkpoint}")
+            return recipe(root / name, *overrides, f"checkpoint.resume={checkpoint}")
 
         done |= dict(zip(resumes, pool.map(resume, resumes), strict=True))
     return done
@@ -123,10 +126,10 @@ def test_cp_trains_what_cp1_trains(runs, name):
     "resumed", [pytest.param("resumed_cp1", marks=pytest.mark.sweep), "resumed_cp2"]
 )
 def test_a_checkpoint_resumes_at_the_other_cp(runs, resumed):
-    curve = runs[resumed]
+    curve, reference = runs[resumed], runs[RESUMES[resumed][2]][2:]
     assert [record["step"] for record in curve] == [3, 4]
-    print(f"{resumed}: worst gap {worst_gap(curve, runs['cp1'][2:]):.1e}")
-    assert worst_gap(curve, runs["cp1"][2:]) <= 1e-5
+    print(f"{resumed}: worst gap {worst_gap(curve, reference):.1e}")
+    assert worst_gap(curve, reference) <= 1e-5
 
 
 def test_moe_with_cp_is_one_error_line(tmp_path):

@@ -2,10 +2,11 @@
 mesh: replicated across the pair of groups, sharded within each) trains the same 4 steps as the
 single-process twin, SGD and AdamW, fp32 on the CPU (losses and grad norms within 1e-5 relative;
 measured ~3e-8), and its AdamW checkpoint of step 2 resumes on one process to the same steps 3-4;
-and ``dp_replicate=2 tp=2`` trains the same 4 steps as ``tp=2`` alone with SGD.
+and ``dp_replicate=2 tp=2`` trains the same 4 steps as one process with SGD (tp=2 alone trains what
+one process trains to ~1e-7: tests/distributed/test_tp_parity.py).
 
-One ``--multirun`` sweep runs both optimizers on 4 ranks, one sweep their twins on one process, one
-sweep ``tp=2`` with and without the replicas.
+One ``--multirun`` sweep runs both optimizers on 4 ranks; the module's one sweep of their twins on
+one process is the reference of both tests.
 """
 
 import json
@@ -51,19 +52,29 @@ def assert_same(ours, theirs) -> None:
         assert norm == pytest.approx(want_norm, rel=1e-5)
 
 
-def test_replicas_over_tp_train_like_tp_alone(tmp_path):
+OPTIMIZERS = "optim=sgd,adamw"  # jobs 0 and 1 of each sweep
+
+
+@pytest.fixture(scope="module")
+def twin(tmp_path_factory) -> Path:
+    """The one-process runs of both optimizers: jobs 0 (SGD) and 1 (AdamW) in its folder."""
+    folder = tmp_path_factory.mktemp("twin")
+    finetune(OPTIMIZERS, f"output_dir={folder}", sweep=True)
+    return folder
+
+
+def test_replicas_over_tp_train_like_one_process(twin, tmp_path):
     """FSDP2's replicate dim over a tp mesh: each replica's gradients all-reduced, nothing sharded
-    (measured ~3e-8 with SGD; AdamW: docs/parallelism.md)."""
-    finetune("optim=sgd", "tp=2", "dp_replicate=1,2", f"output_dir={tmp_path}", sweep=True)
-    assert_same(curves(tmp_path / "1"), curves(tmp_path / "0"))
+    (measured ~3e-8 against tp=2 alone with SGD; AdamW: docs/parallelism.md)."""
+    replicas = tmp_path / "replicas"
+    finetune("optim=sgd", "tp=2", "dp_replicate=2", f"output_dir={replicas}")
+    assert_same(curves(replicas), curves(twin / "0"))
 
 
-def test_hsdp_trains_and_resumes_like_one_process(tmp_path):
-    hsdp, twin, resumed = tmp_path / "hsdp", tmp_path / "twin", tmp_path / "resumed"
-    optimizers = "optim=sgd,adamw"  # jobs 0 and 1 of each sweep
+def test_hsdp_trains_and_resumes_like_one_process(twin, tmp_path):
+    hsdp, resumed = tmp_path / "hsdp", tmp_path / "resumed"
     layout = ["dp_replicate=2", "dp_shard=2", "checkpoint.every_steps=2"]
-    finetune(*layout, optimizers, f"output_dir={hsdp}", sweep=True)
-    finetune(optimizers, f"output_dir={twin}", sweep=True)
+    finetune(*layout, OPTIMIZERS, f"output_dir={hsdp}", sweep=True)
     for job in ("0", "1"):
         assert_same(curves(hsdp / job), curves(twin / job))
     step_2 = hsdp / "1" / "checkpoints" / "step_00000002"

@@ -2,13 +2,14 @@
 the command line: Qwen2-MoE, OLMoE, DeepSeek-V3 and Granite-MoE load through transformers'
 checkpoint conversion rules, their experts and routers found from their structure. Each trains at
 tp=1 with the Hugging Face model's own first loss (1e-6) and at tp=2 ep=2 (with sp=true for two of
-them) equal to tp=1 (1e-5), reporting ``expert_imbalance``; an export reloads with
-``from_pretrained`` as the trained model. GPT-OSS (expert biases, clamped SwiGLU, attention sinks
-sharded with the heads, on a plan derived from its structure) and Llama 4 (top-1 router with a
-shared expert, experts handed tokens already routed, its own plan written for dense and MoE
-layers) do likewise at tp=1, tp=2 and tp=2 ep=2, the export of the last reloading as trained.
-``make test`` trains DeepSeek-V3 (a dense layer, a shared expert, attention outside its plan, sp)
-and GPT-OSS; the other families' runs are opt-in with ``-m sweep``.
+them) equal to tp=1 (1e-5), reporting ``expert_imbalance``; that split run exports, and the export
+reloads with ``from_pretrained`` as the trained model. GPT-OSS (expert biases, clamped SwiGLU,
+attention sinks sharded with the heads, on a plan derived from its structure) and Llama 4 (top-1
+router with a shared expert, experts handed tokens already routed, its own plan written for dense
+and MoE layers) do likewise at tp=1, tp=2 and tp=2 ep=2, the export of the last reloading as
+trained. ``make test`` trains DeepSeek-V3 (a dense layer, a shared expert, attention outside its
+plan, sp; its split run serves the export test too) and GPT-OSS; the other families' runs are
+opt-in with ``-m sweep``.
 """
 
 import json
@@ -83,6 +84,22 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     return {"cache": root / "cache", **saved}
 
 
+@pytest.fixture(scope="module")
+def split_runs(folders, tmp_path_factory):
+    """``split(model, layout)``: the run of ``model`` at ``layout``, exported, made the first
+    time a test asks for it (the parity test and the export test read the same run)."""
+    root, made = tmp_path_factory.mktemp("split"), {}
+
+    def split(model: str, layout: str) -> tuple[Path, list[dict]]:
+        if (model, layout) not in made:
+            output = root / model
+            export = ("checkpoint.export=true", "train.val_every=3")
+            made[model, layout] = output, run(folders, model, output, *layout.split(), *export)
+        return made[model, layout]
+
+    return split
+
+
 def run(folders, model: str, output_dir: Path, *overrides: str) -> list[dict]:
     result = recipe(folders, model, output_dir, "optim=sgd", *overrides)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -106,9 +123,11 @@ def test_save_pretrained_writes_one_tensor_per_expert(folders):
         pytest.param("granitemoe", "tp=2 ep=2", marks=pytest.mark.sweep),
     ],
 )
-def test_a_saved_moe_trains_at_tp1_as_hf_and_split_as_tp1(folders, tmp_path, model, split):
+def test_a_saved_moe_trains_at_tp1_as_hf_and_split_as_tp1(
+    folders, split_runs, tmp_path, model, split
+):
     tp1 = run(folders, model, tmp_path / "tp1", "tp=1")
-    split = run(folders, model, tmp_path / "split", *split.split())
+    _, split = split_runs(model, split)
     losses = [record["loss"] for record in tp1]
     assert len(set(losses)) == 3  # the steps train
     assert [r["loss"] for r in split] == pytest.approx(losses, rel=1e-5, abs=1e-5)
@@ -117,13 +136,11 @@ def test_a_saved_moe_trains_at_tp1_as_hf_and_split_as_tp1(folders, tmp_path, mod
     assert losses[0] == pytest.approx(reference, abs=1e-6)
 
 
-def test_the_export_of_a_tp2_run_reloads_as_the_trained_model(folders, tmp_path):
-    output = tmp_path / "run"
-    records = run(
-        folders, "qwen2_moe", output, "tp=2", "checkpoint.export=true", "train.val_every=3"
-    )
-    reference = first_loss(folders["qwen2_moe"], folders["cache"], SEQ_LEN, BATCH, MICRO)
-    assert records[0]["loss"] == pytest.approx(reference, abs=1e-5)  # tp=2, ep=1
+def test_the_export_of_a_split_run_reloads_as_the_trained_model(folders, split_runs):
+    """DeepSeek-V3's tp=2 ep=2 sp run (one tensor per expert in its folder, as Qwen2-MoE's)."""
+    output, records = split_runs("deepseek_v3", "tp=2 ep=2 sp=true")
+    reference = first_loss(folders["deepseek_v3"], folders["cache"], SEQ_LEN, BATCH, MICRO)
+    assert records[0]["loss"] == pytest.approx(reference, abs=1e-5)
     reloads_as_trained(folders, output, records)
 
 

@@ -1,6 +1,9 @@
 """``profile.steps`` through the real command line: a tp=2 run writes one Chrome trace per rank
 holding the asked steps (and only those), and a bad request is refused with one ``error:`` line
-before any rank starts."""
+before any rank starts.
+
+Everything here runs in ``make test`` (no ``sweep`` cases): two profiled tp=2 dp=2 runs of 2 steps
+(a module fixture shared by the first two tests) and three refusals."""
 
 import json
 import os
@@ -81,24 +84,41 @@ def _ours(events: list[dict], step: int) -> int:
     """Step ``step``'s host syncs among a trace's ``events`` whose nearest Python caller (past
     built-ins and the READS_LOGGED wrapper) is our code (the others: torch's, transformers')"""
     (span,) = [e for e in events if e.get("name") == f"ProfilerStep#{step}"]
-    frames = [e for e in events if e.get("cat") == "python_function"]
+    syncs = [
+        event
+        for event in events
+        if event.get("name") == HOST_SYNC and 0 <= event["ts"] - span["ts"] <= span["dur"]
+    ]
+    frames = [
+        event
+        for event in events
+        if event.get("cat") == "python_function"
+        and not event["name"].startswith("<built-in")
+        and "sitecustomize" not in event["name"]
+    ]
     count = 0
-    for sync in events:
-        if sync.get("name") != HOST_SYNC or not 0 <= sync["ts"] - span["ts"] <= span["dur"]:
-            continue
-        around = [
-            frame
-            for frame in frames
-            if frame["tid"] == sync["tid"] and 0 <= sync["ts"] - frame["ts"] <= frame["dur"]
-        ]
-        around.sort(key=lambda frame: (frame["ts"], -frame["dur"]))  # outermost first
-        callers = [
-            frame["name"]
-            for frame in around
-            if not frame["name"].startswith("<built-in") and "sitecustomize" not in frame["name"]
-        ]
-        count += callers[-1].startswith((str(REPO), "recipes/"))
+    for tid in {sync["tid"] for sync in syncs}:
+        mine = [frame for frame in frames if frame["tid"] == tid]
+        mine.sort(key=lambda frame: (frame["ts"], -frame["dur"]))  # outermost first
+        at = sorted((sync for sync in syncs if sync["tid"] == tid), key=lambda sync: sync["ts"])
+        callers = _innermost(mine, at)
+        count += sum(caller["name"].startswith((str(REPO), "recipes/")) for caller in callers)
     return count
+
+
+def _innermost(frames: list[dict], syncs: list[dict]) -> list[dict]:
+    """Per sync (in time order), the innermost of one thread's ``frames`` (outermost first) open
+    at its time, in one sweep: the frames begun by then are stacked in that order, and a frame
+    that closed before one sync is open at no later one, so it leaves the stack for good."""
+    stack, callers, begun = [], [], 0
+    for sync in syncs:
+        while begun < len(frames) and 0 <= sync["ts"] - frames[begun]["ts"]:
+            stack.append(frames[begun])
+            begun += 1
+        while not sync["ts"] - stack[-1]["ts"] <= stack[-1]["dur"]:
+            stack.pop()
+        callers.append(stack[-1])
+    return callers
 
 
 def counting(output_dir: Path) -> dict[str, str]:
@@ -111,18 +131,18 @@ def counting(output_dir: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def profiled(tmp_path_factory) -> dict:
-    """The two runs of :func:`_profiled` (1 micro-batch of 4 per dp rank; 4 of 1 with sp), the
+    """The two runs of :func:`_profiled` (1 micro-batch of 4 per dp rank; 2 of 2 with sp), the
     first into the folder a request for step 0 was refused from (that refusal's result too)."""
     root = tmp_path_factory.mktemp("profiled")
     (root / "site").mkdir()
     (root / "site" / "sitecustomize.py").write_text(READS_LOGGED)
     with ThreadPoolExecutor(2) as pool:  # two at a time: much of a run is its start-up
-        four_times = pool.submit(_profiled, root / "four", micro_batch_size=1, sp=True)
+        twice = pool.submit(_profiled, root / "twice", micro_batch_size=2, sp=True)
         step_0 = ["tp=2", "profile.steps=[0,2]"]
         refused = recipe(root / "once", *step_0, environment=counting(root / "once"))
         left = run_files(root / "once")
         once = pool.submit(_profiled, root / "once", micro_batch_size=4, sp=False)
-        results = {"once": once.result(), "four_times": four_times.result()}
+        results = {"once": once.result(), "twice": twice.result()}
     return results | {"refused": refused, "left": left, "folder": root / "once"}
 
 
@@ -148,9 +168,9 @@ def _profiled(output_dir: Path, micro_batch_size: int, sp: bool) -> tuple[list[i
     for rank in range(4):
         trace = folder / f"rank{rank}.pt.trace.json"
         events = json.loads(trace.read_text())["traceEvents"]  # valid Chrome trace JSON
-        steps = {e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")}
-        assert steps == {"ProfilerStep#2"}, (rank, steps)
         names = {event.get("name") for event in events}
+        steps = {name for name in names if str(name).startswith("ProfilerStep#")}
+        assert steps == {"ProfilerStep#2"}, (rank, steps)
         assert {"aten::mm", "Optimizer.step#AdamW.step"} <= names, rank  # the model and update
         traced.append(_ours(events, 2))
         if rank == 0:  # the trace's count leaves the optimizer's out and holds ours
@@ -163,7 +183,7 @@ def _profiled(output_dir: Path, micro_batch_size: int, sp: bool) -> tuple[list[i
 
 
 def test_a_step_reads_the_device_the_same_times_whatever_its_accumulation(profiled):
-    """tp=2 dp=2, 8 sequences a step: 1 micro-batch of 4 per dp rank, then 4 of 1 with sequence
+    """tp=2 dp=2, 8 sequences a step: 1 micro-batch of 4 per dp rank, then 2 of 2 with sequence
     parallelism (its norms' Partial gradients finalised). Our code reads the device OUR_READS times
     in step 2 on each rank either way: the replica sync's presence flags (before its all-reduce, as
     the spec says) and every other value of the step at once before the update, the grad norm and
@@ -172,8 +192,8 @@ def test_a_step_reads_the_device_the_same_times_whatever_its_accumulation(profil
     (``tolist`` and ``torch.equal`` run no ``aten::_local_scalar_dense``): TRACED in the trace. Not
     ours, not counted: AdamW's reads of its step counters (CPU tensors, no device wait), and per
     micro-batch torch's vocab-parallel embedding (2) and transformers' packed-sequence check (1)."""
-    once, four_times = profiled["once"], profiled["four_times"]
-    assert once == four_times == ([OUR_READS] * 4, [TRACED] * 4), (once, four_times)
+    once, twice = profiled["once"], profiled["twice"]
+    assert once == twice == ([OUR_READS] * 4, [TRACED] * 4), (once, twice)
 
 
 def test_step_0_is_refused_in_its_list_and_the_corrected_run_profiles_into_that_folder(profiled):
