@@ -6,6 +6,10 @@ Doge (its own plan corrected) trains at tp=2 and tp=2 sp=true as at tp=1; the la
 silently wrong (pp=2, cp=2, LoRA at tp=2, fp8) on Llama (its own plan) and OPT (a derived one).
 How a run is classified; and, opt-in
 (``pytest -m coverage``), the whole sweep held to the coverage goal.
+
+By default Doge runs at tp=2 sp=true (its corrected plan and its residual scales under sequence
+parallelism), a new column's test once per plan kind (Llama's own, OPT's derived); Doge at plain
+tp=2, the same corrected plan without sp, under ``-m sweep``.
 """
 
 import json
@@ -29,6 +33,7 @@ from tests.coverage import (
     tiny_config,
 )
 from tests.saved_models import REPO
+from tests.selection import selected_params
 
 REFUSAL = (
     "error: model type 'gemma3' has no tensor-parallel plan, and its decoder layers "
@@ -37,14 +42,14 @@ REFUSAL = (
 
 
 @pytest.fixture(scope="module")
-def entries(tmp_path_factory) -> list[dict]:
+def entries(request, tmp_path_factory) -> list[dict]:
     root = tmp_path_factory.mktemp("coverage")
     tokenizer = train_tokenizer(["hello world", "tune"], DEFAULT_VOCAB_SIZE, root / "tokenizer")
     silent = ("pp2", "cp2", "lora", "fp8")  # the layouts that can be silently wrong
     return [
         sweep_type("llama", root, tokenizer, ("tp1", "tp2", *silent)),
         sweep_type("gemma3", root, tokenizer, ("tp1", "tp2")),
-        sweep_type("doge", root, tokenizer, ("tp1", "tp2", "tp2_sp")),
+        sweep_type("doge", root, tokenizer, ("tp1", *selected_params(request, "doge_layout"))),
         sweep_type("opt", root, tokenizer, ("tp1", *silent)),  # a derived plan
     ]
 
@@ -68,14 +73,14 @@ def test_llama_trains_at_tp2_as_at_tp1_and_gemma3_image_text_is_refused_at_tp2(e
     assert "- pp=2: 20" in table  # when each column was measured
 
 
-def test_doge_trains_at_tp2_and_with_sequence_parallelism_as_at_tp1(entries):
+@pytest.mark.parametrize("doge_layout", [pytest.param("tp2", marks=pytest.mark.sweep), "tp2_sp"])
+def test_doge_trains_at_tp2_and_with_sequence_parallelism_as_at_tp1(entries, doge_layout):
     """Doge's own plan, corrected (dt_proj's per-head outputs, this rank's heads kept), and under
     sequence parallelism its blocks' own residual scales as replicated DTensors."""
     doge = entries[2]["results"]
     assert doge["tp1"]["status"] == "works" and len(set(doge["tp1"]["losses"])) == 3
-    for layout in ("tp2", "tp2_sp"):
-        assert doge[layout]["status"] == "works", doge[layout]["line"]
-        assert doge[layout]["losses"] == pytest.approx(doge["tp1"]["losses"], rel=1e-5)
+    assert doge[doge_layout]["status"] == "works", doge[doge_layout]["line"]
+    assert doge[doge_layout]["losses"] == pytest.approx(doge["tp1"]["losses"], rel=1e-5)
 
 
 def test_the_layouts_that_can_be_silently_wrong_train_as_tp1_or_are_refused(entries):

@@ -340,8 +340,6 @@ def test_the_rank_that_died_is_named_before_peers_that_lost_it():
 
 def test_a_kill_during_a_checkpoint_save_resumes_from_the_previous_one(tmp_path):
     steps = ["train.max_steps=6", "checkpoint.every_steps=2"]
-    # alongside: the CPU results are exact anyway; it saves nothing (a save changes no result)
-    reference = start_recipe(tmp_path / "uninterrupted", steps[0], "checkpoint.every_steps=0")
     interrupted = tmp_path / "interrupted"
     checkpoints = interrupted / "checkpoints"
     saving = checkpoints / "step_00000004.tmp"
@@ -359,13 +357,14 @@ def test_a_kill_during_a_checkpoint_save_resumes_from_the_previous_one(tmp_path)
         assert (checkpoints / "step_00000002" / MARKER).is_file()
         assert saving.is_dir() and not (saving / MARKER).exists()
         assert not (checkpoints / "step_00000004").exists()
-        assert [r["step"] for r in metrics(interrupted)] == [1, 2, 3, 4]
+        # the run's own steps 3 and 4, uninterrupted until the kill in step 4's save: the
+        # reference for the resumed run's (a save changes no result)
+        uninterrupted = metrics(interrupted)
+        assert [r["step"] for r in uninterrupted] == [1, 2, 3, 4]
 
         run_recipe(interrupted, *steps, "checkpoint.resume=auto")
-        assert reference.wait(timeout=300) == 0, stderr_of(tmp_path / "uninterrupted")[-3000:]
     finally:
         kill_group(process)
-        kill_group(reference)
     assert (
         f"resumed from {checkpoints / 'step_00000002'} at step 2"
         in interrupted.with_suffix(".out").read_text()
@@ -373,11 +372,10 @@ def test_a_kill_during_a_checkpoint_save_resumes_from_the_previous_one(tmp_path)
     records = metrics(interrupted)
     # The killed run's lines after the checkpoint (steps 3 and 4) were dropped when the run resumed.
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
-    expected = metrics(tmp_path / "uninterrupted")
-    assert [r["loss"] for r in records[-4:]] == [
-        r["loss"] for r in expected[2:]
-    ]  # exact on the CPU
-    assert [r["grad_norm"] for r in records[-4:]] == [r["grad_norm"] for r in expected[2:]]
+    # Exact on the CPU: step 3 from step 2's weights, step 4 after an update from its optimizer
+    # state and lr; both as the killed run trained them before the kill.
+    for name in ("loss", "grad_norm", "lr"):
+        assert [r[name] for r in records[2:4]] == [r[name] for r in uninterrupted[2:4]], name
     assert (checkpoints / "step_00000004" / MARKER).is_file() and not saving.exists()
 
 
@@ -498,4 +496,5 @@ def size_of(folder: Path) -> int:
 
 def full_disk_run(*overrides: str) -> subprocess.CompletedProcess:
     command = [sys.executable, "recipes/finetune.py", *overrides]
-    return cli.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}  # the module's other runs' zygote
+    return cli.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, env=environment)

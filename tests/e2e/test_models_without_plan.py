@@ -10,6 +10,7 @@ the other two pairs run with ``-m sweep``.
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -126,7 +127,11 @@ def test_what_cannot_run_is_one_error_line(folders, tmp_path, model, overrides, 
 def test_a_vocab_size_smaller_than_the_tokenizer_is_one_error_line(folders, tmp_path):
     command = [sys.executable, "recipes/finetune.py", "model=llama", "model.config.vocab_size=1"]
     command += [*COMMON[1:], f"cache_dir={folders['cache']}", f"output_dir={tmp_path / 'run'}"]
-    result = cli.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    # the environment of the module's other runs (tests.saved_models.recipe): their zygote
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = cli.run(
+        command, cwd=REPO, capture_output=True, text=True, timeout=300, env=environment
+    )
     lines = result.stderr.strip().splitlines()
     assert result.returncode != 0 and len(lines) == 1, result.stderr[-4000:]
     assert lines[0].startswith("error: model.config.vocab_size=1 cannot hold the tokenizer")

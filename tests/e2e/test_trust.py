@@ -1,6 +1,10 @@
 """Runs you can trust, through the real command line: a run owns its folder, never adopts or
 overwrites another run's files, runs no code from a checkpoint, says what it does with a damaged
-one, and refuses a resume that cannot continue the same training."""
+one, and refuses a resume that cannot continue the same training.
+
+By default a run inside another's hf/ folder, and a stop with checkpointing off (its last step
+saved by the stop alone); the runs inside checkpoints/ and hf/ themselves (the same refusal) and the
+stop beside checkpoints every 4 steps run under ``-m sweep``."""
 
 import json
 import os
@@ -25,6 +29,7 @@ SMALL = [
     "train.warmup_steps=1",
 ]
 SMALL += ["data.num_examples=200"]
+SWEEP = pytest.mark.sweep
 
 
 def command(output_dir: Path, *overrides: str) -> list[str]:
@@ -87,8 +92,10 @@ def test_a_fresh_run_never_adopts_another_runs_files(trained, tmp_path):
 def test_a_second_run_into_a_folder_in_use_is_refused_naming_the_holder(tmp_path):
     folder = tmp_path / "busy"
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # the holder stops itself (SIGSTOP) at step 2: alive and holding the folder, it spends no CPU
+    # while the second run is refused
     first = cli.Popen(
-        command(folder, "train.max_steps=100000"),
+        command(folder, "train.max_steps=100000", "debug.fault=stop@2"),
         cwd=REPO,
         env=environment,
         start_new_session=True,
@@ -226,7 +233,7 @@ def test_code_in_a_model_folder_never_runs_and_nothing_asks(tmp_path, where):
         text=True,
         timeout=600,
         input="y\n",
-        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     line = error_line(result)
     assert result.stderr.strip().splitlines() == [line], result.stderr
@@ -282,7 +289,10 @@ def test_overwrite_never_removes_files_no_run_recorded(tmp_path):
             assert after == before  # nothing replaced, removed or added (no run.json, no .lock)
 
 
-@pytest.mark.parametrize("inside", ["checkpoints/mine", "hf", "hf/mine"])
+@pytest.mark.parametrize(
+    "inside",
+    [pytest.param("checkpoints/mine", marks=SWEEP), pytest.param("hf", marks=SWEEP), "hf/mine"],
+)
 def test_a_run_inside_another_runs_folder_is_refused(trained, inside):
     before = sorted(str(path) for path in trained.rglob("*"))
     line = error_line(run(trained / inside, "train.max_steps=2"))
@@ -307,7 +317,9 @@ def test_a_folder_holding_another_runs_folder_below_it_is_refused(trained, tmp_p
     assert not (outer / "run.json").exists()
 
 
-@pytest.mark.parametrize("every", [4, 0], ids=["every 4 steps", "checkpointing off"])
+@pytest.mark.parametrize(
+    "every", [pytest.param(4, marks=SWEEP), 0], ids=["every 4 steps", "checkpointing off"]
+)
 def test_stop_after_leaves_a_checkpoint_of_its_last_step_and_says_only_what_exists(tmp_path, every):
     folder = tmp_path / "stopped"
     saving = f"checkpoint.every_steps={every}"

@@ -1,7 +1,12 @@
 """Output folders judged on their real paths, and settings changed at resume applied or refused,
 through the real command line: a link into another run's folder, a folder inside one and one above
 other runs are each one ``error:`` line that writes nothing, after which the other run resumes; a
-changed lr, schedule or weight decay applies from the resumed step on, said in a ``note:``."""
+changed lr, schedule or weight decay applies from the resumed step on, said in a ``note:``.
+
+By default one case of each refusal (a link into a checkpoint, a folder two levels inside), each
+followed by the other run's resume, and a changed lr and a changed schedule; the links into
+checkpoints/ and hf/, the folders sub/ and tensorboard/ and a changed warmup run under
+``-m sweep``: the same judgement of the real path, the same recomputed lr, again."""
 
 import json
 import shutil
@@ -47,7 +52,17 @@ def refused_writing_nothing(output_dir: Path, guarded: Path) -> str:
     return line
 
 
-@pytest.mark.parametrize("into", ["checkpoints", "hf", "checkpoints/step_00000002"])
+SWEEP = pytest.mark.sweep
+
+
+@pytest.mark.parametrize(
+    "into",
+    [
+        pytest.param("checkpoints", marks=SWEEP),
+        pytest.param("hf", marks=SWEEP),
+        "checkpoints/step_00000002",
+    ],
+)
 def test_a_link_into_another_runs_folder_is_refused_and_that_run_resumes(trained, tmp_path, into):
     other = copy_of(trained, tmp_path)
     link = tmp_path / "link"
@@ -61,7 +76,10 @@ def test_a_link_into_another_runs_folder_is_refused_and_that_run_resumes(trained
     resumes_fine(other)
 
 
-@pytest.mark.parametrize("inside", ["sub", "sub/deeper", "tensorboard"])
+@pytest.mark.parametrize(
+    "inside",
+    [pytest.param("sub", marks=SWEEP), "sub/deeper", pytest.param("tensorboard", marks=SWEEP)],
+)
 def test_a_folder_inside_another_runs_folder_is_refused_and_that_run_resumes(
     trained, tmp_path, inside
 ):
@@ -134,7 +152,7 @@ def fresh(tmp_path: Path, *changes: str) -> Path:
             ["schedule=linear"],
             "schedule warmup_cosine -> linear, schedule.min_lr_ratio 0.1 -> unset",
         ),
-        (["train.warmup_steps=4"], "train.warmup_steps 2 -> 4"),
+        pytest.param(["train.warmup_steps=4"], "train.warmup_steps 2 -> 4", marks=SWEEP),
     ],
     ids=["lr", "schedule", "warmup"],
 )
