@@ -34,9 +34,9 @@ run: install  ## fine-tune the tiny Llama (~1 minute on 2 CPU cores) into output
 # Two pytest workers, a test file each at a time (--dist loadfile: a module's fixture runs once): one
 # worker alone left a third of 2 cores idle (single-process tests, waits for a hang), and two took
 # the suite from 9:00 to 7:00. Recipe runs start from a warm interpreter (tests/cli.py). Now both
-# cores stay 96-99% busy throughout (2,036 CPU-seconds in 17:52): more workers cannot shorten it.
+# cores stay ~94% busy throughout (1,298 CPU-seconds in 11:30, measured 2026-12-04; shared zygotes).
 TEST_WORKERS ?= 2
-test: install  ## the whole test suite, as CI runs it (about 17 minutes on 2 cores)
+test: install  ## the whole test suite, as CI runs it (about 12 minutes on 2 cores)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # The developer's loop: unit and multi-process (gloo) tests; no recipe run through the command line.
