@@ -192,7 +192,6 @@ def loss_figure(records: list[dict], title: str):
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
 
     figure, (losses, rates) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=(2, 1))
     figure.suptitle(title)
@@ -217,7 +216,7 @@ def loss_figure(records: list[dict], title: str):
     handles = [*rates.get_lines(), *norms.get_lines()]
     rates.legend(handles, [line.get_label() for line in handles], loc="upper right")
     for axes in (losses, rates):  # steps are whole: no 0.25-step ticks, and fewer to draw
-        axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+        axes.xaxis.get_major_locator().set_params(integer=True)  # AutoLocator: a MaxNLocator
     # Fixed margins, not tight_layout: that draws the figure once more to measure it, 40% of the
     # plot's time, paid at the end of every run.
     figure.subplots_adjust(left=0.14, right=0.86, top=0.92, bottom=0.09, hspace=0.12)
