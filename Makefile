@@ -31,12 +31,13 @@ $(STAMP): pyproject.toml constraints.txt
 run: install  ## fine-tune the tiny Llama (~1 minute on 2 CPU cores) into outputs/llama/DATE_TIME
 	$(PY) recipes/finetune.py $(ARGS)  # a new outputs/llama/DATE_TIME each time: twice in a row just works
 
-# Two pytest workers, a test file each at a time (--dist loadfile: a module's fixture runs once): one
-# worker alone left a third of 2 cores idle (single-process tests, waits for a hang), and two took
-# the suite from 9:00 to 7:00. Recipe runs start from a warm interpreter (tests/cli.py). Now both
-# cores stay ~94% busy throughout (1,298 CPU-seconds in 11:30, measured 2026-12-04; shared zygotes).
-TEST_WORKERS ?= 2
-test: install  ## the whole test suite, as CI runs it (about 12 minutes on 2 cores)
+# Three pytest workers, a test file each at a time (--dist loadfile: a module's fixture runs once) on 2
+# cores: with two, the cores were 94% busy (1,298 CPU-seconds in 11:30, 2026-12-04), idle while a
+# worker waited (a hang being detected, a one-rank memory measurement); a third fills those waits:
+# 1,150 CPU-seconds in 10:01, 1.91 cores busy. Recipe runs start from warm interpreters the workers
+# share (tests/cli.py).
+TEST_WORKERS ?= 3
+test: install  ## the whole test suite, as CI runs it (about 10 minutes on 2 cores)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # The developer's loop: unit and multi-process (gloo) tests; no recipe run through the command line.
