@@ -15,8 +15,9 @@ def _selected_items(request: pytest.FixtureRequest) -> list[pytest.Item]:
 
 
 def is_selected(request: pytest.FixtureRequest, test) -> bool:
-    """Whether test function ``test`` of the requesting module survived deselection."""
-    return any(item.name == test.__name__ for item in _selected_items(request))
+    """Whether test function ``test`` of the requesting module survived deselection (any of its
+    cases, if it is parametrized: ``originalname`` is the name without the case's id)."""
+    return any(item.originalname == test.__name__ for item in _selected_items(request))
 
 
 def selected_params(request: pytest.FixtureRequest, name: str) -> list:
