@@ -114,7 +114,7 @@ class _Zygote:
             [sys.executable, "-m", "tests.cli", self.address, str(die_with)],
             cwd=REPO,
             env=env,
-            stdin=subprocess.PIPE,  # the zygote ends when this pipe closes (with the test session)
+            stdin=subprocess.PIPE,  # its end ends an own zygote (die_with 0; see _serve)
             stdout=subprocess.DEVNULL,
         )
         self.pid = self.process.pid
