@@ -270,6 +270,7 @@ class WandbLogger:
             import wandb
         except ImportError:
             raise _unavailable("WandbLogger") from None
+        self.wandb = wandb  # the module, imported once: close() tears its service down
         Path(output_dir).mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(
             project=project,
@@ -292,10 +293,8 @@ class WandbLogger:
         """Finish the run and wait for W&B's service process to write it out (offline: the run file
         is complete in ``<output_dir>/wandb`` when this returns; ``finish`` alone may return
         before)."""
-        import wandb
-
         self.run.finish()
-        wandb.teardown()
+        self.wandb.teardown()
 
 
 class MlflowLogger:
@@ -313,13 +312,14 @@ class MlflowLogger:
         run_name: str | None = None,
     ) -> None:
         try:
-            from mlflow.tracking import MlflowClient
+            from mlflow import entities, tracking
         except ImportError:
             raise _unavailable("MlflowLogger") from None
+        self.entities = entities  # the module, imported once: each batch's Param and Metric
         self.tracking_uri = tracking_uri or (Path(output_dir).resolve() / "mlruns").as_uri()
         if self.tracking_uri.startswith("file:"):
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-        self.client = MlflowClient(tracking_uri=self.tracking_uri)
+        self.client = tracking.MlflowClient(tracking_uri=self.tracking_uri)
         found = self.client.get_experiment_by_name(experiment)
         experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
         name = run_name or Path(output_dir).resolve().name
@@ -328,18 +328,20 @@ class MlflowLogger:
     def log_hparams(self, config: dict) -> None:
         """The flattened config as run parameters (MLflow keeps parameters as text, at most 6000
         characters)."""
-        from mlflow.entities import Param
-
-        params = [Param(key, str(value)[:6000]) for key, value in flatten_config(config).items()]
+        params = [
+            self.entities.Param(key, str(value)[:6000])
+            for key, value in flatten_config(config).items()
+        ]
         for start in range(0, len(params), 100):  # MLflow takes at most 100 parameters per batch
             self.client.log_batch(self.run_id, params=params[start : start + 100])
 
     def log_metrics(self, record: dict, step: int) -> None:
         """One MLflow metric per value, at ``step``."""
-        from mlflow.entities import Metric
-
         now = int(time.time() * 1000)
-        metrics = [Metric(key, value, now, step) for key, value in metric_values(record).items()]
+        metrics = [
+            self.entities.Metric(key, value, now, step)
+            for key, value in metric_values(record).items()
+        ]
         if metrics:
             self.client.log_batch(self.run_id, metrics=metrics)
 
