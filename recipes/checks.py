@@ -126,7 +126,8 @@ def optim_layout_problems(settings: Config, dims: ParallelDims) -> list[Problem]
     from components.training.optimizer import optimizer_layout_errors, optimizer_precision_errors
 
     target = settings.optim.target
-    errors = optimizer_layout_errors(target, dims.tp, dims.data_parallel)
+    options = settings.optim.options()
+    errors = optimizer_layout_errors(target, options, dims.tp, dims.data_parallel)
     return problems("optim", errors + optimizer_precision_errors(target, settings.train.precision))
 
 

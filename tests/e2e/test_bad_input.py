@@ -369,6 +369,11 @@ CASES: dict[str, tuple[list[str], str]] = {
         "torchao.optim.AdamW8bit at tp=2 with dp=2 (FSDP over TP shards): torchao 0.18's 8-bit "
         "state fails in its compiled step",
     ),
+    "foreach asked over TP shards and plain replicas": (
+        ["+optim.foreach=true", "tp=2"],
+        "optim.foreach=true at tp=2 without data parallelism: the trainable parameters mix TP's "
+        "DTensor shards with the plain replicas it leaves whole",
+    ),
     "bf16 AdamW states on fp32 parameters": (
         ["optim=adamw_bf16"],
         "torchao.optim._AdamW keeps its state in the parameters' dtype, bf16 with "
