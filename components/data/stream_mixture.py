@@ -104,15 +104,19 @@ class StreamedMixSplit:
     ) -> Iterator[tuple[list[Example], MixPosition]]:
         """dp rank ``shard[1]``'s rows of the mixture from ``position`` on (:func:`mixed_rows`)."""
         readers = [self._reader(source, labelling, shard) for source in self.sources]
-        where = dict(shard=shard, rows_per_step=rows_per_step)
-        return mixed_rows(position, readers, list(self.weights), **where)
+        weights = list(self.weights)
+        return mixed_rows(position, readers, weights, shard=shard, rows_per_step=rows_per_step)
 
     def _reader(
         self, source: StreamedSource, labelling: Labelling, shard: tuple[int, int]
     ) -> Callable[[StreamPosition], Iterator[tuple[list[Example], StreamPosition]]]:
         """Rows of ``source`` from a position on, as a streamed source alone makes them."""
-        rows = dict(seq_len=self.seq_len, loss_on=self.loss_on, packing=self.packing)
         alone = StreamedSplit(
-            source=source, tokenizer_dir=self.tokenizer_dir, pad_id=self.pad_id, **rows
+            source=source,
+            tokenizer_dir=self.tokenizer_dir,
+            seq_len=self.seq_len,
+            loss_on=self.loss_on,
+            packing=self.packing,
+            pad_id=self.pad_id,
         )
         return lambda start: alone.rows(start, labelling, shard=shard, rows_per_step=1)

@@ -354,8 +354,8 @@ class _StepStream(torch.utils.data.IterableDataset):
         split = self.split
         tokenizer = AutoTokenizer.from_pretrained(split.tokenizer_dir, trust_remote_code=False)
         labelling = Labelling(tokenizer=tokenizer, seq_len=split.seq_len, loss_on=split.loss_on)
-        where = dict(shard=self.shard, rows_per_step=self.rows[0])
-        rows = split.rows(self.position, labelling, **where)
+        rows_per_step = self.rows[0]
+        rows = split.rows(self.position, labelling, shard=self.shard, rows_per_step=rows_per_step)
         sizes = dict(seq_len=split.seq_len, pad_id=split.pad_id, pad_multiple=self.pad_multiple)
         return step_items(rows, *self.rows, **sizes)
 
