@@ -22,6 +22,7 @@ from components.data.sources import (
     GeneratedSource,
     MixSource,
 )
+from components.data.stream_mixture import StreamedMixSplit
 from components.data.streaming import StreamedSplit
 from components.distributed.layout import ParallelDims
 from components.models import meta_causal_lm
@@ -146,7 +147,7 @@ def prepare_run_data(
         )
     except (DataError, ValueError) as error:
         return None, [Problem(key="data", message=f"data: {error}")]
-    if isinstance(prepared.train, StreamedSplit):  # no validation: the checks saw to it
+    if isinstance(prepared.train, StreamedSplit | StreamedMixSplit):  # no validation held out
         say(f"data: {prepared.folder}: tokenized and packed as it is read")
         return prepared, []
     val_rows = prepared.val.num_rows if prepared.val is not None else 0
