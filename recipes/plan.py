@@ -237,7 +237,10 @@ class DpoChecked(Checked):
     folder and Hugging Face config (both None: the reference is the policy's starting weights)."""
 
     reference_path: Path | None
-    reference_config: Any
+    reference_config: Any  # None while reference_awaits_fetch
+    # the policy is still to be downloaded or converted: the preparation fetches it, then checks
+    # the reference folder against it
+    reference_awaits_fetch: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
