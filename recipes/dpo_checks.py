@@ -43,8 +43,9 @@ def check_dpo(
     if checked.model_awaits_fetch:  # compared with the policy once the preparation fetched it
         if found := folder_problems(checked, folder):
             raise ConfigError(found)
-        awaits = dict(reference_config=None, reference_awaits_fetch=True)
-        return DpoChecked(**base, reference_path=folder, **awaits)
+        return DpoChecked(
+            **base, reference_path=folder, reference_config=None, reference_awaits_fetch=True
+        )
     reference = check_reference(checked, folder)
     return DpoChecked(**base, reference_path=reference.path, reference_config=reference.config)
 
