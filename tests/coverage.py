@@ -316,13 +316,21 @@ def from_json(data: dict) -> dict[str, Result]:
     return {layout: Result(**fields) for layout, fields in data.items()}
 
 
+def _run(folder: Path, root: Path, layout: str, linears: str) -> Result:
+    """The recipe on ``folder`` at ``layout``, into a fresh folder under ``root``."""
+    output_dir = root / "runs" / folder.name / layout
+    shutil.rmtree(output_dir, ignore_errors=True)
+    return run_layout(folder, root / "cache", output_dir, layout, linears)
+
+
 def sweep_type(
     model_type: str, root: Path, tokenizer, layouts=tuple(LAYOUTS), known: dict | None = None
 ) -> dict:
     """Build ``model_type``'s tiny model under ``root`` and run the ``layouts`` that apply to it
-    (tp=2 ep=2 to MoE models; the others after tp=1, and their reference, works: tp=1 and the
-    reference run first when not among ``layouts``); a JSON-ready entry of the table, merged into
-    ``known`` (an earlier entry of the type), each layout's time of measurement in ``measured``."""
+    (tp=2 ep=2 to MoE models; tp=1 and each layout's reference run first when not among
+    ``layouts``); a layout whose reference does not work is its own refusal, LoRA tp=1's refusal
+    (the LoRA column), or skipped; a JSON-ready entry of the table, merged into ``known`` (an
+    earlier entry of the type), each layout's time of measurement in ``measured``."""
     entry = {"type": model_type, "plan": has_plan(model_type), "moe": False, "built": ""}
     folder = root / "models" / model_type
     shutil.rmtree(folder, ignore_errors=True)
@@ -340,19 +348,22 @@ def sweep_type(
     for layout in [name for name in LAYOUTS if name in needed]:  # references first
         if layout == "tp2_ep2" and not entry["moe"]:
             continue
-        reference = results.get(REFERENCES.get(layout, "tp1"))
-        if layout != "tp1" and (reference is None or reference.status != "works"):
-            results[layout] = Result("skipped", f"{REFERENCES.get(layout, 'tp1')} does not work")
-            if layout in REFERENCES and reference is not None:
-                results[layout] = reference  # the LoRA column says why LoRA does not run
-                measured[layout] = measured[REFERENCES[layout]]  # a cell the page counts
-            continue
-        output_dir = root / "runs" / model_type / layout
-        shutil.rmtree(output_dir, ignore_errors=True)
-        result = run_layout(folder, root / "cache", output_dir, layout, linears)
-        if layout == "tp1":
-            whole = root / "runs" / model_type / "tp1_whole_batch"
-            result = checked_against_own(result, folder, root / "cache", whole)
-        results[layout], measured[layout] = judged(layout, results, result), now
+        name = REFERENCES.get(layout, "tp1")
+        reference = results.get(name)
+        if layout != "tp1" and reference.status != "works":
+            if layout in REFERENCES and reference.status != "skipped":
+                results[layout], measured[layout] = reference, measured[name]  # why LoRA fails
+                continue
+            result = _run(folder, root, layout, linears)  # a refusal is a cell of its own
+            if result.status != "refused":  # nothing to compare it with
+                results[layout] = Result("skipped", f"{name} does not work")
+                continue
+        else:
+            result = _run(folder, root, layout, linears)
+            if layout == "tp1":
+                whole = root / "runs" / model_type / "tp1_whole_batch"
+                result = checked_against_own(result, folder, root / "cache", whole)
+            result = judged(layout, results, result)
+        results[layout], measured[layout] = result, now
     shutil.rmtree(root / "runs" / model_type, ignore_errors=True)
     return entry | {"results": as_json(results), "measured": measured}

@@ -4,9 +4,10 @@ builds, shrunk and written by ``save_pretrained``: Llama trains at tp=1 and tp=2
 image-text model (a composite config) trains its text at tp=1 and is refused at tp=2 in one line;
 Doge (its own plan corrected) trains at tp=2 and tp=2 sp=true as at tp=1. The layouts that can be
 silently wrong (pp=2, cp=2, LoRA at tp=2, fp8), a test each, on one type of each plan kind: Llama
-(its own), OPT (a derived one; StableLM where pp=2 refuses OPT) and Qwen3.5 (its text config's).
-How a run is classified and how the page keeps each refusal's whole line; and, opt-in
-(``pytest -m coverage``), the whole sweep held to the coverage goal.
+(its own), OPT (a derived one; StableLM where pp=2 refuses OPT) and Qwen3.5 (its text config's);
+CamemBERT, refused at tp=1, refused at cp=2 too. How a run is classified and how the page keeps
+each refusal's whole line; and, opt-in (``pytest -m coverage``), the whole sweep held to the
+coverage goal.
 
 By default Doge runs at tp=2 sp=true (its corrected plan and its residual scales under sequence
 parallelism); Doge at plain tp=2, the same corrected plan without sp, under ``-m sweep``.
@@ -40,6 +41,7 @@ CP_HYBRID = (
     "error: cp=2 with a model with full_attention, linear_attention layers "
     "(model.config.layer_types) is not supported: use cp=1"
 )
+CAMEMBERT = "error: model type 'camembert' numbers its positions from padding_idx + 1"
 REFUSAL = (
     "error: model type 'gemma3' has no tensor-parallel plan, and its decoder layers "
     "(one nn.ModuleList) were not found"
@@ -60,6 +62,7 @@ def entries(request, tmp_path_factory) -> list[dict]:
         sweep_type("opt", root, tokenizer, ("tp1", *SILENT)),  # a derived plan
         sweep_type("stablelm", root, tokenizer, ("tp1", "pp2")),  # derived, and pp=2 works
         sweep_type("qwen3_5", root, tokenizer, ("tp1", *SILENT)),  # its text config's plan
+        sweep_type("camembert", root, tokenizer, ("tp1", "cp2")),  # refused at tp=1
     ]
 
 
@@ -140,6 +143,15 @@ def test_fp8_trains_within_its_band_of_tp1(results, model_type):
     assert fp8["status"] == "works", fp8["line"]
     assert fp8["losses"] == pytest.approx(base["losses"], rel=2e-2)
     assert fp8["losses"] != pytest.approx(base["losses"], rel=1e-6)
+
+
+def test_a_layout_whose_tp1_is_refused_is_a_refusal_of_its_own(results):
+    """CamemBERT's positions (from padding_idx + 1) are refused at tp=1; cp=2 runs anyway and is
+    refused in its own line, a cell of the table rather than a skipped one."""
+    camembert = results["camembert"]
+    assert camembert["tp1"]["status"] == camembert["cp2"]["status"] == "refused"
+    assert camembert["cp2"]["line"].startswith(CAMEMBERT)
+    assert camembert["cp2"]["losses"] is None
 
 
 def test_the_tiny_model_of_a_bart_kin_type_is_shrunk_where_its_causal_lm_runs():
