@@ -61,7 +61,7 @@ class Step:
     loss_chunk_tokens: int  # train.loss_chunk_tokens: tokens per head + loss chunk; 0: unchunked
     packing: bool = False  # train.packing: transformers then builds a document mask (cp=1 too)
     fp8_recipe: str = "tensorwise"  # with fp8: tensorwise all-gathers float8 weights under FSDP
-    nf4_base: bool = False  # peft=qlora: the adapted linears' weights in NF4, outside FSDP
+    nf4_base: bool = False  # peft=qlora: the adapted linears' weights in NF4, sharded by FSDP
     pp_schedule: str = "1f1b"  # with pp > 1: gpipe | 1f1b | interleaved_1f1b
     pp_stages_per_rank: int = 1
     rows_per_sample: int = 1  # rows a micro-batch holds per sample: DPO's pairs are 2
@@ -173,21 +173,20 @@ def _tp_replicated(parameter: torch.Tensor) -> bool:
     return not parameter.placements[names.index("tp")].is_shard()
 
 
-def _nf4_weights(model: nn.Module, step: Step) -> dict[int, tuple[int, int]]:
-    """With ``peft=qlora``: the NF4 weights, each (this rank's values, bytes held), by ``id`` of
-    the parameter they stand for on the meta model (of the module once quantized); FSDP leaves
-    them whole on every dp rank."""
+def _nf4_weights(model: nn.Module, layout: Layout, step: Step) -> dict[int, tuple[int, ...]]:
+    """With ``peft=qlora``: the NF4 weights, each (this rank's values, their bytes stored, the
+    bytes held: FSDP's share of them, in whole tiles), by ``id`` of the parameter they stand for
+    on the meta model (the module's NF4 tiles once quantized)."""
     if not step.nf4_base:
         return {}
     found = {}
     for _, module in quantizable(model):
         rows, cols = local_shape(module)
-        weight = getattr(module, "weight", None)  # None: quantized, the module's NF4 weight
-        element = (weight if weight is not None else module.nf4_weight.data).element_size()
-        found[id(weight if weight is not None else module)] = (
-            rows * cols,
-            stored_bytes(rows, cols, element),
-        )
+        weight = getattr(module, "weight", None)  # None: quantized, the module's NF4 tiles
+        stands_for = weight if weight is not None else module.nf4.tiles
+        element, values = stands_for.element_size(), rows * cols
+        held = stored_bytes(values // _sharding(layout), element)
+        found[id(stands_for)] = (values, stored_bytes(values, element), held)
     return found
 
 
@@ -198,15 +197,18 @@ def _state(model: nn.Module, layout: Layout, step: Step) -> dict[str, float]:
     layer's, the TP-replicated ones (the replica sync) and the largest tensor."""
     params = list(model.parameters())
     local = [_local(p) for p in params]
-    nf4 = _nf4_weights(model, step)
+    nf4 = _nf4_weights(model, layout, step)
     pairs = list(zip(params, local, strict=True))
     total = sum(t.numel() * t.element_size() for p, t in pairs if id(p) not in nf4)
-    total += sum(held for _, held in nf4.values())
+    total += sum(held for _, _, held in nf4.values())
     element = local[0].element_size() if local else 4
     layers = _decoder_layers(model)
     layer = max(
         (sum(_local(p).numel() for p in b.parameters() if id(p) not in nf4) for b in layers),
         default=0,
+    )
+    nf4_layer = max(
+        (sum(nf4[id(p)][1] for p in b.parameters() if id(p) in nf4) for b in layers), default=0
     )
     layer_trained = max(
         (sum(_local(p).numel() for p in b.parameters() if p.requires_grad) for b in layers),
@@ -229,12 +231,13 @@ def _state(model: nn.Module, layout: Layout, step: Step) -> dict[str, float]:
         "element": element,
         "layer_grad_bytes": layer_trained * element,
         "layer_numel": layer * _sharding(layout),  # FSDP all-gathers a layer over its shards
+        "nf4_layer_bytes": nf4_layer,  # its NF4 tiles too, gathered as stored
         "matmul_numel": matmul if _data_parallel(layout) == 1 else 0,  # autocast: without FSDP
         "head_numel": head_weight.numel() if head_weight is not None else 0,
         "head_trained": head is not None and head.requires_grad,  # frozen under LoRA
         "replicated_bytes": replicated,
         "largest_bytes": max((t.numel() * t.element_size() for _, t in trained), default=0),
-        "nf4_largest_numel": max((numel for numel, _ in nf4.values()), default=0),
+        "nf4_largest_numel": max((numel for numel, _, _ in nf4.values()), default=0),
     }
 
 
@@ -390,6 +393,7 @@ def _buffers(config, layout: Layout, step: Step, state: dict, stage: Stage) -> d
     if _data_parallel(layout) > 1:
         gathered = 2 if step.precision != "fp32" else 4
         fsdp = 2 * state["layer_numel"] * (gathered + 4)  # two layers' parameters, fp32 grads
+        fsdp += 2 * state["nf4_layer_bytes"]
         if fp8 and step.fp8_recipe == "tensorwise":  # the float8 linears' weights gathered in fp8
             fsdp -= 2 * state["fp8_layer_numel"] * (gathered - 1)
         if accumulates and not stage.pipelined:  # micro-batches accumulate unsharded
@@ -429,7 +433,8 @@ def _frozen(frozen: Frozen, layout: Layout, step: Step, trained: dict) -> dict[s
     rows = [_layer_rows(config, layout, step, i) for i in range(config.num_hidden_layers)]
     working = tokens * max(block_input + in_flight for _, block_input, in_flight in rows)
     compute = 4 if step.precision == "fp32" else 2
-    fsdp = 2 * state["layer_numel"] * compute * (_data_parallel(layout) > 1)
+    gathered = 2 * (state["layer_numel"] * compute + state["nf4_layer_bytes"])
+    fsdp = gathered * (_data_parallel(layout) > 1)
     chunk = min(tokens, step.loss_chunk_tokens or tokens) * _vocab_share(config, layout)
     teacher = frozen.keeps_hidden
     return {
