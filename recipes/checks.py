@@ -127,7 +127,7 @@ def optim_layout_problems(settings: Config, dims: ParallelDims) -> list[Problem]
 
     target = settings.optim.target
     options = settings.optim.options()
-    errors = optimizer_layout_errors(target, options, dims.tp, dims.data_parallel)
+    errors = optimizer_layout_errors(options, dims.tp, dims.data_parallel)
     return problems("optim", errors + optimizer_precision_errors(target, settings.train.precision))
 
 

@@ -237,7 +237,10 @@ class DpoChecked(Checked):
     folder and Hugging Face config (both None: the reference is the policy's starting weights)."""
 
     reference_path: Path | None
-    reference_config: Any
+    reference_config: Any  # None while reference_awaits_fetch
+    # the policy is still to be downloaded or converted: the preparation fetches it, then checks
+    # the reference folder against it
+    reference_awaits_fetch: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -256,10 +259,14 @@ class DpoPlan(RunPlan):
 @dataclass(frozen=True, kw_only=True)
 class DistillChecked(Checked):
     """``recipes/distill.py``'s checks: the student's (the ``model`` group) and the teacher as
-    checked: its folder (None: built from ``teacher.config``) and Hugging Face config."""
+    checked: its folder (None: built from ``teacher.config``) and Hugging Face config; both None
+    while ``teacher_awaits_fetch``."""
 
     teacher_path: Path | None
     teacher_config: Any  # a built teacher's vocabulary: the student's, set in preparation
+    # the student or the teacher is still to be downloaded or converted: the preparation fetches
+    # both, then checks the teacher
+    teacher_awaits_fetch: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

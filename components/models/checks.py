@@ -157,12 +157,13 @@ def awaits_fetch(choice: ModelChoice) -> bool:
     return needs_download(choice.pretrained_path)
 
 
-def fetch_model_folder(choice: ModelChoice) -> Path:
+def fetch_model_folder(choice: ModelChoice, key: str = "model.pretrained_path") -> Path:
     """The chosen model's folder: a local one, a Hub id from the cache or downloaded, SmolLM2's
-    conversion into ``cache_dir``. Raises ValueError or RuntimeError, one line."""
+    conversion into ``cache_dir``. Raises ValueError or RuntimeError, one line (naming ``key``,
+    the path's setting)."""
     if choice.pretrained_path is None:  # model.source=smollm2
         return smollm2_folder(choice.cache_dir)
-    return resolve_model_folder(choice.pretrained_path)
+    return resolve_model_folder(choice.pretrained_path, key=key)
 
 
 def _causal(config, meta, checked: CheckedModel):
@@ -336,14 +337,15 @@ def check_teacher(
 
 
 def _as_teacher(problem: Problem) -> Problem:
-    """A model check's problem said of the teacher: its key and ``model.config`` named
-    ``teacher``'s, the line marked as the teacher's."""
+    """A model check's problem said of the teacher: its key, ``model.config`` and
+    ``model.pretrained_path`` named ``teacher``'s, the line marked as the teacher's."""
     key = (
         problem.key.replace("model", "teacher", 1)
         if problem.key.startswith("model")
         else problem.key
     )
     message = problem.message.replace("model.config", "teacher.config")
+    message = message.replace("model.pretrained_path", "teacher.pretrained_path")
     return Problem(
         key=key, message=message if message.startswith("teacher") else f"teacher: {message}"
     )

@@ -224,8 +224,7 @@ def _suggest(plan, step: Step, layout: Layout, memory_gib: float) -> tuple[dict 
     return None, tried
 
 
-# The optimizer-state levers (conf/optim/): bits per moment value and values per scale; adamw8bit
-# is refused with TP and FSDP at once (components/training/optimizer.py)
+# The optimizer-state levers (conf/optim/): bits per moment value and values per scale
 _STATE_LEVERS = {"optim=adamw8bit": (8, 256), "optim=adamw4bit": (4, 128)}
 
 
@@ -238,10 +237,8 @@ def _state_levers(plan, step: Step, layout: Layout) -> list[dict]:
         or plan.optim.target != "torch.optim.AdamW"
     ):
         return []
-    dims, levers = layout.dims, []
+    levers = []
     for words, (bits, block) in _STATE_LEVERS.items():
-        if bits == 8 and dims.tp > 1 and dims.data_parallel > 1:
-            continue
         lowered = replace(step, optimizer_bits=bits, optimizer_block=block)
         levers.append({"change": words, "total_gib": plan_layout(plan, lowered, layout).total})
     return levers

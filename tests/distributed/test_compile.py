@@ -6,8 +6,8 @@ do; combinations that cannot work are refused before building.
 
 The tests compile with ``backend="aot_eager"`` (Dynamo and AOT autograd: the same graphs, breaks
 and guards, no code generation): inductor's C++ compile of the block costs ~30 s per test on 2
-cores. The product uses inductor. Two layouts run by default; the rest of the matrix is opt-in
-(``pytest -m compile``).
+cores. The product uses inductor. Each family and each layout runs once by default (four cases);
+the rest of the matrix is opt-in (``pytest -m compile``).
 """
 
 import functools
@@ -35,7 +35,8 @@ STEPS = 3  # the first compiles; the later ones must find the same graphs
 # (tp, sp, optimizer): each family trains with SGD and with AdamW over its three layouts
 LAYOUTS = {"tp1": (1, False, "sgd"), "tp2": (2, False, "adamw"), "tp2_sp": (2, True, "sgd")}
 FAMILIES = ("llama", "qwen3", "qwen3_moe", "gemma3")
-DEFAULT_CASES = {("qwen3_moe", "tp2_sp"), ("llama", "tp2")}  # the rest: pytest -m compile
+# each family and each layout once by default; the rest: pytest -m compile
+DEFAULT_CASES = {("llama", "tp2"), ("qwen3", "tp1"), ("qwen3_moe", "tp2_sp"), ("gemma3", "tp2_sp")}
 
 
 def _batch(vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, int]:

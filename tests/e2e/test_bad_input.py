@@ -376,11 +376,6 @@ CASES: dict[str, tuple[list[str], str]] = {
         ["train.precision=fp8", "tp=4", "nproc=4"],
         "model.layers.0.self_attn.k_proj has out_features=32 (8 per rank at tp=4), and 3 more",
     ),
-    "8-bit AdamW over FSDP and TP at once": (
-        ["optim=adamw8bit", "tp=2", "dp=2"],
-        "torchao.optim.AdamW8bit at tp=2 with dp=2 (FSDP over TP shards): torchao 0.18's 8-bit "
-        "state fails in its compiled step",
-    ),
     "foreach asked over TP shards and plain replicas": (
         ["+optim.foreach=true", "tp=2"],
         "optim.foreach=true at tp=2 without data parallelism: the trainable parameters mix TP's "

@@ -133,11 +133,24 @@ def test_what_cannot_stream_is_one_line_each(tmp_path):
     chats.write_text('{"prompt": "a", "response": "b"}\n')
     fix = "use data=hf data.path=FILE_FOLDER_OR_HUB_ID, or data.streaming=false"
     only = "only a datasets source is streamed, not data=jsonl's file or data=default's set"
-    mix = "data=mix", "data.sources=[{name:a,weight:1,kind:generated}]", "data.val_fraction=0"
-    assert streaming_problems(*mix, "train.val_every=0") == [
-        f"data.streaming=true: a mixture is not streamed yet (its sources are tokenized into the "
-        f"cache): {fix}"
+    mix = "data=mix", "data.val_fraction=0", "train.val_every=0"
+    given = f"[{{name:a,weight:1,kind:generated}},{{name:b,weight:1,kind:jsonl,path:{chats}}}]"
+    fix_kind = "give kind:hf,path:FILE_FOLDER_OR_HUB_ID, or data.streaming=false"
+    assert streaming_problems(*mix, f"data.sources={given}") == [
+        f"data.sources[0] (a): kind generated is not streamed: {fix_kind}",
+        f"data.sources[1] (b): kind jsonl is not streamed: {fix_kind}",
     ]
+    held = f"[{{name:a,weight:1,kind:hf,path:{chats},val_fraction:0.1}}]"
+    assert streaming_problems(*mix, f"data.sources={held}") == [
+        "data.sources[0] (a): val_fraction=0.1: a stream holds nothing out: set it to 0 or leave "
+        "it out"
+    ]
+    streamed = f"data.sources=[{{name:a,weight:1,kind:hf,path:{chats}}}]"
+    assert streaming_problems("data=mix", streamed, "train.val_every=0") == [
+        "data.streaming=true holds out no validation split (a stream's size is not known before "
+        "it is read): set data.val_fraction=0"
+    ]
+    assert streaming_problems(*mix, streamed) == []
     assert streaming_problems("data=jsonl", f"data.path={chats}", "train.val_every=0") == [
         f"data.streaming=true: {only}: {fix}"
     ]
