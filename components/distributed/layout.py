@@ -82,6 +82,12 @@ class ParallelDims:
         return self.dp * self.cp
 
     @property
+    def fsdp_shards(self) -> int:
+        """The ranks FSDP splits a weight over (``Meshes.fsdp``'s shard dimension): ``dp × cp``;
+        with HSDP ``dp_shard``, each replica group holding a copy."""
+        return self.dp_shard if self.dp_replicate > 1 else self.data_parallel
+
+    @property
     def ep_shard(self) -> int:
         """The groups of ``ep`` ranks that hold the same experts."""
         return self.world_size // self.ep

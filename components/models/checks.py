@@ -236,7 +236,7 @@ def _layout_problems(
     found += plan_found + tp_problems(config, dims.tp)
     found += stage_problems(config, meta, dims.pp)
     if use.nf4_base and use.lora is not None:  # the adapters were placed: their bases' tiles
-        found += problems("peft", nf4_problems(meta, styles, dims.tp))
+        found += problems("peft", nf4_problems(meta, styles, dims.tp, dims.fsdp_shards))
     if use.precision == "fp8":
         found += _fp8_problems(meta, use, dims, bool(experts), styles)
     try:
