@@ -19,7 +19,14 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import OmegaConf
 
-from components.distributed.layout import Degrees, ModelFacts, ParallelDims, Workload
+from components.distributed.layout import (
+    Degrees,
+    ModelFacts,
+    OptimizerFacts,
+    ParallelDims,
+    Workload,
+    tp_sizes,
+)
 from components.models.families import moe_patterns
 from components.models.options import LoraTargets, ModelChoice, ModelUse
 from components.training.cadence import Cadence
@@ -68,6 +75,9 @@ class Settled:
     output_dir: Path  # absolute; this run owns it while it runs
     fault: Fault | None  # debug.fault, parsed: a resilience drill (docs/fault-injection.md)
     config_yaml: str  # the resolved config the run was started with (output_dir/config.yaml)
+    # what the layout's rules read of the model, as its checks found it (None: not checked yet,
+    # a folder still to be fetched)
+    model_facts: ModelFacts | None = None
 
     @property
     def train(self) -> Train:
@@ -92,6 +102,11 @@ class Settled:
     @property
     def moe(self) -> Moe:
         return self.settings.moe
+
+    @property
+    def optimizer_facts(self) -> OptimizerFacts:
+        """What the layout's rules read of the optimizer."""
+        return optimizer_facts(self.settings)
 
     @property
     def workload(self) -> Workload:
@@ -203,11 +218,6 @@ class RunPlan(Settled):
     def frozen(self) -> FrozenModel | None:
         """The frozen model run forward beside the trained one (none: fine-tuning)."""
         return None
-
-    @property
-    def model_facts(self) -> ModelFacts:
-        """What the layout rules read of the model."""
-        return model_facts(self.settings, self.model.config)
 
     @cached_property
     def flops_per_token(self) -> int | None:
@@ -339,12 +349,27 @@ def workload(settings: Config) -> Workload:
     )
 
 
-def model_facts(settings: Config, config: Any) -> ModelFacts:
-    """What the layout rules read of the model of ``config`` (its Hugging Face config)."""
+def model_facts(settings: Config, config: Any, routed_experts: str | None = None) -> ModelFacts:
+    """What the layout rules read of the model of ``config`` (its Hugging Face config), whose
+    experts called with tokens already routed are ``routed_experts`` (``components.moe.checks``,
+    from the meta model)."""
     model = settings.model
     experts, _ = moe_patterns(config, model.experts, model.routers)
     layers = getattr(config.get_text_config(), "num_hidden_layers", None)  # BLT's config has none
-    return ModelFacts(name=model.name, moe=bool(experts), layers=layers)
+    return ModelFacts(
+        name=model.name,
+        moe=bool(experts),
+        layers=layers,
+        tp_sizes=tp_sizes(config),
+        routed_experts=routed_experts,
+    )
+
+
+def optimizer_facts(settings: Config) -> OptimizerFacts:
+    """What the layout rules read of the ``optim`` group: its class and ``foreach`` as given."""
+    return OptimizerFacts(
+        target=settings.optim.target, foreach=settings.optim.options().get("foreach")
+    )
 
 
 def degrees(settings: Config) -> Degrees:

@@ -1,8 +1,9 @@
 """The parallel layout, one owner: the degrees a run asks for (:class:`Degrees`), how a world of
 ranks is split by them (:class:`ParallelDims`), every rule a layout must keep (each problem one
-line), the default number of ranks, the pad multiple of a micro-batch, the candidate layouts of
-the dry run, and the meshes, named by purpose (:class:`Meshes`). The recipe's checks, the dry run
-and the ranks all ask here; no rule is written anywhere else.
+line; those that read the model or the optimizer read them as data, :class:`ModelFacts` and
+:class:`OptimizerFacts`), the default number of ranks, the pad multiple of a micro-batch, the
+candidate layouts of the dry run, and the meshes, named by purpose (:class:`Meshes`). The recipe's
+checks, the dry run and the ranks all ask here; no rule is written anywhere else.
 
 The mesh: ``("dp", "tp")`` with tp innermost (``("dp", "cp", "tp")`` with context parallelism;
 ``("dp_replicate", "dp_shard", "tp")`` with HSDP; ``pp`` outermost with pipeline parallelism).
@@ -14,8 +15,10 @@ ranks (inside one TP group when ``ep`` divides ``tp``, else spanning several dp 
 """
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.distributed_c10d import _set_pg_timeout
@@ -44,14 +47,63 @@ class Workload:
     pp_stages_per_rank: int = 1
 
 
+# The model's sizes tp must divide, by their config keys
+TP_SIZE_KEYS = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+
+
+def tp_sizes(config: Any) -> dict[str, Any]:
+    """The sizes of a Hugging Face ``config`` that tp must divide, by key (a list per layer
+    where the config has one, Gemma 3n's intermediate sizes); the keys it lacks are left out."""
+    return {key: value for key in TP_SIZE_KEYS if (value := getattr(config, key, None)) is not None}
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelFacts:
     """What the layout rules read of the model: its name (``model=...``), whether it has experts,
-    its decoder layers (None: its config names no one stack of them, BLT's)."""
+    its decoder layers (None: its config names no one stack of them, BLT's), the sizes tp must
+    divide (:func:`tp_sizes`), and its expert modules called with tokens already routed (Llama
+    4's), as the problem names them (None: none, or the model was not built to look)."""
 
     name: str
     moe: bool
     layers: int | None
+    tp_sizes: Mapping[str, Any] = field(default_factory=dict)
+    routed_experts: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerFacts:
+    """What the layout rules read of the optimizer: its class (``optim._target_``) and the
+    ``foreach`` option as given (None: left to torch)."""
+
+    target: str
+    foreach: bool | None = None
+
+
+def tp_size_errors(sizes: Mapping[str, Any], tp: int) -> list[str]:
+    """The model's ``sizes`` (:func:`tp_sizes`) that ``tp`` does not divide, one line each."""
+    errors = []
+    for key, value in sizes.items():
+        values = value if isinstance(value, list | tuple) else [value]
+        if any(size % tp for size in values):
+            errors.append(f"tp ({tp}) must divide {key} ({value})")
+    return errors
+
+
+def tp_size_problems(sizes: Mapping[str, Any], tp: int) -> list[Problem]:
+    """:func:`tp_size_errors` keyed ``tp``, and with any, one more naming the tp values that fit
+    (those dividing every size)."""
+    errors = tp_size_errors(sizes, tp) if tp > 1 else []
+    if not errors:
+        return []
+    flat = [
+        n
+        for value in sizes.values()
+        for n in (value if isinstance(value, list | tuple) else [value])
+    ]
+    fits = [size for size in range(1, min(flat) + 1) if all(n % size == 0 for n in flat)]
+    hint = f"tp values that fit this model: {', '.join(map(str, fits))}"
+    return [Problem(key="tp", message=error) for error in [*errors, hint]]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,9 +186,10 @@ class ParallelDims:
         return math.lcm(2 * self.cp, self.cp * self.tp if self.sp else 1)
 
     def model_problems(self, work: Workload, model: ModelFacts) -> list[Problem]:
-        """Why this layout cannot run ``model``: experts with cp; with pp what the pipeline does
-        not compose with yet, and the stages it needs."""
-        found = []
+        """Why this layout cannot run ``model``: experts with cp, or split over ep where they take
+        tokens already routed; with pp what the pipeline does not compose with yet, and the
+        stages it needs."""
+        found = self._expert_problems(model)
         if model.moe and self.cp > 1:
             message = (
                 f"cp={self.cp} with an MoE model (model={model.name}) is not supported yet: "
@@ -155,6 +208,43 @@ class ParallelDims:
         ]
         micro_batches = work.global_batch_size // (work.micro_batch_size * self.dp)
         return found + self._stage_problems(work, model.layers, micro_batches)
+
+    def _expert_problems(self, model: ModelFacts) -> list[Problem]:
+        """Experts called with tokens already routed split over ep only where ep divides tp (the
+        TP group's tokens are the same: folded) or at tp=1 (each rank's own tokens)."""
+        routed = model.routed_experts
+        if routed is None or self.ep == 1 or self.tp == 1 or self.tp % self.ep == 0:
+            return []
+        message = (
+            f"{routed} takes its tokens already routed: split only where ep divides tp or at "
+            f"tp=1, not at ep={self.ep} tp={self.tp}"
+        )
+        return [Problem(key="ep", message=message)]
+
+    def optimizer_problems(self, optimizer: OptimizerFacts) -> list[Problem]:
+        """What ``optimizer`` cannot run at this layout: torchao 0.18's ``AdamW8bit`` fails in
+        its compiled step (a shape assertion) on parameters sharded by both TP and FSDP, measured
+        at tp=2 dp=2 (at tp or dp alone it runs); ``foreach=true`` at tp > 1 without FSDP, where
+        the parameters mix DTensors and plain replicas (``training/optimizer.py``'s
+        ``foreach_choice``)."""
+        found, target, parallel = [], optimizer.target, self.data_parallel
+        if optimizer.foreach and self.tp > 1 and parallel == 1:
+            message = (
+                f"optim.foreach=true at tp={self.tp} without data parallelism: the trainable "
+                "parameters mix TP's DTensor shards with the plain replicas it leaves whole, "
+                "which torch's foreach kernels do not take in one list; leave optim.foreach unset "
+                "(the per-tensor update, the same numbers) or add dp so that FSDP makes every "
+                "parameter a DTensor"
+            )
+            found.append(Problem(key="optim", message=message))
+        if target.rpartition(".")[2] == "AdamW8bit" and self.tp > 1 and parallel > 1:
+            message = (
+                f"{target} at tp={self.tp} with dp={parallel} (FSDP over TP shards): torchao "
+                "0.18's 8-bit state fails in its compiled step on such parameters; use tp or dp "
+                "alone, or optim=adamw4bit"
+            )
+            found.append(Problem(key="optim", message=message))
+        return found
 
     def _pipeline_refusals(self, work: Workload, model: ModelFacts) -> dict[str, tuple]:
         """key: (refused with pp, what, what would work with pp)."""
@@ -210,9 +300,14 @@ class ParallelDims:
         chunks = self.sequence_multiple() if self.cp > 1 else 1
         return math.lcm(8 * tp, chunks, tokens)
 
-    def all_problems(self, work: Workload, model: ModelFacts) -> list[Problem]:
-        """:meth:`problems` and :meth:`model_problems`: whether a layout fits a run at all."""
-        return self.problems(work) + self.model_problems(work, model)
+    def all_problems(
+        self, work: Workload, model: ModelFacts, optimizer: OptimizerFacts
+    ) -> list[Problem]:
+        """Every rule of this layout for a run (the dry run's filter): :meth:`problems`,
+        :meth:`optimizer_problems`, :func:`tp_size_problems` and :meth:`model_problems`, the
+        same the recipe's checks ask one by one."""
+        found = self.problems(work) + self.optimizer_problems(optimizer)
+        return found + tp_size_problems(model.tp_sizes, self.tp) + self.model_problems(work, model)
 
     def changes(self) -> list[list[tuple[str, dict[str, int]]]]:
         """The changes of degree on the same world the dry run may suggest, by kind, each with the

@@ -15,9 +15,9 @@ from typing import Any
 import transformers
 
 from components.distributed.context_parallel import attention_problems
-from components.distributed.layout import ParallelDims
+from components.distributed.layout import ModelFacts, ParallelDims, tp_size_problems, tp_sizes
 from components.distributed.pipeline import stage_structure_problem
-from components.distributed.tp_plan import check_plan, tp_size_errors
+from components.distributed.tp_plan import check_plan
 from components.models.attention import attention_choice_problems, set_attention
 from components.models.build import meta_causal_lm
 from components.models.compile import check_compile
@@ -57,6 +57,7 @@ class CheckedModel:
     meta: Any = None
     experts: tuple[str, ...] = ()
     awaits_fetch: bool = False  # the folder is yet to be downloaded or converted: checked then
+    facts: ModelFacts | None = None  # what the layout's rules read of it, once every check ran
     problems: list[Problem] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -278,20 +279,9 @@ def checked_plan(
 
 
 def tp_problems(config, tp: int) -> list[Problem]:
-    """The model sizes ``tp`` must divide, and with any refused the tp values that fit."""
-    return with_tp_suggestion(problems("tp", tp_size_errors(config, tp)), config) if tp > 1 else []
-
-
-def with_tp_suggestion(found: list[Problem], config) -> list[Problem]:
-    """``found``, and when a problem is with ``tp``, one more naming the tp values that fit the
-    model (those dividing its heads, KV heads and intermediate size)."""
-    if not any(problem.key == "tp" for problem in found):
-        return found
-    keys = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
-    sizes = [size for key in keys if (size := getattr(config, key, 0))]
-    fits = [tp for tp in range(1, min(sizes) + 1) if all(size % tp == 0 for size in sizes)]
-    hint = f"tp values that fit this model: {', '.join(map(str, fits))}"
-    return [*found, Problem(key="tp", message=hint)]
+    """The model sizes ``tp`` must divide, and with any refused the tp values that fit: the
+    layout's rule (``components/distributed/layout.py``) on the sizes of ``config``."""
+    return tp_size_problems(tp_sizes(config), tp)
 
 
 def _fp8_problems(meta, use: ModelUse, dims: ParallelDims, moe: bool, styles: dict) -> list:

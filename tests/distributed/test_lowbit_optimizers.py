@@ -29,7 +29,7 @@ from tests.selection import selected_params
 CONF = Path(__file__).resolve().parents[2] / "conf"
 SIZES = dict(hidden_size=256, intermediate_size=512, head_dim=32, vocab_size=512)
 BOUND = {"adamw": 1.0, "adamw8bit": 0.3, "adamw4bit": 0.2, "adamw_bf16": 0.55}
-TP = {"adamw8bit": 4}  # refused with dp > 1 at tp > 1 (components/training/optimizer.py); else 2
+TP = {"adamw8bit": 4}  # refused with dp > 1 at tp > 1 (components/distributed/layout.py); else 2
 
 
 def conf_optim(name: str) -> tuple[str, dict]:

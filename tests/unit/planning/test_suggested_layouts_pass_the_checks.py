@@ -1,0 +1,59 @@
+"""Every layout the dry run may suggest passes the recipe's checks: the candidate filter and the
+checks ask the same rules (``components/distributed/layout.py``), read from the same facts (the
+model's sizes and experts, the optimizer), so a run refused at a layout is never told to take it.
+The checks run in-process on the suggested overrides, as the recipe runs them before any rank."""
+
+import pytest
+
+from components.planning.dry_run import MAX_PLANNED, _candidates
+from components.planning.memory_model import Layout
+from components.runtime.problems import ConfigError
+from recipes.checks import check
+from recipes.compose import compose
+
+
+def refusals(overrides: list[str], folder) -> list[str]:
+    """The checks' lines for ``overrides`` (a dry run's), none when they pass."""
+    try:
+        check(compose(["dry_run=true", *overrides]), output_dir=str(folder))
+    except ConfigError as error:
+        return [problem.message for problem in error.problems]
+    return []
+
+
+def suggestions(overrides: list[str], folder) -> list[str]:
+    """The changes the dry run plans for ``overrides`` when the layout does not fit: its
+    candidates, as many as it plans (``MAX_PLANNED``), from the run the checks made."""
+    checked = check(compose(["dry_run=true", *overrides]), output_dir=str(folder))
+    train = checked.train
+    layout = Layout(
+        dims=checked.dims,
+        micro_batch_size=train.micro_batch_size,
+        activation_checkpointing=train.activation_checkpointing,
+    )
+    return [words for words, _ in _candidates(checked, layout)[:MAX_PLANNED]]
+
+
+SITUATIONS = {
+    # AdamW8bit is refused at tp > 1 with dp > 1: tp=2 dp=2 was suggested, then refused
+    "adamw8bit": (["optim=adamw8bit", "dp=4", "train.micro_batch_size=4"], "tp=2 dp=2", "tp=4"),
+    # tp=4 does not divide intermediate_size 130, tp=8 not the 4 KV heads: tp=2 only
+    "tp sizes": (
+        ["dp=8", "train.micro_batch_size=2", "model.config.intermediate_size=130"],
+        "tp=4 dp=2",
+        "tp=2 dp=4",
+    ),
+    # an MoE model at ep=4 takes neither cp nor pp
+    "moe": (["model=qwen3_moe", "ep=4", "dp=4", "train.micro_batch_size=4"], "cp=2", "tp=2"),
+}
+
+
+@pytest.mark.parametrize("name", SITUATIONS)
+def test_every_suggested_layout_passes_the_checks(name, tmp_path):
+    overrides, refused, kept = SITUATIONS[name]
+    words = suggestions(overrides, tmp_path)
+    assert not any(refused in change for change in words)
+    assert refusals([*overrides, *refused.split()], tmp_path) != []  # the checks refuse it
+    assert any(kept in change for change in words)
+    failed = {change: refusals([*overrides, *change.split()], tmp_path) for change in words}
+    assert {change: lines for change, lines in failed.items() if lines} == {}
