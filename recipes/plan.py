@@ -344,6 +344,7 @@ def workload(settings: Config) -> Workload:
         micro_batch_size=train.micro_batch_size,
         seq_len=train.seq_len,
         compile=train.compile,
+        fp8=train.precision == "fp8",
         pp_schedule=settings.pp_schedule,
         pp_stages_per_rank=settings.pp_stages_per_rank,
     )

@@ -43,6 +43,7 @@ class Workload:
     micro_batch_size: int
     seq_len: int
     compile: bool = False
+    fp8: bool = False  # train.precision=fp8: float8 matmuls, whose tokens per rank the rules read
     pp_schedule: str = "1f1b"
     pp_stages_per_rank: int = 1
 
@@ -140,7 +141,8 @@ class ParallelDims:
 
     def problems(self, work: Workload) -> list[Problem]:
         """Why ``work`` cannot run on this layout, whatever the model: the global batch splits
-        into micro-batches over dp, a row into tp slices with sp and into 2·cp chunks with cp."""
+        into micro-batches over dp, a row into tp slices with sp and into 2·cp chunks with cp,
+        and with fp8 into multiples of 16 tokens per cp rank."""
         found = []
         if work.global_batch_size % (work.micro_batch_size * self.dp):
             fits = work.micro_batch_size * self.dp
@@ -158,6 +160,7 @@ class ParallelDims:
                 f"(each rank holds an equal slice of the sequence): use e.g. train.seq_len={fits}"
             )
             found.append(Problem(key="train.seq_len", message=message))
+        found += self.fp8_problems(work.seq_len) if work.fp8 else []
         return found + self._context_parallel_problems(work)
 
     def _context_parallel_problems(self, work: Workload) -> list[Problem]:

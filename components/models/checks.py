@@ -287,11 +287,10 @@ def tp_problems(config, tp: int) -> list[Problem]:
 def _fp8_problems(meta, use: ModelUse, dims: ParallelDims, moe: bool, styles: dict) -> list:
     """``train.precision=fp8``: what the float8 linears cannot take here (an MoE model, LoRA, the
     GPU), else each converted layer's matmul dimensions at this tp (with the TP plan's
-    ``styles``) and the tokens per cp rank."""
+    ``styles``); the tokens per cp rank are the layout's rule (``ParallelDims.problems``)."""
     if found := fp8_problems(meta, moe, use.peft_lora, use.device_type):
         return problems("train.precision", found)
-    found = problems("train.precision", fp8_shape_errors(meta, dims.tp, styles))
-    return found + dims.fp8_problems(use.seq_len)
+    return problems("train.precision", fp8_shape_errors(meta, dims.tp, styles))
 
 
 def _unbuildable(config, error: Exception) -> Problem:
