@@ -152,7 +152,8 @@ def model_problems(settings: Config, dims: ParallelDims | None, device_type: str
     from components.models.checks import check_model
     from components.moe.checks import expert_parallel_problems, routed_experts_of
 
-    checked = check_model(model_choice(settings), model_use(settings, device_type), dims)
+    use = model_use(settings, device_type, dims)
+    checked = check_model(model_choice(settings), use, dims)
     for note in checked.notes:
         say(note)
     if not checked.complete or dims is None:
@@ -163,7 +164,7 @@ def model_problems(settings: Config, dims: ParallelDims | None, device_type: str
     checked.problems += problems("model", settings.model_errors(model_type, checked.experts))
     checked.problems += expert_parallel_problems(checked.meta, checked.experts, dims.ep)
     routed = routed_experts_of(checked.meta, checked.experts)
-    checked.facts = model_facts(settings, checked.config, routed)
+    checked.facts = model_facts(settings, checked.config, routed, checked.tp_refusals)
     checked.problems += layout_model_problems(settings, dims, checked.facts)
     return checked
 

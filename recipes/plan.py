@@ -9,7 +9,7 @@ once there); the plan adds only what was decided from them.
 
 from __future__ import annotations  # the field types are only read by a type checker
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -350,10 +350,16 @@ def workload(settings: Config) -> Workload:
     )
 
 
-def model_facts(settings: Config, config: Any, routed_experts: str | None = None) -> ModelFacts:
+def model_facts(
+    settings: Config,
+    config: Any,
+    routed_experts: str | None = None,
+    tp_refusals: Mapping[int, tuple[str, ...]] | None = None,
+) -> ModelFacts:
     """What the layout rules read of the model of ``config`` (its Hugging Face config), whose
     experts called with tokens already routed are ``routed_experts`` (``components.moe.checks``,
-    from the meta model)."""
+    from the meta model) and whose structure the model's checks refuse at other tps with
+    ``tp_refusals`` (``components.models.checks``)."""
     model = settings.model
     experts, _ = moe_patterns(config, model.experts, model.routers)
     layers = getattr(config.get_text_config(), "num_hidden_layers", None)  # BLT's config has none
@@ -363,6 +369,7 @@ def model_facts(settings: Config, config: Any, routed_experts: str | None = None
         layers=layers,
         tp_sizes=tp_sizes(config),
         routed_experts=routed_experts,
+        tp_refusals=tp_refusals or {},
     )
 
 
@@ -387,9 +394,10 @@ def model_choice(settings: Config) -> ModelChoice:
     return ModelChoice(**settings.model.model_dump(), cache_dir=cache_dir)
 
 
-def model_use(settings: Config, device_type: str) -> ModelUse:
+def model_use(settings: Config, device_type: str, dims: ParallelDims | None = None) -> ModelUse:
     """What the run asks of the model: its sequence, precision, compile, device and adapters
-    (none when ``peft``'s own keys are refused)."""
+    (none when ``peft``'s own keys are refused); in a dry run at ``dims``, the larger tps it may
+    suggest, whose refusals the model's checks find too."""
     peft, train = settings.peft, settings.train
     targets = None if peft.target_modules is None else tuple(peft.target_modules)
     lora = LoraTargets(target_modules=targets, experts=bool(peft.experts))
@@ -403,4 +411,5 @@ def model_use(settings: Config, device_type: str) -> ModelUse:
         peft_lora=peft.adapters,
         nf4_base=peft.name == "qlora",
         packing=train.packing,
+        other_tps=tuple(dims.larger("tp")) if settings.dry_run and dims else (),
     )

@@ -62,14 +62,17 @@ def tp_sizes(config: Any) -> dict[str, Any]:
 class ModelFacts:
     """What the layout rules read of the model: its name (``model=...``), whether it has experts,
     its decoder layers (None: its config names no one stack of them, BLT's), the sizes tp must
-    divide (:func:`tp_sizes`), and its expert modules called with tokens already routed (Llama
-    4's), as the problem names them (None: none, or the model was not built to look)."""
+    divide (:func:`tp_sizes`), its expert modules called with tokens already routed (Llama 4's),
+    as the problem names them (None: none, or the model was not built to look), and at the other
+    tps a dry run may suggest, what the model's checks refuse of its structure there (its TP
+    plan, fp8's shapes, NF4 tiles: ``components/models/checks.py``'s ``tp_refusals``)."""
 
     name: str
     moe: bool
     layers: int | None
     tp_sizes: Mapping[str, Any] = field(default_factory=dict)
     routed_experts: str | None = None
+    tp_refusals: Mapping[int, tuple[str, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -307,22 +310,29 @@ class ParallelDims:
         self, work: Workload, model: ModelFacts, optimizer: OptimizerFacts
     ) -> list[Problem]:
         """Every rule of this layout for a run (the dry run's filter): :meth:`problems`,
-        :meth:`optimizer_problems`, :func:`tp_size_problems` and :meth:`model_problems`, the
-        same the recipe's checks ask one by one."""
+        :meth:`optimizer_problems`, :func:`tp_size_problems`, what the model's structure refuses
+        at this tp (``ModelFacts.tp_refusals``) and :meth:`model_problems`, the same the recipe's
+        checks ask one by one."""
         found = self.problems(work) + self.optimizer_problems(optimizer)
-        return found + tp_size_problems(model.tp_sizes, self.tp) + self.model_problems(work, model)
+        found += tp_size_problems(model.tp_sizes, self.tp)
+        found += [Problem(key="tp", message=line) for line in model.tp_refusals.get(self.tp, ())]
+        return found + self.model_problems(work, model)
 
     def changes(self) -> list[list[tuple[str, dict[str, int]]]]:
         """The changes of degree on the same world the dry run may suggest, by kind, each with the
         override that makes it: a larger tp, cp or pp (dp shrinks), fewer HSDP replicas. Whether
         one fits is :meth:`changed`'s and :meth:`all_problems`'."""
-        world, groups = self.world_size, []
+        groups = []
         for name in ("tp", "cp", "pp"):
-            sizes = range(getattr(self, name) + 1, world + 1)
-            groups.append([(f"{name}={size}", {name: size}) for size in sizes if world % size == 0])
+            groups.append([(f"{name}={size}", {name: size}) for size in self.larger(name)])
         replicas = [r for r in range(self.dp_replicate - 1, 0, -1) if self.dp % r == 0]
         groups.append([(f"dp_replicate={r}", {"dp_replicate": r}) for r in replicas])
         return groups
+
+    def larger(self, name: str) -> list[int]:
+        """The sizes of degree ``name`` (tp, cp, pp) above this one that divide the world."""
+        world = self.world_size
+        return [size for size in range(getattr(self, name) + 1, world + 1) if world % size == 0]
 
     def changed(self, **degrees: int) -> "ParallelDims":
         """This layout with ``degrees`` changed on the same world, dp_shard taking up the rest.

@@ -58,6 +58,7 @@ class CheckedModel:
     experts: tuple[str, ...] = ()
     awaits_fetch: bool = False  # the folder is yet to be downloaded or converted: checked then
     facts: ModelFacts | None = None  # what the layout's rules read of it, once every check ran
+    tp_refusals: dict[int, tuple[str, ...]] = field(default_factory=dict)  # ModelFacts'
     problems: list[Problem] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -80,6 +81,7 @@ def check_model(choice: ModelChoice, use: ModelUse, dims: ParallelDims | None) -
     fp8 = use.precision == "fp8"
     try:
         wanted = checked.path is not None or splits or use.lora is not None or fp8
+        wanted = wanted or bool(use.other_tps)  # a dry run's tps, checked on the structure
         meta = meta_causal_lm(config) if wanted else None
     except ValueError as error:  # a config class AutoModelForCausalLM does not map
         said = str(error).split("Model type should be one of")[0].strip()  # not the long list
@@ -100,6 +102,7 @@ def check_model(choice: ModelChoice, use: ModelUse, dims: ParallelDims | None) -
     checked.meta = meta
     if dims is not None:
         found += _layout_problems(config, meta, use, dims, (tuple(experts), tuple(routers)))
+        checked.tp_refusals = tp_refusals(config, meta, use, (tuple(experts), tuple(routers)))
     checked.complete = True
     return checked
 
@@ -231,19 +234,41 @@ def _layout_problems(
     """What this model cannot take at ``dims``: attention outside the interface with cp, the TP
     plan and the sizes tp must divide, a pipeline stage's structure, fp8's layers, compile.
     ``moe``: its expert and router patterns."""
-    experts, routers = moe
+    experts, _ = moe
     found = problems("cp", attention_problems(config, dims.cp))
-    styles, plan_found = checked_plan(config, meta, dims.tp, use.sequence_parallel, moe)
-    found += plan_found + tp_problems(config, dims.tp)
+    found += tp_structure_problems(config, meta, use, dims.tp, moe) + tp_problems(config, dims.tp)
     found += stage_problems(config, meta, dims.pp)
-    if use.nf4_base and use.lora is not None:  # the adapters were placed: their bases' tiles
-        found += problems("peft", nf4_problems(meta, styles, dims.tp))
-    if use.precision == "fp8":
-        found += _fp8_problems(meta, use, dims, bool(experts), styles)
     try:
         check_compile(use.compile, use.device_type, bool(experts), dims.ep)
     except ValueError as error:
         found.append(Problem(key="train.compile", message=str(error)))
+    return found
+
+
+def tp_structure_problems(
+    config, meta, use: ModelUse, tp: int, moe: tuple[tuple, tuple]
+) -> list[Problem]:
+    """What the meta model's structure refuses at ``tp``: its TP plan, with ``peft=qlora`` the
+    NF4 tiles of the adapters' bases, with fp8 the float8 layers' matmul shapes per rank."""
+    experts, _ = moe
+    styles, found = checked_plan(config, meta, tp, use.sequence_parallel, moe)
+    if use.nf4_base and use.lora is not None:  # the adapters were placed: their bases' tiles
+        found += problems("peft", nf4_problems(meta, styles, tp))
+    if use.precision == "fp8":
+        found += _fp8_problems(meta, use, tp, bool(experts), styles)
+    return found
+
+
+def tp_refusals(
+    config, meta, use: ModelUse, moe: tuple[tuple, tuple]
+) -> dict[int, tuple[str, ...]]:
+    """``ModelFacts.tp_refusals``: at each of ``use.other_tps`` the sizes tp must divide allow,
+    the lines :func:`tp_structure_problems` refuses it with (none: that tp is not here)."""
+    found = {}
+    for tp in use.other_tps:
+        if not tp_problems(config, tp):
+            lines = tuple(p.message for p in tp_structure_problems(config, meta, use, tp, moe))
+            found |= {tp: lines} if lines else {}
     return found
 
 
@@ -284,13 +309,13 @@ def tp_problems(config, tp: int) -> list[Problem]:
     return tp_size_problems(tp_sizes(config), tp)
 
 
-def _fp8_problems(meta, use: ModelUse, dims: ParallelDims, moe: bool, styles: dict) -> list:
+def _fp8_problems(meta, use: ModelUse, tp: int, moe: bool, styles: dict) -> list:
     """``train.precision=fp8``: what the float8 linears cannot take here (an MoE model, LoRA, the
     GPU), else each converted layer's matmul dimensions at this tp (with the TP plan's
     ``styles``); the tokens per cp rank are the layout's rule (``ParallelDims.problems``)."""
     if found := fp8_problems(meta, moe, use.peft_lora, use.device_type):
         return problems("train.precision", found)
-    return problems("train.precision", fp8_shape_errors(meta, dims.tp, styles))
+    return problems("train.precision", fp8_shape_errors(meta, tp, styles))
 
 
 def _unbuildable(config, error: Exception) -> Problem:
