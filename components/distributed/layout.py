@@ -86,12 +86,11 @@ class OptimizerFacts:
 
 def tp_size_errors(sizes: Mapping[str, Any], tp: int) -> list[str]:
     """The model's ``sizes`` (:func:`tp_sizes`) that ``tp`` does not divide, one line each."""
-    errors = []
-    for key, value in sizes.items():
-        values = value if isinstance(value, list | tuple) else [value]
-        if any(size % tp for size in values):
-            errors.append(f"tp ({tp}) must divide {key} ({value})")
-    return errors
+    return [
+        f"tp ({tp}) must divide {key} ({value})"
+        for key, value in sizes.items()
+        if any(size % tp for size in _each(value))
+    ]
 
 
 def tp_size_problems(sizes: Mapping[str, Any], tp: int) -> list[Problem]:
@@ -100,14 +99,16 @@ def tp_size_problems(sizes: Mapping[str, Any], tp: int) -> list[Problem]:
     errors = tp_size_errors(sizes, tp) if tp > 1 else []
     if not errors:
         return []
-    flat = [
-        n
-        for value in sizes.values()
-        for n in (value if isinstance(value, list | tuple) else [value])
-    ]
-    fits = [size for size in range(1, min(flat) + 1) if all(n % size == 0 for n in flat)]
+    every = [size for value in sizes.values() for size in _each(value)]
+    fits = [n for n in range(1, min(every) + 1) if all(size % n == 0 for size in every)]
     hint = f"tp values that fit this model: {', '.join(map(str, fits))}"
     return [Problem(key="tp", message=error) for error in [*errors, hint]]
+
+
+def _each(value: Any) -> list[int]:
+    """A size, or a per-layer list of them, as a list (a layer's None left out)."""
+    values = value if isinstance(value, list | tuple) else [value]
+    return [size for size in values if size is not None]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -456,13 +456,15 @@ def routed_experts(model: nn.Module, patterns: list[str]) -> str | None:
     """The expert modules ``patterns`` names that are called with tokens already routed (Llama
     4's) and otherwise split, named as a problem names them (the first, how many more, the
     class); None when there are none."""
-
-    def routed(module: nn.Module) -> str | None:
-        plain = experts_problem(module, "") is None and not takes_routing(module)
-        return f"({type(module).__name__})" if plain else None
-
-    found = _named_problems(model, expert_modules(model, patterns), routed)
+    found = _named_problems(model, expert_modules(model, patterns), _routed_kind)
     return next((f"{names} {kind}" for kind, names in found.items()), None)
+
+
+def _routed_kind(module: nn.Module) -> str | None:
+    """``(ClassName)`` of an experts module expert parallelism splits that is called with tokens
+    already routed; None for any other."""
+    plain = experts_problem(module, "") is None and not takes_routing(module)
+    return f"({type(module).__name__})" if plain else None
 
 
 def _named_problems(model: nn.Module, modules: list[str], problem_of) -> dict[str, str]:
@@ -472,11 +474,11 @@ def _named_problems(model: nn.Module, modules: list[str], problem_of) -> dict[st
     for name in modules:
         if (problem := problem_of(model.get_submodule(name))) is not None:
             found.setdefault(problem, []).append(name)
-    more = {
-        problem: f" (and {len(names) - 1} more)" if len(names) > 1 else ""
-        for problem, names in found.items()
-    }
-    return {problem: f"{names[0]}{more[problem]}" for problem, names in found.items()}
+    named = {}
+    for problem, names in found.items():
+        more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+        named[problem] = f"{names[0]}{more}"
+    return named
 
 
 def expert_layout(
