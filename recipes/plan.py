@@ -354,12 +354,12 @@ def model_facts(
     settings: Config,
     config: Any,
     routed_experts: str | None = None,
-    tp_refusals: Mapping[int, tuple[str, ...]] | None = None,
+    refusals: Mapping[tuple[str, int], tuple[str, ...]] | None = None,
 ) -> ModelFacts:
     """What the layout rules read of the model of ``config`` (its Hugging Face config), whose
     experts called with tokens already routed are ``routed_experts`` (``components.moe.checks``,
-    from the meta model) and whose structure the model's checks refuse at other tps with
-    ``tp_refusals`` (``components.models.checks``)."""
+    from the meta model) and which the model's checks refuse at other degrees with ``refusals``
+    (``components.models.checks``)."""
     model = settings.model
     experts, _ = moe_patterns(config, model.experts, model.routers)
     layers = getattr(config.get_text_config(), "num_hidden_layers", None)  # BLT's config has none
@@ -369,7 +369,7 @@ def model_facts(
         layers=layers,
         tp_sizes=tp_sizes(config),
         routed_experts=routed_experts,
-        tp_refusals=tp_refusals or {},
+        refusals=refusals or {},
     )
 
 
@@ -396,8 +396,8 @@ def model_choice(settings: Config) -> ModelChoice:
 
 def model_use(settings: Config, device_type: str, dims: ParallelDims | None = None) -> ModelUse:
     """What the run asks of the model: its sequence, precision, compile, device and adapters
-    (none when ``peft``'s own keys are refused); in a dry run at ``dims``, the larger tps it may
-    suggest, whose refusals the model's checks find too."""
+    (none when ``peft``'s own keys are refused); in a dry run at ``dims``, the larger degrees it
+    may suggest, whose refusals the model's checks find too."""
     peft, train = settings.peft, settings.train
     targets = None if peft.target_modules is None else tuple(peft.target_modules)
     lora = LoraTargets(target_modules=targets, experts=bool(peft.experts))
@@ -411,5 +411,10 @@ def model_use(settings: Config, device_type: str, dims: ParallelDims | None = No
         peft_lora=peft.adapters,
         nf4_base=peft.name == "qlora",
         packing=train.packing,
-        other_tps=tuple(dims.larger("tp")) if settings.dry_run and dims else (),
+        other_layouts=_other_layouts(dims) if settings.dry_run and dims else (),
     )
+
+
+def _other_layouts(dims: ParallelDims) -> tuple[tuple[str, int], ...]:
+    """The degrees a dry run may suggest on the world of ``dims``: each larger tp, cp and pp."""
+    return tuple((name, size) for name in ("tp", "cp", "pp") for size in dims.larger(name))

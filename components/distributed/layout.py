@@ -64,15 +64,16 @@ class ModelFacts:
     its decoder layers (None: its config names no one stack of them, BLT's), the sizes tp must
     divide (:func:`tp_sizes`), its expert modules called with tokens already routed (Llama 4's),
     as the problem names them (None: none, or the model was not built to look), and at the other
-    tps a dry run may suggest, what the model's checks refuse of its structure there (its TP
-    plan, fp8's shapes, NF4 tiles: ``components/models/checks.py``'s ``tp_refusals``)."""
+    degrees a dry run may suggest, keyed (tp, cp or pp, size), what the model's checks refuse
+    there (its TP plan, fp8's shapes, NF4 tiles; its attention with cp; a pipeline stage's
+    structure: ``components/models/checks.py``'s ``other_layout_refusals``)."""
 
     name: str
     moe: bool
     layers: int | None
     tp_sizes: Mapping[str, Any] = field(default_factory=dict)
     routed_experts: str | None = None
-    tp_refusals: Mapping[int, tuple[str, ...]] = field(default_factory=dict)
+    refusals: Mapping[tuple[str, int], tuple[str, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -311,12 +312,14 @@ class ParallelDims:
         self, work: Workload, model: ModelFacts, optimizer: OptimizerFacts
     ) -> list[Problem]:
         """Every rule of this layout for a run (the dry run's filter): :meth:`problems`,
-        :meth:`optimizer_problems`, :func:`tp_size_problems`, what the model's structure refuses
-        at this tp (``ModelFacts.tp_refusals``) and :meth:`model_problems`, the same the recipe's
-        checks ask one by one."""
+        :meth:`optimizer_problems`, :func:`tp_size_problems`, what the model's checks refuse at
+        this tp, cp and pp (``ModelFacts.refusals``) and :meth:`model_problems`, the same the
+        recipe's checks ask one by one."""
         found = self.problems(work) + self.optimizer_problems(optimizer)
         found += tp_size_problems(model.tp_sizes, self.tp)
-        found += [Problem(key="tp", message=line) for line in model.tp_refusals.get(self.tp, ())]
+        for name in ("tp", "cp", "pp"):
+            refused = model.refusals.get((name, getattr(self, name)), ())
+            found += [Problem(key=name, message=line) for line in refused]
         return found + self.model_problems(work, model)
 
     def changes(self) -> list[list[tuple[str, dict[str, int]]]]:

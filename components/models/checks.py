@@ -58,7 +58,7 @@ class CheckedModel:
     experts: tuple[str, ...] = ()
     awaits_fetch: bool = False  # the folder is yet to be downloaded or converted: checked then
     facts: ModelFacts | None = None  # what the layout's rules read of it, once every check ran
-    tp_refusals: dict[int, tuple[str, ...]] = field(default_factory=dict)  # ModelFacts'
+    refusals: dict[tuple[str, int], tuple[str, ...]] = field(default_factory=dict)  # ModelFacts'
     problems: list[Problem] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -71,9 +71,7 @@ def check_model(choice: ModelChoice, use: ModelUse, dims: ParallelDims | None) -
         return checked
     config, found = checked.config, checked.problems
     found += config_problems(config, checked.path, use.seq_len)
-    cp = 1 if dims is None else dims.cp
-    found += kernel_problems(choice, use, cp, config)
-    found += problems("cp", sequence_problems(config, cp, packing=False))
+    found += cp_problems(choice, use, 1 if dims is None else dims.cp, config)
     found += problems("train.packing", sequence_problems(config, 1, use.packing))
     found += problems("model", position_offset_problems(config))
     found += problems("model", causal_problems(config))
@@ -81,7 +79,7 @@ def check_model(choice: ModelChoice, use: ModelUse, dims: ParallelDims | None) -
     fp8 = use.precision == "fp8"
     try:
         wanted = checked.path is not None or splits or use.lora is not None or fp8
-        wanted = wanted or bool(use.other_tps)  # a dry run's tps, checked on the structure
+        wanted = wanted or bool(use.other_layouts)  # a dry run's, checked on the structure
         meta = meta_causal_lm(config) if wanted else None
     except ValueError as error:  # a config class AutoModelForCausalLM does not map
         said = str(error).split("Model type should be one of")[0].strip()  # not the long list
@@ -102,7 +100,8 @@ def check_model(choice: ModelChoice, use: ModelUse, dims: ParallelDims | None) -
     checked.meta = meta
     if dims is not None:
         found += _layout_problems(config, meta, use, dims, (tuple(experts), tuple(routers)))
-        checked.tp_refusals = tp_refusals(config, meta, use, (tuple(experts), tuple(routers)))
+        moe = (tuple(experts), tuple(routers))
+        checked.refusals = other_layout_refusals(choice, config, meta, use, moe)
     checked.complete = True
     return checked
 
@@ -231,12 +230,11 @@ def lora_problems(
 def _layout_problems(
     config, meta, use: ModelUse, dims: ParallelDims, moe: tuple[tuple, tuple]
 ) -> list[Problem]:
-    """What this model cannot take at ``dims``: attention outside the interface with cp, the TP
-    plan and the sizes tp must divide, a pipeline stage's structure, fp8's layers, compile.
-    ``moe``: its expert and router patterns."""
+    """What this model cannot take at ``dims``: the TP plan and the sizes tp must divide, a
+    pipeline stage's structure, fp8's layers, compile (cp's: :func:`cp_problems`). ``moe``: its
+    expert and router patterns."""
     experts, _ = moe
-    found = problems("cp", attention_problems(config, dims.cp))
-    found += tp_structure_problems(config, meta, use, dims.tp, moe) + tp_problems(config, dims.tp)
+    found = tp_structure_problems(config, meta, use, dims.tp, moe) + tp_problems(config, dims.tp)
     found += stage_problems(config, meta, dims.pp)
     try:
         check_compile(use.compile, use.device_type, bool(experts), dims.ep)
@@ -259,17 +257,31 @@ def tp_structure_problems(
     return found
 
 
-def tp_refusals(
-    config, meta, use: ModelUse, moe: tuple[tuple, tuple]
-) -> dict[int, tuple[str, ...]]:
-    """``ModelFacts.tp_refusals``: at each of ``use.other_tps`` the sizes tp must divide allow,
-    the lines :func:`tp_structure_problems` refuses it with (none: that tp is not here)."""
+def other_layout_refusals(
+    choice: ModelChoice, config, meta, use: ModelUse, moe: tuple[tuple, tuple]
+) -> dict[tuple[str, int], tuple[str, ...]]:
+    """``ModelFacts.refusals``: at each of ``use.other_layouts`` (a degree and its size), the
+    lines the model's checks of that degree refuse it with (none: that size is not here); a tp
+    the sizes refuse is the layout's rule, and skipped."""
     found = {}
-    for tp in use.other_tps:
-        if not tp_problems(config, tp):
-            lines = tuple(p.message for p in tp_structure_problems(config, meta, use, tp, moe))
-            found |= {tp: lines} if lines else {}
+    for name, size in use.other_layouts:
+        if name == "tp":
+            sized = bool(tp_problems(config, size))  # the layout's own rule refuses it
+            refused = [] if sized else tp_structure_problems(config, meta, use, size, moe)
+        elif name == "cp":
+            refused = cp_problems(choice, use, size, config)
+        else:
+            refused = stage_problems(config, meta, size)
+        found |= {(name, size): tuple(p.message for p in refused)} if refused else {}
     return found
+
+
+def cp_problems(choice: ModelChoice, use: ModelUse, cp: int, config) -> list[Problem]:
+    """What this model cannot take at ``cp``: the attention kernel, a model type that numbers
+    its own positions or shards no sequence, attention outside the interface."""
+    found = kernel_problems(choice, use, cp, config)
+    found += problems("cp", sequence_problems(config, cp, packing=False))
+    return found + problems("cp", attention_problems(config, cp))
 
 
 def stage_problems(config, meta, pp: int) -> list[Problem]:

@@ -50,6 +50,12 @@ SITUATIONS = {
         ["cp=2 dp=2", "tp=4 dp=1"],
         "tp=2",
     ),
+    # context parallelism computes attention with SDPA: the eager kernel runs at cp=1 only
+    "eager attention": (
+        ["model.attn_implementation=eager", "dp=2", "train.micro_batch_size=4"],
+        ["cp=2 dp=1"],
+        "tp=2",
+    ),
     # an MoE model at ep=4 takes neither cp nor pp
     "moe": (
         ["model=qwen3_moe", "ep=4", "dp=4", "train.micro_batch_size=4"],
