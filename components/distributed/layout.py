@@ -140,6 +140,12 @@ class ParallelDims:
         return self.dp * self.cp
 
     @property
+    def fsdp_shards(self) -> int:
+        """The ranks FSDP splits a weight over (``Meshes.fsdp``'s shard dimension): ``dp × cp``;
+        with HSDP ``dp_shard``, each replica group holding a copy."""
+        return self.dp_shard if self.dp_replicate > 1 else self.data_parallel
+
+    @property
     def ep_shard(self) -> int:
         """The groups of ``ep`` ranks that hold the same experts."""
         return self.world_size // self.ep
@@ -230,29 +236,21 @@ class ParallelDims:
         return [Problem(key="ep", message=message)]
 
     def optimizer_problems(self, optimizer: OptimizerFacts) -> list[Problem]:
-        """What ``optimizer`` cannot run at this layout: torchao 0.18's ``AdamW8bit`` fails in
-        its compiled step (a shape assertion) on parameters sharded by both TP and FSDP, measured
-        at tp=2 dp=2 (at tp or dp alone it runs); ``foreach=true`` at tp > 1 without FSDP, where
-        the parameters mix DTensors and plain replicas (``training/optimizer.py``'s
-        ``foreach_choice``)."""
-        found, target, parallel = [], optimizer.target, self.data_parallel
-        if optimizer.foreach and self.tp > 1 and parallel == 1:
-            message = (
-                f"optim.foreach=true at tp={self.tp} without data parallelism: the trainable "
-                "parameters mix TP's DTensor shards with the plain replicas it leaves whole, "
-                "which torch's foreach kernels do not take in one list; leave optim.foreach unset "
-                "(the per-tensor update, the same numbers) or add dp so that FSDP makes every "
-                "parameter a DTensor"
-            )
-            found.append(Problem(key="optim", message=message))
-        if target.rpartition(".")[2] == "AdamW8bit" and self.tp > 1 and parallel > 1:
-            message = (
-                f"{target} at tp={self.tp} with dp={parallel} (FSDP over TP shards): torchao "
-                "0.18's 8-bit state fails in its compiled step on such parameters; use tp or dp "
-                "alone, or optim=adamw4bit"
-            )
-            found.append(Problem(key="optim", message=message))
-        return found
+        """What ``optimizer`` cannot run at this layout: ``foreach=true`` at tp > 1 without FSDP,
+        where the parameters mix DTensors and plain replicas (``training/optimizer.py``'s
+        ``foreach_choice``). (torchao's ``AdamW8bit`` over parameters sharded by TP and FSDP at
+        once failed in its compiled step only through AOT autograd's cache, which
+        ``build_optimizer`` turns off: it runs.)"""
+        if not optimizer.foreach or self.tp == 1 or self.data_parallel > 1:
+            return []
+        message = (
+            f"optim.foreach=true at tp={self.tp} without data parallelism: the trainable "
+            "parameters mix TP's DTensor shards with the plain replicas it leaves whole, which "
+            "torch's foreach kernels do not take in one list; leave optim.foreach unset (the "
+            "per-tensor update, the same numbers) or add dp so that FSDP makes every parameter a "
+            "DTensor"
+        )
+        return [Problem(key="optim", message=message)]
 
     def _pipeline_refusals(self, work: Workload, model: ModelFacts) -> dict[str, tuple]:
         """key: (refused with pp, what, what would work with pp)."""

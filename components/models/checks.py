@@ -15,7 +15,13 @@ from typing import Any
 import transformers
 
 from components.distributed.context_parallel import attention_problems
-from components.distributed.layout import ModelFacts, ParallelDims, tp_size_problems, tp_sizes
+from components.distributed.layout import (
+    LayoutError,
+    ModelFacts,
+    ParallelDims,
+    tp_size_problems,
+    tp_sizes,
+)
 from components.distributed.pipeline import stage_structure_problem
 from components.distributed.tp_plan import check_plan
 from components.models.attention import attention_choice_problems, set_attention
@@ -101,7 +107,7 @@ def check_model(choice: ModelChoice, use: ModelUse, dims: ParallelDims | None) -
     if dims is not None:
         found += _layout_problems(config, meta, use, dims, (tuple(experts), tuple(routers)))
         moe = (tuple(experts), tuple(routers))
-        checked.refusals = other_layout_refusals(choice, config, meta, use, moe)
+        checked.refusals = other_layout_refusals(choice, config, meta, use, dims, moe)
     checked.complete = True
     return checked
 
@@ -234,7 +240,7 @@ def _layout_problems(
     pipeline stage's structure, fp8's layers, compile (cp's: :func:`cp_problems`). ``moe``: its
     expert and router patterns."""
     experts, _ = moe
-    found = tp_structure_problems(config, meta, use, dims.tp, moe) + tp_problems(config, dims.tp)
+    found = tp_structure_problems(config, meta, use, dims, moe) + tp_problems(config, dims.tp)
     found += stage_problems(config, meta, dims.pp)
     try:
         check_compile(use.compile, use.device_type, bool(experts), dims.ep)
@@ -244,30 +250,37 @@ def _layout_problems(
 
 
 def tp_structure_problems(
-    config, meta, use: ModelUse, tp: int, moe: tuple[tuple, tuple]
+    config, meta, use: ModelUse, dims: ParallelDims, moe: tuple[tuple, tuple]
 ) -> list[Problem]:
-    """What the meta model's structure refuses at ``tp``: its TP plan, with ``peft=qlora`` the
-    NF4 tiles of the adapters' bases, with fp8 the float8 layers' matmul shapes per rank."""
+    """What the meta model's structure refuses at ``dims.tp``: its TP plan, with ``peft=qlora``
+    the NF4 tiles of the adapters' bases (then split over FSDP's shards), with fp8 the float8
+    layers' matmul shapes per rank."""
     experts, _ = moe
+    tp = dims.tp
     styles, found = checked_plan(config, meta, tp, use.sequence_parallel, moe)
     if use.nf4_base and use.lora is not None:  # the adapters were placed: their bases' tiles
-        found += problems("peft", nf4_problems(meta, styles, tp))
+        found += problems("peft", nf4_problems(meta, styles, tp, dims.fsdp_shards))
     if use.precision == "fp8":
         found += _fp8_problems(meta, use, tp, bool(experts), styles)
     return found
 
 
 def other_layout_refusals(
-    choice: ModelChoice, config, meta, use: ModelUse, moe: tuple[tuple, tuple]
+    choice: ModelChoice, config, meta, use: ModelUse, dims: ParallelDims, moe: tuple[tuple, tuple]
 ) -> dict[tuple[str, int], tuple[str, ...]]:
-    """``ModelFacts.refusals``: at each of ``use.other_layouts`` (a degree and its size), the
-    lines the model's checks of that degree refuse it with (none: that size is not here); a tp
-    the sizes refuse is the layout's rule, and skipped."""
+    """``ModelFacts.refusals``: at each of ``use.other_layouts`` (a degree and its size, on the
+    world of ``dims``, dp taking up the rest as the dry run's change does), the lines the model's
+    checks of that degree refuse it with (none: that size is not here); a tp the sizes refuse is
+    the layout's rule, and skipped."""
     found = {}
     for name, size in use.other_layouts:
         if name == "tp":
+            try:
+                at = dims.changed(tp=size)
+            except LayoutError:  # not a layout of this world: the dry run never tries it
+                continue
             sized = bool(tp_problems(config, size))  # the layout's own rule refuses it
-            refused = [] if sized else tp_structure_problems(config, meta, use, size, moe)
+            refused = [] if sized else tp_structure_problems(config, meta, use, at, moe)
         elif name == "cp":
             refused = cp_problems(choice, use, size, config)
         else:

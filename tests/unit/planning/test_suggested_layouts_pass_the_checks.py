@@ -35,8 +35,8 @@ def suggestions(overrides: list[str], folder) -> list[str]:
 
 
 SITUATIONS = {
-    # AdamW8bit is refused at tp > 1 with dp > 1: tp=2 dp=2 was suggested, then refused
-    "adamw8bit": (["optim=adamw8bit", "dp=4", "train.micro_batch_size=4"], ["tp=2 dp=2"], "tp=4"),
+    # foreach=true is refused at tp > 1 without dp (DTensors beside plain replicas)
+    "foreach": (["+optim.foreach=true", "dp=2", "train.micro_batch_size=4"], ["tp=2 dp=1"], "cp=2"),
     # tp=4 does not divide intermediate_size 130, tp=8 not the 4 KV heads: tp=2 only
     "tp sizes": (
         ["dp=8", "train.micro_batch_size=2", "model.config.intermediate_size=130"],
