@@ -76,7 +76,11 @@ def fetched_model(checked: Checked) -> Checked:
     model = model_problems(checked.settings, checked.dims, checked.device_type)
     _refuse(model.problems)
     return replace(
-        checked, model_path=model.path, model_config=model.config, model_awaits_fetch=False
+        checked,
+        model_path=model.path,
+        model_config=model.config,
+        model_awaits_fetch=False,
+        model_facts=model.facts,
     )
 
 

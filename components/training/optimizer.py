@@ -64,21 +64,6 @@ def check_optimizer(target: str, options: Mapping[str, Any]) -> list[str]:
     return []
 
 
-def optimizer_layout_errors(options: Mapping[str, Any], tp: int, data_parallel: int) -> list[str]:
-    """What ``optim``'s class cannot run at this layout: ``foreach=true`` asked at tp > 1
-    without FSDP, where the parameters mix DTensors and plain replicas (:func:`foreach_choice`).
-    (torchao's ``AdamW8bit`` over parameters sharded by TP and FSDP at once failed in its compiled
-    step only through AOT autograd's cache, which :func:`build_optimizer` turns off: it runs.)"""
-    if not options.get("foreach") or tp == 1 or data_parallel > 1:
-        return []
-    return [
-        f"optim.foreach=true at tp={tp} without data parallelism: the trainable parameters mix "
-        "TP's DTensor shards with the plain replicas it leaves whole, which torch's foreach "
-        "kernels do not take in one list; leave optim.foreach unset (the per-tensor update, the "
-        "same numbers) or add dp so that FSDP makes every parameter a DTensor"
-    ]
-
-
 def optimizer_precision_errors(target: str, precision: str) -> list[str]:
     """torchao's ``_AdamW`` (``optim=adamw_bf16``) keeps its moments in the parameters' dtype: bf16
     with ``train.precision=bf16`` only; in another precision it would be AdamW in fp32, not what
