@@ -23,7 +23,7 @@ from components.data.sources import (
     MixSource,
 )
 from components.data.stream_mixture import StreamedMixSplit
-from components.data.streaming import StreamedSplit
+from components.data.streaming import StreamedSplit, check_dp_parts
 from components.distributed.layout import ParallelDims
 from components.models import meta_causal_lm
 from components.models.checks import checked_plan, fetch_model_folder, tp_problems
@@ -140,6 +140,11 @@ def random_model_note(settings: Config, checked: Checked) -> str | None:
     )
 
 
+def streams_of(split: StreamedSplit | StreamedMixSplit) -> tuple:
+    """The streamed sources a streamed split reads: its one, or a mixture's."""
+    return split.sources if isinstance(split, StreamedMixSplit) else (split.source,)
+
+
 def prepare_run_data(
     settings: Config, source: DataSource | MixSource, tokenizer_dir: Path, dims: ParallelDims
 ) -> tuple[PreparedData | None, list[Problem]]:
@@ -156,6 +161,8 @@ def prepare_run_data(
             cache_root=cache,
             num_proc=max(1, min(8, os.cpu_count() or 1)),
         )
+        if isinstance(prepared.train, StreamedSplit | StreamedMixSplit):
+            check_dp_parts(streams_of(prepared.train), dims.dp)
     except (DataError, ValueError) as error:
         return None, [Problem(key="data", message=f"data: {error}")]
     if isinstance(prepared.train, StreamedSplit | StreamedMixSplit):  # no validation held out

@@ -211,6 +211,28 @@ def first_example(source: StreamedSource, labelling: Labelling) -> Example:
     return example_of(first, labelling, 0)
 
 
+def check_dp_parts(sources: tuple[StreamedSource, ...], dp_size: int) -> None:
+    """Every dp rank's part of each stream holds a record (``split_dataset_by_node``: by shard, or
+    by record where there are fewer shards than ranks); rank 0's holds the first record, which
+    :func:`first_example` read.
+
+    Raises:
+        DataError: One line naming the stream and the first dp rank whose part holds no record.
+    """
+    for source in sources:
+        for dp_rank in range(1, dp_size):
+            try:
+                empty = next(iter(source.open(dp_size=dp_size, dp_rank=dp_rank)), None) is None
+            except Exception as error:  # as first_example: one line naming the path
+                why = _first_line(error)
+                raise DataError(f"data.path={source.path!r} cannot be streamed: {why}") from None
+            if empty:
+                raise DataError(
+                    f"data.path={source.path!r} holds too few records for dp={dp_size}: dp rank "
+                    f"{dp_rank}'s part of the stream has none; use fewer dp ranks or more records"
+                )
+
+
 def _first_line(error: Exception) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__

@@ -2,6 +2,7 @@
 position resumes the rows exactly, and dp ranks read distinct records."""
 
 import itertools
+import json
 
 import numpy as np
 import pyarrow as pa
@@ -22,6 +23,7 @@ from components.data.streaming import (
     StreamedSource,
     StreamedSplit,
     StreamPosition,
+    check_dp_parts,
     example_of,
     stream_rows,
 )
@@ -232,4 +234,23 @@ def test_a_worker_reads_the_steps_and_names_a_bad_record_in_one_line(tokenizer_d
         loader.batches_for_step(2)
     assert str(raised.value) == (
         'the stream\'s record 10: needs "prompt" and "response" strings, or "messages"'
+    )
+
+
+def test_a_stream_with_fewer_records_than_dp_ranks_is_refused_before_any_rank(tmp_path):
+    turns = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    record = json.dumps({"messages": turns})
+    (tmp_path / "one.jsonl").write_text(record + "\n")
+    (tmp_path / "two.jsonl").write_text(record + "\n" + record + "\n")
+
+    def source(name: str) -> StreamedSource:
+        path = str(tmp_path / name)
+        return StreamedSource(path=path, split="train", name=None, columns=(), num_examples=None)
+
+    check_dp_parts((source("two.jsonl"),), 2)  # one record a rank: it trains
+    with pytest.raises(DataError) as raised:
+        check_dp_parts((source("two.jsonl"), source("one.jsonl")), 2)
+    assert str(raised.value) == (
+        f"data.path='{tmp_path / 'one.jsonl'}' holds too few records for dp=2: dp rank 1's part "
+        "of the stream has none; use fewer dp ranks or more records"
     )
