@@ -229,6 +229,11 @@ def test_mlflow_local_store_holds_the_metrics_and_params(tmp_path):
     assert "peak_memory_gib" not in run.data.metrics
 
 
+def test_the_trackers_get_a_mixtures_validation_loss_per_source():
+    record = {"loss": 2.0, "val_loss": 1.9, "val_loss/chat": 1.8, "val_loss/general": 2.1}
+    assert metric_values(record) == record
+
+
 def test_the_trackers_get_the_expert_load_keys():
     record = {"loss": 2.0, "expert_imbalance": 1.5, "expert_imbalance/layer_0": 1.5}
     record |= {"expert_load/layer_0/expert_0": 0.25, "expert_loads": "not a metric"}
