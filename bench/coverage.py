@@ -4,12 +4,14 @@ tp=2 sp=true and (MoE) tp=2 ep=2, each result works / refused / broken; written 
 
     python bench/coverage.py [--only llama,qwen2] [--layouts pp2,lora] [--results DIR] [--rerun]
     python bench/coverage.py --import-table docs/coverage.md --measured "2026-12-03" ...
+    python bench/coverage.py --results DIR --table-only
 
 Each type's results are cached in ``DIR/TYPE.json`` (a sweep resumes where it stopped; ``--rerun``
 runs the named types again); the table is rewritten from every cached type after each one.
 ``--layouts`` runs those columns alone (and tp=1 and their reference runs, which the comparison
 needs), merged into the cached results; ``--import-table`` first caches a page's rows (statuses and
-lines, no losses) for types not cached yet, marked as measured at ``--measured``.
+lines, no losses) for types not cached yet, marked as measured at ``--measured``;
+``--table-only`` writes the page from the cached results and runs nothing.
 """
 
 import argparse
@@ -20,7 +22,8 @@ import time
 from pathlib import Path
 
 from components.data import DEFAULT_VOCAB_SIZE, train_tokenizer
-from tests.coverage import LAYOUTS, causal_lm_types, entries_from_table, render, sweep_type
+from tests.coverage import LAYOUTS, causal_lm_types, sweep_type
+from tests.coverage_page import entries_from_table, render
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -34,6 +37,7 @@ def main() -> None:
     parser.add_argument("--layouts", default="", help="comma-separated columns (default: all)")
     parser.add_argument("--import-table", type=Path, help="a coverage page to start from")
     parser.add_argument("--measured", default="before", help="when the imported page was measured")
+    parser.add_argument("--table-only", action="store_true", help="write the page, run nothing")
     arguments = parser.parse_args()
     layouts = arguments.layouts.split(",") if arguments.layouts else list(LAYOUTS)
     if unknown := sorted(set(layouts) - set(LAYOUTS)):
@@ -54,7 +58,7 @@ def main() -> None:
                 cached.write_text(json.dumps(entry, indent=1))
     tokenizer = train_tokenizer(["hello world", "tune"], DEFAULT_VOCAB_SIZE, root / "tokenizer")
     command = " ".join(["python bench/coverage.py", shlex.join(sys.argv[1:])]).strip()
-    for model_type in chosen:
+    for model_type in [] if arguments.table_only else chosen:
         cached = root / f"{model_type}.json"
         known = json.loads(cached.read_text()) if cached.exists() else None
         if known and not arguments.rerun and set(layouts) <= set(known.get("measured", {})):

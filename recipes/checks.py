@@ -14,7 +14,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from components.distributed.layout import LayoutError, ParallelDims
+from components.distributed.layout import LayoutError, ModelFacts, ParallelDims
 from components.problems import Problem, problems
 from components.runtime.launch import started_by_launcher
 from components.runtime.launch_checks import gpu_count_problems, torchrun_unread_keys
@@ -22,7 +22,15 @@ from components.runtime.output_dir import unused_folder
 from components.runtime.problems import ConfigError, say
 from components.runtime.world import cpu_threads_per_rank, visible_gpus
 from recipes.compose import mix_kinds, validated
-from recipes.plan import Checked, degrees, model_choice, model_facts, model_use, workload
+from recipes.plan import (
+    Checked,
+    degrees,
+    model_choice,
+    model_facts,
+    model_use,
+    optimizer_facts,
+    workload,
+)
 from recipes.schema import Config
 
 # Model, data and tokenizer modules (transformers, datasets, DTensor) are imported by the checks
@@ -114,6 +122,7 @@ def check(
         model_path=checked.path,
         model_config=checked.config,
         model_awaits_fetch=checked.awaits_fetch,
+        model_facts=checked.facts,
         source=source,
         fault=fault,
         config_yaml=_config_yaml(cfg, output),
@@ -121,14 +130,13 @@ def check(
 
 
 def optim_layout_problems(settings: Config, dims: ParallelDims) -> list[Problem]:
-    """What the optimizer's class cannot run at this layout or precision
-    (``components/training/optimizer.py``)."""
-    from components.training.optimizer import optimizer_layout_errors, optimizer_precision_errors
+    """What the optimizer's class cannot run at this layout (``ParallelDims.optimizer_problems``)
+    or precision (``components/training/optimizer.py``)."""
+    from components.training.optimizer import optimizer_precision_errors
 
     target = settings.optim.target
-    options = settings.optim.options()
-    errors = optimizer_layout_errors(target, options, dims.tp, dims.data_parallel)
-    return problems("optim", errors + optimizer_precision_errors(target, settings.train.precision))
+    found = dims.optimizer_problems(optimizer_facts(settings))
+    return found + problems("optim", optimizer_precision_errors(target, settings.train.precision))
 
 
 def restart_problems(settings: Config) -> list[Problem]:
@@ -142,9 +150,10 @@ def model_problems(settings: Config, dims: ParallelDims | None, device_type: str
     its experts' split (``components.moe``), the ``moe`` keys a dense model does not read, and
     what the layout cannot run of it (``ParallelDims.model_problems``)."""
     from components.models.checks import check_model
-    from components.moe.checks import expert_parallel_problems
+    from components.moe.checks import expert_parallel_problems, routed_experts_of
 
-    checked = check_model(model_choice(settings), model_use(settings, device_type), dims)
+    use = model_use(settings, device_type, dims)
+    checked = check_model(model_choice(settings), use, dims)
     for note in checked.notes:
         say(note)
     if not checked.complete or dims is None:
@@ -153,17 +162,19 @@ def model_problems(settings: Config, dims: ParallelDims | None, device_type: str
         checked.problems += problems("moe", settings.moe.dense_errors(settings.model.name))
     model_type = checked.config.model_type
     checked.problems += problems("model", settings.model_errors(model_type, checked.experts))
-    checked.problems += expert_parallel_problems(checked.meta, checked.experts, dims.ep, dims.tp)
-    checked.problems += layout_model_problems(settings, dims, checked.config)
+    checked.problems += expert_parallel_problems(checked.meta, checked.experts, dims.ep)
+    routed = routed_experts_of(checked.meta, checked.experts)
+    checked.facts = model_facts(settings, checked.config, routed, checked.refusals)
+    checked.problems += layout_model_problems(settings, dims, checked.facts)
     return checked
 
 
-def layout_model_problems(settings: Config, dims: ParallelDims, config) -> list[Problem]:
+def layout_model_problems(settings: Config, dims: ParallelDims, facts: ModelFacts) -> list:
     """``pp_schedule`` and ``pp_stages_per_rank`` that disagree; else what the layout cannot run
-    of the model of ``config`` (``ParallelDims.model_problems``)."""
+    of the model of ``facts`` (``ParallelDims.model_problems``)."""
     if pipeline := settings.pipeline_errors():  # the pipeline's rules read a schedule that fits
         return problems("pp_schedule", pipeline)
-    return dims.model_problems(workload(settings), model_facts(settings, config))
+    return dims.model_problems(workload(settings), facts)
 
 
 def unread_keys(settings: Config, dims: ParallelDims) -> list[str]:

@@ -2,7 +2,9 @@
 distillation schema (``recipes/schema.py``: ``teacher``, ``distill``), what distillation does not
 run yet, the teacher as a model of its own (``components/models/checks.py``: its folder or config,
 its TP plan at the run's layout, its vocabulary against the student's), every problem one
-``error:`` line before any rank starts; then fine-tuning's preparation and the teacher's spec.
+``error:`` line before any rank starts; then fine-tuning's preparation and the teacher's spec. A
+student or teacher still to be downloaded or converted is fetched first in preparation, as
+fine-tuning's model is, and the teacher checked then, still before any rank starts.
 Imported once the command line is read (``recipes/distill.py``), as ``recipes/checks.py`` is;
 what the model checks and the preparation import comes after the schema has passed, so a misspelt
 key costs what it costs ``finetune.py``.
@@ -10,6 +12,7 @@ key costs what it costs ``finetune.py``.
 
 import copy
 from dataclasses import fields, replace
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
@@ -32,26 +35,47 @@ def check_distillation(
 ) -> DistillChecked:
     """Fine-tuning's checks of ``cfg`` against the distillation ``schema`` (with what
     distillation does not run: ``DistillConfig.unsupported``), then the teacher
-    (``components.models.checks``)."""
+    (:func:`with_teacher`): now, or in preparation when a folder is still to be fetched."""
     checked = check(cfg, job_dir, hydra_run_dir, schema)
-    from components.models.checks import CheckedModel, awaits_fetch, check_teacher  # schema passed
+    if found := teacher_family_problems(checked.settings):
+        raise ConfigError(found)  # the teacher cannot be built
+    base = {field.name: getattr(checked, field.name) for field in fields(checked)}
+    return with_teacher(DistillChecked(**base, teacher_path=None, teacher_config=None))
 
-    settings, dims = checked.settings, checked.dims
+
+def with_teacher(checked: DistillChecked) -> DistillChecked:
+    """``checked`` with its teacher checked (``components.models.checks``: its folder or config,
+    its TP plan at the run's layout, its vocabulary against the student's; both heads), or, when
+    the student or the teacher is still to be downloaded or converted, marked
+    ``teacher_awaits_fetch``: the preparation fetches both, then checks it here. Raises
+    ConfigError with every problem found."""
+    from components.models.checks import (  # the schema has passed
+        CheckedModel,
+        awaits_fetch,
+        check_teacher,
+        vocabulary_problems,
+    )
+
+    settings, choice = checked.settings, teacher_choice(checked.settings)
     student = CheckedModel(path=checked.model_path, config=checked.model_config)
-    choice = teacher_choice(settings)
-    unfetched = {"model": checked.model_awaits_fetch, "teacher": awaits_fetch(choice)}
-    if found := teacher_family_problems(settings) + unfetched_problems(unfetched):
-        raise ConfigError(found)  # the teacher cannot be built, or checked against the student
+    if checked.model_awaits_fetch or awaits_fetch(choice):  # no effect in the checks
+        if checked.model_path is None and not checked.model_awaits_fetch:  # refused unfetched
+            hub_teacher = CheckedModel(path=Path(choice.pretrained_path))
+            raise ConfigError(vocabulary_problems(student, hub_teacher, None, None))
+        return replace(checked, teacher_awaits_fetch=True)
     use = replace(model_use(settings, checked.device_type), lora=None, peft_lora=False)
     built_vocab = settings.model.config.get("vocab_size")  # a built student's; null: tokenizer's
-    teacher = check_teacher(choice, use, dims, student, built_vocab)
+    teacher = check_teacher(choice, use, checked.dims, student, built_vocab)
     for note in teacher.notes:
         say(note)
-    found += teacher.problems + head_problems(checked.model_config, teacher.config)
-    if found:
+    if found := teacher.problems + head_problems(checked.model_config, teacher.config):
         raise ConfigError(found)
-    base = {field.name: getattr(checked, field.name) for field in fields(checked)}
-    return DistillChecked(**base, teacher_path=teacher.path, teacher_config=teacher.config)
+    return replace(
+        checked,
+        teacher_path=teacher.path,
+        teacher_config=teacher.config,
+        teacher_awaits_fetch=False,
+    )
 
 
 def teacher_choice(settings: DistillConfig) -> ModelChoice:
@@ -79,23 +103,6 @@ def teacher_family_problems(settings: DistillConfig) -> list[Problem]:
     return [Problem(key="teacher.family", message=f"{why}: set teacher.family, e.g. llama")]
 
 
-def unfetched_problems(unfetched: dict[str, bool]) -> list[Problem]:
-    """A student or teacher folder still to be downloaded from the Hub or converted (SmolLM2):
-    the teacher is checked against the student's folder before any effect, which fine-tuning's
-    preparation alone takes (``recipes/prepare.py``), so distillation refuses it for now."""
-    return [
-        Problem(
-            key=key,
-            message=f"{key}: recipes/distill.py does not download from the Hugging Face Hub or "
-            "convert SmolLM2 yet, and this model is not in the cache: fetch it first (`hf download "
-            "OWNER/NAME`, or one recipes/finetune.py run with it as the model), or give a local "
-            "folder",
-        )
-        for key, waiting in unfetched.items()
-        if waiting
-    ]
-
-
 def head_problems(student_config: Any, teacher_config: Any) -> list[Problem]:
     """Both heads must be ones the chunked loss computes: a plain linear ``lm_head`` of a family
     whose forward ends in it (``PLAIN_HEAD_FAMILIES``), no soft-capped logits."""
@@ -115,10 +122,22 @@ def head_problems(student_config: Any, teacher_config: Any) -> list[Problem]:
 
 
 def prepare_distillation(checked: DistillChecked) -> tuple[DistillPlan, OutputDirLock | None]:
-    """Fine-tuning's preparation (tokenizer, data, output folder, checkpoint), then the teacher's
-    spec: its folder, or its config with the student's vocabulary."""
-    from recipes.prepare import model_spec, prepare  # datasets, tokenizers: after the checks
+    """The student and the teacher downloaded or converted if still to be (fine-tuning's fetch)
+    and the teacher checked then (:func:`with_teacher`); fine-tuning's preparation (tokenizer,
+    data, output folder, checkpoint); then the teacher's spec: its folder, or its config with the
+    student's vocabulary."""
+    from recipes.prepare import (
+        fetch_problems,
+        fetched_model,
+        model_spec,
+        prepare,
+    )  # after the checks
 
+    if checked.teacher_awaits_fetch:
+        checked = fetched_model(checked) if checked.model_awaits_fetch else checked
+        if found := fetch_problems(teacher_choice(checked.settings), section="teacher"):
+            raise ConfigError(found)
+        checked = with_teacher(checked)
     plan, lock = prepare(checked)
     config = copy.deepcopy(checked.teacher_config)
     if checked.teacher_path is None:  # built: the student's vocabulary, the tokenizer's size

@@ -3,9 +3,10 @@ reference of its own, checked as a model (its folder, its TP plan at the run's l
 against the policy (the same architecture, the same vocabulary token for token), every problem
 one ``error:`` line before any rank starts; then fine-tuning's preparation and the reference's
 spec: that folder's, the policy's starting weights, or none with ``peft=lora`` (the policy with
-its adapters off). Imported once the command line is read (``recipes/dpo.py``); the model checks
-and the preparation after the schema has passed, so a misspelt key costs what it costs
-``finetune.py``.
+its adapters off). A policy still to be downloaded or converted is fetched first in preparation,
+as fine-tuning's model is, and the reference compared with it then. Imported once the command
+line is read (``recipes/dpo.py``); the model checks and the preparation after the schema has
+passed, so a misspelt key costs what it costs ``finetune.py``.
 """
 
 import copy
@@ -38,7 +39,14 @@ def check_dpo(
     path = checked.settings.dpo.reference_path
     if path is None:
         return DpoChecked(**base, reference_path=None, reference_config=None)
-    reference = check_reference(checked, Path(path).expanduser().absolute())
+    folder = Path(path).expanduser().absolute()
+    if checked.model_awaits_fetch:  # compared with the policy once the preparation fetched it
+        if found := folder_problems(checked, folder):
+            raise ConfigError(found)
+        return DpoChecked(
+            **base, reference_path=folder, reference_config=None, reference_awaits_fetch=True
+        )
+    reference = check_reference(checked, folder)
     return DpoChecked(**base, reference_path=reference.path, reference_config=reference.config)
 
 
@@ -72,9 +80,9 @@ def check_reference(checked: Checked, folder: Path):
 
 
 def folder_problems(checked: Checked, folder: Path) -> list[Problem]:
-    """The reference must be a local model folder, and the policy one too: a policy built from
-    ``model.config`` gets its tokenizer in preparation, so the vocabularies cannot be compared
-    before the run; a policy still to be fetched is compared only after preparation."""
+    """The reference must be a local model folder, and the policy one too (or one still to be
+    fetched, compared in preparation): a policy built from ``model.config`` gets its tokenizer
+    in preparation, so the vocabularies cannot be compared before the run."""
     if not (folder / "config.json").is_file():
         return [
             Problem(
@@ -83,17 +91,13 @@ def folder_problems(checked: Checked, folder: Path) -> list[Problem]:
                 "give a local folder (a Hub id is not downloaded for the reference)",
             )
         ]
-    if checked.model_path is not None:
+    if checked.model_path is not None or checked.model_awaits_fetch:
         return []
-    why = (
-        "is still to be fetched from the Hub (or SmolLM2 converted): fetch it first"
-        if checked.model_awaits_fetch
-        else "is built from model.config, its tokenizer trained only in preparation: give "
-        "the policy a folder (model=pretrained model.pretrained_path=...)"
-    )
     message = (
         f"{KEY}={folder} is checked against the policy's vocabulary before the run, but the "
-        f"policy (model={checked.settings.model.name}) {why}"
+        f"policy (model={checked.settings.model.name}) is built from model.config, its "
+        "tokenizer trained only in preparation: give the policy a folder (model=pretrained "
+        "model.pretrained_path=...)"
     )
     return [Problem(key=KEY, message=message)]
 
@@ -113,11 +117,17 @@ def _policy(checked: Checked):
 
 
 def prepare_dpo(checked: DpoChecked) -> tuple[DpoPlan, OutputDirLock | None]:
-    """Fine-tuning's preparation (tokenizer, data, output folder, checkpoint), then the
-    reference's spec: its folder's, the policy's own (its starting weights), or None with
-    ``peft=lora`` (the policy with its adapters off)."""
-    from recipes.prepare import model_spec, prepare  # datasets, tokenizers: after the checks
+    """A policy still to be downloaded or converted fetched (fine-tuning's fetch) and the
+    reference folder checked against it then (:func:`check_reference`); fine-tuning's
+    preparation (tokenizer, data, output folder, checkpoint); then the reference's spec: its
+    folder's, the policy's own (its starting weights), or None with ``peft=lora`` (the policy
+    with its adapters off)."""
+    from recipes.prepare import fetched_model, model_spec, prepare  # after the checks
 
+    if checked.reference_awaits_fetch:
+        checked = fetched_model(checked)
+        reference = check_reference(checked, checked.reference_path)
+        checked = replace(checked, reference_config=reference.config, reference_awaits_fetch=False)
     plan, lock = prepare(checked)
     reference = None if plan.lora is not None else plan.model
     if checked.reference_path is not None:

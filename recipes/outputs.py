@@ -26,6 +26,7 @@ from components.checkpoint.integrity import (
     state_dict_shapes,
 )
 from components.data.sources import DataSource, MixSource
+from components.data.stream_mixture import is_streamed
 from components.data.streaming import StreamedSource
 from components.models import meta_causal_lm
 from components.models.lora import PROJECTIONS
@@ -76,7 +77,8 @@ def run_info(
     are the data (``source``: which, and its fingerprint), ``seed`` (the data order) and
     ``data.val_fraction`` (the split) and ``data.loss_on`` (the labels): a resume that changes them
     trains on another timeline's data, or validates on records it trained on. A streamed source's
-    ``dp`` too: each dp rank's position in the stream is its own (components/data/streaming.py)."""
+    (or mixture's) ``dp`` too: each dp rank's position in the stream is its own
+    (components/data/streaming.py)."""
     shapes = state_dict_shapes(meta_causal_lm(model_config))
     data = {}
     if source is not None:
@@ -97,7 +99,7 @@ def run_info(
         "data.val_fraction": settings.data.model_dump().get("val_fraction"),
         "data.loss_on": settings.data.loss_on,  # which tokens are trained
         **data,
-        **({STREAM_DP: dp} if isinstance(source, StreamedSource) else {}),
+        **({STREAM_DP: dp} if is_streamed(source) else {}),
         SETTINGS: resume_settings(settings),
     }
     return info, shapes

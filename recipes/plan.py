@@ -9,7 +9,7 @@ once there); the plan adds only what was decided from them.
 
 from __future__ import annotations  # the field types are only read by a type checker
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -19,7 +19,14 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import OmegaConf
 
-from components.distributed.layout import Degrees, ModelFacts, ParallelDims, Workload
+from components.distributed.layout import (
+    Degrees,
+    ModelFacts,
+    OptimizerFacts,
+    ParallelDims,
+    Workload,
+    tp_sizes,
+)
 from components.models.families import moe_patterns
 from components.models.options import LoraTargets, ModelChoice, ModelUse
 from components.training.cadence import Cadence
@@ -68,6 +75,9 @@ class Settled:
     output_dir: Path  # absolute; this run owns it while it runs
     fault: Fault | None  # debug.fault, parsed: a resilience drill (docs/fault-injection.md)
     config_yaml: str  # the resolved config the run was started with (output_dir/config.yaml)
+    # what the layout's rules read of the model, as its checks found it (None: not checked yet,
+    # a folder still to be fetched)
+    model_facts: ModelFacts | None = None
 
     @property
     def train(self) -> Train:
@@ -92,6 +102,11 @@ class Settled:
     @property
     def moe(self) -> Moe:
         return self.settings.moe
+
+    @property
+    def optimizer_facts(self) -> OptimizerFacts:
+        """What the layout's rules read of the optimizer."""
+        return optimizer_facts(self.settings)
 
     @property
     def workload(self) -> Workload:
@@ -204,11 +219,6 @@ class RunPlan(Settled):
         """The frozen model run forward beside the trained one (none: fine-tuning)."""
         return None
 
-    @property
-    def model_facts(self) -> ModelFacts:
-        """What the layout rules read of the model."""
-        return model_facts(self.settings, self.model.config)
-
     @cached_property
     def flops_per_token(self) -> int | None:
         """Model FLOPs of forward + backward per token at ``train.seq_len`` (for ``mfu``); None
@@ -237,7 +247,10 @@ class DpoChecked(Checked):
     folder and Hugging Face config (both None: the reference is the policy's starting weights)."""
 
     reference_path: Path | None
-    reference_config: Any
+    reference_config: Any  # None while reference_awaits_fetch
+    # the policy is still to be downloaded or converted: the preparation fetches it, then checks
+    # the reference folder against it
+    reference_awaits_fetch: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -256,10 +269,14 @@ class DpoPlan(RunPlan):
 @dataclass(frozen=True, kw_only=True)
 class DistillChecked(Checked):
     """``recipes/distill.py``'s checks: the student's (the ``model`` group) and the teacher as
-    checked: its folder (None: built from ``teacher.config``) and Hugging Face config."""
+    checked: its folder (None: built from ``teacher.config``) and Hugging Face config; both None
+    while ``teacher_awaits_fetch``."""
 
     teacher_path: Path | None
     teacher_config: Any  # a built teacher's vocabulary: the student's, set in preparation
+    # the student or the teacher is still to be downloaded or converted: the preparation fetches
+    # both, then checks the teacher
+    teacher_awaits_fetch: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -327,17 +344,40 @@ def workload(settings: Config) -> Workload:
         micro_batch_size=train.micro_batch_size,
         seq_len=train.seq_len,
         compile=train.compile,
+        fp8=train.precision == "fp8",
         pp_schedule=settings.pp_schedule,
         pp_stages_per_rank=settings.pp_stages_per_rank,
     )
 
 
-def model_facts(settings: Config, config: Any) -> ModelFacts:
-    """What the layout rules read of the model of ``config`` (its Hugging Face config)."""
+def model_facts(
+    settings: Config,
+    config: Any,
+    routed_experts: str | None = None,
+    refusals: Mapping[tuple[str, int], tuple[str, ...]] | None = None,
+) -> ModelFacts:
+    """What the layout rules read of the model of ``config`` (its Hugging Face config), whose
+    experts called with tokens already routed are ``routed_experts`` (``components.moe.checks``,
+    from the meta model) and which the model's checks refuse at other degrees with ``refusals``
+    (``components.models.checks``)."""
     model = settings.model
     experts, _ = moe_patterns(config, model.experts, model.routers)
     layers = getattr(config.get_text_config(), "num_hidden_layers", None)  # BLT's config has none
-    return ModelFacts(name=model.name, moe=bool(experts), layers=layers)
+    return ModelFacts(
+        name=model.name,
+        moe=bool(experts),
+        layers=layers,
+        tp_sizes=tp_sizes(config),
+        routed_experts=routed_experts,
+        refusals=refusals or {},
+    )
+
+
+def optimizer_facts(settings: Config) -> OptimizerFacts:
+    """What the layout rules read of the ``optim`` group: its class and ``foreach`` as given."""
+    return OptimizerFacts(
+        target=settings.optim.target, foreach=settings.optim.options().get("foreach")
+    )
 
 
 def degrees(settings: Config) -> Degrees:
@@ -354,9 +394,10 @@ def model_choice(settings: Config) -> ModelChoice:
     return ModelChoice(**settings.model.model_dump(), cache_dir=cache_dir)
 
 
-def model_use(settings: Config, device_type: str) -> ModelUse:
+def model_use(settings: Config, device_type: str, dims: ParallelDims | None = None) -> ModelUse:
     """What the run asks of the model: its sequence, precision, compile, device and adapters
-    (none when ``peft``'s own keys are refused)."""
+    (none when ``peft``'s own keys are refused); in a dry run at ``dims``, the larger degrees it
+    may suggest, whose refusals the model's checks find too."""
     peft, train = settings.peft, settings.train
     targets = None if peft.target_modules is None else tuple(peft.target_modules)
     lora = LoraTargets(target_modules=targets, experts=bool(peft.experts))
@@ -370,4 +411,10 @@ def model_use(settings: Config, device_type: str) -> ModelUse:
         peft_lora=peft.adapters,
         nf4_base=peft.name == "qlora",
         packing=train.packing,
+        other_layouts=_other_layouts(dims) if settings.dry_run and dims else (),
     )
+
+
+def _other_layouts(dims: ParallelDims) -> tuple[tuple[str, int], ...]:
+    """The degrees a dry run may suggest on the world of ``dims``: each larger tp, cp and pp."""
+    return tuple((name, size) for name in ("tp", "cp", "pp") for size in dims.larger(name))

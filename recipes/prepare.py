@@ -22,12 +22,14 @@ from components.data.sources import (
     GeneratedSource,
     MixSource,
 )
-from components.data.streaming import StreamedSplit
+from components.data.stream_mixture import StreamedMixSplit
+from components.data.streaming import StreamedSplit, check_dp_parts
 from components.distributed.layout import ParallelDims
 from components.models import meta_causal_lm
 from components.models.checks import checked_plan, fetch_model_folder, tp_problems
 from components.models.configs import vocab_size_for
 from components.models.families import moe_patterns
+from components.models.options import ModelChoice
 from components.models.parallelize import ModelSpec
 from components.problems import Problem, show
 from components.runtime.output_dir import OutputDirLock
@@ -70,16 +72,26 @@ def prepare(checked: Checked) -> tuple[RunPlan, OutputDirLock | None]:
 def fetched_model(checked: Checked) -> Checked:
     """The model's folder downloaded from the Hub or converted (SmolLM2), the checks' effect, and
     then checked as a folder at hand is (``recipes/checks.py``)."""
-    choice = model_choice(checked.settings)
-    try:
-        fetch_model_folder(choice)
-    except (ValueError, OSError, RuntimeError) as error:
-        raise ConfigError([Problem(key="model", message=str(error))]) from None
+    _refuse(fetch_problems(model_choice(checked.settings)))
     model = model_problems(checked.settings, checked.dims, checked.device_type)
     _refuse(model.problems)
     return replace(
-        checked, model_path=model.path, model_config=model.config, model_awaits_fetch=False
+        checked,
+        model_path=model.path,
+        model_config=model.config,
+        model_awaits_fetch=False,
+        model_facts=model.facts,
     )
+
+
+def fetch_problems(choice: ModelChoice, section: str = "model") -> list[Problem]:
+    """The folder of ``choice`` (the ``section`` group's: ``model``, distillation's ``teacher``)
+    downloaded from the Hub or converted (SmolLM2): nothing, or the one line saying why not."""
+    try:
+        fetch_model_folder(choice, key=f"{section}.pretrained_path")
+    except (ValueError, OSError, RuntimeError) as error:
+        return [Problem(key=section, message=str(error))]
+    return []
 
 
 def _refuse(found: list[Problem]) -> None:
@@ -128,6 +140,11 @@ def random_model_note(settings: Config, checked: Checked) -> str | None:
     )
 
 
+def streams_of(split: StreamedSplit | StreamedMixSplit) -> tuple:
+    """The streamed sources a streamed split reads: its one, or a mixture's."""
+    return split.sources if isinstance(split, StreamedMixSplit) else (split.source,)
+
+
 def prepare_run_data(
     settings: Config, source: DataSource | MixSource, tokenizer_dir: Path, dims: ParallelDims
 ) -> tuple[PreparedData | None, list[Problem]]:
@@ -144,9 +161,11 @@ def prepare_run_data(
             cache_root=cache,
             num_proc=max(1, min(8, os.cpu_count() or 1)),
         )
+        if isinstance(prepared.train, StreamedSplit | StreamedMixSplit):
+            check_dp_parts(streams_of(prepared.train), dims.dp)
     except (DataError, ValueError) as error:
         return None, [Problem(key="data", message=f"data: {error}")]
-    if isinstance(prepared.train, StreamedSplit):  # no validation: the checks saw to it
+    if isinstance(prepared.train, StreamedSplit | StreamedMixSplit):  # no validation held out
         say(f"data: {prepared.folder}: tokenized and packed as it is read")
         return prepared, []
     val_rows = prepared.val.num_rows if prepared.val is not None else 0

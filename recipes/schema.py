@@ -345,9 +345,9 @@ class Data(Targeted):
 
     def streaming_errors(self, val_every: int) -> list[str]:
         """What a streamed ``data=hf`` source cannot do: hold out a validation split (the size of
-        a stream is not known before it is read), so validate (``val_every``). Other sources are
-        refused by the data checks."""
-        if not self.streaming or not self.target.endswith(".HFSource"):
+        a stream is not known before it is read), so validate (``val_every``); a streamed mixture
+        neither. Other sources are refused by the data checks."""
+        if not self.streaming or not self.target.endswith((".HFSource", ".MixSource")):
             return []
         held_out = {"data.val_fraction=0": self.val_fraction > 0, "train.val_every=0": val_every}
         if not (keys := [key for key, given in held_out.items() if given]):

@@ -2,13 +2,12 @@
 type's own config class shrunk to a few kilobytes of weights, written by ``save_pretrained``, and
 the recipe run on them through the command line at a few layouts, each result classified as
 works / refused (one ``error:`` line) / broken. ``bench/coverage.py`` sweeps every type with these;
-``tests/e2e/test_coverage.py`` runs a few.
+``tests/e2e/test_coverage.py`` runs a few; ``tests/coverage_page.py`` writes and reads the page.
 """
 
 import datetime
 import json
 import math
-import re
 import shutil
 import subprocess
 from dataclasses import asdict, dataclass
@@ -16,7 +15,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import transformers
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -318,18 +316,21 @@ def from_json(data: dict) -> dict[str, Result]:
     return {layout: Result(**fields) for layout, fields in data.items()}
 
 
-HEADINGS = {"tp1": "tp=1", "tp2": "tp=2", "tp2_sp": "tp=2 sp", "tp2_ep2": "tp=2 ep=2"}
-HEADINGS |= {"pp2": "pp=2", "cp2": "cp=2", "lora": "LoRA tp=2", "fp8": "fp8"}
-HEADINGS_OF_RUNS = HEADINGS | {"lora_tp1": "LoRA tp=1"}  # the notes name the reference runs too
+def _run(folder: Path, root: Path, layout: str, linears: str) -> Result:
+    """The recipe on ``folder`` at ``layout``, into a fresh folder under ``root``."""
+    output_dir = root / "runs" / folder.name / layout
+    shutil.rmtree(output_dir, ignore_errors=True)
+    return run_layout(folder, root / "cache", output_dir, layout, linears)
 
 
 def sweep_type(
     model_type: str, root: Path, tokenizer, layouts=tuple(LAYOUTS), known: dict | None = None
 ) -> dict:
     """Build ``model_type``'s tiny model under ``root`` and run the ``layouts`` that apply to it
-    (tp=2 ep=2 to MoE models; the others after tp=1, and their reference, works: tp=1 and the
-    reference run first when not among ``layouts``); a JSON-ready entry of the table, merged into
-    ``known`` (an earlier entry of the type), each layout's time of measurement in ``measured``."""
+    (tp=2 ep=2 to MoE models; tp=1 and each layout's reference run first when not among
+    ``layouts``); a layout whose reference does not work is its own refusal, LoRA tp=1's refusal
+    (the LoRA column), or skipped; a JSON-ready entry of the table, merged into ``known`` (an
+    earlier entry of the type), each layout's time of measurement in ``measured``."""
     entry = {"type": model_type, "plan": has_plan(model_type), "moe": False, "built": ""}
     folder = root / "models" / model_type
     shutil.rmtree(folder, ignore_errors=True)
@@ -347,153 +348,22 @@ def sweep_type(
     for layout in [name for name in LAYOUTS if name in needed]:  # references first
         if layout == "tp2_ep2" and not entry["moe"]:
             continue
-        reference = results.get(REFERENCES.get(layout, "tp1"))
-        if layout != "tp1" and (reference is None or reference.status != "works"):
-            results[layout] = Result("skipped", f"{REFERENCES.get(layout, 'tp1')} does not work")
-            if layout in REFERENCES and reference is not None:
-                results[layout] = reference  # the LoRA column says why LoRA does not run
-            continue
-        output_dir = root / "runs" / model_type / layout
-        shutil.rmtree(output_dir, ignore_errors=True)
-        result = run_layout(folder, root / "cache", output_dir, layout, linears)
-        if layout == "tp1":
-            whole = root / "runs" / model_type / "tp1_whole_batch"
-            result = checked_against_own(result, folder, root / "cache", whole)
-        results[layout], measured[layout] = judged(layout, results, result), now
+        name = REFERENCES.get(layout, "tp1")
+        reference = results.get(name)
+        if layout != "tp1" and reference.status != "works":
+            if layout in REFERENCES and reference.status != "skipped":
+                results[layout], measured[layout] = reference, measured[name]  # why LoRA fails
+                continue
+            result = _run(folder, root, layout, linears)  # a refusal is a cell of its own
+            if result.status != "refused":  # nothing to compare it with
+                results[layout] = Result("skipped", f"{name} does not work")
+                continue
+        else:
+            result = _run(folder, root, layout, linears)
+            if layout == "tp1":
+                whole = root / "runs" / model_type / "tp1_whole_batch"
+                result = checked_against_own(result, folder, root / "cache", whole)
+            result = judged(layout, results, result)
+        results[layout], measured[layout] = result, now
     shutil.rmtree(root / "runs" / model_type, ignore_errors=True)
     return entry | {"results": as_json(results), "measured": measured}
-
-
-def _cell(result: Result | None) -> str:
-    return "—" if result is None else result.status
-
-
-def _note(entry: dict) -> str:
-    """Each refusal or failure line once, after the layouts that gave it; run folders as FOLDER."""
-    if entry["built"]:
-        return _cell_text(f"no tiny model: {entry['built']}")
-    layouts: dict[str, list[str]] = {}
-    for layout, result in from_json(entry["results"]).items():
-        if result.status in ("refused", "broken"):
-            layouts.setdefault(result.line, []).append(HEADINGS_OF_RUNS[layout])
-    notes = [f"{', '.join(names)}: {line}" for line, names in layouts.items()]
-    if entry["type"] in STOCHASTIC:
-        notes.append(f"every layout with train.packing=true: {STOCHASTIC[entry['type']]}")
-    if entry["type"] in TIMEOUTS:
-        seconds, why = TIMEOUTS[entry["type"]]
-        notes.append(f"each run given {seconds} s: {why}")
-    if entry["type"] in TIES:
-        whole = " ".join(WHOLE_BATCH)
-        notes.append(f"tp=1 against its own loss with {whole}: {TIES[entry['type']]}")
-    return _cell_text("; ".join(notes))
-
-
-def _cell_text(text: str) -> str:
-    text = re.sub(r"/\S*/models/[\w.-]+", "FOLDER", text)[:500]
-    return text.replace("|", "\\|").replace("`", "'").replace("\n", " ")
-
-
-def _totals(entries: list[dict], plan: bool) -> str:
-    group = [entry for entry in entries if (has_plan(entry["type"]) == "own") == plan]
-    counts: dict[str, int] = {}
-    for entry in group:
-        status = from_json(entry["results"]).get("tp2", Result("not built")).status
-        counts[status] = counts.get(status, 0) + 1
-    parts = ", ".join(f"{count} {status}" for status, count in sorted(counts.items()))
-    kind = "with a plan of their own" if plan else "without (or with only a text config's)"
-    broken = [e for e in group if any(r["status"] == "broken" for r in e["results"].values())]
-    return f"{len(group)} types {kind}, at tp=2: {parts}; broken at some layout: {len(broken)}"
-
-
-def entries_from_table(text: str, measured: str) -> list[dict]:
-    """The entries of a coverage page ``text`` written by :func:`render` (its statuses and
-    refusal lines, no losses), each layout marked ``measured`` at that time: what a sweep of new
-    columns starts from when the earlier results are not cached here."""
-    lines = text.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("| type |"))
-    headings = [cell.strip() for cell in lines[start].strip("|").split("|")][3:-1]
-    layouts = {heading: layout for layout, heading in HEADINGS_OF_RUNS.items()}
-    entries = []
-    for row in lines[start + 2 :]:
-        if not row.startswith("| "):
-            break
-        cells = [cell.strip() for cell in re.split(r"(?<!\\)\|", row.strip()[1:-1])]
-        name, _, moe, *statuses, note = cells
-        entry = {"type": name, "plan": has_plan(name), "moe": moe == "yes", "built": ""}
-        if statuses[0] == "not built":
-            entry["built"] = note.removeprefix("no tiny model: ")
-            entries.append(entry | {"results": {}})
-            continue
-        said = _notes_by_heading(note)
-        results = {
-            layouts[heading]: {"status": status, "line": said.get(heading, ""), "losses": None}
-            for heading, status in zip(headings, statuses, strict=True)
-            if status != "—"
-        }
-        entries.append(entry | {"results": results, "measured": dict.fromkeys(results, measured)})
-    return entries
-
-
-def _notes_by_heading(note: str) -> dict[str, str]:
-    """A row's notes (``tp=2, tp=2 sp: error: ...; ...``) as heading -> line."""
-    said = {}
-    for part in note.split("; "):
-        names, _, line = part.partition(": ")
-        headings = names.split(", ")
-        if all(heading in HEADINGS_OF_RUNS.values() for heading in headings):
-            said |= dict.fromkeys(headings, line.replace("\\|", "|"))
-    return said
-
-
-def _measured(entries: list[dict]) -> list[str]:
-    """When each column was measured: the first and last time over the types, per column."""
-    lines = ["When each column was measured (the first and the last type's run):", ""]
-    for layout, heading in HEADINGS.items():
-        times = sorted(
-            e.get("measured", {})[layout] for e in entries if layout in e.get("measured", {})
-        )
-        if times:
-            lines.append(f"- {heading}: {times[0]} to {times[-1]} ({len(times)} types)")
-    return lines
-
-
-def render(entries: list[dict], command: str, total: int) -> str:
-    """The markdown page: how it was made, the totals, one row per type."""
-    today = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    lines = [
-        "# Model coverage",
-        "",
-        f"Measured {today} with transformers {transformers.__version__}: `{command}`",
-        f"({len(entries)} of the {total} causal-LM model types swept; each type's results are",
-        "cached from its last run, and `--rerun --only TYPE` runs it again).",
-        "",
-        "Each type's own config class, shrunk (2 layers, hidden 64, 4 heads, 4 experts, vocabulary",
-        "384, dropout off), a random model written by `save_pretrained`, 3 steps of the recipe",
-        "(`model=pretrained model.pretrained_path=FOLDER`). **works**: it trains, and at tp=2 its",
-        "losses equal tp=1's within 1e-5 (relative); **refused**: one `error:` line, no traceback;",
-        "**broken**: a traceback or different losses (or tp=1's first loss not the causal-LM",
-        "loss of the Hugging Face model's own logits on the same batch); **skipped**: tp=1 does",
-        "not work; —: not MoE",
-        "(tp=2 ep=2) or not run. The layouts that can be silently wrong: pp=2 and cp=2 against",
-        "tp=1 within 1e-5; LoRA tp=2 is `peft=lora` on every linear of the model (`lm_head`",
-        "among them) at tp=2 against the same at tp=1 within 1e-5, whose first loss is",
-        "tp=1's (every B starts at zero); fp8 is `train.precision=fp8` at tp=1 within 2e-2 of",
-        "tp=1's losses.",
-        "",
-        f"- {_totals(entries, True)}",
-        f"- {_totals(entries, False)}",
-        "",
-        *_measured(entries),
-        "",
-        f"| type | plan | MoE | {' | '.join(HEADINGS.values())} | why not |",
-        "|---|---|---|" + "---|" * len(HEADINGS) + "---|",
-    ]
-    for entry in entries:
-        results = from_json(entry["results"])
-        cells = [_cell(results.get(layout)) for layout in HEADINGS]
-        if entry["built"]:
-            cells = ["not built"] * len(HEADINGS)
-        plan = {"own": "yes", "text": "text config's", "": "no"}[has_plan(entry["type"])]
-        flags = [plan, "yes" if entry["moe"] else "no"]
-        lines.append(f"| {entry['type']} | {' | '.join(flags + cells)} | {_note(entry)} |")
-    return "\n".join(lines) + "\n"

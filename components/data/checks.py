@@ -4,6 +4,7 @@ pipe or missing is refused; the group becomes its source (its ``_target_`` picks
 
 import math
 import stat
+from dataclasses import replace
 from pathlib import Path
 
 from components.data.jsonl import DataError
@@ -37,7 +38,7 @@ def checked_source(
     streaming = group.get("streaming", False)
     group = {key: value for key, value in group.items() if key not in LABELLING_KEYS}
     if streaming:
-        return _streamed(group, pairs)
+        return _streamed(group, pairs, kinds)
     if group.get("_target_") == MIX_TARGET and pairs:
         refused = "data=mix mixes prompt and answer records: preference pairs are not mixed yet"
         return None, [Problem(key="data", message=refused)]
@@ -46,14 +47,16 @@ def checked_source(
     return _checked_single(group, pairs)
 
 
-def _streamed(group: dict, pairs: bool) -> tuple[StreamedSource | None, list[Problem]]:
-    """``data.streaming=true``: the ``data=hf`` source of ``group`` read as a stream, or one line
-    saying what is not streamed."""
+def _streamed(
+    group: dict, pairs: bool, kinds: dict[str, dict]
+) -> tuple[StreamedSource | MixSource | None, list[Problem]]:
+    """``data.streaming=true``: the ``data=hf`` source of ``group`` read as a stream (a mixture's
+    ``hf`` sources, each a stream), or one line saying what is not streamed."""
     refused = None
     if pairs:
         refused = "preference pairs are tokenized into the cache, not streamed"
     elif group.get("_target_") == MIX_TARGET:
-        refused = "a mixture is not streamed yet (its sources are tokenized into the cache)"
+        return _streamed_mixture(group, kinds)
     elif group.get("_target_") != f"{HFSource.__module__}.{HFSource.__name__}":
         refused = "only a datasets source is streamed, not data=jsonl's file or data=default's set"
     if refused:
@@ -63,9 +66,35 @@ def _streamed(group: dict, pairs: bool) -> tuple[StreamedSource | None, list[Pro
     source, found = _checked_single(group, pairs=False)
     if source is None:
         return None, found
+    return _as_stream(source), []
+
+
+def _as_stream(source: HFSource) -> StreamedSource:
     where = dict(path=source.path, split=source.split, name=source.name)
     columns = tuple(sorted((source.columns or {}).items()))
-    return StreamedSource(**where, columns=columns, num_examples=source.num_examples), []
+    return StreamedSource(**where, columns=columns, num_examples=source.num_examples)
+
+
+def _streamed_mixture(
+    group: dict, kinds: dict[str, dict]
+) -> tuple[MixSource | None, list[Problem]]:
+    """``data=mix data.streaming=true``: the mixture with each source a stream, or a line for
+    each source that is not a ``datasets`` source (kind ``hf``) or holds its own rows out."""
+    mix, found = checked_mixture(group, kinds)
+    if mix is None:
+        return None, found
+    parts = []
+    for index, (entry, part) in enumerate(zip(group["sources"], mix.parts, strict=True)):
+        where = f"data.sources[{index}] ({part.name})"
+        if not isinstance(part.source, HFSource):
+            fix = "give kind:hf,path:FILE_FOLDER_OR_HUB_ID, or data.streaming=false"
+            found.append(_mix_problem(f"{where}: kind {entry['kind']} is not streamed: {fix}"))
+        elif entry.get("val_fraction"):  # the mixture's own: the schema's line (recipes/)
+            held = f"val_fraction={show(part.source.val_fraction)}: a stream holds nothing out"
+            found.append(_mix_problem(f"{where}: {held}: set it to 0 or leave it out"))
+        else:
+            parts.append(replace(part, source=_as_stream(part.source)))
+    return (None, found) if found else (replace(mix, parts=tuple(parts)), [])
 
 
 def checked_mixture(group: dict, kinds: dict[str, dict]) -> tuple[MixSource | None, list[Problem]]:

@@ -464,14 +464,22 @@ def batch_width(longest: int, seq_len: int, pad_multiple: int | None) -> int:
 
 def widest_batch(split: TokenizedSplit | MixedSplit, pad_multiple: int | None) -> int:
     """Positions of the widest micro-batch any step of ``split`` can make (its longest row's, as
-    :func:`batch_width` pads it): what the dry run plans a micro-batch's tokens for."""
+    :func:`batch_width` pads it): what the dry run plans a micro-batch's tokens for. Of
+    preference pairs, the longest conversation's: a pair is two rows of the micro-batch
+    (:class:`PairBatches`), not one of both conversations' tokens."""
     if isinstance(split, MixedSplit):
         return max(widest_batch(part, pad_multiple) for part in split.parts)
     if not isinstance(split, TokenizedSplit):  # a stream's rows are not known before it is read
         return split.seq_len
     with np.load(split.rows_file) as arrays:
         rows = Rows.load_from(arrays, split.part)
-    longest = int(rows.tokens.max()) if len(rows.tokens) else split.seq_len
+    if not len(rows.tokens):
+        longest = split.seq_len
+    elif split.pairs:  # each example's length, of the split's examples
+        lengths = open_tokens(split.tokens_dir).data.column("length").to_numpy()
+        longest = int(lengths[rows.order].max())
+    else:
+        longest = int(rows.tokens.max())
     return batch_width(longest, split.seq_len, pad_multiple)
 
 

@@ -33,6 +33,7 @@ from components.data.jsonl import DataError
 from components.data.loader import MixedSplit, TokenizedSplit, open_tokens, pad_id_of
 from components.data.packing import Rows, build_rows
 from components.data.sources import DataSource, MixSource
+from components.data.stream_mixture import StreamedMixSplit, is_streamed
 from components.data.streaming import StreamedSource, StreamedSplit, first_example
 from components.data.tokenizer import DEFAULT_VOCAB_SIZE, train_tokenizer
 from components.processes import die_with_parent, process_exists
@@ -61,7 +62,7 @@ class PreparedData:
     """The prepared data of a run (picklable, handed to every rank). ``val`` is None when none is
     held out."""
 
-    train: TokenizedSplit | MixedSplit | StreamedSplit
+    train: TokenizedSplit | MixedSplit | StreamedSplit | StreamedMixSplit
     val: TokenizedSplit | MixedSplit | None
     folder: str
     reused: bool  # the tokenized records came from the cache
@@ -350,7 +351,7 @@ def prepare_data(
     """
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # see the module docstring: ranks fork from here
     options = dict(seq_len=seq_len, loss_on=loss_on, packing=packing, seed=seed)
-    if isinstance(source, StreamedSource):
+    if is_streamed(source):
         rows = dict(seq_len=seq_len, loss_on=loss_on, packing=packing)
         return _prepare_stream(source, tokenizer_dir, **rows)
     if isinstance(source, MixSource):
@@ -411,18 +412,33 @@ def prepare_data(
 
 
 def _prepare_stream(
-    source: StreamedSource, tokenizer_dir: str | Path, *, seq_len: int, loss_on: str, packing: bool
+    source: StreamedSource | MixSource,
+    tokenizer_dir: str | Path,
+    *,
+    seq_len: int,
+    loss_on: str,
+    packing: bool,
 ) -> PreparedData:
-    """A streamed source: nothing tokenized ahead, no cache; its first record is read and tokenized
-    here, so a path, split, column mapping, template or record that cannot be used is one line
-    before any rank starts."""
+    """A streamed source, or a mixture of them: nothing tokenized ahead, no cache; each stream's
+    first record is read and tokenized here, so a path, split, column mapping, template or record
+    that cannot be used is one line before any rank starts."""
     tokenizer = _chat_tokenizer(tokenizer_dir)
-    first_example(source, Labelling(tokenizer=tokenizer, seq_len=seq_len, loss_on=loss_on))
+    parts = source.parts if isinstance(source, MixSource) else ()
+    streams = tuple(part.source for part in parts) or (source,)
+    for stream in streams:
+        first_example(stream, Labelling(tokenizer=tokenizer, seq_len=seq_len, loss_on=loss_on))
     rows = dict(seq_len=seq_len, loss_on=loss_on, packing=packing, pad_id=pad_id_of(tokenizer))
+    rows["tokenizer_dir"] = str(tokenizer_dir)
+    if parts:
+        names, weights = tuple(p.name for p in parts), tuple(p.weight for p in parts)
+        train = StreamedMixSplit(names=names, weights=weights, sources=streams, **rows)
+    else:
+        train = StreamedSplit(source=source, **rows)
+    paths = ", ".join(stream.path for stream in streams)
     return PreparedData(
-        train=StreamedSplit(source=source, tokenizer_dir=str(tokenizer_dir), **rows),
+        train=train,
         val=None,
-        folder=f"streamed from {source.path}, no cache",
+        folder=f"streamed from {paths}, no cache",
         reused=False,
         tokenizer_digest=tokenizer_digest(tokenizer),
     )

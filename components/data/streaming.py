@@ -20,7 +20,7 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import datasets
 import torch
@@ -118,20 +118,6 @@ def _stream_of(source: StreamedSource) -> datasets.IterableDataset:
 
 
 @dataclass(frozen=True, kw_only=True)
-class StreamedSplit:
-    """What a rank needs to stream its rows (picklable, in the run plan): the source, the tokenizer
-    folder and how records become rows."""
-
-    source: StreamedSource
-    tokenizer_dir: str
-    seq_len: int
-    loss_on: str
-    packing: bool
-    pad_id: int
-    pairs: ClassVar[bool] = False  # prompt and answer records only (components/data/checks.py)
-
-
-@dataclass(frozen=True, kw_only=True)
 class StreamPosition:
     """Where one dp rank's stream stands between two rows: its ``epoch``, the ``stream``'s
     ``state_dict`` after the last record read (None: the epoch's start), the examples read but not
@@ -152,6 +138,45 @@ class StreamPosition:
         carry = tuple((list(ids), list(labels), int(n)) for ids, labels, n in saved["carry"])
         epoch, stream, records = saved["epoch"], saved["stream"], saved["records"]
         return cls(epoch=epoch, stream=stream, carry=carry, records=records)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StreamedSplit:
+    """What a rank needs to stream its rows (picklable, in the run plan): the source, the tokenizer
+    folder and how records become rows."""
+
+    source: StreamedSource
+    tokenizer_dir: str
+    seq_len: int
+    loss_on: str
+    packing: bool
+    pad_id: int
+    pairs: ClassVar[bool] = False  # prompt and answer records only (components/data/checks.py)
+
+    def start(self) -> StreamPosition:
+        """The position before the first row."""
+        return StreamPosition()
+
+    def position_of(self, saved: dict) -> StreamPosition:
+        return StreamPosition.of_json(saved)
+
+    def rows(
+        self,
+        position: StreamPosition,
+        labelling: Labelling,
+        *,
+        shard: tuple[int, int],
+        rows_per_step: int,
+    ) -> Iterator[tuple[list[Example], StreamPosition]]:
+        """dp rank ``shard[1]``'s rows from ``position`` on (:func:`stream_rows`); a rank's rows
+        are its own part of the stream, whatever ``rows_per_step``."""
+
+        def open_epoch(epoch: int) -> datasets.IterableDataset:
+            stream = self.source.open(dp_size=shard[0], dp_rank=shard[1])
+            stream.set_epoch(epoch)
+            return stream
+
+        return stream_rows(position, open_epoch, labelling, self.packing)
 
 
 def example_of(record: dict, labelling: Labelling, index: int) -> Example:
@@ -184,6 +209,28 @@ def first_example(source: StreamedSource, labelling: Labelling) -> Example:
     if first is None:
         raise DataError(f"data.path={source.path!r} has no records to stream")
     return example_of(first, labelling, 0)
+
+
+def check_dp_parts(sources: tuple[StreamedSource, ...], dp_size: int) -> None:
+    """Every dp rank's part of each stream holds a record (``split_dataset_by_node``: by shard, or
+    by record where there are fewer shards than ranks); rank 0's holds the first record, which
+    :func:`first_example` read.
+
+    Raises:
+        DataError: One line naming the stream and the first dp rank whose part holds no record.
+    """
+    for source in sources:
+        for dp_rank in range(1, dp_size):
+            try:
+                empty = next(iter(source.open(dp_size=dp_size, dp_rank=dp_rank)), None) is None
+            except Exception as error:  # as first_example: one line naming the path
+                why = _first_line(error)
+                raise DataError(f"data.path={source.path!r} cannot be streamed: {why}") from None
+            if empty:
+                raise DataError(
+                    f"data.path={source.path!r} holds too few records for dp={dp_size}: dp rank "
+                    f"{dp_rank}'s part of the stream has none; use fewer dp ranks or more records"
+                )
 
 
 def _first_line(error: Exception) -> str:
@@ -224,6 +271,35 @@ def stream_rows(
         if row:
             yield row, StreamPosition(epoch=epoch + 1, records=records)
         epoch, state, row = epoch + 1, None, []
+
+
+class RowPosition(Protocol):
+    """Where a dp rank's rows stand (a :class:`StreamPosition`, a mixture's ``MixPosition``)."""
+
+    def as_json(self) -> dict: ...
+
+
+class StreamedRows(Protocol):
+    """A streamed split as a rank's worker reads it: a :class:`StreamedSplit`, or a mixture's
+    (``components/data/stream_mixture.py``)."""
+
+    tokenizer_dir: str
+    seq_len: int
+    loss_on: str
+    pad_id: int
+
+    def start(self) -> RowPosition: ...
+
+    def position_of(self, saved: dict) -> RowPosition: ...
+
+    def rows(
+        self,
+        position: RowPosition,
+        labelling: Labelling,
+        *,
+        shard: tuple[int, int],
+        rows_per_step: int,
+    ) -> Iterator[tuple[list[Example], RowPosition]]: ...
 
 
 @dataclass(kw_only=True)
@@ -274,14 +350,14 @@ def _row_tokens(row: list[Example]) -> int:
 
 class _StepStream(torch.utils.data.IterableDataset):
     """One dp rank's steps from ``position`` on, made in the DataLoader's worker process: the
-    tokenizer is loaded and the stream opened there."""
+    tokenizer is loaded and the stream (a mixture's: its sources' streams) opened there."""
 
     def __init__(
         self,
-        split: StreamedSplit,
+        split: StreamedRows,
         shard: tuple[int, int],
         rows: tuple[int, int],
-        position: StreamPosition,
+        position: RowPosition,
         pad_multiple: int | None,
     ):
         super().__init__()
@@ -297,16 +373,11 @@ class _StepStream(torch.utils.data.IterableDataset):
             yield str(error)
 
     def _steps(self) -> Iterator[StepItem]:
-        split, (dp_size, dp_rank) = self.split, self.shard
+        split = self.split
         tokenizer = AutoTokenizer.from_pretrained(split.tokenizer_dir, trust_remote_code=False)
         labelling = Labelling(tokenizer=tokenizer, seq_len=split.seq_len, loss_on=split.loss_on)
-
-        def open_epoch(epoch: int) -> datasets.IterableDataset:
-            stream = split.source.open(dp_size=dp_size, dp_rank=dp_rank)
-            stream.set_epoch(epoch)
-            return stream
-
-        rows = stream_rows(self.position, open_epoch, labelling, split.packing)
+        rows_per_step = self.rows[0]
+        rows = split.rows(self.position, labelling, shard=self.shard, rows_per_step=rows_per_step)
         sizes = dict(seq_len=split.seq_len, pad_id=split.pad_id, pad_multiple=self.pad_multiple)
         return step_items(rows, *self.rows, **sizes)
 
@@ -319,14 +390,15 @@ def _dies_with_rank(parent: int) -> Callable[[int], None]:
 
 
 class StreamBatches:
-    """One dp rank's micro-batches of each step, read in order from the stream a worker process
-    tokenizes and packs ahead; the token counts of a whole step (summed over the dp ranks of
+    """One dp rank's micro-batches of each step, read in order from the stream (or a mixture's
+    streams, ``components/data/stream_mixture.py``) a worker process tokenizes and packs ahead;
+    the token counts of a whole step (summed over the dp ranks of
     ``group``, one small all-reduce a step); the position, saved and restored with the checkpoint
     (:meth:`state_dict`, :meth:`load_state_dict`)."""
 
     def __init__(
         self,
-        split: StreamedSplit,
+        split: StreamedRows,
         global_batch_size: int,
         micro_batch_size: int,
         *,
@@ -338,7 +410,7 @@ class StreamBatches:
         self.split, self.group, self.pad_multiple = split, group, pad_multiple
         self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
         self.dp_size, self.dp_rank = dp_size, dp_rank
-        self.position = StreamPosition()  # after the last step read
+        self.position = split.start()  # after the last step read
         self._items: Iterator[StepItem] | None = None
         self._step: int | None = None
         self._item: StepItem | None = None
@@ -363,7 +435,7 @@ class StreamBatches:
         if self.dp_size > 1:
             dist.all_reduce(counts, group=self.group)
         self._step, self._item, self._counts = step, item, tuple(counts.tolist())
-        self.position = StreamPosition.of_json(item.position)
+        self.position = self.split.position_of(item.position)
         return item
 
     def _loader(self) -> torch.utils.data.DataLoader:
@@ -409,11 +481,11 @@ class StreamBatches:
         """
         if saved["dp"] != self.dp_size:
             raise ValueError(f"a stream saved at dp={saved['dp']} resumes at that dp only")
-        self.position = StreamPosition.of_json(saved["positions"][self.dp_rank])
+        self.position = self.split.position_of(saved["positions"][self.dp_rank])
 
 
 def open_loaders(
-    train: TokenizedSplit | MixedSplit | StreamedSplit,
+    train: TokenizedSplit | MixedSplit | StreamedRows,
     val: TokenizedSplit | MixedSplit | None,
     val_sources: dict[str, TokenizedSplit],
     global_batch_size: int,
@@ -427,10 +499,10 @@ def open_loaders(
 ) -> tuple[StepBatches | StreamBatches, StepBatches | None, dict[str, StepBatches]]:
     """A rank's loaders of the prepared data: training, validation (None when nothing is held out)
     and a mixture's sources' validation by name (:func:`open_splits`, :func:`open_source_vals`);
-    a streamed source's training rows from its worker, its dp ranks' counts summed over ``group``
-    (no validation)."""
+    a streamed source's (or mixture's) training rows from its worker, its dp ranks' counts summed
+    over ``group`` (no validation)."""
     sizes = (global_batch_size, micro_batch_size)
-    if isinstance(train, StreamedSplit):
+    if not isinstance(train, TokenizedSplit | MixedSplit):
         where = dict(dp_size=dp_size, dp_rank=dp_rank, group=group, pad_multiple=pad_multiple)
         return StreamBatches(train, *sizes, **where), None, {}
     shards = dict(dp_size=dp_size, dp_rank=dp_rank, seed=seed, pad_multiple=pad_multiple)

@@ -1,8 +1,9 @@
 """The parallel layout, one owner: the degrees a run asks for (:class:`Degrees`), how a world of
 ranks is split by them (:class:`ParallelDims`), every rule a layout must keep (each problem one
-line), the default number of ranks, the pad multiple of a micro-batch, the candidate layouts of
-the dry run, and the meshes, named by purpose (:class:`Meshes`). The recipe's checks, the dry run
-and the ranks all ask here; no rule is written anywhere else.
+line; those that read the model or the optimizer read them as data, :class:`ModelFacts` and
+:class:`OptimizerFacts`), the default number of ranks, the pad multiple of a micro-batch, the
+candidate layouts of the dry run, and the meshes, named by purpose (:class:`Meshes`). The recipe's
+checks, the dry run and the ranks all ask here; no rule is written anywhere else.
 
 The mesh: ``("dp", "tp")`` with tp innermost (``("dp", "cp", "tp")`` with context parallelism;
 ``("dp_replicate", "dp_shard", "tp")`` with HSDP; ``pp`` outermost with pipeline parallelism).
@@ -14,8 +15,10 @@ ranks (inside one TP group when ``ep`` divides ``tp``, else spanning several dp 
 """
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.distributed_c10d import _set_pg_timeout
@@ -40,18 +43,73 @@ class Workload:
     micro_batch_size: int
     seq_len: int
     compile: bool = False
+    fp8: bool = False  # train.precision=fp8: float8 matmuls, whose tokens per rank the rules read
     pp_schedule: str = "1f1b"
     pp_stages_per_rank: int = 1
+
+
+# The model's sizes tp must divide, by their config keys
+TP_SIZE_KEYS = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+
+
+def tp_sizes(config: Any) -> dict[str, Any]:
+    """The sizes of a Hugging Face ``config`` that tp must divide, by key (a list per layer
+    where the config has one, Gemma 3n's intermediate sizes); the keys it lacks are left out."""
+    return {key: value for key in TP_SIZE_KEYS if (value := getattr(config, key, None)) is not None}
 
 
 @dataclass(frozen=True, kw_only=True)
 class ModelFacts:
     """What the layout rules read of the model: its name (``model=...``), whether it has experts,
-    its decoder layers (None: its config names no one stack of them, BLT's)."""
+    its decoder layers (None: its config names no one stack of them, BLT's), the sizes tp must
+    divide (:func:`tp_sizes`), its expert modules called with tokens already routed (Llama 4's),
+    as the problem names them (None: none, or the model was not built to look), and at the other
+    degrees a dry run may suggest, keyed (tp, cp or pp, size), what the model's checks refuse
+    there (its TP plan, fp8's shapes, NF4 tiles; its attention with cp; a pipeline stage's
+    structure: ``components/models/checks.py``'s ``other_layout_refusals``)."""
 
     name: str
     moe: bool
     layers: int | None
+    tp_sizes: Mapping[str, Any] = field(default_factory=dict)
+    routed_experts: str | None = None
+    refusals: Mapping[tuple[str, int], tuple[str, ...]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerFacts:
+    """What the layout rules read of the optimizer: its class (``optim._target_``) and the
+    ``foreach`` option as given (None: left to torch)."""
+
+    target: str
+    foreach: bool | None = None
+
+
+def tp_size_errors(sizes: Mapping[str, Any], tp: int) -> list[str]:
+    """The model's ``sizes`` (:func:`tp_sizes`) that ``tp`` does not divide, one line each."""
+    return [
+        f"tp ({tp}) must divide {key} ({value})"
+        for key, value in sizes.items()
+        if any(size % tp for size in _each(value))
+    ]
+
+
+def tp_size_problems(sizes: Mapping[str, Any], tp: int) -> list[Problem]:
+    """:func:`tp_size_errors` keyed ``tp``, and with any, one more naming the tp values that fit
+    (those dividing every size)."""
+    errors = tp_size_errors(sizes, tp) if tp > 1 else []
+    if not errors:
+        return []
+    every = [size for value in sizes.values() for size in _each(value)]
+    fits = [n for n in range(1, min(every) + 1) if all(size % n == 0 for size in every)]
+    hint = f"tp values that fit this model: {', '.join(map(str, fits))}"
+    return [Problem(key="tp", message=error) for error in [*errors, hint]]
+
+
+def _each(value: Any) -> list[int]:
+    """A size, or a per-layer list of them, as a list (a layer's None left out)."""
+    values = value if isinstance(value, list | tuple) else [value]
+    return [size for size in values if size is not None]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,13 +140,20 @@ class ParallelDims:
         return self.dp * self.cp
 
     @property
+    def fsdp_shards(self) -> int:
+        """The ranks FSDP splits a weight over (``Meshes.fsdp``'s shard dimension): ``dp × cp``;
+        with HSDP ``dp_shard``, each replica group holding a copy."""
+        return self.dp_shard if self.dp_replicate > 1 else self.data_parallel
+
+    @property
     def ep_shard(self) -> int:
         """The groups of ``ep`` ranks that hold the same experts."""
         return self.world_size // self.ep
 
     def problems(self, work: Workload) -> list[Problem]:
         """Why ``work`` cannot run on this layout, whatever the model: the global batch splits
-        into micro-batches over dp, a row into tp slices with sp and into 2·cp chunks with cp."""
+        into micro-batches over dp, a row into tp slices with sp and into 2·cp chunks with cp,
+        and with fp8 into multiples of 16 tokens per cp rank."""
         found = []
         if work.global_batch_size % (work.micro_batch_size * self.dp):
             fits = work.micro_batch_size * self.dp
@@ -106,6 +171,7 @@ class ParallelDims:
                 f"(each rank holds an equal slice of the sequence): use e.g. train.seq_len={fits}"
             )
             found.append(Problem(key="train.seq_len", message=message))
+        found += self.fp8_problems(work.seq_len) if work.fp8 else []
         return found + self._context_parallel_problems(work)
 
     def _context_parallel_problems(self, work: Workload) -> list[Problem]:
@@ -134,9 +200,10 @@ class ParallelDims:
         return math.lcm(2 * self.cp, self.cp * self.tp if self.sp else 1)
 
     def model_problems(self, work: Workload, model: ModelFacts) -> list[Problem]:
-        """Why this layout cannot run ``model``: experts with cp; with pp what the pipeline does
-        not compose with yet, and the stages it needs."""
-        found = []
+        """Why this layout cannot run ``model``: experts with cp, or split over ep where they take
+        tokens already routed; with pp what the pipeline does not compose with yet, and the
+        stages it needs."""
+        found = self._expert_problems(model)
         if model.moe and self.cp > 1:
             message = (
                 f"cp={self.cp} with an MoE model (model={model.name}) is not supported yet: "
@@ -155,6 +222,35 @@ class ParallelDims:
         ]
         micro_batches = work.global_batch_size // (work.micro_batch_size * self.dp)
         return found + self._stage_problems(work, model.layers, micro_batches)
+
+    def _expert_problems(self, model: ModelFacts) -> list[Problem]:
+        """Experts called with tokens already routed split over ep only where ep divides tp (the
+        TP group's tokens are the same: folded) or at tp=1 (each rank's own tokens)."""
+        routed = model.routed_experts
+        if routed is None or self.ep == 1 or self.tp == 1 or self.tp % self.ep == 0:
+            return []
+        message = (
+            f"{routed} takes its tokens already routed: split only where ep divides tp or at "
+            f"tp=1, not at ep={self.ep} tp={self.tp}"
+        )
+        return [Problem(key="ep", message=message)]
+
+    def optimizer_problems(self, optimizer: OptimizerFacts) -> list[Problem]:
+        """What ``optimizer`` cannot run at this layout: ``foreach=true`` at tp > 1 without FSDP,
+        where the parameters mix DTensors and plain replicas (``training/optimizer.py``'s
+        ``foreach_choice``). (torchao's ``AdamW8bit`` over parameters sharded by TP and FSDP at
+        once failed in its compiled step only through AOT autograd's cache, which
+        ``build_optimizer`` turns off: it runs.)"""
+        if not optimizer.foreach or self.tp == 1 or self.data_parallel > 1:
+            return []
+        message = (
+            f"optim.foreach=true at tp={self.tp} without data parallelism: the trainable "
+            "parameters mix TP's DTensor shards with the plain replicas it leaves whole, which "
+            "torch's foreach kernels do not take in one list; leave optim.foreach unset (the "
+            "per-tensor update, the same numbers) or add dp so that FSDP makes every parameter a "
+            "DTensor"
+        )
+        return [Problem(key="optim", message=message)]
 
     def _pipeline_refusals(self, work: Workload, model: ModelFacts) -> dict[str, tuple]:
         """key: (refused with pp, what, what would work with pp)."""
@@ -210,21 +306,35 @@ class ParallelDims:
         chunks = self.sequence_multiple() if self.cp > 1 else 1
         return math.lcm(8 * tp, chunks, tokens)
 
-    def all_problems(self, work: Workload, model: ModelFacts) -> list[Problem]:
-        """:meth:`problems` and :meth:`model_problems`: whether a layout fits a run at all."""
-        return self.problems(work) + self.model_problems(work, model)
+    def all_problems(
+        self, work: Workload, model: ModelFacts, optimizer: OptimizerFacts
+    ) -> list[Problem]:
+        """Every rule of this layout for a run (the dry run's filter): :meth:`problems`,
+        :meth:`optimizer_problems`, :func:`tp_size_problems`, what the model's checks refuse at
+        this tp, cp and pp (``ModelFacts.refusals``) and :meth:`model_problems`, the same the
+        recipe's checks ask one by one."""
+        found = self.problems(work) + self.optimizer_problems(optimizer)
+        found += tp_size_problems(model.tp_sizes, self.tp)
+        for name in ("tp", "cp", "pp"):
+            refused = model.refusals.get((name, getattr(self, name)), ())
+            found += [Problem(key=name, message=line) for line in refused]
+        return found + self.model_problems(work, model)
 
     def changes(self) -> list[list[tuple[str, dict[str, int]]]]:
         """The changes of degree on the same world the dry run may suggest, by kind, each with the
         override that makes it: a larger tp, cp or pp (dp shrinks), fewer HSDP replicas. Whether
         one fits is :meth:`changed`'s and :meth:`all_problems`'."""
-        world, groups = self.world_size, []
+        groups = []
         for name in ("tp", "cp", "pp"):
-            sizes = range(getattr(self, name) + 1, world + 1)
-            groups.append([(f"{name}={size}", {name: size}) for size in sizes if world % size == 0])
+            groups.append([(f"{name}={size}", {name: size}) for size in self.larger(name)])
         replicas = [r for r in range(self.dp_replicate - 1, 0, -1) if self.dp % r == 0]
         groups.append([(f"dp_replicate={r}", {"dp_replicate": r}) for r in replicas])
         return groups
+
+    def larger(self, name: str) -> list[int]:
+        """The sizes of degree ``name`` (tp, cp, pp) above this one that divide the world."""
+        world = self.world_size
+        return [size for size in range(getattr(self, name) + 1, world + 1) if world % size == 0]
 
     def changed(self, **degrees: int) -> "ParallelDims":
         """This layout with ``degrees`` changed on the same world, dp_shard taking up the rest.

@@ -29,6 +29,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from components.distributed.float8_tp import float8_style
+from components.distributed.layout import tp_size_errors, tp_sizes
 from components.distributed.tp_replicas import (
     mark_tp_replica_gradient_reduction,
     tp_replica_reduction,
@@ -162,17 +163,6 @@ def _ancestors(name: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
 
 
-def tp_size_errors(config, tp: int) -> list[str]:
-    """The model's sizes that ``tp`` must divide and does not (heads, KV heads, intermediate)."""
-    errors = []
-    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-        value = getattr(config, key, None)
-        sizes = value if isinstance(value, list | tuple) else [value]  # Gemma 3n's: per layer
-        if any(size is not None and size % tp for size in sizes):
-            errors.append(f"tp ({tp}) must divide {key} ({value})")
-    return errors
-
-
 def check_plan(
     model: nn.Module,
     config,
@@ -224,7 +214,7 @@ def _checked(
             kind = type(model.get_submodule(name)).__name__
             errors.append(f"{name} ({kind}) can be split only as {supported}, not {style!r}")
     if sizes:
-        errors += tp_size_errors(config, tp)
+        errors += tp_size_errors(tp_sizes(config), tp)
     if "sequence_parallel" in resolved.values():
         errors += _sequence_parallel_errors(model, config, resolved, tp)
     return resolved, errors, notes

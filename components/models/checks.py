@@ -15,9 +15,15 @@ from typing import Any
 import transformers
 
 from components.distributed.context_parallel import attention_problems
-from components.distributed.layout import ParallelDims
+from components.distributed.layout import (
+    LayoutError,
+    ModelFacts,
+    ParallelDims,
+    tp_size_problems,
+    tp_sizes,
+)
 from components.distributed.pipeline import stage_structure_problem
-from components.distributed.tp_plan import check_plan, tp_size_errors
+from components.distributed.tp_plan import check_plan
 from components.models.attention import attention_choice_problems, set_attention
 from components.models.build import meta_causal_lm
 from components.models.compile import check_compile
@@ -57,6 +63,8 @@ class CheckedModel:
     meta: Any = None
     experts: tuple[str, ...] = ()
     awaits_fetch: bool = False  # the folder is yet to be downloaded or converted: checked then
+    facts: ModelFacts | None = None  # what the layout's rules read of it, once every check ran
+    refusals: dict[tuple[str, int], tuple[str, ...]] = field(default_factory=dict)  # ModelFacts'
     problems: list[Problem] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -69,9 +77,7 @@ def check_model(choice: ModelChoice, use: ModelUse, dims: ParallelDims | None) -
         return checked
     config, found = checked.config, checked.problems
     found += config_problems(config, checked.path, use.seq_len)
-    cp = 1 if dims is None else dims.cp
-    found += kernel_problems(choice, use, cp, config)
-    found += problems("cp", sequence_problems(config, cp, packing=False))
+    found += cp_problems(choice, use, 1 if dims is None else dims.cp, config)
     found += problems("train.packing", sequence_problems(config, 1, use.packing))
     found += problems("model", position_offset_problems(config))
     found += problems("model", causal_problems(config))
@@ -79,6 +85,7 @@ def check_model(choice: ModelChoice, use: ModelUse, dims: ParallelDims | None) -
     fp8 = use.precision == "fp8"
     try:
         wanted = checked.path is not None or splits or use.lora is not None or fp8
+        wanted = wanted or bool(use.other_layouts)  # a dry run's, checked on the structure
         meta = meta_causal_lm(config) if wanted else None
     except ValueError as error:  # a config class AutoModelForCausalLM does not map
         said = str(error).split("Model type should be one of")[0].strip()  # not the long list
@@ -99,6 +106,8 @@ def check_model(choice: ModelChoice, use: ModelUse, dims: ParallelDims | None) -
     checked.meta = meta
     if dims is not None:
         found += _layout_problems(config, meta, use, dims, (tuple(experts), tuple(routers)))
+        moe = (tuple(experts), tuple(routers))
+        checked.refusals = other_layout_refusals(choice, config, meta, use, dims, moe)
     checked.complete = True
     return checked
 
@@ -157,12 +166,13 @@ def awaits_fetch(choice: ModelChoice) -> bool:
     return needs_download(choice.pretrained_path)
 
 
-def fetch_model_folder(choice: ModelChoice) -> Path:
+def fetch_model_folder(choice: ModelChoice, key: str = "model.pretrained_path") -> Path:
     """The chosen model's folder: a local one, a Hub id from the cache or downloaded, SmolLM2's
-    conversion into ``cache_dir``. Raises ValueError or RuntimeError, one line."""
+    conversion into ``cache_dir``. Raises ValueError or RuntimeError, one line (naming ``key``,
+    the path's setting)."""
     if choice.pretrained_path is None:  # model.source=smollm2
         return smollm2_folder(choice.cache_dir)
-    return resolve_model_folder(choice.pretrained_path)
+    return resolve_model_folder(choice.pretrained_path, key=key)
 
 
 def _causal(config, meta, checked: CheckedModel):
@@ -226,23 +236,65 @@ def lora_problems(
 def _layout_problems(
     config, meta, use: ModelUse, dims: ParallelDims, moe: tuple[tuple, tuple]
 ) -> list[Problem]:
-    """What this model cannot take at ``dims``: attention outside the interface with cp, the TP
-    plan and the sizes tp must divide, a pipeline stage's structure, fp8's layers, compile.
-    ``moe``: its expert and router patterns."""
-    experts, routers = moe
-    found = problems("cp", attention_problems(config, dims.cp))
-    styles, plan_found = checked_plan(config, meta, dims.tp, use.sequence_parallel, moe)
-    found += plan_found + tp_problems(config, dims.tp)
+    """What this model cannot take at ``dims``: the TP plan and the sizes tp must divide, a
+    pipeline stage's structure, fp8's layers, compile (cp's: :func:`cp_problems`). ``moe``: its
+    expert and router patterns."""
+    experts, _ = moe
+    found = tp_structure_problems(config, meta, use, dims, moe) + tp_problems(config, dims.tp)
     found += stage_problems(config, meta, dims.pp)
-    if use.nf4_base and use.lora is not None:  # the adapters were placed: their bases' tiles
-        found += problems("peft", nf4_problems(meta, styles, dims.tp))
-    if use.precision == "fp8":
-        found += _fp8_problems(meta, use, dims, bool(experts), styles)
     try:
         check_compile(use.compile, use.device_type, bool(experts), dims.ep)
     except ValueError as error:
         found.append(Problem(key="train.compile", message=str(error)))
     return found
+
+
+def tp_structure_problems(
+    config, meta, use: ModelUse, dims: ParallelDims, moe: tuple[tuple, tuple]
+) -> list[Problem]:
+    """What the meta model's structure refuses at ``dims.tp``: its TP plan, with ``peft=qlora``
+    the NF4 tiles of the adapters' bases (then split over FSDP's shards), with fp8 the float8
+    layers' matmul shapes per rank."""
+    experts, _ = moe
+    tp = dims.tp
+    styles, found = checked_plan(config, meta, tp, use.sequence_parallel, moe)
+    if use.nf4_base and use.lora is not None:  # the adapters were placed: their bases' tiles
+        found += problems("peft", nf4_problems(meta, styles, tp, dims.fsdp_shards))
+    if use.precision == "fp8":
+        found += _fp8_problems(meta, use, tp, bool(experts), styles)
+    return found
+
+
+def other_layout_refusals(
+    choice: ModelChoice, config, meta, use: ModelUse, dims: ParallelDims, moe: tuple[tuple, tuple]
+) -> dict[tuple[str, int], tuple[str, ...]]:
+    """``ModelFacts.refusals``: at each of ``use.other_layouts`` (a degree and its size, on the
+    world of ``dims``, dp taking up the rest as the dry run's change does), the lines the model's
+    checks of that degree refuse it with (none: that size is not here); a tp the sizes refuse is
+    the layout's rule, and skipped."""
+    found = {}
+    for name, size in use.other_layouts:
+        if name == "tp":
+            try:
+                at = dims.changed(tp=size)
+            except LayoutError:  # not a layout of this world: the dry run never tries it
+                continue
+            sized = bool(tp_problems(config, size))  # the layout's own rule refuses it
+            refused = [] if sized else tp_structure_problems(config, meta, use, at, moe)
+        elif name == "cp":
+            refused = cp_problems(choice, use, size, config)
+        else:
+            refused = stage_problems(config, meta, size)
+        found |= {(name, size): tuple(p.message for p in refused)} if refused else {}
+    return found
+
+
+def cp_problems(choice: ModelChoice, use: ModelUse, cp: int, config) -> list[Problem]:
+    """What this model cannot take at ``cp``: the attention kernel, a model type that numbers
+    its own positions or shards no sequence, attention outside the interface."""
+    found = kernel_problems(choice, use, cp, config)
+    found += problems("cp", sequence_problems(config, cp, packing=False))
+    return found + problems("cp", attention_problems(config, cp))
 
 
 def stage_problems(config, meta, pp: int) -> list[Problem]:
@@ -277,30 +329,18 @@ def checked_plan(
 
 
 def tp_problems(config, tp: int) -> list[Problem]:
-    """The model sizes ``tp`` must divide, and with any refused the tp values that fit."""
-    return with_tp_suggestion(problems("tp", tp_size_errors(config, tp)), config) if tp > 1 else []
+    """The model sizes ``tp`` must divide, and with any refused the tp values that fit: the
+    layout's rule (``components/distributed/layout.py``) on the sizes of ``config``."""
+    return tp_size_problems(tp_sizes(config), tp)
 
 
-def with_tp_suggestion(found: list[Problem], config) -> list[Problem]:
-    """``found``, and when a problem is with ``tp``, one more naming the tp values that fit the
-    model (those dividing its heads, KV heads and intermediate size)."""
-    if not any(problem.key == "tp" for problem in found):
-        return found
-    keys = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
-    sizes = [size for key in keys if (size := getattr(config, key, 0))]
-    fits = [tp for tp in range(1, min(sizes) + 1) if all(size % tp == 0 for size in sizes)]
-    hint = f"tp values that fit this model: {', '.join(map(str, fits))}"
-    return [*found, Problem(key="tp", message=hint)]
-
-
-def _fp8_problems(meta, use: ModelUse, dims: ParallelDims, moe: bool, styles: dict) -> list:
+def _fp8_problems(meta, use: ModelUse, tp: int, moe: bool, styles: dict) -> list:
     """``train.precision=fp8``: what the float8 linears cannot take here (an MoE model, LoRA, the
     GPU), else each converted layer's matmul dimensions at this tp (with the TP plan's
-    ``styles``) and the tokens per cp rank."""
+    ``styles``); the tokens per cp rank are the layout's rule (``ParallelDims.problems``)."""
     if found := fp8_problems(meta, moe, use.peft_lora, use.device_type):
         return problems("train.precision", found)
-    found = problems("train.precision", fp8_shape_errors(meta, dims.tp, styles))
-    return found + dims.fp8_problems(use.seq_len)
+    return problems("train.precision", fp8_shape_errors(meta, tp, styles))
 
 
 def _unbuildable(config, error: Exception) -> Problem:
@@ -336,14 +376,15 @@ def check_teacher(
 
 
 def _as_teacher(problem: Problem) -> Problem:
-    """A model check's problem said of the teacher: its key and ``model.config`` named
-    ``teacher``'s, the line marked as the teacher's."""
+    """A model check's problem said of the teacher: its key, ``model.config`` and
+    ``model.pretrained_path`` named ``teacher``'s, the line marked as the teacher's."""
     key = (
         problem.key.replace("model", "teacher", 1)
         if problem.key.startswith("model")
         else problem.key
     )
     message = problem.message.replace("model.config", "teacher.config")
+    message = message.replace("model.pretrained_path", "teacher.pretrained_path")
     return Problem(
         key=key, message=message if message.startswith("teacher") else f"teacher: {message}"
     )

@@ -53,3 +53,6 @@ class ModelUse:
     peft_lora: bool  # peft=lora or qlora, checked or not (fp8 refuses it either way)
     nf4_base: bool = False  # peft=qlora: the adapted linears' base stored in NF4
     packing: bool  # train.packing: examples packed in a row, their positions restarting
+    # the other degrees a dry run may suggest, as (tp, cp or pp, size): what the model's checks
+    # refuse there is found too (CheckedModel.refusals)
+    other_layouts: tuple[tuple[str, int], ...] = ()

@@ -429,10 +429,11 @@ def experts_problem(module: nn.Module, unsupported: str, adapters: bool = False)
 
 
 def check_expert_parallel(
-    model: nn.Module, patterns: list[str], num_experts: int, ep: int, tp: int = 1
+    model: nn.Module, patterns: list[str], num_experts: int, ep: int
 ) -> list[str]:
-    """Every reason expert parallelism cannot run at ``ep`` and ``tp`` (empty when it can); ``ep``
-    dividing the world is the mesh's check."""
+    """Every reason expert parallelism cannot run at ``ep`` whatever the tp (empty when it can);
+    ``ep`` dividing the world, and dividing tp where experts take tokens already routed
+    (:func:`routed_experts`), are the layout's rules (``components/distributed/layout.py``)."""
     errors = []
     if ep > 1 and not patterns:
         errors.append(f"ep={ep} needs an MoE model: model.experts names no expert modules")
@@ -443,24 +444,41 @@ def check_expert_parallel(
             errors.append(
                 f"model.experts pattern {pattern!r} matches no module of {type(model).__name__}"
             )
-    found: dict[str, list[str]] = {}  # each problem once, naming the modules that have it
     unsupported = "expert parallelism of such experts is not supported yet; use ep=1"
-    for name in modules:
-        module = model.get_submodule(name)
-        if (problem := experts_problem(module, unsupported)) is not None:
-            found.setdefault(problem, []).append(name)
-        elif ep > 1 and not takes_routing(module) and tp > 1 and tp % ep:
-            problem = (
-                f"({type(module).__name__}) takes its tokens already routed: split only where ep "
-                f"divides tp or at tp=1, not at ep={ep} tp={tp}"
-            )
-            found.setdefault(problem, []).append(name)
-    for problem, names in found.items():
-        more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
-        errors.append(f"{names[0]}{more} {problem}")
+    found = _named_problems(model, modules, lambda module: experts_problem(module, unsupported))
+    errors += [f"{names} {problem}" for problem, names in found.items()]
     if num_experts % ep:
         errors.append(f"ep ({ep}) must divide the number of experts ({num_experts})")
     return errors
+
+
+def routed_experts(model: nn.Module, patterns: list[str]) -> str | None:
+    """The expert modules ``patterns`` names that are called with tokens already routed (Llama
+    4's) and otherwise split, named as a problem names them (the first, how many more, the
+    class); None when there are none."""
+    found = _named_problems(model, expert_modules(model, patterns), _routed_kind)
+    return next((f"{names} {kind}" for kind, names in found.items()), None)
+
+
+def _routed_kind(module: nn.Module) -> str | None:
+    """``(ClassName)`` of an experts module expert parallelism splits that is called with tokens
+    already routed; None for any other."""
+    plain = experts_problem(module, "") is None and not takes_routing(module)
+    return f"({type(module).__name__})" if plain else None
+
+
+def _named_problems(model: nn.Module, modules: list[str], problem_of) -> dict[str, str]:
+    """Each problem ``problem_of`` finds among ``modules`` once, with the modules that have it
+    named: the first, and how many more."""
+    found: dict[str, list[str]] = {}
+    for name in modules:
+        if (problem := problem_of(model.get_submodule(name))) is not None:
+            found.setdefault(problem, []).append(name)
+    named = {}
+    for problem, names in found.items():
+        more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+        named[problem] = f"{names[0]}{more}"
+    return named
 
 
 def expert_layout(

@@ -157,10 +157,10 @@ def _converter(
 
 def _candidates(plan, layout: Layout) -> list[tuple[str, Layout]]:
     """Changes that lower the memory: single ones first (cheapest first), then pairs, then all,
-    each kept where the layout's rules (``components/distributed/layout.py``) let the run take it.
-    A larger tp, cp or pp keeps the world: dp shrinks (its new size is named with the change); a
-    tp the attention heads and KV heads do not divide is not tried."""
-    config, dims = plan.model.config, layout.dims
+    each kept where the layout's rules (``components/distributed/layout.py``, those the recipe's
+    checks ask: the model's sizes, its experts, the optimizer) let the run take it. A larger tp,
+    cp or pp keeps the world: dp shrinks (its new size is named with the change)."""
+    dims = layout.dims
     changes = []
     if layout.activation_checkpointing != "full":
         full = {"activation_checkpointing": "full"}
@@ -168,11 +168,7 @@ def _candidates(plan, layout: Layout) -> list[tuple[str, Layout]]:
     micro = layout.micro_batch_size
     batches = [m for m in range(micro - 1, 0, -1) if micro % m == 0]
     changes.append([(f"train.micro_batch_size={m}", {"micro_batch_size": m}) for m in batches])
-    names = ("num_attention_heads", "num_key_value_heads")
-    heads = [size for name in names if (size := getattr(config, name, None))]
-    tps, *degrees = dims.changes()
-    changes.append([(word, tp) for word, tp in tps if all(h % tp["tp"] == 0 for h in heads)])
-    changes += degrees
+    changes += dims.changes()
     found = []
     for count in range(1, len(changes) + 1):
         for group in itertools.combinations(changes, count):
@@ -193,7 +189,8 @@ def _fitting(plan, layout: Layout, fields: dict) -> Layout | None:
         return None
     candidate = replace(layout, dims=dims, **own)
     work = replace(plan.workload, micro_batch_size=candidate.micro_batch_size)
-    return None if dims.all_problems(work, plan.model_facts) else candidate
+    found = dims.all_problems(work, plan.model_facts, plan.optimizer_facts)
+    return None if found else candidate
 
 
 def _words(picks: tuple, dims: ParallelDims, changed: ParallelDims) -> str:
@@ -215,7 +212,7 @@ def _suggest(plan, step: Step, layout: Layout, memory_gib: float) -> tuple[dict 
     for words, candidate in _candidates(plan, layout)[:MAX_PLANNED]:
         try:
             total = plan_layout(plan, step, candidate).total
-        except ValueError as error:  # e.g. a tp the heads do not divide: not a layout at all
+        except ValueError as error:  # e.g. a TP plan the built model refuses: not a layout
             tried.append({"change": words, "error": str(error).split(";")[0]})
             continue
         tried.append({"change": words, "total_gib": round(total, 3), "fits": total <= memory_gib})
@@ -224,9 +221,12 @@ def _suggest(plan, step: Step, layout: Layout, memory_gib: float) -> tuple[dict 
     return None, tried
 
 
-# The optimizer-state levers (conf/optim/): bits per moment value and values per scale; adamw8bit
-# is refused with TP and FSDP at once (components/training/optimizer.py)
-_STATE_LEVERS = {"optim=adamw8bit": (8, 256), "optim=adamw4bit": (4, 128)}
+# The optimizer-state levers (conf/optim/): the class, bits per moment value and values per
+# scale; each offered where the layout's rules let it run (ParallelDims.optimizer_problems)
+_STATE_LEVERS = {
+    "optim=adamw8bit": ("torchao.optim.AdamW8bit", 8, 256),
+    "optim=adamw4bit": ("torchao.optim.AdamW4bit", 4, 128),
+}
 
 
 def _state_levers(plan, step: Step, layout: Layout) -> list[dict]:
@@ -239,8 +239,8 @@ def _state_levers(plan, step: Step, layout: Layout) -> list[dict]:
     ):
         return []
     dims, levers = layout.dims, []
-    for words, (bits, block) in _STATE_LEVERS.items():
-        if bits == 8 and dims.tp > 1 and dims.data_parallel > 1:
+    for words, (target, bits, block) in _STATE_LEVERS.items():
+        if dims.optimizer_problems(replace(plan.optimizer_facts, target=target)):
             continue
         lowered = replace(step, optimizer_bits=bits, optimizer_block=block)
         levers.append({"change": words, "total_gib": plan_layout(plan, lowered, layout).total})

@@ -61,7 +61,7 @@ class Step:
     loss_chunk_tokens: int  # train.loss_chunk_tokens: tokens per head + loss chunk; 0: unchunked
     packing: bool = False  # train.packing: transformers then builds a document mask (cp=1 too)
     fp8_recipe: str = "tensorwise"  # with fp8: tensorwise all-gathers float8 weights under FSDP
-    nf4_base: bool = False  # peft=qlora: the adapted linears' weights in NF4, outside FSDP
+    nf4_base: bool = False  # peft=qlora: the adapted linears' weights in NF4, sharded by FSDP
     pp_schedule: str = "1f1b"  # with pp > 1: gpipe | 1f1b | interleaved_1f1b
     pp_stages_per_rank: int = 1
     rows_per_sample: int = 1  # rows a micro-batch holds per sample: DPO's pairs are 2
@@ -173,21 +173,20 @@ def _tp_replicated(parameter: torch.Tensor) -> bool:
     return not parameter.placements[names.index("tp")].is_shard()
 
 
-def _nf4_weights(model: nn.Module, step: Step) -> dict[int, tuple[int, int]]:
-    """With ``peft=qlora``: the NF4 weights, each (this rank's values, bytes held), by ``id`` of
-    the parameter they stand for on the meta model (of the module once quantized); FSDP leaves
-    them whole on every dp rank."""
+def _nf4_weights(model: nn.Module, layout: Layout, step: Step) -> dict[int, tuple[int, ...]]:
+    """With ``peft=qlora``: the NF4 weights, each (this rank's values, their bytes stored, the
+    bytes held: FSDP's share of them, in whole tiles), by ``id`` of the parameter they stand for
+    on the meta model (the module's NF4 tiles once quantized)."""
     if not step.nf4_base:
         return {}
     found = {}
     for _, module in quantizable(model):
         rows, cols = local_shape(module)
-        weight = getattr(module, "weight", None)  # None: quantized, the module's NF4 weight
-        element = (weight if weight is not None else module.nf4_weight.data).element_size()
-        found[id(weight if weight is not None else module)] = (
-            rows * cols,
-            stored_bytes(rows, cols, element),
-        )
+        weight = getattr(module, "weight", None)  # None: quantized, the module's NF4 tiles
+        stands_for = weight if weight is not None else module.nf4.tiles
+        element, values = stands_for.element_size(), rows * cols
+        held = stored_bytes(values // _sharding(layout), element)
+        found[id(stands_for)] = (values, stored_bytes(values, element), held)
     return found
 
 
@@ -198,15 +197,18 @@ def _state(model: nn.Module, layout: Layout, step: Step) -> dict[str, float]:
     layer's, the TP-replicated ones (the replica sync) and the largest tensor."""
     params = list(model.parameters())
     local = [_local(p) for p in params]
-    nf4 = _nf4_weights(model, step)
+    nf4 = _nf4_weights(model, layout, step)
     pairs = list(zip(params, local, strict=True))
     total = sum(t.numel() * t.element_size() for p, t in pairs if id(p) not in nf4)
-    total += sum(held for _, held in nf4.values())
+    total += sum(held for _, _, held in nf4.values())
     element = local[0].element_size() if local else 4
     layers = _decoder_layers(model)
     layer = max(
         (sum(_local(p).numel() for p in b.parameters() if id(p) not in nf4) for b in layers),
         default=0,
+    )
+    nf4_layer = max(
+        (sum(nf4[id(p)][1] for p in b.parameters() if id(p) in nf4) for b in layers), default=0
     )
     layer_trained = max(
         (sum(_local(p).numel() for p in b.parameters() if p.requires_grad) for b in layers),
@@ -229,12 +231,13 @@ def _state(model: nn.Module, layout: Layout, step: Step) -> dict[str, float]:
         "element": element,
         "layer_grad_bytes": layer_trained * element,
         "layer_numel": layer * _sharding(layout),  # FSDP all-gathers a layer over its shards
+        "nf4_layer_bytes": nf4_layer,  # its NF4 tiles too, gathered as stored
         "matmul_numel": matmul if _data_parallel(layout) == 1 else 0,  # autocast: without FSDP
         "head_numel": head_weight.numel() if head_weight is not None else 0,
         "head_trained": head is not None and head.requires_grad,  # frozen under LoRA
         "replicated_bytes": replicated,
         "largest_bytes": max((t.numel() * t.element_size() for _, t in trained), default=0),
-        "nf4_largest_numel": max((numel for numel, _ in nf4.values()), default=0),
+        "nf4_largest_numel": max((numel for numel, _, _ in nf4.values()), default=0),
     }
 
 
@@ -264,9 +267,13 @@ def _fp8_numel(model: nn.Module, layout: Layout) -> dict[str, float]:
     }
 
 
-def _layer_rows(config, layout: Layout, step: Step, index: int) -> tuple[float, float, float]:
+def _layer_rows(
+    config, layout: Layout, step: Step, index: int, frozen_base: bool = False
+) -> tuple[float, float, float]:
     """Bytes per (local) token of decoder layer ``index``: (what it saves without checkpointing,
-    its input, the gradients in flight in its backward).
+    its input, the gradients in flight in its backward). ``frozen_base``: LoRA's and QLoRA's
+    (:func:`_frozen_base`): the norms save no product for their weights' gradients, and no weight
+    gradient appears in the backward (see ``in_flight``).
 
     With a mask (``_masked``) sdpa gets K and V over the whole sequence (cp's all-gather: ``cp``
     rows per local token) repeated to every head (transformers' ``repeat_kv``; the gathered ones
@@ -280,7 +287,9 @@ def _layer_rows(config, layout: Layout, step: Step, index: int) -> tuple[float, 
     hidden, dim = config.hidden_size, head_dim(config)
     q = config.num_attention_heads * dim
     kv = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * dim
-    norm_rows = hidden * residual * (2 / tp if sp else 2)  # input and normalised, per norm
+    # a norm saves its input and, for its weight's gradient, the normalised product (its output,
+    # the next matmul's input, is counted there); a frozen norm saves its input alone
+    norm_rows = hidden * residual * (1 if frozen_base else 2) / (tp if sp else 1)
     attention_in = hidden * compute * (3 if autocast_copies else 1)
     masked, cp = _masked(layout, step), layout.dims.cp
     keys = (q if masked else kv) * cp  # K's (and V's) row elements per local token
@@ -298,7 +307,12 @@ def _layer_rows(config, layout: Layout, step: Step, index: int) -> tuple[float, 
         mlp_in = hidden * compute * (2 if autocast_copies else 1)
         inner_rows = config.intermediate_size / tp
     saved = 2 * norm_rows + attention_in + attention + mlp_in + 4 * inner_rows * compute
-    in_flight = 3 * inner_rows * compute + 2 * hidden * residual / (tp if sp else 1)
+    # the MLP's product: the gradients of its output and of its two inputs, while the saved input
+    # of the down projection is freed; a trained base's weight gradients, written in the same
+    # backward, take its place (measured: 8 MiB above the saved at a frozen base's product, where
+    # 3 inner rows are 12, 2026-12-04)
+    products = 2 if frozen_base else 3
+    in_flight = products * inner_rows * compute + 2 * hidden * residual / (tp if sp else 1)
     # attention's backward: the gradients of its output, q, and K and V over the whole sequence
     in_flight = max(in_flight, 2 * (q + keys) * compute / tp)
     return saved, hidden * residual / (tp if sp else 1), in_flight
@@ -309,10 +323,12 @@ def _tokens(layout: Layout, step: Step) -> int:
     return layout.micro_batch_size * step.rows_per_sample * step.seq_len // layout.dims.cp
 
 
-def _activations(config, layout: Layout, step: Step, stage: Stage) -> dict[str, float]:
-    """One micro-batch's, through ``stage``'s layers."""
+def _activations(
+    config, layout: Layout, step: Step, stage: Stage, frozen_base: bool
+) -> dict[str, float]:
+    """One micro-batch's, through ``stage``'s layers (``frozen_base``: :func:`_layer_rows`)."""
     tokens = _tokens(layout, step)
-    rows = [_layer_rows(config, layout, step, i) for i in stage.layers]
+    rows = [_layer_rows(config, layout, step, i, frozen_base) for i in stage.layers]
     mode = layout.activation_checkpointing
     if mode == "none":
         layers, recompute = sum(saved for saved, _, _ in rows), 0.0
@@ -323,7 +339,7 @@ def _activations(config, layout: Layout, step: Step, stage: Stage) -> dict[str, 
     compute = 4 if step.precision == "fp32" else 2
     residual = 4 if step.precision != "bf16" else 2
     shards = layout.dims.tp if step.sequence_parallel else 1
-    final_norm = 2 * config.hidden_size * residual / shards
+    final_norm = (1 if frozen_base else 2) * config.hidden_size * residual / shards
     # the head's input (whole sequence), the token ids (embedding, head), rotary's cos and sin
     ends = (final_norm + config.hidden_size * compute) * stage.last + 3 * 8 + 4
     ends += 2 * 4 * head_dim(config)
@@ -377,6 +393,7 @@ def _buffers(config, layout: Layout, step: Step, state: dict, stage: Stage) -> d
     if _data_parallel(layout) > 1:
         gathered = 2 if step.precision != "fp32" else 4
         fsdp = 2 * state["layer_numel"] * (gathered + 4)  # two layers' parameters, fp32 grads
+        fsdp += 2 * state["nf4_layer_bytes"]
         if fp8 and step.fp8_recipe == "tensorwise":  # the float8 linears' weights gathered in fp8
             fsdp -= 2 * state["fp8_layer_numel"] * (gathered - 1)
         if accumulates and not stage.pipelined:  # micro-batches accumulate unsharded
@@ -416,7 +433,8 @@ def _frozen(frozen: Frozen, layout: Layout, step: Step, trained: dict) -> dict[s
     rows = [_layer_rows(config, layout, step, i) for i in range(config.num_hidden_layers)]
     working = tokens * max(block_input + in_flight for _, block_input, in_flight in rows)
     compute = 4 if step.precision == "fp32" else 2
-    fsdp = 2 * state["layer_numel"] * compute * (_data_parallel(layout) > 1)
+    gathered = 2 * (state["layer_numel"] * compute + state["nf4_layer_bytes"])
+    fsdp = gathered * (_data_parallel(layout) > 1)
     chunk = min(tokens, step.loss_chunk_tokens or tokens) * _vocab_share(config, layout)
     teacher = frozen.keeps_hidden
     return {
@@ -486,7 +504,7 @@ def estimate_memory(
     state |= _fp8_numel(model, layout) if fp8 else dict.fromkeys(_FP8_KEYS, 0)
     params, grads = state["bytes"], state["grad_bytes"]  # grads: of the trained parameters
     optimizer = state["moment_bytes"] * step.optimizer_moments
-    act = _activations(config, layout, step, stage)
+    act = _activations(config, layout, step, stage, _frozen_base(model))
     for name in ("layers", "stage_output", "embedding_and_norm", "attention_mask"):
         act[name] *= stage.in_flight
     act["logits_held"] *= stage.in_flight - 1
@@ -516,6 +534,13 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
         return decoder_blocks(model)
     except ValueError:
         return []
+
+
+def _frozen_base(model: nn.Module) -> bool:
+    """Whether the decoder blocks' own weights are frozen (peft=lora, peft=qlora): none of their
+    vectors (norms' weights, biases) trains; the adapters are matrices."""
+    vectors = [p for block in _decoder_layers(model) for p in block.parameters() if p.dim() == 1]
+    return bool(vectors) and not any(p.requires_grad for p in vectors)
 
 
 def _vocab_share(config, layout: Layout) -> float:

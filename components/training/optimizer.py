@@ -64,30 +64,6 @@ def check_optimizer(target: str, options: Mapping[str, Any]) -> list[str]:
     return []
 
 
-def optimizer_layout_errors(
-    target: str, options: Mapping[str, Any], tp: int, data_parallel: int
-) -> list[str]:
-    """What ``optim``'s class cannot run at this layout: torchao 0.18's ``AdamW8bit`` fails in its
-    compiled step (a shape assertion) on parameters sharded by both TP and FSDP, measured here at
-    tp=2 dp=2; at tp or dp alone it runs. And ``foreach=true`` asked at tp > 1 without FSDP,
-    where the parameters mix DTensors and plain replicas (:func:`foreach_choice`)."""
-    errors = []
-    if options.get("foreach") and tp > 1 and data_parallel == 1:
-        errors.append(
-            f"optim.foreach=true at tp={tp} without data parallelism: the trainable parameters "
-            "mix TP's DTensor shards with the plain replicas it leaves whole, which torch's "
-            "foreach kernels do not take in one list; leave optim.foreach unset (the per-tensor "
-            "update, the same numbers) or add dp so that FSDP makes every parameter a DTensor"
-        )
-    if target.rpartition(".")[2] == "AdamW8bit" and tp > 1 and data_parallel > 1:
-        errors.append(
-            f"{target} at tp={tp} with dp={data_parallel} (FSDP over TP shards): torchao 0.18's "
-            "8-bit state fails in its compiled step on such parameters; use tp or dp alone, or "
-            "optim=adamw4bit"
-        )
-    return errors
-
-
 def optimizer_precision_errors(target: str, precision: str) -> list[str]:
     """torchao's ``_AdamW`` (``optim=adamw_bf16``) keeps its moments in the parameters' dtype: bf16
     with ``train.precision=bf16`` only; in another precision it would be AdamW in fp32, not what

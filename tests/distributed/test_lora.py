@@ -20,7 +20,7 @@ from components.models import build_causal_lm, tiny_config
 from components.models.families import FAMILIES
 from components.models.lora import LoraOptions, apply_lora
 from components.models.parallelize import build_parallel_model
-from components.planning.memory_model import GIB, Layout, Step, estimate_memory
+from components.planning.memory_model import GIB, Layout, MemoryEstimate, Step, estimate_memory
 from components.training.step import forward_backward
 from tests.harness import spec_for
 
@@ -72,7 +72,12 @@ def placements_state_and_plan(rank, world_size):
 
 def _planned_optimizer_bytes(model, config, tp: int, ep: int) -> float:
     """The memory model's optimizer state per rank (AdamW, fp32), in bytes."""
-    dims = ParallelDims(tp=tp, ep=ep)
+    return planned(model, config, ParallelDims(tp=tp, ep=ep)).optimizer * GIB
+
+
+def planned(model, config, dims: ParallelDims, nf4_base: bool = False) -> MemoryEstimate:
+    """The memory model's plan of ``model`` at ``dims``: AdamW, fp32, 2 rows of 16 tokens
+    (``nf4_base``: peft=qlora's)."""
     layout = Layout(dims=dims, micro_batch_size=2, activation_checkpointing="none")
     step = Step(
         seq_len=16,
@@ -84,8 +89,9 @@ def _planned_optimizer_bytes(model, config, tp: int, ep: int) -> float:
         runtime_gib=0.0,
         loss_chunk_tokens=0,
         packing=False,
+        nf4_base=nf4_base,
     )
-    return estimate_memory(model, config, layout, step).optimizer * GIB
+    return estimate_memory(model, config, layout, step)
 
 
 def test_adapters_are_placed_by_the_base_style_and_the_optimizer_holds_theirs_alone(ranks2):

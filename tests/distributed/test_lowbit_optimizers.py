@@ -1,15 +1,14 @@
 """The optimizer-state variants (``optim=adamw8bit``, ``adamw4bit``, ``adamw_bf16``) on DTensor
-parameters at tp=2 dp=2 (adamw8bit at tp=4; four gloo ranks, TP plan and FSDP2 as the recipe
-builds them): the bytes
+parameters at tp=2 dp=2 (four gloo ranks, TP plan and FSDP2 as the recipe builds them): the bytes
 their live state holds per rank against AdamW's fp32 state (issue 47's bounds: 0.3×, 0.2×, 0.55×),
 and the memory model's ``optimizer`` term against the same live bytes, exactly.
 
 A Llama 256 wide (MLP 512, head_dim 32) so that each rank's shard of every matmul weight holds the
 4,096 values torchao quantizes from; one step on fixed gradients creates the state. The step
 runs eager (``force_eager``): torchao creates its state before its compiled update, which changes
-values in place, never the bytes; compiling it cost ~25 of this module's ~50 CPU-s. make test
-measures adamw, adamw4bit and adamw_bf16 at tp=2 dp=2; adamw8bit and its tp=4 AdamW baseline (two
-more layouts on four ranks; torchao's quantized state, as 4-bit's) run under ``-m sweep`` only.
+values in place, never the bytes; compiling it cost ~25 of this module's ~50 CPU-s (the compiled
+step over TP and FSDP shards at once runs through the command line:
+tests/e2e/test_lowbit_optimizers.py).
 """
 
 from pathlib import Path
@@ -29,7 +28,6 @@ from tests.selection import selected_params
 CONF = Path(__file__).resolve().parents[2] / "conf"
 SIZES = dict(hidden_size=256, intermediate_size=512, head_dim=32, vocab_size=512)
 BOUND = {"adamw": 1.0, "adamw8bit": 0.3, "adamw4bit": 0.2, "adamw_bf16": 0.55}
-TP = {"adamw8bit": 4}  # refused with dp > 1 at tp > 1 (components/training/optimizer.py); else 2
 
 
 def conf_optim(name: str) -> tuple[str, dict]:
@@ -49,10 +47,10 @@ def _tensor_bytes(tensor: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
-def state_bytes(rank, world_size, name: str, tp: int) -> tuple[int, float]:
-    """(the live moments' bytes on this rank after one step at ``tp`` (dp the rest), the memory
+def state_bytes(rank, world_size, name: str) -> tuple[int, float]:
+    """(the live moments' bytes on this rank after one step at tp=2 (dp the rest), the memory
     model's optimizer bytes)."""
-    dims = ParallelDims(tp=tp, dp_shard=world_size // tp)
+    dims = ParallelDims(tp=2, dp_shard=world_size // 2)
     meshes = dims.build_meshes("cpu")
     precision = "bf16" if name == "adamw_bf16" else "fp32"
     config = tiny_config("llama", **SIZES)
@@ -90,31 +88,22 @@ def state_bytes(rank, world_size, name: str, tp: int) -> tuple[int, float]:
 
 @pytest.fixture(scope="module")
 def measured(request):
-    """Each selected optimizer's layout, and AdamW's at the same tp for the bound."""
+    """Each selected optimizer's state, and AdamW's for the bound."""
     pool = RankPool(4, timeout_s=300)
-    tps = {name: TP.get(name, 2) for name in selected_params(request, "name")}
-    layouts = {*tps.items()} | {("adamw", tp) for tp in tps.values()}
-    yield {(name, tp): pool.run(state_bytes, name, tp) for name, tp in sorted(layouts)}
+    names = {*selected_params(request, "name"), "adamw"}
+    yield {name: pool.run(state_bytes, name) for name in sorted(names)}
     pool.close()
 
 
-SWEEP = pytest.mark.sweep  # adamw8bit: two more layouts, its tp=4 and AdamW's there
-
-
-@pytest.mark.parametrize(
-    "name", ["adamw4bit", "adamw_bf16", pytest.param("adamw8bit", marks=SWEEP)]
-)
+@pytest.mark.parametrize("name", ["adamw8bit", "adamw4bit", "adamw_bf16"])
 def test_state_bytes_per_rank_are_within_the_bound_of_adamw_fp32(measured, name):
-    tp = TP.get(name, 2)
-    pairs = zip(measured[name, tp], measured["adamw", tp], strict=True)
+    pairs = zip(measured[name], measured["adamw"], strict=True)
     for rank, ((live, _), (fp32, _)) in enumerate(pairs):
         print(f"{name} rank {rank}: {live} bytes, {live / fp32:.3f} of AdamW's {fp32}")
         assert live <= BOUND[name] * fp32, (rank, live, fp32)
 
 
-@pytest.mark.parametrize(
-    "name", ["adamw", "adamw4bit", "adamw_bf16", pytest.param("adamw8bit", marks=SWEEP)]
-)
+@pytest.mark.parametrize("name", ["adamw", "adamw8bit", "adamw4bit", "adamw_bf16"])
 def test_memory_model_counts_the_live_state_bytes(measured, name):
-    for rank, (live, planned) in enumerate(measured[name, TP.get(name, 2)]):
+    for rank, (live, planned) in enumerate(measured[name]):
         assert planned == pytest.approx(live, rel=1e-9), (rank, planned, live)

@@ -68,6 +68,8 @@ NOT_RUN = {
     "sbatch ": "needs Slurm",
     "-m cuda": "needs a GPU: it is the GPU lane",
     "profile.memory=true": "a CUDA memory snapshot: tests/cuda/test_profiler.py (-m cuda)",
+    "model.attn_implementation=flash_attention": "needs a GPU and the flash-attn package: "
+    "tests/unit/models/test_attention.py (a stand-in kernel) and bench/gpu_check.sh",
 }
 # Lines that fail on purpose (fault drills), by a text they hold: their status and what they say.
 EXPECTED_FAILURES = {

@@ -117,10 +117,10 @@ def test_a_layout_that_does_not_fit_gets_the_smallest_change_and_that_change_fit
     planned = plan["suggestion"]["total_gib"] - plan["per_rank_gib"]["runtime"]
     replanned = again["per_rank_gib"]["total"] - again["per_rank_gib"]["runtime"]
     assert replanned == pytest.approx(planned, rel=1e-9)
-    # the optimizer-state lever (8-bit is refused at tp and dp together): less per rank, and what
-    # planning with it gives
-    [lever] = plan["optimizer_levers"]
-    assert lever["change"] == "optim=adamw4bit"
+    # the optimizer-state levers: less per rank, and what planning with them gives
+    eight, lever = plan["optimizer_levers"]
+    assert [eight["change"], lever["change"]] == ["optim=adamw8bit", "optim=adamw4bit"]
+    assert lever["total_gib"] < eight["total_gib"] < plan["per_rank_gib"]["total"]
     assert lever["total_gib"] < plan["per_rank_gib"]["total"]
     assert f"  optim=adamw4bit: {lever['total_gib']:.2f} GiB per rank" in stdout
     quantized, _, _ = dry_run(tmp_path / "quantized", *tight, "optim=adamw4bit")

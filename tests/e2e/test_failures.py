@@ -191,6 +191,7 @@ def test_a_rank_that_raises_mid_run_stops_the_recipe_and_is_named(tmp_path):
     assert last == line, last
     errors = output_dir.with_suffix(".err").read_bytes()
     assert_said_on_lines_of_their_own(errors, line)
+    assert_said_on_lines_of_their_own(output_dir.with_suffix(".out").read_bytes())  # stdout's too
     assert b"\ntraceback of the failed rank:\n" in errors
     assert [r["step"] for r in metrics(output_dir)] == [1, 2]
     # The corrected rerun (no fault) into the same folder, with the choice the folder's refusal
@@ -230,6 +231,7 @@ def test_a_stopped_rank_is_found_by_its_heartbeat_and_every_rank_ends(tmp_path, 
     errors = [line for line in stderr_of(output_dir).splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and (found := re.fullmatch(HANG_LINE, errors[0])), errors
     assert_said_on_lines_of_their_own(output_dir.with_suffix(".err").read_bytes(), errors[0])
+    assert_said_on_lines_of_their_own(output_dir.with_suffix(".out").read_bytes())  # stdout's too
     assert not alive(int(found.group(1)))  # the stopped rank was killed, not left behind
     assert [record["step"] for record in metrics(output_dir)] == [1, 2, 3]
     if launcher == "recipe":  # the rerun without the fault continues in the same folder

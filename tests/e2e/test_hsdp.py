@@ -2,8 +2,7 @@
 mesh: replicated across the pair of groups, sharded within each) trains the same 4 steps as the
 single-process twin, SGD and AdamW, fp32 on the CPU (losses and grad norms within 1e-5 relative;
 measured ~3e-8), and its AdamW checkpoint of step 2 resumes on one process to the same steps 3-4;
-and ``dp_replicate=2 tp=2`` trains the same 4 steps as one process with SGD (tp=2 alone trains what
-one process trains to ~1e-7: tests/distributed/test_tp_parity.py).
+and ``dp_replicate=2 tp=2`` trains the same 4 steps as tp=2 alone and as one process with SGD.
 
 One ``--multirun`` sweep runs both optimizers on 4 ranks; the module's one sweep of their twins on
 one process is the reference of both tests.
@@ -63,11 +62,13 @@ def twin(tmp_path_factory) -> Path:
     return folder
 
 
-def test_replicas_over_tp_train_like_one_process(twin, tmp_path):
-    """FSDP2's replicate dim over a tp mesh: each replica's gradients all-reduced, nothing sharded
-    (measured ~3e-8 against tp=2 alone with SGD; AdamW: docs/parallelism.md)."""
-    replicas = tmp_path / "replicas"
+def test_replicas_over_tp_train_like_tp_alone_and_one_process(twin, tmp_path):
+    """FSDP2's replicate dim over a tp mesh: each replica's gradients all-reduced, nothing sharded;
+    against tp=2 alone with SGD (measured ~3e-8; AdamW: docs/parallelism.md) and one process."""
+    replicas, tp_alone = tmp_path / "replicas", tmp_path / "tp_alone"
     finetune("optim=sgd", "tp=2", "dp_replicate=2", f"output_dir={replicas}")
+    finetune("optim=sgd", "tp=2", f"output_dir={tp_alone}")
+    assert_same(curves(replicas), curves(tp_alone))
     assert_same(curves(replicas), curves(twin / "0"))
 
 

@@ -95,6 +95,7 @@ def test_sigterm_to_the_process_group_checkpoints_the_step_and_resume_continues_
     said = ["note: SIGTERM: the ranks finish their step", stop]
     errors = output_dir.with_suffix(".err").read_bytes()
     assert_said_on_lines_of_their_own(errors, *said)
+    assert_said_on_lines_of_their_own(output_dir.with_suffix(".out").read_bytes())  # stdout's too
     assert errors.count(b"note: stopped by SIGTERM") == 1 and b"error:" not in errors
     assert errors.decode().strip().endswith("checkpoint.resume=auto continues (exit status 75)")
 

@@ -94,6 +94,7 @@ def test_a_run_with_most_steps_skipped_fails_without_exporting(tmp_path):
     assert last.startswith("error: 3 of 4 steps were skipped as non-finite"), stderr[-2000:]
     assert "hf/ was not exported" in last and b"done:" not in result.stdout
     assert_said_on_lines_of_their_own(result.stderr, last)
+    assert_said_on_lines_of_their_own(result.stdout)  # the notes on stdout too
     assert not (tmp_path / "run" / "hf").exists() and len(metrics(tmp_path / "run")) == 4
     assert b"\r" not in result.stderr + result.stdout  # no progress bar in a pipe
     out = result.stdout.decode().splitlines()

@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 
 from components.data.collate import IGNORE_INDEX, tokenize_example
 from components.data.jsonl import DataError
-from components.data.loader import open_splits
+from components.data.loader import open_splits, widest_batch
 from components.data.preference import iter_pairs, pair_conversations, preference_problem
 from components.data.sources import EmbeddedPreferenceSource, JsonlSource, preference_source
 from tests.unit.data.test_prepare import prepare, tokenizer_dir  # noqa: F401 - the fixture
@@ -98,3 +98,15 @@ def test_sft_data_is_refused_as_preference_pairs():
 
     with pytest.raises(DataError, match=r"^data=default is not read as preference pairs: use "):
         preference_source(GeneratedSource(num_examples=4, val_fraction=0.0, seed=0))
+
+
+def test_the_widest_batch_of_pairs_is_the_longest_conversation_padded(tokenizer_dir, tmp_path):  # noqa: F811
+    """What the dry run plans DPO's micro-batch positions for: the widest micro-batch the loader
+    pads, every pair alone in one (its chosen and rejected rows padded to the longer), not the
+    two conversations' tokens together."""
+    prepared = prepare(EMBEDDED, tokenizer_dir, tmp_path, seq_len=48)
+    shards = dict(dp_size=1, dp_rank=0, seed=0, pad_multiple=8)
+    train, _ = open_splits(prepared.train, prepared.val, 1, 1, **shards)
+    widths = [batch.input_ids.shape[1] for batch in train.all_batches()]
+    assert len(widths) == 27 and widest_batch(prepared.train, 8) == max(widths) < 48
+    assert widest_batch(prepared.train, None) == 48  # no pad multiple: every row seq_len long

@@ -2,6 +2,7 @@
 position resumes the rows exactly, and dp ranks read distinct records."""
 
 import itertools
+import json
 
 import numpy as np
 import pyarrow as pa
@@ -22,6 +23,7 @@ from components.data.streaming import (
     StreamedSource,
     StreamedSplit,
     StreamPosition,
+    check_dp_parts,
     example_of,
     stream_rows,
 )
@@ -133,11 +135,24 @@ def test_what_cannot_stream_is_one_line_each(tmp_path):
     chats.write_text('{"prompt": "a", "response": "b"}\n')
     fix = "use data=hf data.path=FILE_FOLDER_OR_HUB_ID, or data.streaming=false"
     only = "only a datasets source is streamed, not data=jsonl's file or data=default's set"
-    mix = "data=mix", "data.sources=[{name:a,weight:1,kind:generated}]", "data.val_fraction=0"
-    assert streaming_problems(*mix, "train.val_every=0") == [
-        f"data.streaming=true: a mixture is not streamed yet (its sources are tokenized into the "
-        f"cache): {fix}"
+    mix = "data=mix", "data.val_fraction=0", "train.val_every=0"
+    given = f"[{{name:a,weight:1,kind:generated}},{{name:b,weight:1,kind:jsonl,path:{chats}}}]"
+    fix_kind = "give kind:hf,path:FILE_FOLDER_OR_HUB_ID, or data.streaming=false"
+    assert streaming_problems(*mix, f"data.sources={given}") == [
+        f"data.sources[0] (a): kind generated is not streamed: {fix_kind}",
+        f"data.sources[1] (b): kind jsonl is not streamed: {fix_kind}",
     ]
+    held = f"[{{name:a,weight:1,kind:hf,path:{chats},val_fraction:0.1}}]"
+    assert streaming_problems(*mix, f"data.sources={held}") == [
+        "data.sources[0] (a): val_fraction=0.1: a stream holds nothing out: set it to 0 or leave "
+        "it out"
+    ]
+    streamed = f"data.sources=[{{name:a,weight:1,kind:hf,path:{chats}}}]"
+    assert streaming_problems("data=mix", streamed, "train.val_every=0") == [
+        "data.streaming=true holds out no validation split (a stream's size is not known before "
+        "it is read): set data.val_fraction=0"
+    ]
+    assert streaming_problems(*mix, streamed) == []
     assert streaming_problems("data=jsonl", f"data.path={chats}", "train.val_every=0") == [
         f"data.streaming=true: {only}: {fix}"
     ]
@@ -219,4 +234,23 @@ def test_a_worker_reads_the_steps_and_names_a_bad_record_in_one_line(tokenizer_d
         loader.batches_for_step(2)
     assert str(raised.value) == (
         'the stream\'s record 10: needs "prompt" and "response" strings, or "messages"'
+    )
+
+
+def test_a_stream_with_fewer_records_than_dp_ranks_is_refused_before_any_rank(tmp_path):
+    turns = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    record = json.dumps({"messages": turns})
+    (tmp_path / "one.jsonl").write_text(record + "\n")
+    (tmp_path / "two.jsonl").write_text(record + "\n" + record + "\n")
+
+    def source(name: str) -> StreamedSource:
+        path = str(tmp_path / name)
+        return StreamedSource(path=path, split="train", name=None, columns=(), num_examples=None)
+
+    check_dp_parts((source("two.jsonl"),), 2)  # one record a rank: it trains
+    with pytest.raises(DataError) as raised:
+        check_dp_parts((source("two.jsonl"), source("one.jsonl")), 2)
+    assert str(raised.value) == (
+        f"data.path='{tmp_path / 'one.jsonl'}' holds too few records for dp=2: dp rank 1's part "
+        "of the stream has none; use fewer dp ranks or more records"
     )

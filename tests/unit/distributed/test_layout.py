@@ -9,6 +9,7 @@ from components.distributed import layout
 from components.distributed.layout import (
     Degrees,
     ModelFacts,
+    OptimizerFacts,
     ParallelDims,
     Workload,
     resolve_parallel_dims,
@@ -35,6 +36,7 @@ def suggested_by_the_dry_run() -> list[str]:
         model=SimpleNamespace(sequence_parallel=False, config=SimpleNamespace()),
         workload=workload(settings),
         model_facts=ModelFacts(name="llama", moe=False, layers=2),
+        optimizer_facts=OptimizerFacts(target="torch.optim.AdamW"),
     )
     at_cp1 = Layout(
         dims=ParallelDims(dp_shard=2), micro_batch_size=1, activation_checkpointing="full"

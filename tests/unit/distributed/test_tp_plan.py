@@ -5,7 +5,8 @@ from types import SimpleNamespace
 import pytest
 from transformers import MiniCPM3Config, Phi3Config
 
-from components.distributed.tp_plan import _resolve, check_plan, tp_size_errors
+from components.distributed.layout import tp_size_errors, tp_sizes
+from components.distributed.tp_plan import _resolve, check_plan
 from components.models import meta_causal_lm, tiny_config
 from components.models.families import FAMILIES, plan_for
 
@@ -185,8 +186,10 @@ def test_mla_with_sequence_parallelism_is_refused():
 def test_tp_must_divide_every_layers_size_of_a_per_layer_list():
     """Gemma 3n gives each layer its own ``intermediate_size``: tp must divide each."""
     config = SimpleNamespace(num_attention_heads=4, intermediate_size=[128, 130])
-    assert tp_size_errors(config, 2) == []
-    assert tp_size_errors(config, 4) == ["tp (4) must divide intermediate_size ([128, 130])"]
+    assert tp_size_errors(tp_sizes(config), 2) == []
+    assert tp_size_errors(tp_sizes(config), 4) == [
+        "tp (4) must divide intermediate_size ([128, 130])"
+    ]
 
 
 def test_inkling_all_reduce_runs_on_its_sharded_parameters_and_its_normed_embedding_is_whole():

@@ -1,5 +1,6 @@
 """Experts and routers are found from a model's structure for every transformers MoE family, and
-expert parallelism splits GPT-OSS's and Llama 4's, refusing by name the shapes it cannot."""
+expert parallelism splits GPT-OSS's and Llama 4's, refusing by name the shapes it cannot (Llama
+4's experts, called with tokens already routed, by the layout's rule on the facts found here)."""
 
 import pytest
 from transformers import (
@@ -14,10 +15,14 @@ from transformers import (
     Qwen3_5TextConfig,
 )
 
+from components.distributed.layout import ModelFacts, ParallelDims, Workload
 from components.models import meta_causal_lm, tiny_config
 from components.moe import check_expert_parallel
+from components.moe.expert_parallel import routed_experts
 from components.moe.structure import find_moe_modules
 from tests.coverage import tiny_config as coverage_config
+
+WORK = Workload(global_batch_size=8, micro_batch_size=1, seq_len=16)
 
 SIZES = dict(
     hidden_size=64,
@@ -65,14 +70,24 @@ def test_experts_and_routers_are_found_from_the_structure(config, expected):
     assert find_moe_modules(meta_causal_lm(config)) == expected
 
 
+def routed_problems(model, experts: list[str], ep: int, tp: int) -> list[str]:
+    """The layout's rule on experts that take their tokens already routed, at ep and tp."""
+    facts = ModelFacts(name="m", moe=True, layers=2, routed_experts=routed_experts(model, experts))
+    dims = ParallelDims(dp_shard=4 // tp, tp=tp, ep=ep)  # 4 ranks
+    return [problem.message for problem in dims.model_problems(WORK, facts)]
+
+
 def test_gpt_oss_and_llama4_experts_split_and_where_llama4s_cannot_is_refused_by_name():
     gpt_oss = meta_causal_lm(GptOssConfig(**SIZES, num_local_experts=4))
-    assert check_expert_parallel(gpt_oss, ["model.layers.*.mlp.experts"], 4, 2, tp=2) == []
+    gpt_oss_experts = ["model.layers.*.mlp.experts"]
+    assert check_expert_parallel(gpt_oss, gpt_oss_experts, 4, 2) == []
+    assert routed_experts(gpt_oss, gpt_oss_experts) is None  # takes the routing: any tp
     llama4 = meta_causal_lm(Llama4TextConfig(**SIZES, num_local_experts=4))
     experts = ["model.layers.*.feed_forward.experts"]
-    assert check_expert_parallel(llama4, experts, 4, 2, tp=2) == []  # folded
-    assert check_expert_parallel(llama4, experts, 4, 2, tp=1) == []  # all-to-all
-    assert check_expert_parallel(llama4, experts, 4, 4, tp=2) == [
+    assert check_expert_parallel(llama4, experts, 4, 4) == []
+    assert routed_problems(llama4, experts, ep=2, tp=2) == []  # folded
+    assert routed_problems(llama4, experts, ep=2, tp=1) == []  # all-to-all
+    assert routed_problems(llama4, experts, ep=4, tp=2) == [
         "model.layers.0.feed_forward.experts (and 1 more) (Llama4TextExperts) takes its tokens "
         "already routed: split only where ep divides tp or at tp=1, not at ep=4 tp=2"
     ]
@@ -94,7 +109,7 @@ def test_longcat_identity_experts_are_refused_by_name_at_ep2():
         ffn_hidden_size=128,
     )
     model = meta_causal_lm(config)
-    assert check_expert_parallel(model, ["model.layers.*.mlp.experts"], 4, 2, tp=2) == [
+    assert check_expert_parallel(model, ["model.layers.*.mlp.experts"], 4, 2) == [
         "model.layers.0.mlp.experts (LongcatFlashExperts) has 2 identity experts beside its 4 "
         "routed ones: expert parallelism of such experts is not supported yet; use ep=1"
     ]

@@ -17,6 +17,7 @@ from components.models.qlora import (
     dequantize_base,
     nf4_bytes,
     nf4_problems,
+    quantizable,
     quantize_base,
     quantize_nf4,
 )
@@ -124,6 +125,19 @@ def test_tiles_that_a_split_would_cut_are_refused():
         "out of peft.target_modules"
         for name, shape in (("self_attn.k_proj", "[4, 64]"), ("self_attn.o_proj", "[64, 8]"))
     ]
+
+
+def test_tiles_fsdp_would_shard_unevenly_are_refused():
+    """FSDP chunks each NF4 base's tiles over its ranks, as many on each: at tp=2 the smallest
+    part, k_proj's and v_proj's [16, 64], is 4 tiles, which 2 and 4 ranks divide and 8 do not."""
+    model = build_causal_lm(tiny_config("llama", vocab_size=96), seed=0)
+    apply_lora(model, OPTIONS, seed=0)
+    styles = {name: "colwise" for name, _ in quantizable(model)}
+    assert nf4_problems(model, styles, 2, shards=2) == []
+    assert nf4_problems(model, styles, 2, shards=4) == []
+    [problem] = nf4_problems(model, styles, 2, shards=8)
+    attention = [f"model.layers.{i}.self_attn.{kv}_proj (4)" for i in (0, 1) for kv in "kv"]
+    assert f"8 does not divide the tiles of {', '.join(attention)}: use a dp" in problem
 
 
 def test_the_merge_folds_the_adapters_into_the_dequantized_base():

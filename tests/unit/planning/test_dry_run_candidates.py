@@ -1,20 +1,24 @@
 """The dry run's suggestion search with cp: a larger tp or cp keeps the world (dp shrinks), a cp
-the row cannot split into 2·cp chunks is never suggested, nor cp for an MoE model; pp only where
-the settings let a run pipeline."""
+the row cannot split into 2·cp chunks is never suggested, nor cp for an MoE model, nor a tp that
+ep does not divide for experts given tokens already routed; pp only where the settings let a run
+pipeline."""
 
 from types import SimpleNamespace
 
-from components.distributed.layout import ModelFacts, ParallelDims, Workload
+from components.distributed.layout import ModelFacts, OptimizerFacts, ParallelDims, Workload
 from components.planning.dry_run import _candidates
 from components.planning.memory_model import Layout
 
 
-def plan_of(seq_len: int, moe: bool = False, compile: bool = False) -> SimpleNamespace:
+def plan_of(
+    seq_len: int, moe: bool = False, compile: bool = False, routed: str | None = None
+) -> SimpleNamespace:
     work = Workload(global_batch_size=8, micro_batch_size=1, seq_len=seq_len, compile=compile)
     return SimpleNamespace(
         model=SimpleNamespace(sequence_parallel=False, config=SimpleNamespace()),
         workload=work,
-        model_facts=ModelFacts(name="tiny", moe=moe, layers=4),
+        model_facts=ModelFacts(name="tiny", moe=moe, layers=4, routed_experts=routed),
+        optimizer_facts=OptimizerFacts(target="torch.optim.AdamW"),
     )
 
 
@@ -54,3 +58,13 @@ def test_pp_and_fewer_hsdp_replicas_are_suggested_where_they_fit():
     compiled = [word for word, _ in _candidates(plan_of(4096, compile=True), hsdp)]
     assert not any("pp=" in word for word in compiled)  # refused with train.compile=true
     assert "dp_replicate=1 dp_shard=8" in compiled
+
+
+def test_experts_given_tokens_already_routed_get_only_a_tp_that_ep_divides():
+    routed = "model.layers.0.feed_forward.experts (Llama4TextExperts)"  # Llama 4's, as found
+    at_ep4 = layout(dp_shard=8, ep=4)
+    words = [word for word, _ in _candidates(plan_of(4096, moe=True, routed=routed), at_ep4)]
+    assert "tp=2 dp=4" not in words  # ep=4 does not divide tp=2
+    assert "tp=4 dp=2" in words and "tp=8 dp=1" in words
+    taking_routing = [word for word, _ in _candidates(plan_of(4096, moe=True), at_ep4)]
+    assert "tp=2 dp=4" in taking_routing

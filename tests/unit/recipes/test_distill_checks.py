@@ -4,16 +4,21 @@ at the layout, and the layouts distillation does not run yet are each refused wi
 line naming the ``teacher.*`` key or the refused setting; a teacher of the student's tokenizer
 passes."""
 
+import shutil
 from pathlib import Path
 
 import pytest
+from huggingface_hub import constants
 
 from components.data import DEFAULT_VOCAB_SIZE, train_tokenizer
 from components.models import tiny_config
 from components.runtime.problems import ConfigError
 from recipes.compose import compose_distill
-from recipes.distill_checks import check_distillation
+from recipes.distill_checks import check_distillation, prepare_distillation
 from tests.saved_models import save_model
+
+SHA = "0123456789abcdef0123456789abcdef01234567"
+STUDENT_ID, TEACHER_ID = "shardtune-tests/student", "shardtune-tests/teacher"
 
 
 def refusals_of(compose, check, tmp_path: Path, *overrides: str) -> list[str]:
@@ -96,12 +101,93 @@ def test_the_layouts_distillation_does_not_run_are_refused(tmp_path):
     assert refusals(tmp_path, "dry_run=true") == []  # planned with its teacher
 
 
-def test_a_teacher_still_to_be_downloaded_is_refused_in_one_line(tmp_path):
-    """The checks have no effect: a Hub id not in the cache would be fetched by the preparation,
-    before which the teacher cannot be checked against the student; distill.py says so."""
-    found = refusals(tmp_path, "teacher.pretrained_path=shardtune-tests/not-in-any-cache")
-    assert found == [
-        "teacher: recipes/distill.py does not download from the Hugging Face Hub or convert "
-        "SmolLM2 yet, and this model is not in the cache: fetch it first (`hf download "
-        "OWNER/NAME`, or one recipes/finetune.py run with it as the model), or give a local folder"
+@pytest.fixture
+def hub(tmp_path, monkeypatch) -> Path:
+    """An empty Hugging Face cache, online: a Hub id not in it is still to be downloaded (the
+    preparation's effect). Nothing reaches the network: a test puts the id's snapshot in the cache,
+    standing for the download, before the preparation looks."""
+    cache = tmp_path / "hub"
+    cache.mkdir()
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    return cache
+
+
+def downloaded(folder: Path, cache: Path, repo_id: str) -> Path:
+    """``folder`` as ``hf download repo_id`` leaves it in ``cache``: its snapshot at main."""
+    owner, name = repo_id.split("/")
+    repo = cache / f"models--{owner}--{name}"
+    shutil.copytree(folder, repo / "snapshots" / SHA)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(SHA)
+    return repo / "snapshots" / SHA
+
+
+def checked_hub_ids(tmp_path: Path, student: str, teacher: str, *overrides: str):
+    """The distillation checks of a student and a teacher named by Hub id or folder."""
+    cfg = compose_distill(
+        [
+            f"output_dir={tmp_path / 'run'}",
+            f"cache_dir={tmp_path / 'cache'}",
+            "model=pretrained",
+            f"model.pretrained_path={student}",
+            f"teacher.pretrained_path={teacher}",
+            *overrides,
+        ]
+    )
+    return check_distillation(cfg, None, None)
+
+
+def test_a_student_and_teacher_still_to_be_downloaded_are_fetched_then_checked(
+    tmp_path, folders, hub
+):
+    """The checks have no effect: both Hub ids, not in the cache, are left to the preparation,
+    which fetches both (fine-tuning's fetch) and checks the teacher against the student then."""
+    checked = checked_hub_ids(tmp_path, STUDENT_ID, TEACHER_ID, "dry_run=true")
+    assert checked.model_awaits_fetch and checked.teacher_awaits_fetch
+    assert checked.teacher_config is None and not any(hub.iterdir())
+    student = downloaded(folders["student"], hub, STUDENT_ID)
+    teacher = downloaded(folders["teacher"], hub, TEACHER_ID)
+    plan, lock = prepare_distillation(checked)
+    assert lock is None and plan.model.weights == student and plan.teacher.weights == teacher
+    assert (plan.model.config.hidden_size, plan.teacher.config.hidden_size) == (64, 128)
+
+
+def test_a_downloaded_teacher_of_another_tokenizer_is_refused_before_the_folder_is_claimed(
+    tmp_path, folders, hub
+):
+    checked = checked_hub_ids(tmp_path, folders["student"], TEACHER_ID)
+    assert checked.teacher_awaits_fetch and not checked.model_awaits_fetch
+    teacher = downloaded(folders["other"], hub, TEACHER_ID)
+    with pytest.raises(ConfigError) as refused:
+        prepare_distillation(checked)
+    [said] = [problem.message for problem in refused.value.problems]
+    assert said.startswith(f"the teacher's vocabulary ({teacher}") and "token by token" in said
+    assert not (tmp_path / "run").exists()  # refused before the output folder is claimed
+
+
+def test_a_teacher_that_cannot_be_downloaded_is_refused_in_one_line(tmp_path, folders, hub):
+    """Checked online (left to the preparation), fetched offline: the download fails, one line
+    naming ``teacher.pretrained_path``."""
+    checked = checked_hub_ids(tmp_path, folders["student"], TEACHER_ID)
+    constants.HF_HUB_OFFLINE = True  # monkeypatched by ``hub``: restored after the test
+    with pytest.raises(ConfigError) as refused:
+        prepare_distillation(checked)
+    assert [problem.message for problem in refused.value.problems] == [
+        f"teacher.pretrained_path='{TEACHER_ID}' is not a local folder and is not in the Hugging "
+        f"Face cache (offline): looked in {hub}; download it where a network is (`hf download "
+        f"{TEACHER_ID}`) into that cache (HF_HOME / HF_HUB_CACHE), or set teacher.pretrained_path "
+        "to a local folder"
     ]
+
+
+def test_a_teacher_to_download_for_a_student_built_from_its_config_is_refused_unfetched(
+    tmp_path, hub
+):
+    """A built student's tokenizer is trained only in preparation: no teacher folder can be
+    checked against it, so the checks refuse it before any download."""
+    found = refusals(tmp_path, f"teacher.pretrained_path={TEACHER_ID}")
+    assert len(found) == 1 and found[0].startswith(
+        f"teacher.pretrained_path={TEACHER_ID} with a student built from model.config is not "
+        "supported"
+    )

@@ -1,16 +1,20 @@
 """``recipes/dpo.py``'s checks of ``dpo.reference_path``, in process and pure: a folder of the
 policy's architecture and tokenizer passes; another model type, another tokenizer, a path that
 is no model folder, and a policy built from ``model.config`` (whose tokenizer exists only after
-preparation) are each one line naming the key."""
+preparation) are each one line naming the key. A policy still to be downloaded is fetched by the
+preparation, which compares the reference with it then."""
 
 from pathlib import Path
 
 import pytest
 
+from components.runtime.problems import ConfigError
 from recipes.compose import compose_dpo
-from recipes.dpo_checks import check_dpo
+from recipes.dpo_checks import check_dpo, prepare_dpo
 from tests.saved_models import reference_folders
-from tests.unit.recipes.test_distill_checks import refusals_of
+from tests.unit.recipes.test_distill_checks import downloaded, hub, refusals_of  # noqa: F401
+
+POLICY_ID = "shardtune-tests/policy"
 
 
 def refusals(tmp_path: Path, *overrides: str) -> list[str]:
@@ -59,3 +63,46 @@ def test_no_model_folder_and_a_built_policy_are_refused(tmp_path, folders):
     [said] = refusals(tmp_path, f"dpo.reference_path={folders['reference']}")
     assert said.startswith(f"dpo.reference_path={folders['reference']} is checked against")
     assert "the policy (model=llama) is built from model.config" in said
+
+
+def checked_hub_policy(tmp_path: Path, reference: Path, *overrides: str):
+    """The DPO checks of a policy named by a Hub id, against the ``reference`` folder."""
+    cfg = compose_dpo(
+        [
+            f"output_dir={tmp_path / 'run'}",
+            f"cache_dir={tmp_path / 'cache'}",
+            "model=pretrained",
+            f"model.pretrained_path={POLICY_ID}",
+            f"dpo.reference_path={reference}",
+            *overrides,
+        ]
+    )
+    return check_dpo(cfg, None, None)
+
+
+def test_a_policy_still_to_be_downloaded_is_fetched_then_compared(tmp_path, folders, hub):  # noqa: F811
+    """The checks have no effect: the policy's Hub id, not in the cache, is left to the
+    preparation, which fetches it (fine-tuning's fetch) and compares the reference with it."""
+    checked = checked_hub_policy(tmp_path, folders["reference"], "dry_run=true")
+    assert checked.model_awaits_fetch and checked.reference_awaits_fetch
+    assert checked.reference_config is None and not any(hub.iterdir())
+    policy = downloaded(folders["policy"], hub, POLICY_ID)  # stands for the download
+    plan, _ = prepare_dpo(checked)
+    assert plan.model.weights == policy and plan.reference.weights == folders["reference"]
+    assert plan.reference.config.model_type == "llama"
+
+
+def test_a_reference_of_another_tokenizer_than_the_fetched_policy_is_refused(
+    tmp_path,
+    folders,
+    hub,  # noqa: F811
+):
+    checked = checked_hub_policy(tmp_path, folders["another_tokenizer"])
+    downloaded(folders["policy"], hub, POLICY_ID)
+    with pytest.raises(ConfigError) as refused:
+        prepare_dpo(checked)
+    [said] = [problem.message for problem in refused.value.problems]
+    assert said.startswith(
+        f"dpo.reference_path={folders['another_tokenizer']}: their vocabularies'"
+    )
+    assert not (tmp_path / "run").exists()  # refused before the output folder is claimed

@@ -7,6 +7,7 @@ from components.models import tiny_config
 from components.models.checks import stage_problems
 from recipes.checks import check_sizes, layout_model_problems
 from recipes.compose import compose
+from recipes.plan import model_facts
 from recipes.validate import validate
 
 FITS = ["pp=2", "train.val_every=0"]
@@ -15,7 +16,8 @@ FITS = ["pp=2", "train.val_every=0"]
 def problems_of(overrides: list[str], family: str = "llama", **sizes) -> list[str]:
     settings = validate(compose([f"model={family}", *overrides]))
     dims, found = check_sizes(settings, "cpu")
-    found += layout_model_problems(settings, dims, tiny_config(family, **sizes))
+    facts = model_facts(settings, tiny_config(family, **sizes))
+    found += layout_model_problems(settings, dims, facts)
     return [f"{problem.key}: {problem.message}" for problem in found]
 
 

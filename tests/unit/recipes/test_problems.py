@@ -1,11 +1,11 @@
 """One way to say no: problems, one printer and exit status, rank 0's output alone, and the tp
-suggestion decided by a problem's key (never by its text)."""
+values that fit named after a tp the model refuses."""
 
 from types import SimpleNamespace
 
 import pytest
 
-from components.models.checks import with_tp_suggestion
+from components.models.checks import tp_problems
 from components.problems import Problem, problems
 from components.runtime.problems import ConfigError, error_line, fail, say
 
@@ -50,15 +50,9 @@ def test_only_rank_0_prints(monkeypatch, capsys, rank):
 CONFIG = SimpleNamespace(num_attention_heads=8, num_key_value_heads=4, intermediate_size=64)
 
 
-def test_the_tp_values_that_fit_follow_a_problem_keyed_tp():
-    found = [Problem(key="tp", message="anything at all")]
-    assert with_tp_suggestion(found, CONFIG) == [
-        *found,
+def test_a_tp_the_model_refuses_is_followed_by_the_tp_values_that_fit():
+    assert tp_problems(CONFIG, 8) == [
+        Problem(key="tp", message="tp (8) must divide num_key_value_heads (4)"),
         Problem(key="tp", message="tp values that fit this model: 1, 2, 4"),
     ]
-
-
-def test_no_suggestion_for_a_tp_worded_message_of_another_key():
-    found = [Problem(key="sp", message="tp (3) must divide vocab_size (257)")]
-    assert with_tp_suggestion(found, CONFIG) == found
-    assert with_tp_suggestion([], CONFIG) == []
+    assert tp_problems(CONFIG, 2) == tp_problems(CONFIG, 1) == []

@@ -1,18 +1,26 @@
 """DPO's micro-batch (``dpo_forward_backward``) on the recipe's own data path equals TRL 1.16's
 ``DPOTrainer`` on the same tiny Llama, records, batch and SGD: the same token rows and labels,
 the first step's loss within 1e-6 relative and five steps' within 1e-5, for ``sigmoid`` and
-``ipo``, with a frozen reference (the policy's starting weights); and with ``peft=lora``'s
-adapters against TRL on a PEFT model, whose reference is the model with its adapters off."""
+``ipo``, with a frozen reference (the policy's starting weights); with ``dpo.reference_path``'s
+reference (a Hugging Face folder of other weights, built frozen as the recipe builds it) against
+TRL given that folder's model as ``ref_model``; and with ``peft=lora``'s adapters against TRL on a
+PEFT model, whose reference is the model with its adapters off."""
 
+import math
 from contextlib import nullcontext
 
 import pytest
 import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM
 
 from components.data.collate import tokenize_example
 from components.data.loader import collate_rows
 from components.data.preference import pair_conversations
+from components.distributed.layout import ParallelDims
 from components.models import build_causal_lm, tiny_config
+from components.models.frozen import build_frozen_model
+from components.models.load import load_config
 from components.models.lora import LoraOptions, adapters_off, apply_lora, lora_modules
 from components.training.preference import (
     DPO_METRICS,
@@ -21,6 +29,7 @@ from components.training.preference import (
     answer_log_probs,
     dpo_forward_backward,
 )
+from tests.harness import spec_for
 from tests.unit.training.test_chunked_loss import relative
 from tests.unit.training.test_post_training_losses import PREFERENCES, trl_trainer
 
@@ -95,6 +104,33 @@ def test_dpo_steps_equal_trl_dpo_trainer(tmp_path, loss_type):
     reference.requires_grad_(False)
     trl = trl_losses(trainer, trl_batch, LR[loss_type])
     check(trl, our_losses(policy, reference, batch, loss_type))
+
+
+@pytest.fixture
+def world_of_one():
+    """A gloo world of one rank (tp=1), for the recipe's meshes."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield ParallelDims()
+    dist.destroy_process_group()
+
+
+def test_a_reference_folder_equals_trl_given_it_as_ref_model(tmp_path, world_of_one):
+    """``dpo.reference_path``: a folder of the policy's shape and other weights (seed 1), built
+    frozen by the recipe's ``build_frozen_model`` (meta device, then loaded), against TRL's
+    ``DPOTrainer(ref_model=...)`` on the same folder loaded by transformers."""
+    folder = tmp_path / "reference"
+    llama(seed=1).save_pretrained(folder)
+    ref_model = AutoModelForCausalLM.from_pretrained(folder)
+    trainer, trl_batch = trl_trainer(tmp_path, "sigmoid", beta=BETA, ref_model=ref_model)
+    assert trainer.ref_model is ref_model
+    spec = spec_for(load_config(folder), weights=folder)
+    meshes = world_of_one.build_meshes("cpu")
+    reference = build_frozen_model(spec, world_of_one, meshes, torch.device("cpu"))
+    batch = our_batch(trainer.processing_class, trl_batch["input_ids"].shape[1])
+    trl = trl_losses(trainer, trl_batch, LR["sigmoid"])
+    ours = our_losses(llama(), reference, batch, "sigmoid")
+    check(trl, ours)
+    assert abs(ours[0][DPO_METRICS.index("loss")] - math.log(2)) > 1e-3  # not the policy's start
 
 
 def test_lora_dpo_equals_trl_on_a_peft_model_with_its_adapters_off(tmp_path):

@@ -251,12 +251,14 @@ PREFERENCES = [
 ]
 
 
-def trl_trainer(tmp_path, loss_type: str, beta=0.3, reference_seed=1, peft_config=None):
-    """TRL's ``DPOTrainer`` on a tiny Llama policy and another (seed ``reference_seed``) as its
-    reference, or with ``peft_config`` the policy made a PEFT model by TRL (no reference model:
-    the policy with its adapters off), with a byte-level tokenizer trained here; and its first
-    batch (chosen rows, then rejected). fp32 throughout: TRL's default ``bf16`` would run the
-    reference under accelerate's autocast."""
+def trl_trainer(
+    tmp_path, loss_type: str, beta=0.3, reference_seed=1, peft_config=None, ref_model=None
+):
+    """TRL's ``DPOTrainer`` on a tiny Llama policy and another (seed ``reference_seed``, or
+    ``ref_model`` when given) as its reference, or with ``peft_config`` the policy made a PEFT
+    model by TRL (no reference model: the policy with its adapters off), with a byte-level
+    tokenizer trained here; and its first batch (chosen rows, then rejected). fp32 throughout:
+    TRL's default ``bf16`` would run the reference under accelerate's autocast."""
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 
@@ -269,13 +271,20 @@ def trl_trainer(tmp_path, loss_type: str, beta=0.3, reference_seed=1, peft_confi
     )  # fmt: skip
     trainer = DPOTrainer(
         model=build_causal_lm(config, seed=0),
-        ref_model=None if peft_config else build_causal_lm(config, seed=reference_seed),
+        ref_model=reference_model(config, reference_seed, peft_config, ref_model),
         peft_config=peft_config,
         args=args,
         train_dataset=Dataset.from_list(PREFERENCES),
         processing_class=tokenizer,
     )
     return trainer, next(iter(trainer.get_train_dataloader()))
+
+
+def reference_model(config, seed: int, peft_config, given) -> torch.nn.Module | None:
+    """TRL's reference: ``given``, else None for a PEFT model, else a Llama of ``seed``."""
+    if given is not None or peft_config is not None:
+        return given
+    return build_causal_lm(config, seed=seed)
 
 
 def answer_log_probs(model, batch: dict, labels: torch.Tensor) -> torch.Tensor:
