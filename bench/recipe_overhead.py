@@ -19,13 +19,14 @@ clipping at 1.0 and the recipe's warmup-cosine schedule:
   ``synchronize_tp_replica_gradients``, ``clip_grad_norm_`` of ``components.distributed.grads``,
   step.
 - ``hf_trainer``: ``transformers.Trainer`` (``max_grad_norm=1.0``,
-  ``gradient_accumulation_steps=2``, ``per_device_train_batch_size=8``, the same optimizer and
-  scheduler objects, no logging or saving); its per-step times are the intervals between a
-  ``TrainerCallback``'s ``on_step_end`` calls.
+  ``gradient_accumulation_steps=2``, each micro-batch one dataset item taken in order, the same
+  optimizer and scheduler objects, no logging or saving); its per-step times are the intervals
+  between a ``TrainerCallback``'s ``on_step_end`` calls.
 
 They alternate in one process (``ROUNDS`` rounds, each a fresh model per runner, the order rotated),
 for 1 and 2 threads; tokens/s is ``16 × 48 / step time``, median over the steps after
-``WARMUP_STEPS``.
+``WARMUP_STEPS``. ``loop``, ``hf_trainer`` and :func:`alternate` take any :class:`Workload`:
+``bench/smollm2_overhead.py`` runs them on SmolLM2-135M beside the recipe's own training loop.
 """
 
 import os
@@ -33,6 +34,8 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -49,6 +52,22 @@ from components.training.step import forward_backward
 STEPS, WARMUP_STEPS, ROUNDS = 25, 5, 3
 GLOBAL_BATCH, MICRO_BATCH, SEQ_LEN, VOCAB, SEED = 16, 8, 48, 384, 0
 RECIPE_GOAL, RUNNERS = 0.97, ("loop", "recipe", "hf_trainer")
+IGNORE_INDEX = -100  # a label the loss skips (the recipe's and Hugging Face's)
+
+MicroBatch = tuple[torch.Tensor, torch.Tensor]  # (input_ids, labels), [rows, positions] each
+Setup = Callable[[], tuple[torch.nn.Module, torch.optim.Optimizer, object]]
+
+
+@dataclass(kw_only=True)
+class Workload:
+    """What every runner trains: ``setup`` makes a fresh model, optimizer and schedule (the same
+    weights at each call); ``steps`` holds each optimizer step's micro-batches; ``tokens`` is what
+    tokens/s counts at each step; ``clip`` bounds the grad norm."""
+
+    setup: Setup
+    steps: list[list[MicroBatch]]
+    tokens: list[int]
+    clip: float
 
 
 def _setup():
@@ -57,39 +76,45 @@ def _setup():
     return model, optimizer, warmup_cosine(optimizer, 5, STEPS, 0.1)
 
 
-def _batches() -> list[torch.Tensor]:
+def tiny_workload() -> Workload:
+    """The tiny Llama on seeded random tokens, every position trained."""
     generator = torch.Generator().manual_seed(SEED)
-    return [
+    batches = [
         torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ_LEN), generator=generator) for _ in range(STEPS)
     ]
+    steps = [[(rows, rows) for rows in batch.split(MICRO_BATCH)] for batch in batches]
+    return Workload(setup=_setup, steps=steps, tokens=[GLOBAL_BATCH * SEQ_LEN] * STEPS, clip=1.0)
 
 
-def _micro(batch: torch.Tensor) -> list[torch.Tensor]:
-    return list(batch.split(MICRO_BATCH))
+def _labelled(micro_batches: list[MicroBatch]) -> int:
+    """Positions the step's loss counts: shifted labels that are not ``IGNORE_INDEX``."""
+    return sum(int((labels[:, 1:] != IGNORE_INDEX).sum()) for _, labels in micro_batches)
 
 
-def loop(batches: list[torch.Tensor]) -> list[float]:
-    model, optimizer, scheduler = _setup()
+def loop(work: Workload) -> list[float]:
+    """A bare PyTorch loop: forward, summed cross entropy / labelled tokens, backward,
+    ``torch.nn.utils.clip_grad_norm_``, step; each step's seconds."""
+    model, optimizer, scheduler = work.setup()
     times = []
-    for batch in batches:
+    for micro_batches in work.steps:
         started = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        tokens = batch[:, 1:].numel()
-        for input_ids in _micro(batch):
+        labelled = _labelled(micro_batches)
+        for input_ids, labels in micro_batches:
             logits = model(input_ids=input_ids).logits
             loss = F.cross_entropy(
-                logits[:, :-1].flatten(0, 1).float(), input_ids[:, 1:].flatten(), reduction="sum"
+                logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), reduction="sum"
             )
-            (loss / tokens).backward()
+            (loss / labelled).backward()
             loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), work.clip)
         optimizer.step()
         scheduler.step()
         times.append(time.perf_counter() - started)
     return times
 
 
-def recipe(batches: list[torch.Tensor]) -> list[float]:
+def recipe(work: Workload) -> list[float]:
     """The recipe's components on a one-rank gloo group, created for this run only (so that
     ``Trainer``, run without a process group, does not wrap its model in
     DistributedDataParallel)."""
@@ -97,34 +122,36 @@ def recipe(batches: list[torch.Tensor]) -> list[float]:
         "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
     )
     try:
-        return _recipe_steps(batches, init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp")))
+        return _recipe_steps(work, init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp")))
     finally:
         dist.destroy_process_group()
 
 
-def _recipe_steps(batches: list[torch.Tensor], mesh) -> list[float]:
-    model, optimizer, scheduler = _setup()
+def _recipe_steps(work: Workload, mesh) -> list[float]:
+    model, optimizer, scheduler = work.setup()
     times = []
-    for batch in batches:
+    for micro_batches in work.steps:
         started = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        tokens = batch[:, 1:].numel()
-        for input_ids in _micro(batch):
-            forward_backward(model, input_ids, input_ids, tokens)
+        labelled = _labelled(micro_batches)
+        for input_ids, labels in micro_batches:
+            forward_backward(model, input_ids, labels, labelled)
         finalize_dtensor_gradients([model])
         synchronize_tp_replica_gradients([model], mesh)
-        clip_grad_norm_([model], 1.0).item()
+        clip_grad_norm_([model], work.clip).item()
         optimizer.step()
         scheduler.step()
         times.append(time.perf_counter() - started)
     return times
 
 
-def hf_trainer(batches: list[torch.Tensor]) -> list[float]:
+def hf_trainer(work: Workload) -> list[float]:
+    """``transformers.Trainer`` on the same micro-batches in the same order (one dataset item per
+    micro-batch, a sequential sampler); each step's seconds."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    model, optimizer, scheduler = _setup()
-    rows = [{"input_ids": row, "labels": row} for batch in batches for row in batch]
+    model, optimizer, scheduler = work.setup()
+    items = [{"input_ids": ids, "labels": labels} for step in work.steps for ids, labels in step]
     times: list[float] = []
 
     class StepTimer(TrainerCallback):
@@ -139,16 +166,17 @@ def hf_trainer(batches: list[torch.Tensor]) -> list[float]:
             times.append(now - self.last)
             self.last = now
 
-    def collate(items: list[dict]) -> dict:
-        return {key: torch.stack([item[key] for item in items]) for key in ("input_ids", "labels")}
+    def collate(chosen: list[dict]) -> dict:
+        return chosen[0]  # one item: a whole micro-batch
 
     with tempfile.TemporaryDirectory() as output_dir:
         arguments = TrainingArguments(
             output_dir=output_dir,
-            per_device_train_batch_size=MICRO_BATCH,
-            gradient_accumulation_steps=GLOBAL_BATCH // MICRO_BATCH,
-            max_steps=len(batches),
-            max_grad_norm=1.0,
+            per_device_train_batch_size=1,
+            gradient_accumulation_steps=len(work.steps[0]),
+            train_sampling_strategy="sequential",
+            max_steps=len(work.steps),
+            max_grad_norm=work.clip,
             logging_strategy="no",
             save_strategy="no",
             report_to=[],
@@ -160,7 +188,7 @@ def hf_trainer(batches: list[torch.Tensor]) -> list[float]:
         trainer = Trainer(
             model=model,
             args=arguments,
-            train_dataset=rows,
+            train_dataset=items,
             data_collator=collate,
             optimizers=(optimizer, scheduler),
             callbacks=[StepTimer()],
@@ -169,17 +197,32 @@ def hf_trainer(batches: list[torch.Tensor]) -> list[float]:
     return times
 
 
+Runner = Callable[[Workload], list[float]]
+
+
+def alternate(
+    runners: dict[str, Runner], work: Workload, threads: int, rounds: int, warmup: int
+) -> dict[str, list[float]]:
+    """Each runner's tokens/s at every step after ``warmup``, ``rounds`` rounds in one process at
+    ``threads`` intra-op threads, the runners' order rotated each round."""
+    torch.set_num_threads(threads)
+    names = list(runners)
+    speeds: dict[str, list[float]] = {name: [] for name in names}
+    for round_index in range(rounds):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            times = runners[name](work)
+            torch.set_num_threads(threads)  # a runner may set its own (the recipe's join_world)
+            pairs = list(zip(work.tokens, times, strict=True))[warmup:]
+            speeds[name] += [tokens / seconds for tokens, seconds in pairs]
+    return speeds
+
+
 def _measure(threads_options: tuple[int, ...]) -> dict:
-    batches = _batches()
+    work, runners = tiny_workload(), {name: globals()[name] for name in RUNNERS}
     results: dict = {}
     for threads in threads_options:
-        torch.set_num_threads(threads)
-        speeds: dict[str, list[float]] = {name: [] for name in RUNNERS}
-        for round_index in range(ROUNDS):
-            order = RUNNERS[round_index % 3 :] + RUNNERS[: round_index % 3]
-            for name in order:
-                times = globals()[name](batches)
-                speeds[name] += [GLOBAL_BATCH * SEQ_LEN / t for t in times[WARMUP_STEPS:]]
+        speeds = alternate(runners, work, threads, ROUNDS, WARMUP_STEPS)
         results[threads] = {name: statistics.median(values) for name, values in speeds.items()}
     return results
 
