@@ -132,7 +132,7 @@ def run(
 def launch(checked: Checked, recipe: Recipe = FINETUNE) -> None:
     """Prepare once (here, or on rank 0 of a torchrun world), then the dry run (the layout priced
     on fake ranks) or the ranks; the output folder's lock is released once they are done."""
-    from components.planning.dry_run import dry_run  # (after the checks: see main)
+    from components.planning.dry_run import UnbuildableLayout, dry_run  # (after the checks)
     from components.runtime.ranks import prepare_once, run_ranks
 
     prepare, rank_main = named(recipe.prepare), named(recipe.rank_main)
@@ -141,7 +141,10 @@ def launch(checked: Checked, recipe: Recipe = FINETUNE) -> None:
         plan, lock = prepare_once(prepare, checked)
     try:
         if plan.dry_run:
-            dry_run(plan, fail)
+            try:
+                dry_run(plan)
+            except UnbuildableLayout as error:
+                fail(str(error))
         else:
             settings, world_size = plan.settings, plan.dims.world_size
             run_ranks(rank_main, plan, world_size, settings.max_restarts, settings.hang_timeout_s)

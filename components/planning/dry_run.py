@@ -20,7 +20,6 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -309,9 +308,16 @@ def _device_memory_gib(asked: float | None) -> float | None:
     return asked
 
 
-def dry_run(plan, fail: Callable[[str], NoReturn]) -> dict:
+class UnbuildableLayout(ValueError):
+    """The dry run's model cannot be built at the asked layout: the error a launch would hit."""
+
+
+def dry_run(plan) -> dict:
     """Plan ``plan`` (a checked ``recipes.plan.RunPlan``) on fake ranks; print it, write plan.json.
-    A layout that cannot be built (the error a launch would hit) goes to ``fail`` as one line."""
+
+    Raises:
+        UnbuildableLayout: One line, where the model cannot be built at the asked layout.
+    """
     dims, train = plan.dims, plan.train
     ac, micro = train.activation_checkpointing, train.micro_batch_size
     layout = Layout(dims=dims, micro_batch_size=micro, activation_checkpointing=ac)
@@ -322,7 +328,8 @@ def dry_run(plan, fail: Callable[[str], NoReturn]) -> dict:
             stages = plan_stages(plan, step, layout) if layout.dims.pp > 1 else []
             estimate = busiest(stages)[1] if stages else plan_layout(plan, step, layout)
         except (ValueError, RuntimeError) as error:
-            fail(f"dry run: the model cannot be built for this layout: {error}")
+            why = f"dry run: the model cannot be built for this layout: {error}"
+            raise UnbuildableLayout(why) from None
         fits = None if memory is None else estimate.total <= memory
         suggestion, tried = _suggest(plan, step, layout, memory) if fits is False else (None, [])
         levers = _state_levers(plan, step, layout) if fits is False and not stages else []
