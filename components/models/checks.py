@@ -105,8 +105,8 @@ def check_model(choice: ModelChoice, use: ModelUse, dims: ParallelDims | None) -
         found += lora_problems(meta, use.lora, checked.experts, choice.name)
     checked.meta = meta
     if dims is not None:
-        found += _layout_problems(config, meta, use, dims, (tuple(experts), tuple(routers)))
         moe = (tuple(experts), tuple(routers))
+        found += _layout_problems(config, meta, use, dims, moe)
         checked.refusals = other_layout_refusals(choice, config, meta, use, dims, moe)
     checked.complete = True
     return checked
