@@ -44,11 +44,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from components.models import tiny_config
 from components.moe import apply_expert_parallel, expert_parallel
 from components.moe.expert_parallel import _run_experts_grouped, _run_experts_loop
 from components.runtime.launch import launch_local
 from components.runtime.world import init_process_group
+from recipes.tiny_models import tiny_config
 
 SIZES = {
     "hidden_size": 512,

@@ -31,10 +31,11 @@ from components.distributed.tp_replicas import (
     broadcast_tp_replicas,
     synchronize_tp_replica_gradients,
 )
-from components.models import build_causal_lm, tiny_config
+from components.models import build_causal_lm
 from components.models.families import FAMILIES, plan_for
 from components.moe import apply_expert_parallel
 from components.training.step import forward_backward
+from recipes.tiny_models import tiny_config
 from tests.harness import mesh
 
 pytestmark = pytest.mark.filterwarnings(

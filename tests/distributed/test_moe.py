@@ -28,10 +28,11 @@ from components.distributed.layout import resolve_parallel_dims
 from components.distributed.replicas.drift import replica_drift
 from components.distributed.tp_plan import apply_tp_plan, check_plan
 from components.distributed.tp_replicas import synchronize_tp_replica_gradients
-from components.models import build_causal_lm, meta_causal_lm, tiny_config
+from components.models import build_causal_lm, meta_causal_lm
 from components.models.families import FAMILIES, plan_for
 from components.moe import ExpertLoad, apply_expert_parallel, check_expert_parallel, dispatch_mode
 from components.training.step import forward_backward
+from recipes.tiny_models import tiny_config
 from tests.distributed.test_tp_parity import assert_parity, finish, global_batch, parity
 from tests.harness import mesh
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import GptOssConfig
 
-from components.models import build_causal_lm, tiny_config
+from components.models import build_causal_lm
 from components.moe.expert_lora import LowRank
 from components.moe.expert_parallel import (
     _run_experts,
@@ -19,6 +19,7 @@ from components.moe.expert_parallel import (
     _run_experts_loop,
     grouped_mm_fits,
 )
+from recipes.tiny_models import tiny_config
 
 IDLE = (1, 5)  # local experts that receive no rows
 GPT_OSS = dict(

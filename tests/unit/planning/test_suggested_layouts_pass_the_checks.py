@@ -7,7 +7,6 @@ The checks run in-process on the suggested overrides, as the recipe runs them be
 import pytest
 from transformers import AutoTokenizer
 
-from components.models import tiny_config
 from components.planning.dry_run import MAX_PLANNED, _candidates
 from components.planning.memory_model import Layout
 from components.runtime.problems import ConfigError
@@ -15,6 +14,7 @@ from recipes.checks import check
 from recipes.compose import compose, compose_distill, compose_dpo
 from recipes.distill_checks import check_distillation
 from recipes.dpo_checks import check_dpo
+from recipes.tiny_models import tiny_config
 from tests.saved_models import SIZES, reference_folders, save_model
 from tests.unit.recipes.test_distill_checks import refusals_of
 from tests.unit.recipes.test_dpo_checks import policy_and
