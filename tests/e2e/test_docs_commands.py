@@ -40,6 +40,8 @@ import sys
 import time
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from tests import cli
@@ -108,8 +110,8 @@ def environment(clone: Path) -> dict[str, str]:
 
 def users_files(clone: Path) -> None:
     """What a user brings: a jsonl file, one of preference pairs, a folder ``datasets.load_dataset``
-    reads with other column names, and a Hugging Face model folder (the hf/ of the clone's
-    finished run)."""
+    reads with other column names, a parquet file of those columns, and a Hugging Face model
+    folder (the hf/ of the clone's finished run)."""
     records = [{"prompt": f"What is {i} plus {i}?", "response": f"{2 * i}."} for i in range(200)]
     (clone / "my.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     pairs = [
@@ -120,6 +122,8 @@ def users_files(clone: Path) -> None:
     (clone / "my_folder").mkdir()
     renamed = [{"instruction": r["prompt"], "output": r["response"]} for r in records]
     (clone / "my_folder" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in renamed))
+    columns = {key: [record[key] for record in renamed] for key in ("instruction", "output")}
+    pq.write_table(pa.table(columns), clone / "general.parquet")  # data.md's mixture's
     finished = next((clone / "outputs" / "llama").glob("*/hf"))
     (clone / "hf_model").symlink_to(finished)
 
