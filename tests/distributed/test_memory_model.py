@@ -432,8 +432,9 @@ def test_planned_total_is_within_20_percent_of_the_measured_peak_with_qlora_at_d
     """peft=qlora at dp=2 (fp32, full checkpointing, after fp32's warm-up at cp=2): FSDP shards
     the NF4 base over the two ranks, half the tiles on each, and gathers a layer's at a time; the
     root's embedding and head stay gathered through forward and backward (8 MiB here). Measured
-    2026-12-05: planned 0.058 GiB against 0.052-0.053 quiet and 0.057-0.058 at load 13-22 (a
-    loaded `.ci/run` once read 0.064: 0.91); before the root was priced, 0.050 (-23 % there)."""
+    2026-12-05: planned 0.058 GiB against 0.057-0.058 after the warm-up alone (load 5-22, and
+    with MALLOC_ARENA_MAX=1), 0.052 after the cp=2 matrix ran on the same ranks (their heap, not
+    the load); a loaded `.ci/run` once read 0.064 (0.91). Before the root was priced: 0.050."""
     ranks2.warm_up("fp32")
     results = ranks2.run(measured_and_planned, "fp32", "full", 1, 2, "adamw", True, SEQ, 2)
     measured, planned = max(results)  # the busiest rank
