@@ -44,10 +44,11 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from components.distributed.grads import clip_grad_norm_, finalize_dtensor_gradients
 from components.distributed.tp_replicas import synchronize_tp_replica_gradients
-from components.models import build_causal_lm, tiny_config
+from components.models import build_causal_lm
 from components.runtime.launch import free_port
 from components.training.schedule import warmup_cosine
 from components.training.step import forward_backward
+from recipes.tiny_models import tiny_config
 
 STEPS, WARMUP_STEPS, ROUNDS = 25, 5, 3
 GLOBAL_BATCH, MICRO_BATCH, SEQ_LEN, VOCAB, SEED = 16, 8, 48, 384, 0

@@ -36,7 +36,6 @@ from components.distributed.context_parallel import ContextParallel
 from components.distributed.grads import clip_grad_norm_, finalize_dtensor_gradients
 from components.distributed.layout import ParallelDims
 from components.distributed.tp_replicas import synchronize_tp_replica_gradients
-from components.models import tiny_config
 from components.models.conversion import convert_model
 from components.models.frozen import build_frozen_model
 from components.models.lora import LoraOptions
@@ -54,6 +53,7 @@ from components.targets import target_class
 from components.training.distillation import DistillStep, distill_forward_backward
 from components.training.preference import DpoOptions, DpoStep, dpo_forward_backward
 from components.training.step import forward_backward
+from recipes.tiny_models import tiny_config
 from tests.distributed.test_lowbit_optimizers import conf_optim
 from tests.harness import RankPool, spec_for
 
