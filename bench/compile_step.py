@@ -16,10 +16,11 @@ import time
 
 import torch
 
-from components.models import build_causal_lm, tiny_config
+from components.models import build_causal_lm
 from components.models.compile import apply_block_wrappers
 from components.training.compile_counts import CompileCounts
 from components.training.step import forward_backward
+from recipes.tiny_models import tiny_config
 
 WIDE = dict(hidden_size=512, intermediate_size=1408, num_attention_heads=8)
 WIDE |= dict(num_key_value_heads=4, head_dim=64, num_hidden_layers=4)

@@ -122,10 +122,10 @@ def _count_rank(seq: int) -> dict:
     """One forward and backward of one ``seq``-token row on this rank's share; bytes received."""
     from components.distributed.context_parallel import ContextParallel
     from components.distributed.layout import resolve_parallel_dims
-    from components.models import tiny_config
     from components.models.parallelize import ModelSpec, build_parallel_model
     from components.runtime.world import init_process_group
     from components.training.step import forward_backward
+    from recipes.tiny_models import tiny_config
 
     init_process_group("gloo", timedelta(minutes=10))
     torch.set_num_threads(1)

@@ -25,11 +25,11 @@ SHAPE |= dict(num_key_value_heads=4, intermediate_size=2048)
 METHODS = {"full": [], "lora": ["peft=lora"]}
 
 
-def overrides(tp: int, method: str, steps: int, output: Path) -> list[str]:
+def overrides(tp: int, method: str, steps: int) -> list[str]:
     shape = [f"model.config.{key}={value}" for key, value in SHAPE.items()]
     run = [f"tp={tp}", f"train.max_steps={steps}", "train.seq_len=128", "train.val_every=0"]
     run += ["train.global_batch_size=8", "train.micro_batch_size=4", "checkpoint.export=false"]
-    return [*shape, *run, *METHODS[method], f"output_dir={output}", "data.num_examples=400"]
+    return [*shape, *run, *METHODS[method], "data.num_examples=400"]
 
 
 def _recipe(arguments: list[str]) -> None:
@@ -40,19 +40,28 @@ def _recipe(arguments: list[str]) -> None:
         raise SystemExit(f"{' '.join(command)} failed:\n{result.stderr[-3000:]}")
 
 
-def measure(tp: int, method: str, steps: int, root: Path) -> dict:
-    output = root / f"{method}_tp{tp}"
-    _recipe([*overrides(tp, method, steps, output), "overwrite_output_dir=true"])
+def run_figures(arguments: list[str], output: Path) -> dict:
+    """One recipe run of ``arguments`` into ``output``: the median ``tokens_per_s`` over the steps
+    after the first and the largest ``peak_memory_gib`` (bench/memory_levers.py uses it too)."""
+    _recipe([*arguments, f"output_dir={output}", "overwrite_output_dir=true"])
     records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
     speed = statistics.median(record["tokens_per_s"] for record in records[1:])
     return {"tokens_per_s": speed, "peak_gib": max(r["peak_memory_gib"] for r in records)}
 
 
-def planned(tp: int, method: str, root: Path) -> dict:
-    output = root / f"plan_{method}_tp{tp}"
-    _recipe([*overrides(tp, method, 1, output), "dry_run=true"])
+def plan_figures(arguments: list[str], output: Path) -> dict:
+    """The dry run of ``arguments``: its planned ``optimizer`` and ``total`` GiB per rank."""
+    _recipe([*arguments, "dry_run=true", f"output_dir={output}"])
     per_rank = json.loads((output / "plan.json").read_text())["per_rank_gib"]
     return {"planned_optimizer_gib": per_rank["optimizer"], "planned_total_gib": per_rank["total"]}
+
+
+def measure(tp: int, method: str, steps: int, root: Path) -> dict:
+    return run_figures(overrides(tp, method, steps), root / f"{method}_tp{tp}")
+
+
+def planned(tp: int, method: str, root: Path) -> dict:
+    return plan_figures(overrides(tp, method, 1), root / f"plan_{method}_tp{tp}")
 
 
 def main() -> None:

@@ -35,10 +35,11 @@ from torch.distributed.tensor import DTensor
 from transformers import LlamaConfig
 
 from components.distributed.tp_plan import apply_tp_plan
-from components.models import local_parameter_bytes, meta_causal_lm, tiny_config
+from components.models import local_parameter_bytes, meta_causal_lm
 from components.models.families import plan_for
 from components.runtime.launch import launch_local
 from components.runtime.world import init_process_group
+from recipes.tiny_models import tiny_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import real_size  # noqa: E402

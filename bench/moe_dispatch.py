@@ -61,13 +61,14 @@ from components.distributed.grads import finalize_dtensor_gradients
 from components.distributed.layout import resolve_parallel_dims
 from components.distributed.tp_plan import apply_tp_plan
 from components.distributed.tp_replicas import synchronize_tp_replica_gradients
-from components.models import build_causal_lm, tiny_config
+from components.models import build_causal_lm
 from components.models.families import FAMILIES, plan_for
 from components.moe import apply_expert_parallel
 from components.moe.expert_parallel import expert_layout
 from components.runtime.launch import launch_local
 from components.runtime.world import init_process_group
 from components.training.step import evaluate_loss_sum, forward_backward
+from recipes.tiny_models import tiny_config
 
 SIZES = {
     "hidden_size": 256,

@@ -16,7 +16,7 @@ the mean square of the output) with SGD.
 Paths, on the same weights and batches:
 
 - tp = 1, one process: the experts' forward is the folded path's with the ep group left out
-  (every expert local, no collective): ``_run_experts_loop`` or ``_run_experts_grouped`` on the
+  (every expert local, no collective): ``run_experts_loop`` or ``run_experts_grouped`` on the
   (token, choice) rows.
 - ep = 2 and 4 (``--ep``), gloo, 1 thread per rank, every rank its own tokens:
   ``apply_expert_parallel`` on a ``("ep_shard", "ep")`` mesh of (1, ep), with
@@ -44,11 +44,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from components.models import tiny_config
-from components.moe import apply_expert_parallel, expert_parallel
-from components.moe.expert_parallel import _run_experts_grouped, _run_experts_loop
+from components.moe import apply_expert_parallel, expert_compute
+from components.moe.expert_compute import run_experts_grouped, run_experts_loop
 from components.runtime.launch import launch_local
 from components.runtime.world import init_process_group
+from recipes.tiny_models import tiny_config
 
 SIZES = {
     "hidden_size": 512,
@@ -61,7 +61,7 @@ LAYERS = 2
 TOKENS = 1024  # per rank per step
 STEPS, WARMUP = 8, 1
 PATHS = ("loop", "grouped")
-_FITS = expert_parallel.grouped_mm_fits
+_FITS = expert_compute.grouped_mm_fits
 RTOL = 1e-5
 
 
@@ -105,7 +105,7 @@ def _local_forward(function):
 def build(path: str, ep: int) -> Stack:
     stack = Stack()
     if ep == 1:
-        function = _run_experts_loop if path == "loop" else _run_experts_grouped
+        function = run_experts_loop if path == "loop" else run_experts_grouped
         for block in stack.layers:
             block.experts.forward = types.MethodType(_local_forward(function), block.experts)
     else:
@@ -148,7 +148,7 @@ def measure(ep: int, rank: int) -> dict:
             if ep > 1:
                 dist.barrier()
             # ep > 1, the loop: as where grouped GEMM cannot run (read at call time)
-            expert_parallel.grouped_mm_fits = _FITS if path == "grouped" else _never_fits
+            expert_compute.grouped_mm_fits = _FITS if path == "grouped" else _never_fits
             started = time.perf_counter()
             loss, output = step(stacks[path], hidden)
             elapsed = time.perf_counter() - started

@@ -29,7 +29,8 @@ recipe then leaves malloc alone): the RSS is exactly the live bytes, the figure 
 
 from components.runtime.malloc import exec_with_malloc_settings
 
-exec_with_malloc_settings(__name__)  # before torch, as the recipe: the RSS reads as live bytes
+if __name__ == "__main__":  # before torch, as the recipe: the RSS reads as live bytes
+    exec_with_malloc_settings()
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -79,10 +80,10 @@ def _rank(shape: dict, pp: int, schedule: str, m: int, rows: int, seq: int, plan
 
     from components.distributed.layout import resolve_parallel_dims
     from components.distributed.pipeline import build_pipeline
-    from components.models import tiny_config
     from components.models.parallelize import ModelSpec, build_parallel_model
     from components.planning.memory import current_memory_gib, peak_memory_gib, reset_peak_memory
     from components.runtime.world import init_process_group
+    from recipes.tiny_models import tiny_config
 
     init_process_group("gloo", timedelta(minutes=10))
     torch.set_num_threads(1)

@@ -44,10 +44,11 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from components.distributed.grads import clip_grad_norm_, finalize_dtensor_gradients
 from components.distributed.tp_replicas import synchronize_tp_replica_gradients
-from components.models import build_causal_lm, tiny_config
+from components.models import build_causal_lm
 from components.runtime.launch import free_port
 from components.training.schedule import warmup_cosine
 from components.training.step import forward_backward
+from recipes.tiny_models import tiny_config
 
 STEPS, WARMUP_STEPS, ROUNDS = 25, 5, 3
 GLOBAL_BATCH, MICRO_BATCH, SEQ_LEN, VOCAB, SEED = 16, 8, 48, 384, 0
@@ -91,26 +92,29 @@ def _labelled(micro_batches: list[MicroBatch]) -> int:
     return sum(int((labels[:, 1:] != IGNORE_INDEX).sum()) for _, labels in micro_batches)
 
 
-def loop(work: Workload) -> list[float]:
+def loop(work: Workload, losses: list[float] | None = None) -> list[float]:
     """A bare PyTorch loop: forward, summed cross entropy / labelled tokens, backward,
-    ``torch.nn.utils.clip_grad_norm_``, step; each step's seconds."""
+    ``torch.nn.utils.clip_grad_norm_``, step; each step's seconds. ``losses``, if given, gets each
+    step's loss (bench/adamw4bit_loop.py)."""
     model, optimizer, scheduler = work.setup()
     times = []
     for micro_batches in work.steps:
         started = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        labelled = _labelled(micro_batches)
+        labelled, loss_sum = _labelled(micro_batches), 0.0
         for input_ids, labels in micro_batches:
             logits = model(input_ids=input_ids).logits
             loss = F.cross_entropy(
                 logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), reduction="sum"
             )
             (loss / labelled).backward()
-            loss.item()
+            loss_sum += loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), work.clip)
         optimizer.step()
         scheduler.step()
         times.append(time.perf_counter() - started)
+        if losses is not None:
+            losses.append(loss_sum / labelled)
     return times
 
 

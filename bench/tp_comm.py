@@ -32,10 +32,11 @@ from components.distributed.tp_replicas import (
     broadcast_tp_replicas,
     synchronize_tp_replica_gradients,
 )
-from components.models import build_causal_lm, tiny_config
+from components.models import build_causal_lm
 from components.models.families import plan_for
 from components.runtime.launch import launch_local
 from components.runtime.world import init_process_group
+from recipes.tiny_models import tiny_config
 
 TP = 2
 LAYERS = 2

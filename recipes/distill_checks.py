@@ -54,6 +54,7 @@ def with_teacher(checked: DistillChecked) -> DistillChecked:
         awaits_fetch,
         check_teacher,
         vocabulary_problems,
+        with_frozen_model_refusals,
     )
 
     settings, choice = checked.settings, teacher_choice(checked.settings)
@@ -63,18 +64,21 @@ def with_teacher(checked: DistillChecked) -> DistillChecked:
             hub_teacher = CheckedModel(path=Path(choice.pretrained_path))
             raise ConfigError(vocabulary_problems(student, hub_teacher, None, None))
         return replace(checked, teacher_awaits_fetch=True)
-    use = replace(model_use(settings, checked.device_type), lora=None, peft_lora=False)
+    use = model_use(settings, checked.device_type, checked.dims)  # the dry run's layouts too
+    use = replace(use, lora=None, peft_lora=False)
     built_vocab = settings.model.config.get("vocab_size")  # a built student's; null: tokenizer's
     teacher = check_teacher(choice, use, checked.dims, student, built_vocab)
     for note in teacher.notes:
         say(note)
     if found := teacher.problems + head_problems(checked.model_config, teacher.config):
         raise ConfigError(found)
+    facts = with_frozen_model_refusals(checked.model_facts, teacher, "teacher", checked.dims)
     return replace(
         checked,
         teacher_path=teacher.path,
         teacher_config=teacher.config,
         teacher_awaits_fetch=False,
+        model_facts=facts,  # the dry run suggests no layout the teacher cannot take
     )
 
 

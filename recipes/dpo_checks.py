@@ -33,36 +33,43 @@ def check_dpo(
     schema: type[DpoConfig] = DpoConfig,
 ) -> DpoChecked:
     """Fine-tuning's checks of ``cfg`` against the DPO ``schema``, then the reference folder
-    ``dpo.reference_path`` names, if any (:func:`check_reference`)."""
+    ``dpo.reference_path`` names, if any (:func:`with_reference`)."""
     checked = check(cfg, job_dir, hydra_run_dir, schema)
     base = {field.name: getattr(checked, field.name) for field in fields(checked)}
     path = checked.settings.dpo.reference_path
     if path is None:
         return DpoChecked(**base, reference_path=None, reference_config=None)
     folder = Path(path).expanduser().absolute()
-    if checked.model_awaits_fetch:  # compared with the policy once the preparation fetched it
-        if found := folder_problems(checked, folder):
-            raise ConfigError(found)
-        return DpoChecked(
-            **base, reference_path=folder, reference_config=None, reference_awaits_fetch=True
-        )
-    reference = check_reference(checked, folder)
-    return DpoChecked(**base, reference_path=reference.path, reference_config=reference.config)
+    awaits = checked.model_awaits_fetch  # compared with the policy once preparation fetched it
+    unchecked = DpoChecked(
+        **base, reference_path=folder, reference_config=None, reference_awaits_fetch=awaits
+    )
+    if not awaits:
+        return with_reference(unchecked)
+    if found := folder_problems(checked, folder):
+        raise ConfigError(found)
+    return unchecked
 
 
-def check_reference(checked: Checked, folder: Path):
-    """The reference ``folder`` as a model of its own at the run's layout (no adapters), then
-    against the policy's folder: the same model type, the same vocabulary. Raises ConfigError
-    with every problem found (``components.models.checks.CheckedModel`` when there is none)."""
-    from components.models.checks import check_model, vocabulary_difference  # schema passed
+def with_reference(checked: DpoChecked) -> DpoChecked:
+    """``checked`` with its reference folder checked as a model of its own at the run's layout
+    (no adapters), then against the policy's folder: the same model type, the same vocabulary;
+    in a dry run, what the reference refuses at the layouts it may suggest added to the policy's
+    facts (``with_frozen_model_refusals``). Raises ConfigError with every problem found."""
+    from components.models.checks import (  # the schema has passed
+        check_model,
+        vocabulary_difference,
+        with_frozen_model_refusals,
+    )
 
+    folder = checked.reference_path
     if found := folder_problems(checked, folder):
         raise ConfigError(found)
     attention = checked.settings.model.attn_implementation  # the policy's kernel, as its spec's
     choice = ModelChoice(name=KEY, family=None, config={}, attn_implementation=attention)
     choice = replace(choice, pretrained_path=str(folder))
-    use = replace(model_use(checked.settings, checked.device_type), lora=None, peft_lora=False)
-    reference = check_model(choice, use, checked.dims)
+    use = model_use(checked.settings, checked.device_type, checked.dims)  # dry run's layouts too
+    reference = check_model(choice, replace(use, lora=None, peft_lora=False), checked.dims)
     found = [
         Problem(key=KEY, message=f"{KEY}: {problem.message}") for problem in reference.problems
     ]
@@ -76,7 +83,13 @@ def check_reference(checked: Checked, folder: Path):
         found.append(_mismatch(folder, f"their vocabularies' {which} differ"))
     if found:
         raise ConfigError(found)
-    return reference
+    return replace(
+        checked,
+        reference_path=reference.path,
+        reference_config=reference.config,
+        reference_awaits_fetch=False,
+        model_facts=with_frozen_model_refusals(checked.model_facts, reference, KEY, checked.dims),
+    )
 
 
 def folder_problems(checked: Checked, folder: Path) -> list[Problem]:
@@ -111,23 +124,21 @@ def _mismatch(folder: Path, what: str) -> Problem:
 
 
 def _policy(checked: Checked):
-    from components.models.checks import CheckedModel  # (see check_reference)
+    from components.models.checks import CheckedModel  # (see with_reference)
 
     return CheckedModel(path=checked.model_path, config=checked.model_config)
 
 
 def prepare_dpo(checked: DpoChecked) -> tuple[DpoPlan, OutputDirLock | None]:
     """A policy still to be downloaded or converted fetched (fine-tuning's fetch) and the
-    reference folder checked against it then (:func:`check_reference`); fine-tuning's
+    reference folder checked against it then (:func:`with_reference`); fine-tuning's
     preparation (tokenizer, data, output folder, checkpoint); then the reference's spec: its
     folder's, the policy's own (its starting weights), or None with ``peft=lora`` (the policy
     with its adapters off)."""
     from recipes.prepare import fetched_model, model_spec, prepare  # after the checks
 
     if checked.reference_awaits_fetch:
-        checked = fetched_model(checked)
-        reference = check_reference(checked, checked.reference_path)
-        checked = replace(checked, reference_config=reference.config, reference_awaits_fetch=False)
+        checked = with_reference(fetched_model(checked))
     plan, lock = prepare(checked)
     reference = None if plan.lora is not None else plan.model
     if checked.reference_path is not None:

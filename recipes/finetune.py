@@ -130,15 +130,20 @@ def run(
 
 
 def launch(checked: Checked, recipe: Recipe = FINETUNE) -> None:
-    """Prepare once (here, or on rank 0 of a torchrun world), then the dry run (the layout priced
-    on fake ranks) or the ranks; the output folder's lock is released once they are done."""
+    """Prepare once (here, or on rank 0 of a torchrun world, whose plan every rank receives), then
+    the dry run (the layout priced on fake ranks) or the ranks; the output folder's lock is
+    released once they are done."""
     from components.planning.dry_run import UnbuildableLayout, dry_run  # (after the checks)
-    from components.runtime.ranks import prepare_once, run_ranks
+    from components.runtime import ranks
 
     prepare, rank_main = named(recipe.prepare), named(recipe.rank_main)
 
-    with refusals():
-        plan, lock = prepare_once(prepare, checked)
+    ranks.join_launched_world(checked)
+    plan, lock = None, None
+    with refusals(), ranks.failure_told_to_waiting_ranks():
+        if ranks.prepares_here():
+            plan, lock = prepare(checked)
+    plan = ranks.shared_plan(plan)
     try:
         if plan.dry_run:
             try:
@@ -147,7 +152,9 @@ def launch(checked: Checked, recipe: Recipe = FINETUNE) -> None:
                 fail(str(error))
         else:
             settings, world_size = plan.settings, plan.dims.world_size
-            run_ranks(rank_main, plan, world_size, settings.max_restarts, settings.hang_timeout_s)
+            ranks.run_ranks(
+                rank_main, plan, world_size, settings.max_restarts, settings.hang_timeout_s
+            )
     finally:
         if lock is not None:
             lock.release()

@@ -50,9 +50,8 @@ def describe(
         seen.add(dotted)
         hint = _field_hint(loc, schema)
         if item["type"] == "extra_forbidden":
-            lines.append(
-                f"{dotted} is not a known key: remove it (see `python {schema.RECIPE} --cfg job`)"
-            )
+            shown = f"`.venv/bin/python {schema.RECIPE} --cfg job`"
+            lines.append(f"{dotted} is not a known key: remove it (see {shown})")
         elif item["type"] == "missing":
             lines.append(
                 f"{dotted} is missing from the config: add it back with +{dotted}=..., {hint}"

@@ -168,7 +168,8 @@ _RUN_MESHES: dict[ParallelDims, Meshes] = {}
 def tiny_model_folder(root: Path) -> Path:
     """``root/model``: a tiny Llama's weights, config and a trained tokenizer (model=pretrained)."""
     from components.data import DEFAULT_VOCAB_SIZE, train_tokenizer
-    from components.models import build_causal_lm, tiny_config
+    from components.models import build_causal_lm
+    from recipes.tiny_models import tiny_config
 
     folder = root / "model"
     tokenizer = train_tokenizer(["hello world", "tune"], DEFAULT_VOCAB_SIZE, root / "tokenizer")

@@ -48,7 +48,7 @@ def reference_folders(root: Path) -> dict[str, Path]:
     its shape and tokenizer with other weights (seed 1); a Llama of ``another_tokenizer`` and a
     ``qwen3`` model of the policy's tokenizer."""
     from components.data import DEFAULT_VOCAB_SIZE, train_tokenizer
-    from components.models import tiny_config
+    from recipes.tiny_models import tiny_config
 
     texts = ["what is the answer", "fine tuning", "other words"]
     one = train_tokenizer(texts[:2], DEFAULT_VOCAB_SIZE, root / "one")

@@ -470,7 +470,7 @@ def widest_batch(split: TokenizedSplit | MixedSplit, pad_multiple: int | None) -
     if isinstance(split, MixedSplit):
         return max(widest_batch(part, pad_multiple) for part in split.parts)
     if not isinstance(split, TokenizedSplit):  # a stream's rows are not known before it is read
-        return split.seq_len
+        return split.making.seq_len
     with np.load(split.rows_file) as arrays:
         rows = Rows.load_from(arrays, split.part)
     if not len(rows.tokens):

@@ -34,7 +34,7 @@ from components.data.loader import MixedSplit, TokenizedSplit, open_tokens, pad_
 from components.data.packing import Rows, build_rows
 from components.data.sources import DataSource, MixSource
 from components.data.stream_mixture import StreamedMixSplit, is_streamed
-from components.data.streaming import StreamedSource, StreamedSplit, first_example
+from components.data.streaming import RowMaking, StreamedSource, StreamedSplit, first_example
 from components.data.tokenizer import DEFAULT_VOCAB_SIZE, train_tokenizer
 from components.processes import die_with_parent, process_exists
 
@@ -427,13 +427,18 @@ def _prepare_stream(
     streams = tuple(part.source for part in parts) or (source,)
     for stream in streams:
         first_example(stream, Labelling(tokenizer=tokenizer, seq_len=seq_len, loss_on=loss_on))
-    rows = dict(seq_len=seq_len, loss_on=loss_on, packing=packing, pad_id=pad_id_of(tokenizer))
-    rows["tokenizer_dir"] = str(tokenizer_dir)
+    making = RowMaking(
+        tokenizer_dir=str(tokenizer_dir),
+        seq_len=seq_len,
+        loss_on=loss_on,
+        packing=packing,
+        pad_id=pad_id_of(tokenizer),
+    )
     if parts:
         names, weights = tuple(p.name for p in parts), tuple(p.weight for p in parts)
-        train = StreamedMixSplit(names=names, weights=weights, sources=streams, **rows)
+        train = StreamedMixSplit(names=names, weights=weights, sources=streams, making=making)
     else:
-        train = StreamedSplit(source=source, **rows)
+        train = StreamedSplit(source=source, making=making)
     paths = ", ".join(stream.path for stream in streams)
     return PreparedData(
         train=train,

@@ -19,7 +19,13 @@ from typing import ClassVar
 from components.data.collate import Labelling
 from components.data.mixture import integer_weights, interleave
 from components.data.sources import MixSource
-from components.data.streaming import Example, StreamedSource, StreamedSplit, StreamPosition
+from components.data.streaming import (
+    Example,
+    RowMaking,
+    StreamedSource,
+    StreamedSplit,
+    StreamPosition,
+)
 
 
 def is_streamed(source: object) -> bool:
@@ -75,16 +81,13 @@ def mixed_rows(
 @dataclass(frozen=True, kw_only=True)
 class StreamedMixSplit:
     """What a rank needs to stream a mixture's rows (picklable, in the run plan): the sources'
-    ``names``, ``weights`` and streams, the tokenizer folder and how records become rows."""
+    ``names``, ``weights`` and streams, and how their records become rows (each source's as a
+    stream alone makes them)."""
 
     names: tuple[str, ...]
     weights: tuple[float, ...]
     sources: tuple[StreamedSource, ...]
-    tokenizer_dir: str
-    seq_len: int
-    loss_on: str
-    packing: bool
-    pad_id: int
+    making: RowMaking
     pairs: ClassVar[bool] = False
 
     def start(self) -> MixPosition:
@@ -111,12 +114,5 @@ class StreamedMixSplit:
         self, source: StreamedSource, labelling: Labelling, shard: tuple[int, int]
     ) -> Callable[[StreamPosition], Iterator[tuple[list[Example], StreamPosition]]]:
         """Rows of ``source`` from a position on, as a streamed source alone makes them."""
-        alone = StreamedSplit(
-            source=source,
-            tokenizer_dir=self.tokenizer_dir,
-            seq_len=self.seq_len,
-            loss_on=self.loss_on,
-            packing=self.packing,
-            pad_id=self.pad_id,
-        )
+        alone = StreamedSplit(source=source, making=self.making)
         return lambda start: alone.rows(start, labelling, shard=shard, rows_per_step=1)

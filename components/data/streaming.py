@@ -141,16 +141,25 @@ class StreamPosition:
 
 
 @dataclass(frozen=True, kw_only=True)
-class StreamedSplit:
-    """What a rank needs to stream its rows (picklable, in the run plan): the source, the tokenizer
-    folder and how records become rows."""
+class RowMaking:
+    """How a stream's records become rows on a rank (picklable, in the run plan): the tokenizer's
+    folder, the row length, which tokens are labelled, whether rows are packed, the pad token.
+    Said once for a stream and for a mixture of streams."""
 
-    source: StreamedSource
     tokenizer_dir: str
     seq_len: int
     loss_on: str
     packing: bool
     pad_id: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class StreamedSplit:
+    """What a rank needs to stream its rows (picklable, in the run plan): the source and how its
+    records become rows."""
+
+    source: StreamedSource
+    making: RowMaking
     pairs: ClassVar[bool] = False  # prompt and answer records only (components/data/checks.py)
 
     def start(self) -> StreamPosition:
@@ -176,7 +185,7 @@ class StreamedSplit:
             stream.set_epoch(epoch)
             return stream
 
-        return stream_rows(position, open_epoch, labelling, self.packing)
+        return stream_rows(position, open_epoch, labelling, self.making.packing)
 
 
 def example_of(record: dict, labelling: Labelling, index: int) -> Example:
@@ -373,12 +382,12 @@ class _StepStream(torch.utils.data.IterableDataset):
             yield str(error)
 
     def _steps(self) -> Iterator[StepItem]:
-        split = self.split
-        tokenizer = AutoTokenizer.from_pretrained(split.tokenizer_dir, trust_remote_code=False)
-        labelling = Labelling(tokenizer=tokenizer, seq_len=split.seq_len, loss_on=split.loss_on)
+        split, making = self.split, self.split.making
+        tokenizer = AutoTokenizer.from_pretrained(making.tokenizer_dir, trust_remote_code=False)
+        labelling = Labelling(tokenizer=tokenizer, seq_len=making.seq_len, loss_on=making.loss_on)
         rows_per_step = self.rows[0]
         rows = split.rows(self.position, labelling, shard=self.shard, rows_per_step=rows_per_step)
-        sizes = dict(seq_len=split.seq_len, pad_id=split.pad_id, pad_multiple=self.pad_multiple)
+        sizes = dict(seq_len=making.seq_len, pad_id=making.pad_id, pad_multiple=self.pad_multiple)
         return step_items(rows, *self.rows, **sizes)
 
 

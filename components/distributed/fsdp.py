@@ -21,9 +21,10 @@ from torch.distributed.tensor import DTensor
 
 
 def shard_data_parallel(
-    model: nn.Module, dp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None
+    model: nn.Module, fsdp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None
 ) -> nn.Module:
-    """Wrap each decoder layer, then the whole model, with ``fully_shard`` on ``dp_mesh``.
+    """Wrap each decoder layer, then the whole model, with ``fully_shard`` on ``fsdp_mesh``
+    (the run's ``Meshes.fsdp``: dp × cp; with HSDP, (dp_replicate, dp_shard) in 2-D).
 
     ``mp_policy`` (None: FSDP2's default, compute and reduction in the parameters' dtype) is applied
     to every wrapped module. Call after the TP plan, activation checkpointing and compile.
@@ -32,8 +33,8 @@ def shard_data_parallel(
     experts = set(expert_parameters(model))
     layers = getattr(getattr(model, "model", None), "layers", None)
     for layer in layers if layers is not None else []:
-        fully_shard(layer, mesh=dp_mesh, mp_policy=policy, ignored_params=experts)
-    fully_shard(model, mesh=dp_mesh, mp_policy=policy, ignored_params=experts)
+        fully_shard(layer, mesh=fsdp_mesh, mp_policy=policy, ignored_params=experts)
+    fully_shard(model, mesh=fsdp_mesh, mp_policy=policy, ignored_params=experts)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

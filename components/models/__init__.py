@@ -1,6 +1,6 @@
-"""Build or load Hugging Face causal LMs: tiny configs, seeded or meta-device builds, and loading
-each rank's shard. The names below are imported on first use (``from components.models import
-tiny_config``): a submodule such as ``components.models.families`` stays light."""
+"""Build or load Hugging Face causal LMs: seeded or meta-device builds, and loading each rank's
+shard. The names below are imported on first use (``from components.models import
+build_causal_lm``): a submodule such as ``components.models.families`` stays light."""
 
 import importlib
 
@@ -8,7 +8,6 @@ _HOMES = {
     "build_causal_lm": "components.models.build",
     "local_parameter_bytes": "components.models.build",
     "meta_causal_lm": "components.models.build",
-    "tiny_config": "components.models.configs",
     "load_config": "components.models.load",
     "materialize_pretrained": "components.models.load",
 }

@@ -8,7 +8,7 @@ The model comes from the ``model`` group (:class:`ModelChoice`); what the run as
 expert parallelism's are ``components/moe``'s.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -287,6 +287,25 @@ def other_layout_refusals(
             refused = stage_problems(config, meta, size)
         found |= {(name, size): tuple(p.message for p in refused)} if refused else {}
     return found
+
+
+def with_frozen_model_refusals(
+    facts: ModelFacts | None, frozen: CheckedModel, name: str, dims: ParallelDims
+) -> ModelFacts | None:
+    """``facts`` of the trained model with what a frozen model run beside it on the same layout
+    (DPO's reference, distillation's teacher: ``name``, checked with the dry run's other layouts)
+    refuses at each degree a dry run may suggest: its checks' refusals and its sizes' tp rule,
+    each line marked ``name``'s, so that the dry run suggests no layout the frozen model cannot
+    take (None: the trained model's checks did not finish, nothing to add to)."""
+    if facts is None:
+        return None
+    found = {key: list(lines) for key, lines in facts.refusals.items()}
+    for key, lines in frozen.refusals.items():
+        found.setdefault(key, []).extend(f"{name}: {line}" for line in lines)
+    for size in dims.larger("tp"):
+        sized = tp_problems(frozen.config, size)
+        found.setdefault(("tp", size), []).extend(f"{name}: {p.message}" for p in sized)
+    return replace(facts, refusals={key: tuple(lines) for key, lines in found.items() if lines})
 
 
 def cp_problems(choice: ModelChoice, use: ModelUse, cp: int, config) -> list[Problem]:

@@ -2,18 +2,15 @@
 explicit sizes.
 
 The sizes are data, not code: the recipe takes them from ``model.config``
-(``conf/model/<family>.yaml``, overridable on the command line), and :func:`tiny_config` reads the
-same files for tests and benchmarks, so the tiny models tests use are the ones the recipe runs.
-Every tiny size keeps heads, kv heads and experts (8, 4, 8) divisible by 1, 2 and 4.
+(``conf/model/<family>.yaml``, overridable on the command line; ``recipes/tiny_models.py`` reads the
+same files for tests and benchmarks).
 """
 
 import functools
 import inspect
 import re
-from pathlib import Path
 from typing import Any
 
-import yaml
 from huggingface_hub.errors import StrictDataclassError
 from transformers import PretrainedConfig
 
@@ -22,9 +19,6 @@ from components.models.families import FAMILIES
 # Read by every family's attention (``getattr(config, "head_dim", ...)``) though not every config
 # declares it.
 READ_BY_MODELS = frozenset({"head_dim"})
-# Tests' and benchmarks' vocabulary (tiny_config) where the group's is null (the tokenizer's).
-TINY_VOCAB_SIZE = 256
-MODEL_CONF_DIR = Path(__file__).resolve().parents[2] / "conf" / "model"
 # Sizes and counts (hidden_size, head_dim, num_attention_heads, ...): each at least 1.
 SIZE_KEY = re.compile(r"^(num_\w+|\w+_size|head_dim|max_position_embeddings)$")
 
@@ -79,19 +73,6 @@ def build_config(family: str, sizes: dict[str, Any]) -> PretrainedConfig:
         return FAMILIES[family].config_class()(**given)
     except StrictDataclassError as error:  # transformers' validators: the cause reads best
         raise ValueError(f"model.config: {error.__cause__ or error}") from None
-
-
-def tiny_config(family: str, **overrides: Any) -> PretrainedConfig:
-    """The tiny config of ``conf/model/<family>.yaml`` (the recipe's default sizes and attention
-    kernel); ``overrides`` win."""
-    if family not in FAMILIES:
-        raise ValueError(
-            f"unknown model family {family!r}; known families: {', '.join(sorted(FAMILIES))}"
-        )
-    group = yaml.safe_load((MODEL_CONF_DIR / f"{family}.yaml").read_text())
-    sizes = {**group["config"], "attn_implementation": group["attn_implementation"]}
-    sizes["vocab_size"] = sizes["vocab_size"] or TINY_VOCAB_SIZE  # null there: the tokenizer's
-    return build_config(family, {**sizes, **overrides})
 
 
 def vocab_size_errors(sizes: dict[str, Any]) -> list[str]:

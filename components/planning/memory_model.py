@@ -214,6 +214,8 @@ def _state(model: nn.Module, layout: Layout, step: Step) -> dict[str, float]:
         (sum(_local(p).numel() for p in b.parameters() if p.requires_grad) for b in layers),
         default=0,
     )
+    in_layers = {id(p) for block in layers for p in block.parameters()}
+    root = sum(t.numel() for p, t in pairs if id(p) not in in_layers)
     embedding = getattr(model.get_input_embeddings(), "weight", None)  # None off the first stage
     head = getattr(model.get_output_embeddings(), "weight", None)  # None off the last
     head_weight = _local(head) if head is not None else None
@@ -232,6 +234,8 @@ def _state(model: nn.Module, layout: Layout, step: Step) -> dict[str, float]:
         "layer_grad_bytes": layer_trained * element,
         "layer_numel": layer * _sharding(layout),  # FSDP all-gathers a layer over its shards
         "nf4_layer_bytes": nf4_layer,  # its NF4 tiles too, gathered as stored
+        # FSDP's root group (embedding, final norm, head), unsharded over dp like a layer
+        "root_numel": root * _sharding(layout),
         "matmul_numel": matmul if _data_parallel(layout) == 1 else 0,  # autocast: without FSDP
         "head_numel": head_weight.numel() if head_weight is not None else 0,
         "head_trained": head is not None and head.requires_grad,  # frozen under LoRA
@@ -394,6 +398,9 @@ def _buffers(config, layout: Layout, step: Step, state: dict, stage: Stage) -> d
         gathered = 2 if step.precision != "fp32" else 4
         fsdp = 2 * state["layer_numel"] * (gathered + 4)  # two layers' parameters, fp32 grads
         fsdp += 2 * state["nf4_layer_bytes"]
+        # the root's parameters stay gathered from the forward's start to the backward's end
+        # (FSDP2 does not reshard the root after forward)
+        fsdp += state["root_numel"] * gathered
         if fp8 and step.fp8_recipe == "tensorwise":  # the float8 linears' weights gathered in fp8
             fsdp -= 2 * state["fp8_layer_numel"] * (gathered - 1)
         if accumulates and not stage.pipelined:  # micro-batches accumulate unsharded

@@ -1,12 +1,15 @@
-"""From a checked config to running ranks: the ``prepare`` phase once (here, or on rank 0 of a
-torchrun world while the others wait for its plan), then the ranks, here (torchrun started us) or
-as local processes with torch elastic's restarts.
+"""From a checked config to running ranks, each step a call the recipe makes: join a torchrun
+world (:func:`join_launched_world`), prepare once (here, or on rank 0 of a torchrun world:
+:func:`prepares_here`, :func:`failure_told_to_waiting_ranks`) and share the plan
+(:func:`shared_plan`), then the ranks (:func:`run_ranks`), here (torchrun started us) or as local
+processes with torch elastic's restarts.
 
 Design notes: docs/design-notes.md
 """
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import torch.distributed as dist
@@ -20,12 +23,10 @@ Plan = TypeVar("Plan")
 Checked = Any  # what a recipe's checks return: its device, timeout, threads, seed, dry_run
 
 
-def prepare_once(prepare: Callable[[Checked], tuple[Plan, Any]], checked: Checked):
-    """``prepare(checked)``'s (plan, handle), made once: in this process, or under torchrun on rank
-    0 alone, whose plan every other rank receives (with a handle of None). There the world is
-    joined first (unless ``checked.dry_run``), with the checked device, timeout, threads and seed,
-    so that the other ranks can wait for rank 0's plan. When rank 0 fails, the others exit quietly
-    with status 2 (0 when the run is already complete): rank 0 says why."""
+def join_launched_world(checked: Checked) -> None:
+    """Under torchrun (and not a dry run): join the world now, with the checked device, timeout,
+    threads and seed, so that rank 0 can prepare the run for all while the others wait for its
+    plan (:func:`shared_plan`). Elsewhere: nothing (the local launcher prepares before it forks)."""
     if started_by_launcher() and not checked.dry_run:
         join_world(
             checked.device_type,
@@ -34,21 +35,38 @@ def prepare_once(prepare: Callable[[Checked], tuple[Plan, Any]], checked: Checke
             checked.seed,
             checked.settings.train.tf32,
         )
-    if not dist.is_initialized():
-        return prepare(checked)
-    if dist.get_rank() == 0:
-        try:
-            plan, handle = prepare(checked)
-        except BaseException as error:
+
+
+def prepares_here() -> bool:
+    """Whether this process prepares the run: every process outside torchrun, rank 0 in it."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+@contextmanager
+def failure_told_to_waiting_ranks() -> Iterator[None]:
+    """Around rank 0's preparation in a torchrun world: when it fails, the ranks waiting in
+    :func:`shared_plan` receive its exit status instead of a plan (0 when the run is already
+    complete, else 2) and exit quietly with it, while rank 0 says why. Elsewhere: nothing."""
+    try:
+        yield
+    except BaseException as error:
+        if dist.is_initialized() and dist.get_rank() == 0:
             dist.broadcast_object_list([0 if isinstance(error, AlreadyComplete) else 2], src=0)
-            raise
-        dist.broadcast_object_list([plan], src=0)
-        return plan, handle
-    received = [None]
-    dist.broadcast_object_list(received, src=0)
-    if isinstance(received[0], int):  # rank 0's exit status: no plan
-        raise ReportedExit(received[0])
-    return received[0], None
+        raise
+
+
+def shared_plan(plan: Plan | None) -> Plan:
+    """Rank 0's plan on every rank of a torchrun world (this process's own outside one). A rank
+    whose rank 0 failed to prepare exits with rank 0's status (sent by
+    :func:`failure_told_to_waiting_ranks`). The wait is a collective: it gives up after the
+    checked collective timeout."""
+    if not dist.is_initialized():
+        return plan
+    sent = [plan if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(sent, src=0)
+    if isinstance(sent[0], int):  # rank 0's exit status: no plan
+        raise ReportedExit(sent[0])
+    return sent[0]
 
 
 def run_ranks(

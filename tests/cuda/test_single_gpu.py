@@ -16,11 +16,12 @@ import torch.distributed as dist
 from components.checkpoint.dcp import load_checkpoint
 from components.checkpoint.state import TrainState
 from components.checkpoint.writer import CheckpointWriter
-from components.models import build_causal_lm, load_config, meta_causal_lm, tiny_config
+from components.models import build_causal_lm, load_config, meta_causal_lm
 from components.models.load import materialize_pretrained
 from components.planning.flops import peak_tflops
 from components.runtime.launch import free_port
 from components.runtime.world import join_world
+from recipes.tiny_models import tiny_config
 
 pytestmark = pytest.mark.cuda
 REPO = Path(__file__).resolve().parents[2]

@@ -12,11 +12,12 @@ from components.distributed.fsdp import shard_data_parallel
 from components.distributed.grads import finalize_dtensor_gradients
 from components.distributed.layout import resolve_parallel_dims
 from components.distributed.tp_plan import apply_tp_plan
-from components.models import build_causal_lm, tiny_config
+from components.models import build_causal_lm
 from components.models.activation_checkpointing import apply_activation_checkpointing
 from components.models.families import plan_for
 from components.moe import apply_expert_parallel
 from components.training.step import forward_backward
+from recipes.tiny_models import tiny_config
 from tests.harness import mesh
 
 BATCH, SEQ = 2, 16

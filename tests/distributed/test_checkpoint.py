@@ -31,10 +31,11 @@ from components.distributed.tp_replicas import (
     broadcast_tp_replicas,
     synchronize_tp_replica_gradients,
 )
-from components.models import build_causal_lm, tiny_config
+from components.models import build_causal_lm
 from components.models.families import FAMILIES, plan_for
 from components.moe import apply_expert_parallel
 from components.training.step import forward_backward
+from recipes.tiny_models import tiny_config
 from tests.harness import mesh
 
 pytestmark = pytest.mark.filterwarnings(
@@ -116,24 +117,24 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def check_resume(rank, world_size, root, tp):
-    """2 steps, save, 2 more (the warmup's lr still rising: lambda 0.75, then 1); then a fresh
-    model with other weights and RNG state loads and trains 2 steps."""
+    """3 steps, save, 3 more; then a fresh model with other weights and RNG state loads and trains 3
+    steps."""
     torch.manual_seed(0)
     run = Run(world_size, tp, seed=0)
-    for _ in range(2):
+    for _ in range(3):
         run.step()
-    saved = save_checkpoint(Path(root), 2, *run.state, extra={"samples_seen": 2 * BATCH})
-    continued = [run.step() for _ in range(2)]
+    saved = save_checkpoint(Path(root), 3, *run.state, extra={"samples_seen": 3 * BATCH})
+    continued = [run.step() for _ in range(3)]
     if rank == 0:  # a later save that crashed before its rename, and a folder that lost its marker
-        shutil.copytree(saved, Path(root) / "step_00000004.tmp")
-        shutil.copytree(saved, Path(root) / "step_00000006")
-        (Path(root) / "step_00000006" / MARKER).unlink()
+        shutil.copytree(saved, Path(root) / "step_00000006.tmp")
+        shutil.copytree(saved, Path(root) / "step_00000009")
+        (Path(root) / "step_00000009" / MARKER).unlink()
     dist.barrier()
 
     torch.manual_seed(1234)
     fresh = Run(world_size, tp, seed=1)
     state = load_checkpoint(find_resumable(Path(root)).path, *fresh.state)
-    resumed = [fresh.step() for _ in range(2)]
+    resumed = [fresh.step() for _ in range(3)]
     left = sorted(path.name for path in Path(root).iterdir())
     return {
         "saved": saved.name,
@@ -150,9 +151,9 @@ def test_resume_reproduces_an_uninterrupted_run_exactly(request, tmp_path, pool,
         request.getfixturevalue(pool).run(check_resume, str(tmp_path), tp)
     ):
         assert result["resumed"] == result["continued"], f"rank {index}"
-        assert result["state"] == {"step": 2, "samples_seen": 2 * BATCH}
-        assert result["saved"] == "step_00000002"
-        assert result["left"] == ["step_00000002", "step_00000004.tmp", "step_00000006"]
+        assert result["state"] == {"step": 3, "samples_seen": 3 * BATCH}
+        assert result["saved"] == "step_00000003"
+        assert result["left"] == ["step_00000003", "step_00000006.tmp", "step_00000009"]
 
 
 def check_save_reference(rank, world_size, root, tp=2):

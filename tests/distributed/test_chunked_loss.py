@@ -15,10 +15,11 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from components.distributed.chunked_loss import chunked_cross_entropy_sum
 from components.distributed.grads import finalize_dtensor_gradients
 from components.distributed.tp_plan import apply_tp_plan, cross_entropy_sum
-from components.models import build_causal_lm, tiny_config
+from components.models import build_causal_lm
 from components.models.families import plan_for
 from components.models.lora import LoraOptions
 from components.training.step import forward_backward
+from recipes.tiny_models import tiny_config
 from tests.harness import mesh
 from tests.unit.training.test_chunked_loss import (
     TOLERANCE,

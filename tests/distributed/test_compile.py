@@ -20,12 +20,13 @@ from components.distributed.grads import finalize_dtensor_gradients
 from components.distributed.layout import ParallelDims
 from components.distributed.tp_plan import apply_tp_plan
 from components.distributed.tp_replicas import synchronize_tp_replica_gradients
-from components.models import build_causal_lm, tiny_config
+from components.models import build_causal_lm
 from components.models.compile import apply_block_wrappers, check_compile, compile_blocks
 from components.models.families import moe_patterns, plan_for
 from components.models.parallelize import ModelSpec, build_parallel_model
 from components.training.compile_counts import CompileCounts, frames_compiled
 from components.training.step import forward_backward
+from recipes.tiny_models import tiny_config
 from tests.coverage import tiny_config as coverage_config
 from tests.harness import RankPool, mesh, meshes
 

@@ -1,15 +1,16 @@
 """Context parallelism trains the same model as one process: loss and grad norm of every step.
 
 Each check builds the same seeded tiny model twice on every rank: once whole (the cp=1 reference,
-on rank 0 alone) and once by ``build_parallel_model`` on a ``("dp", "cp", "tp")`` mesh (FSDP over
-dp × cp, the context-parallel attention). Both train 3 steps on the same global batches (each
-dp rank its share, every cp rank of it the whole micro-batch, computing its zig-zag half), with SGD
-or AdamW; fp32 gaps must be within 1e-5 relative (measured over 4 steps: <= 1.3e-7 with SGD, <=
-4.9e-7 with AdamW at lr 3e-3; at lr 1e-2 AdamW amplifies the float order to 6.5e-6 by step 4).
-Packed rows have documents that cross the cp chunk boundaries. bf16-mixed: 3.6e-3 against the
-one-process bf16-mixed run. One 4-rank pool serves the module. By default qwen3 tp2 cp2 sp and
-llama cp4 run with both optimizers and packed rows at tp2 cp2; llama dp2 cp2 and tp2 cp2, and
-packed rows at dp2 cp2 (also the checkpointing case's layout), run under ``-m sweep``.
+one process, computed locally) and once by ``build_parallel_model`` on a ``("dp", "cp", "tp")``
+mesh (FSDP over dp × cp, the context-parallel attention). Both train 4 steps on the same global
+batches (each dp rank its share, every cp rank of it the whole micro-batch, computing its zig-zag
+half), with SGD or AdamW; fp32 gaps must be within 1e-5 relative (measured: <= 1.3e-7 with SGD,
+<= 4.9e-7 with AdamW at lr 3e-3; at lr 1e-2 the loss rises and AdamW amplifies the float order to
+6.5e-6 by step 4). Packed rows have documents that cross the cp chunk boundaries. bf16-mixed: 3.6e-3
+against the one-process bf16-mixed run. One 4-rank pool serves the module; rank 0 alone computes
+the reference. By default qwen3 tp2 cp2 sp and llama cp4 run with both optimizers and packed rows
+at tp2 cp2; llama dp2 cp2 and tp2 cp2, and packed rows at dp2 cp2 (also the checkpointing case's
+layout), run under ``-m sweep``.
 """
 
 import pytest
@@ -27,13 +28,14 @@ from components.distributed.tp_replicas import (
     broadcast_tp_replicas,
     synchronize_tp_replica_gradients,
 )
-from components.models import build_causal_lm, tiny_config
+from components.models import build_causal_lm
 from components.models.parallelize import build_parallel_model
 from components.models.precision import precision_policy
 from components.training.step import forward_backward
+from recipes.tiny_models import tiny_config
 from tests.harness import meshes, spec_for
 
-BATCH, SEQ, STEPS = 4, 32, 3
+BATCH, SEQ, STEPS = 4, 32, 4
 OPTIMIZERS = {"sgd": (torch.optim.SGD, {"lr": 0.5}), "adamw": (torch.optim.AdamW, {"lr": 3e-3})}
 
 

@@ -12,9 +12,10 @@ import torch
 
 from components.data.loader import Batch
 from components.distributed.tp_plan import apply_tp_plan
-from components.models import build_causal_lm, tiny_config
+from components.models import build_causal_lm
 from components.models.families import plan_for
 from components.training.distillation import DistillStep, distill_forward_backward
+from recipes.tiny_models import tiny_config
 from tests.distributed.test_post_training_losses import Widths
 from tests.harness import mesh
 from tests.unit.training.test_chunked_loss import batch, relative

@@ -13,9 +13,10 @@ from torch.utils._pytree import tree_leaves
 from components.data.loader import Batch
 from components.distributed.grads import finalize_dtensor_gradients
 from components.distributed.tp_plan import apply_tp_plan
-from components.models import build_causal_lm, tiny_config
+from components.models import build_causal_lm
 from components.models.families import plan_for
 from components.training.preference import DpoOptions, DpoStep, dpo_forward_backward
+from recipes.tiny_models import tiny_config
 from tests.distributed.test_post_training_losses import Widths as _AllWidths
 from tests.distributed.test_post_training_losses import full
 from tests.harness import mesh

@@ -16,12 +16,13 @@ from components.distributed.tp_replicas import (
     synchronize_tp_replica_gradients,
     unmarked_parameters,
 )
-from components.models import build_causal_lm, tiny_config
+from components.models import build_causal_lm
 from components.models.families import FAMILIES
 from components.models.lora import LoraOptions, apply_lora
 from components.models.parallelize import build_parallel_model
 from components.planning.memory_model import GIB, Layout, MemoryEstimate, Step, estimate_memory
 from components.training.step import forward_backward
+from recipes.tiny_models import tiny_config
 from tests.harness import spec_for
 
 OPTIONS = LoraOptions(rank=4, alpha=8.0, dropout=0.0, target_modules=("*_proj",))

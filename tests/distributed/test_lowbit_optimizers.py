@@ -18,10 +18,10 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from components.distributed.layout import ParallelDims
-from components.models import tiny_config
 from components.models.parallelize import build_parallel_model
 from components.planning.memory_model import Layout, Step, estimate_memory, optimizer_state_bits
 from components.targets import target_class
+from recipes.tiny_models import tiny_config
 from tests.harness import RankPool, spec_for
 from tests.selection import selected_params
 

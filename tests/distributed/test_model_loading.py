@@ -23,9 +23,9 @@ from components.models import (
     local_parameter_bytes,
     materialize_pretrained,
     meta_causal_lm,
-    tiny_config,
 )
 from components.models.checkpoint import Checkpoint
+from recipes.tiny_models import tiny_config
 from tests.harness import mesh
 
 TOKENS = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from transformers import Llama4TextConfig
 
-import components.moe.expert_parallel as expert_parallel
+import components.moe.expert_compute as expert_compute
 from components.checkpoint.dcp import checkpoint_path, load_checkpoint, save_checkpoint
 from components.distributed.fsdp import shard_data_parallel
 from components.distributed.grads import grad_norm
@@ -28,10 +28,11 @@ from components.distributed.layout import resolve_parallel_dims
 from components.distributed.replicas.drift import replica_drift
 from components.distributed.tp_plan import apply_tp_plan, check_plan
 from components.distributed.tp_replicas import synchronize_tp_replica_gradients
-from components.models import build_causal_lm, meta_causal_lm, tiny_config
+from components.models import build_causal_lm, meta_causal_lm
 from components.models.families import FAMILIES, plan_for
 from components.moe import ExpertLoad, apply_expert_parallel, check_expert_parallel, dispatch_mode
 from components.training.step import forward_backward
+from recipes.tiny_models import tiny_config
 from tests.distributed.test_tp_parity import assert_parity, finish, global_batch, parity
 from tests.harness import mesh
 
@@ -425,13 +426,13 @@ def grouped_against_loop(rank, world_size, tp, ep, precision):
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     compute = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed")
     results, calls = {}, {True: 0, False: 0}
-    grouped_run, fits = expert_parallel._run_experts_grouped, expert_parallel.grouped_mm_fits
+    grouped_run, fits = expert_compute.run_experts_grouped, expert_compute.grouped_mm_fits
 
     def counted(*args, **kwargs):
         calls[grouped] += 1
         return grouped_run(*args, **kwargs)
 
-    expert_parallel._run_experts_grouped = counted
+    expert_compute.run_experts_grouped = counted
     try:
         for grouped in (True, False):
             model = build_causal_lm(config, seed=0, dtype=dtype)
@@ -442,15 +443,15 @@ def grouped_against_loop(rank, world_size, tp, ep, precision):
             tp_mesh = device_mesh["tp"]
             apply_expert_parallel(model, moe_mesh, tp_mesh, list(EXPERTS))
             # the loop run: as where grouped GEMM cannot run
-            expert_parallel.grouped_mm_fits = fits if grouped else lambda *args: False
+            expert_compute.grouped_mm_fits = fits if grouped else lambda *args: False
             batch = (tokens.chunk(dims.dp)[dp_rank], labels.chunk(dims.dp)[dp_rank], global_tokens)
             loss = forward_backward(model, *batch, compute=compute)
             named = model.named_parameters()
             experts = {n: p.grad.to_local().float() for n, p in named if ".experts." in n}
             results[grouped] = (loss, experts)
     finally:
-        expert_parallel._run_experts_grouped = grouped_run
-        expert_parallel.grouped_mm_fits = fits
+        expert_compute.run_experts_grouped = grouped_run
+        expert_compute.grouped_mm_fits = fits
     (loss, grads), (loop_loss, loop_grads) = results[True], results[False]
     errors = [((grads[n] - g).abs().max() / g.abs().max()).item() for n, g in loop_grads.items()]
     return {

@@ -14,9 +14,10 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from components.distributed.tp_plan import apply_tp_plan
-from components.models import build_causal_lm, tiny_config
+from components.models import build_causal_lm
 from components.models.families import plan_for
 from components.training.optimizer import build_optimizer
+from recipes.tiny_models import tiny_config
 from tests.harness import mesh
 
 OPTIMIZERS = {"torch.optim.AdamW": {"lr": 1e-3}, "torch.optim.SGD": {"lr": 0.1}}

@@ -26,9 +26,10 @@ from components.distributed.tp_replicas import (
     broadcast_tp_replicas,
     synchronize_tp_replica_gradients,
 )
-from components.models import build_causal_lm, tiny_config
+from components.models import build_causal_lm
 from components.models.families import plan_for
 from components.training.step import evaluate_loss_sum, forward_backward
+from recipes.tiny_models import tiny_config
 from tests.harness import RankPool, mesh
 
 SEQ_LEN = 64

@@ -28,8 +28,9 @@ from components.distributed.chunked_loss import (
 from components.distributed.grads import finalize_dtensor_gradients
 from components.distributed.tp_plan import apply_tp_plan
 from components.distributed.tp_replicas import synchronize_tp_replica_gradients
-from components.models import build_causal_lm, tiny_config
+from components.models import build_causal_lm
 from components.models.families import plan_for
+from recipes.tiny_models import tiny_config
 from tests.distributed.test_chunked_loss import HEAD_LORA
 from tests.harness import mesh
 from tests.unit.training.test_chunked_loss import batch, relative, with_trained_adapters

@@ -25,10 +25,11 @@ from components.distributed.tp_replicas import (
     broadcast_tp_replicas,
     synchronize_tp_replica_gradients,
 )
-from components.models import build_causal_lm, tiny_config
+from components.models import build_causal_lm
 from components.models.families import plan_for
 from components.models.precision import precision_policy
 from components.training.step import forward_backward
+from recipes.tiny_models import tiny_config
 from tests.distributed.common import recorded_collectives
 from tests.harness import mesh
 

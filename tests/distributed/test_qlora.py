@@ -14,12 +14,13 @@ from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor
 
 from components.distributed.grads import clip_grad_norm_, finalize_dtensor_gradients
 from components.distributed.layout import ParallelDims
-from components.models import build_causal_lm, tiny_config
+from components.models import build_causal_lm
 from components.models.lora import LoraOptions, apply_lora
 from components.models.parallelize import build_parallel_model
 from components.models.qlora import QLoRALinear, nf4_bytes, quantize_base
 from components.planning.memory_model import GIB
 from components.training.step import forward_backward
+from recipes.tiny_models import tiny_config
 from tests.distributed.test_lora import planned
 from tests.harness import spec_for
 

@@ -13,8 +13,9 @@ from transformers import GemmaConfig
 
 from components.distributed.tp_plan import apply_tp_plan
 from components.distributed.tp_replicas import broadcast_tp_replicas
-from components.models import build_causal_lm, local_parameter_bytes, tiny_config
+from components.models import build_causal_lm, local_parameter_bytes
 from components.models.families import plan_for
+from recipes.tiny_models import tiny_config
 from tests.distributed.test_tp_parity import assert_parity, parity
 from tests.harness import mesh
 

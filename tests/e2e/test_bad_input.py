@@ -20,8 +20,9 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from components.data import DEFAULT_VOCAB_SIZE, train_tokenizer
-from components.models import build_causal_lm, tiny_config
+from components.models import build_causal_lm
 from components.runtime.output_dir import run_files
+from recipes.tiny_models import tiny_config
 from tests import cli
 from tests.selection import is_selected, selected_params
 

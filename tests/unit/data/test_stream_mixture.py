@@ -12,11 +12,11 @@ from transformers import AutoTokenizer
 
 from components.data.collate import Labelling
 from components.data.generated import generate_examples
-from components.data.loader import pad_id_of
 from components.data.mixture import integer_weights, interleave
 from components.data.stream_mixture import MixPosition, StreamedMixSplit
 from components.data.streaming import StreamedSource, StreamedSplit, StreamPosition
 from components.data.tokenizer import DEFAULT_VOCAB_SIZE, train_tokenizer
+from tests.unit.data.test_streaming import row_making
 
 SEQ_LEN = 64
 WEIGHTS = (0.6, 0.3, 0.1)
@@ -55,10 +55,9 @@ def sources(tmp_path_factory):
 def splits(sources, tokenizer_dir, packing):
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     labelling = Labelling(tokenizer=tokenizer, seq_len=SEQ_LEN, loss_on="all_assistant")
-    rows = dict(seq_len=SEQ_LEN, loss_on="all_assistant", packing=packing)
-    rows |= dict(tokenizer_dir=str(tokenizer_dir), pad_id=pad_id_of(tokenizer))
-    mix = StreamedMixSplit(names=NAMES, weights=WEIGHTS, sources=sources, **rows)
-    alone = [StreamedSplit(source=source, **rows) for source in sources]
+    making = row_making(tokenizer_dir, packing)
+    mix = StreamedMixSplit(names=NAMES, weights=WEIGHTS, sources=sources, making=making)
+    alone = [StreamedSplit(source=source, making=making) for source in sources]
     return mix, alone, labelling
 
 

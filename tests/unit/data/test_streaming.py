@@ -19,6 +19,7 @@ from components.data.packing import Rows
 from components.data.prepare import prepare_data
 from components.data.sources import GeneratedSource, HFSource
 from components.data.streaming import (
+    RowMaking,
     StreamBatches,
     StreamedSource,
     StreamedSplit,
@@ -32,6 +33,19 @@ from recipes.compose import compose, mix_kinds
 from recipes.validate import validate
 
 SEQ_LEN = 64
+
+
+def row_making(tokenizer_dir, packing: bool) -> RowMaking:
+    """Rows of :data:`SEQ_LEN` tokens labelled on every assistant turn, by the tokenizer in
+    ``tokenizer_dir``."""
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    return RowMaking(
+        tokenizer_dir=str(tokenizer_dir),
+        seq_len=SEQ_LEN,
+        loss_on="all_assistant",
+        packing=packing,
+        pad_id=pad_id_of(tokenizer),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -210,10 +224,7 @@ def test_a_worker_reads_the_steps_and_names_a_bad_record_in_one_line(tokenizer_d
         path=str(tmp_path / "bad.parquet"), split="train", name=None, columns=(), num_examples=None
     )
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    rows = dict(
-        seq_len=SEQ_LEN, loss_on="all_assistant", packing=False, pad_id=pad_id_of(tokenizer)
-    )
-    split = StreamedSplit(source=source, tokenizer_dir=str(tokenizer_dir), **rows)
+    split = StreamedSplit(source=source, making=row_making(tokenizer_dir, packing=False))
     loader = StreamBatches(split, 4, 2, dp_size=1, dp_rank=0, group=None)
     labelling = Labelling(tokenizer=tokenizer, seq_len=SEQ_LEN, loss_on="all_assistant")
     examples = [example_of(record, labelling, index) for index, record in enumerate(records[:8])]

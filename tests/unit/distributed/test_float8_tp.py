@@ -15,8 +15,9 @@ from torchao.float8.float8_tensor_parallel import (
 )
 
 from components.distributed.float8_tp import float8_style
-from components.models import build_causal_lm, tiny_config
+from components.models import build_causal_lm
 from components.models.fp8 import Fp8Options, convert_to_fp8
+from recipes.tiny_models import tiny_config
 
 FLOAT8 = {
     "colwise": Float8ColwiseParallel,

@@ -6,8 +6,8 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from components.distributed.layout import resolve_parallel_dims
-from components.models import tiny_config
 from components.models.parallelize import build_parallel_model
+from recipes.tiny_models import tiny_config
 from tests.harness import spec_for
 
 

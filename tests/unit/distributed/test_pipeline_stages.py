@@ -8,8 +8,8 @@ from torch.distributed.tensor import DTensor
 
 from components.distributed.layout import resolve_parallel_dims
 from components.distributed.pipeline import stage_layers
-from components.models import tiny_config
 from components.models.parallelize import build_parallel_model
+from recipes.tiny_models import tiny_config
 from tests.harness import spec_for
 
 

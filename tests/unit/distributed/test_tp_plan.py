@@ -7,8 +7,9 @@ from transformers import MiniCPM3Config, Phi3Config
 
 from components.distributed.layout import tp_size_errors, tp_sizes
 from components.distributed.tp_plan import _resolve, check_plan
-from components.models import meta_causal_lm, tiny_config
+from components.models import meta_causal_lm
 from components.models.families import FAMILIES, plan_for
+from recipes.tiny_models import tiny_config
 
 
 def test_every_problem_is_listed_together():

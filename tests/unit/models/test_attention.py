@@ -17,11 +17,12 @@ from torch.nn.attention.flex_attention import BlockMask
 from transformers import AttentionInterface, GPTJConfig
 
 from components.data.loader import collate_rows
-from components.models import build_causal_lm, tiny_config
+from components.models import build_causal_lm
 from components.models.attention import attention_choice_problems, pass_sequence_boundaries
 from components.training.step import model_inputs
 from recipes.checks import model_problems
 from recipes.compose import compose
+from recipes.tiny_models import tiny_config
 from recipes.validate import validate
 
 SEQ = 32

@@ -3,7 +3,8 @@ count once."""
 
 import torch
 
-from components.models import build_causal_lm, local_parameter_bytes, meta_causal_lm, tiny_config
+from components.models import build_causal_lm, local_parameter_bytes, meta_causal_lm
+from recipes.tiny_models import tiny_config
 
 
 def test_same_seed_gives_bitwise_identical_weights_and_leaves_the_global_rng_alone():

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from components.models import tiny_config
 from components.models.load import causal_flags
+from recipes.tiny_models import tiny_config
 
 SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
 CONFIGS = {

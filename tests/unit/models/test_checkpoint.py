@@ -4,7 +4,7 @@ tensors."""
 import pytest
 import torch
 
-from components.models import build_causal_lm, tiny_config
+from components.models import build_causal_lm
 from components.models.checkpoint import (
     Checkpoint,
     Chunked,
@@ -14,6 +14,7 @@ from components.models.checkpoint import (
     StoredLayout,
     StoredTensor,
 )
+from recipes.tiny_models import tiny_config
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,9 @@ vocabulary of a model built from a config."""
 import pytest
 import torch
 
-from components.models import build_causal_lm, tiny_config
+from components.models import build_causal_lm
 from components.models.configs import vocab_size_errors, vocab_size_for
+from recipes.tiny_models import tiny_config
 
 FAMILIES = ["llama", "qwen3", "qwen3_moe", "mixtral"]
 

@@ -11,9 +11,10 @@ from omegaconf import OmegaConf
 from transformers import GPTNeoXConfig, Phi3Config, Qwen2MoeConfig
 
 from components.distributed.tp_plan import check_plan
-from components.models import meta_causal_lm, tiny_config
-from components.models.configs import MODEL_CONF_DIR, build_config
+from components.models import meta_causal_lm
+from components.models.configs import build_config
 from components.models.families import FAMILIES, moe_patterns, plan_for, unbuilt_patterns
+from recipes.tiny_models import MODEL_CONF_DIR, tiny_config
 
 TINY = OmegaConf.to_container(OmegaConf.load(MODEL_CONF_DIR / "llama.yaml").config)
 

@@ -8,9 +8,10 @@ from safetensors.torch import load_file, save_file
 from transformers.core_model_loading import MergeModulelist, Transpose, WeightConverter
 
 import components.models.checkpoint as checkpoint_module
-from components.models import build_causal_lm, meta_causal_lm, tiny_config
+from components.models import build_causal_lm, meta_causal_lm
 from components.models.checkpoint import INDEX_FILE, Checkpoint, index_errors
 from components.models.folder_check import check_model_folder
+from recipes.tiny_models import tiny_config
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from components.models import build_causal_lm, tiny_config
+from components.models import build_causal_lm
 from components.models.fp8 import (
     Fp8Options,
     convert_to_fp8,
@@ -24,6 +24,7 @@ from components.models.fp8 import (
     fp8_problems,
     fp8_shape_errors,
 )
+from recipes.tiny_models import tiny_config
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -11,8 +11,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from components.models import build_causal_lm, load_config, tiny_config
+from components.models import build_causal_lm, load_config
 from components.models.hub import ModelSourceError, looks_like_hub_id, resolve_model_folder
+from recipes.tiny_models import tiny_config
 
 REPO = Path(__file__).resolve().parents[3]
 SHA = "0123456789abcdef0123456789abcdef01234567"

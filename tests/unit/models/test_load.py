@@ -18,9 +18,9 @@ from components.models import (
     load_config,
     materialize_pretrained,
     meta_causal_lm,
-    tiny_config,
 )
 from components.models.build import materialize_random
+from recipes.tiny_models import tiny_config
 
 SMALL_GEMMA3N = dict(
     hidden_size=64,

@@ -12,7 +12,7 @@ from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dic
 from peft.utils import get_peft_model_state_dict
 
 from components.checkpoint.peft_export import adapter_config, export_peft_adapter
-from components.models import build_causal_lm, tiny_config
+from components.models import build_causal_lm
 from components.models.lora import (
     LoraOptions,
     adapted_parameters,
@@ -21,6 +21,7 @@ from components.models.lora import (
     lora_modules,
     targeted_linears,
 )
+from recipes.tiny_models import tiny_config
 
 PEFT_CONF = OmegaConf.load("conf/peft/lora.yaml")
 OPTIONS = LoraOptions(rank=4, alpha=8.0, dropout=0.0, target_modules=PEFT_CONF.target_modules)

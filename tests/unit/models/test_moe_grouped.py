@@ -11,14 +11,15 @@ import pytest
 import torch
 from transformers import GptOssConfig
 
-from components.models import build_causal_lm, tiny_config
-from components.moe.expert_lora import LowRank
-from components.moe.expert_parallel import (
-    _run_experts,
-    _run_experts_grouped,
-    _run_experts_loop,
+from components.models import build_causal_lm
+from components.moe.expert_compute import (
     grouped_mm_fits,
+    run_experts,
+    run_experts_grouped,
+    run_experts_loop,
 )
+from components.moe.expert_lora import LowRank
+from recipes.tiny_models import tiny_config
 
 IDLE = (1, 5)  # local experts that receive no rows
 GPT_OSS = dict(
@@ -75,8 +76,8 @@ def test_grouped_matches_the_loop_in_fp32_idle_experts_included(family):
     experts = experts_module(family)
     args = inputs(experts)
     assert grouped_mm_fits(args[0], args[2], args[3])
-    grouped, grouped_gradients = run(_run_experts_grouped, experts, *args)
-    loop, loop_gradients = run(_run_experts_loop, experts, *args)
+    grouped, grouped_gradients = run(run_experts_grouped, experts, *args)
+    loop, loop_gradients = run(run_experts_loop, experts, *args)
     assert relative(grouped, loop) <= 1e-6
     names = ("rows", "gate_up", "down", "weights")
     for name, g, ref in zip(names, grouped_gradients, loop_gradients, strict=True):
@@ -95,8 +96,8 @@ def test_grouped_matches_the_loop_without_routing_weights():
     # The all-to-all path weights the results after sending them back.
     experts = experts_module()
     rows, expert_of_row, gate_up, down, _ = inputs(experts)
-    grouped = _run_experts_grouped(experts, rows, expert_of_row, gate_up, down)
-    loop = _run_experts_loop(experts, rows, expert_of_row, gate_up, down)
+    grouped = run_experts_grouped(experts, rows, expert_of_row, gate_up, down)
+    loop = run_experts_loop(experts, rows, expert_of_row, gate_up, down)
     assert relative(grouped, loop) <= 1e-6
 
 
@@ -114,8 +115,8 @@ def test_grouped_matches_the_loop_without_routing_weights():
 def test_grouped_matches_the_loop_in_bf16(dtype, weights_dtype, autocast):
     experts = experts_module()
     args = inputs(experts, dtype=dtype, weights_dtype=weights_dtype)
-    grouped, grouped_gradients = run(_run_experts_grouped, experts, *args, autocast=autocast)
-    loop, loop_gradients = run(_run_experts_loop, experts, *args, autocast=autocast)
+    grouped, grouped_gradients = run(run_experts_grouped, experts, *args, autocast=autocast)
+    loop, loop_gradients = run(run_experts_loop, experts, *args, autocast=autocast)
     assert grouped.dtype == loop.dtype == dtype
     assert relative(grouped, loop) <= 2e-2
     for g, ref in zip(grouped_gradients, loop_gradients, strict=True):
@@ -128,7 +129,7 @@ def test_grouped_matches_the_loop_in_bf16(dtype, weights_dtype, autocast):
 def test_no_rows_still_gives_every_weight_a_zero_gradient():
     experts = experts_module()
     rows, expert_of_row, gate_up, down, weights = inputs(experts, rows=0)
-    output, gradients = run(_run_experts, experts, rows, expert_of_row, gate_up, down, weights)
+    output, gradients = run(run_experts, experts, rows, expert_of_row, gate_up, down, weights)
     assert output.shape == rows.shape
     assert gradients[1].abs().max() == 0 and gradients[2].abs().max() == 0
 
@@ -137,8 +138,8 @@ def test_the_loop_runs_where_grouped_gemm_cannot():
     experts = experts_module()
     rows, expert_of_row, gate_up, down, weights = inputs(experts, dtype=torch.float64)
     assert not grouped_mm_fits(rows, gate_up, down)  # _grouped_mm takes fp32, bf16 and fp16 only
-    expected = _run_experts_loop(experts, rows, expert_of_row, gate_up, down, weights)
-    assert torch.equal(_run_experts(experts, rows, expert_of_row, gate_up, down, weights), expected)
+    expected = run_experts_loop(experts, rows, expert_of_row, gate_up, down, weights)
+    assert torch.equal(run_experts(experts, rows, expert_of_row, gate_up, down, weights), expected)
     rows, expert_of_row, gate_up, down, _ = inputs(experts)
     # H, then I, not a multiple of 16 bytes
     assert not grouped_mm_fits(rows[:, :-1], gate_up[..., :-1], down)
@@ -161,20 +162,20 @@ def test_grouped_matches_the_loop_with_per_expert_adapters():
     )
     assert grouped_mm_fits(rows, gate_up, down, low_rank)
     results = []
-    for function in (_run_experts_grouped, _run_experts_loop):
+    for function in (run_experts_grouped, run_experts_loop):
         output = function(experts, rows, expert_of_row, gate_up, down, weight_of_row, low_rank)
         upstream = torch.randn(output.shape, generator=torch.Generator().manual_seed(1))
         results.append((output, torch.autograd.grad((output * upstream).sum(), [rows, *adapters])))
     (grouped, grouped_gradients), (loop, loop_gradients) = results
     assert relative(grouped, loop) <= 1e-6
-    assert relative(grouped, _run_experts(experts, rows, expert_of_row, gate_up, down)) > 1e-3
+    assert relative(grouped, run_experts(experts, rows, expert_of_row, gate_up, down)) > 1e-3
     for g, ref in zip(grouped_gradients, loop_gradients, strict=True):
         assert relative(g, ref) <= 1e-6
     for gradient in grouped_gradients[1:]:  # A and B of both weights
         assert gradient[list(IDLE)].abs().max() == 0 and gradient.abs().max() > 0
 
 
-@pytest.mark.parametrize("path", [_run_experts_grouped, _run_experts_loop])
+@pytest.mark.parametrize("path", [run_experts_grouped, run_experts_loop])
 def test_gpt_oss_experts_biases_and_clamped_swiglu_are_its_own(path):
     # Transposed weights, per-expert biases, interleaved gate/up rows and a SwiGLU clamped at a
     # limit the rows reach: the module's own forward is the reference, gradients included.

@@ -4,9 +4,10 @@ imbalance is counted."""
 import pytest
 import torch
 
-from components.models import build_causal_lm, tiny_config
+from components.models import build_causal_lm
 from components.moe import ExpertLoad, load_metrics, router_aux_loss_weight
 from components.training.step import evaluate_loss_sum, forward_backward
+from recipes.tiny_models import tiny_config
 
 EXPERTS = ["model.layers.*.mlp.experts"]
 

@@ -16,10 +16,11 @@ from transformers import (
 )
 
 from components.distributed.layout import ModelFacts, ParallelDims, Workload
-from components.models import meta_causal_lm, tiny_config
+from components.models import meta_causal_lm
 from components.moe import check_expert_parallel
 from components.moe.expert_parallel import routed_experts
 from components.moe.structure import find_moe_modules
+from recipes.tiny_models import tiny_config
 from tests.coverage import tiny_config as coverage_config
 
 WORK = Workload(global_batch_size=8, micro_batch_size=1, seq_len=16)

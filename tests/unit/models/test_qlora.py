@@ -10,7 +10,7 @@ from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
 from peft.utils import get_peft_model_state_dict
 from torchao.quantization import to_nf4
 
-from components.models import build_causal_lm, tiny_config
+from components.models import build_causal_lm
 from components.models.lora import LoraOptions, adapter_state, apply_lora, merge_adapters
 from components.models.qlora import (
     QLoRALinear,
@@ -21,6 +21,7 @@ from components.models.qlora import (
     quantize_base,
     quantize_nf4,
 )
+from recipes.tiny_models import tiny_config
 from tests.unit.models.test_lora import adapter_losses
 
 OPTIONS = LoraOptions(rank=4, alpha=8.0, dropout=0.0, target_modules=None)

@@ -17,10 +17,11 @@ import torch
 from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
 
-from components.models import build_causal_lm, meta_causal_lm, tiny_config
+from components.models import build_causal_lm, meta_causal_lm
 from components.models.configs import build_config
 from components.planning.flops import attention_flops_per_token, flops_per_token, peak_tflops
 from components.training.metrics import throughput
+from recipes.tiny_models import tiny_config
 
 SEQ_LEN = 256  # the tiny models' longest: attention is 40% of the FLOPs here
 BATCH = 2

@@ -11,11 +11,11 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore as Store
 
 from components.distributed.layout import resolve_parallel_dims
-from components.models import tiny_config
 from components.models.conversion import convert_model
 from components.models.fp8 import Fp8Options
 from components.models.parallelize import build_parallel_model
 from components.planning.memory_model import Layout, Step, estimate_memory
+from recipes.tiny_models import tiny_config
 from tests.harness import spec_for
 
 CONFIG = tiny_config("llama", vocab_size=96, hidden_size=256, intermediate_size=512, head_dim=32)

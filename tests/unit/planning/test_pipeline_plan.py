@@ -6,10 +6,10 @@ import pytest
 
 from components.distributed.layout import ParallelDims
 from components.distributed.pipeline import keep_stage, rank_share
-from components.models import tiny_config
 from components.models.build import meta_causal_lm
 from components.planning.memory_model import Layout, Stage, Step, estimate_memory
 from components.planning.pipeline_schedule import bubble, grads_held, in_flight
+from recipes.tiny_models import tiny_config
 
 
 def test_micro_batches_in_flight_per_rank_and_schedule():

@@ -1,15 +1,23 @@
 """Every layout the dry run may suggest passes the recipe's checks: the candidate filter and the
 checks ask the same rules (``components/distributed/layout.py``), read from the same facts (the
-model's sizes and experts, the optimizer), so a run refused at a layout is never told to take it.
+model's sizes and experts, the optimizer; DPO's reference and distillation's teacher beside it),
+so a run refused at a layout is never told to take it.
 The checks run in-process on the suggested overrides, as the recipe runs them before any rank."""
 
 import pytest
+from transformers import AutoTokenizer
 
 from components.planning.dry_run import MAX_PLANNED, _candidates
 from components.planning.memory_model import Layout
 from components.runtime.problems import ConfigError
 from recipes.checks import check
-from recipes.compose import compose
+from recipes.compose import compose, compose_distill, compose_dpo
+from recipes.distill_checks import check_distillation
+from recipes.dpo_checks import check_dpo
+from recipes.tiny_models import tiny_config
+from tests.saved_models import SIZES, reference_folders, save_model
+from tests.unit.recipes.test_distill_checks import refusals_of
+from tests.unit.recipes.test_dpo_checks import policy_and
 
 
 def refusals(overrides: list[str], folder) -> list[str]:
@@ -24,14 +32,7 @@ def refusals(overrides: list[str], folder) -> list[str]:
 def suggestions(overrides: list[str], folder) -> list[str]:
     """The changes the dry run plans for ``overrides`` when the layout does not fit: its
     candidates, as many as it plans (``MAX_PLANNED``), from the run the checks made."""
-    checked = check(compose(["dry_run=true", *overrides]), output_dir=str(folder))
-    train = checked.train
-    layout = Layout(
-        dims=checked.dims,
-        micro_batch_size=train.micro_batch_size,
-        activation_checkpointing=train.activation_checkpointing,
-    )
-    return [words for words, _ in _candidates(checked, layout)[:MAX_PLANNED]]
+    return recipe_suggestions(compose, check, overrides, folder)
 
 
 SITUATIONS = {
@@ -75,3 +76,47 @@ def test_every_suggested_layout_passes_the_checks(name, tmp_path):
     assert any(kept in change for change in words)
     failed = {change: refusals([*overrides, *change.split()], tmp_path) for change in words}
     assert {change: lines for change, lines in failed.items() if lines} == {}
+
+
+def recipe_suggestions(compose, check, overrides: list[str], folder) -> list[str]:
+    """:func:`suggestions` of a recipe (``compose``, its ``check``: DPO's, distillation's)."""
+    checked = check(
+        compose([f"output_dir={folder / 'run'}", "dry_run=true", *overrides]), None, None
+    )
+    train = checked.train
+    layout = Layout(
+        dims=checked.dims,
+        micro_batch_size=train.micro_batch_size,
+        activation_checkpointing=train.activation_checkpointing,
+    )
+    return [words for words, _ in _candidates(checked, layout)[:MAX_PLANNED]]
+
+
+# a frozen model of 2 KV heads beside the tiny Llama's 4: tp=4 splits the trained model alone
+TWO_KV_HEADS = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+WORLD = ["dp=8", "train.micro_batch_size=2"]
+
+
+def test_the_dry_run_suggests_no_tp_the_teacher_cannot_take(tmp_path):
+    teacher = [f"teacher.config.{key}={value}" for key, value in TWO_KV_HEADS.items()]
+    words = recipe_suggestions(compose_distill, check_distillation, [*WORLD, *teacher], tmp_path)
+    assert any("tp=2 dp=4" in change for change in words), words
+    assert not any("tp=4" in change for change in words), words
+    assert any("tp=4 dp=2" in change for change in suggestions(WORLD, tmp_path))  # the student's
+    said = refusals_of(compose_distill, check_distillation, tmp_path, *WORLD, *teacher, "tp=4")
+    assert said and all(line.startswith("teacher") for line in said), said
+
+
+def test_the_dry_run_suggests_no_tp_the_dpo_reference_cannot_take(tmp_path):
+    folders = reference_folders(tmp_path / "models")  # the policy: 2 KV heads, tp=2 splits it
+    tokenizer = AutoTokenizer.from_pretrained(folders["policy"], trust_remote_code=False)
+    config = tiny_config("llama", vocab_size=len(tokenizer), **{**SIZES, "num_key_value_heads": 1})
+    reference = save_model(tmp_path / "one_kv_head", config, tokenizer)
+    policy = policy_and(folders, "policy")[:-1]
+    alone = recipe_suggestions(compose_dpo, check_dpo, [*WORLD, *policy], tmp_path)
+    assert any("tp=2 dp=4" in change for change in alone), alone
+    beside = [*WORLD, *policy, f"dpo.reference_path={reference}"]
+    words = recipe_suggestions(compose_dpo, check_dpo, beside, tmp_path)
+    assert not any("tp=" in change for change in words), words
+    said = refusals_of(compose_dpo, check_dpo, tmp_path, *beside, "tp=2")
+    assert said and all(line.startswith("dpo.reference_path") for line in said), said

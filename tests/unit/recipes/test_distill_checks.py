@@ -11,10 +11,10 @@ import pytest
 from huggingface_hub import constants
 
 from components.data import DEFAULT_VOCAB_SIZE, train_tokenizer
-from components.models import tiny_config
 from components.runtime.problems import ConfigError
 from recipes.compose import compose_distill
 from recipes.distill_checks import check_distillation, prepare_distillation
+from recipes.tiny_models import tiny_config
 from tests.saved_models import save_model
 
 SHA = "0123456789abcdef0123456789abcdef01234567"

@@ -1,12 +1,13 @@
 """``peft.experts``'s checks, before any rank starts: what per-expert adapters cannot do is one
 problem each, naming what would work; and what a checkpoint records of the peft settings."""
 
-from components.models import meta_causal_lm, tiny_config
+from components.models import meta_causal_lm
 from components.models.checks import LoraTargets, lora_problems
 from components.models.families import FAMILIES
 from components.models.lora import PROJECTIONS, LoRAExperts
 from recipes.compose import compose
 from recipes.outputs import peft_info
+from recipes.tiny_models import tiny_config
 from recipes.validate import validate
 
 EXPERTS = FAMILIES["qwen3_moe"].experts

@@ -3,11 +3,11 @@ that says so, before any rank starts; a layout that fits has none."""
 
 import pytest
 
-from components.models import tiny_config
 from components.models.checks import stage_problems
 from recipes.checks import check_sizes, layout_model_problems
 from recipes.compose import compose
 from recipes.plan import model_facts
+from recipes.tiny_models import tiny_config
 from recipes.validate import validate
 
 FITS = ["pp=2", "train.val_every=0"]

@@ -16,9 +16,10 @@ from components.distributed.chunked_loss import (
     head_weights,
 )
 from components.distributed.tp_plan import cross_entropy_sum
-from components.models import build_causal_lm, tiny_config
+from components.models import build_causal_lm
 from components.models.lora import LoraOptions, apply_lora, lora_modules
 from components.training.step import evaluate_loss_sum, forward_backward
+from recipes.tiny_models import tiny_config
 
 TOLERANCE = 1e-6
 

@@ -13,8 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from components.data.loader import Batch
-from components.models import build_causal_lm, tiny_config
+from components.models import build_causal_lm
 from components.training.distillation import DistillStep, distill_forward_backward
+from recipes.tiny_models import tiny_config
 
 STEPS, TEMPERATURE, VOCAB, CHUNK = 5, 2.0, 300, 7
 OPTIMIZERS = {

@@ -18,7 +18,7 @@ from components.data.collate import tokenize_example
 from components.data.loader import collate_rows
 from components.data.preference import pair_conversations
 from components.distributed.layout import ParallelDims
-from components.models import build_causal_lm, tiny_config
+from components.models import build_causal_lm
 from components.models.frozen import build_frozen_model
 from components.models.load import load_config
 from components.models.lora import LoraOptions, adapters_off, apply_lora, lora_modules
@@ -29,6 +29,7 @@ from components.training.preference import (
     answer_log_probs,
     dpo_forward_backward,
 )
+from recipes.tiny_models import tiny_config
 from tests.harness import spec_for
 from tests.unit.training.test_chunked_loss import relative
 from tests.unit.training.test_post_training_losses import PREFERENCES, trl_trainer

@@ -26,8 +26,9 @@ from components.distributed.chunked_loss import (
     chunked_token_log_probs,
     lm_head_skipped,
 )
-from components.models import build_causal_lm, tiny_config
+from components.models import build_causal_lm
 from components.training.preference import DpoOptions, PairLogProbs, dpo_losses
+from recipes.tiny_models import tiny_config
 from tests.unit.training.test_chunked_loss import TOLERANCE, batch, relative
 
 VOCAB, HIDDEN, TEACHER_HIDDEN, RANK = 96, 16, 24, 4

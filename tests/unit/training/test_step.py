@@ -17,8 +17,9 @@ from components.data.collate import Labelling
 from components.data.generated import generate_examples
 from components.data.loader import Batch, StepBatches
 from components.data.tokenizer import DEFAULT_VOCAB_SIZE, train_tokenizer, training_texts
-from components.models import build_causal_lm, tiny_config
+from components.models import build_causal_lm
 from components.training.step import evaluate_loss_sum, forward_backward
+from recipes.tiny_models import tiny_config
 
 SEQ_LEN = 64
 RECORDS = generate_examples(16, seed=3)
