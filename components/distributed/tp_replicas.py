@@ -227,8 +227,9 @@ def zero_tp_replica_gradients(
     all-reduce per bucket, with no copy. That sync gives ``None`` back to every bound gradient the
     backward did not reach, so a parameter without a gradient still has none. It binds nothing
     (returns 0) before a first sync has built the buckets, when a bucket stages its gradients
-    (bf16/fp16, DTensor, another device) or when a parameter no longer fits its slot; a gradient
-    replaced after it is packed by the sync as before.
+    (bf16/fp16, DTensor, another device) or when a parameter no longer fits its slot (then every
+    replica's gradient is ``None``, as ``zero_grad`` left it); a gradient replaced after it is
+    packed by the sync as before.
 
     Returns: Number of gradients bound on this rank.
     """
@@ -265,13 +266,16 @@ def synchronize_tp_replica_gradients(
             has a sparse gradient that cannot be flattened without changing its representation.
             Every rank of the TP group raises together, before any gradient is changed.
     """
-    release_untouched_gradients(model_parts)  # bound by zero_tp_replica_gradients, not reached
+    # bound by zero_tp_replica_gradients and not reached: None again; True if every one was reached
+    every_bound_reached = release_untouched_gradients(model_parts)
     plan = cached_plan(model_parts, device_mesh, tp_axis_name, _MAX_FLAT_BUFFER_BYTES)
     if plan is None or not plan.parameters:
         return 0
     full = plan.full
     in_place = full is not None and full.gradients_are_views(plan.parameters)
-    if not plan.fingerprint.still_trainable():  # read here, just after their gradients
+    # every bound slot the backward reached and every gradient still its slot: each replica
+    # required grad in that backward; otherwise read it here, just after their gradients
+    if not (in_place and every_bound_reached) and not plan.fingerprint.still_trainable():
         plan = cached_plan(model_parts, device_mesh, tp_axis_name, plan.max_bytes, rebuild=True)
         full, in_place = None, False
         if plan is None or not plan.parameters:

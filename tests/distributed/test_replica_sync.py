@@ -211,17 +211,23 @@ def check_bind_after_a_cast(rank, world_size):
     model = nn.Module()
     model.a = Holder(torch.zeros(4))
     device_mesh = mesh((world_size,), ("tp",))
-    bound = []
+    bound, unbound = [], []
     for cast in (False, False, True, False):
         if cast:
             model.double()  # new storage of another dtype: the slots no longer fit until rebuilt
-        model.zero_grad(set_to_none=True)
+            model.a.weight.grad = torch.ones(4, dtype=torch.float64)  # zero_grad(set_to_none=False)
+        else:
+            model.zero_grad(set_to_none=True)
         bound.append(zero_tp_replica_gradients([model], device_mesh))
+        unbound.append(model.a.weight.grad is None)
         (model.a.weight * (rank + 1)).sum().backward()
         synchronize_tp_replica_gradients([model], device_mesh)
-    return bound, model.a.weight.grad.dtype, model.a.weight.grad.tolist()
+    return bound, unbound, model.a.weight.grad.dtype, model.a.weight.grad.tolist()
 
 
 def test_a_cast_model_is_not_bound_until_its_buckets_follow(ranks2):
-    for bound, dtype, grad in ranks2.run(check_bind_after_a_cast):
-        assert (bound, dtype, grad) == ([0, 1, 0, 1], torch.float64, [1.5] * 4)
+    """A parameter that no longer fits its slot binds nothing and is left without a gradient, as
+    ``zero_grad(set_to_none=True)`` leaves it, so its backward starts from zero."""
+    for bound, unbound, dtype, grad in ranks2.run(check_bind_after_a_cast):
+        assert (bound, unbound) == ([0, 1, 0, 1], [True, False, True, False])
+        assert (dtype, grad) == (torch.float64, [1.5] * 4)

@@ -205,8 +205,9 @@ class BucketLayout:
     def bind(self, parameters: list[nn.Parameter]) -> int:
         """Zero every bucket and make its slots the gradients of ``parameters`` (every candidate, in
         order), so a backward accumulates into the buckets; the number bound (0 unless every bucket
-        is gradient views). The slots are aliases, not views (:func:`flat_aliases`): each one's
-        version tells :meth:`release_untouched` whether a gradient was accumulated into it."""
+        is gradient views; 0, every gradient ``None``, when a parameter no longer fits its slot).
+        The slots are aliases, not views (:func:`flat_aliases`): each one's version tells
+        :meth:`release_untouched` whether a gradient was accumulated into it."""
         if self.views_in_order is None:
             return 0
         if self.bound is None or _pointers(self.bound) != self.slot_pointers:
@@ -217,25 +218,31 @@ class BucketLayout:
                     self.bound[index] = alias
         for bucket in self.buckets:
             bucket.flat.zero_()
-        _consume(map(setattr, parameters, repeat("grad"), self.bound))
+        try:  # the gradient setter checks each slot's dtype, device and shape against its parameter
+            _consume(map(setattr, parameters, repeat("grad"), self.bound))
+        except RuntimeError:  # a parameter cast or moved since: it no longer fits its slot
+            _consume(map(setattr, parameters, repeat("grad"), repeat(None)))
+            return 0
         self._bound_to, self._bound_versions = parameters, list(map(_version, self.bound))
         return self.size
 
-    def release_untouched(self) -> None:
+    def release_untouched(self) -> bool:
         """After the backward that followed :meth:`bind`: a parameter whose gradient is still its
         bound slot, with nothing accumulated into it, gets ``None`` back (what ``zero_grad()`` left
-        it), so a parameter the backward did not reach still has no gradient."""
+        it), so a parameter the backward did not reach still has no gradient. True when every slot
+        was bound and accumulated into since (so every parameter required grad in the backward)."""
         if self._bound_versions is None:
-            return
+            return False
         parameters, versions = self._bound_to, self._bound_versions
         self._bound_to, self._bound_versions = [], None
         now = list(map(_version, self.bound))
         if not any(map(eq, now, versions)):  # every slot was accumulated into: the usual step
-            return
+            return True
         bound = map(is_, map(_grad, parameters), self.bound)
         for parameter, same, before, after in zip(parameters, bound, versions, now, strict=True):
             if same and before == after:
                 parameter.grad = None
+        return False
 
     def exchange(
         self,

@@ -39,7 +39,6 @@ _dtype = attrgetter("dtype")
 _device = attrgetter("device")
 _size = torch.Tensor.size  # a few times cheaper than reading .shape
 _layout = attrgetter("layout")
-_data_ptr = torch.Tensor.data_ptr
 _requires_grad = attrgetter("requires_grad")
 
 
@@ -154,7 +153,6 @@ class Plan:
         self._full_local_shapes: list[torch.Size] = []  # of the DTensor gradients
         self._full_plain_shapes: list[torch.Size] = []
         self._full_kinds: tuple[list, list] = ([], [])  # dtypes and devices
-        self._fitted_pointers: list[int] | None = None  # the parameters' storage when they fitted
 
     def local_grads(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         return grads if self.all_plain else list(map(local_tensor, grads))
@@ -183,24 +181,9 @@ class Plan:
                 local_grads, self.reductions, everyone, self.plain, device, bound
             )
             self._full_kinds, self._full_plain_shapes = kinds, plain
-            self._fitted_pointers = None
             self._full_local_shapes = [shapes[i] for i in self._dtensor_indices]
         moved = [shapes[i] for i in self._dtensor_indices] != self._full_local_shapes
         return None if moved else self.full
-
-    def fits(self) -> bool:
-        """Every (plain) parameter still has the dtype, device and shape of its slot in the
-        persistent buckets (a cast or moved model does not). Read in full once after a parameter's
-        storage changed (a cast or move gives it new storage); else by data pointer alone."""
-        parameters = self.parameters
-        pointers = list(map(_data_ptr, parameters))
-        if pointers == self._fitted_pointers:
-            return True
-        kinds = (list(map(_dtype, parameters)), list(map(_device, parameters)))
-        shapes = list(map(_size, parameters))
-        fitted = kinds == self._full_kinds and shapes == self._full_plain_shapes
-        self._fitted_pointers = pointers if fitted else None
-        return fitted
 
     def precheck_flags(self, grads: list) -> torch.Tensor:
         """Per candidate [present, eligible, sparse], as one int32 tensor built at once."""
@@ -309,18 +292,17 @@ def bind_gradients(
         or plan.tp_axis_name != tp_axis_name
         or len(model_parts) != len(plan.parts)
         or not all(map(is_, model_parts, (part() for part in plan.parts)))
-        or not plan.fits()
     ):
         return 0
-    return plan.full.bind(plan.parameters)
+    return plan.full.bind(plan.parameters)  # 0 where a parameter no longer fits its slot
 
 
-def release_untouched_gradients(model_parts: list[nn.Module]) -> None:
+def release_untouched_gradients(model_parts: list[nn.Module]) -> bool:
     """Give ``None`` back to the bound gradients the backward did not reach (see
-    ``BucketLayout.release_untouched``); nothing if none were bound."""
+    ``BucketLayout.release_untouched``); nothing if none were bound. True when every bound
+    gradient was reached (each of those parameters required grad in the backward)."""
     plan = _kept_plan(model_parts)
-    if plan is not None and plan.full is not None:
-        plan.full.release_untouched()
+    return plan is not None and plan.full is not None and plan.full.release_untouched()
 
 
 def cached_plan(
