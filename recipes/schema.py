@@ -126,12 +126,12 @@ class Train(Section):
             return []
         if device_type != "cuda":
             return [
-                "train.cpu_offload=true needs CUDA: on the CPU the parameters, gradients and "
-                "optimizer state are in host memory already; remove it"
+                "train.cpu_offload=true is not supported on the CPU: the parameters, gradients "
+                "and optimizer state are in host memory already; remove it"
             ]
         return [
             "train.cpu_offload=true is not supported yet: FSDP2's CPUOffloadPolicy is not wired "
-            "into the model on CUDA (issue 47); remove it, or plan the lever with dry_run=true"
+            "into the model on CUDA, and the dry run does not price it (issue 47); remove it"
         ]
 
 
