@@ -164,7 +164,8 @@ def test_a_failure_in_every_attempt_is_reported_once_from_the_last(tmp_path):
 
 def test_a_failure_under_torchrun_is_one_error_line_of_the_failed_rank(tmp_path):
     """No launcher of ours reports under torchrun: the rank that raised prints the line the local
-    launcher would (once per attempt: torchrun restarts once), its peer, which only lost it, none."""
+    launcher would (once per attempt: torchrun restarts once); its peer, which only lost it,
+    none."""
     status, log = torchrun(tmp_path / "raised", "debug.fault=raise@3")  # after step 2's save
     assert status != 0, log[-4000:]
     errors = [line for line in log.splitlines() if line.startswith("error:")]
