@@ -34,7 +34,7 @@ def check_distillation(
     schema: type[DistillConfig] = DistillConfig,
 ) -> DistillChecked:
     """Fine-tuning's checks of ``cfg`` against the distillation ``schema`` (with what
-    distillation does not run: ``DistillConfig.unsupported``), then the teacher
+    distillation does not run: ``DistillConfig.DEGREES_AT_ONE``), then the teacher
     (:func:`with_teacher`): now, or in preparation when a folder is still to be fetched."""
     checked = check(cfg, job_dir, hydra_run_dir, schema)
     if found := teacher_family_problems(checked.settings):

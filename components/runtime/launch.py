@@ -107,6 +107,25 @@ def fail_once(message: str) -> NoReturn:
     raise ReportedExit(1, message)
 
 
+@contextlib.contextmanager
+def failure_named_by_this_rank() -> Iterator[None]:
+    """Around a rank torchrun started (no launcher of ours reports for it): an exception prints
+    its traceback and, unless it only follows another rank's failure (a lost peer), the line the
+    local launcher would print, ``error: rank R failed: ...``; the rank exits with status 1, as
+    an uncaught exception would. :func:`fail_once`'s exits and the stop statuses pass."""
+    try:
+        yield
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as error:
+        text = " ".join(f"{type(error).__name__}: {error}".split())
+        failed = RankExit(rank=int(os.environ["RANK"]), error=text, time=time.time())
+        traceback.print_exc()
+        if not failed.consequence:
+            print_line(describe_rank_failure([failed])[0], sys.stderr)
+        raise SystemExit(1) from None
+
+
 @dataclass(frozen=True, kw_only=True)
 class RankExit:
     """How one rank ended: its error (one line), when (``time.time()``), and its traceback if it
