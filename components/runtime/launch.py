@@ -49,7 +49,11 @@ from components.runtime.heartbeat import (
 from components.runtime.startup import started_by_launcher
 
 # Loggers that print torch elastic's own multi-line report of a failed worker (replaced by ours).
-_NOISY_LOGGERS = ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn")
+_NOISY_LOGGERS = (
+    "torch.distributed.elastic.multiprocessing.api",
+    "torch.multiprocessing.spawn",
+    "torch.distributed.elastic.agent.server.api",  # "Received 2 death signal": ours says it
+)
 # Errors a rank raises because a peer died: an effect, so a rank that failed otherwise is named
 # first.
 _PEER_SYMPTOMS = (
