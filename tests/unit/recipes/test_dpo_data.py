@@ -95,7 +95,7 @@ def test_asking_every_assistant_turn_of_dpo_is_one_line(tmp_path):
     data = ["data=jsonl", f"data.path={path}", "data.loss_on=all_assistant"]
     assert refusals_of(compose_dpo, check_dpo, tmp_path, *data) == [
         "data.loss_on='all_assistant' is not run by dpo.py: it scores each pair's final answer "
-        "alone (earlier assistant turns are prompt, conf/dpo_answer_labels.yaml): leave "
+        "alone (earlier assistant turns are prompt, conf/dpo_over_groups.yaml): leave "
         "data.loss_on out, or use data.loss_on=last_assistant"
     ]
 
@@ -127,3 +127,16 @@ def test_streaming_pairs_is_one_line_naming_the_fix(tmp_path, group):
         "data.streaming=true: preference pairs are tokenized into the cache before training, "
         "never streamed: use data.streaming=false"
     ]
+
+
+@pytest.mark.parametrize("group", ["data=jsonl", "data=hf", "data=preference"])
+def test_no_validation_note_on_a_run_that_never_asked_for_one(tmp_path, group, capsys):
+    """dpo.py has no validation loss: train.val_every is 0 whatever the data group, so a run
+    with the user's file says nothing of it; a value the user asks for is noted as unread."""
+    path = write_jsonl(tmp_path / "pairs.jsonl", MULTI_TURN)
+    data = [group] + ([f"data.path={path}"] if group != "data=preference" else [])
+    run = [f"output_dir={tmp_path / 'run'}", *data]
+    assert check_dpo(compose_dpo(run), None, None).settings.train.val_every == 0
+    assert "val_every" not in capsys.readouterr().out
+    check_dpo(compose_dpo([*run, "train.val_every=5"]), None, None)
+    assert "note: train.val_every=5 is not read by dpo.py" in capsys.readouterr().out
