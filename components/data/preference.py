@@ -63,6 +63,8 @@ def preference_problem(record) -> str | None:
         return '"chosen" and "rejected" must each end with the assistant\'s answer'
     if len(chosen) < 2:
         return 'a preference record needs a prompt: "prompt", or messages before the answers'
+    if chosen[-1] == rejected[-1]:  # the loss would sit at log 2 with no gradient from it
+        return '"chosen" and "rejected" are the same answer: a pair prefers one of two answers'
     return None
 
 

@@ -58,6 +58,14 @@ def test_implicit_prompts_must_agree():
     assert "must answer the same messages" in preference_problem(record)
 
 
+def test_a_pair_of_the_same_answer_twice_is_named():
+    """Its loss would sit at log 2 with no gradient: not a preference."""
+    same = "the same answer: a pair prefers one of two answers"
+    assert same in preference_problem({"prompt": "a", "chosen": "b", "rejected": "b"})
+    asked = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    assert same in preference_problem({"chosen": asked, "rejected": list(asked)})
+
+
 def test_the_embedded_pairs_have_a_wrong_answer_rejected():
     pairs = list(iter_pairs(50, seed=0))
     assert len(pairs) == 50 and all(p["chosen"] != p["rejected"] for p in pairs)
