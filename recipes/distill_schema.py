@@ -46,6 +46,7 @@ class DistillConfig(Config):
     ``distill`` sections."""
 
     RECIPE: ClassVar[str] = "recipes/distill.py"
+    experts_beside: ClassVar[bool] = True  # an MoE teacher's experts split at ep > 1
 
     teacher: Teacher
     distill: Distill
