@@ -23,6 +23,7 @@ class Teacher(Section):
     )
     # the family teacher.config builds (its TP plan); null: the student's model.family
     family: Text | None = key("null (the student's model.family) or a model family, e.g. llama")
+    # the built teacher's config keys; null: the family's tiny size at twice the width and depth
     config: dict[str, Any] = key(
         "a mapping of Hugging Face config keys, e.g. teacher.config.hidden_size=256"
     )
