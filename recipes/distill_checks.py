@@ -1,18 +1,20 @@
 """``recipes/distill.py``'s checks and preparation, on fine-tuning's: the config against the
 distillation schema (``recipes/schema.py``: ``teacher``, ``distill``), what distillation does not
-run yet, the teacher as a model of its own (``components/models/checks.py``: its folder or config,
-its TP plan at the run's layout, its vocabulary against the student's), every problem one
-``error:`` line before any rank starts; then fine-tuning's preparation and the teacher's spec. A
-student or teacher still to be downloaded or converted is fetched first in preparation, as
-fine-tuning's model is, and the teacher checked then, still before any rank starts.
-Imported once the command line is read (``recipes/distill.py``), as ``recipes/checks.py`` is;
-what the model checks and the preparation import comes after the schema has passed, so a misspelt
-key costs what it costs ``finetune.py``.
+run yet, and beside the student's checks the teacher's as a model of its own
+(``recipes/distill_teacher.py``: its folder or config, its TP plan and experts at the run's layout,
+its vocabulary against the student's), every problem of both in one ``error:`` line before any
+rank starts; then fine-tuning's preparation and the teacher's spec. A student or teacher still to
+be downloaded or converted is fetched first in preparation, as fine-tuning's model is, and the
+teacher checked then, still before any rank starts. Imported once the command line is read
+(``recipes/distill.py``), as ``recipes/checks.py`` is; what the teacher's checks and the
+preparation import comes after the schema has passed, so a misspelt key costs what it costs
+``finetune.py``.
 """
 
 import copy
 from dataclasses import dataclass, fields, replace
 from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
 
@@ -24,6 +26,9 @@ from components.runtime.problems import ConfigError
 from recipes.checks import check
 from recipes.distill_schema import DistillConfig
 from recipes.plan import DistillChecked, DistillPlan, RunPlan
+
+if TYPE_CHECKING:  # transformers' models: imported once the schema has passed
+    from components.models.checks import CheckedModel
 
 
 def teacher_checks() -> ModuleType:
@@ -38,10 +43,14 @@ class TeacherBeside:
     """The teacher checked beside the student, within fine-tuning's checks (``check``'s
     ``beside``), so that its problems are reported with the student's; kept for the plan."""
 
-    teacher: object = None  # the teacher as checked (``CheckedModel``), once the checks ran
+    teacher: Any = None  # the teacher as checked (``CheckedModel``), once the checks ran
 
     def problems(
-        self, settings: DistillConfig, dims: ParallelDims | None, device_type: str, student
+        self,
+        settings: DistillConfig,
+        dims: ParallelDims | None,
+        device_type: str,
+        student: "CheckedModel",
     ) -> list[Problem]:
         """The teacher's problems at ``dims``, beside the ``student`` as checked."""
         self.teacher = teacher_checks().checked_teacher(settings, dims, device_type, student)

@@ -107,6 +107,10 @@ def test_a_dense_student_takes_ep_for_an_moe_teachers_experts(tmp_path):
     split over ep, an MoE teacher's experts are; neither with experts is refused, naming both."""
     moe_teacher = ("teacher.family=qwen3_moe", "tp=2", "ep=2")
     assert refusals(tmp_path, *moe_teacher) == []
+    cfg = compose_distill([f"output_dir={tmp_path / 'run'}", "dry_run=true", *moe_teacher])
+    plan, _ = prepare_distillation(check_distillation(cfg, None, None))
+    assert plan.dims.ep == 2 and plan.model.experts == ()  # the student: nothing split over ep
+    assert plan.teacher.experts == ("model.layers.*.mlp.experts",)  # the teacher's, split
     assert refusals(tmp_path, *moe_teacher, "+teacher.config.num_experts=3") == [
         "teacher: ep (2) must divide the number of experts (3)"
     ]
