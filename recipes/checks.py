@@ -177,7 +177,9 @@ def model_problems(settings: Config, dims: ParallelDims | None, device_type: str
     if checked.experts or not settings.experts_beside:  # else the frozen model's checks decide
         checked.problems += expert_parallel_problems(checked.meta, checked.experts, dims.ep)
     routed = routed_experts_of(checked.meta, checked.experts)
-    checked.facts = model_facts(settings, checked.config, routed, checked.refusals)
+    checked.facts = model_facts(
+        settings, checked.config, routed, checked.refusals, use.other_layouts
+    )
     checked.problems += layout_model_problems(settings, dims, checked.facts)
     return checked
 

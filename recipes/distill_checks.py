@@ -64,7 +64,7 @@ def check_distillation(
     schema: type[DistillConfig] = DistillConfig,
 ) -> DistillChecked:
     """Fine-tuning's checks of ``cfg`` against the distillation ``schema`` (with what
-    distillation does not run: ``DistillConfig.unsupported``) with the teacher's beside them
+    distillation does not run: ``DistillConfig.DEGREES_AT_ONE``) with the teacher's beside them
     (``recipes/distill_teacher.py``): now, or in preparation when a folder is still to be
     fetched. Raises ConfigError with every problem of both."""
     beside = TeacherBeside()

@@ -126,12 +126,12 @@ class Train(Section):
             return []
         if device_type != "cuda":
             return [
-                "train.cpu_offload=true needs CUDA: on the CPU the parameters, gradients and "
-                "optimizer state are in host memory already; remove it"
+                "train.cpu_offload=true is not supported on the CPU: the parameters, gradients "
+                "and optimizer state are in host memory already; remove it"
             ]
         return [
             "train.cpu_offload=true is not supported yet: FSDP2's CPUOffloadPolicy is not wired "
-            "into the model on CUDA (issue 47); remove it, or plan the lever with dry_run=true"
+            "into the model on CUDA, and the dry run does not price it (issue 47); remove it"
         ]
 
 
@@ -457,6 +457,25 @@ class Config(Section):
     schedule: Schedule
     logger: Logger
     peft: Peft
+
+    # the degrees (tp, cp, pp, ...) this recipe runs at 1 only, each with why (fine-tuning's: none)
+    DEGREES_AT_ONE: ClassVar[dict[str, str]] = {}
+
+    def refused_degree(self, name: str, size: int) -> str | None:
+        """Why this recipe does not run degree ``name`` at ``size`` (:data:`DEGREES_AT_ONE`), as
+        its checks say it of the settings and its dry run of a layout it could suggest; None:
+        it runs it."""
+        why = self.DEGREES_AT_ONE.get(name)
+        script = self.RECIPE.removeprefix("recipes/")
+        return None if why is None or size == 1 else f"{name}={size} is not run by {script}: {why}"
+
+    def degree_problems(self) -> list[Problem]:
+        """The settings' degrees this recipe does not run, one problem each."""
+        found = []
+        for name in self.DEGREES_AT_ONE:
+            if line := self.refused_degree(name, getattr(self, name)):
+                found.append(Problem(key=name, message=line))
+        return found
 
     def option_problems(self, warmup: int, output: Path, device_type: str) -> tuple[list, Any]:
         """(problems, the parsed ``debug.fault``): each section's own checks: the optimizer, the

@@ -270,16 +270,17 @@ def other_layout_refusals(
 ) -> dict[tuple[str, int], tuple[str, ...]]:
     """``ModelFacts.refusals``: at each of ``use.other_layouts`` (a degree and its size, on the
     world of ``dims``, dp taking up the rest as the dry run's change does), the lines the model's
-    checks of that degree refuse it with (none: that size is not here); a tp the sizes refuse is
-    the layout's rule, and skipped."""
+    checks of that degree refuse it with (none: that size is not here; fewer HSDP replicas move
+    FSDP's shards, which NF4 tiles must divide); a tp the sizes refuse is the layout's rule, and
+    skipped."""
     found = {}
     for name, size in use.other_layouts:
-        if name == "tp":
+        if name in ("tp", "dp_replicate"):  # the TP plan; FSDP's shards of the NF4 tiles
             try:
-                at = dims.changed(tp=size)
+                at = dims.changed(**{name: size})
             except LayoutError:  # not a layout of this world: the dry run never tries it
                 continue
-            sized = bool(tp_problems(config, size))  # the layout's own rule refuses it
+            sized = bool(tp_problems(config, at.tp))  # the layout's own rule refuses it
             refused = [] if sized else tp_structure_problems(config, meta, use, at, moe)
         elif name == "cp":
             refused = cp_problems(choice, use, size, config)
