@@ -99,8 +99,11 @@ class DpoConfig(Config):
 
     def unsupported(self) -> list[Problem]:
         """The settings ``dpo.py`` refuses, each one problem naming its key (docs/dpo.md)."""
-        train, peft = self.train, self.peft
+        train, peft, loss_on = self.train, self.peft, self.data.loss_on
         refused = [  # (key, its value, refused, why)
+            ("data.loss_on", loss_on, loss_on != "last_assistant", "it scores each pair's final "
+             "answer alone (earlier assistant turns are prompt, conf/dpo_answer_labels.yaml): "
+             "leave data.loss_on out, or use data.loss_on=last_assistant"),
             ("train.packing", train.packing, train.packing, "a preference pair's two "
              "conversations are rows of their own: use train.packing=false"),
             ("peft.experts", peft.experts, bool(peft.experts), "adapters on experts cannot be "

@@ -494,7 +494,8 @@ class Config(Section):
             fault, found = None, [*found, Problem(key="debug.fault", message=str(error))]
         found += problems("debug.fault", fault_backend_errors(fault, device_type))
         found += problems("profile", self.profile.errors(max_steps, device_type))
-        found += problems("data.streaming", self.data.streaming_errors(self.train.val_every))
+        if not self.preference_pairs:  # pairs are never streamed: the data checks' one line
+            found += problems("data.streaming", self.data.streaming_errors(self.train.val_every))
         return found + problems("peft", self.peft.errors()), fault
 
     def model_errors(self, model_type: str, experts: tuple[str, ...]) -> list[str]:

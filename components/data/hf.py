@@ -28,6 +28,8 @@ BUILDERS = {
 }
 # What a source's columns may be mapped onto: one of these sets, exactly.
 TARGETS = ({"prompt", "response"}, {"messages"})
+# What a preference source's columns may be mapped onto (recipes/dpo.py's data=hf).
+PAIR_TARGETS = ({"prompt", "chosen", "rejected"}, {"chosen", "rejected"})
 # A source's own columns when its records are of both kinds (kept as they are, no mapping given)
 OWN_BOTH = {"prompt", "response", "messages"}
 
@@ -190,11 +192,32 @@ def map_columns(
             if "messages" in have
             else {"prompt": "prompt", "response": "response"}
         )
-    if set(columns) not in TARGETS and not both:
+    targets = (*TARGETS, OWN_BOTH) if both else TARGETS
+    return _mapped(dataset, columns, have, path, targets, "prompt and response, or messages")
+
+
+def map_pair_columns(dataset: datasets.Dataset, columns: dict[str, str] | None, path: str):
+    """Rename the source's columns onto a preference record's ``prompt`` (optional), ``chosen``
+    and ``rejected`` and drop every other column; None or empty takes the source's own columns
+    of those names (``prompt`` when it has one).
+
+    Raises:
+        DataError: If the mapping targets anything else, or names a column the source does not have.
+    """
+    have = list(dataset.column_names)
+    if not columns:
+        own = ("prompt", "chosen", "rejected") if "prompt" in have else ("chosen", "rejected")
+        columns = {name: name for name in own}
+    return _mapped(dataset, columns, have, path, PAIR_TARGETS, "chosen and rejected (and prompt)")
+
+
+def _mapped(dataset, columns: dict[str, str], have: list, path: str, targets, said: str):
+    """``dataset`` with only the columns ``columns`` maps ours onto (one of ``targets``, ``said``
+    in words), renamed ours; a column of numbers (a csv's) read as strings."""
+    if set(columns) not in targets:
         raise DataError(
-            f"data.columns maps {', '.join(sorted(columns))}: map exactly prompt and response, or "
-            "messages, "
-            f"onto columns of {path} ({', '.join(have)})"
+            f"data.columns maps {', '.join(sorted(columns))}: map exactly {said}, onto columns of "
+            f"{path} ({', '.join(have)})"
         )
     missing = [
         f"{ours}={theirs!r}" for ours, theirs in sorted(columns.items()) if theirs not in have
@@ -207,7 +230,7 @@ def map_columns(
     dataset = dataset.select_columns(list(columns.values()))
     renames = {theirs: ours for ours, theirs in columns.items() if theirs != ours}
     dataset = dataset.rename_columns(renames) if renames else dataset
-    for column in ("prompt", "response"):  # a csv answer column of numbers is read as integers
+    for column in columns:  # a csv answer column of numbers is read as integers
         feature = (dataset.features or {}).get(column)
         if isinstance(feature, datasets.Value) and feature.dtype not in ("string", "large_string"):
             dataset = dataset.cast_column(column, datasets.Value("string"))
