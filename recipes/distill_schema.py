@@ -22,6 +22,7 @@ class Teacher(Section):
     )
     # the family teacher.config builds (its TP plan); null: the student's model.family
     family: Text | None = key("null (the student's model.family) or a model family, e.g. llama")
+    # the built teacher's config keys; null: the family's tiny size at twice the width and depth
     config: dict[str, Any] = key(
         "a mapping of Hugging Face config keys, e.g. teacher.config.hidden_size=256"
     )
@@ -45,6 +46,7 @@ class DistillConfig(Config):
     ``distill`` sections."""
 
     RECIPE: ClassVar[str] = "recipes/distill.py"
+    experts_beside: ClassVar[bool] = True  # an MoE teacher's experts split at ep > 1
     DEGREES_AT_ONE: ClassVar[dict[str, str]] = {
         "pp": "the teacher has no pipeline stages of its own: use pp=1",
     }

@@ -379,6 +379,9 @@ class Config(Section):
     RECIPE: ClassVar[str] = "recipes/finetune.py"  # the recipe whose config this is (messages)
     # the data's records are preference pairs (recipes/dpo.py's), else prompt and answer
     preference_pairs: ClassVar[bool] = False
+    # a dense model may take ep > 1 for the experts of the frozen model beside it (distillation's
+    # teacher), whose checks refuse ep where neither has experts
+    experts_beside: ClassVar[bool] = False
 
     seed: Annotated[int, Field(ge=0, lt=2**63)] = key("an integer in [0, 2**63), e.g. seed=0")
     tp: PositiveInt = key("a positive integer, e.g. tp=2", "tensor-parallel size")

@@ -387,27 +387,42 @@ def check_teacher(
     ``model.config.vocab_size``, ``student_vocab``; None: the tokenizer's); every problem and
     note named ``teacher.*``."""
     checked = check_model(choice, use, dims)
-    checked.problems = [_as_teacher(problem) for problem in checked.problems]
-    checked.notes = [note.replace("model.config", "teacher.config") for note in checked.notes]
+    checked.problems = [as_teacher(problem) for problem in checked.problems]
+    checked.notes = [_teacher_keys(note) for note in checked.notes]
     if checked.config is not None and student.config is not None:
         vocabularies = (student_vocab, choice.config.get("vocab_size"))
         checked.problems += vocabulary_problems(student, checked, *vocabularies)
     return checked
 
 
-def _as_teacher(problem: Problem) -> Problem:
-    """A model check's problem said of the teacher: its key, ``model.config`` and
-    ``model.pretrained_path`` named ``teacher``'s, the line marked as the teacher's."""
+# The model group's keys a teacher's problem names as the teacher group's.
+TEACHER_KEYS = {
+    "model.config": "teacher.config",
+    "model.pretrained_path": "teacher.pretrained_path",
+    "model.family": "teacher.family",
+    "model=teacher": "the teacher",
+}
+
+
+def as_teacher(problem: Problem) -> Problem:
+    """A model check's problem said of the teacher: its key and the ``model.*`` keys it names
+    (:data:`TEACHER_KEYS`) the ``teacher`` group's, the line marked as the teacher's."""
     key = (
         problem.key.replace("model", "teacher", 1)
         if problem.key.startswith("model")
         else problem.key
     )
-    message = problem.message.replace("model.config", "teacher.config")
-    message = message.replace("model.pretrained_path", "teacher.pretrained_path")
+    message = _teacher_keys(problem.message)
     return Problem(
         key=key, message=message if message.startswith("teacher") else f"teacher: {message}"
     )
+
+
+def _teacher_keys(line: str) -> str:
+    """``line`` with the ``model`` group's keys named as the ``teacher`` group's."""
+    for model_key, teacher_key in TEACHER_KEYS.items():
+        line = line.replace(model_key, teacher_key)
+    return line
 
 
 def vocabulary_problems(
