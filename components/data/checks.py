@@ -14,6 +14,7 @@ from components.data.sources import (
     MixPart,
     MixSource,
     build_source,
+    in_part,
     preference_source,
 )
 from components.data.streaming import StreamedSource
@@ -161,7 +162,7 @@ def _mix_part(
         found.append(_mix_problem(f"{needs}, e.g. {{name:{name},kind:{kind},{missing[0]}:...}}"))
         return None
     source, source_problems = _checked_single(merged, pairs=False)
-    found += [_mix_problem(f"{where} ({name}): {problem.message}") for problem in source_problems]
+    found += [_mix_problem(in_part(index, name, problem.message)) for problem in source_problems]
     return None if source is None else MixPart(name=name, weight=float(weight), source=source)
 
 

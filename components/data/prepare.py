@@ -32,7 +32,7 @@ from components.data.collate import Labelling, check_template, record_error, tok
 from components.data.jsonl import DataError
 from components.data.loader import MixedSplit, TokenizedSplit, open_tokens, pad_id_of
 from components.data.packing import Rows, build_rows
-from components.data.sources import DataSource, MixSource
+from components.data.sources import DataSource, MixSource, part_named
 from components.data.stream_mixture import StreamedMixSplit, is_streamed
 from components.data.streaming import RowMaking, StreamedSource, StreamedSplit, first_example
 from components.data.tokenizer import DEFAULT_VOCAB_SIZE, train_tokenizer
@@ -452,7 +452,10 @@ def _prepare_stream(
 def _prepare_mixture(mix: MixSource, tokenizer_dir: str | Path, **options) -> PreparedData:
     """Each source of ``mix`` prepared as one source is (its own cache folder, split and packing),
     read as one training stream and as one validation split, and each validation split by name."""
-    prepared = [prepare_data(part.source, tokenizer_dir, **options) for part in mix.parts]
+    prepared = []
+    for index, part in enumerate(mix.parts):
+        with part_named(index, part.name):
+            prepared.append(prepare_data(part.source, tokenizer_dir, **options))
     names = tuple(part.name for part in mix.parts)
     vals = {name: data.val for name, data in zip(names, prepared, strict=True) if data.val}
     weights = tuple(part.weight for part in mix.parts)

@@ -12,9 +12,11 @@ Each source is a small frozen dataclass built from its ``conf/data/*.yaml`` grou
   them.
 """
 
+import contextlib
 import functools
 import hashlib
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -364,14 +366,34 @@ class MixSource:
     def texts(self, cache_dir: Path) -> Iterator[str]:
         """The sources' texts taken in turn, one from each, so a capped tokenizer training sees
         every source."""
-        readers, end = [part.source.texts(cache_dir) for part in self.parts], object()
+        readers = {index: part.source.texts(cache_dir) for index, part in enumerate(self.parts)}
+        end = object()
         while readers:
-            for reader in list(readers):
-                text = next(reader, end)
+            for index, reader in list(readers.items()):
+                with part_named(index, self.parts[index].name):
+                    text = next(reader, end)
                 if text is end:
-                    readers.remove(reader)
+                    del readers[index]
                 else:
                     yield text
+
+
+_TOP_DATA_KEY = re.compile(r"(?<![\w.])data\.")  # data.path=..., not data.sources or my.data.x
+
+
+def in_part(index: int, name: str, message: str) -> str:
+    """A source's line as a part of ``data=mix`` says it: ``data.sources[0] (mine): path=...``
+    (its keys are the part's, not the top ``data.*``)."""
+    return f"data.sources[{index}] ({name}): {_TOP_DATA_KEY.sub('', message)}"
+
+
+@contextlib.contextmanager
+def part_named(index: int, name: str) -> Iterator[None]:
+    """A :class:`DataError` of source ``index`` of a mixture named as :func:`in_part` says."""
+    try:
+        yield
+    except DataError as error:
+        raise DataError(in_part(index, name, str(error))) from None
 
 
 SOURCES = {

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from components.data.checks import checked_source
+from components.data.jsonl import DataError
 from components.data.loader import StepBatches
 from components.data.mixture import integer_weights, interleave
 from components.data.prepare import prepare_data, source_cache_dir
-from components.data.sources import GeneratedSource, JsonlSource, MixPart, MixSource
+from components.data.sources import GeneratedSource, HFSource, JsonlSource, MixPart, MixSource
 from components.data.tokenizer import DEFAULT_VOCAB_SIZE, train_tokenizer
 
 WEIGHTS = [0.6, 0.3, 0.1]
@@ -178,7 +179,7 @@ def test_every_bad_source_is_a_problem_of_its_own():
         "data.sources[0].weight=-1: give a number >= 0 (a share of the rows)",
         "data.sources[1].kind='parquet': use one of generated, jsonl",
         "data.sources[2] (c): kind jsonl needs path, e.g. {name:c,kind:jsonl,path:...}",
-        "data.sources[3] (d): data.colour is not a key of GeneratedSource",
+        "data.sources[3] (d): colour is not a key of GeneratedSource",
     ]
     zero = [{"name": n, "weight": 0, "kind": "generated"} for n in ("a", "b")]
     twice = [{"name": "a", "weight": 1, "kind": "generated"}] * 2
@@ -191,3 +192,25 @@ def test_every_bad_source_is_a_problem_of_its_own():
     assert checked_source({**MIX, "sources": []}, False, KINDS)[1][0].message.startswith(
         "data.sources=[] is not a list of sources: use e.g. data.sources='[{name:mine,"
     )
+
+
+def test_a_sources_failure_in_preparation_is_named_as_that_source(tmp_path):
+    """What a source says of its data (an empty file, a column it lacks) names its place in the
+    mixture and its own keys, not the top ``data.*``: while the tokenizer reads its texts and
+    while its rows are prepared."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    generated = GeneratedSource(num_examples=8, val_fraction=0.0, seed=0)
+    demo = MixPart(name="demo", weight=1.0, source=generated)
+    hf = dict(split="train", name=None, columns=None, num_examples=None, val_fraction=0.0)
+    mine = MixPart(name="mine", weight=1.0, source=HFSource(path=str(empty), **hf))
+    mix = MixSource(parts=(demo, mine), num_examples=None, val_fraction=0.0)
+    with pytest.raises(DataError) as raised:
+        list(mix.texts(source_cache_dir(tmp_path)))
+    assert str(raised.value) == f"data.sources[1] (mine): path={str(empty)!r} has no records"
+    tokenizer_dir = tmp_path / "tokenizer"
+    train_tokenizer(generated.texts(source_cache_dir(tmp_path)), DEFAULT_VOCAB_SIZE, tokenizer_dir)
+    options = dict(seq_len=48, loss_on="all_assistant", packing=False, seed=3)
+    with pytest.raises(DataError) as raised:
+        prepare_data(mix, tokenizer_dir, **options, cache_root=tmp_path, num_proc=1)
+    assert str(raised.value) == f"data.sources[1] (mine): path={str(empty)!r} has no records"
