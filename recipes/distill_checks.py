@@ -19,12 +19,13 @@ from omegaconf import DictConfig
 
 from components.models.families import moe_patterns
 from components.models.options import ModelChoice
-from components.problems import Problem
+from components.problems import Problem, show
 from components.runtime.output_dir import OutputDirLock
 from components.runtime.problems import ConfigError, say
 from recipes.checks import check
 from recipes.distill_schema import DistillConfig
 from recipes.plan import DistillChecked, DistillPlan, RunPlan, model_choice, model_use
+from recipes.resume_record import RecipeRecord, frozen_record
 
 
 def check_distillation(
@@ -125,6 +126,21 @@ def head_problems(student_config: Any, teacher_config: Any) -> list[Problem]:
     return found
 
 
+def resume_record(checked: DistillChecked) -> RecipeRecord:
+    """What distillation adds to its checkpoints' record: the teacher's weights (a resume with
+    another teacher is refused: another objective) and ``distill.*`` (a resume may change them,
+    with a ``note:``)."""
+    settings = {
+        f"distill.{key}": value for key, value in checked.settings.distill.model_dump().items()
+    }
+    teacher, folder = checked.settings.teacher, checked.teacher_path
+    where = (
+        f"{folder}" if folder is not None else f"built from teacher.config={show(teacher.config)}"
+    )
+    record = frozen_record(where, folder, checked.teacher_config)
+    return RecipeRecord(frozen={"teacher": record}, settings=settings)
+
+
 def prepare_distillation(checked: DistillChecked) -> tuple[DistillPlan, OutputDirLock | None]:
     """The student and the teacher downloaded or converted if still to be (fine-tuning's fetch)
     and the teacher checked then (:func:`with_teacher`); fine-tuning's preparation (tokenizer,
@@ -142,7 +158,7 @@ def prepare_distillation(checked: DistillChecked) -> tuple[DistillPlan, OutputDi
         if found := fetch_problems(teacher_choice(checked.settings), section="teacher"):
             raise ConfigError(found)
         checked = with_teacher(checked)
-    plan, lock = prepare(checked)
+    plan, lock = prepare(checked, resume_record(checked))
     config = copy.deepcopy(checked.teacher_config)
     if checked.teacher_path is None:  # built: the student's vocabulary, the tokenizer's size
         config.vocab_size = plan.model.config.vocab_size
