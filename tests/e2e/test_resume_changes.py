@@ -83,3 +83,26 @@ def test_a_distill_resume_refuses_another_teacher_and_applies_new_loss_settings(
         mixed = 0.9 * record["ce_loss"] + 0.1 * 9.0 * record["kd_loss"]
         assert record["loss"] == pytest.approx(mixed, rel=1e-5)
     assert f"loss {records[2]['loss']:.4f} -> {records[3]['loss']:.4f}" in summary(resumed)
+
+
+def test_a_low_bit_optimizer_state_resumed_at_another_tp_is_refused(tmp_path):
+    """torchao's 4-bit moments reshard along their first dimension only: a checkpoint of
+    ``optim=adamw4bit`` at tp=1 (the tiny Llama's matmul weights hold the 4,096 values it
+    quantizes) resumed at tp=2, which splits the row-parallel layers' second dimension, is one
+    ``error:`` line naming tp and what does work, before any rank starts."""
+    run, lowbit = tmp_path / "run", ["optim=adamw4bit", "train.val_every=0"]
+    finetune = [sys.executable, "recipes/finetune.py", *COMMON, "train.max_steps=4", *lowbit]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for overrides, status in (([], 0), (["tp=2", RESUME], 2)):
+        command = [*finetune, f"output_dir={run}", "train.stop_after=2", *overrides]
+        result = cli.run(
+            command, cwd=REPO, capture_output=True, text=True, timeout=300, env=environment
+        )
+        assert result.returncode == status, result.stderr[-4000:]
+    line = refusal(result)
+    assert line.endswith(
+        "tp 1 -> 2: torchao.optim.AdamW4bit's 4-bit state reshards along its first dimension "
+        "only (torchao), which these degrees do not cut: it resumes at the checkpoint's tp (and "
+        "ep_shard with moe.shard_experts); a dp, cp, pp or ep change works"
+    )
+    assert [record["step"] for record in metrics(run)] == [1, 2]  # the folder is as it was
