@@ -164,19 +164,21 @@ def _cut_problems(recorded: Any, now: dict[str, int], optimizer: str) -> list[st
     bits = _FIRST_DIM_ONLY.get(optimizer)
     if bits is None or not isinstance(recorded, dict):
         return []
-    keys = {"tp": "tp", "ep_shard": "ep_shard (moe.shard_experts=true)"}
-    changed = [
-        f"{keys[key]} {recorded[key]} -> {value}"
-        for key, value in now.items()
-        if recorded.get(key, value) != value
-    ]
-    if not changed:
-        return []
+    changed = [(key, then) for key, then in recorded.items() if now.get(key, then) != then]
+    changed = [(key, then) for key, then in changed if key in _CUT_WHY]  # a later record's keys
     return [
-        f"{', '.join(changed)}: {optimizer}'s {bits} state reshards along its first dimension "
-        "only (torchao), which these degrees do not cut: it resumes at the checkpoint's tp (and "
-        "ep_shard with moe.shard_experts); a dp, cp, pp or ep change works"
+        f"{key} {then} -> {now[key]}: {optimizer}'s {bits} state reshards along its first "
+        f"dimension only (torchao), and {_CUT_WHY[key]}: resume with {_CUT_FIX[key]}{then} "
+        "(a dp, cp, pp or ep that keeps it works)"
+        for key, then in changed
     ]
+
+
+_CUT_WHY = {  # what each of layout_cuts' degrees cuts past the first dimension
+    "tp": "tp splits the row-parallel layers along their second",
+    "ep_shard": "moe.shard_experts=true splits each expert's rows over its ep_shard copies",
+}
+_CUT_FIX = {"tp": "tp=", "ep_shard": "ep_shard = world size / ep = "}
 
 
 def changed_settings(recorded: Any, now: dict[str, Any]) -> dict[str, tuple[Any, Any]]:

@@ -102,7 +102,7 @@ def test_a_low_bit_optimizer_state_resumed_at_another_tp_is_refused(tmp_path):
     line = refusal(result)
     assert line.endswith(
         "tp 1 -> 2: torchao.optim.AdamW4bit's 4-bit state reshards along its first dimension "
-        "only (torchao), which these degrees do not cut: it resumes at the checkpoint's tp (and "
-        "ep_shard with moe.shard_experts); a dp, cp, pp or ep change works"
+        "only (torchao), and tp splits the row-parallel layers along their second: resume with "
+        "tp=1 (a dp, cp, pp or ep that keeps it works)"
     )
     assert [record["step"] for record in metrics(run)] == [1, 2]  # the folder is as it was
