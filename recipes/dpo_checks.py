@@ -156,6 +156,8 @@ def prepare_dpo(checked: DpoChecked) -> tuple[DpoPlan, OutputDirLock | None]:
 
     if checked.reference_awaits_fetch:
         checked = with_reference(fetched_model(checked))
+    elif checked.model_awaits_fetch:  # its folder is the reference's record (resume_record)
+        checked = fetched_model(checked)
     plan, lock = prepare(checked, resume_record(checked))
     reference = None if plan.lora is not None else plan.model
     if checked.reference_path is not None:

@@ -19,9 +19,9 @@ from tests.saved_models import reference_folders
 RESUME = "checkpoint.resume=auto"
 
 
-def distill(output_dir: Path, *overrides: str, status: int = 0):
-    """``recipes/distill.py`` with fine-tuning's small settings, 4 steps, into ``output_dir``."""
-    command = [sys.executable, "recipes/distill.py", *COMMON, "train.max_steps=4"]
+def launch(script: str, output_dir: Path, *overrides: str, status: int = 0):
+    """``recipes/SCRIPT.py`` with fine-tuning's small settings, 4 steps, into ``output_dir``."""
+    command = [sys.executable, f"recipes/{script}.py", *COMMON, "train.max_steps=4"]
     command += [f"output_dir={output_dir}", *overrides]
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = cli.run(
@@ -29,6 +29,14 @@ def distill(output_dir: Path, *overrides: str, status: int = 0):
     )
     assert result.returncode == status, f"{' '.join(command)}\n{result.stderr[-4000:]}"
     return result
+
+
+def distill(output_dir: Path, *overrides: str, status: int = 0):
+    return launch("distill", output_dir, *overrides, status=status)
+
+
+def finetune(output_dir: Path, *overrides: str, status: int = 0):
+    return launch("finetune", output_dir, *overrides, status=status)
 
 
 def refusal(result) -> str:
@@ -85,24 +93,46 @@ def test_a_distill_resume_refuses_another_teacher_and_applies_new_loss_settings(
     assert f"loss {records[2]['loss']:.4f} -> {records[3]['loss']:.4f}" in summary(resumed)
 
 
+FIRST_DIM_ONLY = "state reshards along its first dimension only (torchao), and "
+KEEPS = "(a dp, cp, pp or ep that keeps it works)"
+
+
 def test_a_low_bit_optimizer_state_resumed_at_another_tp_is_refused(tmp_path):
     """torchao's 4-bit moments reshard along their first dimension only: a checkpoint of
     ``optim=adamw4bit`` at tp=1 (the tiny Llama's matmul weights hold the 4,096 values it
     quantizes) resumed at tp=2, which splits the row-parallel layers' second dimension, is one
     ``error:`` line naming tp and what does work, before any rank starts."""
-    run, lowbit = tmp_path / "run", ["optim=adamw4bit", "train.val_every=0"]
-    finetune = [sys.executable, "recipes/finetune.py", *COMMON, "train.max_steps=4", *lowbit]
-    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for overrides, status in (([], 0), (["tp=2", RESUME], 2)):
-        command = [*finetune, f"output_dir={run}", "train.stop_after=2", *overrides]
-        result = cli.run(
-            command, cwd=REPO, capture_output=True, text=True, timeout=300, env=environment
-        )
-        assert result.returncode == status, result.stderr[-4000:]
-    line = refusal(result)
+    folder, lowbit = tmp_path / "run", ["optim=adamw4bit", "train.stop_after=2"]
+    finetune(folder, *lowbit)
+    line = refusal(finetune(folder, *lowbit, "tp=2", RESUME, status=2))
     assert line.endswith(
-        "tp 1 -> 2: torchao.optim.AdamW4bit's 4-bit state reshards along its first dimension "
-        "only (torchao), and tp splits the row-parallel layers along their second: resume with "
-        "tp=1 (a dp, cp, pp or ep that keeps it works)"
+        f"tp 1 -> 2: torchao.optim.AdamW4bit's 4-bit {FIRST_DIM_ONLY}tp splits the row-parallel "
+        f"layers along their second: resume with tp=1 {KEEPS}"
     )
-    assert [record["step"] for record in metrics(run)] == [1, 2]  # the folder is as it was
+    assert [record["step"] for record in metrics(folder)] == [1, 2]  # the folder is as it was
+
+
+MOE = ["model=qwen3_moe", "optim=adamw8bit", "train.global_batch_size=8"]
+MOE += ["train.micro_batch_size=2", "checkpoint.every_steps=2"]
+
+
+@pytest.mark.sweep
+def test_a_low_bit_expert_state_resumes_at_another_ep_but_not_another_ep_shard(tmp_path):
+    """8-bit moments of experts split by expert (dim 0) resume at another ep: ep=2 -> ep=1 at
+    dp=2 gives the uninterrupted run's steps 3 and 4 (within 1e-5). With moe.shard_experts each
+    expert's rows (dim 1) are split over its ep_shard copies: a checkpoint at dp=4 ep=2
+    (ep_shard 2) resumed at dp=2 ep=2 (ep_shard 1) is refused with one line; without the
+    refusal it failed on every rank in torchao's slice. 3 runs of compiled 8-bit steps."""
+    whole, step_2 = tmp_path / "whole", "checkpoints/step_00000002"
+    finetune(whole, *MOE, "ep=2", "dp=2")
+    finetune(tmp_path / "ep1", *MOE, "ep=1", "dp=2", f"checkpoint.resume={whole / step_2}")
+    for ours, theirs in zip(metrics(tmp_path / "ep1"), metrics(whole)[2:], strict=True):
+        assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
+    sharded = [*MOE, "moe.shard_experts=true", "train.stop_after=2"]
+    finetune(tmp_path / "sharded", *sharded, "ep=2", "dp=4")
+    resumed = finetune(tmp_path / "sharded", *sharded, "ep=2", "dp=2", RESUME, status=2)
+    assert refusal(resumed).endswith(
+        f"ep_shard 2 -> 1: torchao.optim.AdamW8bit's 8-bit {FIRST_DIM_ONLY}moe.shard_experts=true "
+        f"splits each expert's rows over its ep_shard copies: resume with ep_shard = world size / "
+        f"ep = 2 {KEEPS}"
+    )
