@@ -137,7 +137,8 @@ def resume_record(checked: DistillChecked) -> RecipeRecord:
     where = (
         f"{folder}" if folder is not None else f"built from teacher.config={show(teacher.config)}"
     )
-    record = frozen_record(where, folder, checked.teacher_config)
+    built = {"family": teacher.family or checked.settings.model.family, "config": teacher.config}
+    record = frozen_record(where, folder, built)
     return RecipeRecord(frozen={"teacher": record}, settings=settings)
 
 

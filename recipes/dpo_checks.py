@@ -142,7 +142,9 @@ def resume_record(checked: DpoChecked) -> RecipeRecord:
     else:
         folder = checked.model_path  # None: built from model.config with the run's seed
         where = f"the policy's starting weights ({folder or 'built from model.config'})"
-    reference = frozen_record(where, folder, checked.model_config)
+    model = checked.settings.model
+    built = {"family": model.family, "config": model.config}
+    reference = frozen_record(where, folder, built)
     return RecipeRecord(frozen={"reference": reference}, settings=settings)
 
 

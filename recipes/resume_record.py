@@ -28,14 +28,13 @@ class RecipeRecord:
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 
 
-def frozen_record(where: str, folder: Path | None, config: Any) -> dict[str, str]:
+def frozen_record(where: str, folder: Path | None, built: Any) -> dict[str, str]:
     """A frozen model's entry in :class:`RecipeRecord`: ``where`` it comes from (said when a resume
     is refused) and its ``weights``: the SHA-256 of its ``folder``'s config.json and weight files'
-    contents, or of the ``config`` it is built from with the run's seed (``seed`` is matched
-    apart)."""
+    contents, or of the settings it is ``built`` from (JSON: its family and config overrides,
+    never the layout) with the run's seed, which a resume matches apart."""
     if folder is None:
-        settings = {k: v for k, v in config.to_dict().items() if k != "transformers_version"}
-        parts: Any = json.dumps(settings, sort_keys=True, default=str)
+        parts = json.dumps(built, sort_keys=True, default=str)
     else:
         files = [path for path in sorted(folder.iterdir()) if path.is_file()]
         kept = [p for p in files if p.name == "config.json" or p.suffix in _WEIGHT_SUFFIXES]
