@@ -10,7 +10,9 @@ The effects follow in ``recipes/prepare.py``, once.
 from __future__ import annotations  # the annotations name classes imported only when needed
 
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -33,6 +35,13 @@ from recipes.plan import (
 )
 from recipes.schema import Config
 
+if TYPE_CHECKING:  # the model checks import transformers' models: after the schema has passed
+    from components.models.checks import CheckedModel
+
+# The problems of a frozen model run beside the trained one (distillation's teacher), found with the
+# trained model's (settings, layout, device type, the trained model as checked) and reported with
+# them, every problem at once.
+Beside = Callable[[Config, ParallelDims | None, str, "CheckedModel"], list[Problem]]
 # Model, data and tokenizer modules (transformers, datasets, DTensor) are imported by the checks
 # that use them: a mistyped key or a bad value is refused in about the time of `import torch`.
 
@@ -73,11 +82,12 @@ def check(
     output_dir: str | None = None,
     hydra_run_dir: str | None = None,
     schema: type[Config] = Config,
+    beside: Beside | None = None,
 ) -> Checked:
     """Every check that needs no effect, all problems at once (ConfigError): config in, decisions
     out; nothing is written, tokenized or trained, and ``cfg`` is left as it was. ``output_dir`` is
     a sweep job's folder; ``hydra_run_dir`` the run dir Hydra was given; ``schema`` the recipe's
-    (``Config``, ``DpoConfig``)."""
+    (``Config``, ``DpoConfig``); ``beside``: a frozen model's checks, its problems with these."""
     settings, found = validated(cfg, schema)
     _refuse(found)
     from components.data.checks import checked_source  # after the schema: a bad key is fast
@@ -103,11 +113,13 @@ def check(
     size_problems += optim_layout_problems(settings, dims) if dims else []
     resume = explicit_checkpoint_errors(settings.checkpoint.resume)
     checked = model_problems(settings, dims, device_type)
+    frozen = beside(settings, dims, device_type, checked) if beside else []
     data = settings.data.model_dump(by_alias=True)
     source, data_problems = checked_source(
         data, settings.preference_pairs, mix_kinds(settings.seed)
     )
-    found += size_problems + resume + check_output_dir(output) + checked.problems + data_problems
+    found += size_problems + resume + check_output_dir(output) + checked.problems + frozen
+    found += data_problems
     _refuse(found + where_errors(output, hydra_run_dir, per_run, started_by_launcher()))
     _notes(settings, dims, output, per_run, warmup)
     decided = dict(warmup_steps=warmup, loss_chunk_tokens=train.loss_chunk_tokens or 0)
@@ -162,9 +174,12 @@ def model_problems(settings: Config, dims: ParallelDims | None, device_type: str
         checked.problems += problems("moe", settings.moe.dense_errors(settings.model.name))
     model_type = checked.config.model_type
     checked.problems += problems("model", settings.model_errors(model_type, checked.experts))
-    checked.problems += expert_parallel_problems(checked.meta, checked.experts, dims.ep)
+    if checked.experts or not settings.experts_beside:  # else the frozen model's checks decide
+        checked.problems += expert_parallel_problems(checked.meta, checked.experts, dims.ep)
     routed = routed_experts_of(checked.meta, checked.experts)
-    checked.facts = model_facts(settings, checked.config, routed, checked.refusals)
+    checked.facts = model_facts(
+        settings, checked.config, routed, checked.refusals, use.other_layouts
+    )
     checked.problems += layout_model_problems(settings, dims, checked.facts)
     return checked
 

@@ -8,8 +8,7 @@ from typing import Annotated, Any, ClassVar
 
 from pydantic import Field
 
-from components.problems import Problem
-from recipes.schema import Config, Section, Text, key, refused_settings
+from recipes.schema import Config, Section, Text, key
 
 
 class Teacher(Section):
@@ -23,6 +22,7 @@ class Teacher(Section):
     )
     # the family teacher.config builds (its TP plan); null: the student's model.family
     family: Text | None = key("null (the student's model.family) or a model family, e.g. llama")
+    # the built teacher's config keys; null: the family's tiny size at twice the width and depth
     config: dict[str, Any] = key(
         "a mapping of Hugging Face config keys, e.g. teacher.config.hidden_size=256"
     )
@@ -46,19 +46,15 @@ class DistillConfig(Config):
     ``distill`` sections."""
 
     RECIPE: ClassVar[str] = "recipes/distill.py"
+    experts_beside: ClassVar[bool] = True  # an MoE teacher's experts split at ep > 1
+    DEGREES_AT_ONE: ClassVar[dict[str, str]] = {
+        "pp": "the teacher has no pipeline stages of its own: use pp=1",
+    }
 
     teacher: Teacher
     distill: Distill
 
     def option_problems(self, warmup: int, output: Path, device_type: str) -> tuple[list, Any]:
-        """Fine-tuning's, and what ``distill.py`` does not run."""
+        """Fine-tuning's, and the degrees ``distill.py`` does not run."""
         found, fault = super().option_problems(warmup, output, device_type)
-        return found + self.unsupported(), fault
-
-    def unsupported(self) -> list[Problem]:
-        """The settings ``distill.py`` refuses, each one problem naming its key
-        (docs/distillation.md)."""
-        refused = [  # (key, its value, refused, why)
-            ("pp", self.pp, self.pp > 1, "the teacher has no pipeline stages of its own: use pp=1"),
-        ]  # fmt: skip
-        return refused_settings("distill.py", refused)
+        return found + self.degree_problems(), fault

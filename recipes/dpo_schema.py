@@ -52,6 +52,11 @@ class DpoConfig(Config):
     """``recipes/dpo.py``'s config: every key of ``finetune.py``'s and the ``dpo`` section."""
 
     RECIPE: ClassVar[str] = "recipes/dpo.py"
+    DEGREES_AT_ONE: ClassVar[dict[str, str]] = {
+        "cp": "an answer's log-probability sums its whole sequence, which context parallelism "
+        "splits: use cp=1",
+        "pp": "no pipeline schedule runs DPO's two forwards: use pp=1",
+    }
     preference_pairs: ClassVar[bool] = True
     dpo: Dpo
 
@@ -94,14 +99,14 @@ class DpoConfig(Config):
 
     def unsupported(self) -> list[Problem]:
         """The settings ``dpo.py`` refuses, each one problem naming its key (docs/dpo.md)."""
-        train, peft = self.train, self.peft
+        train, peft, loss_on = self.train, self.peft, self.data.loss_on
         refused = [  # (key, its value, refused, why)
-            ("cp", self.cp, self.cp > 1, "an answer's log-probability sums its whole sequence, "
-             "which context parallelism splits: use cp=1"),
-            ("pp", self.pp, self.pp > 1, "no pipeline schedule runs DPO's two forwards: use pp=1"),
+            ("data.loss_on", loss_on, loss_on != "last_assistant", "it scores each pair's final "
+             "answer alone (earlier assistant turns are prompt, conf/dpo_over_groups.yaml): "
+             "leave data.loss_on out, or use data.loss_on=last_assistant"),
             ("train.packing", train.packing, train.packing, "a preference pair's two "
              "conversations are rows of their own: use train.packing=false"),
             ("peft.experts", peft.experts, bool(peft.experts), "adapters on experts cannot be "
              "switched off for the reference: use peft.experts=false"),
         ]  # fmt: skip
-        return refused_settings("dpo.py", refused)
+        return self.degree_problems() + refused_settings("dpo.py", refused)

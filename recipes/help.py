@@ -1,8 +1,10 @@
-"""``python recipes/finetune.py --help`` (and ``dpo.py``'s): the config groups and their options
-(``conf/``, the recipe's defaults marked), then the keys most runs touch, one line each, as the
-recipe's schema declares them (``recipes/schema.py``: each key declared with what it sets,
-``common=``). Hydra's own page stays at ``--hydra-help``."""
+"""``python recipes/finetune.py --help`` (and ``dpo.py``'s, ``distill.py``'s): what the recipe does,
+the config groups and their options (``conf/``, the recipe's defaults marked; of ``data=``, the
+options the recipe reads), then the keys most runs touch, one line each, as the recipe's schema
+declares them (``recipes/schema.py``: each key declared with what it sets, ``common=``), less the
+ones the recipe refuses or does not read. Hydra's own page stays at ``--hydra-help``."""
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
@@ -16,6 +18,49 @@ FLAGS = """Flags:
   --cfg job          print the composed config (every key and its value) and exit
   --multirun K=A,B   one run per value, each in its own folder
   --hydra-help       Hydra's own options"""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecipePage:
+    """What one recipe's page says of it: what it does, a regression recipe it runs, the
+    ``data=`` options it reads (the data checks accept those alone), the common keys it refuses
+    away from their defaults or never reads (not listed), and common keys it reads otherwise
+    than ``finetune.py`` (what they set for it)."""
+
+    does: str
+    regression: str
+    data: tuple[str, ...]
+    unread: tuple[str, ...] = ()
+    sets: dict[str, str] = field(default_factory=dict)
+
+
+PAGES = {
+    "finetune.py": RecipePage(
+        does="fine-tuning (full, LoRA or QLoRA) of Hugging Face causal LMs with tensor parallelism",
+        regression="llama_tp2",
+        data=("default", "hf", "jsonl", "mix"),
+    ),
+    "dpo.py": RecipePage(
+        does="DPO, preference tuning of Hugging Face causal LMs against a frozen reference, with "
+        "tensor parallelism (docs/dpo.md)",
+        regression="dpo_llama_tp1",
+        data=("hf", "jsonl", "preference"),
+        unread=("cp", "pp", "train.val_every", "train.packing", "data.loss_on"),
+        sets={
+            "train.global_batch_size": "preference pairs per optimizer step",
+            "train.micro_batch_size": "pairs per forward pass per dp rank (2 rows each: chosen "
+            "and rejected)",
+            "train.seq_len": "tokens per conversation (a prompt and one answer)",
+        },
+    ),
+    "distill.py": RecipePage(
+        does="knowledge distillation of a Hugging Face causal LM (the student) from a frozen "
+        "teacher, with tensor parallelism (docs/distillation.md)",
+        regression="distill_llama_tp1",
+        data=("default", "hf", "jsonl", "mix"),
+        unread=("pp",),
+    ),
+}
 
 
 def page(
@@ -32,10 +77,15 @@ def page(
     for entry in own.get("defaults", []):  # `override data: preference`: the recipe's default
         if isinstance(entry, dict):
             config["defaults"] += [{k.removeprefix("override "): v for k, v in entry.items()}]
-    keys = common_keys(schema)
+    recipe = PAGES[script]
+    keys = [(key, recipe.sets.get(key, sets)) for key, sets in common_keys(schema)]
+    keys = [(key, sets) for key, sets in keys if key not in recipe.unread]
     width = max(len(name) for name, _ in keys)
-    lines = [config["hydra"]["help"]["header"].rstrip(), USAGE.format(script=script), ""]
-    lines += ["Groups (GROUP=OPTION; * marks the default):", *group_lines(conf_dir, config), ""]
+    example = f"experiment=regression/{recipe.regression}"
+    lines = [f"shardtune: {recipe.does}.", f"Regression recipes: experiment=regression/NAME "
+             f"(e.g. {example}).", USAGE.format(script=script), ""]  # fmt: skip
+    groups = group_lines(conf_dir, config, {"data": recipe.data})
+    lines += ["Groups (GROUP=OPTION; * marks the default):", *groups, ""]
     lines += ["Keys most runs touch (KEY=VALUE; types and ranges: recipes/schema.py):"]
     lines += [f"  {name:<{width}}  {sets}" for name, sets in keys]
     return "\n".join([*lines, "", FLAGS])
@@ -45,26 +95,31 @@ def common_keys(section: type[BaseModel], prefix: str = "") -> list[tuple[str, s
     """(dotted key, what it sets) of each key of ``section`` and its subsections declared with
     ``common=``, in declaration order."""
     found = []
-    for name, field in section.model_fields.items():
-        dotted = f"{prefix}{field.alias or name}"
-        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
-            found += common_keys(field.annotation, f"{dotted}.")
-        elif isinstance(field.json_schema_extra, dict) and COMMON in field.json_schema_extra:
-            found.append((dotted, field.json_schema_extra[COMMON]))
+    for name, declared in section.model_fields.items():
+        dotted = f"{prefix}{declared.alias or name}"
+        if isinstance(declared.annotation, type) and issubclass(declared.annotation, BaseModel):
+            found += common_keys(declared.annotation, f"{dotted}.")
+        elif isinstance(declared.json_schema_extra, dict) and COMMON in declared.json_schema_extra:
+            found.append((dotted, declared.json_schema_extra[COMMON]))
     return found
 
 
-def group_lines(conf_dir: Path, config: dict) -> list[str]:
-    """One line per folder of ``conf_dir``: its options, the default marked; a subfolder's files
-    as ``folder/NAME`` with their count."""
+def group_lines(
+    conf_dir: Path, config: dict, read: dict[str, tuple[str, ...]] | None = None
+) -> list[str]:
+    """One line per folder of ``conf_dir``: its options (of a group in ``read``, the ones the
+    recipe reads), the default marked; a subfolder's files as ``folder/NAME`` with their
+    count."""
+    read = read or {}
     chosen = {}
     for entry in config["defaults"]:
         if isinstance(entry, dict):
             chosen |= entry
     lines = []
     for folder in sorted(path for path in conf_dir.iterdir() if path.is_dir()):
-        names = [path.stem + ("*" if path.stem == chosen.get(folder.name) else "") for path in
-                 sorted(folder.glob("*.yaml"))]  # fmt: skip
+        options = [path.stem for path in sorted(folder.glob("*.yaml"))]
+        options = [name for name in options if name in read.get(folder.name, options)]
+        names = [name + ("*" if name == chosen.get(folder.name) else "") for name in options]
         for nested in sorted(path for path in folder.iterdir() if path.is_dir()):
             names.append(f"{nested.name}/NAME ({len(list(nested.glob('*.yaml')))})")
         lines.append(f"  {folder.name + '=':<12}{', '.join(names)}")

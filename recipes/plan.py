@@ -355,13 +355,15 @@ def model_facts(
     config: Any,
     routed_experts: str | None = None,
     refusals: Mapping[tuple[str, int], tuple[str, ...]] | None = None,
+    other_layouts: Sequence[tuple[str, int]] = (),
 ) -> ModelFacts:
     """What the layout rules read of the model of ``config`` (its Hugging Face config), whose
     experts called with tokens already routed are ``routed_experts`` (``components.moe.checks``,
     from the meta model) and which the model's checks refuse at other degrees with ``refusals``
-    (``components.models.checks``)."""
+    (``components.models.checks``), the recipe's own at ``other_layouts`` added."""
     model = settings.model
     experts, _ = moe_patterns(config, model.experts, model.routers)
+    refusals = with_recipe_refusals(settings, refusals or {}, other_layouts)
     layers = getattr(config.get_text_config(), "num_hidden_layers", None)  # BLT's config has none
     return ModelFacts(
         name=model.name,
@@ -369,8 +371,23 @@ def model_facts(
         layers=layers,
         tp_sizes=tp_sizes(config),
         routed_experts=routed_experts,
-        refusals=refusals or {},
+        refusals=refusals,
     )
+
+
+def with_recipe_refusals(
+    settings: Config,
+    refusals: Mapping[tuple[str, int], tuple[str, ...]],
+    other_layouts: Sequence[tuple[str, int]],
+) -> dict[tuple[str, int], tuple[str, ...]]:
+    """``refusals`` and, at each of ``other_layouts`` (a degree and its size a dry run may
+    suggest), the line of a degree the recipe does not run there (``Config.refused_degree``:
+    DPO's cp and pp), so that the dry run suggests none of them."""
+    found = dict(refusals)
+    for name, size in other_layouts:
+        if line := settings.refused_degree(name, size):
+            found[(name, size)] = (*found.get((name, size), ()), line)
+    return found
 
 
 def optimizer_facts(settings: Config) -> OptimizerFacts:
@@ -416,5 +433,7 @@ def model_use(settings: Config, device_type: str, dims: ParallelDims | None = No
 
 
 def _other_layouts(dims: ParallelDims) -> tuple[tuple[str, int], ...]:
-    """The degrees a dry run may suggest on the world of ``dims``: each larger tp, cp and pp."""
-    return tuple((name, size) for name in ("tp", "cp", "pp") for size in dims.larger(name))
+    """The degrees a dry run may suggest on the world of ``dims`` (``ParallelDims.changes``):
+    each larger tp, cp and pp, fewer HSDP replicas."""
+    changes = [change for group in dims.changes() for _, change in group]
+    return tuple((name, size) for change in changes for name, size in change.items())

@@ -126,12 +126,12 @@ class Train(Section):
             return []
         if device_type != "cuda":
             return [
-                "train.cpu_offload=true needs CUDA: on the CPU the parameters, gradients and "
-                "optimizer state are in host memory already; remove it"
+                "train.cpu_offload=true is not supported on the CPU: the parameters, gradients "
+                "and optimizer state are in host memory already; remove it"
             ]
         return [
             "train.cpu_offload=true is not supported yet: FSDP2's CPUOffloadPolicy is not wired "
-            "into the model on CUDA (issue 47); remove it, or plan the lever with dry_run=true"
+            "into the model on CUDA, and the dry run does not price it (issue 47); remove it"
         ]
 
 
@@ -379,6 +379,9 @@ class Config(Section):
     RECIPE: ClassVar[str] = "recipes/finetune.py"  # the recipe whose config this is (messages)
     # the data's records are preference pairs (recipes/dpo.py's), else prompt and answer
     preference_pairs: ClassVar[bool] = False
+    # a dense model may take ep > 1 for the experts of the frozen model beside it (distillation's
+    # teacher), whose checks refuse ep where neither has experts
+    experts_beside: ClassVar[bool] = False
 
     seed: Annotated[int, Field(ge=0, lt=2**63)] = key("an integer in [0, 2**63), e.g. seed=0")
     tp: PositiveInt = key("a positive integer, e.g. tp=2", "tensor-parallel size")
@@ -455,6 +458,25 @@ class Config(Section):
     logger: Logger
     peft: Peft
 
+    # the degrees (tp, cp, pp, ...) this recipe runs at 1 only, each with why (fine-tuning's: none)
+    DEGREES_AT_ONE: ClassVar[dict[str, str]] = {}
+
+    def refused_degree(self, name: str, size: int) -> str | None:
+        """Why this recipe does not run degree ``name`` at ``size`` (:data:`DEGREES_AT_ONE`), as
+        its checks say it of the settings and its dry run of a layout it could suggest; None:
+        it runs it."""
+        why = self.DEGREES_AT_ONE.get(name)
+        script = self.RECIPE.removeprefix("recipes/")
+        return None if why is None or size == 1 else f"{name}={size} is not run by {script}: {why}"
+
+    def degree_problems(self) -> list[Problem]:
+        """The settings' degrees this recipe does not run, one problem each."""
+        found = []
+        for name in self.DEGREES_AT_ONE:
+            if line := self.refused_degree(name, getattr(self, name)):
+                found.append(Problem(key=name, message=line))
+        return found
+
     def option_problems(self, warmup: int, output: Path, device_type: str) -> tuple[list, Any]:
         """(problems, the parsed ``debug.fault``): each section's own checks: the optimizer, the
         logger (for a run into ``output``), the schedule (``warmup`` steps), ``debug.fault`` and
@@ -472,7 +494,8 @@ class Config(Section):
             fault, found = None, [*found, Problem(key="debug.fault", message=str(error))]
         found += problems("debug.fault", fault_backend_errors(fault, device_type))
         found += problems("profile", self.profile.errors(max_steps, device_type))
-        found += problems("data.streaming", self.data.streaming_errors(self.train.val_every))
+        if not self.preference_pairs:  # pairs are never streamed: the data checks' one line
+            found += problems("data.streaming", self.data.streaming_errors(self.train.val_every))
         return found + problems("peft", self.peft.errors()), fault
 
     def model_errors(self, model_type: str, experts: tuple[str, ...]) -> list[str]:

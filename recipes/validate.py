@@ -4,19 +4,23 @@ written and what would work (the field's ``description``): an unresolvable ``${.
 at ``???``, a wrong type or range, an unknown or missing key.
 """
 
+import re
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
 
 from components.problems import show
 from recipes.schema import Config
 
+EXAMPLE = re.compile(r"e\.g\. ([\w.]+=[^\s;]+)")  # a hint's example: "e.g. distill.alpha=0.5"
 
-def _field_hint(loc: tuple, schema: type[Config] = Config) -> str:
-    """The ``description`` of the field at ``loc`` of ``schema`` (what would work), or "" when
-    there is none."""
+
+def _field_info(loc: tuple, schema: type[Config] = Config) -> FieldInfo | None:
+    """The declaration of the field at ``loc`` of ``schema`` (within a mapping, the mapping's), or
+    None when there is none."""
     model: Any = schema
     info = None
     for part in loc:
@@ -25,8 +29,15 @@ def _field_hint(loc: tuple, schema: type[Config] = Config) -> str:
             break
         info = next((f for name, f in fields.items() if part in (name, f.alias)), None)
         if info is None:
-            return ""
+            return None
         model = info.annotation
+    return info
+
+
+def _field_hint(loc: tuple, schema: type[Config] = Config) -> str:
+    """The ``description`` of the field at ``loc`` of ``schema`` (what would work), or "" when
+    there is none."""
+    info = _field_info(loc, schema)
     return (info.description or "") if info is not None else ""
 
 
@@ -58,8 +69,27 @@ def describe(
             )
         else:
             wrong = _not_valid(item, loc, given or {})
-            lines.append(f"{dotted}={wrong}: use {hint or item['msg']}")
+            use = _section_use(loc, item["input"], schema) or f"use {hint or item['msg']}"
+            lines.append(f"{dotted}={wrong}: {use}")
     return lines
+
+
+def _section_use(loc: tuple, value: Any, schema: type[Config]) -> str | None:
+    """What to write where a section of keys (``distill``, ``train``) was given a value: set its
+    keys, the first one whose hint shows how, e.g. ``distill.alpha=0.5``; None for any other key
+    or a mapping (whose own keys are checked)."""
+    info = _field_info(loc, schema)
+    section = info.annotation if info is not None else None
+    if isinstance(value, dict) or not (
+        isinstance(section, type) and issubclass(section, BaseModel)
+    ):
+        return None
+    dotted = ".".join(loc)
+    hints = [field.description or "" for field in section.model_fields.values()]
+    shown = [found[0].rstrip(",).") for hint in hints if (found := EXAMPLE.findall(hint))]
+    example = shown[0] if shown else f"{dotted}.{next(iter(section.model_fields))}=..."
+    listed = f"`.venv/bin/python {schema.RECIPE} --cfg job` lists them"
+    return f"{dotted} is a section, not a value: set its keys, e.g. {example} ({listed})"
 
 
 def _not_valid(item: dict, loc: tuple, given: dict) -> str:

@@ -52,14 +52,14 @@ def _streamed(
 ) -> tuple[StreamedSource | MixSource | None, list[Problem]]:
     """``data.streaming=true``: the ``data=hf`` source of ``group`` read as a stream (a mixture's
     ``hf`` sources, each a stream), or one line saying what is not streamed."""
-    refused = None
-    if pairs:
-        refused = "preference pairs are tokenized into the cache, not streamed"
-    elif group.get("_target_") == MIX_TARGET:
+    if pairs:  # from any source: the one fix is not to stream
+        read = "preference pairs are tokenized into the cache before training, never streamed"
+        message = f"data.streaming=true: {read}: use data.streaming=false"
+        return None, [Problem(key="data.streaming", message=message)]
+    if group.get("_target_") == MIX_TARGET:
         return _streamed_mixture(group, kinds)
-    elif group.get("_target_") != f"{HFSource.__module__}.{HFSource.__name__}":
+    if group.get("_target_") != f"{HFSource.__module__}.{HFSource.__name__}":
         refused = "only a datasets source is streamed, not data=jsonl's file or data=default's set"
-    if refused:
         fix = "use data=hf data.path=FILE_FOLDER_OR_HUB_ID, or data.streaming=false"
         message = f"data.streaming=true: {refused}: {fix}"
         return None, [Problem(key="data.streaming", message=message)]

@@ -21,7 +21,7 @@ def record_problem(record) -> str | None:
     """What is wrong with one parsed record, or None when it is a usable one."""
     if not isinstance(record, dict):
         return f"expected a JSON object, got {type(record).__name__}"
-    if "messages" in record:
+    if record.get("messages") is not None:  # None: a table's empty cell (data=hf of both kinds)
         messages = record["messages"]
         if not isinstance(messages, list) or not messages:
             return '"messages" must be a non-empty list of {"role", "content"} objects'

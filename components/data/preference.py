@@ -13,11 +13,11 @@ rejected, so a run needs no download.
 Docs: docs/dpo.md
 """
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from components.data import generated
-from components.data.jsonl import ROLES, iter_records
+from components.data.jsonl import ROLES, DataError, iter_records
 
 ANSWERS = ("chosen", "rejected")
 
@@ -63,6 +63,8 @@ def preference_problem(record) -> str | None:
         return '"chosen" and "rejected" must each end with the assistant\'s answer'
     if len(chosen) < 2:
         return 'a preference record needs a prompt: "prompt", or messages before the answers'
+    if chosen[-1] == rejected[-1]:  # the loss would sit at log 2 with no gradient from it
+        return '"chosen" and "rejected" are the same answer: a pair prefers one of two answers'
     return None
 
 
@@ -99,6 +101,22 @@ def iter_preference_jsonl(path: str | Path) -> Iterator[dict]:
     """
     for record in iter_records(path, preference_problem):
         for messages in pair_conversations(record):
+            yield {"messages": messages}
+
+
+def iter_preference_records(records: Iterable[dict], where: str) -> Iterator[dict]:
+    """Every record of a ``datasets`` split as two ``{"messages"}`` conversations, chosen then
+    rejected, each checked as read; a column that is None in a record (``datasets`` merges the
+    columns of records that differ) is absent from it.
+
+    Raises:
+        DataError: At the first bad record, naming it 1-based (``pairs.parquet record 3: ...``).
+    """
+    for number, record in enumerate(records, start=1):
+        given = {name: value for name, value in record.items() if value is not None}
+        if problem := preference_problem(given):
+            raise DataError(f"{where} record {number}: {problem}")
+        for messages in pair_conversations(given):
             yield {"messages": messages}
 
 

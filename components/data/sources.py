@@ -23,9 +23,13 @@ from typing import ClassVar, Protocol
 import datasets
 
 from components.data import generated, preference
-from components.data.hf import load_split, map_columns
+from components.data.hf import load_split, map_columns, map_pair_columns
 from components.data.jsonl import DataError, iter_jsonl
-from components.data.preference import iter_pair_conversations, iter_preference_jsonl
+from components.data.preference import (
+    iter_pair_conversations,
+    iter_preference_jsonl,
+    iter_preference_records,
+)
 from components.data.tokenizer import training_texts
 from components.targets import TargetError, target_class
 
@@ -142,6 +146,39 @@ def _normalized_jsonl(path: str) -> Iterator[dict]:
             }
 
 
+def _conversations(
+    generator, arguments: dict, cache_dir: Path, source, expected: str = ""
+) -> datasets.Dataset:
+    """The ``{"messages"}`` records ``generator(**arguments)`` yields, as a dataset in
+    ``cache_dir`` under ``source``'s fingerprint; a DataError the generator raises, one line
+    (``expected``: what a source of no records should hold).
+
+    Raises:
+        DataError: The generator's, or one line for a source of no records or one that cannot be
+            read.
+    """
+    empty = DataError(f"{source.path} has no records{expected}")
+    try:
+        dataset = datasets.Dataset.from_generator(
+            generator,
+            features=MESSAGES,
+            gen_kwargs=arguments,
+            cache_dir=str(cache_dir),
+            fingerprint=source.fingerprint(),
+        )
+    except datasets.exceptions.DatasetGenerationError as error:
+        if isinstance(error.__cause__, DataError):
+            raise error.__cause__ from None
+        if isinstance(error.__cause__, datasets.arrow_writer.SchemaInferenceError):
+            raise empty from None  # datasets cannot build a split of no records
+        raise DataError(f"{source.path} cannot be read: {str(error).splitlines()[0]}") from None
+    except ValueError as error:  # an empty file: 'Instruction "train" corresponds to no data!'
+        raise empty from error
+    if len(dataset) == 0:
+        raise empty
+    return dataset
+
+
 @dataclass(frozen=True, kw_only=True)
 class JsonlSource:
     """A JSONL file of ``{"prompt", "response"}`` or ``{"messages"}`` records, each line checked as
@@ -174,25 +211,8 @@ class JsonlSource:
         """The records as a dataset in ``cache_dir`` (the file is read once; later calls reuse the
         Arrow copy)."""
         path = str(Path(self.path).expanduser().resolve())
-        empty = DataError(f"{self.path} has no records: expected one JSON object per line")
-        try:
-            dataset = datasets.Dataset.from_generator(
-                self.conversations,
-                features=MESSAGES,
-                gen_kwargs={"path": path},
-                cache_dir=str(cache_dir),
-                fingerprint=self.fingerprint(),
-            )
-        except datasets.exceptions.DatasetGenerationError as error:
-            if isinstance(error.__cause__, DataError):
-                raise error.__cause__ from None
-            if isinstance(error.__cause__, datasets.arrow_writer.SchemaInferenceError):
-                raise empty from None  # datasets cannot build a split of no records
-            raise DataError(f"{self.path} cannot be read: {str(error).splitlines()[0]}") from None
-        except ValueError as error:  # an empty file: 'Instruction "train" corresponds to no data!'
-            raise empty from error
-        if len(dataset) == 0:
-            raise empty
+        arguments, expected = {"path": path}, ": expected one JSON object per line"
+        dataset = _conversations(self.conversations, arguments, cache_dir, self, expected)
         count = None if self.num_examples is None else self.num_examples * self.examples_per_record
         return _first(dataset, count)
 
@@ -256,6 +276,7 @@ class HFSource:
     num_examples: int | None
     val_fraction: float
     examples_per_record: ClassVar[int] = 1
+    kind: ClassVar[str] = "hf"
 
     def _dataset(self, cache_dir: Path) -> datasets.Dataset:
         dataset = load_split(self.path, self.split, self.name, cache_dir)
@@ -272,7 +293,7 @@ class HFSource:
                 [(Path(f["filename"]).name, Path(f["filename"]).stat().st_size) for f in files],
             ]
         return _digest(
-            "hf",
+            self.kind,
             origin,
             self.split,
             self.name,
@@ -285,6 +306,37 @@ class HFSource:
 
     def texts(self, cache_dir: Path) -> Iterator[str]:
         yield from _dataset_texts(self._dataset(cache_dir))
+
+
+@dataclass(frozen=True, kw_only=True)
+class PreferenceHFSource(HFSource):
+    """Any split ``datasets`` can load of preference records (:mod:`components.data.preference`,
+    the forms and checks of a JSONL file's; a column missing in a record, which ``datasets`` reads
+    as None, is absent), its ``columns`` mapped onto ``prompt`` (optional), ``chosen`` and
+    ``rejected``; each record two conversations, chosen then rejected; ``num_examples``: the
+    first records (pairs), or all."""
+
+    examples_per_record: ClassVar[int] = 2
+    kind: ClassVar[str] = "preference-hf"
+
+    def load(self, cache_dir: Path) -> datasets.Dataset:
+        columns = tuple(sorted((self.columns or {}).items()))
+        arguments = dict(source=self.path, split=self.split, name=self.name, columns=columns)
+        arguments |= dict(num_examples=self.num_examples, cache_dir=str(cache_dir))
+        return _conversations(_hf_pair_conversations, arguments, cache_dir, self)
+
+    def texts(self, cache_dir: Path) -> Iterator[str]:
+        yield from _dataset_texts(self.load(cache_dir))
+
+
+def _hf_pair_conversations(
+    source: str, split: str, name: str | None, columns: tuple, num_examples, cache_dir: str
+) -> Iterator[dict]:
+    """The first ``num_examples`` (or all) preference records of a ``datasets`` split, each
+    checked and made two ``{"messages"}`` conversations, chosen then rejected."""
+    dataset = load_split(source, split, name, Path(cache_dir))
+    records = _first(map_pair_columns(dataset, dict(columns), source), num_examples)
+    yield from iter_preference_records(records, source)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -330,21 +382,25 @@ SOURCES = {
 
 def preference_source(source: DataSource) -> DataSource:
     """``source`` read as preference pairs (DPO's data): the embedded pairs as they are, a JSONL
-    file's records as preference records.
+    file's or a ``datasets`` split's records as preference records.
 
     Raises:
         DataError: One line, for a source whose records are not read as pairs.
     """
-    if isinstance(source, EmbeddedPreferenceSource | PreferenceJsonlSource):
+    if isinstance(source, EmbeddedPreferenceSource | PreferenceJsonlSource | PreferenceHFSource):
         return source
     if type(source) is JsonlSource:
         return PreferenceJsonlSource(
             path=source.path, num_examples=source.num_examples, val_fraction=source.val_fraction
         )
-    name = {GeneratedSource: "default", HFSource: "hf"}.get(type(source), type(source).__name__)
+    if type(source) is HFSource:
+        return PreferenceHFSource(
+            **{field.name: getattr(source, field.name) for field in fields(source)}
+        )
+    name = {GeneratedSource: "default"}.get(type(source), type(source).__name__)
     raise DataError(
-        f"data={name} is not read as preference pairs: use data=preference (the embedded pairs) "
-        'or data=jsonl data.path=F ({"prompt", "chosen", "rejected"} records)'
+        f"data={name} is not read as preference pairs: use data=preference (the embedded pairs), "
+        'data=jsonl data.path=F or data=hf data.path=F ({"prompt", "chosen", "rejected"} records)'
     )
 
 

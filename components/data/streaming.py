@@ -29,7 +29,7 @@ from datasets.distributed import split_dataset_by_node
 from transformers import AutoTokenizer
 
 from components.data.collate import Labelling, record_error, tokenize_batch
-from components.data.hf import BUILDERS, map_columns
+from components.data.hf import BUILDERS, map_columns, refuse_an_empty_file
 from components.data.jsonl import DataError, record_problem
 from components.data.loader import (
     Batch,
@@ -107,6 +107,7 @@ def _stream_of(source: StreamedSource) -> datasets.IterableDataset:
         if builder is None:
             kinds = ", ".join(sorted(BUILDERS))
             raise DataError(f"data.path={source.path!r} has suffix {local.suffix!r}: use {kinds}")
+        refuse_an_empty_file(local, source.path)
         files = {"train": str(local)}
         return datasets.load_dataset(builder, data_files=files, split=source.split, streaming=True)
     if (local / "state.json").is_file() or (local / "dataset_dict.json").is_file():

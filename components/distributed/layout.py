@@ -64,9 +64,10 @@ class ModelFacts:
     its decoder layers (None: its config names no one stack of them, BLT's), the sizes tp must
     divide (:func:`tp_sizes`), its expert modules called with tokens already routed (Llama 4's),
     as the problem names them (None: none, or the model was not built to look), and at the other
-    degrees a dry run may suggest, keyed (tp, cp or pp, size), what the model's checks refuse
-    there (its TP plan, fp8's shapes, NF4 tiles; its attention with cp; a pipeline stage's
-    structure: ``components/models/checks.py``'s ``other_layout_refusals``)."""
+    degrees a dry run may suggest, keyed (tp, cp, pp or dp_replicate, size), what the model's
+    checks refuse there (its TP plan, fp8's shapes, NF4 tiles; its attention with cp; a pipeline
+    stage's structure: ``components/models/checks.py``'s ``other_layout_refusals``; and what the
+    recipe itself does not run: DPO's cp and pp)."""
 
     name: str
     moe: bool
@@ -315,7 +316,7 @@ class ParallelDims:
         recipe's checks ask one by one."""
         found = self.problems(work) + self.optimizer_problems(optimizer)
         found += tp_size_problems(model.tp_sizes, self.tp)
-        for name in ("tp", "cp", "pp"):
+        for name in ("tp", "cp", "pp", "dp_replicate"):
             refused = model.refusals.get((name, getattr(self, name)), ())
             found += [Problem(key=name, message=line) for line in refused]
         return found + self.model_problems(work, model)

@@ -270,16 +270,17 @@ def other_layout_refusals(
 ) -> dict[tuple[str, int], tuple[str, ...]]:
     """``ModelFacts.refusals``: at each of ``use.other_layouts`` (a degree and its size, on the
     world of ``dims``, dp taking up the rest as the dry run's change does), the lines the model's
-    checks of that degree refuse it with (none: that size is not here); a tp the sizes refuse is
-    the layout's rule, and skipped."""
+    checks of that degree refuse it with (none: that size is not here; fewer HSDP replicas move
+    FSDP's shards, which NF4 tiles must divide); a tp the sizes refuse is the layout's rule, and
+    skipped."""
     found = {}
     for name, size in use.other_layouts:
-        if name == "tp":
+        if name in ("tp", "dp_replicate"):  # the TP plan; FSDP's shards of the NF4 tiles
             try:
-                at = dims.changed(tp=size)
+                at = dims.changed(**{name: size})
             except LayoutError:  # not a layout of this world: the dry run never tries it
                 continue
-            sized = bool(tp_problems(config, size))  # the layout's own rule refuses it
+            sized = bool(tp_problems(config, at.tp))  # the layout's own rule refuses it
             refused = [] if sized else tp_structure_problems(config, meta, use, at, moe)
         elif name == "cp":
             refused = cp_problems(choice, use, size, config)
@@ -386,27 +387,42 @@ def check_teacher(
     ``model.config.vocab_size``, ``student_vocab``; None: the tokenizer's); every problem and
     note named ``teacher.*``."""
     checked = check_model(choice, use, dims)
-    checked.problems = [_as_teacher(problem) for problem in checked.problems]
-    checked.notes = [note.replace("model.config", "teacher.config") for note in checked.notes]
+    checked.problems = [as_teacher(problem) for problem in checked.problems]
+    checked.notes = [_teacher_keys(note) for note in checked.notes]
     if checked.config is not None and student.config is not None:
         vocabularies = (student_vocab, choice.config.get("vocab_size"))
         checked.problems += vocabulary_problems(student, checked, *vocabularies)
     return checked
 
 
-def _as_teacher(problem: Problem) -> Problem:
-    """A model check's problem said of the teacher: its key, ``model.config`` and
-    ``model.pretrained_path`` named ``teacher``'s, the line marked as the teacher's."""
+# The model group's keys a teacher's problem names as the teacher group's.
+TEACHER_KEYS = {
+    "model.config": "teacher.config",
+    "model.pretrained_path": "teacher.pretrained_path",
+    "model.family": "teacher.family",
+    "model=teacher": "the teacher",
+}
+
+
+def as_teacher(problem: Problem) -> Problem:
+    """A model check's problem said of the teacher: its key and the ``model.*`` keys it names
+    (:data:`TEACHER_KEYS`) the ``teacher`` group's, the line marked as the teacher's."""
     key = (
         problem.key.replace("model", "teacher", 1)
         if problem.key.startswith("model")
         else problem.key
     )
-    message = problem.message.replace("model.config", "teacher.config")
-    message = message.replace("model.pretrained_path", "teacher.pretrained_path")
+    message = _teacher_keys(problem.message)
     return Problem(
         key=key, message=message if message.startswith("teacher") else f"teacher: {message}"
     )
+
+
+def _teacher_keys(line: str) -> str:
+    """``line`` with the ``model`` group's keys named as the ``teacher`` group's."""
+    for model_key, teacher_key in TEACHER_KEYS.items():
+        line = line.replace(model_key, teacher_key)
+    return line
 
 
 def vocabulary_problems(

@@ -184,8 +184,15 @@ def quantizable(model: nn.Module) -> list[tuple[str, LoRALinear]]:
 def nf4_problems(model: nn.Module, styles: dict[str, str], tp: int, shards: int = 1) -> list[str]:
     """Why the adapted linears of ``model`` (converted by ``apply_lora``) cannot be stored in
     whole tiles at ``tp``, each split by its TP style in ``styles`` (none at tp=1), then by FSDP
-    over ``shards`` ranks (``ParallelDims.fsdp_shards``) in whole tiles, as many on each."""
+    over ``shards`` ranks (``ParallelDims.fsdp_shards``) in whole tiles, as many on each; or
+    that none would be NF4 (adapters on the head alone: plain LoRA under QLoRA's name)."""
     found, uneven = [], {}
+    if lora_modules(model) and not quantizable(model):
+        return [
+            "peft=qlora stores no base in NF4 here: the adapted linears (peft.target_modules) are "
+            "the output head's alone, whose weight QLoRA keeps in the run's precision; use "
+            "peft=lora, or target other linears"
+        ]
     for name, module in quantizable(model):
         rows, cols = module.out_features, module.in_features
         style = styles.get(name)

@@ -16,6 +16,7 @@ from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from hydra._internal.utils import get_args_parser  # hydra.main's own parser of the command line
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException, MissingConfigException
 from hydra.types import RunMode
 from omegaconf import DictConfig
@@ -52,6 +53,24 @@ def compose_config(
             return hydra_compose(config_name=name, overrides=overrides, return_hydra_config=True)
     except (HydraException, OmegaConfBaseException) as error:
         fail([Problem(key="overrides", message=composition_message(error, overrides, advise))])
+    except ValueError as error:  # Hydra's "Config group override must be a string or a list"
+        fail([Problem(key="overrides", message=group_value_message(conf_dir, overrides, error))])
+
+
+def group_value_message(conf_dir: Path, overrides: list[str], error: ValueError) -> str:
+    """What a config group (``optim``, ``peft``) given a value that names no option (a number,
+    null, true) should be: one of its options; Hydra's own words for any other ValueError."""
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    for written, override in zip(overrides, parsed, strict=True):
+        group, value = override.key_or_group, override.value()
+        options = sorted(path.stem for path in (conf_dir / group).glob("*.yaml"))
+        if options and not isinstance(value, str | list):
+            return (
+                f"{group}={written.partition('=')[2]} is not valid: {group} is a "
+                f"config group: choose one of its options, {group}= takes one of "
+                f"{', '.join(options)}"
+            )
+    return str(error)
 
 
 def composition_message(error: Exception, overrides: list[str], advise: Advise | None) -> str:
@@ -108,7 +127,7 @@ def refuse_as_the_recipe(
     try:
         with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
             hydra_compose(config_name=name, overrides=given.overrides, return_hydra_config=True)
-    except (HydraException, OmegaConfBaseException):
+    except (HydraException, OmegaConfBaseException, ValueError):  # ValueError: a group's value
         named(compose)(given.overrides)  # its error: line, and exit 2
 
 

@@ -49,7 +49,11 @@ from components.runtime.heartbeat import (
 from components.runtime.startup import started_by_launcher
 
 # Loggers that print torch elastic's own multi-line report of a failed worker (replaced by ours).
-_NOISY_LOGGERS = ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn")
+_NOISY_LOGGERS = (
+    "torch.distributed.elastic.multiprocessing.api",
+    "torch.multiprocessing.spawn",
+    "torch.distributed.elastic.agent.server.api",  # "Received 2 death signal": ours says it
+)
 # Errors a rank raises because a peer died: an effect, so a rank that failed otherwise is named
 # first.
 _PEER_SYMPTOMS = (
@@ -105,6 +109,25 @@ def fail_once(message: str) -> NoReturn:
     if not _LAUNCHER_SAYS and int(os.environ.get("RANK", "0")) == 0:
         print_line(f"error: {message}", sys.stderr)
     raise ReportedExit(1, message)
+
+
+@contextlib.contextmanager
+def failure_named_by_this_rank() -> Iterator[None]:
+    """Around a rank torchrun started (no launcher of ours reports for it): an exception prints
+    its traceback and, unless it only follows another rank's failure (a lost peer), the line the
+    local launcher would print, ``error: rank R failed: ...``; the rank exits with status 1, as
+    an uncaught exception would. :func:`fail_once`'s exits and the stop statuses pass."""
+    try:
+        yield
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as error:
+        text = " ".join(f"{type(error).__name__}: {error}".split())
+        failed = RankExit(rank=int(os.environ["RANK"]), error=text, time=time.time())
+        traceback.print_exc()
+        if not failed.consequence:
+            print_line(describe_rank_failure([failed])[0], sys.stderr)
+        raise SystemExit(1) from None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -15,7 +15,12 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from components.runtime.exit_status import STOPPED_STATUS, AlreadyComplete
-from components.runtime.launch import ReportedExit, launch_local, under_torchrun
+from components.runtime.launch import (
+    ReportedExit,
+    failure_named_by_this_rank,
+    launch_local,
+    under_torchrun,
+)
 from components.runtime.startup import started_by_launcher
 from components.runtime.world import join_world
 
@@ -77,13 +82,15 @@ def run_ranks(
     hang_timeout_s: float | None = None,
 ) -> None:
     """Run ``rank_main(plan)`` on every rank: this process's alone under torchrun (a stopped rank
-    exits 0 there: another status would restart it), else ``world_size`` local ranks with up to
+    exits 0 there: another status would restart it; a failed one prints its own ``error:`` line),
+    else ``world_size`` local ranks with up to
     ``max_restarts`` restarts (a restarted rank finds its attempt in :func:`local_restart`), and a
     rank whose heartbeat shows no progress for ``hang_timeout_s`` ended as a failure. A rank's
     non-None result (the signal that stopped it, with a checkpoint) ends the launcher with
     :data:`STOPPED_STATUS`."""
     if started_by_launcher():
-        rank_main(plan)
+        with failure_named_by_this_rank():
+            rank_main(plan)
         return
     results = launch_local(
         rank_main, world_size, plan, max_restarts=max_restarts, hang_timeout_s=hang_timeout_s

@@ -109,9 +109,9 @@ def environment(clone: Path) -> dict[str, str]:
 
 
 def users_files(clone: Path) -> None:
-    """What a user brings: a jsonl file, one of preference pairs, a folder ``datasets.load_dataset``
-    reads with other column names, a parquet file of those columns, and a Hugging Face model
-    folder (the hf/ of the clone's finished run)."""
+    """What a user brings: a jsonl file, one of preference pairs and a parquet file of them, a
+    folder ``datasets.load_dataset`` reads with other column names, a parquet file of those
+    columns, and a Hugging Face model folder (the hf/ of the clone's finished run)."""
     records = [{"prompt": f"What is {i} plus {i}?", "response": f"{2 * i}."} for i in range(200)]
     (clone / "my.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     pairs = [
@@ -119,6 +119,8 @@ def users_files(clone: Path) -> None:
         for i, r in enumerate(records)
     ]
     (clone / "my_pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    by_column = {key: [pair[key] for pair in pairs] for key in ("prompt", "chosen", "rejected")}
+    pq.write_table(pa.table(by_column), clone / "my_pairs.parquet")  # dpo.md's data=hf
     (clone / "my_folder").mkdir()
     renamed = [{"instruction": r["prompt"], "output": r["response"]} for r in records]
     (clone / "my_folder" / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in renamed))

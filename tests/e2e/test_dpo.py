@@ -13,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 
+import datasets
 import pytest
 from transformers import AutoModelForCausalLM
 
@@ -21,6 +22,7 @@ from tests import cli
 from tests.e2e.test_recipe_training import REPO, metrics
 from tests.saved_models import reference_folders
 from tests.selection import selected_params
+from tests.unit.recipes.test_dpo_data import IMPLICIT, MULTI_TURN, write_jsonl
 
 COMMON = [
     "train.max_steps=4",
@@ -168,3 +170,25 @@ def test_a_reference_folder_gives_the_first_step_of_a_plain_computation_at_tp2(t
     plain = -math.log(1 / (1 + math.exp(-(chosen - rejected))))  # −log σ(β·Δ)
     assert ours["loss"] == pytest.approx(plain, rel=1e-5)
     assert abs(ours["loss"] - math.log(2)) > 1e-3  # not the policy's own start as reference
+
+
+def test_multi_turn_pairs_from_jsonl_and_parquet_train_alike_on_their_answers(tmp_path):
+    """The trial's multi-turn pairs: as {"prompt": [messages], ...} lines through data=jsonl
+    (whose group labels every assistant turn for finetune.py), and as whole conversations
+    (TRL's implicit prompt) in a parquet file through data=hf with the earlier turns' labels
+    off (data.loss_on=last_assistant): the same log-probabilities, rewards, losses and grad
+    norms at every step, within 1e-6."""
+    jsonl = write_jsonl(tmp_path / "pairs.jsonl", MULTI_TURN)
+    parquet = tmp_path / "pairs.parquet"
+    implicit = write_jsonl(tmp_path / "implicit.jsonl", IMPLICIT)
+    datasets.load_dataset("json", data_files=str(implicit), split="train").to_parquet(parquet)
+    steps = ["train.max_steps=2", "train.global_batch_size=2", "data.val_fraction=0"]
+    dpo(tmp_path / "jsonl", *steps, "data=jsonl", f"data.path={jsonl}")
+    hf = ["data=hf", f"data.path={parquet}", "data.loss_on=last_assistant"]
+    dpo(tmp_path / "hf", *steps, *hf)
+    ours, theirs = metrics(tmp_path / "jsonl"), metrics(tmp_path / "hf")
+    assert len(ours) == 2
+    for one, other in zip(ours, theirs, strict=True):
+        for key in (*DPO_METRICS, "grad_norm", "tokens"):
+            assert one[key] == pytest.approx(other[key], rel=1e-6, abs=1e-9), key
+    assert ours[1]["loss"] != pytest.approx(math.log(2), abs=1e-6)  # step 2 has trained

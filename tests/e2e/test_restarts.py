@@ -160,3 +160,14 @@ def test_a_failure_in_every_attempt_is_reported_once_from_the_last(tmp_path):
     last = result.stderr.strip().splitlines()[-1]
     assert last == "error: rank 1 failed: RuntimeError: injected fault (debug.fault=raise@3)", last
     assert [record["step"] for record in metrics(output_dir)] == [1, 2]
+
+
+def test_a_failure_under_torchrun_is_one_error_line_of_the_failed_rank(tmp_path):
+    """No launcher of ours reports under torchrun: the rank that raised prints the line the local
+    launcher would (once per attempt: torchrun restarts once); its peer, which only lost it,
+    none."""
+    status, log = torchrun(tmp_path / "raised", "debug.fault=raise@3")  # after step 2's save
+    assert status != 0, log[-4000:]
+    errors = [line for line in log.splitlines() if line.startswith("error:")]
+    line = "error: rank 1 failed: RuntimeError: injected fault (debug.fault=raise@3)"
+    assert errors == [line, line], log[-4000:]

@@ -4,6 +4,7 @@ together; a record without its answers is one line naming it."""
 
 import json
 
+import datasets
 import pytest
 from transformers import AutoTokenizer
 
@@ -11,7 +12,12 @@ from components.data.collate import IGNORE_INDEX, tokenize_example
 from components.data.jsonl import DataError
 from components.data.loader import open_splits, widest_batch
 from components.data.preference import iter_pairs, pair_conversations, preference_problem
-from components.data.sources import EmbeddedPreferenceSource, JsonlSource, preference_source
+from components.data.sources import (
+    EmbeddedPreferenceSource,
+    JsonlSource,
+    PreferenceHFSource,
+    preference_source,
+)
 from tests.unit.data.test_prepare import prepare, tokenizer_dir  # noqa: F401 - the fixture
 
 EMBEDDED = EmbeddedPreferenceSource(num_examples=30, val_fraction=0.1, seed=3)
@@ -50,6 +56,14 @@ def test_implicit_prompts_must_agree():
         "rejected": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "c"}],
     }
     assert "must answer the same messages" in preference_problem(record)
+
+
+def test_a_pair_of_the_same_answer_twice_is_named():
+    """Its loss would sit at log 2 with no gradient: not a preference."""
+    same = "the same answer: a pair prefers one of two answers"
+    assert same in preference_problem({"prompt": "a", "chosen": "b", "rejected": "b"})
+    asked = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    assert same in preference_problem({"chosen": asked, "rejected": list(asked)})
 
 
 def test_the_embedded_pairs_have_a_wrong_answer_rejected():
@@ -110,3 +124,55 @@ def test_the_widest_batch_of_pairs_is_the_longest_conversation_padded(tokenizer_
     widths = [batch.input_ids.shape[1] for batch in train.all_batches()]
     assert len(widths) == 27 and widest_batch(prepared.train, 8) == max(widths) < 48
     assert widest_batch(prepared.train, None) == 48  # no pad multiple: every row seq_len long
+
+
+def hf_pairs(path, columns=None, num_examples=None) -> PreferenceHFSource:
+    return PreferenceHFSource(
+        path=str(path), split="train", name=None, columns=columns, num_examples=num_examples,
+        val_fraction=0.0,
+    )  # fmt: skip
+
+
+PAIRS = [
+    {"prompt": "Add 38 and 27.", "chosen": "65.", "rejected": "68."},
+    {"prompt": "Add 8 and 29.", "chosen": "37.", "rejected": "40."},
+    {"prompt": "Add 44 and 16.", "chosen": "60.", "rejected": "63."},
+]
+
+
+def test_a_datasets_split_of_pairs_is_read_as_the_jsonl_files_pairs(tmp_path):
+    """A save_to_disk folder with its own column names (data.columns), the first two records
+    (data.num_examples): the conversations the JSONL file of those records makes."""
+    renamed = [{"q": r["prompt"], "good": r["chosen"], "bad": r["rejected"]} for r in PAIRS]
+    datasets.Dataset.from_list(renamed).save_to_disk(tmp_path / "saved")
+    columns = {"prompt": "q", "chosen": "good", "rejected": "bad"}
+    ours = hf_pairs(tmp_path / "saved", columns, num_examples=2).load(tmp_path / "cache")
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(record) + "\n" for record in PAIRS))
+    jsonl = preference_source(JsonlSource(path=str(path), num_examples=2, val_fraction=0.0))
+    assert ours["messages"] == jsonl.load(tmp_path / "cache")["messages"]
+    assert len(ours) == 4 and ours[1]["messages"][-1] == {"role": "assistant", "content": "68."}
+
+
+def test_a_record_of_a_datasets_split_without_an_answer_is_named(tmp_path):
+    """datasets reads the answer a record lacks as None: missing, as in a JSONL file."""
+    path = tmp_path / "pairs.jsonl"
+    lines = [PAIRS[0], {"prompt": "a", "chosen": "b"}]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    with pytest.raises(DataError) as refused:
+        hf_pairs(path).load(tmp_path / "cache")
+    assert str(refused.value) == (
+        f'{path} record 2: a preference record needs "chosen" and "rejected" (missing rejected; '
+        "its keys: 'chosen', 'prompt')"
+    )
+
+
+def test_a_column_mapping_onto_other_names_than_a_pairs_is_one_line(tmp_path):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(record) + "\n" for record in PAIRS))
+    with pytest.raises(DataError) as refused:
+        hf_pairs(path, {"prompt": "prompt", "response": "chosen"}).load(tmp_path / "cache")
+    assert str(refused.value) == (
+        "data.columns maps prompt, response: map exactly chosen and rejected (and prompt), onto "
+        f"columns of {path} (prompt, chosen, rejected)"
+    )

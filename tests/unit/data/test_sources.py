@@ -7,8 +7,9 @@ import datasets
 import huggingface_hub.constants
 import pytest
 
-from components.data.jsonl import DataError
+from components.data.jsonl import DataError, record_problem
 from components.data.sources import GeneratedSource, HFSource, JsonlSource, build_source
+from components.data.tokenizer import training_texts
 
 ROWS = [{"instruction": f"Add {i} and 1", "output": str(i + 1), "id": i} for i in range(6)]
 MAPPING = {"prompt": "instruction", "response": "output"}
@@ -91,6 +92,46 @@ def test_own_columns_are_taken_without_a_mapping(tmp_path):
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     _write_jsonl(path, [{"messages": messages, "other": 1}])
     assert source(path, columns={}).load(tmp_path / "cache").to_list() == [{"messages": messages}]
+
+
+MESSAGES = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+BOTH_KINDS = [{"messages": MESSAGES}, {"prompt": "Add 1 and 1", "response": "2"}]
+
+
+@pytest.mark.parametrize("name", ["data.jsonl", "data.parquet"])
+def test_records_of_both_kinds_keep_their_own_columns(tmp_path, name):
+    """``datasets`` gives each row the other kind's columns as None: every row stays usable."""
+    path = tmp_path / name
+    # JSON Lines as a user writes them; a table's rows have every column, the other kind's null
+    table = [{"prompt": None, "response": None, **row} for row in BOTH_KINDS]
+    WRITERS[name](path, table if name.endswith(".parquet") else BOTH_KINDS)
+    rows = source(path, columns={}).load(tmp_path / "cache").to_list()
+    assert [record_problem(row) for row in rows] == [None, None]
+    assert training_texts(rows) == ["hi", "hello", "Add 1 and 1", "2"]
+
+
+@pytest.mark.parametrize(
+    ("name", "text"), [("e.jsonl", "\n\n"), ("e.json", ""), ("e.csv", "prompt,response\n")]
+)
+def test_a_file_of_no_records_is_one_line(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    assert error_of(lambda: source(path).load(tmp_path / "cache")) == (
+        f"data.path={str(path)!r} has no records"
+    )
+    empty = tmp_path / "e.parquet"
+    datasets.Dataset.from_list(ROWS).select([]).to_parquet(str(empty))
+    assert error_of(lambda: source(empty).load(tmp_path / "cache")) == (
+        f"data.path={str(empty)!r} has no records"
+    )
+
+
+def test_an_unreadable_file_is_its_parser_s_line_alone(tmp_path, capfd):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "a", "response": "b"}\n{"prompt": "a", : 1}\n')
+    message = error_of(lambda: source(path).load(tmp_path / "cache"))
+    assert message.startswith(f"data.path={str(path)!r} cannot be read: JSON parse error: ")
+    assert "Failed to load JSON" not in capfd.readouterr().err  # datasets' own line: quiet
 
 
 def test_a_column_mapping_naming_a_missing_column(tmp_path):

@@ -206,7 +206,10 @@ def test_a_stream_that_cannot_be_read_is_refused_before_any_rank(shards, tokeniz
         "prompt, response"
     )
     empty = refusal(tmp_path / "e.jsonl", **{"e.jsonl": ""})
-    assert empty == f"data.path='{tmp_path / 'e.jsonl'}' has no records to stream"
+    assert empty == f"data.path='{tmp_path / 'e.jsonl'}' has no records"
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), tmp_path / "e.parquet")
+    empty = refusal(tmp_path / "e.parquet")  # pyarrow: "BatchSize must be greater than 0"
+    assert empty == f"data.path='{tmp_path / 'e.parquet'}' has no records"
     user_last = '{"messages": [{"role": "user", "content": "a"}]}\n'
     assert refusal(tmp_path / "b.jsonl", **{"b.jsonl": user_last}) == (
         "the stream's record 1: the last message must be from the assistant (it is from the user)"

@@ -4,6 +4,8 @@ dequantized), same batches and optimizer; a TP shard's NF4 tiles are the whole t
 do not depend on tp); the NF4 base takes at most 0.3× its bf16 bytes; the merge export path gives
 back a base parameter in its dtype."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
@@ -139,6 +141,18 @@ def test_tiles_fsdp_would_shard_unevenly_are_refused():
     [problem] = nf4_problems(model, styles, 2, shards=8)
     attention = [f"model.layers.{i}.self_attn.{kv}_proj (4)" for i in (0, 1) for kv in "kv"]
     assert f"8 does not divide the tiles of {', '.join(attention)}: use a dp" in problem
+
+
+def test_adapters_on_the_head_alone_are_refused_as_no_qlora():
+    """The head's base is never NF4: QLoRA on it alone would be plain LoRA under another name."""
+    model = build_causal_lm(tiny_config("llama", vocab_size=96), seed=0)
+    apply_lora(model, replace(OPTIONS, target_modules=("lm_head",)), seed=0)
+    [problem] = nf4_problems(model, {}, 1)
+    assert problem.startswith("peft=qlora stores no base in NF4 here: the adapted linears")
+    both = build_causal_lm(tiny_config("llama", vocab_size=96), seed=0)
+    targets = ("lm_head", "model.layers.0.self_attn.q_proj")
+    apply_lora(both, replace(OPTIONS, target_modules=targets), seed=0)
+    assert nf4_problems(both, {}, 1) == []
 
 
 def test_the_merge_folds_the_adapters_into_the_dequantized_base():

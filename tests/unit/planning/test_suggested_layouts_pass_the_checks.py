@@ -35,6 +35,8 @@ def suggestions(overrides: list[str], folder) -> list[str]:
     return recipe_suggestions(compose, check, overrides, folder)
 
 
+BATCH_12 = ["train.global_batch_size=12"]  # 6 ranks' micro-batches of 2
+
 SITUATIONS = {
     # foreach=true is refused at tp > 1 without dp (DTensors beside plain replicas)
     "foreach": (["+optim.foreach=true", "dp=2", "train.micro_batch_size=4"], ["tp=2 dp=1"], "cp=2"),
@@ -61,6 +63,13 @@ SITUATIONS = {
     "moe": (
         ["model=qwen3_moe", "ep=4", "dp=4", "train.micro_batch_size=4"],
         ["cp=2 dp=2", "pp=2 dp=2"],
+        "tp=2",
+    ),
+    # QLoRA's NF4 tiles, as many on each of FSDP's shards: the tiny Llama's q_proj has 16 tiles,
+    # which 2 shards divide and 6 (no HSDP replicas left) do not
+    "qlora tiles": (
+        ["peft=qlora", "dp_replicate=3", "dp_shard=2", "train.micro_batch_size=2"] + BATCH_12,
+        ["dp_replicate=1 dp_shard=6"],
         "tp=2",
     ),
 }
@@ -120,3 +129,19 @@ def test_the_dry_run_suggests_no_tp_the_dpo_reference_cannot_take(tmp_path):
     assert not any("tp=" in change for change in words), words
     said = refusals_of(compose_dpo, check_dpo, tmp_path, *beside, "tp=2")
     assert said and all(line.startswith("dpo.reference_path") for line in said), said
+
+
+def test_the_dry_run_suggests_no_degree_the_recipe_does_not_run(tmp_path):
+    """DPO runs cp and pp at 1 only, distillation pp: their dry runs suggest neither, which
+    fine-tuning's does at the same layout, and the checks refuse what is left out."""
+    assert any("cp=2" in change for change in suggestions(WORLD, tmp_path))
+    assert any("pp=2" in change for change in suggestions(WORLD, tmp_path))
+    words = recipe_suggestions(compose_dpo, check_dpo, WORLD, tmp_path)
+    assert any("tp=2" in change for change in words), words
+    assert not any("cp=" in change or "pp=" in change for change in words), words
+    said = refusals_of(compose_dpo, check_dpo, tmp_path, *WORLD, "pp=2", "dp=4")
+    assert said == ["pp=2 is not run by dpo.py: no pipeline schedule runs DPO's two forwards: "
+                    "use pp=1"], said  # fmt: skip
+    words = recipe_suggestions(compose_distill, check_distillation, WORLD, tmp_path)
+    assert any("cp=2" in change for change in words), words
+    assert not any("pp=" in change for change in words), words

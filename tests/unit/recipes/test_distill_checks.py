@@ -11,6 +11,7 @@ import pytest
 from huggingface_hub import constants
 
 from components.data import DEFAULT_VOCAB_SIZE, train_tokenizer
+from components.models.families import FAMILIES
 from components.runtime.problems import ConfigError
 from recipes.compose import compose_distill
 from recipes.distill_checks import check_distillation, prepare_distillation
@@ -99,6 +100,74 @@ def test_the_layouts_distillation_does_not_run_are_refused(tmp_path):
         "pp=2 is not run by distill.py: the teacher has no pipeline stages of its own: use pp=1"
     ]
     assert refusals(tmp_path, "dry_run=true") == []  # planned with its teacher
+
+
+def test_a_dense_student_takes_ep_for_an_moe_teachers_experts(tmp_path):
+    """Expert parallelism splits the experts of either model: a dense student's layers are not
+    split over ep, an MoE teacher's experts are; neither with experts is refused, naming both."""
+    moe_teacher = ("teacher.family=qwen3_moe", "tp=2", "ep=2")
+    assert refusals(tmp_path, *moe_teacher) == []
+    cfg = compose_distill([f"output_dir={tmp_path / 'run'}", "dry_run=true", *moe_teacher])
+    plan, _ = prepare_distillation(check_distillation(cfg, None, None))
+    assert plan.dims.ep == 2 and plan.model.experts == ()  # the student: nothing split over ep
+    assert plan.teacher.experts == ("model.layers.*.mlp.experts",)  # the teacher's, split
+    assert refusals(tmp_path, *moe_teacher, "+teacher.config.num_experts=3") == [
+        "teacher: ep (2) must divide the number of experts (3)"
+    ]
+    assert refusals(tmp_path, "teacher.family=qwen3_moe", "cp=2", "nproc=2") == [
+        "cp=2 with an MoE teacher is not supported yet: use cp=1"
+    ]
+    assert refusals(tmp_path, "tp=2", "ep=2") == [
+        "ep=2 needs an MoE model: neither the student (model=llama) nor the teacher (a llama "
+        "model) has experts; use ep=1, or an MoE student (model=qwen3_moe) or teacher "
+        "(teacher.family=qwen3_moe)"
+    ]
+
+
+def test_the_teachers_problems_are_listed_with_the_students(tmp_path):
+    said = refusals(
+        tmp_path, "dry_run=true", "tp=8", "dp=4", "teacher.config.num_key_value_heads=2"
+    )
+    assert "tp (8) must divide num_key_value_heads (4)" in said  # the student's
+    assert "teacher: tp (8) must divide num_key_value_heads (2)" in said
+
+
+def test_teacher_lines_name_the_teacher_keys(tmp_path):
+    assert refusals(tmp_path, "teacher.family=gpt5") == [
+        "teacher.family='gpt5' is not a known family: use one of llama, mistral, mixtral, qwen2, "
+        "qwen3, qwen3_moe"
+    ]
+    assert refusals(tmp_path, "+teacher.config.num_experts=4") == [
+        "teacher.config.num_experts is not a key of LlamaConfig: remove it"
+    ]
+
+
+def test_a_teacher_folder_notes_only_the_teacher_config_keys_set(tmp_path, folders, capsys):
+    pair = ("model=pretrained", f"model.pretrained_path={folders['student']}")
+    teacher = f"teacher.pretrained_path={folders['teacher']}"
+    assert refusals(tmp_path, *pair, teacher) == []
+    assert "teacher.config" not in capsys.readouterr().out
+    assert refusals(tmp_path, *pair, teacher, "teacher.config.hidden_size=256") == []
+    assert (
+        f"note: teacher.config.hidden_size not used: the teacher's folder ({teacher}) has its "
+        "own config.json" in capsys.readouterr().out.splitlines()
+    )
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_built_teacher_is_tiny_in_every_family(tmp_path, family):
+    """Its family's tiny sizes (``conf/model/``; Llama's for mistral and qwen2) at twice the
+    width, depth and head size, the experts' counts as they are (not transformers' defaults:
+    128 experts of Qwen3-MoE)."""
+    cfg = compose_distill([f"output_dir={tmp_path / 'run'}", f"teacher.family={family}"])
+    config = check_distillation(cfg, None, None).teacher_config
+    assert config.model_type == family
+    sizes = ("hidden_size", "num_hidden_layers", "intermediate_size", "head_dim")
+    assert [getattr(config, key) for key in sizes] == [128, 4, 256, 16]
+    assert (config.num_attention_heads, config.num_key_value_heads) == (8, 4)
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    assert experts in ((8,) if family in ("qwen3_moe", "mixtral") else (None,))
+    assert getattr(config, "moe_intermediate_size", 128) == 128
 
 
 @pytest.fixture

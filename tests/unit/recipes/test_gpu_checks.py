@@ -73,3 +73,17 @@ def test_the_fault_that_needs_gloo_is_refused_on_cuda_only():
         "wait_tensor; use kill@2 or kill_in_save@2 on CUDA"
     ]
     assert fault_backend_errors(parse_fault("kill@2"), "cuda") == []
+
+
+def test_cpu_offload_says_it_is_not_supported_on_either_device():
+    """The CUDA line is read here without a GPU: not wired and not priced, nothing suggesting
+    that a dry run plans it."""
+    train = validate(compose(["train.cpu_offload=true"])).train
+    [on_cuda] = train.offload_errors("cuda")
+    assert (
+        on_cuda.startswith("train.cpu_offload=true is not supported yet: ")
+        and "dry_run" not in on_cuda
+    )
+    [on_cpu] = train.offload_errors("cpu")
+    assert on_cpu.startswith("train.cpu_offload=true is not supported on the CPU: ")
+    assert validate(compose([])).train.offload_errors("cuda") == []
