@@ -20,12 +20,13 @@ from omegaconf import DictConfig
 
 from components.distributed.layout import ParallelDims
 from components.models.families import moe_patterns
-from components.problems import Problem
+from components.problems import Problem, show
 from components.runtime.output_dir import OutputDirLock
 from components.runtime.problems import ConfigError
 from recipes.checks import check
 from recipes.distill_schema import DistillConfig
 from recipes.plan import DistillChecked, DistillPlan, RunPlan
+from recipes.resume_record import RecipeRecord, frozen_record
 
 if TYPE_CHECKING:  # transformers' models: imported once the schema has passed
     from components.models.checks import CheckedModel
@@ -74,6 +75,21 @@ def check_distillation(
     return teacher_checks().with_teacher(unchecked, beside.teacher)
 
 
+def resume_record(checked: DistillChecked) -> RecipeRecord:
+    """What distillation adds to its checkpoints' record: the teacher's weights (a resume with
+    another teacher is refused: another objective) and ``distill.*`` (a resume may change them,
+    with a ``note:``). A built teacher is identified by its family and sizes as resolved
+    (``teacher_choice``), never by the layout."""
+    distill = checked.settings.distill.model_dump()
+    settings = {f"distill.{key}": value for key, value in distill.items()}
+    folder = checked.teacher_path
+    choice = teacher_checks().teacher_choice(checked.settings)
+    where = f"{folder}" if folder else f"built from teacher.config={show(choice.config)}"
+    built = {"family": choice.family, "config": choice.config}
+    record = frozen_record(where, folder, built)
+    return RecipeRecord(frozen={"teacher": record}, settings=settings)
+
+
 def prepare_distillation(checked: DistillChecked) -> tuple[DistillPlan, OutputDirLock | None]:
     """The student and the teacher downloaded or converted if still to be (fine-tuning's fetch)
     and the teacher checked then; fine-tuning's preparation (tokenizer, data, output folder,
@@ -95,7 +111,7 @@ def prepare_distillation(checked: DistillChecked) -> tuple[DistillPlan, OutputDi
         student = teacher.fetched_student(checked)
         found = teacher.checked_teacher(settings, checked.dims, checked.device_type, student)
         checked = teacher.with_teacher(checked, found)
-    plan, lock = prepare(checked)
+    plan, lock = prepare(checked, resume_record(checked))
     config = copy.deepcopy(checked.teacher_config)
     if checked.teacher_path is None:  # built: the student's vocabulary, the tokenizer's size
         config.vocab_size = plan.model.config.vocab_size

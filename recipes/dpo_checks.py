@@ -22,6 +22,7 @@ from components.runtime.problems import ConfigError
 from recipes.checks import check
 from recipes.dpo_schema import DpoConfig
 from recipes.plan import Checked, DpoChecked, DpoPlan, RunPlan, model_use
+from recipes.resume_record import RecipeRecord, frozen_record
 
 KEY = "dpo.reference_path"
 
@@ -129,6 +130,24 @@ def _policy(checked: Checked):
     return CheckedModel(path=checked.model_path, config=checked.model_config)
 
 
+def resume_record(checked: DpoChecked) -> RecipeRecord:
+    """What DPO adds to its checkpoints' record: the reference's weights (a resume against another
+    reference is refused: another objective) and the loss's settings, ``dpo.*`` but the
+    reference's path (a resume may change them, with a ``note:``)."""
+    dpo = checked.settings.dpo
+    settings = {f"dpo.{key}": value for key, value in dpo.model_dump().items()}
+    del settings[KEY]
+    if checked.reference_path is not None:
+        where, folder = f"{KEY}={checked.reference_path}", checked.reference_path
+    else:
+        folder = checked.model_path  # None: built from model.config with the run's seed
+        where = f"the policy's starting weights ({folder or 'built from model.config'})"
+    model = checked.settings.model
+    built = {"family": model.family, "config": model.config}
+    reference = frozen_record(where, folder, built)
+    return RecipeRecord(frozen={"reference": reference}, settings=settings)
+
+
 def prepare_dpo(checked: DpoChecked) -> tuple[DpoPlan, OutputDirLock | None]:
     """A policy still to be downloaded or converted fetched (fine-tuning's fetch) and the
     reference folder checked against it then (:func:`with_reference`); fine-tuning's
@@ -139,7 +158,9 @@ def prepare_dpo(checked: DpoChecked) -> tuple[DpoPlan, OutputDirLock | None]:
 
     if checked.reference_awaits_fetch:
         checked = with_reference(fetched_model(checked))
-    plan, lock = prepare(checked)
+    elif checked.model_awaits_fetch:  # its folder is the reference's record (resume_record)
+        checked = fetched_model(checked)
+    plan, lock = prepare(checked, resume_record(checked))
     reference = None if plan.lora is not None else plan.model
     if checked.reference_path is not None:
         config = copy.deepcopy(checked.reference_config)

@@ -17,6 +17,7 @@ from typing import Any
 
 from components.checkpoint.integrity import (
     CheckpointError,
+    CheckpointSummary,
     check_checkpoint,
     checkpoint_summary,
     find_resumable,
@@ -47,6 +48,7 @@ from components.runtime.output_dir import (
 )
 from components.runtime.problems import say
 from recipes.export import exported_folders
+from recipes.resume_record import FROZEN, RecipeRecord, frozen_problems
 from recipes.schema import Config
 
 
@@ -68,6 +70,8 @@ def run_info(
     tokenizer_digest: str,
     source: DataSource | MixSource | StreamedSource | None = None,
     dp: int = 1,
+    recipe: RecipeRecord | None = None,
+    cuts: dict[str, int] | None = None,
 ) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]]:
     """What a checkpoint of this run records, and what a resume must match (tp, dp and ep may
     change); and the model's tensor shapes, which that record holds as a fingerprint (hand them to
@@ -78,8 +82,10 @@ def run_info(
     ``data.val_fraction`` (the split) and ``data.loss_on`` (the labels): a resume that changes them
     trains on another timeline's data, or validates on records it trained on. A streamed source's
     (or mixture's) ``dp`` too: each dp rank's position in the stream is its own
-    (components/data/streaming.py)."""
+    (components/data/streaming.py). A ``recipe``'s frozen models and loss settings
+    (:class:`RecipeRecord`) join them, and the layout's ``cuts`` (:func:`layout_cuts`)."""
     shapes = state_dict_shapes(meta_causal_lm(model_config))
+    recipe = recipe or RecipeRecord()
     data = {}
     if source is not None:
         path = getattr(source, "path", None)
@@ -100,7 +106,9 @@ def run_info(
         "data.loss_on": settings.data.loss_on,  # which tokens are trained
         **data,
         **({STREAM_DP: dp} if is_streamed(source) else {}),
-        SETTINGS: resume_settings(settings),
+        **({FROZEN: recipe.frozen} if recipe.frozen else {}),
+        **({CUTS: cuts} if cuts else {}),
+        SETTINGS: resume_settings(settings) | _as_json(recipe.settings),
     }
     return info, shapes
 
@@ -117,6 +125,10 @@ def peft_info(peft) -> dict:
 STREAM_DP = "dp (a stream resumes at the dp it was read at)"  # the run_info key of a stream's dp
 SETTINGS = "settings"  # the run_info key of what a resume may change (not matched by resume)
 _UNSET = "unset"  # a setting one side does not give
+CUTS = "cuts past the first dim"  # the run_info key of layout_cuts (not matched by resume)
+# torchao's optimizers whose quantized state DCP reshards along its first dimension only
+# (torchao's subclass_8bit.py and subclass_4bit.py: "Only support aten.slice along the first dim")
+_FIRST_DIM_ONLY = {"torchao.optim.AdamW8bit": "8-bit", "torchao.optim.AdamW4bit": "4-bit"}
 # optimizer options whose change a resume refuses: the state they need is not in the checkpoint
 _FIXED_OPTIONS = {"amsgrad": "AdamW's max_exp_avg_sq state is kept only with amsgrad=true"}
 
@@ -130,7 +142,43 @@ def resume_settings(settings: Config) -> dict[str, Any]:
     found |= {f"schedule.{key}": value for key, value in schedule.options().items()}
     found |= {"train.warmup_steps": train.warmup_steps, "train.max_steps": train.max_steps}
     found |= {"train.clip_grad_norm": train.clip_grad_norm}
-    return json.loads(json.dumps(found, default=str))
+    return _as_json(found)
+
+
+def _as_json(values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` as JSON reads them back (a checkpoint's record compares equal)."""
+    return json.loads(json.dumps(values, default=str))
+
+
+def layout_cuts(tp: int, ep: int, ep_shard: int, shard_experts: bool) -> dict[str, int]:
+    """The degrees that cut a weight past its first dimension: ``tp`` (row-parallel layers split
+    their input dimension), and ``ep_shard`` when ``moe.shard_experts`` splits each expert's rows
+    over its copies (dim 1; ``components/moe/expert_parallel.py``). FSDP (dp, cp), ep (the experts'
+    own dimension) and pp (whole tensors) cut along the first dimension or not at all."""
+    return {"tp": tp, "ep_shard": ep_shard if shard_experts and ep > 1 else 1}
+
+
+def _cut_problems(recorded: Any, now: dict[str, int], optimizer: str) -> list[str]:
+    """Why a quantized optimizer state cut as ``recorded`` cannot load cut as ``now`` (nothing
+    for other optimizers, or a checkpoint written before the record)."""
+    bits = _FIRST_DIM_ONLY.get(optimizer)
+    if bits is None or not isinstance(recorded, dict):
+        return []
+    changed = [(key, then) for key, then in recorded.items() if now.get(key, then) != then]
+    changed = [(key, then) for key, then in changed if key in _CUT_WHY]  # a later record's keys
+    return [
+        f"{key} {then} -> {now[key]}: {optimizer}'s {bits} state reshards along its first "
+        f"dimension only (torchao), and {_CUT_WHY[key]}: resume with {_CUT_FIX[key]}{then} "
+        "(a dp, cp, pp or ep that keeps it works)"
+        for key, then in changed
+    ]
+
+
+_CUT_WHY = {  # what each of layout_cuts' degrees cuts past the first dimension
+    "tp": "tp splits the row-parallel layers along their second",
+    "ep_shard": "moe.shard_experts=true splits each expert's rows over its ep_shard copies",
+}
+_CUT_FIX = {"tp": "tp=", "ep_shard": "ep_shard = world size / ep = "}
 
 
 def changed_settings(recorded: Any, now: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
@@ -190,13 +238,27 @@ def choose_checkpoint(
     except CheckpointError as error:
         why = f"checkpoint.resume={show(resume)}: {error}"
         raise OwnershipError(why, "checkpoint.resume") from None
-    matched = {key: value for key, value in info.items() if key != SETTINGS}
-    if mismatches := resume_problems(summary, matched, max_steps, shapes):
+    if mismatches := _mismatches(summary, info, max_steps, shapes):
         why = f"cannot resume from {summary.path}: {'; '.join(mismatches)}"
         raise OwnershipError(why, "checkpoint.resume")
     changes = changed_settings(summary.run_info.get(SETTINGS), info[SETTINGS])
     _refuse_fixed_settings(changes, summary.path)
     return summary.path
+
+
+def _mismatches(
+    summary: CheckpointSummary,
+    info: dict[str, Any],
+    max_steps: int,
+    shapes: dict[str, tuple[int, ...]] | None,
+) -> list[str]:
+    """Why a run recording ``info`` cannot resume the checkpoint ``summary`` describes: what it
+    records differently (:func:`resume_problems`; its frozen models by their weights; a
+    quantized optimizer state's cuts), or no steps left before ``max_steps``."""
+    matched = {key: value for key, value in info.items() if key not in (SETTINGS, FROZEN, CUTS)}
+    found = resume_problems(summary, matched, max_steps, shapes)
+    found += _cut_problems(summary.run_info.get(CUTS), info.get(CUTS, {}), info["optimizer"])
+    return found + frozen_problems(summary.run_info.get(FROZEN), info.get(FROZEN, {}))
 
 
 def finished(
@@ -214,9 +276,8 @@ def finished(
         return False  # choose_checkpoint says why
     if summary is None or summary.step != settings.train.max_steps:
         return False
-    matched = {key: value for key, value in info.items() if key != SETTINGS}
     beyond = summary.step + 1  # a run length that leaves steps: only the rest is judged here
-    if resume_problems(summary, matched, beyond, shapes):
+    if _mismatches(summary, info, beyond, shapes):
         return False
     exports = exported_folders(settings.peft) if settings.checkpoint.export else ()
     return all((output_dir / folder).is_dir() for folder in exports)

@@ -35,14 +35,24 @@ from components.problems import Problem, show
 from components.runtime.output_dir import OutputDirLock
 from components.runtime.problems import ConfigError, say
 from recipes.checks import model_problems
-from recipes.outputs import OwnershipError, choose_checkpoint, own_output_dir, run_info
+from recipes.outputs import (
+    OwnershipError,
+    choose_checkpoint,
+    layout_cuts,
+    own_output_dir,
+    run_info,
+)
 from recipes.plan import Checked, RunPlan, Settled, model_choice
+from recipes.resume_record import RecipeRecord
 from recipes.schema import Config
 
 
-def prepare(checked: Checked) -> tuple[RunPlan, OutputDirLock | None]:
+def prepare(
+    checked: Checked, recipe: RecipeRecord | None = None
+) -> tuple[RunPlan, OutputDirLock | None]:
     """The plan of a checked run, and the lock on its ``output_dir`` (None in a dry run, which
-    claims nothing). Raises ConfigError for data the checks could not see."""
+    claims nothing); ``recipe``: what a recipe's own parts add to its checkpoints' record (its
+    frozen models, its loss settings). Raises ConfigError for data the checks could not see."""
     if checked.model_awaits_fetch:
         checked = fetched_model(checked)
     settings, dims = checked.settings, checked.dims
@@ -53,7 +63,9 @@ def prepare(checked: Checked) -> tuple[RunPlan, OutputDirLock | None]:
     _refuse(found)
     if note := random_model_note(settings, checked):
         say(note)
-    info, shapes = run_info(settings, config, data.tokenizer_digest, checked.source, dims.dp)
+    digest, source = data.tokenizer_digest, checked.source
+    cuts = layout_cuts(dims.tp, dims.ep, dims.ep_shard, settings.moe.shard_experts)
+    info, shapes = run_info(settings, config, digest, source, dims.dp, recipe, cuts)
     lock, resume_from, run_id = _claim_output_dir(settings, checked, info, shapes)
     settled = {field.name: getattr(checked, field.name) for field in fields(Settled)}
     plan = RunPlan(

@@ -103,16 +103,17 @@ class MetricsLog:
 
 def summary_line(records: list[dict], first_step: int, max_steps: int, seconds: float) -> str:
     """The run's ``summary:`` line: the steps trained now (after ``first_step``, of
-    ``max_steps``), their tokens and ``seconds``, the training loss from the first step to the
-    last, and the last and best validation loss of every step logged (a resumed run's earlier
-    steps too); "" when this run trained no step."""
+    ``max_steps``), their tokens and ``seconds``, the training loss from the first of those steps
+    to the last (a resumed run's from its own first step), and the last and best validation loss
+    of every step logged (a resumed run's earlier steps too, each with its step); "" when this run
+    trained no step."""
     trained = [record for record in records if record["step"] > first_step]
     if not trained:
         return ""
     steps = f"steps {trained[0]['step']}-{trained[-1]['step']} of {max_steps}"
     tokens = sum(record.get("tokens") or 0 for record in trained)
     rate = f" ({tokens / seconds:,.0f} tokens/s)" if seconds > 0 else ""
-    first, last = (_shown(record.get("loss"), ".4f") for record in (records[0], trained[-1]))
+    first, last = (_shown(record.get("loss"), ".4f") for record in (trained[0], trained[-1]))
     line = f"summary: {steps}, {tokens:,} tokens in {seconds:.1f} s{rate}; loss {first} -> {last}"
     validated = [record for record in records if record.get("val_loss") is not None]
     if not validated:

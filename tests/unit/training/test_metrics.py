@@ -106,7 +106,7 @@ def test_a_log_gets_a_plain_line_per_step_and_a_terminal_a_bar(tmp_path, capsys,
     assert lines[-1].startswith("summary: steps 1-2 of 2, 0 tokens in ")
 
 
-def test_the_summary_counts_this_runs_steps_and_every_validation_loss():
+def test_the_summary_counts_this_runs_steps_and_losses_and_every_validation_loss():
     records = [
         {"step": 1, "loss": 5.0, "tokens": 100},
         {"step": 2, "loss": 4.0, "tokens": 100, "val_loss": 3.5},  # before the resume
@@ -114,7 +114,7 @@ def test_the_summary_counts_this_runs_steps_and_every_validation_loss():
         {"step": 4, "loss": 2.5, "tokens": 130, "val_loss": 3.75},
     ]
     assert summary_line(records, 2, 10, 2.0) == (
-        "summary: steps 3-4 of 10, 250 tokens in 2.0 s (125 tokens/s); loss 5.0000 -> 2.5000; "
+        "summary: steps 3-4 of 10, 250 tokens in 2.0 s (125 tokens/s); loss 3.0000 -> 2.5000; "
         "val_loss 3.7500 at step 4, best 3.5000 at step 2"
     )
     alone = summary_line(records[:1], 0, 1, 0.5)
@@ -131,7 +131,7 @@ def test_a_resumed_log_summarises_the_kept_steps_validation_too(tmp_path, capsys
     (summary,) = [line for line in capsys.readouterr().out.splitlines() if "summary" in line]
     assert summary.startswith("summary: steps 2-2 of 2, 7 tokens in ")
     best = "best 2.0000 at step 1"
-    assert summary.endswith(f"loss 4.0000 -> 3.0000; val_loss 2.5000 at step 2, {best}")
+    assert summary.endswith(f"loss 3.0000 -> 3.0000; val_loss 2.5000 at step 2, {best}")
 
 
 def test_the_loss_plot_has_its_title_the_learning_rate_and_the_grad_norm(tmp_path):
