@@ -93,7 +93,11 @@ def run_info(
         if isinstance(source, MixSource):
             origin = "data=mix: " + ", ".join(f"{p.name} {p.weight!r}" for p in source.parts)
         data = {"data": {"source": origin, "fingerprint": source.fingerprint()}}
+        if isinstance(source, MixSource):  # each source's split of its records: what it trains on
+            split = {part.name: part.source.val_fraction for part in source.parts}
+            data[MIX_SPLITS] = split
     info = {
+        "recipe": settings.RECIPE,  # another recipe's run is another objective
         "model": model_fingerprint(shapes),
         "tokenizer": tokenizer_digest,
         "optimizer": settings.optim.target,
@@ -123,6 +127,7 @@ def peft_info(peft) -> dict:
 
 
 STREAM_DP = "dp (a stream resumes at the dp it was read at)"  # the run_info key of a stream's dp
+MIX_SPLITS = "data.sources' val_fraction"  # the run_info key of a mixture's sources' splits
 SETTINGS = "settings"  # the run_info key of what a resume may change (not matched by resume)
 _UNSET = "unset"  # a setting one side does not give
 CUTS = "cuts past the first dim"  # the run_info key of layout_cuts (not matched by resume)
@@ -135,13 +140,14 @@ _FIXED_OPTIONS = {"amsgrad": "AdamW's max_exp_avg_sq state is kept only with ams
 
 def resume_settings(settings: Config) -> dict[str, Any]:
     """What a resume applies from its step on when it differs from the checkpoint's run: the
-    optimizer's options, the schedule, warmup, run length and clipping (JSON's values)."""
+    optimizer's options, the schedule, warmup, run length, clipping and precision (JSON's
+    values)."""
     schedule, train = settings.schedule, settings.train
     found = {f"optim.{key}": value for key, value in settings.optim.options().items()}
     found |= {"schedule": schedule.name}
     found |= {f"schedule.{key}": value for key, value in schedule.options().items()}
     found |= {"train.warmup_steps": train.warmup_steps, "train.max_steps": train.max_steps}
-    found |= {"train.clip_grad_norm": train.clip_grad_norm}
+    found |= {"train.clip_grad_norm": train.clip_grad_norm, "train.precision": train.precision}
     return _as_json(found)
 
 

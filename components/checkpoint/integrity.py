@@ -352,7 +352,15 @@ def model_fingerprint(shapes: Mapping[str, Sequence[int]]) -> str:
 
 
 # run_info keys that checkpoints written before them lack: those are not refused for them.
-LATER_KEYS = ("seed", "data.val_fraction", "data", "peft", "data.loss_on")
+LATER_KEYS = (
+    "seed",
+    "data.val_fraction",
+    "data",
+    "peft",
+    "data.loss_on",
+    "recipe",
+    "data.sources' val_fraction",
+)
 
 
 def resume_problems(
@@ -380,6 +388,11 @@ def resume_problems(
                 f"the data ({now}) has changed since the checkpoint was trained on it"
                 if now == then
                 else f"the data is {now}, not the {then} the checkpoint was trained on"
+            )
+        elif key == "recipe":
+            problems.append(
+                f"the checkpoint is a {recorded} run's, not a {value} one's: resume it with "
+                f"{recorded}, or train in another output_dir"
             )
         elif key == "tokenizer":
             problems.append(

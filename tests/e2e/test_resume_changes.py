@@ -136,3 +136,22 @@ def test_a_low_bit_expert_state_resumes_at_another_ep_but_not_another_ep_shard(t
         f"splits each expert's rows over its ep_shard copies: resume with ep_shard = world size / "
         f"ep = 2 {KEEPS}"
     )
+
+
+def test_another_recipes_run_is_not_resumed_and_precision_and_a_sources_split_are_seen(tmp_path):
+    """A fine-tuning run's folder resumed by distill.py (which trained on: the trial's distill run
+    went on from the fine-tuning loss) is refused naming both recipes; a mixture source's own
+    val_fraction changed at resume (its split: records trained on would validate) is refused; a
+    precision change is applied with a note."""
+    run = tmp_path / "run"
+    finetune(run, "train.stop_after=2", "checkpoint.every_steps=2")
+    line = refusal(distill(run, RESUME, status=2))
+    assert "the checkpoint is a recipes/finetune.py run's, not a recipes/distill.py one's" in line
+    resumed = finetune(run, RESUME, "train.precision=bf16-mixed")
+    assert "train.precision fp32 -> bf16-mixed" in resumed.stdout, resumed.stdout
+    mix = tmp_path / "mix"
+    sources = "data.sources=[{name:a,weight:1,kind:generated,num_examples:200}]"
+    finetune(mix, "data=mix", sources, "train.stop_after=2", "checkpoint.every_steps=2")
+    moved = sources.replace("num_examples:200", "num_examples:200,val_fraction:0.2")
+    line = refusal(finetune(mix, "data=mix", moved, RESUME, status=2))
+    assert "data.sources' val_fraction is {'a': 0.2} but the checkpoint was written with" in line
