@@ -20,6 +20,7 @@ from components.checkpoint.integrity import (
     CheckpointSummary,
     check_checkpoint,
     checkpoint_summary,
+    complete_checkpoints,
     find_resumable,
     model_fingerprint,
     resume_problems,
@@ -348,7 +349,7 @@ def _claim(
         config_hash(settings.model_dump(by_alias=True)),
         continuing=resume_from is not None,
         overwrite=settings.overwrite_output_dir,
-        resume_requested=settings.checkpoint.resume is not None,
+        resumable=settings.checkpoint.resume is None and has_a_checkpoint(output_dir),
     )
     try:
         write_whole(output_dir / "config.yaml", config_yaml)
@@ -357,6 +358,12 @@ def _claim(
             (output_dir / RUN_FILE).unlink(missing_ok=True)
         raise
     return record
+
+
+def has_a_checkpoint(output_dir: Path) -> bool:
+    """Whether ``output_dir`` holds a complete checkpoint a resume could continue from (a run
+    stopped before its first save holds none: then a refusal does not advise a resume)."""
+    return bool(complete_checkpoints(output_dir / "checkpoints"))
 
 
 def _unwritable(error: OSError, output_dir: Path, resume_from: Path | None) -> str:

@@ -342,7 +342,7 @@ def write_whole(path: Path, text: str) -> None:
 
 
 def claim_output_dir(
-    output_dir: Path, config_hash: str, *, continuing: bool, overwrite: bool, resume_requested: bool
+    output_dir: Path, config_hash: str, *, continuing: bool, overwrite: bool, resumable: bool
 ) -> RunRecord:
     """Make ``output_dir`` this run's and return its record; call it holding the lock, before any
     rank starts.
@@ -350,8 +350,9 @@ def claim_output_dir(
     ``continuing``: this run resumes from a checkpoint (the folder's run goes on: its run id is
     kept, so ``keep`` pruning continues over its checkpoints). Otherwise a folder holding another
     run's files is refused unless ``overwrite``, which removes exactly those files first;
-    ``resume_requested`` (resume was asked for but found no checkpoint) only changes the refusal's
-    wording. Either way a new ``run.json`` records the run id and ``config_hash``.
+    ``resumable`` (a resume would continue the folder's run: it holds a complete checkpoint, and
+    no resume asked for here found none) only changes the refusal's advice. Either way a new
+    ``run.json`` records the run id and ``config_hash``.
 
     Raises:
         OutputDirError: One line: the folder holds another run's files (naming them and the three
@@ -386,10 +387,10 @@ def claim_output_dir(
                 "to keep it choose another output_dir=..., "
                 "to replace it set overwrite_output_dir=true"
             )
-            if resume_requested:
-                choices = f" and no complete checkpoint to resume from; {choices}"
-            else:
+            if resumable:
                 choices = f"; to continue that run set checkpoint.resume=auto, {choices}"
+            else:
+                choices = f" and no complete checkpoint to resume from; {choices}"
             raise OutputDirError(
                 f"output_dir {output_dir} holds another run's files ({', '.join(present)}){choices}"
             )

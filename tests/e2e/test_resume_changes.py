@@ -6,6 +6,7 @@ named in a ``note:``. Each run stops after step 2 of 4 (``train.stop_after=2``) 
 ``checkpoint.resume=auto``; the resumed run's ``summary:`` line gives its own steps' losses."""
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -155,3 +156,15 @@ def test_another_recipes_run_is_not_resumed_and_precision_and_a_sources_split_ar
     moved = sources.replace("num_examples:200", "num_examples:200,val_fraction:0.2")
     line = refusal(finetune(mix, "data=mix", moved, RESUME, status=2))
     assert "data.sources' val_fraction is {'a': 0.2} but the checkpoint was written with" in line
+
+
+def test_a_folder_without_a_checkpoint_is_not_advised_a_resume(tmp_path):
+    """A run stopped before its first save (Ctrl-C) leaves its files and no checkpoint: the
+    rerun's refusal does not advise checkpoint.resume=auto, which would be refused in turn."""
+    run = tmp_path / "run"
+    finetune(run, "train.stop_after=2")
+    for checkpoint in (run / "checkpoints").iterdir():  # as if stopped before the first save
+        shutil.rmtree(checkpoint)
+    (line,) = finetune(run, status=2).stderr.strip().splitlines()
+    assert "and no complete checkpoint to resume from; to keep it choose another" in line, line
+    assert "checkpoint.resume=auto" not in line

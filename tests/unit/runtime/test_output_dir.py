@@ -109,7 +109,7 @@ def test_a_lock_held_on_after_its_launcher_ended_is_refused_naming_it(tmp_path):
 def fill_with_a_run(folder: Path) -> None:
     """What a finished run leaves: metrics, plot, checkpoints, an export (published, so with its
     manifest)."""
-    claim_output_dir(folder, "hash-a", continuing=False, overwrite=False, resume_requested=False)
+    claim_output_dir(folder, "hash-a", continuing=False, overwrite=False, resumable=True)
     (folder / "metrics.jsonl").write_text('{"step": 1}\n')
     (folder / "loss.png").write_bytes(b"png")
     (folder / "checkpoints" / "step_00000002").mkdir(parents=True)
@@ -131,31 +131,25 @@ def test_a_fresh_run_into_another_runs_folder_is_refused_with_the_choices(tmp_pa
         r"to replace it set overwrite_output_dir=true$"
     )
     with pytest.raises(OutputDirError, match=message):
-        claim_output_dir(
-            tmp_path, "hash-b", continuing=False, overwrite=False, resume_requested=False
-        )
+        claim_output_dir(tmp_path, "hash-b", continuing=False, overwrite=False, resumable=True)
     nothing_to_resume = (
         rf"^output_dir {tmp_path} holds another run's files \(.*\) "
         r"and no complete checkpoint to resume from; "
         r"to keep it choose another output_dir=\.\.\., to replace it set overwrite_output_dir=true$"
     )
     with pytest.raises(OutputDirError, match=nothing_to_resume):
-        claim_output_dir(
-            tmp_path, "hash-b", continuing=False, overwrite=False, resume_requested=True
-        )
+        claim_output_dir(tmp_path, "hash-b", continuing=False, overwrite=False, resumable=False)
     assert read_run_record(tmp_path) == first  # nothing changed
 
     resumed = claim_output_dir(
-        tmp_path, "hash-b", continuing=True, overwrite=False, resume_requested=True
+        tmp_path, "hash-b", continuing=True, overwrite=False, resumable=False
     )
     assert (
         resumed.run_id == first.run_id and resumed.config_hash == "hash-b"
     )  # the same run goes on
     assert (tmp_path / "metrics.jsonl").exists()
 
-    fresh = claim_output_dir(
-        tmp_path, "hash-c", continuing=False, overwrite=True, resume_requested=False
-    )
+    fresh = claim_output_dir(tmp_path, "hash-c", continuing=False, overwrite=True, resumable=True)
     assert fresh.run_id != first.run_id
     assert sorted(path.name for path in tmp_path.iterdir()) == [
         "notes.txt",
@@ -170,7 +164,7 @@ def test_an_empty_or_user_only_folder_is_claimed_and_run_json_records_the_run(tm
         config_hash({"tp": 2, "seed": 0}),
         continuing=False,
         overwrite=False,
-        resume_requested=False,
+        resumable=True,
     )
     assert json.loads((tmp_path / RUN_FILE).read_text())["run_id"] == record.run_id
     assert (
@@ -191,7 +185,7 @@ def test_user_files_inside_hf_are_never_deleted(tmp_path):
                 "hash-b",
                 continuing=continuing,
                 overwrite=overwrite,
-                resume_requested=continuing,
+                resumable=not continuing,
             )
     assert foreign_files(tmp_path / "hf") == ["my_eval.txt"]
     staging = tmp_path / "hf.tmp"
