@@ -32,8 +32,13 @@ from recipes.tiny_models import tiny_group
 # The built teacher's default: its family's tiny model (conf/model/<family>.yaml's sizes) this many
 # times as wide and deep, so that it is bigger than the tiny student of the same family.
 TEACHER_SCALE = 2
-SCALED = ("hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers")
-SCALED += ("head_dim",)
+SCALED = (
+    "hidden_size",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "num_hidden_layers",
+    "head_dim",
+)
 
 
 def teacher_sizes(family: str) -> dict[str, Any]:
@@ -126,8 +131,7 @@ def expert_problems(
         found = expert_parallel_problems(teacher.meta, teacher.experts, dims.ep)
         found = [as_teacher(problem) for problem in found]
         if dims.cp > 1:
-            why = f"cp={dims.cp} with an MoE teacher is not supported yet: use cp=1"
-            found.append(Problem(key="cp", message=why))
+            found.append(Problem(key="cp", message=moe_teacher_at_cp(dims.cp)))
         return found
     if dims.ep == 1 or student.experts or not student.complete:
         return []
@@ -137,6 +141,12 @@ def expert_problems(
         "student (model=qwen3_moe) or teacher (teacher.family=qwen3_moe)"
     )
     return [Problem(key="ep", message=message)]
+
+
+def moe_teacher_at_cp(cp: int) -> str:
+    """Why an MoE teacher does not run at ``cp`` (as ``finetune.py`` refuses cp with an MoE
+    model): the checks' line, and the dry run's at each cp it may suggest."""
+    return f"cp={cp} with an MoE teacher is not supported yet: use cp=1"
 
 
 def head_problems(student_config: Any, teacher_config: Any) -> list[Problem]:
@@ -164,6 +174,11 @@ def with_teacher(checked: DistillChecked, teacher: CheckedModel) -> DistillCheck
     if teacher.awaits_fetch:
         return replace(checked, teacher_awaits_fetch=True)
     facts = with_frozen_model_refusals(checked.model_facts, teacher, "teacher", checked.dims)
+    if facts is not None and teacher.experts and checked.dims is not None:
+        refusals = dict(facts.refusals)
+        for cp in checked.dims.larger("cp"):  # with the student's own lines there, if any
+            refusals[("cp", cp)] = (*refusals.get(("cp", cp), ()), moe_teacher_at_cp(cp))
+        facts = replace(facts, refusals=refusals)
     return replace(
         checked,
         teacher_path=teacher.path,

@@ -145,3 +145,13 @@ def test_the_dry_run_suggests_no_degree_the_recipe_does_not_run(tmp_path):
     words = recipe_suggestions(compose_distill, check_distillation, WORLD, tmp_path)
     assert any("cp=2" in change for change in words), words
     assert not any("pp=" in change for change in words), words
+
+
+def test_the_dry_run_suggests_no_cp_an_moe_teacher_cannot_take(tmp_path):
+    """A dense student takes cp; an MoE teacher beside it does not (its checks' line)."""
+    assert any("cp=2" in change for change in suggestions(WORLD, tmp_path))
+    moe = [*WORLD, "teacher.family=qwen3_moe"]
+    words = recipe_suggestions(compose_distill, check_distillation, moe, tmp_path)
+    assert words and not any("cp=" in change for change in words), words
+    said = refusals_of(compose_distill, check_distillation, tmp_path, *moe, "cp=2", "dp=4")
+    assert "cp=2 with an MoE teacher is not supported yet: use cp=1" in said, said
