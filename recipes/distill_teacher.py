@@ -117,6 +117,12 @@ def checked_teacher(
     if teacher.config is not None:
         teacher.problems += head_problems(student.config, teacher.config)
         teacher.problems += expert_problems(settings, dims, student, teacher)
+    at_cp = [size for name, size in use.other_layouts if name == "cp"]  # a dry run's
+    for size in at_cp if teacher.experts else ():  # refused as expert_problems refuses cp
+        teacher.refusals[("cp", size)] = (
+            *teacher.refusals.get(("cp", size), ()),
+            moe_teacher_at_cp(size),
+        )
     return teacher
 
 
@@ -174,11 +180,6 @@ def with_teacher(checked: DistillChecked, teacher: CheckedModel) -> DistillCheck
     if teacher.awaits_fetch:
         return replace(checked, teacher_awaits_fetch=True)
     facts = with_frozen_model_refusals(checked.model_facts, teacher, "teacher", checked.dims)
-    if facts is not None and teacher.experts and checked.dims is not None:
-        refusals = dict(facts.refusals)
-        for cp in checked.dims.larger("cp"):  # with the student's own lines there, if any
-            refusals[("cp", cp)] = (*refusals.get(("cp", cp), ()), moe_teacher_at_cp(cp))
-        facts = replace(facts, refusals=refusals)
     return replace(
         checked,
         teacher_path=teacher.path,
