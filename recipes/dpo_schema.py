@@ -109,4 +109,4 @@ class DpoConfig(Config):
             ("peft.experts", peft.experts, bool(peft.experts), "adapters on experts cannot be "
              "switched off for the reference: use peft.experts=false"),
         ]  # fmt: skip
-        return self.degree_problems() + refused_settings("dpo.py", refused)
+        return self.degree_problems() + refused_settings(self.RECIPE, refused)

@@ -91,12 +91,11 @@ def run_info(
     if source is not None:
         path = getattr(source, "path", None)
         origin = f"data.path={path}" if path else "data=generated"
-        if isinstance(source, MixSource):
+        splits = {}
+        if isinstance(source, MixSource):  # and each source's split of its records
             origin = "data=mix: " + ", ".join(f"{p.name} {p.weight!r}" for p in source.parts)
-        data = {"data": {"source": origin, "fingerprint": source.fingerprint()}}
-        if isinstance(source, MixSource):  # each source's split of its records: what it trains on
-            split = {part.name: part.source.val_fraction for part in source.parts}
-            data[MIX_SPLITS] = split
+            splits = {MIX_SPLITS: {part.name: part.source.val_fraction for part in source.parts}}
+        data = {"data": {"source": origin, "fingerprint": source.fingerprint()}, **splits}
     info = {
         "recipe": settings.RECIPE,  # another recipe's run is another objective
         "model": model_fingerprint(shapes),

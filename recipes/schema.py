@@ -466,8 +466,10 @@ class Config(Section):
         its checks say it of the settings and its dry run of a layout it could suggest; None:
         it runs it."""
         why = self.DEGREES_AT_ONE.get(name)
-        script = self.RECIPE.removeprefix("recipes/")
-        return None if why is None or size == 1 else f"{name}={size} is not run by {script}: {why}"
+        if why is None or size == 1:
+            return None
+        [problem] = refused_settings(self.RECIPE, [(name, size, True, why)])
+        return problem.message
 
     def degree_problems(self) -> list[Problem]:
         """The settings' degrees this recipe does not run, one problem each."""
@@ -583,9 +585,10 @@ class Config(Section):
         return unread
 
 
-def refused_settings(script: str, refused: list[tuple[str, Any, bool, str]]) -> list[Problem]:
-    """One problem per setting a recipe ``script`` refuses, of ``refused``'s (key, its value,
-    refused, why), naming the key."""
+def refused_settings(recipe: str, refused: list[tuple[str, Any, bool, str]]) -> list[Problem]:
+    """One problem per setting a ``recipe`` (``recipes/dpo.py``) refuses, of ``refused``'s (key,
+    its value, refused, why), naming the key."""
+    script = recipe.removeprefix("recipes/")
     return [
         Problem(key=name, message=f"{name}={show(value)} is not run by {script}: {why}")
         for name, value, on, why in refused
