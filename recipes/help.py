@@ -24,8 +24,9 @@ FLAGS = """Flags:
 class RecipePage:
     """What one recipe's page says of it: what it does, a regression recipe it runs, the
     ``data=`` options it reads (the data checks accept those alone), the common keys it refuses
-    away from their defaults or never reads (not listed), and common keys it reads otherwise
-    than ``finetune.py`` (what they set for it)."""
+    away from their defaults or never reads (not listed; with the degrees its schema runs at 1
+    only, ``DEGREES_AT_ONE``), and common keys it reads otherwise than ``finetune.py`` (what they
+    set for it)."""
 
     does: str
     regression: str
@@ -45,7 +46,7 @@ PAGES = {
         "tensor parallelism (docs/dpo.md)",
         regression="dpo_llama_tp1",
         data=("hf", "jsonl", "preference"),
-        unread=("cp", "pp", "train.val_every", "train.packing", "data.loss_on"),
+        unread=("train.val_every", "train.packing", "data.loss_on"),
         sets={
             "train.global_batch_size": "preference pairs per optimizer step",
             "train.micro_batch_size": "pairs per forward pass per dp rank (2 rows each: chosen "
@@ -58,7 +59,6 @@ PAGES = {
         "teacher, with tensor parallelism (docs/distillation.md)",
         regression="distill_llama_tp1",
         data=("default", "hf", "jsonl", "mix"),
-        unread=("pp",),
     ),
 }
 
@@ -67,7 +67,7 @@ def page(
     conf_dir: Path = CONF_DIR,
     script: str = "finetune.py",
     name: str = "config",
-    schema: type[BaseModel] = Config,
+    schema: type[Config] = Config,
 ) -> str:
     """The whole ``--help`` page of the recipe ``script``, whose primary config is
     ``conf/<name>.yaml`` (``conf/config.yaml``, or one that composes it and overrides groups) and
@@ -79,7 +79,8 @@ def page(
             config["defaults"] += [{k.removeprefix("override "): v for k, v in entry.items()}]
     recipe = PAGES[script]
     keys = [(key, recipe.sets.get(key, sets)) for key, sets in common_keys(schema)]
-    keys = [(key, sets) for key, sets in keys if key not in recipe.unread]
+    unread = (*recipe.unread, *schema.DEGREES_AT_ONE)  # the degrees it runs at 1 only too
+    keys = [(key, sets) for key, sets in keys if key not in unread]
     width = max(len(name) for name, _ in keys)
     example = f"experiment=regression/{recipe.regression}"
     lines = [f"shardtune: {recipe.does}.", f"Regression recipes: experiment=regression/NAME "
