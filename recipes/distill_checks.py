@@ -74,7 +74,7 @@ def resume_record(checked: DistillChecked) -> RecipeRecord:
     choice = teacher_checks().teacher_choice(checked.settings)
     where = f"{folder}" if folder else f"built from teacher.config={show(choice.config)}"
     built = {"family": choice.family, "config": choice.config}
-    record = frozen_record(where, folder, built)
+    record = frozen_record(where, folder, built, choice.cache_dir)
     return RecipeRecord(frozen={"teacher": record}, settings=settings)
 
 
