@@ -38,10 +38,10 @@ from recipes.schema import Config
 if TYPE_CHECKING:  # the model checks import transformers' models: after the schema has passed
     from components.models.checks import CheckedModel
 
-# The problems of a frozen model run beside the trained one (distillation's teacher), found with the
-# trained model's (settings, layout, device type, the trained model as checked) and reported with
-# them, every problem at once.
-Beside = Callable[[Config, ParallelDims | None, str, "CheckedModel"], list[Problem]]
+# The checks of a frozen model run beside the trained one (distillation's teacher): given the
+# settings, layout, device type and the trained model as checked, the frozen model as checked, its
+# problems reported with the trained model's, every problem at once.
+Beside = Callable[[Config, ParallelDims | None, str, "CheckedModel"], "CheckedModel"]
 # Model, data and tokenizer modules (transformers, datasets, DTensor) are imported by the checks
 # that use them: a mistyped key or a bad value is refused in about the time of `import torch`.
 
@@ -82,12 +82,24 @@ def check(
     output_dir: str | None = None,
     hydra_run_dir: str | None = None,
     schema: type[Config] = Config,
-    beside: Beside | None = None,
 ) -> Checked:
     """Every check that needs no effect, all problems at once (ConfigError): config in, decisions
     out; nothing is written, tokenized or trained, and ``cfg`` is left as it was. ``output_dir`` is
     a sweep job's folder; ``hydra_run_dir`` the run dir Hydra was given; ``schema`` the recipe's
-    (``Config``, ``DpoConfig``); ``beside``: a frozen model's checks, its problems with these."""
+    (``Config``, ``DpoConfig``)."""
+    checked, _ = check_beside(cfg, output_dir, hydra_run_dir, schema)
+    return checked
+
+
+def check_beside(
+    cfg: DictConfig,
+    output_dir: str | None = None,
+    hydra_run_dir: str | None = None,
+    schema: type[Config] = Config,
+    beside: Beside | None = None,
+) -> tuple[Checked, CheckedModel | None]:
+    """:func:`check`'s checks, and ``beside``'s of a frozen model (None: none): the frozen model
+    as checked, returned with the run's; its problems refused with the run's, in one ConfigError."""
     settings, found = validated(cfg, schema)
     _refuse(found)
     from components.data.checks import checked_source  # after the schema: a bad key is fast
@@ -113,19 +125,19 @@ def check(
     size_problems += optim_layout_problems(settings, dims) if dims else []
     resume = explicit_checkpoint_errors(settings.checkpoint.resume)
     checked = model_problems(settings, dims, device_type)
-    frozen = beside(settings, dims, device_type, checked) if beside else []
+    frozen = beside(settings, dims, device_type, checked) if beside else None
     data = settings.data.model_dump(by_alias=True)
     source, data_problems = checked_source(
         data, settings.preference_pairs, mix_kinds(settings.seed)
     )
-    found += size_problems + resume + check_output_dir(output) + checked.problems + frozen
-    found += data_problems
+    found += size_problems + resume + check_output_dir(output) + checked.problems
+    found += data_problems + (frozen.problems if frozen is not None else [])
     _refuse(found + where_errors(output, hydra_run_dir, per_run, started_by_launcher()))
     _notes(settings, dims, output, per_run, warmup)
     decided = dict(warmup_steps=warmup, loss_chunk_tokens=train.loss_chunk_tokens or 0)
     decided |= settings.recipe_decisions()
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dims.world_size))
-    return Checked(
+    run = Checked(
         settings=settings.model_copy(update=dict(train=train.model_copy(update=decided))),
         output_dir=output,
         dims=dims,
@@ -139,6 +151,7 @@ def check(
         fault=fault,
         config_yaml=_config_yaml(cfg, output),
     )
+    return run, frozen
 
 
 def optim_layout_problems(settings: Config, dims: ParallelDims) -> list[Problem]:

@@ -12,18 +12,18 @@ preparation import comes after the schema has passed, so a misspelt key costs wh
 """
 
 import copy
-from dataclasses import dataclass, fields, replace
+from dataclasses import fields, replace
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
 from components.distributed.layout import ParallelDims
 from components.models.families import moe_patterns
-from components.problems import Problem, show
+from components.problems import show
 from components.runtime.output_dir import OutputDirLock
 from components.runtime.problems import ConfigError
-from recipes.checks import check
+from recipes.checks import check_beside
 from recipes.distill_schema import DistillConfig
 from recipes.plan import DistillChecked, DistillPlan, RunPlan
 from recipes.resume_record import RecipeRecord, frozen_record
@@ -39,23 +39,12 @@ def teacher_checks() -> ModuleType:
     return distill_teacher
 
 
-@dataclass(kw_only=True)
-class TeacherBeside:
-    """The teacher checked beside the student, within fine-tuning's checks (``check``'s
-    ``beside``), so that its problems are reported with the student's; kept for the plan."""
-
-    teacher: Any = None  # the teacher as checked (``CheckedModel``), once the checks ran
-
-    def problems(
-        self,
-        settings: DistillConfig,
-        dims: ParallelDims | None,
-        device_type: str,
-        student: "CheckedModel",
-    ) -> list[Problem]:
-        """The teacher's problems at ``dims``, beside the ``student`` as checked."""
-        self.teacher = teacher_checks().checked_teacher(settings, dims, device_type, student)
-        return self.teacher.problems
+def checked_teacher(
+    settings: DistillConfig, dims: ParallelDims | None, device_type: str, student: "CheckedModel"
+) -> "CheckedModel":
+    """The teacher as checked at ``dims`` beside the ``student`` as checked, its problems with it
+    (``recipes.distill_teacher.checked_teacher``, imported once the schema has passed)."""
+    return teacher_checks().checked_teacher(settings, dims, device_type, student)
 
 
 def check_distillation(
@@ -68,11 +57,10 @@ def check_distillation(
     distillation does not run: ``DistillConfig.DEGREES_AT_ONE``) with the teacher's beside them
     (``recipes/distill_teacher.py``): now, or in preparation when a folder is still to be
     fetched. Raises ConfigError with every problem of both."""
-    beside = TeacherBeside()
-    checked = check(cfg, job_dir, hydra_run_dir, schema, beside=beside.problems)
+    checked, teacher = check_beside(cfg, job_dir, hydra_run_dir, schema, beside=checked_teacher)
     base = {field.name: getattr(checked, field.name) for field in fields(checked)}
     unchecked = DistillChecked(**base, teacher_path=None, teacher_config=None)
-    return teacher_checks().with_teacher(unchecked, beside.teacher)
+    return teacher_checks().with_teacher(unchecked, teacher)
 
 
 def resume_record(checked: DistillChecked) -> RecipeRecord:
@@ -86,7 +74,7 @@ def resume_record(checked: DistillChecked) -> RecipeRecord:
     choice = teacher_checks().teacher_choice(checked.settings)
     where = f"{folder}" if folder else f"built from teacher.config={show(choice.config)}"
     built = {"family": choice.family, "config": choice.config}
-    record = frozen_record(where, folder, built)
+    record = frozen_record(where, folder, built, choice.cache_dir)
     return RecipeRecord(frozen={"teacher": record}, settings=settings)
 
 

@@ -20,8 +20,11 @@ class Teacher(Section):
         "null (built from teacher.config) or a local Hugging Face model folder or a Hub id",
         "the teacher's folder or Hub id (null: built from teacher.config)",
     )
-    # the family teacher.config builds (its TP plan); null: the student's model.family
-    family: Text | None = key("null (the student's model.family) or a model family, e.g. llama")
+    # the family teacher.config builds (its TP plan); null: llama, or a folder's own (config.json);
+    # given beside a folder, it must be the folder's
+    family: Text | None = key(
+        "null (built: llama; a folder: its config.json's) or a model family, e.g. qwen3"
+    )
     # the built teacher's config keys; null: the family's tiny size at twice the width and depth
     config: dict[str, Any] = key(
         "a mapping of Hugging Face config keys, e.g. teacher.config.hidden_size=256"

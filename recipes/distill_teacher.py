@@ -29,6 +29,8 @@ from recipes.distill_schema import DistillConfig
 from recipes.plan import DistillChecked, model_choice, model_use
 from recipes.tiny_models import tiny_group
 
+# The family of a teacher built from its config when teacher.family is null (not given).
+BUILT_FAMILY = "llama"
 # The built teacher's default: its family's tiny model (conf/model/<family>.yaml's sizes) this many
 # times as wide and deep, so that it is bigger than the tiny student of the same family.
 TEACHER_SCALE = 2
@@ -52,12 +54,15 @@ def teacher_sizes(family: str) -> dict[str, Any]:
 
 def teacher_choice(settings: DistillConfig) -> ModelChoice:
     """The ``teacher`` group as the model checks read a model: its folder (``teacher.config`` not
-    read), or built from :func:`teacher_sizes` of ``teacher.family`` (null: the student's) with
-    the keys ``teacher.config`` sets (not null) over them; its attention transformers' default
-    (SDPA where its class has it, packed rows as a dense mask)."""
-    teacher, family = settings.teacher, settings.teacher.family or settings.model.family
+    read; ``teacher.family``, if given, checked against it: :func:`folder_family_problems`), or
+    built from :func:`teacher_sizes` of ``teacher.family`` (null: :data:`BUILT_FAMILY`) with the
+    keys ``teacher.config`` sets (not null) over them; its attention transformers' default (SDPA
+    where its class has it, packed rows as a dense mask)."""
+    teacher, family = settings.teacher, settings.teacher.family
     given = {key: value for key, value in teacher.config.items() if value is not None}
     sizes = {} if teacher.pretrained_path is not None else given  # a folder's: not read
+    if teacher.pretrained_path is None:
+        family = family or BUILT_FAMILY
     if teacher.pretrained_path is None and family in FAMILIES:  # else refused by the checks
         sizes = {**teacher_sizes(family), **given}
         sizes["vocab_size"] = teacher.config.get("vocab_size")  # null: the student's
@@ -84,13 +89,21 @@ def unused_config_note(settings: DistillConfig) -> str | None:
     )
 
 
-def family_problems(settings: DistillConfig) -> list[Problem]:
-    """A teacher built from its config needs a family: its own, or the student's."""
-    teacher = settings.teacher
-    if teacher.pretrained_path is not None or teacher.family or settings.model.family:
+def folder_family_problems(settings: DistillConfig, teacher: CheckedModel) -> list[Problem]:
+    """A ``teacher.family`` given beside a teacher folder must be the folder's family (its
+    config.json's ``model_type``), which decides: another is refused, never ignored."""
+    given, folder = settings.teacher.family, settings.teacher.pretrained_path
+    if given is None or folder is None or teacher.config is None:
         return []
-    why = f"teacher.family is null and model={settings.model.name} names no family either"
-    return [Problem(key="teacher.family", message=f"{why}: set teacher.family, e.g. llama")]
+    found = teacher.config.model_type
+    if given == found:
+        return []
+    message = (
+        f"teacher.family={given} is not the family of the teacher's folder "
+        f"(teacher.pretrained_path={folder}), whose config.json decides: it is a {found} model; "
+        f"leave teacher.family null (the folder's) or set teacher.family={found}"
+    )
+    return [Problem(key="teacher.family", message=message)]
 
 
 def checked_teacher(
@@ -100,8 +113,6 @@ def checked_teacher(
     (None: refused): its folder or config, its TP plan and experts, its vocabulary and both heads;
     ``awaits_fetch`` when the student or the teacher is still to be downloaded or converted (the
     preparation checks it then). Its notes are printed."""
-    if found := family_problems(settings):
-        return CheckedModel(problems=found)
     choice = teacher_choice(settings)
     if student.awaits_fetch or awaits_fetch(choice):  # no effect in the checks
         if student.path is None and not student.awaits_fetch:  # refused unfetched
@@ -115,6 +126,7 @@ def checked_teacher(
         if note:
             say(note)
     if teacher.config is not None:
+        teacher.problems += folder_family_problems(settings, teacher)
         teacher.problems += head_problems(student.config, teacher.config)
         teacher.problems += expert_problems(settings, dims, student, teacher)
     at_cp = [size for name, size in use.other_layouts if name == "cp"]  # a dry run's

@@ -21,7 +21,7 @@ from components.runtime.output_dir import OutputDirLock
 from components.runtime.problems import ConfigError
 from recipes.checks import check
 from recipes.dpo_schema import DpoConfig
-from recipes.plan import Checked, DpoChecked, DpoPlan, RunPlan, model_use
+from recipes.plan import Checked, DpoChecked, DpoPlan, RunPlan, model_choice, model_use
 from recipes.resume_record import RecipeRecord, frozen_record
 
 KEY = "dpo.reference_path"
@@ -144,7 +144,7 @@ def resume_record(checked: DpoChecked) -> RecipeRecord:
         where = f"the policy's starting weights ({folder or 'built from model.config'})"
     model = checked.settings.model
     built = {"family": model.family, "config": model.config}
-    reference = frozen_record(where, folder, built)
+    reference = frozen_record(where, folder, built, model_choice(checked.settings).cache_dir)
     return RecipeRecord(frozen={"reference": reference}, settings=settings)
 
 

@@ -1,8 +1,9 @@
 """``python recipes/finetune.py --help`` (and ``dpo.py``'s, ``distill.py``'s): what the recipe does,
 the config groups and their options (``conf/``, the recipe's defaults marked; of ``data=``, the
-options the recipe reads), then the keys most runs touch, one line each, as the recipe's schema
-declares them (``recipes/schema.py``: each key declared with what it sets, ``common=``), less the
-ones the recipe refuses or does not read. Hydra's own page stays at ``--hydra-help``."""
+options the recipe reads; of ``experiment=``, the recipe's own examples), then the keys most runs
+touch, one line each, as the recipe's schema declares them (``recipes/schema.py``: each key
+declared with what it sets, ``common=``), less the ones the recipe refuses or does not read.
+Hydra's own page stays at ``--hydra-help``."""
 
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,6 +79,7 @@ def page(
         if isinstance(entry, dict):
             config["defaults"] += [{k.removeprefix("override "): v for k, v in entry.items()}]
     recipe = PAGES[script]
+    own = own_experiments(conf_dir / "experiment", script)
     keys = [(key, recipe.sets.get(key, sets)) for key, sets in common_keys(schema)]
     unread = (*recipe.unread, *schema.DEGREES_AT_ONE)  # the degrees it runs at 1 only too
     keys = [(key, sets) for key, sets in keys if key not in unread]
@@ -85,11 +87,30 @@ def page(
     example = f"experiment=regression/{recipe.regression}"
     lines = [f"shardtune: {recipe.does}.", f"Regression recipes: experiment=regression/NAME "
              f"(e.g. {example}).", USAGE.format(script=script), ""]  # fmt: skip
-    groups = group_lines(conf_dir, config, {"data": recipe.data})
+    groups = group_lines(conf_dir, config, {"data": recipe.data, **own})
     lines += ["Groups (GROUP=OPTION; * marks the default):", *groups, ""]
     lines += ["Keys most runs touch (KEY=VALUE; types and ranges: recipes/schema.py):"]
     lines += [f"  {name:<{width}}  {sets}" for name, sets in keys]
     return "\n".join([*lines, "", FLAGS])
+
+
+def experiment_recipe(name: str) -> str:
+    """The recipe an experiment (``conf/experiment/NAME.yaml``, a regression one too) is an example
+    of, by its name: ``dpo_*``, ``dpo.py``; ``distill_*``, ``distill.py``; any other,
+    ``finetune.py``."""
+    script = f"{name.split('_')[0]}.py"
+    return script if script in PAGES else "finetune.py"
+
+
+def own_experiments(folder: Path, script: str) -> dict[str, tuple[str, ...]]:
+    """The experiments of ``folder`` (``conf/experiment/``) and of each of its subfolders that are
+    examples of ``script`` (:func:`experiment_recipe`), by ``group_lines``' folder names."""
+    found = {}
+    for where in [folder, *sorted(path for path in folder.iterdir() if path.is_dir())]:
+        names = [path.stem for path in sorted(where.glob("*.yaml"))]
+        group = where.relative_to(folder.parent).as_posix()
+        found[group] = tuple(name for name in names if experiment_recipe(name) == script)
+    return found
 
 
 def common_keys(section: type[BaseModel], prefix: str = "") -> list[tuple[str, str]]:
@@ -109,8 +130,8 @@ def group_lines(
     conf_dir: Path, config: dict, read: dict[str, tuple[str, ...]] | None = None
 ) -> list[str]:
     """One line per folder of ``conf_dir``: its options (of a group in ``read``, the ones the
-    recipe reads), the default marked; a subfolder's files as ``folder/NAME`` with their
-    count."""
+    recipe reads), the default marked; a subfolder's files (of one in ``read`` as
+    ``group/subfolder``, the ones read) as ``subfolder/NAME`` with their count, if any."""
     read = read or {}
     chosen = {}
     for entry in config["defaults"]:
@@ -122,6 +143,8 @@ def group_lines(
         options = [name for name in options if name in read.get(folder.name, options)]
         names = [name + ("*" if name == chosen.get(folder.name) else "") for name in options]
         for nested in sorted(path for path in folder.iterdir() if path.is_dir()):
-            names.append(f"{nested.name}/NAME ({len(list(nested.glob('*.yaml')))})")
+            files = [path.stem for path in nested.glob("*.yaml")]
+            count = len(read.get(f"{folder.name}/{nested.name}", files))
+            names += [f"{nested.name}/NAME ({count})"] if count else []
         lines.append(f"  {folder.name + '=':<12}{', '.join(names)}")
     return lines

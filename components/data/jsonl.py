@@ -6,7 +6,7 @@ with ``data.jsonl line 9000: ...`` instead of in every rank's traceback partway 
 """
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 # "tool": a tool's result, which the model's chat template renders (its tool-calling format)
@@ -76,6 +76,31 @@ def iter_records(path: str | Path, problem_of: Callable[[object], str | None]) -
     Raises:
         DataError: At the first bad line, naming it, or if the file does not exist.
     """
+    return checked_records(named_lines(path), problem_of)
+
+
+def checked_records(
+    named: Iterable[tuple[str, object]], problem_of: Callable[[object], str | None]
+) -> Iterator[dict]:
+    """Each record of ``named`` ((where it is, the record): :func:`named_lines`' or a table's
+    rows') checked by ``problem_of`` as it is read.
+
+    Raises:
+        DataError: At the first bad record, naming where it is (``data.jsonl line 3: ...``).
+    """
+    for where, record in named:
+        if problem := problem_of(record):
+            raise DataError(f"{where}: {problem}")
+        yield record
+
+
+def named_lines(path: str | Path) -> Iterator[tuple[str, object]]:
+    """Each non-blank line of a JSONL file parsed, with where it is (``data.jsonl line 3``).
+
+    Raises:
+        DataError: At the first line that is not UTF-8 or JSON, naming it, or if the file does not
+            exist.
+    """
     path = Path(path)
     if not path.is_file():
         raise DataError(f"data file not found: {path}")
@@ -91,7 +116,4 @@ def iter_records(path: str | Path, problem_of: Callable[[object], str | None]) -
                 record = json.loads(line)
             except json.JSONDecodeError as error:
                 raise DataError(f"{path} line {number}: not valid JSON ({error.msg})") from None
-            problem = problem_of(record)
-            if problem:
-                raise DataError(f"{path} line {number}: {problem}")
-            yield record
+            yield f"{path} line {number}", record

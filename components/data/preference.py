@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from components.data import generated
-from components.data.jsonl import ROLES, DataError, iter_records
+from components.data.jsonl import ROLES, checked_records, named_lines
 
 ANSWERS = ("chosen", "rejected")
 
@@ -99,9 +99,7 @@ def iter_preference_jsonl(path: str | Path) -> Iterator[dict]:
         DataError: At the first bad line, naming it (``data.jsonl line 3: a preference record
             needs "chosen" and "rejected" (...)``).
     """
-    for record in iter_records(path, preference_problem):
-        for messages in pair_conversations(record):
-            yield {"messages": messages}
+    return _checked_pairs(named_lines(path))
 
 
 def iter_preference_records(records: Iterable[dict], where: str) -> Iterator[dict]:
@@ -112,11 +110,23 @@ def iter_preference_records(records: Iterable[dict], where: str) -> Iterator[dic
     Raises:
         DataError: At the first bad record, naming it 1-based (``pairs.parquet record 3: ...``).
     """
-    for number, record in enumerate(records, start=1):
-        given = {name: value for name, value in record.items() if value is not None}
-        if problem := preference_problem(given):
-            raise DataError(f"{where} record {number}: {problem}")
-        for messages in pair_conversations(given):
+    named = (
+        (f"{where} record {number}", _given(record))
+        for number, record in enumerate(records, start=1)
+    )
+    return _checked_pairs(named)
+
+
+def _given(record: dict) -> dict:
+    """``record`` without its None columns: ``datasets`` gives None for a column a record lacks."""
+    return {name: value for name, value in record.items() if value is not None}
+
+
+def _checked_pairs(named: Iterable[tuple[str, object]]) -> Iterator[dict]:
+    """Each record of ``named`` ((where it is, the record): a file's lines, a split's rows)
+    checked as read (:func:`preference_problem`), then its two conversations, chosen first."""
+    for record in checked_records(named, preference_problem):
+        for messages in pair_conversations(record):
             yield {"messages": messages}
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # run as a script (make regression)
     sys.path.insert(0, str(REPO))
+from recipes.help import experiment_recipe  # noqa: E402
 from tests import cli  # noqa: E402  (each run starts from a warm interpreter: ~1 s, not ~5)
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
@@ -52,9 +53,8 @@ def twin(name: str) -> str | None:
 
 def recipe_file(name: str) -> str:
     """The recipe a regression recipe runs with: ``dpo_*``, ``recipes/dpo.py``; ``distill_*``,
-    ``recipes/distill.py``; the others ``recipes/finetune.py``."""
-    recipe = name.split("_")[0]
-    return f"recipes/{recipe}.py" if recipe in ("dpo", "distill") else "recipes/finetune.py"
+    ``recipes/distill.py``; the others ``recipes/finetune.py`` (``recipes/help.py``'s rule)."""
+    return f"recipes/{experiment_recipe(name)}"
 
 
 def run_recipe(name: str, output_root: Path, extra: list[str]) -> Path:

@@ -154,6 +154,24 @@ def test_a_teacher_folder_notes_only_the_teacher_config_keys_set(tmp_path, folde
     )
 
 
+def test_a_teacher_family_beside_a_teacher_folder_must_be_the_folders(tmp_path, folders):
+    """The folder's config.json decides the teacher's family: a ``teacher.family`` given beside it
+    that names another is refused, not ignored; the folder's own passes; left null (the
+    default) it is the folder's, and a built teacher's is llama whatever the student's."""
+    pair = ("model=pretrained", f"model.pretrained_path={folders['student']}")
+    teacher = f"teacher.pretrained_path={folders['teacher']}"
+    assert compose_distill([]).teacher.family is None
+    assert refusals(tmp_path, *pair, teacher, "teacher.family=qwen3") == [
+        f"teacher.family=qwen3 is not the family of the teacher's folder ({teacher}), whose "
+        "config.json decides: it is a llama model; leave teacher.family null (the folder's) or "
+        "set teacher.family=llama"
+    ]
+    assert refusals(tmp_path, *pair, teacher, "teacher.family=llama") == []
+    assert refusals(tmp_path, *pair, teacher) == []
+    cfg = compose_distill([f"output_dir={tmp_path / 'run'}", "model=qwen3"])
+    assert check_distillation(cfg, None, None).teacher_config.model_type == "llama"
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_the_built_teacher_is_tiny_in_every_family(tmp_path, family):
     """Its family's tiny sizes (``conf/model/``; Llama's for mistral and qwen2) at twice the

@@ -91,3 +91,33 @@ def test_dpos_page_says_its_batches_count_pairs():
     assert "  data=       hf, jsonl, preference*" in text.splitlines()
     assert "full fine-tuning" not in text and "\n  cp " not in text and "train.packing" not in text
     assert "train.global_batch_size         preference pairs per optimizer step" in text
+
+
+# Which recipe each experiment is an example of, by its name (conf/experiment/ and regression/).
+EXAMPLE_OF = {
+    "finetune.py": lambda name: not name.startswith(("dpo_", "distill_")),
+    "dpo.py": lambda name: name.startswith("dpo_"),
+    "distill.py": lambda name: name.startswith("distill_"),
+}
+
+
+@pytest.mark.parametrize("script", ["finetune.py", "dpo.py", "distill.py"])
+def test_each_recipes_page_lists_its_own_experiments(script):
+    """``experiment=`` lists the recipe's own examples and counts its own regression recipes:
+    ``dpo.py``'s page shows no fine-tuning example, ``finetune.py``'s no DPO one."""
+    _, schema = RECIPES[script]
+    name = script.removesuffix(".py").replace("finetune", "config")
+    lines = page(script=script, name=name, schema=schema).splitlines()
+    [line] = [line for line in lines if line.startswith("  experiment= ")]
+    examples = [path.stem for path in sorted((CONF_DIR / "experiment").glob("*.yaml"))]
+    regression = [path.stem for path in (CONF_DIR / "experiment" / "regression").glob("*.yaml")]
+    own = [name for name in examples if EXAMPLE_OF[script](name)]
+    counted = len([name for name in regression if EXAMPLE_OF[script](name)])
+    assert (
+        counted >= 2
+        and line == f"  experiment= {', '.join([*own, f'regression/NAME ({counted})'])}"
+    )
+    if script != "finetune.py":
+        assert "llama_tp4_sp" not in line and "qwen3_moe_ep" not in line
+    else:
+        assert {"llama_tp4_sp", "qwen3_moe_ep", "smollm2_chat_sft"} <= set(own)
