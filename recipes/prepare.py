@@ -223,6 +223,7 @@ def model_spec(settings: Config, config, weights: Path | None) -> ModelSpec:
         shard_experts=settings.moe.shard_experts,
         pp_stages_per_rank=settings.pp_stages_per_rank,
         nf4_base=settings.peft.name == "qlora",
+        cpu_offload=train.cpu_offload,
     )
 
 

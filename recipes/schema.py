@@ -119,19 +119,15 @@ class Train(Section):
         "parameters, gradients and optimizer state in host memory (FSDP2's offload policy)",
     )
 
-    def offload_errors(self, device_type: str) -> list[str]:
-        """``cpu_offload`` where it cannot run: on the CPU there is no device memory to spare; on
-        CUDA FSDP2's ``CPUOffloadPolicy`` is not wired into the model yet (issue 47)."""
-        if not self.cpu_offload:
+    def offload_errors(self, ep: int) -> list[str]:
+        """``cpu_offload`` with expert parallelism: the experts split over ``ep`` are outside FSDP,
+        so FSDP2's offload policy would leave their weights, gradients and state on the device."""
+        if not self.cpu_offload or ep == 1:
             return []
-        if device_type != "cuda":
-            return [
-                "train.cpu_offload=true is not supported on the CPU: the parameters, gradients "
-                "and optimizer state are in host memory already; remove it"
-            ]
         return [
-            "train.cpu_offload=true is not supported yet: FSDP2's CPUOffloadPolicy is not wired "
-            "into the model on CUDA, and the dry run does not price it (issue 47); remove it"
+            f"train.cpu_offload=true is not supported with ep={ep}: the experts split over ep are "
+            "outside FSDP, whose offload policy moves the rest to host memory, so they would stay "
+            "in device memory; use ep=1 (the experts are then sharded and offloaded with the rest)"
         ]
 
 
@@ -487,7 +483,7 @@ class Config(Section):
 
         max_steps = self.train.max_steps
         found = problems("optim", self.optim.errors())
-        found += problems("train.cpu_offload", self.train.offload_errors(device_type))
+        found += problems("train.cpu_offload", self.train.offload_errors(self.ep))
         found += problems("logger", self.logger.errors(output))
         found += problems("schedule", self.schedule.errors(warmup, max_steps))
         try:

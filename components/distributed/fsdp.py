@@ -6,35 +6,55 @@ as TP replicas from their mesh coordinates. Expert parameters (DTensors on the M
 ``finalize_dtensor_gradients`` sums their gradients over ``ep_shard``.
 
 Gradients are *summed* over dp ranks (divide factor 1): the recipe normalises the loss by the token
-count of the whole global batch, so the sum is the true gradient whatever the split. The sum is
-forced (``set_force_sum_reduction_for_comms``) in every precision: gloo has no PREMUL_SUM. Mixed
-precision is FSDP2's ``MixedPrecisionPolicy`` (``PrecisionPolicy.fsdp_policy()`` in
-``components.models.precision``).
+count of the whole global batch, so the sum is the true gradient. The sum is forced in every
+precision: gloo has no PREMUL_SUM. Mixed precision: ``PrecisionPolicy.fsdp_policy()``.
+``train.cpu_offload``: FSDP2's ``CPUOffloadPolicy`` on every wrapped module (sharded parameters,
+gradients, so the optimizer's state and step, in host memory; FSDP at dp=1 too, a one-rank shard).
 
 Design notes: docs/design-notes.md
 """
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 from torch.distributed.tensor import DTensor
 
 
 def shard_data_parallel(
-    model: nn.Module, fsdp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None
+    model: nn.Module,
+    fsdp_mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    cpu_offload: bool = False,
 ) -> nn.Module:
     """Wrap each decoder layer, then the whole model, with ``fully_shard`` on ``fsdp_mesh``
     (the run's ``Meshes.fsdp``: dp × cp; with HSDP, (dp_replicate, dp_shard) in 2-D).
 
     ``mp_policy`` (None: FSDP2's default, compute and reduction in the parameters' dtype) is applied
-    to every wrapped module. Call after the TP plan, activation checkpointing and compile.
+    to every wrapped module; ``cpu_offload``: FSDP2's ``CPUOffloadPolicy`` too (host memory pinned
+    where the mesh is on CUDA). Call after the TP plan, activation checkpointing and compile.
     """
     policy = mp_policy or MixedPrecisionPolicy()
+    on_host = (
+        CPUOffloadPolicy(pin_memory=fsdp_mesh.device_type == "cuda")
+        if cpu_offload
+        else OffloadPolicy()
+    )
     experts = set(expert_parameters(model))
     layers = getattr(getattr(model, "model", None), "layers", None)
-    for layer in layers if layers is not None else []:
-        fully_shard(layer, mesh=fsdp_mesh, mp_policy=policy, ignored_params=experts)
-    fully_shard(model, mesh=fsdp_mesh, mp_policy=policy, ignored_params=experts)
+    for layer in [*(layers if layers is not None else []), model]:
+        fully_shard(
+            layer,
+            mesh=fsdp_mesh,
+            mp_policy=policy,
+            offload_policy=on_host,
+            ignored_params=experts,
+        )
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

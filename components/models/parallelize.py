@@ -4,8 +4,8 @@
     pp, this rank's pipeline stage kept -> TP plan (+ bf16 casts ahead of its gathers) -> expert
     parallelism -> load this rank's slices -> QLoRA's NF4 base -> compile and activation
     checkpointing per block -> FSDP over dp (dp × cp) with the precision's mixed-precision
-    policy -> with cp > 1, the context-parallel attention -> with a flash kernel, the rows'
-    sequence boundaries passed on
+    policy (with train.cpu_offload, its offload policy at any dp) -> with cp > 1, the
+    context-parallel attention -> with a flash kernel, the rows' sequence boundaries passed on
 
 Each step is its own component (``tp_plan``, ``moe``, ``load``, ``fsdp``); this module only fixes
 their order, so the recipe makes one call.
@@ -57,6 +57,7 @@ class ModelSpec:
     shard_experts: bool = False  # moe.shard_experts: expert weights also Shard(1) over ep_shard
     pp_stages_per_rank: int = 1  # pipeline stages each pp rank holds (interleaved schedules: 2+)
     nf4_base: bool = False  # peft=qlora: the adapted linears' weights stored in NF4 once loaded
+    cpu_offload: bool = False  # train.cpu_offload: FSDP2's offload policy (FSDP at dp=1 too)
 
 
 def build_parallel_model(
@@ -116,8 +117,11 @@ def build_parallel_model(
     if device.type != "meta":
         _load(model, spec, device)
     apply_block_wrappers(model, spec.activation_checkpointing, spec.compile)
-    if dims.data_parallel > 1:  # the cp ranks hold the same weights: data parallel for FSDP
-        shard_data_parallel(model, meshes.fsdp, mp_policy=policy.fsdp_policy())
+    # the cp ranks hold the same weights: data parallel for FSDP; offload needs FSDP at any dp
+    if dims.data_parallel > 1 or spec.cpu_offload:
+        shard_data_parallel(
+            model, meshes.fsdp, mp_policy=policy.fsdp_policy(), cpu_offload=spec.cpu_offload
+        )
     if dims.cp > 1:
         enable_context_parallel(model)
     pass_sequence_boundaries(model)  # a flash kernel: each forward passes its rows' sequences

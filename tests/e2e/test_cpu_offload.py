@@ -1,0 +1,82 @@
+"""``train.cpu_offload=true`` (FSDP2's ``CPUOffloadPolicy`` on every ``fully_shard``, and FSDP at
+dp=1 as a one-rank shard) through the real command line. On this CPU host and device memory are
+one, so the policy moves nothing: every run must equal the same run without it, step by step and
+exactly. What that proves is that the recipes, FSDP at dp=1 (against no FSDP), the optimizers,
+QLoRA's NF4 base, pipeline stages, checkpoints and the export all compose with the policy. What it
+moves on CUDA, and the device memory it saves, is the cuda lane's (tests/cuda/test_cpu_offload.py).
+
+make test runs AdamW at dp=2, SGD at tp=2 (FSDP's one-rank shard against none) and a resume across
+the key; the other families and recipes run under ``-m sweep``.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests import cli
+from tests.e2e.test_trust import REPO, SMALL
+
+STEPS = ["train.max_steps=3", "checkpoint.export=false"]
+SWEEP = pytest.mark.sweep
+CASES = {
+    "adamw_dp2": ("finetune.py", ["dp=2"]),
+    "sgd_tp2": ("finetune.py", ["tp=2", "optim=sgd"]),
+    "sgd_pp2": ("finetune.py", ["pp=2", "optim=sgd"]),
+    "qlora_dp2": ("finetune.py", ["peft=qlora", "dp=2"]),
+    "adamw8bit_dp2": ("finetune.py", ["optim=adamw8bit", "dp=2"]),
+    "qwen3_moe_dp2": ("finetune.py", ["model=qwen3_moe", "dp=2"]),
+    "qwen3_tp2_sp": ("finetune.py", ["model=qwen3", "tp=2", "sp=true"]),
+    "dpo_tp2": ("dpo.py", ["tp=2"]),
+    "distill_dp2": ("distill.py", ["dp=2"]),
+}
+IN_MAKE_TEST = ("adamw_dp2", "sgd_tp2")
+
+
+def train(recipe: str, output_dir: Path, *overrides: str) -> list[dict]:
+    command = [sys.executable, f"recipes/{recipe}", *SMALL, *STEPS, f"output_dir={output_dir}"]
+    result = cli.run(
+        [*command, *overrides],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    lines = (output_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+@pytest.mark.parametrize(
+    "case", [c if c in IN_MAKE_TEST else pytest.param(c, marks=SWEEP) for c in CASES]
+)
+def test_a_run_with_cpu_offload_equals_the_run_without_it_on_the_cpu(tmp_path, case):
+    recipe, layout = CASES[case]
+    kept = train(recipe, tmp_path / "kept", *layout)
+    offloaded = train(recipe, tmp_path / "offloaded", *layout, "train.cpu_offload=true")
+    assert [r["step"] for r in offloaded] == [1, 2, 3]
+    for record, again in zip(kept, offloaded, strict=True):
+        assert again["loss"] == record["loss"], (record, again)
+        assert again["grad_norm"] == record["grad_norm"], (record, again)
+
+
+def test_a_checkpoint_resumes_across_cpu_offload_exactly(tmp_path):
+    """A run saved without the key resumes with it (FSDP's one-rank shard at tp=1 against plain
+    tensors), and its steps equal the uninterrupted run's."""
+    saving = ["train.max_steps=4", "checkpoint.every_steps=2"]
+    whole = train("finetune.py", tmp_path / "whole", *saving)
+    checkpoint = tmp_path / "whole" / "checkpoints" / "step_00000002"
+    resumed = train(
+        "finetune.py",
+        tmp_path / "resumed",
+        "train.max_steps=4",
+        "train.cpu_offload=true",
+        f"checkpoint.resume={checkpoint}",
+    )
+    assert [r["step"] for r in resumed] == [3, 4]
+    for record, again in zip(whole[2:], resumed, strict=True):
+        assert again["loss"] == record["loss"], (record, again)
+        assert again["grad_norm"] == record["grad_norm"], (record, again)
