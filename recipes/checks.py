@@ -160,7 +160,7 @@ def optim_layout_problems(settings: Config, dims: ParallelDims) -> list[Problem]
     from components.training.optimizer import optimizer_precision_errors
 
     target = settings.optim.target
-    found = dims.optimizer_problems(optimizer_facts(settings))
+    found = dims.optimizer_problems(optimizer_facts(settings), workload(settings))
     return found + problems("optim", optimizer_precision_errors(target, settings.train.precision))
 
 

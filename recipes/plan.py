@@ -357,6 +357,7 @@ def workload(settings: Config) -> Workload:
         fp8=train.precision == "fp8",
         pp_schedule=settings.pp_schedule,
         pp_stages_per_rank=settings.pp_stages_per_rank,
+        cpu_offload=train.cpu_offload,
     )
 
 

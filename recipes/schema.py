@@ -120,17 +120,6 @@ class Train(Section):
         "parameters, gradients and optimizer state in host memory (FSDP2's offload policy)",
     )
 
-    def offload_errors(self, ep: int) -> list[str]:
-        """``cpu_offload`` with expert parallelism: the experts split over ``ep`` are outside FSDP,
-        so FSDP2's offload policy would leave their weights, gradients and state on the device."""
-        if not self.cpu_offload or ep == 1:
-            return []
-        return [
-            f"train.cpu_offload=true is not supported with ep={ep}: the experts split over ep are "
-            "outside FSDP, whose offload policy moves the rest to host memory, so they would stay "
-            "in device memory; use ep=1 (the experts are then sharded and offloaded with the rest)"
-        ]
-
 
 class Checkpoint(Section):
     every_steps: Count = key(
@@ -486,7 +475,6 @@ class Config(Section):
 
         max_steps = self.train.max_steps
         found = problems("optim", self.optim.errors())
-        found += problems("train.cpu_offload", self.train.offload_errors(self.ep))
         found += problems("logger", self.logger.errors(output))
         found += problems("schedule", self.schedule.errors(warmup, max_steps))
         try:

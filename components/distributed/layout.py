@@ -46,6 +46,7 @@ class Workload:
     fp8: bool = False  # train.precision=fp8: float8 matmuls, whose tokens per rank the rules read
     pp_schedule: str = "1f1b"
     pp_stages_per_rank: int = 1
+    cpu_offload: bool = False  # train.cpu_offload: FSDP2's offload policy, so FSDP at any dp
 
 
 # The model's sizes tp must divide, by their config keys
@@ -140,6 +141,11 @@ class ParallelDims:
         """Ranks the weights are data parallel over (FSDP's, the loss's): ``dp × cp``."""
         return self.dp * self.cp
 
+    def fsdp_wraps(self, cpu_offload: bool) -> bool:
+        """Whether FSDP wraps the model: data parallel over more than one rank, or offloading to
+        the host (``train.cpu_offload``: FSDP2's policy, on a one-rank shard at dp=1)."""
+        return self.data_parallel > 1 or cpu_offload
+
     @property
     def fsdp_shards(self) -> int:
         """The ranks FSDP splits a weight over (``Meshes.fsdp``'s shard dimension): ``dp × cp``;
@@ -173,7 +179,21 @@ class ParallelDims:
             )
             found.append(Problem(key="train.seq_len", message=message))
         found += self.fp8_problems(work.seq_len) if work.fp8 else []
+        found += self._offload_problems(work)
         return found + self._context_parallel_problems(work)
+
+    def _offload_problems(self, work: Workload) -> list[Problem]:
+        """``train.cpu_offload`` with ep > 1: the experts split over ep are outside FSDP, whose
+        offload policy moves the rest, so their weights, gradients and state would stay put."""
+        if not work.cpu_offload or self.ep == 1:
+            return []
+        message = (
+            f"train.cpu_offload=true is not supported with ep={self.ep}: the experts split over "
+            "ep are outside FSDP, whose offload policy moves the rest to host memory, so they "
+            "would stay in device memory; use ep=1 (the experts are then sharded and offloaded "
+            "with the rest)"
+        )
+        return [Problem(key="train.cpu_offload", message=message)]
 
     def _context_parallel_problems(self, work: Workload) -> list[Problem]:
         """With cp > 1: ``seq_len`` splits into ``2·cp`` equal chunks (with sp a rank's share into
@@ -236,13 +256,13 @@ class ParallelDims:
         )
         return [Problem(key="ep", message=message)]
 
-    def optimizer_problems(self, optimizer: OptimizerFacts) -> list[Problem]:
+    def optimizer_problems(self, optimizer: OptimizerFacts, work: Workload) -> list[Problem]:
         """What ``optimizer`` cannot run at this layout: ``foreach=true`` at tp > 1 without FSDP,
         where the parameters mix DTensors and plain replicas (``training/optimizer.py``'s
         ``foreach_choice``). (torchao's ``AdamW8bit`` over parameters sharded by TP and FSDP at
         once failed in its compiled step only through AOT autograd's cache, which
         ``build_optimizer`` turns off: it runs.)"""
-        if not optimizer.foreach or self.tp == 1 or self.data_parallel > 1:
+        if not optimizer.foreach or self.tp == 1 or self.fsdp_wraps(work.cpu_offload):
             return []
         message = (
             f"optim.foreach=true at tp={self.tp} without data parallelism: the trainable "
@@ -314,7 +334,7 @@ class ParallelDims:
         :meth:`optimizer_problems`, :func:`tp_size_problems`, what the model's checks refuse at
         this tp, cp and pp (``ModelFacts.refusals``) and :meth:`model_problems`, the same the
         recipe's checks ask one by one."""
-        found = self.problems(work) + self.optimizer_problems(optimizer)
+        found = self.problems(work) + self.optimizer_problems(optimizer, work)
         found += tp_size_problems(model.tp_sizes, self.tp)
         for name in ("tp", "cp", "pp", "dp_replicate"):
             refused = model.refusals.get((name, getattr(self, name)), ())

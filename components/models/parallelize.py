@@ -117,8 +117,7 @@ def build_parallel_model(
     if device.type != "meta":
         _load(model, spec, device)
     apply_block_wrappers(model, spec.activation_checkpointing, spec.compile)
-    # the cp ranks hold the same weights: data parallel for FSDP; offload needs FSDP at any dp
-    if dims.data_parallel > 1 or spec.cpu_offload:
+    if dims.fsdp_wraps(spec.cpu_offload):  # dp × cp > 1 (the cp ranks hold the same weights)
         shard_data_parallel(
             model, meshes.fsdp, mp_policy=policy.fsdp_policy(), cpu_offload=spec.cpu_offload
         )

@@ -240,7 +240,7 @@ def _state_levers(plan, step: Step, layout: Layout) -> list[dict]:
         return []
     dims, levers = layout.dims, []
     for words, (target, bits, block) in _STATE_LEVERS.items():
-        if dims.optimizer_problems(replace(plan.optimizer_facts, target=target)):
+        if dims.optimizer_problems(replace(plan.optimizer_facts, target=target), plan.workload):
             continue
         lowered = replace(step, optimizer_bits=bits, optimizer_block=block)
         levers.append({"change": words, "total_gib": plan_layout(plan, lowered, layout).total})

@@ -73,13 +73,3 @@ def test_the_fault_that_needs_gloo_is_refused_on_cuda_only():
         "wait_tensor; use kill@2 or kill_in_save@2 on CUDA"
     ]
     assert fault_backend_errors(parse_fault("kill@2"), "cuda") == []
-
-
-def test_cpu_offload_is_refused_with_expert_parallelism_alone():
-    """FSDP2's offload policy moves what FSDP holds: experts split over ep are not, so the run
-    would not be what the key says; other layouts take it (tests/e2e/test_cpu_offload.py)."""
-    train = validate(compose(["train.cpu_offload=true"])).train
-    assert train.offload_errors(ep=1) == []
-    [line] = train.offload_errors(ep=2)
-    assert line.startswith("train.cpu_offload=true is not supported with ep=2: the experts split")
-    assert validate(compose([])).train.offload_errors(ep=2) == []
