@@ -153,11 +153,6 @@ class Settled:
         """The device type a dry run plans for: ``dry_run_device``, else this machine's."""
         return self.settings.dry_run_device or self.device_type
 
-    def offload_refusal(self, ep: int) -> list[str]:
-        """Why ``train.cpu_offload=true`` would be refused at ``ep`` (the schema's own check,
-        ``Train.offload_errors``): the dry run's offload lever asks it."""
-        return self.train.model_copy(update={"cpu_offload": True}).offload_errors(ep)
-
     @property
     def collective_timeout(self) -> timedelta:
         return timedelta(minutes=self.settings.collective_timeout_minutes)

@@ -250,8 +250,10 @@ def _state_levers(plan, step: Step, layout: Layout) -> list[dict]:
 def _offload_levers(plan, step: Step, layout: Layout, memory_gib: float) -> list[dict]:
     """``train.cpu_offload=true`` planned again at this layout, when it fits in ``memory_gib``:
     its device memory per rank and the host memory it needs (none on the CPU, where it moves
-    nothing, for a run offloading already, or where the schema's check refuses it: ep > 1)."""
-    if step.device_type != "cuda" or step.cpu_offload or plan.offload_refusal(layout.dims.ep):
+    nothing, for a run offloading already, or where the layout's rules refuse it: ep > 1)."""
+    work = replace(plan.workload, cpu_offload=True)
+    refused = layout.dims.all_problems(work, plan.model_facts, plan.optimizer_facts)
+    if step.device_type != "cuda" or step.cpu_offload or refused:
         return []
     offloading = replace(plan, model=replace(plan.model, cpu_offload=True))
     estimate = plan_layout(offloading, replace(step, cpu_offload=True), layout)

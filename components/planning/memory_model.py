@@ -157,7 +157,7 @@ def _data_parallel(layout: Layout) -> int:
 
 def _fsdp(layout: Layout, step: Step) -> bool:
     """Whether FSDP wraps the model: over dp × cp above 1, and at any dp with offload."""
-    return _data_parallel(layout) > 1 or step.cpu_offload
+    return layout.dims.fsdp_wraps(step.cpu_offload)
 
 
 def _sharding(layout: Layout) -> int:
