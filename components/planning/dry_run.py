@@ -134,8 +134,9 @@ def _frozen(plan, layout: Layout, lever: Lever | None = None) -> Frozen | None:
     if frozen.spec is None or (lever and frozen.spec == plan.model):
         return Frozen(model=None, config=plan.model.config, keeps_hidden=frozen.keeps_hidden)
     meshes, meta = layout.dims.build_meshes("cpu"), torch.device("meta")
-    model = build_frozen_model(frozen.spec, layout.dims, meshes, meta)
-    return Frozen(model=model, config=frozen.spec.config, keeps_hidden=frozen.keeps_hidden)
+    spec = replace(frozen.spec, cpu_offload=plan.model.cpu_offload)  # train.cpu_offload: both
+    model = build_frozen_model(spec, layout.dims, meshes, meta)
+    return Frozen(model=model, config=spec.config, keeps_hidden=frozen.keeps_hidden)
 
 
 def busiest(stages: list[tuple[dict, MemoryEstimate]]) -> tuple[dict, MemoryEstimate]:

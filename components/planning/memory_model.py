@@ -257,7 +257,8 @@ def _state(model: nn.Module, layout: Layout, step: Step) -> dict[str, float]:
 
 
 _FP8_KEYS = ("fp8_numel", "fp8_largest_numel", "fp8_layer_numel")
-_FROZEN_KEYS = ("frozen_weights", "frozen_forward", "teacher_hidden", "teacher_logits")
+_FROZEN_KEYS = ("frozen_weights", "frozen_on_host", "frozen_forward", "teacher_hidden")
+_FROZEN_KEYS += ("teacher_logits",)
 
 
 def _autocast(layout: Layout, step: Step) -> bool:
@@ -451,18 +452,24 @@ def _frozen(frozen: Frozen, layout: Layout, step: Step, trained: dict) -> dict[s
     the reference's head chunk: nothing is saved for a backward); a teacher's last hidden states
     and the teacher's side of each KL chunk (its fp32 logits, shifted and exponentiated copies),
     which live through the trained model's forward and the head's backward. ``trained``: the
-    trained model's :func:`_state`, the reference of peft=lora (its own layers, gathered)."""
+    trained model's :func:`_state`, the reference of peft=lora (its own layers, gathered). With
+    offload on CUDA its weights are the host's (the recipe offloads both models), each layer
+    staged from there for its all-gather."""
     config, tokens = frozen.config, _tokens(layout, step)
     state = trained if frozen.model is None else _state(frozen.model, layout, step)
     rows = [_layer_rows(config, layout, step, i) for i in range(config.num_hidden_layers)]
     working = tokens * max(block_input + in_flight for _, block_input, in_flight in rows)
     compute = 4 if step.precision == "fp32" else 2
     gathered = 2 * (state["layer_numel"] * compute + state["nf4_layer_bytes"])
-    fsdp = gathered * (_data_parallel(layout) > 1)
+    on_host = offloaded(step.cpu_offload, step.device_type)
+    fsdp = gathered * _fsdp(layout, step)
+    fsdp += staging_bytes(state, _sharding(layout), backward=False) * on_host
     chunk = min(tokens, step.loss_chunk_tokens or tokens) * _vocab_share(config, layout)
     teacher = frozen.keeps_hidden
+    weights = 0 if frozen.model is None else state["bytes"]
     return {
-        "frozen_weights": 0 if frozen.model is None else state["bytes"],
+        "frozen_weights": weights * (not on_host),
+        "frozen_on_host": weights * on_host,
         "frozen_forward": working + fsdp + chunk * (4 + compute) * (not teacher),
         "teacher_hidden": tokens * config.hidden_size * compute * teacher,
         "teacher_logits": chunk * 4 * 3 * teacher,
@@ -538,7 +545,8 @@ def estimate_memory(
     act["logits_held"] *= stage.in_flight - 1
     buf = {**_buffers(config, layout, step, state, stage), "block_backward": act.pop("in_flight")}
     buf |= _frozen(frozen, layout, step, state) if frozen else dict.fromkeys(_FROZEN_KEYS, 0)
-    weights = buf.pop("frozen_weights")
+    weights, frozen_on_host = buf.pop("frozen_weights"), buf.pop("frozen_on_host")
+    host |= {"frozen": frozen_on_host} if frozen_on_host else {}
     phases = _peak(grads, state, act, buf, layout, stage)
     peak = params + weights + optimizer + max(phases.values())
     gib = {name: value / GIB for name, value in {**act, **buf}.items()}

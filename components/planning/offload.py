@@ -28,12 +28,12 @@ def host_bytes(state: dict, optimizer: float, replica_sync: float) -> dict[str, 
     }
 
 
-def staging_bytes(state: dict, sharding: int) -> float:
+def staging_bytes(state: dict, sharding: int, backward: bool = True) -> float:
     """Device bytes of the shards of FSDP's two layers in flight: each copied from the host for
-    its all-gather (in its stored dtype, NF4 tiles as stored) and its reduce-scatter's fp32
-    output, kept until the copy to the host."""
+    its all-gather (in its stored dtype, NF4 tiles as stored) and, in a ``backward``, its
+    reduce-scatter's fp32 output, kept until the copy to the host."""
     shard = state["layer_numel"] / sharding
-    return 2 * (shard * (state["element"] + 4) + state["nf4_layer_bytes"] / sharding)
+    return 2 * (shard * (state["element"] + 4 * backward) + state["nf4_layer_bytes"] / sharding)
 
 
 RANKS_PER_NODE = 8  # a node of 8 GPUs: the host memory a dry run adds up per node

@@ -1,7 +1,8 @@
 """The dry run's ``train.cpu_offload=true`` lever (components/planning/dry_run.py): planned for a
 CUDA target (``dry_run_device=cuda``) where a layout does not fit, named only when it fits, with
 its device memory per rank and the host memory it needs; never on the CPU (nothing moves), nor
-where the layout's rules refuse offload (ep > 1). Plans made in-process from the real checks."""
+where the layout's rules refuse offload (ep > 1); a frozen reference offloaded with the policy.
+Plans made in-process from the real checks."""
 
 from pathlib import Path
 
@@ -11,7 +12,8 @@ import torch.distributed as dist
 from components.planning.dry_run import _offload_levers, _step, dry_run, plan_layout
 from components.planning.memory_model import Layout
 from recipes.checks import check
-from recipes.compose import compose
+from recipes.compose import compose, compose_dpo
+from recipes.dpo_checks import check_dpo, prepare_dpo
 from recipes.prepare import prepare
 
 # one row of 2 × 48 positions a step (no accumulation): the state outweighs the activations
@@ -75,3 +77,14 @@ def test_offload_is_never_named_with_expert_parallelism(tmp_path, fake_world_aft
     assert [lever["change"] for lever in _offload_levers(*at_ep1, 1e9)] == [
         "train.cpu_offload=true"
     ]
+
+
+def test_offload_moves_dpo_s_frozen_reference_to_the_host_too(tmp_path, fake_world_after):
+    """The recipe gives the reference the run's train.cpu_offload: its weights leave the device
+    as the policy's do (the policy's starting weights: as many bytes)."""
+    overrides = ["dry_run=true", "dry_run_device=cuda", "train.cpu_offload=true", *SHAPE]
+    cfg = compose_dpo([f"output_dir={tmp_path / 'run'}", *overrides])
+    result = dry_run(prepare_dpo(check_dpo(cfg, None, None))[0])
+    assert result["per_rank_gib"]["frozen"] == 0 and result["per_rank_gib"]["params"] == 0
+    host = result["host_detail_gib"]
+    assert host["frozen"] == host["params"] > 0
