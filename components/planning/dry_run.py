@@ -252,9 +252,10 @@ def _offload_levers(plan, step: Step, layout: Layout, memory_gib: float) -> list
     """``train.cpu_offload=true`` planned again at this layout, when it fits in ``memory_gib``:
     its device memory per rank and the host memory it needs (none on the CPU, where it moves
     nothing, for a run offloading already, or where the layout's rules refuse it: ep > 1)."""
+    if step.device_type != "cuda" or step.cpu_offload:
+        return []
     work = replace(plan.workload, cpu_offload=True)
-    refused = layout.dims.all_problems(work, plan.model_facts, plan.optimizer_facts)
-    if step.device_type != "cuda" or step.cpu_offload or refused:
+    if layout.dims.all_problems(work, plan.model_facts, plan.optimizer_facts):
         return []
     offloading = replace(plan, model=replace(plan.model, cpu_offload=True))
     estimate = plan_layout(offloading, replace(step, cpu_offload=True), layout)
@@ -441,7 +442,7 @@ def format_plan(result: dict) -> str:
             f"  the data's longest row pads a micro-batch to {positions} positions at most: "
             "planned for that"
         )
-    lines.append("per rank (GiB, the busiest rank):")
+    lines.append(f"per rank (GiB, the busiest rank, planned for {result['device']}):")
     per_rank = result["per_rank_gib"]
     lines += [
         f"  {row:<12}{per_rank[row]:>10.3f}" for row in ROWS if row != "frozen" or per_rank[row]
