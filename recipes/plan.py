@@ -149,6 +149,11 @@ class Settled:
         return self.settings.device_memory_gib
 
     @property
+    def planned_device(self) -> str:
+        """The device type a dry run plans for: ``dry_run_device``, else this machine's."""
+        return self.settings.dry_run_device or self.device_type
+
+    @property
     def collective_timeout(self) -> timedelta:
         return timedelta(minutes=self.settings.collective_timeout_minutes)
 

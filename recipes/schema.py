@@ -38,6 +38,7 @@ EXPERT_LOADS = ("layers", "experts")
 MODEL_SOURCES = ("smollm2",)
 LOSS_ON = ("all_assistant", "last_assistant")  # components/data/collate.py's two labellings
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")  # components/distributed/pipeline.py
+DEVICE_TYPES = ("cuda", "cpu")  # what a dry run may plan for
 
 
 def one_of(values: tuple[str, ...], null: str | None = None) -> str:
@@ -427,6 +428,8 @@ class Config(Section):
     device_memory_gib: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = key(
         "null (the visible device's) or a positive number of GiB, e.g. device_memory_gib=80"
     )
+    # with dry_run: the device type planned for (what train.cpu_offload moves); null: this one
+    dry_run_device: Literal[DEVICE_TYPES] | None = key(one_of(DEVICE_TYPES, "this machine's"))
     cache_dir: Text = key(
         "a folder for tokenized data and converted models, e.g. cache_dir=~/.cache/shardtune",
         "tokenized data, trained tokenizers, converted models",
@@ -529,6 +532,11 @@ class Config(Section):
             unread.append(
                 f"device_memory_gib={self.device_memory_gib:g} is read by dry_run=true only "
                 "(whether the planned layout fits): this run trains on the device it has"
+            )
+        if self.dry_run_device is not None and not self.dry_run:
+            unread.append(
+                f"dry_run_device={self.dry_run_device} is read by dry_run=true only (the device "
+                "the plan is for): this run trains on the device it has"
             )
         return unread + self._unread_pipeline_keys(dims) + self._unread_expert_keys(dims)
 

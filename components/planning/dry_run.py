@@ -11,7 +11,7 @@ holds (``components.planning.pipeline_schedule``). It prints a table, writes pla
 ``device_memory_gib`` it says whether the layout fits, and if not the smallest change that does
 (activation checkpointing, a smaller micro-batch, a larger tp, cp or pp on the same world, fewer
 HSDP replicas, then pairs), each candidate planned again (at most ``MAX_PLANNED``), and the levers'
-memory per rank (optimizer states in fewer bits, ``peft=qlora``).
+memory per rank (optimizer states in fewer bits, cpu offload where it fits, ``peft=qlora``).
 """
 
 import functools
@@ -46,6 +46,7 @@ from components.planning.memory_model import (
     optimizer_state_bits,
 )
 from components.planning.memory_model import optimizer_moments as moments_of
+from components.planning.offload import host_row, host_words
 from components.planning.pipeline_schedule import bubble, grads_held, in_flight
 
 ROWS = ("params", "grads", "optimizer", "frozen", "activations", "buffers", "runtime", "total")
@@ -133,8 +134,9 @@ def _frozen(plan, layout: Layout, lever: Lever | None = None) -> Frozen | None:
     if frozen.spec is None or (lever and frozen.spec == plan.model):
         return Frozen(model=None, config=plan.model.config, keeps_hidden=frozen.keeps_hidden)
     meshes, meta = layout.dims.build_meshes("cpu"), torch.device("meta")
-    model = build_frozen_model(frozen.spec, layout.dims, meshes, meta)
-    return Frozen(model=model, config=frozen.spec.config, keeps_hidden=frozen.keeps_hidden)
+    spec = replace(frozen.spec, cpu_offload=plan.model.cpu_offload)  # train.cpu_offload: both
+    model = build_frozen_model(spec, layout.dims, meshes, meta)
+    return Frozen(model=model, config=spec.config, keeps_hidden=frozen.keeps_hidden)
 
 
 def busiest(stages: list[tuple[dict, MemoryEstimate]]) -> tuple[dict, MemoryEstimate]:
@@ -246,6 +248,23 @@ def _state_levers(plan, step: Step, layout: Layout) -> list[dict]:
     return levers
 
 
+def _offload_levers(plan, step: Step, layout: Layout, memory_gib: float) -> list[dict]:
+    """``train.cpu_offload=true`` planned again at this layout, when it fits in ``memory_gib``:
+    its device memory per rank and the host memory it needs (none on the CPU, where it moves
+    nothing, for a run offloading already, or where the layout's rules refuse it: ep > 1)."""
+    if step.device_type != "cuda" or step.cpu_offload:
+        return []
+    work = replace(plan.workload, cpu_offload=True)
+    if layout.dims.all_problems(work, plan.model_facts, plan.optimizer_facts):
+        return []
+    offloading = replace(plan, model=replace(plan.model, cpu_offload=True))
+    estimate = plan_layout(offloading, replace(step, cpu_offload=True), layout)
+    if estimate.total > memory_gib:
+        return []
+    host = host_row(estimate.host, layout.dims.world_size)
+    return [{"change": "train.cpu_offload=true", "total_gib": estimate.total, "host_gib": host}]
+
+
 # peft=qlora as a lever for a run without adapters: conf/peft/qlora.yaml's (rank 8, alpha 16, the
 # attention and MLP projections)
 QLORA_LEVER = LoraOptions(rank=8, alpha=16.0, dropout=0.0, target_modules=None)
@@ -279,7 +298,7 @@ def _peft_levers(plan, step: Step, layout: Layout) -> list[dict]:
 def _step(plan) -> Step:
     """The priced step: the run's workload, its widest micro-batch, precision and optimizer."""
     train, work = plan.train, plan.workload
-    runtime = current_memory_gib("cpu") if plan.device_type == "cpu" else 0.0
+    runtime = current_memory_gib("cpu") if plan.planned_device == "cpu" else 0.0
     bits, block = optimizer_state_bits(plan.optim.target, plan.optim.options())
     return Step(
         seq_len=widest_batch(plan.data.train, plan.pad_multiple),
@@ -293,8 +312,9 @@ def _step(plan) -> Step:
         optimizer_moments=moments_of(plan.optim.target, plan.optim.options()),
         optimizer_bits=bits,
         optimizer_block=block,
-        device_type=plan.device_type,
+        device_type=plan.planned_device,
         runtime_gib=runtime,
+        cpu_offload=train.cpu_offload,
         loss_chunk_tokens=train.loss_chunk_tokens,
         # a dense mask over packed rows: sdpa's and eager's, not a packed-native kernel's
         packing=train.packing and plan.model.config._attn_implementation not in PACKED_NATIVE,
@@ -332,8 +352,10 @@ def dry_run(plan) -> dict:
             raise UnbuildableLayout(why) from None
         fits = None if memory is None else estimate.total <= memory
         suggestion, tried = _suggest(plan, step, layout, memory) if fits is False else (None, [])
-        levers = _state_levers(plan, step, layout) if fits is False and not stages else []
-        unfit = fits is False and suggestion is None and not stages  # no layout change fits
+        asked = fits is False and not stages  # the levers, at this layout
+        levers = _state_levers(plan, step, layout) if asked else []
+        offload = _offload_levers(plan, step, layout, memory) if asked else []
+        unfit = asked and suggestion is None  # no layout change fits
         peft = _peft_levers(plan, step, layout) if unfit else []
     finally:
         if dist.is_initialized():
@@ -345,6 +367,10 @@ def dry_run(plan) -> dict:
         "batch_positions": step.seq_len,  # the widest micro-batch the data makes
         "precision": train.precision,
         "per_rank_gib": {row: getattr(estimate, row) for row in ROWS},
+        "device": step.device_type,
+        "cpu_offload": step.cpu_offload,
+        "host_gib": host_row(estimate.host, dims.world_size) if estimate.host_detail else None,
+        "host_detail_gib": estimate.host_detail,
         "detail_gib": estimate.detail,
         "phases_gib": estimate.phases,
         "flops_per_token": known_flops_per_token(plan.model.config, train.seq_len),
@@ -355,6 +381,7 @@ def dry_run(plan) -> dict:
         "suggestion": suggestion,
         "tried": tried,
         "optimizer_levers": levers,
+        "offload_levers": offload,
         "peft_levers": peft,
     }
     _write(plan.output_dir, result)
@@ -415,7 +442,7 @@ def format_plan(result: dict) -> str:
             f"  the data's longest row pads a micro-batch to {positions} positions at most: "
             "planned for that"
         )
-    lines.append("per rank (GiB, the busiest rank):")
+    lines.append(f"per rank (GiB, the busiest rank, planned for {result['device']}):")
     per_rank = result["per_rank_gib"]
     lines += [
         f"  {row:<12}{per_rank[row]:>10.3f}" for row in ROWS if row != "frozen" or per_rank[row]
@@ -425,6 +452,7 @@ def format_plan(result: dict) -> str:
     flops = result["flops_per_token"]
     known = f"{flops:.4g} (forward + backward, no recompute)" if flops else "unknown: no sizes"
     lines.append(f"flops_per_token {known}")
+    lines += _offload_lines(result)
     if result.get("pipeline"):
         lines += _format_stages(result)
     memory, fits = result["device_memory_gib"], result["fits"]
@@ -444,7 +472,25 @@ def format_plan(result: dict) -> str:
     for lever in result["optimizer_levers"] + result["peft_levers"]:
         fits_too = "fits" if lever["total_gib"] <= memory else "does not fit"
         lines.append(f"  {lever['change']}: {lever['total_gib']:.2f} GiB per rank ({fits_too})")
+    for lever in result["offload_levers"]:  # each fits
+        lines.append(
+            f"  {lever['change']}: {lever['total_gib']:.2f} GiB per rank on the device (fits), "
+            f"{host_words(lever['host_gib'])}"
+        )
     return "\n".join(lines)
+
+
+def _offload_lines(result: dict) -> list[str]:
+    """What ``train.cpu_offload=true`` moves in the plan: the host memory it needs on CUDA;
+    nothing on the CPU."""
+    if not result["cpu_offload"]:
+        return []
+    if result["host_gib"] is None:
+        return [
+            "train.cpu_offload=true moves nothing on the CPU: host and device are one memory "
+            "(FSDP wraps the model at dp=1 too)"
+        ]
+    return [f"train.cpu_offload=true: {host_words(result['host_gib'])}"]
 
 
 def _format_stages(result: dict) -> list[str]:

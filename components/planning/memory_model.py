@@ -11,11 +11,11 @@ geometry.
   flight, FSDP's unsharded layers, the replica sync's buffer, AdamW's temporaries).
 - ``frozen``: a frozen model's shards (DPO's reference, distillation's teacher: :class:`Frozen`);
   its no_grad forward a phase of its own, a teacher's hidden states and logit chunks in the step's.
-- ``total``: the largest of the step's phases (``phases``), plus ``runtime``. Design notes:
-  docs/design-notes.md
+- ``total``: the largest of the step's phases (``phases``), plus ``runtime``; ``host``: what
+  CPU offload keeps on the host on CUDA (``offload.py``). Design notes: docs/design-notes.md
 """
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ from components.distributed.replicas.flat_buffers import MAX_FLAT_BUFFER_BYTES
 from components.models.build import decoder_blocks
 from components.models.qlora import local_shape, quantizable, stored_bytes
 from components.planning.flops import head_dim, is_sparse_layer
+from components.planning.offload import host_bytes, offloaded, staging_bytes
 
 GIB = 1024**3
 
@@ -65,6 +66,9 @@ class Step:
     pp_schedule: str = "1f1b"  # with pp > 1: gpipe | 1f1b | interleaved_1f1b
     pp_stages_per_rank: int = 1
     rows_per_sample: int = 1  # rows a micro-batch holds per sample: DPO's pairs are 2
+    # train.cpu_offload: FSDP at dp=1 too; on CUDA its shards, their gradients and the optimizer
+    # in host memory (components/planning/offload.py)
+    cpu_offload: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,6 +114,8 @@ class MemoryEstimate:
     total: float
     detail: dict  # each buffer and activation term, GiB
     phases: dict  # GiB above params + optimizer at each phase of the step
+    host: float = 0.0  # train.cpu_offload on CUDA: the host memory of this rank's shards
+    host_detail: dict = field(default_factory=dict)  # its terms, GiB
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -147,6 +153,11 @@ def _data_parallel(layout: Layout) -> int:
     """The ranks the weights are data parallel over (FSDP is on above 1): dp × cp (the cp ranks
     hold the same weights)."""
     return layout.dims.data_parallel
+
+
+def _fsdp(layout: Layout, step: Step) -> bool:
+    """Whether FSDP wraps the model: over dp × cp above 1, and at any dp with offload."""
+    return layout.dims.fsdp_wraps(step.cpu_offload)
 
 
 def _sharding(layout: Layout) -> int:
@@ -236,7 +247,7 @@ def _state(model: nn.Module, layout: Layout, step: Step) -> dict[str, float]:
         "nf4_layer_bytes": nf4_layer,  # its NF4 tiles too, gathered as stored
         # FSDP's root group (embedding, final norm, head), unsharded over dp like a layer
         "root_numel": root * _sharding(layout),
-        "matmul_numel": matmul if _data_parallel(layout) == 1 else 0,  # autocast: without FSDP
+        "matmul_numel": 0 if _fsdp(layout, step) else matmul,  # autocast: without FSDP
         "head_numel": head_weight.numel() if head_weight is not None else 0,
         "head_trained": head is not None and head.requires_grad,  # frozen under LoRA
         "replicated_bytes": replicated,
@@ -246,13 +257,14 @@ def _state(model: nn.Module, layout: Layout, step: Step) -> dict[str, float]:
 
 
 _FP8_KEYS = ("fp8_numel", "fp8_largest_numel", "fp8_layer_numel")
-_FROZEN_KEYS = ("frozen_weights", "frozen_forward", "teacher_hidden", "teacher_logits")
+_FROZEN_KEYS = ("frozen_weights", "frozen_on_host", "frozen_forward", "teacher_hidden")
+_FROZEN_KEYS += ("teacher_logits",)
 
 
 def _autocast(layout: Layout, step: Step) -> bool:
     """fp32 weights and bf16 matmuls under ``torch.autocast``: bf16-mixed (or fp8, whose other
-    matmuls are bf16-mixed's) without FSDP."""
-    return step.precision in ("bf16-mixed", "fp8") and _data_parallel(layout) == 1
+    matmuls are bf16-mixed's) without FSDP (with it, FSDP's bf16 copies are the operands)."""
+    return step.precision in ("bf16-mixed", "fp8") and not _fsdp(layout, step)
 
 
 def _fp8_numel(model: nn.Module, layout: Layout) -> dict[str, float]:
@@ -394,7 +406,8 @@ def _buffers(config, layout: Layout, step: Step, state: dict, stage: Stage) -> d
     accumulates = step.global_batch_size > layout.micro_batch_size * layout.dims.dp
     fsdp = unsharded = 0.0
     fp8 = step.precision == "fp8"
-    if _data_parallel(layout) > 1:
+    on_host = offloaded(step.cpu_offload, step.device_type)
+    if _fsdp(layout, step):
         gathered = 2 if step.precision != "fp32" else 4
         fsdp = 2 * state["layer_numel"] * (gathered + 4)  # two layers' parameters, fp32 grads
         fsdp += 2 * state["nf4_layer_bytes"]
@@ -405,6 +418,7 @@ def _buffers(config, layout: Layout, step: Step, state: dict, stage: Stage) -> d
             fsdp -= 2 * state["fp8_layer_numel"] * (gathered - 1)
         if accumulates and not stage.pipelined:  # micro-batches accumulate unsharded
             unsharded = state["grad_bytes"] / state["element"] * _sharding(layout) * 4
+        fsdp += staging_bytes(state, _sharding(layout)) * on_host
     moments = state["grad_bytes"] * step.optimizer_moments / 2
     temporaries = moments if step.device_type == "cuda" else 2 * state["largest_bytes"]
     copies = state["matmul_numel"] - state["head_numel"] * chunked  # the chunked head casts its own
@@ -422,10 +436,14 @@ def _buffers(config, layout: Layout, step: Step, state: dict, stage: Stage) -> d
         "nf4_dequantize": state["nf4_largest_numel"] * 2 * state["element"],
         "fsdp_layers": fsdp,
         "fsdp_unsharded_accumulated_grads": unsharded,
-        "replica_sync": min(MAX_FLAT_BUFFER_BYTES, state["replicated_bytes"])
-        * (layout.dims.tp > 1),
-        "optimizer_step": temporaries,
+        "replica_sync": _replica_sync(layout, state) * (not on_host),
+        "optimizer_step": temporaries * (not on_host),  # offloaded: the host CPU's step
     }
+
+
+def _replica_sync(layout: Layout, state: dict) -> float:
+    """The replica sync's flat buffer of the TP-replicated gradients (tp > 1)."""
+    return min(MAX_FLAT_BUFFER_BYTES, state["replicated_bytes"]) * (layout.dims.tp > 1)
 
 
 def _frozen(frozen: Frozen, layout: Layout, step: Step, trained: dict) -> dict[str, float]:
@@ -434,18 +452,24 @@ def _frozen(frozen: Frozen, layout: Layout, step: Step, trained: dict) -> dict[s
     the reference's head chunk: nothing is saved for a backward); a teacher's last hidden states
     and the teacher's side of each KL chunk (its fp32 logits, shifted and exponentiated copies),
     which live through the trained model's forward and the head's backward. ``trained``: the
-    trained model's :func:`_state`, the reference of peft=lora (its own layers, gathered)."""
+    trained model's :func:`_state`, the reference of peft=lora (its own layers, gathered). With
+    offload on CUDA its weights are the host's (the recipe offloads both models), each layer
+    staged from there for its all-gather."""
     config, tokens = frozen.config, _tokens(layout, step)
     state = trained if frozen.model is None else _state(frozen.model, layout, step)
     rows = [_layer_rows(config, layout, step, i) for i in range(config.num_hidden_layers)]
     working = tokens * max(block_input + in_flight for _, block_input, in_flight in rows)
     compute = 4 if step.precision == "fp32" else 2
     gathered = 2 * (state["layer_numel"] * compute + state["nf4_layer_bytes"])
-    fsdp = gathered * (_data_parallel(layout) > 1)
+    on_host = offloaded(step.cpu_offload, step.device_type)
+    fsdp = gathered * _fsdp(layout, step)
+    fsdp += staging_bytes(state, _sharding(layout), backward=False) * on_host
     chunk = min(tokens, step.loss_chunk_tokens or tokens) * _vocab_share(config, layout)
     teacher = frozen.keeps_hidden
+    weights = 0 if frozen.model is None else state["bytes"]
     return {
-        "frozen_weights": 0 if frozen.model is None else state["bytes"],
+        "frozen_weights": weights * (not on_host),
+        "frozen_on_host": weights * on_host,
         "frozen_forward": working + fsdp + chunk * (4 + compute) * (not teacher),
         "teacher_hidden": tokens * config.hidden_size * compute * teacher,
         "teacher_logits": chunk * 4 * 3 * teacher,
@@ -511,13 +535,18 @@ def estimate_memory(
     state |= _fp8_numel(model, layout) if fp8 else dict.fromkeys(_FP8_KEYS, 0)
     params, grads = state["bytes"], state["grad_bytes"]  # grads: of the trained parameters
     optimizer = state["moment_bytes"] * step.optimizer_moments
+    host = {}
+    if offloaded(step.cpu_offload, step.device_type):  # the shards' state on the host instead
+        host = host_bytes(state, optimizer, _replica_sync(layout, state))
+        params = grads = optimizer = state["layer_grad_bytes"] = 0
     act = _activations(config, layout, step, stage, _frozen_base(model))
     for name in ("layers", "stage_output", "embedding_and_norm", "attention_mask"):
         act[name] *= stage.in_flight
     act["logits_held"] *= stage.in_flight - 1
     buf = {**_buffers(config, layout, step, state, stage), "block_backward": act.pop("in_flight")}
     buf |= _frozen(frozen, layout, step, state) if frozen else dict.fromkeys(_FROZEN_KEYS, 0)
-    weights = buf.pop("frozen_weights")
+    weights, frozen_on_host = buf.pop("frozen_weights"), buf.pop("frozen_on_host")
+    host |= {"frozen": frozen_on_host} if frozen_on_host else {}
     phases = _peak(grads, state, act, buf, layout, stage)
     peak = params + weights + optimizer + max(phases.values())
     gib = {name: value / GIB for name, value in {**act, **buf}.items()}
@@ -532,6 +561,8 @@ def estimate_memory(
         total=peak / GIB + step.runtime_gib,
         detail=gib,
         phases={name: value / GIB for name, value in phases.items()},
+        host=sum(host.values()) / GIB,
+        host_detail={name: value / GIB for name, value in host.items()},
     )
 
 

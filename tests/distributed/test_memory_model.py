@@ -10,7 +10,8 @@ frozen models (``Frozen``): DPO's reference (on the widest micro-batch of prefer
 prepared as the recipe prepares them, planned at the dry run's ``widest_batch``) and
 distillation's teacher (twice the width and depth).
 By default: tp=1 bf16-mixed and fp32 with full checkpointing, cp=2 fp32, DPO, distillation,
-QLoRA (fp32, both checkpointings; and at dp=2, its NF4 base sharded by FSDP); the rest of the
+QLoRA (fp32, both checkpointings; and at dp=2, its NF4 base sharded by FSDP), CPU offload at dp=1
+(FSDP's one-rank shard: on the CPU nothing moves) in both precisions; the rest of the
 matrix and the low-bit optimizers under ``-m memory``.
 
 glibc's mmap threshold is fixed at 64 KiB in the rank (``mallopt``), so a freed tensor leaves the
@@ -107,7 +108,7 @@ def measured_and_planned(
     cp=1,
     steps=2,
     optim="adamw",
-    qlora=False,
+    lever="none",
     seq=SEQ,
     dp=1,
 ) -> tuple[float, float]:
@@ -115,9 +116,11 @@ def measured_and_planned(
     runtime), GiB. ``cp`` > 1: the ranks split a packed row of ``CP_SEQ`` tokens. ``steps``: 2 to
     measure (AdamW's state exists from the first, run on ``WARM_UP_SEQ``-token rows: only the
     last step is measured), 1 for a warm-up. ``optim``: conf/optim/'s AdamW
-    variant (adamw, adamw8bit, adamw4bit, adamw_bf16). ``qlora``: ``peft=qlora``'s adapters on
-    an NF4 base. ``seq``: the tokens of each row at cp=1 (a warm-up's shorter rows). ``dp``: the
-    ranks FSDP shards over, each with its own micro-batch (cp=1)."""
+    variant (adamw, adamw8bit, adamw4bit, adamw_bf16). ``lever``: "qlora" (``peft=qlora``'s
+    adapters on an NF4 base), "cpu_offload" (FSDP2's offload policy, FSDP at dp=1 too: on the CPU
+    it moves nothing) or "none". ``seq``: the tokens of each row at cp=1 (a warm-up's shorter
+    rows). ``dp``: the ranks FSDP shards over, each with its own micro-batch (cp=1)."""
+    qlora, cpu_offload = lever == "qlora", lever == "cpu_offload"
     _fixed_mmap_threshold()
     gc.collect()
     before = current_memory_gib("cpu")
@@ -127,7 +130,7 @@ def measured_and_planned(
     positions_limit = SEQ if cp == 1 else CP_SEQ  # the cp case's row is longer
     config = tiny_config("llama", **SIZES | {"max_position_embeddings": positions_limit})
     spec = spec_for(config, precision=precision, checkpointing=checkpointing)
-    spec = dataclasses.replace(spec, nf4_base=qlora)
+    spec = dataclasses.replace(spec, nf4_base=qlora, cpu_offload=cpu_offload)
     adapters = functools.partial(convert_model, lora=QLORA, fp8=None, seed=0) if qlora else None
     model, _ = build_parallel_model(spec, dims, meshes, torch.device("cpu"), adapters)
     target, options = conf_optim(optim)
@@ -161,6 +164,7 @@ def measured_and_planned(
         loss_chunk_tokens=CHUNK,
         packing=cp > 1,
         nf4_base=qlora,
+        cpu_offload=cpu_offload,
     )
     return peak, estimate_memory(model, config, layout, plan).total
 
@@ -288,16 +292,20 @@ class WarmRanks:
         self.warm: set[tuple[str, str]] = set()
 
     def measure(
-        self, precision: str, checkpointing: str, optim: str = "adamw", qlora: bool = False
+        self,
+        precision: str,
+        checkpointing: str,
+        optim: str = "adamw",
+        lever: str = "none",
     ) -> list[tuple[float, float]]:
         self.warm_up(precision, optim)
-        case = (precision, checkpointing, self.cp, 2, optim, qlora)
+        case = (precision, checkpointing, self.cp, 2, optim, lever)
         return self.run(measured_and_planned, *case)
 
     def warm_up(self, precision: str, optim: str = "adamw") -> None:
         if (precision, optim) not in self.warm:  # torchao's optimizers: their compiled step too
             seq = WARM_UP_SEQ if precision == "bf16-mixed" else SEQ  # unused at cp=2
-            case = (precision, "none", self.cp, 1, optim, False, seq)
+            case = (precision, "none", self.cp, 1, optim, "none", seq)
             self.run(measured_and_planned, *case)
             self.warm.add((precision, optim))
 
@@ -366,8 +374,20 @@ def test_planned_total_is_within_20_percent_of_the_measured_peak_with_qlora(rank
     input alone, its blocks' backward writes no weight gradient. Measured 2026-12-04: planned
     0.118 GiB against 0.115 without checkpointing, 0.054 against 0.048-0.052 with (priced as full
     fine-tuning's before: 0.130 and 0.061, up to +26 %)."""
-    [(measured, planned)] = ranks1.measure("fp32", checkpointing, qlora=True)
+    [(measured, planned)] = ranks1.measure("fp32", checkpointing, lever="qlora")
     print(f"tp=1 qlora fp32 {checkpointing}: planned {planned:.3f} GiB, measured {measured:.3f}")
+    assert planned == pytest.approx(measured, rel=0.2), (planned, measured)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "fp32"])
+def test_planned_total_is_within_20_percent_of_the_measured_peak_with_cpu_offload(
+    ranks1, precision
+):
+    """train.cpu_offload on the CPU moves nothing, but FSDP wraps the model at dp=1: the plan
+    prices its gathered layers and root (and, under bf16-mixed, no autocast weight copies: FSDP's
+    bf16 copies are the operands)."""
+    [(measured, planned)] = ranks1.measure(precision, "none", lever="cpu_offload")
+    print(f"tp=1 cpu_offload {precision}: planned {planned:.3f} GiB, measured {measured:.3f}")
     assert planned == pytest.approx(measured, rel=0.2), (planned, measured)
 
 
@@ -441,7 +461,7 @@ def test_planned_total_is_within_20_percent_of_the_measured_peak_with_qlora_at_d
     opt-in (`-m memory`) until the ranks' heap history is kept out of the reading. Before the root
     was priced: 0.050."""
     ranks2.warm_up("fp32")
-    results = ranks2.run(measured_and_planned, "fp32", "full", 1, 2, "adamw", True, SEQ, 2)
+    results = ranks2.run(measured_and_planned, "fp32", "full", 1, 2, "adamw", "qlora", SEQ, 2)
     measured, planned = max(results)  # the busiest rank
     print(f"dp=2 qlora fp32 full: planned {planned:.3f} GiB, measured {measured:.3f}")
     assert planned == pytest.approx(measured, rel=0.2), (planned, measured)

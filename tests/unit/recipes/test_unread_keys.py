@@ -23,7 +23,7 @@ def local(monkeypatch):
 
 def test_a_layout_that_reads_every_key_notes_nothing(local):
     assert unread(["tp=2", "sp=true", "nproc=2"], 2, tp=2) == []
-    assert unread(["dry_run=true", "device_memory_gib=80"]) == []
+    assert unread(["dry_run=true", "device_memory_gib=80", "dry_run_device=cuda"]) == []
     assert unread(["model=qwen3_moe", "ep=2", "moe.shard_experts=true"], 4, ep=2) == []
 
 
@@ -35,6 +35,10 @@ def test_sp_at_tp_1_and_device_memory_without_a_dry_run_are_noted(local):
     assert unread(["device_memory_gib=80"]) == [
         "device_memory_gib=80 is read by dry_run=true only (whether the planned layout fits): "
         "this run trains on the device it has"
+    ]
+    assert unread(["dry_run_device=cuda"]) == [
+        "dry_run_device=cuda is read by dry_run=true only (the device the plan is for): this run "
+        "trains on the device it has"
     ]
 
 
