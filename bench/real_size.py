@@ -143,7 +143,7 @@ def _rank_step(
             apply_tp_plan(
                 model, mesh["tp"], plan_for(config, compile_blocks), config, compile_blocks
             )
-        policy.cast_tp_inputs(model, data_parallel=False)
+        policy.cast_tp_inputs(model, fsdp=False)
         apply_block_wrappers(model, checkpointing, compile_blocks)
         materialize_random(model, seed=0)
         broadcast_tp_replicas([model], mesh)
@@ -166,7 +166,7 @@ def _rank_step(
                 if step == 0
                 else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
             ):
-                loss = _forward_backward(model, tokens, policy.autocast("cpu", data_parallel=False))
+                loss = _forward_backward(model, tokens, policy.autocast("cpu", fsdp=False))
             finalize_dtensor_gradients([model])
             synchronize_tp_replica_gradients([model], mesh)
             optimizer.step()

@@ -88,8 +88,9 @@ def set_up(plan: RunPlan) -> Run:
     stream = data if isinstance(data, StreamBatches) else None  # its position: the checkpoint's
     state = TrainState(model=model, optimizer=optimizer, schedule=schedule, stream=stream)
     resume(plan.resume_from, state)  # every part of the state: the routing bias too, the step
-    precision, data_parallel = precision_policy(plan.model.precision), dims.data_parallel > 1
-    compute = functools.partial(precision.autocast, device.type, data_parallel=data_parallel)
+    precision = precision_policy(plan.model.precision)
+    fsdp = dims.fsdp_wraps(plan.model.cpu_offload)
+    compute = functools.partial(precision.autocast, device.type, fsdp=fsdp)
     pipeline = build_pipeline(model, meshes.world, compute, data, *plan.pipeline)  # None at pp=1
     micro_batches = data.micro_batches_per_step
     aux_loss_weight = router_aux_loss_weight(plan.model.config, micro_batches, dims.dp)
@@ -110,6 +111,7 @@ def set_up(plan: RunPlan) -> Run:
         finalize_gradients=finalizer,
         readout=StepReadout(meshes.loss.get_group(), device, finalizer),  # the loss's dp × cp
         pipeline=pipeline,
+        reduce_each_micro_batch=plan.model.cpu_offload,
     )
     if plan.fault is not None:  # a resilience drill (docs/fault-injection.md)
         where = dict(rank=rank, world_size=dist.get_world_size(), first_step=state.step)
@@ -120,12 +122,13 @@ def set_up(plan: RunPlan) -> Run:
 
 def step_micro_batches(run: Run, step: int) -> Iterator[Batch]:
     """Step ``step``'s micro-batches on the device, for a step function's forward and backward:
-    each marked on the heartbeat, the dp gradient reduce on for the last alone, its real tokens
-    counted by an MoE model's expert load."""
+    each marked on the heartbeat, the dp gradient reduce on for the last alone (for each with
+    ``run.reduce_each_micro_batch``), its real tokens counted by an MoE model's expert load."""
     micro_batches = run.data.batches_for_step(step)
     for index, batch in enumerate(batch.to(run.device) for batch in micro_batches):
         heartbeat.progress(f"step {step + 1}, micro-batch {index + 1}")  # a mark: 0.2 µs
-        set_gradient_sync(run.state.model, index == len(micro_batches) - 1)  # dp reduce once
+        last = index == len(micro_batches) - 1
+        set_gradient_sync(run.state.model, last or run.reduce_each_micro_batch)
         if run.experts:  # the step's imbalance counts real tokens, not the padding
             run.experts.count_real(batch.real_mask())
         yield batch

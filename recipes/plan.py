@@ -315,6 +315,9 @@ class Run:
     finalize_gradients: StepFinalizer  # each DTensor gradient given its parameter's placements
     readout: StepReadout  # the step's values read on the host before the update, at once
     pipeline: Pipeline | None = None  # this rank's pipeline stage and schedule (pp > 1)
+    # train.cpu_offload: FSDP reduce-scatters every micro-batch's gradients into the host's shards
+    # (accumulated unsharded, they would fill the device memory the offload frees)
+    reduce_each_micro_batch: bool = False
     before_commit: Callable[[Path], None] | None = None  # the writer's callback (a drill's)
 
 

@@ -106,7 +106,7 @@ def build_parallel_model(
                 f"the model's own plan names layers this config does not build, ignored: "
                 f"{', '.join(unbuilt)}"
             )
-        policy.cast_tp_inputs(model, data_parallel=dims.data_parallel > 1)
+        policy.cast_tp_inputs(model, fsdp=dims.fsdp_wraps(spec.cpu_offload))
         if has_dropout(model):
             shard_dropout_masks(model, mesh["tp"], spec.sequence_parallel, device)
     if dims.ep > 1:

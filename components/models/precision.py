@@ -4,7 +4,7 @@ activation gathers.
 
 - ``fp32``: everything in fp32 (parameters, gradients, optimizer state, compute, collectives).
 - ``bf16-mixed``: fp32 master weights, gradients and optimizer state; bf16 compute: FSDP2's
-  ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` with FSDP over dp (dp > 1), else
+  ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` where FSDP wraps the model, else
   ``torch.autocast(device_type, bfloat16)`` on the fp32 weights. The activations TP moves are bf16
   (:meth:`PrecisionPolicy.cast_tp_inputs`: the sequence-parallel all-gathers too); the loss is fp32.
 - ``bf16``: parameters built (or loaded) in bf16, so gradients, compute and AdamW's moments are
@@ -41,14 +41,14 @@ class PrecisionPolicy:
         """True when the compute dtype differs from the parameters' (bf16-mixed, fp8)."""
         return self.compute_dtype != self.param_dtype
 
-    def autocast(self, device_type: str, data_parallel: bool) -> AbstractContextManager:
+    def autocast(self, device_type: str, fsdp: bool) -> AbstractContextManager:
         """The context to run the forward pass in (the backward needs none).
 
-        bf16 autocast for ``bf16-mixed`` without FSDP (``data_parallel`` False: dp = 1); otherwise a
-        null context: under FSDP the mixed-precision policy casts the parameters, and fp32 or bf16
-        need no cast.
+        bf16 autocast for ``bf16-mixed`` without FSDP (``fsdp`` False: ``ParallelDims.fsdp_wraps``,
+        dp = 1 without offload); otherwise a null context: under FSDP the mixed-precision policy
+        casts the parameters, and fp32 or bf16 need no cast.
         """
-        if self.mixed and not data_parallel:
+        if self.mixed and not fsdp:
             return torch.autocast(device_type=device_type, dtype=self.compute_dtype)
         return nullcontext()
 
@@ -59,7 +59,7 @@ class PrecisionPolicy:
         param_dtype = self.compute_dtype if self.mixed else None
         return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
 
-    def cast_tp_inputs(self, model: nn.Module, data_parallel: bool) -> int:
+    def cast_tp_inputs(self, model: nn.Module, fsdp: bool) -> int:
         """Under autocast, cast the input of each block's attention and MLP, and of ``lm_head``, to
         bf16 *before* the TP plan gathers (sequence parallelism) or all-reduces its gradient (plain
         TP).
@@ -72,7 +72,7 @@ class PrecisionPolicy:
         before the plan's); a no-op (returns 0) unless this policy uses autocast. Returns how many
         modules got the cast.
         """
-        if not self.mixed or data_parallel:
+        if not self.mixed or fsdp:
             return 0
         modules = [
             getattr(block, name, None)

@@ -416,7 +416,8 @@ def _buffers(config, layout: Layout, step: Step, state: dict, stage: Stage) -> d
         fsdp += state["root_numel"] * gathered
         if fp8 and step.fp8_recipe == "tensorwise":  # the float8 linears' weights gathered in fp8
             fsdp -= 2 * state["fp8_layer_numel"] * (gathered - 1)
-        if accumulates and not stage.pipelined:  # micro-batches accumulate unsharded
+        # micro-batches accumulate unsharded (offloaded: each reduced to the host's shards)
+        if accumulates and not stage.pipelined and not step.cpu_offload:
             unsharded = state["grad_bytes"] / state["element"] * _sharding(layout) * 4
         fsdp += staging_bytes(state, _sharding(layout)) * on_host
     moments = state["grad_bytes"] * step.optimizer_moments / 2

@@ -1,8 +1,9 @@
 """``train.cpu_offload`` in the memory model (``memory_model.py``): on CUDA FSDP2's
 ``CPUOffloadPolicy`` keeps each sharded parameter, its gradient and so the optimizer's state and
 step in host memory (pinned); the device keeps what is gathered for compute: FSDP's unsharded
-layers in flight, the root's gathered parameters, the unsharded gradients before their
-reduce-scatter (all micro-batches' when they accumulate), each layer's shard staged from the host
+layers in flight, the root's gathered parameters, a layer's unsharded gradients before their
+reduce-scatter (every micro-batch's reduced at once: the recipe's ``reduce_each_micro_batch``, so
+accumulated gradients are the host's shards), each layer's shard staged from the host
 for its all-gather and its reduce-scatter's output before the copy back, the activations and the
 runtime. On the CPU host and device are one memory: nothing moves (FSDP then wraps the model at
 dp=1 too, priced as FSDP over one rank). Docs: docs/precision-and-memory.md

@@ -64,7 +64,7 @@ def reference_curve(config, optimizer: str, packed: bool, precision: str) -> lis
     model = build_causal_lm(tiny_config(config.model_type), seed=0)
     make, options = OPTIMIZERS[optimizer]
     optim = make(model.parameters(), **options)
-    compute = precision_policy(precision).autocast("cpu", data_parallel=False)
+    compute = precision_policy(precision).autocast("cpu", fsdp=False)
     curve = []
     for step in range(STEPS):
         ids, labels, positions, labelled = step_batch(config.vocab_size, step, packed)

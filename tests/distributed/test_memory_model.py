@@ -142,7 +142,7 @@ def measured_and_planned(
         0, SIZES["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(0)
     )
     policy = precision_policy(precision)
-    compute = policy.autocast("cpu", data_parallel=cp * dp > 1)
+    compute = policy.autocast("cpu", fsdp=cp * dp > 1)
     for step in range(steps):
         # only the last step is measured: the ones before it create AdamW's state on short rows
         rows = tokens if step == steps - 1 else tokens[:, :WARM_UP_SEQ]
@@ -246,7 +246,7 @@ def measured_and_planned_beside_frozen(
     frozen_config = config if recipe == "dpo" else tiny_config("llama", **TEACHER)
     frozen = build_frozen_model(spec_for(frozen_config), dims, meshes, torch.device("cpu"))
     optimizer, moments = _optimizer(recipe, model)
-    compute = functools.partial(precision_policy("fp32").autocast, "cpu", data_parallel=False)
+    compute = functools.partial(precision_policy("fp32").autocast, "cpu", fsdp=False)
     for step in range(steps):  # as measured_and_planned's: the steps before the last on short rows
         reset_peak_memory("cpu")
         optimizer.zero_grad(set_to_none=True)

@@ -70,8 +70,8 @@ def check_bf16_mixed_tp_collectives(rank, world_size, sequence_parallel):
     results = {}
     for cast in (False, True):
         model = _tp_model(config, tp_mesh, sequence_parallel)
-        cast_modules = policy.cast_tp_inputs(model, data_parallel=False) if cast else 0
-        with _FunctionalCollectives() as recorder, policy.autocast("cpu", data_parallel=False):
+        cast_modules = policy.cast_tp_inputs(model, fsdp=False) if cast else 0
+        with _FunctionalCollectives() as recorder, policy.autocast("cpu", fsdp=False):
             loss = forward_backward(model, TOKENS, LABELS, GLOBAL_TOKENS)
         results[cast] = (loss, dict(recorder.calls), cast_modules)
     fp32_loss = forward_backward(build_causal_lm(config, seed=0), TOKENS, LABELS, GLOBAL_TOKENS)
@@ -188,7 +188,7 @@ def check_fsdp_bf16_mixed(rank, world_size):
     shard_data_parallel(model, device_mesh["dp"], policy.fsdp_policy())
     broadcast_tp_replicas([model], device_mesh)
     dp_rank = device_mesh["dp"].get_local_rank()
-    with _FunctionalCollectives() as recorder, policy.autocast("cpu", data_parallel=True):
+    with _FunctionalCollectives() as recorder, policy.autocast("cpu", fsdp=True):
         local = forward_backward(
             model, TOKENS.chunk(2)[dp_rank], LABELS.chunk(2)[dp_rank], GLOBAL_TOKENS
         )
@@ -257,7 +257,7 @@ def test_policies_from_names():
 
 def test_autocast_only_for_bf16_mixed_without_fsdp():
     mixed = precision_policy("bf16-mixed")
-    with mixed.autocast("cpu", data_parallel=False):
+    with mixed.autocast("cpu", fsdp=False):
         assert (
             torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
         )

@@ -63,6 +63,20 @@ def test_a_run_with_cpu_offload_equals_the_run_without_it_on_the_cpu(tmp_path, c
         assert again["grad_norm"] == record["grad_norm"], (record, again)
 
 
+def test_with_accumulation_over_dp_each_micro_batch_is_reduced_and_the_run_follows(tmp_path):
+    """Offloaded, FSDP reduce-scatters each micro-batch's gradients into the host's shards (the
+    recipe's ``reduce_each_micro_batch``): two micro-batches a rank at dp=2 sum in another order
+    than one reduce of their sum, so the run follows the one without the key to rounding."""
+    accumulating = ["dp=2", "train.global_batch_size=8"]
+    kept = train("finetune.py", tmp_path / "kept", *accumulating)
+    offloaded = train(
+        "finetune.py", tmp_path / "offloaded", *accumulating, "train.cpu_offload=true"
+    )
+    for record, again in zip(kept, offloaded, strict=True):
+        assert again["loss"] == pytest.approx(record["loss"], rel=1e-6), (record, again)
+        assert again["grad_norm"] == pytest.approx(record["grad_norm"], rel=1e-5), (record, again)
+
+
 def test_a_checkpoint_resumes_across_cpu_offload_exactly(tmp_path):
     """A run saved without the key resumes with it (FSDP's one-rank shard at tp=1 against plain
     tensors), and its steps equal the uninterrupted run's."""
