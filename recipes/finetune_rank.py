@@ -89,8 +89,7 @@ def set_up(plan: RunPlan) -> Run:
     state = TrainState(model=model, optimizer=optimizer, schedule=schedule, stream=stream)
     resume(plan.resume_from, state)  # every part of the state: the routing bias too, the step
     precision = precision_policy(plan.model.precision)
-    fsdp = dims.fsdp_wraps(plan.model.cpu_offload)
-    compute = functools.partial(precision.autocast, device.type, fsdp=fsdp)
+    compute = functools.partial(precision.autocast, device.type, fsdp=plan.fsdp_wraps)
     pipeline = build_pipeline(model, meshes.world, compute, data, *plan.pipeline)  # None at pp=1
     micro_batches = data.micro_batches_per_step
     aux_loss_weight = router_aux_loss_weight(plan.model.config, micro_batches, dims.dp)

@@ -193,6 +193,11 @@ class RunPlan(Settled):
     run_info: dict
 
     @property
+    def fsdp_wraps(self) -> bool:
+        """Whether FSDP wraps the model: dp × cp > 1, or offloaded (``ParallelDims.fsdp_wraps``)."""
+        return self.dims.fsdp_wraps(self.model.cpu_offload)
+
+    @property
     def fp8(self) -> Fp8Options | None:
         """``train.precision=fp8``'s options as the model takes them; None in other precisions."""
         from components.models.fp8 import Fp8Options
