@@ -142,7 +142,7 @@ def measured_and_planned(
         0, SIZES["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(0)
     )
     policy = precision_policy(precision)
-    compute = policy.autocast("cpu", fsdp=cp * dp > 1)
+    compute = policy.autocast("cpu", fsdp=dims.fsdp_wraps(cpu_offload))  # as the recipe
     for step in range(steps):
         # only the last step is measured: the ones before it create AdamW's state on short rows
         rows = tokens if step == steps - 1 else tokens[:, :WARM_UP_SEQ]
