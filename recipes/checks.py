@@ -133,7 +133,7 @@ def check_beside(
     found += size_problems + resume + check_output_dir(output) + checked.problems
     found += data_problems + (frozen.problems if frozen is not None else [])
     _refuse(found + where_errors(output, hydra_run_dir, per_run, started_by_launcher()))
-    _notes(settings, dims, output, per_run, warmup)
+    _notes(settings, dims, output, per_run, warmup, device_type)
     decided = dict(warmup_steps=warmup, loss_chunk_tokens=train.loss_chunk_tokens or 0)
     decided |= settings.recipe_decisions()
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dims.world_size))
@@ -211,8 +211,11 @@ def unread_keys(settings: Config, dims: ParallelDims) -> list[str]:
     return settings.unread_keys(dims) + torchrun_unread_keys(settings.nproc, settings.max_restarts)
 
 
-def _notes(settings: Config, dims: ParallelDims, output: Path, per_run: bool, warmup: int) -> None:
-    """What the checks changed or found, once (on rank 0 under torchrun), as ``note:`` lines."""
+def _notes(
+    settings: Config, dims: ParallelDims, output: Path, per_run: bool, warmup: int, device: str
+) -> None:
+    """What the checks changed or found, once (on rank 0 under torchrun), as ``note:`` lines
+    (``device``: the type this run trains on)."""
     if per_run and settings.checkpoint.resume == "auto":
         say(
             f"note: checkpoint.resume=auto finds nothing in {output}, a new folder per run: to "
@@ -223,6 +226,8 @@ def _notes(settings: Config, dims: ParallelDims, output: Path, per_run: bool, wa
         say(f"note: {cut}")
     for unread in unread_keys(settings, dims):
         say(f"note: {unread}")
+    for offload in [] if settings.dry_run else settings.train.offload_notes(device):
+        say(f"note: {offload}")
 
 
 def _refuse(found: list[Problem]) -> None:

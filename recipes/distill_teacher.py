@@ -95,13 +95,13 @@ def folder_family_problems(settings: DistillConfig, teacher: CheckedModel) -> li
     given, folder = settings.teacher.family, settings.teacher.pretrained_path
     if given is None or folder is None or teacher.config is None:
         return []
-    found = teacher.config.model_type
-    if given == found:
+    folder_family = teacher.config.model_type
+    if given == folder_family:
         return []
     message = (
         f"teacher.family={given} is not the family of the teacher's folder "
-        f"(teacher.pretrained_path={folder}), whose config.json decides: it is a {found} model; "
-        f"leave teacher.family null (the folder's) or set teacher.family={found}"
+        f"(teacher.pretrained_path={folder}), whose config.json decides: it is a {folder_family} "
+        f"model; leave teacher.family null (the folder's) or set teacher.family={folder_family}"
     )
     return [Problem(key="teacher.family", message=message)]
 

@@ -110,7 +110,7 @@ def set_up(plan: RunPlan) -> Run:
         finalize_gradients=finalizer,
         readout=StepReadout(meshes.loss.get_group(), device, finalizer),  # the loss's dp × cp
         pipeline=pipeline,
-        reduce_each_micro_batch=plan.model.cpu_offload,
+        reduce_each_micro_batch=plan.reduce_each_micro_batch,
     )
     if plan.fault is not None:  # a resilience drill (docs/fault-injection.md)
         where = dict(rank=rank, world_size=dist.get_world_size(), first_step=state.step)

@@ -193,6 +193,13 @@ class RunPlan(Settled):
     run_info: dict
 
     @property
+    def reduce_each_micro_batch(self) -> bool:
+        """Offloaded, FSDP reduce-scatters every micro-batch's gradients into the host's shards
+        (accumulated unsharded, they would fill the device memory the offload frees; the memory
+        model counts none for it)."""
+        return self.model.cpu_offload
+
+    @property
     def fsdp_wraps(self) -> bool:
         """Whether FSDP wraps the model: dp × cp > 1, or offloaded (``ParallelDims.fsdp_wraps``)."""
         return self.dims.fsdp_wraps(self.model.cpu_offload)
@@ -205,7 +212,7 @@ class RunPlan(Settled):
         if self.train.precision != "fp8":
             return None
         excluded = (*self.model.experts, *self.model.routers)
-        parallel = self.dims.data_parallel > 1  # FSDP over dp × cp (build_parallel_model)
+        parallel = self.dims.data_parallel > 1  # FSDP over dp × cp > 1, not a one-rank shard
         emulate = self.device_type == "cpu"  # its float8 matmul is a slow reference kernel
         options = dict(recipe=self.train.fp8_recipe, data_parallel=parallel, emulate=emulate)
         return Fp8Options(**options, excluded=excluded)

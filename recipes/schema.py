@@ -120,6 +120,17 @@ class Train(Section):
         "parameters, gradients and optimizer state in host memory (FSDP2's offload policy)",
     )
 
+    def offload_notes(self, device_type: str) -> list[str]:
+        """``cpu_offload`` on the CPU, where host and device memory are one: it moves nothing,
+        and changes how the model is wrapped (FSDP at dp=1 too)."""
+        if not self.cpu_offload or device_type != "cpu":
+            return []
+        return [
+            "train.cpu_offload=true moves nothing on the CPU (host and device memory are one): "
+            "FSDP wraps the model at dp=1 too and each micro-batch's gradients are reduced, so "
+            "the run follows the run without it (docs/precision-and-memory.md)"
+        ]
+
 
 class Checkpoint(Section):
     every_steps: Count = key(

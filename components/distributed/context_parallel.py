@@ -83,25 +83,29 @@ def _layer_type(config, layer_idx: int) -> str | None:
 class CpLayout:
     """Where this rank's queries ([seq / cp]) and the gathered keys ([seq], in all-gather order)
     sit in the whole sequence, and the whole rows' position ids: what each layer's mask is
-    evaluated on. Masks [batch, 1, seq / cp, seq] are built once per layer type per forward
-    (``masks``, keyed by layer type; None: a model without ``layer_types``)."""
+    evaluated on. Masks [batch, 1, seq / cp, seq] are built once per model and layer type per
+    forward (``masks``: by the model's config, then by layer type, None for a model without
+    ``layer_types``): two models run on one shard (distillation's teacher and student) each get
+    their own."""
 
     queries: torch.Tensor
     keys: torch.Tensor
     position_ids: torch.Tensor
-    masks: dict = field(default_factory=dict)
+    masks: dict = field(default_factory=dict)  # id(config) -> {layer type: mask}
 
     def mask(self, config, layer_idx: int) -> torch.Tensor:
         """The boolean mask of layer ``layer_idx`` of a model with ``config``."""
-        if not self.masks:  # the mask functions, each replaced by its mask on first use
+        masks = self.masks.get(id(config))
+        if masks is None:  # the model's mask functions, each replaced by its mask on first use
             functions = layer_mask_functions(config, self.position_ids)
-            self.masks.update(functions if isinstance(functions, dict) else {None: functions})
+            masks = functions if isinstance(functions, dict) else {None: functions}
+            self.masks[id(config)] = masks
         kind = _layer_type(config, layer_idx)
-        if self.masks.get(kind) is None:
+        if masks.get(kind) is None:
             raise ValueError(f"context parallelism has no mask for {kind} layers")
-        if callable(self.masks[kind]):
-            self.masks[kind] = self._evaluate(self.masks[kind])
-        return self.masks[kind]
+        if callable(masks[kind]):
+            masks[kind] = self._evaluate(masks[kind])
+        return masks[kind]
 
     def _evaluate(self, function: Callable) -> torch.Tensor:
         batch = self.position_ids.shape[0]

@@ -40,19 +40,19 @@ def shard_data_parallel(
     where the mesh is on CUDA). Call after the TP plan, activation checkpointing and compile.
     """
     policy = mp_policy or MixedPrecisionPolicy()
-    on_host = (
+    offload_policy = (
         CPUOffloadPolicy(pin_memory=fsdp_mesh.device_type == "cuda")
         if cpu_offload
         else OffloadPolicy()
     )
     experts = set(expert_parameters(model))
     layers = getattr(getattr(model, "model", None), "layers", None)
-    for layer in [*(layers if layers is not None else []), model]:
+    for module in [*(layers if layers is not None else []), model]:  # each layer, then the root
         fully_shard(
-            layer,
+            module,
             mesh=fsdp_mesh,
             mp_policy=policy,
-            offload_policy=on_host,
+            offload_policy=offload_policy,
             ignored_params=experts,
         )
     for module in model.modules():

@@ -183,17 +183,28 @@ class ParallelDims:
         return found + self._context_parallel_problems(work)
 
     def _offload_problems(self, work: Workload) -> list[Problem]:
-        """``train.cpu_offload`` with ep > 1: the experts split over ep are outside FSDP, whose
-        offload policy moves the rest, so their weights, gradients and state would stay put."""
-        if not work.cpu_offload or self.ep == 1:
+        """``train.cpu_offload`` with ep > 1 (the experts split over ep are outside FSDP, whose
+        offload policy moves the rest, and would stay in device memory) or pp > 1 (a pipeline
+        stage is placed on its parameters' device, which offload makes the host's)."""
+        if not work.cpu_offload:
             return []
-        message = (
-            f"train.cpu_offload=true is not supported with ep={self.ep}: the experts split over "
-            "ep are outside FSDP, whose offload policy moves the rest to host memory, so they "
-            "would stay in device memory; use ep=1 (the experts are then sharded and offloaded "
-            "with the rest)"
-        )
-        return [Problem(key="train.cpu_offload", message=message)]
+        found = []
+        if self.ep > 1:
+            message = (
+                f"train.cpu_offload=true is not supported with ep={self.ep}: the experts split "
+                "over ep are outside FSDP, whose offload policy moves the rest to host memory, so "
+                "they would stay in device memory; use ep=1 (the experts are then sharded and "
+                "offloaded with the rest)"
+            )
+            found.append(Problem(key="train.cpu_offload", message=message))
+        if self.pp > 1:
+            message = (
+                f"train.cpu_offload=true is not supported with pp={self.pp} yet: a pipeline "
+                "stage runs on its parameters' device, which offload makes the host's, so on a "
+                "GPU its activations would be sent from the host; use pp=1"
+            )
+            found.append(Problem(key="train.cpu_offload", message=message))
+        return found
 
     def _context_parallel_problems(self, work: Workload) -> list[Problem]:
         """With cp > 1: ``seq_len`` splits into ``2·cp`` equal chunks (with sp a rank's share into

@@ -81,34 +81,7 @@ def build_parallel_model(
     mesh = meshes.world
     if dims.pp > 1:  # this rank's pipeline stage alone, its parameters named as in the whole
         model = keep_rank_stage(model, mesh, spec.pp_stages_per_rank)
-    report = None
-    if dims.tp > 1:
-        plan = plan_for(spec.config, spec.sequence_parallel, model)
-        plan = stage_plan(plan, model) if dims.pp > 1 else plan  # this stage's modules' entries
-        moe_modules = (*spec.experts, *spec.routers)
-        report = apply_tp_plan(
-            model, mesh["tp"], plan, spec.config, spec.sequence_parallel, moe_modules
-        )
-        if plan_is_derived(spec.config):
-            report.notes.append(derived_plan_note(spec.config, plan))
-        if entries := expert_entries(spec.config, model):
-            where = (
-                f"whole experts split over ep={dims.ep}"
-                if dims.ep > 1
-                else "at ep=1 every expert on every TP rank, gradient mean"
-            )
-            report.notes.append(
-                f"the model's own plan for its experts ({', '.join(entries)}) is replaced by "
-                f"expert parallelism: {where}"
-            )
-        if unbuilt := unbuilt_patterns(spec.config, model):
-            report.notes.append(
-                f"the model's own plan names layers this config does not build, ignored: "
-                f"{', '.join(unbuilt)}"
-            )
-        policy.cast_tp_inputs(model, fsdp=dims.fsdp_wraps(spec.cpu_offload))
-        if has_dropout(model):
-            shard_dropout_masks(model, mesh["tp"], spec.sequence_parallel, device)
+    report = _split_by_tp(model, spec, dims, mesh, device) if dims.tp > 1 else None
     if dims.ep > 1:
         experts = list(spec.experts)
         apply_expert_parallel(
@@ -125,6 +98,41 @@ def build_parallel_model(
         enable_context_parallel(model)
     pass_sequence_boundaries(model)  # a flash kernel: each forward passes its rows' sequences
     return model, report
+
+
+def _split_by_tp(
+    model: nn.Module, spec: ModelSpec, dims: ParallelDims, mesh, device: torch.device
+) -> PlanReport:
+    """The model's TP plan (this pipeline stage's entries with pp) applied over ``mesh["tp"]``,
+    its notes (a derived plan, experts left to expert parallelism, entries this config does not
+    build), the bf16 casts ahead of TP's gathers, and dropout masks sharded with the activations."""
+    plan = plan_for(spec.config, spec.sequence_parallel, model)
+    plan = stage_plan(plan, model) if dims.pp > 1 else plan  # this stage's modules' entries
+    moe_modules = (*spec.experts, *spec.routers)
+    report = apply_tp_plan(
+        model, mesh["tp"], plan, spec.config, spec.sequence_parallel, moe_modules
+    )
+    if plan_is_derived(spec.config):
+        report.notes.append(derived_plan_note(spec.config, plan))
+    if entries := expert_entries(spec.config, model):
+        where = (
+            f"whole experts split over ep={dims.ep}"
+            if dims.ep > 1
+            else "at ep=1 every expert on every TP rank, gradient mean"
+        )
+        report.notes.append(
+            f"the model's own plan for its experts ({', '.join(entries)}) is replaced by "
+            f"expert parallelism: {where}"
+        )
+    if unbuilt := unbuilt_patterns(spec.config, model):
+        report.notes.append(
+            f"the model's own plan names layers this config does not build, ignored: "
+            f"{', '.join(unbuilt)}"
+        )
+    precision_policy(spec.precision).cast_tp_inputs(model, fsdp=dims.fsdp_wraps(spec.cpu_offload))
+    if has_dropout(model):
+        shard_dropout_masks(model, mesh["tp"], spec.sequence_parallel, device)
+    return report
 
 
 def _load(model: nn.Module, spec: ModelSpec, device: torch.device) -> None:

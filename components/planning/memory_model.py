@@ -261,6 +261,14 @@ _FROZEN_KEYS = ("frozen_weights", "frozen_on_host", "frozen_forward", "teacher_h
 _FROZEN_KEYS += ("teacher_logits",)
 
 
+def _gathered_in_fp8(layout: Layout, step: Step) -> bool:
+    """fp8's tensorwise float8 all-gather: where FSDP shards over dp × cp above 1 (the recipe's
+    ``Fp8Options.data_parallel``), not FSDP's one-rank shard of an offloaded run."""
+    return (
+        step.precision == "fp8" and step.fp8_recipe == "tensorwise" and _data_parallel(layout) > 1
+    )
+
+
 def _autocast(layout: Layout, step: Step) -> bool:
     """fp32 weights and bf16 matmuls under ``torch.autocast``: bf16-mixed (or fp8, whose other
     matmuls are bf16-mixed's) without FSDP (with it, FSDP's bf16 copies are the operands)."""
@@ -401,7 +409,8 @@ def _loss(config, layout: Layout, step: Step, state: dict, chunked: bool) -> dic
 
 
 def _buffers(config, layout: Layout, step: Step, state: dict, stage: Stage) -> dict[str, float]:
-    # the pipeline's loss is unchunked; its FSDP reduces each micro-batch's gradients
+    # the pipeline's loss is unchunked; its FSDP reduces each micro-batch's gradients (torch's
+    # stage holds a StageModule, not the FSDP module, so it leaves FSDP's reduce on)
     chunked = bool(step.loss_chunk_tokens) and state["chunks_head"] and not stage.pipelined
     accumulates = step.global_batch_size > layout.micro_batch_size * layout.dims.dp
     fsdp = unsharded = 0.0
@@ -414,7 +423,7 @@ def _buffers(config, layout: Layout, step: Step, state: dict, stage: Stage) -> d
         # the root's parameters stay gathered from the forward's start to the backward's end
         # (FSDP2 does not reshard the root after forward)
         fsdp += state["root_numel"] * gathered
-        if fp8 and step.fp8_recipe == "tensorwise":  # the float8 linears' weights gathered in fp8
+        if _gathered_in_fp8(layout, step):  # the float8 linears' weights gathered in fp8
             fsdp -= 2 * state["fp8_layer_numel"] * (gathered - 1)
         # micro-batches accumulate unsharded (offloaded: each reduced to the host's shards)
         if accumulates and not stage.pipelined and not step.cpu_offload:
@@ -426,8 +435,7 @@ def _buffers(config, layout: Layout, step: Step, state: dict, stage: Stage) -> d
     copies -= state["fp8_numel"] * (_data_parallel(layout) == 1)  # cast to fp8 by the layer itself
     # fp8: a weight's float8 copy (1 byte) lives for one matmul; all-gathered in fp8 it is
     # FSDP's unsharded weight itself
-    gathered_fp8 = fp8 and step.fp8_recipe == "tensorwise" and _data_parallel(layout) > 1
-    fp8_casts = state["fp8_largest_numel"] * (fp8 and not gathered_fp8)
+    fp8_casts = state["fp8_largest_numel"] * (fp8 and not _gathered_in_fp8(layout, step))
     return {
         **_loss(config, layout, step, state, chunked),
         "autocast_weight_copies": 2 * copies * _autocast(layout, step),

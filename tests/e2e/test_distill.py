@@ -2,11 +2,12 @@
 tiny Llama student and its tiny Llama teacher (twice its size), each layout against its tp=1
 twin: tp=2, dp=2 × tp=2 with sp, cp=2, a Qwen3-MoE student at tp=2 ep=2, and the Llama student
 with a Qwen3-MoE teacher at tp=2 ep=2 (the teacher's experts split over ep, the dense student's
-layers not). fp32 on the CPU: a layout changes only the order of sums, so each step's loss, CE
-and KL agree within 1e-5 of the loss. One module fixture trains each configuration once; the
-metrics and the export are read from it. make test runs cp=2 and both MoE layouts at tp=2 ep=2
-(the vocabulary split by tp as well); plain tp=2 and the 4-rank dp=2 × tp=2 sp run under
-``-m sweep`` only."""
+layers not), and cp=2 with a teacher whose attention masks are not the student's (Mistral with a
+sliding window; Qwen3's layer types). fp32 on the CPU: a layout changes only the order of sums, so
+each step's loss, CE and KL agree within 1e-5 of the loss. One module fixture trains each
+configuration once; the metrics and the export are read from it. make test runs cp=2 (and with
+the Mistral teacher) and both MoE layouts at tp=2 ep=2 (the vocabulary split by tp as well); plain
+tp=2, the 4-rank dp=2 × tp=2 sp and the Qwen3 teacher at cp=2 run under ``-m sweep`` only."""
 
 from pathlib import Path
 
@@ -29,6 +30,11 @@ RUNS = {
     "moe_tp2_ep2": ["model=qwen3_moe", "tp=2", "ep=2"],
     "moe_teacher_tp1": ["teacher.family=qwen3_moe", "tp=1"],
     "moe_teacher_tp2_ep2": ["teacher.family=qwen3_moe", "tp=2", "ep=2"],
+    # the teacher's masks are not the student's: a sliding window, layer types of its own
+    "window_teacher_tp1": ["teacher.family=mistral", "+teacher.config.sliding_window=8"],
+    "window_teacher_cp2": ["teacher.family=mistral", "+teacher.config.sliding_window=8", "cp=2"],
+    "qwen3_teacher_tp1": ["teacher.family=qwen3"],
+    "qwen3_teacher_cp2": ["teacher.family=qwen3", "cp=2"],
 }
 
 
@@ -62,6 +68,8 @@ def agree(got: list[dict], want: list[dict], steps: tuple[int, ...] = (1, 2, 3, 
         ("cp2", "tp1"),
         ("moe_tp2_ep2", "moe_tp1"),
         ("moe_teacher_tp2_ep2", "moe_teacher_tp1"),
+        ("window_teacher_cp2", "window_teacher_tp1"),
+        pytest.param("qwen3_teacher_cp2", "qwen3_teacher_tp1", marks=pytest.mark.sweep),
         pytest.param("tp2", "tp1", marks=pytest.mark.sweep),
         pytest.param("dp2_tp2_sp", "tp1", marks=pytest.mark.sweep),
     ],

@@ -81,15 +81,18 @@ def test_the_meshes_are_named_by_purpose(fake_world):
     assert resolve_parallel_dims(8, tp=2).build_meshes("cpu").experts is None
 
 
-def test_cpu_offload_is_a_layout_rule_refused_with_expert_parallelism_alone():
-    """FSDP2's offload policy moves what FSDP holds: experts split over ep are not, so the run
-    would not be what the key says; other layouts take it (tests/e2e/test_cpu_offload.py), and
+def test_cpu_offload_is_a_layout_rule_refused_with_experts_or_pipeline_stages():
+    """FSDP2's offload policy moves what FSDP holds: experts split over ep are not, and a
+    pipeline stage runs on its parameters' device; other layouts take it
+    (tests/e2e/test_cpu_offload.py), and
     FSDP then wraps the model at dp=1 too, so foreach meets no plain replica at tp=2."""
     work = Workload(global_batch_size=8, micro_batch_size=1, seq_len=64, cpu_offload=True)
     [problem] = ParallelDims(tp=2, ep=2).problems(work)
     assert problem.key == "train.cpu_offload"
     assert problem.message.startswith("train.cpu_offload=true is not supported with ep=2: the")
     assert ParallelDims(tp=2, ep=1).problems(work) == []
+    [staged] = ParallelDims(pp=2).problems(work)
+    assert staged.message.startswith("train.cpu_offload=true is not supported with pp=2 yet: a")
     kept = Workload(global_batch_size=8, micro_batch_size=1, seq_len=64)
     assert ParallelDims(tp=2, ep=2).problems(kept) == []
     foreach = OptimizerFacts(target="torch.optim.AdamW", foreach=True)

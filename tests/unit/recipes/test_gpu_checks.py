@@ -73,3 +73,11 @@ def test_the_fault_that_needs_gloo_is_refused_on_cuda_only():
         "wait_tensor; use kill@2 or kill_in_save@2 on CUDA"
     ]
     assert fault_backend_errors(parse_fault("kill@2"), "cuda") == []
+
+
+def test_cpu_offload_on_the_cpu_is_a_note_that_it_moves_nothing():
+    train = validate(compose(["train.cpu_offload=true"])).train
+    [note] = train.offload_notes("cpu")
+    assert note.startswith("train.cpu_offload=true moves nothing on the CPU (host and device ")
+    assert train.offload_notes("cuda") == []
+    assert validate(compose([])).train.offload_notes("cpu") == []
