@@ -68,7 +68,7 @@ class DpoConfig(Config):
     def model_errors(self, model_type: str, experts: tuple[str, ...]) -> list[str]:
         """An MoE model (its router's load-balancing loss and expert counts are not DPO's yet), or
         one whose head the chunked log-probabilities do not compute."""
-        from components.distributed.chunked_loss import PLAIN_HEAD_FAMILIES  # torch: the checks'
+        from components.training.preference import DPO_FAMILIES, PLAIN_HEAD_FAMILIES  # torch
 
         found = []
         if experts:
@@ -79,7 +79,8 @@ class DpoConfig(Config):
         if model_type not in PLAIN_HEAD_FAMILIES:
             found.append(
                 f"model={self.model.name} is a {model_type} model: dpo.py computes the answers' "
-                f"log-probabilities from a plain lm_head of {', '.join(PLAIN_HEAD_FAMILIES)}"
+                f"log-probabilities from the plain lm_head of {', '.join(DPO_FAMILIES)} models: "
+                "use one of those"
             )
         return found
 

@@ -27,6 +27,11 @@ from components.data.collate import IGNORE_INDEX, Labelling, record_error, token
 from components.data.mixture import integer_weights, interleave
 from components.data.packing import Rows, build_rows, concatenated_rows
 
+# A row of no example: ``pad_id`` tokens, no labels. :meth:`StepBatches.all_batches` fills a dp
+# rank's share with it so every rank runs as many rows as the others; it adds nothing to a loss sum
+# or a labelled-token count.
+PAD_ROW = -1
+
 
 @dataclass(frozen=True, kw_only=True)
 class TokenizedSplit:
@@ -363,17 +368,25 @@ class StepBatches:
         batches = []
         for start in range(0, len(rows), self.micro_batch_size):
             chosen = rows[start : start + self.micro_batch_size]
-            spans = [(int(self.rows.offsets[r]), int(self.rows.offsets[r + 1])) for r in chosen]
+            spans = [self._span(r) for r in chosen]
             examples = self.tokens[[int(i) for a, b in spans for i in self.rows.order[a:b]]]
             pairs = iter(zip(examples["input_ids"], examples["labels"], strict=True))
             rows_of_pairs = [[next(pairs) for _ in range(b - a)] for a, b in spans]
             batches.append(collate_rows(rows_of_pairs, self._width(chosen), self.pad_id))
         return batches
 
+    def _span(self, row: int) -> tuple[int, int]:
+        """Where ``row``'s examples lie in ``rows.order``: none for :data:`PAD_ROW`."""
+        if row == PAD_ROW:
+            return 0, 0
+        return int(self.rows.offsets[row]), int(self.rows.offsets[row + 1])
+
     def _width(self, rows: list[int]) -> int:
         """Positions of a micro-batch of ``rows``: ``seq_len``, or its longest row rounded up to a
-        multiple of ``pad_multiple`` (causal attention keeps every real token's result the same)."""
-        return batch_width(int(self.rows.tokens[rows].max()), self.seq_len, self.pad_multiple)
+        multiple of ``pad_multiple`` (causal attention keeps every real token's result the same);
+        a micro-batch of :data:`PAD_ROW` alone is one multiple wide."""
+        longest = max((int(self.rows.tokens[r]) for r in rows if r != PAD_ROW), default=1)
+        return batch_width(longest, self.seq_len, self.pad_multiple)
 
     def indices_for_step(self, step: int) -> list[int]:
         """Row indices of the whole global batch of ``step`` (0-based), in order; dp parts are
@@ -415,19 +428,24 @@ class StepBatches:
     def all_batches(self) -> list[Batch]:
         """This dp rank's share of every row once, in row order, in micro-batches (the last may be
         smaller), for a validation loss. Every dp rank gets the same number and sizes of
-        micro-batches (as sharded data parallelism needs), so the ``num_rows % dp_size`` last rows
-        are left out; ``global_batch_size`` plays no part.
+        micro-batches (as sharded data parallelism needs): the rows are cut into ``dp_size``
+        contiguous shares, the first ``num_rows % dp_size`` one row longer, and each shorter
+        share ends in one :data:`PAD_ROW`, which counts nothing, so the loss over the dp ranks is
+        dp=1's; ``global_batch_size`` plays no part.
 
         Raises:
             ValueError: If there are fewer rows than dp ranks.
         """
-        part_size = self.num_rows // self.dp_size
-        if part_size == 0:
+        size, longer = divmod(self.num_rows, self.dp_size)
+        if size == 0:
             raise ValueError(
                 f"{self.num_rows} records cannot be shared by dp ({self.dp_size}) ranks: "
                 "raise data.val_fraction or use more data"
             )
-        return self._batches(list(range(self.dp_rank * part_size, (self.dp_rank + 1) * part_size)))
+        longest = size + (longer > 0)  # every rank runs this many rows
+        first = self.dp_rank * size + min(self.dp_rank, longer)
+        mine = list(range(first, first + size + (self.dp_rank < longer)))
+        return self._batches(mine + [PAD_ROW] * (longest - len(mine)))
 
 
 class PairBatches(StepBatches):
@@ -435,20 +453,24 @@ class PairBatches(StepBatches):
     conversations (``Rows`` of two examples each), and ``global_batch_size`` and
     ``micro_batch_size`` count pairs. A micro-batch of ``n`` pairs is ``2n`` rows, the ``n``
     chosen conversations then the ``n`` rejected ones, in the same order (TRL's layout), one
-    conversation a row."""
+    conversation a row. A :data:`PAD_ROW` pair is two rows of no answer tokens: a loss of pairs
+    must leave such a pair out (DPO's would be log 2; ``recipes/dpo.py`` validates nothing)."""
 
     def _batches(self, rows: list[int]) -> list[Batch]:
         batches = []
         for start in range(0, len(rows), self.micro_batch_size):
             chosen = rows[start : start + self.micro_batch_size]
-            spans = [(int(self.rows.offsets[r]), int(self.rows.offsets[r + 1])) for r in chosen]
+            spans = [self._span(r) for r in chosen if r != PAD_ROW]
             if any(b - a != 2 for a, b in spans):
                 raise ValueError(
                     "a preference row must hold two conversations, chosen and rejected"
                 )
             examples = self.tokens[[int(self.rows.order[a + k]) for k in (0, 1) for a, _ in spans]]
-            conversations = list(zip(examples["input_ids"], examples["labels"], strict=True))
-            longest = max(len(ids) for ids, _ in conversations)
+            real = iter(zip(examples["input_ids"], examples["labels"], strict=True))
+            conversations = [
+                ([], []) if row == PAD_ROW else next(real) for _ in (0, 1) for row in chosen
+            ]
+            longest = max(max(len(ids) for ids, _ in conversations), 1)
             width = batch_width(longest, self.seq_len, self.pad_multiple)
             batches.append(collate_rows([[one] for one in conversations], width, self.pad_id))
         return batches

@@ -34,8 +34,13 @@ from components.distributed.chunked_loss import (
     head_weights,
     lm_head_skipped,
 )
+from components.models.families import FAMILIES
 from components.models.lora import adapters_off
 from components.training.options import DPO_LOSS_TYPES
+
+# The families DPO trains: those of a plain head (PLAIN_HEAD_FAMILIES) without experts in the
+# family table (recipes/dpo.py adds no router load-balancing loss yet).
+DPO_FAMILIES = tuple(name for name in PLAIN_HEAD_FAMILIES if not FAMILIES[name].moe)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -146,7 +151,7 @@ def answer_log_probs(model: nn.Module, batch: Batch, chunk_tokens: int) -> torch
     """
     if not chunks_head(model):
         raise ValueError(
-            f"DPO needs a plain linear lm_head of a {', '.join(PLAIN_HEAD_FAMILIES)} model; "
+            f"DPO needs a plain linear lm_head of a {', '.join(DPO_FAMILIES)} model; "
             f"this {type(model).__name__}'s head is not one"
         )
     with lm_head_skipped(model) as head:

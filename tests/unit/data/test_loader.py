@@ -4,7 +4,7 @@ reproduces."""
 import pytest
 import torch
 
-from components.data.collate import Labelling, tokenize_example
+from components.data.collate import IGNORE_INDEX, Labelling, tokenize_example
 from components.data.generated import generate_examples
 from components.data.loader import StepBatches, collate_rows, pad_id_of
 from components.data.tokenizer import DEFAULT_VOCAB_SIZE, train_tokenizer, training_texts
@@ -155,16 +155,39 @@ def test_step_counts_cover_every_part_labels_shifted_and_tokens_without_padding(
         assert ranks[0].tokens_in_step(step) == ranks[1].tokens_in_step(step) == real > labelled
 
 
-def test_all_batches_share_every_record_once_equally_over_dp_ranks(loader, tokenizer):
+@pytest.mark.parametrize("dp_size", [2, 3])
+def test_all_batches_share_every_record_once_equally_over_dp_ranks(loader, tokenizer, dp_size):
+    """11 rows at dp=2 (6 + 5) and dp=3 (4 + 4 + 3): every row once, in order, and each shorter
+    share ends in one unlabelled row of padding, so every rank runs micro-batches of the same
+    sizes and the labelled tokens are dp=1's."""
     ranks = [
-        loader(n=11, global_batch_size=4, micro_batch_size=2, dp_size=2, dp_rank=r)
-        for r in range(2)
+        loader(n=11, global_batch_size=2 * dp_size, micro_batch_size=2, dp_size=dp_size, dp_rank=r)
+        for r in range(dp_size)
     ]
     shares = [rank.all_batches() for rank in ranks]
-    # 11 % 2: the last is left out
-    assert [[batch.input_ids.shape[0] for batch in share] for share in shares] == [[2, 2, 1]] * 2
-    expected = _unpacked(RECORDS[:10], tokenizer)
-    assert torch.equal(_cat(shares[0] + shares[1])[0], expected[0])
+    sizes = [[batch.input_ids.shape[0] for batch in share] for share in shares]
+    assert sizes == ([[2, 2, 2]] * 2 if dp_size == 2 else [[2, 2]] * 3)
+    rows = [(ids, labels) for share in shares for ids, labels in zip(*_cat(share), strict=True)]
+    padding = [(ids, labels) for ids, labels in rows if (labels == IGNORE_INDEX).all()]
+    real = [(ids, labels) for ids, labels in rows if not (labels == IGNORE_INDEX).all()]
+    expected = _unpacked(RECORDS[:11], tokenizer)
+    assert torch.equal(torch.stack([ids for ids, _ in real]), expected[0])
+    assert torch.equal(torch.stack([labels for _, labels in real]), expected[1])
+    assert len(padding) == len(rows) - 11 == dp_size - 11 % dp_size
+    assert all((ids == tokenizer.pad_token_id).all() for ids, _ in padding)
+    ends_in_padding = [share[-1].real_tokens[-1].item() == 0 for share in shares]
+    assert ends_in_padding == [rank >= 11 % dp_size for rank in range(dp_size)]
+    labelled = sum(batch.labelled_tokens() for share in shares for batch in share)
+    assert labelled == sum(b.labelled_tokens() for b in loader(n=11, dp_size=1).all_batches())
+
+
+def test_a_micro_batch_of_padding_alone_is_one_pad_multiple_wide(loader):
+    """9 rows at dp=2 in micro-batches of 4: rank 1's second micro-batch is its padding row alone,
+    as wide as the narrowest micro-batch ``pad_multiple`` makes."""
+    sizes = dict(n=9, global_batch_size=8, micro_batch_size=4, dp_size=2, pad_multiple=8)
+    first, second = [loader(dp_rank=r, **sizes).all_batches() for r in range(2)]
+    assert [b.input_ids.shape[0] for b in first] == [b.input_ids.shape[0] for b in second] == [4, 1]
+    assert second[-1].input_ids.shape == (1, 8) and second[-1].labelled_tokens() == 0
 
 
 def test_global_batch_must_divide_by_micro_batch_times_dp(loader):

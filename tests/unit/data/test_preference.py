@@ -6,6 +6,7 @@ import json
 
 import datasets
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from components.data.collate import IGNORE_INDEX, tokenize_example
@@ -96,6 +97,24 @@ def test_prepared_pairs_stay_together_and_batch_chosen_then_rejected(tokenizer_d
         ]
         for pair in range(2):
             assert [rows[pair], rows[pair + 2]] in pairs
+
+
+def test_two_dp_ranks_share_every_pair_once_and_one_padding_pair(tokenizer_dir, tmp_path):  # noqa: F811
+    """The 3 held-out pairs at dp=2: rank 0 the first two, rank 1 the third and a padding pair,
+    two rows of no tokens and no labels in the places of a chosen and a rejected conversation."""
+    prepared = prepare(EMBEDDED, tokenizer_dir, tmp_path, seq_len=48)
+    shards = dict(dp_size=1, dp_rank=0, seed=0)
+    (whole,) = open_splits(prepared.train, prepared.val, 3, 3, **shards)[1].all_batches()
+    shares = []
+    for rank in range(2):
+        shards = dict(dp_size=2, dp_rank=rank, seed=0)
+        shares += open_splits(prepared.train, prepared.val, 4, 2, **shards)[1].all_batches()
+    first, second = (batch.input_ids for batch in shares)
+    assert torch.equal(first, whole.input_ids[[0, 1, 3, 4]])
+    assert torch.equal(second[[0, 2]], whole.input_ids[[2, 5]])
+    assert (second[[1, 3]] == prepared.val.pad_id).all()
+    assert (shares[1].labels[[1, 3]] == IGNORE_INDEX).all()
+    assert sum(b.labelled_tokens() for b in shares) == whole.labelled_tokens()
 
 
 def test_a_jsonl_record_without_rejected_is_one_line_naming_it(tokenizer_dir, tmp_path):  # noqa: F811

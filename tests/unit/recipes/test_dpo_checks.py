@@ -2,16 +2,19 @@
 policy's architecture and tokenizer passes; another model type, another tokenizer, a path that
 is no model folder, and a policy built from ``model.config`` (whose tokenizer exists only after
 preparation) are each one line naming the key. A policy still to be downloaded is fetched by the
-preparation, which compares the reference with it then."""
+preparation, which compares the reference with it then. A policy of a family dpo.py does not
+train is one line naming those it does."""
 
 from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
 
 from components.runtime.problems import ConfigError
 from recipes.compose import compose_dpo
 from recipes.dpo_checks import check_dpo, prepare_dpo
-from tests.saved_models import reference_folders
+from tests.coverage import tiny_config
+from tests.saved_models import reference_folders, save_model
 from tests.unit.recipes.test_distill_checks import downloaded, hub, refusals_of  # noqa: F401
 
 POLICY_ID = "shardtune-tests/policy"
@@ -63,6 +66,19 @@ def test_no_model_folder_and_a_built_policy_are_refused(tmp_path, folders):
     [said] = refusals(tmp_path, f"dpo.reference_path={folders['reference']}")
     assert said.startswith(f"dpo.reference_path={folders['reference']} is checked against")
     assert "the policy (model=llama) is built from model.config" in said
+
+
+def test_a_model_of_another_family_is_refused_naming_the_families_dpo_trains(tmp_path, folders):
+    """A gemma2 policy (a soft-capped head): the line names the dense families of a plain head,
+    the ones dpo.py trains, not qwen3_moe or mixtral, which it refuses for their experts."""
+    tokenizer = AutoTokenizer.from_pretrained(folders["policy"])
+    config = tiny_config("gemma2")
+    config.vocab_size = len(tokenizer)
+    folder = save_model(tmp_path / "gemma2", config, tokenizer)
+    assert refusals(tmp_path, "model=pretrained", f"model.pretrained_path={folder}") == [
+        "model=pretrained is a gemma2 model: dpo.py computes the answers' log-probabilities from "
+        "the plain lm_head of llama, mistral, qwen2, qwen3 models: use one of those"
+    ]
 
 
 def checked_hub_policy(tmp_path: Path, reference: Path, *overrides: str):
