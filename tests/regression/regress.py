@@ -73,8 +73,17 @@ def run_recipe(name: str, output_root: Path, extra: list[str]) -> Path:
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = cli.run(command, cwd=REPO, capture_output=True, text=True, env=environment)
     if result.returncode != 0:
-        raise RuntimeError(f"{name} failed:\n{result.stderr[-3000:]}")
+        raise RuntimeError(f"{name} failed:\n{failure_text(result.stderr)}")
     return output_dir
+
+
+def failure_text(stderr: str) -> str:
+    """A failed run's stderr, shortened: from a rank's fatal error on (Python's faulthandler puts
+    the crashing thread's frames first, which the end of a long dump would cut), else its end."""
+    fatal = stderr.find("Fatal Python error")
+    if fatal >= 0:
+        return stderr[fatal : fatal + 6000] + "\n...\n" + stderr[-500:]
+    return stderr[-3000:]
 
 
 def read_curve(path: Path) -> list[dict]:
