@@ -78,11 +78,13 @@ def run_recipe(name: str, output_root: Path, extra: list[str]) -> Path:
 
 
 def failure_text(stderr: str) -> str:
-    """A failed run's stderr, shortened: from a rank's fatal error on (Python's faulthandler puts
-    the crashing thread's frames first, which the end of a long dump would cut), else its end."""
+    """A failed run's stderr, shortened: from just before a rank's fatal error on (what glibc or
+    C++ printed before aborting; Python's faulthandler then puts the crashing thread's frames
+    first, which the end of a long dump would cut), else its end."""
     fatal = stderr.find("Fatal Python error")
     if fatal >= 0:
-        return stderr[fatal : fatal + 6000] + "\n...\n" + stderr[-500:]
+        start = max(0, fatal - 600)
+        return stderr[start : fatal + 6000] + "\n...\n" + stderr[-500:]
     return stderr[-3000:]
 
 
