@@ -1,10 +1,12 @@
 """``train.cpu_offload=true`` (FSDP2's ``CPUOffloadPolicy`` on every ``fully_shard``, and FSDP at
 dp=1 as a one-rank shard) through the real command line. On this CPU host and device memory are
-one, so the policy moves nothing: every run must equal the same run without it, step by step and
-exactly. What that proves is that the recipes, FSDP at dp=1 (against no FSDP), the optimizers,
-QLoRA's NF4 base and checkpoints compose with the policy (refused with ep > 1 and pp > 1:
-tests/unit/distributed/test_layout.py). What it
-moves on CUDA, and the device memory it saves, is the cuda lane's (tests/cuda/test_cpu_offload.py).
+one, so the policy moves nothing: every run must equal the same run without it, step by step, to
+fp32's rounding (1e-7; exactly but where offload's reduce of each micro-batch sums the same fp32
+gradients in another order: sequence parallelism's norms, micro-batches accumulating over dp).
+What that proves is that the recipes, FSDP at dp=1 (against no FSDP), the optimizers, QLoRA's
+NF4 base and checkpoints compose with the policy (refused with ep > 1 and pp > 1:
+tests/unit/distributed/test_layout.py). What it moves on CUDA, and the device memory it saves,
+is the cuda lane's (tests/cuda/test_cpu_offload.py).
 
 make test runs AdamW at dp=2, SGD at tp=2 (FSDP's one-rank shard against none) and a resume across
 the key; the other families and recipes run under ``-m sweep``.
@@ -59,8 +61,9 @@ def test_a_run_with_cpu_offload_equals_the_run_without_it_on_the_cpu(tmp_path, c
     offloaded = train(recipe, tmp_path / "offloaded", *layout, "train.cpu_offload=true")
     assert [r["step"] for r in offloaded] == [1, 2, 3]
     for record, again in zip(kept, offloaded, strict=True):
-        assert again["loss"] == record["loss"], (record, again)
-        assert again["grad_norm"] == record["grad_norm"], (record, again)
+        assert again["loss"] == pytest.approx(record["loss"], rel=1e-7, abs=0), (record, again)
+        grad_norm = pytest.approx(record["grad_norm"], rel=1e-7, abs=0)
+        assert again["grad_norm"] == grad_norm, (record, again)
 
 
 def test_with_accumulation_over_dp_each_micro_batch_is_reduced_and_the_run_follows(tmp_path):
