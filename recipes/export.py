@@ -15,7 +15,7 @@ from components.checkpoint.dcp import publish_folder, run_on_rank0
 from components.checkpoint.export import export_dtype, export_hf
 from components.checkpoint.peft_export import adapter_config, export_peft_adapter
 from components.distributed.pipeline import every_stage
-from components.models.build import build_causal_lm
+from components.models.build import build_causal_lm, save_pretrained_quietly
 from components.models.lora import adapted_parameters, adapter_state, lora_modules, merge_adapters
 from components.models.precision import precision_policy
 from components.models.qlora import dequantize_base
@@ -70,7 +70,7 @@ def write_base(plan: RunPlan, tokenizer, dtype: torch.dtype) -> str:
     def write() -> None:
         param_dtype = precision_policy(plan.model.precision).param_dtype
         model = build_causal_lm(plan.model.config, seed=plan.seed, dtype=param_dtype)
-        model.to(dtype).save_pretrained(tmp)
+        save_pretrained_quietly(model.to(dtype), tmp)
         tokenizer.save_pretrained(tmp)
         publish_folder(tmp, folder)
 

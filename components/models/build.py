@@ -5,6 +5,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers.utils import logging as transformers_logging
 
 from components.models.derived_plan import decoder_layer_list, deeper_allowed
 
@@ -102,3 +103,15 @@ def decoder_blocks(model: nn.Module) -> list[nn.Module]:
             f"{type(model).__name__} has no model.layers: cannot find its decoder blocks"
         )
     return list(found[1])
+
+
+def save_pretrained_quietly(model: PreTrainedModel, folder) -> None:
+    """``model.save_pretrained(folder)`` without transformers' "Writing model shards" bar, whose
+    carriage returns would break a log in a file or a pipe into fragments."""
+    shown = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(folder)
+    finally:
+        if shown:
+            transformers_logging.enable_progress_bar()

