@@ -14,6 +14,7 @@ like the experts, TP replicas (``"mean"``) like them at ep=1, exported in PEFT's
 
 import fnmatch
 import functools
+import logging
 import math
 import zlib
 from collections.abc import Iterator
@@ -31,6 +32,8 @@ from components.distributed.chunked_loss import HeadAdapter
 from components.distributed.tp_replicas import mark_tp_replica_gradient_reduction
 from components.moe.expert_lora import ADAPTED_WEIGHTS, ADAPTERS, has_expert_adapters
 from components.moe.expert_parallel import expert_modules, experts_problem, run_whole_experts
+
+_REDISTRIBUTE_LOG = logging.getLogger("torch.distributed.tensor._redistribute")
 
 # The TP styles that split a linear's output features (B by rows, as the weight): colwise, and the
 # vocab-parallel head's (whose B then follows the vocabulary split); rowwise splits the input.
@@ -365,8 +368,18 @@ def _peft_expert_adapters(name: str, module: nn.Module) -> dict[str, torch.Tenso
 
 
 def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole of an adapter weight, for the export. Under FSDP over TP torch logs, per rank,
+    that a strided shard over a shard takes two all-gathers and "may give inconsistent results":
+    a gather sums nothing, so the whole is exact, and the hint is kept out of the run's log."""
     tensor = tensor.detach()
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    if not isinstance(tensor, DTensor):
+        return tensor
+    level = _REDISTRIBUTE_LOG.level
+    _REDISTRIBUTE_LOG.setLevel(logging.ERROR)
+    try:
+        return tensor.full_tensor()
+    finally:
+        _REDISTRIBUTE_LOG.setLevel(level)
 
 
 @torch.no_grad()
