@@ -36,7 +36,7 @@ from components.models.families import (
     unbuilt_patterns,
 )
 from components.models.load import materialize_pretrained
-from components.models.precision import precision_policy
+from components.models.precision import PrecisionPolicy, precision_policy
 from components.models.qlora import quantize_base
 from components.moe import apply_expert_parallel
 
@@ -81,7 +81,7 @@ def build_parallel_model(
     mesh = meshes.world
     if dims.pp > 1:  # this rank's pipeline stage alone, its parameters named as in the whole
         model = keep_rank_stage(model, mesh, spec.pp_stages_per_rank)
-    report = _split_by_tp(model, spec, dims, mesh, device) if dims.tp > 1 else None
+    report = _split_by_tp(model, spec, dims, mesh, policy, device) if dims.tp > 1 else None
     if dims.ep > 1:
         experts = list(spec.experts)
         apply_expert_parallel(
@@ -101,7 +101,12 @@ def build_parallel_model(
 
 
 def _split_by_tp(
-    model: nn.Module, spec: ModelSpec, dims: ParallelDims, mesh, device: torch.device
+    model: nn.Module,
+    spec: ModelSpec,
+    dims: ParallelDims,
+    mesh,
+    policy: PrecisionPolicy,
+    device: torch.device,
 ) -> PlanReport:
     """The model's TP plan (this pipeline stage's entries with pp) applied over ``mesh["tp"]``,
     its notes (a derived plan, experts left to expert parallelism, entries this config does not
@@ -129,7 +134,7 @@ def _split_by_tp(
             f"the model's own plan names layers this config does not build, ignored: "
             f"{', '.join(unbuilt)}"
         )
-    precision_policy(spec.precision).cast_tp_inputs(model, fsdp=dims.fsdp_wraps(spec.cpu_offload))
+    policy.cast_tp_inputs(model, fsdp=dims.fsdp_wraps(spec.cpu_offload))
     if has_dropout(model):
         shard_dropout_masks(model, mesh["tp"], spec.sequence_parallel, device)
     return report
