@@ -257,8 +257,13 @@ def _state(model: nn.Module, layout: Layout, step: Step) -> dict[str, float]:
 
 
 _FP8_KEYS = ("fp8_numel", "fp8_largest_numel", "fp8_layer_numel")
-_FROZEN_KEYS = ("frozen_weights", "frozen_on_host", "frozen_forward", "teacher_hidden")
-_FROZEN_KEYS += ("teacher_logits",)
+_FROZEN_KEYS = (
+    "frozen_weights",
+    "frozen_on_host",
+    "frozen_forward",
+    "teacher_hidden",
+    "teacher_logits",
+)
 
 
 def _gathered_in_fp8(layout: Layout, step: Step) -> bool:
