@@ -20,7 +20,7 @@ from components.distributed.layout import LayoutError, ModelFacts, ParallelDims
 from components.problems import Problem, problems
 from components.runtime.launch import started_by_launcher
 from components.runtime.launch_checks import gpu_count_problems, torchrun_unread_keys
-from components.runtime.output_dir import unused_folder
+from components.runtime.output_dir import run_output_folder
 from components.runtime.problems import ConfigError, say
 from components.runtime.world import cpu_threads_per_rank, visible_gpus
 from recipes.compose import mix_kinds, validated
@@ -112,10 +112,8 @@ def check_beside(
 
     train = settings.train
     warmup = min(train.warmup_steps, train.max_steps)  # a longer one is cut to the run, with a note
-    output = Path(output_dir or settings.output_dir).expanduser().absolute()
-    per_run = "${now:" in str(OmegaConf.to_container(cfg, resolve=False)["output_dir"])
-    if per_run and output_dir is None:  # two runs in one second: the second gets DATE_TIME_2
-        output = unused_folder(output)
+    written = str(OmegaConf.to_container(cfg, resolve=False)["output_dir"])
+    output, per_run = run_output_folder(settings.output_dir, written, output_dir)
     gpus = visible_gpus()  # NVML's count: CUDA starts in the ranks, never before the fork
     device_type = "cuda" if gpus else "cpu"
     found, fault = settings.option_problems(warmup, output, device_type)

@@ -216,6 +216,20 @@ def unused_folder(path: Path) -> Path:
     return candidate
 
 
+def run_output_folder(
+    configured: str, written: str, sweep_job_dir: str | None
+) -> tuple[Path, bool]:
+    """The run's output folder: a sweep job's own (``sweep_job_dir``), else ``configured`` (the
+    resolved ``output_dir``), made absolute; and whether the config as ``written`` names a folder
+    per run (``${now:...}``), where a run started in the same second as another takes
+    :func:`unused_folder`'s next name."""
+    output = Path(sweep_job_dir or configured).expanduser().absolute()
+    per_run = "${now:" in written
+    if per_run and sweep_job_dir is None:
+        output = unused_folder(output)
+    return output, per_run
+
+
 def _foreign_in_checkpoints(folder: Path) -> list[str]:
     """Entries of ``checkpoints/`` that are not checkpoint folders (``step_N``, ``.tmp``,
     ``.old``)."""

@@ -21,6 +21,7 @@ from components.runtime.output_dir import (
     claim_output_dir,
     config_hash,
     read_run_record,
+    run_output_folder,
     unused_folder,
 )
 
@@ -216,6 +217,16 @@ def test_a_per_run_folder_taken_in_the_same_second_gets_the_next_number(tmp_path
     assert unused_folder(first) == tmp_path / "2026-12-01_23-05-48_2"
     (tmp_path / "2026-12-01_23-05-48_2").mkdir()
     assert unused_folder(first) == tmp_path / "2026-12-01_23-05-48_3"
+
+
+def test_the_run_folder_is_the_sweep_jobs_else_the_configured_one_numbered_per_run(tmp_path):
+    per_run, fixed = "outputs/${now:%Y-%m-%d_%H-%M-%S}", "outputs/mine"
+    taken = tmp_path / "2026-12-01_23-05-48"
+    taken.mkdir()
+    assert run_output_folder(str(taken), per_run, None) == (tmp_path / f"{taken.name}_2", True)
+    assert run_output_folder(str(taken), fixed, None) == (taken, False)  # resumed or refused
+    job = str(tmp_path / "sweep" / "0")
+    assert run_output_folder(str(taken), per_run, job) == (Path(job), True)
 
 
 def test_a_released_lock_leaves_no_lock_file(tmp_path):
