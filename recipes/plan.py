@@ -212,9 +212,9 @@ class RunPlan(Settled):
         if self.train.precision != "fp8":
             return None
         excluded = (*self.model.experts, *self.model.routers)
-        parallel = self.dims.data_parallel > 1  # FSDP over dp × cp > 1, not a one-rank shard
         emulate = self.device_type == "cpu"  # its float8 matmul is a slow reference kernel
-        options = dict(recipe=self.train.fp8_recipe, data_parallel=parallel, emulate=emulate)
+        gathers = self.dims.gathers_weights
+        options = dict(recipe=self.train.fp8_recipe, data_parallel=gathers, emulate=emulate)
         return Fp8Options(**options, excluded=excluded)
 
     @property

@@ -23,6 +23,7 @@ from components.models.options import (
     ACTIVATION_CHECKPOINTING,
     ATTENTION_IMPLEMENTATIONS,
     FP8_RECIPES,
+    OFFLOAD_ON_THE_CPU,
     PRECISIONS,
 )
 from components.problems import Problem, problems, show
@@ -126,9 +127,8 @@ class Train(Section):
         if not self.cpu_offload or device_type != "cpu":
             return []
         return [
-            "train.cpu_offload=true moves nothing on the CPU (host and device memory are one): "
-            "FSDP wraps the model at dp=1 too and each micro-batch's gradients are reduced, so "
-            "the run follows the run without it (docs/precision-and-memory.md)"
+            f"{OFFLOAD_ON_THE_CPU} and each micro-batch's gradients are reduced, so the run "
+            "follows the run without it (docs/precision-and-memory.md)"
         ]
 
 

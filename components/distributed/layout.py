@@ -141,10 +141,17 @@ class ParallelDims:
         """Ranks the weights are data parallel over (FSDP's, the loss's): ``dp × cp``."""
         return self.dp * self.cp
 
+    @property
+    def gathers_weights(self) -> bool:
+        """Whether FSDP gathers each weight from other ranks (data parallel over more than one;
+        not FSDP's one-rank shard of an offloaded run): where fp8's tensorwise recipe all-gathers
+        the float8 weights."""
+        return self.data_parallel > 1
+
     def fsdp_wraps(self, cpu_offload: bool) -> bool:
         """Whether FSDP wraps the model: data parallel over more than one rank, or offloading to
         the host (``train.cpu_offload``: FSDP2's policy, on a one-rank shard at dp=1)."""
-        return self.data_parallel > 1 or cpu_offload
+        return self.gathers_weights or cpu_offload
 
     @property
     def fsdp_shards(self) -> int:

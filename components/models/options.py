@@ -13,6 +13,12 @@ FP8_RECIPES = ("tensorwise", "rowwise")  # train.fp8_recipe (components.models.f
 ACTIVATION_CHECKPOINTING = ("none", "full", "selective")
 # model.attn_implementation (components.models.attention); PACKED_NATIVE take packed rows as
 # sequence boundaries (cumulative lengths, a block mask), never as a dense sequence × sequence mask
+# train.cpu_offload=true where host and device memory are one: the run's note and the dry run's
+# plan line both say it
+OFFLOAD_ON_THE_CPU = (
+    "train.cpu_offload=true moves nothing on the CPU (host and device memory are one): FSDP wraps "
+    "the model at dp=1 too"
+)
 PACKED_NATIVE = ("flash_attention_2", "flash_attention_3", "flex_attention")
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager", *PACKED_NATIVE)
 

@@ -31,7 +31,7 @@ from components.distributed.pipeline import rank_share, rank_stages
 from components.models.conversion import convert_model
 from components.models.frozen import build_frozen_model
 from components.models.lora import LoraOptions
-from components.models.options import PACKED_NATIVE
+from components.models.options import OFFLOAD_ON_THE_CPU, PACKED_NATIVE
 from components.models.parallelize import build_parallel_model
 from components.planning.flops import known_flops_per_token
 from components.planning.memory import current_memory_gib
@@ -152,7 +152,7 @@ def _converter(
     fp8 = plan.fp8
     if lora is None and fp8 is None:
         return None
-    fp8 = fp8 and replace(fp8, data_parallel=dims.data_parallel > 1)
+    fp8 = fp8 and replace(fp8, data_parallel=dims.gathers_weights)
     return functools.partial(convert_model, lora=lora, fp8=fp8, seed=plan.seed)
 
 
@@ -486,10 +486,7 @@ def _offload_lines(result: dict) -> list[str]:
     if not result["cpu_offload"]:
         return []
     if result["host_gib"] is None:
-        return [
-            "train.cpu_offload=true moves nothing on the CPU: host and device are one memory "
-            "(FSDP wraps the model at dp=1 too)"
-        ]
+        return [OFFLOAD_ON_THE_CPU]
     return [f"train.cpu_offload=true: {host_words(result['host_gib'])}"]
 
 

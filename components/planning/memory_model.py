@@ -267,11 +267,10 @@ _FROZEN_KEYS = (
 
 
 def _gathered_in_fp8(layout: Layout, step: Step) -> bool:
-    """fp8's tensorwise float8 all-gather: where FSDP shards over dp × cp above 1 (the recipe's
-    ``Fp8Options.data_parallel``), not FSDP's one-rank shard of an offloaded run."""
-    return (
-        step.precision == "fp8" and step.fp8_recipe == "tensorwise" and _data_parallel(layout) > 1
-    )
+    """fp8's tensorwise float8 all-gather, where FSDP gathers weights from other ranks
+    (``ParallelDims.gathers_weights``, as the recipe's ``Fp8Options.data_parallel``)."""
+    fp8 = step.precision == "fp8" and step.fp8_recipe == "tensorwise"
+    return fp8 and layout.dims.gathers_weights
 
 
 def _autocast(layout: Layout, step: Step) -> bool:
