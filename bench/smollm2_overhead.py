@@ -36,7 +36,7 @@ from components.training.optimizer import build_optimizer
 from components.training.schedule import build_schedule
 from recipes.checks import check
 from recipes.compose import compose
-from recipes.finetune_rank import forward_backward_step, set_up, train
+from recipes.finetune_rank import finetune_steps, forward_backward_step, set_up, train
 from recipes.plan import RunPlan
 from recipes.prepare import prepare
 
@@ -114,7 +114,8 @@ class RecipeRunner:
                 lambda *_: updates.append(time.perf_counter() - update_started[-1])
             )
             with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
-                train(run, plan, step_fn=timed_step)  # its lines: a step's work, not shown
+                steps = dataclasses.replace(finetune_steps(run, plan), step=timed_step)
+                train(run, plan, steps)  # its lines: a step's work, not shown
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()

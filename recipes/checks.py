@@ -133,7 +133,6 @@ def check_beside(
     _refuse(found + where_errors(output, hydra_run_dir, per_run, started_by_launcher()))
     _notes(settings, dims, output, per_run, warmup, device_type)
     decided = dict(warmup_steps=warmup, loss_chunk_tokens=train.loss_chunk_tokens or 0)
-    decided |= settings.recipe_decisions()
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dims.world_size))
     run = Checked(
         settings=settings.model_copy(update=dict(train=train.model_copy(update=decided))),

@@ -21,7 +21,7 @@ from components.training.distillation import (
     distill_forward_backward,
 )
 from recipes import finetune_rank
-from recipes.plan import DistillPlan, Run
+from recipes.plan import DistillPlan, RecipeSteps, Run
 
 
 def distill_options(run: Run, plan: DistillPlan) -> DistillStep:
@@ -57,11 +57,11 @@ def distill_record(run: Run, plan: DistillPlan, step: int, sums: list[float]) ->
     return {name: total / labelled for name, total in zip(DISTILL_METRICS, sums, strict=True)}
 
 
-def distill_steps(
-    run: Run, plan: DistillPlan
-) -> tuple[finetune_rank.StepFn, finetune_rank.RecordFn]:
-    """Distillation's step function and metrics for ``run``, its teacher built on its meshes."""
-    return functools.partial(distill_step, distill=distill_options(run, plan)), distill_record
+def distill_steps(run: Run, plan: DistillPlan) -> RecipeSteps:
+    """Distillation's step function and metrics for ``run``, its teacher built on its meshes, and
+    fine-tuning's validation (the student's cross entropy on the held-out rows)."""
+    step = functools.partial(distill_step, distill=distill_options(run, plan))
+    return RecipeSteps(step=step, record=distill_record, validate=finetune_rank.token_validation)
 
 
 def rank_main(plan: DistillPlan) -> str | None:

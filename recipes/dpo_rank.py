@@ -5,8 +5,9 @@ optimizer, schedule, resume) plus the frozen reference: the policy's starting we
 sharded by the same plan (``components/models/frozen.py``), or with ``peft=lora`` none, the
 policy with its adapters off. Each step runs both models on every micro-batch of pairs
 (``components/training/preference.py``), then fine-tuning's gradient reductions, clip and update;
-its metrics are DPO's, summed over the step's pairs and read with the step's other values. Finish
-(drift report, export of the policy, loss curve) is fine-tuning's.
+its metrics are DPO's, summed over the step's pairs and read with the step's other values. Where
+the cadence validates, the same metrics on every held-out pair (``val_loss``, ``val_rewards/...``).
+Finish (drift report, export of the policy, loss curve) is fine-tuning's.
 """
 
 import functools
@@ -20,9 +21,9 @@ from components.training.preference import (
     DpoStep,
     dpo_forward_backward,
 )
+from components.training.validation import preference_validation
 from recipes import finetune_rank
-from recipes.finetune_rank import RecordFn, StepFn
-from recipes.plan import DpoPlan, Run
+from recipes.plan import DpoPlan, RecipeSteps, Run
 
 
 def dpo_step_options(run: Run, plan: DpoPlan) -> DpoStep:
@@ -52,11 +53,23 @@ def dpo_metrics(run: Run, plan: DpoPlan, step: int, sums: list[float]) -> dict:
     return {name: total / pairs for name, total in zip(DPO_METRICS, sums, strict=True)}
 
 
-def dpo_steps(run: Run, plan: DpoPlan) -> tuple[StepFn, RecordFn]:
-    """DPO's step function and metrics for ``run``, its reference built on ``run``'s meshes."""
-    return functools.partial(dpo_step, dpo=dpo_step_options(run, plan)), dpo_metrics
+def dpo_validation(run: Run, plan: DpoPlan, dpo: DpoStep) -> dict:
+    """DPO's metrics on every held-out pair once, ``val_`` before each name (``val_loss``: the
+    DPO loss), each the mean over the pairs."""
+    return preference_validation(run, run.val_data, dpo)
+
+
+def dpo_steps(run: Run, plan: DpoPlan) -> RecipeSteps:
+    """DPO's step function, metrics and validation for ``run``, its reference built on ``run``'s
+    meshes."""
+    dpo = dpo_step_options(run, plan)
+    return RecipeSteps(
+        step=functools.partial(dpo_step, dpo=dpo),
+        record=dpo_metrics,
+        validate=functools.partial(dpo_validation, dpo=dpo),
+    )
 
 
 def rank_main(plan: DpoPlan) -> str | None:
-    """Fine-tuning's rank story (``finetune_rank.rank_main``) with DPO's step and metrics."""
+    """Fine-tuning's rank story (``finetune_rank.rank_main``) with DPO's steps."""
     return finetune_rank.rank_main(plan, steps=dpo_steps)

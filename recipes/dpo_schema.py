@@ -4,16 +4,13 @@ the rest).
 """
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field
 
 from components.problems import Problem, problems, show
 from components.training.options import DPO_LOSS_TYPES
 from recipes.schema import Config, Section, Text, key, one_of, refused_settings
-
-if TYPE_CHECKING:
-    from components.distributed.layout import ParallelDims
 
 
 class Dpo(Section):
@@ -83,20 +80,6 @@ class DpoConfig(Config):
                 "use one of those"
             )
         return found
-
-    def recipe_decisions(self) -> dict[str, Any]:
-        """No validation: ``dpo.py`` has no validation loss (``unread_keys`` says so)."""
-        return {"val_every": 0}
-
-    def unread_keys(self, dims: "ParallelDims") -> list[str]:
-        """Fine-tuning's, and ``train.val_every``: dpo.py never validates."""
-        unread = super().unread_keys(dims)
-        if self.train.val_every:
-            unread.append(
-                f"train.val_every={self.train.val_every} is not read by dpo.py: it has no "
-                "validation loss yet"
-            )
-        return unread
 
     def unsupported(self) -> list[Problem]:
         """The settings ``dpo.py`` refuses, each one problem naming its key (docs/dpo.md)."""

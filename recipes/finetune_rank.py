@@ -52,7 +52,7 @@ from components.training.schedule import build_schedule
 from components.training.step import forward_backward_on_device  # reads the models' TP plans
 from components.training.validation import validation_losses
 from recipes.export import export, export_folders
-from recipes.plan import RecordFn, Run, RunPlan, StepFn, StepsOf
+from recipes.plan import RecipeSteps, Run, RunPlan, StepsOf
 from recipes.prepare import resume_again
 
 
@@ -135,7 +135,7 @@ def step_micro_batches(run: Run, step: int) -> Iterator[Batch]:
 
 def forward_backward_step(run: Run, plan: RunPlan, step: int) -> torch.Tensor:
     """The step function: forward and backward of step ``step``'s micro-batches, the summed loss
-    (float64). With pp the rank's pipeline replaces it (``train(..., step_fn=run.pipeline)``)."""
+    (float64). With pp the rank's pipeline replaces it (:func:`finetune_steps`)."""
     labelled = run.data.labels_in_step(step)
     loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)  # mesh groups: NCCL only
     for batch in step_micro_batches(run, step):
@@ -150,26 +150,27 @@ def mean_token_loss(run: Run, plan: RunPlan, step: int, loss_sum: float) -> dict
     return {"loss": loss_sum / run.data.labels_in_step(step)}
 
 
-def finetune_steps(run: Run, plan: RunPlan) -> tuple[StepFn, RecordFn]:
-    """Fine-tuning's step function (with pp the rank's pipeline) and its loss metric."""
-    return run.pipeline or forward_backward_step, mean_token_loss
+def token_validation(run: Run, plan: RunPlan) -> dict:
+    """Fine-tuning's validation: the mean token loss on the held-out rows (``val_loss``, and a
+    mixture's per source)."""
+    return validation_losses(run, plan.train.loss_chunk_tokens)
 
 
-def train_step(
-    run: Run,
-    plan: RunPlan,
-    step: int,
-    step_fn: StepFn = forward_backward_step,
-    loss_metrics: RecordFn = mean_token_loss,
-) -> dict:
-    """One optimizer step (0-based ``step``): ``step_fn``'s forward and backward, gradient
-    reductions, clip, update; its metrics, the loss's by ``loss_metrics`` from ``step_fn``'s sums.
+def finetune_steps(run: Run, plan: RunPlan) -> RecipeSteps:
+    """Fine-tuning's step function (with pp the rank's pipeline), loss metric and validation."""
+    step = run.pipeline or forward_backward_step
+    return RecipeSteps(step=step, record=mean_token_loss, validate=token_validation)
+
+
+def train_step(run: Run, plan: RunPlan, step: int, steps: RecipeSteps) -> dict:
+    """One optimizer step (0-based ``step``): ``steps.step``'s forward and backward, gradient
+    reductions, clip, update; its metrics, the loss's by ``steps.record`` from the step's sums.
     Reads the device twice: the replica sync, the readout."""
     started = time.perf_counter()
     reset_peak_memory(run.device)
     run.state.optimizer.zero_grad(set_to_none=True)
     tp_replicas.zero_tp_replica_gradients([run.state.model], run.meshes.world)  # into the buckets
-    loss_sum = step_fn(run, plan, step)
+    loss_sum = steps.step(run, plan, step)
     run.finalize_gradients([run.state.model])  # reads the device at the first step only
     tp_replicas.synchronize_tp_replica_gradients([run.state.model], run.meshes.world)  # in place
     clip, parts = plan.train.clip_grad_norm, [run.state.model]
@@ -195,7 +196,7 @@ def train_step(
     world, kind = dist.get_world_size(), matmul_math(plan.train.precision, plan.train.tf32)
     return {
         "step": step + 1,
-        **loss_metrics(run, plan, step, loss_sum),
+        **steps.record(run, plan, step, loss_sum),
         "grad_norm": norm if finite else None,
         "lr": lr,
         "tokens": tokens,
@@ -206,18 +207,12 @@ def train_step(
     }
 
 
-def train(
-    run: Run,
-    plan: RunPlan,
-    step_fn: StepFn = forward_backward_step,
-    loss_metrics: RecordFn = mean_token_loss,
-) -> tuple[str | None, int]:
-    """The steps after ``run.first_step`` up to ``max_steps`` (or ``stop_after``): metrics, and
-    validation, checkpoints and replica checks as the cadence says. Returns the name of the signal
-    that stopped the run early (with a checkpoint of its step), or None; and how many steps were
-    skipped as non-finite."""
+def train(run: Run, plan: RunPlan, steps: RecipeSteps) -> tuple[str | None, int]:
+    """The steps after ``run.first_step`` up to ``max_steps`` (or ``stop_after``) by the recipe's
+    ``steps``: metrics, and validation, checkpoints and replica checks as the cadence says. Returns
+    the name of the signal that stopped the run early (with a checkpoint of its step), or None; and
+    how many steps were skipped as non-finite."""
     log, tracker, writer = open_outputs(run, plan)
-    stepping = (step_fn, loss_metrics)
     run.readout.writer = writer  # its stop and save flags are read with each step's values
     state, cadence, stopped, skipped = run.state, plan.cadence, None, 0
     profile = plan.settings.profile
@@ -226,10 +221,10 @@ def train(
     for step in cadence.steps(run.first_step):
         with heartbeat.watched(f"step {step + 1}", judged=step > run.first_step):  # 1st: compile
             with compiled.step(step + 1):  # a graph break, a recompilation: a note: line, once
-                record = train_step(run, plan, step, *stepping) | writer.take_stall()  # save before
+                record = train_step(run, plan, step, steps) | writer.take_stall()  # save before
         state.step, skipped = step + 1, skipped + bool(record.get("skipped"))
         if cadence.validate(state.step):
-            record |= validation_losses(run, plan.train.loss_chunk_tokens)
+            record |= steps.validate(run, plan)
         log.log(record)
         tracker.log_metrics(record, record["step"])
         if cadence.check_replicas(state.step):
@@ -288,13 +283,13 @@ def finish(run: Run, plan: RunPlan, stopped: bool = False, skipped: int = 0) -> 
 def rank_main(plan: RunPlan, steps: StepsOf = finetune_steps) -> str | None:
     """What every rank runs, beating: set up, train, finish; the stop signal's name (``train``).
     A local rank restarted after a failure resumes from the last complete checkpoint. ``steps``:
-    the recipe's step function and loss metrics for the rank's run (fine-tuning's; DPO's)."""
+    the recipe's steps for the rank's run (fine-tuning's; DPO's; distillation's)."""
     if attempt := local_restart():
         plan = resume_again(plan, attempt)
     preemption.install()  # a SIGTERM or SIGUSR1 from now on stops the run after a step
     beating = heartbeat.beating(plan.settings.hang_timeout_s)  # watched: launcher or torchrun peers
     with beating, disk_full_said_plainly(plan.output_dir, plan.train.max_steps):  # one line
         run = set_up(plan)
-        stopped, skipped = train(run, plan, *steps(run, plan))
+        stopped, skipped = train(run, plan, steps(run, plan))
         finish(run, plan, stopped is not None, skipped)
     return stopped

@@ -47,8 +47,10 @@ PAGES = {
         "tensor parallelism (docs/dpo.md)",
         regression="dpo_llama_tp1",
         data=("hf", "jsonl", "preference"),
-        unread=("train.val_every", "train.packing", "data.loss_on"),
+        unread=("train.packing", "data.loss_on"),
         sets={
+            "train.val_every": "steps between validations on the held-out pairs (and after the "
+            "last step); 0: never",
             "train.global_batch_size": "preference pairs per optimizer step",
             "train.micro_batch_size": "pairs per forward pass per dp rank (2 rows each: chosen "
             "and rejected)",

@@ -336,8 +336,23 @@ class Run:
 StepFn = Callable[[Run, "RunPlan", int], "torch.Tensor"]  # a step's forward and backward: its sums
 # the step's loss metrics from the step function's sums, as read on the host
 RecordFn = Callable[[Run, "RunPlan", int, Any], dict]
-# a recipe's step function and loss metrics for a rank's run (fine-tuning's, DPO's, distillation's)
-StepsOf = Callable[[Run, "RunPlan"], tuple[StepFn, RecordFn]]
+# the validation metrics where the cadence validates (val_loss, a recipe's own), alike on each rank
+ValidateFn = Callable[[Run, "RunPlan"], dict]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecipeSteps:
+    """What a recipe's loop runs (fine-tuning's, DPO's, distillation's): each step's forward and
+    backward (``step``), the step's loss metrics from its sums (``record``), and the validation
+    metrics where the cadence validates (``validate``)."""
+
+    step: StepFn
+    record: RecordFn
+    validate: ValidateFn
+
+
+# a recipe's steps for a rank's run, built once the run is set up (DPO's reference on its meshes)
+StepsOf = Callable[[Run, "RunPlan"], RecipeSteps]
 
 
 def lora_options(peft: Peft, experts: Sequence[str]) -> LoraOptions:

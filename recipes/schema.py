@@ -503,11 +503,6 @@ class Config(Section):
         ``finetune.py`` trains them all)."""
         return []
 
-    def recipe_decisions(self) -> dict[str, Any]:
-        """``train`` keys the recipe decides whatever their value (none: ``finetune.py`` reads
-        them all as given)."""
-        return {}
-
     def pipeline_errors(self) -> list[str]:
         """``pp_schedule`` and ``pp_stages_per_rank`` that disagree (interleaved: 2 stages or more
         per rank)."""

@@ -454,7 +454,7 @@ class PairBatches(StepBatches):
     ``micro_batch_size`` count pairs. A micro-batch of ``n`` pairs is ``2n`` rows, the ``n``
     chosen conversations then the ``n`` rejected ones, in the same order (TRL's layout), one
     conversation a row. A :data:`PAD_ROW` pair is two rows of no answer tokens: a loss of pairs
-    must leave such a pair out (DPO's would be log 2; ``recipes/dpo.py`` validates nothing)."""
+    must leave such a pair out (DPO's would be log 2: ``dpo_evaluate`` counts only real pairs)."""
 
     def _batches(self, rows: list[int]) -> list[Batch]:
         batches = []

@@ -8,9 +8,8 @@ row); the loss and the metrics follow TRL 1.16's ``DPOTrainer._compute_loss``. W
 conservative DPO: ``−(1 − ε)·log σ(β·Δ) − ε·log σ(−β·Δ)``); ``ipo`` is
 ``(Δ_c/n_c − Δ_r/n_r − 1/(2β))²``, each log-ratio averaged over its ``n`` labelled tokens as TRL
 does. A batch's loss is the mean over its pairs; the rewards are ``β·(π − ref)`` of each answer.
-
 :func:`dpo_forward_backward` is DPO's micro-batch: both models' answer log-probabilities from the
-chunked, vocabulary-parallel head, the loss, backward.
+chunked, vocabulary-parallel head, the loss, backward; :func:`dpo_evaluate`, held-out pairs'.
 
 Design notes: docs/design-notes.md
 """
@@ -204,3 +203,18 @@ def dpo_forward_backward(
     (losses.losses.sum() / pairs_in_step).backward()
     metrics = losses.metrics()
     return torch.stack([metrics[name].sum().double() for name in DPO_METRICS])
+
+
+def dpo_evaluate(policy: nn.Module, batch: Batch, step: DpoStep) -> torch.Tensor:
+    """A held-out micro-batch of pairs, forward only: the sums of :data:`DPO_METRICS` over its
+    pairs, then the number of pairs [8] float64, on the device (not read). A pair of no answer
+    tokens (a dp share's padding, ``components/data/loader.py`` ``PAD_ROW``) counts nothing."""
+    with torch.no_grad():
+        reference = reference_log_probs(policy, batch, step)
+        with step.compute():
+            policy_logps = _pairs(answer_log_probs(policy, batch, step.chunk_tokens))
+        answer_tokens = _pairs((batch.labels[:, 1:] != IGNORE_INDEX).sum(-1))
+        metrics = dpo_losses(policy_logps, reference, step.options, answer_tokens).metrics()
+    real = answer_tokens.chosen + answer_tokens.rejected > 0
+    sums = [torch.where(real, metrics[name], 0).sum().double() for name in DPO_METRICS]
+    return torch.stack([*sums, real.sum().double()])

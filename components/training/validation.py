@@ -1,4 +1,5 @@
-"""The validation loss: every validation row once, the token-mean loss over all dp (× cp) ranks."""
+"""The validation loss: every validation row once, the token-mean loss over all dp (× cp) ranks;
+DPO's validation metrics: every held-out pair once, their means over all dp ranks."""
 
 from contextlib import AbstractContextManager
 
@@ -9,6 +10,7 @@ from torch import nn
 from components.data import StepBatches
 from components.distributed.chunked_loss import LOSS_CHUNK_TOKENS
 from components.distributed.context_parallel import ContextParallel
+from components.training.preference import DPO_METRICS, DpoStep, dpo_evaluate
 from components.training.step import evaluate_loss_sum
 
 
@@ -77,3 +79,18 @@ def pipeline_validation_loss(
     model.train()
     totals[1] += sum(batch.labelled_tokens() for batch in micro_batches)
     return _mean_over(totals, dp_group)
+
+
+def preference_validation(run, batches: StepBatches, step: DpoStep) -> dict[str, float]:
+    """DPO's metrics (:data:`DPO_METRICS`, each named with ``val_`` before it: ``val_loss`` is the
+    DPO loss) on every held-out pair of ``batches`` once, each dp rank its share, the policy
+    (``run.state.model``) in eval mode: each the mean over the pairs, the same on every rank."""
+    sums = torch.zeros(len(DPO_METRICS) + 1, dtype=torch.float64, device=run.device)
+    model = run.state.model
+    model.eval()
+    for batch in batches.all_batches():
+        sums += dpo_evaluate(model, batch.to(run.device), step)
+    model.train()
+    dist.all_reduce(sums, group=run.meshes.loss.get_group())
+    *totals, pairs = sums.tolist()
+    return {f"val_{name}": total / pairs for name, total in zip(DPO_METRICS, totals, strict=True)}

@@ -6,7 +6,10 @@ the policy; what DPO refuses is one ``error:`` line before any rank starts; a re
 (``dpo.reference_path``) other than the policy's start gives the first step's rewards and loss a
 plain computation gives from that folder's own log-probabilities, at tp=2. make test runs the
 SGD (ipo, full fine-tuning, exported) and the AdamW (LoRA, tp=2 sp) twins; tp=2 and the 4-rank
-dp=2 × tp=2 sp AdamW twins run under ``-m sweep`` only. No run validates (train.val_every=0)."""
+dp=2 × tp=2 sp AdamW twins run under ``-m sweep`` only. Those runs do not validate
+(train.val_every=0); the validation on held-out pairs is equal at dp=2 over an odd number of pairs
+and at tp=2 (full with AdamW, LoRA with SGD), and is what a training step of the validated policy
+computes on the same pair."""
 
 import math
 import os
@@ -192,3 +195,59 @@ def test_multi_turn_pairs_from_jsonl_and_parquet_train_alike_on_their_answers(tm
         for key in (*DPO_METRICS, "grad_norm", "tokens"):
             assert one[key] == pytest.approx(other[key], rel=1e-6, abs=1e-9), key
     assert ours[1]["loss"] != pytest.approx(math.log(2), abs=1e-6)  # step 2 has trained
+
+
+# Five held-out pairs (odd: dp=2's shorter share ends in a padding pair), validated after step 2.
+VALIDATED = ["train.max_steps=2", "data.num_examples=50", "data.val_fraction=0.1"]
+VALIDATED += ["train.val_every=2"]
+VAL_TWINS = {  # a layout -> its tp=1 twin
+    "dp2": (["dp=2"], []),
+    "lora_sgd_tp2": ([*LORA, *SGD, "optim.lr=2.0", "tp=2"], [*LORA, *SGD, "optim.lr=2.0"]),
+}
+VAL_METRICS = [f"val_{name}" for name in DPO_METRICS]
+
+
+@pytest.mark.parametrize("name", list(VAL_TWINS))
+def test_validation_on_held_out_pairs_equals_its_tp1_twin(tmp_path, name):
+    """Every ``val_`` metric (the loss, rewards, accuracy and log-probabilities over the five
+    held-out pairs) within 1e-6 of the tp=1 twin's (rewards: of the log-probabilities' scale):
+    dp=2's padding pair counts nothing."""
+    layout, twin = VAL_TWINS[name]
+    dpo(tmp_path / "ours", *VALIDATED, *layout)
+    dpo(tmp_path / "twin", *VALIDATED, *twin)
+    [_, ours], [_, theirs] = metrics(tmp_path / "ours"), metrics(tmp_path / "twin")
+    assert "val_loss" in ours and ours["val_loss"] != pytest.approx(math.log(2), abs=1e-4)
+    scale = abs(theirs["val_logps/chosen"]) + abs(theirs["val_logps/rejected"])
+    for key in VAL_METRICS:
+        within = dict(abs=1e-6 * scale) if key.startswith("val_rewards/") else dict(rel=1e-6)
+        assert ours[key] == pytest.approx(theirs[key], **within), key
+
+
+def test_validation_is_a_training_step_of_the_validated_policy(tmp_path):
+    """Every pair the same, so the held-out ones are too: the validation after step 1 (of the
+    policy then exported) equals the first step's metrics of a run that starts from that export
+    against the starting weights as ``dpo.reference_path`` (the training step TRL's trainer
+    checks), within 1e-5."""
+    folders = reference_folders(tmp_path / "models")
+    pair = {"prompt": "what is the answer", "chosen": "fine tuning", "rejected": "other words"}
+    data = ["data=jsonl", f"data.path={write_jsonl(tmp_path / 'pairs.jsonl', [pair] * 8)}"]
+    data += ["data.val_fraction=0.25", "model=pretrained", "train.warmup_steps=0"]
+    one_step = ["train.max_steps=1", "train.global_batch_size=2", "train.micro_batch_size=1"]
+    policy = f"model.pretrained_path={folders['policy']}"
+    dpo(
+        tmp_path / "trained",
+        *data,
+        *one_step,
+        policy,
+        "train.val_every=1",
+        "checkpoint.export=true",
+    )
+    exported = f"model.pretrained_path={tmp_path / 'trained' / 'hf'}"
+    reference = f"dpo.reference_path={folders['policy']}"
+    dpo(tmp_path / "again", *data, *one_step, exported, reference)
+    [validated], [again] = metrics(tmp_path / "trained"), metrics(tmp_path / "again")
+    assert validated["val_loss"] != pytest.approx(math.log(2), abs=1e-4)  # the policy moved
+    scale = abs(again["logps/chosen"]) + abs(again["logps/rejected"])
+    for name in DPO_METRICS:
+        within = dict(abs=1e-5 * scale) if name.startswith("rewards/") else dict(rel=1e-5)
+        assert validated[f"val_{name}"] == pytest.approx(again[name], **within), name

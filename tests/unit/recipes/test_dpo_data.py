@@ -84,7 +84,8 @@ def test_a_multi_turn_pair_is_labelled_on_its_final_answer_alone(tmp_path, token
     records = IMPLICIT if form.startswith("implicit") else MULTI_TURN
     path = write_jsonl(tmp_path / "pairs.jsonl", records)
     group = "data=hf" if form.endswith("_hf") else "data=jsonl"
-    data = [group, f"data.path={path}", "data.val_fraction=0", "train.seq_len=128"]
+    data = [group, f"data.path={path}", "data.val_fraction=0", "train.val_every=0"]
+    data += ["train.seq_len=128"]
     rows = prepared_rows(tmp_path, tokenizer_dir, *data)
     assert rows == expected_rows(tokenizer_dir, MULTI_TURN, "last_assistant")
     assert rows != expected_rows(tokenizer_dir, MULTI_TURN, "all_assistant")  # not a no-op
@@ -106,7 +107,7 @@ def test_a_parquet_file_of_pairs_is_read_as_the_same_pairs_as_jsonl(tmp_path, to
     jsonl = write_jsonl(tmp_path / "pairs.jsonl", records)
     parquet = tmp_path / "pairs.parquet"
     datasets.load_dataset("json", data_files=str(jsonl), split="train").to_parquet(parquet)
-    common = ["data.val_fraction=0", "train.seq_len=128"]
+    common = ["data.val_fraction=0", "train.val_every=0", "train.seq_len=128"]
     from_hf = prepared_rows(
         tmp_path / "hf", tokenizer_dir, "data=hf", f"data.path={parquet}", *common
     )
@@ -130,13 +131,16 @@ def test_streaming_pairs_is_one_line_naming_the_fix(tmp_path, group):
 
 
 @pytest.mark.parametrize("group", ["data=jsonl", "data=hf", "data=preference"])
-def test_no_validation_note_on_a_run_that_never_asked_for_one(tmp_path, group, capsys):
-    """dpo.py has no validation loss: train.val_every is 0 whatever the data group, so a run
-    with the user's file says nothing of it; a value the user asks for is noted as unread."""
+def test_dpo_reads_train_val_every_as_fine_tuning_does(tmp_path, group, capsys):
+    """dpo.py validates on the held-out pairs: train.val_every is fine-tuning's (20; 0 in
+    data=preference's group, which holds nothing out), a given value kept, no note."""
     path = write_jsonl(tmp_path / "pairs.jsonl", MULTI_TURN)
     data = [group] + ([f"data.path={path}"] if group != "data=preference" else [])
     run = [f"output_dir={tmp_path / 'run'}", *data]
-    assert check_dpo(compose_dpo(run), None, None).settings.train.val_every == 0
+    default = 0 if group == "data=preference" else 20
+    assert check_dpo(compose_dpo(run), None, None).settings.train.val_every == default
+    assert (
+        check_dpo(compose_dpo([*run, "train.val_every=5"]), None, None).settings.train.val_every
+        == 5
+    )
     assert "val_every" not in capsys.readouterr().out
-    check_dpo(compose_dpo([*run, "train.val_every=5"]), None, None)
-    assert "note: train.val_every=5 is not read by dpo.py" in capsys.readouterr().out

@@ -28,7 +28,7 @@ def test_the_recipe_has_the_seams_of_the_next_capabilities():
     story = functions(STORY)
     assert {"set_up", "train_step", "train", "finish", "convert", "rank_main"} <= set(story)
     step_arguments = [argument.arg for argument in story["train"].args.args]
-    assert "step_fn" in step_arguments  # a pipeline schedule replaces the step function
+    assert "steps" in step_arguments  # a pipeline schedule, DPO's or distillation's step
 
 
 def test_the_command_calls_each_phase_itself():
