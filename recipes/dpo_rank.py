@@ -27,15 +27,22 @@ from recipes.plan import DpoPlan, RecipeSteps, Run
 
 
 def dpo_step_options(run: Run, plan: DpoPlan) -> DpoStep:
-    """The loss's options, and the reference (``plan.reference``) built frozen on the policy's
-    meshes; None with ``peft=lora`` (the policy with its adapters off)."""
+    """The loss's options, the reference (``plan.reference``) built frozen on the policy's
+    meshes (None with ``peft=lora``: the policy with its adapters off), and the weight of an MoE
+    policy's load-balancing loss."""
     dpo, train = plan.settings.dpo, plan.train
     options = DpoOptions(**dpo.model_dump(exclude={"reference_path"}))
     reference = None
     if plan.reference is not None:
         reference = build_frozen_model(plan.reference, plan.dims, run.meshes, run.device)
     chunk = train.loss_chunk_tokens or train.seq_len * train.micro_batch_size * 2  # 0: one chunk
-    return DpoStep(options=options, compute=run.compute, chunk_tokens=chunk, reference=reference)
+    return DpoStep(
+        options=options,
+        compute=run.compute,
+        chunk_tokens=chunk,
+        reference=reference,
+        aux_loss_weight=run.aux_loss_weight,  # an MoE policy's load-balancing loss, as TRL adds it
+    )
 
 
 def dpo_step(run: Run, plan: DpoPlan, step: int, dpo: DpoStep) -> torch.Tensor:

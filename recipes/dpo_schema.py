@@ -63,23 +63,16 @@ class DpoConfig(Config):
         return found + problems("dpo", self.dpo.errors()) + self.unsupported(), fault
 
     def model_errors(self, model_type: str, experts: tuple[str, ...]) -> list[str]:
-        """An MoE model (its router's load-balancing loss and expert counts are not DPO's yet), or
-        one whose head the chunked log-probabilities do not compute."""
-        from components.training.preference import DPO_FAMILIES, PLAIN_HEAD_FAMILIES  # torch
+        """A model whose head the chunked log-probabilities do not compute."""
+        from components.distributed.chunked_loss import PLAIN_HEAD_FAMILIES  # torch
 
-        found = []
-        if experts:
-            found.append(
-                f"model={self.model.name} has experts: dpo.py adds no router load-balancing loss "
-                "and counts no expert load yet: use a dense model"
-            )
-        if model_type not in PLAIN_HEAD_FAMILIES:
-            found.append(
-                f"model={self.model.name} is a {model_type} model: dpo.py computes the answers' "
-                f"log-probabilities from the plain lm_head of {', '.join(DPO_FAMILIES)} models: "
-                "use one of those"
-            )
-        return found
+        if model_type in PLAIN_HEAD_FAMILIES:
+            return []
+        return [
+            f"model={self.model.name} is a {model_type} model: dpo.py computes the answers' "
+            f"log-probabilities from the plain lm_head of {', '.join(PLAIN_HEAD_FAMILIES)} models: "
+            "use one of those"
+        ]
 
     def unsupported(self) -> list[Problem]:
         """The settings ``dpo.py`` refuses, each one problem naming its key (docs/dpo.md)."""
@@ -92,5 +85,10 @@ class DpoConfig(Config):
              "conversations are rows of their own: use train.packing=false"),
             ("peft.experts", peft.experts, bool(peft.experts), "adapters on experts cannot be "
              "switched off for the reference: use peft.experts=false"),
+            ("moe.routing_bias_rate", self.moe.routing_bias_rate, self.moe.routing_bias_rate > 0
+             and peft.name != "none" and self.dpo.reference_path is None, f"with peft={peft.name} "
+             "the reference is the policy with its adapters off, whose routers' bias moves with "
+             "training: give dpo.reference_path=FOLDER (the starting weights), or leave the rate "
+             "at 0"),
         ]  # fmt: skip
         return self.degree_problems() + refused_settings(self.RECIPE, refused)

@@ -33,13 +33,8 @@ from components.distributed.chunked_loss import (
     head_weights,
     lm_head_skipped,
 )
-from components.models.families import FAMILIES
 from components.models.lora import adapters_off
 from components.training.options import DPO_LOSS_TYPES
-
-# The families DPO trains: those of a plain head (PLAIN_HEAD_FAMILIES) without experts in the
-# family table (recipes/dpo.py adds no router load-balancing loss yet).
-DPO_FAMILIES = tuple(name for name in PLAIN_HEAD_FAMILIES if not FAMILIES[name].moe)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,25 +134,39 @@ DPO_METRICS = (
 )
 
 
-def answer_log_probs(model: nn.Module, batch: Batch, chunk_tokens: int) -> torch.Tensor:
-    """Each row's summed log-probability of its labelled tokens [rows], fp32: the model's forward
-    up to the hidden states, then the chunked head (``chunk_tokens`` labelled tokens at a time,
-    the vocabulary split over TP as the head's weight: no rank holds the whole vocabulary's
-    logits).
+@dataclass(frozen=True, kw_only=True)
+class Answers:
+    """One forward's answers: each row's summed log-probability of its labelled tokens [rows]
+    (fp32), and an MoE model's load-balancing loss over the rows (None: it computes none)."""
+
+    log_probs: torch.Tensor
+    aux_loss: torch.Tensor | None
+
+
+def answers(model: nn.Module, batch: Batch, chunk_tokens: int) -> Answers:
+    """The model's forward up to the hidden states, then the chunked head (``chunk_tokens``
+    labelled tokens at a time, the vocabulary split over TP as the head's weight: no rank holds
+    the whole vocabulary's logits): :class:`Answers`.
 
     Raises:
         ValueError: For a model whose head the chunked loss does not compute (``chunks_head``).
     """
     if not chunks_head(model):
         raise ValueError(
-            f"DPO needs a plain linear lm_head of a {', '.join(DPO_FAMILIES)} model; "
+            f"DPO needs a plain linear lm_head of a {', '.join(PLAIN_HEAD_FAMILIES)} model; "
             f"this {type(model).__name__}'s head is not one"
         )
     with lm_head_skipped(model) as head:
         outputs = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False)
     weights = head_weights(head)  # after the forward: FSDP's root holds the head unsharded
     hidden = chunked_head(outputs.logits, weights.weight, weights.adapter)
-    return chunked_token_log_probs(hidden, batch.labels, chunk_tokens).sum(-1)
+    log_probs = chunked_token_log_probs(hidden, batch.labels, chunk_tokens).sum(-1)
+    return Answers(log_probs=log_probs, aux_loss=getattr(outputs, "aux_loss", None))
+
+
+def answer_log_probs(model: nn.Module, batch: Batch, chunk_tokens: int) -> torch.Tensor:
+    """Each row's summed log-probability of its labelled tokens [rows], fp32 (:func:`answers`)."""
+    return answers(model, batch, chunk_tokens).log_probs
 
 
 def _pairs(values: torch.Tensor) -> PairLogProbs:
@@ -168,13 +177,15 @@ def _pairs(values: torch.Tensor) -> PairLogProbs:
 @dataclass(frozen=True, kw_only=True)
 class DpoStep:
     """How a DPO micro-batch runs: the loss's ``options``, the precision's ``compute`` context,
-    ``chunk_tokens`` of the head at a time, and the frozen ``reference`` (None: the policy with
-    its adapters switched off, ``peft=lora``)."""
+    ``chunk_tokens`` of the head at a time, the frozen ``reference`` (None: the policy with its
+    adapters switched off, ``peft=lora``), and the weight of an MoE policy's load-balancing loss
+    in the backward (``components.moe.router_aux_loss_weight``; 0: none)."""
 
     options: DpoOptions
     compute: Callable[[], AbstractContextManager]
     chunk_tokens: int
     reference: nn.Module | None
+    aux_loss_weight: float = 0.0
 
 
 def reference_log_probs(policy: nn.Module, batch: Batch, step: DpoStep) -> PairLogProbs:
@@ -193,14 +204,19 @@ def dpo_forward_backward(
     """One micro-batch of pairs (``batch``: its chosen rows, then its rejected rows): the
     reference's and the policy's answer log-probabilities, the DPO loss of each pair, backward of
     their sum over ``pairs_in_step`` (the global batch's pairs, every micro-batch and dp rank:
-    the summed gradients are the mean loss's). Returns the micro-batch's sums of
+    the summed gradients are the mean loss's), with an MoE policy's load-balancing loss times
+    ``step.aux_loss_weight``. Returns the micro-batch's sums of
     :data:`DPO_METRICS` [7] float64, on the device (not read)."""
     reference = reference_log_probs(policy, batch, step)
     with step.compute():
-        policy_logps = _pairs(answer_log_probs(policy, batch, step.chunk_tokens))
+        policy_answers = answers(policy, batch, step.chunk_tokens)
+        policy_logps = _pairs(policy_answers.log_probs)
         answer_tokens = _pairs((batch.labels[:, 1:] != IGNORE_INDEX).sum(-1))
         losses = dpo_losses(policy_logps, reference, step.options, answer_tokens)
-    (losses.losses.sum() / pairs_in_step).backward()
+    objectives = [losses.losses.sum() / pairs_in_step]
+    if step.aux_loss_weight and policy_answers.aux_loss is not None:  # TRL's aux_loss_coef term
+        objectives.append(policy_answers.aux_loss * step.aux_loss_weight)
+    torch.autograd.backward(objectives)
     metrics = losses.metrics()
     return torch.stack([metrics[name].sum().double() for name in DPO_METRICS])
 

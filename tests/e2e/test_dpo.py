@@ -251,3 +251,52 @@ def test_validation_is_a_training_step_of_the_validated_policy(tmp_path):
     for name in DPO_METRICS:
         within = dict(abs=1e-5 * scale) if name.startswith("rewards/") else dict(rel=1e-5)
         assert validated[f"val_{name}"] == pytest.approx(again[name], **within), name
+
+
+# An MoE policy's load-balancing loss on (Hugging Face's router_aux_loss_coef, 0.5 here), so the
+# backward holds it: each layout against its tp=1 twin. Mixtral at dp=2 runs one pair a
+# micro-batch, so each micro-batch's routing statistics are over the same rows as at dp=1.
+AUX = ["+model.config.output_router_logits=true", "+model.config.router_aux_loss_coef=0.5"]
+MOE_TWINS = {  # a layout -> its overrides and its tp=1 twin's
+    "qwen3_moe_tp2_ep2": (["model=qwen3_moe", *AUX, "tp=2", "ep=2"], ["model=qwen3_moe", *AUX]),
+    "mixtral_sgd_dp2_ep2": (
+        ["model=mixtral", *AUX, *SGD, "train.micro_batch_size=1", "dp=2", "ep=2"],
+        ["model=mixtral", *AUX, *SGD, "train.micro_batch_size=1"],
+    ),
+    "qwen3_moe_lora_tp2_ep2": (
+        ["model=qwen3_moe", *LORA, "tp=2", "ep=2"],
+        ["model=qwen3_moe", *LORA],
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "qwen3_moe_tp2_ep2",
+        "mixtral_sgd_dp2_ep2",
+        "qwen3_moe_lora_tp2_ep2",
+    ],
+)
+def test_an_moe_policy_at_each_layout_equals_its_tp1_twin(tmp_path, name):
+    """Experts split over ep (with tp or dp): the loss, grad norm, every DPO metric and the
+    expert imbalance within 1e-5 of tp=1 over 4 steps (rewards: of the log-probabilities' scale);
+    the reference is the starting weights, split as the policy is."""
+    layout, twin = MOE_TWINS[name]
+    dpo(tmp_path / "ours", *layout)
+    dpo(tmp_path / "twin", *twin)
+    for ours, theirs in zip(metrics(tmp_path / "ours"), metrics(tmp_path / "twin"), strict=True):
+        scale = abs(theirs["logps/chosen"]) + abs(theirs["logps/rejected"])
+        for key in (*DPO_METRICS, "grad_norm", "expert_imbalance"):
+            within = dict(abs=1e-5 * scale) if key.startswith("rewards/") else dict(rel=1e-5)
+            assert ours[key] == pytest.approx(theirs[key], **within), key
+
+
+def test_the_load_balancing_loss_joins_an_moe_policys_backward(tmp_path):
+    """With ``output_router_logits`` the first step's loss is the same (log 2: policy =
+    reference) and its grad norm is not: the router's loss term is in the gradients."""
+    dpo(tmp_path / "aux", "model=qwen3_moe", *AUX, "train.max_steps=1")
+    dpo(tmp_path / "plain", "model=qwen3_moe", "train.max_steps=1")
+    [aux], [plain] = metrics(tmp_path / "aux"), metrics(tmp_path / "plain")
+    assert aux["loss"] == pytest.approx(plain["loss"], rel=1e-7)
+    assert aux["grad_norm"] > plain["grad_norm"] * 1.05

@@ -69,15 +69,16 @@ def test_no_model_folder_and_a_built_policy_are_refused(tmp_path, folders):
 
 
 def test_a_model_of_another_family_is_refused_naming_the_families_dpo_trains(tmp_path, folders):
-    """A gemma2 policy (a soft-capped head): the line names the dense families of a plain head,
-    the ones dpo.py trains, not qwen3_moe or mixtral, which it refuses for their experts."""
+    """A gemma2 policy (a soft-capped head): the line names the families of a plain head, the
+    ones dpo.py trains (the MoE ones too)."""
     tokenizer = AutoTokenizer.from_pretrained(folders["policy"])
     config = tiny_config("gemma2")
     config.vocab_size = len(tokenizer)
     folder = save_model(tmp_path / "gemma2", config, tokenizer)
     assert refusals(tmp_path, "model=pretrained", f"model.pretrained_path={folder}") == [
         "model=pretrained is a gemma2 model: dpo.py computes the answers' log-probabilities from "
-        "the plain lm_head of llama, mistral, qwen2, qwen3 models: use one of those"
+        "the plain lm_head of llama, mistral, qwen2, qwen3, qwen3_moe, mixtral models: use one of "
+        "those"
     ]
 
 
