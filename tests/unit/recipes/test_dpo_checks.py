@@ -123,3 +123,17 @@ def test_a_reference_of_another_tokenizer_than_the_fetched_policy_is_refused(
         f"dpo.reference_path={folders['another_tokenizer']}: their vocabularies'"
     )
     assert not (tmp_path / "run").exists()  # refused before the output folder is claimed
+
+
+def test_a_moving_routing_bias_under_a_lora_reference_is_refused_in_one_line(tmp_path):
+    """With ``peft=lora`` and no reference folder the reference is the policy with its adapters
+    off: a routing bias that training moves would move it too. Full fine-tuning (a reference
+    built from the starting weights) and a rate of 0 pass."""
+    moe = ["model=qwen3_moe", "moe.routing_bias_rate=0.001"]
+    assert refusals(tmp_path, *moe, "peft=lora") == [
+        "moe.routing_bias_rate=0.001 is not run by dpo.py: with peft=lora the reference is the "
+        "policy with its adapters off, whose routers' bias moves with training: give "
+        "dpo.reference_path=FOLDER (the starting weights), or leave the rate at 0"
+    ]
+    assert refusals(tmp_path, *moe) == []
+    assert refusals(tmp_path, "model=qwen3_moe", "peft=lora") == []
