@@ -141,7 +141,8 @@ def forward_backward_step(run: Run, plan: RunPlan, step: int) -> torch.Tensor:
     for batch in step_micro_batches(run, step):
         tensors = (batch.input_ids, batch.labels, labelled, batch.position_ids)
         options = (run.compute(), run.aux_loss_weight, plan.train.loss_chunk_tokens, run.cp)
-        loss_sum += forward_backward_on_device(run.state.model, *tensors, *options)  # no read
+        real = batch.real_mask()  # the load-balancing loss's tokens
+        loss_sum += forward_backward_on_device(run.state.model, *tensors, *options, real)
     return loss_sum
 
 

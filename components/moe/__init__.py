@@ -7,6 +7,7 @@ from components.moe.expert_parallel import (
 from components.moe.load_balance import (
     ExpertLoad,
     RoutingBias,
+    load_balancing_loss,
     load_metrics,
     router_aux_loss_weight,
     uncounted_experts,
@@ -19,6 +20,7 @@ __all__ = [
     "check_expert_parallel",
     "dispatch_mode",
     "expert_modules",
+    "load_balancing_loss",
     "load_metrics",
     "router_aux_loss_weight",
     "uncounted_experts",

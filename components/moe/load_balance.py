@@ -11,9 +11,11 @@ Auxiliary-loss-free balancing (DeepSeek-V3, arXiv 2412.19437 section 2.1.2), off
 :class:`RoutingBias` adds a per-expert bias to each router's probabilities for the top-k selection
 only (a forward hook), moved at each step's end by ``rate`` against its expert's load. The bias is
 a persistent buffer of the router: in the DCP checkpoint, so a resume routes exactly as the
-uninterrupted run; not in an HF export (``_keys_to_ignore_on_save``). Notes: docs/design-notes.md
+uninterrupted run; not in an HF export (``_keys_to_ignore_on_save``). The auxiliary loss:
+:func:`load_balancing_loss`, over the real tokens. Notes: docs/design-notes.md
 """
 
+import sys
 from functools import partial
 
 import torch
@@ -23,6 +25,42 @@ from torch import nn
 
 from components.moe.expert_parallel import expert_modules
 from components.moe.structure import experts_count, takes_routing
+
+
+def load_balancing_loss(
+    model: nn.Module, outputs, real: torch.Tensor | None
+) -> torch.Tensor | None:
+    """The load-balancing loss of ``model``'s forward (``outputs``) over its real tokens
+    (``real``: [rows, positions], False on the padding), as Hugging Face computes it given the
+    batch's attention mask: the model's own ``load_balancing_loss_func`` (its modeling module's)
+    on the router logits its config asks it to return. The recipes pass the model no mask (it
+    would hide packed examples' boundaries), so its own ``aux_loss`` counts the padding, whose
+    amount changes with the layout (sp pads to tp × 8). None where the forward returns no loss;
+    its own ``aux_loss`` where ``real`` is None or its module has no such function."""
+    own = getattr(outputs, "aux_loss", None)
+    logits = getattr(outputs, "router_logits", None)
+    compute = _loss_function(model)
+    if own is None or real is None or not isinstance(logits, tuple) or compute is None:
+        return own
+    if logits[0].shape[0] != real.numel():
+        raise RuntimeError(
+            f"load-balancing loss: {logits[0].shape[0]} tokens were routed but the real-token "
+            f"mask has {real.numel()} positions"
+        )
+    return compute(logits, model.num_experts, model.num_experts_per_tok, real)
+
+
+def _loss_function(model: nn.Module):
+    """The ``load_balancing_loss_func`` of the module that defines ``model``'s class (FSDP's
+    wrapper class looked through), for a model that names its ``num_experts`` and
+    ``num_experts_per_tok`` as Hugging Face's MoE causal LMs do; None otherwise."""
+    if not (hasattr(model, "num_experts") and hasattr(model, "num_experts_per_tok")):
+        return None
+    for cls in type(model).__mro__:
+        module = sys.modules.get(cls.__module__)
+        if module is not None and hasattr(module, "load_balancing_loss_func"):
+            return module.load_balancing_loss_func
+    return None
 
 
 def router_aux_loss_weight(config, micro_batches: int, dp: int) -> float:

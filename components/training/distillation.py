@@ -25,6 +25,7 @@ from components.distributed.chunked_distillation import (
 )
 from components.distributed.chunked_loss import PLAIN_HEAD_FAMILIES, chunks_head
 from components.distributed.context_parallel import ContextParallel, running
+from components.moe.load_balance import load_balancing_loss
 from components.training.step import last_hidden_states, model_inputs
 
 # A step's distillation sums, in this order: what distill_forward_backward returns, the recipe's
@@ -80,7 +81,8 @@ def distill_forward_backward(
             )  # fmt: skip
             loss = distillation_loss(ce, kl, global_tokens, alpha, temperature)
         objectives = [loss]
-        aux_loss = getattr(outputs, "aux_loss", None)
+        real = None if shard else batch.real_mask()  # under cp (a dense student): its own
+        aux_loss = load_balancing_loss(student, outputs, real)
         if step.aux_loss_weight and aux_loss is not None:
             objectives.append(aux_loss * step.aux_loss_weight)
         torch.autograd.backward(objectives)

@@ -34,6 +34,7 @@ from components.distributed.chunked_loss import (
     lm_head_skipped,
 )
 from components.models.lora import adapters_off
+from components.moe.load_balance import load_balancing_loss
 from components.training.options import DPO_LOSS_TYPES
 
 
@@ -137,7 +138,8 @@ DPO_METRICS = (
 @dataclass(frozen=True, kw_only=True)
 class Answers:
     """One forward's answers: each row's summed log-probability of its labelled tokens [rows]
-    (fp32), and an MoE model's load-balancing loss over the rows (None: it computes none)."""
+    (fp32), and an MoE model's load-balancing loss over their real tokens (None: it computes
+    none)."""
 
     log_probs: torch.Tensor
     aux_loss: torch.Tensor | None
@@ -161,7 +163,8 @@ def answers(model: nn.Module, batch: Batch, chunk_tokens: int) -> Answers:
     weights = head_weights(head)  # after the forward: FSDP's root holds the head unsharded
     hidden = chunked_head(outputs.logits, weights.weight, weights.adapter)
     log_probs = chunked_token_log_probs(hidden, batch.labels, chunk_tokens).sum(-1)
-    return Answers(log_probs=log_probs, aux_loss=getattr(outputs, "aux_loss", None))
+    aux_loss = load_balancing_loss(model, outputs, batch.real_mask())
+    return Answers(log_probs=log_probs, aux_loss=aux_loss)
 
 
 def answer_log_probs(model: nn.Module, batch: Batch, chunk_tokens: int) -> torch.Tensor:

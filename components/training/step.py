@@ -25,6 +25,7 @@ from components.distributed.chunked_loss import (
 )
 from components.distributed.context_parallel import ContextParallel, CpShard, running
 from components.distributed.tp_plan import cross_entropy_sum
+from components.moe.load_balance import load_balancing_loss
 
 
 def model_inputs(
@@ -49,10 +50,16 @@ def model_inputs(
 
 
 def _losses(
-    model: nn.Module, inputs: dict, labels: torch.Tensor, shifted: bool, chunk_tokens: int | None
+    model: nn.Module,
+    inputs: dict,
+    labels: torch.Tensor,
+    shifted: bool,
+    chunk_tokens: int | None,
+    real: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The summed token loss of ``labels`` (``shifted``: already the targets, as under cp), and the
-    model's load-balancing loss when its config asks for one.
+    model's load-balancing loss over the ``real`` tokens when its config asks for one
+    (``components.moe.load_balancing_loss``).
 
     ``chunk_tokens`` > 0: the model's forward stops at the hidden states, and the head and the loss
     run that many tokens at a time (``components.distributed.chunked_loss``) for the families it
@@ -64,9 +71,10 @@ def _losses(
         loss = chunked_cross_entropy_sum(
             outputs.logits, weights.weight, labels, chunk_tokens, shifted, weights.adapter
         )
-        return loss, getattr(outputs, "aux_loss", None)
+        return loss, load_balancing_loss(model, outputs, real)
     outputs = model(**inputs, use_cache=False)
-    return cross_entropy_sum(outputs.logits, labels, shifted), getattr(outputs, "aux_loss", None)
+    loss = cross_entropy_sum(outputs.logits, labels, shifted)
+    return loss, load_balancing_loss(model, outputs, real)
 
 
 def last_hidden_states(model: nn.Module, inputs: dict) -> tuple[Any, HeadWeights]:
@@ -93,6 +101,7 @@ def forward_backward_on_device(
     aux_loss_weight: float = 0.0,
     loss_chunk_tokens: int | None = LOSS_CHUNK_TOKENS,
     cp: ContextParallel | None = None,
+    real: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Run one micro-batch and accumulate gradients; return its summed token loss (not normalised;
     under ``cp`` this rank's tokens' part: the sum over the cp group is the micro-batch's), a 0-dim
@@ -104,7 +113,8 @@ def forward_backward_on_device(
     dp-summed gradients equal the gradient of the global mean loss. ``position_ids`` None means ``0
     .. seq - 1``. ``compute`` wraps the forward and the loss only (the precision's autocast;
     backward runs outside it). An MoE model whose config sets ``output_router_logits`` also returns
-    its load-balancing loss; it joins the backward times ``aux_loss_weight``
+    its load-balancing loss over the ``real`` tokens ([rows, positions], ``Batch.real_mask``; None:
+    every position); it joins the backward times ``aux_loss_weight``
     (``components.moe.router_aux_loss_weight``). ``loss_chunk_tokens``: tokens per chunk of the head
     and loss (``train.loss_chunk_tokens``; see ``_losses``). ``cp``: this rank's context-parallel
     group; the gradients are then summed over it as over dp (FSDP over dp × cp).
@@ -113,7 +123,8 @@ def forward_backward_on_device(
     # the backward of a vocab-parallel loss, and of a cp shard, must run inside them too
     with loss_parallel(), running(shard):
         with compute or nullcontext():
-            loss_sum, aux_loss = _losses(model, inputs, labels, cp is not None, loss_chunk_tokens)
+            shifted, chunk = cp is not None, loss_chunk_tokens
+            loss_sum, aux_loss = _losses(model, inputs, labels, shifted, chunk, real)
         objectives = [loss_sum / global_tokens]
         if aux_loss_weight and aux_loss is not None:
             objectives.append(aux_loss * aux_loss_weight)
@@ -142,5 +153,5 @@ def evaluate_loss_sum(
     ``cp``: as in :func:`forward_backward`)."""
     inputs, labels, shard = model_inputs(input_ids, labels, position_ids, cp)
     with loss_parallel(), running(shard), compute or nullcontext():
-        loss_sum = _losses(model, inputs, labels, cp is not None, loss_chunk_tokens)[0]
+        loss_sum = _losses(model, inputs, labels, cp is not None, loss_chunk_tokens, None)[0]
     return _whole(loss_sum).item()

@@ -46,7 +46,8 @@ def sums(student, teacher, data: Batch) -> torch.Tensor:
 def check_step(rank, world_size, sequence_parallel):
     tokens, labels = batch(VOCAB, seq=48)
     positions = torch.arange(48).expand(2, 48)
-    data = Batch(input_ids=tokens, labels=labels, position_ids=positions, real_tokens=None)
+    whole = torch.full((2,), 48)  # every position an example token
+    data = Batch(input_ids=tokens, labels=labels, position_ids=positions, real_tokens=whole)
     want = sums(*models(None, sequence_parallel), data)
     split = models(mesh((world_size,), ("tp",)), sequence_parallel)
     with Widths() as spy:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from components.models import build_causal_lm
-from components.moe import ExpertLoad, load_metrics, router_aux_loss_weight
+from components.moe import ExpertLoad, load_balancing_loss, load_metrics, router_aux_loss_weight
 from components.training.step import evaluate_loss_sum, forward_backward
 from recipes.tiny_models import tiny_config
 
@@ -51,6 +51,44 @@ def test_the_aux_loss_the_config_enables_trains_like_hugging_faces_own_loss():
     for name, grad in theirs.items():
         torch.testing.assert_close(ours[name], grad, rtol=1e-5, atol=1e-7, msg=name)
     assert (ours[router] - without[router]).abs().max() > 1e-4  # the aux loss moved the router
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_the_aux_loss_of_a_padded_batch_is_hugging_faces_with_its_attention_mask(family):
+    """Right padding the recipe adds (row 2's last 6 positions): the load-balancing loss over the
+    real tokens is the one the model computes given the batch's attention mask, its gradients
+    too (1e-5); the model's own without a mask, which counts the padding, is not."""
+    config = tiny_config(family, output_router_logits=True, router_aux_loss_coef=0.5)
+    tokens, labels, labelled = batch(config.vocab_size)
+    real = torch.ones_like(tokens, dtype=torch.bool)
+    real[1, 10:] = False
+    labels[1, 10:] = -100
+    labelled = int((labels[:, 1:] != -100).sum())
+    weight = router_aux_loss_weight(config, micro_batches=1, dp=1)
+    ours = build_causal_lm(config, seed=0)
+    forward_backward(ours, tokens, labels, labelled, aux_loss_weight=weight, real=real)
+    theirs = build_causal_lm(config, seed=0)  # its CE is the mean over the same labels
+    mask = real.long()
+    theirs(input_ids=tokens, attention_mask=mask, labels=labels, use_cache=False).loss.backward()
+    unmasked = build_causal_lm(config, seed=0)
+    forward_backward(unmasked, tokens, labels, labelled, aux_loss_weight=weight)
+
+    router = "model.layers.0.mlp.gate.weight"
+    ours, theirs, unmasked = gradients(ours), gradients(theirs), gradients(unmasked)
+    torch.testing.assert_close(ours[router], theirs[router], rtol=1e-5, atol=1e-7)
+    for name, grad in theirs.items():
+        torch.testing.assert_close(ours[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert (unmasked[router] - theirs[router]).abs().max() > 1e-4  # the padding counted
+
+
+def test_a_mask_of_another_size_than_the_routed_tokens_is_an_error():
+    config = tiny_config("qwen3_moe", output_router_logits=True)
+    model = build_causal_lm(config, seed=0)
+    tokens, labels, _ = batch(config.vocab_size)
+    outputs = model(input_ids=tokens, use_cache=False)
+    with pytest.raises(RuntimeError, match="32 tokens were routed but the real-token mask has 16"):
+        load_balancing_loss(model, outputs, torch.ones(1, 16, dtype=torch.bool))
+    assert load_balancing_loss(model, outputs, None) is outputs.aux_loss  # the model's own
 
 
 def test_the_aux_loss_weight_spreads_the_coefficient_over_micro_batches_and_dp_ranks():

@@ -41,7 +41,8 @@ def batch() -> Batch:
     labels[:, :5] = -100
     labels[3, 18:] = -100
     positions = torch.arange(24).expand(4, 24)
-    return Batch(input_ids=input_ids, labels=labels, position_ids=positions, real_tokens=None)
+    whole = torch.full((4,), 24)  # every position an example token
+    return Batch(input_ids=input_ids, labels=labels, position_ids=positions, real_tokens=whole)
 
 
 def reference_sums(student, teacher, data: Batch) -> tuple[torch.Tensor, torch.Tensor]:
