@@ -403,16 +403,19 @@ class StepBatches:
 
     def batches_for_step(self, step: int) -> list[Batch]:
         """This dp rank's ``micro_batches_per_step`` Batches of ``step``, each [micro_batch_size,
-        seq_len]. With ``pad_multiple`` the rows are sorted by length first (length buckets): each
-        micro-batch then holds rows of similar length, and the step the same rows (the same loss,
-        summed in another order)."""
-        part_size = self.global_batch_size // self.dp_size
-        part = self.indices_for_step(step)[
-            self.dp_rank * part_size : (self.dp_rank + 1) * part_size
-        ]
-        if self.pad_multiple is not None:
-            part = sorted(part, key=lambda row: int(self.rows.tokens[row]))
-        return self._batches(part)
+        seq_len]. With ``pad_multiple`` the global batch's rows are sorted by length first (length
+        buckets) and cut into micro-batches, dp=1's, which the dp ranks take in turn: each
+        micro-batch holds rows of similar length, the step the same rows (the same loss, summed in
+        another order), and every micro-batch the same rows at any dp (what a statistic of a
+        micro-batch, an MoE load-balancing loss, reads); without it, dp rank r the r-th slice."""
+        rows = self.indices_for_step(step)
+        if self.pad_multiple is None:
+            part_size = self.global_batch_size // self.dp_size
+            return self._batches(rows[self.dp_rank * part_size : (self.dp_rank + 1) * part_size])
+        rows = sorted(rows, key=lambda row: int(self.rows.tokens[row]))
+        size = self.micro_batch_size
+        micro_batches = [rows[start : start + size] for start in range(0, len(rows), size)]
+        return self._batches(sum(micro_batches[self.dp_rank :: self.dp_size], []))
 
     def labels_in_step(self, step: int) -> int:
         """Labelled tokens (``labels[:, 1:] != -100``) in the whole global batch of ``step``: every

@@ -255,15 +255,15 @@ def test_validation_is_a_training_step_of_the_validated_policy(tmp_path):
 
 # An MoE policy's load-balancing loss on (Hugging Face's router_aux_loss_coef, 0.5 here), so the
 # backward holds it: each layout against its tp=1 twin (sp pads the pairs to 16 positions, not 8:
-# the loss counts real tokens alone). Mixtral at dp=2 runs one pair a micro-batch, so each
-# micro-batch's routing statistics are over the same rows as at dp=1.
+# the loss counts real tokens alone; dp=2's ranks take dp=1's micro-batches, the loss's rows).
 AUX = ["+model.config.output_router_logits=true", "+model.config.router_aux_loss_coef=0.5"]
 MOE_TWINS = {  # a layout -> its overrides and its tp=1 twin's
     "qwen3_moe_tp2_ep2": (["model=qwen3_moe", *AUX, "tp=2", "ep=2"], ["model=qwen3_moe", *AUX]),
     "qwen3_moe_tp2_sp": (["model=qwen3_moe", *AUX, "tp=2", "sp=true"], ["model=qwen3_moe", *AUX]),
+    "qwen3_moe_dp2_ep2": (["model=qwen3_moe", *AUX, "dp=2", "ep=2"], ["model=qwen3_moe", *AUX]),
     "mixtral_sgd_dp2_ep2": (
-        ["model=mixtral", *AUX, *SGD, "train.micro_batch_size=1", "dp=2", "ep=2"],
-        ["model=mixtral", *AUX, *SGD, "train.micro_batch_size=1"],
+        ["model=mixtral", *AUX, *SGD, "dp=2", "ep=2"],
+        ["model=mixtral", *AUX, *SGD],
     ),
     "qwen3_moe_lora_tp2_ep2": (
         ["model=qwen3_moe", *LORA, "tp=2", "ep=2"],
@@ -277,6 +277,7 @@ MOE_TWINS = {  # a layout -> its overrides and its tp=1 twin's
     [
         "qwen3_moe_tp2_ep2",
         "qwen3_moe_tp2_sp",
+        "qwen3_moe_dp2_ep2",
         "mixtral_sgd_dp2_ep2",
         "qwen3_moe_lora_tp2_ep2",
     ],

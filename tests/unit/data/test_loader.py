@@ -77,18 +77,26 @@ def _rows(batches) -> list[tuple]:
 
 
 def test_pad_multiple_buckets_rows_by_length_and_pads_each_only_to_its_longest_row(loader):
-    full, short = loader(micro_batch_size=4), loader(micro_batch_size=4, pad_multiple=8)
+    """The step's rows over both dp ranks are the same with and without length buckets (only
+    padding went); with them each rank's micro-batches are every other one of dp=1's."""
+    full = [loader(micro_batch_size=2, dp_rank=rank) for rank in (0, 1)]
+    short = [loader(micro_batch_size=2, pad_multiple=8, dp_rank=rank) for rank in (0, 1)]
+    alone = loader(micro_batch_size=2, pad_multiple=8, dp_size=1)
     widths = []
     for step in range(3):
-        wide, narrow = full.batches_for_step(step), short.batches_for_step(step)
-        assert _rows(narrow) == _rows(wide)  # the same rows, labels and counts: only padding went
-        lengths = torch.cat([batch.real_tokens for batch in narrow]).tolist()
+        wide = [batch for rank in full for batch in rank.batches_for_step(step)]
+        narrow = [batch for rank in short for batch in rank.batches_for_step(step)]
+        assert _rows(narrow) == _rows(wide)  # the same rows, labels and counts
+        dp1 = alone.batches_for_step(step)
+        lengths = torch.cat([batch.real_tokens for batch in dp1]).tolist()
         assert lengths == sorted(lengths)  # length buckets: similar rows share a micro-batch
+        for rank, batches in enumerate(rank.batches_for_step(step) for rank in short):
+            assert [_rows([b]) for b in batches] == [_rows([b]) for b in dp1[rank::2]]
         for batch in narrow:
             width = batch.input_ids.shape[1]
             assert width == min(SEQ_LEN, -(-int(batch.real_tokens.max()) // 8) * 8)
             widths.append(width)
-        assert short.labels_in_step(step) == full.labels_in_step(step)
+        assert short[0].labels_in_step(step) == full[0].labels_in_step(step)
     assert min(widths) < SEQ_LEN  # the generated records are short: batches got narrower
 
 
