@@ -272,35 +272,36 @@ MOE_TWINS = {  # a layout -> its overrides and its tp=1 twin's
 }
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        "qwen3_moe_tp2_ep2",
-        "qwen3_moe_tp2_sp",
-        "qwen3_moe_dp2_ep2",
-        "mixtral_sgd_dp2_ep2",
-        "qwen3_moe_lora_tp2_ep2",
-    ],
-)
-def test_an_moe_policy_at_each_layout_equals_its_tp1_twin(tmp_path, name):
+@pytest.fixture(scope="module")
+def once(tmp_path_factory):
+    """``dpo.py`` with some overrides, run once for the module (a twin several layouts share)."""
+    root, done = tmp_path_factory.mktemp("dpo_once"), {}
+
+    def run(*overrides: str) -> list[dict]:
+        if overrides not in done:
+            done[overrides] = root / str(len(done))
+            dpo(done[overrides], *overrides)
+        return metrics(done[overrides])
+
+    return run
+
+
+@pytest.mark.parametrize("name", list(MOE_TWINS))
+def test_an_moe_policy_at_each_layout_equals_its_tp1_twin(once, name):
     """Experts split over ep (with tp or dp): the loss, grad norm, every DPO metric and the
     expert imbalance within 1e-5 of tp=1 over 4 steps (rewards: of the log-probabilities' scale);
     the reference is the starting weights, split as the policy is."""
     layout, twin = MOE_TWINS[name]
-    dpo(tmp_path / "ours", *layout)
-    dpo(tmp_path / "twin", *twin)
-    for ours, theirs in zip(metrics(tmp_path / "ours"), metrics(tmp_path / "twin"), strict=True):
+    for ours, theirs in zip(once(*layout), once(*twin), strict=True):
         scale = abs(theirs["logps/chosen"]) + abs(theirs["logps/rejected"])
         for key in (*DPO_METRICS, "grad_norm", "expert_imbalance"):
             within = dict(abs=1e-5 * scale) if key.startswith("rewards/") else dict(rel=1e-5)
             assert ours[key] == pytest.approx(theirs[key], **within), key
 
 
-def test_the_load_balancing_loss_joins_an_moe_policys_backward(tmp_path):
+def test_the_load_balancing_loss_joins_an_moe_policys_backward(once):
     """With ``output_router_logits`` the first step's loss is the same (log 2: policy =
     reference) and its grad norm is not: the router's loss term is in the gradients."""
-    dpo(tmp_path / "aux", "model=qwen3_moe", *AUX, "train.max_steps=1")
-    dpo(tmp_path / "plain", "model=qwen3_moe", "train.max_steps=1")
-    [aux], [plain] = metrics(tmp_path / "aux"), metrics(tmp_path / "plain")
+    aux, plain = once("model=qwen3_moe", *AUX)[0], once("model=qwen3_moe")[0]
     assert aux["loss"] == pytest.approx(plain["loss"], rel=1e-7)
     assert aux["grad_norm"] > plain["grad_norm"] * 1.05
