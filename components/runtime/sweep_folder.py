@@ -16,6 +16,7 @@ import yaml
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from components.runtime.output_checks import writable_folder_errors
 from components.runtime.output_dir import (
     RUN_FILE,
     inside_run_errors,
@@ -73,6 +74,8 @@ class SweepFolder(Callback):
 def sweep_folder_errors(folder: Path, config_name: str, overrides: list[str]) -> list[str]:
     """Why the sweep of ``config_name`` with ``overrides`` cannot write its jobs into ``folder``
     (one phrase), or nothing."""
+    if unusable := writable_folder_errors(folder):
+        return unusable
     shown = shown_path(folder)
     if (folder / RUN_FILE).is_file():
         return [

@@ -91,3 +91,14 @@ def test_a_sweeps_own_folder_is_taken_again_and_another_sweeps_only_once_it_has_
     (folder / "0" / "run.json").unlink()  # a job folder without a run's files is no run
     (folder / "0" / "metrics.jsonl").unlink()
     assert sweep_folder_errors(folder, "config", ["optim.lr=1,3", "seed=3"]) == []
+
+
+def test_a_sweeps_folder_that_is_a_file_or_under_one_is_refused_as_a_runs_would_be(tmp_path):
+    (tmp_path / "notes").write_text("")
+    assert sweep_folder_errors(tmp_path / "notes", "config", ["optim.lr=1,2"]) == [
+        f"output_dir='{tmp_path / 'notes'}' is a file, not a folder: choose another output_dir"
+    ]
+    (under,) = sweep_folder_errors(tmp_path / "notes" / "sweep", "config", ["optim.lr=1,2"])
+    assert under.endswith(
+        f"cannot be created: {tmp_path / 'notes'} is a file; choose another output_dir"
+    )
