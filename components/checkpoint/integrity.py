@@ -20,7 +20,6 @@ import json
 import os
 import random
 import re
-import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -303,19 +302,27 @@ def find_resumable(root: Path) -> ResumeChoice:
 
 def retire_checkpoints_after(root: Path, step: int) -> list[Path]:
     """Move every ``step_N`` folder under ``root`` with N > ``step`` aside to ``step_N.abandoned``
-    (replacing an older one of that name); return the new paths. A run resumed from ``step`` is a
-    new branch: the later checkpoints belong to the one it left, and ``checkpoint.resume=auto``
-    must never return to them. They are kept for the user (never pruned) and go with the run's
-    other files under ``overwrite_output_dir=true``."""
+    (``step_N.abandoned_2``, ``_3``, ... where an earlier branch left that name); return the new
+    paths. A run resumed from ``step`` is a new branch: the later checkpoints belong to the one it
+    left, and ``checkpoint.resume=auto`` must never return to them. They are kept for the user
+    (never pruned nor replaced) and go with the run's other files under
+    ``overwrite_output_dir=true``."""
     moved = []
     for found, folder in step_folders(root):
         if found > step:
-            target = folder.with_name(folder.name + ABANDONED)
-            if target.exists():
-                shutil.rmtree(target)
+            target = unused_name(folder.with_name(folder.name + ABANDONED))
             os.replace(folder, target)
             moved.append(target)
     return moved
+
+
+def unused_name(path: Path) -> Path:
+    """``path``, or ``path_2``, ``path_3``, ... the first that does not exist."""
+    candidate, number = path, 1
+    while candidate.exists():
+        number += 1
+        candidate = path.with_name(f"{path.name}_{number}")
+    return candidate
 
 
 def state_dict_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
