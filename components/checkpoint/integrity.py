@@ -36,6 +36,7 @@ from components.checkpoint.safe_dcp import (
     loads_state,
     read_metadata,
 )
+from components.paths import unused_name
 
 MARKER = "COMPLETE"
 TRAINER_STATE = "trainer_state.json"
@@ -314,15 +315,6 @@ def retire_checkpoints_after(root: Path, step: int) -> list[Path]:
             os.replace(folder, target)
             moved.append(target)
     return moved
-
-
-def unused_name(path: Path) -> Path:
-    """``path``, or ``path_2``, ``path_3``, ... the first that does not exist."""
-    candidate, number = path, 1
-    while candidate.exists():
-        number += 1
-        candidate = path.with_name(f"{path.name}_{number}")
-    return candidate
 
 
 def state_dict_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:

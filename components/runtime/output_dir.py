@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from components.checkpoint.integrity import unused_name
+from components.paths import unused_name
 from components.processes import process_alive
 
 LOCK_FILE = ".lock"

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from components.checkpoint.dcp import publish_folder
-from components.checkpoint.integrity import unused_name
 from components.checkpoint.manifest import foreign_files
+from components.paths import unused_name
 from components.processes import process_alive
 from components.runtime.output_dir import (
     RUN_FILE,
