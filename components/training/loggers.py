@@ -19,6 +19,7 @@ import json
 import netrc
 import os
 import socket
+import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,6 +27,7 @@ from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from components.targets import target_class
+from components.training.tracker_runs import continued_run, record_run
 
 # Fields of a metrics record sent to a tracker, when present and not None.
 _THROUGHPUT = ("tokens_per_s", "tokens", "tflops", "mfu")  # mfu: on CUDA only
@@ -80,6 +82,11 @@ def check_logger_available(target: str) -> str | None:
 
 
 WANDB_MODES = ("online", "offline", "disabled")
+# The MLflow tag that records each resume of a run, as FIRST_STEP@MILLISECONDS (the time it began),
+# space-separated, the last _RESUMES_KEPT of them: a metric value logged at a step after
+# FIRST_STEP before that time is the stopped attempt's.
+RESUMES_TAG = "shardtune.resumes"
+_RESUMES_KEPT = 200
 REACH_SECONDS = 3.0  # how long the checks wait for an MLflow server to accept a connection
 
 
@@ -301,7 +308,10 @@ class MlflowLogger:
     """An MLflow run in ``tracking_uri`` (default ``file:<output_dir>/mlruns``, a local store that
     needs no server; MLflow 3 keeps file stores behind ``MLFLOW_ALLOW_FILE_STORE``, set here for
     that case only). Any other MLflow URI works too: ``http://host:5000``, ``sqlite:///mlflow.db``
-    (with sqlalchemy)."""
+    (with sqlalchemy). A resumed run continues the MLflow run the folder recorded
+    (:mod:`components.training.tracker_runs`); MLflow cannot remove a logged value, so the steps
+    after ``first_step`` that a stopped attempt logged keep those values beside the new ones: a
+    ``note:`` says which, and the tag :data:`RESUMES_TAG` when each resume began."""
 
     def __init__(
         self,
@@ -312,7 +322,7 @@ class MlflowLogger:
         run_name: str | None = None,
     ) -> None:
         try:
-            from mlflow import entities, tracking
+            from mlflow import entities, exceptions, tracking
         except ImportError:
             raise _unavailable("MlflowLogger") from None
         self.entities = entities  # the module, imported once: each batch's Param and Metric
@@ -322,16 +332,48 @@ class MlflowLogger:
         self.client = tracking.MlflowClient(tracking_uri=self.tracking_uri)
         found = self.client.get_experiment_by_name(experiment)
         experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
-        name = run_name or Path(output_dir).resolve().name
-        self.run_id = self.client.create_run(experiment_id, run_name=name).info.run_id
+        where = {"tracking_uri": self.tracking_uri, "experiment_id": experiment_id}
+        recorded = continued_run(output_dir, "mlflow", first_step, where)
+        try:  # a recorded run deleted since (or purged from the store) is not continued
+            alive = recorded and self.client.get_run(recorded).info.lifecycle_stage == "active"
+        except exceptions.MlflowException:
+            alive = False
+        self.continued = bool(alive)
+        if alive:
+            self.run_id = recorded
+            self._continue(first_step)
+        else:
+            name = run_name or Path(output_dir).resolve().name
+            self.run_id = self.client.create_run(experiment_id, run_name=name).info.run_id
+            record_run(output_dir, "mlflow", self.run_id, where)
+            if recorded:
+                print(_mlflow_lost_note(recorded, self.run_id, first_step), file=sys.stderr)
+
+    def _continue(self, first_step: int) -> None:
+        """Mark the recorded run running again, add this resume to its :data:`RESUMES_TAG` and say
+        which steps now hold two values."""
+        history = self.client.get_metric_history(self.run_id, "loss")
+        logged = max((metric.step for metric in history), default=0)
+        self.client.update_run(self.run_id, status="RUNNING")
+        tags = self.client.get_run(self.run_id).data.tags
+        resume = f"{first_step}@{int(time.time() * 1000)}"
+        resumes = f"{tags[RESUMES_TAG]} {resume}" if RESUMES_TAG in tags else resume
+        kept = " ".join(resumes.split()[-_RESUMES_KEPT:])  # a tag holds at most 8000 characters
+        self.client.set_tag(self.run_id, RESUMES_TAG, kept)
+        print(_mlflow_resume_note(self.run_id, first_step, logged), file=sys.stderr, flush=True)
 
     def log_hparams(self, config: dict) -> None:
         """The flattened config as run parameters (MLflow keeps parameters as text, at most 6000
-        characters)."""
-        params = [
-            self.entities.Param(key, str(value)[:6000])
-            for key, value in flatten_config(config).items()
-        ]
+        characters). A continued run keeps the values it has: MLflow refuses to change one, so a
+        setting changed at resume is said in a ``note:`` instead."""
+        flat = {key: str(value)[:6000] for key, value in flatten_config(config).items()}
+        kept = self.client.get_run(self.run_id).data.params if self.continued else {}
+        params = [self.entities.Param(key, value) for key, value in flat.items() if key not in kept]
+        changed = {
+            key: (kept[key], value) for key, value in flat.items() if kept.get(key, value) != value
+        }
+        if changed:
+            print(_mlflow_params_note(self.run_id, changed), file=sys.stderr, flush=True)
         for start in range(0, len(params), 100):  # MLflow takes at most 100 parameters per batch
             self.client.log_batch(self.run_id, params=params[start : start + 100])
 
@@ -348,6 +390,38 @@ class MlflowLogger:
     def close(self) -> None:
         """Mark the run finished."""
         self.client.set_terminated(self.run_id)
+
+
+def _steps(first: int, last: int) -> str:
+    return f"step {first}" if first == last else f"steps {first}-{last}"
+
+
+def _mlflow_resume_note(run_id: str, first_step: int, logged: int) -> str:
+    """What a user sees in the continued MLflow run: which steps hold two values, if any."""
+    said = f"note: logger=mlflow: continuing MLflow run {run_id} after step {first_step}"
+    if logged <= first_step:
+        return said
+    return (
+        f"{said}; MLflow cannot remove a logged value: the stopped attempt's values at "
+        f"{_steps(first_step + 1, logged)} stay in the history beside this attempt's (the later "
+        f"timestamp at each step; tag {RESUMES_TAG}: FIRST_STEP@MILLISECONDS of each resume)"
+    )
+
+
+def _mlflow_params_note(run_id: str, changed: Mapping[str, tuple[str, str]]) -> str:
+    shown = ", ".join(f"{key} {old} -> {new}" for key, (old, new) in list(changed.items())[:5])
+    more = f" and {len(changed) - 5} more" if len(changed) > 5 else ""
+    return (
+        f"note: logger=mlflow: MLflow keeps a parameter's first value, so run {run_id} keeps the "
+        f"earlier attempt's parameters where this attempt's differ: {shown}{more}"
+    )
+
+
+def _mlflow_lost_note(recorded: str, run_id: str, first_step: int) -> str:
+    return (
+        f"note: logger=mlflow: the MLflow run {recorded} this folder logged to is deleted or gone "
+        f"from the store; steps from {first_step + 1} go to a new run, {run_id}"
+    )
 
 
 def open_logger(

@@ -267,3 +267,21 @@ def test_a_tensorboard_folder_under_a_file_is_refused(tmp_path):
     (line,) = check_logger_options(target, {"log_dir": None}, tmp_path)
     assert "is a file" in line
     assert check_logger_options(target, {"log_dir": str(tmp_path / "tensorboard" / "x")}, tmp_path)
+
+
+def test_a_resumed_mlflow_run_whose_run_was_deleted_logs_to_a_new_one(tmp_path, capsys):
+    from mlflow.tracking import MlflowClient
+
+    first = MlflowLogger(tmp_path)
+    log_run(first, steps=range(1, 4))
+    MlflowClient(tracking_uri=first.tracking_uri).delete_run(first.run_id)
+    resumed = MlflowLogger(tmp_path, first_step=2)
+    log_run(resumed, steps=range(3, 5))
+    assert resumed.run_id != first.run_id
+    recorded = json.loads((tmp_path / "tracker_runs.json").read_text())["mlflow"]
+    assert recorded["run_id"] == resumed.run_id
+    client = MlflowClient(tracking_uri=resumed.tracking_uri)
+    assert [m.step for m in client.get_metric_history(resumed.run_id, "loss")] == [3, 4]
+    said = capsys.readouterr().err
+    assert f"the MLflow run {first.run_id} this folder logged to is deleted" in said
+    assert f"steps from 3 go to a new run, {resumed.run_id}" in said
