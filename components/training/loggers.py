@@ -27,7 +27,7 @@ from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from components.targets import target_class
-from components.training.tracker_runs import continued_run, record_run
+from components.training.tracker_runs import continued_run, record_run, records_between
 
 # Fields of a metrics record sent to a tracker, when present and not None.
 _THROUGHPUT = ("tokens_per_s", "tokens", "tflops", "mfu")  # mfu: on CUDA only
@@ -86,6 +86,10 @@ WANDB_MODES = ("online", "offline", "disabled")
 # space-separated, the last _RESUMES_KEPT of them: a metric value logged at a step after
 # FIRST_STEP before that time is the stopped attempt's.
 RESUMES_TAG = "shardtune.resumes"
+# How many steps before a resume's checkpoint a W&B run is rewound over and given again from
+# metrics.jsonl: W&B writes its offline file (and uploads) in batches, so a killed attempt's last
+# steps, about 100 in offline mode (one 32 KiB block), may never have reached it.
+REWOUND_STEPS = 1000
 _RESUMES_KEPT = 200
 REACH_SECONDS = 3.0  # how long the checks wait for an MLflow server to accept a connection
 
@@ -260,7 +264,9 @@ class WandbLogger:
     """A Weights & Biases run under ``<output_dir>/wandb``: ``mode: offline`` (the default) writes
     it there, to upload later with ``wandb sync``; ``mode: online`` sends it to the server the user
     configured (``wandb login``, ``WANDB_BASE_URL``). ``settings``: extra ``wandb.Settings``
-    fields."""
+    fields. A resumed run continues the W&B run the folder recorded
+    (:mod:`components.training.tracker_runs`), rewound to the step after ``first_step`` (W&B's
+    ``resume_from``): the steps a stopped attempt logged after it are cut from the history."""
 
     def __init__(
         self,
@@ -279,7 +285,8 @@ class WandbLogger:
             raise _unavailable("WandbLogger") from None
         self.wandb = wandb  # the module, imported once: close() tears its service down
         Path(output_dir).mkdir(parents=True, exist_ok=True)
-        self.run = wandb.init(
+        where = {"project": project, "entity": entity}
+        options = dict(
             project=project,
             name=name or Path(output_dir).resolve().name,
             entity=entity,
@@ -287,6 +294,34 @@ class WandbLogger:
             tags=list(tags or []),
             settings=wandb.Settings(mode=mode, **dict(settings or {})),
         )
+        recorded = continued_run(output_dir, "wandb", first_step, where)
+        if recorded is None or mode == "disabled":
+            self.run = wandb.init(**options)
+        else:
+            self.run = self._rewound(recorded, first_step, mode, options, Path(output_dir))
+        if mode != "disabled":  # a disabled run is nothing to continue
+            record_run(output_dir, "wandb", self.run.id, where)
+
+    def _rewound(
+        self, run_id: str, first_step: int, mode: str, options: dict, output_dir: Path
+    ) -> Any:
+        """The recorded run rewound to :data:`REWOUND_STEPS` before ``first_step`` (W&B keeps its
+        history up to that step and cuts the rest), then given those steps again from
+        ``metrics.jsonl``; where the server refuses a rewind (a preview feature there), the run
+        resumed without one."""
+        start = max(0, first_step - REWOUND_STEPS)
+        refused = None
+        try:
+            run = self.wandb.init(resume_from=f"{run_id}?_step={start}", **options)
+        except self.wandb.Error as error:
+            refused = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            run = self.wandb.init(id=run_id, resume="allow", **options)
+        else:
+            for record in records_between(output_dir / "metrics.jsonl", start, first_step):
+                run.log(metric_values(record), step=record["step"])
+        note = _wandb_resume_note(run_id, first_step, start, mode, refused)
+        print(note, file=sys.stderr, flush=True)
+        return run
 
     def log_hparams(self, config: dict) -> None:
         """The config as the run's config (nested, as W&B shows it)."""
@@ -390,6 +425,29 @@ class MlflowLogger:
     def close(self) -> None:
         """Mark the run finished."""
         self.client.set_terminated(self.run_id)
+
+
+def _wandb_resume_note(
+    run_id: str, first_step: int, start: int, mode: str, refused: str | None
+) -> str:
+    """What a user sees of the continued W&B run: rewound and given its last steps again, or (the
+    server refused a rewind) not."""
+    said = f"note: logger=wandb: continuing W&B run {run_id} after step {first_step}"
+    if refused is not None:
+        return (
+            f"{said}; W&B refused to rewind it ({refused}): up to the last step the stopped "
+            "attempt logged, the run keeps that attempt's values and W&B drops this attempt's"
+        )
+    cut = "cut"
+    if mode == "offline":
+        cut += " once `wandb sync` uploads this folder after the earlier ones"
+    again = ""
+    if start < first_step:
+        again = f", then {_steps(start + 1, first_step)} logged again from metrics.jsonl"
+    return (
+        f"{said}: rewound to step {start} (what earlier attempts logged after it is {cut}){again}; "
+        "a killed attempt's last steps may never have reached W&B"
+    )
 
 
 def _steps(first: int, last: int) -> str:

@@ -52,3 +52,19 @@ def record_run(output_dir: str | Path, tracker: str, run_id: str, where: Mapping
     private = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     private.write_text(json.dumps(runs, indent=1, sort_keys=True))
     os.replace(private, path)
+
+
+def records_between(metrics_path: Path, after: int, up_to: int) -> list[dict[str, Any]]:
+    """The records of ``metrics.jsonl`` at steps after ``after`` up to ``up_to``, in file order:
+    what a resumed run gives a tracker again (a killed attempt's last line may be cut: skipped)."""
+    lines = metrics_path.read_text().splitlines() if metrics_path.exists() else []
+    records = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        step = record.get("step") if isinstance(record, dict) else None
+        if isinstance(step, int) and after < step <= up_to:
+            records.append(record)
+    return records

@@ -4,7 +4,9 @@ The scenario a user hits: a run with ``checkpoint.resume=auto`` is killed (here 
 ``debug.fault=kill@4``: a SIGKILL at step 4, as a ``kill -9`` leaves it) after its checkpoint of
 step 2, then the same command runs again and resumes after step 2. The tracker must then hold one
 run with steps 1-6: MLflow the same run, finished, with step 3 twice (it cannot remove a value,
-and says so).
+and says so); W&B (offline) the same run id, the resumed attempt's file rewound to step 0 and
+holding steps 1-6 (what ``wandb sync`` hands W&B's server, which cuts the history there), since the
+killed attempt's file lost what W&B had not written yet.
 """
 
 import json
@@ -16,6 +18,7 @@ from mlflow.tracking import MlflowClient
 from components.training.loggers import RESUMES_TAG
 from components.training.tracker_runs import TRACKER_RUNS_FILE
 from tests.e2e.test_failures import metrics, start_recipe, stderr_of
+from tests.unit.training.test_loggers import key_of, wandb_records
 
 RUN = ["tp=1", "train.max_steps=6", "checkpoint.every_steps=2", "checkpoint.resume=auto"]
 
@@ -60,3 +63,37 @@ def test_a_resumed_run_continues_its_mlflow_run_and_finishes_it(mlflow_run, monk
     assert f"note: logger=mlflow: continuing MLflow run {run.info.run_id} after step 2" in said
     assert "MLflow cannot remove a logged value: the stopped attempt's values at step 3" in said
     assert "debug.fault kill@4 -> None" in said  # the parameter MLflow would not let change
+
+
+def test_a_resumed_run_rewinds_its_wandb_run_and_gives_it_the_steps_a_kill_lost(tmp_path):
+    output_dir = tmp_path / "wb"
+    home = {key: str(tmp_path / "wandb-home") for key in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR")}
+    quick = ["+logger.settings.x_disable_stats=true", "+logger.settings.x_disable_meta=true"]
+    killed_then_resumed(output_dir, "logger=wandb", *quick, env=home | {"WANDB_SILENT": "true"})
+    recorded = json.loads((output_dir / TRACKER_RUNS_FILE).read_text())["wandb"]
+    killed, resumed = [run_file(output_dir, attempt) for attempt in (0, 1)]
+    assert killed.name == resumed.name == f"run-{recorded['run_id']}.wandb"  # one W&B run id
+    # W&B writes its file in 32 KiB blocks: the kill lost what was not written (here: all).
+    assert history(killed, "_step") == [1, 2, 3][: len(history(killed, "_step"))]
+    assert history(resumed, "_step") == [1, 2, 3, 4, 5, 6]  # 1-2 again from metrics.jsonl
+    loss = [record["loss"] for record in metrics(output_dir)]
+    assert history(resumed, "loss") == pytest.approx(loss, abs=1e-5)
+    (run,) = [r.run for r in wandb_records(resumed) if r.WhichOneof("record_type") == "run"]
+    rewind, run_id = run.branch_point, recorded["run_id"]  # what `wandb sync` hands the server
+    assert (run.run_id, rewind.run, rewind.metric, rewind.value) == (run_id, run_id, "_step", 0.0)
+    said = stderr_of(output_dir)
+    assert f"note: logger=wandb: continuing W&B run {recorded['run_id']} after step 2" in said
+    assert "rewound to step 0 (what earlier attempts logged after it is cut once `wandb" in said
+    assert "then steps 1-2 logged again from metrics.jsonl" in said
+
+
+def run_file(output_dir: Path, attempt: int) -> Path:
+    """The W&B file of the run's ``attempt``-th start (its folders are named by start time)."""
+    (found,) = sorted((output_dir / "wandb").glob("offline-run-*"))[attempt].glob("run-*.wandb")
+    return found
+
+
+def history(path: Path, key: str) -> list:
+    """The values of ``key`` in the history rows of a W&B run file."""
+    rows = [r.history.item for r in wandb_records(path) if r.WhichOneof("record_type") == "history"]
+    return [json.loads(item.value_json) for row in rows for item in row if key_of(item) == key]

@@ -12,6 +12,7 @@ import pytest
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from components.training import loggers
 from components.training.loggers import (
     LoggerUnavailableError,
     MlflowLogger,
@@ -285,3 +286,32 @@ def test_a_resumed_mlflow_run_whose_run_was_deleted_logs_to_a_new_one(tmp_path, 
     said = capsys.readouterr().err
     assert f"the MLflow run {first.run_id} this folder logged to is deleted" in said
     assert f"steps from 3 go to a new run, {resumed.run_id}" in said
+
+
+def test_a_resumed_wandb_run_is_rewound_over_its_last_steps_and_given_them_again(
+    tmp_path, monkeypatch, capsys
+):
+    """Rewound :data:`REWOUND_STEPS` (here 2) before the resumed step 4, so steps 3-4 come again
+    from metrics.jsonl (a cut last line skipped); a fresh run into the folder starts a new run."""
+    for variable in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(variable, str(tmp_path / "wandb-home"))
+    monkeypatch.setattr(loggers, "REWOUND_STEPS", 2)
+    quick = {"x_disable_stats": True, "x_disable_meta": True, "console": "off", "silent": True}
+    first = WandbLogger(tmp_path, settings=quick)
+    log_run(first, steps=range(1, 6))
+    lines = [json.dumps(record(step)) for step in range(1, 5)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 5, "lo')
+    resumed = WandbLogger(tmp_path, first_step=4, settings=quick)
+    log_run(resumed, steps=range(5, 7))
+    assert resumed.run.id == first.run.id
+    folder = sorted((tmp_path / "wandb").glob("offline-run-*"))[1]
+    records = wandb_records(next(folder.glob("run-*.wandb")))
+    (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert (run.branch_point.run, run.branch_point.value) == (first.run.id, 2.0)
+    rows = [r.history.item for r in records if r.WhichOneof("record_type") == "history"]
+    steps = [json.loads(i.value_json) for row in rows for i in row if key_of(i) == "_step"]
+    assert steps == [3, 4, 5, 6]
+    assert "then steps 3-4 logged again from metrics.jsonl" in capsys.readouterr().err
+    fresh = WandbLogger(tmp_path, settings=quick)
+    fresh.close()
+    assert fresh.run.id != first.run.id
