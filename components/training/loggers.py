@@ -5,7 +5,8 @@ each a ``_target_`` here).
 Every logger takes the run's ``output_dir`` and ``first_step`` (the step a resumed run starts after)
 plus its own yaml options, and offers :class:`MetricsLogger`: ``log_hparams`` (the composed config,
 once), ``log_metrics`` (one metrics record per optimizer step) and ``close``. Build one on the rank
-that writes ``metrics.jsonl`` only; the other ranks need none (or :class:`NoLogger`).
+that writes ``metrics.jsonl`` only; the other ranks need none (or :class:`NoLogger`). A resumed
+run continues the tracker run the folder began (docs/checkpoints.md, "Trackers at a resume").
 
 A tracker's package is imported when its logger is built; a missing one raises
 :class:`LoggerUnavailableError` whose message is the one ``error:`` line to show. The pre-launch

@@ -315,3 +315,31 @@ def test_a_resumed_wandb_run_is_rewound_over_its_last_steps_and_given_them_again
     fresh = WandbLogger(tmp_path, settings=quick)
     fresh.close()
     assert fresh.run.id != first.run.id
+
+
+def test_a_wandb_server_that_refuses_the_rewind_gets_the_run_resumed_without_one(
+    tmp_path, monkeypatch, capsys
+):
+    """As a server without W&B's rewind preview answers ``resume_from``: an error from
+    ``wandb.init``. The run is resumed by id instead, and the note says what W&B then keeps."""
+    import wandb
+
+    for variable in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(variable, str(tmp_path / "wandb-home"))
+    quick = {"x_disable_stats": True, "x_disable_meta": True, "console": "off", "silent": True}
+    first = WandbLogger(tmp_path, settings=quick)
+    log_run(first, steps=range(1, 3))
+    init = wandb.init
+
+    def refusing(**options):
+        if "resume_from" in options:
+            raise wandb.errors.CommError("failed to rewind run: not enabled for this entity")
+        return init(**options)
+
+    monkeypatch.setattr(wandb, "init", refusing)
+    resumed = WandbLogger(tmp_path, first_step=2, settings=quick)
+    log_run(resumed, steps=range(3, 5))
+    assert resumed.run.id == first.run.id
+    said = capsys.readouterr().err
+    assert f"continuing W&B run {first.run.id} after step 2; W&B refused to rewind it" in said
+    assert "(failed to rewind run: not enabled for this entity)" in said
