@@ -102,11 +102,11 @@ def check_beside(
     as checked, returned with the run's; its problems refused with the run's, in one ConfigError."""
     settings, found = validated(cfg, schema)
     _refuse(found)
-    from components.data.checks import checked_source  # after the schema: a bad key is fast
-    from components.debug.faults import fault_layout_errors
+    from components.debug.faults import fault_layout_errors  # after the schema: a bad key is fast
     from components.runtime.output_checks import (
         check_output_dir,
         explicit_checkpoint_errors,
+        overwritten_model_problems,
         where_errors,
     )
 
@@ -124,11 +124,11 @@ def check_beside(
     resume = explicit_checkpoint_errors(settings.checkpoint.resume)
     checked = model_problems(settings, dims, device_type)
     frozen = beside(settings, dims, device_type, checked) if beside else None
-    data = settings.data.model_dump(by_alias=True)
-    source, data_problems = checked_source(
-        data, settings.preference_pairs, mix_kinds(settings.seed)
+    source, data_problems = _checked_data(settings)
+    overwrite = overwritten_model_problems(
+        output, settings.overwrite_output_dir, settings.model_folders()
     )
-    found += size_problems + resume + check_output_dir(output) + checked.problems
+    found += size_problems + resume + check_output_dir(output) + overwrite + checked.problems
     found += data_problems + (frozen.problems if frozen is not None else [])
     _refuse(found + where_errors(output, hydra_run_dir, per_run, started_by_launcher()))
     _notes(settings, dims, output, per_run, warmup, device_type)
@@ -149,6 +149,14 @@ def check_beside(
         config_yaml=_config_yaml(cfg, output),
     )
     return run, frozen
+
+
+def _checked_data(settings: Config):
+    """The data source as its checks find it (``components/data/checks.py``), and its problems."""
+    from components.data.checks import checked_source  # after the schema: a bad key is fast
+
+    data = settings.data.model_dump(by_alias=True)
+    return checked_source(data, settings.preference_pairs, mix_kinds(settings.seed))
 
 
 def optim_layout_problems(settings: Config, dims: ParallelDims) -> list[Problem]:

@@ -57,6 +57,10 @@ class DistillConfig(Config):
     teacher: Teacher
     distill: Distill
 
+    def model_folders(self) -> dict[str, str | None]:
+        """Fine-tuning's, and the teacher's."""
+        return super().model_folders() | {"teacher.pretrained_path": self.teacher.pretrained_path}
+
     def option_problems(self, warmup: int, output: Path, device_type: str) -> tuple[list, Any]:
         """Fine-tuning's, and the degrees ``distill.py`` does not run."""
         found, fault = super().option_problems(warmup, output, device_type)

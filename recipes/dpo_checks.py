@@ -15,6 +15,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from components.models.hub import not_a_model
 from components.models.options import ModelChoice
 from components.problems import Problem
 from components.runtime.output_dir import OutputDirLock
@@ -101,8 +102,8 @@ def folder_problems(checked: Checked, folder: Path) -> list[Problem]:
         return [
             Problem(
                 key=KEY,
-                message=f"{KEY}={folder} is not a Hugging Face model folder (no config.json): "
-                "give a local folder (a Hub id is not downloaded for the reference)",
+                message=f"{KEY}={folder}: {not_a_model(folder)} (a local folder: a Hub id is "
+                "not downloaded for the reference)",
             )
         ]
     if checked.model_path is not None or checked.model_awaits_fetch:

@@ -74,6 +74,10 @@ class DpoConfig(Config):
             "use one of those"
         ]
 
+    def model_folders(self) -> dict[str, str | None]:
+        """Fine-tuning's, and the reference's."""
+        return super().model_folders() | {"dpo.reference_path": self.dpo.reference_path}
+
     def unsupported(self) -> list[Problem]:
         """The settings ``dpo.py`` refuses, each one problem naming its key (docs/dpo.md)."""
         train, peft, loss_on = self.train, self.peft, self.data.loss_on

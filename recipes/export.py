@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 from components.checkpoint.dcp import publish_folder, run_on_rank0
 from components.checkpoint.export import export_dtype, export_hf
 from components.checkpoint.peft_export import adapter_config, export_peft_adapter
+from components.distributed.fsdp import reshard
 from components.distributed.pipeline import every_stage
 from components.models.build import build_causal_lm, save_pretrained_quietly
 from components.models.lora import adapted_parameters, adapter_state, lora_modules, merge_adapters
@@ -28,6 +29,7 @@ def export(model: torch.nn.Module, plan: RunPlan, stages=None) -> None:
     PEFT's format instead, and with ``peft.merge=true`` ``hf/`` of the merged model too.
     ``stages``: the ``pp`` group's process group (None without pipeline stages), whose ranks hold
     the other stages' adapters."""
+    reshard(model)  # a validation at the last step left FSDP's root gathered
     source, base, peft = plan.model.weights, base_model(plan), plan.settings.peft
     dtype = export_dtype(plan.checkpoint.export_dtype, source)
     tokenizer = AutoTokenizer.from_pretrained(plan.tokenizer_dir, trust_remote_code=False)
@@ -44,7 +46,7 @@ def export(model: torch.nn.Module, plan: RunPlan, stages=None) -> None:
         if peft.name == "qlora":  # the NF4 base dequantized into its dtype, to merge into
             dequantize_base(model)
         merge_adapters(model)  # the same function, its adapters folded into the base
-    card = dict(recipe="recipes/finetune.py", config_yaml=plan.config_yaml, base_model=base)
+    card = dict(recipe=plan.settings.RECIPE, config_yaml=plan.config_yaml, base_model=base)
     files = dict(tokenizer=tokenizer, dtype=dtype, source_dir=source)
     export_hf(model, plan.model.config, plan.output_dir / "hf", **files, **card)
 

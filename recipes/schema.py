@@ -503,6 +503,10 @@ class Config(Section):
         ``finetune.py`` trains them all)."""
         return []
 
+    def model_folders(self) -> dict[str, str | None]:
+        """The folders the run reads a model from, by key (a recipe adds its frozen model's)."""
+        return {"model.pretrained_path": self.model.pretrained_path}
+
     def pipeline_errors(self) -> list[str]:
         """``pp_schedule`` and ``pp_stages_per_rank`` that disagree (interleaved: 2 stages or more
         per rank)."""

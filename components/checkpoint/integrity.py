@@ -20,7 +20,6 @@ import json
 import os
 import random
 import re
-import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +36,7 @@ from components.checkpoint.safe_dcp import (
     loads_state,
     read_metadata,
 )
+from components.paths import unused_name
 
 MARKER = "COMPLETE"
 TRAINER_STATE = "trainer_state.json"
@@ -303,16 +303,15 @@ def find_resumable(root: Path) -> ResumeChoice:
 
 def retire_checkpoints_after(root: Path, step: int) -> list[Path]:
     """Move every ``step_N`` folder under ``root`` with N > ``step`` aside to ``step_N.abandoned``
-    (replacing an older one of that name); return the new paths. A run resumed from ``step`` is a
-    new branch: the later checkpoints belong to the one it left, and ``checkpoint.resume=auto``
-    must never return to them. They are kept for the user (never pruned) and go with the run's
-    other files under ``overwrite_output_dir=true``."""
+    (``step_N.abandoned_2``, ``_3``, ... where an earlier branch left that name); return the new
+    paths. A run resumed from ``step`` is a new branch: the later checkpoints belong to the one it
+    left, and ``checkpoint.resume=auto`` must never return to them. They are kept for the user
+    (never pruned nor replaced) and go with the run's other files under
+    ``overwrite_output_dir=true``."""
     moved = []
     for found, folder in step_folders(root):
         if found > step:
-            target = folder.with_name(folder.name + ABANDONED)
-            if target.exists():
-                shutil.rmtree(target)
+            target = unused_name(folder.with_name(folder.name + ABANDONED))
             os.replace(folder, target)
             moved.append(target)
     return moved
@@ -363,6 +362,17 @@ LATER_KEYS = (
 )
 
 
+def _another_recipe(summary: CheckpointSummary, recorded: str, recipe: str) -> str:
+    """Why ``recipe`` does not resume ``recorded``'s checkpoint (``summary``), and what does: that
+    recipe resumes it; this one starts from its run's export (``hf/`` beside ``checkpoints/``)."""
+    export = summary.path.parent.parent / "hf"
+    return (
+        f"the checkpoint is a {recorded} run's, not a {recipe} one's: resume it with {recorded}; "
+        f"to start {recipe} from its weights, give its run's export as a model "
+        f"(model=pretrained model.pretrained_path={export}, written when that run ends)"
+    )
+
+
 def resume_problems(
     summary: CheckpointSummary,
     expected: Mapping[str, Any],
@@ -373,6 +383,9 @@ def resume_problems(
     cannot resume from ``summary``: one phrase per key whose recorded value differs (the model by
     its first differing tensor when its ``shapes`` are given), and one if ``max_steps`` is not
     beyond the checkpoint's step. Empty when it can."""
+    recipe, recorded_recipe = expected.get("recipe"), summary.run_info.get("recipe")
+    if recipe is not None and recorded_recipe is not None and recipe != recorded_recipe:
+        return [_another_recipe(summary, recorded_recipe, recipe)]  # its other keys: beside it
     problems = []
     for key, value in expected.items():
         if key in LATER_KEYS and key not in summary.run_info:
@@ -388,11 +401,6 @@ def resume_problems(
                 f"the data ({now}) has changed since the checkpoint was trained on it"
                 if now == then
                 else f"the data is {now}, not the {then} the checkpoint was trained on"
-            )
-        elif key == "recipe":
-            problems.append(
-                f"the checkpoint is a {recorded} run's, not a {value} one's: resume it with "
-                f"{recorded}, or train in another output_dir"
             )
         elif key == "tokenizer":
             problems.append(

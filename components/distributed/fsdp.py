@@ -76,3 +76,12 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
     accumulation."""
     if isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(enabled)
+
+
+def reshard(model: nn.Module) -> None:
+    """Put every FSDP module of ``model`` back to its sharded parameters: the root keeps its
+    parameters gathered after a forward without backward (a validation), and a write into those
+    (merging adapters) would never reach the shards that checkpoints and exports read."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()

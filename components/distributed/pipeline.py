@@ -317,7 +317,7 @@ class Pipeline:
     def after_update(self) -> None:
         """After the optimizer step: the last stage's copy of a tied embedding takes the first's
         updated weight."""
-        if self.tied is not None:
+        if self.tied is not None and self.tied.weight.requires_grad:  # frozen: never changes
             self.tied.share_weight()
 
     def evaluate(self, batches: list, rows: int, pad_id: int) -> torch.Tensor:
@@ -387,7 +387,8 @@ class TiedEmbedding:
     as ``embed_tokens.weight`` and by the last as ``lm_head.weight``: one weight, used twice. Its
     gradient is the sum of both stages' parts, owned by the first stage (the last stage's copy
     keeps none, so the grad norm counts it once and the optimizer leaves that copy alone), and the
-    first stage's weight is copied to the last after building and after each update. Each pair of
+    first stage's weight is copied to the last after building and after each update (frozen under
+    ``peft=lora``: after building alone, no gradient to sum). Each pair of
     first and last ranks (the same coordinates on every other dimension) has a group of two."""
 
     def __init__(self, weight: torch.Tensor, first: bool, group: ProcessGroup, source: int):
@@ -408,6 +409,8 @@ class TiedEmbedding:
     @torch.no_grad()
     def sum_gradient(self) -> None:
         weight = self.weight
+        if not weight.requires_grad:  # frozen (peft=lora): no gradient on either stage
+            return
         if isinstance(weight.grad, DTensor) and weight.grad.placements != weight.placements:
             # a vocab-parallel embedding's gradient comes whole: its own rows, as the head's
             weight.grad = weight.grad.redistribute(weight.device_mesh, weight.placements)

@@ -114,8 +114,17 @@ def resolve_model_folder(
     else:
         folder = _download(path_or_id, cache_dir, revision, key)
     if not (folder / "config.json").is_file():
-        raise ModelSourceError(
-            f"{key}={path_or_id!r}: the folder {folder} is not a Hugging Face model (no "
-            "config.json)"
-        )
+        raise ModelSourceError(f"{key}={path_or_id!r}: {not_a_model(folder)}")
     return folder
+
+
+def not_a_model(folder: Path) -> str:
+    """Why ``folder`` (without a config.json) is no model to load: a PEFT adapter alone (what a
+    ``peft=lora`` run exports to ``adapter/``) is named as one, with the folder that works."""
+    if (folder / "adapter_config.json").is_file():
+        return (
+            f"the folder {folder} holds a PEFT adapter (adapter_config.json), not a whole model: "
+            "give the folder of a whole model, e.g. the hf/ of a run exported with "
+            "peft.merge=true (the base with the adapter merged in)"
+        )
+    return f"the folder {folder} is not a Hugging Face model (no config.json)"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from components.checkpoint.integrity import MARKER, complete_checkpoints
 from components.problems import Problem, problems, show
-from components.runtime.output_dir import nested_run_errors
+from components.runtime.output_dir import RUN_FILES, nested_run_errors
 
 
 def where_errors(output: Path, run_dir: str | None, per_run: bool, torchrun: bool) -> list[Problem]:
@@ -87,3 +87,29 @@ def _not_a_checkpoint(resume: str | None) -> list[str]:
         f"checkpoint.resume={show(resume)} {why}: use auto, null or a step_NNNNNNNN checkpoint "
         "folder"
     ]
+
+
+def overwritten_model_problems(
+    output: Path, overwrite: bool, folders: dict[str, str | None]
+) -> list[Problem]:
+    """A model folder the run reads (``folders``: by key) among the run files that
+    ``overwrite_output_dir=true`` removes from ``output`` before training (a run's own ``hf/``
+    given back as its model): removed, it could not be loaded."""
+    found = []
+    for key, given in folders.items():
+        if not overwrite or given is None:
+            continue
+        folder = Path(given).expanduser().absolute()
+        if folder.is_relative_to(output) and folder.relative_to(output).parts[:1] in _REMOVED:
+            found.append(
+                Problem(
+                    key=key,
+                    message=f"{key}={given} lies in {output}'s run files, which "
+                    "overwrite_output_dir=true removes before the run starts: copy the folder "
+                    "out of it, or choose another output_dir",
+                )
+            )
+    return found
+
+
+_REMOVED = {(name,) for name in RUN_FILES}

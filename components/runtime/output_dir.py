@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from components.paths import unused_name
 from components.processes import process_alive
 
 LOCK_FILE = ".lock"
@@ -207,27 +208,17 @@ def lock_output_dir(output_dir: Path) -> OutputDirLock:
     return OutputDirLock(output_dir).acquire()
 
 
-def unused_folder(path: Path) -> Path:
-    """``path``, or ``path_2``, ``path_3``, ... the first that does not exist: a per-run default
-    folder (``outputs/MODEL/DATE_TIME``) for a run that starts in the same second as another."""
-    candidate, number = path, 1
-    while candidate.exists():
-        number += 1
-        candidate = path.with_name(f"{path.name}_{number}")
-    return candidate
-
-
 def run_output_folder(
     configured: str, written: str, sweep_job_dir: str | None
 ) -> tuple[Path, bool]:
     """The run's output folder: a sweep job's own (``sweep_job_dir``), else ``configured`` (the
     resolved ``output_dir``), made absolute; and whether the config as ``written`` names a folder
     per run (``${now:...}``), where a run started in the same second as another takes
-    :func:`unused_folder`'s next name."""
+    :func:`unused_name`'s next name (``DATE_TIME_2``)."""
     output = Path(sweep_job_dir or configured).expanduser().absolute()
     per_run = "${now:" in written
     if per_run and sweep_job_dir is None:
-        output = unused_folder(output)
+        output = unused_name(output)
     return output, per_run
 
 

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from components.runtime.console import print_line
+from components.runtime.exit_status import STOPPED_STATUS
 from components.runtime.problems import is_rank_zero, say
 
 
@@ -17,8 +18,9 @@ class Sweep:
 
     def run_job(self, number: int, overrides: list[str], job: Callable[[], None]) -> None:
         """Run one job and note how it ended. Its failure (already said in its own ``error:``
-        line) does not stop the sweep, as Hydra's users expect; a signal (Ctrl-C, SIGTERM: status
-        128 + N) does, once noted."""
+        line) does not stop the sweep, as Hydra's users expect; a signal does, once noted: Ctrl-C
+        or a second signal (status 128 + N), or SIGTERM or SIGUSR1 that stopped the job after a
+        step with a checkpoint (:data:`STOPPED_STATUS`)."""
         status = 0
         try:
             job()
@@ -28,7 +30,7 @@ class Sweep:
             say(f"error: {type(error).__name__}: {error}", file=sys.stderr)
             status = 1
         self.jobs.append((number, overrides, status))
-        if status >= 128:
+        if _stopped(status):
             raise SystemExit(status)
 
     def end(self) -> None:
@@ -48,14 +50,30 @@ def sweep_summary(jobs: list[tuple[int, list[str], int]]) -> tuple[list[str], in
     signal's, when one stopped the sweep)."""
     shared = set.intersection(*(set(overrides) for _, overrides, _ in jobs))
     failed = [status for _, _, status in jobs if status]
-    lines = [f"sweep: {len(jobs) - len(failed)} of {len(jobs)} jobs done, {len(failed)} failed"]
+    stopped = sum(status == STOPPED_STATUS for status in failed)
+    counts = f"{len(failed) - stopped} failed" + (f", {stopped} stopped" if stopped else "")
+    lines = [f"sweep: {len(jobs) - len(failed)} of {len(jobs)} jobs done, {counts}"]
     for number, overrides, status in jobs:
         own = " ".join(override for override in overrides if override not in shared) or "-"
-        how = "done" if status == 0 else f"failed (exit status {status})"
-        lines.append(f"  job {number} ({own}): {how}")
-    if failed and failed[-1] >= 128:
+        lines.append(f"  job {number} ({own}): {_how(status)}")
+    if failed and _stopped(failed[-1]):
         lines.append(
             f"  the sweep was stopped by a signal after job {jobs[-1][0]}: later jobs did not run"
         )
-    status = next((code for code in failed if code >= 128), failed[0] if failed else 0)
+    status = next((code for code in failed if _stopped(code)), failed[0] if failed else 0)
     return lines, status
+
+
+def _stopped(status: int) -> bool:
+    """Whether a job's exit status is a signal's: Ctrl-C or a second signal (128 + N), or a stop
+    after a step with a checkpoint (:data:`STOPPED_STATUS`: ``checkpoint.resume=auto`` resumes)."""
+    return status == STOPPED_STATUS or status >= 128
+
+
+def _how(status: int) -> str:
+    """How a job ended, for the sweep's summary."""
+    if status == 0:
+        return "done"
+    if status == STOPPED_STATUS:
+        return f"stopped with a checkpoint (exit status {status}): resume it with resume=auto"
+    return f"failed (exit status {status})"

@@ -9,8 +9,8 @@ class Cadence:
     """The run's step cadence. ``max_steps``: the run's length (the schedule's, and the step of the
     export); ``last_step``: where this launch stops (``max_steps``, or earlier with
     ``train.stop_after``). Each ``*_every`` is in steps, 0 for never: ``validate_every`` (and after
-    the last step too), ``save_every`` (a checkpoint), ``check_replicas_every`` (the TP replicas
-    compared)."""
+    the last step too), ``save_every`` (a checkpoint, and after the last step too),
+    ``check_replicas_every`` (the TP replicas compared)."""
 
     max_steps: int
     last_step: int
@@ -28,8 +28,11 @@ class Cadence:
         return bool(every) and (done % every == 0 or done == self.max_steps)
 
     def save(self, done: int) -> bool:
-        """Whether to save a checkpoint after step ``done``."""
-        return bool(self.save_every) and done % self.save_every == 0
+        """Whether to save a checkpoint after step ``done``: every ``save_every`` steps, and the
+        last (so that ``checkpoint.resume=auto`` finds the run complete, never trains its last
+        steps again)."""
+        every = self.save_every
+        return bool(every) and (done % every == 0 or done == self.max_steps)
 
     def check_replicas(self, done: int) -> bool:
         """Whether to compare the TP replicas after step ``done``."""

@@ -104,6 +104,8 @@ def test_dpo_trains_and_exports_the_policy(runs):
         assert 0 <= step["rewards/accuracies"] <= 1 and step["logps/chosen"] < 0
     model = AutoModelForCausalLM.from_pretrained(runs["ipo_sgd_tp2"] / "hf")
     assert model.config.model_type == "llama"
+    card = (runs["ipo_sgd_tp2"] / "hf" / "README.md").read_text()
+    assert "recipes/dpo.py" in card and "recipes/finetune.py" not in card  # the model card
 
 
 def test_what_dpo_does_not_run_is_one_error_line_before_any_rank(tmp_path):

@@ -32,6 +32,8 @@ UNCHUNKED = "train.loss_chunk_tokens=0"  # the head's own forward, then the loss
 SGD = [*ADAPTERS, "optim=sgd", "peft.target_modules=[lm_head,*.q_proj]"]  # lr 0.1
 TYPO = "peft.target_modules=[*.q_proj,*.nothing]"
 TP2 = ["tp=2", "checkpoint.export=true", "peft.merge=true", "checkpoint.every_steps=3"]
+# FSDP, validated after the last step: the forward alone leaves FSDP's root (the head) gathered
+DP2 = ["dp=2", "checkpoint.export=true", "peft.merge=true", "train.val_every=2"]
 MOE = ["model=qwen3_moe", "peft.experts=true", "train.max_steps=4"]
 MOE_TP2_EP2 = [*MOE, "tp=2", "ep=2", "checkpoint.export=true", "peft.merge=true"]
 # run: its twin (tp=1, or the same run with the unchunked loss)
@@ -53,7 +55,7 @@ def refused(output_dir: Path, *overrides: str) -> list[str]:
 @pytest.fixture(scope="module")
 def runs(request, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("lora")
-    dense = {"tp1": ["tp=1"], "tp2": TP2, "tp1_unchunked": [UNCHUNKED]}
+    dense = {"tp1": ["tp=1"], "tp2": TP2, "tp1_unchunked": [UNCHUNKED], "dp2_validated": DP2}
     if "dp2_tp2_sp" in selected_params(request, "name"):
         dense |= {"dp2_tp2_sp": ["tp=2", "dp=2", "sp=true"]}
     for name, overrides in dense.items():
@@ -175,7 +177,7 @@ def _merged_is_base_plus_scaled_ba(folder: Path, merged: torch.nn.Module, config
         torch.testing.assert_close(exported[name], weight + 2.0 * delta, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["tp2", "moe_tp2_ep2"])
+@pytest.mark.parametrize("name", ["tp2", "moe_tp2_ep2", "dp2_validated"])
 def test_adapter_export_loads_with_peft_and_the_merged_export_is_base_plus_scaled_ba(runs, name):
     folder = runs[name]
     config = AutoConfig.from_pretrained(folder / "hf")

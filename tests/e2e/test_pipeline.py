@@ -57,6 +57,9 @@ RUNS = {  # name -> overrides
     "lora_twin": [LLAMA, "peft=lora", "optim=sgd", "optim.lr=0.1"],
     "tied": [LLAMA, "pp=2", "pp_schedule=gpipe", "optim=sgd", TIED, "checkpoint.every_steps=2"],
     "tied_twin": [LLAMA, "optim=sgd", TIED],
+    # the tied weight frozen: no gradient to sum between the first and the last stage
+    "tied_lora": [LLAMA, "pp=2", "peft=lora", TIED],
+    "tied_lora_twin": [LLAMA, "peft=lora", TIED],
     "pp2_to_pp1": [LLAMA, "checkpoint.resume={out}/1f1b_dp/" + STEP_2],
     "pp1_to_pp2_tp2": [LLAMA, "pp=2", "tp=2", "checkpoint.resume={out}/twin/" + STEP_2],
     # SGD keeps no per-parameter state: only its settings travel, which a stage's optimizer
@@ -85,6 +88,7 @@ LAYOUTS = [  # (pipelined run, its one-process twin)
     ("tp_sp", "twin"),
     ("lora", "lora_twin"),
     ("tied", "tied_twin"),
+    ("tied_lora", "tied_lora_twin"),
 ]
 
 

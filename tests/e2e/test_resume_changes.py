@@ -148,6 +148,11 @@ def test_another_recipes_run_is_not_resumed_and_precision_and_a_sources_split_ar
     finetune(run, "train.stop_after=2", "checkpoint.every_steps=2")
     line = refusal(distill(run, RESUME, status=2))
     assert "the checkpoint is a recipes/finetune.py run's, not a recipes/distill.py one's" in line
+    assert line.endswith(  # alone: the other recipe's data or keys are no news
+        "resume it with recipes/finetune.py; to start recipes/distill.py from its weights, give "
+        f"its run's export as a model (model=pretrained model.pretrained_path={run / 'hf'}, "
+        "written when that run ends)"
+    ), line
     resumed = finetune(run, RESUME, "train.precision=bf16-mixed")
     assert "train.precision fp32 -> bf16-mixed" in resumed.stdout, resumed.stdout
     mix = tmp_path / "mix"

@@ -35,6 +35,7 @@ from components.checkpoint.integrity import (
     find_resumable,
     model_fingerprint,
     resume_problems,
+    retire_checkpoints_after,
     state_dict_shapes,
 )
 from components.models import build_causal_lm
@@ -415,3 +416,27 @@ def test_the_summary_holds_the_run_description_and_the_model_shapes(tmp_path, ti
         "global_batch_size is 32 but the checkpoint was written with 16",
         "max_steps 7 is not beyond the checkpoint's step 7: nothing to train",
     ]
+
+
+def test_a_second_branch_keeps_the_first_branchs_abandoned_checkpoints(tmp_path):
+    """Resumed from step 10 twice (each run then saved steps 15 and 20 again): every abandoned
+    checkpoint is kept, the first branch's under its name, the second's numbered after it."""
+
+    def branch(marker: str) -> None:
+        for step in (10, 15, 20):
+            folder = tmp_path / f"step_{step:08d}"
+            folder.mkdir(exist_ok=True)
+            (folder / "which").write_text(marker)
+
+    branch("first")
+    first = retire_checkpoints_after(tmp_path, 10)
+    branch("second")
+    second = retire_checkpoints_after(tmp_path, 10)
+    assert [path.name for path in first] == ["step_00000015.abandoned", "step_00000020.abandoned"]
+    assert [path.name for path in second] == [
+        "step_00000015.abandoned_2",
+        "step_00000020.abandoned_2",
+    ]
+    assert (tmp_path / "step_00000020.abandoned" / "which").read_text() == "first"
+    assert (tmp_path / "step_00000020.abandoned_2" / "which").read_text() == "second"
+    assert (tmp_path / "step_00000010" / "which").read_text() == "second"

@@ -104,3 +104,17 @@ def test_hf_hub_cache_and_offline_come_from_the_environment(tmp_path):
     assert error.startswith(
         "model.pretrained_path='owner/absent' is not a local folder and is not in the Hugging"
     )
+
+
+def test_a_peft_adapter_folder_is_named_as_one_with_the_folder_that_works(tmp_path):
+    """A ``peft=lora`` run's ``adapter/`` given as a model (a teacher, a policy): the line says it
+    holds an adapter, not that the user's folder is broken, and names the merged export."""
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "adapter_config.json").write_text("{}")
+    with pytest.raises(ModelSourceError) as refused:
+        resolve_model_folder(str(tmp_path / "adapter"), allow_download=False, key="teacher.path")
+    assert str(refused.value) == (
+        f"teacher.path={str(tmp_path / 'adapter')!r}: the folder {tmp_path / 'adapter'} holds a "
+        "PEFT adapter (adapter_config.json), not a whole model: give the folder of a whole model, "
+        "e.g. the hf/ of a run exported with peft.merge=true (the base with the adapter merged in)"
+    )

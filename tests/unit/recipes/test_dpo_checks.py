@@ -60,8 +60,17 @@ def test_a_reference_of_another_tokenizer_is_refused(tmp_path, folders):
 def test_no_model_folder_and_a_built_policy_are_refused(tmp_path, folders):
     missing = tmp_path / "nothing"
     assert refusals(tmp_path, *policy_and(folders, str(missing))) == [
-        f"dpo.reference_path={missing} is not a Hugging Face model folder (no config.json): give "
-        "a local folder (a Hub id is not downloaded for the reference)"
+        f"dpo.reference_path={missing}: the folder {missing} is not a Hugging Face model (no "
+        "config.json) (a local folder: a Hub id is not downloaded for the reference)"
+    ]
+    adapter = tmp_path / "run" / "adapter"  # what a peft=lora run exports
+    adapter.mkdir(parents=True)
+    (adapter / "adapter_config.json").write_text("{}")
+    assert refusals(tmp_path, *policy_and(folders, str(adapter))) == [
+        f"dpo.reference_path={adapter}: the folder {adapter} holds a PEFT adapter "
+        "(adapter_config.json), not a whole model: give the folder of a whole model, e.g. the hf/ "
+        "of a run exported with peft.merge=true (the base with the adapter merged in) (a local "
+        "folder: a Hub id is not downloaded for the reference)"
     ]
     [said] = refusals(tmp_path, f"dpo.reference_path={folders['reference']}")
     assert said.startswith(f"dpo.reference_path={folders['reference']} is checked against")

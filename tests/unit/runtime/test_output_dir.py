@@ -13,6 +13,7 @@ import pytest
 
 from components.checkpoint.dcp import publish_folder
 from components.checkpoint.manifest import foreign_files
+from components.paths import unused_name
 from components.processes import process_alive
 from components.runtime.output_dir import (
     RUN_FILE,
@@ -22,7 +23,6 @@ from components.runtime.output_dir import (
     config_hash,
     read_run_record,
     run_output_folder,
-    unused_folder,
 )
 
 REPO = Path(__file__).resolve().parents[3]
@@ -212,11 +212,11 @@ def test_a_folder_without_a_manifest_is_the_users(tmp_path):
 
 def test_a_per_run_folder_taken_in_the_same_second_gets_the_next_number(tmp_path):
     first = tmp_path / "2026-12-01_23-05-48"
-    assert unused_folder(first) == first
+    assert unused_name(first) == first
     first.mkdir()
-    assert unused_folder(first) == tmp_path / "2026-12-01_23-05-48_2"
+    assert unused_name(first) == tmp_path / "2026-12-01_23-05-48_2"
     (tmp_path / "2026-12-01_23-05-48_2").mkdir()
-    assert unused_folder(first) == tmp_path / "2026-12-01_23-05-48_3"
+    assert unused_name(first) == tmp_path / "2026-12-01_23-05-48_3"
 
 
 def test_the_run_folder_is_the_sweep_jobs_else_the_configured_one_numbered_per_run(tmp_path):

@@ -45,3 +45,26 @@ def test_ctrl_c_stops_the_sweep_and_says_the_rest_did_not_run():
 
 def test_a_sweep_of_good_jobs_exits_0():
     assert sweep_summary([(0, ["x=1"], 0), (1, ["x=2"], 0)])[1] == 0
+
+
+def test_a_job_stopped_with_a_checkpoint_stops_the_sweep_and_says_how_to_resume():
+    """SIGTERM or SIGUSR1 stops a job after a step with a checkpoint (status 75): the later jobs
+    do not run (each would set up, train a step and stop), and the summary says which was
+    stopped, not failed."""
+    sweep = Sweep()
+
+    def preempted():
+        raise SystemExit(75)
+
+    sweep.run_job(0, ["lr=1"], lambda: None)
+    with pytest.raises(SystemExit) as stop:
+        sweep.run_job(1, ["lr=2"], preempted)
+    assert stop.value.code == 75
+    lines, status = sweep_summary(sweep.jobs)
+    assert status == 75
+    assert lines == [
+        "sweep: 1 of 2 jobs done, 0 failed, 1 stopped",
+        "  job 0 (lr=1): done",
+        "  job 1 (lr=2): stopped with a checkpoint (exit status 75): resume it with resume=auto",
+        "  the sweep was stopped by a signal after job 1: later jobs did not run",
+    ]

@@ -14,7 +14,7 @@ def test_validation_every_n_steps_and_after_the_last():
 
 
 def test_saves_and_replica_checks_every_n_steps_zero_for_never():
-    assert [done for done in range(1, 11) if cadence().save(done)] == [3, 6, 9]
+    assert [done for done in range(1, 11) if cadence().save(done)] == [3, 6, 9, 10]  # the last
     assert [done for done in range(1, 11) if cadence().check_replicas(done)] == [5, 10]
     assert not any(cadence(save_every=0).save(done) for done in range(1, 11))
     assert not any(cadence(check_replicas_every=0).check_replicas(done) for done in range(1, 11))
