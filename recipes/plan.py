@@ -453,7 +453,7 @@ def model_use(settings: Config, device_type: str, dims: ParallelDims | None = No
     may suggest, whose refusals the model's checks find too."""
     peft, train = settings.peft, settings.train
     targets = None if peft.target_modules is None else tuple(peft.target_modules)
-    lora = LoraTargets(target_modules=targets, experts=bool(peft.experts))
+    lora = LoraTargets(target_modules=targets, experts=bool(peft.experts), merged=peft.merge)
     return ModelUse(
         seq_len=train.seq_len,
         sequence_parallel=settings.sp,

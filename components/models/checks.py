@@ -214,7 +214,9 @@ def lora_problems(
 ) -> list[Problem]:
     """Why ``lora`` cannot adapt the meta model, whose expert modules ``experts`` names (none
     when it can); it is converted in place on success."""
-    found = problems("peft.target_modules", targeted_linears(meta, lora.target_modules)[1])
+    targeted, found = targeted_linears(meta, lora.target_modules)
+    found = problems("peft.target_modules", found)
+    found += problems("peft.merge", _tied_head_merge_errors(meta, targeted) if lora.merged else [])
     if lora.experts and not experts:
         message = (
             f"peft.experts=true needs an MoE model: model={model_name} has no experts "
@@ -231,6 +233,23 @@ def lora_problems(
         )
         apply_lora(meta, options, seed=0)
     return found
+
+
+def _tied_head_merge_errors(meta, targeted: list[str]) -> list[str]:
+    """An adapter on a head the model ties to its input embeddings, merged: the one weight would
+    take the head's update in the embeddings too, which the trained model left alone."""
+    if not getattr(meta.config, "tie_word_embeddings", False):
+        return []
+    head = meta.get_output_embeddings()
+    name = next((name for name, module in meta.named_modules() if module is head), None)
+    if name not in targeted:
+        return []
+    return [
+        f"peft.merge=true with an adapter on {name}, which this model ties to its input "
+        "embeddings (tie_word_embeddings): merged, the one weight would change the embeddings "
+        "too: use peft.merge=false (adapter/ alone is the trained model), or leave "
+        f"{name} out of peft.target_modules"
+    ]
 
 
 def _layout_problems(

@@ -40,10 +40,12 @@ class ModelChoice:
 
 @dataclass(frozen=True, kw_only=True)
 class LoraTargets:
-    """``peft=lora``'s targets: linear-layer patterns (None: the projections), and experts."""
+    """``peft=lora``'s targets: linear-layer patterns (None: the projections), and experts; and
+    whether the export merges them into the base (``peft.merge``)."""
 
     target_modules: tuple[str, ...] | None
     experts: bool
+    merged: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

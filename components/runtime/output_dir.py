@@ -44,6 +44,7 @@ RUN_FILES = (
     "hf",
     "adapter",
     "base",  # a LoRA adapter's base, for a model built from its config
+    "tracker_runs.json",  # the MLflow and W&B runs it logs to (components/training/tracker_runs.py)
     RUN_FILE,
 )
 

@@ -5,7 +5,8 @@ each a ``_target_`` here).
 Every logger takes the run's ``output_dir`` and ``first_step`` (the step a resumed run starts after)
 plus its own yaml options, and offers :class:`MetricsLogger`: ``log_hparams`` (the composed config,
 once), ``log_metrics`` (one metrics record per optimizer step) and ``close``. Build one on the rank
-that writes ``metrics.jsonl`` only; the other ranks need none (or :class:`NoLogger`).
+that writes ``metrics.jsonl`` only; the other ranks need none (or :class:`NoLogger`). A resumed
+run continues the tracker run the folder began (docs/checkpoints.md, "Trackers at a resume").
 
 A tracker's package is imported when its logger is built; a missing one raises
 :class:`LoggerUnavailableError` whose message is the one ``error:`` line to show. The pre-launch
@@ -19,6 +20,7 @@ import json
 import netrc
 import os
 import socket
+import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,6 +28,7 @@ from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 from components.targets import target_class
+from components.training.tracker_runs import continued_run, record_run, records_between
 
 # Fields of a metrics record sent to a tracker, when present and not None.
 _THROUGHPUT = ("tokens_per_s", "tokens", "tflops", "mfu")  # mfu: on CUDA only
@@ -80,6 +83,15 @@ def check_logger_available(target: str) -> str | None:
 
 
 WANDB_MODES = ("online", "offline", "disabled")
+# The MLflow tag that records each resume of a run, as FIRST_STEP@MILLISECONDS (the time it began),
+# space-separated, the last _RESUMES_KEPT of them: a metric value logged at a step after
+# FIRST_STEP before that time is the stopped attempt's.
+RESUMES_TAG = "shardtune.resumes"
+# How many steps before a resume's checkpoint a W&B run is rewound over and given again from
+# metrics.jsonl: W&B writes its offline file (and uploads) in batches, so a killed attempt's last
+# steps, about 100 in offline mode (one 32 KiB block), may never have reached it.
+REWOUND_STEPS = 1000
+_RESUMES_KEPT = 200
 REACH_SECONDS = 3.0  # how long the checks wait for an MLflow server to accept a connection
 
 
@@ -253,7 +265,9 @@ class WandbLogger:
     """A Weights & Biases run under ``<output_dir>/wandb``: ``mode: offline`` (the default) writes
     it there, to upload later with ``wandb sync``; ``mode: online`` sends it to the server the user
     configured (``wandb login``, ``WANDB_BASE_URL``). ``settings``: extra ``wandb.Settings``
-    fields."""
+    fields. A resumed run continues the W&B run the folder recorded
+    (:mod:`components.training.tracker_runs`), rewound to the step after ``first_step`` (W&B's
+    ``resume_from``): the steps a stopped attempt logged after it are cut from the history."""
 
     def __init__(
         self,
@@ -272,7 +286,8 @@ class WandbLogger:
             raise _unavailable("WandbLogger") from None
         self.wandb = wandb  # the module, imported once: close() tears its service down
         Path(output_dir).mkdir(parents=True, exist_ok=True)
-        self.run = wandb.init(
+        where = {"project": project, "entity": entity}
+        options = dict(
             project=project,
             name=name or Path(output_dir).resolve().name,
             entity=entity,
@@ -280,6 +295,34 @@ class WandbLogger:
             tags=list(tags or []),
             settings=wandb.Settings(mode=mode, **dict(settings or {})),
         )
+        recorded = continued_run(output_dir, "wandb", first_step, where)
+        if recorded is None or mode == "disabled":
+            self.run = wandb.init(**options)
+        else:
+            self.run = self._rewound(recorded, first_step, mode, options, Path(output_dir))
+        if mode != "disabled":  # a disabled run is nothing to continue
+            record_run(output_dir, "wandb", self.run.id, where)
+
+    def _rewound(
+        self, run_id: str, first_step: int, mode: str, options: dict, output_dir: Path
+    ) -> Any:
+        """The recorded run rewound to :data:`REWOUND_STEPS` before ``first_step`` (W&B keeps its
+        history up to that step and cuts the rest), then given those steps again from
+        ``metrics.jsonl``; where the server refuses a rewind (a preview feature there), the run
+        resumed without one."""
+        start = max(0, first_step - REWOUND_STEPS)
+        refused = None
+        try:
+            run = self.wandb.init(resume_from=f"{run_id}?_step={start}", **options)
+        except self.wandb.Error as error:
+            refused = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            run = self.wandb.init(id=run_id, resume="allow", **options)
+        else:
+            for record in records_between(output_dir / "metrics.jsonl", start, first_step):
+                run.log(metric_values(record), step=record["step"])
+        note = _wandb_resume_note(run_id, first_step, start, mode, refused)
+        print(note, file=sys.stderr, flush=True)
+        return run
 
     def log_hparams(self, config: dict) -> None:
         """The config as the run's config (nested, as W&B shows it)."""
@@ -301,7 +344,10 @@ class MlflowLogger:
     """An MLflow run in ``tracking_uri`` (default ``file:<output_dir>/mlruns``, a local store that
     needs no server; MLflow 3 keeps file stores behind ``MLFLOW_ALLOW_FILE_STORE``, set here for
     that case only). Any other MLflow URI works too: ``http://host:5000``, ``sqlite:///mlflow.db``
-    (with sqlalchemy)."""
+    (with sqlalchemy). A resumed run continues the MLflow run the folder recorded
+    (:mod:`components.training.tracker_runs`); MLflow cannot remove a logged value, so the steps
+    after ``first_step`` that a stopped attempt logged keep those values beside the new ones: a
+    ``note:`` says which, and the tag :data:`RESUMES_TAG` when each resume began."""
 
     def __init__(
         self,
@@ -312,7 +358,7 @@ class MlflowLogger:
         run_name: str | None = None,
     ) -> None:
         try:
-            from mlflow import entities, tracking
+            from mlflow import entities, exceptions, tracking
         except ImportError:
             raise _unavailable("MlflowLogger") from None
         self.entities = entities  # the module, imported once: each batch's Param and Metric
@@ -322,16 +368,48 @@ class MlflowLogger:
         self.client = tracking.MlflowClient(tracking_uri=self.tracking_uri)
         found = self.client.get_experiment_by_name(experiment)
         experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
-        name = run_name or Path(output_dir).resolve().name
-        self.run_id = self.client.create_run(experiment_id, run_name=name).info.run_id
+        where = {"tracking_uri": self.tracking_uri, "experiment_id": experiment_id}
+        recorded = continued_run(output_dir, "mlflow", first_step, where)
+        try:  # a recorded run deleted since (or purged from the store) is not continued
+            alive = recorded and self.client.get_run(recorded).info.lifecycle_stage == "active"
+        except exceptions.MlflowException:
+            alive = False
+        self.continued = bool(alive)
+        if alive:
+            self.run_id = recorded
+            self._continue(first_step)
+        else:
+            name = run_name or Path(output_dir).resolve().name
+            self.run_id = self.client.create_run(experiment_id, run_name=name).info.run_id
+            record_run(output_dir, "mlflow", self.run_id, where)
+            if recorded:
+                print(_mlflow_lost_note(recorded, self.run_id, first_step), file=sys.stderr)
+
+    def _continue(self, first_step: int) -> None:
+        """Mark the recorded run running again, add this resume to its :data:`RESUMES_TAG` and say
+        which steps now hold two values."""
+        history = self.client.get_metric_history(self.run_id, "loss")
+        logged = max((metric.step for metric in history), default=0)
+        self.client.update_run(self.run_id, status="RUNNING")
+        tags = self.client.get_run(self.run_id).data.tags
+        resume = f"{first_step}@{int(time.time() * 1000)}"
+        resumes = f"{tags[RESUMES_TAG]} {resume}" if RESUMES_TAG in tags else resume
+        kept = " ".join(resumes.split()[-_RESUMES_KEPT:])  # a tag holds at most 8000 characters
+        self.client.set_tag(self.run_id, RESUMES_TAG, kept)
+        print(_mlflow_resume_note(self.run_id, first_step, logged), file=sys.stderr, flush=True)
 
     def log_hparams(self, config: dict) -> None:
         """The flattened config as run parameters (MLflow keeps parameters as text, at most 6000
-        characters)."""
-        params = [
-            self.entities.Param(key, str(value)[:6000])
-            for key, value in flatten_config(config).items()
-        ]
+        characters). A continued run keeps the values it has: MLflow refuses to change one, so a
+        setting changed at resume is said in a ``note:`` instead."""
+        flat = {key: str(value)[:6000] for key, value in flatten_config(config).items()}
+        kept = self.client.get_run(self.run_id).data.params if self.continued else {}
+        params = [self.entities.Param(key, value) for key, value in flat.items() if key not in kept]
+        changed = {
+            key: (kept[key], value) for key, value in flat.items() if kept.get(key, value) != value
+        }
+        if changed:
+            print(_mlflow_params_note(self.run_id, changed), file=sys.stderr, flush=True)
         for start in range(0, len(params), 100):  # MLflow takes at most 100 parameters per batch
             self.client.log_batch(self.run_id, params=params[start : start + 100])
 
@@ -348,6 +426,61 @@ class MlflowLogger:
     def close(self) -> None:
         """Mark the run finished."""
         self.client.set_terminated(self.run_id)
+
+
+def _wandb_resume_note(
+    run_id: str, first_step: int, start: int, mode: str, refused: str | None
+) -> str:
+    """What a user sees of the continued W&B run: rewound and given its last steps again, or (the
+    server refused a rewind) not."""
+    said = f"note: logger=wandb: continuing W&B run {run_id} after step {first_step}"
+    if refused is not None:
+        return (
+            f"{said}; W&B refused to rewind it ({refused}): up to the last step the stopped "
+            "attempt logged, the run keeps that attempt's values and W&B drops this attempt's"
+        )
+    cut = "cut"
+    if mode == "offline":
+        cut += " once `wandb sync` uploads this folder after the earlier ones"
+    again = ""
+    if start < first_step:
+        again = f", then {_steps(start + 1, first_step)} logged again from metrics.jsonl"
+    return (
+        f"{said}: rewound to step {start} (what earlier attempts logged after it is {cut}){again}; "
+        "a killed attempt's last steps may never have reached W&B"
+    )
+
+
+def _steps(first: int, last: int) -> str:
+    return f"step {first}" if first == last else f"steps {first}-{last}"
+
+
+def _mlflow_resume_note(run_id: str, first_step: int, logged: int) -> str:
+    """What a user sees in the continued MLflow run: which steps hold two values, if any."""
+    said = f"note: logger=mlflow: continuing MLflow run {run_id} after step {first_step}"
+    if logged <= first_step:
+        return said
+    return (
+        f"{said}; MLflow cannot remove a logged value: the stopped attempt's values at "
+        f"{_steps(first_step + 1, logged)} stay in the history beside this attempt's (the later "
+        f"timestamp at each step; tag {RESUMES_TAG}: FIRST_STEP@MILLISECONDS of each resume)"
+    )
+
+
+def _mlflow_params_note(run_id: str, changed: Mapping[str, tuple[str, str]]) -> str:
+    shown = ", ".join(f"{key} {old} -> {new}" for key, (old, new) in list(changed.items())[:5])
+    more = f" and {len(changed) - 5} more" if len(changed) > 5 else ""
+    return (
+        f"note: logger=mlflow: MLflow keeps a parameter's first value, so run {run_id} keeps the "
+        f"earlier attempt's parameters where this attempt's differ: {shown}{more}"
+    )
+
+
+def _mlflow_lost_note(recorded: str, run_id: str, first_step: int) -> str:
+    return (
+        f"note: logger=mlflow: the MLflow run {recorded} this folder logged to is deleted or gone "
+        f"from the store; steps from {first_step + 1} go to a new run, {run_id}"
+    )
 
 
 def open_logger(

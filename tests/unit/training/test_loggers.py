@@ -12,6 +12,7 @@ import pytest
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from components.training import loggers
 from components.training.loggers import (
     LoggerUnavailableError,
     MlflowLogger,
@@ -267,3 +268,78 @@ def test_a_tensorboard_folder_under_a_file_is_refused(tmp_path):
     (line,) = check_logger_options(target, {"log_dir": None}, tmp_path)
     assert "is a file" in line
     assert check_logger_options(target, {"log_dir": str(tmp_path / "tensorboard" / "x")}, tmp_path)
+
+
+def test_a_resumed_mlflow_run_whose_run_was_deleted_logs_to_a_new_one(tmp_path, capsys):
+    from mlflow.tracking import MlflowClient
+
+    first = MlflowLogger(tmp_path)
+    log_run(first, steps=range(1, 4))
+    MlflowClient(tracking_uri=first.tracking_uri).delete_run(first.run_id)
+    resumed = MlflowLogger(tmp_path, first_step=2)
+    log_run(resumed, steps=range(3, 5))
+    assert resumed.run_id != first.run_id
+    recorded = json.loads((tmp_path / "tracker_runs.json").read_text())["mlflow"]
+    assert recorded["run_id"] == resumed.run_id
+    client = MlflowClient(tracking_uri=resumed.tracking_uri)
+    assert [m.step for m in client.get_metric_history(resumed.run_id, "loss")] == [3, 4]
+    said = capsys.readouterr().err
+    assert f"the MLflow run {first.run_id} this folder logged to is deleted" in said
+    assert f"steps from 3 go to a new run, {resumed.run_id}" in said
+
+
+def test_a_resumed_wandb_run_is_rewound_over_its_last_steps_and_given_them_again(
+    tmp_path, monkeypatch, capsys
+):
+    """Rewound :data:`REWOUND_STEPS` (here 2) before the resumed step 4, so steps 3-4 come again
+    from metrics.jsonl (a cut last line skipped); a fresh run into the folder starts a new run."""
+    for variable in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(variable, str(tmp_path / "wandb-home"))
+    monkeypatch.setattr(loggers, "REWOUND_STEPS", 2)
+    quick = {"x_disable_stats": True, "x_disable_meta": True, "console": "off", "silent": True}
+    first = WandbLogger(tmp_path, settings=quick)
+    log_run(first, steps=range(1, 6))
+    lines = [json.dumps(record(step)) for step in range(1, 5)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 5, "lo')
+    resumed = WandbLogger(tmp_path, first_step=4, settings=quick)
+    log_run(resumed, steps=range(5, 7))
+    assert resumed.run.id == first.run.id
+    folder = sorted((tmp_path / "wandb").glob("offline-run-*"))[1]
+    records = wandb_records(next(folder.glob("run-*.wandb")))
+    (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert (run.branch_point.run, run.branch_point.value) == (first.run.id, 2.0)
+    rows = [r.history.item for r in records if r.WhichOneof("record_type") == "history"]
+    steps = [json.loads(i.value_json) for row in rows for i in row if key_of(i) == "_step"]
+    assert steps == [3, 4, 5, 6]
+    assert "then steps 3-4 logged again from metrics.jsonl" in capsys.readouterr().err
+    fresh = WandbLogger(tmp_path, settings=quick)
+    fresh.close()
+    assert fresh.run.id != first.run.id
+
+
+def test_a_wandb_server_that_refuses_the_rewind_gets_the_run_resumed_without_one(
+    tmp_path, monkeypatch, capsys
+):
+    """As a server without W&B's rewind preview answers ``resume_from``: an error from
+    ``wandb.init``. The run is resumed by id instead, and the note says what W&B then keeps."""
+    import wandb
+
+    for variable in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(variable, str(tmp_path / "wandb-home"))
+    quick = {"x_disable_stats": True, "x_disable_meta": True, "console": "off", "silent": True}
+    first = WandbLogger(tmp_path, settings=quick)
+    log_run(first, steps=range(1, 3))
+    init = wandb.init
+
+    def refusing(**options):
+        if "resume_from" in options:
+            raise wandb.errors.CommError("failed to rewind run: not enabled for this entity")
+        return init(**options)
+
+    monkeypatch.setattr(wandb, "init", refusing)
+    resumed = WandbLogger(tmp_path, first_step=2, settings=quick)
+    log_run(resumed, steps=range(3, 5))
+    assert resumed.run.id == first.run.id
+    said = capsys.readouterr().err
+    assert f"continuing W&B run {first.run.id} after step 2; W&B refused to rewind it" in said
+    assert "(failed to rewind run: not enabled for this entity)" in said
