@@ -48,6 +48,7 @@ from components.runtime.output_dir import (
     write_whole,
 )
 from components.runtime.problems import say
+from components.training.metrics import last_logged_step
 from recipes.export import exported_folders
 from recipes.resume_record import FROZEN, RecipeRecord, frozen_problems
 from recipes.schema import Config
@@ -342,12 +343,16 @@ def _claim(
     settings: Config, output_dir: Path, resume_from: Path | None, config_yaml: str
 ) -> RunRecord:
     """``run.json`` and ``config.yaml`` of this run; a fresh claim that cannot write them takes its
-    ``run.json`` back, so the folder holds no run of this one."""
+    ``run.json`` back, so the folder holds no run of this one. An earlier attempt of this run that
+    left no checkpoint (:func:`starts_again`) is replaced, with a ``note:``."""
+    digest = config_hash(settings.model_dump(by_alias=True))
+    again = resume_from is None and starts_again(settings, output_dir, digest)
+    replaced = run_files(output_dir) if again else []
     record = claim_output_dir(
         output_dir,
-        config_hash(settings.model_dump(by_alias=True)),
+        digest,
         continuing=resume_from is not None,
-        overwrite=settings.overwrite_output_dir,
+        overwrite=settings.overwrite_output_dir or again,
         resumable=settings.checkpoint.resume is None and has_a_checkpoint(output_dir),
     )
     try:
@@ -356,7 +361,29 @@ def _claim(
         if resume_from is None:
             (output_dir / RUN_FILE).unlink(missing_ok=True)
         raise
+    if again:
+        say(
+            f"note: checkpoint.resume=auto: {output_dir} holds an earlier attempt of this run (its "
+            f"{RUN_FILE} records the same config) that stopped before its first checkpoint: "
+            f"starting again from step 0, its files ({', '.join(replaced)}) replaced"
+        )
     return record
+
+
+def starts_again(settings: Config, output_dir: Path, digest: str) -> bool:
+    """Whether ``checkpoint.resume=auto``, finding no checkpoint, starts the folder's run again
+    from step 0: its ``run.json`` records this config (``digest``: an earlier attempt of the same
+    command, killed hard before its first checkpoint, as a requeued job finds it) and that attempt
+    neither left a checkpoint nor reached its last step or its export. Another config's files stay
+    refused."""
+    if settings.checkpoint.resume != "auto" or has_a_checkpoint(output_dir):
+        return False
+    previous = read_run_record(output_dir)
+    if previous is None or previous.config_hash != digest:
+        return False
+    exports = exported_folders(settings.peft)
+    ended = last_logged_step(output_dir / "metrics.jsonl") >= settings.train.max_steps
+    return not ended and not any((output_dir / folder).exists() for folder in exports)
 
 
 def has_a_checkpoint(output_dir: Path) -> bool:

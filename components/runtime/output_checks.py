@@ -39,6 +39,12 @@ def check_output_dir(path: Path) -> list[Problem]:
 
 
 def _output_dir_errors(path: Path) -> list[str]:
+    return writable_folder_errors(path) or nested_run_errors(path)
+
+
+def writable_folder_errors(path: Path) -> list[str]:
+    """Why ``output_dir`` (``path``) cannot be a folder this process writes in (a file, under a
+    file, not writable), or nothing."""
     if path.exists() and not path.is_dir():
         return [f"output_dir={show(str(path))} is a file, not a folder: choose another output_dir"]
     existing = next(parent for parent in (path, *path.parents) if parent.exists())
@@ -52,7 +58,7 @@ def _output_dir_errors(path: Path) -> list[str]:
             f"output_dir={show(str(path))} is not writable ({existing}): choose a folder you can "
             "write to"
         ]
-    return nested_run_errors(path)
+    return []
 
 
 def explicit_checkpoint_errors(resume: str | None) -> list[Problem]:

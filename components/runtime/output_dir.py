@@ -272,30 +272,42 @@ def nested_run_errors(output_dir: Path) -> list[str]:
     a ``run.json``) would mix its files with that run's, or be deleted by its pruning or overwrite;
     a folder above other runs' folders would hold their files as its own. Below,
     :data:`_NESTED_DEPTH` levels are looked at."""
-    given = Path(output_dir)
-    real = given.resolve()
-    shown = str(given) if real == given else f"{given} (a link to {real})"
-    for parent in real.parents:
-        if (parent / RUN_FILE).is_file():
-            return [
-                f"output_dir {shown} is inside the output folder of another run ({parent}, "
-                f"with its {RUN_FILE}), whose pruning or overwrite would delete it: nested output "
-                f"folders are not allowed; choose an output_dir outside {parent}"
-            ]
-    if below := _run_folder_below(real):
+    if inside := inside_run_errors(output_dir):
+        return inside
+    if below := run_folder_below(Path(output_dir).resolve()):
         return [
-            f"output_dir {shown} holds the output folder of another run below it ({below}, with "
-            f"its {RUN_FILE}): nested output folders are not allowed; choose an output_dir that "
-            "holds no other run's folder"
+            f"output_dir {shown_path(output_dir)} holds the output folder of another run below it "
+            f"({below}, with its {RUN_FILE}): nested output folders are not allowed; choose an "
+            "output_dir that holds no other run's folder"
         ]
     return []
+
+
+def inside_run_errors(output_dir: Path) -> list[str]:
+    """Why ``output_dir`` (its real path) cannot hold a run: it is inside another run's output
+    folder (one above it holds a ``run.json``); or nothing."""
+    for parent in Path(output_dir).resolve().parents:
+        if (parent / RUN_FILE).is_file():
+            return [
+                f"output_dir {shown_path(output_dir)} is inside the output folder of another run "
+                f"({parent}, with its {RUN_FILE}), whose pruning or overwrite would delete it: "
+                f"nested output folders are not allowed; choose an output_dir outside {parent}"
+            ]
+    return []
+
+
+def shown_path(path: Path) -> str:
+    """``path`` as given, and where a link leads when its real path differs."""
+    given = Path(path)
+    real = given.resolve()
+    return str(given) if real == given else f"{given} (a link to {real})"
 
 
 _NESTED_DEPTH = 4  # levels below an output_dir searched for another run's folder
 _NESTED_FOLDERS = 10_000  # and at most this many folders (an output_dir of ~ stays quick)
 
 
-def _run_folder_below(folder: Path) -> Path | None:
+def run_folder_below(folder: Path) -> Path | None:
     """The first folder (breadth first, links not followed) below ``folder`` holding a
     ``run.json``, or None."""
     level, seen = ([folder] if folder.is_dir() else []), 0

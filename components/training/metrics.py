@@ -2,6 +2,7 @@
 plain line per step in a log (a file, a pipe); a summary line at the end; and a loss-curve PNG."""
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -173,6 +174,13 @@ def _lines_up_to(path: Path, step: int) -> list[str]:
         except (ValueError, KeyError, TypeError):
             continue
     return kept
+
+
+def last_logged_step(path: Path) -> int:
+    """The last step ``metrics.jsonl`` at ``path`` holds a complete line of; 0 for none."""
+    if not path.is_file():
+        return 0
+    return max((json.loads(line)["step"] for line in _lines_up_to(path, math.inf)), default=0)
 
 
 def plot_loss_curve(metrics_path: Path, png_path: Path, title: str) -> None:

@@ -64,6 +64,7 @@ def test_a_sweep_runs_every_job_after_a_bad_one_and_ends_with_a_summary(tmp_path
     assert result.returncode == 2, result.stderr[-3000:]  # the first failed job's status
     assert "error: optim.lr=-1 is not valid" in result.stderr
     assert (sweep / "1" / "metrics.jsonl").is_file()  # the job after the bad one ran
+    assert not (sweep / "0").exists()  # the refused job left no empty folder
     assert result.stderr.strip().splitlines()[-3:] == [
         "sweep: 1 of 2 jobs done, 1 failed",
         "  job 0 (optim.lr=-1): failed (exit status 2)",

@@ -441,6 +441,44 @@ def test_the_rank_folder_of_a_sigkilled_launcher_is_removed_by_the_next_launch(t
     assert not list(tmp_path.glob("shardtune-ranks-*"))
 
 
+def test_a_run_killed_before_its_first_checkpoint_starts_again_under_resume_auto(tmp_path):
+    """kill -9 of the launcher at step 3, before the first checkpoint: the same command with
+    checkpoint.resume=auto (a requeued job's) starts again from step 0, saying so, and trains the
+    whole run as the killed attempt began it; a run of another config is refused as before and
+    changes nothing."""
+    folder, same = tmp_path / "killed", ("train.max_steps=12", "checkpoint.every_steps=10")
+    same += ("checkpoint.resume=auto",)
+    first = start_recipe(folder, *same)
+    try:
+        wait_for(lambda: len(metrics(folder)) >= 3, 300, first, "step 3")
+        os.kill(first.pid, signal.SIGKILL)  # the launcher alone: its ranks die with it
+        first.wait()
+    finally:
+        kill_group(first)
+    killed = metrics(folder)
+    assert 3 <= len(killed) < 10 and not list(folder.glob("checkpoints/step_*"))
+    other = start_recipe(folder, *same, "optim.lr=0.001")
+    assert other.wait(timeout=300) == 2
+    assert (
+        f"error: output_dir {folder} holds another run's files (metrics.jsonl, config.yaml, "
+        in (stderr_of(folder))
+    )
+    assert metrics(folder) == killed
+    again = start_recipe(folder, *same)
+    assert again.wait(timeout=300) == 0, stderr_of(folder)[-3000:]
+    assert (
+        f"note: checkpoint.resume=auto: {folder} holds an earlier attempt of this run (its "
+        "run.json records the same config) that stopped before its first checkpoint: starting "
+        "again from step 0, its files (metrics.jsonl, config.yaml, run.json) replaced"
+    ) in folder.with_suffix(".out").read_text()
+    records = metrics(folder)
+    assert [record["step"] for record in records] == list(range(1, 13))
+    for before, after in zip(killed, records, strict=False):  # the same start, from step 0
+        assert abs(before["loss"] - after["loss"]) <= 1e-5 * before["loss"]
+    saved = sorted(path.name for path in (folder / "checkpoints").iterdir())
+    assert saved == ["step_00000010", "step_00000012"]
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A 3 MiB tmpfs (mounting needs root: skipped where it cannot be mounted)."""

@@ -1,8 +1,13 @@
-"""A --multirun sweep runs every job, whatever the one before did, and ends with their statuses."""
+"""A --multirun sweep runs every job, whatever the one before did, and ends with their statuses;
+its folder is refused when it is or holds another run's or sweep's."""
+
+from pathlib import Path
 
 import pytest
+import yaml
 
 from components.runtime.sweep import Sweep, sweep_summary
+from components.runtime.sweep_folder import sweep_folder_errors
 
 
 def test_a_failed_job_is_noted_and_the_sweep_goes_on():
@@ -68,3 +73,55 @@ def test_a_job_stopped_with_a_checkpoint_stops_the_sweep_and_says_how_to_resume(
         "  job 1 (lr=2): stopped with a checkpoint (exit status 75): resume it with resume=auto",
         "  the sweep was stopped by a signal after job 1: later jobs did not run",
     ]
+
+
+def run_folder(folder: Path) -> Path:
+    """A folder as a run leaves it: its run.json and metrics."""
+    folder.mkdir(parents=True)
+    (folder / "run.json").write_text("{}")
+    (folder / "metrics.jsonl").write_text("")
+    return folder
+
+
+def sweep_record(folder: Path, overrides: list[str]) -> None:
+    """Hydra's multirun.yaml of a sweep of ``overrides`` (the parts of it a sweep is told by)."""
+    hydra = {"job": {"config_name": "config"}, "overrides": {"task": overrides}}
+    (folder / "multirun.yaml").write_text(yaml.safe_dump({"hydra": hydra, "seed": 0}))
+
+
+def test_a_sweeps_folder_inside_a_run_or_above_runs_without_a_sweep_is_refused(tmp_path):
+    run = run_folder(tmp_path / "run")
+    (inside,) = sweep_folder_errors(run / "sweep", "config", ["optim.lr=1,2"])
+    assert inside.startswith(f"output_dir {run / 'sweep'} is inside the output folder of another")
+    run_folder(tmp_path / "runs" / "llama" / "today")
+    (above,) = sweep_folder_errors(tmp_path / "runs", "config", ["optim.lr=1,2"])
+    assert above.startswith(
+        f"output_dir {tmp_path / 'runs'} holds the output folder of another run below it "
+        f"({tmp_path / 'runs' / 'llama' / 'today'}, with its run.json) and no sweep's multirun.yaml"
+    )
+
+
+def test_a_sweeps_own_folder_is_taken_again_and_another_sweeps_only_once_it_has_no_run(tmp_path):
+    folder = tmp_path / "sweep"
+    run_folder(folder / "0")
+    sweep_record(folder, ["optim.lr=1,2", "seed=3"])
+    assert sweep_folder_errors(folder, "config", ["optim.lr=1,2", "seed=3"]) == []
+    continued = ["optim.lr=1,2", "checkpoint.resume=auto", "seed=3", "overwrite_output_dir=true"]
+    assert sweep_folder_errors(folder, "config", continued) == []
+    (other,) = sweep_folder_errors(folder, "config", ["optim.lr=1,3", "seed=3"])
+    assert "holds the jobs of another sweep (its multirun.yaml: optim.lr=1,2 seed=3)" in other
+    assert sweep_folder_errors(folder, "dpo", ["optim.lr=1,2", "seed=3"]) == [other]
+    (folder / "0" / "run.json").unlink()  # a job folder without a run's files is no run
+    (folder / "0" / "metrics.jsonl").unlink()
+    assert sweep_folder_errors(folder, "config", ["optim.lr=1,3", "seed=3"]) == []
+
+
+def test_a_sweeps_folder_that_is_a_file_or_under_one_is_refused_as_a_runs_would_be(tmp_path):
+    (tmp_path / "notes").write_text("")
+    assert sweep_folder_errors(tmp_path / "notes", "config", ["optim.lr=1,2"]) == [
+        f"output_dir='{tmp_path / 'notes'}' is a file, not a folder: choose another output_dir"
+    ]
+    (under,) = sweep_folder_errors(tmp_path / "notes" / "sweep", "config", ["optim.lr=1,2"])
+    assert under.endswith(
+        f"cannot be created: {tmp_path / 'notes'} is a file; choose another output_dir"
+    )
