@@ -273,7 +273,9 @@ def finished(
 ) -> bool:
     """Whether ``checkpoint.resume=auto`` finds this run (``info``) already done in ``output_dir``:
     its newest usable checkpoint is at ``train.max_steps``, matches this run in everything else a
-    resume matches, and the export the run writes is there (``checkpoint.export``)."""
+    resume matches, and the export the run writes is there (``checkpoint.export``). A run that
+    saves no checkpoints (``every_steps=0``): the folder's ``run.json`` records this very config,
+    whose metrics reached ``train.max_steps``, and the export is there."""
     if settings.checkpoint.resume != "auto":
         return False
     try:
@@ -281,13 +283,24 @@ def finished(
         summary = check_checkpoint(newest) if newest is not None else None
     except CheckpointError:
         return False  # choose_checkpoint says why
-    if summary is None or summary.step != settings.train.max_steps:
+    exports = exported_folders(settings.peft) if settings.checkpoint.export else ()
+    exported = all((output_dir / folder).is_dir() for folder in exports)
+    if summary is None:
+        return exported and _ended_without_checkpoints(settings, output_dir)
+    if summary.step != settings.train.max_steps:
         return False
     beyond = summary.step + 1  # a run length that leaves steps: only the rest is judged here
-    if _mismatches(summary, info, beyond, shapes):
+    return exported and not _mismatches(summary, info, beyond, shapes)
+
+
+def _ended_without_checkpoints(settings: Config, output_dir: Path) -> bool:
+    """Whether the folder's run is this config's (its ``run.json``), saved no checkpoint and
+    logged ``train.max_steps``."""
+    previous = read_run_record(output_dir)
+    digest = config_hash(settings.model_dump(by_alias=True))
+    if previous is None or previous.config_hash != digest or has_a_checkpoint(output_dir):
         return False
-    exports = exported_folders(settings.peft) if settings.checkpoint.export else ()
-    return all((output_dir / folder).is_dir() for folder in exports)
+    return last_logged_step(output_dir / "metrics.jsonl") >= settings.train.max_steps
 
 
 def own_output_dir(

@@ -10,7 +10,7 @@ import pytest
 from components.checkpoint.integrity import MARKER
 from components.runtime.output_dir import claim_output_dir, config_hash
 from recipes.compose import compose
-from recipes.outputs import starts_again
+from recipes.outputs import finished, starts_again
 from recipes.validate import validate
 
 RUN = ["train.max_steps=30", "checkpoint.every_steps=10", "checkpoint.resume=auto"]
@@ -59,3 +59,21 @@ def test_a_complete_checkpoint_is_resumed_not_started_again(tmp_path, settings):
     (tmp_path / "checkpoints" / "step_00000010").mkdir(parents=True)
     (tmp_path / "checkpoints" / "step_00000010" / MARKER).write_text("")
     assert not starts_again(settings, tmp_path, digest)
+
+
+def test_a_finished_run_without_checkpoints_is_found_complete(tmp_path):
+    """every_steps=0: the same config's run, its metrics at max_steps and its export there, is
+    complete (nothing to train, status 0: the recipe's "already complete" line), not refused;
+    one that stopped early, or lacks its export, is not complete."""
+    run = ["train.max_steps=30", "checkpoint.every_steps=0", "checkpoint.resume=auto"]
+    settings = validate(compose(run))
+    attempt(tmp_path / "ended", settings, 30)
+    (tmp_path / "ended" / "hf").mkdir()
+    assert finished(settings, tmp_path / "ended", {}, {})
+    attempt(tmp_path / "unexported", settings, 30)
+    assert not finished(settings, tmp_path / "unexported", {}, {})
+    attempt(tmp_path / "early", settings, 12)
+    (tmp_path / "early" / "hf").mkdir()
+    assert not finished(settings, tmp_path / "early", {}, {})
+    other = validate(compose([*run, "optim.lr=0.001"]))
+    assert not finished(other, tmp_path / "ended", {}, {})
