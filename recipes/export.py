@@ -40,7 +40,7 @@ def export(model: torch.nn.Module, plan: RunPlan, stages=None) -> None:
         if stages is not None:  # every stage's adapters, for rank 0 to write
             names, experts, state = every_stage((names, experts, state), stages)
         config = adapter_config(lora.rank, lora.alpha, lora.dropout, names, base, experts)
-        export_peft_adapter(state, config, plan.output_dir / "adapter")
+        export_peft_adapter(state, config, plan.output_dir / "adapter", tokenizer)
         if not peft.merge:
             return
         if peft.name == "qlora":  # the NF4 base dequantized into its dtype, to merge into

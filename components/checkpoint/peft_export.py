@@ -49,9 +49,13 @@ def adapter_config(
     }
 
 
-def export_peft_adapter(state: dict[str, torch.Tensor], config: dict, out_dir: Path) -> Path:
+def export_peft_adapter(
+    state: dict[str, torch.Tensor], config: dict, out_dir: Path, tokenizer=None
+) -> Path:
     """Write ``state`` (whole tensors, the same on every rank) and ``config`` as a PEFT adapter
-    folder at ``out_dir``; return it. Collective when a process group exists (rank 0 writes).
+    folder at ``out_dir``, with the run's ``tokenizer`` beside them (as TRL's trainers save it:
+    ``AutoTokenizer`` loads the folder too); return it. Collective when a process group exists
+    (rank 0 writes).
 
     Raises:
         ValueError: When ``out_dir`` holds files no export wrote; nothing is changed then.
@@ -67,6 +71,8 @@ def export_peft_adapter(state: dict[str, torch.Tensor], config: dict, out_dir: P
         tmp.mkdir(parents=True)
         save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
         publish_folder(tmp, out_dir)
 
     run_on_rank0(write)

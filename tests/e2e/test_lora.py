@@ -17,7 +17,7 @@ import torch
 from peft import AutoPeftModelForCausalLM, PeftModel
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from components.checkpoint.dcp import checkpoint_path
 from components.models import build_causal_lm
@@ -198,6 +198,8 @@ def test_adapter_export_loads_with_peft_and_the_merged_export_is_base_plus_scale
         torch.testing.assert_close(
             alone(input_ids=ids).logits, merged(input_ids=ids).logits, rtol=1e-5, atol=1e-5
         )
+    tokenizer = AutoTokenizer.from_pretrained(folder / "adapter")  # beside it, as TRL saves it
+    assert tokenizer.get_vocab() == AutoTokenizer.from_pretrained(folder / "hf").get_vocab()
     _merged_is_base_plus_scaled_ba(folder, merged, config)
 
 
