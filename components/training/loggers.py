@@ -35,10 +35,14 @@ _THROUGHPUT = ("tokens_per_s", "tokens", "tflops", "mfu")  # mfu: on CUDA only
 METRIC_KEYS = (
     *("loss", "grad_norm", "lr", *_THROUGHPUT, "peak_memory_gib", "val_loss"),
     "expert_imbalance",  # MoE models: the worst layer's tokens per expert, max / mean
+    "ce_loss",  # distill.py's (components/training/distillation.py DISTILL_METRICS)
+    "kd_loss",
 )
 # ... and every key under these (MoE: expert_imbalance/layer_N, expert_load/layer_N/expert_E; a
-# mixture of sources: val_loss/<source>).
+# mixture of sources: val_loss/<source>; dpo.py's TRL names, components/training/preference.py
+# DPO_METRICS, and their validation's).
 METRIC_PREFIXES = ("expert_imbalance/", "expert_load/", "val_loss/")
+METRIC_PREFIXES += ("rewards/", "logps/", "val_rewards/", "val_logps/")
 _EXTRA = "pip install 'shardtune[loggers]'"
 # Logger class name -> (config group option, module it needs, what to install).
 _NEEDS = {

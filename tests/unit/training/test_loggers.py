@@ -13,6 +13,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from components.training import loggers
+from components.training.distillation import DISTILL_METRICS
 from components.training.loggers import (
     LoggerUnavailableError,
     MlflowLogger,
@@ -24,6 +25,7 @@ from components.training.loggers import (
     flatten_config,
     metric_values,
 )
+from components.training.preference import DPO_METRICS
 
 REPO = Path(__file__).resolve().parents[3]
 CONFIG = {"tp": 2, "optim": {"lr": 0.001, "betas": [0.9, 0.95]}, "checkpoint": {"resume": None}}
@@ -233,6 +235,15 @@ def test_mlflow_local_store_holds_the_metrics_and_params(tmp_path):
 def test_the_trackers_get_a_mixtures_validation_loss_per_source():
     record = {"loss": 2.0, "val_loss": 1.9, "val_loss/chat": 1.8, "val_loss/general": 2.1}
     assert metric_values(record) == record
+
+
+def test_the_trackers_get_every_metric_of_dpo_and_distillation_and_their_validation():
+    """dpo.py's TRL names (the step's and ``val_``'s) and distill.py's cross entropy and KL reach
+    the trackers as metrics.jsonl has them (they once reached metrics.jsonl alone)."""
+    dpo = {name: 0.5 for name in DPO_METRICS} | {f"val_{name}": 0.25 for name in DPO_METRICS}
+    assert metric_values(dpo) == dpo
+    distill = {name: 1.5 for name in DISTILL_METRICS} | {"val_loss": 1.25}
+    assert metric_values(distill) == distill
 
 
 def test_the_trackers_get_the_expert_load_keys():
