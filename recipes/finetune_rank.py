@@ -235,7 +235,7 @@ def train(run: Run, plan: RunPlan, steps: RecipeSteps) -> tuple[str | None, int]
         if (stopped := stop_signal(writer, state)) is not None:
             break
         profiler.step(state.step)  # ProfilerStep#N: all the loop does for the step
-    at_stop = cadence.save_at_stop(run.first_step, state.step)  # train.stop_after: a stop signal's
+    at_stop = cadence.save_at_stop(run.first_step, state.step)  # stop_after's, a resume's end
     if stopped is None and at_stop and writer.last_step != state.step:
         writer.save(state)
     for output in (profiler, writer, log, tracker):  # the writer once its last save is published

@@ -40,6 +40,8 @@ class Cadence:
         return bool(every) and done % every == 0
 
     def save_at_stop(self, first: int, done: int) -> bool:
-        """Whether a launch that ran from step ``first`` and stopped after ``done`` before the
-        run's end (``train.stop_after``) saves that step, so that a resume continues there."""
-        return first < done < self.max_steps
+        """Whether a launch that ran from step ``first`` and stopped after ``done`` saves that
+        step: before the run's end (``train.stop_after``), so that a resume continues there; at
+        the end of a resumed launch, so that ``checkpoint.resume=auto`` then finds the run
+        complete (its newest checkpoint at ``max_steps``), never its stop's step to train on."""
+        return first < done and (done < self.max_steps or first > 0)

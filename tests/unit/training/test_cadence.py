@@ -31,3 +31,4 @@ def test_a_launch_that_stops_before_the_end_saves_its_last_step():
     assert stop_after.save_at_stop(first=0, done=6)
     assert not cadence().save_at_stop(first=0, done=10)  # the run's end: the export follows
     assert not stop_after.save_at_stop(first=6, done=6)  # nothing ran in this launch
+    assert cadence(save_every=0).save_at_stop(first=6, done=10)  # resumed to the end: complete
