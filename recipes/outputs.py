@@ -296,10 +296,20 @@ def finished(
 def _ended_without_checkpoints(settings: Config, output_dir: Path) -> bool:
     """Whether the folder's run is this config's (its ``run.json``), saved no checkpoint and
     logged ``train.max_steps``."""
-    previous = read_run_record(output_dir)
     digest = config_hash(settings.model_dump(by_alias=True))
-    if previous is None or previous.config_hash != digest or has_a_checkpoint(output_dir):
-        return False
+    return _checkpointless_attempt(output_dir, digest) and _logged_to_the_end(settings, output_dir)
+
+
+def _checkpointless_attempt(output_dir: Path, digest: str) -> bool:
+    """Whether ``output_dir`` holds an attempt of this very config (its ``run.json`` records
+    ``digest``) that left no complete checkpoint."""
+    previous = read_run_record(output_dir)
+    found = previous is not None and previous.config_hash == digest
+    return found and not has_a_checkpoint(output_dir)
+
+
+def _logged_to_the_end(settings: Config, output_dir: Path) -> bool:
+    """Whether the folder's ``metrics.jsonl`` reached ``train.max_steps``."""
     return last_logged_step(output_dir / "metrics.jsonl") >= settings.train.max_steps
 
 
@@ -389,14 +399,10 @@ def starts_again(settings: Config, output_dir: Path, digest: str) -> bool:
     command, killed hard before its first checkpoint, as a requeued job finds it) and that attempt
     neither left a checkpoint nor reached its last step or its export. Another config's files stay
     refused."""
-    if settings.checkpoint.resume != "auto" or has_a_checkpoint(output_dir):
+    if settings.checkpoint.resume != "auto" or not _checkpointless_attempt(output_dir, digest):
         return False
-    previous = read_run_record(output_dir)
-    if previous is None or previous.config_hash != digest:
-        return False
-    exports = exported_folders(settings.peft)
-    ended = last_logged_step(output_dir / "metrics.jsonl") >= settings.train.max_steps
-    return not ended and not any((output_dir / folder).exists() for folder in exports)
+    exported = any((output_dir / folder).exists() for folder in exported_folders(settings.peft))
+    return not exported and not _logged_to_the_end(settings, output_dir)
 
 
 def has_a_checkpoint(output_dir: Path) -> bool:
