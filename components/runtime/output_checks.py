@@ -102,11 +102,12 @@ def overwritten_model_problems(
     ``overwrite_output_dir=true`` removes from ``output`` before training (a run's own ``hf/``
     given back as its model): removed, it could not be loaded."""
     found = []
-    for key, given in folders.items():
-        if not overwrite or given is None:
+    for key, given in folders.items() if overwrite else ():
+        if given is None:
             continue
         folder = Path(given).expanduser().absolute()
-        if folder.is_relative_to(output) and folder.relative_to(output).parts[:1] in _REMOVED:
+        parts = folder.relative_to(output).parts if folder.is_relative_to(output) else ()
+        if parts and parts[0] in RUN_FILES:
             found.append(
                 Problem(
                     key=key,
@@ -116,6 +117,3 @@ def overwritten_model_problems(
                 )
             )
     return found
-
-
-_REMOVED = {(name,) for name in RUN_FILES}
