@@ -141,7 +141,7 @@ def forward_backward_step(run: Run, plan: RunPlan, step: int) -> torch.Tensor:
     for batch in step_micro_batches(run, step):
         tensors = (batch.input_ids, batch.labels, labelled, batch.position_ids)
         options = (run.compute(), run.aux_loss_weight, plan.train.loss_chunk_tokens, run.cp)
-        real = batch.real_mask()  # the load-balancing loss's tokens
+        real = batch.real_mask() if run.aux_loss_weight else None  # the load-balancing loss's
         loss_sum += forward_backward_on_device(run.state.model, *tensors, *options, real)
     return loss_sum
 

@@ -81,7 +81,7 @@ def distill_forward_backward(
             )  # fmt: skip
             loss = distillation_loss(ce, kl, global_tokens, alpha, temperature)
         objectives = [loss]
-        real = None if shard else batch.real_mask()  # under cp (a dense student): its own
+        real = batch.real_mask() if step.aux_loss_weight and not shard else None  # cp: dense
         aux_loss = load_balancing_loss(student, outputs, real)
         if step.aux_loss_weight and aux_loss is not None:
             objectives.append(aux_loss * step.aux_loss_weight)

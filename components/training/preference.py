@@ -163,7 +163,9 @@ def answers(model: nn.Module, batch: Batch, chunk_tokens: int) -> Answers:
     weights = head_weights(head)  # after the forward: FSDP's root holds the head unsharded
     hidden = chunked_head(outputs.logits, weights.weight, weights.adapter)
     log_probs = chunked_token_log_probs(hidden, batch.labels, chunk_tokens).sum(-1)
-    aux_loss = load_balancing_loss(model, outputs, batch.real_mask())
+    aux_loss = getattr(outputs, "aux_loss", None)  # an MoE model's, with output_router_logits
+    if aux_loss is not None:  # over the real tokens (its own counts the padding)
+        aux_loss = load_balancing_loss(model, outputs, batch.real_mask())
     return Answers(log_probs=log_probs, aux_loss=aux_loss)
 
 
